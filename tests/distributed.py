@@ -9,7 +9,7 @@ Usage::
         run_distributed(_body, world_size=2, args=((4, 8),))
 
 Every rank runs ``fn(rank, world_size, *args)`` inside an initialised default process
-group (gloo, CPU). If any rank raises, the test fails with that rank's traceback. If
+group (gloo, CPU). If any rank raises, the test fails with the traceback of every rank that failed. If
 the ranks do not all finish within ``timeout`` seconds (a hang, e.g. a mismatched
 collective), every process is killed and the test fails naming the ranks still running.
 """
@@ -80,7 +80,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                 done.add(rank)
                 if err is not None:
                     errors[rank] = err
-                    break  # other ranks are likely stuck in a collective; stop now
+                    # Other ranks are likely stuck in a collective or about to fail because of
+                    # this one: give them a moment to report, then stop.
+                    deadline = min(deadline, time.monotonic() + 3.0)
         finally:
             for p in procs:
                 p.join(timeout=0.5 if errors or len(done) < world_size else 10)
@@ -89,8 +91,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                     p.kill()
                     p.join()
     if errors:
-        rank = min(errors)
-        raise AssertionError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+        report = "\n".join(f"----- rank {r} -----\n{errors[r]}" for r in sorted(errors))
+        raise AssertionError(f"ranks {sorted(errors)} of {world_size} failed:\n{report}")
     if len(done) < world_size:
         missing = sorted(set(range(world_size)) - done)
         raise AssertionError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hang?)")

@@ -31,7 +31,7 @@ def test_collective_runs(world_size):
 
 
 def test_failing_rank_reports_traceback():
-    with pytest.raises(AssertionError, match="rank 1 of 2 failed(.|\n)*boom on purpose"):
+    with pytest.raises(AssertionError, match=r"of 2 failed(.|\n)*----- rank 1 -----(.|\n)*boom on purpose"):
         run_distributed(_fail_on_rank_one, 2, timeout=60)
 
 
