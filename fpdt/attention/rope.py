@@ -1,0 +1,72 @@
+"""Rotary position embedding (RoPE), Hugging Face "rotate half" convention.
+
+Positions are explicit (``position_ids``), so RoPE can be applied to any chunk of any
+layout: FPDT applies it per chunk, before the all-to-all, with the chunk's global
+positions, and applies its transpose to the gradients in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def default_inv_freq(head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """Standard RoPE inverse frequencies ``base ** (-2i / head_dim)``, fp32 ``[head_dim // 2]``."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds ``inv_freq`` and turns position ids into ``(cos, sin)``.
+
+    Args:
+        inv_freq: fp32 ``[D / 2]`` inverse frequencies (any scaling already applied).
+        attention_scaling: factor applied to cos and sin (1.0 except for some scaled RoPE types).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = float(attention_scaling)
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``position_ids`` ``[B, n]`` -> ``(cos, sin)``, each ``[B, n, D]`` in ``dtype``.
+
+        Angles are computed in fp32 (positions beyond 2**24 would lose precision in
+        bf16/fp16, and long contexts get there).
+        """
+        inv = self.inv_freq.to(position_ids.device)
+        freqs = position_ids.to(torch.float32)[..., None] * inv  # [B, n, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, n, H, D]`` by ``cos``/``sin`` ``[B, n, D]`` (broadcast over heads)."""
+    cos = cos.unsqueeze(2)
+    sin = sin.unsqueeze(2)
+    return x * cos + _rotate_half(x) * sin
+
+
+def apply_rotary_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`apply_rotary` w.r.t. ``x`` (the transposed rotation).
+
+    ``y = x*c + R(x)*s`` with ``R`` the linear map ``rotate_half``, whose transpose is
+    ``-R``; so ``dx = g*c - R(g*s)``.
+    """
+    cos = cos.unsqueeze(2)
+    sin = sin.unsqueeze(2)
+    return grad * cos - _rotate_half(grad * sin)

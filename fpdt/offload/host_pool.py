@@ -1,0 +1,93 @@
+"""A reusable pool of host buffers (pinned when they back a CUDA device).
+
+Pinning is slow (it maps pages with the driver), so offloaded chunks draw their host
+buffers from a process-wide pool instead of calling ``torch.empty(pin_memory=True)``
+on every call. Buffers are keyed by ``(dtype, numel)``; training repeats the same
+shapes every step, so after the first step nothing new is allocated.
+
+A buffer released while an asynchronous copy may still read it carries that copy's
+CUDA event; whoever acquires it next makes its copy stream wait on the event (no host
+blocking) before writing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PoolStats:
+    """Counters for tests and profiling."""
+
+    allocations: int = 0        # host buffers ever created
+    reuses: int = 0             # acquisitions served from the free list
+    cached_bytes: int = 0       # bytes held in the free list now
+    pinned: bool = False
+
+
+class HostBufferPool:
+    """Free lists of flat host buffers keyed by ``(dtype, numel)``.
+
+    Args:
+        pin_memory: allocate page-locked buffers (only meaningful with CUDA present).
+    """
+
+    def __init__(self, pin_memory: bool):
+        self.pin_memory = pin_memory
+        self._free: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, object]]] = defaultdict(list)
+        self.stats = PoolStats(pinned=pin_memory)
+
+    def acquire(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+                stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+        """A host tensor of ``shape``/``dtype`` with undefined contents.
+
+        If the buffer's previous user left an in-flight copy, ``stream`` is made to wait
+        for it (pass the stream that will write the buffer); without a stream the host
+        waits, which only happens for buffers released with a still-pending event.
+        """
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        free = self._free[(dtype, numel)]
+        if free:
+            flat, pending = free.pop()
+            self.stats.reuses += 1
+            self.stats.cached_bytes -= flat.numel() * flat.element_size()
+            if pending is not None:
+                if stream is not None:
+                    stream.wait_event(pending)   # device-side ordering, host keeps going
+                else:
+                    pending.synchronize()        # rare: a host writer on a buffer still being read
+        else:
+            flat = torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+            self.stats.allocations += 1
+        return flat.view(shape)
+
+    def release(self, tensor: torch.Tensor, after: "torch.cuda.Event | None" = None) -> None:
+        """Return a buffer from :meth:`acquire`; ``after`` marks the last pending copy that reads it."""
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+        self._free[(tensor.dtype, flat.numel())].append((flat, after))
+        self.stats.cached_bytes += flat.numel() * flat.element_size()
+
+    def empty_cache(self) -> None:
+        """Drop every cached buffer (waiting for their pending copies first)."""
+        for bufs in self._free.values():
+            for _, pending in bufs:
+                if pending is not None:
+                    pending.synchronize()
+        self._free.clear()
+        self.stats.cached_bytes = 0
+
+
+_POOLS: dict[bool, HostBufferPool] = {}
+
+
+def host_pool(device: torch.device | str) -> HostBufferPool:
+    """The process-wide pool serving ``device``: pinned for CUDA devices, pageable otherwise."""
+    pinned = torch.device(device).type == "cuda"
+    if pinned not in _POOLS:
+        _POOLS[pinned] = HostBufferPool(pin_memory=pinned)
+    return _POOLS[pinned]
