@@ -1,0 +1,95 @@
+"""``fpdt_attention``: FPDT attention over q, k, v that are already projected.
+
+One autograd.Function, :class:`FPDTAttentionFunction`. It saves no tensors through
+``ctx.save_for_backward``; everything backward needs lives in a :class:`HostStash`
+held by ``ctx``:
+
+* ``k̂_i, v̂_i, q̂_i`` (head layout, input dtype), ``o_i`` (head layout, input dtype)
+  and ``lse_i`` (fp32) for every chunk -- in pinned host memory when ``offload=True``,
+  on the device otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fpdt.attention.pipeline import build_spec, pipeline_backward, pipeline_forward
+from fpdt.offload import HostStash
+
+
+class FPDTAttentionFunction(torch.autograd.Function):
+    """Chunked, optionally offloaded Ulysses attention; see :mod:`fpdt.attention.pipeline`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, offload: bool):
+        u = spec.num_chunks
+        L = q.shape[1] // u
+        stash = HostStash(q.device, enabled=offload)
+
+        def produce(i):
+            sl = slice(i * L, (i + 1) * L)
+            return q[:, sl], k[:, sl], v[:, sl]
+
+        outs = pipeline_forward(spec, produce, stash)
+        ctx.spec, ctx.stash, ctx.L = spec, stash, L
+        ctx.shapes = (q.shape, k.shape, v.shape, q.dtype)
+        return torch.cat(outs, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_shape, k_shape, v_shape, dtype = ctx.shapes
+        L = ctx.L
+        device = grad_out.device
+        dq = torch.empty(q_shape, dtype=dtype, device=device)
+        dk = torch.empty(k_shape, dtype=dtype, device=device)
+        dv = torch.empty(v_shape, dtype=dtype, device=device)
+        grad_out = grad_out.to(dtype)
+
+        def grad_out_chunk(i):
+            return grad_out[:, i * L:(i + 1) * L]
+
+        def deliver(j, dq_j, dk_j, dv_j):
+            sl = slice(j * L, (j + 1) * L)
+            dq[:, sl] = dq_j
+            dk[:, sl] = dk_j
+            dv[:, sl] = dv_j
+
+        pipeline_backward(ctx.spec, grad_out_chunk, deliver, ctx.stash)
+        return dq, dk, dv, None, None
+
+
+def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   group: dist.ProcessGroup | None = None, num_chunks: int = 1, offload: bool = False,
+                   causal: bool = True, softmax_scale: float | None = None,
+                   backend: str | None = None) -> torch.Tensor:
+    """FPDT attention of sequence-parallel q, k, v.
+
+    Args:
+        q: ``[B, S_local, H, D]``, this rank's tokens in the FPDT layout (:mod:`fpdt.layout`)
+            with ``u = num_chunks``.
+        k, v: ``[B, S_local, H_kv, D]``; ``H_kv`` divides ``H`` (GQA/MQA). KV heads are
+            replicated when the sp size exceeds ``H_kv``.
+        group: the sequence-parallel process group; ``None`` = the default group (or a
+            world of 1 when torch.distributed is not initialised).
+        num_chunks: chunks per rank ``u``; the global sequence ``S = P * S_local`` must be
+            divisible by ``P * u``.
+        offload: keep finished chunks in host memory (pinned, double-buffered on CUDA).
+        causal: causal mask over the *global* sequence.
+        softmax_scale: defaults to ``1/sqrt(D)``.
+        backend: attention kernel name (see :mod:`fpdt.attention.kernels`); None = auto.
+
+    Returns:
+        ``[B, S_local, H, D]`` in the same layout and dtype as ``q``; differentiable in q, k, v.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, S_local, heads, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    spec = build_spec(seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3],
+                      dtype=q.dtype, device=q.device, group=group, num_chunks=num_chunks, causal=causal,
+                      softmax_scale=softmax_scale, backend=backend)
+    return FPDTAttentionFunction.apply(q, k, v, spec, offload)

@@ -1,0 +1,235 @@
+"""The FPDT chunk pipeline: chunked Ulysses attention with host-resident chunks.
+
+This module is the mechanism shared by :func:`fpdt.attention.fpdt_attention` (inputs are
+q/k/v) and :class:`fpdt.attention.FPDTAttention` (inputs are hidden states that are
+projected chunk by chunk). Callers supply two callbacks:
+
+* ``produce(i) -> (q_i, k_i, v_i)``: local chunk ``i`` in sequence layout, q
+  ``[B, L, H, D]``, k/v ``[B, L, H_kv, D]`` (RoPE already applied);
+* ``deliver(j, dq_j, dk_j, dv_j)``: the final gradients of local chunk ``j`` in sequence
+  layout, fp32, k/v already summed over GQA replicas.
+
+Notation: ``u`` chunks, ``P`` ranks, ``C = P * L`` tokens per chunk after the
+all-to-all, ``x̂`` = head layout ``[B, C, H/P, D]``.
+
+Forward, for i = 0..u-1: produce chunk i, all-to-all to q̂_i, k̂_i, v̂_i; stash k̂_i, v̂_i;
+attend q̂_i to k̂_i (causal) and then to k̂_j, v̂_j for j < i (full), fetched from the stash
+one at a time with the next one prefetched, merging online in fp32; stash q̂_i, o_i,
+lse_i; all-to-all o_i back.
+
+Backward: outer loop over KV chunks j, inner loop over query chunks i >= j. dô_i (the
+all-to-all of grad-out chunk i) is made on first use and stashed. dq_i accumulates in
+fp32 across outer steps (stashed between them, i.e. host-resident when offloading);
+dk_j/dv_j accumulate in fp32 on the device over the inner loop. After outer step j,
+dq̂_j, dk̂_j, dv̂_j are final and go back through the all-to-all to ``deliver`` while the
+next outer step's chunks are already being prefetched.
+
+Non-causal attention runs the same loops over all (i, j) pairs; its forward first
+produces every KV chunk, and its backward delivers once every gradient is final.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
+from fpdt.attention.merge import OnlineSoftmax
+from fpdt.comm import group_size, heads_to_seq, kv_replication_factor, replicate_kv, seq_to_heads, sum_kv_replicas
+from fpdt.offload import HostStash
+
+Produce = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Deliver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class PipelineSpec:
+    """Static description of one FPDT attention call."""
+
+    group: dist.ProcessGroup | None
+    num_chunks: int
+    causal: bool
+    scale: float
+    backend: AttentionBackend
+    kv_factor: int              # GQA replication factor before the all-to-all (1 = none)
+    acc_dtype: torch.dtype      # fp32 (float64 for float64 inputs)
+
+    def kv_blocks(self, i: int) -> list[int]:
+        """KV chunks that query chunk i attends to, diagonal first (its KV is on the device)."""
+        if self.causal:
+            return [i] + list(range(i))
+        return [i] + [j for j in range(self.num_chunks) if j != i]
+
+    def q_blocks(self, j: int) -> list[int]:
+        """Query chunks that attend to KV chunk j (the backward's inner loop)."""
+        return list(range(j, self.num_chunks)) if self.causal else list(range(self.num_chunks))
+
+
+def build_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               device: torch.device, group: dist.ProcessGroup | None, num_chunks: int, causal: bool,
+               softmax_scale: float | None, backend: str | None) -> PipelineSpec:
+    """Validate one call's shapes and options (errors name the fix) and build its spec."""
+    P = group_size(group)
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks} must be >= 1")
+    if seq_local % num_chunks or seq_local < num_chunks:
+        raise ValueError(
+            f"sequence length S={seq_local * P} (S_local={seq_local} on each of {P} ranks) is not divisible by "
+            f"sp*num_chunks={P}*{num_chunks}={P * num_chunks}; pad S to a multiple of {P * num_chunks} or use "
+            f"fewer/larger chunks (a chunk cannot be larger than the sequence)")
+    return PipelineSpec(
+        group=group,
+        num_chunks=num_chunks,
+        causal=causal,
+        scale=default_scale(head_dim) if softmax_scale is None else float(softmax_scale),
+        backend=get_backend(backend, device, dtype, head_dim),
+        kv_factor=kv_replication_factor(num_heads, num_kv_heads, P),
+        acc_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+    )
+
+
+def _to_heads(spec: PipelineSpec, q, k, v):
+    k = replicate_kv(k, spec.kv_factor)
+    v = replicate_kv(v, spec.kv_factor)
+    return (seq_to_heads(q.contiguous(), spec.group), seq_to_heads(k.contiguous(), spec.group),
+            seq_to_heads(v.contiguous(), spec.group))
+
+
+def pipeline_forward(spec: PipelineSpec, produce: Produce, stash: HostStash) -> list[torch.Tensor]:
+    """Run the forward; returns the output chunks in sequence layout ``[B, L, H, D]``.
+
+    Leaves in ``stash``: ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk, as backward needs.
+    """
+    u = spec.num_chunks
+    outs: list[torch.Tensor] = []
+    order = range(u) if spec.causal else []
+    if not spec.causal:  # every query chunk needs every KV chunk: produce them all first
+        for i in range(u):
+            q_h, k_h, v_h = _to_heads(spec, *produce(i))
+            stash.put(("k", i), k_h)
+            stash.put(("v", i), v_h)
+            stash.put(("q", i), q_h)
+        order = range(u)
+    for i in order:
+        if spec.causal:
+            q_h, k_h, v_h = _to_heads(spec, *produce(i))
+            stash.put(("k", i), k_h)   # async copy out; k_h stays usable for the diagonal block
+            stash.put(("v", i), v_h)
+            current = {i: (k_h, v_h)}
+        else:
+            q_h = stash.get(("q", i))
+            current = {}
+        o_h, lse = _attend(spec, i, q_h, current, stash)
+        del current
+        if spec.causal:
+            stash.put(("q", i), q_h)
+        stash.put(("o", i), o_h)
+        stash.put(("lse", i), lse)
+        outs.append(heads_to_seq(o_h, spec.group))
+    return outs
+
+
+def _attend(spec: PipelineSpec, i: int, q_h: torch.Tensor, current: dict, stash: HostStash):
+    """Attention of q̂_i over its KV blocks, merged online; returns (o_i in q's dtype, lse_i)."""
+    acc = OnlineSoftmax(spec.acc_dtype)
+    blocks = spec.kv_blocks(i)
+    fetched = [j for j in blocks if j not in current]
+    if fetched:
+        stash.prefetch(("k", fetched[0]))
+        stash.prefetch(("v", fetched[0]))
+    for n, j in enumerate(blocks):
+        if j in current:
+            k_j, v_j = current[j]
+        else:
+            k_j, v_j = stash.get(("k", j)), stash.get(("v", j))
+        nxt = blocks[n + 1] if n + 1 < len(blocks) else None
+        if nxt is not None and nxt not in current:  # double buffer: next block copies during this one
+            stash.prefetch(("k", nxt))
+            stash.prefetch(("v", nxt))
+        o_blk, lse_blk = spec.backend.forward(q_h, k_j, v_j, spec.causal and j == i, spec.scale)
+        acc.update(o_blk, lse_blk)
+        del k_j, v_j, o_blk, lse_blk
+    return acc.out.to(q_h.dtype), acc.lse
+
+
+def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor],
+                      deliver: Deliver, stash: HostStash) -> None:
+    """Run the backward over the chunks left in ``stash`` by :func:`pipeline_forward`.
+
+    ``grad_out_chunk(i)`` returns the output gradient of local chunk ``i`` in sequence
+    layout ``[B, L, H, D]``. Empties ``stash``.
+    """
+    u = spec.num_chunks
+    final_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    final_dq: dict[int, torch.Tensor] = {}
+    _prefetch_outer(spec, 0, stash, have_dout=False)
+    for j in range(u):
+        k_j, v_j = stash.pop(("k", j)), stash.pop(("v", j))
+        dk = torch.zeros(k_j.shape, dtype=spec.acc_dtype, device=k_j.device)
+        dv = torch.zeros(v_j.shape, dtype=spec.acc_dtype, device=v_j.device)
+        inner = spec.q_blocks(j)
+        for n, i in enumerate(inner):
+            if n + 1 < len(inner):  # double buffer the q side of the next inner step
+                _prefetch_q_side(stash, inner[n + 1], with_dout=j > 0, with_dq=j > 0)
+            last_use = _last_outer(spec, i) == j
+            take = stash.pop if last_use else stash.get
+            q_i, o_i, lse_i = take(("q", i)), take(("o", i)), take(("lse", i))
+            if j == 0:  # dô_i: all-to-all of grad-out chunk i, done lazily on first use
+                do_i = seq_to_heads(grad_out_chunk(i).contiguous(), spec.group)
+                if not last_use:
+                    stash.put(("do", i), do_i)
+            else:
+                do_i = take(("do", i))
+            dq_blk, dk_blk, dv_blk = spec.backend.backward(do_i, q_i, k_j, v_j, o_i, lse_i,
+                                                           spec.causal and i == j, spec.scale)
+            dk += dk_blk
+            dv += dv_blk
+            dq_i = dq_blk.to(spec.acc_dtype) if j == 0 else stash.pop(("dq", i)) + dq_blk
+            if last_use:
+                final_dq[i] = dq_i
+            else:
+                stash.put(("dq", i), dq_i)  # fp32 accumulator, host-resident when offloading
+            del q_i, o_i, lse_i, do_i, dq_blk, dk_blk, dv_blk, dq_i
+        del k_j, v_j
+        if j + 1 < u:  # the next outer step's chunks copy in while we all-to-all and deliver
+            _prefetch_outer(spec, j + 1, stash, have_dout=True)
+        final_kv[j] = (dk, dv)
+        del dk, dv
+        for c in _ready_chunks(spec, j):
+            dq_h = final_dq.pop(c)
+            dk_h, dv_h = final_kv.pop(c)
+            deliver(c, heads_to_seq(dq_h, spec.group),
+                    sum_kv_replicas(heads_to_seq(dk_h, spec.group), spec.kv_factor),
+                    sum_kv_replicas(heads_to_seq(dv_h, spec.group), spec.kv_factor))
+    stash.clear()
+
+
+def _last_outer(spec: PipelineSpec, i: int) -> int:
+    """The last outer step that touches query chunk i (after it, dq_i is final)."""
+    return i if spec.causal else spec.num_chunks - 1
+
+
+def _ready_chunks(spec: PipelineSpec, j: int) -> list[int]:
+    """Chunks whose dq, dk and dv are all final after outer step j."""
+    if spec.causal:
+        return [j]
+    return list(range(spec.num_chunks)) if j == spec.num_chunks - 1 else []
+
+
+def _prefetch_q_side(stash: HostStash, i: int, with_dout: bool, with_dq: bool) -> None:
+    for name in ("q", "o", "lse"):
+        stash.prefetch((name, i))
+    if with_dout and ("do", i) in stash:
+        stash.prefetch(("do", i))
+    if with_dq and ("dq", i) in stash:
+        stash.prefetch(("dq", i))
+
+
+def _prefetch_outer(spec: PipelineSpec, j: int, stash: HostStash, have_dout: bool) -> None:
+    stash.prefetch(("k", j))
+    stash.prefetch(("v", j))
+    first = spec.q_blocks(j)[0]
+    _prefetch_q_side(stash, first, with_dout=have_dout, with_dq=have_dout)

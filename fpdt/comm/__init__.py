@@ -1,0 +1,12 @@
+"""Communication for sequence parallelism: Ulysses all-to-all and head bookkeeping.
+
+Every function that communicates takes its process group as an argument.
+"""
+
+from fpdt.comm.heads import kv_replication_factor, replicate_kv, sum_kv_replicas
+from fpdt.comm.ulysses import HeadsToSeq, SeqToHeads, group_rank, group_size, heads_to_seq, seq_to_heads
+
+__all__ = [
+    "HeadsToSeq", "SeqToHeads", "group_rank", "group_size", "heads_to_seq", "kv_replication_factor",
+    "replicate_kv", "seq_to_heads", "sum_kv_replicas",
+]

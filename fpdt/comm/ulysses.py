@@ -1,0 +1,96 @@
+"""Ulysses all-to-all: swap a sequence shard for a head shard, and back.
+
+Layouts (``P`` = size of ``group``, ``n`` = local tokens, ``H`` = heads):
+
+* sequence layout: ``[B, n, H, D]`` -- this rank's ``n`` tokens, all heads;
+* head layout:     ``[B, P*n, H/P, D]`` -- the ``n``-token pieces of all ranks,
+  concatenated in rank order, for this rank's contiguous block of ``H/P`` heads.
+
+With the FPDT layout, all-to-alling local chunk ``i`` yields the contiguous global span
+of chunk ``i`` (see :mod:`fpdt.layout`).
+
+The plain functions are the mechanism (the FPDT pipeline calls them directly inside its
+own autograd.Function); :class:`SeqToHeads` / :class:`HeadsToSeq` wrap them as autograd
+operations (each one's backward is the other) for code that composes them with autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """World size of ``group``; 1 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """Rank inside ``group``; 0 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``all_to_all_single`` over dim 0 (equal splits) of a contiguous tensor."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[B, n, H, D]`` (sequence layout) -> ``[B, P*n, H/P, D]`` (head layout)."""
+    P = group_size(group)
+    if P == 1:
+        return x
+    B, n, H, D = x.shape
+    if H % P:
+        raise ValueError(f"cannot scatter H={H} heads over {P} ranks: H must be divisible by the sp size")
+    # [B, n, P, H/P, D] -> [P, B, n, H/P, D]: block p goes to rank p
+    send = x.reshape(B, n, P, H // P, D).permute(2, 0, 1, 3, 4).contiguous()
+    recv = _all_to_all(send, group)  # block p now holds rank p's n tokens
+    return recv.permute(1, 0, 2, 3, 4).reshape(B, P * n, H // P, D)
+
+
+def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[B, P*n, H/P, D]`` (head layout) -> ``[B, n, H, D]`` (sequence layout)."""
+    P = group_size(group)
+    if P == 1:
+        return x
+    B, Pn, Hl, D = x.shape
+    if Pn % P:
+        raise ValueError(f"gathered length {Pn} is not divisible by the sp size {P}")
+    n = Pn // P
+    # [B, P, n, H/P, D] -> [P, B, n, H/P, D]: the tokens of rank p go back to rank p
+    send = x.reshape(B, P, n, Hl, D).permute(1, 0, 2, 3, 4).contiguous()
+    recv = _all_to_all(send, group)  # block p holds head group p of our tokens
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, n, P * Hl, D)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """Autograd all-to-all, sequence layout -> head layout. Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """Autograd all-to-all, head layout -> sequence layout. Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return seq_to_heads(grad.contiguous(), ctx.group), None
