@@ -28,13 +28,8 @@ def kv_replication_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> in
         )
     if num_kv_heads % sp_size == 0:
         return 1
+    # H_kv * factor = lcm(H_kv, sp), which divides H because both H_kv and sp do.
     factor = sp_size // math.gcd(num_kv_heads, sp_size)
-    if num_heads % (num_kv_heads * factor):
-        raise ValueError(
-            f"cannot split num_kv_heads={num_kv_heads} over sp size {sp_size} for num_heads={num_heads}: "
-            f"replicating KV heads {factor}x gives {num_kv_heads * factor} heads, which does not divide "
-            f"{num_heads}; use an sp size that divides or is a multiple of {num_kv_heads}"
-        )
     return factor
 
 

@@ -1,0 +1,74 @@
+"""``FPDTAttention``: a Llama-style attention layer that runs the FPDT pipeline."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fpdt.attention.pipeline import build_spec
+from fpdt.attention.projected_attention import ProjectedFPDTAttentionFunction
+from fpdt.attention.rope import RotaryEmbedding
+
+
+class FPDTAttention(nn.Module):
+    """Llama-family self-attention over a sequence-parallel, chunked, offloadable sequence.
+
+    Parameters match Hugging Face's ``LlamaAttention`` (``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj``), so checkpoints map one to one.
+
+    Per chunk of the local sequence: q/k/v projections, RoPE at the tokens' global
+    positions, Ulysses all-to-all, chunked attention with the online-softmax merge, and
+    the all-to-all back; then ``o_proj`` over the local sequence. See
+    :mod:`fpdt.attention.projected_attention` for what is saved for backward.
+
+    Args:
+        hidden_size, num_heads, num_kv_heads, head_dim: model shape (``head_dim`` defaults
+            to ``hidden_size // num_heads``).
+        qkv_bias, o_bias: biases on the q/k/v and output projections.
+        num_chunks: chunks per rank ``u`` (may be reassigned later); ``S`` must be divisible
+            by ``sp * u``.
+        offload: keep chunks in (pinned) host memory between forward and backward.
+        group: sequence-parallel process group; None = default group (world of 1 if
+            torch.distributed is not initialised).
+        backend: attention kernel name, None = automatic.
+
+    Note for ZeRO-3: the q/k/v weights are read inside a custom autograd.Function rather
+    than through the ``nn.Linear`` modules' forward, so a ZeRO-3 wrapper must register
+    them as external parameters of this module (the trainer does).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, *, qkv_bias: bool = False, o_bias: bool = False,
+                 num_chunks: int = 1, offload: bool = False, group: dist.ProcessGroup | None = None,
+                 backend: str | None = None, softmax_scale: float | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.num_chunks = num_chunks
+        self.offload = offload
+        self.group = group
+        self.backend = backend
+        self.softmax_scale = softmax_scale
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                rope: RotaryEmbedding | None = None) -> torch.Tensor:
+        """``hidden_states`` ``[B, S_local, hidden]`` and ``position_ids`` ``[B, S_local]`` (global
+        positions, FPDT layout) -> ``[B, S_local, hidden]``. ``rope=None`` skips RoPE."""
+        B, S_local, _ = hidden_states.shape
+        if position_ids.shape != (B, S_local):
+            raise ValueError(f"position_ids must be [B, S_local]=[{B}, {S_local}], got {tuple(position_ids.shape)}")
+        spec = build_spec(seq_local=S_local, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                          head_dim=self.head_dim, dtype=hidden_states.dtype, device=hidden_states.device,
+                          group=self.group, num_chunks=self.num_chunks, causal=True,
+                          softmax_scale=self.softmax_scale, backend=self.backend)
+        attn = ProjectedFPDTAttentionFunction.apply(
+            hidden_states, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
+            self.v_proj.weight, self.v_proj.bias, position_ids, rope, spec, self.offload,
+            (self.num_heads, self.num_kv_heads, self.head_dim))
+        return self.o_proj(attn.reshape(B, S_local, self.num_heads * self.head_dim))

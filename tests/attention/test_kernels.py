@@ -1,0 +1,76 @@
+import pytest
+import torch
+
+from fpdt.attention.kernels import BACKENDS, get_backend
+from fpdt.attention.merge import OnlineSoftmax, merge
+from tests.attention.reference import assert_rel_close, reference_attention, reference_lse
+
+CPU_BACKENDS = ["cpu", "math"]
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("h_kv", [1, 3, 6])
+def test_block_forward_matches_reference(name, causal, h_kv):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 12, 6, 40), torch.randn(2, 12, h_kv, 40), torch.randn(2, 12, h_kv, 40)
+    out, lse = BACKENDS[name].forward(q, k, v, causal, 40 ** -0.5)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 6, 12)
+    assert_rel_close(out, reference_attention(q, k, v, causal), 1e-5, "out")
+    assert_rel_close(lse, reference_lse(q, k, causal), 1e-5, "lse")
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_two_blocks_merge_and_backward_with_final_lse(name):
+    """A causal row split into [earlier block | diagonal block]: merged forward and the
+    per-block backward (given the final out/lse) add up to full attention's."""
+    torch.manual_seed(2)
+    B, C, H, H_kv, D = 2, 8, 4, 2, 16
+    q = torch.randn(B, C, H, D, dtype=torch.float64)
+    k = torch.randn(B, 2 * C, H_kv, D, dtype=torch.float64)
+    v = torch.randn(B, 2 * C, H_kv, D, dtype=torch.float64)
+    be, scale = BACKENDS[name], D ** -0.5
+    # reference: queries are the second chunk of a 2C causal sequence
+    qf = torch.cat([torch.zeros_like(q), q], 1).requires_grad_()
+    kf, vf = k.clone().requires_grad_(), v.clone().requires_grad_()
+    ref = reference_attention(qf, kf, vf)[:, C:]
+    g = torch.randn_like(ref)
+    ref.backward(g)
+
+    acc = OnlineSoftmax(torch.float64)
+    acc.update(*be.forward(q, k[:, C:], v[:, C:], True, scale))
+    acc.update(*be.forward(q, k[:, :C], v[:, :C], False, scale))
+    assert_rel_close(acc.out, ref, 1e-10, "merged out")
+    dq1, dk1, dv1 = be.backward(g, q, k[:, C:], v[:, C:], acc.out, acc.lse, True, scale)
+    dq0, dk0, dv0 = be.backward(g, q, k[:, :C], v[:, :C], acc.out, acc.lse, False, scale)
+    assert_rel_close(dq0 + dq1, qf.grad[:, C:], 1e-10, "dq")
+    assert_rel_close(torch.cat([dk0, dk1], 1), kf.grad, 1e-10, "dk")
+    assert_rel_close(torch.cat([dv0, dv1], 1), vf.grad, 1e-10, "dv")
+
+
+def test_merge_never_makes_nan():
+    out = torch.randn(1, 3, 2, 4)
+    lse = torch.tensor([[[0.5, float("-inf"), float("-inf")], [1.0, float("-inf"), 2.0]]])
+    other_lse = torch.tensor([[[float("-inf"), float("-inf"), 0.0], [1.0, 3.0, float("-inf")]]])
+    merged_out, merged_lse = merge(out, lse, out * 2, other_lse)
+    assert torch.isfinite(merged_out).all()
+    assert merged_lse[0, 0, 1] == float("-inf")          # both sides empty stays empty
+    assert merged_lse[0, 0, 0] == 0.5 and merged_lse[0, 1, 1] == 3.0
+    # out is [B, S, H, D], lse [B, H, S]
+    torch.testing.assert_close(merged_out[0, 0, 0], out[0, 0, 0])      # (s=0, h=0): only side a had mass
+    torch.testing.assert_close(merged_out[0, 1, 1], 2 * out[0, 1, 1])  # (s=1, h=1): only side b had mass
+    assert (merged_out[0, 1, 0] == 0).all()                            # (s=1, h=0): both empty -> 0, not nan
+    torch.testing.assert_close(merged_out[0, 0, 1], 1.5 * out[0, 0, 1])  # (s=0, h=1): equal mass on both
+    torch.testing.assert_close(merged_lse[0, 1, 0], torch.tensor(1.0 + 0.6931471805599453))
+
+
+def test_backend_selection_and_errors():
+    assert get_backend(None, torch.device("cpu"), torch.float32, 64).name == "cpu"
+    assert get_backend("math", torch.device("cpu"), torch.bfloat16, 64).name == "math"
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'.*choose one of"):
+        get_backend("nope", torch.device("cpu"), torch.float32, 64)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="'cuda_flash' is not available"):
+            get_backend("cuda_flash", torch.device("cpu"), torch.float16, 64)
+    with pytest.raises(RuntimeError, match="'cpu' does not support device=meta"):
+        get_backend("cpu", torch.device("meta"), torch.float32, 64)
