@@ -1,0 +1,21 @@
+"""Llama-family causal LM on FPDT layers.
+
+* :func:`from_pretrained` / :func:`from_config` build a :class:`FPDTForCausalLM` from a
+  Hugging Face checkpoint or config (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral);
+  :func:`save_pretrained` writes one ``transformers`` loads.
+* :func:`prepare_inputs` turns a global token window into one rank's inputs.
+* :class:`FPDTOptions` lists the memory / parallelism options.
+"""
+
+from fpdt.model.config import ModelConfig, UnsupportedConfigError
+from fpdt.model.inputs import prepare_inputs, shift_labels
+from fpdt.model.llama import FPDTForCausalLM, FPDTOptions
+from fpdt.model.loss import chunked_lm_loss, default_loss_chunks
+from fpdt.model.mlp import ChunkedSwiGLU
+from fpdt.model.weights import from_config, from_pretrained, load_hf_state_dict, save_pretrained
+
+__all__ = [
+    "ChunkedSwiGLU", "FPDTForCausalLM", "FPDTOptions", "ModelConfig", "UnsupportedConfigError",
+    "chunked_lm_loss", "default_loss_chunks", "from_config", "from_pretrained", "load_hf_state_dict",
+    "prepare_inputs", "save_pretrained", "shift_labels",
+]

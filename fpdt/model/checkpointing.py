@@ -1,0 +1,93 @@
+"""Per-decoder-layer activation checkpointing, optionally offloading the layer input.
+
+Modes (``checkpointing=`` option of the model):
+
+* ``"off"``: plain autograd; every layer keeps its activations until backward.
+* ``"on"``: each layer runs its forward without autograd and keeps only its input
+  ``x`` ``[B, S_local, hidden]``; backward re-runs the layer's forward with autograd
+  (including its all-to-alls, brief §4 pitfall 11) and back-propagates through it.
+* ``"offload"``: as ``"on"``, but the kept input goes to host memory through a
+  :class:`fpdt.offload.HostStash` (asynchronous device->host copy into a pooled, pinned
+  buffer on CUDA). The backward of layer ``i`` pops its own input and immediately starts
+  the host->device copy of layer ``i - 1``'s input, so that copy overlaps layer ``i``'s
+  recompute and backward; device memory then holds O(1) layer inputs instead of
+  ``num_layers`` of them.
+
+The function is "reentrant" (backward calls ``torch.autograd.backward`` on the
+recomputed layer): parameter gradients accumulate into ``.grad`` exactly as without
+checkpointing. The layer's parameters are passed as inputs so the output requires grad
+even when ``x`` does not (e.g. frozen embeddings). Autocast state is captured in forward
+and restored for the recompute. There is no RNG state to restore: the model has no
+dropout (configs with dropout are refused).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+import torch
+
+from fpdt.offload import HostStash
+
+CHECKPOINT_MODES = ("off", "on", "offload")
+
+
+class _LayerCheckpoint(torch.autograd.Function):
+    """``run_fn(x)`` with recompute in backward.
+
+    Inputs: ``run_fn`` (x -> y, same shape), ``stash`` (HostStash or None), ``key`` and
+    ``prev_key`` (stash keys of this layer's and the previous layer's input), ``x``
+    ``[B, S_local, hidden]``, then the layer's parameters (for graph connectivity only).
+    Saved: ``x`` -- in ``ctx`` when ``stash`` is None, else offloaded to host under ``key``.
+    """
+
+    @staticmethod
+    def forward(ctx, run_fn, stash, key, prev_key, x, *params):
+        ctx.run_fn, ctx.stash, ctx.key, ctx.prev_key = run_fn, stash, key, prev_key
+        ctx.x_requires_grad = x.requires_grad
+        ctx.autocast = _autocast_state(x.device.type)
+        with torch.no_grad():
+            y = run_fn(x)
+        if stash is None:
+            ctx.save_for_backward(x)
+        else:
+            stash.put(key, x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        if ctx.stash is None:
+            (x,) = ctx.saved_tensors
+        else:
+            x = ctx.stash.pop(ctx.key)
+            if ctx.prev_key is not None and ctx.prev_key in ctx.stash:
+                ctx.stash.prefetch(ctx.prev_key)  # overlaps this layer's recompute + backward
+        x = x.detach().requires_grad_(ctx.x_requires_grad)
+        device_type, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            y = ctx.run_fn(x)
+        torch.autograd.backward(y, grad_y)
+        n_params = len(ctx.needs_input_grad) - 5
+        return (None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * n_params
+
+
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                 params: list[torch.Tensor], stash: HostStash | None = None,
+                 key: Hashable = None, prev_key: Hashable = None) -> torch.Tensor:
+    """Run ``run_fn(x)`` (``[B, S_local, hidden]`` -> same) under activation checkpointing.
+
+    Args:
+        run_fn: the layer's forward as a function of its input only.
+        x: the layer input.
+        params: the parameters ``run_fn`` uses.
+        stash: when given, ``x`` is offloaded to host under ``key`` instead of kept on
+            the device; ``prev_key`` names the previous layer's stashed input, whose
+            fetch is started early in backward.
+    """
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
+        return run_fn(x)  # no backward will come: nothing to keep
+    return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, x, *params)

@@ -1,0 +1,254 @@
+"""The model configuration, parsed from a Hugging Face ``config.json`` and validated.
+
+Only what the FPDT model implements exactly is accepted. Everything else a config can
+ask for (sliding windows, unknown RoPE scaling, non-SiLU activations, attention dropout,
+partial rotary embeddings, ...) raises :class:`UnsupportedConfigError` naming the key,
+instead of being silently ignored: a model that trains with different maths from the
+checkpoint it was loaded from is worse than one that refuses to load.
+
+Both the Transformers 4.x layout (``rope_theta`` + ``rope_scaling``) and the 5.x layout
+(``rope_parameters``) are understood.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# model_type -> the Transformers class a saved checkpoint should name in "architectures".
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+# RoPE types the model computes exactly (see fpdt.model.rope_scaling).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedConfigError(ValueError):
+    """A ``config.json`` asks for something the FPDT model cannot honour."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family causal LM (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral).
+
+    Build it with :meth:`from_hf` from a ``config.json`` dict; the original dict is kept
+    in ``hf_config`` so that saving writes back a config ``transformers`` loads unchanged.
+    """
+
+    model_type: str
+    """``"llama"``, ``"qwen2"`` or ``"mistral"``."""
+    vocab_size: int
+    """V, rows of the embedding and of the LM head."""
+    hidden_size: int
+    """Model width (the letter ``hidden`` in shapes)."""
+    intermediate_size: int
+    """SwiGLU inner width I."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads H."""
+    num_kv_heads: int
+    """Key/value heads H_kv (GQA when < H); divides H."""
+    head_dim: int
+    """Per-head width D (may differ from hidden / H, e.g. Mistral-Nemo)."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    rope_theta: float
+    """RoPE base."""
+    rope_scaling: Mapping[str, Any] | None
+    """``None`` for plain RoPE, else the scaling dict with a ``rope_type`` in
+    :data:`SUPPORTED_ROPE_TYPES` other than ``"default"``."""
+    max_position_embeddings: int
+    """Context length the checkpoint declares (informational: FPDT trains past it)."""
+    tie_word_embeddings: bool
+    """LM head shares the embedding matrix."""
+    qkv_bias: bool
+    """q/k/v projections have biases (Qwen2; Llama with ``attention_bias``)."""
+    o_bias: bool
+    """Output projection has a bias (Llama with ``attention_bias``)."""
+    mlp_bias: bool
+    """gate/up/down projections have biases (Llama with ``mlp_bias``)."""
+    pad_token_id: int | None = None
+    """Embedding row that gets no gradient (``padding_idx``, as in Transformers)."""
+    initializer_range: float = 0.02
+    """Std of the normal init used by :func:`fpdt.model.from_config`."""
+    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The ``config.json`` dict this was parsed from (written back on save)."""
+
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.rope_scaling is None else str(self.rope_scaling["rope_type"])
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any] | Any) -> "ModelConfig":
+        """Parse and validate a Hugging Face config.
+
+        Args:
+            hf: a ``config.json`` dict, a path to a ``config.json`` or to a checkpoint
+                directory, or any object with ``to_dict()`` (a ``transformers`` config).
+        """
+        if isinstance(hf, (str, os.PathLike)):
+            path = os.fspath(hf)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                hf = json.load(f)
+        elif not isinstance(hf, Mapping):
+            if not hasattr(hf, "to_dict"):
+                raise TypeError(f"expected a config dict, path or object with to_dict(), got {type(hf).__name__}")
+            hf = hf.to_dict()
+        return _parse(dict(hf))
+
+    def to_hf(self, dtype_name: str | None = None) -> dict[str, Any]:
+        """The ``config.json`` dict to save (the original one, with architectures/dtype filled in)."""
+        out = dict(self.hf_config)
+        out["model_type"] = self.model_type
+        if not out.get("architectures"):
+            out["architectures"] = [ARCHITECTURES[self.model_type]]
+        if dtype_name is not None:
+            out["dtype"] = dtype_name
+            out.pop("torch_dtype", None)
+        return out
+
+
+def _require(hf: Mapping[str, Any], key: str) -> Any:
+    if hf.get(key) is None:
+        raise UnsupportedConfigError(f"config.json has no {key!r}; it is required")
+    return hf[key]
+
+
+def _refuse(condition: bool, message: str) -> None:
+    if condition:
+        raise UnsupportedConfigError(message)
+
+
+def _model_type(hf: Mapping[str, Any]) -> str:
+    model_type = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    if model_type is None:
+        by_arch = {v: k for k, v in ARCHITECTURES.items()}
+        known = [by_arch[a] for a in archs if a in by_arch]
+        model_type = known[0] if known else None
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedConfigError(
+            f"model_type={model_type!r} (architectures={archs}) is not supported; "
+            f"supported: {sorted(ARCHITECTURES)} ({', '.join(ARCHITECTURES.values())})")
+    unknown = [a for a in archs if a != ARCHITECTURES[model_type]]
+    _refuse(bool(unknown), f"architectures={archs} is not {ARCHITECTURES[model_type]!r}; only causal LMs are supported")
+    return model_type
+
+
+def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """-> (theta, scaling dict or None). Accepts both the 4.x and the 5.x layout."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    if params is not None and scaling is not None and dict(params) != dict(scaling):
+        raise UnsupportedConfigError(
+            f"config.json has both rope_parameters={params} and rope_scaling={scaling}; keep one")
+    params = dict(params if params is not None else (scaling or {}))
+    _refuse(any(isinstance(v, Mapping) for v in params.values()),
+            f"per-layer-type rope_parameters={params} are not supported")
+    theta = params.pop("rope_theta", None)
+    theta = float(theta if theta is not None else hf.get("rope_theta", 10000.0))
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    _refuse(partial is not None and float(partial) != 1.0,
+            f"partial_rotary_factor={partial} is not supported (only full-width RoPE)")
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"rope scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES}); "
+            f"it would change the positional encoding, so the model refuses rather than ignoring it")
+    if rope_type == "default":
+        _refuse(bool(params), f"RoPE type 'default' with extra parameters {params} is not understood")
+        return theta, None
+    required = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor")}[rope_type]
+    missing = [k for k in required if params.get(k) is None]
+    _refuse(bool(missing), f"rope_type={rope_type!r} needs {missing} in its parameters, got {params}")
+    out = {"rope_type": rope_type}
+    for k in required:
+        out[k] = float(params.pop(k))
+    if rope_type == "llama3":
+        # Transformers falls back to max_position_embeddings when the original length is absent.
+        orig = params.pop("original_max_position_embeddings", None) or hf.get("max_position_embeddings")
+        _refuse(orig is None, "rope_type='llama3' needs original_max_position_embeddings")
+        out["original_max_position_embeddings"] = int(orig)
+        _refuse(out["high_freq_factor"] == out["low_freq_factor"],
+                f"llama3 RoPE needs high_freq_factor != low_freq_factor, got {params}")
+    params.pop("original_max_position_embeddings", None)  # harmless for 'linear'
+    _refuse(bool(params), f"rope_type={rope_type!r} has parameters this model does not implement: {params}")
+    return theta, out
+
+
+def _sliding_window(hf: Mapping[str, Any], model_type: str) -> None:
+    window = hf.get("sliding_window")
+    if model_type == "qwen2":
+        # Qwen2 only uses the window when use_sliding_window is true (Qwen2.5 configs
+        # carry a window value with use_sliding_window=false).
+        layer_types = hf.get("layer_types") or []
+        sliding = bool(hf.get("use_sliding_window")) and window is not None
+        sliding = sliding or any(t != "full_attention" for t in layer_types)
+    elif model_type == "mistral":
+        sliding = window is not None
+    else:
+        sliding = bool(hf.get("use_sliding_window")) or any(
+            t != "full_attention" for t in (hf.get("layer_types") or []))
+    _refuse(sliding, f"sliding-window attention (sliding_window={window}, use_sliding_window="
+                     f"{hf.get('use_sliding_window')}, layer_types={hf.get('layer_types')}) is not supported: "
+                     f"FPDT attention is full causal. To train with full attention anyway, set "
+                     f"\"sliding_window\": null in config.json (this changes the model for sequences "
+                     f"longer than the window)")
+
+
+def _parse(hf: dict[str, Any]) -> ModelConfig:
+    model_type = _model_type(hf)
+    hidden = int(_require(hf, "hidden_size"))
+    heads = int(_require(hf, "num_attention_heads"))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    _refuse(hf.get("head_dim") is None and hidden % heads != 0,
+            f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and no head_dim is given")
+    _refuse(heads % kv_heads != 0, f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}")
+    _refuse(head_dim % 2 != 0, f"head_dim={head_dim} must be even for RoPE")
+    act = hf.get("hidden_act", "silu")
+    _refuse(act != "silu", f"hidden_act={act!r} is not supported (only 'silu' for SwiGLU)")
+    dropout = float(hf.get("attention_dropout") or 0.0)
+    _refuse(dropout != 0.0, f"attention_dropout={dropout} is not supported (FPDT attention has no dropout)")
+    for key in ("mlp_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop"):
+        _refuse(float(hf.get(key) or 0.0) != 0.0, f"{key}={hf.get(key)} is not supported (no dropout)")
+    _sliding_window(hf, model_type)
+    theta, scaling = _rope(hf)
+    if model_type == "llama":
+        qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+        mlp_bias = bool(hf.get("mlp_bias", False))
+    elif model_type == "qwen2":
+        qkv_bias, o_bias, mlp_bias = True, False, False   # hard-wired in Qwen2's attention
+    else:
+        qkv_bias = o_bias = mlp_bias = False
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(_require(hf, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_require(hf, "intermediate_size")),
+        num_layers=int(_require(hf, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings") or 0),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        pad_token_id=None if hf.get("pad_token_id") is None else int(hf["pad_token_id"]),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        hf_config=hf,
+    )

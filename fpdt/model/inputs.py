@@ -1,0 +1,56 @@
+"""Turn a global token window into one rank's FPDT inputs.
+
+Order matters (brief §4 pitfall 1): labels are shifted on the *global* sequence first
+(the target of token ``t`` is token ``t + 1``, including across the pieces that end up on
+different ranks), and only then are ids, labels and position ids sharded with one and
+the same layout (:func:`fpdt.layout.shard`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fpdt.layout import check_layout, shard
+from fpdt.model.loss import IGNORE_INDEX
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets ``[B, S]``: ``out[:, t] = labels[:, t + 1]``, the last one ``-100``."""
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
+def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chunks: int,
+                   labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                   shift: bool = True) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s ``input_ids``, ``labels`` and ``position_ids`` ``[B, S / P]``.
+
+    Args:
+        input_ids: ``[B, S]`` long, the global window (identical on every SP rank).
+        sp_size, rank: the sequence-parallel group size ``P`` and this rank in it.
+        num_chunks: attention chunks per rank ``u`` -- must equal the model's
+            ``num_chunks`` option, since the layout and the attention pipeline agree on it.
+        labels: ``[B, S]`` long targets aligned with ``input_ids`` as in Transformers
+            (``-100`` = ignore); default: ``input_ids``.
+        position_ids: ``[B, S]`` global positions; default ``arange(S)``.
+        shift: shift ``labels`` to next-token targets (set False if they already are).
+
+    Returns:
+        ``{"input_ids", "labels", "position_ids"}``, each ``[B, S / P]``, ready for
+        ``model(**inputs)``.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+    B, S = input_ids.shape
+    check_layout(S, sp_size, num_chunks)
+    labels = input_ids if labels is None else labels
+    if position_ids is None:
+        position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+    for name, t in (("labels", labels), ("position_ids", position_ids)):
+        if t.shape != input_ids.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    if shift:
+        labels = shift_labels(labels)
+    return {name: shard(t, sp_size, num_chunks, rank, dim=1)
+            for name, t in (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids))}

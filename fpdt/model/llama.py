@@ -1,0 +1,310 @@
+"""Llama-family causal LM on FPDT layers.
+
+Module tree and parameter names are those of Hugging Face ``LlamaForCausalLM`` /
+``Qwen2ForCausalLM`` / ``MistralForCausalLM``, so checkpoints map one to one::
+
+    FPDTForCausalLM
+      model: FPDTModel
+        embed_tokens      nn.Embedding [V, hidden]
+        layers[i]: FPDTDecoderLayer
+          input_layernorm           RMSNorm
+          self_attn                 fpdt.attention.FPDTAttention (q/k/v/o_proj)
+          post_attention_layernorm  RMSNorm
+          mlp                       ChunkedSwiGLU (gate/up/down_proj)
+        norm              RMSNorm
+        rotary_emb        RotaryEmbedding (non-persistent inv_freq buffer)
+      lm_head             nn.Linear [V, hidden] (the embedding itself when tied)
+
+Shapes: ``B`` batch, ``S`` global sequence, ``S_local = S / P`` tokens on each of the
+``P`` sequence-parallel ranks, in the FPDT layout (:mod:`fpdt.layout`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fpdt.attention.module import FPDTAttention
+from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
+from fpdt.model.config import ModelConfig
+from fpdt.model.loss import IGNORE_INDEX, chunked_lm_loss, default_loss_chunks
+from fpdt.model.mlp import ChunkedSwiGLU
+from fpdt.model.rope_scaling import rope_inv_freq
+from fpdt.attention.rope import RotaryEmbedding
+from fpdt.offload import HostStash
+
+
+@dataclass(frozen=True)
+class FPDTOptions:
+    """Memory and parallelism options (all may be changed later with ``model.configure``)."""
+
+    num_chunks: int = 1
+    """Attention chunks per rank ``u``: ``S`` must be divisible by ``P * u``, and inputs must be
+    laid out with the same ``u`` (:func:`fpdt.model.prepare_inputs`). The global chunk
+    length is ``S / u`` (the paper's sweet spot is 64K)."""
+    offload: bool = False
+    """Keep attention chunks (k̂, v̂, q̂, o, lse, layer-input chunks) in pinned host memory
+    between forward and backward, double-buffered (FPDT "w. offload")."""
+    mlp_chunks: int | None = None
+    """Token chunks of the SwiGLU MLP; None = ``2 * num_chunks`` (brief §1); 0 = the plain,
+    unchunked autograd MLP (keeps its ``[B, S_local, I]`` intermediates)."""
+    loss_chunks: int | None = None
+    """Token chunks of the fused LM head + cross-entropy; None = ``ceil(2 V / hidden)``;
+    0 = plain full-logits loss (``[B, S_local, V]`` fp32 logits)."""
+    checkpointing: str = "off"
+    """Per-layer activation checkpointing: ``"off"``, ``"on"`` (keep each layer's input,
+    recompute the layer in backward) or ``"offload"`` (as "on", with the layer inputs in
+    pinned host memory, prefetched one layer ahead in backward)."""
+    group: dist.ProcessGroup | None = None
+    """Sequence-parallel process group; None = the default group if torch.distributed is
+    initialised, else a world of 1."""
+    backend: str | None = None
+    """Attention kernel backend name for :class:`FPDTAttention` (None = automatic)."""
+
+    def validate(self) -> "FPDTOptions":
+        if self.num_chunks < 1:
+            raise ValueError(f"num_chunks={self.num_chunks} must be >= 1")
+        for name in ("mlp_chunks", "loss_chunks"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (0 = unchunked) or None (default)")
+        if self.checkpointing not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpointing={self.checkpointing!r} must be one of {CHECKPOINT_MODES}")
+        return self
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, normalised in fp32 and cast back before the
+    weight multiply (the Llama convention). ``[..., hidden]`` -> same."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class FPDTDecoderLayer(nn.Module):
+    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, opts: FPDTOptions):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                       qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, num_chunks=opts.num_chunks,
+                                       offload=opts.offload, group=opts.group, backend=opts.backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``."""
+        h = h + self.self_attn(self.input_layernorm(h), position_ids, rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class FPDTModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF ``LlamaModel``'s names)."""
+
+    def __init__(self, cfg: ModelConfig, opts: FPDTOptions):
+        super().__init__()
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
+        # padding_idx as in Transformers: the pad row gets no gradient.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
+        self.layers = nn.ModuleList(FPDTDecoderLayer(cfg, opts) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._rope_args = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq, scaling = rope_inv_freq(*self._rope_args)
+        self.rotary_emb = RotaryEmbedding(inv_freq, scaling)
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """Recompute ``rotary_emb.inv_freq`` in fp32 on ``device`` (default: where it is;
+        nothing to do while that is the meta device)."""
+        device = torch.device(device) if device is not None else self.rotary_emb.inv_freq.device
+        if device.type != "meta":
+            self.rotary_emb.inv_freq = rope_inv_freq(*self._rope_args)[0].to(device)
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(bf16)`` would round inv_freq (positions of long sequences need fp32) and
+        # ``to_empty`` leaves it undefined: recompute it after every such move.
+        out = super()._apply(fn, recurse)
+        self.reset_rope()
+        return out
+
+
+class FPDTForCausalLM(nn.Module):
+    """A Llama-family causal LM whose attention, MLP and loss run chunked over the sequence.
+
+    Build it with :func:`fpdt.model.from_pretrained` or :func:`fpdt.model.from_config`.
+    ``forward(input_ids, labels=..., position_ids=...)`` returns the loss; see there for
+    the sequence-parallel gradient convention.
+    """
+
+    def __init__(self, config: ModelConfig, options: FPDTOptions | None = None):
+        super().__init__()
+        self.config = config
+        self.options = (options or FPDTOptions()).validate()
+        self.model = FPDTModel(config, self.options)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._stash: HostStash | None = None
+        self._forward_ids = itertools.count()
+        self.configure()
+
+    # ------------------------------------------------------------------ options
+    def configure(self, **changes) -> "FPDTForCausalLM":
+        """Change options (any :class:`FPDTOptions` field) and push them into the layers."""
+        unknown = set(changes) - {f.name for f in fields(FPDTOptions)}
+        if unknown:
+            raise TypeError(f"unknown FPDT options {sorted(unknown)}; valid: {[f.name for f in fields(FPDTOptions)]}")
+        self.options = replace(self.options, **changes).validate()
+        opts = self.options
+        for layer in self.model.layers:
+            layer.self_attn.num_chunks = opts.num_chunks
+            layer.self_attn.offload = opts.offload
+            layer.self_attn.group = opts.group
+            layer.self_attn.backend = opts.backend
+            layer.mlp.num_chunks = self.mlp_chunks
+        return self
+
+    @property
+    def mlp_chunks(self) -> int:
+        o = self.options
+        return 2 * o.num_chunks if o.mlp_chunks is None else o.mlp_chunks
+
+    @property
+    def loss_chunks(self) -> int:
+        o = self.options
+        return default_loss_chunks(self.config.vocab_size, self.config.hidden_size) if o.loss_chunks is None \
+            else o.loss_chunks
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        return self.options.group
+
+    def sp_rank_size(self) -> tuple[int, int]:
+        """``(rank, size)`` of this process in the sequence-parallel group (``(0, 1)`` without one)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(self.sp_group), dist.get_world_size(self.sp_group)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random init as in Transformers: normal(0, initializer_range) for linear and
+        embedding weights, zero biases, unit norms. Also recomputes the RoPE buffer (after
+        ``to_empty`` from the meta device its contents are undefined)."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.reset_rope()
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """Recompute the fp32 RoPE buffer (done automatically after ``to``/``to_empty``)."""
+        self.model.reset_rope(device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, *, return_logits: bool = False,
+                num_valid_tokens: int | torch.Tensor | None = None):
+        """Loss of this rank's tokens, normalised by the global valid-token count.
+
+        Args:
+            input_ids: ``[B, S_local]`` long, this rank's tokens in the FPDT layout.
+            labels: ``[B, S_local]`` long, the *already shifted* next-token targets in the
+                same layout (``-100`` = ignore); :func:`fpdt.model.prepare_inputs` builds them.
+            position_ids: ``[B, S_local]`` long global positions in the same layout; may be
+                omitted only without sequence parallelism (then ``arange(S_local)``).
+            return_logits: also return fp32 logits ``[B, S_local, V]`` (small inputs only:
+                this materialises what the chunked loss avoids).
+            num_valid_tokens: denominator override (e.g. the valid-token count of a whole
+                gradient-accumulation window); default: valid labels summed over the SP group.
+
+        Returns:
+            ``loss`` (fp32 scalar, ``None`` without labels), or ``(loss, logits)`` when
+            ``return_logits``.
+
+        Gradient convention: every SP rank returns the same value, the global mean over
+        valid tokens ``sum_r(local CE sum_r) / N_valid``. Its backward on rank ``r``
+        propagates only rank ``r``'s own term ``local CE sum_r / N_valid`` (the all-to-all
+        backward carries its effect to the other ranks' activations), so after
+        ``loss.backward()`` on all SP ranks the parameter gradients, **summed** over the
+        SP group, equal the gradient of the global mean loss. A trainer that averages
+        gradients over ``dp * sp`` ranks must therefore multiply by ``sp`` first (or sum
+        over SP and average over DP).
+        """
+        B, S_local = input_ids.shape
+        rank, sp = self.sp_rank_size()
+        if position_ids is None:
+            if sp > 1:
+                raise ValueError(f"position_ids are required with sequence parallelism (sp={sp}): the FPDT "
+                                 f"layout is not contiguous; use fpdt.model.prepare_inputs")
+            position_ids = torch.arange(S_local, device=input_ids.device).expand(B, S_local)
+        if position_ids.shape != input_ids.shape or (labels is not None and labels.shape != input_ids.shape):
+            raise ValueError(f"input_ids {tuple(input_ids.shape)}, labels "
+                             f"{None if labels is None else tuple(labels.shape)} and position_ids "
+                             f"{tuple(position_ids.shape)} must all be [B, S_local]")
+        if self.model.rotary_emb.inv_freq.is_meta:
+            raise RuntimeError("the model is still on the meta device: materialise it (to_empty + "
+                               "init_weights, or from_pretrained) first")
+        h = self._decoder(input_ids, position_ids)                          # [B, S_local, hidden]
+        loss = None if labels is None else self._loss(h, labels, num_valid_tokens, sp)
+        if return_logits:
+            return loss, self.lm_head(h).float()
+        return loss
+
+    def _decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        rope = self.model.rotary_emb
+        h = self.model.embed_tokens(input_ids)
+        mode = self.options.checkpointing
+        stash = None
+        if mode == "offload":
+            if self._stash is None or self._stash.device != h.device:
+                self._stash = HostStash(h.device, enabled=True)
+            stash = self._stash
+        fid = next(self._forward_ids)  # stash keys unique per forward call
+        for i, layer in enumerate(self.model.layers):
+            if mode == "off":
+                h = layer(h, position_ids, rope)
+                continue
+            run = (lambda x, layer=layer: layer(x, position_ids, rope))
+            h = checkpointed(run, h, list(layer.parameters()), stash=stash,
+                             key=(fid, i), prev_key=(fid, i - 1) if i > 0 else None)
+        return self.model.norm(h)
+
+    def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:
+        if num_valid_tokens is None:
+            count = labels.ne(IGNORE_INDEX).sum()                           # int64, this rank
+            if sp > 1:
+                dist.all_reduce(count, group=self.sp_group)                 # global valid tokens
+        else:
+            count = torch.as_tensor(num_valid_tokens, device=h.device)
+        # An all-ignored window gives loss 0 and zero gradients (Transformers would give NaN).
+        scale = 1.0 / count.clamp(min=1).to(device=h.device, dtype=torch.float32)
+        local = chunked_lm_loss(h, self.lm_head.weight, labels, scale, self.loss_chunks)
+        if sp == 1:
+            return local
+        total = local.detach().clone()
+        dist.all_reduce(total, group=self.sp_group)
+        # Value: the global mean on every rank. Gradient: this rank's own share (see forward).
+        return local + (total - local.detach())
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (f"num_chunks={o.num_chunks}, offload={o.offload}, mlp_chunks={self.mlp_chunks}, "
+                f"loss_chunks={self.loss_chunks}, checkpointing={o.checkpointing!r}")

@@ -1,0 +1,150 @@
+"""Chunked SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` over sequence chunks.
+
+Flow (one ``autograd.Function``, :class:`ChunkedSwiGLUFunction`):
+
+* forward, without autograd: for each of ``N`` token chunks ``x_c`` ``[n, hidden]``,
+  compute ``g = x_c Wg^T``, ``u = x_c Wu^T`` (``[n, I]``), ``h = silu(g) * u`` and
+  ``y_c = h Wd^T``, writing ``y_c`` into the output. Nothing per-chunk is kept.
+* backward: for each chunk again, recompute ``g``, ``u`` and ``h`` from ``x_c``, then
+  ``dh = dy_c Wd``, ``du = dh * silu(g)``, ``dg = dh * u * silu'(g)``;
+  ``dx_c = dg Wg + du Wu``; weight gradients accumulate over chunks.
+
+Saved for backward: ``x`` (the MLP input, ``[B, S_local, hidden]``) and references to
+the weights -- nothing else. The plain MLP keeps ``g``, ``u``, ``silu(g)`` and ``h``
+(four ``[B, S_local, I]`` tensors, ``I`` ~ 3.5 x hidden) alive from forward to backward;
+here the peak extra memory is a handful of ``[S_local / N, I]`` tensors, i.e. O(chunk).
+The price is one recomputation of the gate/up projections in backward.
+
+Nothing is written in place into a tensor autograd saved: the output and ``dx`` are
+fresh tensors, and in-place updates only touch this function's own temporaries.
+Weight-gradient accumulators are fp32 when the weights are lower precision (summing N
+chunk partials in bf16 would add N roundings), then cast back.
+
+ZeRO-3 note: the function reads ``gate_proj/up_proj/down_proj`` weights directly, so a
+ZeRO-3 trainer must gather them with the MLP module (mark :class:`ChunkedSwiGLU` as a
+ZeRO-3 "leaf" module); the model itself knows nothing of DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _silu_grad(g: torch.Tensor) -> torch.Tensor:
+    """d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))."""
+    s = torch.sigmoid(g)
+    return s * (1 + g * (1 - s))
+
+
+def _bounds(total: int, num_chunks: int) -> list[tuple[int, int]]:
+    """``num_chunks`` near-equal ``[start, end)`` spans covering ``range(total)`` (no empty ones)."""
+    n = max(1, min(num_chunks, total))
+    step = -(-total // n)
+    return [(s, min(s + step, total)) for s in range(0, total, step)]
+
+
+def swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
+                     b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain (unchunked, autograd-tracked) SwiGLU; ``x`` ``[..., hidden]`` -> ``[..., hidden]``."""
+    return F.linear(F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)
+
+
+class ChunkedSwiGLUFunction(torch.autograd.Function):
+    """SwiGLU over ``num_chunks`` token chunks with recompute in backward.
+
+    Inputs: ``x`` ``[B, S, hidden]``; ``w_gate``, ``w_up`` ``[I, hidden]``; ``w_down``
+    ``[hidden, I]``; optional biases ``[I]``, ``[I]``, ``[hidden]``; ``num_chunks`` int.
+    Output: ``[B, S, hidden]`` in ``x.dtype``.
+    Saved: ``x`` and the weights/biases (no intermediates; none offloaded).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, num_chunks: int):
+        flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
+        out = torch.empty(flat.shape[0], w_down.shape[0], dtype=x.dtype, device=x.device)
+        for s, e in _bounds(flat.shape[0], num_chunks):
+            xc = flat[s:e]
+            h = F.silu(F.linear(xc, w_gate, b_gate)) * F.linear(xc, w_up, b_up)   # [n, I]
+            out[s:e] = F.linear(h, w_down, b_down)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+        ctx.num_chunks = num_chunks
+        return out.view(*x.shape[:-1], w_down.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_gate, w_up, w_down, b_gate, b_up, b_down = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
+        gflat = grad_out.reshape(-1, grad_out.shape[-1])                    # [T, hidden]
+
+        def acc(w: torch.Tensor | None, i: int) -> torch.Tensor | None:
+            if w is None or not need[i]:
+                return None
+            dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
+            return torch.zeros(w.shape, dtype=dtype, device=w.device)
+
+        dwg, dwu, dwd = acc(w_gate, 1), acc(w_up, 2), acc(w_down, 3)
+        dbg, dbu, dbd = acc(b_gate, 4), acc(b_up, 5), acc(b_down, 6)
+        dx = torch.empty_like(flat) if need[0] else None
+        for s, e in _bounds(flat.shape[0], ctx.num_chunks):
+            xc, dy = flat[s:e], gflat[s:e]                                  # [n, hidden]
+            g = F.linear(xc, w_gate, b_gate)                                # [n, I]
+            u = F.linear(xc, w_up, b_up)
+            a = F.silu(g)
+            if dwd is not None:
+                dwd += (dy.t() @ (a * u)).to(dwd.dtype)                     # [hidden, I]
+            if dbd is not None:
+                dbd += dy.sum(0, dtype=dbd.dtype)
+            dh = dy @ w_down                                                # [n, I]
+            du = dh * a
+            dg = dh.mul_(u).mul_(_silu_grad(g))                             # dh is a temporary
+            del a, u, g
+            if dwg is not None:
+                dwg += (dg.t() @ xc).to(dwg.dtype)
+            if dwu is not None:
+                dwu += (du.t() @ xc).to(dwu.dtype)
+            if dbg is not None:
+                dbg += dg.sum(0, dtype=dbg.dtype)
+            if dbu is not None:
+                dbu += du.sum(0, dtype=dbu.dtype)
+            if dx is not None:
+                dx[s:e] = dg @ w_gate + du @ w_up
+        cast = lambda g, w: None if g is None else g.to(w.dtype)  # noqa: E731
+        return (None if dx is None else dx.view_as(x),
+                cast(dwg, w_gate), cast(dwu, w_up), cast(dwd, w_down),
+                cast(dbg, b_gate), cast(dbu, b_up), cast(dbd, b_down), None)
+
+
+class ChunkedSwiGLU(nn.Module):
+    """The Llama MLP with HF parameter names (``gate_proj``, ``up_proj``, ``down_proj``).
+
+    Args:
+        hidden_size, intermediate_size: widths.
+        bias: projections have biases (Llama ``mlp_bias``).
+        num_chunks: token chunks for :class:`ChunkedSwiGLUFunction`; ``0`` runs the plain
+            autograd MLP (keeps ``[B, S_local, I]`` intermediates; for comparisons).
+            May be reassigned after construction.
+
+    ``forward(x [B, S_local, hidden]) -> [B, S_local, hidden]``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, num_chunks: int = 1):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.num_chunks = num_chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        args = (x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
+        if self.num_chunks == 0:
+            return swiglu_reference(*args)
+        return ChunkedSwiGLUFunction.apply(*args, self.num_chunks)
+
+    def extra_repr(self) -> str:
+        return f"num_chunks={self.num_chunks}"
+

@@ -1,0 +1,221 @@
+"""Hugging Face checkpoints in and out, and construction without a second host copy.
+
+Checkpoint format (what ``transformers`` reads and writes): a directory with
+``config.json`` and either ``model.safetensors`` or ``model-0000k-of-0000n.safetensors``
+shards plus ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
+"weight_map": {tensor name: shard file}}``). Tensor names are the model's own parameter
+names (see :mod:`fpdt.model.llama`); with tied embeddings ``lm_head.weight`` is not stored.
+
+Memory: models are first built on the ``meta`` device (no storage), then each tensor is
+read from its shard straight to the target device/dtype and *assigned* as the parameter,
+so host RAM holds at most one shard's tensors on top of the model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from fpdt.model.config import ModelConfig
+from fpdt.model.llama import FPDTForCausalLM, FPDTOptions
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+# Keys some older checkpoints carry that hold no learned state.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _options(fpdt_options: dict[str, Any]) -> FPDTOptions:
+    try:
+        return FPDTOptions(**fpdt_options)
+    except TypeError as e:
+        raise TypeError(f"{e}; valid FPDT options: {list(FPDTOptions.__dataclass_fields__)}") from None
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def from_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any, *,
+                device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
+                **fpdt_options) -> FPDTForCausalLM:
+    """A randomly initialised model (Transformers' init scheme; seed with ``torch.manual_seed``).
+
+    Args:
+        config: a :class:`ModelConfig`, a ``config.json`` dict or path, or a ``transformers`` config.
+        device: where to put it (default CPU). ``"meta"`` defers initialisation: call
+            ``model.to_empty(device=...)`` then ``model.init_weights()`` (or load weights).
+        dtype: parameter dtype (default fp32).
+        **fpdt_options: :class:`FPDTOptions` fields.
+    """
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    opts = _options(fpdt_options)
+    with torch.device("meta"):
+        model = FPDTForCausalLM(cfg, opts)
+    if dtype is not None:
+        model.to(_resolve_dtype(dtype))
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty keeps the tie, but make it explicit
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_weights()
+    return model
+
+
+def from_pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | str | None = None, **fpdt_options) -> FPDTForCausalLM:
+    """Load a Hugging Face checkpoint directory (``config.json`` + safetensors).
+
+    Args:
+        path: the checkpoint directory (single file or sharded with an index).
+        device: where the parameters go (default CPU); tensors are read straight there.
+        dtype: parameter dtype; default: as stored in the checkpoint.
+        **fpdt_options: :class:`FPDTOptions` fields (chunks, offload, checkpointing, group, ...).
+    """
+    path = os.fspath(path)
+    cfg = ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        model = FPDTForCausalLM(cfg, _options(fpdt_options))
+    device = torch.device(device if device is not None else "cpu")
+    loaded: set[str] = set()
+    for file in checkpoint_files(path):
+        loaded |= _load_file(model, file, device, _resolve_dtype(dtype))
+    _check_complete(model, loaded)
+    model.reset_rope(device)
+    return model
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory, in index order."""
+    index = os.path.join(path, SAFE_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
+    single = os.path.join(path, SAFE_SINGLE)
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"no {SAFE_SINGLE} or {SAFE_INDEX} in {path!r} (only safetensors checkpoints are "
+                            f"supported; convert .bin checkpoints with transformers first)")
+
+
+def _load_file(model: FPDTForCausalLM, file: str, device: torch.device, dtype: torch.dtype | None) -> set[str]:
+    from safetensors import safe_open
+
+    # safetensors reads CUDA tensors directly; other devices go through host memory.
+    read_on = str(device) if device.type == "cuda" else "cpu"
+    with safe_open(file, framework="pt", device=read_on) as f:
+        return load_hf_state_dict(model, ((k, f.get_tensor(k)) for k in f.keys()), device=device, dtype=dtype,
+                                  check_complete=False)
+
+
+def load_hf_state_dict(model: FPDTForCausalLM, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                       check_complete: bool = True) -> set[str]:
+    """Assign Hugging Face-named tensors as the model's parameters; returns the names used.
+
+    Parameters are *replaced* (so this also materialises a meta-device model). ``device``
+    defaults to each parameter's current device (CPU for meta parameters), ``dtype`` to
+    the tensor's own. Unknown names raise; with ``check_complete`` so do missing ones.
+    """
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    params = dict(model.named_parameters())  # tied lm_head.weight appears only as the embedding
+    tied = model.config.tie_word_embeddings
+    used: set[str] = set()
+    unexpected = []
+    for name, tensor in items:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name not in params:
+            unexpected.append(name)
+            continue
+        old = params[name]
+        if tuple(tensor.shape) != tuple(old.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(old.shape)}")
+        target = torch.device(device) if device is not None else (old.device if not old.is_meta else torch.device("cpu"))
+        value = tensor.detach().to(device=target, dtype=dtype or tensor.dtype, copy=False)
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=old.requires_grad))
+        used.add(name)
+    if unexpected:
+        raise ValueError(f"checkpoint tensors the model does not have: {sorted(unexpected)[:10]}"
+                         f"{' ...' if len(unexpected) > 10 else ''}")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if check_complete:
+        _check_complete(model, used)
+        model.reset_rope(model.lm_head.weight.device)  # a meta-built model has no RoPE buffer yet
+    return used
+
+
+def _check_complete(model: FPDTForCausalLM, loaded: set[str]) -> None:
+    missing = [n for n, _ in model.named_parameters() if n not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: {missing[:10]}")
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    text = size.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * units[unit])
+    return int(text)
+
+
+def save_pretrained(model: FPDTForCausalLM, path: str | os.PathLike, *,
+                    max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None) -> None:
+    """Write ``config.json`` and safetensors (sharded above ``max_shard_size``) that
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads unchanged.
+
+    ``dtype`` converts on the way out (default: as the parameters are). Parameters may
+    live on any device; they are copied to host one shard at a time.
+    """
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    dtype = _resolve_dtype(dtype)
+    named = list(model.named_parameters())  # tied lm_head.weight is not listed: not stored, as in HF
+    if any(p.is_meta for _, p in named):
+        raise ValueError("cannot save a model that is still on the meta device")
+    limit = _parse_size(max_shard_size)
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, p in named:
+        nbytes = p.numel() * (dtype or p.dtype).itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, p))
+        size += nbytes
+    for old in (SAFE_SINGLE, SAFE_INDEX):  # a previous save with other sharding must not linger
+        if os.path.exists(os.path.join(path, old)):
+            os.remove(os.path.join(path, old))
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        fname = SAFE_SINGLE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: p.detach().to(device="cpu", dtype=dtype or p.dtype).contiguous() for n, p in shard}
+        save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+        for n, t in tensors.items():
+            weight_map[n] = fname
+            total += t.numel() * t.element_size()
+    if len(shards) > 1:
+        with open(os.path.join(path, SAFE_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    out_dtype = dtype or named[0][1].dtype
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf(str(out_dtype).removeprefix("torch.")), f, indent=2)
