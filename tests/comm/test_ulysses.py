@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from fpdt.comm import (HeadsToSeq, SeqToHeads, heads_to_seq, kv_replication_factor, replicate_kv, seq_to_heads,
+                       sum_kv_replicas)
+from fpdt.layout import shard
+from tests.distributed import run_distributed
+
+
+def _body(rank, world):
+    torch.manual_seed(0)
+    B, n, H, D = 2, 3, 4 * world, 5
+    full = torch.randn(B, world * n, H, D)          # the gathered sequence (one chunk)
+    local = shard(full, world, 1, rank).requires_grad_()
+    heads = SeqToHeads.apply(local, None)
+    Hl = H // world
+    torch.testing.assert_close(heads, full[:, :, rank * Hl:(rank + 1) * Hl], rtol=0, atol=0)
+    back = HeadsToSeq.apply(heads, None)
+    torch.testing.assert_close(back, local, rtol=0, atol=0)
+    g = torch.randn_like(back)
+    back.backward(g)
+    torch.testing.assert_close(local.grad, g, rtol=0, atol=0)  # the two ops are each other's adjoint
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_roundtrip_and_autograd(world):
+    run_distributed(_body, world)
+
+
+def test_world_of_one_is_identity():
+    x = torch.randn(1, 4, 2, 3)
+    assert seq_to_heads(x, None) is x and heads_to_seq(x, None) is x
+
+
+def test_kv_replication_rule():
+    assert kv_replication_factor(32, 8, 4) == 1
+    assert kv_replication_factor(32, 8, 16) == 2
+    assert kv_replication_factor(32, 1, 8) == 8
+    assert kv_replication_factor(12, 6, 4) == 2      # lcm(6, 4) = 12 replicated heads
+    x = torch.arange(2.0).view(1, 1, 2, 1)
+    assert replicate_kv(x, 3).view(-1).tolist() == [0, 0, 0, 1, 1, 1]  # repeat_interleave, not tile
+    g = torch.ones(1, 1, 6, 1)
+    assert sum_kv_replicas(g, 3).view(-1).tolist() == [3, 3]
+    with pytest.raises(ValueError, match="num_heads=6 is not divisible by the sequence-parallel size 4"):
+        kv_replication_factor(6, 2, 4)
