@@ -1,0 +1,165 @@
+"""Offload cost of FPDT attention: time, peak memory and copy/compute overlap.
+
+For one rank, times forward+backward of :func:`fpdt.attention.fpdt_attention` at each
+global chunk size with ``offload=False`` and ``offload=True`` (ratio = offload / no
+offload, measured in the same run), reports the peak device memory of both and of one
+unchunked call, and, on CUDA, the share of host<->device copy time that overlapped with
+compute kernels (from a ``torch.profiler`` trace).
+
+GPU (issue targets: time ratio <= 1.05; offload peak <= unchunked / num_chunks + small)::
+
+    python profiling/attention_offload.py                       # S=256K, H=32, H_kv=8, D=128, chunks 32K and 64K
+
+CPU smoke run (what the test suite runs; memory and overlap columns are n/a there)::
+
+    python profiling/attention_offload.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from fpdt.attention import fpdt_attention
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_once(q, k, v, num_chunks, offload):
+    """One forward+backward; returns seconds."""
+    for t in (q, k, v):
+        t.grad = None
+    _sync(q.device)
+    start = time.perf_counter()
+    out = fpdt_attention(q, k, v, num_chunks=num_chunks, offload=offload)
+    out.backward(torch.ones_like(out))
+    _sync(q.device)
+    return time.perf_counter() - start
+
+
+def timed(q, k, v, num_chunks, offload, warmup, iters):
+    for _ in range(warmup):
+        run_once(q, k, v, num_chunks, offload)
+    return statistics.median(run_once(q, k, v, num_chunks, offload) for _ in range(iters))
+
+
+def peak_bytes(q, k, v, num_chunks, offload):
+    """Peak device memory above what was allocated before the call (CUDA only)."""
+    if q.device.type != "cuda":
+        return None
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run_once(q, k, v, num_chunks, offload)
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _merge_intervals(iv):
+    out = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def copy_overlap(q, k, v, num_chunks):
+    """Share of H2D/D2H copy time that runs while a compute kernel runs (CUDA only)."""
+    if q.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_once(q, k, v, num_chunks, True)
+    copies, compute = [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        name = ev.name.lower()
+        if "memcpy htod" in name or "memcpy dtoh" in name:
+            copies.append(span)
+        elif "memcpy" not in name and "memset" not in name:
+            compute.append(span)
+    compute = _merge_intervals(compute)
+    total = sum(e - s for s, e in copies)
+    if total == 0:
+        return 0.0
+    hidden = 0
+    for s, e in copies:
+        for cs, ce in compute:
+            hidden += max(0, min(e, ce) - max(s, cs))
+    return hidden / total
+
+
+def _fmt_bytes(b):
+    return "n/a" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=int, default=256 * 1024)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--chunk-sizes", default="32768,65536", help="global tokens per chunk, comma separated")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="small CPU-sized problem (smoke test)")
+    p.add_argument("--out", default="benchmarks/results/attention_offload.md")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.seq_len, args.heads, args.kv_heads, args.head_dim = 512, 4, 2, 32
+        args.chunk_sizes, args.warmup, args.iters, args.dtype = "128,256", 1, 1, "float32"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    S = args.seq_len
+    q = torch.randn(1, S, args.heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, S, args.kv_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+
+    unchunked_peak = peak_bytes(q, k, v, 1, False)
+    rows = []
+    for chunk in (int(c) for c in args.chunk_sizes.split(",")):
+        u = S // chunk
+        t_plain = timed(q, k, v, u, False, args.warmup, args.iters)
+        t_off = timed(q, k, v, u, True, args.warmup, args.iters)
+        overlap = copy_overlap(q, k, v, u)
+        rows.append((chunk, u, t_plain, t_off, peak_bytes(q, k, v, u, False), peak_bytes(q, k, v, u, True), overlap))
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        f"# FPDT attention offload ({name}, torch {torch.__version__})",
+        "",
+        f"1 rank, S={S}, H={args.heads}, H_kv={args.kv_heads}, D={args.head_dim}, {args.dtype}, "
+        f"fwd+bwd median of {args.iters}. Unchunked (1 call) peak: {_fmt_bytes(unchunked_peak)}.",
+        "",
+        "| chunk | chunks | time no-offload (s) | time offload (s) | ratio | peak no-offload | peak offload "
+        "| copy time overlapped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for chunk, u, tp, to, mp, mo, ov in rows:
+        lines.append(f"| {chunk} | {u} | {tp:.4f} | {to:.4f} | {to / tp:.3f} | {_fmt_bytes(mp)} | {_fmt_bytes(mo)} "
+                     f"| {'n/a' if ov is None else f'{100 * ov:.1f}%'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
