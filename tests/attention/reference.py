@@ -49,7 +49,7 @@ def reference_layer(hidden, position_ids, params, heads, rope_base=10000.0):
     q = lin(x, params["wq"], params["bq"]).view(B, S, H, D)
     k = lin(x, params["wk"], params["bk"]).view(B, S, H_kv, D)
     v = lin(x, params["wv"], params["bv"]).view(B, S, H_kv, D)
-    inv = 1.0 / (rope_base ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    inv = 1.0 / (rope_base ** (torch.arange(0, D, 2, dtype=torch.float64, device=hidden.device) / D))
     ang = position_ids.to(torch.float64)[..., None] * inv
     emb = torch.cat((ang, ang), -1)
     cos, sin = emb.cos()[:, :, None], emb.sin()[:, :, None]
