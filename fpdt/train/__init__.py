@@ -1,0 +1,15 @@
+"""The FPDT trainer: ``fpdt-train`` on DeepSpeed ZeRO, and ``fpdt-export``.
+
+Modules (nothing outside ``fpdt.train`` imports this package or DeepSpeed):
+
+* :mod:`~fpdt.train.config`     -- FPDT options, the DeepSpeed JSON, up-front validation
+* :mod:`~fpdt.train.data`       -- token sources, windows, FPDT-layout sharding
+* :mod:`~fpdt.train.parallel`   -- process group, SP / DP groups, device
+* :mod:`~fpdt.train.zero`       -- DeepSpeed engine and ZeRO-3 external parameters
+* :mod:`~fpdt.train.loop`       -- the optimizer-step loop and its loss scaling
+* :mod:`~fpdt.train.metrics`    -- FLOPs, MFU, TGS
+* :mod:`~fpdt.train.progress`   -- tqdm bar and JSON-lines log
+* :mod:`~fpdt.train.checkpoint` -- save / resume
+* :mod:`~fpdt.train.export`     -- training checkpoint -> Hugging Face checkpoint
+* :mod:`~fpdt.train.cli`        -- ``fpdt-train`` (``python -m fpdt.train``)
+"""

@@ -1,0 +1,209 @@
+"""``fpdt-train``: command line, set-up in order, and the run.
+
+Order of set-up (each step needs the previous one):
+
+1. parse flags, read the DeepSpeed JSON, merge the FPDT options, validate everything
+   that needs no process group (fail before anything starts);
+2. process group (gloo on CPU, NCCL on CUDA; a 1-process group without a launcher),
+   then DeepSpeed's communication layer on top of it, then the SP groups;
+3. the model (seeded, so every rank builds the same random weights) and the data;
+4. ``deepspeed.initialize`` (ZeRO partitions the model here), resume, train, save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fpdt.train import checkpoint
+from fpdt.train.config import ConfigError, FPDTOptions, Plan, ds_dtype_name, load_ds_config, merge_options, validate
+from fpdt.train.data import DataError, Windows, check_vocab, load_tokens
+from fpdt.train.loop import LoopSpec, run_steps
+from fpdt.train.metrics import ModelShape, resolve_peak_flops
+from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
+from fpdt.train.progress import Progress, StepRecord
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fpdt-train",
+        description="Train a Llama-family model on long sequences with FPDT and DeepSpeed ZeRO. "
+                    "Runs as one process (CPU or one GPU) or under torchrun / deepspeed.")
+    m = p.add_argument_group("model")
+    src = m.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors)")
+    src.add_argument("--model-config", metavar="JSON", help="config.json (or its directory): random init with --seed")
+    m.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json for text data (default: next to the model)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", required=True, metavar="PATH", help=".npy/.bin token ids, .txt/.jsonl text, or a directory")
+    d.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"], help="element type of .bin files")
+    d.add_argument("--seq-len", type=int, required=True, help="global tokens per training sequence")
+    d.add_argument("--shuffle", action="store_true", help="visit windows in a seeded random order")
+    f = p.add_argument_group("FPDT (flags win over the \"fpdt\" section of the DeepSpeed JSON)")
+    f.add_argument("--sp", type=int, help="sequence-parallel size (divides the world size; default 1)")
+    f.add_argument("--chunk-size", type=int, help="global tokens per FPDT chunk (default: the whole sequence)")
+    f.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="offload attention chunks to pinned host memory (CUDA; default off)")
+    f.add_argument("--mlp-chunks", type=int, help="MLP chunks (default 2 x attention chunks; 0 = unchunked)")
+    f.add_argument("--loss-chunks", type=int, help="loss chunks (default ceil(2 vocab / hidden); 0 = unchunked)")
+    f.add_argument("--checkpoint", choices=["off", "on", "offload"], help="activation checkpointing (default off)")
+    r = p.add_argument_group("run")
+    r.add_argument("--deepspeed", metavar="JSON", help="DeepSpeed config (optimizer, precision, ZeRO, ...)")
+    r.add_argument("--steps", type=int, required=True, help="total optimizer steps (a resumed run counts on)")
+    r.add_argument("--seed", type=int, default=0, help="seed for random init and --shuffle")
+    r.add_argument("--log-json", metavar="FILE", help="append one JSON object per step to FILE")
+    r.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: datasheet / measured)")
+    r.add_argument("--save-dir", metavar="DIR", help="write DeepSpeed checkpoints here")
+    r.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    r.add_argument("--resume", metavar="PATH", help="continue from a --save-dir (newest) or one step<N> dir")
+    r.add_argument("--export-hf", metavar="DIR", help="at the end, also write a Hugging Face checkpoint")
+    r.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
+    return p
+
+
+def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {"sp": args.sp, "chunk_size": args.chunk_size, "offload": args.offload,
+            "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "checkpoint": args.checkpoint}
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.steps < 0:
+        raise ConfigError(f"--steps {args.steps} must be >= 0")
+    if args.save_every < 0:
+        raise ConfigError(f"--save-every {args.save_every} must be >= 0")
+    if (args.save_every or args.export_hf) and not args.save_dir:
+        raise ConfigError("--save-every and --export-hf need --save-dir DIR")
+    path = args.model or args.model_config
+    if not os.path.exists(path):
+        raise ConfigError(f"{'--model' if args.model else '--model-config'} {path}: no such file or directory")
+
+
+# ----------------------------------------------------------------------------- set-up pieces
+
+def model_dir(args: argparse.Namespace) -> str:
+    path = args.model or args.model_config
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
+def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: ParallelState, dtype: torch.dtype):
+    """The FPDT model on the host, full on every rank (DeepSpeed partitions it later)."""
+    from fpdt import model as fm
+
+    kw = dict(num_chunks=plan.num_chunks, offload=opts.offload, mlp_chunks=plan.mlp_chunks,
+              loss_chunks=opts.loss_chunks, checkpointing=opts.checkpoint, group=ps.sp_group)
+    torch.manual_seed(args.seed)  # same random weights on every rank
+    if args.model:
+        return fm.from_pretrained(args.model, dtype=dtype, **kw)
+    return fm.from_config(args.model_config, dtype=dtype, **kw)
+
+
+def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> tuple[Windows, str | None]:
+    tokenizer = args.tokenizer or os.path.join(model_dir(args), "tokenizer.json")
+    eos = hf_config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    tokens = load_tokens(args.data, bin_dtype=args.data_dtype, tokenizer_path=tokenizer,
+                         eos_id=eos if isinstance(eos, int) else None)
+    check_vocab(tokens, vocab_size, args.data)
+    windows = Windows(tokens, args.seq_len, shuffle=args.shuffle, seed=args.seed)
+    return windows, tokenizer if os.path.isfile(tokenizer) else None
+
+
+def model_shape(cfg) -> ModelShape:
+    return ModelShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                      intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+
+
+def run_info(args: argparse.Namespace, plan: Plan, micro: int, gas: int) -> dict[str, Any]:
+    """What decides which windows a step reads (compared on resume)."""
+    return {"seq_len": plan.seq_len, "dp": plan.dp, "micro_batch": micro, "grad_accum": gas,
+            "shuffle": args.shuffle, "seed": args.seed, "data": os.path.abspath(args.data)}
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run(args: argparse.Namespace) -> list[StepRecord]:
+    """Everything ``fpdt-train`` does; returns this rank's step records."""
+    from fpdt.train import zero
+
+    _check_args(args)
+    device = pick_device()
+    ds_config, section = load_ds_config(args.deepspeed)
+    opts = merge_options(fpdt_flags(args), section)
+    world = dist.get_world_size() if dist.is_initialized() else env_world_size()
+    plan = validate(opts, args.seq_len, world, device.type, ds_config)
+
+    init_distributed(device)
+    zero.init_deepspeed_comm(device)
+    ps = build_parallel_state(plan.sp, device)
+
+    dtype_name = ds_dtype_name(ds_config)
+    model = build_model(args, opts, plan, ps, DTYPES[dtype_name])
+    hf_config = model.config.to_hf()
+    windows, tokenizer = load_windows(args, hf_config, model.config.vocab_size)
+
+    engine = zero.build_engine(model, ds_config)
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    info = run_info(args, plan, micro, gas)
+    progress = Progress(args.steps, 0, ps.is_main, args.log_json)
+    start = 0
+    if args.resume:
+        state = checkpoint.load(engine, args.resume, ps.rank)
+        start = state["step"]
+        for diff in checkpoint.check_same_run(state["run"], info):
+            progress.write(f"warning: resumed run differs, the next step is not the one the saved run "
+                           f"would have taken ({diff})")
+        progress.close()
+        progress = Progress(args.steps, start, ps.is_main, args.log_json)
+    if args.save_dir and ps.is_main:
+        checkpoint.write_model_files(args.save_dir, hf_config, tokenizer)
+
+    peak, peak_src = resolve_peak_flops(device, dtype_name, args.peak_tflops)
+    progress.write(f"fpdt-train: world={ps.world_size} sp={plan.sp} dp={plan.dp} seq_len={plan.seq_len} "
+                   f"chunks={plan.num_chunks} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
+                   f"windows={windows.num_windows} peak={'n/a' if peak is None else f'{peak / 1e12:.2f}'} "
+                   f"TFLOP/s ({peak_src})")
+    spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=model_shape(model.config),
+                    peak_flops=peak, recompute=opts.checkpoint != "off")
+    saved = set()
+
+    def on_step_end(done: int) -> None:
+        if args.save_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            checkpoint.save(engine, args.save_dir, done, ps.rank, info)
+            saved.add(done)
+
+    try:
+        records = run_steps(engine, windows, spec, start, args.steps, progress, on_step_end)
+    finally:
+        progress.close()
+    if args.save_dir and args.steps not in saved and start >= args.steps:
+        checkpoint.save(engine, args.save_dir, args.steps, ps.rank, info)
+    if args.export_hf:
+        _export_at_end(args, ps)
+    return records
+
+
+def _export_at_end(args: argparse.Namespace, ps: ParallelState) -> None:
+    from fpdt.train.export import export_checkpoint
+
+    if ps.is_main:
+        export_checkpoint(args.save_dir, args.export_hf)
+    dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status (2 for a configuration error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except (ConfigError, DataError) as e:
+        print(f"fpdt-train: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,224 @@
+"""Trainer configuration: the FPDT options, the DeepSpeed JSON, and their validation.
+
+Where each setting comes from:
+
+* DeepSpeed's own settings (ZeRO stage, precision, optimizer, scheduler, offload of
+  parameters / optimizer state, clipping, gradient accumulation, micro batch) live in the
+  ``--deepspeed`` JSON and are handed to ``deepspeed.initialize`` untouched, minus the
+  ``"fpdt"`` key. DeepSpeed validates them.
+* FPDT's settings (:class:`FPDTOptions`) come from command-line flags or from the
+  ``"fpdt"`` section of the same JSON; a flag that is given wins over the JSON, and the
+  JSON wins over the defaults. Unknown keys in that section are errors.
+
+Everything that can be checked before any process group exists is checked by
+:func:`validate`, and every error names the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+CHECKPOINT_MODES = ("off", "on", "offload")
+
+
+class ConfigError(ValueError):
+    """A bad trainer configuration; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class FPDTOptions:
+    """FPDT settings (flags, or the ``"fpdt"`` section of the DeepSpeed JSON)."""
+
+    sp: int = 1
+    """Sequence-parallel size P. Must divide the world size; the rest is data parallel."""
+    chunk_size: int | None = None
+    """Global tokens per FPDT chunk (the post-all-to-all chunk length C). The number of
+    attention chunks is ``u = seq_len / chunk_size`` and each rank holds ``C / P`` tokens
+    of every chunk. ``None``: one chunk, the whole sequence."""
+    offload: bool = False
+    """Keep finished q/k/v/o chunks in pinned host memory and stream them back (CUDA only)."""
+    mlp_chunks: int | None = None
+    """Chunks the MLP is run in over the local sequence. ``None``: ``2 * u`` (FPDT
+    paper); ``0``: the plain, unchunked MLP."""
+    loss_chunks: int | None = None
+    """Chunks the LM head + cross-entropy are run in. ``None``: the model's default
+    (``ceil(2 * vocab / hidden)``, FPDT paper); ``0``: plain full-logits loss."""
+    checkpoint: str = "off"
+    """Activation checkpointing of the decoder layers: ``"off"``, ``"on"`` (recompute in
+    backward) or ``"offload"`` (also keep the saved layer inputs on the host; CUDA only)."""
+
+
+FPDT_KEYS = tuple(f.name for f in fields(FPDTOptions))
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    near = difflib.get_close_matches(key, FPDT_KEYS, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return ConfigError(f'unknown key {key!r} in the "fpdt" section of the DeepSpeed JSON{hint}; '
+                       f"valid keys: {', '.join(FPDT_KEYS)}")
+
+
+def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -> FPDTOptions:
+    """Combine flags > ``"fpdt"`` JSON section > defaults into :class:`FPDTOptions`.
+
+    ``flags`` maps option names to values, ``None`` meaning "flag not given".
+    """
+    section = dict(section or {})
+    for key in section:
+        if key not in FPDT_KEYS:
+            raise _unknown_key_error(key)
+    merged: dict[str, Any] = {}
+    for key in FPDT_KEYS:
+        if flags.get(key) is not None:
+            merged[key] = flags[key]
+        elif key in section:
+            merged[key] = section[key]
+    opts = replace(FPDTOptions(), **merged)
+    _check_types(opts)
+    return opts
+
+
+def _check_types(opts: FPDTOptions) -> None:
+    for name in ("sp", "chunk_size", "mlp_chunks", "loss_chunks"):
+        value = getattr(opts, name)
+        if value is None and name != "sp":
+            continue
+        least = 0 if name in ("mlp_chunks", "loss_chunks") else 1  # 0 = unchunked
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= {least}")
+    if not isinstance(opts.offload, bool):
+        raise ConfigError(f"fpdt option offload={opts.offload!r} must be true or false")
+    if opts.checkpoint not in CHECKPOINT_MODES:
+        raise ConfigError(f"fpdt option checkpoint={opts.checkpoint!r} must be one of {CHECKPOINT_MODES}")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed JSON
+
+DEFAULT_DS_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "steps_per_print": 1_000_000_000,
+}
+"""Used when no ``--deepspeed`` JSON is given: fp32, ZeRO-3, AdamW (torch implementation,
+so nothing is JIT-compiled), lr 1e-3, clipping at 1.0."""
+
+
+def load_ds_config(source: str | os.PathLike | Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read the DeepSpeed JSON. Returns ``(deepspeed_dict_without_fpdt, fpdt_section)``.
+
+    ``source`` is a path, an already-parsed dict (not modified) or ``None`` for
+    :data:`DEFAULT_DS_CONFIG`.
+    """
+    if source is None:
+        cfg = copy.deepcopy(DEFAULT_DS_CONFIG)
+    elif isinstance(source, Mapping):
+        cfg = copy.deepcopy(dict(source))
+    else:
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ConfigError(f"--deepspeed {path}: no such file")
+        with open(path) as f:
+            try:
+                cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--deepspeed {path} is not valid JSON: {e}") from e
+    section = cfg.pop("fpdt", None) or {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f'the "fpdt" section of the DeepSpeed JSON must be an object, got {section!r}')
+    if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
+        cfg["train_micro_batch_size_per_gpu"] = 1
+    return cfg, dict(section)
+
+
+def ds_zero_stage(cfg: Mapping[str, Any]) -> int:
+    return int((cfg.get("zero_optimization") or {}).get("stage", 0))
+
+
+def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"``: the training precision the JSON asks for."""
+    if (cfg.get("bf16") or {}).get("enabled", False):
+        return "bf16"
+    if (cfg.get("fp16") or {}).get("enabled", False):
+        return "fp16"
+    return "fp32"
+
+
+# ----------------------------------------------------------------------------- validation
+
+@dataclass(frozen=True)
+class Plan:
+    """The validated shape of a run: parallel sizes and sequence chunking."""
+
+    world_size: int
+    """Number of processes."""
+    sp: int
+    """Sequence-parallel size P."""
+    dp: int
+    """Data-parallel size: ``world_size / sp`` groups, each training distinct windows."""
+    seq_len: int
+    """Global tokens per sequence S (one window is S + 1 tokens)."""
+    chunk_size: int
+    """Global tokens per FPDT chunk C."""
+    num_chunks: int
+    """Attention chunks u = S / C (also the chunks per rank in the FPDT layout)."""
+    mlp_chunks: int
+    """MLP chunks over the local sequence."""
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens per rank, S / P."""
+        return self.seq_len // self.sp
+
+
+def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
+             ds_config: Mapping[str, Any]) -> Plan:
+    """Check every setting that can be checked before the run starts; return the :class:`Plan`.
+
+    Raises :class:`ConfigError` naming the values that fail and the fix.
+    """
+    if seq_len < 1:
+        raise ConfigError(f"--seq-len {seq_len} must be a positive number of tokens")
+    if world_size % opts.sp != 0:
+        raise ConfigError(
+            f"--sp {opts.sp} does not divide the world size {world_size}; choose an sp that "
+            f"divides {world_size} (the remaining factor is data parallel), or launch a "
+            f"multiple of {opts.sp} processes")
+    chunk = seq_len if opts.chunk_size is None else opts.chunk_size
+    if chunk > seq_len:
+        raise ConfigError(f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); "
+                          f"use a chunk size <= {seq_len} that divides it")
+    if seq_len % chunk != 0:
+        raise ConfigError(f"--seq-len {seq_len} is not divisible by --chunk-size {chunk}; "
+                          f"pick a chunk size that divides the sequence length")
+    num_chunks = seq_len // chunk
+    if seq_len % (opts.sp * num_chunks) != 0:
+        raise ConfigError(
+            f"--seq-len {seq_len} is not divisible by sp x chunks = {opts.sp} x {num_chunks} = "
+            f"{opts.sp * num_chunks}; each chunk of {chunk} tokens must split evenly over "
+            f"{opts.sp} ranks: use a chunk size that is a multiple of {opts.sp}")
+    _check_device_options(opts, device_type, ds_config)
+    mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else 2 * num_chunks
+    return Plan(world_size=world_size, sp=opts.sp, dp=world_size // opts.sp, seq_len=seq_len,
+                chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=mlp_chunks)
+
+
+def _check_device_options(opts: FPDTOptions, device_type: str, ds_config: Mapping[str, Any]) -> None:
+    if device_type == "cuda":
+        return
+    if opts.offload:
+        raise ConfigError(f"--offload needs a CUDA device (pinned host memory and copy streams); "
+                          f"this run is on {device_type}: pass --no-offload or set \"offload\": false")
+    if opts.checkpoint == "offload":
+        raise ConfigError(f"checkpoint mode 'offload' needs a CUDA device; this run is on "
+                          f"{device_type}: use --checkpoint on (or off)")
+    if ds_dtype_name(ds_config) == "fp16":
+        raise ConfigError(f"fp16 training needs a CUDA device (loss scaling kernels); this run is on "
+                          f"{device_type}: use \"bf16\": {{\"enabled\": true}} or fp32 in the DeepSpeed JSON")

@@ -1,0 +1,203 @@
+"""Training data: a token stream, cut into windows, sharded into the FPDT layout.
+
+The contract (also in the README):
+
+1. ``--data PATH`` is a token stream. ``.npy`` files hold token ids (any integer dtype);
+   ``.bin`` files hold raw ids (``--data-dtype uint16`` or ``uint32``); ``.txt`` files
+   (one document each) and ``.jsonl`` files (one document per line: an object with a
+   ``"text"`` field, or a bare string) are tokenized with the model's ``tokenizer.json``
+   and every document is followed by the end-of-text id when the model config names one
+   (``eos_token_id``). A directory means every such file under it, in sorted path order,
+   concatenated.
+2. The stream is cut into consecutive, non-overlapping windows of ``seq_len + 1``
+   tokens in file order; a short tail is dropped. Window ``k`` is the ``k``-th sequence.
+   With ``--shuffle`` the windows of each pass over the data are visited in a random
+   order drawn from ``(seed, epoch)``; without it, in order. Past the last window the
+   stream starts again from window 0.
+3. Inputs are ``window[:-1]`` and labels ``window[1:]``: the shift happens on the global
+   sequence, before sharding, so the label of every rank's last token is the first token
+   of the next piece (BRIEF pitfall 1). Inputs, labels and position ids then go through
+   the same FPDT layout (:mod:`fpdt.layout`).
+4. Sequence ``k`` of the run is drawn by one data-parallel group: optimizer step ``t``,
+   micro step ``m`` (gradient accumulation) and sample ``b`` of the micro batch in DP
+   group ``d`` read sequence ``((t * gas + m) * dp + d) * B + b``. All ranks of an SP
+   group read the same window; DP groups read distinct ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from fpdt.layout import local_position_ids, shard
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+TOKEN_SUFFIXES = (".npy", ".bin")
+BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """Unusable training data; the message says what to change."""
+
+
+# ----------------------------------------------------------------------------- token sources
+
+def list_data_files(path: str) -> list[str]:
+    """The files ``--data`` names: the file itself, or the usable files under a directory."""
+    if os.path.isfile(path):
+        if not path.endswith(TEXT_SUFFIXES + TOKEN_SUFFIXES):
+            raise DataError(f"--data {path}: unknown file type; use .npy, .bin, .txt or .jsonl")
+        return [path]
+    if not os.path.isdir(path):
+        raise DataError(f"--data {path}: no such file or directory")
+    found = []
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        found.extend(os.path.join(root, f) for f in sorted(files) if f.endswith(TEXT_SUFFIXES + TOKEN_SUFFIXES))
+    if not found:
+        raise DataError(f"--data {path}: the directory holds no .npy, .bin, .txt or .jsonl files")
+    return sorted(found)
+
+
+def read_documents(path: str) -> list[str]:
+    """The documents of one text file: the whole ``.txt``, or each line of a ``.jsonl``."""
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".txt"):
+            return [f.read()]
+        docs = []
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if isinstance(obj, dict):
+                if "text" not in obj:
+                    raise DataError(f"{path}:{n}: JSON object has no \"text\" field")
+                obj = obj["text"]
+            if not isinstance(obj, str):
+                raise DataError(f"{path}:{n}: expected a string or an object with a \"text\" string")
+            docs.append(obj)
+        return docs
+
+
+def tokenize_documents(docs: list[str], tokenizer_path: str, eos_id: int | None) -> np.ndarray:
+    """Token ids of ``docs`` (each followed by ``eos_id`` when given), as one int64 array."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs, add_special_tokens=False):
+        ids.extend(enc.ids)
+        if eos_id is not None:
+            ids.append(eos_id)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def read_token_file(path: str, bin_dtype: str) -> np.ndarray:
+    """Ids of one ``.npy`` (memory-mapped, flattened) or ``.bin`` (raw ``bin_dtype``) file."""
+    if path.endswith(".npy"):
+        arr = np.load(path, mmap_mode="r")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"{path}: token ids must be integers, found dtype {arr.dtype}")
+        return arr.reshape(-1)
+    if bin_dtype not in BIN_DTYPES:
+        raise DataError(f"--data-dtype {bin_dtype!r}: use one of {sorted(BIN_DTYPES)}")
+    return np.memmap(path, dtype=BIN_DTYPES[bin_dtype], mode="r")
+
+
+def load_tokens(path: str, *, bin_dtype: str = "uint16", tokenizer_path: str | None = None,
+                eos_id: int | None = None) -> np.ndarray:
+    """The whole token stream named by ``--data`` as one 1-D integer array."""
+    parts: list[np.ndarray] = []
+    for f in list_data_files(path):
+        if f.endswith(TOKEN_SUFFIXES):
+            parts.append(read_token_file(f, bin_dtype))
+            continue
+        if tokenizer_path is None or not os.path.isfile(tokenizer_path):
+            raise DataError(f"--data {f} is text but no tokenizer.json was found "
+                            f"(looked for {tokenizer_path}); put tokenizer.json in the model directory "
+                            f"or pass --tokenizer PATH, or pre-tokenize to .npy/.bin")
+        parts.append(tokenize_documents(read_documents(f), tokenizer_path, eos_id))
+    return parts[0] if len(parts) == 1 else np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+
+
+def check_vocab(tokens: np.ndarray, vocab_size: int, source: str) -> None:
+    """Refuse ids outside ``[0, vocab_size)`` (they would index past the embedding)."""
+    if tokens.size == 0:
+        raise DataError(f"--data {source} holds no tokens")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise DataError(f"--data {source} has token ids in [{lo}, {hi}] but the model's vocab_size is "
+                        f"{vocab_size}; tokenize with the model's tokenizer (or check --data-dtype)")
+
+
+# ----------------------------------------------------------------------------- windows
+
+@dataclass
+class Windows:
+    """Consecutive windows of ``seq_len + 1`` tokens over a token stream."""
+
+    tokens: np.ndarray
+    """1-D token ids (may be a memory map)."""
+    seq_len: int
+    """S: tokens per training sequence (a window holds S + 1)."""
+    shuffle: bool = False
+    """Visit each pass's windows in a seeded random order instead of file order."""
+    seed: int = 0
+    """Seed of the shuffle order (together with the epoch)."""
+
+    def __post_init__(self) -> None:
+        if self.num_windows < 1:
+            raise DataError(f"the data has {len(self.tokens)} tokens, fewer than one window of "
+                            f"seq_len + 1 = {self.seq_len + 1}; use more data or a shorter --seq-len")
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.tokens) // (self.seq_len + 1)
+
+    def window_of_sequence(self, k: int) -> int:
+        """Which window the ``k``-th sequence of the run reads."""
+        epoch, pos = divmod(k, self.num_windows)
+        if not self.shuffle:
+            return pos
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        return int(order[pos])
+
+    def window(self, w: int) -> np.ndarray:
+        """Window ``w``: ``S + 1`` int64 ids."""
+        start = w * (self.seq_len + 1)
+        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+    def sequences(self, ks: Iterable[int]) -> torch.Tensor:
+        """``[B, S + 1]`` int64: the windows of sequences ``ks``."""
+        return torch.from_numpy(np.stack([self.window(self.window_of_sequence(k)) for k in ks]))
+
+
+def sequence_ids(step: int, micro: int, grad_accum: int, dp_rank: int, dp: int, micro_batch: int) -> list[int]:
+    """Sequence numbers read by DP group ``dp_rank`` at optimizer step ``step``, micro step ``micro``."""
+    first = ((step * grad_accum + micro) * dp + dp_rank) * micro_batch
+    return list(range(first, first + micro_batch))
+
+
+# ----------------------------------------------------------------------------- sharding
+
+def shard_windows(windows: torch.Tensor, sp: int, num_chunks: int, sp_rank: int) -> dict[str, torch.Tensor]:
+    """Shift on the global sequence, then take rank ``sp_rank``'s FPDT-layout slice.
+
+    Args:
+        windows: ``[B, S + 1]`` int64 token ids.
+    Returns:
+        ``input_ids``, ``labels``, ``position_ids``: each ``[B, S / P]`` int64, in the
+        FPDT layout (local chunk ``i`` of rank ``r`` is global piece ``i * P + r``).
+    """
+    batch, seq_len = windows.shape[0], windows.shape[1] - 1
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    return {
+        "input_ids": shard(inputs, sp, num_chunks, sp_rank, dim=1),
+        "labels": shard(labels, sp, num_chunks, sp_rank, dim=1),
+        "position_ids": local_position_ids(seq_len, sp, num_chunks, sp_rank, batch_size=batch),
+    }

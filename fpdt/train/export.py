@@ -1,0 +1,80 @@
+"""``fpdt-export``: a Hugging Face checkpoint from a training checkpoint.
+
+    fpdt-export SAVE_DIR OUT_DIR [--tag step<N>] [--dtype bf16]
+
+Reads the fp32 master weights of a ``fpdt-train --save-dir`` checkpoint (any ZeRO stage;
+the shards are merged on the host, no GPU or process group needed), and writes
+``config.json`` + safetensors that ``transformers`` loads, plus the tokenizer files found
+next to the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _read_tag(save_dir: str, tag: str | None) -> str:
+    if tag is not None:
+        return tag
+    latest = os.path.join(save_dir, "latest")
+    if not os.path.isfile(latest):
+        raise FileNotFoundError(f"{save_dir} has no 'latest' file; pass --tag step<N>")
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of checkpoint ``tag``: merged ZeRO shards, or the plain module
+    state of a ZeRO-0 run."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag_dir = os.path.join(save_dir, tag)
+    if any(n.endswith("optim_states.pt") and "zero_pp_rank" in n for n in os.listdir(tag_dir)):
+        return get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+    state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+    return {k: v.float() for k, v in state["module"].items()}
+
+
+def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype: str | None = None) -> str:
+    """Write the HF checkpoint of ``save_dir``'s checkpoint ``tag`` (default: newest) to
+    ``out_dir``; returns ``out_dir``."""
+    from fpdt.model import from_config, load_hf_state_dict, save_pretrained
+
+    tag = _read_tag(save_dir, tag)
+    config = os.path.join(save_dir, "config.json")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"{config} is missing: export needs the config.json fpdt-train writes to --save-dir")
+    model = from_config(config, device="meta")
+    state = fp32_state_dict(save_dir, tag)
+    load_hf_state_dict(model, {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")})
+    model.reset_rope()
+    save_pretrained(model, out_dir, dtype=dtype)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(save_dir, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fpdt-export", description="Hugging Face checkpoint from an fpdt-train checkpoint")
+    p.add_argument("save_dir", help="the --save-dir of an fpdt-train run")
+    p.add_argument("out_dir", help="where to write config.json + safetensors")
+    p.add_argument("--tag", help="checkpoint to export, e.g. step100 (default: the newest)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype of the saved weights")
+    args = p.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        out = export_checkpoint(args.save_dir, args.out_dir, args.tag, dtype)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"fpdt-export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,105 @@
+"""The training loop: one optimizer step at a time, on a DeepSpeed engine.
+
+Loss scaling across sequence parallelism: the model returns the global mean loss of a
+sequence on every SP rank, and its backward leaves on each rank only that rank's share
+of the gradient; the *sum* over the SP group is the gradient of the mean loss. DeepSpeed
+averages gradients over all ``dp * sp`` ranks, i.e. it divides that sum by ``sp`` too
+many. The loop therefore back-propagates ``sp * loss``: after DeepSpeed's average the
+gradient is the mean over data-parallel groups of each sequence's mean-loss gradient --
+exactly what single-process training on the same windows computes (tested with plain
+SGD, where a wrong scale shows at once).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fpdt.train.config import Plan
+from fpdt.train.data import Windows, sequence_ids, shard_windows
+from fpdt.train.metrics import ModelShape, step_rates
+from fpdt.train.parallel import ParallelState
+from fpdt.train.progress import Progress, StepRecord, host_rss_gib, peak_device_mem_gib
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    """What the loop needs besides the engine and the data."""
+
+    plan: Plan
+    """Validated parallel sizes and chunking."""
+    parallel: ParallelState
+    """This rank's place."""
+    micro_batch: int
+    """Sequences per micro step per DP group (DeepSpeed's ``train_micro_batch_size_per_gpu``)."""
+    grad_accum: int
+    """Micro steps per optimizer step (DeepSpeed's ``gradient_accumulation_steps``)."""
+    shape: ModelShape
+    """Model sizes for the FLOPs count."""
+    peak_flops: float | None
+    """Peak FLOP/s per device, or None (no MFU)."""
+    recompute: bool
+    """Activation checkpointing is on (counted in HFU only)."""
+
+
+def _micro_step(engine, windows: Windows, spec: LoopSpec, step: int, micro: int) -> torch.Tensor:
+    ps = spec.parallel
+    ks = sequence_ids(step, micro, spec.grad_accum, ps.dp_rank, ps.dp, spec.micro_batch)
+    batch = shard_windows(windows.sequences(ks), ps.sp, spec.plan.num_chunks, ps.sp_rank)
+    batch = {k: v.to(ps.device, non_blocking=True) for k, v in batch.items()}  # [B, S_local] each
+    loss = engine(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
+    engine.backward(loss * ps.sp)  # see module docstring
+    engine.step()                  # optimizer update only at the accumulation boundary
+    return loss.detach().float()
+
+
+def _reduce_stats(loss_sum: torch.Tensor, spec: LoopSpec) -> tuple[float, float, float | None]:
+    """-> (loss averaged over DP groups and micro steps, max host RSS, max peak device mem)."""
+    ps = spec.parallel
+    mem = peak_device_mem_gib(ps.device)
+    mean = (loss_sum / spec.grad_accum).reshape(1).to(ps.device)
+    dist.all_reduce(mean)                       # SP ranks hold equal values: world mean = DP mean
+    peaks = torch.tensor([host_rss_gib(), -1.0 if mem is None else mem], device=ps.device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return mean.item() / ps.world_size, peaks[0].item(), None if mem is None else peaks[1].item()
+
+
+def train_step(engine, windows: Windows, spec: LoopSpec, step: int) -> StepRecord:
+    """Run optimizer step ``step`` (0-based) and describe it."""
+    ps = spec.parallel
+    lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
+    if ps.device.type == "cuda":
+        torch.cuda.synchronize(ps.device)
+    t0 = time.perf_counter()
+    loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
+    for micro in range(spec.grad_accum):
+        loss_sum += _micro_step(engine, windows, spec, step, micro)
+    if ps.device.type == "cuda":
+        torch.cuda.synchronize(ps.device)   # host-device sync: the step's wall time ends here
+    seconds = time.perf_counter() - t0
+    loss, rss, mem = _reduce_stats(loss_sum, spec)
+    tokens = spec.plan.seq_len * spec.micro_batch * spec.grad_accum * ps.dp
+    rates = step_rates(spec.shape, spec.plan.seq_len, tokens, seconds, ps.world_size,
+                       spec.peak_flops, spec.recompute)
+    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    return StepRecord(step=step + 1, loss=loss, lr=lr, tokens=tokens, step_time_s=seconds,
+                      tokens_per_s=rates.tokens_per_s, tgs=rates.tgs, mfu=rates.mfu, mfu_full=rates.mfu_full,
+                      hfu=rates.hfu, peak_mem_gib=mem, host_rss_gib=rss,
+                      grad_norm=None if norm is None else float(norm))
+
+
+def run_steps(engine, windows: Windows, spec: LoopSpec, start: int, stop: int, progress: Progress,
+              on_step_end: Callable[[int], None] | None = None) -> list[StepRecord]:
+    """Optimizer steps ``start .. stop-1``; ``on_step_end(steps_done)`` after each (saving)."""
+    records = []
+    for step in range(start, stop):
+        rec = train_step(engine, windows, spec, step)
+        progress.update(rec)
+        records.append(rec)
+        if on_step_end is not None:
+            on_step_end(step + 1)
+    return records

@@ -1,0 +1,166 @@
+"""Model FLOPs, MFU and tokens per GPU per second.
+
+FLOPs are counted per token for a Llama-family decoder (GQA, SwiGLU, untied or tied
+LM head), multiply-add = 2 FLOPs, with
+
+    l = layers, h = hidden size, H = query heads, H_kv = key/value heads, D = head dim,
+    I = MLP inner size, V = vocabulary, S = global sequence length.
+
+Forward FLOPs of one token::
+
+    F_fwd(c) = l * [ 2h(H*D + 2*H_kv*D) + 2*H*D*h      # q, k, v and o projections
+                     + 6*h*I                            # SwiGLU gate, up, down
+                     + c * 4*H*D*S ]                    # q.k^T and p.v over S keys
+               + 2*h*V                                  # LM head
+
+``c = 1/2`` for causal attention (a token sees S/2 keys on average; the default
+**MFU**) and ``c = 1`` for the full-attention count other papers use (reported as
+**MFU (full attention)**, e.g. to compare with FPDT or USP tables).
+
+Training FLOPs per token are ``3 * F_fwd`` (backward = 2x forward). Recomputation by
+activation checkpointing is *not* counted in MFU (BRIEF pitfall 12); **HFU** adds the
+recomputed layer forward, ``l * [...]`` once more, when checkpointing is on.
+
+    MFU = 3 * F_fwd(1/2) * tokens_per_second / (n_devices * peak_flops)
+    TGS = tokens_per_second / n_devices       (tokens per GPU per second)
+
+``tokens_per_second`` counts every token of every sequence trained in the step
+(``B * S * dp * grad_accum`` per optimizer step); the SP ranks of a group share a
+sequence, so a sequence's tokens are counted once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the FLOPs formula needs."""
+
+    num_layers: int
+    """l."""
+    hidden_size: int
+    """h."""
+    num_heads: int
+    """H (query heads)."""
+    num_kv_heads: int
+    """H_kv."""
+    head_dim: int
+    """D."""
+    intermediate_size: int
+    """I (SwiGLU inner width)."""
+    vocab_size: int
+    """V."""
+
+
+def layer_matmul_flops(m: ModelShape) -> float:
+    """Forward FLOPs of one token in one layer, projections and MLP only (no attention)."""
+    h, qd, kvd = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    return 2 * h * (qd + 2 * kvd) + 2 * qd * h + 6 * h * m.intermediate_size
+
+
+def attention_flops(m: ModelShape, seq_len: int, causal: bool) -> float:
+    """Forward FLOPs of one token's attention in one layer (q.k^T and p.v)."""
+    scale = 0.5 if causal else 1.0
+    return scale * 4 * m.num_heads * m.head_dim * seq_len
+
+
+def forward_flops_per_token(m: ModelShape, seq_len: int, causal: bool = True) -> float:
+    """``F_fwd``: forward FLOPs of one token of a ``seq_len`` sequence."""
+    layer = layer_matmul_flops(m) + attention_flops(m, seq_len, causal)
+    return m.num_layers * layer + 2 * m.hidden_size * m.vocab_size
+
+
+def train_flops_per_token(m: ModelShape, seq_len: int, causal: bool = True, recompute: bool = False) -> float:
+    """FLOPs of forward + backward per token; ``recompute`` adds one layer forward (HFU)."""
+    flops = 3 * forward_flops_per_token(m, seq_len, causal)
+    if recompute:
+        flops += m.num_layers * (layer_matmul_flops(m) + attention_flops(m, seq_len, causal))
+    return flops
+
+
+# ----------------------------------------------------------------------------- peak FLOP/s
+
+# Dense peak FLOP/s per device: (bf16/fp16, tf32 for fp32 training). Sparse figures excluded.
+_GPU_PEAKS = (
+    ("H200", 989.4e12, 494.7e12),
+    ("H100", 989.4e12, 494.7e12),  # SXM; PCIe boards are lower: pass --peak-tflops
+    ("H800", 989.4e12, 494.7e12),
+    ("A100", 312e12, 156e12),
+    ("A800", 312e12, 156e12),
+    ("L40S", 362e12, 183e12),
+)
+
+
+def gpu_peak_flops(device_name: str, dtype_name: str) -> float | None:
+    """Datasheet dense peak for a known GPU name, or ``None``."""
+    for key, half, tf32 in _GPU_PEAKS:
+        if key in device_name.upper():
+            return half if dtype_name in ("bf16", "fp16") else tf32
+    return None
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
+    """Measured square-matmul FLOP/s on the CPU: the best of ``repeats`` runs.
+
+    Used as the MFU denominator on CPU, where there is no datasheet figure.
+    """
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def resolve_peak_flops(device: torch.device, dtype_name: str, override_tflops: float | None) -> tuple[float | None, str]:
+    """-> (peak FLOP/s per device or None, where the figure came from)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_flops(name, dtype_name)
+        return peak, (f"datasheet {name}" if peak else f"unknown GPU {name!r}: pass --peak-tflops")
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    return measure_matmul_flops(dtype), "measured CPU matmul"
+
+
+# ----------------------------------------------------------------------------- per step
+
+@dataclass(frozen=True)
+class StepRates:
+    """Throughput figures of one optimizer step."""
+
+    tokens_per_s: float
+    """Tokens trained per second, all ranks together."""
+    tgs: float
+    """Tokens per device per second."""
+    mfu: float | None
+    """Model FLOPs utilisation, causal attention halved, recompute not counted."""
+    mfu_full: float | None
+    """The same with full (unhalved) attention FLOPs."""
+    hfu: float | None
+    """Hardware FLOPs utilisation: causal, recompute counted when checkpointing is on."""
+
+
+def step_rates(m: ModelShape, seq_len: int, tokens: int, seconds: float, n_devices: int,
+               peak_flops: float | None, recompute: bool) -> StepRates:
+    """Rates for a step that trained ``tokens`` tokens of ``seq_len``-token sequences in ``seconds``."""
+    tps = tokens / seconds
+    if not peak_flops:
+        return StepRates(tps, tps / n_devices, None, None, None)
+    denom = n_devices * peak_flops
+    return StepRates(
+        tokens_per_s=tps,
+        tgs=tps / n_devices,
+        mfu=train_flops_per_token(m, seq_len, causal=True) * tps / denom,
+        mfu_full=train_flops_per_token(m, seq_len, causal=False) * tps / denom,
+        hfu=train_flops_per_token(m, seq_len, causal=True, recompute=recompute) * tps / denom,
+    )

@@ -1,0 +1,96 @@
+"""Processes, devices and the sequence-parallel / data-parallel groups.
+
+Ranks are laid out SP-innermost: with SP size P, ranks ``[g*P, (g+1)*P)`` form SP group
+``g`` and train one sequence together; ``g`` is also the data-parallel index of those
+ranks (``dp = world_size / P`` groups read distinct windows). Innermost SP keeps the
+all-to-alls inside a node when P divides the GPUs per node.
+
+DeepSpeed sees every rank as a data-parallel rank: ZeRO-3 shards parameters, gradients
+and optimizer state over all ``dp * P`` ranks (the SP group counts as DP, as in the FPDT
+paper) and averages gradients over all of them. See :mod:`fpdt.train.loop` for the loss
+scaling that makes that average right.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This process's place in the run."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes."""
+    sp: int
+    """Sequence-parallel size P."""
+    dp: int
+    """Data-parallel size, ``world_size / P``."""
+    sp_rank: int
+    """Rank inside the SP group (which FPDT-layout slice this process holds)."""
+    dp_rank: int
+    """Index of the SP group, i.e. of the data-parallel replica."""
+    sp_group: dist.ProcessGroup
+    """The SP process group (a single-rank group when P = 1)."""
+    device: torch.device
+    """Where the model runs."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world_size() -> int:
+    """World size announced by the launcher (1 when started without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pick_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device) -> None:
+    """Initialise the default process group unless a launcher or a test already did.
+
+    Without a launcher (no ``RANK`` in the environment) this becomes a 1-process group on
+    a free local port, so a single process runs through exactly the same code.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def build_parallel_state(sp: int, device: torch.device) -> ParallelState:
+    """Create the SP groups (every rank creates all of them, in the same order)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % sp != 0:  # validated earlier from the environment; re-check the real group
+        raise ValueError(f"--sp {sp} does not divide the world size {world}")
+    mine = None
+    for g in range(world // sp):
+        group = dist.new_group(list(range(g * sp, (g + 1) * sp)))
+        if g == rank // sp:
+            mine = group
+    assert mine is not None
+    return ParallelState(rank=rank, world_size=world, sp=sp, dp=world // sp, sp_rank=rank % sp,
+                         dp_rank=rank // sp, sp_group=mine, device=device)

@@ -1,0 +1,124 @@
+"""Per-step feedback: a tqdm bar on rank 0 and a JSON-lines log.
+
+Every optimizer step produces one :class:`StepRecord`. Rank 0 shows it in the bar's
+postfix and, with ``--log-json FILE``, appends it to ``FILE`` as one JSON object per line
+(keys as in :class:`StepRecord`; ``null`` where a figure is not available, e.g. the peak
+device memory on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import IO
+
+import psutil
+import torch
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step did."""
+
+    step: int
+    """Optimizer steps completed, counting from 1 (a resumed run continues the count)."""
+    loss: float
+    """Mean training loss of the step: the global token mean per sequence, averaged over
+    data-parallel groups and micro steps."""
+    lr: float
+    """Learning rate used by the step (first parameter group)."""
+    tokens: int
+    """Tokens trained in this step (all ranks together)."""
+    step_time_s: float
+    """Wall time of the step, forward through optimizer update."""
+    tokens_per_s: float
+    """``tokens / step_time_s``."""
+    tgs: float
+    """Tokens per device per second."""
+    mfu: float | None
+    """Model FLOPs utilisation (causal-halved attention, recompute not counted)."""
+    mfu_full: float | None
+    """MFU with full-attention FLOPs (the count other papers use)."""
+    hfu: float | None
+    """Hardware FLOPs utilisation (recompute counted)."""
+    peak_mem_gib: float | None
+    """Peak device memory allocated so far, max over ranks (``None`` on CPU)."""
+    host_rss_gib: float
+    """Resident host memory, max over ranks."""
+    grad_norm: float | None = None
+    """Global gradient norm before clipping, when DeepSpeed reports it."""
+
+
+def host_rss_gib() -> float:
+    """Resident set size of this process, GiB."""
+    return psutil.Process(os.getpid()).memory_info().rss / 2 ** 30
+
+
+def peak_device_mem_gib(device: torch.device) -> float | None:
+    """Peak allocated device memory of this process, GiB (``None`` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2 ** 30
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
+
+
+def postfix(rec: StepRecord) -> str:
+    """One-line summary for the progress bar."""
+    parts = [
+        f"loss={rec.loss:.4f}",
+        f"tok/s={rec.tokens_per_s:,.0f}",
+        f"TGS={rec.tgs:,.0f}",
+        f"MFU={_fmt(rec.mfu, '.1f', 100, '%')}",
+        f"step={rec.step_time_s:.2f}s",
+        f"mem={_fmt(rec.peak_mem_gib, '.2f', suffix='G')}",
+        f"rss={rec.host_rss_gib:.2f}G",
+    ]
+    return " ".join(parts)
+
+
+class Progress:
+    """Rank-0 progress bar plus optional JSON-lines log; silent on other ranks."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, log_json: str | None) -> None:
+        self.enabled = enabled
+        self._bar = None
+        self._log: IO[str] | None = None
+        if not enabled:
+            return
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+            self._log = open(log_json, "a", buffering=1)
+
+    def update(self, rec: StepRecord) -> None:
+        if not self.enabled:
+            return
+        assert self._bar is not None
+        self._bar.set_postfix_str(postfix(rec), refresh=False)
+        self._bar.update(1)
+        if self._log is not None:
+            self._log.write(json.dumps(dataclasses.asdict(rec)) + "\n")
+
+    def write(self, message: str) -> None:
+        """Print a line above the bar (rank 0 only)."""
+        if self.enabled and self._bar is not None:
+            self._bar.write(message)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._log is not None:
+            self._log.close()
+
+
+def read_log(path: str) -> list[dict]:
+    """The records of a ``--log-json`` file, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

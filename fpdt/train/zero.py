@@ -1,0 +1,91 @@
+"""DeepSpeed set-up: communication back end, ZeRO-3 external parameters, the engine.
+
+This is the only place (with :mod:`fpdt.train.checkpoint` and :mod:`fpdt.train.export`)
+that imports DeepSpeed; nothing below ``fpdt.train`` does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, Mapping
+
+import torch
+
+
+def _deepspeed():
+    import deepspeed
+
+    return deepspeed
+
+
+def skip_cpu_shm_comm() -> None:
+    """Keep DeepSpeed on plain gloo on CPU instead of JIT-compiling its shared-memory op.
+
+    DeepSpeed's CPU accelerator builds ``deepspeed_shm_comm`` (a faster intra-node
+    all-reduce) on first use, which costs ~35 s of C++ compilation per fresh machine:
+    more than the whole example run. Gloo is what the tests and the CPU example need.
+    Set ``FPDT_DS_SHM_COMM=1`` to let DeepSpeed build and use it.
+    """
+    if os.environ.get("FPDT_DS_SHM_COMM") == "1":
+        return
+    import deepspeed.ops
+
+    try:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except (AttributeError, TypeError):  # a DeepSpeed without the probe table: nothing to skip
+        pass
+
+
+def init_deepspeed_comm(device: torch.device) -> None:
+    """Let DeepSpeed adopt the already-initialised default process group."""
+    if device.type != "cuda":
+        skip_cpu_shm_comm()
+    _deepspeed().init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+
+
+def attention_external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, torch.nn.Parameter]]:
+    """``(attention module, parameter)`` for every q/k/v projection weight and bias that an
+    :class:`fpdt.attention.FPDTAttention` reads directly inside its autograd Function."""
+    from fpdt.attention.module import FPDTAttention
+
+    for module in model.modules():
+        if not isinstance(module, FPDTAttention):
+            continue
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(module, name, None)
+            if proj is None:
+                continue
+            for p in proj.parameters(recurse=False):
+                yield module, p
+
+
+def register_external_params(model: torch.nn.Module) -> int:
+    """Tell ZeRO-3 that each FPDT attention module uses its projections' parameters.
+
+    ZeRO-3 gathers a module's own parameters around its forward/backward. FPDTAttention
+    never calls its ``q_proj``/``k_proj``/``v_proj`` modules (it reads their weights in a
+    fused chunked Function), so without this the weights would still be partitioned
+    (empty) when it reads them. Returns how many parameters were registered.
+    """
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    n = 0
+    for module, p in attention_external_params(model):
+        register_external_parameter(module, p)
+        n += 1
+    return n
+
+
+def build_engine(model: torch.nn.Module, ds_config: Mapping[str, Any]):
+    """``deepspeed.initialize`` on ``model`` with the (fpdt-free) DeepSpeed dict.
+
+    Returns the engine; its optimizer and LR scheduler come from the JSON (DeepSpeed's
+    own optimizers, or any ``torch.optim`` class named by ``"type"``, e.g. ``"SGD"``).
+    """
+    deepspeed = _deepspeed()
+    cfg = dict(ds_config)
+    if int((cfg.get("zero_optimization") or {}).get("stage", 0)) == 3:
+        register_external_params(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+    return engine
