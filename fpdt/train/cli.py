@@ -152,24 +152,22 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     engine = zero.build_engine(model, ds_config)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     info = run_info(args, plan, micro, gas)
-    progress = Progress(args.steps, 0, ps.is_main, args.log_json)
     start = 0
     if args.resume:
         state = checkpoint.load(engine, args.resume, ps.rank)
         start = state["step"]
         for diff in checkpoint.check_same_run(state["run"], info):
-            progress.write(f"warning: resumed run differs, the next step is not the one the saved run "
-                           f"would have taken ({diff})")
-        progress.close()
-        progress = Progress(args.steps, start, ps.is_main, args.log_json)
+            _say(ps, f"warning: the resumed run differs from the saved one, so its next step is not the "
+                     f"one the saved run would have taken ({diff})")
     if args.save_dir and ps.is_main:
         checkpoint.write_model_files(args.save_dir, hf_config, tokenizer)
 
     peak, peak_src = resolve_peak_flops(device, dtype_name, args.peak_tflops)
-    progress.write(f"fpdt-train: world={ps.world_size} sp={plan.sp} dp={plan.dp} seq_len={plan.seq_len} "
-                   f"chunks={plan.num_chunks} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
-                   f"windows={windows.num_windows} peak={'n/a' if peak is None else f'{peak / 1e12:.2f}'} "
-                   f"TFLOP/s ({peak_src})")
+    _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} dp={plan.dp} seq_len={plan.seq_len} "
+             f"chunks={plan.num_chunks} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
+             f"windows={windows.num_windows} steps {start}->{args.steps} "
+             f"peak={'n/a' if peak is None else f'{peak / 1e12:.2f}'} TFLOP/s ({peak_src})")
+    progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=model_shape(model.config),
                     peak_flops=peak, recompute=opts.checkpoint != "off")
     saved = set()
@@ -188,6 +186,11 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     if args.export_hf:
         _export_at_end(args, ps)
     return records
+
+
+def _say(ps: ParallelState, message: str) -> None:
+    if ps.is_main:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _export_at_end(args: argparse.Namespace, ps: ParallelState) -> None:

@@ -72,6 +72,11 @@ def init_distributed(device: torch.device) -> None:
     a free local port, so a single process runs through exactly the same code.
     """
     if dist.is_initialized():
+        # A caller-made group (e.g. the test harness) may lack the launcher's variables,
+        # which DeepSpeed asserts on; one host is assumed, so the local rank is the rank.
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

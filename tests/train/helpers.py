@@ -1,0 +1,88 @@
+"""Shared pieces of the trainer tests: a tiny model config, token data, DeepSpeed configs,
+and the single-process reference training they are compared with."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import torch
+
+VOCAB = 256
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "max_position_embeddings": 1024, "initializer_range": 0.02, "tie_word_embeddings": False,
+}
+SGD = {"type": "SGD", "params": {"lr": 0.5}}
+SGD_CLIP = 0.0     # DeepSpeed clips at 1.0 unless told otherwise: off, so the raw gradient scale shows
+ADAMW_CLIP = 1.0
+ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01,
+                                     "torch_adam": True}}
+
+
+def ds_config(optimizer: dict, clip: float, stage: int = 3, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "optimizer": optimizer,
+           "gradient_clipping": clip,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+           "steps_per_print": 10 ** 9}
+    if optimizer["type"] not in ("Adam", "AdamW"):  # DeepSpeed's own check for torch.optim classes under ZeRO
+        cfg["zero_allow_untested_optimizer"] = True
+    cfg.update(extra)
+    return cfg
+
+
+def write_fixture(tmp: str, n_tokens: int = 4000, seed: int = 1) -> tuple[str, str]:
+    """-> (config.json path, tokens .npy path) under ``tmp``."""
+    os.makedirs(tmp, exist_ok=True)
+    cfg_path = os.path.join(tmp, "config.json")
+    with open(cfg_path, "w") as f:
+        json.dump(TINY_CONFIG, f)
+    # Zipf-ish ids so that training visibly lowers the loss.
+    rng = np.random.default_rng(seed)
+    tokens = np.minimum(rng.zipf(1.3, n_tokens), VOCAB) - 1
+    data_path = os.path.join(tmp, "tokens.npy")
+    np.save(data_path, tokens.astype(np.int32))
+    return cfg_path, data_path
+
+
+def write_json(path: str, obj: dict) -> str:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+    return path
+
+
+def reference_losses(cfg_path: str, data_path: str, seq_len: int, steps: int, seqs_per_step: int,
+                     optimizer: dict, clip: float, seed: int = 0) -> list[float]:
+    """Single-process, unsharded training on the same windows: window ``k`` is
+    ``tokens[k*(S+1) : (k+1)*(S+1)]`` and step ``t`` trains windows ``t*n .. t*n+n-1``
+    as one batch (``n`` = sequences per step over all data-parallel groups), clipping the
+    gradient norm at ``clip`` (0: no clipping) as DeepSpeed does."""
+    from fpdt.model import from_config
+
+    torch.manual_seed(seed)
+    model = from_config(cfg_path, dtype=torch.float32)
+    params = dict(optimizer["params"])
+    params.pop("torch_adam", None)
+    opt = getattr(torch.optim, optimizer["type"])(model.parameters(), **params)
+    tokens = np.load(data_path).astype(np.int64)
+    losses = []
+    for t in range(steps):
+        win = [tokens[k * (seq_len + 1):(k + 1) * (seq_len + 1)] for k in range(t * seqs_per_step, (t + 1) * seqs_per_step)]
+        batch = torch.from_numpy(np.stack(win))
+        loss = model(batch[:, :-1], labels=batch[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def quiet() -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
