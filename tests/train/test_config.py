@@ -1,0 +1,75 @@
+"""Option merging and up-front validation: every bad configuration names its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from fpdt.train.cli import main
+from fpdt.train.config import ConfigError, FPDTOptions, load_ds_config, merge_options, validate
+from tests.train.helpers import write_fixture, write_json
+
+FP32 = {"train_micro_batch_size_per_gpu": 1}
+
+
+def test_flags_win_over_json_over_defaults():
+    opts = merge_options({"sp": 2, "chunk_size": None, "offload": None},
+                         {"chunk_size": 64, "sp": 4, "checkpoint": "on"})
+    assert opts == FPDTOptions(sp=2, chunk_size=64, checkpoint="on")
+    assert merge_options({}, None) == FPDTOptions()
+
+
+def test_fpdt_key_is_stripped_and_rest_passed_untouched(tmp_path):
+    cfg = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "whatever_deepspeed_knows": 1,
+           "train_batch_size": 8, "fpdt": {"sp": 2}}
+    ds, section = load_ds_config(write_json(str(tmp_path / "ds.json"), cfg))
+    assert section == {"sp": 2}
+    assert ds == {k: v for k, v in cfg.items() if k != "fpdt"}
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"chunk_sise": 4}, r"unknown key 'chunk_sise'.*did you mean 'chunk_size'"),
+    ({"sp": 0}, r"sp=0 must be an integer >= 1"),
+    ({"checkpoint": "full"}, r"checkpoint='full' must be one of"),
+    ({"offload": "yes"}, r"offload='yes' must be true or false"),
+])
+def test_bad_fpdt_section(section, match):
+    with pytest.raises(ConfigError, match=match):
+        merge_options({}, section)
+
+
+@pytest.mark.parametrize("opts, seq_len, world, device, ds, match", [
+    (FPDTOptions(sp=3), 96, 2, "cpu", FP32, r"--sp 3 does not divide the world size 2"),
+    (FPDTOptions(sp=2, chunk_size=45), 90, 2, "cpu", FP32, r"not divisible by sp x chunks = 2 x 2 = 4"),
+    (FPDTOptions(chunk_size=128), 96, 1, "cpu", FP32, r"--chunk-size 128 is larger than the sequence"),
+    (FPDTOptions(chunk_size=40), 96, 1, "cpu", FP32, r"--seq-len 96 is not divisible by --chunk-size 40"),
+    (FPDTOptions(offload=True), 96, 1, "cpu", FP32, r"--offload needs a CUDA device.*--no-offload"),
+    (FPDTOptions(checkpoint="offload"), 96, 1, "cpu", FP32, r"'offload' needs a CUDA device.*--checkpoint on"),
+    (FPDTOptions(), 96, 1, "cpu", {"fp16": {"enabled": True}}, r"fp16 training needs a CUDA device.*bf16"),
+])
+def test_validate_errors(opts, seq_len, world, device, ds, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(opts, seq_len, world, device, ds)
+
+
+def test_validate_plan():
+    plan = validate(FPDTOptions(sp=2, chunk_size=32), 128, 4, "cpu", FP32)
+    assert (plan.sp, plan.dp, plan.num_chunks, plan.mlp_chunks, plan.local_seq_len) == (2, 2, 4, 8, 64)
+    assert validate(FPDTOptions(offload=True, checkpoint="offload"), 64, 1, "cuda", {"fp16": {"enabled": True}})
+
+
+@pytest.mark.parametrize("extra, json_section, message", [
+    (["--sp", "2"], None, "--sp 2 does not divide the world size 1"),
+    (["--chunk-size", "100"], None, "--chunk-size 100 is larger than the sequence"),
+    (["--offload"], None, "--offload needs a CUDA device"),
+    ([], {"chunk": 8}, "unknown key 'chunk'"),
+])
+def test_cli_reports_config_errors_before_starting(tmp_path, capsys, extra, json_section, message):
+    cfg, data = write_fixture(str(tmp_path))
+    argv = ["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", *extra]
+    if json_section is not None:
+        argv += ["--deepspeed", write_json(str(tmp_path / "ds.json"), {"fpdt": json_section})]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
