@@ -28,13 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fpdt.attention.module import FPDTAttention
+from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import ModelConfig
 from fpdt.model.loss import IGNORE_INDEX, chunked_lm_loss, default_loss_chunks
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.rope_scaling import rope_inv_freq
-from fpdt.attention.rope import RotaryEmbedding
 from fpdt.offload import HostStash
 
 

@@ -30,10 +30,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _options(fpdt_options: dict[str, Any]) -> FPDTOptions:
-    try:
-        return FPDTOptions(**fpdt_options)
-    except TypeError as e:
-        raise TypeError(f"{e}; valid FPDT options: {list(FPDTOptions.__dataclass_fields__)}") from None
+    valid = list(FPDTOptions.__dataclass_fields__)
+    unknown = sorted(set(fpdt_options) - set(valid))
+    if unknown:
+        raise TypeError(f"unknown FPDT options {unknown}; valid: {valid}")
+    return FPDTOptions(**fpdt_options)
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

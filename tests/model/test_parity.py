@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import fpdt.model as fm
+from fpdt.layout import global_token_index
 from tests.distributed import run_distributed
 from tests.model.helpers import compare, fpdt_from_hf, hf_loss_and_grads, hf_model, tokens
 
@@ -49,7 +50,9 @@ def test_single_rank(name, checkpointing):
                  offload=offload, checkpointing=checkpointing)
 
 
-def _multi_rank(rank, world, cases):
+def _multi_rank(rank, world, cases, weighted_mean_check=False):
+    if weighted_mean_check:
+        _all_ignored_on_one_rank(rank, world)
     for name, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing in cases:
         run_case(name, rank, world, num_chunks=num_chunks, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
                  offload=offload, checkpointing=checkpointing)
@@ -61,24 +64,26 @@ def test_two_ranks():
              ("qwen2_tied", 2, None, 0, False, "on"),
              ("llama_bias", 4, 0, 3, True, "offload"),
              ("mistral", 1, 2, None, False, "on")]
-    run_distributed(_multi_rank, 2, args=(cases,), timeout=240)
+    run_distributed(_multi_rank, 2, args=(cases, True), timeout=240)
 
 
 @pytest.mark.slow
 def test_four_ranks():
     cases = [("llama_sp4", 1, None, None, False, "off"),
-             ("llama_sp4", 2, 3, 5, True, "offload")]
+             ("llama_sp4", 2, 3, 5, True, "offload"),
+             ("qwen2_tied", 1, 2, 0, False, "on")]
     run_distributed(_multi_rank, 4, args=(cases,), timeout=240)
 
 
 def _all_ignored_on_one_rank(rank, world):
+    """Rank 1's tokens all have label -100 (run inside test_two_ranks)."""
     # Rank 1's tokens all have label -100: the token-weighted global mean must ignore them,
     # not average per-rank means.
     ref = hf_model("llama_gqa")
     ids, labels = tokens(256, 1, 16, ignore=False)
     u = 2
-    from fpdt.layout import global_token_index
-    labels[0, global_token_index(16, world, u, 1) + 1] = -100  # +1: labels are shifted by prepare_inputs
+    target = global_token_index(16, world, u, 1) + 1  # +1: prepare_inputs shifts labels left
+    labels[0, target[target < 16]] = -100
     ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
     model = fpdt_from_hf(ref, num_chunks=u, checkpointing="on")
     inputs = fm.prepare_inputs(ids, labels=labels, sp_size=world, rank=rank, num_chunks=u)
@@ -91,6 +96,3 @@ def _all_ignored_on_one_rank(rank, world):
         dist.all_reduce(g)
     compare(loss, grads, ref_loss, ref_grads, f"rank {rank}: all labels ignored on rank 1")
 
-
-def test_token_weighted_mean_across_ranks():
-    run_distributed(_all_ignored_on_one_rank, 2, timeout=240)
