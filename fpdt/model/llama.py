@@ -31,6 +31,7 @@ from torch import nn
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import ModelConfig
+from fpdt.model.inputs import prepare_inputs
 from fpdt.model.loss import IGNORE_INDEX, chunked_lm_loss, default_loss_chunks
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.rope_scaling import rope_inv_freq
@@ -195,7 +196,21 @@ class FPDTForCausalLM(nn.Module):
             return 0, 1
         return dist.get_rank(self.sp_group), dist.get_world_size(self.sp_group)
 
+    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None, shift: bool = True) -> dict[str, torch.Tensor]:
+        """:func:`fpdt.model.prepare_inputs` with this process's SP rank/size and the model's
+        ``num_chunks``: global ``[B, S]`` window -> this rank's ``model(**inputs)`` arguments."""
+        rank, sp = self.sp_rank_size()
+        return prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=self.options.num_chunks,
+                              labels=labels, position_ids=position_ids, shift=shift)
+
     # ------------------------------------------------------------------ weights
+    def save_pretrained(self, path, **kwargs) -> None:
+        """:func:`fpdt.model.save_pretrained` (a checkpoint ``transformers`` loads)."""
+        from fpdt.model.weights import save_pretrained  # weights imports this module
+
+        save_pretrained(self, path, **kwargs)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Random init as in Transformers: normal(0, initializer_range) for linear and

@@ -32,8 +32,9 @@ pitfall 9). Sequence parallelism needs nothing else from this function: tokens a
 independent here, and the layout only permutes them.
 
 Tied embeddings: pass the embedding matrix as ``weight``; autograd adds the LM-head
-gradient to the embedding gradient. ZeRO-3: the weight is read directly, so the trainer
-must gather it around the model's forward/backward (the model does not import DeepSpeed).
+gradient to the embedding gradient. ZeRO-3: the weight is read directly by the model's
+forward (DeepSpeed's engine registers it as an external parameter of the root module);
+the gradient is complete when ``backward`` returns it, so nothing needs the weight then.
 """
 
 from __future__ import annotations

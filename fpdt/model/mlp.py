@@ -20,9 +20,10 @@ fresh tensors, and in-place updates only touch this function's own temporaries.
 Weight-gradient accumulators are fp32 when the weights are lower precision (summing N
 chunk partials in bf16 would add N roundings), then cast back.
 
-ZeRO-3 note: the function reads ``gate_proj/up_proj/down_proj`` weights directly, so a
-ZeRO-3 trainer must gather them with the MLP module (mark :class:`ChunkedSwiGLU` as a
-ZeRO-3 "leaf" module); the model itself knows nothing of DeepSpeed.
+ZeRO-3: the function reads the ``gate_proj/up_proj/down_proj`` weights directly instead
+of calling those modules. DeepSpeed's engine notices such reads during forward and
+registers the weights as external parameters of this module (or the trainer registers
+them explicitly); the model itself knows nothing of DeepSpeed.
 """
 
 from __future__ import annotations

@@ -1,0 +1,33 @@
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("model_memory", os.path.join(ROOT, "profiling", "model_memory.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_model_memory_script_runs_tiny(tmp_path):
+    mod = _load()
+    out = tmp_path / "r.md"
+    rows = mod.main(["--tiny", "--seq-lens", "64", "128", "--warmup", "0", "--iters", "1", "--out", str(out)])
+    labels = [label for label, _ in rows]
+    assert labels[0] == "plain (all off)" and "all on" in labels and len(rows) == 1 + 2 * len(mod.FEATURES)
+    for _, results in rows:
+        for peak, secs in results.values():
+            assert peak is None and secs > 0  # no device memory on CPU
+    text = out.read_text()
+    assert "| plain (all off) | n/a /" in text and "GPU figures are owed" in text
+
+
+def test_feature_options():
+    mod = _load()
+    plain = mod.options_for(frozenset(), 131072, 32768)
+    assert plain == {"num_chunks": 1, "offload": False, "mlp_chunks": 0, "loss_chunks": 0, "checkpointing": "off"}
+    full = mod.options_for(frozenset(mod.FEATURES), 131072, 32768)
+    assert full == {"num_chunks": 4, "offload": True, "mlp_chunks": None, "loss_chunks": None,
+                    "checkpointing": "offload"}
