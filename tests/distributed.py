@@ -46,11 +46,14 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
-                    timeout: float = DEFAULT_TIMEOUT_S, start_method: str = "spawn") -> None:
+                    timeout: float = DEFAULT_TIMEOUT_S, start_method: str = "fork") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    # Forked children inherit the parent's OpenMP runtime, which deadlocks if they start a
+    # thread team of their own: one intra-op thread per rank keeps fork safe (and 4 ranks
+    # on 2 cores are oversubscribed anyway). Fork skips re-importing torch in every rank.
+    threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store_path, args, results, threads),
