@@ -20,9 +20,10 @@ lse_i; all-to-all o_i back.
 Backward: outer loop over KV chunks j, inner loop over query chunks i >= j. dô_i (the
 all-to-all of grad-out chunk i) is made on first use and stashed. dq_i accumulates in
 fp32 across outer steps (stashed between them, i.e. host-resident when offloading);
-dk_j/dv_j accumulate in fp32 on the device over the inner loop. After outer step j,
-dq̂_j, dk̂_j, dv̂_j are final and go back through the all-to-all to ``deliver`` while the
-next outer step's chunks are already being prefetched.
+dk_j/dv_j accumulate in fp32 on the device over the inner loop. dq̂_j is final after the
+first inner step of outer step j and goes back through the all-to-all at once; dk̂_j and
+dv̂_j follow after the inner loop, and ``deliver`` gets the three while the next outer
+step's chunks are already being prefetched.
 
 Non-causal attention runs the same loops over all (i, j) pairs; its forward first
 produces every KV chunk, and its backward delivers once every gradient is final.
@@ -188,8 +189,8 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
             dk += dk_blk
             dv += dv_blk
             dq_i = dq_blk.to(spec.acc_dtype) if j == 0 else stash.pop(("dq", i)) + dq_blk
-            if last_use:
-                final_dq[i] = dq_i
+            if last_use:  # dq_i is final: send it back through the all-to-all right away
+                final_dq[i] = heads_to_seq(dq_i, spec.group)
             else:
                 stash.put(("dq", i), dq_i)  # fp32 accumulator, host-resident when offloading
             del q_i, o_i, lse_i, do_i, dq_blk, dk_blk, dv_blk, dq_i
@@ -199,9 +200,8 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
         final_kv[j] = (dk, dv)
         del dk, dv
         for c in _ready_chunks(spec, j):
-            dq_h = final_dq.pop(c)
             dk_h, dv_h = final_kv.pop(c)
-            deliver(c, heads_to_seq(dq_h, spec.group),
+            deliver(c, final_dq.pop(c),
                     sum_kv_replicas(heads_to_seq(dk_h, spec.group), spec.kv_factor),
                     sum_kv_replicas(heads_to_seq(dv_h, spec.group), spec.kv_factor))
     stash.clear()
