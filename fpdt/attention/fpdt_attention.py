@@ -22,7 +22,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
     """Chunked, optionally offloaded Ulysses attention; see :mod:`fpdt.attention.pipeline`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, offload: bool):
+    def forward(ctx, q, k, v, spec, offload: bool, for_backward: bool):
         u = spec.num_chunks
         L = q.shape[1] // u
         stash = HostStash(q.device, enabled=offload)
@@ -31,7 +31,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
             sl = slice(i * L, (i + 1) * L)
             return q[:, sl], k[:, sl], v[:, sl]
 
-        outs = pipeline_forward(spec, produce, stash)
+        outs = pipeline_forward(spec, produce, stash, for_backward)
         ctx.spec, ctx.stash, ctx.L = spec, stash, L
         ctx.shapes = (q.shape, k.shape, v.shape, q.dtype)
         return torch.cat(outs, dim=1)
@@ -56,7 +56,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
             dv[:, sl] = dv_j
 
         pipeline_backward(ctx.spec, grad_out_chunk, deliver, ctx.stash)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -92,4 +92,5 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     spec = build_spec(seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3],
                       dtype=q.dtype, device=q.device, group=group, num_chunks=num_chunks, causal=causal,
                       softmax_scale=softmax_scale, backend=backend)
-    return FPDTAttentionFunction.apply(q, k, v, spec, offload)
+    for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return FPDTAttentionFunction.apply(q, k, v, spec, offload, for_backward)

@@ -67,8 +67,11 @@ class FPDTAttention(nn.Module):
                           head_dim=self.head_dim, dtype=hidden_states.dtype, device=hidden_states.device,
                           group=self.group, num_chunks=self.num_chunks, causal=True,
                           softmax_scale=self.softmax_scale, backend=self.backend)
+        inputs = (hidden_states, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
+                  self.v_proj.weight, self.v_proj.bias)
+        # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
+        for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
         attn = ProjectedFPDTAttentionFunction.apply(
-            hidden_states, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
-            self.v_proj.weight, self.v_proj.bias, position_ids, rope, spec, self.offload,
-            (self.num_heads, self.num_kv_heads, self.head_dim))
+            *inputs, position_ids, rope, spec, self.offload, (self.num_heads, self.num_kv_heads, self.head_dim),
+            for_backward)
         return self.o_proj(attn.reshape(B, S_local, self.num_heads * self.head_dim))

@@ -99,10 +99,14 @@ def _to_heads(spec: PipelineSpec, q, k, v):
             seq_to_heads(v.contiguous(), spec.group))
 
 
-def pipeline_forward(spec: PipelineSpec, produce: Produce, stash: HostStash) -> list[torch.Tensor]:
+def pipeline_forward(spec: PipelineSpec, produce: Produce, stash: HostStash,
+                     for_backward: bool = True) -> list[torch.Tensor]:
     """Run the forward; returns the output chunks in sequence layout ``[B, L, H, D]``.
 
-    Leaves in ``stash``: ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk, as backward needs.
+    With ``for_backward`` it leaves ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk in
+    ``stash``, as backward needs; without (a no-grad pass, e.g. the first pass of an
+    activation-checkpointed layer) only the KV chunks go through the stash and it is
+    emptied at the end.
     """
     u = spec.num_chunks
     outs: list[torch.Tensor] = []
@@ -125,11 +129,14 @@ def pipeline_forward(spec: PipelineSpec, produce: Produce, stash: HostStash) -> 
             current = {}
         o_h, lse = _attend(spec, i, q_h, current, stash)
         del current
-        if spec.causal:
-            stash.put(("q", i), q_h)
-        stash.put(("o", i), o_h)
-        stash.put(("lse", i), lse)
+        if for_backward:
+            if spec.causal:
+                stash.put(("q", i), q_h)
+            stash.put(("o", i), o_h)
+            stash.put(("lse", i), lse)
         outs.append(heads_to_seq(o_h, spec.group))
+    if not for_backward:
+        stash.clear()
     return outs
 
 

@@ -30,7 +30,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, position_ids, rope: RotaryEmbedding | None,
-                spec: PipelineSpec, offload: bool, heads: tuple[int, int, int]):
+                spec: PipelineSpec, offload: bool, heads: tuple[int, int, int], for_backward: bool):
         H, H_kv, D = heads
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
@@ -39,7 +39,8 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         def produce(i):
             sl = slice(i * L, (i + 1) * L)
             T = hidden[:, sl]
-            stash.put(("T", i), T)
+            if for_backward:
+                stash.put(("T", i), T)
             q = F.linear(T, wq, bq).view(B, L, H, D)
             k = F.linear(T, wk, bk).view(B, L, H_kv, D)
             v = F.linear(T, wv, bv).view(B, L, H_kv, D)
@@ -48,7 +49,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return q, k, v
 
-        outs = pipeline_forward(spec, produce, stash)
+        outs = pipeline_forward(spec, produce, stash, for_backward)
         ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids)
         ctx.rope, ctx.spec, ctx.stash, ctx.L, ctx.heads = rope, spec, stash, L, heads
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
@@ -98,4 +99,4 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         out_w = [dw.to(w.dtype) for dw, w in zip(d_w, weights)]
         out_b = [None if db is None else db.to(b.dtype) for db, b in zip(d_b, biases)]
         return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2],
-                None, None, None, None, None)
+                None, None, None, None, None, None)

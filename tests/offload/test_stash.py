@@ -32,3 +32,23 @@ def test_pool_reuses_buffers_across_calls():
     fpdt_attention(q, k, k, num_chunks=4, offload=True).sum().backward()
     assert pool.stats.allocations == before
     assert pool.stats.reuses > 0
+
+
+def test_no_grad_pass_leaves_nothing_in_host_memory():
+    """A no-grad forward (first pass of a checkpointed layer) offloads only what the forward itself needs."""
+    import fpdt.offload.stash as stash_mod
+    seen = []
+    original = stash_mod.HostStash.put
+
+    def spy(self, key, tensor):
+        seen.append(key[0])
+        return original(self, key, tensor)
+
+    stash_mod.HostStash.put = spy
+    try:
+        q = torch.randn(1, 16, 4, 8, requires_grad=True)
+        with torch.no_grad():
+            out = fpdt_attention(q, q, q, num_chunks=4, offload=True)
+    finally:
+        stash_mod.HostStash.put = original
+    assert out.shape == q.shape and set(seen) == {"k", "v"}
