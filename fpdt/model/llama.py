@@ -145,6 +145,17 @@ class FPDTForCausalLM(nn.Module):
     Build it with :func:`fpdt.model.from_pretrained` or :func:`fpdt.model.from_config`.
     ``forward(input_ids, labels=..., position_ids=...)`` returns the loss; see there for
     the sequence-parallel gradient convention.
+
+    Options (:class:`FPDTOptions`; change them later with :meth:`configure`):
+
+    * ``num_chunks`` (1): attention chunks per rank; ``S % (sp * num_chunks) == 0``.
+    * ``offload`` (False): attention chunks live in pinned host memory between uses.
+    * ``mlp_chunks`` (``2 * num_chunks``): SwiGLU token chunks, recomputed in backward; 0 = plain.
+    * ``loss_chunks`` (``ceil(2 V / hidden)``): fused LM-head + CE token chunks; 0 = full logits.
+    * ``checkpointing`` (``"off"``): ``"on"`` recomputes each decoder layer in backward from
+      its saved input; ``"offload"`` also keeps that input in pinned host memory.
+    * ``group`` (None): the sequence-parallel process group (None = default group).
+    * ``backend`` (None): attention kernel.
     """
 
     def __init__(self, config: ModelConfig, options: FPDTOptions | None = None):

@@ -96,3 +96,31 @@ def _all_ignored_on_one_rank(rank, world):
         dist.all_reduce(g)
     compare(loss, grads, ref_loss, ref_grads, f"rank {rank}: all labels ignored on rank 1")
 
+
+
+def test_bf16_close_to_transformers_bf16():
+    """bf16 end to end: same maths, so differences are bf16 rounding (RoPE stays fp32 here)."""
+    ref = hf_model("llama_gqa").to(torch.bfloat16)
+    ids, labels = tokens(256, 2, 32)
+    ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
+    model = fpdt_from_hf(ref, num_chunks=2, offload=True, checkpointing="offload")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    loss = model(**model.prepare_inputs(ids, labels))
+    loss.backward()
+    assert loss.dtype == torch.float32
+    compare(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "bf16", tol=5e-2)
+    assert abs(loss.item() - ref_loss.item()) < 1e-3 * ref_loss.item()
+
+
+def test_checkpoint_offload_moves_every_layer_input_to_host():
+    ref = hf_model("llama_gqa")
+    model = fpdt_from_hf(ref, num_chunks=2, checkpointing="offload")
+    ids, labels = tokens(256, 1, 16)
+    loss = model(**model.prepare_inputs(ids, labels))
+    stash = model._stash
+    assert len(stash._host) == ref.config.num_hidden_layers  # one input per decoder layer
+    loss.backward()
+    assert len(stash._host) == 0 and not stash._inflight
+    with torch.no_grad():  # no backward coming: nothing is stashed
+        model(**model.prepare_inputs(ids, labels))
+    assert len(stash._host) == 0
