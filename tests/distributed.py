@@ -46,13 +46,16 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
-                    timeout: float = DEFAULT_TIMEOUT_S, start_method: str = "fork") -> None:
+                    timeout: float = DEFAULT_TIMEOUT_S, start_method: str = "forkserver") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # The fork server is a fresh process that imports torch once and never runs a
+        # kernel, so forking ranks from it is both fast and safe (no inherited OpenMP state).
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "fpdt.attention", "tests.distributed"])
     results = ctx.Queue()
-    # Forked children inherit the parent's OpenMP runtime, which deadlocks if they start a
-    # thread team of their own: one intra-op thread per rank keeps fork safe (and 4 ranks
-    # on 2 cores are oversubscribed anyway). Fork skips re-importing torch in every rank.
+    # A child forked straight from this (test) process inherits its OpenMP runtime, which
+    # deadlocks if the child starts a thread team of its own: plain fork gets one thread.
     threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
