@@ -43,34 +43,43 @@ def init_deepspeed_comm(device: torch.device) -> None:
     _deepspeed().init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
 
-def attention_external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, torch.nn.Parameter]]:
-    """``(attention module, parameter)`` for every q/k/v projection weight and bias that an
-    :class:`fpdt.attention.FPDTAttention` reads directly inside its autograd Function."""
-    from fpdt.attention.module import FPDTAttention
+def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, torch.nn.Parameter]]:
+    """``(module, parameter)`` for every parameter a module of the FPDT model reads directly
+    inside a fused autograd Function instead of calling the submodule that owns it:
 
+    * :class:`fpdt.attention.FPDTAttention` -- its ``q_proj``/``k_proj``/``v_proj`` weights and biases;
+    * :class:`fpdt.model.ChunkedSwiGLU` -- its ``gate_proj``/``up_proj``/``down_proj`` weights and biases;
+    * the root :class:`fpdt.model.FPDTForCausalLM` -- ``lm_head.weight`` (the chunked loss).
+    """
+    from fpdt.attention.module import FPDTAttention
+    from fpdt.model import ChunkedSwiGLU, FPDTForCausalLM
+
+    owners = ((FPDTAttention, ("q_proj", "k_proj", "v_proj")),
+              (ChunkedSwiGLU, ("gate_proj", "up_proj", "down_proj")),
+              (FPDTForCausalLM, ("lm_head",)))
     for module in model.modules():
-        if not isinstance(module, FPDTAttention):
-            continue
-        for name in ("q_proj", "k_proj", "v_proj"):
-            proj = getattr(module, name, None)
-            if proj is None:
+        for cls, names in owners:
+            if not isinstance(module, cls):
                 continue
-            for p in proj.parameters(recurse=False):
-                yield module, p
+            for name in names:
+                child = getattr(module, name, None)
+                if child is not None:
+                    for p in child.parameters(recurse=False):
+                        yield module, p
 
 
 def register_external_params(model: torch.nn.Module) -> int:
-    """Tell ZeRO-3 that each FPDT attention module uses its projections' parameters.
+    """Tell ZeRO-3 which modules use parameters of submodules they never call.
 
-    ZeRO-3 gathers a module's own parameters around its forward/backward. FPDTAttention
-    never calls its ``q_proj``/``k_proj``/``v_proj`` modules (it reads their weights in a
-    fused chunked Function), so without this the weights would still be partitioned
-    (empty) when it reads them. Returns how many parameters were registered.
+    ZeRO-3 gathers a module's own parameters around its forward and re-partitions them
+    afterwards. The fused FPDT Functions read their projections' weights without calling
+    those ``nn.Linear`` modules, so without this the weights could still be partitioned
+    (empty) when read. Returns how many parameters were registered.
     """
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
     n = 0
-    for module, p in attention_external_params(model):
+    for module, p in external_params(model):
         register_external_parameter(module, p)
         n += 1
     return n
