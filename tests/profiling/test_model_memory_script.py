@@ -14,7 +14,7 @@ def _load():
 def test_model_memory_script_runs_tiny(tmp_path):
     mod = _load()
     out = tmp_path / "r.md"
-    rows = mod.main(["--tiny", "--seq-lens", "64", "128", "--warmup", "0", "--iters", "1", "--out", str(out)])
+    rows = mod.main(["--tiny", "--seq-lens", "64", "--warmup", "0", "--iters", "1", "--out", str(out)])
     labels = [label for label, _ in rows]
     assert labels[0] == "plain (all off)" and "all on" in labels and len(rows) == 1 + 2 * len(mod.FEATURES)
     for _, results in rows:
