@@ -16,7 +16,8 @@ Modes (``checkpointing=`` option of the model):
 The function is "reentrant" (backward calls ``torch.autograd.backward`` on the
 recomputed layer): parameter gradients accumulate into ``.grad`` exactly as without
 checkpointing. The layer's parameters are passed as inputs so the output requires grad
-even when ``x`` does not (e.g. frozen embeddings). Autocast state is captured in forward
+even when ``x`` does not (e.g. frozen embeddings); when ``x`` requires grad they are left
+out, which keeps the Function compatible with ZeRO-3's partitioned parameters. Autocast state is captured in forward
 and restored for the recompute. There is no RNG state to restore: the model has no
 dropout (configs with dropout are refused).
 """
@@ -90,4 +91,9 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     """
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         return run_fn(x)  # no backward will come: nothing to keep
-    return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, x, *params)
+    # The parameters are passed as inputs only when x does not require grad (frozen
+    # embeddings), to connect the output to the graph. Otherwise they stay out: ZeRO-3
+    # hands the Function partitioned (empty) parameters, and autograd would then reject
+    # the full-shape gradients of the recomputed layer.
+    anchors = [] if x.requires_grad else [p for p in params if p.requires_grad]
+    return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, x, *anchors)

@@ -205,21 +205,9 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
             f"{opts.sp * num_chunks}; each chunk of {chunk} tokens must split evenly over "
             f"{opts.sp} ranks: use a chunk size that is a multiple of {opts.sp}")
     _check_device_options(opts, device_type, ds_config)
-    _check_zero_checkpointing(opts, ds_config)
     mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else 2 * num_chunks
     return Plan(world_size=world_size, sp=opts.sp, dp=world_size // opts.sp, seq_len=seq_len,
                 chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=mlp_chunks)
-
-
-def _check_zero_checkpointing(opts: FPDTOptions, ds_config: Mapping[str, Any]) -> None:
-    # The model's reentrant per-layer checkpoint does not work with ZeRO's gradient hooks
-    # yet: under ZeRO-3 it passes partitioned parameters into its Function (autograd then
-    # rejects the recomputed full-shape gradients), under ZeRO-2 the reduce hooks see
-    # gradients twice. Refuse the combination up front instead of failing in backward.
-    if opts.checkpoint != "off" and ds_zero_stage(ds_config) >= 2:
-        raise ConfigError(f"checkpoint mode {opts.checkpoint!r} does not work with ZeRO stage "
-                          f"{ds_zero_stage(ds_config)} yet; use --checkpoint off, or ZeRO stage 0 or 1 "
-                          f"(\"zero_optimization\": {{\"stage\": 1}})")
 
 
 def _check_device_options(opts: FPDTOptions, device_type: str, ds_config: Mapping[str, Any]) -> None:

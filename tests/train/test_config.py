@@ -48,8 +48,6 @@ def test_bad_fpdt_section(section, match):
     (FPDTOptions(offload=True), 96, 1, "cpu", FP32, r"--offload needs a CUDA device.*--no-offload"),
     (FPDTOptions(checkpoint="offload"), 96, 1, "cpu", FP32, r"'offload' needs a CUDA device.*--checkpoint on"),
     (FPDTOptions(), 96, 1, "cpu", {"fp16": {"enabled": True}}, r"fp16 training needs a CUDA device.*bf16"),
-    (FPDTOptions(checkpoint="on"), 96, 1, "cpu", {"zero_optimization": {"stage": 3}},
-     r"'on' does not work with ZeRO stage 3 yet.*stage 0 or 1"),
 ])
 def test_validate_errors(opts, seq_len, world, device, ds, match):
     with pytest.raises(ConfigError, match=match):

@@ -72,8 +72,8 @@ def _check_export(save: str, hf: str) -> None:
 @pytest.mark.parametrize("config, seq_len, world", [
     ("examples/tiny-llama/ds_cpu.json", 256, 1),
     ("examples/llama-3.2-1b/ds_1gpu.json", 262144, 1),
-    ("examples/llama-3-8b/ds_zero3_4gpu.json", 65536, 4),
-    ("examples/llama-3-8b/ds_zero3_8gpu.json", 131072, 8),
+    ("examples/llama-3-8b/ds_zero3_4gpu.json", 2097152, 4),
+    ("examples/llama-3-8b/ds_zero3_8gpu.json", 4194304, 8),
 ])
 def test_example_configs_validate(config, seq_len, world):
     ds, section = load_ds_config(os.path.join(ROOT, config))

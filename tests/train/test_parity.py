@@ -36,21 +36,22 @@ def _train(rank: int, tmp: str, name: str, sp: int, chunk: int, extra: list[str]
     assert main(argv) == 0
 
 
-def _body(rank: int, world_size: int, tmp: str, sp: int, chunk: int, resume: bool) -> None:
+def _body(rank: int, world_size: int, tmp: str, sp: int, chunk: int, resume: bool,
+          checkpoint: str = "off") -> None:
     quiet()
     for name in ("sgd", "adamw"):
         extra = ["--save-dir", os.path.join(tmp, "ckpt"), "--save-every", "2"] if resume and name == "adamw" else []
-        _train(rank, tmp, name, sp, chunk, extra)
+        _train(rank, tmp, name, sp, chunk, extra + ["--checkpoint", checkpoint])
     if resume:  # continue from step 2 to step 3 in a fresh engine
         _train(rank, tmp, "adamw_resumed", sp, chunk, ["--resume", os.path.join(tmp, "ckpt", "step2")])
 
 
-def _run_layout(tmp: str, sp: int, chunk: int, resume: bool) -> dict[str, list[float]]:
+def _run_layout(tmp: str, sp: int, chunk: int, resume: bool, checkpoint: str = "off") -> dict[str, list[float]]:
     cfg_path, data_path = write_fixture(tmp)
     write_json(os.path.join(tmp, "sgd.json"), ds_config(SGD, SGD_CLIP))
     write_json(os.path.join(tmp, "adamw.json"), ds_config(ADAMW, ADAMW_CLIP))
     write_json(os.path.join(tmp, "adamw_resumed.json"), ds_config(ADAMW, ADAMW_CLIP))
-    run_distributed(_body, world_size=2, args=(tmp, sp, chunk, resume), timeout=240)
+    run_distributed(_body, world_size=2, args=(tmp, sp, chunk, resume, checkpoint), timeout=240)
     dp = 2 // sp
     out = {}
     for name, opt, clip in (("sgd", SGD, SGD_CLIP), ("adamw", ADAMW, ADAMW_CLIP)):
@@ -58,7 +59,7 @@ def _run_layout(tmp: str, sp: int, chunk: int, resume: bool) -> dict[str, list[f
         got = _losses(os.path.join(tmp, f"{name}.jsonl"))
         assert len(got) == STEPS
         rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
-        print(f"sp={sp} dp={dp} {name}: fpdt-train {got} reference {ref} rel.err {rel}")
+        print(f"sp={sp} dp={dp} checkpoint={checkpoint} {name}: fpdt-train {got} reference {ref} rel.err {rel}")
         assert max(rel) < RTOL, f"{name}: losses {got} vs reference {ref} (rel. err {rel})"
         out[name] = got
     return out
@@ -76,3 +77,9 @@ def test_sp2_zero3_matches_single_process_and_resumes_bit_identically(tmp_path):
 @pytest.mark.slow
 def test_dp2_zero3_matches_single_process(tmp_path):
     _run_layout(str(tmp_path), sp=1, chunk=64, resume=False)
+
+
+@pytest.mark.slow
+def test_sp2_zero3_with_activation_checkpointing_matches_single_process(tmp_path):
+    """Per-layer activation checkpointing (recompute in backward) under ZeRO-3's partitioned parameters."""
+    _run_layout(str(tmp_path), sp=2, chunk=32, resume=False, checkpoint="on")
