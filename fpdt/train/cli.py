@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -204,6 +205,9 @@ def _export_at_end(args: argparse.Namespace, ps: ParallelState) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a configuration error)."""
     args = build_parser().parse_args(argv)
+    # DeepSpeed's ZeRO-3 still calls collectives that torch >= 2.13 marks deprecated; the
+    # warning would repeat inside the progress bar on every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     try:
         run(args)
     except (ConfigError, DataError) as e:
