@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
 from fpdt.attention.merge import OnlineSoftmax
-from fpdt.comm import group_size, heads_to_seq, kv_replication_factor, replicate_kv, seq_to_heads, sum_kv_replicas
+from fpdt.comm import (group_size, heads_to_seq, heads_to_seq_packed, kv_replication_factor, replicate_kv,
+                       seq_to_heads, seq_to_heads_packed, sum_kv_replicas)
 from fpdt.offload import HostStash
 
 Produce = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -93,10 +94,10 @@ def build_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: i
 
 
 def _to_heads(spec: PipelineSpec, q, k, v):
+    """Sequence -> head layout for one chunk: q, k and v share a single all-to-all."""
     k = replicate_kv(k, spec.kv_factor)
     v = replicate_kv(v, spec.kv_factor)
-    return (seq_to_heads(q.contiguous(), spec.group), seq_to_heads(k.contiguous(), spec.group),
-            seq_to_heads(v.contiguous(), spec.group))
+    return seq_to_heads_packed((q, k, v), spec.group)
 
 
 def pipeline_forward(spec: PipelineSpec, produce: Produce, stash: HostStash,
@@ -207,10 +208,8 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
         final_kv[j] = (dk, dv)
         del dk, dv
         for c in _ready_chunks(spec, j):
-            dk_h, dv_h = final_kv.pop(c)
-            deliver(c, final_dq.pop(c),
-                    sum_kv_replicas(heads_to_seq(dk_h, spec.group), spec.kv_factor),
-                    sum_kv_replicas(heads_to_seq(dv_h, spec.group), spec.kv_factor))
+            dk_s, dv_s = heads_to_seq_packed(final_kv.pop(c), spec.group)  # one all-to-all for both
+            deliver(c, final_dq.pop(c), sum_kv_replicas(dk_s, spec.kv_factor), sum_kv_replicas(dv_s, spec.kv_factor))
     stash.clear()
 
 

@@ -43,4 +43,4 @@ def sum_kv_replicas(grad: torch.Tensor, factor: int) -> torch.Tensor:
     if factor == 1:
         return grad
     B, n, H, D = grad.shape
-    return grad.view(B, n, H // factor, factor, D).sum(dim=3)
+    return grad.reshape(B, n, H // factor, factor, D).sum(dim=3)

@@ -70,6 +70,39 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     return recv.permute(1, 2, 0, 3, 4).reshape(B, n, P * Hl, D)
 
 
+def seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                        group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """:func:`seq_to_heads` of several ``[B, n, H_i, D]`` tensors in one all-to-all.
+
+    Each rank's head slice of every tensor travels in the same message (one collective
+    instead of one per tensor). Returns ``[B, P*n, H_i/P, D]`` views, one per input.
+    """
+    P = group_size(group)
+    if P == 1:
+        return list(xs)
+    B, n, _, D = xs[0].shape
+    for x in xs:
+        if x.shape[2] % P:
+            raise ValueError(f"cannot scatter {x.shape[2]} heads over {P} ranks: heads must be divisible by the sp size")
+    local = [x.shape[2] // P for x in xs]
+    packed = torch.cat([x.reshape(B, n, P, h, D) for x, h in zip(xs, local)], dim=3)  # [B, n, P, sum h, D]
+    out = seq_to_heads(packed.reshape(B, n, P * sum(local), D), group)
+    return list(out.split(local, dim=2))
+
+
+def heads_to_seq_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                        group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """:func:`heads_to_seq` of several ``[B, P*n, H_i/P, D]`` tensors in one all-to-all."""
+    P = group_size(group)
+    if P == 1:
+        return list(xs)
+    B, Pn, _, D = xs[0].shape
+    local = [x.shape[2] for x in xs]
+    out = heads_to_seq(torch.cat(list(xs), dim=2), group)  # [B, n, P * sum h, D]
+    parts = out.reshape(B, Pn // P, P, sum(local), D).split(local, dim=3)
+    return [part.reshape(B, Pn // P, P * h, D) for part, h in zip(parts, local)]
+
+
 class SeqToHeads(torch.autograd.Function):
     """Autograd all-to-all, sequence layout -> head layout. Saves nothing."""
 

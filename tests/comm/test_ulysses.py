@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from fpdt.comm import (HeadsToSeq, SeqToHeads, heads_to_seq, kv_replication_factor, replicate_kv, seq_to_heads,
-                       sum_kv_replicas)
+from fpdt.comm import (HeadsToSeq, SeqToHeads, heads_to_seq, heads_to_seq_packed, kv_replication_factor,
+                       replicate_kv, seq_to_heads, seq_to_heads_packed, sum_kv_replicas)
 from fpdt.layout import shard
 from tests.distributed import run_distributed
 
@@ -22,9 +22,24 @@ def _body(rank, world):
     torch.testing.assert_close(local.grad, g, rtol=0, atol=0)  # the two ops are each other's adjoint
 
 
+def _packed_body(rank, world):
+    torch.manual_seed(rank)
+    xs = [torch.randn(2, 3, h * world, 5) for h in (3, 1, 1)]   # q, k, v with different head counts
+    packed = seq_to_heads_packed(xs, None)
+    for x, p in zip(xs, packed):
+        torch.testing.assert_close(p, seq_to_heads(x, None), rtol=0, atol=0)
+    for x, back in zip(xs, heads_to_seq_packed(packed, None)):
+        torch.testing.assert_close(back, x, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_roundtrip_and_autograd(world):
     run_distributed(_body, world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_all_to_all_equals_one_per_tensor(world):
+    run_distributed(_packed_body, world)
 
 
 def test_world_of_one_is_identity():
