@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -127,10 +128,12 @@ def _cuda_flash_forward(q, k, v, causal, scale):
 def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
     k, v, group = _expand_kv(k, v, q.shape[2])
     Sq, Sk = q.shape[1], k.shape[1]
-    empty = torch.empty(0, device=q.device, dtype=torch.int64)  # dense batch, no dropout: unused
+    # Dense batch: the forward's cumulative-length outputs are undefined tensors (None from
+    # Python), and a defined one would select the varlen path. No dropout: the RNG state is unused.
+    rng = torch.empty(0, device=q.device, dtype=torch.int64)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(), empty, empty,
-        Sq, Sk, 0.0, causal, empty, empty, scale=scale)
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(), None, None,
+        Sq, Sk, 0.0, causal, rng, rng, scale=scale)
     return _bhsd(dq), _fold_kv_grad(_bhsd(dk), group), _fold_kv_grad(_bhsd(dv), group)
 
 
@@ -147,10 +150,10 @@ def _cuda_cudnn_forward(q, k, v, causal, scale):
 def _cuda_cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     k, v, group = _expand_kv(k, v, q.shape[2])
     Sq, Sk = q.shape[1], k.shape[1]
-    empty = torch.empty(0, device=q.device, dtype=torch.int64)
+    rng = torch.empty(0, device=q.device, dtype=torch.int64)
     dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.unsqueeze(-1).contiguous(), empty, empty,
-        None, empty, empty, Sq, Sk, 0.0, causal, scale=scale)
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.unsqueeze(-1).contiguous(), rng, rng,
+        None, None, None, Sq, Sk, 0.0, causal, scale=scale)
     return _bhsd(dq), _fold_kv_grad(_bhsd(dk), group), _fold_kv_grad(_bhsd(dv), group)
 
 
@@ -229,18 +232,73 @@ BACKENDS: dict[str, AttentionBackend] = {
 _AUTO_ORDER = ("flash_attn", "cuda_flash", "cuda_efficient", "cpu", "math")
 
 
+_SELF_CHECKS: dict[tuple[str, str, torch.dtype, int], str | None] = {}
+_CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-10}  # half precisions: 5e-2
+
+
+def self_check(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Check ``backend`` once per (device, dtype, head_dim) against the float64 math kernel.
+
+    Runs a GQA query block against a diagonal (causal) and an earlier (full) KV block,
+    forward and the backward with the *merged* (out, lse), on random inputs. Catches
+    kernels that fail on this build or GPU, and kernels whose lse is fake or whose
+    backward ignores the lse it is given (both silently break the merge). Returns None
+    when it passes, else what went wrong.
+    """
+    key = (backend.name, str(device), dtype, head_dim)
+    if key in _SELF_CHECKS:
+        return _SELF_CHECKS[key]
+    g = torch.Generator().manual_seed(1234)
+    C, scale = 64, head_dim ** -0.5
+    q, dout = (torch.randn(1, C, 4, head_dim, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(1, 2 * C, 2, head_dim, generator=g).to(device, dtype) for _ in range(2))
+    blocks = ((k[:, C:], v[:, C:], True), (k[:, :C], v[:, :C], False))
+    tol = _CHECK_TOL.get(dtype, 5e-2)
+    try:
+        ref = [_math_forward(q, kb, vb, causal, scale) for kb, vb, causal in blocks]
+        got = [backend.forward(q, kb, vb, causal, scale) for kb, vb, causal in blocks]
+        pairs = [(a, b) for (ro, rl), (go, gl) in zip(ref, got) for a, b in ((go, ro), (gl, rl))]
+        # the final merged (out, lse) of the two blocks, from the reference
+        lse = torch.logaddexp(ref[0][1].double(), ref[1][1].double())
+        w0 = torch.exp(ref[0][1].double() - lse).transpose(1, 2)[..., None]
+        w1 = torch.exp(ref[1][1].double() - lse).transpose(1, 2)[..., None]
+        out = (w0 * ref[0][0].double() + w1 * ref[1][0].double()).to(dtype)
+        lse = lse.to(ref[0][1].dtype)  # fp32 (float64 for float64 inputs), as the pipeline keeps it
+        for kb, vb, causal in blocks:
+            r = _math_backward(dout, q, kb, vb, out, lse, causal, scale)
+            b = backend.backward(dout, q, kb, vb, out, lse, causal, scale)
+            pairs += list(zip(b, r))
+        for a, b in pairs:
+            a, b = a.double(), b.double()
+            err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+            if not err <= tol:  # also catches nan
+                raise AssertionError(f"relative error {err:.2e} > {tol:.0e}")
+        result = None
+    except Exception as e:  # noqa: BLE001 -- any failure disqualifies the kernel
+        result = f"{type(e).__name__}: {e}"
+    _SELF_CHECKS[key] = result
+    return result
+
+
 def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
     """The backend called ``name``, or the best one for ``(device, dtype, head_dim)`` if None.
 
+    Every backend passes :func:`self_check` before first use: automatic selection warns
+    and moves on to the next candidate; a named backend that fails raises.
     Raises ``ValueError`` for an unknown name and ``RuntimeError`` when the named backend
-    is not installed or cannot run on this device/dtype.
+    is not installed, cannot run on this device/dtype, or fails its self-check.
     """
     device = torch.device(device)
     if name is None:
         for candidate in _AUTO_ORDER:
             b = BACKENDS[candidate]
-            if b.supports(device, dtype, head_dim) and b.available():
+            if not (b.supports(device, dtype, head_dim) and b.available()):
+                continue
+            failure = self_check(b, device, dtype, head_dim)
+            if failure is None:
                 return b
+            warnings.warn(f"attention backend {candidate!r} failed its self-check on {device}, {dtype}, "
+                          f"head_dim={head_dim} ({failure}); trying the next one", RuntimeWarning, stacklevel=2)
         raise RuntimeError(f"no attention backend for device={device}, dtype={dtype}, head_dim={head_dim}")
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)} or None (auto)")
@@ -251,6 +309,10 @@ def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head
     if not b.supports(device, dtype, head_dim):
         raise RuntimeError(f"attention backend {name!r} does not support device={device}, dtype={dtype}, "
                            f"head_dim={head_dim}; pick another backend or None (auto)")
+    failure = self_check(b, device, dtype, head_dim)
+    if failure is not None:
+        raise RuntimeError(f"attention backend {name!r} failed its self-check on {device}, {dtype}, "
+                           f"head_dim={head_dim}: {failure}; pick another backend or None (auto)")
     return b
 
 

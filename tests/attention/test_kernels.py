@@ -74,3 +74,28 @@ def test_backend_selection_and_errors():
             get_backend("cuda_flash", torch.device("cpu"), torch.float16, 64)
     with pytest.raises(RuntimeError, match="'cpu' does not support device=meta"):
         get_backend("cpu", torch.device("meta"), torch.float32, 64)
+
+
+def _fake_lse_forward(q, k, v, causal, scale):
+    out, lse = BACKENDS["cpu"].forward(q, k, v, causal, scale)
+    return out, torch.zeros_like(lse)  # a kernel that returns a fake lse silently breaks the merge
+
+
+def test_self_check_rejects_a_kernel_with_a_fake_lse(monkeypatch):
+    from fpdt.attention import kernels
+
+    broken = kernels.AttentionBackend("broken", _fake_lse_forward, BACKENDS["cpu"].backward,
+                                      BACKENDS["cpu"].supports, lambda: True)
+    monkeypatch.setitem(kernels.BACKENDS, "broken", broken)
+    monkeypatch.setattr(kernels, "_AUTO_ORDER", ("broken",) + kernels._AUTO_ORDER)
+    with pytest.warns(RuntimeWarning, match="'broken' failed its self-check.*relative error"):
+        assert get_backend(None, torch.device("cpu"), torch.float32, 24).name == "cpu"
+    with pytest.raises(RuntimeError, match="'broken' failed its self-check"):
+        get_backend("broken", torch.device("cpu"), torch.float32, 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_backend_passes_self_check(dtype):
+    from fpdt.attention.kernels import self_check
+
+    assert self_check(BACKENDS["cpu"], torch.device("cpu"), dtype, 40) is None
