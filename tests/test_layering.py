@@ -1,0 +1,54 @@
+"""Imports point down only: train -> model -> attention -> offload, comm, layout.
+
+Also: nothing outside ``fpdt.train`` imports DeepSpeed, and nothing in ``fpdt`` imports
+the tests. Checked statically from the source, so a violation fails here rather than
+in a user's import graph.
+"""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fpdt")
+
+# package -> fpdt packages it may import
+ALLOWED = {
+    "layout": set(),
+    "comm": set(),
+    "offload": set(),
+    "attention": {"layout", "comm", "offload"},
+    "model": {"layout", "comm", "offload", "attention"},
+    "train": {"layout", "comm", "offload", "attention", "model"},
+}
+
+
+def _imports(path):
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def _modules():
+    for pkg in ALLOWED:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    yield pkg, os.path.join(dirpath, f)
+
+
+MODULES = list(_modules())
+
+
+@pytest.mark.parametrize("pkg,path", MODULES, ids=[os.path.relpath(p, ROOT) for _, p in MODULES])
+def test_imports_point_down(pkg, path):
+    for name in _imports(path):
+        parts = name.split(".")
+        if parts[0] == "fpdt" and len(parts) > 1 and parts[1] in ALLOWED and parts[1] != pkg:
+            assert parts[1] in ALLOWED[pkg], f"{os.path.relpath(path, ROOT)} imports {name}: {pkg} may not import {parts[1]}"
+        assert parts[0] != "tests", f"{path} imports the tests ({name})"
+        if pkg != "train":
+            assert parts[0] != "deepspeed", f"{path} imports DeepSpeed; only fpdt.train may"
