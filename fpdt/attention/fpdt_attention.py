@@ -31,10 +31,15 @@ class FPDTAttentionFunction(torch.autograd.Function):
             sl = slice(i * L, (i + 1) * L)
             return q[:, sl], k[:, sl], v[:, sl]
 
-        outs = pipeline_forward(spec, produce, stash, for_backward)
+        out = torch.empty_like(q)
+
+        def emit(i, out_i):
+            out[:, i * L:(i + 1) * L] = out_i
+
+        pipeline_forward(spec, produce, emit, stash, for_backward)
         ctx.spec, ctx.stash, ctx.L = spec, stash, L
         ctx.shapes = (q.shape, k.shape, v.shape, q.dtype)
-        return torch.cat(outs, dim=1)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -6,6 +6,7 @@ projected chunk by chunk). Callers supply two callbacks:
 
 * ``produce(i) -> (q_i, k_i, v_i)``: local chunk ``i`` in sequence layout, q
   ``[B, L, H, D]``, k/v ``[B, L, H_kv, D]`` (RoPE already applied);
+* ``emit(i, out_i)``: output chunk ``i`` in sequence layout ``[B, L, H, D]``;
 * ``deliver(j, dq_j, dk_j, dv_j)``: the final gradients of local chunk ``j`` in sequence
   layout, fp32, k/v already summed over GQA replicas.
 
@@ -44,6 +45,7 @@ from fpdt.comm import (group_size, heads_to_seq, heads_to_seq_packed, kv_replica
 from fpdt.offload import HostStash
 
 Produce = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Emit = Callable[[int, torch.Tensor], None]
 Deliver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -100,9 +102,11 @@ def _to_heads(spec: PipelineSpec, q, k, v):
     return seq_to_heads_packed((q, k, v), spec.group)
 
 
-def pipeline_forward(spec: PipelineSpec, produce: Produce, stash: HostStash,
-                     for_backward: bool = True) -> list[torch.Tensor]:
-    """Run the forward; returns the output chunks in sequence layout ``[B, L, H, D]``.
+def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: HostStash,
+                     for_backward: bool = True) -> None:
+    """Run the forward; ``emit(i, out_i)`` receives each output chunk in sequence layout
+    ``[B, L, H, D]`` (callers write it into a preallocated output, so no list of chunks
+    and no concatenated copy exist side by side).
 
     With ``for_backward`` it leaves ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk in
     ``stash``, as backward needs; without (a no-grad pass, e.g. the first pass of an
@@ -110,7 +114,6 @@ def pipeline_forward(spec: PipelineSpec, produce: Produce, stash: HostStash,
     emptied at the end.
     """
     u = spec.num_chunks
-    outs: list[torch.Tensor] = []
     order = range(u) if spec.causal else []
     if not spec.causal:  # every query chunk needs every KV chunk: produce them all first
         for i in range(u):
@@ -135,10 +138,9 @@ def pipeline_forward(spec: PipelineSpec, produce: Produce, stash: HostStash,
                 stash.put(("q", i), q_h)
             stash.put(("o", i), o_h)
             stash.put(("lse", i), lse)
-        outs.append(heads_to_seq(o_h, spec.group))
+        emit(i, heads_to_seq(o_h, spec.group))
     if not for_backward:
         stash.clear()
-    return outs
 
 
 def _attend(spec: PipelineSpec, i: int, q_h: torch.Tensor, current: dict, stash: HostStash):

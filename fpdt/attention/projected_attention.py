@@ -49,11 +49,16 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return q, k, v
 
-        outs = pipeline_forward(spec, produce, stash, for_backward)
+        out = torch.empty(B, S_local, H, D, dtype=hidden.dtype, device=hidden.device)
+
+        def emit(i, out_i):
+            out[:, i * L:(i + 1) * L] = out_i
+
+        pipeline_forward(spec, produce, emit, stash, for_backward)
         ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids)
         ctx.rope, ctx.spec, ctx.stash, ctx.L, ctx.heads = rope, spec, stash, L, heads
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
-        return torch.cat(outs, dim=1)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
