@@ -13,13 +13,15 @@ projected chunk by chunk). Callers supply two callbacks:
 Notation: ``u`` chunks, ``P`` ranks, ``C = P * L`` tokens per chunk after the
 all-to-all, ``x̂`` = head layout ``[B, C, H/P, D]``.
 
-Forward, for i = 0..u-1: produce chunk i, all-to-all to q̂_i, k̂_i, v̂_i; stash k̂_i, v̂_i;
+Forward, for i = 0..u-1: produce chunk i, all-to-all to q̂_i, k̂_i, v̂_i (chunk i+1's
+all-to-all is started before chunk i's attention, so the two overlap); stash k̂_i, v̂_i;
 attend q̂_i to k̂_i (causal) and then to k̂_j, v̂_j for j < i (full), fetched from the stash
 one at a time with the next one prefetched, merging online in fp32; stash q̂_i, o_i,
 lse_i; all-to-all o_i back.
 
 Backward: outer loop over KV chunks j, inner loop over query chunks i >= j. dô_i (the
-all-to-all of grad-out chunk i) is made on first use and stashed. dq_i accumulates in
+all-to-all of grad-out chunk i) is made on first use (the next one's all-to-all overlaps
+the current block's backward) and stashed. dq_i accumulates in
 fp32 across outer steps (stashed between them, i.e. host-resident when offloading);
 dk_j/dv_j accumulate in fp32 on the device over the inner loop. dq̂_j is final after the
 first inner step of outer step j and goes back through the all-to-all at once; dk̂_j and
@@ -40,8 +42,8 @@ import torch.distributed as dist
 
 from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
 from fpdt.attention.merge import OnlineSoftmax
-from fpdt.comm import (group_size, heads_to_seq, heads_to_seq_packed, kv_replication_factor, replicate_kv,
-                       seq_to_heads, seq_to_heads_packed, sum_kv_replicas)
+from fpdt.comm import (PendingAllToAll, group_size, heads_to_seq, heads_to_seq_packed, kv_replication_factor,
+                       replicate_kv, start_seq_to_heads_packed, sum_kv_replicas)
 from fpdt.offload import HostStash
 
 Produce = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -95,11 +97,11 @@ def build_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: i
     )
 
 
-def _to_heads(spec: PipelineSpec, q, k, v):
-    """Sequence -> head layout for one chunk: q, k and v share a single all-to-all."""
-    k = replicate_kv(k, spec.kv_factor)
-    v = replicate_kv(v, spec.kv_factor)
-    return seq_to_heads_packed((q, k, v), spec.group)
+def _start_to_heads(spec: PipelineSpec, produce: Produce, i: int) -> PendingAllToAll:
+    """Produce chunk i and start its sequence -> head all-to-all (q, k, v in one message)."""
+    q, k, v = produce(i)
+    return start_seq_to_heads_packed((q, replicate_kv(k, spec.kv_factor), replicate_kv(v, spec.kv_factor)),
+                                     spec.group)
 
 
 def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: HostStash,
@@ -114,17 +116,20 @@ def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: Ho
     emptied at the end.
     """
     u = spec.num_chunks
-    order = range(u) if spec.causal else []
-    if not spec.causal:  # every query chunk needs every KV chunk: produce them all first
+    pending = None
+    if spec.causal:
+        pending = _start_to_heads(spec, produce, 0)
+    else:  # every query chunk needs every KV chunk: produce them all first
         for i in range(u):
-            q_h, k_h, v_h = _to_heads(spec, *produce(i))
+            q_h, k_h, v_h = _start_to_heads(spec, produce, i).wait()
             stash.put(("k", i), k_h)
             stash.put(("v", i), v_h)
             stash.put(("q", i), q_h)
-        order = range(u)
-    for i in order:
+    for i in range(u):
         if spec.causal:
-            q_h, k_h, v_h = _to_heads(spec, *produce(i))
+            q_h, k_h, v_h = pending.wait()
+            # chunk i+1's projection and all-to-all start now and overlap chunk i's attention
+            pending = _start_to_heads(spec, produce, i + 1) if i + 1 < u else None
             stash.put(("k", i), k_h)   # async copy out; k_h stays usable for the diagonal block
             stash.put(("v", i), v_h)
             current = {i: (k_h, v_h)}
@@ -177,6 +182,7 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
     final_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     final_dq: dict[int, torch.Tensor] = {}
     _prefetch_outer(spec, 0, stash, have_dout=False)
+    pending_do = _start_dout(spec, grad_out_chunk, 0)
     for j in range(u):
         k_j, v_j = stash.pop(("k", j)), stash.pop(("v", j))
         dk = torch.zeros(k_j.shape, dtype=spec.acc_dtype, device=k_j.device)
@@ -188,8 +194,10 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
             last_use = _last_outer(spec, i) == j
             take = stash.pop if last_use else stash.get
             q_i, o_i, lse_i = take(("q", i)), take(("o", i)), take(("lse", i))
-            if j == 0:  # dô_i: all-to-all of grad-out chunk i, done lazily on first use
-                do_i = seq_to_heads(grad_out_chunk(i).contiguous(), spec.group)
+            if j == 0:  # dô_i: all-to-all of grad-out chunk i, done on first use...
+                do_i = pending_do.wait()[0]
+                if n + 1 < len(inner):  # ...and the next one's starts now, overlapping this step
+                    pending_do = _start_dout(spec, grad_out_chunk, inner[n + 1])
                 if not last_use:
                     stash.put(("do", i), do_i)
             else:
@@ -213,6 +221,10 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
             dk_s, dv_s = heads_to_seq_packed(final_kv.pop(c), spec.group)  # one all-to-all for both
             deliver(c, final_dq.pop(c), sum_kv_replicas(dk_s, spec.kv_factor), sum_kv_replicas(dv_s, spec.kv_factor))
     stash.clear()
+
+
+def _start_dout(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor], i: int) -> PendingAllToAll:
+    return start_seq_to_heads_packed((grad_out_chunk(i),), spec.group)
 
 
 def _last_outer(spec: PipelineSpec, i: int) -> int:

@@ -4,10 +4,10 @@ Every function that communicates takes its process group as an argument.
 """
 
 from fpdt.comm.heads import kv_replication_factor, replicate_kv, sum_kv_replicas
-from fpdt.comm.ulysses import (HeadsToSeq, SeqToHeads, group_rank, group_size, heads_to_seq, heads_to_seq_packed,
-                               seq_to_heads, seq_to_heads_packed)
+from fpdt.comm.ulysses import (HeadsToSeq, PendingAllToAll, SeqToHeads, group_rank, group_size, heads_to_seq,
+                               heads_to_seq_packed, seq_to_heads, seq_to_heads_packed, start_seq_to_heads_packed)
 
 __all__ = [
-    "HeadsToSeq", "SeqToHeads", "group_rank", "group_size", "heads_to_seq", "heads_to_seq_packed",
-    "kv_replication_factor", "replicate_kv", "seq_to_heads", "seq_to_heads_packed", "sum_kv_replicas",
+    "HeadsToSeq", "PendingAllToAll", "SeqToHeads", "group_rank", "group_size", "heads_to_seq", "heads_to_seq_packed",
+    "kv_replication_factor", "replicate_kv", "seq_to_heads", "seq_to_heads_packed", "start_seq_to_heads_packed", "sum_kv_replicas",
 ]

@@ -70,24 +70,53 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     return recv.permute(1, 2, 0, 3, 4).reshape(B, n, P * Hl, D)
 
 
-def seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                        group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """:func:`seq_to_heads` of several ``[B, n, H_i, D]`` tensors in one all-to-all.
+class PendingAllToAll:
+    """An all-to-all in flight. :meth:`wait` returns its result; on NCCL the current CUDA
+    stream waits for it (the host does not), on gloo the host waits."""
+
+    def __init__(self, work, send: torch.Tensor | None, recv, finish):
+        self._work, self._send, self._recv, self._finish = work, send, recv, finish
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+        self._send = None  # the send buffer may go once the collective is done
+        return self._finish(self._recv)
+
+
+def start_seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                              group: dist.ProcessGroup | None) -> PendingAllToAll:
+    """Start :func:`seq_to_heads` of several ``[B, n, H_i, D]`` tensors as one asynchronous
+    all-to-all, so it can overlap other work; ``.wait()`` gives ``[B, P*n, H_i/P, D]`` views.
 
     Each rank's head slice of every tensor travels in the same message (one collective
-    instead of one per tensor). Returns ``[B, P*n, H_i/P, D]`` views, one per input.
+    instead of one per tensor).
     """
     P = group_size(group)
     if P == 1:
-        return list(xs)
+        return PendingAllToAll(None, None, list(xs), lambda recv: recv)
     B, n, _, D = xs[0].shape
     for x in xs:
         if x.shape[2] % P:
             raise ValueError(f"cannot scatter {x.shape[2]} heads over {P} ranks: heads must be divisible by the sp size")
     local = [x.shape[2] // P for x in xs]
-    packed = torch.cat([x.reshape(B, n, P, h, D) for x, h in zip(xs, local)], dim=3)  # [B, n, P, sum h, D]
-    out = seq_to_heads(packed.reshape(B, n, P * sum(local), D), group)
-    return list(out.split(local, dim=2))
+    hs = sum(local)
+    # [B, n, P, sum h, D] -> [P, B, n, sum h, D]: block p (every tensor's p-th head slice) goes to rank p
+    send = torch.cat([x.reshape(B, n, P, h, D) for x, h in zip(xs, local)], dim=3).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+    def finish(recv):  # block p holds rank p's n tokens
+        return list(recv.permute(1, 0, 2, 3, 4).reshape(B, P * n, hs, D).split(local, dim=2))
+
+    return PendingAllToAll(work, send, recv, finish)
+
+
+def seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                        group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """:func:`seq_to_heads` of several tensors in one (blocking) all-to-all; see
+    :func:`start_seq_to_heads_packed`."""
+    return start_seq_to_heads_packed(xs, group).wait()
 
 
 def heads_to_seq_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
