@@ -9,6 +9,11 @@ names (see :mod:`fpdt.model.llama`); with tied embeddings ``lm_head.weight`` is 
 Memory: models are first built on the ``meta`` device (no storage), then each tensor is
 read from its shard straight to the target device/dtype and *assigned* as the parameter,
 so host RAM holds at most one shard's tensors on top of the model itself.
+
+Loaders that place tensors differently (``fpdt.train.zero_load`` streams a checkpoint into
+ZeRO-3-partitioned parameters) reuse :func:`construct`, :func:`checkpoint_files`,
+:func:`ignored_tensor`, :func:`check_shape`, :func:`check_unexpected` and
+:func:`check_missing`, so they accept and refuse exactly what :func:`from_pretrained` does.
 """
 
 from __future__ import annotations
@@ -46,6 +51,20 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return value
 
 
+def construct(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any,
+              **fpdt_options) -> FPDTForCausalLM:
+    """The bare module tree for ``config``, built in the caller's device / tensor-creation
+    context with ``torch.nn``'s default initialisation and no dtype or device of its own.
+
+    ``with torch.device("meta"): construct(cfg)`` gives a shape-only model (what
+    :func:`from_config` and :func:`from_pretrained` start from); a context that partitions
+    parameters as they are created (DeepSpeed's ``zero.Init``) gives a partitioned one. The
+    RoPE buffer is whatever that context made of it: call ``model.reset_rope(device)`` after.
+    """
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    return FPDTForCausalLM(cfg, _options(fpdt_options))
+
+
 def from_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any, *,
                 device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
                 **fpdt_options) -> FPDTForCausalLM:
@@ -59,9 +78,8 @@ def from_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | An
         **fpdt_options: :class:`FPDTOptions` fields.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
-    opts = _options(fpdt_options)
     with torch.device("meta"):
-        model = FPDTForCausalLM(cfg, opts)
+        model = construct(cfg, **fpdt_options)
     if dtype is not None:
         model.to(_resolve_dtype(dtype))
     device = torch.device(device if device is not None else "cpu")
@@ -87,12 +105,12 @@ def from_pretrained(path: str | os.PathLike, *, device: torch.device | str | Non
     path = os.fspath(path)
     cfg = ModelConfig.from_hf(path)
     with torch.device("meta"):
-        model = FPDTForCausalLM(cfg, _options(fpdt_options))
+        model = construct(cfg, **fpdt_options)
     device = torch.device(device if device is not None else "cpu")
     loaded: set[str] = set()
     for file in checkpoint_files(path):
         loaded |= _load_file(model, file, device, _resolve_dtype(dtype))
-    _check_complete(model, loaded)
+    check_missing(model, loaded)
     model.reset_rope(device)
     return model
 
@@ -136,31 +154,49 @@ def load_hf_state_dict(model: FPDTForCausalLM, tensors: Mapping[str, torch.Tenso
     used: set[str] = set()
     unexpected = []
     for name, tensor in items:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        if ignored_tensor(name, model.config):
             continue
         if name not in params:
             unexpected.append(name)
             continue
         old = params[name]
-        if tuple(tensor.shape) != tuple(old.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(old.shape)}")
+        check_shape(name, tensor.shape, old.shape)
         target = torch.device(device) if device is not None else (old.device if not old.is_meta else torch.device("cpu"))
         value = tensor.detach().to(device=target, dtype=dtype or tensor.dtype, copy=False)
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=old.requires_grad))
         used.add(name)
-    if unexpected:
-        raise ValueError(f"checkpoint tensors the model does not have: {sorted(unexpected)[:10]}"
-                         f"{' ...' if len(unexpected) > 10 else ''}")
+    check_unexpected(unexpected)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     if check_complete:
-        _check_complete(model, used)
+        check_missing(model, used)
         model.reset_rope(model.lm_head.weight.device)  # a meta-built model has no RoPE buffer yet
     return used
 
 
-def _check_complete(model: FPDTForCausalLM, loaded: set[str]) -> None:
+def ignored_tensor(name: str, config: ModelConfig) -> bool:
+    """Whether checkpoint tensor ``name`` is skipped on loading: buffers some older
+    checkpoints store (``...rotary_emb.inv_freq``), and ``lm_head.weight`` when the
+    embeddings are tied (the model's head *is* the embedding; some checkpoints duplicate it)."""
+    return name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def check_shape(name: str, checkpoint_shape, model_shape) -> None:
+    """Raise ``ValueError`` when a checkpoint tensor's shape differs from its parameter's."""
+    if tuple(checkpoint_shape) != tuple(model_shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(checkpoint_shape)} != model shape {tuple(model_shape)}")
+
+
+def check_unexpected(names: list[str]) -> None:
+    """Raise ``ValueError`` naming checkpoint tensors (not ignored) the model does not have."""
+    if names:
+        raise ValueError(f"checkpoint tensors the model does not have: {sorted(names)[:10]}"
+                         f"{' ...' if len(names) > 10 else ''}")
+
+
+def check_missing(model: FPDTForCausalLM, loaded: set[str]) -> None:
+    """Raise ``ValueError`` when parameters of ``model`` (by name) are not in ``loaded``."""
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: {missing[:10]}")

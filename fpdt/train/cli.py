@@ -7,7 +7,8 @@ Order of set-up (each step needs the previous one):
 2. process group (gloo on CPU, NCCL on CUDA; a 1-process group without a launcher),
    then DeepSpeed's communication layer on top of it, then the SP groups;
 3. the model (seeded, so every rank builds the same random weights) and the data;
-4. ``deepspeed.initialize`` (ZeRO partitions the model here), resume, train, save.
+4. ``deepspeed.initialize`` (ZeRO partitions the model here, unless it already is: see
+   :func:`build_model`), resume, train, save.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fpdt.train import checkpoint
-from fpdt.train.config import ConfigError, FPDTOptions, Plan, ds_dtype_name, load_ds_config, merge_options, validate
+from fpdt.train import checkpoint, zero, zero_load
+from fpdt.train.config import (ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
+                               merge_options, validate)
 from fpdt.train.data import DataError, Windows, check_vocab, load_tokens
 from fpdt.train.loop import LoopSpec, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
@@ -93,14 +95,32 @@ def model_dir(args: argparse.Namespace) -> str:
     return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
 
 
-def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: ParallelState, dtype: torch.dtype):
-    """The FPDT model on the host, full on every rank (DeepSpeed partitions it later)."""
+def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: ParallelState, dtype: torch.dtype,
+                ds_config: dict[str, Any] | None = None):
+    """The FPDT model in ``dtype``.
+
+    * ``--model DIR`` with ZeRO-3 in ``ds_config``: built under ``deepspeed.zero.Init`` and
+      the checkpoint streamed in one tensor at a time (:mod:`fpdt.train.zero_load`), so a
+      rank never holds more than its shards plus one full tensor.
+    * ``--model DIR`` otherwise: the whole checkpoint on every rank's host (ZeRO-1/2 keep
+      full parameters on every rank anyway).
+    * ``--model-config`` (random init): always the full model on every rank, seeded, which
+      ``deepspeed.initialize`` partitions under ZeRO-3. :func:`fpdt.model.from_config` draws
+      every full tensor from one seeded stream in a fixed order, so the weights are the
+      same for any world size or ZeRO stage and equal to a single-process model's (the
+      parity tests rely on this). Under ``zero.Init`` each module would instead draw its
+      own default init at construction, giving other weights; reproducing the stream would
+      need a gather and a rank-0 draw per parameter, which is not done. Random init of a
+      model that does not fit on one host is therefore not supported.
+    """
     from fpdt import model as fm
 
     kw = dict(num_chunks=plan.num_chunks, offload=opts.offload, mlp_chunks=plan.mlp_chunks,
               loss_chunks=opts.loss_chunks, checkpointing=opts.checkpoint, group=ps.sp_group)
     torch.manual_seed(args.seed)  # same random weights on every rank
     if args.model:
+        if ds_config is not None and ds_zero_stage(ds_config) == 3:
+            return zero_load.from_pretrained_zero3(args.model, ds_config, dtype=dtype, device=ps.device, **kw)
         return fm.from_pretrained(args.model, dtype=dtype, **kw)
     return fm.from_config(args.model_config, dtype=dtype, **kw)
 
@@ -132,8 +152,6 @@ def run_info(args: argparse.Namespace, plan: Plan, micro: int, gas: int) -> dict
 
 def run(args: argparse.Namespace) -> list[StepRecord]:
     """Everything ``fpdt-train`` does; returns this rank's step records."""
-    from fpdt.train import zero
-
     _check_args(args)
     device = pick_device()
     ds_config, section = load_ds_config(args.deepspeed)
@@ -146,7 +164,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     ps = build_parallel_state(plan.sp, device)
 
     dtype_name = ds_dtype_name(ds_config)
-    model = build_model(args, opts, plan, ps, DTYPES[dtype_name])
+    model = build_model(args, opts, plan, ps, DTYPES[dtype_name], ds_config)
     hf_config = model.config.to_hf()
     windows, tokenizer = load_windows(args, hf_config, model.config.vocab_size)
 

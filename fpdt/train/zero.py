@@ -1,7 +1,7 @@
 """DeepSpeed set-up: communication back end, ZeRO-3 external parameters, the engine.
 
-This is the only place (with :mod:`fpdt.train.checkpoint` and :mod:`fpdt.train.export`)
-that imports DeepSpeed; nothing below ``fpdt.train`` does.
+This is the only place (with :mod:`fpdt.train.checkpoint`, :mod:`fpdt.train.export` and
+:mod:`fpdt.train.zero_load`) that imports DeepSpeed; nothing below ``fpdt.train`` does.
 """
 
 from __future__ import annotations

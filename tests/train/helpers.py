@@ -55,16 +55,20 @@ def write_json(path: str, obj: dict) -> str:
     return path
 
 
-def reference_losses(cfg_path: str, data_path: str, seq_len: int, steps: int, seqs_per_step: int,
-                     optimizer: dict, clip: float, seed: int = 0) -> list[float]:
+def reference_losses(cfg_path: str | None, data_path: str, seq_len: int, steps: int, seqs_per_step: int,
+                     optimizer: dict, clip: float, seed: int = 0, pretrained: str | None = None) -> list[float]:
     """Single-process, unsharded training on the same windows: window ``k`` is
     ``tokens[k*(S+1) : (k+1)*(S+1)]`` and step ``t`` trains windows ``t*n .. t*n+n-1``
     as one batch (``n`` = sequences per step over all data-parallel groups), clipping the
-    gradient norm at ``clip`` (0: no clipping) as DeepSpeed does."""
-    from fpdt.model import from_config
+    gradient norm at ``clip`` (0: no clipping) as DeepSpeed does. The model is
+    ``from_config(cfg_path)`` seeded with ``seed``, or ``from_pretrained(pretrained)``."""
+    from fpdt.model import from_config, from_pretrained
 
     torch.manual_seed(seed)
-    model = from_config(cfg_path, dtype=torch.float32)
+    if pretrained is not None:
+        model = from_pretrained(pretrained, dtype=torch.float32)
+    else:
+        model = from_config(cfg_path, dtype=torch.float32)
     params = dict(optimizer["params"])
     params.pop("torch_adam", None)
     opt = getattr(torch.optim, optimizer["type"])(model.parameters(), **params)

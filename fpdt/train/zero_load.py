@@ -1,0 +1,130 @@
+"""Load a Hugging Face checkpoint straight into ZeRO-3-partitioned parameters.
+
+:func:`fpdt.model.from_pretrained` materialises the whole model on every rank, and
+``deepspeed.initialize`` only partitions it afterwards: 16 GB of host memory per rank for
+an 8B model in bf16, more than a host has for 70B on 8 ranks. Under ZeRO-3 the trainer
+uses :func:`from_pretrained_zero3` instead:
+
+1. every rank reads ``config.json`` and the safetensors *headers* (names, shapes; no
+   tensor data) and checks them against a shape-only (meta) model, so a checkpoint that
+   does not fit the model fails on all ranks alike, before any collective;
+2. the model is built inside ``deepspeed.zero.Init``: each module's parameters are
+   partitioned over the ranks as soon as that module's ``__init__`` returns (its default
+   random init is thrown away by step 3);
+3. for each checkpoint tensor, one parameter is gathered
+   (``deepspeed.zero.GatheredParameters([p], modifier_rank=0)``), rank 0 reads the tensor
+   and copies it in (converting to the training dtype), and on leaving the context
+   DeepSpeed broadcasts it from rank 0 and re-partitions it. Other ranks never read
+   tensor data.
+
+Host memory per rank is its shards plus, for a moment, one full tensor (on rank 0 also
+the tensor as read from the file); during step 2 the largest single module is full for a
+moment. Names are handled exactly as :func:`fpdt.model.from_pretrained` handles them
+(tied ``lm_head.weight`` and ``rotary_emb.inv_freq`` are skipped; unknown names, missing
+names and shape mismatches raise the same ``ValueError``), and the RoPE buffer is
+recomputed in fp32 after construction (``zero.Init`` rounds every floating tensor created
+inside it to the training dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from fpdt.model import FPDTForCausalLM, ModelConfig
+from fpdt.model.weights import (check_missing, check_shape, check_unexpected, checkpoint_files, construct,
+                                ignored_tensor)
+
+
+def _full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
+    """A parameter's logical shape (a ZeRO-3 partitioned one reports ``[0]`` as its own)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def checkpoint_plan(path: str | os.PathLike, model: FPDTForCausalLM) -> list[tuple[str, list[str]]]:
+    """``[(safetensors file, [tensor names to load from it])]`` for ``model`` (meta,
+    ordinary or partitioned), from the file headers alone.
+
+    Raises the ``ValueError`` of :func:`fpdt.model.from_pretrained` for tensors the model
+    does not have, shape mismatches and parameters the checkpoint lacks. Names are in a
+    fixed (sorted) order per file, the same on every rank.
+    """
+    from safetensors import safe_open
+
+    shapes = {name: _full_shape(p) for name, p in model.named_parameters()}  # tied head: the embedding only
+    plan: list[tuple[str, list[str]]] = []
+    loaded: set[str] = set()
+    for file in checkpoint_files(os.fspath(path)):
+        names, unexpected = [], []
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in sorted(f.keys()):
+                if ignored_tensor(name, model.config):
+                    continue
+                if name not in shapes:
+                    unexpected.append(name)
+                    continue
+                check_shape(name, f.get_slice(name).get_shape(), shapes[name])
+                names.append(name)
+        check_unexpected(unexpected)
+        loaded.update(names)
+        plan.append((file, names))
+    check_missing(model, loaded)
+    return plan
+
+
+def from_pretrained_zero3(path: str | os.PathLike, ds_config: Mapping[str, Any], *, dtype: torch.dtype,
+                          device: torch.device, **fpdt_options) -> FPDTForCausalLM:
+    """The checkpoint at ``path`` as a ZeRO-3-partitioned model (see the module docstring).
+
+    Args:
+        path: Hugging Face checkpoint directory (``config.json`` + safetensors).
+        ds_config: the DeepSpeed config dict without the ``"fpdt"`` key (the one later given
+            to ``deepspeed.initialize``; ``zero.Init`` reads offload and persistence settings
+            from it).
+        dtype: the training dtype (parameters are created and loaded in it); it must be the
+            one ``ds_config`` asks for (``zero.Init`` reads it from there).
+        device: this rank's compute device (where the RoPE buffer goes).
+        **fpdt_options: :class:`fpdt.model.FPDTOptions` fields.
+
+    Collective: every rank of the default process group must call it. The parameters are
+    partitioned over the whole world, as ``deepspeed.initialize`` partitions them.
+    """
+    import deepspeed
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    cfg = ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        shape_model = construct(cfg, **fpdt_options)
+    plan = checkpoint_plan(path, shape_model)  # fails here, on every rank, for a checkpoint that does not fit
+    del shape_model
+
+    # The parameter dtype comes from the config (bf16 / fp16 / fp32, as the trainer's own
+    # ``dtype`` does). An explicit ``dtype=`` is not passed: DeepSpeed 0.19 evaluates
+    # ``dtype or torch.float16 if accelerator.is_fp16_supported() else <bf16 if supported>``,
+    # so on an accelerator without fp16 (its CPU one) the argument is ignored and bf16 used.
+    init = deepspeed.zero.Init(config_dict_or_path=copy.deepcopy(dict(ds_config)))
+    if init.dtype != dtype:
+        raise RuntimeError(f"deepspeed.zero.Init would create {init.dtype} parameters for a {dtype} run: "
+                           f"set the precision with the DeepSpeed config's \"bf16\" / \"fp16\" sections")
+    with init:
+        model = construct(cfg, **fpdt_options)
+    model.reset_rope(device)  # zero.Init cast every float tensor made in __init__ (inv_freq too) to `dtype`
+
+    params = dict(model.named_parameters())
+    source = dist.get_rank() == 0  # modifier_rank 0 of the world group the parameters are partitioned over
+    read_on = str(device) if device.type == "cuda" else "cpu"
+    for file, names in plan:
+        reader = safe_open(file, framework="pt", device=read_on) if source else contextlib.nullcontext()
+        with reader as f:
+            for name in names:
+                p = params[name]
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    if source:
+                        p.data.copy_(f.get_tensor(name))  # converts to the training dtype
+    return model
