@@ -181,7 +181,7 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
     u = spec.num_chunks
     final_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     final_dq: dict[int, torch.Tensor] = {}
-    _prefetch_outer(spec, 0, stash, have_dout=False)
+    _prefetch_outer(spec, 0, stash)
     pending_do = _start_dout(spec, grad_out_chunk, 0)
     for j in range(u):
         k_j, v_j = stash.pop(("k", j)), stash.pop(("v", j))
@@ -190,7 +190,7 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
         inner = spec.q_blocks(j)
         for n, i in enumerate(inner):
             if n + 1 < len(inner):  # double buffer the q side of the next inner step
-                _prefetch_q_side(stash, inner[n + 1], with_dout=j > 0, with_dq=j > 0)
+                _prefetch_q_side(stash, inner[n + 1])
             last_use = _last_outer(spec, i) == j
             take = stash.pop if last_use else stash.get
             q_i, o_i, lse_i = take(("q", i)), take(("o", i)), take(("lse", i))
@@ -214,7 +214,7 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
             del q_i, o_i, lse_i, do_i, dq_blk, dk_blk, dv_blk, dq_i
         del k_j, v_j
         if j + 1 < u:  # the next outer step's chunks copy in while we all-to-all and deliver
-            _prefetch_outer(spec, j + 1, stash, have_dout=True)
+            _prefetch_outer(spec, j + 1, stash)
         final_kv[j] = (dk, dv)
         del dk, dv
         for c in _ready_chunks(spec, j):
@@ -239,17 +239,15 @@ def _ready_chunks(spec: PipelineSpec, j: int) -> list[int]:
     return list(range(spec.num_chunks)) if j == spec.num_chunks - 1 else []
 
 
-def _prefetch_q_side(stash: HostStash, i: int, with_dout: bool, with_dq: bool) -> None:
-    for name in ("q", "o", "lse"):
-        stash.prefetch((name, i))
-    if with_dout and ("do", i) in stash:
-        stash.prefetch(("do", i))
-    if with_dq and ("dq", i) in stash:
-        stash.prefetch(("dq", i))
+def _prefetch_q_side(stash: HostStash, i: int) -> None:
+    """Start fetching what the backward of query chunk i needs (dô_i and dq_i once they exist)."""
+    for name in ("q", "o", "lse", "do", "dq"):
+        if (name, i) in stash:
+            stash.prefetch((name, i))
 
 
-def _prefetch_outer(spec: PipelineSpec, j: int, stash: HostStash, have_dout: bool) -> None:
+def _prefetch_outer(spec: PipelineSpec, j: int, stash: HostStash) -> None:
+    """Start fetching KV chunk j and the q side of outer step j's first inner step."""
     stash.prefetch(("k", j))
     stash.prefetch(("v", j))
-    first = spec.q_blocks(j)[0]
-    _prefetch_q_side(stash, first, with_dout=have_dout, with_dq=have_dout)
+    _prefetch_q_side(stash, spec.q_blocks(j)[0])
