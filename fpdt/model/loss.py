@@ -42,18 +42,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fpdt.model.chunks import chunk_bounds
+
 IGNORE_INDEX = -100
 
 
 def default_loss_chunks(vocab_size: int, hidden_size: int) -> int:
     """The brief's rule: ``ceil(vocab / hidden * 2)`` chunks."""
     return max(1, -(-2 * vocab_size // hidden_size))
-
-
-def _bounds(total: int, num_chunks: int) -> list[tuple[int, int]]:
-    n = max(1, min(num_chunks, total))
-    step = -(-total // n)
-    return [(s, min(s + step, total)) for s in range(0, total, step)]
 
 
 def lm_loss_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -92,7 +88,7 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dh = torch.empty_like(flat_h) if need_dh else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-        for s, e in _bounds(flat_h.shape[0], num_chunks):
+        for s, e in chunk_bounds(flat_h.shape[0], num_chunks):
             hc, yc = flat_h[s:e], flat_y[s:e]                         # [n, hidden], [n]
             logits = F.linear(hc, weight).float()                     # [n, V] fp32
             lse = torch.logsumexp(logits, dim=-1)                     # [n]

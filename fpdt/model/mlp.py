@@ -32,18 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fpdt.model.chunks import chunk_bounds
+
 
 def _silu_grad(g: torch.Tensor) -> torch.Tensor:
     """d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))."""
     s = torch.sigmoid(g)
     return s * (1 + g * (1 - s))
-
-
-def _bounds(total: int, num_chunks: int) -> list[tuple[int, int]]:
-    """``num_chunks`` near-equal ``[start, end)`` spans covering ``range(total)`` (no empty ones)."""
-    n = max(1, min(num_chunks, total))
-    step = -(-total // n)
-    return [(s, min(s + step, total)) for s in range(0, total, step)]
 
 
 def swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -66,7 +61,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, num_chunks: int):
         flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
         out = torch.empty(flat.shape[0], w_down.shape[0], dtype=x.dtype, device=x.device)
-        for s, e in _bounds(flat.shape[0], num_chunks):
+        for s, e in chunk_bounds(flat.shape[0], num_chunks):
             xc = flat[s:e]
             h = F.silu(F.linear(xc, w_gate, b_gate)) * F.linear(xc, w_up, b_up)   # [n, I]
             out[s:e] = F.linear(h, w_down, b_down)
@@ -90,7 +85,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         dwg, dwu, dwd = acc(w_gate, 1), acc(w_up, 2), acc(w_down, 3)
         dbg, dbu, dbd = acc(b_gate, 4), acc(b_up, 5), acc(b_down, 6)
         dx = torch.empty_like(flat) if need[0] else None
-        for s, e in _bounds(flat.shape[0], ctx.num_chunks):
+        for s, e in chunk_bounds(flat.shape[0], ctx.num_chunks):
             xc, dy = flat[s:e], gflat[s:e]                                  # [n, hidden]
             g = F.linear(xc, w_gate, b_gate)                                # [n, I]
             u = F.linear(xc, w_up, b_up)
