@@ -43,16 +43,7 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
 
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``[B, n, H, D]`` (sequence layout) -> ``[B, P*n, H/P, D]`` (head layout)."""
-    P = group_size(group)
-    if P == 1:
-        return x
-    B, n, H, D = x.shape
-    if H % P:
-        raise ValueError(f"cannot scatter H={H} heads over {P} ranks: H must be divisible by the sp size")
-    # [B, n, P, H/P, D] -> [P, B, n, H/P, D]: block p goes to rank p
-    send = x.reshape(B, n, P, H // P, D).permute(2, 0, 1, 3, 4).contiguous()
-    recv = _all_to_all(send, group)  # block p now holds rank p's n tokens
-    return recv.permute(1, 0, 2, 3, 4).reshape(B, P * n, H // P, D)
+    return start_seq_to_heads_packed((x,), group).wait()[0]
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -102,7 +93,9 @@ def start_seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
     local = [x.shape[2] // P for x in xs]
     hs = sum(local)
     # [B, n, P, sum h, D] -> [P, B, n, sum h, D]: block p (every tensor's p-th head slice) goes to rank p
-    send = torch.cat([x.reshape(B, n, P, h, D) for x, h in zip(xs, local)], dim=3).permute(2, 0, 1, 3, 4).contiguous()
+    parts = [x.reshape(B, n, P, h, D) for x, h in zip(xs, local)]
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+    send = packed.permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
