@@ -15,7 +15,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # package -> fpdt packages it may import
 ALLOWED = {
     "layout": set(),
-    "comm": set(),
+    "comm": {"layout"},  # SequenceMesh owns its token layout
     "offload": set(),
     "attention": {"layout", "comm", "offload"},
     "model": {"layout", "comm", "offload", "attention"},

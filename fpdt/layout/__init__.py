@@ -7,5 +7,7 @@ from fpdt.layout.fpdt_layout import (
     shard,
     unshard,
 )
+from fpdt.layout.mesh_layout import check_mesh_layout, mesh_shard, mesh_token_index, mesh_unshard
 
-__all__ = ["check_layout", "global_token_index", "local_position_ids", "shard", "unshard"]
+__all__ = ["check_layout", "check_mesh_layout", "global_token_index", "local_position_ids", "mesh_shard",
+           "mesh_token_index", "mesh_unshard", "shard", "unshard"]

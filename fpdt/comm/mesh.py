@@ -1,0 +1,153 @@
+"""``SequenceMesh``: the dp x hp x cp process groups of 2D (Ulysses x ring) attention.
+
+The sequence-parallel degree ``hp * cp`` splits into ``hp`` (head parallel: Ulysses
+all-to-all inside an HP group) times ``cp`` (context parallel: ring attention inside a
+CP group). The ranks of the parent group (default: the world) form ``dp = W / (hp*cp)``
+data-parallel replicas of ``hp * cp`` ranks each. Inside a replica, with ``base = dp_rank
+* hp * cp`` and mesh coordinates ``(c, h)``:
+
+* ``placement="head_first"``: rank ``base + c * hp + h`` -- HP groups are adjacent ranks,
+  so the all-to-all stays inside a node and the ring traffic crosses nodes;
+* ``placement="context_first"``: rank ``base + h * cp + c`` -- CP groups are adjacent,
+  so the P2P traffic stays inside a node and the all-to-all crosses nodes.
+
+Double ring: ``inner_ring=w`` splits each CP group into ``cp / w`` inner rings of ``w``
+consecutive CP ranks (CP rank ``c`` sits in ring ``c // w`` at position ``c % w``); choose
+``w`` = NICs per node (LoongTrain). ``None`` means one ring of ``cp``.
+
+Group construction: with ``group=None`` the world is arranged as a torch
+``DeviceMesh`` (dims ``("dp", "cp", "hp")``) and its per-dim groups are used; with an
+explicit ``group`` only this rank's HP and CP groups are created (locally synchronised,
+so only the parent group's members need to build the mesh). Every member of the parent
+group must construct the mesh with the same arguments.
+
+The token layout belongs to the mesh: :meth:`global_token_index`, :meth:`shard` and
+:meth:`unshard` implement :mod:`fpdt.layout.mesh_layout` (FPDT chunk order x zigzag).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fpdt.layout.mesh_layout import mesh_shard, mesh_token_index, mesh_unshard
+
+PLACEMENTS = ("head_first", "context_first")
+
+
+def check_mesh_shape(world: int, hp: int, cp: int, placement: str, inner_ring: int | None) -> int:
+    """Validate a mesh over ``world`` ranks; return the data-parallel degree ``dp``."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r} must be one of {PLACEMENTS}")
+    if not isinstance(hp, int) or not isinstance(cp, int) or hp < 1 or cp < 1:
+        raise ValueError(f"hp={hp!r} and cp={cp!r} must be positive integers")
+    if world % (hp * cp):
+        raise ValueError(f"hp*cp={hp}*{cp}={hp * cp} does not divide the {world} ranks of the group; "
+                         f"choose hp and cp whose product divides {world}")
+    w = cp if inner_ring is None else inner_ring
+    if not isinstance(w, int) or w < 1 or cp % w:
+        raise ValueError(f"inner_ring={inner_ring!r} must be a positive divisor of cp={cp} (ranks per inner "
+                         f"ring; None = one ring of {cp})")
+    return world // (hp * cp)
+
+
+def mesh_ranks(ranks: list[int], hp: int, cp: int, placement: str) -> torch.Tensor:
+    """``[dp, cp, hp]`` tensor of the ranks at each mesh coordinate (see the module docstring)."""
+    t = torch.tensor(ranks, dtype=torch.long)
+    dp = len(ranks) // (hp * cp)
+    if placement == "head_first":
+        return t.reshape(dp, cp, hp)
+    return t.reshape(dp, hp, cp).transpose(1, 2).contiguous()
+
+
+class SequenceMesh:
+    """The 2D sequence-parallel mesh of one rank.
+
+    Args:
+        hp: head-parallel (Ulysses) degree; must divide the query heads.
+        cp: context-parallel (ring) degree.
+        placement: ``"head_first"`` or ``"context_first"`` (module docstring).
+        inner_ring: double-ring inner size ``w`` (divides ``cp``); None = a single ring.
+        group: parent group of ``dp * hp * cp`` ranks; None = the default group (or a
+            world of 1 when torch.distributed is not initialised, which needs hp = cp = 1).
+
+    Attributes: ``hp, cp, dp, inner_ring`` (``w``), ``placement``, ``hp_rank, cp_rank,
+    dp_rank``, ``hp_group, cp_group`` (None without torch.distributed), ``cp_ranks``
+    (global ranks of this CP group in CP order), ``device_mesh`` (or None).
+    """
+
+    def __init__(self, hp: int = 1, cp: int = 1, placement: str = "head_first", inner_ring: int | None = None,
+                 group: dist.ProcessGroup | None = None):
+        self.hp, self.cp, self.placement = hp, cp, placement
+        self.inner_ring = cp if inner_ring is None else inner_ring
+        self.device_mesh = None
+        if not (dist.is_available() and dist.is_initialized()):
+            self.dp = check_mesh_shape(1, hp, cp, placement, inner_ring)
+            self.hp_rank = self.cp_rank = self.dp_rank = 0
+            self.hp_group = self.cp_group = None
+            self.cp_ranks = [0]
+            return
+        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        self.dp = check_mesh_shape(len(ranks), hp, cp, placement, inner_ring)
+        grid = mesh_ranks(ranks, hp, cp, placement)
+        me = dist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not a member of the group given to SequenceMesh")
+        self.dp_rank, self.cp_rank, self.hp_rank = (int(x) for x in (grid == me).nonzero()[0])
+        self.cp_ranks = grid[self.dp_rank, :, self.hp_rank].tolist()
+        hp_ranks = grid[self.dp_rank, self.cp_rank, :].tolist()
+        if group is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            from torch.distributed.device_mesh import DeviceMesh
+            self.device_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp", "cp", "hp"))
+            self.hp_group = self.device_mesh.get_group("hp")
+            self.cp_group = self.device_mesh.get_group("cp")
+        else:
+            self.hp_group = dist.new_group(hp_ranks, use_local_synchronization=True)
+            self.cp_group = dist.new_group(self.cp_ranks, use_local_synchronization=True)
+
+    # ------------------------------------------------------------------ ranks
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree ``hp * cp``."""
+        return self.hp * self.cp
+
+    @property
+    def sp_rank(self) -> int:
+        """Index of this rank's shard in :meth:`unshard`'s list: ``cp_rank * hp + hp_rank``."""
+        return self.cp_rank * self.hp + self.hp_rank
+
+    def __repr__(self) -> str:
+        return (f"SequenceMesh(hp={self.hp}, cp={self.cp}, placement={self.placement!r}, "
+                f"inner_ring={self.inner_ring}, dp={self.dp}, coords(dp,cp,hp)=({self.dp_rank},{self.cp_rank},"
+                f"{self.hp_rank}))")
+
+    # ----------------------------------------------------------------- layout
+    def global_token_index(self, seq_len: int, num_chunks: int = 1,
+                           device: torch.device | str | None = None) -> torch.Tensor:
+        """``LongTensor [S / (hp * cp)]``: global positions of this rank's tokens, in local order."""
+        return mesh_token_index(seq_len, self.hp, self.cp, num_chunks, self.cp_rank, self.hp_rank, device=device)
+
+    def shard(self, x: torch.Tensor, num_chunks: int = 1, dim: int = 1) -> torch.Tensor:
+        """This rank's slice of a global tensor (ids, labels, position ids, activations) along ``dim``."""
+        return mesh_shard(x, self.hp, self.cp, num_chunks, self.cp_rank, self.hp_rank, dim=dim)
+
+    def unshard(self, x: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...], num_chunks: int = 1,
+                dim: int = 1) -> torch.Tensor:
+        """Inverse of :meth:`shard`.
+
+        ``x`` is either the list of every rank's shard indexed by :attr:`sp_rank` (no
+        communication), or this rank's shard, which is all-gathered over the mesh's
+        ``hp * cp`` ranks (a collective: every rank of the replica must call it).
+        """
+        if isinstance(x, (list, tuple)):
+            return mesh_unshard(x, self.hp, self.cp, num_chunks, dim=dim)
+        if self.sp == 1:
+            return x
+        by_cp = [torch.empty_like(x) for _ in range(self.hp)]
+        dist.all_gather(by_cp, x.contiguous(), group=self.hp_group)
+        hp_block = torch.stack(by_cp)                                    # [hp, ...]: rank (c, h) at h
+        gathered = [torch.empty_like(hp_block) for _ in range(self.cp)]
+        dist.all_gather(gathered, hp_block, group=self.cp_group)         # [cp][hp, ...]
+        shards = [gathered[c][h] for c in range(self.cp) for h in range(self.hp)]
+        return mesh_unshard(shards, self.hp, self.cp, num_chunks, dim=dim)

@@ -1,0 +1,135 @@
+"""Ring and double-ring point-to-point exchange over a CP group.
+
+A CP group of ``cp`` ranks is split into ``n = cp / w`` inner rings of ``w`` consecutive
+CP ranks; CP rank ``c`` is ring ``r = c // w``, position ``p = c % w`` (``w = cp``: one
+plain ring). A *block* (one rank's packed K/V chunk) is visited in ``cp`` steps
+``s = o * w + t`` (outer step ``o``, inner step ``t``). At step ``s`` rank ``(r, p)``
+holds the block of ``(r - o, p - t)`` (indices mod ``n`` and ``w``):
+
+* inner transfer (``t + 1 < w``): send the current block to ``(r, p + 1)``, receive the
+  next from ``(r, p - 1)``;
+* outer transfer (``t == 0`` and ``o + 1 < n``, LoongTrain's double ring): send the block
+  this inner ring *started* the outer step with to ``(r + 1, p)`` and receive the next
+  outer step's starting block from ``(r - 1, p)``. It stays in flight for the whole
+  inner ring, so the rank keeps two receive buffers (inner and outer), and the outer
+  send carries the starting block, never the last one received (brief pitfall 8).
+
+Each block crosses ``cp - 1`` links per pass, whatever ``w``. Gradients of a block (fp32
+dK/dV) travel behind it: after step ``s`` they go to the rank that holds the block at
+step ``s + 1`` -- ``(r, p + 1)`` inside an inner ring, ``(r + 1, p + 1)`` after the last
+inner step -- and after step ``cp - 1`` that rank is the block's owner: ``cp`` transfers.
+
+:class:`RingComm` issues the transfers as batched ``isend/irecv`` (NCCL runs them on
+its own stream, so they overlap compute on the current stream; gloo runs them on its
+threads) and counts operations and bytes, which the tests and the cost model check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# One tag per logical channel, so gloo never matches a message to the wrong receive when
+# two channels connect the same pair of ranks (NCCL matches in issue order; every rank
+# issues the channels in the same order).
+TAG_INNER, TAG_OUTER, TAG_GRAD = 11, 12, 13
+
+
+@dataclass(frozen=True)
+class RingSchedule:
+    """Who holds which block when, for CP rank ``rank`` in a double ring of ``w`` of ``cp``."""
+
+    cp: int
+    w: int
+    rank: int
+
+    @property
+    def n(self) -> int:
+        return self.cp // self.w
+
+    def _coords(self, c: int) -> tuple[int, int]:
+        return divmod(c, self.w)
+
+    def _rank(self, r: int, p: int) -> int:
+        return (r % self.n) * self.w + p % self.w
+
+    def owner(self, step: int) -> int:
+        """CP rank whose block this rank holds at ``step``."""
+        o, t = divmod(step, self.w)
+        r, p = self._coords(self.rank)
+        return self._rank(r - o, p - t)
+
+    def inner_peers(self) -> tuple[int, int]:
+        """``(send_to, recv_from)`` of the inner ring."""
+        r, p = self._coords(self.rank)
+        return self._rank(r, p + 1), self._rank(r, p - 1)
+
+    def outer_peers(self) -> tuple[int, int]:
+        """``(send_to, recv_from)`` of the outer ring."""
+        r, p = self._coords(self.rank)
+        return self._rank(r + 1, p), self._rank(r - 1, p)
+
+    def grad_peers(self, step: int) -> tuple[int, int]:
+        """``(send_to, recv_from)`` of the gradients that follow the blocks after ``step``."""
+        r, p = self._coords(self.rank)
+        if (step % self.w) + 1 < self.w:
+            return self._rank(r, p + 1), self._rank(r, p - 1)
+        return self._rank(r + 1, p + 1), self._rank(r - 1, p - 1)
+
+    def sends_inner(self, step: int) -> bool:
+        return (step % self.w) + 1 < self.w
+
+    def sends_outer(self, step: int) -> bool:
+        return step % self.w == 0 and step // self.w + 1 < self.n
+
+
+@dataclass
+class P2PStats:
+    """Point-to-point traffic issued by this rank (sends only; receives mirror them)."""
+
+    sends: int = 0
+    bytes_sent: int = 0
+
+    def reset(self) -> None:
+        self.sends = self.bytes_sent = 0
+
+
+class PendingP2P:
+    """Transfers in flight; :meth:`wait` blocks until they are done (on NCCL the current
+    stream waits, not the host)."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+
+
+class RingComm:
+    """Batched ``isend/irecv`` among the ranks of one CP group.
+
+    Args:
+        cp_ranks: global ranks of the CP group, in CP order (peers are CP indices).
+        group: the CP process group.
+    """
+
+    def __init__(self, cp_ranks: list[int], group: dist.ProcessGroup | None):
+        self.cp_ranks = list(cp_ranks)
+        self.group = group
+        self.stats = P2PStats()
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int, int]],
+                 recvs: list[tuple[torch.Tensor, int, int]]) -> PendingP2P:
+        """Start ``(tensor, cp_peer, tag)`` sends and receives; returns the pending batch."""
+        ops = []
+        for t, peer, tag in sends:
+            ops.append(dist.P2POp(dist.isend, t, self.cp_ranks[peer], self.group, tag))
+            self.stats.sends += 1
+            self.stats.bytes_sent += t.numel() * t.element_size()
+        for t, peer, tag in recvs:
+            ops.append(dist.P2POp(dist.irecv, t, self.cp_ranks[peer], self.group, tag))
+        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [])
