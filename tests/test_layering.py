@@ -20,6 +20,7 @@ ALLOWED = {
     "attention": {"layout", "comm", "offload"},
     "model": {"layout", "comm", "offload", "attention"},
     "train": {"layout", "comm", "offload", "attention", "model"},
+    "plan": {"model", "train"},
 }
 
 

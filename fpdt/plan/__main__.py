@@ -1,0 +1,1 @@
+from fpdt.plan.cli import main; import sys; sys.exit(main())

@@ -1,0 +1,118 @@
+"""``fpdt-plan``: will a model train at a length on given GPUs, with which settings, how fast.
+
+    fpdt-plan --model llama-3-8b --gpu h100-80g --gpus-per-node 8 --host-mem-gib 1024 --seq-len 4194304
+    fpdt-plan --model path/to/config.json --gpu a100-80g --gpus-per-node 4 --nodes 2 --max-seq-len --json
+
+Defaults follow ``fpdt-train``'s: ZeRO-3, ``--checkpoint offload``, attention ``--offload``,
+bf16. Chunk size, ``hp``/``cp`` and placement are chosen unless given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
+from fpdt.plan.models import PRESETS
+from fpdt.plan.planner import Choice, plan
+from fpdt.plan.setup import CHECKPOINT_MODES, DTYPES, PLACEMENTS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fpdt-plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"config.json (or its directory), or a preset: {', '.join(PRESETS)}")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--seq-len", type=int, help="global sequence length to check")
+    length.add_argument("--max-seq-len", action="store_true", help="search the longest length that fits")
+    p.add_argument("--gpu", help=f"GPU preset: {', '.join(GPU_PRESETS)} (or give the three numbers below)")
+    p.add_argument("--gpu-mem-gib", type=float, help="GPU memory (overrides the preset's)")
+    p.add_argument("--gpu-tflops", type=float, help="dense bf16 TFLOP/s (overrides the preset's)")
+    p.add_argument("--pcie-gbps", type=float, help="host link GB/s, one direction (overrides the preset's)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--host-mem-gib", type=float, default=1024.0, help="host memory per node (default 1024)")
+    p.add_argument("--calibration", help="rates measured by profiling/op_latency.py (JSON)")
+    p.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3))
+    p.add_argument("--offload-optimizer", action="store_true", help="optimizer state (and grads) on the host")
+    p.add_argument("--offload-param", action="store_true", help="ZeRO-3 parameters on the host")
+    p.add_argument("--checkpoint", default="offload", choices=CHECKPOINT_MODES)
+    p.add_argument("--offload", dest="offload", action="store_true", default=True,
+                   help="attention chunks in host memory (default)")
+    p.add_argument("--no-offload", dest="offload", action="store_false")
+    p.add_argument("--chunk-size", type=int, help="global tokens per FPDT chunk (default: choose)")
+    p.add_argument("--sp", type=int, help="sequence-parallel group size (default: every GPU)")
+    p.add_argument("--hp", type=int, help="Ulysses degree (default: choose)")
+    p.add_argument("--cp", type=int, help="ring degree (default: choose)")
+    p.add_argument("--placement", choices=PLACEMENTS, help="default: choose")
+    p.add_argument("--inner-ring", type=int, help="double-ring inner size (default: single ring)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--batch", type=int, default=1, help="sequences per SP group per step")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.2f} GiB"
+
+
+def _tokens(n: int) -> str:
+    for unit, size in (("M", 2 ** 20), ("K", 2 ** 10)):
+        if n >= size and n % (size // 8) == 0:
+            return f"{n / size:g}{unit}"
+    return str(n)
+
+
+def render(out: dict) -> str:
+    """The readable table."""
+    c = out["cluster"]
+    lines = [f"{c['nodes']} x {c['gpus_per_node']} x {c['gpu']}, "
+             f"{c['host_mem_bytes_per_node'] / GIB:.0f} GiB host per node; rates: {c['rates']['source']}"]
+    if "max_seq_len" in out:
+        lines.append(f"max_seq_len      {out['max_seq_len']} ({_tokens(out['max_seq_len'])})")
+    if "reason" in out:
+        lines.append(f"cannot run: {out['reason']}")
+        return "\n".join(lines)
+    s = out["setup"]
+    lines += [
+        f"seq_len          {out['seq_len']} ({_tokens(out['seq_len'])})",
+        f"fits             {out['fits']}" + (f" (over on {out['limited_by']})" if out["limited_by"] else ""),
+        f"setup            chunk {_tokens(s['chunk_size'])}, hp {s['hp']} x cp {s['cp']} ({s['placement']}), "
+        f"checkpoint {s['checkpoint']}, offload {s['offload']}, ZeRO-{s['zero_stage']}, {s['dtype']}",
+        f"device peak      {_gib(out['device_peak_bytes'])} of {_gib(out['device_capacity_bytes'])} per GPU",
+        f"host peak        {_gib(out['host_peak_bytes'])} of {_gib(out['host_capacity_bytes'])} per node",
+        "breakdown:",
+    ]
+    lines += [f"  {k:<24}{_gib(v)}" for k, v in out["breakdown"].items()]
+    lines.append(f"step time        {out['step_time_s']:.3f} s   (MFU {out['mfu']:.1%}, "
+                 f"full-attention MFU {out['mfu_full']:.1%}, {out['tgs']:.0f} tokens/GPU/s)")
+    lines += [f"  {k:<24}{v:9.3f} s" for k, v in out["step_time_split_s"].items()]
+    r = out.get("recommended")
+    lines.append("recommended      " + (
+        f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
+        f"--checkpoint {r['checkpoint']}" if r else "nothing fits at this length"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        gpu = gpu_from_args(args.gpu, args.gpu_mem_gib, args.gpu_tflops, args.pcie_gbps)
+        cal = load_calibration(args.calibration) if args.calibration else None
+        cluster = Cluster(gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+                          host_mem_bytes=args.host_mem_gib * GIB, calibration=cal)
+        choice = Choice(chunk_size=args.chunk_size, sp=args.sp, hp=args.hp, cp=args.cp, placement=args.placement,
+                        inner_ring=args.inner_ring, checkpoint=args.checkpoint, offload=args.offload,
+                        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+                        offload_param=args.offload_param, dtype=args.dtype, batch=args.batch)
+        out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
+    except (ValueError, OSError) as exc:
+        print(f"fpdt-plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=2) if args.json else render(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

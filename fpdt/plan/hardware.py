@@ -1,0 +1,174 @@
+"""GPU presets, cluster shape and the kernel rates the planner's time model uses.
+
+Rates come from one of two places:
+
+* **Datasheet defaults** (:data:`GPU_PRESETS`): dense bf16 peak FLOP/s, HBM capacity,
+  host link (PCIe, one direction), intra-node link (NVLink, one direction per GPU) and
+  inter-node network per GPU, each scaled by a stated efficiency factor
+  (:data:`DEFAULT_EFFICIENCY`). The factors are round figures, not fits: a GEMM-heavy
+  training step sustains about 75% of dense peak on A100/H100 (the H100 behind this
+  project measured ~790 of 989 TFLOP/s for a large bf16 matmul, 80%); FlashAttention-2
+  class kernels reach ~70% forward and ~45% backward, so 50% over forward + backward;
+  pinned PCIe copies reach ~80% of the link, pageable ones ~40%; an NVLink all-to-all
+  ~60% of the per-GPU link, an InfiniBand one ~80% of the NIC.
+* **A calibration file** written by ``profiling/op_latency.py`` (JSON, see
+  :func:`load_calibration`): measured GEMM and attention FLOP/s, pinned/pageable H2D and
+  D2H bandwidth and all-to-all bandwidth on the machine itself. Measured rates replace
+  the datasheet figure *and* its efficiency factor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+
+GIB = 1024 ** 3
+GB = 1e9
+
+DEFAULT_EFFICIENCY = {
+    "gemm": 0.75,        # of dense bf16 peak
+    "attention": 0.50,   # of dense bf16 peak, forward + backward
+    "pcie_pinned": 0.80,
+    "pcie_pageable": 0.40,
+    "nvlink": 0.60,      # all-to-all / P2P inside a node
+    "network": 0.80,     # all-to-all / P2P / ZeRO collectives across nodes
+}
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU model: capacity and datasheet link rates (bytes, FLOP/s, bytes/s)."""
+
+    name: str
+    mem_bytes: float
+    """HBM capacity."""
+    bf16_flops: float
+    """Dense bf16 peak (also the MFU denominator, as the trainer's metrics use)."""
+    pcie_bytes_s: float
+    """Host link, one direction."""
+    nvlink_bytes_s: float
+    """Intra-node link per GPU, one direction."""
+    network_bytes_s: float
+    """Inter-node bandwidth per GPU (NIC share), one direction."""
+
+
+# Datasheet figures. A100: PCIe Gen4 x16 (32 GB/s, the FPDT paper's figure), NVLink3
+# 300 GB/s per direction, HDR-200 InfiniBand (25 GB/s). H100/H200 SXM: PCIe Gen5 x16
+# (64 GB/s), NVLink4 450 GB/s per direction, NDR-400 (50 GB/s) per GPU.
+GPU_PRESETS = {
+    "a100-40g": GPUSpec("a100-40g", 40 * GIB, 312e12, 32 * GB, 300 * GB, 25 * GB),
+    "a100-80g": GPUSpec("a100-80g", 80 * GIB, 312e12, 32 * GB, 300 * GB, 25 * GB),
+    "h100-80g": GPUSpec("h100-80g", 80 * GIB, 989.4e12, 64 * GB, 450 * GB, 50 * GB),
+    "h200": GPUSpec("h200", 141 * GB, 989.4e12, 64 * GB, 450 * GB, 50 * GB),
+}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Sustained rates the time model divides by (FLOP/s and bytes/s, per GPU)."""
+
+    gemm_flops: float
+    attention_flops: float
+    h2d_bytes_s: float
+    d2h_bytes_s: float
+    intra_node_bytes_s: float
+    inter_node_bytes_s: float
+    source: str
+    """``"datasheet x efficiency"`` or the calibration file's path."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: ``nodes`` x ``gpus_per_node`` GPUs, ``host_mem_bytes`` per node."""
+
+    gpu: GPUSpec
+    gpus_per_node: int = 8
+    nodes: int = 1
+    host_mem_bytes: float = 1024 * GIB
+    efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
+    calibration: dict | None = None
+    """Parsed calibration file (:func:`load_calibration`), or None for datasheet rates."""
+
+    def __post_init__(self):
+        if self.gpus_per_node < 1 or self.nodes < 1:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} and nodes={self.nodes} must be >= 1")
+        if self.host_mem_bytes <= 0:
+            raise ValueError(f"host memory per node must be > 0, got {self.host_mem_bytes} bytes")
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def rates(self) -> Rates:
+        """Sustained rates: the calibration's where it has them, else datasheet x efficiency."""
+        eff, g, cal = self.efficiency, self.gpu, self.calibration or {}
+        rates = Rates(
+            gemm_flops=g.bf16_flops * eff["gemm"],
+            attention_flops=g.bf16_flops * eff["attention"],
+            h2d_bytes_s=g.pcie_bytes_s * eff["pcie_pinned"],
+            d2h_bytes_s=g.pcie_bytes_s * eff["pcie_pinned"],
+            intra_node_bytes_s=g.nvlink_bytes_s * eff["nvlink"],
+            inter_node_bytes_s=g.network_bytes_s * eff["network"],
+            source="datasheet x efficiency",
+        )
+        measured = {k: cal[k] for k in _CALIBRATED_RATES if cal.get(k)}
+        if measured:
+            rates = replace(rates, source=str(cal.get("path", "calibration")), **measured)
+        return rates
+
+
+# Keys of a calibration file that replace a Rates field (same names).
+_CALIBRATED_RATES = ("gemm_flops", "attention_flops", "h2d_bytes_s", "d2h_bytes_s",
+                     "intra_node_bytes_s", "inter_node_bytes_s")
+
+
+def gpu_from_args(preset: str | None, mem_gib: float | None = None, tflops: float | None = None,
+                  pcie_gbps: float | None = None) -> GPUSpec:
+    """A preset by name, optionally with some fields overridden, or a fully explicit GPU.
+
+    Explicit GPUs need all three of ``mem_gib``, ``tflops`` (dense bf16) and ``pcie_gbps``;
+    their NVLink and network rates are the H100 preset's.
+    """
+    if preset is not None:
+        key = preset.lower()
+        if key not in GPU_PRESETS:
+            raise ValueError(f"unknown GPU preset {preset!r}; choose one of {sorted(GPU_PRESETS)} "
+                             f"or give --gpu-mem-gib, --gpu-tflops and --pcie-gbps")
+        gpu = GPU_PRESETS[key]
+    else:
+        missing = [n for n, v in (("--gpu-mem-gib", mem_gib), ("--gpu-tflops", tflops),
+                                  ("--pcie-gbps", pcie_gbps)) if v is None]
+        if missing:
+            raise ValueError(f"without a --gpu preset the GPU needs {', '.join(missing)}")
+        gpu = replace(GPU_PRESETS["h100-80g"], name="custom")
+    changes = {}
+    if mem_gib is not None:
+        changes["mem_bytes"] = mem_gib * GIB
+    if tflops is not None:
+        changes["bf16_flops"] = tflops * 1e12
+    if pcie_gbps is not None:
+        changes["pcie_bytes_s"] = pcie_gbps * GB
+    for name, value in changes.items():
+        if value <= 0:
+            raise ValueError(f"GPU {name} must be > 0, got {value}")
+    return replace(gpu, **changes) if changes else gpu
+
+
+def load_calibration(path: str | os.PathLike) -> dict:
+    """Read a calibration JSON written by ``profiling/op_latency.py``.
+
+    Expected keys (any subset; missing ones fall back to datasheet x efficiency):
+    ``gemm_flops``, ``attention_flops`` (forward + backward, causal FLOPs counted),
+    ``h2d_bytes_s``, ``d2h_bytes_s`` (pinned), ``intra_node_bytes_s`` (all-to-all),
+    ``inter_node_bytes_s``; plus ``device`` (the name it was measured on).
+    """
+    with open(path) as f:
+        cal = json.load(f)
+    if not isinstance(cal, dict):
+        raise ValueError(f"{path}: a calibration file holds one JSON object, got {type(cal).__name__}")
+    bad = [k for k in _CALIBRATED_RATES if k in cal and cal[k] is not None
+           and not (isinstance(cal[k], (int, float)) and cal[k] > 0)]
+    if bad:
+        raise ValueError(f"{path}: rates must be positive numbers: {bad}")
+    return {**cal, "path": os.fspath(path)}

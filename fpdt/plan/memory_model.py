@@ -1,0 +1,187 @@
+"""Device and host bytes of one training step, per category (per rank / per node).
+
+Notation: ``l`` layers, ``h`` hidden, ``V`` vocabulary, ``I`` MLP width, ``qd = H * D``,
+``kvd = H_kv' * D`` with ``H_kv' = max(H_kv, hp)`` (KV heads are replicated when ``hp``
+exceeds them), ``e`` bytes per element, ``N`` GPUs, ``Psi`` parameters; ``T``, ``Nd``,
+``U`` as in :mod:`fpdt.plan.setup`. ZeRO shards over all ``N`` ranks (DeepSpeed counts
+the SP ranks as data-parallel ranks).
+
+Model states (per rank):
+
+* parameters ``e * Psi`` (``/ N`` under ZeRO-3; on the host with parameter offload);
+* gradients ``e * Psi`` (``/ N`` under ZeRO-2/3; on the host with optimizer offload);
+* optimizer state: AdamW moments (+ fp32 master weights when training in bf16),
+  ``12 * Psi`` or ``8 * Psi`` (``/ N`` under ZeRO >= 1; on the host with optimizer offload).
+
+Activations (per rank), the phase with the larger sum sets the peak:
+
+* **layer-input checkpoints**: ``"on"`` keeps ``l * Nd`` on the device; ``"offload"`` keeps
+  them on the host and two on the device (the layer being recomputed and the next one,
+  prefetched); ``"off"`` keeps every layer's saved activations on the device
+  (:data:`SAVED_PER_LAYER_ND` each, plus the attention stash when not offloaded).
+* **in-flight layer**: full-length tensors alive in one layer's backward
+  (:data:`IN_FLIGHT_ND` ``* Nd``: its input, the recomputed residual stream, the
+  attention output, output and input gradients).
+* **attention working set**: chunk buffers of the pipeline (:data:`ATTENTION_WS_U`
+  ``* U`` in backward, double-buffered fetches included). Without ``offload`` the layer's
+  stash of q̂, k̂, v̂, o (``(2 qd + 2 kvd) / h * Nd``), its fp32 dq accumulator and the
+  projection input also stay on the device while the layer is in flight.
+* **MLP chunk**: four ``[T / mlp_chunks, I]`` intermediates (gate, up, activation, product).
+* **loss chunk** (end of forward): fp32 logits and their gradient for ``T / loss_chunks``
+  tokens (:data:`LOSS_LOGIT_COPIES` ``[t, V]`` fp32 tensors), the fp32 LM-head gradient
+  accumulator ``V * h * 4`` and the kept ``dh`` (``Nd``) beside the final hidden state.
+* **communication buffers**: ZeRO-3 gathers the current and the prefetched layer (or a
+  layer and the embedding/LM head) in ``e``; one layer's unsharded gradients wait for the
+  reduce-scatter; a ring (``cp > 1``) holds a send and a receive K/V block per chunk.
+* **runtime reserve**: CUDA context, NCCL and cuBLAS workspaces
+  (:data:`RUNTIME_RESERVE_BYTES`); the caching allocator's slack is a factor
+  (:data:`FRAGMENTATION`) on everything allocated dynamically.
+
+Host (per node = ``gpus_per_node`` ranks): offloaded checkpoints ``l * Nd``, the
+attention stash of the layer in flight (of every layer when checkpointing is off),
+offloaded model states, and :data:`HOST_RESERVE_PER_RANK` of process memory per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fpdt.model.config import ModelConfig
+from fpdt.plan.hardware import GIB
+from fpdt.plan.models import param_counts
+from fpdt.plan.setup import Setup
+
+IN_FLIGHT_ND = 6.0
+"""Full-length [T, h] tensors alive at the peak of one layer's backward."""
+SAVED_PER_LAYER_ND = 5.0
+"""Full-length tensors one layer saves for backward without checkpointing (norm inputs,
+normed projection input, attention output, residual, MLP input), attention stash aside."""
+ATTENTION_WS_U = 16.0
+"""Chunk-sized buffers of the attention pipeline at its backward peak (device-memory
+issue's budget)."""
+LOSS_LOGIT_COPIES = 3.0
+RUNTIME_RESERVE_BYTES = 2.5 * GIB
+FRAGMENTATION = 1.10
+HOST_RESERVE_PER_RANK = 4 * GIB
+"""Python, torch, DeepSpeed and the pinned pool's rounding, per training process."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    breakdown: dict
+    """Category -> bytes live at the device peak (per rank; they sum to ``device_peak_bytes``)
+    and ``*_host`` categories per node (they sum to ``host_peak_bytes``)."""
+    working_sets: dict
+    """Each transient's own size, whether or not it is live at the peak."""
+    device_peak_bytes: float
+    activation_peak_bytes: float
+    """Peak beyond model states, communication buffers and reserve, before fragmentation
+    (what the CPU accountant measures)."""
+    host_peak_bytes: float
+    """Per node."""
+
+
+def loss_chunks(cfg: ModelConfig, s: Setup) -> int:
+    return s.loss_chunks if s.loss_chunks is not None else max(1, -(-2 * cfg.vocab_size // cfg.hidden_size))
+
+
+def mlp_chunks(s: Setup) -> int:
+    return s.mlp_chunks if s.mlp_chunks is not None else 2 * s.num_chunks
+
+
+def kv_dim(cfg: ModelConfig, s: Setup) -> int:
+    return max(cfg.num_kv_heads, s.hp) * cfg.head_dim if s.hp > cfg.num_kv_heads else cfg.num_kv_heads * cfg.head_dim
+
+
+def model_states(cfg: ModelConfig, s: Setup, world: int) -> dict:
+    """Device and host bytes per rank of parameters, gradients and optimizer state."""
+    psi, e = param_counts(cfg).total, s.elem_bytes
+    opt_bytes = (12 if s.dtype == "bf16" else 8) * psi
+    params = e * psi / (world if s.zero_stage == 3 else 1)
+    grads = e * psi / (world if s.zero_stage >= 2 else 1)
+    opt = opt_bytes / (world if s.zero_stage >= 1 else 1)
+    dev = {"parameters": 0.0 if s.offload_param else params,
+           "gradients": 0.0 if s.offload_optimizer else grads,
+           "optimizer_state": 0.0 if s.offload_optimizer else opt}
+    host = (params if s.offload_param else 0.0) + ((grads + opt) if s.offload_optimizer else 0.0)
+    return {**dev, "model_states_host": host}
+
+
+def attention_stash_nd(cfg: ModelConfig, s: Setup) -> float:
+    """One layer's attention stash in Nd: q̂, k̂, v̂, o, fp32 lse, fp32 dq, projection input."""
+    h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, kv_dim(cfg, s)
+    lse = cfg.num_heads * 4 / (h * s.elem_bytes)
+    dq = qd * 4 / (h * s.elem_bytes)
+    return (2 * qd + 2 * kvd) / h + lse + dq + 1.0
+
+
+def communication(cfg: ModelConfig, s: Setup) -> float:
+    pc, e = param_counts(cfg), s.elem_bytes
+    if s.zero_stage == 3:
+        gathered = max(2 * pc.layer, pc.layer + max(pc.embedding, pc.head))
+        zero = (gathered + pc.layer) * e
+    else:
+        zero = pc.layer * e if s.zero_stage == 2 else 0.0
+    ring = 0.0
+    if s.cp > 1:   # send + receive buffer of one K/V block (per-rank chunk of k̂ and v̂)
+        ring = 2 * 2 * (s.batch * s.local_tokens / s.num_chunks) * kv_dim(cfg, s) * e
+    return zero + ring
+
+
+def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
+    """Per-category bytes of ``s`` (see the module docstring for the accounting)."""
+    e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
+    nd = s.batch * s.local_tokens * h * e
+    u_bytes = nd / s.num_chunks
+    stash_nd = attention_stash_nd(cfg, s)
+
+    states = model_states(cfg, s, world)
+    if s.checkpoint == "on":
+        ckpt_dev, ckpt_host = l * nd, 0.0
+    elif s.checkpoint == "offload":
+        ckpt_dev, ckpt_host = min(2, l) * nd, l * nd
+    else:   # every layer keeps its activations (and its stash, unless offloaded)
+        per_layer = SAVED_PER_LAYER_ND + (0.0 if s.offload else stash_nd)
+        ckpt_dev, ckpt_host = l * per_layer * nd, 0.0
+    in_flight = IN_FLIGHT_ND * nd
+    attn_ws = ATTENTION_WS_U * u_bytes + (0.0 if s.offload or s.checkpoint == "off" else stash_nd * nd)
+    t_mlp = s.batch * s.local_tokens / mlp_chunks(s)
+    mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
+    t_loss = s.batch * s.local_tokens / loss_chunks(cfg, s)
+    loss = LOSS_LOGIT_COPIES * t_loss * cfg.vocab_size * 4 + cfg.vocab_size * h * 4 + 2 * nd
+
+    # The peak is in one layer's backward or at the loss (end of forward); the breakdown
+    # holds what is live at that moment, so that it sums to the peak.
+    at_peak = {"checkpoints_device": ckpt_dev, "in_flight_layer": 0.0, "attention_working_set": 0.0,
+               "mlp_chunk": 0.0, "loss_chunk": 0.0}
+    layer_phase = ckpt_dev + in_flight + max(attn_ws, mlp_ws)
+    loss_phase = ckpt_dev + loss
+    if layer_phase >= loss_phase:
+        at_peak["in_flight_layer"] = in_flight
+        at_peak["attention_working_set" if attn_ws >= mlp_ws else "mlp_chunk"] = max(attn_ws, mlp_ws)
+    else:
+        at_peak["loss_chunk"] = loss
+    activation = max(layer_phase, loss_phase)
+    comm = communication(cfg, s)
+    device = (states["parameters"] + states["gradients"] + states["optimizer_state"]
+              + FRAGMENTATION * (activation + comm) + RUNTIME_RESERVE_BYTES)
+
+    stash_host = 0.0
+    if s.offload:
+        stash_host = (l if s.checkpoint == "off" else 1) * stash_nd * nd
+    per_rank_host = ckpt_host + stash_host + states["model_states_host"] + HOST_RESERVE_PER_RANK
+    ranks = min(gpus_per_node, world)
+    breakdown = {
+        "parameters": states["parameters"],
+        "gradients": states["gradients"],
+        "optimizer_state": states["optimizer_state"],
+        **at_peak,
+        "communication_buffers": comm,
+        "runtime_reserve": RUNTIME_RESERVE_BYTES + (FRAGMENTATION - 1) * (activation + comm),
+        "checkpoints_host": ranks * ckpt_host,
+        "attention_stash_host": ranks * stash_host,
+        "model_states_host": ranks * states["model_states_host"],
+        "process_host": ranks * HOST_RESERVE_PER_RANK,
+    }
+    working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, "loss": loss, "in_flight_layer": in_flight}
+    return MemoryEstimate(breakdown, working_sets, device, activation, ranks * per_rank_host)

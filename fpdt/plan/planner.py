@@ -1,0 +1,221 @@
+"""``fpdt.plan.plan``: will it fit, how fast, which settings, and the longest length.
+
+Choices the caller leaves open (``None``) are searched: global chunk sizes 8K..256K
+(powers of two dividing ``S``; ``S`` itself when none does), every ``hp x cp = sp`` with
+``hp`` dividing the query heads, both placements when ``cp > 1``. Among the candidates
+that fit, the fastest wins (less device memory breaks ties). ``recommended`` searches the
+checkpoint mode as well; the headline figures keep the caller's mode (the trainer's
+default, ``offload``, unless told otherwise).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+from fpdt.model.config import ModelConfig
+from fpdt.plan.hardware import Cluster
+from fpdt.plan.memory_model import estimate_memory
+from fpdt.plan.models import load_model_config
+from fpdt.plan.setup import CHECKPOINT_MODES, PLACEMENTS, Setup
+from fpdt.plan.time_model import estimate_time, model_shape
+from fpdt.train.metrics import step_rates
+
+CHUNK_CANDIDATES = tuple(2 ** k for k in range(13, 19))    # 8K .. 256K global tokens
+MAX_SEARCH_LEN = 2 ** 31
+DEFAULT_GRANULE = 2 ** 16
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the caller fixed (non-None) and what the planner chooses (None)."""
+
+    chunk_size: int | None = None
+    sp: int | None = None
+    """Sequence-parallel group size; None = every GPU."""
+    hp: int | None = None
+    cp: int | None = None
+    placement: str | None = None
+    inner_ring: int | None = None
+    checkpoint: str = "offload"
+    offload: bool = True
+    zero_stage: int = 3
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    dtype: str = "bf16"
+    batch: int = 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: ModelConfig, seq_len: int, choice: Choice, world: int,
+               checkpoints: tuple[str, ...] | None = None) -> list[Setup]:
+    """Every setup consistent with ``choice`` that can run at all at ``seq_len``.
+
+    Without a fixed ``sp`` the sequence spans every GPU; only when no mesh of that size
+    can run does it fall back to the largest smaller SP group (the rest data-parallel).
+    """
+    if choice.sp:
+        return _candidates(cfg, seq_len, choice, world, choice.sp, checkpoints)
+    for sp in sorted(_divisors(world), reverse=True):
+        found = _candidates(cfg, seq_len, choice, world, sp, checkpoints)
+        if found:
+            return found
+    return []
+
+
+def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
+    if choice.hp and choice.cp:
+        meshes = [(choice.hp, choice.cp)]
+    elif choice.hp or choice.cp:
+        fixed = choice.hp or choice.cp
+        meshes = [(fixed, sp // fixed) if choice.hp else (sp // fixed, fixed)] if sp % fixed == 0 else []
+    else:
+        meshes = [(hp, sp // hp) for hp in _divisors(sp)]
+    if choice.chunk_size:
+        chunks = [choice.chunk_size]
+    else:
+        chunks = [c for c in CHUNK_CANDIDATES if c <= seq_len and seq_len % c == 0] or [seq_len]
+    out = []
+    for (hp, cp), chunk, ckpt in itertools.product(meshes, chunks, checkpoints or (choice.checkpoint,)):
+        placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
+        for placement in placements:
+            s = Setup(seq_len=seq_len, chunk_size=chunk, hp=hp, cp=cp, placement=placement,
+                      inner_ring=choice.inner_ring, checkpoint=ckpt, offload=choice.offload,
+                      zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
+                      offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch)
+            if not s.problems(cfg, world):
+                out.append(s)
+    return out
+
+
+def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
+    """Memory, time and MFU of one setup (the planner's output fields, without the search)."""
+    mem = estimate_memory(cfg, s, cluster.world, cluster.gpus_per_node)
+    times = estimate_time(cfg, s, cluster)
+    dp = cluster.world // s.sp
+    tokens = s.seq_len * s.batch * dp
+    rates = step_rates(model_shape(cfg), s.seq_len, tokens, times["total"], cluster.world,
+                       cluster.gpu.bf16_flops, recompute=s.checkpoint != "off")
+    fits_device = mem.device_peak_bytes <= cluster.gpu.mem_bytes
+    fits_host = mem.host_peak_bytes <= cluster.host_mem_bytes
+    return {
+        "fits": fits_device and fits_host,
+        "limited_by": None if fits_device and fits_host else ("device" if not fits_device else "host"),
+        "seq_len": s.seq_len,
+        "device_peak_bytes": mem.device_peak_bytes,
+        "activation_peak_bytes": mem.activation_peak_bytes,
+        "host_peak_bytes": mem.host_peak_bytes,
+        "device_capacity_bytes": cluster.gpu.mem_bytes,
+        "host_capacity_bytes": cluster.host_mem_bytes,
+        "breakdown": mem.breakdown,
+        "working_sets": mem.working_sets,
+        "step_time_s": times["total"],
+        "step_time_split_s": {k: v for k, v in times.items() if k != "total"},
+        "tokens_per_s": rates.tokens_per_s,
+        "tgs": rates.tgs,
+        "mfu": rates.mfu,
+        "mfu_full": rates.mfu_full,
+        "setup": asdict(s),
+    }
+
+
+def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster) -> dict | None:
+    """The fastest fitting setup's evaluation, or the least-memory one when none fits."""
+    results = [evaluate(cfg, s, cluster) for s in setups]
+    if not results:
+        return None
+    fitting = [r for r in results if r["fits"]]
+    if fitting:   # fastest; within 1% of it, the least device memory, then the plain Ulysses mesh
+        fastest = min(r["step_time_s"] for r in fitting)
+        close = [r for r in fitting if r["step_time_s"] <= 1.01 * fastest]
+        return min(close, key=lambda r: (r["device_peak_bytes"], r["setup"]["cp"]))
+    return min(results, key=lambda r: (r["device_peak_bytes"] / r["device_capacity_bytes"]
+                                       + r["host_peak_bytes"] / r["host_capacity_bytes"]))
+
+
+def _recommended(r: dict | None) -> dict | None:
+    if r is None or not r["fits"]:
+        return None
+    s = r["setup"]
+    return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint", "offload")}
+
+
+def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict:
+    """The planner's answer at one length (the caller's checkpoint mode; best other choices)."""
+    best = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster)
+    if best is None:
+        return {"fits": False, "seq_len": seq_len, "reason": _why_none(cfg, seq_len, choice, cluster.world),
+                "recommended": None}
+    free_ckpt = candidates(cfg, seq_len, choice, cluster.world, checkpoints=CHECKPOINT_MODES)
+    best["recommended"] = _recommended(_best(cfg, free_ckpt, cluster))
+    return best
+
+
+def _why_none(cfg: ModelConfig, seq_len: int, choice: Choice, world: int) -> str:
+    sp = choice.sp or world
+    hp = choice.hp or sp
+    s = Setup(seq_len=seq_len, chunk_size=choice.chunk_size or seq_len, hp=hp, cp=choice.cp or sp // max(hp, 1),
+              checkpoint=choice.checkpoint, offload=choice.offload, zero_stage=choice.zero_stage,
+              dtype=choice.dtype)
+    return "; ".join(s.problems(cfg, world)) or f"no chunk size / mesh divides seq_len={seq_len}"
+
+
+def _fits(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict | None:
+    r = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster)
+    return r if r is not None and r["fits"] else None
+
+
+def max_seq_len(cfg: ModelConfig, cluster: Cluster, choice: Choice, granule: int | None = None) -> dict:
+    """Longest ``S`` (a multiple of ``granule``) that fits: doubling, then bisection.
+
+    ``granule`` defaults to the fixed chunk size, else 64K (so that the answer can use the
+    paper's 64K chunks), else 8K when not even 64K fits.
+    Returns :func:`plan_at`'s answer at that length plus ``max_seq_len`` (0 when not even
+    one granule fits).
+    """
+    g = granule or choice.chunk_size or DEFAULT_GRANULE
+    if not _fits(cfg, g, cluster, choice) and granule is None and choice.chunk_size is None:
+        g = CHUNK_CANDIDATES[0]
+    if not _fits(cfg, g, cluster, choice):
+        out = plan_at(cfg, g, cluster, choice)
+        return {**out, "max_seq_len": 0}
+    lo = 1
+    while lo * 2 * g <= MAX_SEARCH_LEN and _fits(cfg, lo * 2 * g, cluster, choice):
+        lo *= 2
+    hi = lo * 2                     # lo fits, hi does not (or is past the search bound)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fits(cfg, mid * g, cluster, choice):
+            lo = mid
+        else:
+            hi = mid
+    return {**plan_at(cfg, lo * g, cluster, choice), "max_seq_len": lo * g}
+
+
+def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | None = None,
+         search_max: bool = False) -> dict:
+    """The planner's answer as one JSON-able dict.
+
+    Args:
+        model: preset name, ``config.json`` path, config dict or :class:`ModelConfig`.
+        cluster: GPUs, nodes, host memory, rates.
+        seq_len: global sequence length to check (required unless ``search_max``).
+        choice: fixed settings; ``None`` fields are chosen.
+        search_max: find the longest length that fits instead (``max_seq_len`` field).
+    """
+    cfg = load_model_config(model)
+    choice = choice or Choice()
+    if search_max:
+        out = max_seq_len(cfg, cluster, choice)
+    else:
+        if not seq_len or seq_len < 1:
+            raise ValueError("give --seq-len S (> 0), or --max-seq-len to search the longest that fits")
+        out = plan_at(cfg, seq_len, cluster, choice)
+    out["cluster"] = {"gpu": cluster.gpu.name, "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes,
+                      "host_mem_bytes_per_node": cluster.host_mem_bytes, "rates": asdict(cluster.rates())}
+    return out
+
+

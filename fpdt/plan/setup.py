@@ -1,0 +1,91 @@
+"""One training configuration the planner evaluates: what runs where, how it is cut.
+
+Units used throughout :mod:`fpdt.plan` (those of the device-memory issue):
+
+* ``T = S / (hp * cp)``: tokens of the sequence on one rank (batch ``B`` multiplies).
+* ``Nd = B * T * hidden * e``: one full-length hidden-state tensor of one rank, ``e`` bytes
+  per element (2 for bf16, 4 for fp32).
+* ``U = Nd / u``: the same for one FPDT chunk (``u = S / chunk_size`` chunks per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fpdt.model.config import ModelConfig
+
+CHECKPOINT_MODES = ("off", "on", "offload")
+PLACEMENTS = ("head_first", "context_first")
+DTYPES = {"bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A complete training configuration on a cluster (one sequence per SP group)."""
+
+    seq_len: int
+    """Global sequence length ``S``."""
+    chunk_size: int
+    """Global FPDT chunk length ``C``; ``u = S / C`` chunks per rank."""
+    hp: int = 1
+    """Ulysses (head-parallel) degree."""
+    cp: int = 1
+    """Context-parallel (ring) degree; ``hp * cp`` is the sequence-parallel group."""
+    placement: str = "head_first"
+    inner_ring: int | None = None
+    checkpoint: str = "offload"
+    offload: bool = True
+    zero_stage: int = 3
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    dtype: str = "bf16"
+    batch: int = 1
+    """Sequences per SP group per micro step."""
+    mlp_chunks: int | None = None
+    """None: the model's default (2 x attention chunks)."""
+    loss_chunks: int | None = None
+    """None: the model's default (ceil(2 V / hidden))."""
+
+    @property
+    def sp(self) -> int:
+        return self.hp * self.cp
+
+    @property
+    def num_chunks(self) -> int:
+        return self.seq_len // self.chunk_size
+
+    @property
+    def local_tokens(self) -> int:
+        """``T``: tokens per rank (per sequence)."""
+        return self.seq_len // self.sp
+
+    @property
+    def elem_bytes(self) -> int:
+        return DTYPES[self.dtype]
+
+    def problems(self, cfg: ModelConfig, world: int) -> list[str]:
+        """Why this setup cannot run at all (empty when it can); each names the fix."""
+        out = []
+        if self.checkpoint not in CHECKPOINT_MODES:
+            out.append(f"checkpoint={self.checkpoint!r} must be one of {CHECKPOINT_MODES}")
+        if self.placement not in PLACEMENTS:
+            out.append(f"placement={self.placement!r} must be one of {PLACEMENTS}")
+        if self.dtype not in DTYPES:
+            out.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            out.append(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.offload_param and self.zero_stage != 3:
+            out.append("parameter offload needs ZeRO stage 3")
+        if self.hp < 1 or self.cp < 1 or world % self.sp:
+            out.append(f"hp x cp = {self.hp} x {self.cp} must divide the {world} GPUs")
+        elif cfg.num_heads % self.hp:
+            out.append(f"hp={self.hp} must divide the {cfg.num_heads} query heads")
+        if self.inner_ring is not None and (self.inner_ring < 1 or self.cp % self.inner_ring):
+            out.append(f"inner_ring={self.inner_ring} must divide cp={self.cp}")
+        if self.chunk_size < 1 or self.seq_len % self.chunk_size:
+            out.append(f"chunk_size={self.chunk_size} must divide seq_len={self.seq_len}")
+        elif self.chunk_size % (self.sp * (2 if self.cp > 1 else 1)):
+            mult = self.sp * (2 if self.cp > 1 else 1)
+            out.append(f"chunk_size={self.chunk_size} must be a multiple of {mult} "
+                       f"(hp x cp{' x 2 for the zigzag ring split' if self.cp > 1 else ''})")
+        return out

@@ -1,0 +1,122 @@
+"""fpdt-plan: output fields, errors that name the fix, calibration, consistency of the search."""
+
+import json
+
+import pytest
+
+from fpdt.plan import GPU_PRESETS, Choice, Cluster, load_model_config, plan
+from fpdt.plan.cli import main
+from fpdt.plan.planner import evaluate
+from fpdt.plan.setup import Setup
+
+BREAKDOWN = {"parameters", "gradients", "optimizer_state", "checkpoints_device", "checkpoints_host",
+             "in_flight_layer", "attention_working_set", "loss_chunk", "communication_buffers"}
+TIME_SPLIT = {"gemms", "attention", "all_to_all", "p2p", "h2d_d2h", "zero_collectives"}
+RECOMMENDED = {"chunk_size", "hp", "cp", "placement", "checkpoint"}
+
+
+def run_json(capsys, *argv):
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_fields(capsys):
+    out = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
+                   "--host-mem-gib", "1024", "--seq-len", str(2 ** 20))
+    assert out["fits"] is True
+    assert BREAKDOWN <= set(out["breakdown"])
+    assert TIME_SPLIT == set(out["step_time_split_s"])
+    assert RECOMMENDED <= set(out["recommended"])
+    assert out["step_time_s"] == pytest.approx(sum(out["step_time_split_s"].values()))
+    assert 0 < out["mfu"] < 1 and out["device_peak_bytes"] > 0 and out["host_peak_bytes"] > 0
+    s = out["setup"]   # defaults follow fpdt-train's
+    assert (s["zero_stage"], s["checkpoint"], s["offload"], s["dtype"]) == (3, "offload", True, "bf16")
+    device = sum(v for k, v in out["breakdown"].items() if not k.endswith("_host"))
+    host = sum(v for k, v in out["breakdown"].items() if k.endswith("_host"))
+    assert device == pytest.approx(out["device_peak_bytes"]) and host == pytest.approx(out["host_peak_bytes"])
+
+
+def test_max_seq_len_is_the_boundary(capsys):
+    args = ("--model", "llama-3.2-1b", "--gpu", "a100-80g", "--gpus-per-node", "1", "--host-mem-gib", "256")
+    out = run_json(capsys, *args, "--max-seq-len")
+    best = out["max_seq_len"]
+    assert best > 0 and best % 65536 == 0 and out["fits"] and out["seq_len"] == best
+    assert not run_json(capsys, *args, "--seq-len", str(best + 65536))["fits"]
+
+
+def test_readable_table(capsys):
+    assert main(["--model", "gpt-2.7b", "--gpu", "a100-40g", "--gpus-per-node", "4", "--seq-len", "524288"]) == 0
+    text = capsys.readouterr().out
+    for word in ("fits", "device peak", "host peak", "checkpoints_host", "step time", "MFU", "recommended"):
+        assert word in text
+
+
+@pytest.mark.parametrize("argv,fix", [
+    (["--model", "no-such-model", "--gpu", "h100-80g", "--seq-len", "65536"], "preset"),
+    (["--model", "llama-3-8b", "--gpu", "v100", "--seq-len", "65536"], "a100-40g"),
+    (["--model", "llama-3-8b", "--gpu-mem-gib", "80", "--seq-len", "65536"], "--gpu-tflops"),
+    (["--model", "llama-3-8b", "--gpu", "h100-80g", "--nodes", "0", "--seq-len", "65536"], "nodes"),
+])
+def test_bad_input_names_the_fix(capsys, argv, fix):
+    assert main(argv) == 2
+    assert fix in capsys.readouterr().err
+
+
+def test_impossible_mesh_says_why(capsys):
+    out = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
+                   "--hp", "3", "--seq-len", "65536")
+    assert out["fits"] is False and "hp" in out["reason"]
+
+
+def test_explicit_gpu_and_calibration(tmp_path, capsys):
+    base = ("--model", "llama-3.2-1b", "--gpu-mem-gib", "80", "--gpu-tflops", "989", "--pcie-gbps", "64",
+            "--gpus-per-node", "1", "--seq-len", str(2 ** 18), "--chunk-size", "65536")
+    slow = tmp_path / "cal.json"
+    slow.write_text(json.dumps({"device": "test", "gemm_flops": 1e12, "attention_flops": 1e12}))
+    fast = run_json(capsys, *base)
+    calibrated = run_json(capsys, *base, "--calibration", str(slow))
+    assert calibrated["cluster"]["rates"]["source"] == str(slow)
+    assert calibrated["step_time_split_s"]["gemms"] > 100 * fast["step_time_split_s"]["gemms"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"gemm_flops": -1}))
+    assert main([*base, "--calibration", str(bad)]) == 2
+    assert "positive" in capsys.readouterr().err
+
+
+def test_more_gpus_longer_sequences():
+    cfg = load_model_config("llama-3-8b")
+    lengths = []
+    for n in (8, 16, 32):
+        cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8, nodes=n // 8)
+        lengths.append(plan(cfg, cluster, choice=Choice(chunk_size=65536), search_max=True)["max_seq_len"])
+    assert lengths[0] < lengths[1] < lengths[2]
+
+
+def test_offload_and_checkpointing_trade_device_for_host():
+    cfg = load_model_config("llama-3.2-1b")
+    cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1)
+    runs = {(ck, off): evaluate(cfg, Setup(seq_len=2 ** 18, chunk_size=2 ** 16, checkpoint=ck, offload=off), cluster)
+            for ck in ("off", "on", "offload") for off in (False, True)}
+    dev = {k: r["device_peak_bytes"] for k, r in runs.items()}
+    host = {k: r["host_peak_bytes"] for k, r in runs.items()}
+    assert dev[("offload", True)] < dev[("on", True)] < dev[("off", True)]
+    assert dev[("offload", True)] < dev[("offload", False)]
+    assert host[("offload", True)] > host[("on", True)] and host[("on", True)] > host[("on", False)]
+    # recompute costs time: checkpointing off is the fastest when it fits
+    assert runs[("off", False)]["step_time_s"] < runs[("on", False)]["step_time_s"]
+
+
+def test_small_chunks_expose_copies():
+    """FPDT Fig. 10: short chunks leave PCIe copies exposed; 64K hides them on A100."""
+    cfg = load_model_config("llama-3-8b")
+    cluster = Cluster(GPU_PRESETS["a100-80g"], gpus_per_node=4)
+    exposed = {c: evaluate(cfg, Setup(seq_len=2 ** 20, chunk_size=c, hp=4), cluster)["step_time_split_s"]["h2d_d2h"]
+               for c in (8192, 65536)}
+    assert exposed[8192] > 2 * exposed[65536]
+
+
+def test_setup_problems_name_the_fix():
+    cfg = load_model_config("llama-3-8b")
+    assert any("divide seq_len" in p for p in Setup(seq_len=100_000, chunk_size=65536).problems(cfg, 1))
+    assert any("query heads" in p for p in Setup(seq_len=2 ** 20, chunk_size=2 ** 16, hp=5).problems(cfg, 5))
+    assert any("multiple of" in p for p in Setup(seq_len=2 ** 20, chunk_size=2 ** 16, hp=3).problems(cfg, 3))
