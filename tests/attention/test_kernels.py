@@ -99,3 +99,45 @@ def test_cpu_backend_passes_self_check(dtype):
     from fpdt.attention.kernels import self_check
 
     assert self_check(BACKENDS["cpu"], torch.device("cpu"), dtype, 40) is None
+
+
+def test_cpu_path_expands_kv_and_sums_replica_grads_in_fp32():
+    """The CPU kernel takes equal head counts: KV is expanded, and the G replica gradients
+    of each KV head come back summed in fp32 (not rounded to bf16 first)."""
+    assert not BACKENDS["cpu"].native_gqa and not BACKENDS["math"].native_gqa
+    torch.manual_seed(5)
+    q = torch.randn(1, 16, 6, 24, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 16, 2, 24, dtype=torch.bfloat16) for _ in range(2))
+    be = BACKENDS["cpu"]
+    out, lse = be.forward(q, k, v, True, 24 ** -0.5)
+    dout = torch.randn_like(out)
+    dq, dk, dv = be.backward(dout, q, k, v, out, lse, True, 24 ** -0.5)
+    assert dk.shape == k.shape and dk.dtype == dv.dtype == torch.float32
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    reference_attention(qr, kr, vr).backward(dout.double())
+    for name, a, b in (("dq", dq, qr.grad), ("dk", dk, kr.grad), ("dv", dv, vr.grad)):
+        assert_rel_close(a, b, 2e-2, name)
+
+
+def test_auto_order_takes_cudnn_where_it_passes_the_self_check(monkeypatch):
+    """cuDNN sits after torch's flash kernel and before the efficient one; a cuDNN that fails
+    its self-check is skipped with a warning. CPU kernels stand in for the CUDA ones."""
+    from dataclasses import replace
+
+    from fpdt.attention import kernels
+
+    order = kernels._AUTO_ORDER
+    assert order.index("cuda_flash") < order.index("cuda_cudnn") < order.index("cuda_efficient")
+    monkeypatch.setattr(kernels, "_SELF_CHECKS", {})
+    for name in ("flash_attn3", "flash_attn", "cuda_flash"):
+        monkeypatch.setitem(kernels.BACKENDS, name, replace(BACKENDS[name], available=lambda: False))
+    cpu = BACKENDS["cpu"]
+    for name in ("cuda_cudnn", "cuda_efficient"):
+        monkeypatch.setitem(kernels.BACKENDS, name, replace(BACKENDS[name], forward=cpu.forward, backward=cpu.backward,
+                                                            supports=lambda *_: True, available=lambda: True))
+    assert get_backend(None, torch.device("cpu"), torch.float32, 32).name == "cuda_cudnn"
+    monkeypatch.setattr(kernels, "_SELF_CHECKS", {})
+    monkeypatch.setitem(kernels.BACKENDS, "cuda_cudnn", replace(kernels.BACKENDS["cuda_cudnn"],
+                                                                forward=_fake_lse_forward))
+    with pytest.warns(RuntimeWarning, match="'cuda_cudnn' failed its self-check"):
+        assert get_backend(None, torch.device("cpu"), torch.float32, 32).name == "cuda_efficient"

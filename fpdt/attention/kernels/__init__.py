@@ -1,0 +1,153 @@
+"""Block attention kernels that return ``(out, lse)`` and a backward that takes the
+*final merged* ``(out, lse)``.
+
+Contract of every backend (layout ``[B, S, H, D]``, the flash-attn layout):
+
+* ``forward(q, k, v, causal, scale) -> (out, lse)``: q ``[B, Sq, H, D]``, k/v
+  ``[B, Sk, H_kv, D]`` with ``H % H_kv == 0`` (GQA); out ``[B, Sq, H, D]`` in q's dtype,
+  lse ``[B, H, Sq]`` in fp32 (float64 for float64 inputs). ``causal`` is only used for
+  diagonal blocks, where ``Sq == Sk`` and the mask is the plain lower triangle.
+* ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` where ``out``
+  and ``lse`` are the final values after merging every block of the row; then the
+  result is exactly this block's contribution to the gradients. dk/dv are
+  ``[B, Sk, H_kv, D]``. Gradients may come back in any float dtype; callers accumulate
+  them in fp32.
+
+Backends (one module per family): ``flash_attn3`` and ``flash_attn`` (the optional
+packages, :mod:`.flash`), ``cuda_flash``, ``cuda_cudnn`` and ``cuda_efficient`` (torch's
+own CUDA kernels, :mod:`.torch_cuda`), ``cpu`` (torch's CPU flash kernel,
+:mod:`.torch_cpu`) and ``math`` (a float64 reference for tests, any device,
+:mod:`.reference`). Automatic selection tries them in that order and takes the first
+that is installed, supports the device/dtype/head_dim and passes :func:`self_check`.
+
+GQA and its memory cost. ``flash_attn3``, ``flash_attn`` and ``cuda_flash`` take the
+``H_kv`` KV heads natively. ``cuda_cudnn``, ``cuda_efficient``, ``cpu`` and ``math``
+expand KV to ``H`` heads per block (``G = H / H_kv``): the forward holds two extra
+``[B, C, H, D]`` tensors (k and v expanded; ``2·B·C·H·D`` elements in the kernel dtype
+beyond the ``2·B·C·H_kv·D`` of the block itself), the backward the same two plus the
+expanded dk, dv from the kernel and their fp32 sums ``[B, C, H_kv, D]``. All of it is
+transient, freed when the block returns; nothing is expanded for MHA (``G = 1``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from fpdt.attention.kernels import flash, torch_cpu, torch_cuda
+from fpdt.attention.kernels.common import HALF, AttentionBackend, on
+from fpdt.attention.kernels.reference import math_backward as _math_backward
+from fpdt.attention.kernels.reference import math_forward as _math_forward
+
+__all__ = ["AttentionBackend", "BACKENDS", "default_scale", "get_backend", "self_check"]
+
+_ALWAYS = lambda: True  # noqa: E731
+_CUDA = torch.cuda.is_available
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "flash_attn3": AttentionBackend("flash_attn3", flash.fa3_forward, flash.fa3_backward, on("cuda", HALF, 256),
+                                    flash.fa3_available, native_gqa=True, hint=flash.fa3_hint),
+    "flash_attn": AttentionBackend("flash_attn", flash.fa2_forward, flash.fa2_backward, on("cuda", HALF, 256),
+                                   flash.fa2_available, native_gqa=True, hint=flash.fa2_hint),
+    "cuda_flash": AttentionBackend("cuda_flash", torch_cuda.flash_forward, torch_cuda.flash_backward,
+                                   on("cuda", HALF, 256), _CUDA, native_gqa=True),
+    "cuda_cudnn": AttentionBackend("cuda_cudnn", torch_cuda.cudnn_forward, torch_cuda.cudnn_backward,
+                                   on("cuda", HALF, 128, multiple_of=8), _CUDA),
+    "cuda_efficient": AttentionBackend("cuda_efficient", torch_cuda.efficient_forward, torch_cuda.efficient_backward,
+                                       on("cuda", (torch.float32,) + HALF), _CUDA),
+    "cpu": AttentionBackend("cpu", torch_cpu.cpu_forward, torch_cpu.cpu_backward,
+                            on("cpu", (torch.float32, torch.float64) + HALF), _ALWAYS),
+    "math": AttentionBackend("math", _math_forward, _math_backward, lambda *_: True, _ALWAYS),
+}
+
+# Preference order for automatic selection (each candidate must also pass self_check).
+_AUTO_ORDER = ("flash_attn3", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu", "math")
+
+
+_SELF_CHECKS: dict[tuple[str, str, torch.dtype, int], str | None] = {}
+_CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-10}  # half precisions: 5e-2
+
+
+def self_check(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Check ``backend`` once per (device, dtype, head_dim) against the float64 math kernel.
+
+    Runs a GQA query block against a diagonal (causal) and an earlier (full) KV block,
+    forward and the backward with the *merged* (out, lse), on random inputs. Catches
+    kernels that fail on this build or GPU, and kernels whose lse is fake or whose
+    backward ignores the lse it is given (both silently break the merge). Returns None
+    when it passes, else what went wrong.
+    """
+    key = (backend.name, str(device), dtype, head_dim)
+    if key in _SELF_CHECKS:
+        return _SELF_CHECKS[key]
+    g = torch.Generator().manual_seed(1234)
+    C, scale = 80, head_dim ** -0.5  # 80: not a multiple of 32, so padded-lse kernels show their padding
+    q, dout = (torch.randn(1, C, 4, head_dim, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(1, 2 * C, 2, head_dim, generator=g).to(device, dtype) for _ in range(2))
+    blocks = ((k[:, C:], v[:, C:], True), (k[:, :C], v[:, :C], False))
+    tol = _CHECK_TOL.get(dtype, 5e-2)
+    try:
+        ref = [_math_forward(q, kb, vb, causal, scale) for kb, vb, causal in blocks]
+        got = [backend.forward(q, kb, vb, causal, scale) for kb, vb, causal in blocks]
+        pairs = [(a, b) for (ro, rl), (go, gl) in zip(ref, got) for a, b in ((go, ro), (gl, rl))]
+        # the final merged (out, lse) of the two blocks, from the reference
+        lse = torch.logaddexp(ref[0][1].double(), ref[1][1].double())
+        w0 = torch.exp(ref[0][1].double() - lse).transpose(1, 2)[..., None]
+        w1 = torch.exp(ref[1][1].double() - lse).transpose(1, 2)[..., None]
+        out = (w0 * ref[0][0].double() + w1 * ref[1][0].double()).to(dtype)
+        lse = lse.to(ref[0][1].dtype)  # fp32 (float64 for float64 inputs), as the pipeline keeps it
+        for kb, vb, causal in blocks:
+            r = _math_backward(dout, q, kb, vb, out, lse, causal, scale)
+            b = backend.backward(dout, q, kb, vb, out, lse, causal, scale)
+            pairs += list(zip(b, r))
+        for a, b in pairs:
+            a, b = a.double(), b.double()
+            err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+            if not err <= tol:  # also catches nan
+                raise AssertionError(f"relative error {err:.2e} > {tol:.0e}")
+        result = None
+    except Exception as e:  # noqa: BLE001 -- any failure disqualifies the kernel
+        result = f"{type(e).__name__}: {e}"
+    _SELF_CHECKS[key] = result
+    return result
+
+
+def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+    """The backend called ``name``, or the best one for ``(device, dtype, head_dim)`` if None.
+
+    Every backend passes :func:`self_check` before first use: automatic selection warns
+    and moves on to the next candidate; a named backend that fails raises.
+    Raises ``ValueError`` for an unknown name and ``RuntimeError`` when the named backend
+    is not installed, cannot run on this device/dtype, or fails its self-check.
+    """
+    device = torch.device(device)
+    if name is None:
+        for candidate in _AUTO_ORDER:
+            b = BACKENDS[candidate]
+            if not (b.supports(device, dtype, head_dim) and b.available()):
+                continue
+            failure = self_check(b, device, dtype, head_dim)
+            if failure is None:
+                return b
+            warnings.warn(f"attention backend {candidate!r} failed its self-check on {device}, {dtype}, "
+                          f"head_dim={head_dim} ({failure}); trying the next one", RuntimeWarning, stacklevel=2)
+        raise RuntimeError(f"no attention backend for device={device}, dtype={dtype}, head_dim={head_dim}")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)} or None (auto)")
+    b = BACKENDS[name]
+    if not b.available():
+        raise RuntimeError(f"attention backend {name!r} is not available here (needs {b.hint()})")
+    if not b.supports(device, dtype, head_dim):
+        raise RuntimeError(f"attention backend {name!r} does not support device={device}, dtype={dtype}, "
+                           f"head_dim={head_dim}; pick another backend or None (auto)")
+    failure = self_check(b, device, dtype, head_dim)
+    if failure is not None:
+        raise RuntimeError(f"attention backend {name!r} failed its self-check on {device}, {dtype}, "
+                           f"head_dim={head_dim}: {failure}; pick another backend or None (auto)")
+    return b
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,99 @@
+"""torch's CUDA attention adapters, called on meta tensors (runs on the CPU).
+
+torch ships meta kernels for its flash, cuDNN and memory-efficient attention ops, so the
+adapters' calls can be recorded without a GPU. What the forward op returns is what its
+backward expects back (autograd's derivatives pass the forward's lse and RNG outputs
+straight through), so each backward call is checked against the outputs of the same
+op's forward on the same shapes: lse shape (the efficient kernel pads the query dim),
+dtype and contiguity, and the RNG tensors' dtype and shape. Values need a GPU:
+tests/attention/test_cuda.py.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fpdt.attention.kernels import BACKENDS
+
+aten = torch.ops.aten
+
+# backend -> (forward op, backward op, index of lse among the forward's outputs,
+#             forward outputs that backward takes as (philox_seed, philox_offset))
+OPS = {
+    "cuda_flash": (aten._scaled_dot_product_flash_attention.default,
+                   aten._scaled_dot_product_flash_attention_backward.default, 1, (6, 7)),
+    "cuda_cudnn": (aten._scaled_dot_product_cudnn_attention.default,
+                   aten._scaled_dot_product_cudnn_attention_backward.default, 1, (6, 7)),
+    "cuda_efficient": (aten._scaled_dot_product_efficient_attention.default,
+                       aten._scaled_dot_product_efficient_attention_backward.default, 1, (2, 3)),
+}
+
+
+class Recorder(TorchDispatchMode):
+    """Records every aten call as (op, {argument name: value}, outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        named = {a.name: v for a, v in zip(func._schema.arguments, args)}
+        named.update(kwargs)
+        self.calls.append((func, named, out))
+        return out
+
+    def only(self, op):
+        found = [(named, out) for f, named, out in self.calls if f == op]
+        assert len(found) == 1, f"{op} called {len(found)} times"
+        return found[0]
+
+
+def _spec(t):
+    return tuple(t.shape), t.dtype
+
+
+@pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("seq", [37, 64, 100])
+@pytest.mark.parametrize("h_kv", [1, 2, 4])
+def test_torch_cuda_adapter_calls(name, seq, h_kv):
+    be = BACKENDS[name]
+    fwd_op, bwd_op, lse_index, rng_index = OPS[name]
+    B, H, D, dt = 2, 4, 64, torch.bfloat16
+    q, dout = (torch.empty(B, seq, H, D, device="meta", dtype=dt) for _ in range(2))
+    k, v = (torch.empty(B, seq, h_kv, D, device="meta", dtype=dt) for _ in range(2))
+
+    with Recorder() as rec:
+        out, lse = be.forward(q, k, v, True, 0.125)
+    assert out.shape == q.shape and out.dtype == dt
+    assert lse.shape == (B, H, seq) and lse.dtype == torch.float32  # what the merge works with
+    fwd_args, fwd_out = rec.only(fwd_op)
+    kv_heads = h_kv if be.native_gqa else H
+    assert fwd_args["key"].shape == (B, kv_heads, seq, D) and fwd_args["value"].shape == (B, kv_heads, seq, D)
+
+    # the pipeline hands backward the merged out [B, S, H, D] and lse [B, H, S] fp32, contiguous
+    merged_out = torch.empty(B, seq, H, D, device="meta", dtype=dt)
+    merged_lse = torch.empty(B, H, seq, device="meta", dtype=torch.float32)
+    with Recorder() as rec:
+        dq, dk, dv = be.backward(dout, q, k, v, merged_out, merged_lse, True, 0.125)
+    bwd_args, _ = rec.only(bwd_op)
+    lse_arg = bwd_args["logsumexp"]
+    assert _spec(lse_arg) == _spec(fwd_out[lse_index]), f"{name}: backward lse vs the forward's"
+    assert lse_arg.is_contiguous()
+    for arg, i in zip(("philox_seed", "philox_offset"), rng_index):
+        assert _spec(bwd_args[arg]) == _spec(fwd_out[i]), f"{name}: {arg} vs forward output {i}"
+    assert bwd_args["key"].shape == (B, kv_heads, seq, D)
+    assert bwd_args["is_causal"] is True and bwd_args["scale"] == 0.125 and bwd_args["dropout_p"] == 0.0
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    if kv_heads != h_kv:  # expanded here: replica gradients summed in fp32
+        assert dk.dtype == dv.dtype == torch.float32
+
+
+def test_efficient_lse_padding_is_the_kernels():
+    """The efficient kernel's lse is padded along the query dim (to a multiple of 32 in
+    torch today); the adapter must give its backward exactly that length."""
+    fwd_op = OPS["cuda_efficient"][0]
+    q = torch.empty(1, 2, 37, 64, device="meta", dtype=torch.bfloat16)
+    lse = fwd_op(q, q, q, None, True, 0.0, False)[1]
+    assert lse.shape[-1] > 37  # the case test_torch_cuda_adapter_calls covers
