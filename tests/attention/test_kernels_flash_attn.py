@@ -9,6 +9,7 @@ the bf16 ones (2e-2).
 
 import dataclasses
 import inspect
+import sys
 
 import pytest
 import torch
@@ -123,11 +124,12 @@ def test_too_old_or_missing_flash_attn_is_refused_with_the_fix(monkeypatch):
     cuda = torch.device("cuda")
     standins.install(monkeypatch, "2.4.2")
     assert not BACKENDS["flash_attn"].available()
-    with pytest.raises(RuntimeError, match=r"'flash_attn' is not available.*flash-attn >= 2\.5.*'2\.4\.2'.*pip install -U"):
+    with pytest.raises(RuntimeError,
+                       match=r"'flash_attn' is not available.*flash-attn >= 2\.5.*'2\.4\.2'.*pip install -U"):
         get_backend("flash_attn", cuda, torch.bfloat16, 64)
-    monkeypatch.setitem(__import__("sys").modules, "flash_attn", None)  # not installed
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
     with pytest.raises(RuntimeError, match="'flash_attn' is not available.*pip install flash-attn"):
         get_backend("flash_attn", cuda, torch.bfloat16, 64)
-    monkeypatch.setitem(__import__("sys").modules, "flash_attn_interface", None)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
     with pytest.raises(RuntimeError, match="'flash_attn3' is not available.*FlashAttention-3"):
         get_backend("flash_attn3", cuda, torch.bfloat16, 64)
