@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fpdt.attention.pipeline import build_spec, pipeline_backward, pipeline_forward
+from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
+from fpdt.attention.pipeline import build_spec
+from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
 
 
@@ -36,7 +38,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
         def emit(i, out_i):
             out[:, i * L:(i + 1) * L] = out_i
 
-        pipeline_forward(spec, produce, emit, stash, for_backward)
+        run_forward(spec, produce, emit, stash, for_backward)
         ctx.spec, ctx.stash, ctx.L = spec, stash, L
         ctx.shapes = (q.shape, k.shape, v.shape, q.dtype)
         return out
@@ -60,13 +62,13 @@ class FPDTAttentionFunction(torch.autograd.Function):
             dk[:, sl] = dk_j
             dv[:, sl] = dv_j
 
-        pipeline_backward(ctx.spec, grad_out_chunk, deliver, ctx.stash)
+        run_backward(ctx.spec, grad_out_chunk, deliver, ctx.stash)
         return dq, dk, dv, None, None, None
 
 
 def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                   group: dist.ProcessGroup | None = None, num_chunks: int = 1, offload: bool = False,
-                   causal: bool = True, softmax_scale: float | None = None,
+                   group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
+                   num_chunks: int = 1, offload: bool = False, causal: bool = True, softmax_scale: float | None = None,
                    backend: str | None = None) -> torch.Tensor:
     """FPDT attention of sequence-parallel q, k, v.
 
@@ -77,6 +79,10 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             replicated when the sp size exceeds ``H_kv``.
         group: the sequence-parallel process group; ``None`` = the default group (or a
             world of 1 when torch.distributed is not initialised).
+        mesh: a 2D :class:`fpdt.comm.SequenceMesh` (Ulysses over ``hp`` x ring attention over
+            ``cp``, see :mod:`fpdt.attention.mesh_pipeline`) instead of ``group``; tokens are then
+            in the mesh layout (``mesh.shard`` / ``mesh.global_token_index``) and ``S`` must be
+            divisible by ``2 * hp * cp * u``.
         num_chunks: chunks per rank ``u``; the global sequence ``S = P * S_local`` must be
             divisible by ``P * u``.
         offload: keep finished chunks in host memory (pinned, double-buffered on CUDA).
@@ -94,8 +100,14 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    spec = build_spec(seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3],
-                      dtype=q.dtype, device=q.device, group=group, num_chunks=num_chunks, causal=causal,
-                      softmax_scale=softmax_scale, backend=backend)
+    shape = dict(seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3],
+                 dtype=q.dtype, device=q.device, num_chunks=num_chunks, causal=causal, softmax_scale=softmax_scale,
+                 backend=backend)
+    if mesh is not None:
+        if group is not None:
+            raise ValueError("pass either group= (plain Ulysses) or mesh= (hp x cp), not both")
+        spec = build_mesh_spec(mesh=mesh, **shape)
+    else:
+        spec = build_spec(group=group, **shape)
     for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return FPDTAttentionFunction.apply(q, k, v, spec, offload, for_backward)

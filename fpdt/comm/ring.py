@@ -100,13 +100,14 @@ class PendingP2P:
     """Transfers in flight; :meth:`wait` blocks until they are done (on NCCL the current
     stream waits, not the host)."""
 
-    def __init__(self, works: list):
+    def __init__(self, works: list, tensors: list[torch.Tensor]):
         self._works = works
+        self._tensors = tensors  # keep send/receive buffers alive until the transfer is done
 
     def wait(self) -> None:
         for w in self._works:
             w.wait()
-        self._works = []
+        self._works, self._tensors = [], []
 
 
 class RingComm:
@@ -132,4 +133,5 @@ class RingComm:
             self.stats.bytes_sent += t.numel() * t.element_size()
         for t, peer, tag in recvs:
             ops.append(dist.P2POp(dist.irecv, t, self.cp_ranks[peer], self.group, tag))
-        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [])
+        tensors = [t for t, _, _ in sends] + [t for t, _, _ in recvs]
+        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [], tensors)

@@ -1,0 +1,308 @@
+"""2D attention pipeline: Ulysses over HP x load-balanced (double) ring over CP x FPDT chunks.
+
+Same callbacks as :mod:`fpdt.attention.pipeline` (``produce``, ``emit``, ``deliver``), same
+stash semantics (``offload`` = pinned host memory). Tokens are in the mesh layout of
+:mod:`fpdt.layout.mesh_layout`: after the HP all-to-all of local chunk ``i``, rank ``c``
+of the CP group holds its CP chunk ``i`` = zigzag pieces ``c`` and ``2cp-1-c`` of span
+``i`` (``C`` tokens, ``H/hp`` heads); ``x̂`` below is that head layout ``[B, C, H/hp, D]``.
+K/V travel packed as one block ``[2, B, C, H_kv'/hp, D]`` (``H_kv'`` after GQA replication,
+which happens before the all-to-all, so only replicated heads the HP rank needs cross the
+ring).
+
+Loop order (what makes ring traffic independent of ``u``): **KV chunk j -> ring step s
+-> query chunk i**. Each K/V block crosses the ring once per pass; the query side
+(q̂_i, the fp32 output accumulator and lse in forward; q̂_i, o_i, lse_i, dô_i and the fp32
+dq accumulator in backward) goes through the stash, fetched just before its touch with
+the next touch's state prefetched (double buffering).
+
+Block kinds for query chunk ``i`` of rank ``me`` against KV chunk ``j`` of rank ``src``
+(causal; ``half = C/2`` = one zigzag piece):
+
+* ``j < i``: full; ``j > i``: skipped;
+* ``j == i, src == me``: the causal diagonal (the two pieces in order are causal as one);
+* ``j == i, src < me``: every query row vs the first half of the keys (full);
+* ``j == i, src > me``: the second half of the query rows vs every key (full).
+
+Every rank does the same work at every step (the zigzag load balance). Non-causal
+attention makes every pair full.
+
+Forward: produce and all-to-all every chunk (chunk i+1's all-to-all overlaps chunk i's
+stash copy), stash q̂_i and the K/V block; then for each j circulate the block, merging
+online in fp32; o_i is final after pass ``j = i`` (causal) and goes back through the
+all-to-all at once. Backward: dô_i all-to-all'd up front and stashed; for each j circulate
+the block again, accumulating dq_i (fp32, stashed between touches) and this rank's
+dK/dV contribution; the fp32 dK/dV of a block travel behind it and reach its owner after
+the last step (:mod:`fpdt.comm.ring`). Ring transfers overlap the current block's compute.
+
+With ``cp = 1`` the mesh is plain Ulysses: :func:`build_mesh_spec` returns the FPDT
+pipeline's own spec over the HP group. Costs: :mod:`fpdt.attention.ring_costs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
+from fpdt.attention.merge import merge
+from fpdt.attention.pipeline import (Deliver, Emit, PipelineSpec, Produce, build_spec, pipeline_backward,
+                                     pipeline_forward)
+from fpdt.comm import (PendingAllToAll, RingComm, RingSchedule, SequenceMesh, heads_to_seq, heads_to_seq_packed,
+                       kv_replication_factor, replicate_kv, start_seq_to_heads_packed, sum_kv_replicas)
+from fpdt.comm.ring import TAG_GRAD, TAG_INNER, TAG_OUTER
+from fpdt.layout import check_mesh_layout
+from fpdt.offload import HostStash
+
+FULL, CAUSAL, K_FIRST, Q_SECOND = "full", "causal", "k_first", "q_second"
+
+
+@dataclass
+class MeshSpec:
+    """Static description of one mesh attention call (cp > 1)."""
+
+    mesh: SequenceMesh
+    comm: RingComm
+    schedule: RingSchedule
+    num_chunks: int
+    causal: bool
+    scale: float
+    backend: AttentionBackend
+    kv_factor: int
+    acc_dtype: torch.dtype
+
+    @property
+    def hp_group(self):
+        return self.mesh.hp_group
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.cp
+
+    def q_blocks(self, j: int) -> list[int]:
+        """Query chunks that attend to KV chunk j."""
+        return list(range(j, self.num_chunks)) if self.causal else list(range(self.num_chunks))
+
+    def kind(self, i: int, j: int, src: int) -> str | None:
+        """How query chunk i of this rank meets KV chunk j of CP rank ``src`` (module docstring)."""
+        if not self.causal or j < i:
+            return FULL
+        if j > i:
+            return None
+        me = self.mesh.cp_rank
+        return CAUSAL if src == me else (K_FIRST if src < me else Q_SECOND)
+
+    def last_pass(self, i: int) -> int:
+        """The KV chunk after whose pass query chunk i is final."""
+        return i if self.causal else self.num_chunks - 1
+
+
+def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device, mesh: SequenceMesh, num_chunks: int, causal: bool,
+                    softmax_scale: float | None, backend: str | None) -> MeshSpec | PipelineSpec:
+    """Validate one call on ``mesh`` (errors name the fix); ``cp = 1`` gives the Ulysses spec."""
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks} must be >= 1")
+    check_mesh_layout(seq_local * mesh.sp, mesh.hp, mesh.cp, num_chunks)
+    if mesh.cp == 1:
+        return build_spec(seq_local=seq_local, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          dtype=dtype, device=device, group=mesh.hp_group, num_chunks=num_chunks, causal=causal,
+                          softmax_scale=softmax_scale, backend=backend)
+    return MeshSpec(
+        mesh=mesh, comm=RingComm(mesh.cp_ranks, mesh.cp_group),
+        schedule=RingSchedule(mesh.cp, mesh.inner_ring, mesh.cp_rank), num_chunks=num_chunks, causal=causal,
+        scale=default_scale(head_dim) if softmax_scale is None else float(softmax_scale),
+        backend=get_backend(backend, device, dtype, head_dim),
+        kv_factor=kv_replication_factor(num_heads, num_kv_heads, mesh.hp),
+        acc_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+# ----------------------------------------------------------------------------- the ring
+def ring_pass(spec: MeshSpec, block: torch.Tensor, visit: Callable[[int, int, torch.Tensor], None]) -> None:
+    """Circulate this rank's ``block`` over the CP group (double ring when ``w < cp``).
+
+    ``visit(step, src, blk)`` runs once per step with the block of CP rank ``src``, while
+    the next block is in flight. Two receive buffers: the inner ring's, and the outer
+    ring's, which carries the block this rank *started* the outer step with.
+    """
+    sched, comm = spec.schedule, spec.comm
+    cur, outer = block, None
+    for s in range(spec.cp):
+        if sched.sends_outer(s):  # in flight for the whole inner ring
+            to, frm = sched.outer_peers()
+            outer_recv = torch.empty_like(cur)
+            outer = (comm.exchange([(cur, to, TAG_OUTER)], [(outer_recv, frm, TAG_OUTER)]), outer_recv)
+        inner = None
+        if sched.sends_inner(s):
+            to, frm = sched.inner_peers()
+            inner_recv = torch.empty_like(cur)
+            inner = (comm.exchange([(cur, to, TAG_INNER)], [(inner_recv, frm, TAG_INNER)]), inner_recv)
+        visit(s, sched.owner(s), cur)
+        if inner is not None:
+            inner[0].wait()
+            cur = inner[1]
+        elif s + 1 < spec.cp:  # the inner ring is done: the next outer step starts from the outer block
+            outer[0].wait()
+            cur, outer = outer[1], None
+
+
+def _touches(spec: MeshSpec, j: int, src: int) -> list[tuple[int, str]]:
+    return [(i, k) for i in spec.q_blocks(j) if (k := spec.kind(i, j, src)) is not None]
+
+
+def _prefetch(stash: HostStash, names: tuple[str, ...], i: int) -> None:
+    for name in names:
+        if (name, i) in stash:
+            stash.prefetch((name, i))
+
+
+# ----------------------------------------------------------------------------- forward
+def _start_to_heads(spec: MeshSpec, produce: Produce, i: int) -> PendingAllToAll:
+    q, k, v = produce(i)
+    return start_seq_to_heads_packed((q, replicate_kv(k, spec.kv_factor), replicate_kv(v, spec.kv_factor)),
+                                     spec.hp_group)
+
+
+def _block_forward(spec: MeshSpec, kind: str, q: torch.Tensor, kv: torch.Tensor):
+    """(rows, o_blk, lse_blk): this block's partial attention for query rows ``rows``."""
+    half = q.shape[1] // 2
+    k, v = kv[0], kv[1]
+    if kind == K_FIRST:
+        k, v = k[:, :half], v[:, :half]
+    rows = slice(half, None) if kind == Q_SECOND else slice(None)
+    o, lse = spec.backend.forward(q[:, rows], k, v, kind == CAUSAL, spec.scale)
+    return rows, o, lse
+
+
+def mesh_forward(spec: MeshSpec, produce: Produce, emit: Emit, stash: HostStash, for_backward: bool = True) -> None:
+    """Forward; leaves ``("kv"|"q"|"o"|"lse", i)`` in ``stash`` for backward (nothing without
+    ``for_backward``). ``emit(i, out_i)`` gets each output chunk in sequence layout."""
+    u = spec.num_chunks
+    pending = _start_to_heads(spec, produce, 0)
+    for i in range(u):
+        q_h, k_h, v_h = pending.wait()
+        pending = _start_to_heads(spec, produce, i + 1) if i + 1 < u else None
+        stash.put(("q", i), q_h)
+        stash.put(("kv", i), torch.stack((k_h, v_h)))
+        del q_h, k_h, v_h
+    for j in range(u):
+        block = stash.get(("kv", j)) if for_backward else stash.pop(("kv", j))
+
+        def visit(s, src, kv, j=j):
+            touches = _touches(spec, j, src)
+            for n, (i, kind) in enumerate(touches):
+                if n + 1 < len(touches):  # double buffer: the next touch's query side copies in now
+                    _prefetch(stash, ("q", "oacc", "lseacc"), touches[n + 1][0])
+                final = j == spec.last_pass(i) and s == spec.cp - 1
+                q = stash.get(("q", i)) if for_backward or not final else stash.pop(("q", i))
+                rows, o_blk, lse_blk = _block_forward(spec, kind, q, kv)
+                if ("oacc", i) not in stash:  # first touch: own block, every row
+                    acc_o, acc_lse = o_blk.to(spec.acc_dtype), lse_blk.to(spec.acc_dtype)
+                else:
+                    acc_o, acc_lse = stash.pop(("oacc", i)), stash.pop(("lseacc", i))
+                    acc_o[:, rows], acc_lse[:, :, rows] = merge(acc_o[:, rows], acc_lse[:, :, rows],
+                                                                o_blk.to(spec.acc_dtype), lse_blk.to(spec.acc_dtype))
+                if final:
+                    o_i = acc_o.to(q.dtype)
+                    if for_backward:
+                        stash.put(("o", i), o_i)
+                        stash.put(("lse", i), acc_lse)
+                    emit(i, heads_to_seq(o_i, spec.hp_group))
+                else:
+                    stash.put(("oacc", i), acc_o)
+                    stash.put(("lseacc", i), acc_lse)
+                del q, o_blk, lse_blk, acc_o, acc_lse
+
+        ring_pass(spec, block, visit)
+        del block
+    if not for_backward:
+        stash.clear()
+
+
+# ----------------------------------------------------------------------------- backward
+def _block_backward(spec: MeshSpec, kind: str, do, q, kv, o, lse):
+    """(rows, keys, dq, dk, dv): this block's gradient contributions and where they go."""
+    half = q.shape[1] // 2
+    k, v = kv[0], kv[1]
+    keys = slice(None, half) if kind == K_FIRST else slice(None)
+    rows = slice(half, None) if kind == Q_SECOND else slice(None)
+    if kind == Q_SECOND:
+        do, q, o, lse = do[:, rows], q[:, rows], o[:, rows], lse[:, :, rows].contiguous()
+    dq, dk, dv = spec.backend.backward(do, q, k[:, keys], v[:, keys], o, lse, kind == CAUSAL, spec.scale)
+    return rows, keys, dq, dk, dv
+
+
+def mesh_backward(spec: MeshSpec, grad_out_chunk: Callable[[int], torch.Tensor], deliver: Deliver,
+                  stash: HostStash) -> None:
+    """Backward over what :func:`mesh_forward` left in ``stash``; empties it.
+
+    ``deliver(j, dq_j, dk_j, dv_j)`` gets chunk j's final gradients in sequence layout
+    (fp32; dk/dv summed over GQA replicas) as soon as they are final.
+    """
+    u = spec.num_chunks
+    pending = start_seq_to_heads_packed((grad_out_chunk(0),), spec.hp_group)
+    for i in range(u):  # dô_i: every pass touches chunk i from the first one on
+        do_i = pending.wait()[0]
+        if i + 1 < u:
+            pending = start_seq_to_heads_packed((grad_out_chunk(i + 1),), spec.hp_group)
+        stash.put(("do", i), do_i)
+        del do_i
+    final_dq: dict[int, torch.Tensor] = {}
+    final_kv: dict[int, torch.Tensor] = {}
+    for j in range(u):
+        block = stash.pop(("kv", j))
+        grads = {}  # the fp32 dK/dV in flight behind the blocks
+
+        def visit(s, src, kv, j=j):
+            local = torch.zeros(kv.shape, dtype=spec.acc_dtype, device=kv.device)
+            touches = _touches(spec, j, src)
+            for n, (i, kind) in enumerate(touches):
+                if n + 1 < len(touches):
+                    _prefetch(stash, ("q", "o", "lse", "do", "dq"), touches[n + 1][0])
+                final = j == spec.last_pass(i) and s == spec.cp - 1
+                take = stash.pop if final else stash.get
+                q, o, lse, do = take(("q", i)), take(("o", i)), take(("lse", i)), take(("do", i))
+                rows, keys, dq_b, dk_b, dv_b = _block_backward(spec, kind, do, q, kv, o, lse)
+                dq = stash.pop(("dq", i)) if ("dq", i) in stash else torch.zeros(q.shape, dtype=spec.acc_dtype,
+                                                                               device=q.device)
+                dq[:, rows] += dq_b
+                local[0][:, keys] += dk_b
+                local[1][:, keys] += dv_b
+                if final:  # dq_i is complete: back through the all-to-all at once
+                    final_dq[i] = heads_to_seq(dq, spec.hp_group)
+                else:
+                    stash.put(("dq", i), dq)
+                del q, o, lse, do, dq_b, dk_b, dv_b, dq
+            if s > 0:  # the block's gradients so far arrive from its previous holder
+                grads["pending"].wait()
+                local += grads["incoming"]
+            to, frm = spec.schedule.grad_peers(s)
+            incoming = torch.empty_like(local)
+            grads["pending"] = spec.comm.exchange([(local, to, TAG_GRAD)], [(incoming, frm, TAG_GRAD)])
+            grads["incoming"] = incoming
+
+        ring_pass(spec, block, visit)
+        del block
+        grads["pending"].wait()  # after the last step our own block's gradients come home
+        final_kv[j] = grads.pop("incoming")
+        for c in ([j] if spec.causal else (list(range(u)) if j == u - 1 else [])):
+            dk, dv = heads_to_seq_packed((final_kv[c][0], final_kv[c][1]), spec.hp_group)
+            del final_kv[c]
+            deliver(c, final_dq.pop(c), sum_kv_replicas(dk, spec.kv_factor), sum_kv_replicas(dv, spec.kv_factor))
+    stash.clear()
+
+
+# ----------------------------------------------------------------------------- dispatch
+def run_forward(spec: MeshSpec | PipelineSpec, produce: Produce, emit: Emit, stash: HostStash,
+                for_backward: bool = True) -> None:
+    """:func:`mesh_forward` for a mesh spec, the Ulysses pipeline's forward otherwise."""
+    fn = mesh_forward if isinstance(spec, MeshSpec) else pipeline_forward
+    fn(spec, produce, emit, stash, for_backward)
+
+
+def run_backward(spec: MeshSpec | PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor], deliver: Deliver,
+                 stash: HostStash) -> None:
+    """:func:`mesh_backward` for a mesh spec, the Ulysses pipeline's backward otherwise."""
+    fn = mesh_backward if isinstance(spec, MeshSpec) else pipeline_backward
+    fn(spec, grad_out_chunk, deliver, stash)

@@ -1,0 +1,161 @@
+"""Costs of one attention layer on the 2D mesh (hp x cp, inner ring w) with FPDT chunking (u).
+
+The planner calls :func:`attention_costs`; the tests check the P2P and all-to-all counts
+against what :mod:`fpdt.attention.mesh_pipeline` actually sends. All figures are per
+rank and per layer, batch ``B``, element size ``e`` (2 for bf16); fp32 = 4 bytes.
+
+Notation::
+
+    f    = KV replication factor (kv_replication_factor(H, H_kv, hp): 1 unless hp does
+           not divide H_kv), H_kv' = f * H_kv
+    n    = cp / w inner rings per CP group
+    L    = S / (hp * cp * u)   local chunk (tokens per rank per chunk)
+    C    = hp * L = S / (cp*u) CP chunk (tokens after the Ulysses all-to-all)
+    K    = 2 * B * C * (H_kv'/hp) * D * e    one packed K/V block (what crosses the ring)
+    g    = H_kv' / H                           (K = 2 g U)
+    U    = B * L * hidden * e  one chunk of hidden states (= one q̂ chunk, hidden = H*D)
+    Nd   = u * U               this rank's slice of one full-sequence hidden tensor
+    T    = touches: cp * u(u+1)/2 causal, cp * u^2 non-causal (query chunk x block pairs)
+
+**P2P (ring).** Every K/V block crosses ``cp - 1`` links per pass, once per pass and not
+once per query chunk (the loop order is KV chunk j -> ring step -> query chunk i):
+
+* forward:  ``u (cp-1)`` sends of ``K``            -> ``(cp-1) * 2 B (S/cp) (H_kv'/hp) D e``
+* backward: the same K/V sends again, plus ``u cp`` fp32 dK/dV sends (``4K/e`` bytes each,
+  ``2K`` in bf16: gradients travel behind their block and end at its owner).
+* of the ``cp - 1`` links, ``n (w-1)`` are inner-ring and ``n - 1`` outer-ring.
+
+**All-to-all (Ulysses, inside the HP group).** Bytes this rank sends to the other
+``hp - 1`` members (``(hp-1)/hp`` of each buffer); ``S_l = S/(hp cp)``:
+
+* forward:  q, k, v in and o out: ``B S_l D (H + 2 H_kv' + H) e (hp-1)/hp``
+* backward: dô in (``H e``), dq and dk, dv out in fp32: ``B S_l D (H e + 4 (H + 2 H_kv')) (hp-1)/hp``
+
+**Host <-> device (offload=True; 0 without offload).** Query-side state is staged through
+the stash and fetched for each touch: q̂ ``U``, an fp32 accumulator ``A = 4U/e`` (``2U``
+in bf16), an lse ``l = B C (H/hp) 4``:
+
+* forward  h2d: ``u K + T U + (T - u)(A + l)``;
+  d2h: ``u (U + K) + (T - u)(A + l) + u (U + l)`` (final o and lse kept for backward)
+* backward h2d: ``u K + T (3U + l) + (T - u) A`` (q̂, o, dô, lse per touch; fp32 dq);
+  d2h: ``u U + (T - u) A`` (dô once, dq accumulators between touches)
+* ``cp = 1`` is the Ulysses pipeline (K/V fetched per block, ``T1 = u(u+1)/2``): forward
+  h2d ``(T1 - u) K``, d2h ``u (K + 2U + l)``; backward h2d ``u K + T1 (2U + l) + (T1 - u)(U + A)``,
+  d2h ``(T1 - u) A + (u - 1) U``.
+
+**Peak device memory of the attention core** (beyond its full-sequence output and input
+gradient; an estimate from the buffers live at the peak, in ``U``):
+
+* forward, offload: ring blocks ``2K`` (current + inner receive; ``4K`` with an outer
+  ring: its receive and the starting block still being sent), q side of the current and
+  the prefetched touch ``2 (U + 2U)``, merge temporaries ``~7U`` (block output, its fp32
+  copy, weighted sums) -> ``13U + 2K`` (``13U + 4K``);
+* backward, offload: ring blocks as forward, fp32 dK/dV local sum + incoming + outgoing
+  ``3 * 2K``, q side ``2 (3U + 2U)``, block gradients ``U + K``, ``~3U`` temporaries ->
+  ``14U + 9K`` (``14U + 11K``);
+* without offload the stash keeps everything on the device: add ``Nd (1 + 2g)`` (q̂, K/V),
+  plus ``2 Nd`` of fp32 o accumulators in forward, or ``Nd (2 + 2)`` (o, dô, fp32 dq) in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from fpdt.comm.heads import kv_replication_factor
+
+
+@dataclass(frozen=True)
+class AttentionCosts:
+    """Per-rank, per-layer costs of one mesh attention call (bytes unless stated)."""
+
+    p2p_sends_fwd: int
+    p2p_bytes_fwd: int
+    p2p_sends_bwd: int
+    p2p_bytes_bwd: int
+    p2p_inner_links: int          # ring links per block pass that stay inside an inner ring
+    p2p_outer_links: int          # links per block pass that cross between inner rings
+    all_to_alls_fwd: int          # collective calls in the HP group
+    all_to_all_bytes_fwd: int     # bytes sent to other HP ranks
+    all_to_alls_bwd: int
+    all_to_all_bytes_bwd: int
+    h2d_bytes_fwd: int
+    d2h_bytes_fwd: int
+    h2d_bytes_bwd: int
+    d2h_bytes_bwd: int
+    U: int                        # bytes of one hidden-state chunk B*L*hidden*e
+    Nd: int                       # bytes of this rank's slice of a full-sequence hidden tensor
+    peak_fwd_U: float             # attention-core working set, forward, in U
+    peak_bwd_U: float             # attention-core working set, backward, in U
+
+    @property
+    def p2p_bytes(self) -> int:
+        return self.p2p_bytes_fwd + self.p2p_bytes_bwd
+
+    @property
+    def all_to_all_bytes(self) -> int:
+        return self.all_to_all_bytes_fwd + self.all_to_all_bytes_bwd
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"p2p_bytes": self.p2p_bytes, "all_to_all_bytes": self.all_to_all_bytes}
+
+
+def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, hp: int = 1, cp: int = 1,
+                    inner_ring: int | None = None, num_chunks: int = 1, hidden: int | None = None,
+                    batch: int = 1, dtype_bytes: int = 2, offload: bool = True,
+                    causal: bool = True) -> AttentionCosts:
+    """Costs of one attention layer per rank (see the module docstring for every formula).
+
+    ``hidden`` defaults to ``num_heads * head_dim``. Raises ``ValueError`` for shapes the
+    mesh refuses (``S`` not divisible by ``2*hp*cp*u``, ``hp`` not dividing ``H``,
+    ``inner_ring`` not dividing ``cp``).
+    """
+    H, D, u, e = num_heads, head_dim, num_chunks, dtype_bytes
+    hidden = H * D if hidden is None else hidden
+    w = cp if inner_ring is None else inner_ring
+    if w < 1 or cp % w:
+        raise ValueError(f"inner_ring={inner_ring} must divide cp={cp}")
+    if seq_len % (2 * hp * cp * u):
+        raise ValueError(f"S={seq_len} is not divisible by 2*hp*cp*num_chunks={2 * hp * cp * u}")
+    f = kv_replication_factor(H, num_kv_heads, hp)
+    Hkv = f * num_kv_heads
+    n = cp // w
+    L = seq_len // (hp * cp * u)
+    C = hp * L
+    K = 2 * batch * C * (Hkv // hp) * D * e
+    U = batch * L * hidden * e
+    acc = U * 4 // e                   # one fp32 accumulator chunk (o in forward, dq in backward)
+    lse = batch * C * (H // hp) * 4    # one fp32 lse chunk
+    T = cp * (u * (u + 1) // 2 if causal else u * u)
+    ring = cp > 1
+    frac_num, S_l = hp - 1, seq_len // (hp * cp)
+    a2a_f = batch * S_l * D * (H + 2 * Hkv + H) * e * frac_num // hp
+    a2a_b = batch * S_l * D * (H * e + 4 * (H + 2 * Hkv)) * frac_num // hp
+    if offload and ring:
+        h2d_f = u * K + T * U + (T - u) * (acc + lse)
+        d2h_f = u * (U + K) + (T - u) * (acc + lse) + u * (U + lse)
+        h2d_b = u * K + T * (3 * U + lse) + (T - u) * acc
+        d2h_b = u * U + (T - u) * acc
+    elif offload:  # cp = 1 runs the Ulysses pipeline: K/V fetched per (i, j), q side per backward touch
+        T1 = u * (u + 1) // 2 if causal else u * u
+        h2d_f = (T1 - u) * K
+        d2h_f = u * (K + 2 * U + lse)
+        h2d_b = u * K + T1 * (2 * U + lse) + (T1 - u) * (U + acc)
+        d2h_b = (T1 - u) * acc + (u - 1) * U
+    else:
+        h2d_f = d2h_f = h2d_b = d2h_b = 0
+    g2 = K / U  # = 2g
+    blocks = (2 if n == 1 else 4) * g2
+    peak_f = 13 + blocks
+    peak_b = 14 + blocks + 7 * g2  # + fp32 dK/dV local, incoming, outgoing (6K) + block grads (K)
+    if not offload:
+        peak_f += u * (1 + g2) + 2 * u
+        peak_b += u * (1 + g2) + 4 * u
+    return AttentionCosts(
+        p2p_sends_fwd=u * (cp - 1), p2p_bytes_fwd=u * (cp - 1) * K,
+        p2p_sends_bwd=u * (cp - 1) + (u * cp if ring else 0),
+        p2p_bytes_bwd=u * (cp - 1) * K + (u * cp * K * 4 // e if ring else 0),
+        p2p_inner_links=n * (w - 1), p2p_outer_links=n - 1,
+        all_to_alls_fwd=2 * u if hp > 1 else 0, all_to_all_bytes_fwd=a2a_f,
+        all_to_alls_bwd=3 * u if hp > 1 else 0, all_to_all_bytes_bwd=a2a_b,
+        h2d_bytes_fwd=h2d_f, d2h_bytes_fwd=d2h_f, h2d_bytes_bwd=h2d_b, d2h_bytes_bwd=d2h_b,
+        U=U, Nd=u * U, peak_fwd_U=float(peak_f), peak_bwd_U=float(peak_b))
