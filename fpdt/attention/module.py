@@ -6,9 +6,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fpdt.attention.mesh_pipeline import build_mesh_spec
 from fpdt.attention.pipeline import build_spec
 from fpdt.attention.projected_attention import ProjectedFPDTAttentionFunction
 from fpdt.attention.rope import RotaryEmbedding
+from fpdt.comm import SequenceMesh
 
 
 class FPDTAttention(nn.Module):
@@ -31,6 +33,8 @@ class FPDTAttention(nn.Module):
         offload: keep chunks in (pinned) host memory between forward and backward.
         group: sequence-parallel process group; None = default group (world of 1 if
             torch.distributed is not initialised).
+        mesh: a 2D :class:`fpdt.comm.SequenceMesh` (hp x cp) instead of ``group``; inputs
+            and position ids are then in the mesh layout (may be reassigned later).
         backend: attention kernel name, None = automatic.
 
     Note for ZeRO-3: the q/k/v weights are read inside a custom autograd.Function rather
@@ -41,7 +45,7 @@ class FPDTAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, *, qkv_bias: bool = False, o_bias: bool = False,
                  num_chunks: int = 1, offload: bool = False, group: dist.ProcessGroup | None = None,
-                 backend: str | None = None, softmax_scale: float | None = None):
+                 mesh: SequenceMesh | None = None, backend: str | None = None, softmax_scale: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -49,6 +53,7 @@ class FPDTAttention(nn.Module):
         self.num_chunks = num_chunks
         self.offload = offload
         self.group = group
+        self.mesh = mesh
         self.backend = backend
         self.softmax_scale = softmax_scale
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
@@ -63,10 +68,13 @@ class FPDTAttention(nn.Module):
         B, S_local, _ = hidden_states.shape
         if position_ids.shape != (B, S_local):
             raise ValueError(f"position_ids must be [B, S_local]=[{B}, {S_local}], got {tuple(position_ids.shape)}")
-        spec = build_spec(seq_local=S_local, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                          head_dim=self.head_dim, dtype=hidden_states.dtype, device=hidden_states.device,
-                          group=self.group, num_chunks=self.num_chunks, causal=True,
-                          softmax_scale=self.softmax_scale, backend=self.backend)
+        shape = dict(seq_local=S_local, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                     head_dim=self.head_dim, dtype=hidden_states.dtype, device=hidden_states.device,
+                     num_chunks=self.num_chunks, causal=True, softmax_scale=self.softmax_scale, backend=self.backend)
+        if self.mesh is not None and self.group is not None:
+            raise ValueError("FPDTAttention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
+        spec = build_mesh_spec(mesh=self.mesh, **shape) if self.mesh is not None else \
+            build_spec(group=self.group, **shape)
         inputs = (hidden_states, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
                   self.v_proj.weight, self.v_proj.bias)
         # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fpdt.attention.pipeline import PipelineSpec, pipeline_backward, pipeline_forward
+from fpdt.attention.mesh_pipeline import run_backward, run_forward
+from fpdt.attention.pipeline import PipelineSpec
 from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward
 from fpdt.offload import HostStash
 
@@ -54,7 +55,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         def emit(i, out_i):
             out[:, i * L:(i + 1) * L] = out_i
 
-        pipeline_forward(spec, produce, emit, stash, for_backward)
+        run_forward(spec, produce, emit, stash, for_backward)
         ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids)
         ctx.rope, ctx.spec, ctx.stash, ctx.L, ctx.heads = rope, spec, stash, L, heads
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
@@ -100,7 +101,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 d_T = part if d_T is None else d_T + part
             d_hidden[:, sl] = d_T.view(B, L, -1)
 
-        pipeline_backward(spec, grad_out_chunk, deliver, stash)
+        run_backward(spec, grad_out_chunk, deliver, stash)
         out_w = [dw.to(w.dtype) for dw, w in zip(d_w, weights)]
         out_b = [None if db is None else db.to(b.dtype) for db, b in zip(d_b, biases)]
         return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2],

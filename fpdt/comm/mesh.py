@@ -72,7 +72,8 @@ class SequenceMesh:
             world of 1 when torch.distributed is not initialised, which needs hp = cp = 1).
 
     Attributes: ``hp, cp, dp, inner_ring`` (``w``), ``placement``, ``hp_rank, cp_rank,
-    dp_rank``, ``hp_group, cp_group`` (None without torch.distributed), ``cp_ranks``
+    dp_rank``, ``hp_group, cp_group`` and ``sp_group`` (all ``hp * cp`` ranks of this replica,
+    for reductions such as the loss's token count; None without torch.distributed), ``cp_ranks``
     (global ranks of this CP group in CP order), ``device_mesh`` (or None).
     """
 
@@ -84,7 +85,7 @@ class SequenceMesh:
         if not (dist.is_available() and dist.is_initialized()):
             self.dp = check_mesh_shape(1, hp, cp, placement, inner_ring)
             self.hp_rank = self.cp_rank = self.dp_rank = 0
-            self.hp_group = self.cp_group = None
+            self.hp_group = self.cp_group = self.sp_group = None
             self.cp_ranks = [0]
             return
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
@@ -102,9 +103,15 @@ class SequenceMesh:
             self.device_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp", "cp", "hp"))
             self.hp_group = self.device_mesh.get_group("hp")
             self.cp_group = self.device_mesh.get_group("cp")
+            for d in range(self.dp):  # every rank creates every replica's SP group, in order
+                sp_group = dist.new_group(sorted(grid[d].reshape(-1).tolist()))
+                if d == self.dp_rank:
+                    self.sp_group = sp_group
         else:
             self.hp_group = dist.new_group(hp_ranks, use_local_synchronization=True)
             self.cp_group = dist.new_group(self.cp_ranks, use_local_synchronization=True)
+            self.sp_group = dist.new_group(sorted(grid[self.dp_rank].reshape(-1).tolist()),
+                                           use_local_synchronization=True)
 
     # ------------------------------------------------------------------ ranks
     @property

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from fpdt.layout import check_layout, shard
+from fpdt.comm import SequenceMesh
+from fpdt.layout import check_layout, check_mesh_layout, shard
 from fpdt.model.loss import IGNORE_INDEX
 
 
@@ -23,7 +24,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chunks: int,
                    labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   shift: bool = True) -> dict[str, torch.Tensor]:
+                   shift: bool = True, mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s ``input_ids``, ``labels`` and ``position_ids`` ``[B, S / P]``.
 
     Args:
@@ -35,6 +36,9 @@ def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chun
             (``-100`` = ignore); default: ``input_ids``.
         position_ids: ``[B, S]`` global positions; default ``arange(S)``.
         shift: shift ``labels`` to next-token targets (set False if they already are).
+        mesh: a 2D :class:`fpdt.comm.SequenceMesh`: use its layout (FPDT chunk order x zigzag,
+            :mod:`fpdt.layout.mesh_layout`) instead of the FPDT layout; ``sp_size``/``rank``
+            are then ignored and ``S`` must be divisible by ``2 * hp * cp * num_chunks``.
 
     Returns:
         ``{"input_ids", "labels", "position_ids"}``, each ``[B, S / P]``, ready for
@@ -43,7 +47,10 @@ def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chun
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
     B, S = input_ids.shape
-    check_layout(S, sp_size, num_chunks)
+    if mesh is not None:
+        check_mesh_layout(S, mesh.hp, mesh.cp, num_chunks)
+    else:
+        check_layout(S, sp_size, num_chunks)
     labels = input_ids if labels is None else labels
     if position_ids is None:
         position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -52,5 +59,7 @@ def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chun
             raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids shape {tuple(input_ids.shape)}")
     if shift:
         labels = shift_labels(labels)
-    return {name: shard(t, sp_size, num_chunks, rank, dim=1)
+    take = (lambda t: mesh.shard(t, num_chunks, dim=1)) if mesh is not None else \
+        (lambda t: shard(t, sp_size, num_chunks, rank, dim=1))
+    return {name: take(t)
             for name, t in (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids))}

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
+from fpdt.comm import SequenceMesh
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import ModelConfig
 from fpdt.model.inputs import prepare_inputs
@@ -62,6 +63,10 @@ class FPDTOptions:
     group: dist.ProcessGroup | None = None
     """Sequence-parallel process group; None = the default group if torch.distributed is
     initialised, else a world of 1."""
+    mesh: SequenceMesh | None = None
+    """2D sequence parallelism (:class:`fpdt.comm.SequenceMesh`, hp x cp) instead of
+    ``group``: inputs in the mesh layout (``prepare_inputs`` uses it), ``S`` divisible by
+    ``2 * hp * cp * num_chunks``; reductions (loss token count) run over ``mesh.sp_group``."""
     backend: str | None = None
     """Attention kernel backend name for :class:`FPDTAttention` (None = automatic)."""
 
@@ -72,6 +77,8 @@ class FPDTOptions:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name}={value} must be >= 0 (0 = unchunked) or None (default)")
+        if self.mesh is not None and self.group is not None:
+            raise ValueError("set either group= (plain Ulysses) or mesh= (hp x cp), not both")
         if self.checkpointing not in CHECKPOINT_MODES:
             raise ValueError(f"checkpointing={self.checkpointing!r} must be one of {CHECKPOINT_MODES}")
         return self
@@ -100,7 +107,8 @@ class FPDTDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                        qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, num_chunks=opts.num_chunks,
-                                       offload=opts.offload, group=opts.group, backend=opts.backend)
+                                       offload=opts.offload, group=opts.group, mesh=opts.mesh,
+                                       backend=opts.backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
@@ -155,6 +163,7 @@ class FPDTForCausalLM(nn.Module):
     * ``checkpointing`` (``"off"``): ``"on"`` recomputes each decoder layer in backward from
       its saved input; ``"offload"`` also keeps that input in pinned host memory.
     * ``group`` (None): the sequence-parallel process group (None = default group).
+    * ``mesh`` (None): a 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group``.
     * ``backend`` (None): attention kernel.
     """
 
@@ -182,6 +191,7 @@ class FPDTForCausalLM(nn.Module):
             layer.self_attn.num_chunks = opts.num_chunks
             layer.self_attn.offload = opts.offload
             layer.self_attn.group = opts.group
+            layer.self_attn.mesh = opts.mesh
             layer.self_attn.backend = opts.backend
             layer.mlp.num_chunks = self.mlp_chunks
         return self
@@ -199,10 +209,15 @@ class FPDTForCausalLM(nn.Module):
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        return self.options.group
+        mesh = self.options.mesh
+        return mesh.sp_group if mesh is not None else self.options.group
 
     def sp_rank_size(self) -> tuple[int, int]:
-        """``(rank, size)`` of this process in the sequence-parallel group (``(0, 1)`` without one)."""
+        """``(rank, size)`` of this process in the sequence-parallel group (``(0, 1)`` without one);
+        with a mesh, ``(mesh.sp_rank, hp * cp)``."""
+        mesh = self.options.mesh
+        if mesh is not None:
+            return mesh.sp_rank, mesh.sp
         if not dist.is_available() or not dist.is_initialized():
             return 0, 1
         return dist.get_rank(self.sp_group), dist.get_world_size(self.sp_group)
@@ -213,7 +228,7 @@ class FPDTForCausalLM(nn.Module):
         ``num_chunks``: global ``[B, S]`` window -> this rank's ``model(**inputs)`` arguments."""
         rank, sp = self.sp_rank_size()
         return prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=self.options.num_chunks,
-                              labels=labels, position_ids=position_ids, shift=shift)
+                              labels=labels, position_ids=position_ids, shift=shift, mesh=self.options.mesh)
 
     # ------------------------------------------------------------------ weights
     def save_pretrained(self, path, **kwargs) -> None:

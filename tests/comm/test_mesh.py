@@ -63,6 +63,7 @@ def _mesh_body(rank, world, explicit_group):
         assert dist.get_world_size(mesh.hp_group) == hp and dist.get_world_size(mesh.cp_group) == cp
         assert dist.get_rank(mesh.hp_group) == mesh.hp_rank and dist.get_rank(mesh.cp_group) == mesh.cp_rank
         assert mesh.cp_ranks[mesh.cp_rank] == rank
+        assert sorted(dist.get_process_group_ranks(mesh.sp_group)) == sorted(grid[mesh.dp_rank].reshape(-1).tolist())
         # the layout round-trips through a collective unshard
         S, u = 2 * hp * cp * 2 * 2, 2
         x = torch.arange(S * 3, dtype=torch.float32).reshape(1, S, 3)
