@@ -50,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seq-len", type=int, required=True, help="global tokens per training sequence")
     d.add_argument("--shuffle", action="store_true", help="visit windows in a seeded random order")
     f = p.add_argument_group("FPDT (flags win over the \"fpdt\" section of the DeepSpeed JSON)")
-    f.add_argument("--sp", type=int, help="sequence-parallel size (divides the world size; default 1)")
+    f.add_argument("--sp", type=int, help="sequence-parallel size (divides the world size; default 1); "
+                                         "shorthand for --hp SP --cp 1")
+    f.add_argument("--hp", type=int, help="2D mesh: head-parallel (Ulysses) degree (default: 1 with --cp)")
+    f.add_argument("--cp", type=int, help="2D mesh: context-parallel (ring attention) degree (default 1)")
+    f.add_argument("--placement", choices=["head_first", "context_first"],
+                   help="2D mesh placement: HP ranks adjacent (head_first, default) or CP ranks adjacent")
+    f.add_argument("--inner-ring", type=int, help="double-ring inner size (divides --cp; default: one ring)")
     f.add_argument("--chunk-size", type=int, help="global tokens per FPDT chunk (default: the whole sequence)")
     f.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="offload attention chunks to pinned host memory (CUDA; default off)")
@@ -72,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"sp": args.sp, "chunk_size": args.chunk_size, "offload": args.offload,
+    return {"sp": args.sp, "hp": args.hp, "cp": args.cp, "placement": args.placement,
+            "inner_ring": args.inner_ring, "chunk_size": args.chunk_size, "offload": args.offload,
             "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "checkpoint": args.checkpoint}
 
 
@@ -116,7 +123,8 @@ def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: Par
     from fpdt import model as fm
 
     kw = dict(num_chunks=plan.num_chunks, offload=opts.offload, mlp_chunks=plan.mlp_chunks,
-              loss_chunks=opts.loss_chunks, checkpointing=opts.checkpoint, group=ps.sp_group)
+              loss_chunks=opts.loss_chunks, checkpointing=opts.checkpoint)
+    kw.update(mesh=ps.mesh) if ps.mesh is not None else kw.update(group=ps.sp_group)
     torch.manual_seed(args.seed)  # same random weights on every rank
     if args.model:
         if ds_config is not None and ds_zero_stage(ds_config) == 3:
@@ -161,7 +169,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
 
     init_distributed(device)
     zero.init_deepspeed_comm(device)
-    ps = build_parallel_state(plan.sp, device)
+    ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring)
 
     dtype_name = ds_dtype_name(ds_config)
     model = build_model(args, opts, plan, ps, DTYPES[dtype_name], ds_config)
@@ -182,7 +190,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
         checkpoint.write_model_files(args.save_dir, hf_config, tokenizer)
 
     peak, peak_src = resolve_peak_flops(device, dtype_name, args.peak_tflops)
-    _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} dp={plan.dp} seq_len={plan.seq_len} "
+    _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} seq_len={plan.seq_len} "
              f"chunks={plan.num_chunks} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.2f}'} TFLOP/s ({peak_src})")

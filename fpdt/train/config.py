@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
+from fpdt.comm import PLACEMENTS
+
 CHECKPOINT_MODES = ("off", "on", "offload")
 
 
@@ -35,7 +37,18 @@ class FPDTOptions:
     """FPDT settings (flags, or the ``"fpdt"`` section of the DeepSpeed JSON)."""
 
     sp: int = 1
-    """Sequence-parallel size P. Must divide the world size; the rest is data parallel."""
+    """Sequence-parallel size P. Must divide the world size; the rest is data parallel.
+    Shorthand for ``hp = sp, cp = 1`` (plain Ulysses)."""
+    hp: int | None = None
+    """Head-parallel (Ulysses) degree of a 2D mesh; ``None``: ``sp`` (or 1 when ``cp`` is given)."""
+    cp: int | None = None
+    """Context-parallel (ring attention) degree of a 2D mesh; ``None``: 1. The SP size is
+    ``hp * cp``; with ``cp > 1`` the sequence length must be a multiple of ``2 * hp * cp * u``."""
+    placement: str = "head_first"
+    """2D mesh placement: ``"head_first"`` (HP ranks adjacent: all-to-all inside a node) or
+    ``"context_first"`` (CP ranks adjacent: ring traffic inside a node)."""
+    inner_ring: int | None = None
+    """Double-ring inner size w (divides cp; choose NICs per node); ``None``: one ring."""
     chunk_size: int | None = None
     """Global tokens per FPDT chunk (the post-all-to-all chunk length C). The number of
     attention chunks is ``u = seq_len / chunk_size`` and each rank holds ``C / P`` tokens
@@ -84,7 +97,7 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -
 
 
 def _check_types(opts: FPDTOptions) -> None:
-    for name in ("sp", "chunk_size", "mlp_chunks", "loss_chunks"):
+    for name in ("sp", "hp", "cp", "inner_ring", "chunk_size", "mlp_chunks", "loss_chunks"):
         value = getattr(opts, name)
         if value is None and name != "sp":
             continue
@@ -95,6 +108,19 @@ def _check_types(opts: FPDTOptions) -> None:
         raise ConfigError(f"fpdt option offload={opts.offload!r} must be true or false")
     if opts.checkpoint not in CHECKPOINT_MODES:
         raise ConfigError(f"fpdt option checkpoint={opts.checkpoint!r} must be one of {CHECKPOINT_MODES}")
+    if opts.placement not in PLACEMENTS:
+        raise ConfigError(f"fpdt option placement={opts.placement!r} must be one of {PLACEMENTS}")
+
+
+def mesh_degrees(opts: FPDTOptions) -> tuple[int, int]:
+    """``(hp, cp)`` from the options: ``--sp N`` alone is ``(N, 1)``."""
+    if opts.hp is None and opts.cp is None:
+        return opts.sp, 1
+    hp, cp = opts.hp or 1, opts.cp or 1
+    if opts.sp not in (1, hp * cp):
+        raise ConfigError(f"--sp {opts.sp} conflicts with --hp {hp} --cp {cp} (sp = hp x cp = {hp * cp}); "
+                          f"--sp N is shorthand for --hp N --cp 1: give one or the other")
+    return hp, cp
 
 
 # ----------------------------------------------------------------------------- DeepSpeed JSON
@@ -160,7 +186,7 @@ class Plan:
     world_size: int
     """Number of processes."""
     sp: int
-    """Sequence-parallel size P."""
+    """Sequence-parallel size P = hp x cp."""
     dp: int
     """Data-parallel size: ``world_size / sp`` groups, each training distinct windows."""
     seq_len: int
@@ -171,6 +197,14 @@ class Plan:
     """Attention chunks u = S / C (also the chunks per rank in the FPDT layout)."""
     mlp_chunks: int
     """MLP chunks over the local sequence."""
+    hp: int = 1
+    """Head-parallel degree (Ulysses all-to-all)."""
+    cp: int = 1
+    """Context-parallel degree (ring attention); 1 = plain Ulysses over sp ranks."""
+    placement: str = "head_first"
+    """2D mesh placement (only used with cp > 1)."""
+    inner_ring: int | None = None
+    """Double-ring inner size (only used with cp > 1; None = one ring)."""
 
     @property
     def local_seq_len(self) -> int:
@@ -186,11 +220,17 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
     """
     if seq_len < 1:
         raise ConfigError(f"--seq-len {seq_len} must be a positive number of tokens")
-    if world_size % opts.sp != 0:
+    hp, cp = mesh_degrees(opts)
+    sp = hp * cp
+    if world_size % sp != 0:
+        what = f"--sp {sp}" if cp == 1 else f"--hp {hp} x --cp {cp} = {sp}"
         raise ConfigError(
-            f"--sp {opts.sp} does not divide the world size {world_size}; choose an sp that "
+            f"{what} does not divide the world size {world_size}; choose an sp that "
             f"divides {world_size} (the remaining factor is data parallel), or launch a "
-            f"multiple of {opts.sp} processes")
+            f"multiple of {sp} processes")
+    if opts.inner_ring is not None and cp % opts.inner_ring:
+        raise ConfigError(f"--inner-ring {opts.inner_ring} does not divide --cp {cp}; use a divisor of {cp} "
+                          f"(ranks per inner ring, e.g. NICs per node)")
     chunk = seq_len if opts.chunk_size is None else opts.chunk_size
     if chunk > seq_len:
         raise ConfigError(f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); "
@@ -199,15 +239,21 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
         raise ConfigError(f"--seq-len {seq_len} is not divisible by --chunk-size {chunk}; "
                           f"pick a chunk size that divides the sequence length")
     num_chunks = seq_len // chunk
-    if seq_len % (opts.sp * num_chunks) != 0:
+    if cp == 1 and seq_len % (sp * num_chunks) != 0:
         raise ConfigError(
-            f"--seq-len {seq_len} is not divisible by sp x chunks = {opts.sp} x {num_chunks} = "
-            f"{opts.sp * num_chunks}; each chunk of {chunk} tokens must split evenly over "
-            f"{opts.sp} ranks: use a chunk size that is a multiple of {opts.sp}")
+            f"--seq-len {seq_len} is not divisible by sp x chunks = {sp} x {num_chunks} = "
+            f"{sp * num_chunks}; each chunk of {chunk} tokens must split evenly over "
+            f"{sp} ranks: use a chunk size that is a multiple of {sp}")
+    if cp > 1 and seq_len % (2 * sp * num_chunks) != 0:
+        raise ConfigError(
+            f"--seq-len {seq_len} is not divisible by 2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks} = "
+            f"{2 * sp * num_chunks}; each chunk of {chunk} tokens is cut into 2 x cp zigzag pieces split over "
+            f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
     _check_device_options(opts, device_type, ds_config)
     mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else 2 * num_chunks
-    return Plan(world_size=world_size, sp=opts.sp, dp=world_size // opts.sp, seq_len=seq_len,
-                chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=mlp_chunks)
+    return Plan(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
+                chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=mlp_chunks, hp=hp, cp=cp,
+                placement=opts.placement, inner_ring=opts.inner_ring)
 
 
 def _check_device_options(opts: FPDTOptions, device_type: str, ds_config: Mapping[str, Any]) -> None:

@@ -34,6 +34,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from fpdt.comm import SequenceMesh
 from fpdt.layout import local_position_ids, shard
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -185,8 +186,10 @@ def sequence_ids(step: int, micro: int, grad_accum: int, dp_rank: int, dp: int, 
 
 # ----------------------------------------------------------------------------- sharding
 
-def shard_windows(windows: torch.Tensor, sp: int, num_chunks: int, sp_rank: int) -> dict[str, torch.Tensor]:
-    """Shift on the global sequence, then take rank ``sp_rank``'s FPDT-layout slice.
+def shard_windows(windows: torch.Tensor, sp: int, num_chunks: int, sp_rank: int,
+                  mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
+    """Shift on the global sequence, then take rank ``sp_rank``'s FPDT-layout slice (or,
+    with a 2D ``mesh``, this rank's slice in the mesh layout; ``sp``/``sp_rank`` unused).
 
     Args:
         windows: ``[B, S + 1]`` int64 token ids.
@@ -196,6 +199,10 @@ def shard_windows(windows: torch.Tensor, sp: int, num_chunks: int, sp_rank: int)
     """
     batch, seq_len = windows.shape[0], windows.shape[1] - 1
     inputs, labels = windows[:, :-1], windows[:, 1:]
+    if mesh is not None:
+        pos = mesh.global_token_index(seq_len, num_chunks).unsqueeze(0).expand(batch, -1).contiguous()
+        return {"input_ids": mesh.shard(inputs, num_chunks), "labels": mesh.shard(labels, num_chunks),
+                "position_ids": pos}
     return {
         "input_ids": shard(inputs, sp, num_chunks, sp_rank, dim=1),
         "labels": shard(labels, sp, num_chunks, sp_rank, dim=1),

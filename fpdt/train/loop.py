@@ -49,7 +49,7 @@ class LoopSpec:
 def _micro_step(engine, windows: Windows, spec: LoopSpec, step: int, micro: int) -> torch.Tensor:
     ps = spec.parallel
     ks = sequence_ids(step, micro, spec.grad_accum, ps.dp_rank, ps.dp, spec.micro_batch)
-    batch = shard_windows(windows.sequences(ks), ps.sp, spec.plan.num_chunks, ps.sp_rank)
+    batch = shard_windows(windows.sequences(ks), ps.sp, spec.plan.num_chunks, ps.sp_rank, mesh=ps.mesh)
     batch = {k: v.to(ps.device, non_blocking=True) for k, v in batch.items()}  # [B, S_local] each
     loss = engine(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
     engine.backward(loss * ps.sp)  # see module docstring

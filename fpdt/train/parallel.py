@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fpdt.comm import SequenceMesh
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -41,6 +43,9 @@ class ParallelState:
     """The SP process group (a single-rank group when P = 1)."""
     device: torch.device
     """Where the model runs."""
+    mesh: SequenceMesh | None = None
+    """The 2D hp x cp mesh when cp > 1 (then ``sp_group`` is ``mesh.sp_group`` and
+    ``sp_rank`` is ``mesh.sp_rank``); None for plain Ulysses."""
 
     @property
     def is_main(self) -> bool:
@@ -86,11 +91,21 @@ def init_distributed(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
-def build_parallel_state(sp: int, device: torch.device) -> ParallelState:
-    """Create the SP groups (every rank creates all of them, in the same order)."""
+def build_parallel_state(sp: int, device: torch.device, *, cp: int = 1, placement: str = "head_first",
+                         inner_ring: int | None = None) -> ParallelState:
+    """Create the SP groups (every rank creates all of them, in the same order).
+
+    With ``cp > 1`` the SP ranks form a 2D :class:`fpdt.comm.SequenceMesh` of
+    ``hp = sp / cp`` x ``cp`` (SP-innermost as well: replica ``g`` is ranks
+    ``[g*sp, (g+1)*sp)``, arranged inside by ``placement``).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % sp != 0:  # validated earlier from the environment; re-check the real group
         raise ValueError(f"--sp {sp} does not divide the world size {world}")
+    if cp > 1:
+        mesh = SequenceMesh(hp=sp // cp, cp=cp, placement=placement, inner_ring=inner_ring)
+        return ParallelState(rank=rank, world_size=world, sp=sp, dp=mesh.dp, sp_rank=mesh.sp_rank,
+                             dp_rank=mesh.dp_rank, sp_group=mesh.sp_group, device=device, mesh=mesh)
     mine = None
     for g in range(world // sp):
         group = dist.new_group(list(range(g * sp, (g + 1) * sp)))
