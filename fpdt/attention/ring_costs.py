@@ -11,10 +11,12 @@ Notation::
     n    = cp / w inner rings per CP group
     L    = S / (hp * cp * u)   local chunk (tokens per rank per chunk)
     C    = hp * L = S / (cp*u) CP chunk (tokens after the Ulysses all-to-all)
-    K    = 2 * B * C * (H_kv'/hp) * D * e    one packed K/V block (what crosses the ring)
-    g    = H_kv' / H                           (K = 2 g U)
-    U    = B * L * hidden * e  one chunk of hidden states (= one q̂ chunk, hidden = H*D)
-    Nd   = u * U               this rank's slice of one full-sequence hidden tensor
+    Q    = B * L * hidden * e                  one q̂ chunk (C tokens x H/hp heads; hidden = H*D)
+    K    = 2 * B * C * (H_kv'/hp) * D * e    one packed K/V block (what crosses the ring), = 2 g Q
+    g    = H_kv' / H
+    U    = B * C * hidden * e = hp * Q         the memory unit of :mod:`fpdt.profiling.memory`: one
+                                               chunk of hidden states with C the post-all-to-all chunk
+    Nd   = B * S_l * hidden * e = u * Q        this rank's full-sequence hidden tensor (S_l = S/(hp cp))
     T    = touches: cp * u(u+1)/2 causal, cp * u^2 non-causal (query chunk x block pairs)
 
 **P2P (ring).** Every K/V block crosses ``cp - 1`` links per pass, once per pass and not
@@ -32,27 +34,33 @@ once per query chunk (the loop order is KV chunk j -> ring step -> query chunk i
 * backward: dô in (``H e``), dq and dk, dv out in fp32: ``B S_l D (H e + 4 (H + 2 H_kv')) (hp-1)/hp``
 
 **Host <-> device (offload=True; 0 without offload).** Query-side state is staged through
-the stash and fetched for each touch: q̂ ``U``, an fp32 accumulator ``A = 4U/e`` (``2U``
+the stash and fetched for each touch: q̂ ``Q``, an fp32 accumulator ``A = 4Q/e`` (``2Q``
 in bf16), an lse ``l = B C (H/hp) 4``:
 
-* forward  h2d: ``u K + T U + (T - u)(A + l)``;
-  d2h: ``u (U + K) + (T - u)(A + l) + u (U + l)`` (final o and lse kept for backward)
-* backward h2d: ``u K + T (3U + l) + (T - u) A`` (q̂, o, dô, lse per touch; fp32 dq);
-  d2h: ``u U + (T - u) A`` (dô once, dq accumulators between touches)
+* forward  h2d: ``u K + T Q + (T - u)(A + l)``;
+  d2h: ``u (Q + K) + (T - u)(A + l) + u (Q + l)`` (final o and lse kept for backward)
+* backward h2d: ``u K + T (3Q + l) + (T - u) A`` (q̂, o, dô, lse per touch; fp32 dq);
+  d2h: ``u Q + (T - u) A`` (dô once, dq accumulators between touches)
 * ``cp = 1`` is the Ulysses pipeline (K/V fetched per block, ``T1 = u(u+1)/2``): forward
-  h2d ``(T1 - u) K``, d2h ``u (K + 2U + l)``; backward h2d ``u K + T1 (2U + l) + (T1 - u)(U + A)``,
-  d2h ``(T1 - u) A + (u - 1) U``.
+  h2d ``(T1 - u) K``, d2h ``u (K + 2Q + l)``; backward h2d ``u K + T1 (2Q + l) + (T1 - u)(Q + A)``,
+  d2h ``(T1 - u) A + (u - 1) Q``.
 
 **Peak device memory of the attention core** (beyond its full-sequence output and input
-gradient; an estimate from the buffers live at the peak, in ``U``):
+gradient; an estimate from the buffers live at the peak, bf16, counted in ``Q`` and
+reported in ``U = hp Q``):
 
 * forward, offload: ring blocks ``2K`` (current + inner receive; ``4K`` with an outer
   ring: its receive and the starting block still being sent), q side of the current and
-  the prefetched touch ``2 (U + 2U)``, merge temporaries ``~7U`` (block output, its fp32
-  copy, weighted sums) -> ``13U + 2K`` (``13U + 4K``);
+  the prefetched touch ``2 (Q + 2Q)``, merge temporaries ``~10Q`` (block output, its fp32
+  copy, two weighted products and their fp32 sum, lse temporaries) -> ``16Q + 2K``
+  (``16Q + 4K``);
 * backward, offload: ring blocks as forward, fp32 dK/dV local sum + incoming + outgoing
-  ``3 * 2K``, q side ``2 (3U + 2U)``, block gradients ``U + K``, ``~3U`` temporaries ->
-  ``14U + 9K`` (``14U + 11K``);
+  ``3 * 2K``, q side ``2 (3Q + 2Q)``, block gradients ``Q + K``, ``~5Q`` temporaries and the
+  finished dq's all-to-all -> ``16Q + 9K`` (``16Q + 11K``);
+* checked on the CPU with the live-bytes accountant of :mod:`fpdt.profiling.memory`
+  (hp = cp = 2, u = 4, GQA 4:1, bf16, offload, C = 128): forward 8.7 U beyond its output
+  (this formula: 8.5 U), backward 10.3 U beyond the dq/dk/dv outputs and one full-sequence
+  bf16 gradient buffer (this formula: 10.25 U); the working set does not grow with u;
 * without offload the stash keeps everything on the device: add ``Nd (1 + 2g)`` (q̂, K/V),
   plus ``2 Nd`` of fp32 o accumulators in forward, or ``Nd (2 + 2)`` (o, dô, fp32 dq) in backward.
 """
@@ -82,8 +90,8 @@ class AttentionCosts:
     d2h_bytes_fwd: int
     h2d_bytes_bwd: int
     d2h_bytes_bwd: int
-    U: int                        # bytes of one hidden-state chunk B*L*hidden*e
-    Nd: int                       # bytes of this rank's slice of a full-sequence hidden tensor
+    U: int                        # bytes of one post-all-to-all hidden-state chunk B*C*hidden*e
+    Nd: int                       # bytes of this rank's full-sequence hidden tensor B*S_l*hidden*e
     peak_fwd_U: float             # attention-core working set, forward, in U
     peak_bwd_U: float             # attention-core working set, backward, in U
 
@@ -122,8 +130,9 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
     L = seq_len // (hp * cp * u)
     C = hp * L
     K = 2 * batch * C * (Hkv // hp) * D * e
-    U = batch * L * hidden * e
-    acc = U * 4 // e                   # one fp32 accumulator chunk (o in forward, dq in backward)
+    Q = batch * L * hidden * e
+    U = hp * Q
+    acc = Q * 4 // e                   # one fp32 accumulator chunk (o in forward, dq in backward)
     lse = batch * C * (H // hp) * 4    # one fp32 lse chunk
     T = cp * (u * (u + 1) // 2 if causal else u * u)
     ring = cp > 1
@@ -131,22 +140,22 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
     a2a_f = batch * S_l * D * (H + 2 * Hkv + H) * e * frac_num // hp
     a2a_b = batch * S_l * D * (H * e + 4 * (H + 2 * Hkv)) * frac_num // hp
     if offload and ring:
-        h2d_f = u * K + T * U + (T - u) * (acc + lse)
-        d2h_f = u * (U + K) + (T - u) * (acc + lse) + u * (U + lse)
-        h2d_b = u * K + T * (3 * U + lse) + (T - u) * acc
-        d2h_b = u * U + (T - u) * acc
+        h2d_f = u * K + T * Q + (T - u) * (acc + lse)
+        d2h_f = u * (Q + K) + (T - u) * (acc + lse) + u * (Q + lse)
+        h2d_b = u * K + T * (3 * Q + lse) + (T - u) * acc
+        d2h_b = u * Q + (T - u) * acc
     elif offload:  # cp = 1 runs the Ulysses pipeline: K/V fetched per (i, j), q side per backward touch
         T1 = u * (u + 1) // 2 if causal else u * u
         h2d_f = (T1 - u) * K
-        d2h_f = u * (K + 2 * U + lse)
-        h2d_b = u * K + T1 * (2 * U + lse) + (T1 - u) * (U + acc)
-        d2h_b = (T1 - u) * acc + (u - 1) * U
+        d2h_f = u * (K + 2 * Q + lse)
+        h2d_b = u * K + T1 * (2 * Q + lse) + (T1 - u) * (Q + acc)
+        d2h_b = (T1 - u) * acc + (u - 1) * Q
     else:
         h2d_f = d2h_f = h2d_b = d2h_b = 0
-    g2 = K / U  # = 2g
+    g2 = K / Q  # = 2g
     blocks = (2 if n == 1 else 4) * g2
-    peak_f = 13 + blocks
-    peak_b = 14 + blocks + 7 * g2  # + fp32 dK/dV local, incoming, outgoing (6K) + block grads (K)
+    peak_f = 16 + blocks                              # in Q
+    peak_b = 16 + blocks + 7 * g2  # + fp32 dK/dV local, incoming, outgoing (6K) + block grads (K)
     if not offload:
         peak_f += u * (1 + g2) + 2 * u
         peak_b += u * (1 + g2) + 4 * u
@@ -158,4 +167,4 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
         all_to_alls_fwd=2 * u if hp > 1 else 0, all_to_all_bytes_fwd=a2a_f,
         all_to_alls_bwd=3 * u if hp > 1 else 0, all_to_all_bytes_bwd=a2a_b,
         h2d_bytes_fwd=h2d_f, d2h_bytes_fwd=d2h_f, h2d_bytes_bwd=h2d_b, d2h_bytes_bwd=d2h_b,
-        U=U, Nd=u * U, peak_fwd_U=float(peak_f), peak_bwd_U=float(peak_b))
+        U=U, Nd=u * Q, peak_fwd_U=peak_f / hp, peak_bwd_U=peak_b / hp)
