@@ -49,8 +49,9 @@ from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
 from fpdt.attention.merge import merge
 from fpdt.attention.pipeline import (Deliver, Emit, PipelineSpec, Produce, build_spec, pipeline_backward,
                                      pipeline_forward)
-from fpdt.comm import (PendingAllToAll, RingComm, RingSchedule, SequenceMesh, heads_to_seq, heads_to_seq_packed,
-                       kv_replication_factor, replicate_kv, start_seq_to_heads_packed, sum_kv_replicas)
+from fpdt.comm import (PendingAllToAll, RingComm, RingSchedule, SequenceMesh, group_size, heads_to_seq,
+                       heads_to_seq_packed, kv_replication_factor, replicate_kv, start_seq_to_heads_packed,
+                       sum_kv_replicas)
 from fpdt.comm.ring import TAG_GRAD, TAG_INNER, TAG_OUTER
 from fpdt.layout import check_mesh_layout
 from fpdt.offload import HostStash
@@ -60,7 +61,8 @@ FULL, CAUSAL, K_FIRST, Q_SECOND = "full", "causal", "k_first", "q_second"
 
 @dataclass
 class MeshSpec:
-    """Static description of one mesh attention call (cp > 1)."""
+    """Static description of one mesh attention call (cp > 1; :func:`single_rank_mesh_spec`
+    builds a ring of one, which runs this pipeline's stash and stream code on one device)."""
 
     mesh: SequenceMesh
     comm: RingComm
@@ -116,6 +118,22 @@ def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_d
         backend=get_backend(backend, device, dtype, head_dim),
         kv_factor=kv_replication_factor(num_heads, num_kv_heads, mesh.hp),
         acc_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def single_rank_mesh_spec(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          device: torch.device, num_chunks: int, causal: bool = True,
+                          backend: str | None = None) -> MeshSpec:
+    """A :class:`MeshSpec` for one rank (hp = cp = 1, no process group): the mesh pipeline's
+    loop order, stash traffic and merges without communication, for single-device checks
+    (a single GPU cannot form a ring; ``fpdt_attention(mesh=...)`` with cp = 1 takes the
+    Ulysses pipeline instead)."""
+    if group_size(None) > 1:
+        raise ValueError("single_rank_mesh_spec is for a world of one process; build a SequenceMesh for more")
+    mesh = SequenceMesh(hp=1, cp=1)
+    return MeshSpec(mesh=mesh, comm=RingComm([0], None), schedule=RingSchedule(1, 1, 0), num_chunks=num_chunks,
+                    causal=causal, scale=default_scale(head_dim), backend=get_backend(backend, device, dtype, head_dim),
+                    kv_factor=kv_replication_factor(num_heads, num_kv_heads, 1),
+                    acc_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -277,6 +295,9 @@ def mesh_backward(spec: MeshSpec, grad_out_chunk: Callable[[int], torch.Tensor],
             if s > 0:  # the block's gradients so far arrive from its previous holder
                 grads["pending"].wait()
                 local += grads["incoming"]
+            if spec.cp == 1:  # a ring of one (single-device runs of this pipeline): nothing to pass
+                grads["pending"], grads["incoming"] = None, local
+                return
             to, frm = spec.schedule.grad_peers(s)
             incoming = torch.empty_like(local)
             grads["pending"] = spec.comm.exchange([(local, to, TAG_GRAD)], [(incoming, frm, TAG_GRAD)])
@@ -284,7 +305,8 @@ def mesh_backward(spec: MeshSpec, grad_out_chunk: Callable[[int], torch.Tensor],
 
         ring_pass(spec, block, visit)
         del block
-        grads["pending"].wait()  # after the last step our own block's gradients come home
+        if grads["pending"] is not None:
+            grads["pending"].wait()  # after the last step our own block's gradients come home
         final_kv[j] = grads.pop("incoming")
         for c in ([j] if spec.causal else (list(range(u)) if j == u - 1 else [])):
             dk, dv = heads_to_seq_packed((final_kv[c][0], final_kv[c][1]), spec.hp_group)
