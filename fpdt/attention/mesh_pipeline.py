@@ -112,7 +112,7 @@ def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_d
                           dtype=dtype, device=device, group=mesh.hp_group, num_chunks=num_chunks, causal=causal,
                           softmax_scale=softmax_scale, backend=backend)
     return MeshSpec(
-        mesh=mesh, comm=RingComm(mesh.cp_ranks, mesh.cp_group),
+        mesh=mesh, comm=RingComm(mesh.cp_ranks, mesh.cp_group, mesh.cp_outer_group),
         schedule=RingSchedule(mesh.cp, mesh.inner_ring, mesh.cp_rank), num_chunks=num_chunks, causal=causal,
         scale=default_scale(head_dim) if softmax_scale is None else float(softmax_scale),
         backend=get_backend(backend, device, dtype, head_dim),
@@ -142,7 +142,8 @@ def ring_pass(spec: MeshSpec, block: torch.Tensor, visit: Callable[[int, int, to
 
     ``visit(step, src, blk)`` runs once per step with the block of CP rank ``src``, while
     the next block is in flight. Two receive buffers: the inner ring's, and the outer
-    ring's, which carries the block this rank *started* the outer step with.
+    ring's, which carries the block this rank *started* the outer step with; the outer
+    transfer runs in its own communicator (``mesh.cp_outer_group``) for the whole inner ring.
     """
     sched, comm = spec.schedule, spec.comm
     cur, outer = block, None
@@ -150,7 +151,8 @@ def ring_pass(spec: MeshSpec, block: torch.Tensor, visit: Callable[[int, int, to
         if sched.sends_outer(s):  # in flight for the whole inner ring
             to, frm = sched.outer_peers()
             outer_recv = torch.empty_like(cur)
-            outer = (comm.exchange([(cur, to, TAG_OUTER)], [(outer_recv, frm, TAG_OUTER)]), outer_recv)
+            pending = comm.exchange([(cur, to, TAG_OUTER)], [(outer_recv, frm, TAG_OUTER)], outer=True)
+            outer = (pending, outer_recv)
         inner = None
         if sched.sends_inner(s):
             to, frm = sched.inner_peers()

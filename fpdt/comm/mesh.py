@@ -73,7 +73,10 @@ class SequenceMesh:
 
     Attributes: ``hp, cp, dp, inner_ring`` (``w``), ``placement``, ``hp_rank, cp_rank,
     dp_rank``, ``hp_group, cp_group`` and ``sp_group`` (all ``hp * cp`` ranks of this replica,
-    for reductions such as the loss's token count; None without torch.distributed), ``cp_ranks``
+    for reductions such as the loss's token count; None without torch.distributed),
+    ``cp_outer_group`` (the same ranks as ``cp_group`` in a communicator of its own when
+    ``inner_ring < cp``, so outer-ring transfers run concurrently with the inner ring's;
+    on NCCL each communicator has its own stream), ``cp_ranks``
     (global ranks of this CP group in CP order), ``device_mesh`` (or None).
     """
 
@@ -85,7 +88,7 @@ class SequenceMesh:
         if not (dist.is_available() and dist.is_initialized()):
             self.dp = check_mesh_shape(1, hp, cp, placement, inner_ring)
             self.hp_rank = self.cp_rank = self.dp_rank = 0
-            self.hp_group = self.cp_group = self.sp_group = None
+            self.hp_group = self.cp_group = self.sp_group = self.cp_outer_group = None
             self.cp_ranks = [0]
             return
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
@@ -107,11 +110,19 @@ class SequenceMesh:
                 sp_group = dist.new_group(sorted(grid[d].reshape(-1).tolist()))
                 if d == self.dp_rank:
                     self.sp_group = sp_group
+            self.cp_outer_group = self.cp_group
+            if self.inner_ring < cp:  # a second communicator over each CP group, for the outer ring
+                for d in range(self.dp):
+                    for h in range(hp):
+                        outer = dist.new_group(grid[d, :, h].tolist())
+                        if (d, h) == (self.dp_rank, self.hp_rank):
+                            self.cp_outer_group = outer
         else:
-            self.hp_group = dist.new_group(hp_ranks, use_local_synchronization=True)
-            self.cp_group = dist.new_group(self.cp_ranks, use_local_synchronization=True)
-            self.sp_group = dist.new_group(sorted(grid[self.dp_rank].reshape(-1).tolist()),
-                                           use_local_synchronization=True)
+            local = dict(use_local_synchronization=True)
+            self.hp_group = dist.new_group(hp_ranks, **local)
+            self.cp_group = dist.new_group(self.cp_ranks, **local)
+            self.sp_group = dist.new_group(sorted(grid[self.dp_rank].reshape(-1).tolist()), **local)
+            self.cp_outer_group = dist.new_group(self.cp_ranks, **local) if self.inner_ring < cp else self.cp_group
 
     # ------------------------------------------------------------------ ranks
     @property

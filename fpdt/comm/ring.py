@@ -116,22 +116,28 @@ class RingComm:
     Args:
         cp_ranks: global ranks of the CP group, in CP order (peers are CP indices).
         group: the CP process group.
+        outer_group: the same ranks in a second communicator for the outer ring's
+            transfers (default ``group``), so they do not queue behind the inner ring's.
     """
 
-    def __init__(self, cp_ranks: list[int], group: dist.ProcessGroup | None):
+    def __init__(self, cp_ranks: list[int], group: dist.ProcessGroup | None,
+                 outer_group: dist.ProcessGroup | None = None):
         self.cp_ranks = list(cp_ranks)
         self.group = group
+        self.outer_group = group if outer_group is None else outer_group
         self.stats = P2PStats()
 
     def exchange(self, sends: list[tuple[torch.Tensor, int, int]],
-                 recvs: list[tuple[torch.Tensor, int, int]]) -> PendingP2P:
-        """Start ``(tensor, cp_peer, tag)`` sends and receives; returns the pending batch."""
+                 recvs: list[tuple[torch.Tensor, int, int]], outer: bool = False) -> PendingP2P:
+        """Start ``(tensor, cp_peer, tag)`` sends and receives (in the outer ring's
+        communicator with ``outer``); returns the pending batch."""
+        group = self.outer_group if outer else self.group
         ops = []
         for t, peer, tag in sends:
-            ops.append(dist.P2POp(dist.isend, t, self.cp_ranks[peer], self.group, tag))
+            ops.append(dist.P2POp(dist.isend, t, self.cp_ranks[peer], group, tag))
             self.stats.sends += 1
             self.stats.bytes_sent += t.numel() * t.element_size()
         for t, peer, tag in recvs:
-            ops.append(dist.P2POp(dist.irecv, t, self.cp_ranks[peer], self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, t, self.cp_ranks[peer], group, tag))
         tensors = [t for t, _, _ in sends] + [t for t, _, _ in recvs]
         return PendingP2P(dist.batch_isend_irecv(ops) if ops else [], tensors)

@@ -53,10 +53,13 @@ def test_ring_schedule_moves_every_block_to_every_rank(cp, w):
 
 
 def _mesh_body(rank, world, explicit_group):
-    for hp, cp, placement in ((2, 2, "head_first"), (2, 2, "context_first"), (1, 4, "head_first"),
-                              (4, 1, "context_first"), (1, 2, "head_first")):
+    for hp, cp, placement, w in ((2, 2, "head_first", None), (2, 2, "context_first", 1), (1, 4, "head_first", 2),
+                                 (4, 1, "context_first", None), (1, 2, "head_first", None)):
         group = dist.new_group(list(range(world))) if explicit_group else None
-        mesh = SequenceMesh(hp=hp, cp=cp, placement=placement, group=group)
+        mesh = SequenceMesh(hp=hp, cp=cp, placement=placement, inner_ring=w, group=group)
+        outer_ranks = dist.get_process_group_ranks(mesh.cp_outer_group)
+        assert outer_ranks == dist.get_process_group_ranks(mesh.cp_group) == mesh.cp_ranks
+        assert (mesh.cp_outer_group is mesh.cp_group) == (w is None or w == cp)
         assert mesh.dp == world // (hp * cp)
         grid = mesh_ranks(list(range(world)), hp, cp, placement)
         assert grid[mesh.dp_rank, mesh.cp_rank, mesh.hp_rank] == rank
