@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
         checkpoint.write_model_files(args.save_dir, hf_config, tokenizer)
 
     peak, peak_src = resolve_peak_flops(device, dtype_name, args.peak_tflops)
-    _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} seq_len={plan.seq_len} "
+    _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} "
+             f"seq_len={plan.seq_len} "
              f"chunks={plan.num_chunks} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.2f}'} TFLOP/s ({peak_src})")
