@@ -6,8 +6,10 @@ on every call. Buffers are keyed by ``(dtype, numel)``; training repeats the sam
 shapes every step, so after the first step nothing new is allocated.
 
 A buffer released while an asynchronous copy may still read it carries that copy's
-CUDA event; whoever acquires it next makes its copy stream wait on the event (no host
-blocking) before writing.
+event; whoever acquires it next makes its copy stream wait on the event (no host
+blocking) before writing. Allocation and waits go through the pool's device runtime
+(:mod:`fpdt.offload.runtime`); :meth:`HostBufferPool.acquire` is the one place that
+allocates host-side stash memory.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import weakref
+
 import torch
+
+from fpdt.offload.runtime import Runtime, runtime_for
 
 
 @dataclass
@@ -33,15 +39,18 @@ class HostBufferPool:
 
     Args:
         pin_memory: allocate page-locked buffers (only meaningful with CUDA present).
+        runtime: the device runtime whose events guard the buffers; defaults to the one
+            selected now for CUDA (pinned) or CPU (pageable) devices.
     """
 
-    def __init__(self, pin_memory: bool):
+    def __init__(self, pin_memory: bool, runtime: Runtime | None = None):
         self.pin_memory = pin_memory
+        self.runtime = runtime if runtime is not None else runtime_for("cuda" if pin_memory else "cpu")
         self._free: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, object]]] = defaultdict(list)
         self.stats = PoolStats(pinned=pin_memory)
 
     def acquire(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
-                stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+                stream=None) -> torch.Tensor:
         """A host tensor of ``shape``/``dtype`` with undefined contents.
 
         If the buffer's previous user left an in-flight copy, ``stream`` is made to wait
@@ -58,15 +67,15 @@ class HostBufferPool:
             self.stats.cached_bytes -= flat.numel() * flat.element_size()
             if pending is not None:
                 if stream is not None:
-                    stream.wait_event(pending)   # device-side ordering, host keeps going
+                    self.runtime.wait_event(stream, pending)   # device-side ordering, host keeps going
                 else:
-                    pending.synchronize()        # rare: a host writer on a buffer still being read
+                    self.runtime.event_synchronize(pending)    # rare: a host writer on a buffer still being read
         else:
-            flat = torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+            flat = self.runtime.host_empty(numel, dtype, self.pin_memory)
             self.stats.allocations += 1
         return flat.view(shape)
 
-    def release(self, tensor: torch.Tensor, after: "torch.cuda.Event | None" = None) -> None:
+    def release(self, tensor: torch.Tensor, after=None) -> None:
         """Return a buffer from :meth:`acquire`; ``after`` marks the last pending copy that reads it."""
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
         self._free[(tensor.dtype, flat.numel())].append((flat, after))
@@ -77,17 +86,19 @@ class HostBufferPool:
         for bufs in self._free.values():
             for _, pending in bufs:
                 if pending is not None:
-                    pending.synchronize()
+                    self.runtime.event_synchronize(pending)
         self._free.clear()
         self.stats.cached_bytes = 0
 
 
-_POOLS: dict[bool, HostBufferPool] = {}
+_POOLS: "weakref.WeakKeyDictionary[Runtime, dict[bool, HostBufferPool]]" = weakref.WeakKeyDictionary()
 
 
 def host_pool(device: torch.device | str) -> HostBufferPool:
-    """The process-wide pool serving ``device``: pinned for CUDA devices, pageable otherwise."""
+    """The pool serving ``device`` on its current runtime: pinned for CUDA devices, pageable otherwise."""
     pinned = torch.device(device).type == "cuda"
-    if pinned not in _POOLS:
-        _POOLS[pinned] = HostBufferPool(pin_memory=pinned)
-    return _POOLS[pinned]
+    runtime = runtime_for(device)
+    pools = _POOLS.setdefault(runtime, {})
+    if pinned not in pools:
+        pools[pinned] = HostBufferPool(pin_memory=pinned, runtime=runtime)
+    return pools[pinned]

@@ -1,25 +1,28 @@
 """HostStash: keyed storage of chunks that live on the host between uses.
 
 The FPDT pipelines produce chunks (k̂_j, v̂_j, q̂_i, o_i, lse_i, dô_i, dq_i accumulators,
-layer inputs) that are needed again much later. With ``enabled=True`` each ``put``
-starts an asynchronous device->host copy into a pooled host buffer, and each
-``prefetch``/``get`` brings it back, so at most the chunks the caller is holding live on
-the device. With ``enabled=False`` the stash just keeps references to the device
-tensors (the "chunking without offload" mode), so callers have one code path.
+hidden-state chunks T_i, layer inputs) that are needed again much later. With
+``enabled=True`` each ``put`` starts an asynchronous device->host copy into a pooled host
+buffer, and each ``prefetch``/``get`` brings it back, so at most the chunks the caller is
+holding live on the device. With ``enabled=False`` the stash just keeps references to the
+device tensors (the "chunking without offload" mode), so callers have one code path.
 
-CUDA ordering (nothing here blocks the host):
+Keys are ``(kind, index, ...)`` tuples; the kind picks the copy stream
+(:mod:`fpdt.offload.streams`: ``T`` and ``layer input`` on ``inputs``, the rest on
+``chunks``) and, with the stash's ``label``, names the data in errors and counters
+(``("k", 3)`` in a stash labelled ``layer 2`` is ``k chunk 3, layer 2``).
 
-* ``put``: the d2h stream waits for an event recorded on the current (compute) stream,
-  copies, and records ``done``; ``src.record_stream(d2h)`` keeps the caching allocator
-  from handing the source's memory to someone else before the copy has read it.
-* ``prefetch``: the h2d stream waits for ``done`` (the host copy must be complete),
-  allocates the device tensor *on the h2d stream* and copies into it, recording ``ready``.
-* ``get``: the current stream waits for ``ready``; ``dst.record_stream(current)`` so
-  freeing it later respects the compute work that reads it.
-* host buffers are released to the pool with the event of the last copy reading them.
+Ordering, through the device runtime (:mod:`fpdt.offload.runtime`; nothing blocks the host):
 
-On CPU the same calls run as plain copies (``put`` copies into a separate pool buffer,
-``get`` copies back), so the CPU tests exercise the same bookkeeping.
+* ``put``: the copy stream waits for an event recorded on the compute stream, copies
+  into the host buffer and records ``done``; ``record_stream`` keeps the caching
+  allocator from reusing the source before the copy has read it. The compute stream then
+  waits for the copy issued ``D2H_RUN_AHEAD`` copies earlier (bounded run-ahead).
+* ``prefetch``: the fetch buffer is allocated on the compute stream, which consumes it
+  (no ``record_stream`` hand-over); the copy stream waits for compute (the memory's
+  previous use) and for ``done`` (the host copy has landed), copies, records ``ready``.
+* ``get``: the compute stream waits for ``ready``.
+* host buffers go back to the pool with the event of the last copy that reads them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Hashable
 import torch
 
 from fpdt.offload.host_pool import HostBufferPool, host_pool
+from fpdt.offload.runtime import Role, runtime_for
 from fpdt.offload.streams import copy_streams
 
 
@@ -38,15 +42,18 @@ class HostStash:
     Args:
         device: the compute device of the tensors that will be stored.
         enabled: False keeps device references instead of copying (no offload).
-        pool: host buffer pool; defaults to the process-wide pool for ``device``.
+        pool: host buffer pool; defaults to the pool of ``device``'s current runtime.
+        label: appended to role names in errors (e.g. ``"layer 2"``).
     """
 
     def __init__(self, device: torch.device | str, enabled: bool = True,
-                 pool: HostBufferPool | None = None):
+                 pool: HostBufferPool | None = None, label: str | None = None):
         self.device = torch.device(device)
         self.enabled = enabled
+        self.label = label
+        self.runtime = runtime_for(self.device)
         self.pool = pool if pool is not None else host_pool(self.device)
-        self._streams = copy_streams(self.device) if enabled else None
+        self._streams = copy_streams(self.device, self.runtime) if enabled else None
         self._host: dict[Hashable, tuple[torch.Tensor, object]] = {}      # key -> (host buf, done event)
         self._inflight: dict[Hashable, tuple[torch.Tensor, object]] = {}  # key -> (device tensor, ready event)
         self._device_refs: dict[Hashable, torch.Tensor] = {}              # enabled=False storage
@@ -54,39 +61,43 @@ class HostStash:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._host or key in self._device_refs
 
+    def role(self, key: Hashable) -> Role:
+        """What ``key`` holds, for errors and per-kind counters."""
+        if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[0], str):
+            kind, index = key[0], key[1]
+            what = f"{kind}, layer {index}" if kind == "layer input" else f"{kind} chunk {index}"
+        else:
+            kind, what = "other", f"stash entry {key!r}"
+        return Role(kind, what if self.label is None else f"{what}, {self.label}")
+
     def put(self, key: Hashable, tensor: torch.Tensor) -> None:
         """Store ``tensor`` under ``key`` (replacing any previous value)."""
         self.discard(key)
         if not self.enabled:
             self._device_refs[key] = tensor
             return
-        s = self._streams
-        host = self.pool.acquire(tensor.shape, tensor.dtype, stream=s.d2h if s else None)
-        if s is None:
-            host.copy_(tensor)
-            self._host[key] = (host, None)
-            return
-        produced = torch.cuda.current_stream(self.device).record_event()
-        s.d2h.wait_event(produced)  # the copy must see the finished values
-        with torch.cuda.stream(s.d2h):
-            host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(s.d2h)
-        self._host[key] = (host, s.d2h.record_event())
+        rt, role = self.runtime, self.role(key)
+        stream = self._streams.for_kind(role.kind)
+        host = self.pool.acquire(tensor.shape, tensor.dtype, stream=stream)
+        rt.wait_event(stream, rt.record_event(rt.current_stream(self.device)))  # the copy must see the finished values
+        rt.copy(host, tensor, stream, role, "d2h")
+        rt.record_stream(tensor, stream)  # its memory is not reused before the copy has read it
+        done = rt.record_event(stream)
+        self._host[key] = (host, done)
+        self._streams.after_d2h(done)
 
     def prefetch(self, key: Hashable) -> None:
         """Start bringing ``key`` back to the device (no-op if not offloaded or already in flight)."""
         if not self.enabled or key in self._inflight:
             return
         host, done = self._host[key]
-        s = self._streams
-        if s is None:
-            self._inflight[key] = (host.to(self.device, copy=True), None)
-            return
-        s.h2d.wait_event(done)  # the device->host copy must have landed
-        with torch.cuda.stream(s.h2d):
-            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            dev.copy_(host, non_blocking=True)
-        self._inflight[key] = (dev, s.h2d.record_event())
+        rt, role = self.runtime, self.role(key)
+        stream = self._streams.for_kind(role.kind)
+        dev = rt.device_empty(host.shape, host.dtype, self.device, role)      # owned by compute, the consumer
+        rt.wait_event(stream, rt.record_event(rt.current_stream(self.device)))  # compute is done with this memory
+        rt.wait_event(stream, done)                                            # the device->host copy has landed
+        rt.copy(dev, host, stream, role, "h2d")
+        self._inflight[key] = (dev, rt.record_event(stream))
 
     def get(self, key: Hashable) -> torch.Tensor:
         """The stored tensor on the device, safe to use on the current stream."""
@@ -94,10 +105,8 @@ class HostStash:
             return self._device_refs[key]
         self.prefetch(key)
         dev, ready = self._inflight.pop(key)
-        if ready is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(ready)  # compute must not read before the copy lands
-            dev.record_stream(current)
+        rt = self.runtime
+        rt.wait_event(rt.current_stream(self.device), ready)  # compute must not read before the copy lands
         return dev
 
     def pop(self, key: Hashable) -> torch.Tensor:
@@ -116,10 +125,14 @@ class HostStash:
         self._device_refs.pop(key, None)
         inflight = self._inflight.pop(key, None)
         entry = self._host.pop(key, None)
-        if entry is not None:
-            host, done = entry
-            last = inflight[1] if inflight is not None and inflight[1] is not None else done
-            self.pool.release(host, after=last)
+        if entry is None:
+            return
+        host, done = entry
+        last = done
+        if inflight is not None:  # a fetch nobody will wait for: its buffer must outlive the copy
+            dev, last = inflight
+            self.runtime.record_stream(dev, self._streams.for_kind(self.role(key).kind))
+        self.pool.release(host, after=last)
 
     def clear(self) -> None:
         """Forget everything, returning host buffers to the pool."""

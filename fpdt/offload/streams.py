@@ -1,35 +1,64 @@
-"""Copy streams: one device->host and one host->device side stream per CUDA device.
+"""The offload side streams of one device, and the bound on how far the host runs ahead.
 
-Created once per device and reused by every call (creating streams per call is both
-slow and a source of unordered work). On CPU there are no streams: every helper
-degrades to plain synchronous behaviour so the same code path runs in CPU tests.
+FPDT uses three streams (BRIEF §1): the compute stream; ``chunks``, which carries the
+attention chunks (q̂/k̂/v̂/o/lse/dô/dq) in both directions; and ``inputs``, which carries
+the layer inputs and the hidden-state chunks ``T_i`` (offload, and the prefetch that the
+projection backward and the next layer's backward consume). They are created once per
+device and runtime and reused by every call (creating streams per call is slow and a
+source of unordered work).
+
+Bounded run-ahead: after every device->host copy, the compute stream waits for the copy
+issued ``D2H_RUN_AHEAD`` copies earlier. The memory those copies read (kept alive by
+``record_stream``) is then bounded by a fixed number of chunks, whatever ``u`` is, and so
+is the host's lead over the copy engine. On CUDA the wait is device-side (the host never
+blocks); in the simulator the compute stream is the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from collections import deque
 
 import torch
 
+from fpdt.offload.runtime import Runtime
 
-@dataclass(frozen=True)
+D2H_RUN_AHEAD = 6           # device->host copies in flight before compute waits (one chunk's put of T, k, v, q, o, lse)
+INPUT_KINDS = frozenset({"T", "layer input"})   # role kinds carried by the ``inputs`` stream
+
+
 class CopyStreams:
-    """The side streams owned by the offload machinery for one CUDA device."""
+    """The side streams owned by the offload machinery for one device on one runtime."""
 
-    d2h: "torch.cuda.Stream"
-    h2d: "torch.cuda.Stream"
+    def __init__(self, runtime: Runtime, device: torch.device):
+        self.runtime, self.device = runtime, device
+        self.chunks = runtime.new_stream(device, "chunks")
+        self.inputs = runtime.new_stream(device, "inputs")
+        self._d2h_done: deque = deque()
+
+    def for_kind(self, kind: str):
+        """The stream that copies data of role ``kind``."""
+        return self.inputs if kind in INPUT_KINDS else self.chunks
+
+    def after_d2h(self, done) -> None:
+        """Register a device->host copy's completion event; keep at most ``D2H_RUN_AHEAD`` in flight."""
+        self._d2h_done.append(done)
+        if len(self._d2h_done) > D2H_RUN_AHEAD:
+            rt = self.runtime
+            # compute waits (device-side on CUDA) for the copy D2H_RUN_AHEAD copies back
+            rt.wait_event(rt.current_stream(self.device), self._d2h_done.popleft())
 
 
-_STREAMS: dict[int, CopyStreams] = {}
+_STREAMS: "weakref.WeakKeyDictionary[Runtime, dict[tuple, CopyStreams]]" = weakref.WeakKeyDictionary()
 
 
-def copy_streams(device: torch.device) -> CopyStreams | None:
-    """The shared copy streams of a CUDA ``device``; ``None`` for non-CUDA devices."""
+def copy_streams(device: torch.device | str, runtime: Runtime) -> CopyStreams:
+    """The shared copy streams of ``device`` on ``runtime``."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _STREAMS:
-        with torch.cuda.device(index):
-            _STREAMS[index] = CopyStreams(d2h=torch.cuda.Stream(), h2d=torch.cuda.Stream())
-    return _STREAMS[index]
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    per_device = _STREAMS.setdefault(runtime, {})
+    key = (device.type, device.index)
+    if key not in per_device:
+        per_device[key] = CopyStreams(runtime, device)
+    return per_device[key]

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fpdt.offload import runtime_for
 from fpdt.train.config import Plan
 from fpdt.train.data import Windows, sequence_ids, shard_windows
 from fpdt.train.metrics import ModelShape, step_rates
@@ -72,14 +73,13 @@ def train_step(engine, windows: Windows, spec: LoopSpec, step: int) -> StepRecor
     """Run optimizer step ``step`` (0-based) and describe it."""
     ps = spec.parallel
     lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
-    if ps.device.type == "cuda":
-        torch.cuda.synchronize(ps.device)
+    runtime = runtime_for(ps.device)
+    runtime.synchronize(ps.device)          # host-device sync: the step's wall time starts here
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
     for micro in range(spec.grad_accum):
         loss_sum += _micro_step(engine, windows, spec, step, micro)
-    if ps.device.type == "cuda":
-        torch.cuda.synchronize(ps.device)   # host-device sync: the step's wall time ends here
+    runtime.synchronize(ps.device)          # host-device sync: the step's wall time ends here
     seconds = time.perf_counter() - t0
     loss, rss, mem = _reduce_stats(loss_sum, spec)
     tokens = spec.plan.seq_len * spec.micro_batch * spec.grad_accum * ps.dp

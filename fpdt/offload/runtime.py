@@ -1,0 +1,339 @@
+"""The device runtime: the one place that talks to streams, events, pinned memory and async copies.
+
+Every stream, event, pinned allocation, asynchronous copy, ``record_stream``, current-stream
+and synchronise call of the offload machinery (and of the training loop) goes through a
+:class:`Runtime`. Three implementations share one contract:
+
+* ``cuda``: thin wrappers over ``torch.cuda`` streams, events and pinned memory (the
+  default on CUDA devices);
+* ``sync``: every copy runs at once and every event is complete (the default on the CPU);
+* ``sim``: a simulated CUDA runtime on the CPU, hostile by construction
+  (:mod:`fpdt.offload.sim`): copies run as late as CUDA allows, their destinations hold NaN
+  until then, and unordered or use-after-free accesses raise :class:`StreamHazardError`.
+
+Selection: ``use_runtime(name)`` (in-process, a context manager) wins; else the
+environment variable ``FPDT_RUNTIME=sim|sync|cuda``, which ranks started by ``torchrun``
+or ``multiprocessing`` spawn inherit; else ``cuda`` for CUDA devices and ``sync`` otherwise.
+``FPDT_SIM_MODE=lazy|threaded``, ``FPDT_SIM_FAULT=drop_wait|drop_record_stream`` and
+``FPDT_SIM_SEED`` configure the simulator.
+
+Contract of the calls (CUDA semantics throughout):
+
+* ``copy(dst, src, stream, role, direction)`` issues ``dst.copy_(src)`` on ``stream``;
+  it runs after the work issued on ``stream`` before it, including the events the stream
+  waited on. ``role`` (:class:`Role`) names the data for errors and counters;
+  ``direction`` is ``"d2h"`` or ``"h2d"``.
+* ``wait_event(stream, event)``: work issued on ``stream`` afterwards runs after the work
+  recorded before ``event``. On the compute stream this is a device-side wait on CUDA;
+  the simulator's compute stream is the host thread, so there it blocks the host.
+* ``record_stream(tensor, stream)``: the caching allocator must not reuse ``tensor``'s
+  memory before the work issued on ``stream`` so far has run.
+* ``event_synchronize`` and ``synchronize`` block the host; each counts in
+  ``counters.host_syncs``.
+* ``device_empty(shape, dtype, device, role, stream=None)``: a fetch buffer, allocated on
+  ``stream`` (default: the compute stream, which consumes it); live fetch buffers are
+  counted per role kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+RUNTIMES = ("sim", "sync", "cuda")
+ENV_RUNTIME = "FPDT_RUNTIME"
+
+
+class StreamHazardError(RuntimeError):
+    """An access the device could run in the wrong order: a missing wait or ``record_stream``."""
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a buffer holds: ``kind`` groups counters (``"k"``, ``"layer input"``), ``what``
+    names one instance in errors (``"k chunk 3, layer 2"``)."""
+
+    kind: str
+    what: str
+
+    def __str__(self) -> str:
+        return self.what
+
+
+@dataclass
+class RuntimeCounters:
+    """Counters readable by tests and by the memory accountant (all runtimes keep them;
+    ``copies_pending`` is only ever non-zero under ``sim``)."""
+
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    copies_d2h: int = 0
+    copies_h2d: int = 0
+    host_syncs: int = 0            # host-blocking synchronisations (event or device)
+    compute_waits: int = 0         # compute-stream waits on side-stream events (device-side on CUDA)
+    copies_pending: int = 0        # issued, not yet run
+    peak_copies_pending: int = 0
+    fetch_buffers: dict[str, int] = field(default_factory=dict)       # live fetch buffers per role kind
+    fetch_bytes: dict[str, int] = field(default_factory=dict)
+    peak_fetch_buffers: dict[str, int] = field(default_factory=dict)
+    peak_fetch_bytes: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Zero the totals and peaks (live values stay: they describe buffers still held)."""
+        self.bytes_d2h = self.bytes_h2d = self.copies_d2h = self.copies_h2d = 0
+        self.host_syncs = self.compute_waits = 0
+        self.peak_copies_pending = self.copies_pending
+        self.peak_fetch_buffers = dict(self.fetch_buffers)
+        self.peak_fetch_bytes = dict(self.fetch_bytes)
+
+
+class Runtime:
+    """Base: counters, fetch-buffer tracking and the shared bookkeeping of all runtimes."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.counters = RuntimeCounters()
+        self._lock = threading.Lock()
+
+    # --- streams and events (implemented per runtime) ---------------------------------
+    def new_stream(self, device: torch.device, name: str):
+        raise NotImplementedError
+
+    def current_stream(self, device: torch.device):
+        raise NotImplementedError
+
+    def record_event(self, stream):
+        raise NotImplementedError
+
+    def wait_event(self, stream, event) -> None:
+        raise NotImplementedError
+
+    def event_synchronize(self, event) -> None:
+        raise NotImplementedError
+
+    def synchronize(self, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        raise NotImplementedError
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream, role: Role, direction: str) -> None:
+        raise NotImplementedError
+
+    def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A flat host buffer (page-locked when ``pinned``); only :class:`HostBufferPool` calls this."""
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+
+    def device_empty(self, shape, dtype: torch.dtype, device: torch.device, role: Role,
+                     stream=None) -> torch.Tensor:
+        """A fetch buffer allocated on ``stream`` (default: the compute stream, its consumer),
+        counted per role kind."""
+        t = self._allocate(shape, dtype, device, stream)
+        self._track_fetch(t, role)
+        return t
+
+    def _allocate(self, shape, dtype, device, stream) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def drain(self) -> None:
+        """Run every issued copy (not counted as a host sync; used at context exit and by tests)."""
+
+    def close(self) -> None:
+        """Release resources (threads); the runtime is not used afterwards."""
+
+    # --- shared bookkeeping ------------------------------------------------------------
+    def _count_copy(self, nbytes: int, direction: str) -> None:
+        c = self.counters
+        if direction == "d2h":
+            c.bytes_d2h += nbytes
+            c.copies_d2h += 1
+        elif direction == "h2d":
+            c.bytes_h2d += nbytes
+            c.copies_h2d += 1
+        else:
+            raise ValueError(f"copy direction {direction!r} must be 'd2h' or 'h2d'")
+
+    def _track_fetch(self, tensor: torch.Tensor, role: Role) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        c, kind = self.counters, role.kind
+        with self._lock:
+            c.fetch_buffers[kind] = c.fetch_buffers.get(kind, 0) + 1
+            c.fetch_bytes[kind] = c.fetch_bytes.get(kind, 0) + nbytes
+            c.peak_fetch_buffers[kind] = max(c.peak_fetch_buffers.get(kind, 0), c.fetch_buffers[kind])
+            c.peak_fetch_bytes[kind] = max(c.peak_fetch_bytes.get(kind, 0), c.fetch_bytes[kind])
+        # the buffer is released when its storage dies (views keep it alive, as on the device)
+        weakref.finalize(tensor.untyped_storage(), self._untrack_fetch, kind, nbytes)
+
+    def _untrack_fetch(self, kind: str, nbytes: int) -> None:
+        c = self.counters
+        with self._lock:
+            c.fetch_buffers[kind] -= 1
+            c.fetch_bytes[kind] -= nbytes
+
+
+class _NoStream:
+    """A stream of the ``sync`` runtime: everything on it has already run."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<sync stream {self.name}>"
+
+
+_DONE = object()  # the one event of the sync runtime: always complete
+
+
+class SyncRuntime(Runtime):
+    """Copies run when issued; events are complete; waits are no-ops."""
+
+    name = "sync"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._compute = _NoStream("compute")
+
+    def new_stream(self, device, name):
+        return _NoStream(name)
+
+    def current_stream(self, device):
+        return self._compute
+
+    def record_event(self, stream):
+        return _DONE
+
+    def wait_event(self, stream, event) -> None:
+        if stream is self._compute:
+            self.counters.compute_waits += 1
+
+    def event_synchronize(self, event) -> None:
+        self.counters.host_syncs += 1
+
+    def synchronize(self, device) -> None:
+        self.counters.host_syncs += 1
+        if torch.device(device).type == "cuda":  # sync copies on a GPU still leave kernels queued
+            torch.cuda.synchronize(device)
+
+    def record_stream(self, tensor, stream) -> None:
+        pass
+
+    def copy(self, dst, src, stream, role, direction) -> None:
+        self._count_copy(src.numel() * src.element_size(), direction)
+        dst.copy_(src)
+
+
+class CudaRuntime(Runtime):
+    """``torch.cuda`` streams, events and pinned memory."""
+
+    name = "cuda"
+
+    def new_stream(self, device, name):
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device):
+        return torch.cuda.current_stream(device)
+
+    def record_event(self, stream):
+        return stream.record_event()
+
+    def wait_event(self, stream, event) -> None:
+        if stream == torch.cuda.current_stream(stream.device):
+            self.counters.compute_waits += 1
+        stream.wait_event(event)
+
+    def event_synchronize(self, event) -> None:
+        self.counters.host_syncs += 1
+        event.synchronize()
+
+    def synchronize(self, device) -> None:
+        self.counters.host_syncs += 1
+        torch.cuda.synchronize(device)
+
+    def record_stream(self, tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def _allocate(self, shape, dtype, device, stream) -> torch.Tensor:
+        if stream is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        with torch.cuda.stream(stream):  # the block belongs to ``stream``'s pool
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    def copy(self, dst, src, stream, role, direction) -> None:
+        self._count_copy(src.numel() * src.element_size(), direction)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+
+# --- selection ------------------------------------------------------------------------
+
+_override: list[Runtime] = []            # stack of use_runtime(...) contexts
+_from_env: dict[str, Runtime] = {}       # process-wide instances chosen by name
+
+
+def _make(name: str, **sim_options) -> Runtime:
+    if name == "sync":
+        return SyncRuntime()
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{ENV_RUNTIME}=cuda needs a CUDA device; on the CPU use "
+                               f"{ENV_RUNTIME}=sim (simulated streams) or {ENV_RUNTIME}=sync")
+        return CudaRuntime()
+    if name == "sim":
+        from fpdt.offload.sim import SimRuntime  # the simulator is only loaded when asked for
+        return SimRuntime(**sim_options)
+    raise ValueError(f"unknown device runtime {name!r}: {ENV_RUNTIME} must be one of {', '.join(RUNTIMES)}")
+
+
+def selected_runtime_name(device: torch.device | str) -> tuple[str, bool]:
+    """-> (runtime name for ``device``, whether it was chosen explicitly by use_runtime or the env)."""
+    if _override:
+        return _override[-1].name, True
+    env = os.environ.get(ENV_RUNTIME, "").strip()
+    if env:
+        if env not in RUNTIMES:
+            raise ValueError(f"{ENV_RUNTIME}={env!r} is not a device runtime: use one of {', '.join(RUNTIMES)}")
+        return env, True
+    return ("cuda" if torch.device(device).type == "cuda" else "sync"), False
+
+
+def runtime_for(device: torch.device | str) -> Runtime:
+    """The runtime that serves ``device`` now (see the module docstring for the selection)."""
+    if _override:
+        return _override[-1]
+    name, _ = selected_runtime_name(device)
+    if name not in _from_env:
+        _from_env[name] = _make(name)
+    return _from_env[name]
+
+
+@contextlib.contextmanager
+def use_runtime(name: str, **sim_options) -> Iterator[Runtime]:
+    """Run the enclosed code on a fresh runtime ``name`` (``"sim"``, ``"sync"`` or ``"cuda"``).
+
+    ``sim_options`` (``mode``, ``fault``, ``seed``, ``checks``, ``log``, ``max_delay_s``) go to
+    :class:`fpdt.offload.sim.SimRuntime`; unset ones come from the environment. On exit every
+    issued copy is run and any hazard still pending is raised. Yields the runtime, whose
+    ``counters`` the caller can read.
+    """
+    rt = _make(name, **sim_options) if name == "sim" else _make(name)
+    _override.append(rt)
+    failed = False
+    try:
+        yield rt
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        _override.pop()
+        try:
+            if not failed:
+                rt.drain()
+        finally:
+            rt.close()
