@@ -73,6 +73,7 @@ class MeshSpec:
     backend: AttentionBackend
     kv_factor: int
     acc_dtype: torch.dtype
+    label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
 
     @property
     def hp_group(self):

@@ -56,6 +56,7 @@ class FPDTAttention(nn.Module):
         self.mesh = mesh
         self.backend = backend
         self.softmax_scale = softmax_scale
+        self.stash_label: str | None = None  # names this layer's chunks in offload errors, e.g. "layer 2"
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -75,6 +76,7 @@ class FPDTAttention(nn.Module):
             raise ValueError("FPDTAttention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
         spec = build_mesh_spec(mesh=self.mesh, **shape) if self.mesh is not None else \
             build_spec(group=self.group, **shape)
+        spec.label = self.stash_label
         inputs = (hidden_states, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
                   self.v_proj.weight, self.v_proj.bias)
         # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward

@@ -62,6 +62,7 @@ class PipelineSpec:
     backend: AttentionBackend
     kv_factor: int              # GQA replication factor before the all-to-all (1 = none)
     acc_dtype: torch.dtype      # fp32 (float64 for float64 inputs)
+    label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
 
     def kv_blocks(self, i: int) -> list[int]:
         """KV chunks that query chunk i attends to, diagonal first (its KV is on the device)."""

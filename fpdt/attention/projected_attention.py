@@ -35,7 +35,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         H, H_kv, D = heads
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
-        stash = HostStash(hidden.device, enabled=offload)
+        stash = HostStash(hidden.device, enabled=offload, label=spec.label)
 
         def produce(i):
             sl = slice(i * L, (i + 1) * L)

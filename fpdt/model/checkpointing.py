@@ -8,7 +8,7 @@ Modes (``checkpointing=`` option of the model):
   (including its all-to-alls, brief §4 pitfall 11) and back-propagates through it.
 * ``"offload"``: as ``"on"``, but the kept input goes to host memory through a
   :class:`fpdt.offload.HostStash` (asynchronous device->host copy into a pooled, pinned
-  buffer on CUDA). The backward of layer ``i`` pops its own input and immediately starts
+  buffer on CUDA, started before the layer's forward so that it overlaps it). The backward of layer ``i`` pops its own input and immediately starts
   the host->device copy of layer ``i - 1``'s input, so that copy overlaps layer ``i``'s
   recompute and backward; device memory then holds O(1) layer inputs instead of
   ``num_layers`` of them.
@@ -47,12 +47,12 @@ class _LayerCheckpoint(torch.autograd.Function):
         ctx.run_fn, ctx.stash, ctx.key, ctx.prev_key = run_fn, stash, key, prev_key
         ctx.x_requires_grad = x.requires_grad
         ctx.autocast = _autocast_state(x.device.type)
-        with torch.no_grad():
-            y = run_fn(x)
         if stash is None:
             ctx.save_for_backward(x)
         else:
-            stash.put(key, x)
+            stash.put(key, x)  # the device->host copy starts now and overlaps the layer's compute
+        with torch.no_grad():
+            y = run_fn(x)
         return y
 
     @staticmethod

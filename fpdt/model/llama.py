@@ -127,6 +127,8 @@ class FPDTModel(nn.Module):
         # padding_idx as in Transformers: the pad row gets no gradient.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
         self.layers = nn.ModuleList(FPDTDecoderLayer(cfg, opts) for _ in range(cfg.num_layers))
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.stash_label = f"layer {i}"
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._rope_args = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         inv_freq, scaling = rope_inv_freq(*self._rope_args)
@@ -323,8 +325,8 @@ class FPDTForCausalLM(nn.Module):
                 h = layer(h, position_ids, rope)
                 continue
             run = (lambda x, layer=layer: layer(x, position_ids, rope))
-            h = checkpointed(run, h, list(layer.parameters()), stash=stash,
-                             key=(fid, i), prev_key=(fid, i - 1) if i > 0 else None)
+            h = checkpointed(run, h, list(layer.parameters()), stash=stash, key=("layer input", i, fid),
+                             prev_key=("layer input", i - 1, fid) if i > 0 else None)
         return self.model.norm(h)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:

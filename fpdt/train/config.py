@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from fpdt.comm import PLACEMENTS
+from fpdt.offload import selected_runtime_name
 
 CHECKPOINT_MODES = ("off", "on", "offload")
 
@@ -259,12 +260,17 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
 def _check_device_options(opts: FPDTOptions, device_type: str, ds_config: Mapping[str, Any]) -> None:
     if device_type == "cuda":
         return
-    if opts.offload:
+    # Offload on the CPU only makes sense to test the offload paths: allowed when a device
+    # runtime was chosen explicitly (FPDT_RUNTIME=sim simulates the copy streams).
+    runtime, explicit = selected_runtime_name(device_type)
+    simulated = explicit and runtime in ("sim", "sync")
+    if opts.offload and not simulated:
         raise ConfigError(f"--offload needs a CUDA device (pinned host memory and copy streams); "
-                          f"this run is on {device_type}: pass --no-offload or set \"offload\": false")
-    if opts.checkpoint == "offload":
+                          f"this run is on {device_type}: pass --no-offload or set \"offload\": false "
+                          f"(to test the offload paths on the CPU, set FPDT_RUNTIME=sim)")
+    if opts.checkpoint == "offload" and not simulated:
         raise ConfigError(f"checkpoint mode 'offload' needs a CUDA device; this run is on "
-                          f"{device_type}: use --checkpoint on (or off)")
+                          f"{device_type}: use --checkpoint on (or off), or set FPDT_RUNTIME=sim to test it on the CPU")
     if ds_dtype_name(ds_config) == "fp16":
         raise ConfigError(f"fp16 training needs a CUDA device (loss scaling kernels); this run is on "
                           f"{device_type}: use \"bf16\": {{\"enabled\": true}} or fp32 in the DeepSpeed JSON")

@@ -1,0 +1,64 @@
+"""Host<->device bytes moved by one offloaded FPDT attention layer (causal), by formula.
+
+Notation: ``u`` chunks per rank, ``P`` ranks, ``L = S_local / u`` tokens per local chunk,
+``C = P * L`` tokens per chunk after the all-to-all, ``H_q = H / P`` and
+``H_k = H_kv * f / P`` heads per rank after it (``f``: the GQA replication factor), ``e``
+the input's element size and ``a`` the accumulator's (4 for fp32). Per-chunk sizes:
+``T = B L hidden e`` (the hidden-state chunk), ``q = o = dô = B C H_q D e``,
+``k = v = B C H_k D e``, ``lse = B H_q C a``, ``dq = B C H_q D a``.
+
+A training forward stashes every chunk's T, k̂, v̂, q̂, o, lse and fetches k̂_j, v̂_j for
+every j < i; the backward's outer step j pops k̂_j, v̂_j and T_j, its inner steps
+i >= j fetch q̂_i, o_i, lse_i, and (for j >= 1) dô_i and dq_i, and stash dô_i (outer step 0,
+i >= 1) and dq_i (while not final, i > j)::
+
+    D2H = u (T + 2k + q + o + lse) + (u - 1) dô + u (u - 1) / 2 · dq
+    H2D = u T + u (u + 1) / 2 · (2k + q + o + lse) + u (u - 1) / 2 · (dô + dq)
+
+A no-grad forward (the first pass of a checkpointed layer) moves ``D2H = u · 2k`` and
+``H2D = u (u - 1) / 2 · 2k``. Layer inputs offloaded by activation checkpointing add
+``B S_local hidden e`` each way per layer. ``tests/offload/test_schedule.py`` checks these
+against the bytes the runtime counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fpdt.comm import kv_replication_factor
+
+
+@dataclass(frozen=True)
+class CopyVolume:
+    """Bytes moved each way."""
+
+    d2h: int
+    h2d: int
+
+
+def attention_layer_copy_bytes(*, batch: int, seq_local: int, hidden: int, num_heads: int, num_kv_heads: int,
+                               head_dim: int, sp: int, num_chunks: int, dtype: torch.dtype,
+                               for_backward: bool = True) -> CopyVolume:
+    """The formula of the module docstring for one offloaded, causal FPDT attention layer
+    (forward with ``for_backward``, plus its backward; or a no-grad forward)."""
+    u, P = num_chunks, sp
+    L = seq_local // u
+    C = P * L
+    e = torch.empty((), dtype=dtype).element_size()
+    a = 8 if dtype == torch.float64 else 4
+    Hq = num_heads // P
+    Hk = num_kv_heads * kv_replication_factor(num_heads, num_kv_heads, P) // P
+    T = batch * L * hidden * e
+    q = batch * C * Hq * head_dim * e
+    k = batch * C * Hk * head_dim * e
+    lse = batch * Hq * C * a
+    dq = batch * C * Hq * head_dim * a
+    pairs_below = u * (u - 1) // 2      # (i, j) with j < i
+    pairs = u * (u + 1) // 2            # (i, j) with j <= i
+    if not for_backward:
+        return CopyVolume(d2h=u * 2 * k, h2d=pairs_below * 2 * k)
+    d2h = u * (T + 2 * k + 2 * q + lse) + (u - 1) * q + pairs_below * dq
+    h2d = u * T + pairs * (2 * k + 2 * q + lse) + pairs_below * (q + dq)
+    return CopyVolume(d2h=d2h, h2d=h2d)

@@ -1,0 +1,172 @@
+"""The simulated runtime itself: CUDA ordering semantics, hostile data, hazards, counters, selection."""
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from fpdt.offload import Role, StreamHazardError, runtime_for, selected_runtime_name, use_runtime
+
+K = Role("k", "k chunk 3, layer 2")
+DEV = torch.device("cpu")
+
+
+def _d2h(rt, stream, src, host):
+    """The stash's put: wait for compute, copy, record_stream, event."""
+    rt.wait_event(stream, rt.record_event(rt.current_stream(DEV)))
+    rt.copy(host, src, stream, K, "d2h")
+    rt.record_stream(src, stream)
+    return rt.record_event(stream)
+
+
+def test_lazy_copy_runs_only_when_waited_and_reads_its_source_then():
+    with use_runtime("sim", mode="lazy") as rt:
+        s = rt.new_stream(DEV, "copy")
+        src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
+        done = _d2h(rt, s, src, host)
+        assert torch.isnan(host).all()          # issued, not run: the destination is undefined
+        src.fill_(2.0)                          # overwritten before the copy ran: the copy sees 2
+        assert rt.counters.copies_pending == 1
+        rt.wait_event(rt.current_stream(DEV), done)
+        assert torch.equal(host, torch.full((4,), 2.0)) and rt.counters.copies_pending == 0
+        assert rt.counters.host_syncs == 0 and rt.counters.compute_waits == 1
+        assert rt.counters.bytes_d2h == 16 and rt.counters.bytes_h2d == 0
+
+
+def test_waits_order_copies_across_streams():
+    """h2d waits on the d2h event: forcing the h2d copy first runs the d2h copy it depends on."""
+    with use_runtime("sim", mode="lazy") as rt:
+        d2h, h2d = rt.new_stream(DEV, "d2h"), rt.new_stream(DEV, "h2d")
+        src, host = torch.arange(6.0), rt.host_empty(6, torch.float32, True)
+        done = _d2h(rt, d2h, src, host)
+        dev = rt.device_empty((6,), torch.float32, DEV, K)
+        assert torch.isnan(dev).all()
+        rt.wait_event(h2d, rt.record_event(rt.current_stream(DEV)))
+        rt.wait_event(h2d, done)
+        rt.copy(dev, host, h2d, K, "h2d")
+        ready = rt.record_event(h2d)
+        assert rt.counters.peak_copies_pending == 2
+        rt.wait_event(rt.current_stream(DEV), ready)
+        assert torch.equal(dev, torch.arange(6.0))
+        assert rt.counters.peak_fetch_buffers == {"k": 1}
+        del dev
+        assert rt.counters.fetch_buffers == {"k": 0}
+
+
+def test_threaded_mode_gives_the_same_data():
+    with use_runtime("sim", mode="threaded", seed=3) as rt:
+        s = rt.new_stream(DEV, "copy")
+        hosts = [rt.host_empty(8, torch.float32, True) for _ in range(5)]
+        srcs = [torch.full((8,), float(i)) for i in range(5)]
+        events = [_d2h(rt, s, src, h) for src, h in zip(srcs, hosts)]
+        rt.wait_event(rt.current_stream(DEV), events[-1])   # FIFO: the last covers all
+        for i, h in enumerate(hosts):
+            assert torch.equal(h, torch.full((8,), float(i)))
+
+
+def test_free_without_record_stream_is_a_hazard_naming_the_role():
+    with pytest.raises(StreamHazardError, match=r"'k chunk 3, layer 2' was freed while the d2h copy"):
+        with use_runtime("sim") as rt:
+            s = rt.new_stream(DEV, "copy")
+            src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
+            rt.wait_event(s, rt.record_event(rt.current_stream(DEV)))
+            rt.copy(host, src, s, K, "d2h")     # no record_stream
+            del src
+            rt.record_event(s)                  # the next runtime call sees the free
+
+
+def test_free_with_record_stream_is_fine():
+    with use_runtime("sim") as rt:
+        s = rt.new_stream(DEV, "copy")
+        src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
+        done = _d2h(rt, s, src, host)
+        del src
+        rt.wait_event(rt.current_stream(DEV), done)
+        assert torch.equal(host, torch.ones(4))
+
+
+def test_unordered_side_streams_are_a_hazard():
+    with pytest.raises(StreamHazardError, match="nothing orders the two"):
+        with use_runtime("sim") as rt:
+            d2h, h2d = rt.new_stream(DEV, "d2h"), rt.new_stream(DEV, "h2d")
+            src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
+            _d2h(rt, d2h, src, host)
+            dev = rt.device_empty((4,), torch.float32, DEV, K)
+            rt.wait_event(h2d, rt.record_event(rt.current_stream(DEV)))
+            rt.copy(dev, host, h2d, K, "h2d")   # missing: h2d waits for the d2h event
+
+
+def test_copy_not_ordered_after_compute_is_a_hazard():
+    with pytest.raises(StreamHazardError, match="without waiting for the compute stream"):
+        with use_runtime("sim") as rt:
+            s = rt.new_stream(DEV, "copy")
+            rt.record_event(rt.current_stream(DEV))
+            rt.copy(rt.host_empty(4, torch.float32, True), torch.ones(4), s, K, "d2h")
+
+
+@pytest.mark.parametrize("fault", ["drop_wait", "drop_record_stream"])
+def test_faults_break_the_basic_pattern(fault):
+    """Each fault alone turns the correct put/get pattern into wrong data or a hazard."""
+    with pytest.raises(StreamHazardError):
+        with use_runtime("sim", fault=fault) as rt:
+            s = rt.new_stream(DEV, "copy")
+            src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
+            _d2h(rt, s, src, host)
+            del src
+            rt.record_event(s)
+    with use_runtime("sim", fault=fault, checks=False) as rt:  # without checks: the data shows it
+        s = rt.new_stream(DEV, "copy")
+        src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
+        done = _d2h(rt, s, src, host)
+        rt.wait_event(rt.current_stream(DEV), done)
+        if fault == "drop_wait":
+            assert torch.isnan(host).all()
+
+
+def test_synchronize_counts_host_syncs_and_runs_everything():
+    with use_runtime("sim") as rt:
+        s = rt.new_stream(DEV, "copy")
+        host = rt.host_empty(4, torch.float32, True)
+        src = torch.ones(4)
+        _d2h(rt, s, src, host)
+        rt.synchronize(DEV)
+        assert rt.counters.host_syncs == 1 and rt.counters.copies_pending == 0 and torch.equal(host, src)
+
+
+def test_selection_and_bad_names(monkeypatch):
+    monkeypatch.delenv("FPDT_RUNTIME", raising=False)
+    assert selected_runtime_name("cpu") == ("sync", False)
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+    assert selected_runtime_name("cpu") == ("sim", True)
+    with use_runtime("sync") as rt:
+        assert runtime_for("cpu") is rt and selected_runtime_name("cpu") == ("sync", True)
+    monkeypatch.setenv("FPDT_RUNTIME", "gpu")
+    with pytest.raises(ValueError, match="FPDT_RUNTIME='gpu' is not a device runtime: use one of sim, sync, cuda"):
+        runtime_for("cpu")
+    with pytest.raises(ValueError, match="FPDT_SIM_MODE='eager' must be one of lazy, threaded"):
+        with use_runtime("sim", mode="eager"):
+            pass
+    with pytest.raises(ValueError, match="FPDT_SIM_FAULT='drop_all' must be one of drop_wait, drop_record_stream"):
+        with use_runtime("sim", fault="drop_all"):
+            pass
+
+
+def _child_runtime(queue):
+    from fpdt.offload import runtime_for
+    rt = runtime_for("cpu")
+    queue.put((rt.name, rt.mode, rt.fault))
+
+
+def test_spawned_ranks_inherit_the_environment(monkeypatch):
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+    monkeypatch.setenv("FPDT_SIM_MODE", "threaded")
+    monkeypatch.setenv("FPDT_SIM_FAULT", "drop_wait")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_child_runtime, args=(queue,))
+    p.start()
+    try:
+        assert queue.get(timeout=120) == ("sim", "threaded", "drop_wait")
+    finally:
+        p.join(timeout=30)
