@@ -1,14 +1,13 @@
-"""The offload parity suite under every CPU runtime: ``sync``, ``sim`` lazy and ``sim`` threaded.
+"""The offload parity suite under the simulated runtime, ``sim`` lazy and ``sim`` threaded.
 
-Re-runs the offloading cases of the attention (sp 1/2/4), layer (sp 1/2/4), model
-(``checkpointing="offload"``, sp 1/2) and trainer parity tests with unchanged tolerances,
+Re-runs a focused subset of the offloading cases of the attention (sp 1/2/4), layer
+(sp 1/2/4), 2D mesh (4 ranks) and model (``checkpointing="offload"``, sp 1/2) parity tests
+with unchanged tolerances (the trainer runs are in test_trainer_runtimes.py),
 each inside ``use_runtime(...)`` on every rank (or ``FPDT_RUNTIME`` for the trainer, as a
 user would run it). Under ``sim`` the copies run late (or on worker threads after random
 delays) into NaN-filled destinations, so a missing wait shows as wrong numbers or a
 StreamHazardError. The fault tests show that each injected fault is caught.
 """
-
-import os
 
 import pytest
 import torch
@@ -19,19 +18,37 @@ from tests.attention import test_module as layer_tests
 from tests.distributed import run_distributed
 from tests.model.test_parity import run_case
 
-RUNTIMES = {"sync": ("sync", {}), "sim-lazy": ("sim", {"mode": "lazy"}),
-            "sim-threaded": ("sim", {"mode": "threaded", "seed": 1})}
+# ``sync`` is the CPU default: the parity suites in tests/attention and tests/model already
+# run every offloading case under it, so here it only has to be the simulator's two modes.
+RUNTIMES = {"sim-lazy": ("sim", {"mode": "lazy"}), "sim-threaded": ("sim", {"mode": "threaded", "seed": 1})}
+
+
+def _attention_cases(world):
+    """A focused subset of the attention parity cases (suite time): MHA, GQA (replicated
+    when H_kv < sp), 1-4 chunks, bf16, non-causal."""
+    H = 6 if world < 4 else 8
+    return [dict(B=2, H=H, H_kv=H, D=40, u=2, seed=1), dict(B=2, H=H, H_kv=2, D=40, u=4, seed=2),
+            dict(B=1, H=H, H_kv=1, D=16, u=3, seed=3), dict(B=1, H=H, H_kv=1, D=8, u=1, seed=4),
+            dict(B=2, H=H, H_kv=2, D=40, u=2, dtype=torch.bfloat16, seed=5),
+            dict(B=1, H=H, H_kv=H, D=16, u=2, causal=False, seed=6)]
+
+
+def _layer_cases(world):
+    H, H_kv, hidden = (6, 2, 96) if world < 4 else (8, 2, 64)
+    return [dict(B=2, hidden=hidden, H=H, H_kv=H_kv, D=16, u=2, bias=True, seed=1),
+            dict(B=1, hidden=hidden, H=H, H_kv=1, D=16, u=4, bias=False, seed=2),
+            dict(B=2, hidden=hidden, H=H, H_kv=H_kv, D=16, u=2, bias=True, dtype=torch.bfloat16, seed=3)]
 
 
 def _attention_and_layer(rank, world, runtime):
     name, opts = RUNTIMES[runtime]
     with use_runtime(name, **opts):
-        for case in attention_tests._cases(world):
-            if case["offload"]:
-                attention_tests.check_case(rank, world, **case)
-        for n, case in enumerate(layer_tests._cases(world)):
-            if case["offload"]:
-                layer_tests.check_layer(rank, world, seed=n, **case)
+        for case in _attention_cases(world):
+            attention_tests.check_case(rank, world, offload=True, **case)
+        for case in _layer_cases(world):
+            layer_tests.check_layer(rank, world, offload=True, **case)
+        if world == 4:
+            _mesh_cases(rank, world)
 
 
 @pytest.mark.parametrize("runtime", list(RUNTIMES))
@@ -87,11 +104,22 @@ def test_dropped_waits_give_wrong_numbers_without_the_checks(what):
         _faulty(0, 1, "drop_wait", False, what)
 
 
-def _faulty_ranks(rank, world, fault):
-    with pytest.raises(StreamHazardError):
-        _faulty(rank, world, fault, True, "attention")
+def _faulty_ranks(rank, world):
+    for fault in ("drop_wait", "drop_record_stream"):
+        with pytest.raises(StreamHazardError):
+            _faulty(rank, world, fault, True, "attention")
 
 
-@pytest.mark.parametrize("fault", ["drop_wait", "drop_record_stream"])
-def test_injected_fault_is_caught_on_two_ranks(fault):
-    run_distributed(_faulty_ranks, 2, args=(fault,), timeout=120)
+def test_injected_faults_are_caught_on_two_ranks():
+    run_distributed(_faulty_ranks, 2, timeout=120)
+
+
+def _mesh_cases(rank, world):
+    """The 2D (hp x cp) mesh pipeline's offloading cases on 4 ranks."""
+    from fpdt.comm import SequenceMesh
+    from tests.attention import test_mesh_attention as mesh_tests
+    meshes = [SequenceMesh(**kw) for kw in mesh_tests.MESHES_4[:4]]   # cp=4 ring, inner ring, hp x cp both placements
+    for m, case in mesh_tests._cases_4(len(meshes)):
+        if case["offload"] and case["u"] > 1:
+            mesh_tests.check_mesh_case(meshes[m], **case)
+    mesh_tests.check_mesh_case(meshes[2], u=2, H=4, H_kv=2, offload=True, causal=False)
