@@ -20,7 +20,7 @@ ALLOWED = {
     "attention": {"layout", "comm", "offload"},
     "model": {"layout", "comm", "offload", "attention"},
     "train": {"layout", "comm", "offload", "attention", "model"},
-    "plan": {"model", "train"},
+    "plan": {"attention", "comm", "model", "train"},
 }
 
 

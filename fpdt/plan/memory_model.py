@@ -22,17 +22,17 @@ Activations (per rank), the phase with the larger sum sets the peak:
 * **in-flight layer**: full-length tensors alive in one layer's backward
   (:data:`IN_FLIGHT_ND` ``* Nd``: its input, the recomputed residual stream, the
   attention output, output and input gradients).
-* **attention working set**: chunk buffers of the pipeline (:data:`ATTENTION_WS_U`
-  ``* U`` in backward, double-buffered fetches included). Without ``offload`` the layer's
-  stash of q̂, k̂, v̂, o (``(2 qd + 2 kvd) / h * Nd``), its fp32 dq accumulator and the
-  projection input also stay on the device while the layer is in flight.
+* **attention working set**: the attention core's peak beyond its full-length output, from
+  :func:`fpdt.attention.ring_costs.attention_costs` (chunk buffers, prefetches, fp32 merge
+  and gradient accumulators, ring blocks; without offload also the stash of q̂, k̂, v̂, o and
+  the fp32 accumulators, which then stays on the device).
 * **MLP chunk**: four ``[T / mlp_chunks, I]`` intermediates (gate, up, activation, product).
 * **loss chunk** (end of forward): fp32 logits and their gradient for ``T / loss_chunks``
   tokens (:data:`LOSS_LOGIT_COPIES` ``[t, V]`` fp32 tensors), the fp32 LM-head gradient
   accumulator ``V * h * 4`` and the kept ``dh`` (``Nd``) beside the final hidden state.
 * **communication buffers**: ZeRO-3 gathers the current and the prefetched layer (or a
   layer and the embedding/LM head) in ``e``; one layer's unsharded gradients wait for the
-  reduce-scatter; a ring (``cp > 1``) holds a send and a receive K/V block per chunk.
+  reduce-scatter (ring and all-to-all buffers are part of the attention working set).
 * **runtime reserve**: CUDA context, NCCL and cuBLAS workspaces
   (:data:`RUNTIME_RESERVE_BYTES`); the caching allocator's slack is a factor
   (:data:`FRAGMENTATION`) on everything allocated dynamically.
@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fpdt.attention.ring_costs import AttentionCosts, attention_costs
+from fpdt.comm.heads import kv_replication_factor
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import param_counts
@@ -90,7 +92,8 @@ def mlp_chunks(s: Setup) -> int:
 
 
 def kv_dim(cfg: ModelConfig, s: Setup) -> int:
-    return max(cfg.num_kv_heads, s.hp) * cfg.head_dim if s.hp > cfg.num_kv_heads else cfg.num_kv_heads * cfg.head_dim
+    """``H_kv' * D``: KV width after the replication the head split needs (fpdt.comm.heads)."""
+    return kv_replication_factor(cfg.num_heads, cfg.num_kv_heads, s.hp) * cfg.num_kv_heads * cfg.head_dim
 
 
 def model_states(cfg: ModelConfig, s: Setup, world: int) -> dict:
@@ -105,6 +108,14 @@ def model_states(cfg: ModelConfig, s: Setup, world: int) -> dict:
            "optimizer_state": 0.0 if s.offload_optimizer else opt}
     host = (params if s.offload_param else 0.0) + ((grads + opt) if s.offload_optimizer else 0.0)
     return {**dev, "model_states_host": host}
+
+
+def layer_attention_costs(cfg: ModelConfig, s: Setup) -> AttentionCosts:
+    """Per-rank, per-layer costs of the attention schedule (:mod:`fpdt.attention.ring_costs`)."""
+    return attention_costs(seq_len=s.seq_len, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                           head_dim=cfg.head_dim, hp=s.hp, cp=s.cp, inner_ring=s.inner_ring,
+                           num_chunks=s.num_chunks, hidden=cfg.hidden_size, batch=s.batch,
+                           dtype_bytes=s.elem_bytes, offload=s.offload)
 
 
 def attention_stash_nd(cfg: ModelConfig, s: Setup) -> float:
@@ -122,17 +133,13 @@ def communication(cfg: ModelConfig, s: Setup) -> float:
         zero = (gathered + pc.layer) * e
     else:
         zero = pc.layer * e if s.zero_stage == 2 else 0.0
-    ring = 0.0
-    if s.cp > 1:   # send + receive buffer of one K/V block (per-rank chunk of k̂ and v̂)
-        ring = 2 * 2 * (s.batch * s.local_tokens / s.num_chunks) * kv_dim(cfg, s) * e
-    return zero + ring
+    return zero
 
 
 def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
     """Per-category bytes of ``s`` (see the module docstring for the accounting)."""
     e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
     nd = s.batch * s.local_tokens * h * e
-    u_bytes = nd / s.num_chunks
     stash_nd = attention_stash_nd(cfg, s)
 
     states = model_states(cfg, s, world)
@@ -144,7 +151,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         per_layer = SAVED_PER_LAYER_ND + (0.0 if s.offload else stash_nd)
         ckpt_dev, ckpt_host = l * per_layer * nd, 0.0
     in_flight = IN_FLIGHT_ND * nd
-    attn_ws = ATTENTION_WS_U * u_bytes + (0.0 if s.offload or s.checkpoint == "off" else stash_nd * nd)
+    costs = layer_attention_costs(cfg, s)       # its peaks include the on-device stash without offload
+    attn_ws = max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
     t_mlp = s.batch * s.local_tokens / mlp_chunks(s)
     mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
     t_loss = s.batch * s.local_tokens / loss_chunks(cfg, s)

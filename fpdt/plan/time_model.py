@@ -7,18 +7,20 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
   (:mod:`fpdt.train.metrics`), at the sustained GEMM rate.
 * **attention**: causal ``q.k^T`` and ``p.v`` FLOPs of ``T`` query tokens against ``S``
   keys, forward + backward (+ recompute), at the sustained attention rate.
-* **all_to_all**: Ulysses all-to-alls of q/k/v in and o out per layer and pass (forward,
-  recompute, backward), ``(hp - 1) / hp`` of the bytes leave the rank; NVLink when the
+* **all_to_all**: Ulysses all-to-alls per layer and pass (forward and recompute: q/k/v in,
+  o out; backward: dô in, fp32 dq/dk/dv out), the bytes that leave the rank as
+  :func:`fpdt.attention.ring_costs.attention_costs` counts them; NVLink when the
   head group sits inside a node, else the network. Chunk ``i + 1``'s all-to-all overlaps
   chunk ``i``'s attention, so only the first chunk's and what attention cannot cover is
   exposed.
-* **p2p**: ring K/V blocks (``cp > 1``): each block crosses the ring once per pass
-  (twice in backward, with dK/dV); exposed where it exceeds the attention time.
-* **h2d_d2h**: offload copies. Forward fetches ``i`` earlier K/V chunks for query chunk
-  ``i``; backward fetches, per (KV chunk j, query chunk i >= j) block, q̂, o, dô (``e``) and
-  lse, and round-trips the fp32 dq. A block hides its copies behind its own attention; the
-  rest, plus the first fetch of each layer and the layer-input checkpoint copies not
-  covered by one layer's compute, is exposed.
+* **p2p**: ring K/V blocks (``cp > 1``): each block crosses the ring once per pass, and
+  fp32 dK/dV follow it in backward (``attention_costs``); exposed where it exceeds the
+  attention time, plus the first block of each pass.
+* **h2d_d2h**: offload copies (volumes from :func:`fpdt.attention.ring_costs.attention_costs`:
+  K/V chunks fetched per block in forward; q̂, o, dô, lse and the fp32 dq round trip per
+  block in backward). Copies in both directions run beside the attention of the same pass;
+  what attention cannot cover is exposed, plus the first fetch of each layer and the
+  layer-input checkpoint copies not covered by one layer's compute.
 * **zero_collectives**: ZeRO-3 parameter all-gathers (forward, recompute, backward) and
   gradient reduce-scatter, exposed only where they exceed the step's compute (DeepSpeed
   prefetches the next layer).
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster, Rates
-from fpdt.plan.memory_model import kv_dim
+from fpdt.plan.memory_model import layer_attention_costs
 from fpdt.plan.models import param_counts
 from fpdt.plan.setup import Setup
 from fpdt.train.metrics import ModelShape, attention_flops, layer_matmul_flops
@@ -58,31 +60,31 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     t_attn = passes * attn_fwd / rates.attention_flops
     u = s.num_chunks
 
-    qd, kvd = cfg.num_heads * cfg.head_dim, kv_dim(cfg, s)
-    a2a_passes = 3 if recompute else 2                      # backward moves grads both ways: count 1 + 1
-    a2a_bytes = l * a2a_passes * tokens * (2 * qd + 2 * kvd) * e * (s.hp - 1) / s.hp
-    a2a = a2a_bytes / _link(cluster, s.hp, s.placement == "head_first", rates) if s.hp > 1 else 0.0
+    # Per-layer communication and copy volumes of the attention schedule (fpdt.attention.ring_costs).
+    c = layer_attention_costs(cfg, s)
+    fwd_passes = 2 if recompute else 1
+    a2a = 0.0
+    if s.hp > 1:
+        a2a_bytes = l * (fwd_passes * c.all_to_all_bytes_fwd + c.all_to_all_bytes_bwd)
+        a2a = a2a_bytes / _link(cluster, s.hp, s.placement == "head_first", rates)
     a2a_exposed = a2a / u + max(0.0, a2a * (u - 1) / u - t_attn * (u - 1) / u)
 
     p2p_exposed = 0.0
     if s.cp > 1:
-        kv_block = tokens * 2 * kvd * e                     # this rank's k̂ + v̂, all chunks
-        p2p_bytes = l * (s.cp - 1) * kv_block * ((1 if recompute else 0) + 1 + 2)
+        p2p_bytes = l * (fwd_passes * c.p2p_bytes_fwd + c.p2p_bytes_bwd)
         p2p = p2p_bytes / _link(cluster, s.cp, s.placement == "context_first", rates)
         # the first block of every pass waits for its transfer; the rest hides behind attention
         p2p_exposed = p2p / ((s.cp - 1) * u) + max(0.0, p2p - t_attn)
 
     h2d_exposed = 0.0
-    if s.offload:
-        t_c = tokens / u                                     # per-rank tokens of one chunk
-        block_fwd = tokens * 4 * qd * s.seq_len / u ** 2 / rates.attention_flops   # one full block
-        kv_copy = t_c * 2 * kvd * e / rates.h2d_bytes_s
-        q_copy = t_c * (3 * qd * e + 2 * qd * 4 + cfg.num_heads * 4) / rates.h2d_bytes_s
-        blocks = u * (u + 1) / 2
-        fwd_passes = 2 if recompute else 1
-        per_layer = (fwd_passes * (blocks * max(0.0, kv_copy - block_fwd) + kv_copy)
-                     + blocks * max(0.0, q_copy - 2.5 * block_fwd) + q_copy)
-        h2d_exposed = l * per_layer
+    if s.offload:   # copies run beside the attention of the same pass; the first fetch of a layer waits
+        duplex = 2 * min(rates.h2d_bytes_s, rates.d2h_bytes_s)               # both directions at once
+        copy_f = (c.h2d_bytes_fwd + c.d2h_bytes_fwd) / duplex                 # per layer and pass
+        copy_b = (c.h2d_bytes_bwd + c.d2h_bytes_bwd) / duplex
+        attn_f = attn_fwd / l / rates.attention_flops
+        blocks = s.cp * u * (u + 1) / 2
+        h2d_exposed = l * (fwd_passes * (max(0.0, copy_f - attn_f) + copy_f / blocks)
+                           + max(0.0, copy_b - 2 * attn_f) + copy_b / blocks)
     if s.checkpoint == "offload":
         layer_compute = (t_gemm + t_attn) / l
         ckpt_copy = tokens * cfg.hidden_size * e / rates.h2d_bytes_s

@@ -35,7 +35,6 @@ DEVIATIONS = {
     ("llama-3-8b", "a100-40g", 4): _OPTIMISTIC,
     ("llama-3-8b", "a100-40g", 8): _OPTIMISTIC,
     ("gpt-13b", "a100-40g", 8): _OPTIMISTIC,
-    ("gpt-13b", "a100-80g", 4): _OPTIMISTIC,
     ("gpt-30b", "a100-80g", 32): "host-limited at ~9.5M here (48 layers of offloaded inputs); the paper stops at 4M",
     ("llama-3-70b", "a100-80g", 16): ("70.6 GB of states leave ~9 GB: ZeRO-3 gathers of the 1.05B-parameter LM "
                                        "head and its fp32 gradient accumulator (4.2 GB) leave room for ~192K"),
