@@ -17,9 +17,10 @@ ALLOWED = {
     "layout": set(),
     "comm": {"layout"},  # SequenceMesh owns its token layout
     "offload": set(),
+    "profiling": {"offload"},
     "attention": {"layout", "comm", "offload"},
     "model": {"layout", "comm", "offload", "attention"},
-    "train": {"layout", "comm", "offload", "attention", "model"},
+    "train": {"layout", "comm", "offload", "attention", "model", "profiling"},
     "plan": {"attention", "comm", "model", "train"},
 }
 

@@ -10,14 +10,20 @@ event; whoever acquires it next makes its copy stream wait on the event (no host
 blocking) before writing. Allocation and waits go through the pool's device runtime
 (:mod:`fpdt.offload.runtime`); :meth:`HostBufferPool.acquire` is the one place that
 allocates host-side stash memory.
+
+Memory accounting relies on that: while a pool creates a buffer,
+:func:`allocating_host_buffer` is True on that thread (so
+:class:`fpdt.profiling.memory.MemoryAccountant` counts the new storage as host stash,
+not device working set), and :func:`host_bytes_in_use` sums the buffers currently
+acquired from every pool.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-
-import weakref
 
 import torch
 
@@ -31,7 +37,23 @@ class PoolStats:
     allocations: int = 0        # host buffers ever created
     reuses: int = 0             # acquisitions served from the free list
     cached_bytes: int = 0       # bytes held in the free list now
+    in_use_bytes: int = 0       # bytes acquired and not yet released
+    allocated_bytes: int = 0    # bytes of the buffers this pool created and still holds (in use + cached)
     pinned: bool = False
+
+
+_ALL_POOLS: "weakref.WeakSet[HostBufferPool]" = weakref.WeakSet()
+_ALLOCATING = threading.local()
+
+
+def allocating_host_buffer() -> bool:
+    """True while a pool on this thread is creating a host buffer (for memory accounting)."""
+    return getattr(_ALLOCATING, "active", False)
+
+
+def host_bytes_in_use() -> int:
+    """Bytes of host buffers currently acquired (not released) from all pools: the host stash."""
+    return sum(pool.stats.in_use_bytes for pool in list(_ALL_POOLS))
 
 
 class HostBufferPool:
@@ -48,6 +70,7 @@ class HostBufferPool:
         self.runtime = runtime if runtime is not None else runtime_for("cuda" if pin_memory else "cpu")
         self._free: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, object]]] = defaultdict(list)
         self.stats = PoolStats(pinned=pin_memory)
+        _ALL_POOLS.add(self)
 
     def acquire(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
                 stream=None) -> torch.Tensor:
@@ -71,8 +94,14 @@ class HostBufferPool:
                 else:
                     self.runtime.event_synchronize(pending)    # rare: a host writer on a buffer still being read
         else:
-            flat = self.runtime.host_empty(numel, dtype, self.pin_memory)
+            _ALLOCATING.active = True
+            try:
+                flat = self.runtime.host_empty(numel, dtype, self.pin_memory)
+            finally:
+                _ALLOCATING.active = False
             self.stats.allocations += 1
+            self.stats.allocated_bytes += flat.numel() * flat.element_size()
+        self.stats.in_use_bytes += flat.numel() * flat.element_size()
         return flat.view(shape)
 
     def release(self, tensor: torch.Tensor, after=None) -> None:
@@ -80,6 +109,7 @@ class HostBufferPool:
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
         self._free[(tensor.dtype, flat.numel())].append((flat, after))
         self.stats.cached_bytes += flat.numel() * flat.element_size()
+        self.stats.in_use_bytes -= flat.numel() * flat.element_size()
 
     def empty_cache(self) -> None:
         """Drop every cached buffer (waiting for their pending copies first)."""
@@ -88,6 +118,7 @@ class HostBufferPool:
                 if pending is not None:
                     self.runtime.event_synchronize(pending)
         self._free.clear()
+        self.stats.allocated_bytes -= self.stats.cached_bytes
         self.stats.cached_bytes = 0
 
 

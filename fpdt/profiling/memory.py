@@ -1,0 +1,266 @@
+"""Device-memory accountant: live tensor bytes, split into device working set and host stash.
+
+Use it as a context manager around the work to measure, with named phases inside::
+
+    from fpdt.profiling.memory import MemoryAccountant, chunk_unit
+
+    with MemoryAccountant() as acct:               # device: cuda if available, else cpu
+        with acct.phase("attn_fwd"):
+            out = fpdt_attention(q, k, v, num_chunks=4, offload=True)
+        with acct.phase("attn_bwd"):
+            out.backward(grad)
+    fwd = acct.phases["attn_fwd"]
+    print(fwd.peak_above_start / chunk_unit(C, hidden))      # working set in U
+
+What is counted (``counted_*`` fields, exact on any device):
+
+* Every tensor storage **created inside the context** (a ``TorchDispatchMode`` sees the
+  outputs of every aten op; a storage is keyed by identity, so views and in-place results
+  are not counted twice, and a ``weakref.finalize`` on the storage takes its bytes off
+  when it is freed). Tensors that existed before ``__enter__`` -- inputs, weights,
+  gradients allocated before the step -- are the baseline and are never counted, so every
+  figure is "beyond the baseline".
+* Storages are **host stash** when :meth:`fpdt.offload.HostBufferPool.acquire` created
+  them (the one place that allocates host-side stash memory; while it does,
+  :func:`fpdt.offload.allocating_host_buffer` is True), **device** otherwise. Host
+  stash in use is read from :func:`fpdt.offload.host_bytes_in_use` (buffers acquired
+  and not released, whether created inside the context or reused from the pool).
+* Not seen: scratch memory a single kernel allocates and frees internally (e.g. a flash
+  kernel's workspace), and memory of threads other than the one that entered.
+
+On CUDA the phases also carry ``torch.cuda.max_memory_allocated`` and
+``max_memory_reserved`` (absolute bytes, folded so nested phases each see their own
+peak; the accountant resets the CUDA peak counters as it goes).
+
+Units used by the budgets (:mod:`tests.memory`):
+
+* ``U`` = one bf16 chunk of hidden states, ``C * hidden * 2`` bytes, with ``C`` the
+  tokens of one chunk *after* the all-to-all (global chunk, ``P * L``): :func:`chunk_unit`.
+* ``Nd`` = one full-sequence bf16 hidden tensor, ``S * hidden * 2`` bytes (``S`` the
+  tokens this rank holds outside attention, ``S_local``): :func:`sequence_unit`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fpdt.offload import allocating_host_buffer, host_bytes_in_use
+
+
+def chunk_unit(chunk_tokens: int, hidden: int, itemsize: int = 2) -> int:
+    """``U``: bytes of one chunk of ``chunk_tokens`` hidden states (bf16 by default)."""
+    return chunk_tokens * hidden * itemsize
+
+
+def sequence_unit(seq_tokens: int, hidden: int, itemsize: int = 2) -> int:
+    """``Nd``: bytes of one full-sequence hidden tensor of ``seq_tokens`` tokens (bf16 by default)."""
+    return seq_tokens * hidden * itemsize
+
+
+@dataclass
+class PhaseMemory:
+    """Memory of one named phase (aggregated over every time it ran). Bytes throughout.
+
+    ``start``/``end``/``peak``: counted device bytes live when the phase (last) began, when
+    it (last) ended, and the highest while it ran; ``peak_above_start``: the largest
+    ``peak - start`` of any single run (the phase's own working set). ``host_peak``: the
+    most host-stash bytes in use while it ran. ``cuda_allocated_peak`` /
+    ``cuda_reserved_peak``: the CUDA allocator's peaks while it ran (None off CUDA).
+    """
+
+    name: str
+    calls: int = 0
+    start: int = 0
+    end: int = 0
+    peak: int = 0
+    peak_above_start: int = 0
+    host_peak: int = 0
+    cuda_allocated_peak: int | None = None
+    cuda_reserved_peak: int | None = None
+    peak_tensors: list[tuple[str, tuple, torch.dtype, int]] | None = None
+    """With ``detail=True``: ``(op, shape, dtype, bytes)`` of every counted device storage live
+    at the phase's highest ``peak - start`` (op = the aten op that created it)."""
+    _run_peak: int = field(default=0, repr=False)
+
+
+class _CountingMode(TorchDispatchMode):
+    """Reports every op's output tensors to the accountant."""
+
+    def __init__(self, accountant: "MemoryAccountant"):
+        super().__init__()
+        self._acct = accountant
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._acct._on_op(func, args, kwargs, out)
+        return out
+
+
+def _storage_key(t: torch.Tensor):
+    if t.is_meta or t.layout != torch.strided:
+        return None, None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None, None
+    return storage._cdata, storage
+
+
+class MemoryAccountant:
+    """Count live tensor bytes created inside the ``with`` block; see the module docstring.
+
+    Args:
+        device: the compute device whose working set is measured (default: cuda if
+            available, else cpu). Storages on other devices that are not host-stash
+            buffers (e.g. small CPU tensors next to a GPU run) are not counted.
+        detail: remember which op created each storage and list the live ones at every
+            phase's peak (:attr:`PhaseMemory.peak_tensors`); slower, for explaining budgets.
+
+    Live figures (bytes): :attr:`device_live`, :attr:`device_peak`, :attr:`host_live`,
+    :attr:`host_peak`; per phase: :attr:`phases`. :meth:`summary` gives all of them as a
+    dict (plus the CUDA peaks on CUDA).
+    """
+
+    def __init__(self, device: torch.device | str | None = None, detail: bool = False):
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device_live = 0
+        self.device_peak = 0
+        self.host_peak = 0
+        self.phases: dict[str, PhaseMemory] = {}
+        self._tracked: dict[int, tuple[int, bool]] = {}   # storage key -> (bytes, is host stash)
+        self._detail: dict[int, tuple[str, tuple, torch.dtype, int]] | None = {} if detail else None
+        self._active: list[PhaseMemory] = []
+        self._lock = threading.Lock()
+        self._mode: _CountingMode | None = None
+        self._cuda = self.device.type == "cuda"
+        self.cuda_allocated_peak: int | None = None
+        self.cuda_reserved_peak: int | None = None
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> "MemoryAccountant":
+        if self._mode is not None:
+            raise RuntimeError("MemoryAccountant is already active; use one `with` block at a time")
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.cuda_allocated_peak = self.cuda_reserved_peak = 0
+        self.host_peak = max(self.host_peak, self.host_live)
+        self._mode = _CountingMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+        self._fold_cuda()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[PhaseMemory]:
+        """Record the peak of the enclosed work under ``name`` (phases may nest and repeat)."""
+        ph = self.phases.setdefault(name, PhaseMemory(name))
+        self._fold_cuda()
+        ph.calls += 1
+        ph.start = ph._run_peak = self.device_live
+        ph.peak = max(ph.peak, self.device_live)
+        ph.host_peak = max(ph.host_peak, self.host_live)
+        self._active.append(ph)
+        try:
+            yield ph
+        finally:
+            self._fold_cuda()
+            self._active.remove(ph)
+            ph.end = self.device_live
+            ph.peak_above_start = max(ph.peak_above_start, ph._run_peak - ph.start)
+
+    def reset_peak(self) -> None:
+        """Restart :attr:`device_peak`/:attr:`host_peak` from the live values (phases are kept)."""
+        self._fold_cuda()
+        self.device_peak, self.host_peak = self.device_live, self.host_live
+        if self._cuda:
+            self.cuda_allocated_peak = self.cuda_reserved_peak = 0
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def host_live(self) -> int:
+        """Host-stash bytes in use now (acquired from a host pool and not released)."""
+        return host_bytes_in_use()
+
+    def summary(self) -> dict:
+        """All figures in bytes: ``device_live``, ``device_peak``, ``host_live``, ``host_peak``,
+        ``cuda_allocated_peak``/``cuda_reserved_peak`` (None off CUDA), and per phase
+        ``{name: {start, end, peak, peak_above_start, host_peak, calls, cuda_*}}``."""
+        self._fold_cuda()
+        return {
+            "device_live": self.device_live, "device_peak": self.device_peak,
+            "host_live": self.host_live, "host_peak": self.host_peak,
+            "cuda_allocated_peak": self.cuda_allocated_peak, "cuda_reserved_peak": self.cuda_reserved_peak,
+            "phases": {n: {k: v for k, v in vars(p).items() if not k.startswith("_") and k != "name"}
+                       for n, p in self.phases.items()},
+        }
+
+    # ------------------------------------------------------------------ internals
+    def _counts(self, t: torch.Tensor) -> bool:
+        return t.device == self.device or (t.device.type == self.device.type and self.device.index is None)
+
+    def _on_op(self, func, args, kwargs, out) -> None:
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:
+            return
+        seen = {_storage_key(t)[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        grew = False
+        is_host = allocating_host_buffer()
+        for t in outs:
+            key, storage = _storage_key(t)
+            if key is None or key in seen or key in self._tracked or not (is_host or self._counts(t)):
+                continue
+            seen.add(key)
+            nbytes = storage.nbytes()
+            with self._lock:
+                self._tracked[key] = (nbytes, is_host)
+                if not is_host:
+                    self.device_live += nbytes
+                    if self._detail is not None:
+                        self._detail[key] = (str(func.overloadpacket.__name__), tuple(t.shape), t.dtype, nbytes)
+            weakref.finalize(storage, self._on_free, key)
+            grew = grew or not is_host
+        host = host_bytes_in_use()
+        self.host_peak = max(self.host_peak, host)
+        for ph in self._active:
+            ph.host_peak = max(ph.host_peak, host)
+        if grew:
+            live = self.device_live
+            self.device_peak = max(self.device_peak, live)
+            for ph in self._active:
+                ph.peak = max(ph.peak, live)
+                if live > ph._run_peak:
+                    ph._run_peak = live
+                    if self._detail is not None and live - ph.start > ph.peak_above_start:
+                        ph.peak_tensors = sorted(self._detail.values(), key=lambda r: -r[3])
+
+    def _on_free(self, key: int) -> None:
+        with self._lock:
+            nbytes, is_host = self._tracked.pop(key, (0, True))
+            if self._detail is not None:
+                self._detail.pop(key, None)
+            if not is_host:
+                self.device_live -= nbytes
+
+    def _fold_cuda(self) -> None:
+        """Fold the CUDA allocator's peaks into every active phase, then restart them."""
+        if not self._cuda or self._mode is None:
+            return
+        alloc = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        self.cuda_allocated_peak = max(self.cuda_allocated_peak or 0, alloc)
+        self.cuda_reserved_peak = max(self.cuda_reserved_peak or 0, reserved)
+        for ph in self._active:
+            ph.cuda_allocated_peak = max(ph.cuda_allocated_peak or 0, alloc)
+            ph.cuda_reserved_peak = max(ph.cuda_reserved_peak or 0, reserved)
+        torch.cuda.reset_peak_memory_stats(self.device)

@@ -1,0 +1,77 @@
+"""The accountant counts exactly what it claims: new storages once, frees, host stash apart."""
+
+import pytest
+import torch
+
+from fpdt.offload import HostBufferPool, HostStash
+from fpdt.profiling.memory import MemoryAccountant, chunk_unit, sequence_unit
+
+
+def test_counts_new_storages_once_and_frees_them():
+    pre = torch.zeros(1000)                         # baseline: never counted
+    with MemoryAccountant("cpu") as acct:
+        a = torch.empty(256, dtype=torch.float32)   # 1024 bytes
+        view = a[10:20].view(2, 5)                  # a view: no new bytes
+        a.add_(1.0)                                 # in place: no new bytes
+        b = pre + 1.0                               # 4000 bytes
+        assert acct.device_live == 1024 + 4000
+        del b
+        assert acct.device_live == 1024
+        del a
+        assert acct.device_live == 1024             # the view still holds the storage
+        del view
+        assert acct.device_live == 0
+    assert acct.device_peak == 1024 + 4000
+
+
+def test_phase_peaks_nest_and_repeat():
+    with MemoryAccountant("cpu") as acct:
+        keep = torch.empty(100, dtype=torch.uint8)
+        with acct.phase("outer") as outer:
+            for n in (300, 200):
+                with acct.phase("inner"):
+                    tmp = torch.empty(n, dtype=torch.uint8)
+                    del tmp
+        del keep
+    inner = acct.phases["inner"]
+    assert inner.calls == 2 and inner.start == 100 and inner.peak == 400 and inner.peak_above_start == 300
+    assert outer.peak == 400 and outer.peak_above_start == 300 and outer.end == 100
+
+
+def test_host_pool_buffers_are_host_stash_not_device():
+    pool = HostBufferPool(pin_memory=False)
+    x = torch.randn(64, 16)                         # 4096 bytes, baseline
+    with MemoryAccountant("cpu") as acct:
+        stash = HostStash("cpu", enabled=True, pool=pool)
+        stash.put("x", x)                           # one pool buffer: host stash, not device
+        assert acct.device_live == 0 and pool.stats.in_use_bytes == 4096
+        assert acct.host_live >= 4096
+        y = stash.pop("x")                          # the copy back is device working set
+        assert acct.device_live == 4096 and pool.stats.in_use_bytes == 0
+        del y
+    assert acct.host_peak >= 4096 and acct.device_peak == 4096
+    assert pool.stats.allocated_bytes == 4096 and pool.stats.cached_bytes == 4096
+
+
+def test_units():
+    assert chunk_unit(1024, 256) == 1024 * 256 * 2
+    assert sequence_unit(4096, 512, itemsize=4) == 4096 * 512 * 4
+
+
+def test_summary_is_plain_numbers_off_cuda():
+    with MemoryAccountant("cpu") as acct, acct.phase("p"):
+        t = torch.ones(8)
+    s = acct.summary()
+    assert s["device_peak"] == 32 and s["cuda_allocated_peak"] is None and s["phases"]["p"]["peak"] == 32
+    del t
+
+
+@pytest.mark.cuda
+def test_cuda_peaks_are_reported_beside_the_count():
+    dev = torch.device("cuda")
+    with MemoryAccountant(dev) as acct, acct.phase("p"):
+        t = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+        del t
+    ph = acct.phases["p"]
+    assert ph.peak == 1 << 20
+    assert ph.cuda_allocated_peak >= 1 << 20 and ph.cuda_reserved_peak >= ph.cuda_allocated_peak
