@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
+import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,13 +64,21 @@ def write_model_files(save_dir: str, hf_config: dict, tokenizer_path: str | None
         shutil.copyfile(tokenizer_path, os.path.join(save_dir, "tokenizer.json"))
 
 
-def save(engine, save_dir: str, step: int, rank: int, run_info: dict[str, Any]) -> str:
-    """Save optimizer step ``step`` (collective: every rank calls it). Returns the tag dir."""
+def save(engine, save_dir: str, step: int, rank: int, run_info: dict[str, Any], precision: str | None = None) -> str:
+    """Save optimizer step ``step`` (collective: every rank calls it). Returns the tag dir.
+
+    ``precision`` (``"bf16"``/``"fp16"``/``"fp32"``) and the world size are stored in the
+    trainer file so that a resume with another precision or process count is refused
+    before DeepSpeed starts (:func:`inspect`).
+    """
     tag = tag_for(step)
     engine.save_checkpoint(save_dir, tag=tag, client_state={"fpdt_step": step})
     tag_dir = os.path.join(save_dir, tag)
     os.makedirs(tag_dir, exist_ok=True)
-    torch.save({"step": step, "run": run_info, "rng": rng_state()},
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+    torch.save({"step": step, "run": run_info, "rng": rng_state(), "precision": precision, "world_size": world,
+                "zero_stage": stage},
                os.path.join(tag_dir, TRAINER_FILE.format(rank=rank)))
     dist.barrier()
     return tag_dir
@@ -108,3 +119,130 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     step trains on (the resumed step would then not be the one the run would have taken)."""
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}"
             for k in sorted(current) if saved.get(k) != current.get(k)]
+
+
+# ----------------------------------------------------------------------------- inspection before DeepSpeed starts
+
+_RANK_FILE = re.compile(r"^(.*?)(zero_pp_rank_|fpdt_trainer_rank)(\d+)(.*)$")
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What a checkpoint directory says about the run that wrote it (read without DeepSpeed)."""
+
+    save_dir: str
+    """The ``--save-dir`` it lives in."""
+    tag: str
+    """Its ``step<N>`` name."""
+    step: int
+    """Optimizer steps done when it was written."""
+    world_size: int
+    """Processes that wrote it (trainer files present)."""
+    precision: str | None
+    """``"bf16"``/``"fp16"``/``"fp32"``, or ``None`` when unknown (older checkpoints that are not bf16)."""
+    run: dict[str, Any]
+    """The run shape stored with it (see ``cli.run_info``)."""
+
+    @property
+    def tag_dir(self) -> str:
+        return os.path.join(self.save_dir, self.tag)
+
+
+def inspect(path: str, zero_stage: int | None = None) -> SavedCheckpoint:
+    """Read ``--resume PATH`` without DeepSpeed, checking that every file is there and whole.
+
+    Raises :class:`ConfigError` naming the file and the fix for: a missing tag directory,
+    a missing rank file (rank ``r`` lacks a kind of file another rank has, or a file that
+    DeepSpeed writes for ZeRO stage ``zero_stage`` is absent), or a truncated / corrupt
+    ``.pt`` file (not a complete zip archive, which every ``torch.save`` file is).
+    """
+    save_dir, tag = resolve(path)
+    tag_dir = os.path.join(save_dir, tag)
+    if not os.path.isdir(tag_dir):
+        raise ConfigError(f"--resume {path}: {os.path.join(save_dir, 'latest')} names {tag!r} but {tag_dir} does not "
+                          f"exist; resume from one of {available_tags(save_dir) or 'no step<N> dirs'}")
+    names = sorted(os.listdir(tag_dir))
+    kinds: dict[tuple[str, str, str], set[int]] = {}
+    for name in names:
+        m = _RANK_FILE.match(name)
+        if m:
+            kinds.setdefault((m.group(1), m.group(2), m.group(4)), set()).add(int(m.group(3)))
+    world = len(kinds.get(("", "fpdt_trainer_rank", ".pt"), ()))
+    _check_rank_files(path, save_dir, tag, kinds, world)
+    for name in names:
+        full = os.path.join(tag_dir, name)
+        if name.endswith(".pt") and not zipfile.is_zipfile(full):
+            raise ConfigError(f"--resume {path}: checkpoint file {full} is truncated or corrupt; resume from "
+                              f"{_others(save_dir, tag)}")
+    state = torch.load(os.path.join(tag_dir, TRAINER_FILE.format(rank=0)), weights_only=False)
+    saved_stage = state.get("zero_stage")
+    if zero_stage is not None and saved_stage is not None and saved_stage != zero_stage:
+        raise ConfigError(f"--resume {path}: the checkpoint was written with ZeRO stage {saved_stage}, this run's "
+                          f"DeepSpeed JSON asks for stage {zero_stage}; resume with the stage it was saved with")
+    if zero_stage is not None:  # the files DeepSpeed needs for this stage
+        prefix = "bf16_" if any(n.startswith("bf16_zero_pp_rank_") for n in names) else ""
+        if zero_stage >= 1:
+            kinds.setdefault((prefix, "zero_pp_rank_", "_mp_rank_00_optim_states.pt"), set())
+        if zero_stage == 3:
+            kinds.setdefault(("", "zero_pp_rank_", "_mp_rank_00_model_states.pt"), set())
+        elif "mp_rank_00_model_states.pt" not in names:
+            kinds[("", "mp_rank_", "_model_states.pt")] = set()  # rank 00 of model parallelism: "mp_rank_00"
+        _check_rank_files(path, save_dir, tag, kinds, world)
+    precision = state.get("precision")
+    if precision is None and any(n.startswith("bf16_zero_pp_rank_") for n in names):
+        precision = "bf16"
+    return SavedCheckpoint(save_dir=save_dir, tag=tag, step=int(state["step"]), world_size=world,
+                           precision=precision, run=dict(state.get("run") or {}))
+
+
+def _check_rank_files(path: str, save_dir: str, tag: str, kinds: dict[tuple[str, str, str], set[int]],
+                      world: int) -> None:
+    for (pre, mid, post), ranks in kinds.items():
+        for r in range(max(world, max(ranks, default=-1) + 1)):
+            if r not in ranks:
+                name = f"{pre}{mid}{r:02d}{post}" if mid == "mp_rank_" else f"{pre}{mid}{r}{post}"
+                raise ConfigError(f"--resume {path}: checkpoint file {os.path.join(save_dir, tag, name)} is missing "
+                                  f"(the save was cut short, or the file was deleted); resume from "
+                                  f"{_others(save_dir, tag)}")
+
+
+def _others(save_dir: str, tag: str) -> str:
+    others = [t for t in available_tags(save_dir) if t != tag]
+    return f"another checkpoint ({', '.join(others)})" if others else "an earlier save (none is left in this directory)"
+
+
+def available_tags(save_dir: str) -> list[str]:
+    """The ``step<N>`` directories of ``save_dir``, oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    tags = [n for n in os.listdir(save_dir) if re.fullmatch(r"step\d+", n) and os.path.isdir(os.path.join(save_dir, n))]
+    return sorted(tags, key=lambda t: int(t[4:]))
+
+
+# ----------------------------------------------------------------------------- retention
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag ``save_dir/latest`` names, or ``None``."""
+    latest = os.path.join(save_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip() or None
+
+
+def dir_size(path: str) -> int:
+    """Bytes of all files under ``path``."""
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def prune(save_dir: str, keep_last: int) -> list[str]:
+    """Rank 0, after a checkpoint is complete: delete all but the newest ``keep_last``
+    ``step<N>`` dirs, never the one ``latest`` names. Returns the deleted dirs."""
+    if keep_last < 1:
+        return []
+    protected = read_latest(save_dir)
+    tags = available_tags(save_dir)
+    doomed = [t for t in tags[:max(0, len(tags) - keep_last)] if t != protected]
+    for tag in doomed:
+        shutil.rmtree(os.path.join(save_dir, tag), ignore_errors=True)
+    return [os.path.join(save_dir, t) for t in doomed]

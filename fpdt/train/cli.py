@@ -17,16 +17,18 @@ import argparse
 import os
 import sys
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fpdt.train import checkpoint, zero, zero_load
+from fpdt.train import checkpoint, preflight, zero, zero_load
 from fpdt.train.config import (ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
-from fpdt.train.data import DataError, Windows, check_vocab, load_tokens
-from fpdt.train.loop import LoopSpec, run_steps
+from fpdt.train.data import Windows, bin_dtype_for_vocab, check_vocab, load_tokens
+from fpdt.train.errors import RunError, debug_enabled, report
+from fpdt.train.loop import CommFailure, LoopSpec, NonFiniteStep, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
 from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
 from fpdt.train.progress import Progress, StepRecord
@@ -46,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json for text data (default: next to the model)")
     d = p.add_argument_group("data")
     d.add_argument("--data", required=True, metavar="PATH", help=".npy/.bin token ids, .txt/.jsonl text, or a directory")
-    d.add_argument("--data-dtype", default="uint16", choices=["uint16", "uint32"], help="element type of .bin files")
+    d.add_argument("--data-dtype", choices=["uint16", "uint32"],
+                   help="element type of .bin files (default: uint16 when the vocabulary has at most 65536 ids, "
+                        "else uint32)")
     d.add_argument("--seq-len", type=int, required=True, help="global tokens per training sequence")
     d.add_argument("--shuffle", action="store_true", help="visit windows in a seeded random order")
     f = p.add_argument_group("FPDT (flags win over the \"fpdt\" section of the DeepSpeed JSON)")
@@ -72,7 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save-dir", metavar="DIR", help="write DeepSpeed checkpoints here")
     r.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     r.add_argument("--resume", metavar="PATH", help="continue from a --save-dir (newest) or one step<N> dir")
-    r.add_argument("--export-hf", metavar="DIR", help="at the end, also write a Hugging Face checkpoint")
+    r.add_argument("--keep-last", type=int, default=0, metavar="N",
+                   help="after each save keep only the newest N checkpoints (never the one 'latest' names; "
+                        "default 0: keep all)")
+    r.add_argument("--export-hf", metavar="DIR", help="at the end, also write a Hugging Face checkpoint (needs --save-dir)")
+    r.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                   help="skip (do not apply) up to N steps whose loss is not finite; default 0: stop at the first, "
+                        "naming the step and the last good checkpoint")
+    r.add_argument("--dist-timeout-min", type=float, default=30.0, metavar="MIN",
+                   help="minutes a collective waits for the other ranks before the run stops with an error "
+                        "(a rank that died or stalls; default 30)")
+    r.add_argument("--debug", action="store_true", help="show the full traceback of an error (also: FPDT_DEBUG=1)")
     r.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
 
@@ -84,15 +98,19 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.steps < 0:
-        raise ConfigError(f"--steps {args.steps} must be >= 0")
-    if args.save_every < 0:
-        raise ConfigError(f"--save-every {args.save_every} must be >= 0")
-    if (args.save_every or args.export_hf) and not args.save_dir:
-        raise ConfigError("--save-every and --export-hf need --save-dir DIR")
-    path = args.model or args.model_config
-    if not os.path.exists(path):
-        raise ConfigError(f"{'--model' if args.model else '--model-config'} {path}: no such file or directory")
+    for flag, value in (("--steps", args.steps), ("--save-every", args.save_every), ("--keep-last", args.keep_last),
+                        ("--skip-nonfinite", args.skip_nonfinite)):
+        if value < 0:
+            raise ConfigError(f"{flag} {value} must be >= 0")
+    if not args.dist_timeout_min > 0:
+        raise ConfigError(f"--dist-timeout-min {args.dist_timeout_min} must be a positive number of minutes")
+    for flag, value in (("--save-every", args.save_every), ("--export-hf", args.export_hf),
+                        ("--keep-last", args.keep_last)):
+        if value and not args.save_dir:
+            raise ConfigError(f"{flag} needs --save-dir DIR (checkpoints are written there"
+                              f"{'; the export is made from the last one' if flag == '--export-hf' else ''})")
+    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
+        raise ConfigError(f"--tokenizer {args.tokenizer}: no such file; pass a tokenizer.json")
 
 
 # ----------------------------------------------------------------------------- set-up pieces
@@ -137,8 +155,8 @@ def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> 
     tokenizer = args.tokenizer or os.path.join(model_dir(args), "tokenizer.json")
     eos = hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    tokens = load_tokens(args.data, bin_dtype=args.data_dtype, tokenizer_path=tokenizer,
-                         eos_id=eos if isinstance(eos, int) else None)
+    tokens = load_tokens(args.data, bin_dtype=args.data_dtype or bin_dtype_for_vocab(vocab_size),
+                         tokenizer_path=tokenizer, eos_id=eos if isinstance(eos, int) else None)
     check_vocab(tokens, vocab_size, args.data)
     windows = Windows(tokens, args.seq_len, shuffle=args.shuffle, seed=args.seed)
     return windows, tokenizer if os.path.isfile(tokenizer) else None
@@ -160,22 +178,27 @@ def run_info(args: argparse.Namespace, plan: Plan, micro: int, gas: int) -> dict
 
 def run(args: argparse.Namespace) -> list[StepRecord]:
     """Everything ``fpdt-train`` does; returns this rank's step records."""
+    # 1. everything that needs no process group: flags, configs, model source, data, checkpoint
     _check_args(args)
     device = pick_device()
     ds_config, section = load_ds_config(args.deepspeed)
     opts = merge_options(fpdt_flags(args), section)
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
-
-    init_distributed(device)
-    zero.init_deepspeed_comm(device)
-    ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring)
-
     dtype_name = ds_dtype_name(ds_config)
+    source = preflight_checks(args, plan, ds_config, dtype_name)
+    windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
+
+    # 2. process groups
+    timeout = timedelta(minutes=args.dist_timeout_min)
+    init_distributed(device, timeout)
+    zero.init_deepspeed_comm(device, timeout)
+    ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
+                              timeout=timeout)
+
+    # 3. model, engine, resume
     model = build_model(args, opts, plan, ps, DTYPES[dtype_name], ds_config)
     hf_config = model.config.to_hf()
-    windows, tokenizer = load_windows(args, hf_config, model.config.vocab_size)
-
     engine = zero.build_engine(model, ds_config)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     info = run_info(args, plan, micro, gas)
@@ -189,31 +212,91 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     if args.save_dir and ps.is_main:
         checkpoint.write_model_files(args.save_dir, hf_config, tokenizer)
 
+    # 4. train
     peak, peak_src = resolve_peak_flops(device, dtype_name, args.peak_tflops)
     _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} "
              f"seq_len={plan.seq_len} "
              f"chunks={plan.num_chunks} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
-             f"peak={'n/a' if peak is None else f'{peak / 1e12:.2f}'} TFLOP/s ({peak_src})")
+             f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})")
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=model_shape(model.config),
-                    peak_flops=peak, recompute=opts.checkpoint != "off")
-    saved = set()
+                    peak_flops=peak, recompute=opts.checkpoint != "off", skip_nonfinite=args.skip_nonfinite)
+    saver = Saver(args, engine, ps, info, dtype_name, progress)
 
     def on_step_end(done: int) -> None:
         if args.save_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
-            checkpoint.save(engine, args.save_dir, done, ps.rank, info)
-            saved.add(done)
+            saver.save(done)
 
     try:
         records = run_steps(engine, windows, spec, start, args.steps, progress, on_step_end)
+    except NonFiniteStep as e:
+        raise RunError(f"{e}; the run stopped without saving. {saver.last_good_hint()}") from e
+    except CommFailure as e:
+        raise RunError(str(e)) from e
     finally:
         progress.close()
-    if args.save_dir and args.steps not in saved and start >= args.steps:
-        checkpoint.save(engine, args.save_dir, args.steps, ps.rank, info)
+    if args.save_dir and args.steps not in saver.saved and start >= args.steps:
+        saver.save(args.steps)
     if args.export_hf:
         _export_at_end(args, ps)
     return records
+
+
+def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, Any],
+                     dtype_name: str) -> preflight.ModelSource:
+    """The checks of :mod:`fpdt.train.preflight` for this run (before any process group)."""
+    source = preflight.model_source(args.model, args.model_config)
+    preflight.check_heads(source.config, plan.hp, source.config_path, "--sp" if plan.cp == 1 else "--hp")
+    preflight.check_batch_size(ds_config, plan.world_size)
+    preflight.check_save_dir(args.save_dir)
+    preflight.check_output_file("--log-json", args.log_json)
+    preflight.check_skip_nonfinite(args.skip_nonfinite, ds_config, plan.world_size)
+    if args.resume:
+        preflight.check_resume(args.resume, steps=args.steps, world_size=plan.world_size, precision=dtype_name,
+                               model=source, zero_stage=ds_zero_stage(ds_config))
+    return source
+
+
+class Saver:
+    """Saves checkpoints, says so (step, path, size), applies ``--keep-last``, and
+    remembers the last one for error messages."""
+
+    def __init__(self, args: argparse.Namespace, engine, ps: ParallelState, info: dict[str, Any], precision: str,
+                 progress: Progress) -> None:
+        self.args, self.engine, self.ps, self.info, self.precision = args, engine, ps, info, precision
+        self.progress = progress
+        self.saved: set[int] = set()
+        self.last: str | None = None
+
+    def save(self, step: int) -> None:
+        tag_dir = checkpoint.save(self.engine, self.args.save_dir, step, self.ps.rank, self.info, self.precision)
+        self.saved.add(step)
+        self.last = tag_dir
+        if not self.ps.is_main:
+            return
+        size = checkpoint.dir_size(tag_dir)
+        line = f"saved step {step} to {tag_dir} ({size / 2 ** 20:.1f} MiB)"
+        removed = checkpoint.prune(self.args.save_dir, self.args.keep_last)
+        if removed:
+            line += f"; removed {', '.join(removed)} (--keep-last {self.args.keep_last})"
+        self._say(line)
+
+    def _say(self, line: str) -> None:
+        if self.progress.enabled:
+            self.progress.write(line)
+        else:
+            _say(self.ps, line)
+
+    def last_good_hint(self) -> str:
+        last = self.last
+        if last is None and self.args.resume:
+            last = self.args.resume
+        if last is None:
+            return ("No checkpoint was saved (pass --save-dir and --save-every N to keep one); lower the learning "
+                    "rate or pass --skip-nonfinite N to skip such steps")
+        return (f"Last good checkpoint: {last} (resume with --resume {last}, e.g. with a lower learning rate), "
+                f"or pass --skip-nonfinite N to skip such steps")
 
 
 def _say(ps: ParallelState, message: str) -> None:
@@ -230,14 +313,18 @@ def _export_at_end(args: argparse.Namespace, ps: ParallelState) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit status (2 for a configuration error)."""
+    """Console entry point; returns the exit status: 0, 2 for a bad input (flags, configs,
+    data, checkpoint), 1 for a run that had to stop. Errors are one line on stderr (see
+    :mod:`fpdt.train.errors`); ``--debug`` or ``FPDT_DEBUG=1`` shows the traceback instead."""
     args = build_parser().parse_args(argv)
     # DeepSpeed's ZeRO-3 still calls collectives that torch >= 2.13 marks deprecated; the
     # warning would repeat inside the progress bar on every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    zero.quiet_deepspeed_warnings()
     try:
         run(args)
-    except (ConfigError, DataError) as e:
-        print(f"fpdt-train: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 -- every error becomes one line (see fpdt.train.errors)
+        if debug_enabled(args.debug):
+            raise
+        return report("fpdt-train", e)
     return 0

@@ -3,7 +3,9 @@
 The contract (also in the README):
 
 1. ``--data PATH`` is a token stream. ``.npy`` files hold token ids (any integer dtype);
-   ``.bin`` files hold raw ids (``--data-dtype uint16`` or ``uint32``); ``.txt`` files
+   ``.bin`` files hold raw ids (``--data-dtype uint16`` or ``uint32``; default uint16 when
+   the vocabulary fits in it, else uint32; a stream that is implausible for its type is
+   refused, see :func:`check_plausible_bin`); ``.txt`` files
    (one document each) and ``.jsonl`` files (one document per line: an object with a
    ``"text"`` field, or a bare string) are tokenized with the model's ``tokenizer.json``
    and every document is followed by the end-of-text id when the model config names one
@@ -66,23 +68,43 @@ def list_data_files(path: str) -> list[str]:
 
 
 def read_documents(path: str) -> list[str]:
-    """The documents of one text file: the whole ``.txt``, or each line of a ``.jsonl``."""
-    with open(path, encoding="utf-8") as f:
+    """The documents of one text file: the whole ``.txt``, or each line of a ``.jsonl``.
+
+    Raises :class:`DataError` naming the file (and line) for text that is not UTF-8 and
+    for ``.jsonl`` lines that are not a JSON string or an object with a ``"text"`` string.
+    """
+    with open(path, "rb") as f:
         if path.endswith(".txt"):
-            return [f.read()]
+            return [_decode(f.read(), path)]
         docs = []
-        for n, line in enumerate(f, 1):
+        for n, raw in enumerate(f, 1):
+            line = _decode(raw, f"{path}:{n}")
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno}); each line of a .jsonl "
+                                f"must be one JSON object with a \"text\" field (or a JSON string)") from None
             if isinstance(obj, dict):
                 if "text" not in obj:
-                    raise DataError(f"{path}:{n}: JSON object has no \"text\" field")
+                    raise DataError(f"{path}:{n}: JSON object has no \"text\" field; "
+                                    f"each line must be {{\"text\": \"...\"}} (or a JSON string)")
                 obj = obj["text"]
             if not isinstance(obj, str):
-                raise DataError(f"{path}:{n}: expected a string or an object with a \"text\" string")
+                raise DataError(f"{path}:{n}: expected a string or an object with a \"text\" string, "
+                                f"found {type(obj).__name__}")
             docs.append(obj)
         return docs
+
+
+def _decode(raw: bytes, where: str) -> str:
+    """UTF-8 text of ``raw``; ``where`` (``file`` or ``file:line``) names it in the error."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert the "
+                        f"file to UTF-8 (e.g. iconv -f latin1 -t utf-8) or pre-tokenize it to .npy/.bin") from None
 
 
 def tokenize_documents(docs: list[str], tokenizer_path: str, eos_id: int | None) -> np.ndarray:
@@ -98,15 +120,31 @@ def tokenize_documents(docs: list[str], tokenizer_path: str, eos_id: int | None)
     return np.asarray(ids, dtype=np.int64)
 
 
+def bin_dtype_for_vocab(vocab_size: int) -> str:
+    """Default ``--data-dtype``: ``uint16`` when every id of the vocabulary fits, else ``uint32``."""
+    return "uint16" if vocab_size <= 2 ** 16 else "uint32"
+
+
 def read_token_file(path: str, bin_dtype: str) -> np.ndarray:
     """Ids of one ``.npy`` (memory-mapped, flattened) or ``.bin`` (raw ``bin_dtype``) file."""
     if path.endswith(".npy"):
-        arr = np.load(path, mmap_mode="r")
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"{path}: not a readable .npy file ({e}); write it with numpy.save") from None
         if not np.issubdtype(arr.dtype, np.integer):
             raise DataError(f"{path}: token ids must be integers, found dtype {arr.dtype}")
         return arr.reshape(-1)
     if bin_dtype not in BIN_DTYPES:
         raise DataError(f"--data-dtype {bin_dtype!r}: use one of {sorted(BIN_DTYPES)}")
+    itemsize = np.dtype(BIN_DTYPES[bin_dtype]).itemsize
+    size = os.path.getsize(path)
+    if size % itemsize:
+        other = [d for d in BIN_DTYPES if d != bin_dtype][0]
+        raise DataError(f"{path}: {size} bytes is not a multiple of {itemsize} ({bin_dtype} ids); the file is "
+                        f"truncated or holds another type: check --data-dtype (e.g. --data-dtype {other})")
+    if size == 0:
+        return np.zeros(0, dtype=BIN_DTYPES[bin_dtype])
     return np.memmap(path, dtype=BIN_DTYPES[bin_dtype], mode="r")
 
 
@@ -116,7 +154,10 @@ def load_tokens(path: str, *, bin_dtype: str = "uint16", tokenizer_path: str | N
     parts: list[np.ndarray] = []
     for f in list_data_files(path):
         if f.endswith(TOKEN_SUFFIXES):
-            parts.append(read_token_file(f, bin_dtype))
+            part = read_token_file(f, bin_dtype)
+            if f.endswith(".bin"):
+                check_plausible_bin(part, bin_dtype, f)
+            parts.append(part)
             continue
         if tokenizer_path is None or not os.path.isfile(tokenizer_path):
             raise DataError(f"--data {f} is text but no tokenizer.json was found "
@@ -134,6 +175,28 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, source: str) -> None:
     if lo < 0 or hi >= vocab_size:
         raise DataError(f"--data {source} has token ids in [{lo}, {hi}] but the model's vocab_size is "
                         f"{vocab_size}; tokenize with the model's tokenizer (or check --data-dtype)")
+
+
+PLAUSIBILITY_SAMPLE = 1 << 20
+"""Ids inspected by :func:`check_plausible_bin` (a prefix of the file)."""
+
+
+def check_plausible_bin(tokens: np.ndarray, bin_dtype: str, source: str) -> None:
+    """Refuse a ``.bin`` stream that is almost surely read with the wrong element type.
+
+    A little-endian ``uint32`` file read as ``uint16`` yields every id followed by its
+    high half, which is 0 for any vocabulary below 65536: so when every odd-position id
+    of the first :data:`PLAUSIBILITY_SAMPLE` is 0 (and the even ones are not all 0), the
+    file is uint32. (The other mix-up, uint16 read as uint32, gives ids >= 65536, which
+    :func:`check_vocab` refuses.)
+    """
+    if bin_dtype != "uint16" or tokens.size < 16:
+        return
+    head = np.asarray(tokens[:PLAUSIBILITY_SAMPLE])
+    head = head[:head.size - head.size % 2]
+    if not head[1::2].any() and head[0::2].any():
+        raise DataError(f"--data {source}: read as uint16, every other id is 0, which is how uint32 ids look "
+                        f"when read as uint16; pass --data-dtype uint32 (or re-write the file as uint16)")
 
 
 # ----------------------------------------------------------------------------- windows

@@ -21,13 +21,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _read_tag(save_dir: str, tag: str | None) -> str:
-    if tag is not None:
-        return tag
-    latest = os.path.join(save_dir, "latest")
-    if not os.path.isfile(latest):
-        raise FileNotFoundError(f"{save_dir} has no 'latest' file; pass --tag step<N>")
-    with open(latest) as f:
-        return f.read().strip()
+    """The checkpoint to export: ``tag`` or the newest; errors name what exists."""
+    from fpdt.train.checkpoint import available_tags, read_latest
+
+    if not os.path.exists(save_dir):
+        raise FileNotFoundError(f"{save_dir}: no such directory; pass the --save-dir of an fpdt-train run")
+    if not os.path.isdir(save_dir):
+        raise FileNotFoundError(f"{save_dir} is a file; pass the --save-dir directory of an fpdt-train run")
+    tags = available_tags(save_dir)
+    if tag is None:
+        tag = read_latest(save_dir)
+        if tag is None:
+            if not tags:
+                raise FileNotFoundError(f"{save_dir} has no 'latest' file and no step<N> checkpoints; pass the "
+                                        f"--save-dir of an fpdt-train run")
+            raise FileNotFoundError(f"{save_dir} has no 'latest' file; pass --tag (one of {', '.join(tags)})")
+    if not os.path.isdir(os.path.join(save_dir, tag)):
+        raise FileNotFoundError(f"{os.path.join(save_dir, tag)}: no such checkpoint; pass --tag "
+                                f"(one of {', '.join(tags) or 'none'})")
+    return tag
 
 
 def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
@@ -74,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_checkpoint(args.save_dir, args.out_dir, args.tag, dtype)
     except (FileNotFoundError, ValueError) as e:
-        print(f"fpdt-export: error: {e}", file=sys.stderr)
+        if os.environ.get("FPDT_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"fpdt-export: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

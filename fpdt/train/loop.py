@@ -12,6 +12,7 @@ SGD, where a wrong scale shows at once).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +46,16 @@ class LoopSpec:
     """Peak FLOP/s per device, or None (no MFU)."""
     recompute: bool
     """Activation checkpointing is on (counted in HFU only)."""
+    skip_nonfinite: int = 0
+    """Steps with a non-finite loss that may be skipped (``--skip-nonfinite``); 0: stop at the first."""
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm is not finite (raised on every rank alike)."""
+
+
+class CommFailure(RuntimeError):
+    """A collective failed or timed out: another rank died or stalls."""
 
 
 def _micro_step(engine, windows: Windows, spec: LoopSpec, step: int, micro: int) -> torch.Tensor:
@@ -53,9 +64,20 @@ def _micro_step(engine, windows: Windows, spec: LoopSpec, step: int, micro: int)
     batch = shard_windows(windows.sequences(ks), ps.sp, spec.plan.num_chunks, ps.sp_rank, mesh=ps.mesh)
     batch = {k: v.to(ps.device, non_blocking=True) for k, v in batch.items()}  # [B, S_local] each
     loss = engine(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
+    if spec.skip_nonfinite and not _finite_on_all_ranks(loss, ps.device):
+        # Drop the whole step (grad_accum is 1, checked up front): no backward, no update,
+        # on every rank alike. DeepSpeed applies non-finite bf16/fp32 updates otherwise.
+        return torch.full((), float("nan"), device=ps.device)
     engine.backward(loss * ps.sp)  # see module docstring
     engine.step()                  # optimizer update only at the accumulation boundary
     return loss.detach().float()
+
+
+def _finite_on_all_ranks(loss: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``loss`` is finite on every rank (one scalar all-reduce; host sync)."""
+    bad = (~torch.isfinite(loss.detach().float())).float().reshape(1).to(device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
 
 
 def _reduce_stats(loss_sum: torch.Tensor, spec: LoopSpec) -> tuple[float, float, float | None]:
@@ -94,12 +116,59 @@ def train_step(engine, windows: Windows, spec: LoopSpec, step: int) -> StepRecor
 
 def run_steps(engine, windows: Windows, spec: LoopSpec, start: int, stop: int, progress: Progress,
               on_step_end: Callable[[int], None] | None = None) -> list[StepRecord]:
-    """Optimizer steps ``start .. stop-1``; ``on_step_end(steps_done)`` after each (saving)."""
+    """Optimizer steps ``start .. stop-1``; ``on_step_end(steps_done)`` after each (saving).
+
+    Raises :class:`NonFiniteStep` at a step whose loss or gradient norm is not finite
+    (after ``spec.skip_nonfinite`` skipped ones), and :class:`CommFailure` when a
+    collective fails (another rank died, or stalled past the process-group timeout).
+    """
     records = []
+    skipped = 0
     for step in range(start, stop):
-        rec = train_step(engine, windows, spec, step)
-        progress.update(rec)
-        records.append(rec)
-        if on_step_end is not None:
-            on_step_end(step + 1)
+        try:
+            rec = train_step(engine, windows, spec, step)
+            progress.update(rec)
+            records.append(rec)
+            skipped = _check_finite(rec, spec, skipped, progress)
+            if on_step_end is not None:
+                on_step_end(step + 1)
+        except RuntimeError as e:
+            if isinstance(e, (NonFiniteStep, CommFailure)) or not is_comm_failure(e):
+                raise
+            raise CommFailure(f"step {step + 1}: a collective failed, so another rank died or stalled past the "
+                              f"process-group timeout (--dist-timeout-min); see that rank's output for its error, "
+                              f"then resume from the last checkpoint ({type(e).__name__}: "
+                              f"{_first_line(e)})") from e
     return records
+
+
+def _check_finite(rec: StepRecord, spec: LoopSpec, skipped: int, progress: Progress) -> int:
+    """-> skipped steps so far; raises :class:`NonFiniteStep` when the run must stop."""
+    norm_bad = rec.grad_norm is not None and not math.isfinite(rec.grad_norm)
+    if math.isfinite(rec.loss) and not norm_bad:
+        return skipped
+    if spec.skip_nonfinite and not math.isfinite(rec.loss):  # dropped before its backward
+        skipped += 1
+        if skipped <= spec.skip_nonfinite:
+            progress.write(f"step {rec.step}: loss is {rec.loss}, step skipped "
+                           f"({skipped} of --skip-nonfinite {spec.skip_nonfinite})")
+            return skipped
+        raise NonFiniteStep(f"step {rec.step}: loss is {rec.loss}, and {spec.skip_nonfinite} non-finite steps "
+                            f"were already skipped (--skip-nonfinite {spec.skip_nonfinite})")
+    what = f"loss is {rec.loss}" if not math.isfinite(rec.loss) else f"gradient norm is {rec.grad_norm}"
+    applied = " and its update was applied" if spec.skip_nonfinite else ""
+    raise NonFiniteStep(f"step {rec.step}: {what} (not finite){applied}")
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """Whether ``e`` comes from a failed or timed-out collective (gloo or NCCL)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return any(k in text for k in ("gloo", "nccl", "connection closed", "connection reset", "timed out",
+                                   "broken pipe", "socket timeout"))
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    return lines[0][:300] if lines else ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -70,11 +71,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, timeout: timedelta | None = None) -> None:
     """Initialise the default process group unless a launcher or a test already did.
 
     Without a launcher (no ``RANK`` in the environment) this becomes a 1-process group on
     a free local port, so a single process runs through exactly the same code.
+    ``timeout``: how long a collective waits for the other ranks before it raises
+    (``--dist-timeout-min``; ``None``: torch's default).
     """
     if dist.is_initialized():
         # A caller-made group (e.g. the test harness) may lack the launcher's variables,
@@ -88,16 +91,17 @@ def init_distributed(device: torch.device) -> None:
                           MASTER_PORT=str(_free_port()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
 
 
 def build_parallel_state(sp: int, device: torch.device, *, cp: int = 1, placement: str = "head_first",
-                         inner_ring: int | None = None) -> ParallelState:
+                         inner_ring: int | None = None, timeout: timedelta | None = None) -> ParallelState:
     """Create the SP groups (every rank creates all of them, in the same order).
 
     With ``cp > 1`` the SP ranks form a 2D :class:`fpdt.comm.SequenceMesh` of
     ``hp = sp / cp`` x ``cp`` (SP-innermost as well: replica ``g`` is ranks
-    ``[g*sp, (g+1)*sp)``, arranged inside by ``placement``).
+    ``[g*sp, (g+1)*sp)``, arranged inside by ``placement``). ``timeout``: that of the
+    plain SP groups (a group made without one would wait torch's default, not the run's).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % sp != 0:  # validated earlier from the environment; re-check the real group
@@ -108,7 +112,7 @@ def build_parallel_state(sp: int, device: torch.device, *, cp: int = 1, placemen
                              dp_rank=mesh.dp_rank, sp_group=mesh.sp_group, device=device, mesh=mesh)
     mine = None
     for g in range(world // sp):
-        group = dist.new_group(list(range(g * sp, (g + 1) * sp)))
+        group = dist.new_group(list(range(g * sp, (g + 1) * sp)), timeout=timeout)
         if g == rank // sp:
             mine = group
     assert mine is not None

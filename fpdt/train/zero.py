@@ -6,7 +6,9 @@ This is the only place (with :mod:`fpdt.train.checkpoint`, :mod:`fpdt.train.expo
 
 from __future__ import annotations
 
+import logging
 import os
+from datetime import timedelta
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -36,11 +38,37 @@ def skip_cpu_shm_comm() -> None:
         pass
 
 
-def init_deepspeed_comm(device: torch.device) -> None:
-    """Let DeepSpeed adopt the already-initialised default process group."""
+def init_deepspeed_comm(device: torch.device, timeout: timedelta | None = None) -> None:
+    """Let DeepSpeed adopt the already-initialised default process group (``timeout`` for
+    any group it creates itself)."""
     if device.type != "cuda":
         skip_cpu_shm_comm()
-    _deepspeed().init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    kw = {} if timeout is None else {"timeout": timeout}
+    _deepspeed().init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", **kw)
+
+
+class _DropMessages(logging.Filter):
+    """Drops log records whose message contains one of ``needles``."""
+
+    def __init__(self, *needles: str) -> None:
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in self.needles)
+
+
+def quiet_deepspeed_warnings() -> None:
+    """Silence DeepSpeed warnings that are noise for ``fpdt-train``.
+
+    * "Attempting to get learning rate from scheduler before it has started": ``WarmupLR``
+      logs it from its own constructor (it asks itself for the first rate); the rate it
+      then uses is ``warmup_min_lr``, which the shipped configs set above zero.
+    """
+    from deepspeed.utils import logger
+
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages("get learning rate from scheduler before it has started"))
 
 
 def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, torch.nn.Parameter]]:

@@ -1,0 +1,66 @@
+"""How ``fpdt-train`` reports a failure: one line, no traceback, non-zero exit.
+
+* Errors of the user's making (:data:`USER_ERRORS`: bad flags, configs, data, checkpoints)
+  are found identically on every rank, so only rank 0 prints them:
+  ``fpdt-train: error: <what, naming the file (and line)>; <the fix>``. Exit status 2.
+* :class:`RunError`: the run started and had to stop (a non-finite loss, another rank
+  that died or stalled). Every rank that meets it prints it, prefixed with its rank when
+  there are several. Exit status 1.
+* Anything else is a bug or an environment problem: one line with the exception's type
+  and message, and how to see the traceback. Exit status 1.
+
+``--debug`` or ``FPDT_DEBUG=1`` re-raises instead, so the full traceback shows.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from fpdt.model import UnsupportedConfigError
+from fpdt.train.config import ConfigError
+from fpdt.train.data import DataError
+
+
+class RunError(RuntimeError):
+    """A started run had to stop; the message names the step and what to do next."""
+
+
+USER_ERRORS = (ConfigError, DataError, UnsupportedConfigError)
+"""Errors every rank finds the same way before (or without) touching other ranks."""
+
+
+def debug_enabled(flag: bool = False) -> bool:
+    """``--debug`` given, or ``FPDT_DEBUG`` set to anything but empty / ``0``."""
+    return flag or os.environ.get("FPDT_DEBUG", "") not in ("", "0")
+
+
+def this_rank() -> tuple[int, int]:
+    """``(rank, world size)`` from the process group, else from the launcher's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks folded, so that a message is one line."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def report(prog: str, exc: BaseException) -> int:
+    """Print ``exc`` as one line on the ranks that should, and return the exit status."""
+    rank, world = this_rank()
+    if isinstance(exc, USER_ERRORS):
+        if rank == 0:
+            print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+        return 2
+    where = f"rank {rank}: " if world > 1 else ""
+    if isinstance(exc, RunError):
+        message = one_line(exc)
+    else:
+        message = (f"{type(exc).__name__}: {one_line(exc)[:500]} (unexpected; rerun with --debug or FPDT_DEBUG=1 "
+                   f"for the traceback)")
+    print(f"{prog}: error: {where}{message}", file=sys.stderr, flush=True)
+    return 1
