@@ -231,7 +231,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     try:
         records = run_steps(engine, windows, spec, start, args.steps, progress, on_step_end)
     except NonFiniteStep as e:
-        raise RunError(f"{e}; the run stopped without saving. {saver.last_good_hint()}") from e
+        raise RunError(f"{e}; the run stopped without saving. {saver.last_good_hint()}",
+                       same_on_every_rank=True) from e
     except CommFailure as e:
         raise RunError(str(e)) from e
     finally:

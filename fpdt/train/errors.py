@@ -3,9 +3,9 @@
 * Errors of the user's making (:data:`USER_ERRORS`: bad flags, configs, data, checkpoints)
   are found identically on every rank, so only rank 0 prints them:
   ``fpdt-train: error: <what, naming the file (and line)>; <the fix>``. Exit status 2.
-* :class:`RunError`: the run started and had to stop (a non-finite loss, another rank
-  that died or stalled). Every rank that meets it prints it, prefixed with its rank when
-  there are several. Exit status 1.
+* :class:`RunError`: the run started and had to stop. One that every rank meets alike (a
+  non-finite loss) is printed by rank 0; one a rank meets on its own (another rank died
+  or stalled) by that rank, prefixed with its rank. Exit status 1.
 * Anything else is a bug or an environment problem: one line with the exception's type
   and message, and how to see the traceback. Exit status 1.
 
@@ -23,7 +23,15 @@ from fpdt.train.data import DataError
 
 
 class RunError(RuntimeError):
-    """A started run had to stop; the message names the step and what to do next."""
+    """A started run had to stop; the message names the step and what to do next.
+
+    ``same_on_every_rank``: every rank stops with this same error (e.g. a non-finite
+    loss, which is all-reduced), so only rank 0 prints it.
+    """
+
+    def __init__(self, message: str, same_on_every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
 
 
 USER_ERRORS = (ConfigError, DataError, UnsupportedConfigError)
@@ -52,10 +60,10 @@ def one_line(text: str) -> str:
 def report(prog: str, exc: BaseException) -> int:
     """Print ``exc`` as one line on the ranks that should, and return the exit status."""
     rank, world = this_rank()
-    if isinstance(exc, USER_ERRORS):
+    if isinstance(exc, USER_ERRORS) or getattr(exc, "same_on_every_rank", False):
         if rank == 0:
             print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
-        return 2
+        return 2 if isinstance(exc, USER_ERRORS) else 1
     where = f"rank {rank}: " if world > 1 else ""
     if isinstance(exc, RunError):
         message = one_line(exc)

@@ -67,7 +67,7 @@ def _micro_step(engine, windows: Windows, spec: LoopSpec, step: int, micro: int)
     if spec.skip_nonfinite and not _finite_on_all_ranks(loss, ps.device):
         # Drop the whole step (grad_accum is 1, checked up front): no backward, no update,
         # on every rank alike. DeepSpeed applies non-finite bf16/fp32 updates otherwise.
-        return torch.full((), float("nan"), device=ps.device)
+        return loss.detach().float()
     engine.backward(loss * ps.sp)  # see module docstring
     engine.step()                  # optimizer update only at the accumulation boundary
     return loss.detach().float()

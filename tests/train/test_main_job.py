@@ -43,6 +43,9 @@ def test_readme_main_job_runs_and_exports(tmp_path):
         assert key in records[0]
     assert records[0]["loss"] == pytest.approx(7.6, abs=0.3)       # ~ln(2048) at random init
     assert records[-1]["loss"] < records[0]["loss"]
+    assert records[0]["lr"] > 0                                      # the warm-up starts above zero
+    assert "before it has started" not in proc.stderr               # DeepSpeed's scheduler warning is silenced
+    assert re.search(r"peak=\d\S* TFLOP/s", proc.stderr) and "peak=0.00 " not in proc.stderr
     _check_export(save, hf)
 
 
