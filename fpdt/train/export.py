@@ -14,6 +14,7 @@ import argparse
 import os
 import shutil
 import sys
+import zipfile
 
 import torch
 
@@ -42,12 +43,22 @@ def _read_tag(save_dir: str, tag: str | None) -> str:
     return tag
 
 
+def _tags(save_dir: str) -> list[str]:
+    from fpdt.train.checkpoint import available_tags
+
+    return available_tags(save_dir)
+
+
 def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights of checkpoint ``tag``: merged ZeRO shards, or the plain module
     state of a ZeRO-0 run."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     tag_dir = os.path.join(save_dir, tag)
+    for name in sorted(os.listdir(tag_dir)):
+        if name.endswith(".pt") and not zipfile.is_zipfile(os.path.join(tag_dir, name)):
+            raise ValueError(f"{os.path.join(tag_dir, name)} is truncated or corrupt; export another checkpoint "
+                             f"with --tag (one of {', '.join(_tags(save_dir))})")
     if any(n.endswith("optim_states.pt") and "zero_pp_rank" in n for n in os.listdir(tag_dir)):
         return get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
     state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
@@ -85,10 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
         out = export_checkpoint(args.save_dir, args.out_dir, args.tag, dtype)
-    except (FileNotFoundError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 -- one line, as fpdt-train does (FPDT_DEBUG=1: traceback)
         if os.environ.get("FPDT_DEBUG", "") not in ("", "0"):
             raise
-        print(f"fpdt-export: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        known = isinstance(e, (FileNotFoundError, ValueError))
+        text = " ".join(str(e).split())
+        if not known:
+            text = (f"{type(e).__name__}: {text[:500]} (is a checkpoint file truncated? export another --tag; "
+                    f"FPDT_DEBUG=1 shows the traceback)")
+        print(f"fpdt-export: error: {text}", file=sys.stderr)
+        return 2 if known else 1
     print(f"wrote {out}")
     return 0

@@ -340,3 +340,21 @@ def test_resume_with_another_world_size(saved_run, tmp_path, capsys, monkeypatch
 def test_resume_from_a_missing_dir(fixture, capsys):
     tmp, cfg, data = fixture
     _fails(capsys, _argv(cfg, data, "--resume", str(tmp / "nothing")), f"--resume {tmp / 'nothing'}: no such directory")
+
+
+def test_fpdt_export_with_a_truncated_shard_or_missing_tag(saved_run, tmp_path, capsys):
+    from fpdt.train.export import main as export_main
+
+    ck = _copy(saved_run, tmp_path)
+    assert export_main([ck, str(tmp_path / "out"), "--tag", "step9"]) == 2
+    assert capsys.readouterr().err.strip() == (f"fpdt-export: error: {os.path.join(ck, 'step9')}: no such checkpoint; "
+                                               f"pass --tag (one of step1, step2)")
+    step2 = os.path.join(ck, "step2")
+    for name in os.listdir(step2):
+        if "optim_states" in name:
+            with open(os.path.join(step2, name), "r+b") as f:
+                f.truncate(100)
+            bad = os.path.join(step2, name)
+    assert export_main([ck, str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (f"fpdt-export: error: {bad} is truncated or corrupt; export another "
+                                               f"checkpoint with --tag (one of step1, step2)")
