@@ -3,6 +3,8 @@
 Modules (nothing outside ``fpdt.train`` imports this package or DeepSpeed):
 
 * :mod:`~fpdt.train.config`     -- FPDT options, the DeepSpeed JSON, up-front validation
+* :mod:`~fpdt.train.preflight`  -- checks of files and checkpoints before anything starts
+* :mod:`~fpdt.train.errors`     -- one error line per failure, exit codes, --debug
 * :mod:`~fpdt.train.data`       -- token sources, windows, FPDT-layout sharding
 * :mod:`~fpdt.train.parallel`   -- process group, SP / DP groups, device
 * :mod:`~fpdt.train.zero`       -- DeepSpeed engine and ZeRO-3 external parameters

@@ -3,10 +3,12 @@
 Order of set-up (each step needs the previous one):
 
 1. parse flags, read the DeepSpeed JSON, merge the FPDT options, validate everything
-   that needs no process group (fail before anything starts);
+   that needs no process group (:mod:`fpdt.train.config`, :mod:`fpdt.train.preflight`:
+   sizes, the model's config.json and weights, heads vs sp, batch arithmetic, paths, the
+   ``--resume`` checkpoint) and load the data, so that a bad input fails in seconds;
 2. process group (gloo on CPU, NCCL on CUDA; a 1-process group without a launcher),
    then DeepSpeed's communication layer on top of it, then the SP groups;
-3. the model (seeded, so every rank builds the same random weights) and the data;
+3. the model (seeded, so every rank builds the same random weights);
 4. ``deepspeed.initialize`` (ZeRO partitions the model here, unless it already is: see
    :func:`build_model`), resume, train, save.
 """
