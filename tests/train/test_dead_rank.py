@@ -1,5 +1,8 @@
-"""A rank that dies mid-run must not leave the others waiting: the survivor stops with one
-clear line naming the step, within the process-group timeout (--dist-timeout-min)."""
+"""A rank that dies or stalls mid-run must not leave the others waiting: the survivor stops
+with one clear line naming the step, within the process-group timeout (--dist-timeout-min).
+
+Killed (SIGKILL): gloo sees the closed connection at once. Stalled (SIGSTOP): the peer's
+socket stays open, so only the timeout ends the wait; a short one keeps the test short."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ import pytest
 from tests.train.helpers import write_fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIMEOUT_MIN = 0.5
 
 
 def _free_port() -> int:
@@ -34,7 +36,9 @@ def _steps_logged(path: str) -> int:
 
 
 @pytest.mark.slow
-def test_killed_rank_stops_the_other_with_a_clear_message(tmp_path):
+@pytest.mark.parametrize("signum, timeout_min", [(signal.SIGKILL, 0.5), (signal.SIGSTOP, 0.25)],
+                         ids=["killed", "stalled"])
+def test_dead_or_stalled_rank_stops_the_other_with_a_clear_message(tmp_path, signum, timeout_min):
     cfg, data = write_fixture(str(tmp_path))
     log = str(tmp_path / "log.jsonl")
     port = str(_free_port())
@@ -43,7 +47,7 @@ def test_killed_rank_stops_the_other_with_a_clear_message(tmp_path):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         cmd = [sys.executable, "-m", "fpdt.train", "--model-config", cfg, "--data", data, "--seq-len", "64",
-               "--steps", "100000", "--sp", "2", "--log-json", log, "--dist-timeout-min", str(TIMEOUT_MIN)]
+               "--steps", "100000", "--sp", "2", "--log-json", log, "--dist-timeout-min", str(timeout_min)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     try:
@@ -52,15 +56,15 @@ def test_killed_rank_stops_the_other_with_a_clear_message(tmp_path):
             assert procs[0].poll() is None and procs[1].poll() is None, procs[0].stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the 2-rank run did not reach step 2"
             time.sleep(0.2)
-        procs[1].send_signal(signal.SIGKILL)       # rank 1 dies in the middle of a later step
+        procs[1].send_signal(signum)               # rank 1 dies / freezes in the middle of a later step
         try:
-            _, err = procs[0].communicate(timeout=TIMEOUT_MIN * 60 + 60)
+            _, err = procs[0].communicate(timeout=timeout_min * 60 + 60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 still runs {TIMEOUT_MIN * 60 + 60:.0f} s after rank 1 died")
+            pytest.fail(f"rank 0 still runs {timeout_min * 60 + 60:.0f} s after rank 1 stopped")
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                p.kill()                           # SIGKILL also ends a stopped process
             p.wait()
     assert procs[0].returncode == 1, err[-3000:]
     lines = [l for l in err.splitlines() if l.startswith("fpdt-train: error:")]
