@@ -170,3 +170,14 @@ def test_spawned_ranks_inherit_the_environment(monkeypatch):
         assert queue.get(timeout=120) == ("sim", "threaded", "drop_wait")
     finally:
         p.join(timeout=30)
+
+
+def test_trainer_allows_cpu_offload_only_on_an_explicit_cpu_runtime(monkeypatch):
+    from fpdt.train.config import ConfigError, FPDTOptions, validate
+    opts = FPDTOptions(offload=True, checkpoint="offload")
+    monkeypatch.delenv("FPDT_RUNTIME", raising=False)
+    with pytest.raises(ConfigError, match="set FPDT_RUNTIME=sim"):
+        validate(opts, 64, 1, "cpu", {})
+    for name in ("sim", "sync"):
+        monkeypatch.setenv("FPDT_RUNTIME", name)
+        assert validate(opts, 64, 1, "cpu", {}).num_chunks == 1

@@ -49,7 +49,8 @@ def test_bad_fpdt_section(section, match):
     (FPDTOptions(checkpoint="offload"), 96, 1, "cpu", FP32, r"'offload' needs a CUDA device.*--checkpoint on"),
     (FPDTOptions(), 96, 1, "cpu", {"fp16": {"enabled": True}}, r"fp16 training needs a CUDA device.*bf16"),
 ])
-def test_validate_errors(opts, seq_len, world, device, ds, match):
+def test_validate_errors(opts, seq_len, world, device, ds, match, monkeypatch):
+    monkeypatch.delenv("FPDT_RUNTIME", raising=False)  # FPDT_RUNTIME=sim|sync would allow CPU offload
     with pytest.raises(ConfigError, match=match):
         validate(opts, seq_len, world, device, ds)
 
@@ -66,7 +67,8 @@ def test_validate_plan():
     (["--offload"], None, "--offload needs a CUDA device"),
     ([], {"chunk": 8}, "unknown key 'chunk'"),
 ])
-def test_cli_reports_config_errors_before_starting(tmp_path, capsys, extra, json_section, message):
+def test_cli_reports_config_errors_before_starting(tmp_path, capsys, extra, json_section, message, monkeypatch):
+    monkeypatch.delenv("FPDT_RUNTIME", raising=False)
     cfg, data = write_fixture(str(tmp_path))
     argv = ["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", *extra]
     if json_section is not None:
