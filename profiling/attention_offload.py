@@ -26,11 +26,11 @@ import time
 import torch
 
 from fpdt.attention import fpdt_attention
+from fpdt.offload import runtime_for
 
 
 def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    runtime_for(device).synchronize(device)  # host waits for the device (and, under sim, every copy)
 
 
 def run_once(q, k, v, num_chunks, offload):
@@ -57,7 +57,7 @@ def peak_bytes(q, k, v, num_chunks, offload):
         return None
     for t in (q, k, v):
         t.grad = None
-    torch.cuda.synchronize()
+    _sync(q.device)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     run_once(q, k, v, num_chunks, offload)

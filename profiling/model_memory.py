@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 import torch
 
 import fpdt.model as fm
+from fpdt.offload import runtime_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES = ("chunked_attention", "offload", "chunked_mlp", "chunked_loss", "checkpoint_offload")
@@ -83,8 +84,7 @@ def options_for(features: frozenset[str], seq_len: int, chunk_size: int) -> dict
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    runtime_for(device).synchronize(device)  # host waits for the device (and, under sim, every copy)
 
 
 def _step(model: fm.FPDTForCausalLM, inputs: dict) -> float:

@@ -1,6 +1,7 @@
 """The FPDT offload schedule, asserted under the simulated runtime (BRIEF §1, FPDT).
 
-* fetch buffers: at most two per role (the one in use and the one being prefetched);
+* fetch buffers: at most two per role (the one in use and the one being prefetched),
+  allocated on the compute stream that reads them (record_stream only on D2H sources);
 * bounded run-ahead: copies issued but not yet run stay under one stated bound at
   u = 4, 8 and 16 (under lazy copies the peak is equal at u = 8 and 16: it does not grow with u);
 * no host-blocking synchronisation inside the chunk loops (zero per layer, at every u);
@@ -44,8 +45,13 @@ def test_buffers_run_ahead_and_syncs_are_bounded_independently_of_u(mode):
     seen = {}
     for u in (4, 8, 16):
         with use_runtime("sim", mode=mode, log=True) as rt:
+            recorded = []
+            record_stream = rt.record_stream
+            rt.record_stream = lambda t, s: (recorded.append(s), record_stream(t, s))[1]
             _layer_step(0, 1, u=u)
             c = rt.counters
+            # record_stream only on device->host sources; fetch buffers belong to compute (no hand-over)
+            assert len(recorded) == c.copies_d2h, (len(recorded), c.copies_d2h)
             assert max(c.peak_fetch_buffers.values()) <= 2, (u, c.peak_fetch_buffers)
             assert set(c.peak_fetch_buffers) == {"k", "v", "q", "o", "lse", "do", "dq", "T"}
             assert c.host_syncs == 0, (u, c.host_syncs)
