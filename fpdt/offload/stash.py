@@ -71,7 +71,10 @@ class HostStash:
         return Role(kind, what if self.label is None else f"{what}, {self.label}")
 
     def put(self, key: Hashable, tensor: torch.Tensor) -> None:
-        """Store ``tensor`` under ``key`` (replacing any previous value)."""
+        """Store ``tensor`` under ``key`` (replacing any previous value).
+
+        The copy reads ``tensor`` when it runs: do not modify it in place afterwards (free
+        it or let it go out of scope instead; the runtime keeps its memory until then)."""
         self.discard(key)
         if not self.enabled:
             self._device_refs[key] = tensor

@@ -8,11 +8,13 @@ def test_stash_roundtrip_copies_to_separate_host_memory():
     pool = HostBufferPool(pin_memory=False)
     stash = HostStash("cpu", enabled=True, pool=pool)
     x = torch.randn(3, 4)
-    stash.put("a", x)
-    x.add_(1.0)                      # the stash holds a copy, not a reference
+    want = x.clone()
+    stash.put("a", x)                # x must not change until the copy has read it (as on CUDA)
     stash.prefetch("a")
-    got = stash.pop("a")
-    torch.testing.assert_close(got, x - 1.0)
+    got = stash.pop("a")             # waits for the copies
+    x.add_(1.0)                      # the stash gave back a copy, not a reference
+    torch.testing.assert_close(got, want)
+    assert got.data_ptr() != x.data_ptr()
     assert "a" not in stash and pool.stats.cached_bytes == x.numel() * 4
 
 
