@@ -172,7 +172,20 @@ def _touches(spec: MeshSpec, j: int, src: int) -> list[tuple[int, str]]:
     return [(i, k) for i in spec.q_blocks(j) if (k := spec.kind(i, j, src)) is not None]
 
 
-def _prefetch(stash: HostStash, names: tuple[str, ...], i: int) -> None:
+def _next_first_touch(spec: MeshSpec, j: int, s: int) -> int | None:
+    """Query chunk of the first touch after ring step ``s`` of KV pass ``j`` (None at the end)."""
+    if s + 1 < spec.cp:
+        touches = _touches(spec, j, spec.schedule.owner(s + 1))
+    elif j + 1 < spec.num_chunks:
+        touches = _touches(spec, j + 1, spec.mesh.cp_rank)
+    else:
+        return None
+    return touches[0][0] if touches else None
+
+
+def _prefetch(stash: HostStash, names: tuple[str, ...], i: int | None) -> None:
+    if i is None:
+        return
     for name in names:
         if (name, i) in stash:
             stash.prefetch((name, i))
@@ -234,6 +247,8 @@ def mesh_forward(spec: MeshSpec, produce: Produce, emit: Emit, stash: HostStash,
                     stash.put(("oacc", i), acc_o)
                     stash.put(("lseacc", i), acc_lse)
                 del q, o_blk, lse_blk, acc_o, acc_lse
+            # the next step's first touch copies in while this step's transfer finishes
+            _prefetch(stash, ("q", "oacc", "lseacc"), _next_first_touch(spec, j, s))
 
         ring_pass(spec, block, visit)
         del block
@@ -295,6 +310,7 @@ def mesh_backward(spec: MeshSpec, grad_out_chunk: Callable[[int], torch.Tensor],
                 else:
                     stash.put(("dq", i), dq)
                 del q, o, lse, do, dq_b, dk_b, dv_b, dq
+            _prefetch(stash, ("q", "o", "lse", "do", "dq"), _next_first_touch(spec, j, s))
             if s > 0:  # the block's gradients so far arrive from its previous holder
                 grads["pending"].wait()
                 local += grads["incoming"]
