@@ -62,7 +62,10 @@ reported in ``U = hp Q``):
   (this formula: 8.5 U), backward 10.3 U beyond the dq/dk/dv outputs and one full-sequence
   bf16 gradient buffer (this formula: 10.25 U); the working set does not grow with u;
 * without offload the stash keeps everything on the device: add ``Nd (1 + 2g)`` (q̂, K/V),
-  plus ``2 Nd`` of fp32 o accumulators in forward, or ``Nd (2 + 2)`` (o, dô, fp32 dq) in backward.
+  plus ``2 Nd`` of fp32 o accumulators in forward, or ``Nd (2 + 2)`` (o, dô, fp32 dq) in backward;
+* ``cp = 1`` runs the Ulysses pipeline; the same estimate is reported for it (its measured
+  forward working set was 16.3 U at sp = 1 before the memory issue's fixes, whose target is
+  9 U), so the planner compares the two paths on one scale.
 """
 
 from __future__ import annotations
