@@ -1,0 +1,129 @@
+"""Shared by the measurement scripts: where results go, device names, trial subprocesses.
+
+Every script writes JSON under ``benchmarks/results/<device-name>/<date>/`` relative to the
+repository (whatever the working directory); ``--tiny`` runs go to
+``benchmarks/results/<device-name>/cpu-smoke/`` so they never overwrite real results.
+``<device-name>`` is the CUDA device name, or ``cpu-<cpu model>`` on the CPU, lower-case
+with non-alphanumerics as ``-``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_name(device: torch.device | None = None) -> str:
+    device = device or default_device()
+    if device.type == "cuda":
+        return slug(torch.cuda.get_device_name(device))
+    return slug("cpu-" + cpu_name())
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def results_dir(tiny: bool, out_dir: str | None = None, device: torch.device | None = None) -> str:
+    """``benchmarks/results/<device>/<UTC date>`` (``.../cpu-smoke`` for ``--tiny``), created."""
+    if out_dir:
+        path = out_dir
+    else:
+        leaf = "cpu-smoke" if tiny else datetime.now(timezone.utc).strftime("%Y-%m-%d")
+        path = os.path.join(RESULTS, device_name(device), leaf)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def header(script: str, args) -> dict:
+    """The fields every results file starts with."""
+    dev = default_device()
+    return {"script": script, "device": device_name(dev), "device_type": dev.type,
+            "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
+            "torch": torch.__version__, "args": vars(args)}
+
+
+def write_json(path: str, obj: dict) -> str:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    return path
+
+
+def run_trial(script: str, argv: list[str], timeout_s: float) -> dict:
+    """Run ``python script --trial argv...`` in a fresh process; its last stdout line is JSON.
+
+    Returns that dict, or ``{"status": "timeout"}`` / ``{"status": "error", "error": ...}``.
+    """
+    cmd = [sys.executable, script, "--trial", *argv]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "timeout_s": timeout_s}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    return {"status": "error", "returncode": proc.returncode, "error": " | ".join(tail)}
+
+
+def exposed_copy_seconds(prof) -> dict:
+    """From a ``torch.profiler`` trace on CUDA: host<->device copy time, and the part of it
+    not overlapped by any compute kernel (FPDT Fig. 12's "exposed" copies)."""
+    from torch.autograd import DeviceType
+    copies, kernels = [], []
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        name = e.name.lower()
+        if "memcpy" in name and ("htod" in name or "dtoh" in name):
+            copies.append(span)
+        elif "memcpy" not in name and "memset" not in name:
+            kernels.append(span)
+    merged = []
+    for s, t in sorted(kernels):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t)
+        else:
+            merged.append([s, t])
+    total = exposed = 0.0
+    for s, t in copies:
+        total += t - s
+        covered = sum(max(0.0, min(t, b) - max(s, a)) for a, b in merged if a < t and b > s)
+        exposed += (t - s) - covered
+    return {"copy_s": total * 1e-6, "exposed_copy_s": exposed * 1e-6}

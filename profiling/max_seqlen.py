@@ -1,0 +1,269 @@
+"""Longest sequence one training step completes at, per strategy (FPDT Table 1 style).
+
+For a model config (default: the shipped Llama-3.2-1B shape, random weights) and each
+strategy of :mod:`strategies` (``fpdt``, ``fpdt-no-offload``, ``hf``, ``alst``), one trial
+runs one full training step (forward, backward, AdamW step) at one length, in a fresh
+subprocess, and records:
+
+* ``device_peak_bytes``: on CUDA ``max_memory_allocated`` (and ``reserved`` beside it); on
+  the CPU the memory accountant's device tier (:class:`fpdt.profiling.memory.MemoryAccountant`:
+  live tensor bytes created in the step) plus the parameters, which exist before it;
+* ``host_peak_bytes``: the host tier (offloaded stash counted by the accountant);
+  ``host_rss_peak_bytes``: the process's peak RSS;
+* ``step_s``, ``tokens_per_s``, ``mfu`` (the trainer's formula, :mod:`fpdt.train.metrics`);
+* for the fpdt strategies, ``planned_*``: what :mod:`fpdt.plan` predicts for the same run.
+
+Modes: bisection (default) between ``--min-len`` and ``--max-len`` in multiples of the
+chunk size, or ``--lengths`` (fixed lengths, each capped at ``--trial-timeout-s``, plus
+the least-squares slope of device bytes per 1K tokens). ``--device-mem-gib X`` caps the
+device: on CUDA through the allocator's memory fraction, on the CPU by calling a trial
+out of memory when the accountant's device tier passes X (so bisection means the same on
+both). A strategy whose packages are missing is reported as skipped, with the reason.
+
+    python profiling/max_seqlen.py --strategies fpdt hf --device-mem-gib 80
+    python profiling/max_seqlen.py --lengths 65536 131072 262144 524288 --trial-timeout-s 280
+    python profiling/max_seqlen.py --tiny          # CPU smoke run (benchmarks/results/<cpu>/cpu-smoke/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
+import bench_common as bc  # noqa: E402
+import strategies as st  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(bc.ROOT, "examples", "llama-3.2-1b", "config.json")
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 1 << 20,
+        "tie_word_embeddings": False, "rope_theta": 10000.0}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GIB = 1024 ** 3
+
+
+def load_config(args) -> dict:
+    if args.tiny and not args.model_config:
+        return dict(TINY)
+    with open(args.model_config or DEFAULT_CONFIG) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), 1 << 24)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- one trial
+
+def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str) -> dict:
+    """The planner's prediction for a single-device run of an fpdt strategy (no ZeRO)."""
+    from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_model_config
+    from fpdt.plan.setup import Setup
+    offload = strategy == "fpdt"
+    s = Setup(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpoint="offload" if offload else "on",
+              offload=offload, zero_stage=0, dtype=dtype)
+    r = evaluate(load_model_config(cfg), s, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1))
+    b = r["breakdown"]
+    states = b["parameters"] + b["gradients"] + b["optimizer_state"]
+    return {"planned_activation_peak_bytes": r["activation_peak_bytes"],
+            "planned_device_peak_bytes": states + r["activation_peak_bytes"],
+            "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"]}
+
+
+def trial(args) -> dict:
+    """One training step of ``args.strategy`` at ``args.seq_len`` (run in its own process)."""
+    device = bc.default_device()
+    cfg = load_config(args)
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    if device.type == "cuda" and args.device_mem_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_mem_gib * GIB / total), device)
+    out = {"strategy": args.strategy, "seq_len": args.seq_len}
+    try:
+        trainee = st.build(args.strategy, cfg, args.seq_len, args.chunk_size, device, dtype)
+        ids = torch.randint(0, cfg["vocab_size"], (1, args.seq_len), device=device)
+        param_bytes = sum(p.numel() * p.element_size() for p in trainee.params)
+        from fpdt.profiling.memory import MemoryAccountant
+        profile = args.profile_copies and device.type == "cuda"
+        if profile:                                # warm-up step, so the trace holds a steady step
+            trainee.step(ids)
+        with MemoryAccountant(device) as acct, _maybe_profiler(profile) as prof:
+            t0 = time.perf_counter()
+            trainee.step(ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+        summary = acct.summary()
+        if profile:
+            out.update(bc.exposed_copy_seconds(prof))
+    except torch.cuda.OutOfMemoryError as exc:
+        return {**out, "status": "oom", "error": str(exc).splitlines()[0]}
+    counted = param_bytes + summary["device_peak"]
+    device_peak = summary["cuda_allocated_peak"] if device.type == "cuda" else counted
+    out.update(status="ok", step_s=seconds, tokens_per_s=args.seq_len / seconds,
+               param_bytes=param_bytes, device_peak_bytes=device_peak, counted_device_peak_bytes=counted,
+               device_reserved_peak_bytes=summary["cuda_reserved_peak"], host_peak_bytes=summary["host_peak"],
+               host_rss_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, notes=trainee.notes)
+    from fpdt.train.metrics import ModelShape, resolve_peak_flops, step_rates
+    shape = ModelShape(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+                       cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+                       cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+                       cfg["intermediate_size"], cfg["vocab_size"])
+    peak, source = resolve_peak_flops(device, args.dtype, None)
+    rates = step_rates(shape, args.seq_len, args.seq_len, seconds, 1, peak, trainee.recompute)
+    out.update(mfu=rates.mfu, mfu_full=rates.mfu_full, peak_flops=peak, peak_source=source)
+    if args.strategy.startswith("fpdt"):
+        out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype))
+    if args.device_mem_gib and device_peak > args.device_mem_gib * GIB:
+        out["status"] = "oom"
+        out["error"] = f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {args.device_mem_gib}"
+    return out
+
+
+def _maybe_profiler(on: bool):
+    import contextlib
+    if not on:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+# ----------------------------------------------------------------------------- drivers
+
+def trial_argv(args, strategy: str, seq_len: int) -> list[str]:
+    argv = ["--strategy", strategy, "--seq-len", str(seq_len), "--chunk-size", str(args.chunk_size),
+            "--dtype", args.dtype]
+    if args.tiny:
+        argv.append("--tiny")
+    if args.model_config:
+        argv += ["--model-config", args.model_config]
+    if args.device_mem_gib:
+        argv += ["--device-mem-gib", str(args.device_mem_gib)]
+    if getattr(args, "profile_copies", False):
+        argv.append("--profile-copies")
+    return argv
+
+
+def run_one(args, strategy: str, seq_len: int, log: list, on_trial=None) -> dict:
+    argv = trial_argv(args, strategy, seq_len)
+    if args.in_process:
+        r = trial(build_parser().parse_args(["--trial", *argv]))
+    else:
+        r = bc.run_trial(os.path.abspath(__file__), argv, args.trial_timeout_s)
+    r.setdefault("strategy", strategy)
+    r.setdefault("seq_len", seq_len)
+    log.append(r)
+    if on_trial is not None:
+        on_trial()
+    gib = r.get("device_peak_bytes")
+    print(f"  {strategy:<16} {seq_len:>9}  {r['status']:<8}"
+          + (f" device {gib / GIB:8.3f} GiB  host {r['host_peak_bytes'] / GIB:8.3f} GiB  {r['step_s']:8.2f} s"
+             if r["status"] == "ok" else f" {r.get('error', '')[:100]}"), flush=True)
+    return r
+
+
+def bisect(args, strategy: str, log: list, on_trial=None) -> int:
+    """Longest multiple of the chunk size in [min_len, max_len] whose trial completes (0 if none)."""
+    g = args.chunk_size
+    lo, hi = 0, None
+    k = max(1, args.min_len // g)
+    while k * g <= args.max_len:
+        if run_one(args, strategy, k * g, log, on_trial)["status"] == "ok":
+            lo, k = k, k * 2
+        else:
+            hi = k
+            break
+    if hi is None:
+        return lo * g
+    while hi - lo > 1 and (hi - lo) * g >= args.resolution:
+        mid = (lo + hi) // 2
+        if run_one(args, strategy, mid * g, log, on_trial)["status"] == "ok":
+            lo = mid
+        else:
+            hi = mid
+    return lo * g
+
+
+def slope_per_1k(trials: list, key: str = "device_peak_bytes") -> float | None:
+    """Least-squares slope of ``key`` against sequence length, in bytes per 1K tokens."""
+    pts = [(t["seq_len"], t[key]) for t in trials if t.get("status") == "ok" and t.get(key) is not None]
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return None if sxx == 0 else 1024 * sum((x - mx) * (y - my) for x, y in pts) / sxx
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategies", nargs="+", default=list(st.STRATEGIES), choices=st.STRATEGIES)
+    p.add_argument("--model-config", help="config.json (default: examples/llama-3.2-1b/config.json)")
+    p.add_argument("--chunk-size", type=int, default=65536, help="global FPDT chunk; also the bisection step")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--lengths", type=int, nargs="+", help="fixed lengths instead of bisection")
+    p.add_argument("--min-len", type=int, default=65536)
+    p.add_argument("--max-len", type=int, default=1 << 24)
+    p.add_argument("--resolution", type=int, default=65536, help="stop bisecting below this gap")
+    p.add_argument("--device-mem-gib", type=float, help="device capacity (simulated on the CPU)")
+    p.add_argument("--trial-timeout-s", type=float, default=580.0)
+    p.add_argument("--tiny", action="store_true", help="tiny model, CPU smoke sizes, results in cpu-smoke/")
+    p.add_argument("--out-dir", help="write here instead of benchmarks/results/<device>/<date>")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
+    p.add_argument("--in-process", action="store_true",
+                   help="run trials in this process (tests only: no fresh process per trial)")
+    p.add_argument("--profile-copies", action="store_true", help="CUDA: trace the step, report exposed copy time")
+    p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--strategy", help=argparse.SUPPRESS)
+    p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.trial:
+        print(json.dumps(trial(args)), flush=True)
+        return {}
+    if args.tiny:
+        args.chunk_size = min(args.chunk_size, 64)
+        args.min_len, args.max_len, args.resolution = 64, min(args.max_len, 512), 64
+        args.dtype = "fp32" if "--dtype" not in (argv or sys.argv) else args.dtype
+    cfg = load_config(args)
+    result = {**bc.header("max_seqlen", args), "model": cfg, "mode": "lengths" if args.lengths else "bisect",
+              "device_mem_gib": args.device_mem_gib, "strategies": {}}
+    name = f"max_seqlen{'-' + args.tag if args.tag else ''}.json"
+    path = os.path.join(bc.results_dir(args.tiny, args.out_dir), name)
+
+    def save():   # after every trial, so a piece stopped by its time budget keeps what it measured
+        bc.write_json(path, result)
+    for strategy in args.strategies:
+        why = st.missing_packages(strategy)
+        if why:
+            result["strategies"][strategy] = {"status": "skipped", "reason": why}
+            print(f"  {strategy:<16} skipped: {why}")
+            continue
+        log: list = []
+        entry = result["strategies"][strategy] = {"status": "ran", "trials": log}
+        if args.lengths:
+            for length in args.lengths:
+                run_one(args, strategy, length, log, save)
+            ok = [t["seq_len"] for t in log if t["status"] == "ok"]
+            entry["max_completed_len"] = max(ok) if ok else 0
+        else:
+            entry["max_seq_len"] = bisect(args, strategy, log, save)
+        entry["slope_device_bytes_per_1k_tokens"] = slope_per_1k(log)
+        entry["slope_host_bytes_per_1k_tokens"] = slope_per_1k(log, "host_peak_bytes")
+    save()
+    print(f"wrote {os.path.relpath(path, bc.ROOT)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Per-chunk-size latency of FPDT's operations, and the planner's calibration file.
+
+For each global chunk size ``C`` (one rank; heads and head dim from the model config,
+default Llama-3-8B: 32 query / 8 KV heads of 128) it times, median of ``--iters`` after
+``--warmup``:
+
+* attention forward and backward of one diagonal (causal) block and one full block
+  ``[1, C, H, D]`` against ``[1, C, H_kv, D]``, through :mod:`fpdt.attention.kernels`;
+* the device->host and host->device copies of one chunk's q/k/v, pinned and pageable
+  (on the CPU: a host-to-host copy, reported as such);
+* the Ulysses all-to-all of one chunk's q/k/v when launched on several ranks
+  (``torchrun --nproc_per_node N profiling/op_latency.py``), else skipped;
+* copy bandwidth against transfer size, pinned vs pageable (FPDT Fig. 10).
+
+It writes ``op_latency.json`` and ``calibration.json`` (``fpdt-plan --calibration``):
+``gemm_flops`` (a square matmul in the run's dtype), ``attention_flops`` (causal
+forward + backward FLOPs per second at the largest chunk), ``h2d_bytes_s`` /
+``d2h_bytes_s`` (pinned, largest size) and ``intra_node_bytes_s`` (all-to-all, when measured).
+
+    python profiling/op_latency.py                       # 8K..256K chunks on the GPU
+    python profiling/op_latency.py --tiny                # CPU smoke sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
+import bench_common as bc  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, warmup: int, iters: int) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def attention_latency(c: int, heads: int, kv_heads: int, head_dim: int, device, dtype, warmup, iters) -> dict:
+    from fpdt.attention.kernels import default_scale, get_backend
+    be = get_backend(None, device, dtype, head_dim)
+    q = torch.randn(1, c, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(1, c, kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    scale = default_scale(head_dim)
+    out = {"backend": be.name}
+    for label, causal in (("diag", True), ("full", False)):
+        o, lse = be.forward(q, k, v, causal, scale)
+        do = torch.randn_like(o)
+        out[f"{label}_fwd_s"] = timed(lambda: be.forward(q, k, v, causal, scale), device, warmup, iters)
+        out[f"{label}_bwd_s"] = timed(lambda: be.backward(do, q, k, v, o, lse, causal, scale), device, warmup, iters)
+    return out
+
+
+def copy_latency(nbytes: int, device, warmup, iters) -> dict:
+    """Seconds to copy ``nbytes`` device->host and host->device, pinned and pageable."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for pinned in (True, False):
+        if pinned and device.type != "cuda":
+            continue
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        tag = "pinned" if pinned else "pageable"
+        out[f"d2h_{tag}_s"] = timed(lambda: host.copy_(src, non_blocking=pinned), device, warmup, iters)
+        out[f"h2d_{tag}_s"] = timed(lambda: src.copy_(host, non_blocking=pinned), device, warmup, iters)
+    return out
+
+
+def all_to_all_latency(c: int, width: int, device, dtype, warmup, iters) -> float | None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from fpdt.comm.ulysses import seq_to_heads
+    p = dist.get_world_size()
+    x = torch.randn(1, c // p, width, 1, device=device, dtype=dtype)   # this rank's q/k/v rows of the chunk
+    return timed(lambda: seq_to_heads(x, None), device, warmup, iters)
+
+
+def gemm_flops(device, dtype, n: int, iters: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / timed(lambda: a @ b, device, 1, iters)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunks", type=int, nargs="+", default=[2 ** k for k in range(13, 19)])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--bandwidth-sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    p.add_argument("--tiny", action="store_true", help="CPU smoke sizes, results in cpu-smoke/")
+    p.add_argument("--out-dir")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.tiny:
+        args.chunks, args.heads, args.kv_heads, args.head_dim = [64, 128], 4, 2, 16
+        args.warmup, args.iters, args.bandwidth_sizes_mib = 0, 2, [0.25, 1]
+        args.dtype = "fp32" if "--dtype" not in (argv or sys.argv) else args.dtype
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = bc.default_device()
+    dtype = DTYPES[args.dtype]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for c in args.chunks:
+        qkv_bytes = c * (args.heads + 2 * args.kv_heads) * args.head_dim * elem
+        row = {"chunk": c, "qkv_bytes": qkv_bytes,
+               **attention_latency(c, args.heads, args.kv_heads, args.head_dim, device, dtype, args.warmup,
+                                   args.iters),
+               **{f"qkv_{k}": v for k, v in copy_latency(qkv_bytes, device, args.warmup, args.iters).items()},
+               "all_to_all_s": all_to_all_latency(c, (args.heads + 2 * args.kv_heads) * args.head_dim, device,
+                                                  dtype, args.warmup, args.iters)}
+        rows.append(row)
+        print(f"  chunk {c:>7}: attention fwd {row['diag_fwd_s'] * 1e3:8.2f} / {row['full_fwd_s'] * 1e3:8.2f} ms "
+              f"(diag/full), bwd {row['full_bwd_s'] * 1e3:8.2f} ms, qkv d2h {row['qkv_d2h_pageable_s'] * 1e3:7.2f} ms",
+              flush=True)
+    bandwidth = []
+    for mib in args.bandwidth_sizes_mib:
+        nbytes = int(mib * 2 ** 20)
+        lat = copy_latency(nbytes, device, args.warmup, args.iters)
+        bandwidth.append({"bytes": nbytes, **{k.replace("_s", "_bytes_s"): nbytes / v for k, v in lat.items()}})
+
+    last = rows[-1]
+    c = last["chunk"]
+    causal_flops = 4 * c * c * args.heads * args.head_dim / 2            # one diagonal block, forward
+    full_flops = 4 * c * c * args.heads * args.head_dim
+    attn_rate = 3 * (causal_flops + full_flops) / (last["diag_fwd_s"] + last["diag_bwd_s"]
+                                                   + last["full_fwd_s"] + last["full_bwd_s"])
+    big = bandwidth[-1]
+    calibration = {
+        "device": bc.device_name(device), "dtype": args.dtype,
+        "gemm_flops": gemm_flops(device, dtype, 256 if args.tiny else 8192, args.iters),
+        "attention_flops": attn_rate,
+        "h2d_bytes_s": big.get("h2d_pinned_bytes_s", big.get("h2d_pageable_bytes_s")),
+        "d2h_bytes_s": big.get("d2h_pinned_bytes_s", big.get("d2h_pageable_bytes_s")),
+    }
+    if last["all_to_all_s"]:
+        p = dist.get_world_size()
+        calibration["intra_node_bytes_s"] = last["qkv_bytes"] / p * (p - 1) / p / last["all_to_all_s"]
+    result = {**bc.header("op_latency", args), "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+              "chunks": rows, "bandwidth": bandwidth, "calibration": calibration,
+              "note": None if device.type == "cuda" else "CPU: copies are host-to-host memcpy, not PCIe"}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out = bc.results_dir(args.tiny, args.out_dir, device)
+        bc.write_json(os.path.join(out, "op_latency.json"), result)
+        bc.write_json(os.path.join(out, "calibration.json"), calibration)
+        print(f"wrote {os.path.relpath(out, bc.ROOT)}/op_latency.json and calibration.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""PNG plots and a generated markdown table from the measurement scripts' JSON.
+
+Reads ``max_seqlen*.json``, ``chunk_sweep.json`` and ``op_latency.json`` in one results
+directory and writes, next to them, whichever of these the files allow:
+
+* ``chunk_sweep.png``: device memory (model states / activations) and MFU vs chunk size;
+* ``op_latency.png``: attention and copy latency vs chunk size, copy bandwidth vs size;
+* ``max_seqlen.png``: the longest completed length per strategy;
+* ``memory_vs_length.png``: device-tier peak (and host tier) vs length per strategy.
+
+The markdown (``results.md`` beside them, and the same text between the
+``<!-- plot.py begin -->`` / ``<!-- plot.py end -->`` markers of ``--readme``, default
+``benchmarks/README.md``) has, per strategy: the longest length, the least-squares slope of
+device bytes per 1K tokens, host bytes per 1K tokens, per-length device/host/total/step
+time, fpdt's slope and step-time ratios against ``hf`` and ``alst``, and the planner's
+prediction beside fpdt's measurement.
+
+    python profiling/plot.py benchmarks/results/<device>/<date>
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
+import bench_common as bc  # noqa: E402
+
+BEGIN, END = "<!-- plot.py begin -->", "<!-- plot.py end -->"
+MIB, GIB = 2 ** 20, 2 ** 30
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _ok(trials):
+    return [t for t in trials if t.get("status") == "ok"]
+
+
+def plot_chunk_sweep(data: dict, out: str) -> str:
+    plt = _plt()
+    rows = [r for r in _ok(data["rows"]) if r["strategy"] == "fpdt"]
+    xs = [r["chunk_size"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar([str(x) for x in xs], [r["model_states_bytes"] / MIB for r in rows], label="model states")
+    a.bar([str(x) for x in xs], [r["activation_bytes"] / MIB for r in rows],
+          bottom=[r["model_states_bytes"] / MIB for r in rows], label="activations")
+    a.set(xlabel="global chunk (tokens)", ylabel="peak device memory (MiB)", title=f"S = {data['seq_len']}")
+    a.legend()
+    b.plot([str(x) for x in xs], [100 * (r.get("mfu") or 0) for r in rows], marker="o", label="MFU %")
+    exposed = [r.get("exposed_copy_s") for r in rows]
+    if any(e is not None for e in exposed):
+        b2 = b.twinx()
+        b2.plot([str(x) for x in xs], [e or 0 for e in exposed], color="tab:red", marker="s", label="exposed copy s")
+        b2.set_ylabel("exposed copy time (s)")
+    b.set(xlabel="global chunk (tokens)", ylabel="MFU (%)")
+    fig.tight_layout()
+    path = os.path.join(out, "chunk_sweep.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_op_latency(data: dict, out: str) -> str:
+    plt = _plt()
+    rows = data["chunks"]
+    xs = [r["chunk"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("diag_fwd_s", "attention fwd (diagonal)"), ("full_fwd_s", "attention fwd (full)"),
+                       ("full_bwd_s", "attention bwd (full)"), ("qkv_h2d_pinned_s", "q/k/v H2D pinned"),
+                       ("qkv_h2d_pageable_s", "q/k/v H2D pageable"), ("all_to_all_s", "all-to-all")):
+        ys = [r.get(key) for r in rows]
+        if all(y is not None for y in ys):
+            a.plot(xs, [1e3 * y for y in ys], marker="o", label=label)
+    a.set(xscale="log", yscale="log", xlabel="chunk (tokens)", ylabel="ms", title="latency per chunk")
+    a.legend(fontsize=7)
+    bw = data["bandwidth"]
+    for key in ("h2d_pinned_bytes_s", "h2d_pageable_bytes_s", "d2h_pinned_bytes_s", "d2h_pageable_bytes_s"):
+        if all(key in r for r in bw):
+            b.plot([r["bytes"] / MIB for r in bw], [r[key] / 1e9 for r in bw], marker="o", label=key[:-8])
+    b.set(xscale="log", xlabel="transfer (MiB)", ylabel="GB/s", title="copy bandwidth")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "op_latency.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _strategies(files: list[dict]) -> dict:
+    """strategy -> {"trials": [...], "max_seq_len": int|None, "skipped": reason|None} over all files."""
+    merged: dict = {}
+    for data in files:
+        for name, entry in data["strategies"].items():
+            m = merged.setdefault(name, {"trials": [], "max_seq_len": None, "skipped": None})
+            if entry["status"] == "skipped":
+                m["skipped"] = entry["reason"]
+                continue
+            m["trials"] += entry["trials"]
+            if "max_seq_len" in entry:
+                m["max_seq_len"] = max(m["max_seq_len"] or 0, entry["max_seq_len"])
+    return merged
+
+
+def plot_max_seqlen(strats: dict, out: str) -> str | None:
+    plt = _plt()
+    names = [n for n, s in strats.items() if s["max_seq_len"] is not None]
+    if not names:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(names, [strats[n]["max_seq_len"] / 1024 for n in names])
+    ax.set(ylabel="longest completed length (K tokens)", title="max sequence length per strategy")
+    fig.tight_layout()
+    path = os.path.join(out, "max_seqlen.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_memory_vs_length(strats: dict, out: str) -> str | None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drew = False
+    for name, s in strats.items():
+        pts = sorted((t["seq_len"], t["device_peak_bytes"], t["host_peak_bytes"]) for t in _ok(s["trials"]))
+        if pts:
+            line, = ax.plot([p[0] / 1024 for p in pts], [p[1] / MIB for p in pts], marker="o", label=name)
+            if any(p[2] for p in pts):
+                ax.plot([p[0] / 1024 for p in pts], [p[2] / MIB for p in pts], ls="--", color=line.get_color(),
+                        label=f"{name} (host tier)")
+            drew = True
+    if not drew:
+        plt.close(fig)
+        return None
+    ax.set(xlabel="sequence length (K tokens)", ylabel="peak (MiB)", title="device-tier peak vs length")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "memory_vs_length.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _slope(trials, key):
+    import max_seqlen as ms
+    return ms.slope_per_1k(trials, key)
+
+
+def markdown(strats: dict, files: list[dict], rel: str) -> str:
+    first = files[0] if files else {}
+    lines = [f"Results in `{rel}` (device `{first.get('device')}`, commit {first.get('commit')}, "
+             f"{first.get('date_utc')}). Device tier on the CPU = live tensor bytes counted by "
+             f"`fpdt.profiling.memory` plus parameters; host tier = offloaded stash.", ""]
+    lines += ["| strategy | longest length | device KiB / 1K tokens | host KiB / 1K tokens |",
+              "|---|---|---|---|"]
+    slopes = {}
+    for name, s in strats.items():
+        if s["skipped"]:
+            lines.append(f"| {name} | skipped: {s['skipped']} | | |")
+            continue
+        dev, host = _slope(s["trials"], "device_peak_bytes"), _slope(s["trials"], "host_peak_bytes")
+        slopes[name] = dev
+        longest = s["max_seq_len"] if s["max_seq_len"] is not None else "-"
+        lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |" if dev is not None
+                     else f"| {name} | {longest} | - | - |")
+    lines += ["", "| strategy | length | device MiB | host MiB | total MiB | step s | planned device MiB |",
+              "|---|---|---|---|---|---|---|"]
+    times: dict = {}
+    for name, s in strats.items():
+        for t in sorted(_ok(s["trials"]), key=lambda t: t["seq_len"]):
+            times.setdefault(t["seq_len"], {})[name] = t["step_s"]
+            plan = t.get("planned_device_peak_bytes")
+            lines.append(f"| {name} | {t['seq_len']} | {t['device_peak_bytes'] / MIB:.1f} | "
+                         f"{t['host_peak_bytes'] / MIB:.1f} | "
+                         f"{(t['device_peak_bytes'] + t['host_peak_bytes']) / MIB:.1f} | {t['step_s']:.2f} | "
+                         f"{'' if plan is None else f'{plan / MIB:.1f}'} |")
+    ratios = []
+    for other in ("hf", "alst"):
+        if slopes.get("fpdt") is not None and slopes.get(other):
+            ratios.append(f"fpdt / {other} device slope: **{slopes['fpdt'] / slopes[other]:.3f}**")
+        same = sorted(n for n, t in times.items() if "fpdt" in t and other in t)
+        if same:
+            ratios.append(f"fpdt / {other} step time: " + ", ".join(
+                f"{n}: {times[n]['fpdt'] / times[n][other]:.2f}" for n in same))
+    if ratios:
+        lines += [""] + [f"- {r}" for r in ratios]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(path: str, text: str) -> None:
+    block = f"{BEGIN}\n{text}{END}\n"
+    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END) + 1:]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block
+    with open(path, "w") as f:
+        f.write(new)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", help="a results directory (benchmarks/results/<device>/<date>)")
+    p.add_argument("--readme", default=os.path.join(bc.ROOT, "benchmarks", "README.md"),
+                   help="markdown file whose generated block is replaced ('' to skip)")
+    args = p.parse_args(argv)
+    out, written = args.results, []
+    if os.path.exists(os.path.join(out, "chunk_sweep.json")):
+        written.append(plot_chunk_sweep(_load(os.path.join(out, "chunk_sweep.json")), out))
+    if os.path.exists(os.path.join(out, "op_latency.json")):
+        written.append(plot_op_latency(_load(os.path.join(out, "op_latency.json")), out))
+    files = [_load(f) for f in sorted(glob.glob(os.path.join(out, "max_seqlen*.json")))]
+    md = None
+    if files:
+        strats = _strategies(files)
+        written += [x for x in (plot_max_seqlen(strats, out), plot_memory_vs_length(strats, out)) if x]
+        rel = os.path.relpath(os.path.abspath(out), bc.ROOT)
+        md = markdown(strats, files, rel)
+        with open(os.path.join(out, "results.md"), "w") as f:
+            f.write(md)
+        written.append(os.path.join(out, "results.md"))
+        if args.readme:
+            write_readme(args.readme, md)
+    for w in written:
+        print(f"wrote {w}")
+    return {"written": written, "markdown": md}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The measurement suite in one command, in pieces that each fit a time budget.
+#
+#   bash profiling/run_suite.sh                     # on a GPU: op latency, chunk sweep, max length per
+#                                                   # strategy, fixed-length comparison, plots
+#   bash profiling/run_suite.sh --tiny              # CPU smoke sizes (results in .../cpu-smoke/)
+#   bash profiling/run_suite.sh --side-by-side      # the CPU side-by-side of issue 11 section 3
+#
+# Options: --budget-min N (minutes per piece, default 10, at most 10), --device-mem-gib X
+# (simulated capacity for the max-length search on the CPU; default 2 for --side-by-side),
+# --out-dir DIR (default benchmarks/results/<device>/<date>). Every piece runs under
+# `timeout` and `nice`; a piece that runs out of time is reported and the suite goes on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+BUDGET=10; TINY=0; SIDE=0; MEM=""; OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --budget-min) BUDGET="$2"; shift 2;;
+    --tiny) TINY=1; shift;;
+    --side-by-side) SIDE=1; shift;;
+    --device-mem-gib) MEM="$2"; shift 2;;
+    --out-dir) OUT="$2"; shift 2;;
+    *) echo "run_suite.sh: unknown option $1 (see the header of this file)" >&2; exit 2;;
+  esac
+done
+if [ "$BUDGET" -gt 10 ] || [ "$BUDGET" -lt 1 ]; then echo "--budget-min must be 1..10" >&2; exit 2; fi
+CAP=$((BUDGET * 60 - 20))            # per-trial cap inside a piece
+if [ -z "$OUT" ]; then
+  OUT=$(python -c "import sys; sys.path.insert(0, 'profiling'); import bench_common as bc; print(bc.results_dir($TINY == 1))")
+fi
+mkdir -p "$OUT"
+FAILED=0
+piece() {   # piece NAME CMD...: run one piece under the budget
+  local name="$1"; shift
+  echo "== $name ($(date -u +%H:%M:%S), budget ${BUDGET} min)"
+  timeout "${BUDGET}m" nice -n 10 "$@" || { echo "!! $name stopped (exit $?)"; FAILED=$((FAILED + 1)); }
+}
+
+if [ "$TINY" = 1 ]; then
+  piece op_latency python profiling/op_latency.py --tiny --out-dir "$OUT"
+  piece chunk_sweep python profiling/chunk_sweep.py --tiny --no-offload-too --out-dir "$OUT"
+  for s in fpdt fpdt-no-offload hf alst; do
+    piece "max_seqlen $s" python profiling/max_seqlen.py --tiny --strategies "$s" --lengths 64 128 \
+      --tag "$s" --out-dir "$OUT"
+  done
+elif [ "$SIDE" = 1 ]; then
+  CFG=benchmarks/side_by_side_config.json
+  for s in fpdt fpdt-no-offload hf alst; do
+    piece "lengths $s" python profiling/max_seqlen.py --model-config "$CFG" --dtype fp32 --chunk-size 1024 \
+      --strategies "$s" --lengths 2048 4096 8192 16384 --trial-timeout-s "$CAP" --tag "lengths-$s" --out-dir "$OUT"
+    piece "bisect $s" python profiling/max_seqlen.py --model-config "$CFG" --dtype fp32 --chunk-size 1024 \
+      --strategies "$s" --device-mem-gib "${MEM:-2}" --min-len 2048 --max-len 1048576 --resolution 2048 \
+      --trial-timeout-s "$CAP" --tag "bisect-$s" --out-dir "$OUT"
+  done
+else
+  piece op_latency python profiling/op_latency.py --out-dir "$OUT"
+  piece chunk_sweep python profiling/chunk_sweep.py --seq-len 262144 --no-offload-too --trial-timeout-s "$CAP" --out-dir "$OUT"
+  for s in fpdt fpdt-no-offload hf alst; do
+    piece "lengths $s" python profiling/max_seqlen.py --strategies "$s" --lengths 65536 131072 262144 524288 \
+      --trial-timeout-s "$CAP" --tag "lengths-$s" --out-dir "$OUT"
+    piece "bisect $s" python profiling/max_seqlen.py --strategies "$s" ${MEM:+--device-mem-gib "$MEM"} \
+      --trial-timeout-s "$CAP" --tag "bisect-$s" --out-dir "$OUT"
+  done
+fi
+README_ARG=()
+[ "$TINY" = 1 ] && README_ARG=(--readme "")   # smoke runs never touch benchmarks/README.md
+piece plot python profiling/plot.py "$OUT" "${README_ARG[@]}"
+echo "== done: results in $OUT ($FAILED piece(s) stopped early)"

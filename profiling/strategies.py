@@ -1,0 +1,192 @@
+"""The four long-sequence training strategies the measurement scripts compare, on one model.
+
+Each ``build_<strategy>(cfg, seq_len, chunk_size, device, dtype)`` returns a
+:class:`Trainee`: the model's parameters and a ``step(ids)`` closure that runs one full
+training step (forward, backward, AdamW step) on ``ids`` ``[1, S]``. Weights are random
+(seeded by the caller); every strategy sees the same model shape and the same tokens.
+
+* ``fpdt``: :mod:`fpdt.model` with chunked attention (``S / chunk_size`` chunks),
+  attention offload, chunked MLP and loss (model defaults), ``checkpointing="offload"``.
+* ``fpdt-no-offload``: the same without any host offload (``offload=False``,
+  ``checkpointing="on"``).
+* ``hf``: ``transformers`` ``LlamaForCausalLM`` with SDPA attention and gradient
+  checkpointing (non-reentrant), full-logits loss.
+* ``alst``: DeepSpeed's long-sequence recipe for a Hugging Face model on one GPU, set up as
+  DeepSpeed documents it: ``TiledMLP`` patched into ``LlamaMLP.forward`` (shards =
+  ``ceil(S / hidden)``, the docstring's rule), ``TiledFusedLogitsLoss`` for the LM head and
+  loss (as many shards as fpdt's loss chunks), gradient checkpointing with DeepSpeed's
+  checkpoint offload (``CheckpointHiddenStatesOffload``) held over forward *and* backward.
+
+**ALST on the CPU.** DeepSpeed's offload engine skips tensors that are not on an
+accelerator, so on the CPU its offload would be a no-op and its layer inputs would count
+as device memory. :func:`cpu_offload_hooks` hooks the engine's offload entry point
+instead: ``_should_skip`` keeps every test except "not on an accelerator", and the host
+copies are drawn from (and returned to) an :class:`fpdt.offload.HostBufferPool`, the pool
+the memory accountant recognises as host stash. Everything else is DeepSpeed's own code:
+which inputs are offloaded, the newest one kept on the device, and every restored input
+kept until the context exits (so its peak comes in the first layer's backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+STRATEGIES = ("fpdt", "fpdt-no-offload", "hf", "alst")
+
+
+@dataclass
+class Trainee:
+    params: list
+    step: Callable[[torch.Tensor], float]
+    """Runs forward + backward + optimizer step on ``ids`` ``[1, S]``; returns the loss."""
+    recompute: bool
+    """Whether the layer forward runs twice (activation checkpointing), for HFU."""
+    notes: str = ""
+
+
+def missing_packages(strategy: str) -> str | None:
+    """Why ``strategy`` cannot run here (a missing package), or None."""
+    import importlib.util
+    need = {"hf": ["transformers"], "alst": ["transformers", "deepspeed"]}.get(strategy, [])
+    missing = [p for p in need if importlib.util.find_spec(p) is None]
+    return f"missing package(s): {', '.join(missing)}" if missing else None
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-5, foreach=False)
+
+
+def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload: bool = True) -> Trainee:
+    import fpdt.model as fm
+    chunks = max(1, seq_len // min(chunk_size, seq_len))
+    model = fm.from_config(cfg, device=device, dtype=dtype, num_chunks=chunks, offload=offload,
+                           checkpointing="offload" if offload else "on")
+    opt = _adamw(model.parameters())
+
+    def step(ids):
+        loss = model(**model.prepare_inputs(ids))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return Trainee(list(model.parameters()), step, recompute=True,
+                   notes=f"num_chunks={chunks}, mlp_chunks={model.mlp_chunks}, loss_chunks={model.loss_chunks}")
+
+
+def _hf_model(cfg: dict, device, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    hf_cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def build_hf(cfg: dict, seq_len: int, chunk_size: int, device, dtype) -> Trainee:
+    model = _hf_model(cfg, device, dtype)
+    opt = _adamw(model.parameters())
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return Trainee(list(model.parameters()), step, recompute=True, notes="sdpa, gradient checkpointing")
+
+
+@contextlib.contextmanager
+def cpu_offload_hooks(engine_cls):
+    """Make DeepSpeed's activation offload engine offload CPU tensors into a host pool.
+
+    See the module docstring. Restores the engine's methods on exit.
+    """
+    from fpdt.offload import HostBufferPool
+    pool = HostBufferPool(pin_memory=False)
+    saved = {n: engine_cls.__dict__[n] for n in ("_should_skip", "_empty_cpu_like", "_pool_cpu_buffer")}
+
+    def _should_skip(self, tensor):      # DeepSpeed's tests minus "not on an accelerator"
+        return (self._num_bytes(tensor) < self.min_offload_bytes or isinstance(tensor, torch.nn.Parameter)
+                or (tensor.numel() > 1 and 0 in tensor.stride()))
+
+    def _empty_cpu_like(self, tensor):
+        return pool.acquire(tuple(tensor.size()), tensor.dtype), self._buffer_key(tensor)
+
+    def _pool_cpu_buffer(self, key, tensor):
+        pool.release(tensor)
+
+    engine_cls._should_skip, engine_cls._empty_cpu_like, engine_cls._pool_cpu_buffer = (
+        _should_skip, _empty_cpu_like, _pool_cpu_buffer)
+    try:
+        yield pool
+    finally:
+        for name, fn in saved.items():
+            setattr(engine_cls, name, fn)
+
+
+def build_alst(cfg: dict, seq_len: int, chunk_size: int, device, dtype) -> Trainee:
+    import torch.nn.functional as F
+    from deepspeed.runtime.activation_checkpointing import offload_activations as oa
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+    from transformers.models.llama import modeling_llama
+
+    from fpdt.model.loss import default_loss_chunks
+
+    def tiled_mlp_forward(self, x):              # DeepSpeed's documented LlamaMLP patch (one process)
+        num_shards = math.ceil(x.shape[-2] / x.shape[-1])
+        compute_params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+
+        def mlp_forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return TiledMLP.apply(mlp_forward, self, x, num_shards, compute_params)
+
+    original_mlp_forward = modeling_llama.LlamaMLP.forward
+    modeling_llama.LlamaMLP.forward = tiled_mlp_forward   # before the model is built, as documented
+    try:
+        model = _hf_model(cfg, device, dtype)
+    finally:
+        modeling_llama.LlamaMLP.forward = original_mlp_forward
+    patched = {id(m): m for m in model.modules() if isinstance(m, modeling_llama.LlamaMLP)}
+    for m in patched.values():                 # keep the tiled forward on this model's MLPs only
+        m.forward = tiled_mlp_forward.__get__(m)
+    opt = _adamw(model.parameters())
+    shards = default_loss_chunks(cfg["vocab_size"], cfg["hidden_size"])
+    on_cpu = torch.device(device).type == "cpu"
+
+    def loss_fn(self, x, y):
+        logits = self.lm_head(x).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+
+    def step(ids):
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        hooks = cpu_offload_hooks(oa._ActivationOffloadEngine) if on_cpu else contextlib.nullcontext()
+        with hooks, oa.get_checkpoint_hidden_states_offloading_ctx_manager(use_streams=not on_cpu):
+            hidden = model.model(input_ids=ids).last_hidden_state
+            loss = TiledFusedLogitsLoss.apply(loss_fn, model, hidden, labels, None, min(shards, ids.shape[1]),
+                                              [model.lm_head.weight], "mean")
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return Trainee(list(model.parameters()), step, recompute=True,
+                   notes=f"TiledMLP shards ceil(S/hidden), TiledFusedLogitsLoss shards {shards}, "
+                         f"checkpoint offload{' (CPU hook)' if on_cpu else ''}")
+
+
+def build(strategy: str, cfg: dict, seq_len: int, chunk_size: int, device, dtype) -> Trainee:
+    if strategy == "fpdt":
+        return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=True)
+    if strategy == "fpdt-no-offload":
+        return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=False)
+    if strategy == "hf":
+        return build_hf(cfg, seq_len, chunk_size, device, dtype)
+    if strategy == "alst":
+        return build_alst(cfg, seq_len, chunk_size, device, dtype)
+    raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")

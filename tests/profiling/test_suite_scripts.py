@@ -1,0 +1,114 @@
+"""CPU smoke tests of the measurement suite (profiling/): tiny sizes, JSON fields, plots.
+
+Trials run in-process here (``--in-process``) to keep the suite fast; one test runs a
+trial in a fresh subprocess, the way the scripts do by default.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRIAL_FIELDS = {"status", "strategy", "seq_len", "step_s", "tokens_per_s", "mfu", "device_peak_bytes",
+                "device_reserved_peak_bytes", "host_peak_bytes", "host_rss_peak_bytes"}
+
+
+def _load(name):
+    path = os.path.join(ROOT, "profiling", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def ms():
+    return _load("max_seqlen")
+
+
+@pytest.fixture(scope="module")
+def lengths_run(ms, tmp_path_factory):
+    """Every strategy at 64 and 128 tokens, in one results directory (shared by the plot test)."""
+    out_dir = tmp_path_factory.mktemp("results")
+    return out_dir, ms.main(["--tiny", "--in-process", "--lengths", "64", "128", "--out-dir", str(out_dir)])
+
+
+def test_max_seqlen_every_strategy(lengths_run):
+    tmp_path, out = lengths_run
+    saved = json.loads((tmp_path / "max_seqlen.json").read_text())
+    assert saved["mode"] == "lengths" and set(saved["strategies"]) == {"fpdt", "fpdt-no-offload", "hf", "alst"}
+    for name, entry in out["strategies"].items():
+        assert entry["status"] == "ran", (name, entry)
+        for t in entry["trials"]:
+            assert t["status"] == "ok" and TRIAL_FIELDS <= set(t), (name, t)
+            assert t["device_peak_bytes"] > t["param_bytes"] > 0 and t["mfu"] > 0
+        assert entry["max_completed_len"] == 128 and entry["slope_device_bytes_per_1k_tokens"] is not None
+    by = {n: e["trials"][-1] for n, e in out["strategies"].items()}
+    assert by["fpdt"]["host_peak_bytes"] > 0 and by["fpdt-no-offload"]["host_peak_bytes"] == 0
+    assert by["alst"]["host_peak_bytes"] > 0          # DeepSpeed's offload, hooked on the CPU
+    assert by["hf"]["host_peak_bytes"] == 0
+    assert "planned_device_peak_bytes" in by["fpdt"] and "planned_device_peak_bytes" not in by["hf"]
+
+
+def test_alst_cpu_hook_restores_deepspeed():
+    st = _load("strategies")
+    from deepspeed.runtime.activation_checkpointing import offload_activations as oa
+    before = dict(vars(oa._ActivationOffloadEngine))
+    with st.cpu_offload_hooks(oa._ActivationOffloadEngine):
+        assert oa._ActivationOffloadEngine._should_skip is not before["_should_skip"]
+    assert all(vars(oa._ActivationOffloadEngine)[k] is before[k] for k in before)
+
+
+def test_bisection_and_simulated_capacity(ms, tmp_path):
+    out = ms.main(["--tiny", "--in-process", "--strategies", "hf", "--out-dir", str(tmp_path), "--max-len", "256"])
+    entry = out["strategies"]["hf"]
+    assert entry["max_seq_len"] == 256 and [t["seq_len"] for t in entry["trials"]] == [64, 128, 256]
+    small = entry["trials"][0]["device_peak_bytes"] / 2 ** 30
+    capped = ms.main(["--tiny", "--in-process", "--strategies", "hf", "--out-dir", str(tmp_path),
+                      "--max-len", "256", "--device-mem-gib", str(small * 0.999)])
+    first = capped["strategies"]["hf"]["trials"][0]
+    assert first["status"] == "oom" and "--device-mem-gib" in first["error"]
+    assert capped["strategies"]["hf"]["max_seq_len"] == 0
+
+
+def test_trial_runs_in_a_fresh_process(ms, tmp_path):
+    args = ms.build_parser().parse_args(["--tiny", "--chunk-size", "64", "--dtype", "fp32"])
+    r = ms.run_one(args, "fpdt", 64, [])
+    assert r["status"] == "ok" and TRIAL_FIELDS <= set(r)
+
+
+def test_slope_is_least_squares(ms):
+    trials = [{"status": "ok", "seq_len": s, "device_peak_bytes": 1000 + 3 * s} for s in (1024, 2048, 4096)]
+    trials.append({"status": "oom", "seq_len": 8192})
+    assert ms.slope_per_1k(trials) == pytest.approx(3 * 1024)
+    assert ms.slope_per_1k(trials[:1]) is None
+
+
+def test_chunk_sweep_op_latency_and_plots(lengths_run):
+    tmp_path = lengths_run[0]
+    cs, ol, plot = _load("chunk_sweep"), _load("op_latency"), _load("plot")
+    sweep = cs.main(["--tiny", "--in-process", "--chunks", "64", "128", "--out-dir", str(tmp_path)])
+    assert [r["chunk_size"] for r in sweep["rows"]] == [64, 128]
+    for r in sweep["rows"]:
+        assert r["status"] == "ok" and r["activation_bytes"] > 0 and r["model_states_bytes"] == 4 * r["param_bytes"]
+        assert r.get("exposed_copy_s") is None          # CUDA only
+    lat = ol.main(["--tiny", "--out-dir", str(tmp_path)])
+    assert [r["chunk"] for r in lat["chunks"]] == [64, 128]
+    assert all(r["full_fwd_s"] > 0 and r["full_bwd_s"] > 0 and r["all_to_all_s"] is None for r in lat["chunks"])
+    from fpdt.plan import load_calibration
+    cal = load_calibration(tmp_path / "calibration.json")
+    assert cal["gemm_flops"] > 0 and cal["attention_flops"] > 0 and cal["h2d_bytes_s"] > 0
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nkept\n\n<!-- plot.py begin -->\nold\n<!-- plot.py end -->\ntail\n")
+    out = plot.main([str(tmp_path), "--readme", str(readme)])
+    names = {os.path.basename(p) for p in out["written"]}
+    assert {"chunk_sweep.png", "op_latency.png", "memory_vs_length.png", "results.md"} <= names
+    for p in out["written"]:
+        assert os.path.getsize(p) > 0
+    text = readme.read_text()
+    assert "kept" in text and "tail" in text and "old" not in text
+    assert "fpdt / hf step time" in text and "| fpdt | 128 |" in text
