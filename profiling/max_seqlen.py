@@ -106,7 +106,7 @@ def trial(args) -> dict:
         return {**out, "status": "oom", "error": str(exc).splitlines()[0]}
     counted = param_bytes + summary["device_peak"]
     device_peak = summary["cuda_allocated_peak"] if device.type == "cuda" else counted
-    out.update(status="ok", step_s=seconds, tokens_per_s=args.seq_len / seconds,
+    out.update(status="ok", measured=True, step_s=seconds, tokens_per_s=args.seq_len / seconds,
                param_bytes=param_bytes, device_peak_bytes=device_peak, counted_device_peak_bytes=counted,
                device_reserved_peak_bytes=summary["cuda_reserved_peak"], host_peak_bytes=summary["host_peak"],
                host_rss_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, notes=trainee.notes)
@@ -191,8 +191,9 @@ def bisect(args, strategy: str, log: list, on_trial=None) -> int:
 
 
 def slope_per_1k(trials: list, key: str = "device_peak_bytes") -> float | None:
-    """Least-squares slope of ``key`` against sequence length, in bytes per 1K tokens."""
-    pts = [(t["seq_len"], t[key]) for t in trials if t.get("status") == "ok" and t.get(key) is not None]
+    """Least-squares slope of ``key`` against sequence length, in bytes per 1K tokens, over every
+    trial whose step completed (including those over a simulated ``--device-mem-gib``)."""
+    pts = [(t["seq_len"], t[key]) for t in trials if t.get("measured") and t.get(key) is not None]
     if len(pts) < 2:
         return None
     n = len(pts)

@@ -46,7 +46,8 @@ def _load(path):
 
 
 def _ok(trials):
-    return [t for t in trials if t.get("status") == "ok"]
+    """Trials whose step completed (also those over a simulated device capacity)."""
+    return [t for t in trials if t.get("measured")]
 
 
 def plot_chunk_sweep(data: dict, out: str) -> str:
@@ -111,17 +112,33 @@ def _strategies(files: list[dict]) -> dict:
             m["trials"] += entry["trials"]
             if "max_seq_len" in entry:
                 m["max_seq_len"] = max(m["max_seq_len"] or 0, entry["max_seq_len"])
+    for m in merged.values():   # fixed-length trials bound the longest length too
+        ok = [t["seq_len"] for t in m["trials"] if t.get("status") == "ok"]
+        failed = [t["seq_len"] for t in m["trials"] if t.get("status") != "ok"]
+        m["longest_ok"] = max(ok) if ok else 0
+        m["open_ended"] = not failed or max(failed) < m["longest_ok"]
+        if ok and m["max_seq_len"] is not None:
+            m["max_seq_len"] = max(m["max_seq_len"], m["longest_ok"])
     return merged
+
+
+def _longest(s: dict) -> str:
+    best = s["max_seq_len"] if s["max_seq_len"] is not None else s["longest_ok"]
+    return f">= {best} (longest tried)" if s["open_ended"] else str(best)
 
 
 def plot_max_seqlen(strats: dict, out: str) -> str | None:
     plt = _plt()
-    names = [n for n, s in strats.items() if s["max_seq_len"] is not None]
+    names = [n for n, s in strats.items() if s["max_seq_len"] is not None or s["longest_ok"]]
     if not names:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(names, [strats[n]["max_seq_len"] / 1024 for n in names])
-    ax.set(ylabel="longest completed length (K tokens)", title="max sequence length per strategy")
+    bars = ax.bar(names, [(strats[n]["max_seq_len"] or strats[n]["longest_ok"]) / 1024 for n in names])
+    for bar, n in zip(bars, names):
+        if strats[n]["open_ended"]:
+            ax.annotate("(longest tried)", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+    ax.set(ylabel="longest length that fits (K tokens)", title="max sequence length per strategy")
     fig.tight_layout()
     path = os.path.join(out, "max_seqlen.png")
     fig.savefig(path, dpi=100)
@@ -158,13 +175,29 @@ def _slope(trials, key):
     return ms.slope_per_1k(trials, key)
 
 
+def _extrapolate(trials, cap_bytes: float) -> int | None:
+    """Length at which the least-squares line of device bytes reaches ``cap_bytes``."""
+    pts = [(t["seq_len"], t["device_peak_bytes"]) for t in _ok(trials)]
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+    if slope <= 0:
+        return None
+    return int((cap_bytes - (my - slope * mx)) / slope)
+
+
 def markdown(strats: dict, files: list[dict], rel: str) -> str:
     first = files[0] if files else {}
     lines = [f"Results in `{rel}` (device `{first.get('device')}`, commit {first.get('commit')}, "
              f"{first.get('date_utc')}). Device tier on the CPU = live tensor bytes counted by "
              f"`fpdt.profiling.memory` plus parameters; host tier = offloaded stash.", ""]
-    lines += ["| strategy | longest length | device KiB / 1K tokens | host KiB / 1K tokens |",
-              "|---|---|---|---|"]
+    cap = next((f["device_mem_gib"] for f in files if f.get("device_mem_gib")), None)
+    lines += ["| strategy | longest length | device KiB / 1K tokens | host KiB / 1K tokens |"
+              + (f" longest at {cap:g} GiB, extrapolated from the fit |" if cap else ""),
+              "|---|---|---|---|" + ("---|" if cap else "")]
     slopes = {}
     for name, s in strats.items():
         if s["skipped"]:
@@ -172,11 +205,15 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
             continue
         dev, host = _slope(s["trials"], "device_peak_bytes"), _slope(s["trials"], "host_peak_bytes")
         slopes[name] = dev
-        longest = s["max_seq_len"] if s["max_seq_len"] is not None else "-"
-        lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |" if dev is not None
-                     else f"| {name} | {longest} | - | - |")
-    lines += ["", "| strategy | length | device MiB | host MiB | total MiB | step s | planned device MiB |",
-              "|---|---|---|---|---|---|---|"]
+        longest = _longest(s)
+        extra = ""
+        if cap:
+            est = _extrapolate(s["trials"], cap * GIB)
+            extra = f" {est} |" if est is not None else " - |"
+        lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |{extra}" if dev is not None
+                     else f"| {name} | {longest} | - | - |{extra}")
+    lines += ["", "| strategy | length | device MiB | host MiB | total MiB | step s | planned device MiB |"
+              + (f" fits {cap:g} GiB |" if cap else ""), "|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
     times: dict = {}
     for name, s in strats.items():
         for t in sorted(_ok(s["trials"]), key=lambda t: t["seq_len"]):
@@ -185,7 +222,8 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
             lines.append(f"| {name} | {t['seq_len']} | {t['device_peak_bytes'] / MIB:.1f} | "
                          f"{t['host_peak_bytes'] / MIB:.1f} | "
                          f"{(t['device_peak_bytes'] + t['host_peak_bytes']) / MIB:.1f} | {t['step_s']:.2f} | "
-                         f"{'' if plan is None else f'{plan / MIB:.1f}'} |")
+                         f"{'' if plan is None else f'{plan / MIB:.1f}'} |"
+                         + ((" yes |" if t["status"] == "ok" else " no |") if cap else ""))
     ratios = []
     for other in ("hf", "alst"):
         if slopes.get("fpdt") is not None and slopes.get(other):

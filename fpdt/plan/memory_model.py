@@ -19,9 +19,12 @@ Activations (per rank), the phase with the larger sum sets the peak:
   them on the host and two on the device (the layer being recomputed and the next one,
   prefetched); ``"off"`` keeps every layer's saved activations on the device
   (:data:`SAVED_PER_LAYER_ND` each, plus the attention stash when not offloaded).
-* **in-flight layer**: full-length tensors alive in one layer's backward
-  (:data:`IN_FLIGHT_ND` ``* Nd``: its input, the recomputed residual stream, the
-  attention output, output and input gradients).
+* **in-flight layer**: full-length tensors alive in one layer's backward, in the sub-phase
+  that peaks: the RMSNorm backward (:data:`NORM_PHASE_ND` ``* Nd`` plus
+  :data:`NORM_FP32_TEMPS` fp32 ``[T, h]`` temporaries of its autograd graph; without
+  offload the recomputed attention stash is alive then too), the attention core's backward
+  (:data:`ATTENTION_PHASE_ND` ``* Nd`` beside its working set) or the MLP's
+  (:data:`MLP_PHASE_ND` ``* Nd`` beside its chunk).
 * **attention working set**: the attention core's peak beyond its full-length output, from
   :func:`fpdt.attention.ring_costs.attention_costs` (chunk buffers, prefetches, fp32 merge
   and gradient accumulators, ring blocks; without offload also the stash of q̂, k̂, v̂, o and
@@ -53,8 +56,18 @@ from fpdt.plan.hardware import GIB
 from fpdt.plan.models import param_counts
 from fpdt.plan.setup import Setup
 
-IN_FLIGHT_ND = 6.0
-"""Full-length [T, h] tensors alive at the peak of one layer's backward."""
+# Calibrated on the CPU with fpdt.profiling.memory against this implementation (tests/plan/
+# test_activation_model.py pins them: a change to the layer's memory must update them).
+NORM_PHASE_ND = 4.0
+"""Full-length [T, h] tensors (besides the layer inputs) alive at the RMSNorm backward:
+the layer's output gradient, the residual branch's gradient, the norm's input and output."""
+NORM_FP32_TEMPS = 7
+"""fp32 [T, h] temporaries of the autograd RMSNorm backward (upcast input, its square,
+rstd-scaled products and their gradients)."""
+ATTENTION_PHASE_ND = 4.0
+"""Full-length tensors beside the attention core's working set in its backward."""
+MLP_PHASE_ND = 4.0
+"""Full-length tensors beside the chunked MLP's working set in its backward."""
 SAVED_PER_LAYER_ND = 5.0
 """Full-length tensors one layer saves for backward without checkpointing (norm inputs,
 normed projection input, attention output, residual, MLP input), attention stash aside."""
@@ -118,6 +131,10 @@ def layer_attention_costs(cfg: ModelConfig, s: Setup) -> AttentionCosts:
                            dtype_bytes=s.elem_bytes, offload=s.offload)
 
 
+def _dq_nd(cfg: ModelConfig, s: Setup) -> float:
+    return cfg.num_heads * cfg.head_dim * 4 / (cfg.hidden_size * s.elem_bytes)
+
+
 def attention_stash_nd(cfg: ModelConfig, s: Setup) -> float:
     """One layer's attention stash in Nd: q̂, k̂, v̂, o, fp32 lse, fp32 dq, projection input."""
     h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, kv_dim(cfg, s)
@@ -150,9 +167,10 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     else:   # every layer keeps its activations (and its stash, unless offloaded)
         per_layer = SAVED_PER_LAYER_ND + (0.0 if s.offload else stash_nd)
         ckpt_dev, ckpt_host = l * per_layer * nd, 0.0
-    in_flight = IN_FLIGHT_ND * nd
     costs = layer_attention_costs(cfg, s)       # its peaks include the on-device stash without offload
     attn_ws = max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
+    fp32_full = s.batch * s.local_tokens * h * 4
+    stash_resident = 0.0 if s.offload else (stash_nd - _dq_nd(cfg, s)) * nd   # recomputed, kept on device
     t_mlp = s.batch * s.local_tokens / mlp_chunks(s)
     mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
     t_loss = s.batch * s.local_tokens / loss_chunks(cfg, s)
@@ -162,11 +180,18 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     # holds what is live at that moment, so that it sums to the peak.
     at_peak = {"checkpoints_device": ckpt_dev, "in_flight_layer": 0.0, "attention_working_set": 0.0,
                "mlp_chunk": 0.0, "loss_chunk": 0.0}
-    layer_phase = ckpt_dev + in_flight + max(attn_ws, mlp_ws)
+    phases = {   # sub-phase -> (full-length tensors of the in-flight layer, working-set category, bytes)
+        "norm": (NORM_PHASE_ND * nd + NORM_FP32_TEMPS * fp32_full + stash_resident, None, 0.0),
+        "attention": (ATTENTION_PHASE_ND * nd, "attention_working_set", attn_ws),
+        "mlp": (MLP_PHASE_ND * nd + stash_resident, "mlp_chunk", mlp_ws),
+    }
+    in_flight, ws_key, ws = max(phases.values(), key=lambda p: p[0] + p[2])
+    layer_phase = ckpt_dev + in_flight + ws
     loss_phase = ckpt_dev + loss
     if layer_phase >= loss_phase:
         at_peak["in_flight_layer"] = in_flight
-        at_peak["attention_working_set" if attn_ws >= mlp_ws else "mlp_chunk"] = max(attn_ws, mlp_ws)
+        if ws_key:
+            at_peak[ws_key] = ws
     else:
         at_peak["loss_chunk"] = loss
     activation = max(layer_phase, loss_phase)
@@ -191,5 +216,6 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         "model_states_host": ranks * states["model_states_host"],
         "process_host": ranks * HOST_RESERVE_PER_RANK,
     }
-    working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, "loss": loss, "in_flight_layer": in_flight}
+    working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, "loss": loss,
+                    **{f"layer_{k}_phase": v[0] + v[2] for k, v in phases.items()}}
     return MemoryEstimate(breakdown, working_sets, device, activation, ranks * per_rank_host)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRIAL_FIELDS = {"status", "strategy", "seq_len", "step_s", "tokens_per_s", "mfu", "device_peak_bytes",
+TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "tokens_per_s", "mfu", "device_peak_bytes",
                 "device_reserved_peak_bytes", "host_peak_bytes", "host_rss_peak_bytes"}
 
 
