@@ -82,7 +82,8 @@ def test_trial_runs_in_a_fresh_process(ms, tmp_path):
 
 
 def test_slope_is_least_squares(ms):
-    trials = [{"status": "ok", "seq_len": s, "device_peak_bytes": 1000 + 3 * s} for s in (1024, 2048, 4096)]
+    trials = [{"status": "ok", "measured": True, "seq_len": s, "device_peak_bytes": 1000 + 3 * s}
+              for s in (1024, 2048, 4096)]
     trials.append({"status": "oom", "seq_len": 8192})
     assert ms.slope_per_1k(trials) == pytest.approx(3 * 1024)
     assert ms.slope_per_1k(trials[:1]) is None
