@@ -140,9 +140,10 @@ def read_token_file(path: str, bin_dtype: str) -> np.ndarray:
     itemsize = np.dtype(BIN_DTYPES[bin_dtype]).itemsize
     size = os.path.getsize(path)
     if size % itemsize:
-        other = [d for d in BIN_DTYPES if d != bin_dtype][0]
+        fits = [d for d in BIN_DTYPES if size % np.dtype(BIN_DTYPES[d]).itemsize == 0]
+        hint = f"pass --data-dtype {fits[0]}" if fits else "the file is truncated: re-write it"
         raise DataError(f"{path}: {size} bytes is not a multiple of {itemsize} ({bin_dtype} ids); the file is "
-                        f"truncated or holds another type: check --data-dtype (e.g. --data-dtype {other})")
+                        f"truncated or holds another type: {hint}")
     if size == 0:
         return np.zeros(0, dtype=BIN_DTYPES[bin_dtype])
     return np.memmap(path, dtype=BIN_DTYPES[bin_dtype], mode="r")

@@ -166,7 +166,11 @@ def test_bin_size_not_a_multiple_of_the_dtype(fixture, capsys):
     tmp, cfg, _ = fixture
     path = tmp / "odd.bin"
     path.write_bytes(bytes(1001))
-    _fails(capsys, _argv(cfg, str(path)), f"{path}: 1001 bytes is not a multiple of 2 (uint16 ids)", "--data-dtype")
+    _fails(capsys, _argv(cfg, str(path)), f"{path}: 1001 bytes is not a multiple of 2 (uint16 ids)",
+           "the file is truncated: re-write it")
+    path.write_bytes(bytes(1002))
+    _fails(capsys, _argv(cfg, str(path), "--data-dtype", "uint32"),
+           f"{path}: 1002 bytes is not a multiple of 4 (uint32 ids)", "pass --data-dtype uint16")
 
 
 @pytest.mark.parametrize("change, needle", [
