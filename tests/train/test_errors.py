@@ -233,7 +233,8 @@ def test_unexpected_errors_are_one_line_too(fixture, capsys, monkeypatch):
     ([], {"fpdt": {"chunk_sise": 32}}, "unknown key 'chunk_sise'"),
     (["--skip-nonfinite", "1"], {"gradient_accumulation_steps": 2}, "--skip-nonfinite needs gradient_accumulation_steps 1"),
 ])
-def test_config_errors(fixture, capsys, extra, ds, needle):
+def test_config_errors(fixture, capsys, extra, ds, needle, monkeypatch):
+    monkeypatch.delenv("FPDT_RUNTIME", raising=False)  # FPDT_RUNTIME=sim|sync would allow CPU offload
     tmp, cfg, data = fixture
     if ds is not None:
         extra = [*extra, "--deepspeed", write_json(str(tmp / "ds.json"), ds)]
