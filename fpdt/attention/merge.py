@@ -9,6 +9,12 @@ average over that block and the log of its normaliser. Merging two results::
 ``logaddexp`` is computed as ``max + log1p(exp(-|a - b|))``, which stays finite when one
 side is ``-inf`` (a fully masked row) and returns ``-inf`` only when both are; the
 weights are then forced to 0 instead of ``exp(-inf - -inf) = nan``.
+
+Memory: :class:`OnlineSoftmax` merges **in place** (:func:`merge_`): the fp32 running
+output is the only ``[B, S, H, D]`` fp32 tensor it holds (2 U for a bf16 chunk of ``U``
+bytes); a block's output is folded in with ``addcmul_`` straight from its input dtype, so
+no fp32 copy of the block and no weighted products exist. Temporaries are ``[B, H, S]``
+(lse-sized, ``1/D`` of the output).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ class OnlineSoftmax:
     """Running ``(out, lse)`` accumulator for one query chunk.
 
     ``out`` is kept ``[B, S, H, D]`` and ``lse`` ``[B, H, S]``, both in ``acc_dtype``
-    (fp32, or float64 when the inputs are float64). The first block is copied, not merged.
+    (fp32, or float64 when the inputs are float64). The first block is converted (not
+    copied when it already has ``acc_dtype``: the accumulator takes it over, so callers
+    hand over block results they do not use again); later blocks are merged in place.
     """
 
     def __init__(self, acc_dtype: torch.dtype = torch.float32):
@@ -29,12 +37,34 @@ class OnlineSoftmax:
         self.lse: torch.Tensor | None = None
 
     def update(self, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
-        out_blk = out_blk.to(self.acc_dtype)
-        lse_blk = lse_blk.to(self.acc_dtype)
         if self.out is None:
-            self.out, self.lse = out_blk.clone(), lse_blk.clone()
+            self.out = out_blk.to(self.acc_dtype, memory_format=torch.contiguous_format)
+            self.lse = lse_blk.to(self.acc_dtype, memory_format=torch.contiguous_format)
             return
-        self.out, self.lse = merge(self.out, self.lse, out_blk, lse_blk)
+        merge_(self.out, self.lse, out_blk, lse_blk.to(self.acc_dtype))
+
+
+def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
+    """-> (merged lse, weight of a, weight of b), all ``[B, H, S]``; masked rows get 0 weights."""
+    hi = torch.maximum(lse_a, lse_b)
+    lo = torch.minimum(lse_a, lse_b)
+    both_masked = hi == float("-inf")
+    safe_hi = hi.masked_fill(both_masked, 0.0)
+    lse = safe_hi + torch.log1p(torch.exp(lo - safe_hi))
+    lse = torch.where(both_masked, hi, lse)
+    safe_lse = lse.masked_fill(both_masked, 0.0)
+    w_a = torch.exp(lse_a - safe_lse).masked_fill_(both_masked, 0.0)
+    w_b = torch.exp(lse_b - safe_lse).masked_fill_(both_masked, 0.0)
+    return lse, w_a, w_b
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """In-place :func:`merge`: ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` (the
+    accumulator dtype) absorb block ``(out_b, lse_b)``; ``out_b`` may have a lower
+    precision (it is read, converted element by element, never copied)."""
+    new_lse, w_a, w_b = _weights(lse, lse_b)
+    out.mul_(w_a.transpose(1, 2).unsqueeze(-1)).addcmul_(out_b, w_b.transpose(1, 2).unsqueeze(-1))
+    lse.copy_(new_lse)
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
@@ -43,14 +73,6 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
 
     Returns new tensors; never writes into its inputs.
     """
-    hi = torch.maximum(lse_a, lse_b)
-    lo = torch.minimum(lse_a, lse_b)
-    both_masked = hi == float("-inf")
-    safe_hi = torch.where(both_masked, torch.zeros_like(hi), hi)
-    lse = safe_hi + torch.log1p(torch.exp(lo - safe_hi))
-    lse = torch.where(both_masked, hi, lse)
-    safe_lse = torch.where(both_masked, torch.zeros_like(lse), lse)
-    w_a = torch.exp(lse_a - safe_lse).masked_fill(both_masked, 0.0)  # [B, H, S]
-    w_b = torch.exp(lse_b - safe_lse).masked_fill(both_masked, 0.0)
+    lse, w_a, w_b = _weights(lse_a, lse_b)
     out = out_a * w_a.transpose(1, 2).unsqueeze(-1) + out_b * w_b.transpose(1, 2).unsqueeze(-1)
     return out, lse

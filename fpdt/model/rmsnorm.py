@@ -1,0 +1,84 @@
+"""Lean RMSNorm: ``weight * cast(x * rstd)`` with ``rstd = 1 / sqrt(mean(x^2) + eps)`` in fp32.
+
+The Llama convention: normalise in fp32, cast back to the input dtype, then multiply by
+the weight (the output dtype is ``promote(weight, x)``). Plain autograd keeps the fp32
+copy of ``x``, the fp32 normalised ``x`` and the cast result: three full-sequence
+tensors, 5x the bf16 input. :class:`RMSNormFunction` saves only
+
+* ``x`` (the input itself, which the residual stream keeps anyway; no copy),
+* ``rstd`` fp32 ``[..., 1]`` (one float per token) and the weight,
+
+and works over ``num_chunks`` token chunks in forward and backward, so fp32 temporaries
+exist for one chunk at a time (``[T / num_chunks, hidden]``), never for the full sequence.
+Backward recomputes ``x_hat = x * rstd`` per chunk and uses
+
+    dx = rstd * (g - x_hat * mean(g * x_hat)),   g = dy * weight (fp32)
+    dweight = sum over tokens of dy * cast(x_hat)   (fp32 accumulator, cast at the end)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fpdt.model.chunks import chunk_bounds
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain autograd form (what Transformers' ``LlamaRMSNorm`` computes)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _normalised(x_chunk: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):
+    """-> (fp32 ``x * rstd`` as a fresh tensor, rstd ``[n, 1]``) for one ``[n, hidden]`` chunk."""
+    x32 = x_chunk.to(torch.float32, copy=True)
+    if rstd is None:
+        rstd = torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + eps)
+    return x32.mul_(rstd), rstd
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``x`` ``[..., hidden]``, ``weight`` ``[hidden]``, ``eps``, ``num_chunks`` -> ``[..., hidden]``
+    in ``promote(weight.dtype, x.dtype)``. Saved: ``x``, ``weight``, ``rstd`` fp32 ``[T, 1]``;
+    nothing offloaded."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, num_chunks: int):
+        flat = x.reshape(-1, x.shape[-1])                                      # [T, hidden]
+        out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
+        for s, e in chunk_bounds(flat.shape[0], num_chunks):
+            x_hat, rstd[s:e] = _normalised(flat[s:e], eps)
+            torch.mul(weight, x_hat.to(x.dtype), out=out[s:e])
+            del x_hat
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.eps, ctx.num_chunks = eps, num_chunks
+        return out.view(*x.shape[:-1], x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        flat = x.reshape(-1, x.shape[-1])
+        gflat = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = torch.empty_like(flat) if need_dx else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+        w32 = weight.float()
+        for s, e in chunk_bounds(flat.shape[0], ctx.num_chunks):
+            x_hat, r = _normalised(flat[s:e], ctx.eps, rstd[s:e])
+            dy = gflat[s:e].float()                                            # fp32 chunk
+            if need_dw:
+                dw += (dy * x_hat.to(x.dtype)).sum(0)
+            if need_dx:
+                g = dy.mul_(w32)                                               # dy is our temporary
+                dot = (g * x_hat).mean(-1, keepdim=True)
+                dx[s:e] = g.sub_(x_hat.mul_(dot)).mul_(r)
+            del x_hat, dy
+        return (None if dx is None else dx.view_as(x),
+                None if dw is None else dw.to(weight.dtype), None, None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_chunks: int = 1) -> torch.Tensor:
+    """:class:`RMSNormFunction` (``num_chunks`` token chunks bound its fp32 temporaries)."""
+    return RMSNormFunction.apply(x, weight, eps, max(1, num_chunks))
