@@ -24,7 +24,8 @@ What is counted (``counted_*`` fields, exact on any device):
   them (the one place that allocates host-side stash memory; while it does,
   :func:`fpdt.offload.allocating_host_buffer` is True), **device** otherwise. Host
   stash in use is read from :func:`fpdt.offload.host_bytes_in_use` (buffers acquired
-  and not released, whether created inside the context or reused from the pool).
+  and not released, whether created inside the context or reused from the pool), less
+  what was already in use when the accountant was first entered (the baseline).
 * Not seen: scratch memory a single kernel allocates and frees internally (e.g. a flash
   kernel's workspace), and memory of threads other than the one that entered.
 
@@ -134,6 +135,7 @@ class MemoryAccountant:
         self.device_live = 0
         self.device_peak = 0
         self.host_peak = 0
+        self._host_base: int | None = None   # host-stash bytes already in use at the first __enter__
         self.phases: dict[str, PhaseMemory] = {}
         self._tracked: dict[int, tuple[int, bool]] = {}   # storage key -> (bytes, is host stash)
         self._detail: dict[int, tuple[str, tuple, torch.dtype, int]] | None = {} if detail else None
@@ -151,6 +153,8 @@ class MemoryAccountant:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.cuda_allocated_peak = self.cuda_reserved_peak = 0
+        if self._host_base is None:  # buffers a previous user left acquired are baseline too
+            self._host_base = host_bytes_in_use()
         self.host_peak = max(self.host_peak, self.host_live)
         self._mode = _CountingMode(self)
         self._mode.__enter__()
@@ -189,8 +193,9 @@ class MemoryAccountant:
     # ------------------------------------------------------------------ figures
     @property
     def host_live(self) -> int:
-        """Host-stash bytes in use now (acquired from a host pool and not released)."""
-        return host_bytes_in_use()
+        """Host-stash bytes in use now beyond those in use at the first ``__enter__``
+        (acquired from a host pool and not released)."""
+        return max(0, host_bytes_in_use() - (self._host_base or 0))
 
     def summary(self) -> dict:
         """All figures in bytes: ``device_live``, ``device_peak``, ``host_live``, ``host_peak``,
@@ -230,7 +235,7 @@ class MemoryAccountant:
                         self._detail[key] = (str(func.overloadpacket.__name__), tuple(t.shape), t.dtype, nbytes)
             weakref.finalize(storage, self._on_free, key)
             grew = grew or not is_host
-        host = host_bytes_in_use()
+        host = self.host_live
         self.host_peak = max(self.host_peak, host)
         for ph in self._active:
             ph.host_peak = max(ph.host_peak, host)

@@ -75,3 +75,17 @@ def test_cuda_peaks_are_reported_beside_the_count():
     ph = acct.phases["p"]
     assert ph.peak == 1 << 20
     assert ph.cuda_allocated_peak >= 1 << 20 and ph.cuda_reserved_peak >= ph.cuda_allocated_peak
+
+
+def test_host_buffers_acquired_before_entry_are_baseline():
+    """Stash buffers another user still holds are not this measurement's host tier."""
+    from fpdt.offload import HostBufferPool
+    from fpdt.profiling.memory import MemoryAccountant
+
+    pool = HostBufferPool(pin_memory=False)
+    held = pool.acquire((1024,), torch.float32)
+    with MemoryAccountant(device="cpu") as acct:
+        mine = pool.acquire((256,), torch.float32)
+        pool.release(mine)
+    pool.release(held)
+    assert acct.host_peak == 256 * 4
