@@ -329,5 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 -- every error becomes one line (see fpdt.train.errors)
         if debug_enabled(args.debug):
             raise
-        return report("fpdt-train", e)
+        status = report("fpdt-train", e)
+        if isinstance(e, CommFailure) or isinstance(e.__cause__, CommFailure):
+            # A peer that stalled leaves gloo/NCCL threads blocked: tearing the process group
+            # down at interpreter exit can then abort (SIGABRT, "terminate called ...") and turn
+            # the clean one-line exit into a crash. The line is printed; leave without teardown.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        return status
     return 0
