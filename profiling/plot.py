@@ -33,6 +33,16 @@ BEGIN, END = "<!-- plot.py begin -->", "<!-- plot.py end -->"
 MIB, GIB = 2 ** 20, 2 ** 30
 
 
+
+def _save(fig, out: str, name: str) -> str:
+    """Write ``fig`` as ``out/name`` (PNG, 100 dpi), close it and return the path."""
+    fig.tight_layout()
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
 def _plt():
     import matplotlib
     matplotlib.use("Agg")
@@ -67,11 +77,7 @@ def plot_chunk_sweep(data: dict, out: str) -> str:
         b2.plot([str(x) for x in xs], [e or 0 for e in exposed], color="tab:red", marker="s", label="exposed copy s")
         b2.set_ylabel("exposed copy time (s)")
     b.set(xlabel="global chunk (tokens)", ylabel="MFU (%)")
-    fig.tight_layout()
-    path = os.path.join(out, "chunk_sweep.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "chunk_sweep.png")
 
 
 def plot_op_latency(data: dict, out: str) -> str:
@@ -93,11 +99,7 @@ def plot_op_latency(data: dict, out: str) -> str:
             b.plot([r["bytes"] / MIB for r in bw], [r[key] / 1e9 for r in bw], marker="o", label=key[:-8])
     b.set(xscale="log", xlabel="transfer (MiB)", ylabel="GB/s", title="copy bandwidth")
     b.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "op_latency.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "op_latency.png")
 
 
 def _strategies(files: list[dict]) -> dict:
@@ -139,11 +141,7 @@ def plot_max_seqlen(strats: dict, out: str) -> str | None:
             ax.annotate("(longest tried)", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=7)
     ax.set(ylabel="longest length that fits (K tokens)", title="max sequence length per strategy")
-    fig.tight_layout()
-    path = os.path.join(out, "max_seqlen.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "max_seqlen.png")
 
 
 def plot_memory_vs_length(strats: dict, out: str) -> str | None:
@@ -163,11 +161,7 @@ def plot_memory_vs_length(strats: dict, out: str) -> str | None:
         return None
     ax.set(xlabel="sequence length (K tokens)", ylabel="peak (MiB)", title="device-tier peak vs length")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "memory_vs_length.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out, "memory_vs_length.png")
 
 
 def _slope(trials, key):
