@@ -3,6 +3,7 @@
 Every function that communicates takes its process group as an argument.
 """
 
+from fpdt.comm import release
 from fpdt.comm.heads import kv_replication_factor, replicate_kv, sum_kv_replicas
 from fpdt.comm.mesh import PLACEMENTS, SequenceMesh
 from fpdt.comm.ring import P2PStats, RingComm, RingSchedule

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fpdt.comm import release
+
 # One tag per logical channel, so gloo never matches a message to the wrong receive when
 # two channels connect the same pair of ranks (NCCL matches in issue order; every rank
 # issues the channels in the same order).
@@ -100,14 +102,15 @@ class PendingP2P:
     """Transfers in flight; :meth:`wait` blocks until they are done (on NCCL the current
     stream waits, not the host)."""
 
-    def __init__(self, works: list, tensors: list[torch.Tensor]):
+    def __init__(self, works: list, tensors: list[torch.Tensor], baseline: list[int]):
         self._works = works
         self._tensors = tensors  # keep send/receive buffers alive until the transfer is done
+        self._baseline = baseline
 
     def wait(self) -> None:
-        for w in self._works:
-            w.wait()
-        self._works, self._tensors = [], []
+        works, self._works = self._works, []
+        release.finish(works, self._tensors, self._baseline)
+        self._tensors = []
 
 
 class RingComm:
@@ -140,4 +143,5 @@ class RingComm:
         for t, peer, tag in recvs:
             ops.append(dist.P2POp(dist.irecv, t, self.cp_ranks[peer], group, tag))
         tensors = [t for t, _, _ in sends] + [t for t, _, _ in recvs]
-        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [], tensors)
+        baseline = release.use_counts(tensors)
+        return PendingP2P(dist.batch_isend_irecv(ops) if ops else [], tensors, baseline)

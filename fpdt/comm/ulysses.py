@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fpdt.comm import release
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of ``group``; 1 when torch.distributed is not initialised."""
@@ -37,7 +39,8 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``all_to_all_single`` over dim 0 (equal splits) of a contiguous tensor."""
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    base = release.use_counts([x, out])
+    release.finish([dist.all_to_all_single(out, x, group=group, async_op=True)], [x, out], base)
     return out
 
 
@@ -65,12 +68,14 @@ class PendingAllToAll:
     """An all-to-all in flight. :meth:`wait` returns its result; on NCCL the current CUDA
     stream waits for it (the host does not), on gloo the host waits."""
 
-    def __init__(self, work, send: torch.Tensor | None, recv, finish):
+    def __init__(self, work, send: torch.Tensor | None, recv, finish, baseline: list[int] | None = None):
         self._work, self._send, self._recv, self._finish = work, send, recv, finish
+        self._baseline = baseline
 
     def wait(self):
         if self._work is not None:
-            self._work.wait()
+            works, self._work = [self._work], None
+            release.finish(works, [self._send, self._recv], self._baseline)
         self._send = None  # the send buffer may go once the collective is done
         return self._finish(self._recv)
 
@@ -97,12 +102,13 @@ def start_seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
     packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
     send = packed.permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
+    baseline = release.use_counts([send, recv])
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
     def finish(recv):  # block p holds rank p's n tokens
         return list(recv.permute(1, 0, 2, 3, 4).reshape(B, P * n, hs, D).split(local, dim=2))
 
-    return PendingAllToAll(work, send, recv, finish)
+    return PendingAllToAll(work, send, recv, finish, baseline)
 
 
 def seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
