@@ -1,11 +1,12 @@
 """Host offload machinery: the device runtime, pinned buffer pool, copy streams and the chunk stash."""
 
-from fpdt.offload.host_pool import HostBufferPool, PoolStats, allocating_host_buffer, host_bytes_in_use, host_pool
+from fpdt.offload.host_pool import (HostBufferPool, HostPeak, PoolStats, allocating_host_buffer, host_bytes_in_use,
+                                    host_pool, unwatch_host_peak, watch_host_peak)
 from fpdt.offload.runtime import (Role, Runtime, RuntimeCounters, StreamHazardError, runtime_for,
                                   selected_runtime_name, use_runtime)
 from fpdt.offload.stash import HostStash
 from fpdt.offload.streams import CopyStreams, copy_streams
 
-__all__ = ["CopyStreams", "HostBufferPool", "HostStash", "PoolStats", "Role", "Runtime", "RuntimeCounters",
-           "StreamHazardError", "allocating_host_buffer", "copy_streams", "host_bytes_in_use", "host_pool",
-           "runtime_for", "selected_runtime_name", "use_runtime"]
+__all__ = ["CopyStreams", "HostBufferPool", "HostPeak", "HostStash", "PoolStats", "Role", "Runtime",
+           "RuntimeCounters", "StreamHazardError", "allocating_host_buffer", "copy_streams", "host_bytes_in_use", "host_pool",
+           "runtime_for", "selected_runtime_name", "unwatch_host_peak", "use_runtime", "watch_host_peak"]

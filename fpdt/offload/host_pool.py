@@ -15,7 +15,8 @@ Memory accounting relies on that: while a pool creates a buffer,
 :func:`allocating_host_buffer` is True on that thread (so
 :class:`fpdt.profiling.memory.MemoryAccountant` counts the new storage as host stash,
 not device working set), and :func:`host_bytes_in_use` sums the buffers currently
-acquired from every pool.
+acquired from every pool; a :class:`HostPeak` records the highest that sum reaches while it
+is open (the trainer's per-step ``host_stash_gib``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,53 @@ def allocating_host_buffer() -> bool:
 def host_bytes_in_use() -> int:
     """Bytes of host buffers currently acquired (not released) from all pools: the host stash."""
     return sum(pool.stats.in_use_bytes for pool in list(_ALL_POOLS))
+
+
+_PEAKS: "weakref.WeakSet" = weakref.WeakSet()   # open HostPeak / MemoryAccountant objects
+
+
+def watch_host_peak(watcher) -> None:
+    """Call ``watcher._note_host(bytes_in_use)`` at every acquire until :func:`unwatch_host_peak`."""
+    _PEAKS.add(watcher)
+
+
+def unwatch_host_peak(watcher) -> None:
+    _PEAKS.discard(watcher)
+
+
+class HostPeak:
+    """The most host-stash bytes in use (:func:`host_bytes_in_use`) while it is open.
+
+    ``with HostPeak() as hp: ...`` then ``hp.above_start``: the highest in-use sum seen at
+    any :meth:`HostBufferPool.acquire` inside the block, less what was in use when it
+    opened (never negative). Exact (updated at every acquire, the only place the sum grows)
+    and cheap: no dispatch mode, so it also serves CUDA runs. Several may be open at once.
+    """
+
+    def __init__(self) -> None:
+        self.start = self.peak = host_bytes_in_use()
+
+    def __enter__(self) -> "HostPeak":
+        self.start = self.peak = host_bytes_in_use()
+        watch_host_peak(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        unwatch_host_peak(self)
+
+    def _note_host(self, in_use: int) -> None:
+        self.peak = max(self.peak, in_use)
+
+    @property
+    def above_start(self) -> int:
+        return max(0, self.peak - self.start)
+
+
+def _note_host_peak() -> None:
+    if _PEAKS:
+        live = host_bytes_in_use()
+        for watcher in list(_PEAKS):
+            watcher._note_host(live)
 
 
 class HostBufferPool:
@@ -102,6 +150,7 @@ class HostBufferPool:
             self.stats.allocations += 1
             self.stats.allocated_bytes += flat.numel() * flat.element_size()
         self.stats.in_use_bytes += flat.numel() * flat.element_size()
+        _note_host_peak()
         return flat.view(shape)
 
     def release(self, tensor: torch.Tensor, after=None) -> None:

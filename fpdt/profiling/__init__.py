@@ -1,5 +1,5 @@
 """Measurement helpers used by tests, profiling scripts and the trainer (device-memory accountant)."""
 
-from fpdt.profiling.memory import MemoryAccountant, PhaseMemory, chunk_unit, sequence_unit
+from fpdt.profiling.memory import MemoryAccountant, MemoryPeaks, PhaseMemory, RegionMemory, chunk_unit, sequence_unit
 
-__all__ = ["MemoryAccountant", "PhaseMemory", "chunk_unit", "sequence_unit"]
+__all__ = ["MemoryAccountant", "MemoryPeaks", "PhaseMemory", "RegionMemory", "chunk_unit", "sequence_unit"]

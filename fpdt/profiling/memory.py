@@ -33,6 +33,10 @@ On CUDA the phases also carry ``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved`` (absolute bytes, folded so nested phases each see their own
 peak; the accountant resets the CUDA peak counters as it goes).
 
+For one figure per region (a training step, a benchmark trial) use :class:`RegionMemory`:
+on CUDA the allocator's allocated and reserved peaks (no dispatch mode, no overhead), on the
+CPU this accountant's device peak; on both the host-stash peak (:class:`fpdt.offload.HostPeak`).
+
 Units used by the budgets (:mod:`tests.memory`):
 
 * ``U`` = one bf16 chunk of hidden states, ``C * hidden * 2`` bytes, with ``C`` the
@@ -51,9 +55,8 @@ from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from fpdt.offload import allocating_host_buffer, host_bytes_in_use
+from fpdt.offload import HostPeak, allocating_host_buffer, host_bytes_in_use, unwatch_host_peak, watch_host_peak
 
 
 def chunk_unit(chunk_tokens: int, hidden: int, itemsize: int = 2) -> int:
@@ -105,6 +108,15 @@ class _CountingMode(TorchDispatchMode):
         return out
 
 
+def _tensors(x) -> list[torch.Tensor]:
+    """The tensors in an aten op's arguments or result: a tensor, or (nested) lists/tuples."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for e in x for t in _tensors(e)]
+    return []
+
+
 def _storage_key(t: torch.Tensor):
     if t.is_meta or t.layout != torch.strided:
         return None, None
@@ -143,6 +155,7 @@ class MemoryAccountant:
         self._lock = threading.Lock()
         self._mode: _CountingMode | None = None
         self._cuda = self.device.type == "cuda"
+        self._cpu = self.device.type == "cpu"
         self.cuda_allocated_peak: int | None = None
         self.cuda_reserved_peak: int | None = None
 
@@ -156,6 +169,7 @@ class MemoryAccountant:
         if self._host_base is None:  # buffers a previous user left acquired are baseline too
             self._host_base = host_bytes_in_use()
         self.host_peak = max(self.host_peak, self.host_live)
+        watch_host_peak(self)
         self._mode = _CountingMode(self)
         self._mode.__enter__()
         return self
@@ -163,6 +177,7 @@ class MemoryAccountant:
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
         self._mode = None
+        unwatch_host_peak(self)
         self._fold_cuda()
 
     @contextmanager
@@ -212,18 +227,26 @@ class MemoryAccountant:
 
     # ------------------------------------------------------------------ internals
     def _counts(self, t: torch.Tensor) -> bool:
+        if self._cpu:
+            return t.is_cpu
         return t.device == self.device or (t.device.type == self.device.type and self.device.index is None)
 
     def _on_op(self, func, args, kwargs, out) -> None:
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = _tensors(out)
         if not outs:
             return
-        seen = {_storage_key(t)[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        seen = None   # storage keys of the inputs: an output sharing one is a view or in-place result
         grew = False
         is_host = allocating_host_buffer()
         for t in outs:
             key, storage = _storage_key(t)
-            if key is None or key in seen or key in self._tracked or not (is_host or self._counts(t)):
+            if key is None or key in self._tracked or not (is_host or self._counts(t)):
+                continue
+            if seen is None:
+                seen = {_storage_key(a)[0] for a in _tensors(args)}
+                if kwargs:
+                    seen.update(_storage_key(a)[0] for a in _tensors(list(kwargs.values())))
+            if key in seen:
                 continue
             seen.add(key)
             nbytes = storage.nbytes()
@@ -235,19 +258,23 @@ class MemoryAccountant:
                         self._detail[key] = (str(func.overloadpacket.__name__), tuple(t.shape), t.dtype, nbytes)
             weakref.finalize(storage, self._on_free, key)
             grew = grew or not is_host
-        host = self.host_live
-        self.host_peak = max(self.host_peak, host)
-        for ph in self._active:
-            ph.host_peak = max(ph.host_peak, host)
         if grew:
             live = self.device_live
-            self.device_peak = max(self.device_peak, live)
+            if live > self.device_peak:
+                self.device_peak = live
             for ph in self._active:
                 ph.peak = max(ph.peak, live)
                 if live > ph._run_peak:
                     ph._run_peak = live
                     if self._detail is not None and live - ph.start > ph.peak_above_start:
                         ph.peak_tensors = sorted(self._detail.values(), key=lambda r: -r[3])
+
+    def _note_host(self, in_use: int) -> None:
+        """Called by the host pool at every acquire (the only place host stash grows)."""
+        host = max(0, in_use - (self._host_base or 0))
+        self.host_peak = max(self.host_peak, host)
+        for ph in self._active:
+            ph.host_peak = max(ph.host_peak, host)
 
     def _on_free(self, key: int) -> None:
         with self._lock:
@@ -269,3 +296,97 @@ class MemoryAccountant:
             ph.cuda_allocated_peak = max(ph.cuda_allocated_peak or 0, alloc)
             ph.cuda_reserved_peak = max(ph.cuda_reserved_peak or 0, reserved)
         torch.cuda.reset_peak_memory_stats(self.device)
+
+
+# ---------------------------------------------------------------------------- one region's peaks
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class MemoryPeaks:
+    """Peak memory of one region, bytes (see :class:`RegionMemory` for what each one counts)."""
+
+    allocated: int | None
+    """CUDA: ``max_memory_allocated`` (absolute: weights and everything else allocated before
+    the region included). CPU: the accountant's device peak, i.e. the most bytes of storages
+    created inside the region that were live at once (what existed before is not counted).
+    ``None`` on the CPU without counting."""
+    reserved: int | None
+    """CUDA: ``max_memory_reserved`` (the caching allocator's segments, >= allocated). ``None`` off CUDA."""
+    host_stash: int
+    """Most host-stash bytes in use (host pool buffers acquired) above those in use at entry."""
+    allocated_at_start: int = 0
+    """CUDA: ``memory_allocated`` at entry (so ``allocated - allocated_at_start`` is the
+    region's own working set); 0 on the CPU, where ``allocated`` already excludes it."""
+    source: str = "off"
+    """``"cuda"`` (allocator counters), ``"accountant"`` (CPU live-bytes count) or ``"off"``."""
+
+    @property
+    def working_set(self) -> int | None:
+        """Device bytes above what was allocated at entry (same meaning on CUDA and CPU)."""
+        return None if self.allocated is None else self.allocated - self.allocated_at_start
+
+    def gib(self) -> dict:
+        """``{"peak_mem_gib", "peak_reserved_gib", "host_stash_gib"}`` (None where not measured)."""
+        f = (lambda b: None if b is None else b / GIB)
+        return {"peak_mem_gib": f(self.allocated), "peak_reserved_gib": f(self.reserved),
+                "host_stash_gib": f(self.host_stash)}
+
+    def describe(self, above_start: bool = False) -> str:
+        """One table cell: ``"1.23 GiB (reserved 1.50)"`` on CUDA, ``"0.05 GiB (counted)"`` on the
+        CPU, ``"n/a"`` when not measured; ``above_start`` uses :attr:`working_set`."""
+        alloc = self.working_set if above_start else self.allocated
+        if alloc is None:
+            return "n/a"
+        if self.reserved is not None:
+            return f"{alloc / GIB:.2f} GiB (reserved {self.reserved / GIB:.2f})"
+        return f"{alloc / GIB:.3g} GiB (counted)"
+
+
+class RegionMemory:
+    """Peak device and host-stash memory of one region::
+
+        with RegionMemory(device) as rm:
+            step()
+        rm.peaks.allocated, rm.peaks.reserved, rm.peaks.host_stash
+
+    * CUDA: resets the allocator's peak counters on entry and reads ``max_memory_allocated``
+      and ``max_memory_reserved`` on exit (host-side counters: no synchronisation). Do not
+      nest two on CUDA (the inner one's reset hides the outer one's earlier peak).
+    * CPU: a :class:`MemoryAccountant` runs over the region (a dispatch mode: every aten op
+      pays a little Python), so ``allocated`` is the most bytes of storages created inside
+      the region live at once; ``count=False`` skips it (``allocated`` is then None).
+    * Any device: the host-stash peak from the host pool (:class:`fpdt.offload.HostPeak`).
+
+    :attr:`accountant` is the CPU accountant (None on CUDA or without counting).
+    """
+
+    def __init__(self, device: torch.device | str, count: bool = True):
+        self.device = torch.device(device)
+        self.count = count
+        self.accountant: MemoryAccountant | None = None
+        self.peaks: MemoryPeaks | None = None
+        self._host = HostPeak()
+        self._start = 0
+
+    def __enter__(self) -> "RegionMemory":
+        self._host.__enter__()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        elif self.count:
+            self.accountant = MemoryAccountant(self.device).__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._host.__exit__(*exc)
+        host = self._host.above_start
+        if self.device.type == "cuda":
+            self.peaks = MemoryPeaks(torch.cuda.max_memory_allocated(self.device),
+                                     torch.cuda.max_memory_reserved(self.device), host, self._start, "cuda")
+        elif self.accountant is not None:
+            self.accountant.__exit__(*exc)
+            self.peaks = MemoryPeaks(self.accountant.device_peak, None, host, 0, "accountant")
+        else:
+            self.peaks = MemoryPeaks(None, None, host, 0, "off")

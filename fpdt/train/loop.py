@@ -8,6 +8,28 @@ many. The loop therefore back-propagates ``sp * loss``: after DeepSpeed's averag
 gradient is the mean over data-parallel groups of each sequence's mean-loss gradient --
 exactly what single-process training on the same windows computes (tested with plain
 SGD, where a wrong scale shows at once).
+
+Memory per step (:class:`fpdt.profiling.memory.RegionMemory` around the step's micro
+steps, from the first forward to the optimizer update; max over ranks):
+
+* CUDA: the allocator's peak counters are reset at the start of every step, so
+  ``peak_mem_gib`` / ``peak_reserved_gib`` are that step's ``max_memory_allocated`` /
+  ``max_memory_reserved``: absolute, i.e. parameters, ZeRO partitions, gradients and
+  optimizer states allocated before the step are included.
+* CPU: the accountant is entered at the start of every step, so ``peak_mem_gib`` is the
+  step's *working set*: the most bytes of tensors created during the step live at once
+  (ZeRO-3's gathered parameters, activations, gradients, temporaries). Everything that
+  existed when the step began -- parameters, ZeRO partitions, gradient buffers, and
+  optimizer states created by earlier steps -- is not counted; the first step therefore
+  also counts what the engine creates lazily then (e.g. optimizer states, gradient
+  buffers) and is usually the largest. ``peak_reserved_gib`` is None (no caching allocator).
+* Any device: ``host_stash_gib`` is the most host-stash bytes (offloaded chunks and
+  layer inputs drawn from the host pool) in use during the step.
+
+The CPU accountant is a dispatch mode: a little Python on every aten op, inside the timed
+step (README main job, tiny model on 2 CPU cores: about +35% step time).
+``mem_accounting=False`` (``--no-mem-accounting``) skips it: ``peak_mem_gib`` is then None
+on the CPU, while ``host_stash_gib`` (counted at the host pool, no dispatch mode) stays.
 """
 
 from __future__ import annotations
@@ -21,11 +43,12 @@ import torch
 import torch.distributed as dist
 
 from fpdt.offload import runtime_for
+from fpdt.profiling.memory import MemoryPeaks, RegionMemory
 from fpdt.train.config import Plan
 from fpdt.train.data import Windows, sequence_ids, shard_windows
 from fpdt.train.metrics import ModelShape, step_rates
 from fpdt.train.parallel import ParallelState
-from fpdt.train.progress import Progress, StepRecord, host_rss_gib, peak_device_mem_gib
+from fpdt.train.progress import Progress, StepRecord, host_rss_gib
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,8 @@ class LoopSpec:
     """Activation checkpointing is on (counted in HFU only)."""
     skip_nonfinite: int = 0
     """Steps with a non-finite loss that may be skipped (``--skip-nonfinite``); 0: stop at the first."""
+    mem_accounting: bool = True
+    """Count the step's device working set on the CPU (see the module docstring); no effect on CUDA."""
 
 
 class NonFiniteStep(RuntimeError):
@@ -80,15 +105,19 @@ def _finite_on_all_ranks(loss: torch.Tensor, device: torch.device) -> bool:
     return bad.item() == 0
 
 
-def _reduce_stats(loss_sum: torch.Tensor, spec: LoopSpec) -> tuple[float, float, float | None]:
-    """-> (loss averaged over DP groups and micro steps, max host RSS, max peak device mem)."""
+def _reduce_stats(loss_sum: torch.Tensor, peaks: MemoryPeaks, spec: LoopSpec) -> tuple[float, dict]:
+    """-> (loss averaged over DP groups and micro steps, memory figures in GiB max over ranks:
+    ``host_rss_gib``, ``peak_mem_gib``, ``peak_reserved_gib``, ``host_stash_gib``; None where
+    a rank did not measure it)."""
     ps = spec.parallel
-    mem = peak_device_mem_gib(ps.device)
     mean = (loss_sum / spec.grad_accum).reshape(1).to(ps.device)
     dist.all_reduce(mean)                       # SP ranks hold equal values: world mean = DP mean
-    peaks = torch.tensor([host_rss_gib(), -1.0 if mem is None else mem], device=ps.device)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    return mean.item() / ps.world_size, peaks[0].item(), None if mem is None else peaks[1].item()
+    mem = {"host_rss_gib": host_rss_gib(), **peaks.gib()}
+    # float64: byte counts stay exact (float32 would round them)
+    maxed = torch.tensor([-1.0 if v is None else v for v in mem.values()], dtype=torch.float64, device=ps.device)
+    dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+    out = {k: (None if v < 0 else v) for k, v in zip(mem, maxed.tolist())}
+    return mean.item() / ps.world_size, out
 
 
 def train_step(engine, windows: Windows, spec: LoopSpec, step: int) -> StepRecord:
@@ -98,20 +127,20 @@ def train_step(engine, windows: Windows, spec: LoopSpec, step: int) -> StepRecor
     runtime = runtime_for(ps.device)
     runtime.synchronize(ps.device)          # host-device sync: the step's wall time starts here
     t0 = time.perf_counter()
-    loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
-    for micro in range(spec.grad_accum):
-        loss_sum += _micro_step(engine, windows, spec, step, micro)
+    with RegionMemory(ps.device, count=spec.mem_accounting) as region:
+        loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
+        for micro in range(spec.grad_accum):
+            loss_sum += _micro_step(engine, windows, spec, step, micro)
     runtime.synchronize(ps.device)          # host-device sync: the step's wall time ends here
     seconds = time.perf_counter() - t0
-    loss, rss, mem = _reduce_stats(loss_sum, spec)
+    loss, mem = _reduce_stats(loss_sum, region.peaks, spec)
     tokens = spec.plan.seq_len * spec.micro_batch * spec.grad_accum * ps.dp
     rates = step_rates(spec.shape, spec.plan.seq_len, tokens, seconds, ps.world_size,
                        spec.peak_flops, spec.recompute)
     norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
     return StepRecord(step=step + 1, loss=loss, lr=lr, tokens=tokens, step_time_s=seconds,
                       tokens_per_s=rates.tokens_per_s, tgs=rates.tgs, mfu=rates.mfu, mfu_full=rates.mfu_full,
-                      hfu=rates.hfu, peak_mem_gib=mem, host_rss_gib=rss,
-                      grad_norm=None if norm is None else float(norm))
+                      hfu=rates.hfu, grad_norm=None if norm is None else float(norm), **mem)
 
 
 def run_steps(engine, windows: Windows, spec: LoopSpec, start: int, stop: int, progress: Progress,

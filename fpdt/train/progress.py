@@ -2,8 +2,20 @@
 
 Every optimizer step produces one :class:`StepRecord`. Rank 0 shows it in the bar's
 postfix and, with ``--log-json FILE``, appends it to ``FILE`` as one JSON object per line
-(keys as in :class:`StepRecord`; ``null`` where a figure is not available, e.g. the peak
-device memory on CPU).
+(keys as in :class:`StepRecord`; ``null`` where a figure is not available).
+
+Memory fields (GiB, max over ranks; how they are measured: :mod:`fpdt.train.loop`):
+
+* ``peak_mem_gib``: CUDA: the step's ``torch.cuda.max_memory_allocated`` (reset every
+  step; includes weights and optimizer states). CPU: the step's device working set counted
+  by :class:`fpdt.profiling.memory.MemoryAccountant` (tensors created during the step;
+  what existed before it is not counted). ``null`` only on the CPU with
+  ``--no-mem-accounting``.
+* ``peak_reserved_gib``: CUDA: the step's ``torch.cuda.max_memory_reserved`` (what the
+  caching allocator holds, >= allocated). ``null`` on the CPU.
+* ``host_stash_gib``: the most host-stash bytes (offloaded attention chunks and layer
+  inputs from the host pool) in use during the step; 0 without offload.
+* ``host_rss_gib``: resident host memory of the process at the end of the step.
 """
 
 from __future__ import annotations
@@ -15,7 +27,6 @@ from dataclasses import dataclass
 from typing import IO
 
 import psutil
-import torch
 
 
 @dataclass(frozen=True)
@@ -44,23 +55,22 @@ class StepRecord:
     hfu: float | None
     """Hardware FLOPs utilisation (recompute counted)."""
     peak_mem_gib: float | None
-    """Peak device memory allocated so far, max over ranks (``None`` on CPU)."""
+    """Peak device memory of the step, max over ranks: CUDA allocated; CPU the counted
+    working set (see the module docstring); ``None`` on the CPU with ``--no-mem-accounting``."""
     host_rss_gib: float
     """Resident host memory, max over ranks."""
     grad_norm: float | None = None
     """Global gradient norm before clipping, when DeepSpeed reports it."""
+    peak_reserved_gib: float | None = None
+    """Peak device memory reserved by the caching allocator in the step, max over ranks
+    (CUDA; ``None`` on the CPU)."""
+    host_stash_gib: float | None = None
+    """Most host-stash bytes in use during the step, max over ranks (0 without offload)."""
 
 
 def host_rss_gib() -> float:
     """Resident set size of this process, GiB."""
     return psutil.Process(os.getpid()).memory_info().rss / 2 ** 30
-
-
-def peak_device_mem_gib(device: torch.device) -> float | None:
-    """Peak allocated device memory of this process, GiB (``None`` off CUDA)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) / 2 ** 30
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
@@ -75,9 +85,13 @@ def postfix(rec: StepRecord) -> str:
         f"TGS={rec.tgs:,.0f}",
         f"MFU={_fmt(rec.mfu, '.1f', 100, '%')}",
         f"step={rec.step_time_s:.2f}s",
-        f"mem={_fmt(rec.peak_mem_gib, '.2f', suffix='G')}",
-        f"rss={rec.host_rss_gib:.2f}G",
+        f"mem={_fmt(rec.peak_mem_gib, '.3g', suffix='G')}",
     ]
+    if rec.peak_reserved_gib is not None:
+        parts.append(f"res={rec.peak_reserved_gib:.3g}G")
+    if rec.host_stash_gib:
+        parts.append(f"stash={rec.host_stash_gib:.3g}G")
+    parts.append(f"rss={rec.host_rss_gib:.2f}G")
     return " ".join(parts)
 
 

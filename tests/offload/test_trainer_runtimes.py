@@ -11,7 +11,8 @@ import os
 import pytest
 
 from tests.distributed import run_distributed
-from tests.train.helpers import SGD, SGD_CLIP, ds_config, quiet, reference_losses, write_fixture, write_json
+from tests.train.helpers import (SGD, SGD_CLIP, check_memory_fields, ds_config, quiet, reference_losses, write_fixture,
+                                write_json)
 from tests.train.test_parity import RTOL, SEQ_LEN, STEPS, _losses, _train
 
 ENVS = {"sync": {"FPDT_RUNTIME": "sync"},
@@ -44,3 +45,4 @@ def test_trainer_with_offload_matches_the_reference(runtime, tmp_path):
         got = _losses(os.path.join(tmp, f"sgd_{chunk}.jsonl"))
         rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
         assert len(got) == STEPS and max(rel) < RTOL, f"{runtime} chunk={chunk}: {got} vs {ref} ({rel})"
+        check_memory_fields(os.path.join(tmp, f"sgd_{chunk}.jsonl"), offload=True)

@@ -87,6 +87,22 @@ def reference_losses(cfg_path: str | None, data_path: str, seq_len: int, steps: 
     return losses
 
 
+def check_memory_fields(log_path: str, offload: bool) -> None:
+    """Every record of a CPU run's ``--log-json`` has a positive, finite ``peak_mem_gib`` (the
+    accountant's step peak), ``peak_reserved_gib`` null, and a host stash > 0 exactly when
+    attention or checkpoint offload is on."""
+    import math
+
+    with open(log_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    assert records, log_path
+    for rec in records:
+        mem, stash = rec["peak_mem_gib"], rec["host_stash_gib"]
+        assert mem is not None and math.isfinite(mem) and mem > 0, rec
+        assert rec["peak_reserved_gib"] is None, rec
+        assert (stash > 0) if offload else (stash == 0), rec
+
+
 def quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)

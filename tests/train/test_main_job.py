@@ -39,8 +39,10 @@ def test_readme_main_job_runs_and_exports(tmp_path):
     with open(log) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == [1, 2, 3]
-    for key in ("loss", "tokens_per_s", "tgs", "mfu", "mfu_full", "step_time_s", "peak_mem_gib", "host_rss_gib"):
+    for key in ("loss", "tokens_per_s", "tgs", "mfu", "mfu_full", "step_time_s", "peak_mem_gib", "peak_reserved_gib",
+                "host_stash_gib", "host_rss_gib"):
         assert key in records[0]
+    assert all(r["peak_mem_gib"] > 0 and r["host_stash_gib"] == 0 for r in records)   # CPU: counted, no offload
     assert records[0]["loss"] == pytest.approx(7.6, abs=0.3)       # ~ln(2048) at random init
     assert records[-1]["loss"] < records[0]["loss"]
     assert records[0]["lr"] > 0                                      # the warm-up starts above zero

@@ -14,7 +14,8 @@ import os
 import pytest
 
 from tests.distributed import run_distributed
-from tests.train.helpers import ADAMW, ADAMW_CLIP, SGD, SGD_CLIP, ds_config, quiet, reference_losses, write_fixture, write_json
+from tests.train.helpers import (ADAMW, ADAMW_CLIP, SGD, SGD_CLIP, check_memory_fields, ds_config, quiet,
+                                reference_losses, write_fixture, write_json)
 
 SEQ_LEN = 64
 STEPS = 3
@@ -68,6 +69,7 @@ def _run_layout(tmp: str, sp: int, chunk: int, resume: bool, checkpoint: str = "
         print(f"sp={sp} dp={dp} checkpoint={checkpoint} grad_accum={grad_accum} bf16={bf16} {name}: "
               f"fpdt-train {got} reference {ref} rel.err {rel}")
         assert max(rel) < rtol, f"{name}: losses {got} vs reference {ref} (rel. err {rel})"
+        check_memory_fields(os.path.join(tmp, f"{name}.jsonl"), offload=False)
         out[name] = got
     return out
 
