@@ -10,7 +10,12 @@ GPU (issue targets: time ratio <= 1.05; offload peak <= unchunked / num_chunks +
 
     python profiling/attention_offload.py                       # S=256K, H=32, H_kv=8, D=128, chunks 32K and 64K
 
-CPU smoke run (what the test suite runs; memory and overlap columns are n/a there)::
+Peak memory: device bytes above what was allocated before the call (on CUDA
+``max_memory_allocated``, with the call's ``max_memory_reserved`` beside it, cache emptied
+first; on the CPU the memory accountant's count), via
+:class:`fpdt.profiling.memory.RegionMemory`.
+
+CPU smoke run (what the test suite runs; the overlap column is n/a there)::
 
     python profiling/attention_offload.py --tiny
 """
@@ -27,6 +32,7 @@ import torch
 
 from fpdt.attention import fpdt_attention
 from fpdt.offload import runtime_for
+from fpdt.profiling.memory import MemoryPeaks, RegionMemory
 
 
 def _sync(device):
@@ -51,17 +57,14 @@ def timed(q, k, v, num_chunks, offload, warmup, iters):
     return statistics.median(run_once(q, k, v, num_chunks, offload) for _ in range(iters))
 
 
-def peak_bytes(q, k, v, num_chunks, offload):
-    """Peak device memory above what was allocated before the call (CUDA only)."""
-    if q.device.type != "cuda":
-        return None
+def peak_memory(q, k, v, num_chunks, offload) -> MemoryPeaks:
+    """Peaks of one forward+backward (``working_set``: device bytes above those allocated before it)."""
     for t in (q, k, v):
         t.grad = None
     _sync(q.device)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    run_once(q, k, v, num_chunks, offload)
-    return torch.cuda.max_memory_allocated() - base
+    with RegionMemory(q.device, fresh_cache=True) as region:
+        run_once(q, k, v, num_chunks, offload)
+    return region.peaks
 
 
 def _merge_intervals(iv):
@@ -102,8 +105,8 @@ def copy_overlap(q, k, v, num_chunks):
     return hidden / total
 
 
-def _fmt_bytes(b):
-    return "n/a" if b is None else f"{b / 2**30:.2f} GiB"
+def _fmt_peak(p: MemoryPeaks) -> str:
+    return p.describe(above_start=True)
 
 
 def main(argv=None):
@@ -129,28 +132,32 @@ def main(argv=None):
     k = torch.randn(1, S, args.kv_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
 
-    unchunked_peak = peak_bytes(q, k, v, 1, False)
+    unchunked_peak = peak_memory(q, k, v, 1, False)
     rows = []
     for chunk in (int(c) for c in args.chunk_sizes.split(",")):
         u = S // chunk
         t_plain = timed(q, k, v, u, False, args.warmup, args.iters)
         t_off = timed(q, k, v, u, True, args.warmup, args.iters)
         overlap = copy_overlap(q, k, v, u)
-        rows.append((chunk, u, t_plain, t_off, peak_bytes(q, k, v, u, False), peak_bytes(q, k, v, u, True), overlap))
+        rows.append((chunk, u, t_plain, t_off, peak_memory(q, k, v, u, False), peak_memory(q, k, v, u, True), overlap))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
         f"# FPDT attention offload ({name}, torch {torch.__version__})",
         "",
         f"1 rank, S={S}, H={args.heads}, H_kv={args.kv_heads}, D={args.head_dim}, {args.dtype}, "
-        f"fwd+bwd median of {args.iters}. Unchunked (1 call) peak: {_fmt_bytes(unchunked_peak)}.",
+        f"fwd+bwd median of {args.iters}. Unchunked (1 call) peak: {_fmt_peak(unchunked_peak)}.",
+        "",
+        "Peaks: device memory above what was allocated before the call (" + (
+            "max_memory_allocated; reserved: the call's max_memory_reserved, cache emptied first)" if device.type == "cuda"
+            else "counted by the CPU memory accountant)") + ".",
         "",
         "| chunk | chunks | time no-offload (s) | time offload (s) | ratio | peak no-offload | peak offload "
         "| copy time overlapped |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for chunk, u, tp, to, mp, mo, ov in rows:
-        lines.append(f"| {chunk} | {u} | {tp:.4f} | {to:.4f} | {to / tp:.3f} | {_fmt_bytes(mp)} | {_fmt_bytes(mo)} "
+        lines.append(f"| {chunk} | {u} | {tp:.4f} | {to:.4f} | {to / tp:.3f} | {_fmt_peak(mp)} | {_fmt_peak(mo)} "
                      f"| {'n/a' if ov is None else f'{100 * ov:.1f}%'} |")
     text = "\n".join(lines) + "\n"
     print(text)

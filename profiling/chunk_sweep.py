@@ -4,8 +4,10 @@ For each global chunk size (default 8K..256K, those dividing ``--seq-len``) one 
 process runs one full ``fpdt`` training step (and, with ``--no-offload-too``, the same
 without offload, for the offload on/off time ratio) and records:
 
-* peak device memory, split into model states (parameters, gradients and AdamW's two
-  moments, in the parameter dtype) and activations (the rest);
+* peak device memory (``device_peak_bytes``, from :mod:`max_seqlen`'s trial: CUDA
+  ``max_memory_allocated`` with ``device_reserved_peak_bytes`` beside it; on the CPU the
+  memory accountant's count plus the parameters), split into model states (parameters,
+  gradients and AdamW's two moments, in the parameter dtype) and activations (the rest);
 * step time and MFU (the trainer's formula);
 * copy time not hidden by compute, from a ``torch.profiler`` trace (CUDA only; null on
   the CPU, where the copies are synchronous memcpys).

@@ -5,10 +5,12 @@ strategy of :mod:`strategies` (``fpdt``, ``fpdt-no-offload``, ``hf``, ``alst``),
 runs one full training step (forward, backward, AdamW step) at one length, in a fresh
 subprocess, and records:
 
-* ``device_peak_bytes``: on CUDA ``max_memory_allocated`` (and ``reserved`` beside it); on
-  the CPU the memory accountant's device tier (:class:`fpdt.profiling.memory.MemoryAccountant`:
-  live tensor bytes created in the step) plus the parameters, which exist before it;
-* ``host_peak_bytes``: the host tier (offloaded stash counted by the accountant);
+* ``device_peak_bytes``: on CUDA ``max_memory_allocated`` (``device_reserved_peak_bytes``:
+  ``max_memory_reserved`` beside it, null on the CPU); on the CPU the memory accountant's
+  device tier (:class:`fpdt.profiling.memory.MemoryAccountant`: live tensor bytes created
+  in the step) plus the parameters, which exist before it; ``counted_device_peak_bytes``:
+  that count on any device (both through :class:`fpdt.profiling.memory.RegionMemory`);
+* ``host_peak_bytes``: the host tier (offloaded stash in use, counted at the host pool);
   ``host_rss_peak_bytes``: the process's peak RSS;
 * ``step_s``, ``tokens_per_s``, ``mfu`` (the trainer's formula, :mod:`fpdt.train.metrics`);
 * for the fpdt strategies, ``planned_*``: what :mod:`fpdt.plan` predicts for the same run.
@@ -89,26 +91,26 @@ def trial(args) -> dict:
         trainee = st.build(args.strategy, cfg, args.seq_len, args.chunk_size, device, dtype)
         ids = torch.randint(0, cfg["vocab_size"], (1, args.seq_len), device=device)
         param_bytes = sum(p.numel() * p.element_size() for p in trainee.params)
-        from fpdt.profiling.memory import MemoryAccountant
+        from fpdt.profiling.memory import RegionMemory
         profile = args.profile_copies and device.type == "cuda"
         if profile:                                # warm-up step, so the trace holds a steady step
             trainee.step(ids)
-        with MemoryAccountant(device) as acct, _maybe_profiler(profile) as prof:
+        with RegionMemory(device, count_cuda=True) as region, _maybe_profiler(profile) as prof:
             t0 = time.perf_counter()
             trainee.step(ids)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - t0
-        summary = acct.summary()
+        peaks = region.peaks
         if profile:
             out.update(bc.exposed_copy_seconds(prof))
     except torch.cuda.OutOfMemoryError as exc:
         return {**out, "status": "oom", "error": str(exc).splitlines()[0]}
-    counted = param_bytes + summary["device_peak"]
-    device_peak = summary["cuda_allocated_peak"] if device.type == "cuda" else counted
+    counted = param_bytes + peaks.counted
+    device_peak = peaks.allocated if device.type == "cuda" else counted
     out.update(status="ok", measured=True, step_s=seconds, tokens_per_s=args.seq_len / seconds,
                param_bytes=param_bytes, device_peak_bytes=device_peak, counted_device_peak_bytes=counted,
-               device_reserved_peak_bytes=summary["cuda_reserved_peak"], host_peak_bytes=summary["host_peak"],
+               device_reserved_peak_bytes=peaks.reserved, host_peak_bytes=peaks.host_stash,
                host_rss_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, notes=trainee.notes)
     from fpdt.train.metrics import ModelShape, resolve_peak_flops, step_rates
     shape = ModelShape(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],

@@ -4,8 +4,10 @@ Model: Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64,
 8192, vocab 128,256, tied embeddings, Llama-3.1 RoPE), random weights, bf16 parameters,
 no download. One device, batch 1, one forward+backward per step (no optimizer: the
 optimizer's memory does not depend on these features). For each global sequence length
-(32K, 128K, 512K tokens) it reports peak device memory (``torch.cuda.max_memory_allocated``)
-and the median step time for:
+(32K, 128K, 512K tokens) it reports peak device memory over the measured steps -- on CUDA
+``max_memory_allocated`` with ``max_memory_reserved`` beside it, on the CPU the memory
+accountant's count of tensors created by the steps (parameters not included; see
+:class:`fpdt.profiling.memory.RegionMemory`) -- and the median step time for:
 
 * a ladder that switches the features on one after the other, starting from the plain
   model (unchunked attention, plain MLP, full-logits loss, no checkpointing):
@@ -17,7 +19,7 @@ Runs that run out of memory are reported as ``OOM``. The table is written as mar
 ``benchmarks/results/model_memory_<device>.md``.
 
 **GPU figures are owed**: this script was written in a session without a GPU; only the
-CPU ``--tiny`` run (tiny model, short sequences, memory column n/a) has been executed.
+CPU ``--tiny`` run (tiny model, short sequences, counted memory) has been executed.
 Run it on one GPU and commit the resulting table::
 
     python profiling/model_memory.py                      # 32K, 128K, 512K; chunk size 32K
@@ -42,6 +44,7 @@ import torch
 
 import fpdt.model as fm
 from fpdt.offload import runtime_for
+from fpdt.profiling.memory import MemoryPeaks, RegionMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES = ("chunked_attention", "offload", "chunked_mlp", "chunked_loss", "checkpoint_offload")
@@ -98,18 +101,16 @@ def _step(model: fm.FPDTForCausalLM, inputs: dict) -> float:
 
 
 def measure(model: fm.FPDTForCausalLM, seq_len: int, options: dict, warmup: int, iters: int) -> tuple:
-    """-> (peak GiB or None, median step seconds) or ("OOM", None)."""
+    """-> (:class:`MemoryPeaks` of the warm-up and timed steps, median step seconds) or ("OOM", None).
+    On the CPU the times include the accountant's overhead."""
     device = model.lm_head.weight.device
     model.configure(**options)
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
     inputs = fm.prepare_inputs(ids, sp_size=1, rank=0, num_chunks=options["num_chunks"])
     try:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        times = [_step(model, inputs) for _ in range(warmup + iters)][warmup:]
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        return peak, statistics.median(times)
+        with RegionMemory(device, fresh_cache=True) as region:
+            times = [_step(model, inputs) for _ in range(warmup + iters)][warmup:]
+        return region.peaks, statistics.median(times)
     except torch.cuda.OutOfMemoryError:
         return "OOM", None
     finally:
@@ -121,11 +122,10 @@ def measure(model: fm.FPDTForCausalLM, seq_len: int, options: dict, warmup: int,
 
 
 def _fmt(result: tuple) -> str:
-    peak, secs = result
-    if peak == "OOM":
+    peaks, secs = result
+    if peaks == "OOM":
         return "OOM"
-    mem = "n/a" if peak is None else f"{peak:.1f} GiB"
-    return f"{mem} / {secs:.3f} s"
+    return f"{peaks.describe()} / {secs:.3f} s"
 
 
 def _label(n: int) -> str:
@@ -137,7 +137,9 @@ def render(rows: list[tuple[str, dict[int, tuple]]], seq_lens: list[int], header
                       "|---|" + "---|" * len(seq_lens)]
     for label, results in rows:
         lines.append(f"| {label} | " + " | ".join(_fmt(results[s]) for s in seq_lens) + " |")
-    lines += ["", "Cells: peak device memory / median forward+backward time per step (batch 1, no optimizer)."]
+    lines += ["", "Cells: peak device memory allocated (reserved) on CUDA, or counted by the CPU accountant "
+                  "(tensors created by the steps, parameters not included) / median forward+backward time "
+                  "per step (batch 1, no optimizer)."]
     return "\n".join(lines) + "\n"
 
 
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[int, tuple]]]:
               f"- torch {torch.__version__}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
               f"{args.warmup} warm-up + median of {args.iters} steps"]
     if device.type != "cuda":
-        header.append("- CPU smoke run: memory is n/a and times mean nothing; **GPU figures are owed**")
+        header.append("- CPU smoke run: memory is the accountant's count and times mean nothing; "
+                      "**GPU figures are owed**")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         f.write(render(rows, seq_lens, header))

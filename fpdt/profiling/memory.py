@@ -175,10 +175,10 @@ class MemoryAccountant:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._fold_cuda()   # while still active: _fold_cuda does nothing once _mode is None
         self._mode.__exit__(*exc)
         self._mode = None
         unwatch_host_peak(self)
-        self._fold_cuda()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[PhaseMemory]:
@@ -321,6 +321,9 @@ class MemoryPeaks:
     region's own working set); 0 on the CPU, where ``allocated`` already excludes it."""
     source: str = "off"
     """``"cuda"`` (allocator counters), ``"accountant"`` (CPU live-bytes count) or ``"off"``."""
+    counted: int | None = None
+    """The accountant's device peak (bytes of storages created inside the region live at
+    once) where it ran: always on the CPU with counting, on CUDA only with ``count_cuda``."""
 
     @property
     def working_set(self) -> int | None:
@@ -334,14 +337,20 @@ class MemoryPeaks:
                 "host_stash_gib": f(self.host_stash)}
 
     def describe(self, above_start: bool = False) -> str:
-        """One table cell: ``"1.23 GiB (reserved 1.50)"`` on CUDA, ``"0.05 GiB (counted)"`` on the
-        CPU, ``"n/a"`` when not measured; ``above_start`` uses :attr:`working_set`."""
+        """One table cell: ``"1.23 GiB (reserved 1.50 GiB)"`` on CUDA, ``"5.2 MiB (counted)"`` on
+        the CPU, ``"n/a"`` when not measured; ``above_start`` uses :attr:`working_set` (reserved
+        stays absolute)."""
         alloc = self.working_set if above_start else self.allocated
         if alloc is None:
             return "n/a"
         if self.reserved is not None:
-            return f"{alloc / GIB:.2f} GiB (reserved {self.reserved / GIB:.2f})"
-        return f"{alloc / GIB:.3g} GiB (counted)"
+            return f"{format_bytes(alloc)} (reserved {format_bytes(self.reserved)})"
+        return f"{format_bytes(alloc)} (counted)"
+
+
+def format_bytes(n: int) -> str:
+    """``"1.50 GiB"`` from 1 GiB up, else ``"12.3 MiB"``."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2 ** 20:.1f} MiB"
 
 
 class RegionMemory:
@@ -354,39 +363,48 @@ class RegionMemory:
     * CUDA: resets the allocator's peak counters on entry and reads ``max_memory_allocated``
       and ``max_memory_reserved`` on exit (host-side counters: no synchronisation). Do not
       nest two on CUDA (the inner one's reset hides the outer one's earlier peak).
+      ``fresh_cache=True`` first returns cached blocks (``empty_cache``), so that reserved
+      memory left by earlier work does not show as this region's.
     * CPU: a :class:`MemoryAccountant` runs over the region (a dispatch mode: every aten op
       pays a little Python), so ``allocated`` is the most bytes of storages created inside
       the region live at once; ``count=False`` skips it (``allocated`` is then None).
+      ``count_cuda=True`` runs it on CUDA too (:attr:`MemoryPeaks.counted`).
     * Any device: the host-stash peak from the host pool (:class:`fpdt.offload.HostPeak`).
 
-    :attr:`accountant` is the CPU accountant (None on CUDA or without counting).
+    :attr:`accountant` is the accountant where it ran, else None.
     """
 
-    def __init__(self, device: torch.device | str, count: bool = True):
+    def __init__(self, device: torch.device | str, count: bool = True, count_cuda: bool = False,
+                 fresh_cache: bool = False):
         self.device = torch.device(device)
-        self.count = count
+        self._cuda = self.device.type == "cuda"
+        self._counting = count_cuda if self._cuda else count
+        self._fresh_cache = fresh_cache
         self.accountant: MemoryAccountant | None = None
         self.peaks: MemoryPeaks | None = None
         self._host = HostPeak()
         self._start = 0
 
     def __enter__(self) -> "RegionMemory":
-        self._host.__enter__()
-        if self.device.type == "cuda":
+        if self._cuda:
+            if self._fresh_cache:
+                torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
-        elif self.count:
+        self._host.__enter__()
+        if self._counting:
             self.accountant = MemoryAccountant(self.device).__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        acct = self.accountant
+        if acct is not None:
+            acct.__exit__(*exc)   # on CUDA it folds the allocator's peaks, then resets them
         self._host.__exit__(*exc)
-        host = self._host.above_start
-        if self.device.type == "cuda":
-            self.peaks = MemoryPeaks(torch.cuda.max_memory_allocated(self.device),
-                                     torch.cuda.max_memory_reserved(self.device), host, self._start, "cuda")
-        elif self.accountant is not None:
-            self.accountant.__exit__(*exc)
-            self.peaks = MemoryPeaks(self.accountant.device_peak, None, host, 0, "accountant")
+        host, counted = self._host.above_start, None if acct is None else acct.device_peak
+        if self._cuda:
+            alloc = max(torch.cuda.max_memory_allocated(self.device), (acct and acct.cuda_allocated_peak) or 0)
+            reserved = max(torch.cuda.max_memory_reserved(self.device), (acct and acct.cuda_reserved_peak) or 0)
+            self.peaks = MemoryPeaks(alloc, reserved, host, self._start, "cuda", counted)
         else:
-            self.peaks = MemoryPeaks(None, None, host, 0, "off")
+            self.peaks = MemoryPeaks(counted, None, host, 0, "off" if acct is None else "accountant", counted)

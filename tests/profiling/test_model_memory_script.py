@@ -17,11 +17,14 @@ def test_model_memory_script_runs_tiny(tmp_path):
     rows = mod.main(["--tiny", "--seq-lens", "64", "--warmup", "0", "--iters", "1", "--out", str(out)])
     labels = [label for label, _ in rows]
     assert labels[0] == "plain (all off)" and "all on" in labels and len(rows) == 1 + 2 * len(mod.FEATURES)
-    for _, results in rows:
-        for peak, secs in results.values():
-            assert peak is None and secs > 0  # no device memory on CPU
+    for (label, results), (_, features) in zip(rows, mod.feature_sets()):
+        offload = bool({"offload", "checkpoint_offload"} & features)
+        for peaks, secs in results.values():   # CPU: the accountant's count, never an empty cell
+            assert peaks.source == "accountant" and peaks.allocated > 0 and secs > 0, label
+            assert peaks.reserved is None and (peaks.host_stash > 0) == offload, label
     text = out.read_text()
-    assert "| plain (all off) | n/a /" in text and "GPU figures are owed" in text
+    assert "| plain (all off) | " in text and "MiB (counted) /" in text and "n/a" not in text
+    assert "GPU figures are owed" in text
 
 
 def test_feature_options():

@@ -3,10 +3,13 @@ report (CPU: the accountant's device peak; any device: the host-stash peak at th
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fpdt.offload import HostBufferPool, HostPeak
 from fpdt.profiling.memory import GIB, MemoryAccountant, MemoryPeaks, RegionMemory
+
+MIB = 2 ** 20
 
 
 def test_host_peak_is_the_highest_in_use_sum_above_start():
@@ -48,6 +51,7 @@ def test_region_memory_on_cpu_is_the_accountant_peak():
         z = keep[:10] * 2                                        # 40 B: 2040 live
     peaks = rm.peaks
     assert (peaks.allocated, peaks.reserved, peaks.host_stash, peaks.source) == (6000, None, 0, "accountant")
+    assert peaks.counted == 6000
     assert peaks.working_set == 6000
     assert peaks.gib() == {"peak_mem_gib": 6000 / GIB, "peak_reserved_gib": None, "host_stash_gib": 0.0}
     assert "counted" in peaks.describe()
@@ -63,5 +67,65 @@ def test_region_memory_without_counting():
 
 def test_describe_on_cuda_shows_reserved_beside_allocated():
     p = MemoryPeaks(allocated=3 * GIB, reserved=4 * GIB, host_stash=0, allocated_at_start=GIB, source="cuda")
-    assert p.describe() == "3.00 GiB (reserved 4.00)"
-    assert p.describe(above_start=True) == "2.00 GiB (reserved 4.00)"
+    assert p.describe() == "3.00 GiB (reserved 4.00 GiB)"
+    assert p.describe(above_start=True) == "2.00 GiB (reserved 4.00 GiB)"
+    small = MemoryPeaks(allocated=5 * 2 ** 20 + 2 ** 19, reserved=None, host_stash=0, source="accountant")
+    assert small.describe() == "5.5 MiB (counted)"
+
+
+class FakeCudaAllocator:
+    """Stands in for the torch.cuda memory counters, so the CUDA branch runs on the CPU."""
+
+    def __init__(self):
+        self.allocated = self.peak = self.reserved = self.reserved_peak = 0
+
+    def malloc(self, n):
+        self.allocated += n
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak, self.reserved_peak = max(self.peak, self.allocated), max(self.reserved_peak, self.reserved)
+
+    def free(self, n):
+        self.allocated -= n
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.reserved_peak)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
+
+    def reset(self, device=None):
+        self.peak, self.reserved_peak = self.allocated, self.reserved
+
+    def empty_cache(self):
+        self.reserved = self.allocated
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = FakeCudaAllocator()
+    fake.install(monkeypatch)
+    fake.malloc(1000 * MIB)        # weights: allocated before the region
+    fake.malloc(500 * MIB)
+    fake.free(500 * MIB)           # a cached block: reserved 1500 MiB
+    return fake
+
+
+@pytest.mark.parametrize("count_cuda", [False, True])
+def test_region_memory_on_cuda_reads_allocated_and_reserved(fake_cuda, count_cuda):
+    with RegionMemory("cuda", count_cuda=count_cuda, fresh_cache=True) as rm:   # reserved back to 1000
+        fake_cuda.malloc(300 * MIB)
+        fake_cuda.free(300 * MIB)
+        fake_cuda.malloc(50 * MIB)
+    p = rm.peaks
+    assert (p.allocated, p.reserved, p.allocated_at_start, p.working_set, p.source) == \
+        (1300 * MIB, 1300 * MIB, 1000 * MIB, 300 * MIB, "cuda")
+    assert (p.counted is not None) == count_cuda        # CPU tensors: not counted on a cuda accountant
+    assert p.describe(above_start=True) == "300.0 MiB (reserved 1.27 GiB)"
+
+
+def test_accountant_on_cuda_folds_the_allocator_peak_at_exit(fake_cuda):
+    with MemoryAccountant("cuda") as acct:          # no phase: only __exit__ folds
+        fake_cuda.malloc(700 * MIB)
+        fake_cuda.free(700 * MIB)
+    assert acct.cuda_allocated_peak == 1700 * MIB and acct.cuda_reserved_peak == 1700 * MIB

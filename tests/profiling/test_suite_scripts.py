@@ -46,6 +46,7 @@ def test_max_seqlen_every_strategy(lengths_run):
         for t in entry["trials"]:
             assert t["status"] == "ok" and TRIAL_FIELDS <= set(t), (name, t)
             assert t["device_peak_bytes"] > t["param_bytes"] > 0 and t["mfu"] > 0
+            assert t["device_peak_bytes"] == t["counted_device_peak_bytes"] and t["device_reserved_peak_bytes"] is None
         assert entry["max_completed_len"] == 128 and entry["slope_device_bytes_per_1k_tokens"] is not None
     by = {n: e["trials"][-1] for n, e in out["strategies"].items()}
     assert by["fpdt"]["host_peak_bytes"] > 0 and by["fpdt-no-offload"]["host_peak_bytes"] == 0
@@ -96,6 +97,8 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     assert [r["chunk_size"] for r in sweep["rows"]] == [64, 128]
     for r in sweep["rows"]:
         assert r["status"] == "ok" and r["activation_bytes"] > 0 and r["model_states_bytes"] == 4 * r["param_bytes"]
+        assert r["device_peak_bytes"] == r["counted_device_peak_bytes"] > r["param_bytes"]   # CPU: counted
+        assert r["device_reserved_peak_bytes"] is None and r["host_peak_bytes"] > 0           # fpdt offloads
         assert r.get("exposed_copy_s") is None          # CUDA only
     lat = ol.main(["--tiny", "--out-dir", str(tmp_path)])
     assert [r["chunk"] for r in lat["chunks"]] == [64, 128]
