@@ -13,8 +13,9 @@ projected chunk by chunk). Callers supply two callbacks:
 Notation: ``u`` chunks, ``P`` ranks, ``C = P * L`` tokens per chunk after the
 all-to-all, ``x̂`` = head layout ``[B, C, H/P, D]``.
 
-Forward, for i = 0..u-1: produce chunk i, all-to-all to q̂_i, k̂_i, v̂_i (chunk i+1's
-all-to-all is started before chunk i's attention, so the two overlap); stash k̂_i, v̂_i;
+Forward, for i = 0..u-1: produce chunk i, all-to-all to q̂_i, k̂_i, v̂_i (with P > 1, chunk
+i+1's all-to-all is started before chunk i's attention, so the two overlap; with one rank
+there is nothing to overlap and chunk i+1 is produced only when its turn comes); stash k̂_i, v̂_i;
 attend q̂_i to k̂_i (causal) and then to k̂_j, v̂_j for j < i (full), fetched from the stash
 one at a time with the next one prefetched, merging online in fp32; stash q̂_i, o_i,
 lse_i; all-to-all o_i back.
@@ -30,6 +31,34 @@ step's chunks are already being prefetched.
 
 Non-causal attention runs the same loops over all (i, j) pairs; its forward first
 produces every KV chunk, and its backward delivers once every gradient is final.
+
+Device memory (budgets tested in ``tests/memory/test_attention_budget.py``). ``U`` = one
+chunk of hidden states in the input dtype, ``C * H * D * itemsize``; one rank (P = 1),
+``offload=True``; ``r = H_kv * kv_factor / H`` (a k̂ or v̂ chunk is ``r U``); ``e = 2 / D``
+(one fp32 lse-sized ``[B, H, C]`` tensor). Live at the peaks, beyond what the caller holds:
+
+* forward, during the kernel of a non-diagonal block: the fp32 merge accumulator (2 U,
+  merged in place, :mod:`fpdt.attention.merge`), the block output (1 U), k̂_j/v̂_j being
+  used and the next pair being prefetched (4 r U: double buffering), and on CPU the
+  kernel's GQA expansion of k̂_j/v̂_j to H heads (2 U when r < 1; native-GQA kernels on
+  GPU skip it); q̂_i is a view of the input (P = 1). GQA 4:1 -> **6 U**, MHA -> **7 U**,
+  plus a few e.
+* backward, during the kernel of inner step (j, i), j >= 1: q̂_i, o_i, dô_i in use and
+  the next step's three prefetched (6 U), the fp32 dq_i accumulator fetched for this step
+  (2 U; the next one is fetched only when its step starts, after the current kernel),
+  k̂_j/v̂_j (2 r U), the fp32 dk/dv accumulators (4 r U), the kernel's dq/dk/dv (1 U + 2 U
+  as H heads) and, on CPU, its GQA expansion (2 U) and the folded dk/dv (2 r U), and the
+  final fp32 dq̂_j of this outer step, held for delivery with dk̂_j/dv̂_j (2 U; keeping it
+  on the host instead would save it but adds a round trip the copy-volume formulas of
+  ``fpdt.offload``/``fpdt.plan`` do not count yet). GQA 4:1 -> **17 U**, MHA -> **19 U**.
+  With u = 2 the inner loops are one step shorter (14 U / 16 U).
+* ``offload=False``: the stash keeps device references. At P = 1, q̂/k̂/v̂ are views of
+  the inputs (free), but each earlier chunk's o_j + lse_j stays (``(u - 1)(1 + e) U``
+  in forward, on top of 5 U (GQA) / 3 U (MHA) of working set), and in backward the fp32
+  dq accumulators of the chunks still to finish (2 U each) replace the host round trips.
+* P = 2: head-layout tensors are ``U / P``, but the all-to-all send/receive buffers
+  (chunk i+1's q/k/v in flight during chunk i, the fp32 dk/dv packed for their way back)
+  add their own; the measured per-rank budgets are in the test.
 """
 
 from __future__ import annotations
@@ -63,6 +92,14 @@ class PipelineSpec:
     kv_factor: int              # GQA replication factor before the all-to-all (1 = none)
     acc_dtype: torch.dtype      # fp32 (float64 for float64 inputs)
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
+    sp_size: int = 1            # ranks in ``group``
+
+    @property
+    def overlap_all_to_all(self) -> bool:
+        """Start chunk i+1's all-to-all during chunk i's attention. Only with P > 1: with
+        one rank there is no collective to hide, and producing chunk i+1 early would only
+        hold its q/k/v (1.5 U for GQA 4:1, 3 U for MHA) through chunk i's attention."""
+        return self.sp_size > 1
 
     def kv_blocks(self, i: int) -> list[int]:
         """KV chunks that query chunk i attends to, diagonal first (its KV is on the device)."""
@@ -95,6 +132,7 @@ def build_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: i
         backend=get_backend(backend, device, dtype, head_dim),
         kv_factor=kv_replication_factor(num_heads, num_kv_heads, P),
         acc_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+        sp_size=P,
     )
 
 
@@ -118,22 +156,24 @@ def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: Ho
     """
     u = spec.num_chunks
     pending = None
-    if spec.causal:
-        pending = _start_to_heads(spec, produce, 0)
-    else:  # every query chunk needs every KV chunk: produce them all first
+    if not spec.causal:  # every query chunk needs every KV chunk: produce them all first
         for i in range(u):
             q_h, k_h, v_h = _start_to_heads(spec, produce, i).wait()
             stash.put(("k", i), k_h)
             stash.put(("v", i), v_h)
             stash.put(("q", i), q_h)
+            del q_h, k_h, v_h
     for i in range(u):
         if spec.causal:
+            if pending is None:
+                pending = _start_to_heads(spec, produce, i)
             q_h, k_h, v_h = pending.wait()
             # chunk i+1's projection and all-to-all start now and overlap chunk i's attention
-            pending = _start_to_heads(spec, produce, i + 1) if i + 1 < u else None
+            pending = _start_to_heads(spec, produce, i + 1) if i + 1 < u and spec.overlap_all_to_all else None
             stash.put(("k", i), k_h)   # async copy out; k_h stays usable for the diagonal block
             stash.put(("v", i), v_h)
             current = {i: (k_h, v_h)}
+            del k_h, v_h
         else:
             q_h = stash.get(("q", i))
             current = {}
@@ -144,7 +184,9 @@ def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: Ho
                 stash.put(("q", i), q_h)
             stash.put(("o", i), o_h)
             stash.put(("lse", i), lse)
+        del q_h, lse
         emit(i, heads_to_seq(o_h, spec.group))
+        del o_h
     if not for_backward:
         stash.clear()
 
@@ -167,9 +209,12 @@ def _attend(spec: PipelineSpec, i: int, q_h: torch.Tensor, current: dict, stash:
             stash.prefetch(("k", nxt))
             stash.prefetch(("v", nxt))
         o_blk, lse_blk = spec.backend.forward(q_h, k_j, v_j, spec.causal and j == i, spec.scale)
+        del k_j, v_j
         acc.update(o_blk, lse_blk)
-        del k_j, v_j, o_blk, lse_blk
-    return acc.out.to(q_h.dtype), acc.lse
+        del o_blk, lse_blk
+    out, lse = acc.out, acc.lse
+    del acc
+    return out.to(q_h.dtype), lse
 
 
 def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor],
@@ -192,6 +237,8 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
         for n, i in enumerate(inner):
             if n + 1 < len(inner):  # double buffer the q side of the next inner step
                 _prefetch_q_side(stash, inner[n + 1])
+            if ("dq", i) in stash:  # needed only after this block's kernel: its copy overlaps the kernel
+                stash.prefetch(("dq", i))
             last_use = _last_outer(spec, i) == j
             take = stash.pop if last_use else stash.get
             q_i, o_i, lse_i = take(("q", i)), take(("o", i)), take(("lse", i))
@@ -205,14 +252,21 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
                 do_i = take(("do", i))
             dq_blk, dk_blk, dv_blk = spec.backend.backward(do_i, q_i, k_j, v_j, o_i, lse_i,
                                                            spec.causal and i == j, spec.scale)
+            del q_i, o_i, lse_i, do_i
             dk += dk_blk
             dv += dv_blk
-            dq_i = dq_blk.to(spec.acc_dtype) if j == 0 else stash.pop(("dq", i)) + dq_blk
+            del dk_blk, dv_blk
+            if j == 0:
+                dq_i = dq_blk.to(spec.acc_dtype, memory_format=torch.contiguous_format)
+            else:
+                dq_i = stash.pop(("dq", i))
+                dq_i += dq_blk  # fp32 accumulator, updated in place
+            del dq_blk
             if last_use:  # dq_i is final: send it back through the all-to-all right away
                 final_dq[i] = heads_to_seq(dq_i, spec.group)
             else:
-                stash.put(("dq", i), dq_i)  # fp32 accumulator, host-resident when offloading
-            del q_i, o_i, lse_i, do_i, dq_blk, dk_blk, dv_blk, dq_i
+                stash.put(("dq", i), dq_i)  # host-resident between outer steps when offloading
+            del dq_i
         del k_j, v_j
         if j + 1 < u:  # the next outer step's chunks copy in while we all-to-all and deliver
             _prefetch_outer(spec, j + 1, stash)
@@ -221,6 +275,7 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
         for c in _ready_chunks(spec, j):
             dk_s, dv_s = heads_to_seq_packed(final_kv.pop(c), spec.group)  # one all-to-all for both
             deliver(c, final_dq.pop(c), sum_kv_replicas(dk_s, spec.kv_factor), sum_kv_replicas(dv_s, spec.kv_factor))
+            del dk_s, dv_s
     stash.clear()
 
 
@@ -241,8 +296,10 @@ def _ready_chunks(spec: PipelineSpec, j: int) -> list[int]:
 
 
 def _prefetch_q_side(stash: HostStash, i: int) -> None:
-    """Start fetching what the backward of query chunk i needs (dô_i and dq_i once they exist)."""
-    for name in ("q", "o", "lse", "do", "dq"):
+    """Start fetching what the backward kernel of query chunk i reads (dô_i once it exists).
+    Its dq_i accumulator is fetched later, when step i starts: it is only needed after the
+    kernel, so only one fp32 dq is on the device at a time."""
+    for name in ("q", "o", "lse", "do"):
         if (name, i) in stash:
             stash.prefetch((name, i))
 

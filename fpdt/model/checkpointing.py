@@ -37,14 +37,16 @@ class _LayerCheckpoint(torch.autograd.Function):
     """``run_fn(x)`` with recompute in backward.
 
     Inputs: ``run_fn`` (x -> y, same shape), ``stash`` (HostStash or None), ``key`` and
-    ``prev_key`` (stash keys of this layer's and the previous layer's input), ``x``
+    ``prev_key`` (stash keys of this layer's and the previous layer's input),
+    ``free_output`` (see :func:`checkpointed`), ``x``
     ``[B, S_local, hidden]``, then the layer's parameters (for graph connectivity only).
     Saved: ``x`` -- in ``ctx`` when ``stash`` is None, else offloaded to host under ``key``.
     """
 
     @staticmethod
-    def forward(ctx, run_fn, stash, key, prev_key, x, *params):
+    def forward(ctx, run_fn, stash, key, prev_key, free_output, x, *params):
         ctx.run_fn, ctx.stash, ctx.key, ctx.prev_key = run_fn, stash, key, prev_key
+        ctx.free_output = free_output
         ctx.x_requires_grad = x.requires_grad
         ctx.autocast = _autocast_state(x.device.type)
         if stash is None:
@@ -67,9 +69,11 @@ class _LayerCheckpoint(torch.autograd.Function):
         device_type, enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
             y = ctx.run_fn(x)
+        if ctx.free_output:  # backward needs y's graph, not its values: give its memory back now
+            y.untyped_storage().resize_(0)
         torch.autograd.backward(y, grad_y)
-        n_params = len(ctx.needs_input_grad) - 5
-        return (None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * n_params
+        n_params = len(ctx.needs_input_grad) - 6
+        return (None, None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * n_params
 
 
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
@@ -78,7 +82,7 @@ def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 
 def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                  params: list[torch.Tensor], stash: HostStash | None = None,
-                 key: Hashable = None, prev_key: Hashable = None) -> torch.Tensor:
+                 key: Hashable = None, prev_key: Hashable = None, free_output: bool = False) -> torch.Tensor:
     """Run ``run_fn(x)`` (``[B, S_local, hidden]`` -> same) under activation checkpointing.
 
     Args:
@@ -88,6 +92,10 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
         stash: when given, ``x`` is offloaded to host under ``key`` instead of kept on
             the device; ``prev_key`` names the previous layer's stashed input, whose
             fetch is started early in backward.
+        free_output: the recomputed output's values are not saved by its own graph (e.g.
+            ``run_fn`` ends with a residual add), so backward frees them before
+            back-propagating (one ``[B, S_local, hidden]`` tensor less at the layer's peak).
+            Wrong when the last op saves its result (``exp``, ``tanh``, ...): leave False.
     """
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         return run_fn(x)  # no backward will come: nothing to keep
@@ -96,4 +104,4 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     # hands the Function partitioned (empty) parameters, and autograd would then reject
     # the full-shape gradients of the recomputed layer.
     anchors = [] if x.requires_grad else [p for p in params if p.requires_grad]
-    return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, x, *anchors)
+    return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, free_output, x, *anchors)

@@ -34,7 +34,8 @@ from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import ModelConfig
 from fpdt.model.inputs import prepare_inputs
 from fpdt.model.loss import IGNORE_INDEX, chunked_lm_loss, default_loss_chunks
-from fpdt.model.mlp import ChunkedSwiGLU
+from fpdt.model.mlp import ChunkedSwiGLU, default_mlp_chunks
+from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
 from fpdt.offload import HostStash
 
@@ -51,11 +52,13 @@ class FPDTOptions:
     """Keep attention chunks (k̂, v̂, q̂, o, lse, layer-input chunks) in pinned host memory
     between forward and backward, double-buffered (FPDT "w. offload")."""
     mlp_chunks: int | None = None
-    """Token chunks of the SwiGLU MLP; None = ``2 * num_chunks`` (brief §1); 0 = the plain,
+    """Token chunks of the SwiGLU MLP; None = ``ceil(u * I / hidden)`` (each ``[n, I]``
+    intermediate fits the byte budget of :mod:`fpdt.model.chunks`); 0 = the plain,
     unchunked autograd MLP (keeps its ``[B, S_local, I]`` intermediates)."""
     loss_chunks: int | None = None
-    """Token chunks of the fused LM head + cross-entropy; None = ``ceil(2 V / hidden)``;
-    0 = plain full-logits loss (``[B, S_local, V]`` fp32 logits)."""
+    """Token chunks of the fused LM head + cross-entropy; None = ``ceil(2 u V / hidden)``
+    (each fp32 logits chunk fits the same budget); 0 = plain full-logits loss
+    (``[B, S_local, V]`` fp32 logits)."""
     checkpointing: str = "off"
     """Per-layer activation checkpointing: ``"off"``, ``"on"`` (keep each layer's input,
     recompute the layer in backward) or ``"offload"`` (as "on", with the layer inputs in
@@ -86,17 +89,20 @@ class FPDTOptions:
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, normalised in fp32 and cast back before the
-    weight multiply (the Llama convention). ``[..., hidden]`` -> same."""
+    weight multiply (the Llama convention). ``[..., hidden]`` -> same.
 
-    def __init__(self, hidden_size: int, eps: float):
+    Runs :class:`fpdt.model.rmsnorm.RMSNormFunction`: saves the input and an fp32 ``rstd``
+    per token only, with fp32 temporaries for one of ``num_chunks`` token chunks at a time
+    (set by the model: ``2 * u``, see :mod:`fpdt.model.chunks`)."""
+
+    def __init__(self, hidden_size: int, eps: float, num_chunks: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.num_chunks = num_chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.num_chunks)
 
 
 class FPDTDecoderLayer(nn.Module):
@@ -160,8 +166,8 @@ class FPDTForCausalLM(nn.Module):
 
     * ``num_chunks`` (1): attention chunks per rank; ``S % (sp * num_chunks) == 0``.
     * ``offload`` (False): attention chunks live in pinned host memory between uses.
-    * ``mlp_chunks`` (``2 * num_chunks``): SwiGLU token chunks, recomputed in backward; 0 = plain.
-    * ``loss_chunks`` (``ceil(2 V / hidden)``): fused LM-head + CE token chunks; 0 = full logits.
+    * ``mlp_chunks`` (``ceil(u I / hidden)``): SwiGLU token chunks, recomputed in backward; 0 = plain.
+    * ``loss_chunks`` (``ceil(2 u V / hidden)``): fused LM-head + CE token chunks; 0 = full logits.
     * ``checkpointing`` (``"off"``): ``"on"`` recomputes each decoder layer in backward from
       its saved input; ``"offload"`` also keeps that input in pinned host memory.
     * ``group`` (None): the sequence-parallel process group (None = default group).
@@ -196,18 +202,24 @@ class FPDTForCausalLM(nn.Module):
             layer.self_attn.mesh = opts.mesh
             layer.self_attn.backend = opts.backend
             layer.mlp.num_chunks = self.mlp_chunks
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.num_chunks = 2 * opts.num_chunks   # fp32 temporaries within the chunk budget
         return self
 
     @property
     def mlp_chunks(self) -> int:
         o = self.options
-        return 2 * o.num_chunks if o.mlp_chunks is None else o.mlp_chunks
+        if o.mlp_chunks is not None:
+            return o.mlp_chunks
+        return default_mlp_chunks(self.config.hidden_size, self.config.intermediate_size, o.num_chunks)
 
     @property
     def loss_chunks(self) -> int:
         o = self.options
-        return default_loss_chunks(self.config.vocab_size, self.config.hidden_size) if o.loss_chunks is None \
-            else o.loss_chunks
+        if o.loss_chunks is not None:
+            return o.loss_chunks
+        return default_loss_chunks(self.config.vocab_size, self.config.hidden_size, o.num_chunks)
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
@@ -325,8 +337,9 @@ class FPDTForCausalLM(nn.Module):
                 h = layer(h, position_ids, rope)
                 continue
             run = (lambda x, layer=layer: layer(x, position_ids, rope))
+            # the layer ends with a residual add, which saves nothing: its output may be freed
             h = checkpointed(run, h, list(layer.parameters()), stash=stash, key=("layer input", i, fid),
-                             prev_key=("layer input", i - 1, fid) if i > 0 else None)
+                             prev_key=("layer input", i - 1, fid) if i > 0 else None, free_output=True)
         return self.model.norm(h)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:

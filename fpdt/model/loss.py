@@ -21,8 +21,9 @@ Flow (:class:`ChunkedLMHeadLossFunction`, one ``autograd.Function``):
 Memory: the fp32 logits (plus softmax/CE temporaries) go from ``T x V`` to ``T/N x V``.
 What stays alive from forward to backward is ``dh`` (the size of the hidden states, which
 autograd would otherwise keep anyway) and ``dW`` (the size of the LM-head gradient,
-which backward allocates in any case). With the default ``N = ceil(2 V / hidden)`` a
-logits chunk is about ``2 x`` the size of the hidden states.
+which backward allocates in any case). With the default ``N = ceil(2 u V / hidden)``
+(:func:`default_loss_chunks`) an fp32 logits chunk is at most one local attention chunk of
+bf16 hidden states.
 
 Normalisation: the function returns ``scale * sum(CE over valid local tokens)``. The
 caller passes ``scale = 1 / (valid tokens of the whole sequence, summed over every
@@ -42,14 +43,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fpdt.model.chunks import chunk_bounds
+from fpdt.model.chunks import budget_chunks, chunk_bounds
 
 IGNORE_INDEX = -100
 
 
-def default_loss_chunks(vocab_size: int, hidden_size: int) -> int:
-    """The brief's rule: ``ceil(vocab / hidden * 2)`` chunks."""
-    return max(1, -(-2 * vocab_size // hidden_size))
+def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1) -> int:
+    """``ceil(2 * u * V / hidden)``: each fp32 ``[n, V]`` logits chunk fits one local attention
+    chunk of bf16 hidden states (:mod:`fpdt.model.chunks`); the brief's rule at ``u = 1``."""
+    return budget_chunks(num_chunks, hidden_size, 4 * vocab_size)
 
 
 def lm_loss_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -32,7 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fpdt.model.chunks import chunk_bounds
+from fpdt.model.chunks import budget_chunks, chunk_bounds
+
+
+def default_mlp_chunks(hidden_size: int, intermediate_size: int, num_chunks: int = 1) -> int:
+    """``ceil(u * I / hidden)``: each ``[n, I]`` intermediate fits one local attention chunk of
+    bf16 hidden states (:mod:`fpdt.model.chunks`)."""
+    return budget_chunks(num_chunks, hidden_size, 2 * intermediate_size)
 
 
 def _silu_grad(g: torch.Tensor) -> torch.Tensor:
