@@ -8,7 +8,8 @@ projected chunk by chunk). Callers supply two callbacks:
   ``[B, L, H, D]``, k/v ``[B, L, H_kv, D]`` (RoPE already applied);
 * ``emit(i, out_i)``: output chunk ``i`` in sequence layout ``[B, L, H, D]``;
 * ``deliver(j, dq_j, dk_j, dv_j)``: the final gradients of local chunk ``j`` in sequence
-  layout, fp32, k/v already summed over GQA replicas.
+  layout, fp32, k/v already summed over GQA replicas; handed over (the callee may
+  overwrite them in place).
 
 Notation: ``u`` chunks, ``P`` ranks, ``C = P * L`` tokens per chunk after the
 all-to-all, ``x̂`` = head layout ``[B, C, H/P, D]``.
@@ -47,15 +48,18 @@ chunk of hidden states in the input dtype, ``C * H * D * itemsize``; one rank (P
   the next step's three prefetched (6 U), the fp32 dq_i accumulator fetched for this step
   (2 U; the next one is fetched only when its step starts, after the current kernel),
   k̂_j/v̂_j (2 r U), the fp32 dk/dv accumulators (4 r U), the kernel's dq/dk/dv (1 U + 2 U
-  as H heads) and, on CPU, its GQA expansion (2 U) and the folded dk/dv (2 r U), and the
-  final fp32 dq̂_j of this outer step, held for delivery with dk̂_j/dv̂_j (2 U; keeping it
-  on the host instead would save it but adds a round trip the copy-volume formulas of
-  ``fpdt.offload``/``fpdt.plan`` do not count yet). GQA 4:1 -> **17 U**, MHA -> **19 U**.
-  With u = 2 the inner loops are one step shorter (14 U / 16 U).
+  as H heads) and, on CPU, its GQA expansion (2 U) and the folded dk/dv (2 r U). The
+  diagonal step (j, j) runs *last* in outer step j, so the final dq̂_j goes straight to
+  delivery with dk̂_j/dv̂_j instead of being held through the outer step (it was 2 U).
+  GQA 4:1 -> **15 U**, MHA -> **17 U** (+ a few e). With u = 2 the inner loops are one
+  step shorter (12 U / 14 U).
 * ``offload=False``: the stash keeps device references. At P = 1, q̂/k̂/v̂ are views of
   the inputs (free), but each earlier chunk's o_j + lse_j stays (``(u - 1)(1 + e) U``
   in forward, on top of 5 U (GQA) / 3 U (MHA) of working set), and in backward the fp32
-  dq accumulators of the chunks still to finish (2 U each) replace the host round trips.
+  dq accumulators of the chunks still to finish (2 U each) replace the host round trips:
+  ``5 + 2 u`` U, the peak coming at the causal diagonal step of outer step 0, when all
+  ``u - 1`` other accumulators are live (the CPU kernel's causal block holds 1 U more
+  temporaries than a full one).
 * P = 2: head-layout tensors are ``U / P``, but the all-to-all send/receive buffers
   (chunk i+1's q/k/v in flight during chunk i, the fp32 dk/dv packed for their way back)
   add their own; the measured per-rank budgets are in the test.
@@ -108,8 +112,14 @@ class PipelineSpec:
         return [i] + [j for j in range(self.num_chunks) if j != i]
 
     def q_blocks(self, j: int) -> list[int]:
-        """Query chunks that attend to KV chunk j (the backward's inner loop)."""
-        return list(range(j, self.num_chunks)) if self.causal else list(range(self.num_chunks))
+        """Query chunks that attend to KV chunk j, in the backward's inner-loop order.
+
+        Causal: the diagonal chunk j comes *last*. Its dq is final at that step (no later
+        KV chunk touches query chunk j), so it goes straight to delivery with dk_j/dv_j
+        instead of being held on the device through the whole outer step."""
+        if self.causal:
+            return list(range(j + 1, self.num_chunks)) + [j]
+        return list(range(self.num_chunks))
 
 
 def build_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -228,7 +238,7 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
     final_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     final_dq: dict[int, torch.Tensor] = {}
     _prefetch_outer(spec, 0, stash)
-    pending_do = _start_dout(spec, grad_out_chunk, 0)
+    pending_do = _start_dout(spec, grad_out_chunk, spec.q_blocks(0)[0])
     for j in range(u):
         k_j, v_j = stash.pop(("k", j)), stash.pop(("v", j))
         dk = torch.zeros(k_j.shape, dtype=spec.acc_dtype, device=k_j.device)

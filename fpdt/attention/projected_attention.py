@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from fpdt.attention.mesh_pipeline import run_backward, run_forward
 from fpdt.attention.pipeline import PipelineSpec
-from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward
+from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward_
 from fpdt.offload import HostStash
 
 
@@ -88,7 +88,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 stash.prefetch(("T", j + 1))  # copies in during the next outer step
             if rope is not None:
                 cos, sin = rope.cos_sin(position_ids[:, sl], acc)
-                dq, dk = apply_rotary_backward(dq, cos, sin), apply_rotary_backward(dk, cos, sin)
+                dq, dk = apply_rotary_backward_(dq, cos, sin), apply_rotary_backward_(dk, cos, sin)  # ours to overwrite
             T2 = T.reshape(B * L, -1)
             d_T = None
             for n, g in enumerate((dq, dk, dv)):

@@ -171,3 +171,35 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
         all_to_alls_bwd=3 * u if hp > 1 else 0, all_to_all_bytes_bwd=a2a_b,
         h2d_bytes_fwd=h2d_f, d2h_bytes_fwd=d2h_f, h2d_bytes_bwd=h2d_b, d2h_bytes_bwd=d2h_b,
         U=U, Nd=u * Q, peak_fwd_U=peak_f / hp, peak_bwd_U=peak_b / hp)
+
+
+def ulysses_working_set_U(*, num_heads: int, num_kv_heads: int, head_dim: int, sp: int = 1,
+                          num_chunks: int, offload: bool = True,
+                          kernel_expands_gqa: bool = False) -> tuple[float, float]:
+    """``(forward, backward)`` working set of the Ulysses FPDT pipeline (``cp = 1``) per
+    rank, in ``U`` (one global chunk of bf16 hidden states), beyond its output / input
+    gradients; the per-tensor accounting is in :mod:`fpdt.attention.pipeline`.
+
+    ``r = H_kv' / H`` (KV heads after the replication ``sp`` needs). ``kernel_expands_gqa``:
+    the block kernel repeats K/V to ``H`` heads and folds dK/dV back in fp32 (the CPU
+    kernel; flash-attn and cuDNN take GQA natively). ``e = 2 / D``: one fp32 lse chunk.
+    With ``sp > 1`` head-layout tensors are ``1/sp`` of these and the all-to-all send and
+    receive buffers add ``(2 (1 + 2r) + 2) / sp`` (forward: chunk i+1's q/k/v and o) and
+    ``(2 + 8 r) / sp`` (backward: dô of the next step, the packed fp32 dk/dv).
+    """
+    H, u, P = num_heads, num_chunks, sp
+    r = kv_replication_factor(H, num_kv_heads, P) * num_kv_heads / H
+    e = 2 / head_dim
+    expand = kernel_expands_gqa and r < 1
+    if offload:
+        fwd = 2 + 1 + 4 * r + (2 if expand else 0) + 2 * e
+        q_side = 6 if u > 2 else 3                           # in use + next prefetched (u = 2: one step)
+        bwd = (q_side + 2 + 2 * r + 4 * r + 1 + (2 if expand else 2 * r)
+               + (2 + 4 * r if expand else 0) + 2 * e)
+    else:
+        fwd = 3 + (2 if expand else 0) + (u - 1) * (1 + e)
+        bwd = 5 + 2 * u
+    if P > 1:
+        fwd = fwd / P + (2 * (1 + 2 * r) + 2) / P
+        bwd = bwd / P + (2 + 8 * r) / P
+    return fwd, bwd

@@ -6,7 +6,8 @@ chunk of bf16 hidden states, ``B = L * hidden * 2`` with ``L = S_local / u`` (``
 Each op takes as many token chunks as it needs for its widest per-chunk tensor to fit in
 ``B``; counted per token, that is independent of ``S``:
 
-* SwiGLU MLP, ``[n, I]`` intermediates (bf16 bytes): ``ceil(u * I / hidden)`` chunks;
+* SwiGLU MLP, ``[n, I]`` intermediates (bf16 bytes): ``ceil(2 * u * I / hidden)`` chunks
+  (four of them are live in its backward: each gets half the budget);
 * LM head + CE, fp32 ``[n, V]`` logits: ``ceil(2 * u * V / hidden)`` (the brief's
   ``2 V / hidden`` at ``u = 1``);
 * RMSNorm, fp32 ``[n, hidden]`` temporaries: ``2 * u``.

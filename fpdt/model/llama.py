@@ -52,7 +52,7 @@ class FPDTOptions:
     """Keep attention chunks (k̂, v̂, q̂, o, lse, layer-input chunks) in pinned host memory
     between forward and backward, double-buffered (FPDT "w. offload")."""
     mlp_chunks: int | None = None
-    """Token chunks of the SwiGLU MLP; None = ``ceil(u * I / hidden)`` (each ``[n, I]``
+    """Token chunks of the SwiGLU MLP; None = ``ceil(2 u I / hidden)`` (each ``[n, I]``
     intermediate fits the byte budget of :mod:`fpdt.model.chunks`); 0 = the plain,
     unchunked autograd MLP (keeps its ``[B, S_local, I]`` intermediates)."""
     loss_chunks: int | None = None
@@ -166,7 +166,7 @@ class FPDTForCausalLM(nn.Module):
 
     * ``num_chunks`` (1): attention chunks per rank; ``S % (sp * num_chunks) == 0``.
     * ``offload`` (False): attention chunks live in pinned host memory between uses.
-    * ``mlp_chunks`` (``ceil(u I / hidden)``): SwiGLU token chunks, recomputed in backward; 0 = plain.
+    * ``mlp_chunks`` (``ceil(2 u I / hidden)``): SwiGLU token chunks, recomputed in backward; 0 = plain.
     * ``loss_chunks`` (``ceil(2 u V / hidden)``): fused LM-head + CE token chunks; 0 = full logits.
     * ``checkpointing`` (``"off"``): ``"on"`` recomputes each decoder layer in backward from
       its saved input; ``"offload"`` also keeps that input in pinned host memory.

@@ -36,15 +36,10 @@ from fpdt.model.chunks import budget_chunks, chunk_bounds
 
 
 def default_mlp_chunks(hidden_size: int, intermediate_size: int, num_chunks: int = 1) -> int:
-    """``ceil(u * I / hidden)``: each ``[n, I]`` intermediate fits one local attention chunk of
-    bf16 hidden states (:mod:`fpdt.model.chunks`)."""
-    return budget_chunks(num_chunks, hidden_size, 2 * intermediate_size)
-
-
-def _silu_grad(g: torch.Tensor) -> torch.Tensor:
-    """d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))."""
-    s = torch.sigmoid(g)
-    return s * (1 + g * (1 - s))
+    """``ceil(2 * u * I / hidden)``: each bf16 ``[n, I]`` intermediate is half a local attention
+    chunk of bf16 hidden states, so the backward's four live intermediates stay within two
+    chunks (:mod:`fpdt.model.chunks`)."""
+    return budget_chunks(num_chunks, hidden_size, 4 * intermediate_size)
 
 
 def swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -91,29 +86,39 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         dwg, dwu, dwd = acc(w_gate, 1), acc(w_up, 2), acc(w_down, 3)
         dbg, dbu, dbd = acc(b_gate, 4), acc(b_up, 5), acc(b_down, 6)
         dx = torch.empty_like(flat) if need[0] else None
+        # At most four [n, I] tensors live at a time (g, u or u*dh, a or du, and one of
+        # a*u / dh / dg): products are formed in place wherever the input is dead after.
         for s, e in chunk_bounds(flat.shape[0], ctx.num_chunks):
             xc, dy = flat[s:e], gflat[s:e]                                  # [n, hidden]
             g = F.linear(xc, w_gate, b_gate)                                # [n, I]
             u = F.linear(xc, w_up, b_up)
             a = F.silu(g)
             if dwd is not None:
-                dwd += (dy.t() @ (a * u)).to(dwd.dtype)                     # [hidden, I]
+                au = a * u
+                dwd += (dy.t() @ au).to(dwd.dtype)                          # [hidden, I]
+                del au
             if dbd is not None:
                 dbd += dy.sum(0, dtype=dbd.dtype)
             dh = dy @ w_down                                                # [n, I]
-            du = dh * a
-            dg = dh.mul_(u).mul_(_silu_grad(g))                             # dh is a temporary
-            del a, u, g
-            if dwg is not None:
-                dwg += (dg.t() @ xc).to(dwg.dtype)
+            u.mul_(dh)                                                      # dL/da = dh * u
+            du = a.mul_(dh)                                                 # dL/du = dh * silu(g)
+            del a, dh
             if dwu is not None:
                 dwu += (du.t() @ xc).to(dwu.dtype)
-            if dbg is not None:
-                dbg += dg.sum(0, dtype=dbg.dtype)
             if dbu is not None:
                 dbu += du.sum(0, dtype=dbu.dtype)
             if dx is not None:
-                dx[s:e] = dg @ w_gate + du @ w_up
+                dx[s:e] = du @ w_up
+            del du
+            dg = torch.ops.aten.silu_backward(u, g)                         # dL/dg, fused
+            del u, g
+            if dwg is not None:
+                dwg += (dg.t() @ xc).to(dwg.dtype)
+            if dbg is not None:
+                dbg += dg.sum(0, dtype=dbg.dtype)
+            if dx is not None:
+                dx[s:e] += dg @ w_gate
+            del dg
         cast = lambda g, w: None if g is None else g.to(w.dtype)  # noqa: E731
         return (None if dx is None else dx.view_as(x),
                 cast(dwg, w_gate), cast(dwu, w_up), cast(dwd, w_down),

@@ -20,16 +20,20 @@ Activations (per rank), the phase with the larger sum sets the peak:
   prefetched); ``"off"`` keeps every layer's saved activations on the device
   (:data:`SAVED_PER_LAYER_ND` each, plus the attention stash when not offloaded).
 * **in-flight layer**: full-length tensors alive in one layer's backward, in the sub-phase
-  that peaks: the RMSNorm backward (:data:`NORM_PHASE_ND` ``* Nd`` plus
-  :data:`NORM_FP32_TEMPS` fp32 ``[T, h]`` temporaries of its autograd graph; without
-  offload the recomputed attention stash is alive then too), the attention core's backward
+  that peaks: the RMSNorm backward (:data:`NORM_PHASE_ND` ``* Nd``; the lean RMSNorm's
+  fp32 temporaries are chunk-sized; without offload the recomputed attention stash is
+  alive then too), the attention core's backward
   (:data:`ATTENTION_PHASE_ND` ``* Nd`` beside its working set) or the MLP's
   (:data:`MLP_PHASE_ND` ``* Nd`` beside its chunk).
-* **attention working set**: the attention core's peak beyond its full-length output, from
+* **attention working set**: the attention core's peak beyond its full-length output:
+  with ``cp = 1`` the Ulysses pipeline's
+  (:func:`fpdt.attention.ring_costs.ulysses_working_set_U`, the budgets of
+  ``tests/memory``) plus the projection-input chunk the layer fetches for its weight
+  gradients (without offload: plus the resident stash); with ``cp > 1``
   :func:`fpdt.attention.ring_costs.attention_costs` (chunk buffers, prefetches, fp32 merge
   and gradient accumulators, ring blocks; without offload also the stash of q̂, k̂, v̂, o and
   the fp32 accumulators, which then stays on the device).
-* **MLP chunk**: four ``[T / mlp_chunks, I]`` intermediates (gate, up, activation, product).
+* **MLP chunk**: four ``[T / mlp_chunks, I]`` intermediates (the chunked MLP's backward).
 * **loss chunk** (end of forward): fp32 logits and their gradient for ``T / loss_chunks``
   tokens (:data:`LOSS_LOGIT_COPIES` ``[t, V]`` fp32 tensors), the fp32 LM-head gradient
   accumulator ``V * h * 4`` and the kept ``dh`` (``Nd``) beside the final hidden state.
@@ -49,9 +53,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fpdt.attention.ring_costs import AttentionCosts, attention_costs
+from fpdt.attention.ring_costs import AttentionCosts, attention_costs, ulysses_working_set_U
 from fpdt.comm.heads import kv_replication_factor
 from fpdt.model.config import ModelConfig
+from fpdt.model.loss import default_loss_chunks
+from fpdt.model.mlp import default_mlp_chunks
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import param_counts
 from fpdt.plan.setup import Setup
@@ -61,9 +67,6 @@ from fpdt.plan.setup import Setup
 NORM_PHASE_ND = 4.0
 """Full-length [T, h] tensors (besides the layer inputs) alive at the RMSNorm backward:
 the layer's output gradient, the residual branch's gradient, the norm's input and output."""
-NORM_FP32_TEMPS = 7
-"""fp32 [T, h] temporaries of the autograd RMSNorm backward (upcast input, its square,
-rstd-scaled products and their gradients)."""
 ATTENTION_PHASE_ND = 4.0
 """Full-length tensors beside the attention core's working set in its backward."""
 MLP_PHASE_ND = 4.0
@@ -97,11 +100,15 @@ class MemoryEstimate:
 
 
 def loss_chunks(cfg: ModelConfig, s: Setup) -> int:
-    return s.loss_chunks if s.loss_chunks is not None else max(1, -(-2 * cfg.vocab_size // cfg.hidden_size))
+    """The model's own default (:func:`fpdt.model.loss.default_loss_chunks`) unless set."""
+    return s.loss_chunks if s.loss_chunks is not None else default_loss_chunks(cfg.vocab_size, cfg.hidden_size,
+                                                                              s.num_chunks)
 
 
-def mlp_chunks(s: Setup) -> int:
-    return s.mlp_chunks if s.mlp_chunks is not None else 2 * s.num_chunks
+def mlp_chunks(cfg: ModelConfig, s: Setup) -> int:
+    """The model's own default (:func:`fpdt.model.mlp.default_mlp_chunks`) unless set."""
+    return s.mlp_chunks if s.mlp_chunks is not None else default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size,
+                                                                            s.num_chunks)
 
 
 def kv_dim(cfg: ModelConfig, s: Setup) -> int:
@@ -167,11 +174,17 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     else:   # every layer keeps its activations (and its stash, unless offloaded)
         per_layer = SAVED_PER_LAYER_ND + (0.0 if s.offload else stash_nd)
         ckpt_dev, ckpt_host = l * per_layer * nd, 0.0
-    costs = layer_attention_costs(cfg, s)       # its peaks include the on-device stash without offload
-    attn_ws = max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
-    fp32_full = s.batch * s.local_tokens * h * 4
     stash_resident = 0.0 if s.offload else (stash_nd - _dq_nd(cfg, s)) * nd   # recomputed, kept on device
-    t_mlp = s.batch * s.local_tokens / mlp_chunks(s)
+    costs = layer_attention_costs(cfg, s)       # its peaks include the on-device stash without offload
+    if s.cp == 1:   # the Ulysses pipeline, plus the projection-input chunk the layer fetches for dW
+        ws_U = max(ulysses_working_set_U(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                         head_dim=cfg.head_dim, sp=s.hp, num_chunks=s.num_chunks,
+                                         offload=s.offload, kernel_expands_gqa=s.kernel_expands_gqa))
+        # without offload the stash recomputed in the layer's forward is resident in its backward
+        attn_ws = ws_U * costs.U + (nd / s.num_chunks if s.offload else stash_resident)
+    else:
+        attn_ws = max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
+    t_mlp = s.batch * s.local_tokens / mlp_chunks(cfg, s)
     mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
     t_loss = s.batch * s.local_tokens / loss_chunks(cfg, s)
     loss = LOSS_LOGIT_COPIES * t_loss * cfg.vocab_size * 4 + cfg.vocab_size * h * 4 + 2 * nd
@@ -181,7 +194,7 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     at_peak = {"checkpoints_device": ckpt_dev, "in_flight_layer": 0.0, "attention_working_set": 0.0,
                "mlp_chunk": 0.0, "loss_chunk": 0.0}
     phases = {   # sub-phase -> (full-length tensors of the in-flight layer, working-set category, bytes)
-        "norm": (NORM_PHASE_ND * nd + NORM_FP32_TEMPS * fp32_full + stash_resident, None, 0.0),
+        "norm": (NORM_PHASE_ND * nd + stash_resident, None, 0.0),
         "attention": (ATTENTION_PHASE_ND * nd, "attention_working_set", attn_ws),
         "mlp": (MLP_PHASE_ND * nd + stash_resident, "mlp_chunk", mlp_ws),
     }

@@ -42,9 +42,12 @@ class Setup:
     batch: int = 1
     """Sequences per SP group per micro step."""
     mlp_chunks: int | None = None
-    """None: the model's default (2 x attention chunks)."""
+    """None: the model's default (ceil(2 u I / hidden))."""
     loss_chunks: int | None = None
-    """None: the model's default (ceil(2 V / hidden))."""
+    """None: the model's default (ceil(2 u V / hidden))."""
+    kernel_expands_gqa: bool = False
+    """The attention kernel repeats K/V heads (the CPU kernel); False for flash-attn/cuDNN,
+    which take GQA natively (the GPU presets)."""
 
     @property
     def sp(self) -> int:

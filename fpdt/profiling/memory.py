@@ -26,6 +26,9 @@ What is counted (``counted_*`` fields, exact on any device):
   stash in use is read from :func:`fpdt.offload.host_bytes_in_use` (buffers acquired
   and not released, whether created inside the context or reused from the pool), less
   what was already in use when the accountant was first entered (the baseline).
+* Storage resizes: ``UntypedStorage.resize_`` is not an aten op, so the accountant wraps
+  it while active. A storage created inside the context and shrunk (e.g. a recomputed
+  layer output resized to 0 bytes once only its graph is needed) counts its new size.
 * Not seen: scratch memory a single kernel allocates and frees internally (e.g. a flash
   kernel's workspace), and memory of threads other than the one that entered.
 
@@ -117,6 +120,17 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
+_ACTIVE: list["MemoryAccountant"] = []   # accountants inside their ``with`` block
+_RESIZE = torch.UntypedStorage.resize_
+
+
+def _counting_resize(storage, size):
+    out = _RESIZE(storage, size)
+    for acct in list(_ACTIVE):
+        acct._on_resize(storage._cdata, storage.nbytes())
+    return out
+
+
 def _storage_key(t: torch.Tensor):
     if t.is_meta or t.layout != torch.strided:
         return None, None
@@ -172,6 +186,9 @@ class MemoryAccountant:
         watch_host_peak(self)
         self._mode = _CountingMode(self)
         self._mode.__enter__()
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _counting_resize
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -179,6 +196,9 @@ class MemoryAccountant:
         self._mode.__exit__(*exc)
         self._mode = None
         unwatch_host_peak(self)
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _RESIZE
 
     @contextmanager
     def phase(self, name: str) -> Iterator[PhaseMemory]:
@@ -275,6 +295,24 @@ class MemoryAccountant:
         self.host_peak = max(self.host_peak, host)
         for ph in self._active:
             ph.host_peak = max(ph.host_peak, host)
+
+    def _on_resize(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            if key not in self._tracked:
+                return
+            old, is_host = self._tracked[key]
+            self._tracked[key] = (nbytes, is_host)
+            if self._detail is not None and key in self._detail:
+                self._detail[key] = self._detail[key][:3] + (nbytes,)
+            if is_host:
+                return
+            self.device_live += nbytes - old
+        if nbytes > old:  # growing in place is an allocation like any other
+            live = self.device_live
+            self.device_peak = max(self.device_peak, live)
+            for ph in self._active:
+                ph.peak = max(ph.peak, live)
+                ph._run_peak = max(ph._run_peak, live)
 
     def _on_free(self, key: int) -> None:
         with self._lock:

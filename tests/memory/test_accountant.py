@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fpdt.offload import HostBufferPool, HostStash
+import fpdt.profiling.memory as memory_module
 from fpdt.profiling.memory import MemoryAccountant, chunk_unit, sequence_unit
 
 
@@ -89,3 +90,22 @@ def test_host_buffers_acquired_before_entry_are_baseline():
         pool.release(mine)
     pool.release(held)
     assert acct.host_peak == 256 * 4
+
+
+def test_storage_resize_is_counted():
+    """``UntypedStorage.resize_`` is not an aten op: the accountant hooks it while active (a
+    recomputed layer output shrunk to 0 bytes is gone; growing in place is a new peak)."""
+    with MemoryAccountant("cpu") as acct:
+        y = torch.empty(1000)
+        assert acct.device_live == 4000
+        y.untyped_storage().resize_(0)
+        assert acct.device_live == 0
+        y.untyped_storage().resize_(8000)
+        assert acct.device_live == acct.device_peak == 8000
+        outside = torch.empty(10)   # existed before? no: created inside, counted
+    before = torch.empty(100)       # created outside: resizing it inside is not counted
+    with MemoryAccountant("cpu") as acct:
+        before.untyped_storage().resize_(0)
+        assert acct.device_live == 0
+    assert torch.UntypedStorage.resize_ is memory_module._RESIZE  # unhooked on exit
+    del y, outside

@@ -12,12 +12,15 @@ Live at the peak (inside the recomputed last layer's MLP backward), per token in
 the restored layer input and the prefetched input of the layer below (2; checkpoint
 offload double buffer), the attention output saved for ``o_proj`` (1), the residual
 ``h1`` (1, saved by the post-attention norm), the norm output saved by the MLP (1), the
-incoming gradient (1) and the MLP's input gradient (1) = 7, plus chunk-sized
-temporaries (the MLP's ``[n, I]`` intermediates and the norms' fp32 chunks, within the
-default byte budget of :mod:`fpdt.model.chunks`). The recomputed layer output is freed
-before its backward (``free_output``); before the fixes of issue 8 this count was 20.
+incoming gradient (1) and the MLP's input gradient (1) = 7, plus the MLP backward's
+four live ``[n, I]`` intermediates, each half a local attention chunk by the default byte
+budget of :mod:`fpdt.model.chunks` (``2 U = 2 / u`` Nd), plus fp32 ``[S, 1]`` rstd /
+lse-sized vectors (``EPS``). Budget: ``7 + 2 / u`` Nd (7.5 at u = 4), under the issue's 8.
+The recomputed layer output is freed before its backward (``free_output``, counted by the
+accountant through its storage-resize hook); before the fixes of issue 8 this was 20 Nd.
 """
 
+import pytest
 import torch
 
 import fpdt.model as fm
@@ -30,7 +33,8 @@ CONFIG = {
     "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 65536,
     "tie_word_embeddings": False, "rope_theta": 10000.0,
 }
-BUDGET_ND = 8.0
+BUDGET_ND = 8.0          # the issue's ceiling
+EPS = 0.05               # fp32 [S, 1] vectors: 4 / (hidden * 2) Nd each
 
 
 def _model(u: int):
@@ -55,12 +59,15 @@ def _peak(model, seq: int) -> int:
     return acct.device_peak
 
 
-def test_two_layer_model_per_token_within_8_Nd():
-    model = _model(u=4)
+@pytest.mark.parametrize("u", [4, 8])
+def test_two_layer_model_per_token_within_budget(u):
+    model = _model(u=u)
     model(**_inputs(model, 256)).backward()               # kernel self-check outside the count
     a, b = _peak(model, 1024), _peak(model, 2048)
     slope = (b - a) / (sequence_unit(2048, 256) - sequence_unit(1024, 256))
-    assert slope <= BUDGET_ND, f"{slope:.2f} Nd per token > {BUDGET_ND}"
+    budget = 7 + 2 / u + EPS
+    assert budget <= BUDGET_ND
+    assert slope <= budget, f"u={u}: {slope:.3f} Nd per token > derived budget {budget:.3f}"
 
 
 def test_host_pool_is_stable_over_steps():

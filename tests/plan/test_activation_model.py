@@ -49,7 +49,7 @@ def measured_peak(seq_len: int, u: int, offload: bool, checkpoint: str, group=No
 
 def planned_peak(sp: int, seq_len: int, u: int, offload: bool, checkpoint: str) -> float:
     s = Setup(seq_len=seq_len, chunk_size=seq_len // u, hp=sp, checkpoint=checkpoint, offload=offload,
-              zero_stage=0, dtype="bf16")
+              zero_stage=0, dtype="bf16", kernel_expands_gqa=True)   # the CPU kernel
     cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=sp)
     return evaluate(load_model_config(CFG), s, cluster)["activation_peak_bytes"]
 
