@@ -76,7 +76,7 @@ def test_from_config_ties_and_options():
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     model = fm.from_config(cfg, dtype=torch.bfloat16, num_chunks=2, checkpointing="offload")
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert model.mlp_chunks == 4 and model.loss_chunks == 13  # ceil(u * I / hidden); ceil(2 * u * V / hidden)
+    assert model.mlp_chunks == 8 and model.loss_chunks == 13  # ceil(2 * u * I / hidden); ceil(2 * u * V / hidden)
     assert model.model.layers[0].self_attn.num_chunks == 2
     model.configure(num_chunks=4, mlp_chunks=0, offload=True)
     assert model.model.layers[0].self_attn.num_chunks == 4 and model.model.layers[0].self_attn.offload
