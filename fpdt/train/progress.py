@@ -77,6 +77,13 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -
     return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
+def _size(gib: float | None) -> str:
+    """``"1.23G"`` from 1 GiB up, ``"24.7M"`` below, ``"n/a"`` for None."""
+    if gib is None:
+        return "n/a"
+    return f"{gib:.2f}G" if gib >= 1 else f"{gib * 1024:.1f}M"
+
+
 def postfix(rec: StepRecord) -> str:
     """One-line summary for the progress bar."""
     parts = [
@@ -85,12 +92,12 @@ def postfix(rec: StepRecord) -> str:
         f"TGS={rec.tgs:,.0f}",
         f"MFU={_fmt(rec.mfu, '.1f', 100, '%')}",
         f"step={rec.step_time_s:.2f}s",
-        f"mem={_fmt(rec.peak_mem_gib, '.3g', suffix='G')}",
+        f"mem={_size(rec.peak_mem_gib)}",
     ]
     if rec.peak_reserved_gib is not None:
-        parts.append(f"res={rec.peak_reserved_gib:.3g}G")
+        parts.append(f"res={_size(rec.peak_reserved_gib)}")
     if rec.host_stash_gib:
-        parts.append(f"stash={rec.host_stash_gib:.3g}G")
+        parts.append(f"stash={_size(rec.host_stash_gib)}")
     parts.append(f"rss={rec.host_rss_gib:.2f}G")
     return " ".join(parts)
 

@@ -69,3 +69,16 @@ def test_step_memory_is_what_an_accountant_around_the_step_counts(tmp_path):
         assert rec["peak_mem_gib"] * GIB == device, (i, rec["peak_mem_gib"] * GIB, device)
         assert rec["host_stash_gib"] * GIB == host, (i, rec["host_stash_gib"] * GIB, host)
         assert rec["peak_reserved_gib"] is None    # no caching allocator on the CPU
+
+
+def test_bar_shows_reserved_and_host_stash_where_measured():
+    from fpdt.train.progress import StepRecord, postfix
+
+    base = dict(step=1, loss=1.0, lr=0.1, tokens=10, step_time_s=1.0, tokens_per_s=10.0, tgs=10.0, mfu=None,
+                mfu_full=None, hfu=None, host_rss_gib=0.5)
+    cuda = postfix(StepRecord(**base, peak_mem_gib=12.5, peak_reserved_gib=14.0, host_stash_gib=3.0))
+    assert "mem=12.50G res=14.00G stash=3.00G rss=0.50G" in cuda
+    cpu = postfix(StepRecord(**base, peak_mem_gib=0.0241, peak_reserved_gib=None, host_stash_gib=0.0))
+    assert "mem=24.7M rss=0.50G" in cpu
+    off = postfix(StepRecord(**base, peak_mem_gib=None, host_stash_gib=0.0))
+    assert "mem=n/a rss=0.50G" in off
