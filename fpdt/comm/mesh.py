@@ -27,6 +27,8 @@ The token layout belongs to the mesh: :meth:`global_token_index`, :meth:`shard` 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -70,6 +72,10 @@ class SequenceMesh:
         inner_ring: double-ring inner size ``w`` (divides ``cp``); None = a single ring.
         group: parent group of ``dp * hp * cp`` ranks; None = the default group (or a
             world of 1 when torch.distributed is not initialised, which needs hp = cp = 1).
+        timeout: how long a collective of the mesh's groups waits for the other ranks
+            (the trainer's ``--dist-timeout-min``); None = torch's default for new groups.
+            With a timeout the groups are made with ``new_group`` directly (``DeviceMesh``
+            takes no timeout for the groups it creates).
 
     Attributes: ``hp, cp, dp, inner_ring`` (``w``), ``placement``, ``hp_rank, cp_rank,
     dp_rank``, ``hp_group, cp_group`` and ``sp_group`` (all ``hp * cp`` ranks of this replica,
@@ -81,7 +87,7 @@ class SequenceMesh:
     """
 
     def __init__(self, hp: int = 1, cp: int = 1, placement: str = "head_first", inner_ring: int | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, timeout: timedelta | None = None):
         self.hp, self.cp, self.placement = hp, cp, placement
         self.inner_ring = cp if inner_ring is None else inner_ring
         self.device_mesh = None
@@ -100,7 +106,7 @@ class SequenceMesh:
         self.dp_rank, self.cp_rank, self.hp_rank = (int(x) for x in (grid == me).nonzero()[0])
         self.cp_ranks = grid[self.dp_rank, :, self.hp_rank].tolist()
         hp_ranks = grid[self.dp_rank, self.cp_rank, :].tolist()
-        if group is None:
+        if group is None and timeout is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
             from torch.distributed.device_mesh import DeviceMesh
             self.device_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp", "cp", "hp"))
@@ -117,8 +123,22 @@ class SequenceMesh:
                         outer = dist.new_group(grid[d, :, h].tolist())
                         if (d, h) == (self.dp_rank, self.hp_rank):
                             self.cp_outer_group = outer
+        elif group is None:  # every rank creates every group, in the same order
+            def mine(rank_lists):
+                chosen = None
+                for rs in rank_lists:
+                    g = dist.new_group(rs, timeout=timeout)
+                    if me in rs:
+                        chosen = g
+                return chosen
+            self.hp_group = mine([grid[d, c, :].tolist() for d in range(self.dp) for c in range(cp)])
+            self.cp_group = mine([grid[d, :, h].tolist() for d in range(self.dp) for h in range(hp)])
+            self.sp_group = mine([sorted(grid[d].reshape(-1).tolist()) for d in range(self.dp)])
+            self.cp_outer_group = self.cp_group
+            if self.inner_ring < cp:
+                self.cp_outer_group = mine([grid[d, :, h].tolist() for d in range(self.dp) for h in range(hp)])
         else:
-            local = dict(use_local_synchronization=True)
+            local = dict(use_local_synchronization=True, timeout=timeout)
             self.hp_group = dist.new_group(hp_ranks, **local)
             self.cp_group = dist.new_group(self.cp_ranks, **local)
             self.sp_group = dist.new_group(sorted(grid[self.dp_rank].reshape(-1).tolist()), **local)

@@ -100,14 +100,15 @@ def build_parallel_state(sp: int, device: torch.device, *, cp: int = 1, placemen
 
     With ``cp > 1`` the SP ranks form a 2D :class:`fpdt.comm.SequenceMesh` of
     ``hp = sp / cp`` x ``cp`` (SP-innermost as well: replica ``g`` is ranks
-    ``[g*sp, (g+1)*sp)``, arranged inside by ``placement``). ``timeout``: that of the
-    plain SP groups (a group made without one would wait torch's default, not the run's).
+    ``[g*sp, (g+1)*sp)``, arranged inside by ``placement``). ``timeout``: that of the SP
+    groups and of the mesh's groups (a group made without one would wait torch's default,
+    not the run's).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % sp != 0:  # validated earlier from the environment; re-check the real group
         raise ValueError(f"--sp {sp} does not divide the world size {world}")
     if cp > 1:
-        mesh = SequenceMesh(hp=sp // cp, cp=cp, placement=placement, inner_ring=inner_ring)
+        mesh = SequenceMesh(hp=sp // cp, cp=cp, placement=placement, inner_ring=inner_ring, timeout=timeout)
         return ParallelState(rank=rank, world_size=world, sp=sp, dp=mesh.dp, sp_rank=mesh.sp_rank,
                              dp_rank=mesh.dp_rank, sp_group=mesh.sp_group, device=device, mesh=mesh)
     mine = None

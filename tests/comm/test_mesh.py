@@ -1,5 +1,7 @@
 """SequenceMesh: groups, coordinates, placements, errors; the double-ring schedule."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,3 +80,26 @@ def _mesh_body(rank, world, explicit_group):
 @pytest.mark.parametrize("explicit_group", [False, True])
 def test_mesh_groups(explicit_group):
     run_distributed(_mesh_body, 4, args=(explicit_group,))
+
+
+def _timeout_body(rank, world):
+    def backend_timeout(g):
+        return g._get_backend(torch.device("cpu")).options._timeout
+
+    for kw in (dict(hp=2, cp=2), dict(hp=1, cp=4, inner_ring=2), dict(hp=2, cp=1)):
+        plain = SequenceMesh(**kw)
+        timed = SequenceMesh(**kw, timeout=timedelta(seconds=77))
+        for name in ("hp_group", "cp_group", "sp_group", "cp_outer_group"):
+            a, b = getattr(plain, name), getattr(timed, name)
+            assert dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b), (kw, name)
+            assert backend_timeout(b) == timedelta(seconds=77), (kw, name, backend_timeout(b))
+        if timed.inner_ring < timed.cp:
+            assert timed.cp_outer_group is not timed.cp_group   # its own communicator
+        assert (timed.hp_rank, timed.cp_rank, timed.dp_rank, timed.cp_ranks) == \
+               (plain.hp_rank, plain.cp_rank, plain.dp_rank, plain.cp_ranks)
+
+
+def test_mesh_groups_take_the_run_timeout():
+    """``SequenceMesh(timeout=)`` (the trainer's --dist-timeout-min) builds the same groups
+    as the DeviceMesh path, each with that timeout."""
+    run_distributed(_timeout_body, 4)
