@@ -1,9 +1,11 @@
 """The four long-sequence training strategies the measurement scripts compare, on one model.
 
 Each ``build_<strategy>(cfg, seq_len, chunk_size, device, dtype)`` returns a
-:class:`Trainee`: the model's parameters and a ``step(ids)`` closure that runs one full
-training step (forward, backward, AdamW step) on ``ids`` ``[1, S]``. Weights are random
-(seeded by the caller); every strategy sees the same model shape and the same tokens.
+:class:`Trainee`: the model's parameters and decoder layers, a ``step(ids)`` closure that
+runs one full training step (forward, backward, AdamW step) on ``ids`` ``[1, S]``, and the
+two halves of it without the optimizer: ``prepare(ids)`` (inputs and labels, data-loader
+work) and ``forward_backward(inputs)``. Weights are random (seeded by the caller); every
+strategy sees the same model shape and the same tokens.
 
 * ``fpdt``: :mod:`fpdt.model` with chunked attention (``S / chunk_size`` chunks),
   attention offload, chunked MLP and loss (model defaults), ``checkpointing="offload"``.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -47,6 +49,26 @@ class Trainee:
     recompute: bool
     """Whether the layer forward runs twice (activation checkpointing), for HFU."""
     notes: str = ""
+    prepare: Callable[[torch.Tensor], dict] | None = None
+    """``ids`` ``[1, S]`` -> the model's inputs and labels (what a data loader would hand over)."""
+    forward_backward: Callable[..., torch.Tensor] | None = None
+    """``forward_backward(inputs, on_backward=None)``: forward, then ``on_backward()`` if given,
+    then backward (gradients accumulate into ``.grad``; no optimizer step); returns the loss."""
+    layers: list = field(default_factory=list)
+    """The decoder layers, in order (for per-layer hooks)."""
+
+
+def _trainee(params, prepare, forward_backward, recompute: bool, notes: str, layers) -> Trainee:
+    """A :class:`Trainee` whose ``step`` is ``prepare`` + ``forward_backward`` + an AdamW step."""
+    params = list(params)
+    opt = _adamw(params)
+
+    def step(ids):
+        loss = forward_backward(prepare(ids))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return Trainee(params, step, recompute, notes, prepare, forward_backward, list(layers))
 
 
 def missing_packages(strategy: str) -> str | None:
@@ -66,16 +88,23 @@ def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload:
     chunks = max(1, seq_len // min(chunk_size, seq_len))
     model = fm.from_config(cfg, device=device, dtype=dtype, num_chunks=chunks, offload=offload,
                            checkpointing="offload" if offload else "on")
-    opt = _adamw(model.parameters())
 
-    def step(ids):
-        loss = model(**model.prepare_inputs(ids))
+    def forward_backward(inputs, on_backward=None):
+        loss = model(**inputs)
+        if on_backward is not None:
+            on_backward()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-    return Trainee(list(model.parameters()), step, recompute=True,
-                   notes=f"num_chunks={chunks}, mlp_chunks={model.mlp_chunks}, loss_chunks={model.loss_chunks}")
+        return loss
+    return _trainee(model.parameters(), model.prepare_inputs, forward_backward, True,
+                    f"num_chunks={chunks}, mlp_chunks={model.mlp_chunks}, loss_chunks={model.loss_chunks}",
+                    model.model.layers)
+
+
+def fpdt_loss_chunks(cfg: dict, seq_len: int, chunk_size: int) -> int:
+    """The loss chunks ``build_fpdt`` would use (a shape-only model on the meta device)."""
+    import fpdt.model as fm
+    chunks = max(1, seq_len // min(chunk_size, seq_len))
+    return fm.from_config(cfg, device="meta", num_chunks=chunks, offload=True, checkpointing="offload").loss_chunks
 
 
 def _hf_model(cfg: dict, device, dtype):
@@ -91,15 +120,15 @@ def _hf_model(cfg: dict, device, dtype):
 
 def build_hf(cfg: dict, seq_len: int, chunk_size: int, device, dtype) -> Trainee:
     model = _hf_model(cfg, device, dtype)
-    opt = _adamw(model.parameters())
 
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
+    def forward_backward(inputs, on_backward=None):
+        loss = model(**inputs).loss              # labels = input_ids: the model shifts them
+        if on_backward is not None:
+            on_backward()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-    return Trainee(list(model.parameters()), step, recompute=True, notes="sdpa, gradient checkpointing")
+        return loss
+    return _trainee(model.parameters(), lambda ids: {"input_ids": ids, "labels": ids}, forward_backward, True,
+                    "sdpa, gradient checkpointing", model.model.layers)
 
 
 @contextlib.contextmanager
@@ -131,13 +160,13 @@ def cpu_offload_hooks(engine_cls):
             setattr(engine_cls, name, fn)
 
 
-def build_alst(cfg: dict, seq_len: int, chunk_size: int, device, dtype) -> Trainee:
+def build_alst(cfg: dict, seq_len: int, chunk_size: int, device, dtype, loss_shards: int | None = None) -> Trainee:
+    """``loss_shards``: ``TiledFusedLogitsLoss`` shards; None = fpdt's loss chunks at the same
+    length and chunk size (:func:`fpdt_loss_chunks`)."""
     import torch.nn.functional as F
     from deepspeed.runtime.activation_checkpointing import offload_activations as oa
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
     from transformers.models.llama import modeling_llama
-
-    from fpdt.model.loss import default_loss_chunks
 
     def tiled_mlp_forward(self, x):              # DeepSpeed's documented LlamaMLP patch (one process)
         num_shards = math.ceil(x.shape[-2] / x.shape[-1])
@@ -156,31 +185,34 @@ def build_alst(cfg: dict, seq_len: int, chunk_size: int, device, dtype) -> Train
     patched = {id(m): m for m in model.modules() if isinstance(m, modeling_llama.LlamaMLP)}
     for m in patched.values():                 # keep the tiled forward on this model's MLPs only
         m.forward = tiled_mlp_forward.__get__(m)
-    opt = _adamw(model.parameters())
-    shards = default_loss_chunks(cfg["vocab_size"], cfg["hidden_size"])
+    shards = loss_shards or fpdt_loss_chunks(cfg, seq_len, chunk_size)
     on_cpu = torch.device(device).type == "cpu"
 
     def loss_fn(self, x, y):
         logits = self.lm_head(x).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
 
-    def step(ids):
-        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    def prepare(ids):
+        return {"input_ids": ids, "labels": torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)}
+
+    def forward_backward(inputs, on_backward=None):
+        ids, labels = inputs["input_ids"], inputs["labels"]
         hooks = cpu_offload_hooks(oa._ActivationOffloadEngine) if on_cpu else contextlib.nullcontext()
         with hooks, oa.get_checkpoint_hidden_states_offloading_ctx_manager(use_streams=not on_cpu):
             hidden = model.model(input_ids=ids).last_hidden_state
             loss = TiledFusedLogitsLoss.apply(loss_fn, model, hidden, labels, None, min(shards, ids.shape[1]),
                                               [model.lm_head.weight], "mean")
+            if on_backward is not None:
+                on_backward()
             loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-    return Trainee(list(model.parameters()), step, recompute=True,
-                   notes=f"TiledMLP shards ceil(S/hidden), TiledFusedLogitsLoss shards {shards}, "
-                         f"checkpoint offload{' (CPU hook)' if on_cpu else ''}")
+        return loss
+    return _trainee(model.parameters(), prepare, forward_backward, True,
+                    f"TiledMLP shards ceil(S/hidden), TiledFusedLogitsLoss shards {shards}, "
+                    f"checkpoint offload{' (CPU hook)' if on_cpu else ''}", model.model.layers)
 
 
 def build(strategy: str, cfg: dict, seq_len: int, chunk_size: int, device, dtype) -> Trainee:
+    """The :class:`Trainee` of ``strategy`` (one of :data:`STRATEGIES`)."""
     if strategy == "fpdt":
         return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=True)
     if strategy == "fpdt-no-offload":
