@@ -10,23 +10,33 @@ weights, and gradients allocated before the step are not counted):
 * the ratio of working-set bytes (the larger of the two above) at u = 8 over u = 4 (same S);
 * a 2-layer model of that shape under ``checkpointing="offload"``, whole forward +
   backward, in ``Nd`` (one full-sequence bf16 hidden tensor);
-* device bytes per added token from 8K to 16K tokens on a Llama with hidden 512,
-  4 layers, GQA 8/2, vocab 32000, fp32, ``offload=True``, ``checkpointing="offload"``,
-  1K-token chunks (``--skip-large`` leaves it out; it takes a few minutes on a CPU).
+* device bytes per added token from 8K to 16K tokens, fpdt beside ALST and Hugging Face
+  (and fpdt without offload), on a Llama with hidden 512, 4 layers, GQA 8/2, vocab 32000,
+  fp32, fpdt with ``offload=True``, ``checkpointing="offload"``, 1K-token chunks: measured by
+  :mod:`bytes_per_token` (what is counted is stated there), each trial in a fresh process.
+  ``--skip-large`` leaves it out (it takes tens of minutes on a 2-core CPU);
+  ``--strategies fpdt --reuse <previous .json>`` re-runs only the fpdt rows.
 
-On CUDA each row also gives ``max_memory_allocated``/``max_memory_reserved``.
+The markdown goes to ``benchmarks/results/<device>/<UTC date>/memory_budget.md`` (the whole
+result, every trial, to ``memory_budget.json`` beside it), headed by the exact command.
 
-    python profiling/memory_budget.py [--skip-large] [--out benchmarks/results/memory_budget.md]
+    python profiling/memory_budget.py [--skip-large] [--out-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import shlex
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
+import bench_common as bc  # noqa: E402
+import bytes_per_token as bpt  # noqa: E402
 
 import fpdt.model as fm
 from fpdt.attention import fpdt_attention
@@ -39,8 +49,6 @@ SMALL_MODEL = {
     "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "hidden_act": "silu", "rms_norm_eps": 1e-5,
     "max_position_embeddings": 65536, "tie_word_embeddings": False, "rope_theta": 10000.0,
 }
-LARGE_MODEL = {**SMALL_MODEL, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
-               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
 
 
 def attention_core(seq: int, u: int, offload: bool = True, heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
@@ -92,7 +100,7 @@ def model_step(config: dict, seq: int, dtype: torch.dtype, device: str = "cpu", 
     return out
 
 
-def table(skip_large: bool = False, device: str = "cpu") -> list[tuple[str, str]]:
+def table(device: str = "cpu") -> list[tuple[str, str]]:
     rows = []
     base = 1024
     for u in (4, 8, 16, 32):
@@ -105,31 +113,52 @@ def table(skip_large: bool = False, device: str = "cpu") -> list[tuple[str, str]
     rows.append(("working-set bytes(u=8) / bytes(u=4), S=1024", f"{ws(r8) / ws(r4):.3f}"))
     m = model_step(SMALL_MODEL, 1024, torch.bfloat16, device, num_chunks=4, offload=True, checkpointing="offload")
     rows.append(("2-layer model, checkpointing=offload, S=1024, u=4, fwd+bwd", f"{m['peak'] / m['Nd']:.2f} Nd"))
-    if not skip_large:
-        opts = dict(offload=True, checkpointing="offload")
-        a = model_step(LARGE_MODEL, 8192, torch.float32, device, num_chunks=8, **opts)
-        b = model_step(LARGE_MODEL, 16384, torch.float32, device, num_chunks=16, **opts)
-        rows.append(("device bytes per added token 8K->16K (hidden 512, 4 layers, fp32, 1K chunks)",
-                     f"{(b['peak'] - a['peak']) / 8192 / 1000:.1f} KB (peaks {a['peak'] / 2**20:.1f} / "
-                     f"{b['peak'] / 2**20:.1f} MiB)"))
     return rows
 
 
-def main(argv: list[str] | None = None) -> list[tuple[str, str]]:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--skip-large", action="store_true", help="leave out the 8K->16K model row")
+    p.add_argument("--skip-large", action="store_true", help="leave out the bytes-per-added-token section")
+    p.add_argument("--skip-table", action="store_true", help="leave out the U / Nd table (attention core, 2 layers)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default=None, help="also write the table as markdown here")
+    p.add_argument("--strategies", nargs="+", default=list(bpt.DEFAULT_STRATEGIES), choices=bpt.st.STRATEGIES)
+    p.add_argument("--lengths", nargs=2, type=int, default=[8192, 16384], metavar=("L1", "L2"))
+    p.add_argument("--reuse", default=None, help="a previous memory_budget.json: keep its trials of strategies "
+                                                 "not run now")
+    p.add_argument("--chunk-size", type=int, default=1024, help="fpdt's attention chunk (tokens)")
+    p.add_argument("--tiny", action="store_true", help="bytes per token on a tiny model, trials in-process "
+                                                      "(smoke run; results to .../cpu-smoke)")
+    p.add_argument("--trial-timeout-s", type=float, default=1800.0)
+    p.add_argument("--out-dir", default=None, help="default: benchmarks/results/<device>/<UTC date>")
     args = p.parse_args(argv)
-    rows = table(args.skip_large, args.device)
-    lines = ["| what | measured |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
-    text = "\n".join(lines) + "\n"
+    command = "python profiling/memory_budget.py" + "".join(" " + shlex.quote(a) for a in (argv or []))
+    head = bc.header("memory_budget.py", args)
+    result = {**head, "command": command, "rows": None, "bytes_per_token": None}
+    parts = [f"# Device memory budget (issue 8)\n\nCommand: `{command}`  \nDevice `{head['device']}`, commit "
+             f"{head['commit']}, {head['date_utc']}, torch {head['torch']}. Counted on the CPU by "
+             f"`fpdt.profiling.memory.MemoryAccountant` (live tensor bytes); no GPU figures.\n"]
+    if not args.skip_table:
+        rows = table(args.device)
+        result["rows"] = rows
+        parts.append("\n".join(["## U / Nd table\n", "| what | measured |", "|---|---|"]
+                               + [f"| {a} | {b} |" for a, b in rows]) + "\n")
+    if not args.skip_large:
+        reuse = None
+        if args.reuse:
+            with open(args.reuse) as f:
+                reuse = (json.load(f).get("bytes_per_token") or {}).get("trials")
+        r = bpt.measure(args.strategies, args.lengths, args.chunk_size, tiny=args.tiny, in_process=args.tiny,
+                        timeout_s=args.trial_timeout_s, reuse=reuse)
+        result["bytes_per_token"] = r
+        parts.append("## Device bytes per added token: fpdt, ALST, Hugging Face\n\n"
+                     + (bpt.__doc__.split("\n\n", 1)[1].split("\n\n    python")[0]) + "\n\n" + bpt.markdown(r))
+    text = "\n".join(parts)
     print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-    return rows
+    out_dir = bc.results_dir(args.tiny, args.out_dir)
+    with open(os.path.join(out_dir, "memory_budget.md"), "w") as f:
+        f.write(text)
+    bc.write_json(os.path.join(out_dir, "memory_budget.json"), result)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""CPU smoke test of profiling/memory_budget.py's bytes-per-added-token section
+(profiling/bytes_per_token.py): tiny model, 256 and 512 tokens, trials in-process."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "profiling", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _has(*packages):
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
+STRATEGIES = ["fpdt"] + (["alst"] if _has("deepspeed", "transformers") else [])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    mb = _load("memory_budget")
+    out = tmp_path_factory.mktemp("memory_budget")
+    argv = ["--skip-table", "--tiny", "--strategies", *STRATEGIES, "--lengths", "256", "512",
+            "--chunk-size", "128", "--out-dir", str(out)]
+    return out, argv, mb.main(argv)
+
+
+def test_fields_are_derived_and_positive(run):
+    _, _, result = run
+    r = result["bytes_per_token"]
+    layers = r["model"]["num_hidden_layers"]
+    for s in STRATEGIES:
+        by_len = {t["seq_len"]: t for t in r["trials"] if t["strategy"] == s}
+        assert set(by_len) == {256, 512}
+        for t in by_len.values():
+            assert t["status"] == "ok", t
+            assert t["device_peak_bytes"] > 0 and t["host_peak_bytes"] > 0   # both offload to the host pool
+            phases = t["phases"]
+            assert {f"fwd layer {i}" for i in range(layers)} | {f"bwd layer {i}" for i in range(layers)} <= set(phases)
+            assert phases[t["peak_phase"]]["peak"] == t["device_peak_bytes"] == max(p["peak"] for p in phases.values())
+            assert max(t["fwd_peak_bytes"], t["bwd_peak_bytes"]) == t["device_peak_bytes"]
+        a, b = by_len[256], by_len[512]
+        assert r["per_token"][s]["device"] == (b["device_peak_bytes"] - a["device_peak_bytes"]) / 256 > 0
+        assert r["per_token"][s]["host"] == (b["host_peak_bytes"] - a["host_peak_bytes"]) / 256 > 0
+
+
+def test_markdown_and_json_written(run):
+    out, argv, result = run
+    text = (out / "memory_budget.md").read_text()
+    assert "python profiling/memory_budget.py " + " ".join(argv) in text
+    for s in STRATEGIES:
+        kb = result["bytes_per_token"]["per_token"][s]["device"] / 1000
+        assert f"| {s} | " in text and f"**{kb:.1f}**" in text
+    if "alst" in STRATEGIES:
+        assert "fpdt / alst device bytes per added token" in text
+    saved = json.loads((out / "memory_budget.json").read_text())
+    assert saved["bytes_per_token"]["per_token"] == result["bytes_per_token"]["per_token"]
+
+
+def test_reuse_keeps_rows_not_rerun(run, tmp_path):
+    out, _, first = run
+    if "alst" not in STRATEGIES:
+        pytest.skip("needs deepspeed and transformers for a second strategy")
+    mb = sys.modules["memory_budget"]
+    again = mb.main(["--skip-table", "--tiny", "--strategies", "fpdt", "--lengths", "256", "512", "--chunk-size",
+                     "128", "--reuse", str(out / "memory_budget.json"), "--out-dir", str(tmp_path)])
+    r = again["bytes_per_token"]
+    assert r["strategies"] == ["fpdt", "alst"]
+    assert r["per_token"]["alst"] == first["bytes_per_token"]["per_token"]["alst"]
+    assert r["per_token"]["fpdt"]["device"] > 0
