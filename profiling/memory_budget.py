@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
              f"{head['commit']}, {head['date_utc']}, torch {head['torch']}. Counted on the CPU by "
              f"`fpdt.profiling.memory.MemoryAccountant` (live tensor bytes); no GPU figures.\n"]
     if not args.skip_table:
+        attention_core(256, 2, device=args.device)   # the kernel's first-use self-check, outside every row
         rows = table(args.device)
         result["rows"] = rows
         parts.append("\n".join(["## U / Nd table\n", "| what | measured |", "|---|---|"]
