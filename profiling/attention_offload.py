@@ -34,6 +34,9 @@ from fpdt.attention import fpdt_attention
 from fpdt.offload import runtime_for
 from fpdt.profiling.memory import MemoryPeaks, RegionMemory
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
+import bench_common as bc  # noqa: E402
+
 
 def _sync(device):
     runtime_for(device).synchronize(device)  # host waits for the device (and, under sim, every copy)
@@ -67,16 +70,6 @@ def peak_memory(q, k, v, num_chunks, offload) -> MemoryPeaks:
     return region.peaks
 
 
-def _merge_intervals(iv):
-    out = []
-    for s, e in sorted(iv):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
 def copy_overlap(q, k, v, num_chunks):
     """Share of H2D/D2H copy time that runs while a compute kernel runs (CUDA only)."""
     if q.device.type != "cuda":
@@ -84,25 +77,8 @@ def copy_overlap(q, k, v, num_chunks):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_once(q, k, v, num_chunks, True)
-    copies, compute = [], []
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        span = (ev.time_range.start, ev.time_range.end)
-        name = ev.name.lower()
-        if "memcpy htod" in name or "memcpy dtoh" in name:
-            copies.append(span)
-        elif "memcpy" not in name and "memset" not in name:
-            compute.append(span)
-    compute = _merge_intervals(compute)
-    total = sum(e - s for s, e in copies)
-    if total == 0:
-        return 0.0
-    hidden = 0
-    for s, e in copies:
-        for cs, ce in compute:
-            hidden += max(0, min(e, ce) - max(s, cs))
-    return hidden / total
+    t = bc.exposed_copy_seconds(prof)
+    return 0.0 if t["copy_s"] == 0 else 1.0 - t["exposed_copy_s"] / t["copy_s"]
 
 
 def _fmt_peak(p: MemoryPeaks) -> str:
