@@ -131,12 +131,11 @@ class SequenceMesh:
                     if me in rs:
                         chosen = g
                 return chosen
+            cp_lists = [grid[d, :, h].tolist() for d in range(self.dp) for h in range(hp)]
             self.hp_group = mine([grid[d, c, :].tolist() for d in range(self.dp) for c in range(cp)])
-            self.cp_group = mine([grid[d, :, h].tolist() for d in range(self.dp) for h in range(hp)])
+            self.cp_group = mine(cp_lists)
             self.sp_group = mine([sorted(grid[d].reshape(-1).tolist()) for d in range(self.dp)])
-            self.cp_outer_group = self.cp_group
-            if self.inner_ring < cp:
-                self.cp_outer_group = mine([grid[d, :, h].tolist() for d in range(self.dp) for h in range(hp)])
+            self.cp_outer_group = mine(cp_lists) if self.inner_ring < cp else self.cp_group
         else:
             local = dict(use_local_synchronization=True, timeout=timeout)
             self.hp_group = dist.new_group(hp_ranks, **local)
