@@ -4,10 +4,11 @@ For each global chunk size (default 8K..256K, those dividing ``--seq-len``) one 
 process runs one full ``fpdt`` training step (and, with ``--no-offload-too``, the same
 without offload, for the offload on/off time ratio) and records:
 
-* peak device memory (``device_peak_bytes``, from :mod:`max_seqlen`'s trial: CUDA
-  ``max_memory_allocated`` with ``device_reserved_peak_bytes`` beside it; on the CPU the
-  memory accountant's count plus the parameters), split into model states (parameters,
-  gradients and AdamW's two moments, in the parameter dtype) and activations (the rest);
+* peak device memory (``device_peak_bytes``, the steady-state step peak of
+  :mod:`max_seqlen`'s trial: CUDA ``max_memory_allocated`` with
+  ``device_reserved_peak_bytes`` beside it; on the CPU the memory accountant's count plus
+  the parameters), split into model states (parameters, gradients in the parameter dtype,
+  AdamW's state as measured) and activations (the rest);
 * step time and MFU (the trainer's formula);
 * copy time not hidden by compute, from a ``torch.profiler`` trace (CUDA only; null on
   the CPU, where the copies are synchronous memcpys).
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
             r = ms.run_one(trial_args, strategy, args.seq_len, log)
             r["chunk_size"] = chunk
             if r.get("status") == "ok":
-                states = 4 * r["param_bytes"]      # weights, grads, AdamW exp_avg and exp_avg_sq
+                # weights, gradients (same dtype), AdamW's moments and step counts
+                states = 2 * r["param_bytes"] + r["optimizer_state_bytes"]
                 r["model_states_bytes"] = states
                 r["activation_bytes"] = r["device_peak_bytes"] - states
             rows.append(r)

@@ -5,19 +5,27 @@ strategy of :mod:`strategies` (``fpdt``, ``fpdt-no-offload``, ``hf``, ``alst``),
 runs one full training step (forward, backward, AdamW step) at one length, in a fresh
 subprocess, and records:
 
-* ``device_peak_bytes``: on CUDA ``max_memory_allocated`` (``device_reserved_peak_bytes``:
-  ``max_memory_reserved`` beside it, null on the CPU); on the CPU the memory accountant's
-  device tier (:class:`fpdt.profiling.memory.MemoryAccountant`: live tensor bytes created
-  in the step) plus the parameters, which exist before it; ``counted_device_peak_bytes``:
-  that count on any device (both through :class:`fpdt.profiling.memory.RegionMemory`);
+* ``device_peak_bytes``: the steady-state peak of a training step, i.e. the larger of the
+  forward+backward peak plus the optimizer state this first step creates (from the second
+  step on it is live through forward and backward) and the optimizer step's own peak;
+  ``fwd_bwd_peak_bytes`` / ``optimizer_peak_bytes``: the two phases' peaks (the first
+  grows with the sequence, the second does not), ``optimizer_state_bytes`` (AdamW moments),
+  ``first_step_device_peak_bytes`` (the measured step as it ran). Peaks are on CUDA the
+  allocator's ``max_memory_allocated`` per phase (``device_reserved_peak_bytes``:
+  ``max_memory_reserved``, null on the CPU), on the CPU the memory accountant's device tier
+  (:class:`fpdt.profiling.memory.MemoryAccountant`: live tensor bytes created in the step)
+  plus the parameters, which exist before it; ``counted_device_peak_bytes``: that count on
+  any device (both through :class:`fpdt.profiling.memory.RegionMemory`);
 * ``host_peak_bytes``: the host tier (offloaded stash in use, counted at the host pool);
   ``host_rss_peak_bytes``: the process's peak RSS;
-* ``step_s``, ``tokens_per_s``, ``mfu`` (the trainer's formula, :mod:`fpdt.train.metrics`);
+* ``step_s`` (``fwd_bwd_s`` + ``optimizer_s``), ``tokens_per_s``, ``mfu`` (the trainer's formula, :mod:`fpdt.train.metrics`);
 * for the fpdt strategies, ``planned_*``: what :mod:`fpdt.plan` predicts for the same run.
 
 Modes: bisection (default) between ``--min-len`` and ``--max-len`` in multiples of the
 chunk size, or ``--lengths`` (fixed lengths, each capped at ``--trial-timeout-s``, plus
-the least-squares slope of device bytes per 1K tokens). ``--device-mem-gib X`` caps the
+the least-squares slopes of device bytes per 1K tokens, of the steady-state step peak and of
+the forward+backward peak). The fpdt strategies run the attention kernel's first-use
+self-check before the measured step. ``--device-mem-gib X`` caps the
 device: on CUDA through the allocator's memory fraction, on the CPU by calling a trial
 out of memory when the accountant's device tier passes X (so bisection means the same on
 both). A strategy whose packages are missing is reported as skipped, with the reason.
@@ -91,26 +99,46 @@ def trial(args) -> dict:
         trainee = st.build(args.strategy, cfg, args.seq_len, args.chunk_size, device, dtype)
         ids = torch.randint(0, cfg["vocab_size"], (1, args.seq_len), device=device)
         param_bytes = sum(p.numel() * p.element_size() for p in trainee.params)
+        if args.strategy.startswith("fpdt"):     # the kernel's first-use self-check, outside the step
+            from fpdt.attention.kernels import get_backend
+            get_backend(None, device, dtype, cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]))
         from fpdt.profiling.memory import RegionMemory
         profile = args.profile_copies and device.type == "cuda"
         if profile:                                # warm-up step, so the trace holds a steady step
             trainee.step(ids)
+        opt_before = trainee.optimizer_state_bytes()
         with RegionMemory(device, count_cuda=True) as region, _maybe_profiler(profile) as prof:
+            acct = region.accountant
             t0 = time.perf_counter()
-            trainee.step(ids)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - t0
+            with acct.phase("forward_backward") as fb:
+                trainee.forward_backward(trainee.prepare(ids))
+                _sync(device)
+            t1 = time.perf_counter()
+            with acct.phase("optimizer") as op:
+                trainee.optimizer_step()
+                _sync(device)
+            seconds, fwd_bwd_s = time.perf_counter() - t0, t1 - t0
         peaks = region.peaks
         if profile:
             out.update(bc.exposed_copy_seconds(prof))
     except torch.cuda.OutOfMemoryError as exc:
         return {**out, "status": "oom", "error": str(exc).splitlines()[0]}
-    counted = param_bytes + peaks.counted
-    device_peak = peaks.allocated if device.type == "cuda" else counted
-    out.update(status="ok", measured=True, step_s=seconds, tokens_per_s=args.seq_len / seconds,
-               param_bytes=param_bytes, device_peak_bytes=device_peak, counted_device_peak_bytes=counted,
-               device_reserved_peak_bytes=peaks.reserved, host_peak_bytes=peaks.host_stash,
+    opt_state = trainee.optimizer_state_bytes()
+    base = param_bytes + opt_before               # what existed before the region (the accountant skips it)
+    counted = base + peaks.counted
+    if device.type == "cuda":                     # the allocator's absolute peaks per phase
+        fwd_bwd_peak, opt_peak = fb.cuda_allocated_peak, op.cuda_allocated_peak
+    else:
+        fwd_bwd_peak, opt_peak = base + fb.peak, base + op.peak
+    # From the second step on, the optimizer state created by this (first) step is live
+    # through forward and backward: the steady-state peak of a training step.
+    device_peak = max(fwd_bwd_peak + opt_state - opt_before, opt_peak)
+    out.update(status="ok", measured=True, step_s=seconds, fwd_bwd_s=fwd_bwd_s, optimizer_s=seconds - fwd_bwd_s,
+               tokens_per_s=args.seq_len / seconds, param_bytes=param_bytes, optimizer_state_bytes=opt_state,
+               device_peak_bytes=device_peak, fwd_bwd_peak_bytes=fwd_bwd_peak, optimizer_peak_bytes=opt_peak,
+               first_step_device_peak_bytes=peaks.allocated if device.type == "cuda" else counted,
+               counted_device_peak_bytes=counted, device_reserved_peak_bytes=peaks.reserved,
+               host_peak_bytes=peaks.host_stash,
                host_rss_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, notes=trainee.notes)
     from fpdt.train.metrics import ModelShape, resolve_peak_flops, step_rates
     shape = ModelShape(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
@@ -126,6 +154,11 @@ def trial(args) -> dict:
         out["status"] = "oom"
         out["error"] = f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {args.device_mem_gib}"
     return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _maybe_profiler(on: bool):
@@ -262,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             entry["max_seq_len"] = bisect(args, strategy, log, save)
         entry["slope_device_bytes_per_1k_tokens"] = slope_per_1k(log)
+        entry["slope_fwd_bwd_device_bytes_per_1k_tokens"] = slope_per_1k(log, "fwd_bwd_peak_bytes")
         entry["slope_host_bytes_per_1k_tokens"] = slope_per_1k(log, "host_peak_bytes")
     save()
     print(f"wrote {os.path.relpath(path, bc.ROOT)}")

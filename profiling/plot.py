@@ -169,27 +169,51 @@ def _slope(trials, key):
     return ms.slope_per_1k(trials, key)
 
 
-def _extrapolate(trials, cap_bytes: float) -> int | None:
-    """Length at which the least-squares line of device bytes reaches ``cap_bytes``."""
-    pts = [(t["seq_len"], t["device_peak_bytes"]) for t in _ok(trials)]
+def _growing_peak(t: dict) -> int:
+    """The part of a trial's steady-state peak that grows with the length: the forward+backward
+    peak with the optimizer state live beside it (older files: the step's device peak)."""
+    if t.get("fwd_bwd_peak_bytes") is None:
+        return t["device_peak_bytes"]
+    return t["fwd_bwd_peak_bytes"] + t.get("optimizer_state_bytes", 0)
+
+
+def _fit(trials, value=_growing_peak) -> tuple[float, float] | None:
+    """Least-squares ``(slope per token, intercept)`` of ``value`` against the length."""
+    pts = [(t["seq_len"], value(t)) for t in _ok(trials)]
     if len(pts) < 2:
         return None
     n = len(pts)
     mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
     sxx = sum((x - mx) ** 2 for x, _ in pts)
     slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
-    if slope <= 0:
+    return slope, my - slope * mx
+
+
+def _extrapolate(trials, cap_bytes: float) -> int | None:
+    """Length at which the least-squares line of the growing peak (:func:`_growing_peak`)
+    reaches ``cap_bytes`` (None when it does not grow or the optimizer step alone passes it)."""
+    fit = _fit(trials)
+    if fit is None or fit[0] <= 0:
         return None
-    return int((cap_bytes - (my - slope * mx)) / slope)
+    if any(t.get("optimizer_peak_bytes", 0) > cap_bytes for t in _ok(trials)):
+        return None
+    return round((cap_bytes - fit[1]) / fit[0])
+
+
+def _mib(b) -> str:
+    return "" if b is None else f"{b / MIB:.1f}"
 
 
 def markdown(strats: dict, files: list[dict], rel: str) -> str:
     first = files[0] if files else {}
     lines = [f"Results in `{rel}` (device `{first.get('device')}`, commit {first.get('commit')}, "
              f"{first.get('date_utc')}). Device tier on the CPU = live tensor bytes counted by "
-             f"`fpdt.profiling.memory` plus parameters; host tier = offloaded stash.", ""]
+             f"`fpdt.profiling.memory` plus parameters; host tier = offloaded stash. *device* is the "
+             f"steady-state step peak (forward+backward with the optimizer state live, or the optimizer "
+             f"step if higher); *fwd+bwd* is the forward+backward peak of the first step (no optimizer "
+             f"state yet), whose slope is the activation memory per token.", ""]
     cap = next((f["device_mem_gib"] for f in files if f.get("device_mem_gib")), None)
-    lines += ["| strategy | longest length | device KiB / 1K tokens | host KiB / 1K tokens |"
+    lines += ["| strategy | longest length that fits | fwd+bwd device KiB / 1K tokens | host KiB / 1K tokens |"
               + (f" longest at {cap:g} GiB, extrapolated from the fit |" if cap else ""),
               "|---|---|---|---|" + ("---|" if cap else "")]
     slopes = {}
@@ -197,7 +221,8 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
         if s["skipped"]:
             lines.append(f"| {name} | skipped: {s['skipped']} | | |")
             continue
-        dev, host = _slope(s["trials"], "device_peak_bytes"), _slope(s["trials"], "host_peak_bytes")
+        dev = _slope(s["trials"], "fwd_bwd_peak_bytes") or _slope(s["trials"], "device_peak_bytes")
+        host = _slope(s["trials"], "host_peak_bytes")
         slopes[name] = dev
         longest = _longest(s)
         extra = ""
@@ -206,22 +231,25 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
             extra = f" {est} |" if est is not None else " - |"
         lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |{extra}" if dev is not None
                      else f"| {name} | {longest} | - | - |{extra}")
-    lines += ["", "| strategy | length | device MiB | host MiB | total MiB | step s | planned device MiB |"
-              + (f" fits {cap:g} GiB |" if cap else ""), "|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
+    lines += ["", "| strategy | length | device MiB | fwd+bwd MiB | host MiB | total MiB | step s | tokens/s "
+              "| planned device MiB | planned / measured |" + (f" fits {cap:g} GiB |" if cap else ""),
+              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
     times: dict = {}
     for name, s in strats.items():
         for t in sorted(_ok(s["trials"]), key=lambda t: t["seq_len"]):
             times.setdefault(t["seq_len"], {})[name] = t["step_s"]
             plan = t.get("planned_device_peak_bytes")
-            lines.append(f"| {name} | {t['seq_len']} | {t['device_peak_bytes'] / MIB:.1f} | "
-                         f"{t['host_peak_bytes'] / MIB:.1f} | "
-                         f"{(t['device_peak_bytes'] + t['host_peak_bytes']) / MIB:.1f} | {t['step_s']:.2f} | "
-                         f"{'' if plan is None else f'{plan / MIB:.1f}'} |"
+            ratio = "" if plan is None else f"{plan / t['device_peak_bytes']:.3f}"
+            lines.append(f"| {name} | {t['seq_len']} | {_mib(t['device_peak_bytes'])} | "
+                         f"{_mib(t.get('fwd_bwd_peak_bytes'))} | {_mib(t['host_peak_bytes'])} | "
+                         f"{_mib(t['device_peak_bytes'] + t['host_peak_bytes'])} | {t['step_s']:.2f} | "
+                         f"{t['seq_len'] / t['step_s']:.0f} | {_mib(plan)} | "
+                         f"{ratio} |"
                          + ((" yes |" if t["status"] == "ok" else " no |") if cap else ""))
     ratios = []
     for other in ("hf", "alst"):
         if slopes.get("fpdt") is not None and slopes.get(other):
-            ratios.append(f"fpdt / {other} device slope: **{slopes['fpdt'] / slopes[other]:.3f}**")
+            ratios.append(f"fpdt / {other} fwd+bwd device slope: **{slopes['fpdt'] / slopes[other]:.3f}**")
         same = sorted(n for n, t in times.items() if "fpdt" in t and other in t)
         if same:
             ratios.append(f"fpdt / {other} step time: " + ", ".join(

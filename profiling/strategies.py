@@ -56,19 +56,32 @@ class Trainee:
     then backward (gradients accumulate into ``.grad``; no optimizer step); returns the loss."""
     layers: list = field(default_factory=list)
     """The decoder layers, in order (for per-layer hooks)."""
+    optimizer_step: Callable[[], None] | None = None
+    """The AdamW step on the accumulated gradients, then ``zero_grad(set_to_none=True)``."""
+    optimizer: torch.optim.Optimizer | None = None
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the optimizer's state tensors (AdamW moments, step counters) now."""
+        if self.optimizer is None:
+            return 0
+        return sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                   for t in st.values() if torch.is_tensor(t))
 
 
 def _trainee(params, prepare, forward_backward, recompute: bool, notes: str, layers) -> Trainee:
-    """A :class:`Trainee` whose ``step`` is ``prepare`` + ``forward_backward`` + an AdamW step."""
+    """A :class:`Trainee` whose ``step`` is ``prepare`` + ``forward_backward`` + ``optimizer_step``."""
     params = list(params)
     opt = _adamw(params)
 
-    def step(ids):
-        loss = forward_backward(prepare(ids))
+    def optimizer_step():
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def step(ids):
+        loss = forward_backward(prepare(ids))
+        optimizer_step()
         return float(loss.detach())
-    return Trainee(params, step, recompute, notes, prepare, forward_backward, list(layers))
+    return Trainee(params, step, recompute, notes, prepare, forward_backward, list(layers), optimizer_step, opt)
 
 
 def missing_packages(strategy: str) -> str | None:

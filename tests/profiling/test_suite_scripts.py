@@ -12,8 +12,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "tokens_per_s", "mfu", "device_peak_bytes",
-                "device_reserved_peak_bytes", "host_peak_bytes", "host_rss_peak_bytes"}
+TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "fwd_bwd_s", "optimizer_s", "tokens_per_s", "mfu",
+                "device_peak_bytes", "fwd_bwd_peak_bytes", "optimizer_peak_bytes", "optimizer_state_bytes",
+                "first_step_device_peak_bytes", "device_reserved_peak_bytes", "host_peak_bytes", "host_rss_peak_bytes"}
 
 
 def _load(name):
@@ -46,8 +47,20 @@ def test_max_seqlen_every_strategy(lengths_run):
         for t in entry["trials"]:
             assert t["status"] == "ok" and TRIAL_FIELDS <= set(t), (name, t)
             assert t["device_peak_bytes"] > t["param_bytes"] > 0 and t["mfu"] > 0
-            assert t["device_peak_bytes"] == t["counted_device_peak_bytes"] and t["device_reserved_peak_bytes"] is None
+            assert t["first_step_device_peak_bytes"] == t["counted_device_peak_bytes"]
+            assert t["device_reserved_peak_bytes"] is None
+            # AdamW: two fp32 moments per parameter (fp32 run) and a scalar step count per tensor
+            assert 0 < t["optimizer_state_bytes"] - 2 * t["param_bytes"] <= 4 * 64
+            # the optimizer step holds parameters, gradients and both moments at once
+            assert t["optimizer_peak_bytes"] >= 4 * t["param_bytes"]
+            assert t["fwd_bwd_peak_bytes"] > t["param_bytes"]
+            assert t["first_step_device_peak_bytes"] == max(t["fwd_bwd_peak_bytes"], t["optimizer_peak_bytes"])
+            assert t["device_peak_bytes"] == max(t["fwd_bwd_peak_bytes"] + t["optimizer_state_bytes"],
+                                                 t["optimizer_peak_bytes"])
+            assert 0 < t["fwd_bwd_s"] < t["step_s"]
         assert entry["max_completed_len"] == 128 and entry["slope_device_bytes_per_1k_tokens"] is not None
+        # activations grow with the length, whatever the optimizer step does
+        assert entry["slope_fwd_bwd_device_bytes_per_1k_tokens"] > 0, name
     by = {n: e["trials"][-1] for n, e in out["strategies"].items()}
     assert by["fpdt"]["host_peak_bytes"] > 0 and by["fpdt-no-offload"]["host_peak_bytes"] == 0
     assert by["alst"]["host_peak_bytes"] > 0          # DeepSpeed's offload, hooked on the CPU
@@ -96,8 +109,9 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     sweep = cs.main(["--tiny", "--in-process", "--chunks", "64", "128", "--out-dir", str(tmp_path)])
     assert [r["chunk_size"] for r in sweep["rows"]] == [64, 128]
     for r in sweep["rows"]:
-        assert r["status"] == "ok" and r["activation_bytes"] > 0 and r["model_states_bytes"] == 4 * r["param_bytes"]
-        assert r["device_peak_bytes"] == r["counted_device_peak_bytes"] > r["param_bytes"]   # CPU: counted
+        assert r["status"] == "ok" and r["activation_bytes"] > 0
+        assert r["model_states_bytes"] == 2 * r["param_bytes"] + r["optimizer_state_bytes"]
+        assert r["first_step_device_peak_bytes"] == r["counted_device_peak_bytes"] > r["param_bytes"]   # CPU: counted
         assert r["device_reserved_peak_bytes"] is None and r["host_peak_bytes"] > 0           # fpdt offloads
         assert r.get("exposed_copy_s") is None          # CUDA only
     lat = ol.main(["--tiny", "--out-dir", str(tmp_path)])
@@ -116,3 +130,19 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     text = readme.read_text()
     assert "kept" in text and "tail" in text and "old" not in text
     assert "fpdt / hf step time" in text and "| fpdt | 128 |" in text
+    assert "fpdt / hf fwd+bwd device slope" in text and "planned / measured" in text
+
+
+def test_extrapolation_uses_the_growing_peak():
+    """The optimizer step's constant peak does not hide the activations' growth: the line is
+    fitted to the forward+backward peak with the optimizer state beside it."""
+    plot = _load("plot")
+    mib = 2 ** 20
+    trials = [{"status": "ok", "measured": True, "seq_len": s, "device_peak_bytes": 100 * mib,
+               "fwd_bwd_peak_bytes": 10 * mib + 1024 * s, "optimizer_state_bytes": 20 * mib,
+               "optimizer_peak_bytes": 100 * mib} for s in (1024, 2048, 4096)]
+    # 30 MiB + 1 KiB per token reaches 1 GiB at (1024 - 30) * 1024 tokens
+    assert plot._extrapolate(trials, 1024 * mib) == (1024 - 30) * 1024
+    assert plot._extrapolate(trials, 50 * mib) is None          # the optimizer step alone passes it
+    old = [{"status": "ok", "measured": True, "seq_len": s, "device_peak_bytes": 2 * s} for s in (1, 2)]
+    assert plot._extrapolate(old, 10) == 5                     # files without the phase split
