@@ -18,8 +18,13 @@ subprocess, and records:
   any device (both through :class:`fpdt.profiling.memory.RegionMemory`);
 * ``host_peak_bytes``: the host tier (offloaded stash in use, counted at the host pool);
   ``host_rss_peak_bytes``: the process's peak RSS;
-* ``step_s`` (``fwd_bwd_s`` + ``optimizer_s``), ``tokens_per_s``, ``mfu`` (the trainer's formula, :mod:`fpdt.train.metrics`);
-* for the fpdt strategies, ``planned_*``: what :mod:`fpdt.plan` predicts for the same run.
+* ``step_s`` (``fwd_bwd_s`` + ``optimizer_s``): the time of a second step, run after the
+  measured one without the memory accountant (whose per-op bookkeeping costs more the
+  more ops a strategy runs, so it would bias the comparison), with the optimizer state
+  in place; ``counted_step_s``: the first, counted step (``--no-timed-step`` skips the
+  second step and reports the first); ``tokens_per_s``, ``mfu`` (the trainer's formula, :mod:`fpdt.train.metrics`);
+* for the fpdt strategies, ``planned_*``: what :mod:`fpdt.plan` predicts for the same run
+  (memory; and the step time, from this machine's rates with ``--calibration``).
 
 Modes: bisection (default) between ``--min-len`` and ``--max-len`` in multiples of the
 chunk size, or ``--lengths`` (fixed lengths, each capped at ``--trial-timeout-s``, plus
@@ -70,19 +75,27 @@ def load_config(args) -> dict:
 
 # ----------------------------------------------------------------------------- one trial
 
-def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str) -> dict:
-    """The planner's prediction for a single-device run of an fpdt strategy (no ZeRO)."""
-    from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_model_config
+def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, calibration: str | None = None) -> dict:
+    """The planner's prediction for a single-device run of an fpdt strategy (no ZeRO).
+
+    Memory does not depend on the device's rates; the step time does: with ``calibration``
+    (``profiling/op_latency.py``'s file, measured on this machine) the planner uses its rates,
+    else the H100 preset's datasheet rates (then ``planned_step_s`` is not this machine's).
+    """
+    from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_calibration, load_model_config
     from fpdt.plan.setup import Setup
     offload = strategy == "fpdt"
     s = Setup(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpoint="offload" if offload else "on",
-              offload=offload, zero_stage=0, dtype=dtype)
-    r = evaluate(load_model_config(cfg), s, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1))
+              offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=bc.default_device().type == "cpu")
+    cal = load_calibration(calibration) if calibration else None
+    r = evaluate(load_model_config(cfg), s, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal))
     b = r["breakdown"]
     states = b["parameters"] + b["gradients"] + b["optimizer_state"]
     return {"planned_activation_peak_bytes": r["activation_peak_bytes"],
             "planned_device_peak_bytes": states + r["activation_peak_bytes"],
-            "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"]}
+            "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"],
+            "planned_step_s": r["step_time_s"], "planned_step_split_s": r["step_time_split_s"],
+            "planned_rates": "calibration" if cal else "h100-80g datasheet"}
 
 
 def trial(args) -> dict:
@@ -121,6 +134,15 @@ def trial(args) -> dict:
         peaks = region.peaks
         if profile:
             out.update(bc.exposed_copy_seconds(prof))
+        timed = None
+        if args.timed_step:        # a second step, not counted: the steady-state step time
+            t0 = time.perf_counter()
+            trainee.forward_backward(trainee.prepare(ids))
+            _sync(device)
+            t1 = time.perf_counter()
+            trainee.optimizer_step()
+            _sync(device)
+            timed = (time.perf_counter() - t0, t1 - t0)
     except torch.cuda.OutOfMemoryError as exc:
         return {**out, "status": "oom", "error": str(exc).splitlines()[0]}
     opt_state = trainee.optimizer_state_bytes()
@@ -133,8 +155,12 @@ def trial(args) -> dict:
     # From the second step on, the optimizer state created by this (first) step is live
     # through forward and backward: the steady-state peak of a training step.
     device_peak = max(fwd_bwd_peak + opt_state - opt_before, opt_peak)
+    counted_s = seconds
+    if timed is not None:
+        seconds, fwd_bwd_s = timed
     out.update(status="ok", measured=True, step_s=seconds, fwd_bwd_s=fwd_bwd_s, optimizer_s=seconds - fwd_bwd_s,
-               tokens_per_s=args.seq_len / seconds, param_bytes=param_bytes, optimizer_state_bytes=opt_state,
+               counted_step_s=counted_s, timed_step=timed is not None, tokens_per_s=args.seq_len / seconds,
+               param_bytes=param_bytes, optimizer_state_bytes=opt_state,
                device_peak_bytes=device_peak, fwd_bwd_peak_bytes=fwd_bwd_peak, optimizer_peak_bytes=opt_peak,
                first_step_device_peak_bytes=peaks.allocated if device.type == "cuda" else counted,
                counted_device_peak_bytes=counted, device_reserved_peak_bytes=peaks.reserved,
@@ -149,7 +175,7 @@ def trial(args) -> dict:
     rates = step_rates(shape, args.seq_len, args.seq_len, seconds, 1, peak, trainee.recompute)
     out.update(mfu=rates.mfu, mfu_full=rates.mfu_full, peak_flops=peak, peak_source=source)
     if args.strategy.startswith("fpdt"):
-        out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype))
+        out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype, args.calibration))
     if args.device_mem_gib and device_peak > args.device_mem_gib * GIB:
         out["status"] = "oom"
         out["error"] = f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {args.device_mem_gib}"
@@ -182,6 +208,10 @@ def trial_argv(args, strategy: str, seq_len: int) -> list[str]:
         argv += ["--device-mem-gib", str(args.device_mem_gib)]
     if getattr(args, "profile_copies", False):
         argv.append("--profile-copies")
+    if getattr(args, "calibration", None):
+        argv += ["--calibration", os.path.abspath(args.calibration)]
+    if not getattr(args, "timed_step", True):
+        argv.append("--no-timed-step")
     return argv
 
 
@@ -256,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="run trials in this process (tests only: no fresh process per trial)")
     p.add_argument("--profile-copies", action="store_true", help="CUDA: trace the step, report exposed copy time")
+    p.add_argument("--calibration", help="op_latency.py's calibration.json: the planner's step time uses its rates")
+    p.add_argument("--no-timed-step", dest="timed_step", action="store_false",
+                   help="time the counted first step instead of a second, uncounted one (halves a trial)")
     p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)

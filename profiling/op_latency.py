@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--bandwidth-sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    p.add_argument("--gemm-size", type=int, default=8192, help="n of the n x n matmul timed for gemm_flops")
     p.add_argument("--tiny", action="store_true", help="CPU smoke sizes, results in cpu-smoke/")
     p.add_argument("--out-dir")
     return p
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     big = bandwidth[-1]
     calibration = {
         "device": bc.device_name(device), "dtype": args.dtype,
-        "gemm_flops": gemm_flops(device, dtype, 256 if args.tiny else 8192, args.iters),
+        "gemm_flops": gemm_flops(device, dtype, 256 if args.tiny else args.gemm_size, args.iters),
         "attention_flops": attn_rate,
         "h2d_bytes_s": big.get("h2d_pinned_bytes_s", big.get("h2d_pageable_bytes_s")),
         "d2h_bytes_s": big.get("d2h_pinned_bytes_s", big.get("d2h_pageable_bytes_s")),

@@ -232,19 +232,20 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
         lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |{extra}" if dev is not None
                      else f"| {name} | {longest} | - | - |{extra}")
     lines += ["", "| strategy | length | device MiB | fwd+bwd MiB | host MiB | total MiB | step s | tokens/s "
-              "| planned device MiB | planned / measured |" + (f" fits {cap:g} GiB |" if cap else ""),
+              "| planned device MiB (/ measured) | planned step s (/ measured) |"
+              + (f" fits {cap:g} GiB |" if cap else ""),
               "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
     times: dict = {}
     for name, s in strats.items():
         for t in sorted(_ok(s["trials"]), key=lambda t: t["seq_len"]):
             times.setdefault(t["seq_len"], {})[name] = t["step_s"]
-            plan = t.get("planned_device_peak_bytes")
-            ratio = "" if plan is None else f"{plan / t['device_peak_bytes']:.3f}"
+            plan, plan_s = t.get("planned_device_peak_bytes"), t.get("planned_step_s")
+            ratio = "" if plan is None else f"{_mib(plan)} ({plan / t['device_peak_bytes']:.3f})"
+            ratio_s = "" if plan_s is None else f"{plan_s:.2f} ({plan_s / t['step_s']:.2f})"
             lines.append(f"| {name} | {t['seq_len']} | {_mib(t['device_peak_bytes'])} | "
                          f"{_mib(t.get('fwd_bwd_peak_bytes'))} | {_mib(t['host_peak_bytes'])} | "
                          f"{_mib(t['device_peak_bytes'] + t['host_peak_bytes'])} | {t['step_s']:.2f} | "
-                         f"{t['seq_len'] / t['step_s']:.0f} | {_mib(plan)} | "
-                         f"{ratio} |"
+                         f"{t['seq_len'] / t['step_s']:.0f} | {ratio} | {ratio_s} |"
                          + ((" yes |" if t["status"] == "ok" else " no |") if cap else ""))
     ratios = []
     for other in ("hf", "alst"):

@@ -48,23 +48,35 @@ if [ "$TINY" = 1 ]; then
 elif [ "$SIDE" = 1 ]; then
   # Issue 11 section 3: the same small Llama, fp32, every strategy at 2K..16K; a trial over the
   # simulated capacity is still measured (slopes use it) and marked out of memory. 4K-token
-  # chunks keep fpdt's CPU step inside the piece budget; one piece per strategy and length.
+  # chunks for fpdt; one piece per strategy and length. Then the longest length under the
+  # capacity, by bisection at 256-token steps, for the strategies that reach it within these
+  # lengths (hf); the others' longest is extrapolated from their fit by plot.py.
   CFG=benchmarks/side_by_side_config.json
+  # This machine's kernel and copy rates for the planner's step-time prediction (its shapes).
+  piece op_latency python profiling/op_latency.py --chunks 1024 2048 4096 --heads 8 --kv-heads 2 --head-dim 64 \
+    --dtype fp32 --gemm-size 2048 --warmup 1 --iters 3 --bandwidth-sizes-mib 1 16 64 --out-dir "$OUT"
+  CAL=()
+  [ -f "$OUT/calibration.json" ] && CAL=(--calibration "$OUT/calibration.json")
   for len in 2048 4096 8192 16384; do
     for s in fpdt fpdt-no-offload hf alst; do
       piece "lengths $s $len" python profiling/max_seqlen.py --model-config "$CFG" --dtype fp32 --chunk-size 4096 \
         --strategies "$s" --lengths "$len" --device-mem-gib "${MEM:-2}" --trial-timeout-s "$CAP" \
-        --tag "lengths-$s-$len" --out-dir "$OUT"
+        --tag "lengths-$s-$len" --out-dir "$OUT" "${CAL[@]}"
     done
   done
+  piece "bisect hf" python profiling/max_seqlen.py --model-config "$CFG" --dtype fp32 --chunk-size 256 \
+    --strategies hf --min-len 2048 --max-len 16384 --resolution 256 --device-mem-gib "${MEM:-2}" \
+    --trial-timeout-s "$CAP" --tag "bisect-hf" --out-dir "$OUT"
 else
   piece op_latency python profiling/op_latency.py --out-dir "$OUT"
+  CAL=()
+  [ -f "$OUT/calibration.json" ] && CAL=(--calibration "$OUT/calibration.json")
   piece chunk_sweep python profiling/chunk_sweep.py --seq-len 262144 --no-offload-too --trial-timeout-s "$CAP" --out-dir "$OUT"
   for s in fpdt fpdt-no-offload hf alst; do
     piece "lengths $s" python profiling/max_seqlen.py --strategies "$s" --lengths 65536 131072 262144 524288 \
-      --trial-timeout-s "$CAP" --tag "lengths-$s" --out-dir "$OUT"
+      --trial-timeout-s "$CAP" --tag "lengths-$s" --out-dir "$OUT" "${CAL[@]}"
     piece "bisect $s" python profiling/max_seqlen.py --strategies "$s" ${MEM:+--device-mem-gib "$MEM"} \
-      --trial-timeout-s "$CAP" --tag "bisect-$s" --out-dir "$OUT"
+      --trial-timeout-s "$CAP" --tag "bisect-$s" --out-dir "$OUT" "${CAL[@]}"
   done
 fi
 README_ARG=()

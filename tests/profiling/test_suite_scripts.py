@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "fwd_bwd_s", "optimizer_s", "tokens_per_s", "mfu",
+TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "fwd_bwd_s", "optimizer_s", "counted_step_s", "tokens_per_s", "mfu",
                 "device_peak_bytes", "fwd_bwd_peak_bytes", "optimizer_peak_bytes", "optimizer_state_bytes",
                 "first_step_device_peak_bytes", "device_reserved_peak_bytes", "host_peak_bytes", "host_rss_peak_bytes"}
 
@@ -57,7 +57,7 @@ def test_max_seqlen_every_strategy(lengths_run):
             assert t["first_step_device_peak_bytes"] == max(t["fwd_bwd_peak_bytes"], t["optimizer_peak_bytes"])
             assert t["device_peak_bytes"] == max(t["fwd_bwd_peak_bytes"] + t["optimizer_state_bytes"],
                                                  t["optimizer_peak_bytes"])
-            assert 0 < t["fwd_bwd_s"] < t["step_s"]
+            assert 0 < t["fwd_bwd_s"] < t["step_s"] and t["timed_step"] and t["counted_step_s"] > 0
         assert entry["max_completed_len"] == 128 and entry["slope_device_bytes_per_1k_tokens"] is not None
         # activations grow with the length, whatever the optimizer step does
         assert entry["slope_fwd_bwd_device_bytes_per_1k_tokens"] > 0, name
@@ -93,6 +93,9 @@ def test_trial_runs_in_a_fresh_process(ms, tmp_path):
     args = ms.build_parser().parse_args(["--tiny", "--chunk-size", "64", "--dtype", "fp32"])
     r = ms.run_one(args, "fpdt", 64, [])
     assert r["status"] == "ok" and TRIAL_FIELDS <= set(r)
+    args.timed_step = False                  # the flag reaches the trial process
+    r = ms.run_one(args, "fpdt", 64, [])
+    assert r["status"] == "ok" and not r["timed_step"] and r["step_s"] == r["counted_step_s"]
 
 
 def test_slope_is_least_squares(ms):
@@ -120,6 +123,12 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     from fpdt.plan import load_calibration
     cal = load_calibration(tmp_path / "calibration.json")
     assert cal["gemm_flops"] > 0 and cal["attention_flops"] > 0 and cal["h2d_bytes_s"] > 0
+    ms = _load("max_seqlen")         # the planner's step time from this machine's rates
+    run = ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--out-dir",
+                   str(tmp_path / "calibrated"), "--calibration", str(tmp_path / "calibration.json")])
+    t = run["strategies"]["fpdt"]["trials"][0]
+    assert t["planned_rates"] == "calibration" and t["planned_step_s"] > 0
+    assert t["planned_step_s"] == pytest.approx(sum(t["planned_step_split_s"].values()))
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\nkept\n\n<!-- plot.py begin -->\nold\n<!-- plot.py end -->\ntail\n")
     out = plot.main([str(tmp_path), "--readme", str(readme)])
@@ -130,7 +139,7 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     text = readme.read_text()
     assert "kept" in text and "tail" in text and "old" not in text
     assert "fpdt / hf step time" in text and "| fpdt | 128 |" in text
-    assert "fpdt / hf fwd+bwd device slope" in text and "planned / measured" in text
+    assert "fpdt / hf fwd+bwd device slope" in text and "planned device MiB (/ measured)" in text
 
 
 def test_extrapolation_uses_the_growing_peak():
