@@ -75,7 +75,10 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
     ``num_chunks`` int, ``compute_grad`` bool (False under ``no_grad``: loss only).
     Output: fp32 0-dim tensor.
     Saved: ``dh`` ``[B, S, hidden]`` (hidden dtype) and ``dW`` ``[V, hidden]`` (fp32),
-    already computed in forward; nothing offloaded.
+    already computed in forward; nothing offloaded. Backward scales them by the incoming
+    gradient *in place* (no second ``[V, hidden]`` fp32 or ``[B, S, hidden]`` tensor at the
+    head's backward), so it can run once per forward: a second backward through the same
+    forward (``retain_graph=True``) raises instead of scaling twice.
     """
 
     @staticmethod
@@ -118,9 +121,14 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("chunked LM-head loss: a second backward through the same forward "
+                               "(retain_graph=True) is not supported, its saved gradients were scaled in place "
+                               "by the first; run the forward again, or use loss_chunks=0 (full logits)")
+        ctx.consumed = True
         dh, dw = ctx.saved_tensors
-        dh = None if dh is None else dh * grad_out.to(dh.dtype)
-        dw = None if dw is None else (dw * grad_out).to(ctx.weight_dtype)
+        dh = None if dh is None else dh.mul_(grad_out.to(dh.dtype))
+        dw = None if dw is None else dw.mul_(grad_out).to(ctx.weight_dtype)
         return dh, dw, None, None, None, None
 
 

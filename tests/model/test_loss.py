@@ -71,6 +71,33 @@ def test_no_logits_kept_for_backward():
     assert sorted(map(tuple, saved)) == sorted([tuple(h.shape), tuple(w.shape)])  # dh and dW only
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_backward_allocates_only_the_cast(dtype):
+    """The backward scales the saved dh and fp32 dW in place: in fp32 it allocates nothing
+    (both are handed to autograd as they are), in bf16 only dW's cast to the weight dtype."""
+    from fpdt.profiling.memory import MemoryAccountant
+    h, w, y = _setup(dtype, S=64, V=300)
+    h.requires_grad_(), w.requires_grad_()
+    loss = chunked_lm_loss(h, w, y, 0.5, 4) * 3.0        # a non-unit incoming gradient
+    with MemoryAccountant("cpu") as acct:
+        loss.backward()
+    cast = 0 if dtype == torch.float32 else w.numel() * w.element_size()
+    assert acct.device_peak - cast < 1024, acct.device_peak     # scalars only beside the cast
+    ref_h, ref_w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (lm_loss_reference(ref_h, ref_w, y, 0.5) * 3.0).backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(h.grad, ref_h.grad) < tol and rel_err(w.grad, ref_w.grad) < tol
+
+
+def test_second_backward_through_one_forward_raises():
+    h, w, y = _setup(S=32, V=100)
+    h.requires_grad_(), w.requires_grad_()
+    loss = chunked_lm_loss(h, w, y, 1.0, 4)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 def test_no_grad_forward_and_frozen_head():
     h, w, y = _setup()
     with torch.no_grad():
