@@ -111,7 +111,7 @@ def _strategies(files: list[dict]) -> dict:
             if entry["status"] == "skipped":
                 m["skipped"] = entry["reason"]
                 continue
-            m["trials"] += entry["trials"]
+            m["trials"] += [{**t, "mode": data.get("mode", "lengths")} for t in entry["trials"]]
             if "max_seq_len" in entry:
                 m["max_seq_len"] = max(m["max_seq_len"] or 0, entry["max_seq_len"])
     for m in merged.values():   # fixed-length trials bound the longest length too
@@ -144,23 +144,33 @@ def plot_max_seqlen(strats: dict, out: str) -> str | None:
     return _save(fig, out, "max_seqlen.png")
 
 
-def plot_memory_vs_length(strats: dict, out: str) -> str | None:
+def plot_memory_vs_length(strats: dict, out: str, cap_gib: float | None = None) -> str | None:
+    """Left: the steady-state step peak (and host tier) per strategy, with the simulated
+    capacity; right: the forward+backward peak, where the activations show."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     drew = False
     for name, s in strats.items():
-        pts = sorted((t["seq_len"], t["device_peak_bytes"], t["host_peak_bytes"]) for t in _ok(s["trials"]))
-        if pts:
-            line, = ax.plot([p[0] / 1024 for p in pts], [p[1] / MIB for p in pts], marker="o", label=name)
-            if any(p[2] for p in pts):
-                ax.plot([p[0] / 1024 for p in pts], [p[2] / MIB for p in pts], ls="--", color=line.get_color(),
-                        label=f"{name} (host tier)")
-            drew = True
+        pts = sorted({t["seq_len"]: t for t in _ok(s["trials"])}.values(), key=lambda t: t["seq_len"])
+        if not pts:
+            continue
+        xs = [t["seq_len"] / 1024 for t in pts]
+        line, = a.plot(xs, [t["device_peak_bytes"] / MIB for t in pts], marker="o", label=name)
+        if any(t["host_peak_bytes"] for t in pts):
+            a.plot(xs, [t["host_peak_bytes"] / MIB for t in pts], ls="--", color=line.get_color(),
+                   label=f"{name} (host tier)")
+        if all(t.get("fwd_bwd_peak_bytes") is not None for t in pts):
+            b.plot(xs, [t["fwd_bwd_peak_bytes"] / MIB for t in pts], marker="o", color=line.get_color(), label=name)
+        drew = True
     if not drew:
         plt.close(fig)
         return None
-    ax.set(xlabel="sequence length (K tokens)", ylabel="peak (MiB)", title="device-tier peak vs length")
-    ax.legend(fontsize=7)
+    if cap_gib:
+        a.axhline(cap_gib * 1024, color="grey", ls=":", label=f"simulated capacity {cap_gib:g} GiB")
+    a.set(xlabel="sequence length (K tokens)", ylabel="peak (MiB)", title="device-tier peak of a training step")
+    b.set(xlabel="sequence length (K tokens)", ylabel="peak (MiB)", title="forward + backward peak (first step)")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
     return _save(fig, out, "memory_vs_length.png")
 
 
@@ -237,12 +247,14 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
               "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
     times: dict = {}
     for name, s in strats.items():
-        for t in sorted(_ok(s["trials"]), key=lambda t: t["seq_len"]):
-            times.setdefault(t["seq_len"], {})[name] = t["step_s"]
+        for t in sorted(_ok(s["trials"]), key=lambda t: (t["seq_len"], t["mode"] == "bisect")):
+            if t["mode"] != "bisect" or t["seq_len"] not in times or name not in times[t["seq_len"]]:
+                times.setdefault(t["seq_len"], {})[name] = t["step_s"]   # ratios: the fixed-length trial
             plan, plan_s = t.get("planned_device_peak_bytes"), t.get("planned_step_s")
             ratio = "" if plan is None else f"{_mib(plan)} ({plan / t['device_peak_bytes']:.3f})"
             ratio_s = "" if plan_s is None else f"{plan_s:.2f} ({plan_s / t['step_s']:.2f})"
-            lines.append(f"| {name} | {t['seq_len']} | {_mib(t['device_peak_bytes'])} | "
+            length = f"{t['seq_len']}{' (bisection)' if t['mode'] == 'bisect' else ''}"
+            lines.append(f"| {name} | {length} | {_mib(t['device_peak_bytes'])} | "
                          f"{_mib(t.get('fwd_bwd_peak_bytes'))} | {_mib(t['host_peak_bytes'])} | "
                          f"{_mib(t['device_peak_bytes'] + t['host_peak_bytes'])} | {t['step_s']:.2f} | "
                          f"{t['seq_len'] / t['step_s']:.0f} | {ratio} | {ratio_s} |"
@@ -286,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
     md = None
     if files:
         strats = _strategies(files)
-        written += [x for x in (plot_max_seqlen(strats, out), plot_memory_vs_length(strats, out)) if x]
+        cap = next((f["device_mem_gib"] for f in files if f.get("device_mem_gib")), None)
+        written += [x for x in (plot_max_seqlen(strats, out), plot_memory_vs_length(strats, out, cap)) if x]
         rel = os.path.relpath(os.path.abspath(out), bc.ROOT)
         md = markdown(strats, files, rel)
         with open(os.path.join(out, "results.md"), "w") as f:

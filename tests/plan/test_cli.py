@@ -122,3 +122,20 @@ def test_setup_problems_name_the_fix():
     assert any("divide seq_len" in p for p in Setup(seq_len=100_000, chunk_size=65536).problems(cfg, 1))
     assert any("query heads" in p for p in Setup(seq_len=2 ** 20, chunk_size=2 ** 16, hp=5).problems(cfg, 5))
     assert any("multiple of" in p for p in Setup(seq_len=2 ** 20, chunk_size=2 ** 16, hp=3).problems(cfg, 3))
+
+
+def test_readme_worked_example_is_current(capsys):
+    """The README's worked example quotes the planner; a model change must update it."""
+    import os
+    out = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
+                   "--host-mem-gib", "1024", "--max-seq-len")
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    assert f"({out['max_seq_len']:,})" in readme and out["limited_by"] is None
+    at_2m = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
+                     "--host-mem-gib", "1024", "--seq-len", str(2 ** 21))
+    assert f"({at_2m['step_time_s']:.0f} s)" in readme
+    assert at_2m["recommended"]["chunk_size"] == 16384 and "picks 16K chunks" in readme
+    # what stops it: one granule more does not fit the host
+    longer = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
+                      "--host-mem-gib", "1024", "--seq-len", str(out["max_seq_len"] + 2 ** 16))
+    assert longer["fits"] is False and longer["limited_by"] == "host" and "the host is what stops it" in readme
