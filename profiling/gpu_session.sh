@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# Everything a session with a GPU owes, in one go (run from the repository root on the GPU machine):
-#   1. the CUDA parity tests (attention kernels, offload streams, FPDTAttention),
-#   2. profiling/attention_offload.py at S=256K, chunks of 32K and 64K,
-#   3. profiling/model_memory.py for the Llama-3.2-1B-shaped model at 32K/128K/512K.
-# Results land in benchmarks/results/ (commit them); logs go to $OUT when set (device tool), else /tmp.
-# The trainer's 1B run needs DeepSpeed, which the GPU machine lacks: carry its wheel (see the device README).
+# Everything a session with a GPU owes, from the repository root on the GPU machine:
+#
+#   bash profiling/gpu_session.sh              # 1. the CUDA tests (attention kernels, offload streams,
+#                                              #    FPDTAttention, the model), 2. profiling/attention_offload.py
+#                                              #    at S=256K, 3. profiling/model_memory.py (Llama-3.2-1B shape)
+#   bash profiling/gpu_session.sh suite REGEX  # pieces of the measurement suite (profiling/run_suite.sh
+#                                              # --only REGEX), each within 10 minutes, e.g. 'op_latency',
+#                                              # 'chunk_sweep', 'lengths fpdt$', 'bisect hf', 'plot'
+#
+# The device tool allows 10 minutes per command, so the suite runs one call per few pieces; results
+# land in benchmarks/results/<gpu>/<date>/ (commit them), logs in $OUT when set (device tool), else /tmp.
+# The alst strategy and the trainer need DeepSpeed, which the GPU machine lacks: carry its wheel
+# (../shared/ENVIRONMENT.md); max_seqlen.py reports a strategy whose packages are missing as skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${OUT:-/tmp}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = "suite" ]; then
+  bash profiling/run_suite.sh --budget-min 9 --only "${2:?give the pieces to run, e.g. 'op_latency|chunk_sweep'}" \
+    2>&1 | tee -a "$logs/suite.log"
+  exit 0
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
-python3 -m pytest -q -m cuda tests/attention 2>&1 | tee "$logs/cuda_tests.log"
+python3 -m pytest -q -m cuda tests 2>&1 | tee "$logs/cuda_tests.log"
 python3 profiling/attention_offload.py 2>&1 | tee "$logs/attention_offload.log"
 python3 profiling/model_memory.py 2>&1 | tee "$logs/model_memory.log"
 cp benchmarks/results/*.md "$logs/" 2>/dev/null || true

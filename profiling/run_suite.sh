@@ -6,7 +6,9 @@
 #   bash profiling/run_suite.sh --tiny              # CPU smoke sizes (results in .../cpu-smoke/)
 #   bash profiling/run_suite.sh --side-by-side      # the CPU side-by-side of issue 11 section 3
 #
-# Options: --budget-min N (minutes per piece, default 10, at most 10), --device-mem-gib X
+# Options: --budget-min N (minutes per piece, default 10, at most 10), --only REGEX (run only the
+# pieces whose name matches, e.g. --only 'lengths fpdt|plot', so that a session limited to 10
+# minutes per command can run the suite one call at a time), --device-mem-gib X
 # (simulated capacity for the max-length search on the CPU; default 2 for --side-by-side),
 # --out-dir DIR (default benchmarks/results/<device>/<date>). Every piece runs under
 # `timeout` and `nice`; a piece that runs out of time is reported and the suite goes on.
@@ -14,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-BUDGET=10; TINY=0; SIDE=0; MEM=""; OUT=""
+BUDGET=10; TINY=0; SIDE=0; MEM=""; OUT=""; ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget-min) BUDGET="$2"; shift 2;;
@@ -22,6 +24,7 @@ while [ $# -gt 0 ]; do
     --side-by-side) SIDE=1; shift;;
     --device-mem-gib) MEM="$2"; shift 2;;
     --out-dir) OUT="$2"; shift 2;;
+    --only) ONLY="$2"; shift 2;;
     *) echo "run_suite.sh: unknown option $1 (see the header of this file)" >&2; exit 2;;
   esac
 done
@@ -34,6 +37,7 @@ mkdir -p "$OUT"
 FAILED=0
 piece() {   # piece NAME CMD...: run one piece under the budget
   local name="$1"; shift
+  if [ -n "$ONLY" ] && ! [[ "$name" =~ $ONLY ]]; then return 0; fi
   echo "== $name ($(date -u +%H:%M:%S), budget ${BUDGET} min)"
   timeout "${BUDGET}m" nice -n 10 "$@" || { echo "!! $name stopped (exit $?)"; FAILED=$((FAILED + 1)); }
 }

@@ -155,3 +155,29 @@ def test_extrapolation_uses_the_growing_peak():
     assert plot._extrapolate(trials, 50 * mib) is None          # the optimizer step alone passes it
     old = [{"status": "ok", "measured": True, "seq_len": s, "device_peak_bytes": 2 * s} for s in (1, 2)]
     assert plot._extrapolate(old, 10) == 5                     # files without the phase split
+
+
+@pytest.mark.slow
+def test_run_suite_tiny_end_to_end(tmp_path):
+    """The one command of the suite, at CPU smoke sizes: every piece runs (each trial in its own
+    process, as on a GPU), the JSON of every script and the plots land in --out-dir, and the
+    repository's benchmarks/README.md is left alone. ``--only`` runs a subset of the pieces."""
+    import subprocess
+    readme = os.path.join(ROOT, "benchmarks", "README.md")
+    before = open(readme).read()
+    out = tmp_path / "suite"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "profiling", "run_suite.sh"), "--tiny", "--out-dir", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "(0 piece(s) stopped early)" in proc.stdout, proc.stdout[-2000:]
+    names = set(os.listdir(out))
+    assert {"op_latency.json", "calibration.json", "chunk_sweep.json", "results.md", "memory_vs_length.png",
+            "max_seqlen.png", "chunk_sweep.png", "op_latency.png"} <= names
+    for s in ("fpdt", "fpdt-no-offload", "hf", "alst"):
+        data = json.loads((out / f"max_seqlen-{s}.json").read_text())
+        trials = data["strategies"][s]["trials"]
+        assert [t["seq_len"] for t in trials] == [64, 128] and all(t["status"] == "ok" for t in trials), s
+    assert open(readme).read() == before
+    only = subprocess.run(["bash", os.path.join(ROOT, "profiling", "run_suite.sh"), "--tiny", "--only", "^plot$",
+                           "--out-dir", str(out)], capture_output=True, text=True, timeout=300)
+    assert only.returncode == 0 and "== plot" in only.stdout and "== op_latency" not in only.stdout, only.stdout
