@@ -33,7 +33,9 @@ the forward+backward peak). The fpdt strategies run the attention kernel's first
 self-check before the measured step. ``--device-mem-gib X`` caps the
 device: on CUDA through the allocator's memory fraction, on the CPU by calling a trial
 out of memory when the accountant's device tier passes X (so bisection means the same on
-both). A strategy whose packages are missing is reported as skipped, with the reason.
+both): in bisection the step stops at the operation that passes it, as a GPU's would (so a
+failing trial costs only the time up to that point); in ``--lengths`` mode it runs to the
+end, is measured (the slopes use it) and is marked out of memory. A strategy whose packages are missing is reported as skipped, with the reason.
 
     python profiling/max_seqlen.py --strategies fpdt hf --device-mem-gib 80
     python profiling/max_seqlen.py --lengths 65536 131072 262144 524288 --trial-timeout-s 280
@@ -100,6 +102,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
 
 def trial(args) -> dict:
     """One training step of ``args.strategy`` at ``args.seq_len`` (run in its own process)."""
+    from fpdt.profiling.memory import RegionMemory, SimulatedOutOfMemoryError
     device = bc.default_device()
     cfg = load_config(args)
     dtype = DTYPES[args.dtype]
@@ -115,18 +118,26 @@ def trial(args) -> dict:
         if args.strategy.startswith("fpdt"):     # the kernel's first-use self-check, outside the step
             from fpdt.attention.kernels import get_backend
             get_backend(None, device, dtype, cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]))
-        from fpdt.profiling.memory import RegionMemory
         profile = args.profile_copies and device.type == "cuda"
         if profile:                                # warm-up step, so the trace holds a steady step
             trainee.step(ids)
         opt_before = trainee.optimizer_state_bytes()
+        # Simulated capacity on the CPU, enforced as the step runs (the allocation that passes
+        # it fails, as on a GPU): forward+backward must leave room for AdamW's two moments,
+        # which a second step has beside it, and the optimizer step for itself.
+        cap = int(args.device_mem_gib * GIB) if args.device_mem_gib and args.stop_at_capacity else None
+        moments = 2 * param_bytes if opt_before == 0 else 0
         with RegionMemory(device, count_cuda=True) as region, _maybe_profiler(profile) as prof:
             acct = region.accountant
+            if cap is not None and device.type == "cpu":
+                acct.set_limit(cap - param_bytes - opt_before - moments)
             t0 = time.perf_counter()
             with acct.phase("forward_backward") as fb:
                 trainee.forward_backward(trainee.prepare(ids))
                 _sync(device)
             t1 = time.perf_counter()
+            if cap is not None and device.type == "cpu":
+                acct.set_limit(cap - param_bytes - opt_before)
             with acct.phase("optimizer") as op:
                 trainee.optimizer_step()
                 _sync(device)
@@ -143,8 +154,11 @@ def trial(args) -> dict:
             trainee.optimizer_step()
             _sync(device)
             timed = (time.perf_counter() - t0, t1 - t0)
-    except torch.cuda.OutOfMemoryError as exc:
-        return {**out, "status": "oom", "error": str(exc).splitlines()[0]}
+    except torch.OutOfMemoryError as exc:          # CUDA's, or the accountant's simulated capacity
+        msg = str(exc).splitlines()[0]
+        if isinstance(exc, SimulatedOutOfMemoryError):
+            msg = f"device tier passes --device-mem-gib {args.device_mem_gib} during the step ({msg})"
+        return {**out, "status": "oom", "error": msg}
     opt_state = trainee.optimizer_state_bytes()
     base = param_bytes + opt_before               # what existed before the region (the accountant skips it)
     counted = base + peaks.counted
@@ -212,6 +226,8 @@ def trial_argv(args, strategy: str, seq_len: int) -> list[str]:
         argv += ["--calibration", os.path.abspath(args.calibration)]
     if not getattr(args, "timed_step", True):
         argv.append("--no-timed-step")
+    if not args.lengths:           # bisection: a trial over the capacity need not finish to fail
+        argv.append("--stop-at-capacity")
     return argv
 
 
@@ -234,8 +250,9 @@ def run_one(args, strategy: str, seq_len: int, log: list, on_trial=None) -> dict
 
 
 def bisect(args, strategy: str, log: list, on_trial=None) -> int:
-    """Longest multiple of the chunk size in [min_len, max_len] whose trial completes (0 if none)."""
-    g = args.chunk_size
+    """Longest multiple of the step (``--step``, default the chunk size) in [min_len, max_len]
+    whose trial completes (0 if none)."""
+    g = args.step or args.chunk_size
     lo, hi = 0, None
     k = max(1, args.min_len // g)
     while k * g <= args.max_len:
@@ -278,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-len", type=int, default=65536)
     p.add_argument("--max-len", type=int, default=1 << 24)
     p.add_argument("--resolution", type=int, default=65536, help="stop bisecting below this gap")
+    p.add_argument("--step", type=int, help="bisection granularity (default: the chunk size; the fpdt "
+                                            "strategies need a multiple of it)")
     p.add_argument("--device-mem-gib", type=float, help="device capacity (simulated on the CPU)")
     p.add_argument("--trial-timeout-s", type=float, default=580.0)
     p.add_argument("--tiny", action="store_true", help="tiny model, CPU smoke sizes, results in cpu-smoke/")
@@ -289,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", help="op_latency.py's calibration.json: the planner's step time uses its rates")
     p.add_argument("--no-timed-step", dest="timed_step", action="store_false",
                    help="time the counted first step instead of a second, uncounted one (halves a trial)")
+    p.add_argument("--stop-at-capacity", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
@@ -305,6 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.min_len, args.max_len, args.resolution = 64, min(args.max_len, 512), 64
         args.dtype = "fp32" if "--dtype" not in (argv or sys.argv) else args.dtype
     cfg = load_config(args)
+    if args.step and args.step % args.chunk_size and any(x.startswith("fpdt") for x in args.strategies):
+        raise SystemExit(f"--step {args.step} must be a multiple of --chunk-size {args.chunk_size} for the fpdt "
+                         f"strategies (their lengths are whole chunks); drop --step or run them separately")
     result = {**bc.header("max_seqlen", args), "model": cfg, "mode": "lengths" if args.lengths else "bisect",
               "device_mem_gib": args.device_mem_gib, "strategies": {}}
     name = f"max_seqlen{'-' + args.tag if args.tag else ''}.json"

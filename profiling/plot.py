@@ -103,44 +103,68 @@ def plot_op_latency(data: dict, out: str) -> str:
 
 
 def _strategies(files: list[dict]) -> dict:
-    """strategy -> {"trials": [...], "max_seq_len": int|None, "skipped": reason|None} over all files."""
+    """strategy -> {"trials": [...], "skipped": reason|None, "caps": {cap: longest}} over all files.
+
+    Every trial is tagged with its file's ``mode`` (lengths / bisect) and ``cap``
+    (``device_mem_gib``, None without one). ``caps[cap]`` = ``{"best": longest length that fit
+    at that capacity, "open_ended": no longer length was seen to fail there}``.
+    """
     merged: dict = {}
     for data in files:
+        cap = data.get("device_mem_gib")
         for name, entry in data["strategies"].items():
-            m = merged.setdefault(name, {"trials": [], "max_seq_len": None, "skipped": None})
+            m = merged.setdefault(name, {"trials": [], "skipped": None, "caps": {}})
             if entry["status"] == "skipped":
                 m["skipped"] = entry["reason"]
                 continue
-            m["trials"] += [{**t, "mode": data.get("mode", "lengths")} for t in entry["trials"]]
-            if "max_seq_len" in entry:
-                m["max_seq_len"] = max(m["max_seq_len"] or 0, entry["max_seq_len"])
-    for m in merged.values():   # fixed-length trials bound the longest length too
-        ok = [t["seq_len"] for t in m["trials"] if t.get("status") == "ok"]
-        failed = [t["seq_len"] for t in m["trials"] if t.get("status") != "ok"]
-        m["longest_ok"] = max(ok) if ok else 0
-        m["open_ended"] = not failed or max(failed) < m["longest_ok"]
-        if ok and m["max_seq_len"] is not None:
-            m["max_seq_len"] = max(m["max_seq_len"], m["longest_ok"])
+            m["trials"] += [{**t, "mode": data.get("mode", "lengths"), "cap": cap} for t in entry["trials"]]
+    for m in merged.values():
+        for cap in {t["cap"] for t in m["trials"]}:
+            at = [t for t in m["trials"] if t["cap"] == cap]
+            ok = [t["seq_len"] for t in at if t.get("status") == "ok"]
+            failed = [t["seq_len"] for t in at if t.get("status") != "ok"]
+            best = max(ok) if ok else 0
+            m["caps"][cap] = {"best": best, "open_ended": not failed or max(failed) < best}
     return merged
 
 
-def _longest(s: dict) -> str:
-    best = s["max_seq_len"] if s["max_seq_len"] is not None else s["longest_ok"]
-    return f">= {best} (longest tried)" if s["open_ended"] else str(best)
+def _fit_trials(trials: list) -> list:
+    """The trials slopes and plots use: the fixed-length ones when there are any (a bisection
+    may run other chunk sizes), else all."""
+    return [t for t in trials if t.get("mode", "lengths") == "lengths"] or trials
+
+
+def _caps(strats: dict) -> list:
+    return sorted({c for s in strats.values() for c in s["caps"]}, key=lambda c: (c is None, c or 0))
+
+
+def _longest(s: dict, cap) -> str:
+    c = s["caps"].get(cap)
+    if c is None:
+        return "-"
+    return f">= {c['best']} (longest tried)" if c["open_ended"] else str(c["best"])
 
 
 def plot_max_seqlen(strats: dict, out: str) -> str | None:
     plt = _plt()
-    names = [n for n, s in strats.items() if s["max_seq_len"] is not None or s["longest_ok"]]
+    caps = _caps(strats)
+    names = [n for n, s in strats.items() if any(c["best"] for c in s["caps"].values())]
     if not names:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bars = ax.bar(names, [(strats[n]["max_seq_len"] or strats[n]["longest_ok"]) / 1024 for n in names])
-    for bar, n in zip(bars, names):
-        if strats[n]["open_ended"]:
-            ax.annotate("(longest tried)", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)
-    ax.set(ylabel="longest length that fits (K tokens)", title="max sequence length per strategy")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(caps))
+    for i, cap in enumerate(caps):
+        xs = [j + (i - (len(caps) - 1) / 2) * width for j in range(len(names))]
+        ys = [strats[n]["caps"].get(cap, {"best": 0})["best"] / 1024 for n in names]
+        bars = ax.bar(xs, ys, width, label="no capacity" if cap is None else f"{cap:g} GiB")
+        for bar, n in zip(bars, names):
+            if strats[n]["caps"].get(cap, {}).get("open_ended") and bar.get_height():
+                ax.annotate(">=", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.set(ylabel="longest length that fits (K tokens)",
+           title="max sequence length per strategy (\">=\": longest tried)")
+    ax.legend(fontsize=7)
     return _save(fig, out, "max_seqlen.png")
 
 
@@ -151,7 +175,7 @@ def plot_memory_vs_length(strats: dict, out: str, cap_gib: float | None = None) 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     drew = False
     for name, s in strats.items():
-        pts = sorted({t["seq_len"]: t for t in _ok(s["trials"])}.values(), key=lambda t: t["seq_len"])
+        pts = sorted({t["seq_len"]: t for t in _ok(_fit_trials(s["trials"]))}.values(), key=lambda t: t["seq_len"])
         if not pts:
             continue
         xs = [t["seq_len"] / 1024 for t in pts]
@@ -222,28 +246,33 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
              f"steady-state step peak (forward+backward with the optimizer state live, or the optimizer "
              f"step if higher); *fwd+bwd* is the forward+backward peak of the first step (no optimizer "
              f"state yet), whose slope is the activation memory per token.", ""]
-    cap = next((f["device_mem_gib"] for f in files if f.get("device_mem_gib")), None)
-    lines += ["| strategy | longest length that fits | fwd+bwd device KiB / 1K tokens | host KiB / 1K tokens |"
+    # the capacity of the fixed-length runs (their fit is extrapolated to it), and every capacity seen
+    cap = next((f["device_mem_gib"] for f in files if f.get("device_mem_gib") and f.get("mode") == "lengths"),
+               next((f["device_mem_gib"] for f in files if f.get("device_mem_gib")), None))
+    caps = [c for c in _caps(strats) if c is not None] or [None]
+    head = " | ".join(f"longest that fits {c:g} GiB (measured)" if c else "longest length that fits" for c in caps)
+    lines += [f"| strategy | {head} | fwd+bwd device KiB / 1K tokens | host KiB / 1K tokens |"
               + (f" longest at {cap:g} GiB, extrapolated from the fit |" if cap else ""),
-              "|---|---|---|---|" + ("---|" if cap else "")]
+              "|---|" + "---|" * len(caps) + "---|---|" + ("---|" if cap else "")]
     slopes = {}
     for name, s in strats.items():
         if s["skipped"]:
-            lines.append(f"| {name} | skipped: {s['skipped']} | | |")
+            lines.append(f"| {name} | skipped: {s['skipped']} |" + " |" * (len(caps) + 1 + bool(cap)))
             continue
-        dev = _slope(s["trials"], "fwd_bwd_peak_bytes") or _slope(s["trials"], "device_peak_bytes")
-        host = _slope(s["trials"], "host_peak_bytes")
+        fit = _fit_trials(s["trials"])
+        dev = _slope(fit, "fwd_bwd_peak_bytes") or _slope(fit, "device_peak_bytes")
+        host = _slope(fit, "host_peak_bytes")
         slopes[name] = dev
-        longest = _longest(s)
+        longest = " | ".join(_longest(s, c) for c in caps)
         extra = ""
         if cap:
-            est = _extrapolate(s["trials"], cap * GIB)
+            est = _extrapolate(_fit_trials(s["trials"]), cap * GIB)
             extra = f" {est} |" if est is not None else " - |"
         lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |{extra}" if dev is not None
                      else f"| {name} | {longest} | - | - |{extra}")
     lines += ["", "| strategy | length | device MiB | fwd+bwd MiB | host MiB | total MiB | step s | tokens/s "
               "| planned device MiB (/ measured) | planned step s (/ measured) |"
-              + (f" fits {cap:g} GiB |" if cap else ""),
+              + (f" fits ({cap:g} GiB unless noted) |" if cap else ""),
               "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
     times: dict = {}
     for name, s in strats.items():
@@ -253,7 +282,8 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
             plan, plan_s = t.get("planned_device_peak_bytes"), t.get("planned_step_s")
             ratio = "" if plan is None else f"{_mib(plan)} ({plan / t['device_peak_bytes']:.3f})"
             ratio_s = "" if plan_s is None else f"{plan_s:.2f} ({plan_s / t['step_s']:.2f})"
-            length = f"{t['seq_len']}{' (bisection)' if t['mode'] == 'bisect' else ''}"
+            length = (f"{t['seq_len']}" + (f" (bisection at {t['cap']:g} GiB)" if t["mode"] == "bisect" and t["cap"]
+                                            else " (bisection)" if t["mode"] == "bisect" else ""))
             lines.append(f"| {name} | {length} | {_mib(t['device_peak_bytes'])} | "
                          f"{_mib(t.get('fwd_bwd_peak_bytes'))} | {_mib(t['host_peak_bytes'])} | "
                          f"{_mib(t['device_peak_bytes'] + t['host_peak_bytes'])} | {t['step_s']:.2f} | "

@@ -32,6 +32,12 @@ What is counted (``counted_*`` fields, exact on any device):
 * Not seen: scratch memory a single kernel allocates and frees internally (e.g. a flash
   kernel's workspace), and memory of threads other than the one that entered.
 
+**Simulated capacity.** ``limit_bytes`` (or :meth:`MemoryAccountant.set_limit`) makes the
+accountant behave like a device of that size: the op whose output takes the counted device
+bytes past the limit raises :class:`SimulatedOutOfMemoryError` (a ``torch.OutOfMemoryError``),
+as the CUDA allocator would at that allocation, so a run that cannot fit stops there instead
+of finishing first.
+
 On CUDA the phases also carry ``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved`` (absolute bytes, folded so nested phases each see their own
 peak; the accountant resets the CUDA peak counters as it goes).
@@ -70,6 +76,10 @@ def chunk_unit(chunk_tokens: int, hidden: int, itemsize: int = 2) -> int:
 def sequence_unit(seq_tokens: int, hidden: int, itemsize: int = 2) -> int:
     """``Nd``: bytes of one full-sequence hidden tensor of ``seq_tokens`` tokens (bf16 by default)."""
     return seq_tokens * hidden * itemsize
+
+
+class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
+    """The counted device bytes passed the accountant's simulated capacity (``limit_bytes``)."""
 
 
 @dataclass
@@ -156,8 +166,11 @@ class MemoryAccountant:
     dict (plus the CUDA peaks on CUDA).
     """
 
-    def __init__(self, device: torch.device | str | None = None, detail: bool = False):
+    def __init__(self, device: torch.device | str | None = None, detail: bool = False,
+                 limit_bytes: int | None = None):
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.limit_bytes = limit_bytes
+        self.limit_exceeded = False
         self.device_live = 0
         self.device_peak = 0
         self.host_peak = 0
@@ -217,6 +230,10 @@ class MemoryAccountant:
             self._active.remove(ph)
             ph.end = self.device_live
             ph.peak_above_start = max(ph.peak_above_start, ph._run_peak - ph.start)
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """Simulated capacity for the counted device bytes from now on (None: no limit)."""
+        self.limit_bytes = limit_bytes
 
     def reset_peak(self) -> None:
         """Restart :attr:`device_peak`/:attr:`host_peak` from the live values (phases are kept)."""
@@ -282,6 +299,11 @@ class MemoryAccountant:
             live = self.device_live
             if live > self.device_peak:
                 self.device_peak = live
+            if self.limit_bytes is not None and live > self.limit_bytes:
+                self.limit_exceeded = True
+                raise SimulatedOutOfMemoryError(
+                    f"simulated device capacity: {live} counted bytes > limit {self.limit_bytes} "
+                    f"(aten.{func.overloadpacket.__name__} output {tuple(outs[0].shape)})")
             for ph in self._active:
                 ph.peak = max(ph.peak, live)
                 if live > ph._run_peak:

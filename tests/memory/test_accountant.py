@@ -109,3 +109,26 @@ def test_storage_resize_is_counted():
         assert acct.device_live == 0
     assert torch.UntypedStorage.resize_ is memory_module._RESIZE  # unhooked on exit
     del y, outside
+
+
+def test_simulated_capacity_raises_at_the_allocation():
+    """With a limit the accountant acts as a device of that size: the op that passes it raises
+    an out-of-memory error (forward or backward), what fitted before is untouched."""
+    from fpdt.profiling.memory import SimulatedOutOfMemoryError
+    assert issubclass(SimulatedOutOfMemoryError, torch.OutOfMemoryError)
+    with MemoryAccountant("cpu", limit_bytes=1000) as acct:
+        a = torch.empty(200)                                   # 800 B: fits
+        with pytest.raises(SimulatedOutOfMemoryError, match="limit 1000"):
+            torch.empty(100)                                   # 1200 B would not
+        assert acct.limit_exceeded and acct.device_live == 800
+        acct.set_limit(None)
+        b = torch.empty(1000)                                  # no limit any more
+        assert acct.device_live == 800 + 4000
+        del a, b
+    x = torch.randn(64, 64, requires_grad=True)
+    with MemoryAccountant("cpu") as acct:
+        y = (x @ x).sin().sum()                                # forward fits without a limit
+        acct.set_limit(acct.device_live + 100)                 # backward's gradients will not
+        with pytest.raises(torch.OutOfMemoryError, match="simulated device capacity"):
+            y.backward()
+    assert acct.limit_exceeded

@@ -87,6 +87,16 @@ def test_bisection_and_simulated_capacity(ms, tmp_path):
     first = capped["strategies"]["hf"]["trials"][0]
     assert first["status"] == "oom" and "--device-mem-gib" in first["error"]
     assert capped["strategies"]["hf"]["max_seq_len"] == 0
+    # bisection stops a trial at the allocation that passes the capacity, as a GPU would
+    half = ms.main(["--tiny", "--in-process", "--strategies", "hf", "--out-dir", str(tmp_path),
+                    "--max-len", "256", "--device-mem-gib", str(small * 0.6)])
+    first = half["strategies"]["hf"]["trials"][0]
+    assert first["status"] == "oom" and "during the step" in first["error"] and not first.get("measured")
+    # fixed lengths run to the end and are measured (the slopes use them), marked out of memory
+    fixed = ms.main(["--tiny", "--in-process", "--strategies", "hf", "--out-dir", str(tmp_path),
+                     "--lengths", "64", "--device-mem-gib", str(small * 0.6)])
+    t = fixed["strategies"]["hf"]["trials"][0]
+    assert t["status"] == "oom" and t["measured"] and t["device_peak_bytes"] == entry["trials"][0]["device_peak_bytes"]
 
 
 def test_trial_runs_in_a_fresh_process(ms, tmp_path):
@@ -181,3 +191,32 @@ def test_run_suite_tiny_end_to_end(tmp_path):
     only = subprocess.run(["bash", os.path.join(ROOT, "profiling", "run_suite.sh"), "--tiny", "--only", "^plot$",
                            "--out-dir", str(out)], capture_output=True, text=True, timeout=300)
     assert only.returncode == 0 and "== plot" in only.stdout and "== op_latency" not in only.stdout, only.stdout
+
+
+def test_step_must_be_whole_fpdt_chunks(ms, tmp_path):
+    with pytest.raises(SystemExit, match="multiple of --chunk-size"):
+        ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--chunk-size", "64", "--step", "96",
+                 "--out-dir", str(tmp_path)])
+
+
+def test_markdown_with_two_capacities(tmp_path):
+    """Fixed lengths at one capacity and a bisection at another: one measured-longest column
+    per capacity; slopes and the extrapolation come from the fixed-length trials only."""
+    plot = _load("plot")
+    mib = 2 ** 20
+
+    def trial(n, ok, fb):
+        return {"status": "ok" if ok else "oom", "measured": True, "seq_len": n, "step_s": 1.0,
+                "device_peak_bytes": 100 * mib + fb, "fwd_bwd_peak_bytes": fb, "optimizer_state_bytes": 100 * mib,
+                "optimizer_peak_bytes": 150 * mib, "host_peak_bytes": 0}
+    lengths = {"mode": "lengths", "device_mem_gib": 2, "strategies": {"alst": {"status": "ran", "trials": [
+        trial(1024, True, 1024 * 1024), trial(2048, True, 2048 * 1024)]}}}
+    bisect = {"mode": "bisect", "device_mem_gib": 1, "strategies": {"alst": {"status": "ran", "max_seq_len": 1536,
+              "trials": [trial(1024, True, 5 * mib), trial(2048, False, 9 * mib), trial(1536, True, 7 * mib)]}}}
+    strats = plot._strategies([lengths, bisect])
+    assert strats["alst"]["caps"] == {2: {"best": 2048, "open_ended": True}, 1: {"best": 1536, "open_ended": False}}
+    md = plot.markdown(strats, [lengths, bisect], "x")
+    assert "longest that fits 1 GiB (measured) | longest that fits 2 GiB (measured)" in md
+    assert "| alst | 1536 | >= 2048 (longest tried) | 1024.0 |" in md          # slope: 1 KiB per token
+    assert "1536 (bisection at 1 GiB)" in md
+    assert plot._extrapolate(plot._fit_trials(strats["alst"]["trials"]), 2 * 1024 * mib) == 2 * 1024 * 1024 - 100 * 1024
