@@ -253,11 +253,11 @@ def bisect(args, strategy: str, log: list, on_trial=None) -> int:
     """Longest multiple of the step (``--step``, default the chunk size) in [min_len, max_len]
     whose trial completes (0 if none)."""
     g = args.step or args.chunk_size
-    lo, hi = 0, None
+    lo, hi, top = 0, None, args.max_len // g
     k = max(1, args.min_len // g)
-    while k * g <= args.max_len:
+    while k <= top:
         if run_one(args, strategy, k * g, log, on_trial)["status"] == "ok":
-            lo, k = k, k * 2
+            lo, k = k, (k * 2 if k * 2 <= top or k == top else top)   # doubling, then max_len itself
         else:
             hi = k
             break

@@ -74,17 +74,20 @@ elif [ "$SIDE" = 1 ]; then
   # Every strategy's longest length measured, at a capacity these CPU steps reach in minutes
   # (1 GiB): bisection stops a trial at the allocation that passes it; fpdt's lengths are whole
   # 4K chunks, the others' multiples of 512 (ALST's loss shards follow fpdt's rule at 4K chunks).
+  # The ranges are narrowed to where the answers lie (found by the fixed-length runs and a first,
+  # wider bisection), so that each piece fits its 10 minutes on two CPU cores.
   BMEM=1
   piece "bisect1 hf" python profiling/max_seqlen.py --model-config "$CFG" --dtype fp32 --chunk-size 4096 \
     --step 256 --strategies hf --min-len 512 --max-len 4096 --resolution 256 --device-mem-gib "$BMEM" \
     --no-timed-step --trial-timeout-s "$CAP" --tag "bisect1-hf" --out-dir "$OUT"
   piece "bisect1 alst" python profiling/max_seqlen.py --model-config "$CFG" --dtype fp32 --chunk-size 4096 \
-    --step 512 --strategies alst --min-len 8192 --max-len 32768 --resolution 512 --device-mem-gib "$BMEM" \
+    --step 512 --strategies alst --min-len 12288 --max-len 16384 --resolution 512 --device-mem-gib "$BMEM" \
     --no-timed-step --trial-timeout-s "$CAP" --tag "bisect1-alst" --out-dir "$OUT"
-  for s in fpdt-no-offload fpdt; do
-    piece "bisect1 $s" python profiling/max_seqlen.py --model-config "$CFG" --dtype fp32 --chunk-size 4096 \
-      --strategies "$s" --min-len 8192 --max-len 65536 --resolution 4096 --device-mem-gib "$BMEM" \
-      --no-timed-step --trial-timeout-s "$CAP" --tag "bisect1-$s" --out-dir "$OUT"
+  for range in "fpdt-no-offload 8192 16384" "fpdt 24576 28672"; do
+    set -- $range
+    piece "bisect1 $1" python profiling/max_seqlen.py --model-config "$CFG" --dtype fp32 --chunk-size 4096 \
+      --strategies "$1" --min-len "$2" --max-len "$3" --resolution 4096 --device-mem-gib "$BMEM" \
+      --no-timed-step --trial-timeout-s "$CAP" --tag "bisect1-$1" --out-dir "$OUT"
   done
 else
   piece op_latency python profiling/op_latency.py --out-dir "$OUT"

@@ -220,3 +220,21 @@ def test_markdown_with_two_capacities(tmp_path):
     assert "| alst | 1536 | >= 2048 (longest tried) | 1024.0 |" in md          # slope: 1 KiB per token
     assert "1536 (bisection at 1 GiB)" in md
     assert plot._extrapolate(plot._fit_trials(strats["alst"]["trials"]), 2 * 1024 * mib) == 2 * 1024 * 1024 - 100 * 1024
+
+
+@pytest.mark.parametrize("limit,lo,hi,want,tried", [
+    (13, 8, 16, 13, [8, 16, 12, 14, 13]),                 # doubling, then bisection
+    (20, 8, 12, 12, [8, 12]),                              # doubling stops at --max-len, which is tried
+    (10, 8, 12, 10, [8, 12, 10, 11]),                      # ... and bisected below it when it fails
+    (5, 8, 16, 5, [8, 4, 6, 5]),                           # below --min-len
+])
+def test_bisection_order(ms, monkeypatch, limit, lo, hi, want, tried):
+    import types
+    seen = []
+
+    def fake(args, strategy, n, log, on_trial=None):
+        seen.append(n)
+        return {"status": "ok" if n <= limit else "oom"}
+    monkeypatch.setattr(ms, "run_one", fake)
+    args = types.SimpleNamespace(step=1, chunk_size=1, min_len=lo, max_len=hi, resolution=1)
+    assert ms.bisect(args, "hf", []) == want and seen == tried
