@@ -22,7 +22,8 @@ subprocess, and records:
   measured one without the memory accountant (whose per-op bookkeeping costs more the
   more ops a strategy runs, so it would bias the comparison), with the optimizer state
   in place; ``counted_step_s``: the first, counted step (``--no-timed-step`` skips the
-  second step and reports the first); ``tokens_per_s``, ``mfu`` (the trainer's formula, :mod:`fpdt.train.metrics`);
+  second step and reports the first); ``tokens_per_s``, ``mfu`` (the trainer's formula,
+  :mod:`fpdt.train.metrics`);
 * for the fpdt strategies, ``planned_*``: what :mod:`fpdt.plan` predicts for the same run
   (memory; and the step time, from this machine's rates with ``--calibration``).
 
@@ -35,7 +36,8 @@ device: on CUDA through the allocator's memory fraction, on the CPU by calling a
 out of memory when the accountant's device tier passes X (so bisection means the same on
 both): in bisection the step stops at the operation that passes it, as a GPU's would (so a
 failing trial costs only the time up to that point); in ``--lengths`` mode it runs to the
-end, is measured (the slopes use it) and is marked out of memory. A strategy whose packages are missing is reported as skipped, with the reason.
+end, is measured (the slopes use it) and is marked out of memory. A strategy whose
+packages are missing is reported as skipped, with the reason.
 
     python profiling/max_seqlen.py --strategies fpdt hf --device-mem-gib 80
     python profiling/max_seqlen.py --lengths 65536 131072 262144 524288 --trial-timeout-s 280
@@ -145,15 +147,7 @@ def trial(args) -> dict:
         peaks = region.peaks
         if profile:
             out.update(bc.exposed_copy_seconds(prof))
-        timed = None
-        if args.timed_step:        # a second step, not counted: the steady-state step time
-            t0 = time.perf_counter()
-            trainee.forward_backward(trainee.prepare(ids))
-            _sync(device)
-            t1 = time.perf_counter()
-            trainee.optimizer_step()
-            _sync(device)
-            timed = (time.perf_counter() - t0, t1 - t0)
+        timed = _timed_step(trainee, ids, device) if args.timed_step else None
     except torch.OutOfMemoryError as exc:          # CUDA's, or the accountant's simulated capacity
         msg = str(exc).splitlines()[0]
         if isinstance(exc, SimulatedOutOfMemoryError):
@@ -194,6 +188,18 @@ def trial(args) -> dict:
         out["status"] = "oom"
         out["error"] = f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {args.device_mem_gib}"
     return out
+
+
+def _timed_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """``(step seconds, forward+backward seconds)`` of one more, uncounted training step: the
+    steady-state step time (optimizer state in place, no accountant)."""
+    t0 = time.perf_counter()
+    trainee.forward_backward(trainee.prepare(ids))
+    _sync(device)
+    t1 = time.perf_counter()
+    trainee.optimizer_step()
+    _sync(device)
+    return time.perf_counter() - t0, t1 - t0
 
 
 def _sync(device: torch.device) -> None:

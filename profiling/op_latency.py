@@ -24,7 +24,6 @@ forward + backward FLOPs per second at the largest chunk), ``h2d_bytes_s`` /
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
