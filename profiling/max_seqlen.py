@@ -127,18 +127,20 @@ def trial(args) -> dict:
         # Simulated capacity on the CPU, enforced as the step runs (the allocation that passes
         # it fails, as on a GPU): forward+backward must leave room for AdamW's two moments,
         # which a second step has beside it, and the optimizer step for itself.
-        cap = int(args.device_mem_gib * GIB) if args.device_mem_gib and args.stop_at_capacity else None
+        # (On CUDA the allocator's memory fraction is the capacity.)
+        simulate = args.device_mem_gib and args.stop_at_capacity and device.type == "cpu"
+        cap = int(args.device_mem_gib * GIB) if simulate else None
         moments = 2 * param_bytes if opt_before == 0 else 0
         with RegionMemory(device, count_cuda=True) as region, _maybe_profiler(profile) as prof:
             acct = region.accountant
-            if cap is not None and device.type == "cpu":
+            if cap is not None:
                 acct.set_limit(cap - param_bytes - opt_before - moments)
             t0 = time.perf_counter()
             with acct.phase("forward_backward") as fb:
                 trainee.forward_backward(trainee.prepare(ids))
                 _sync(device)
             t1 = time.perf_counter()
-            if cap is not None and device.type == "cpu":
+            if cap is not None:
                 acct.set_limit(cap - param_bytes - opt_before)
             with acct.phase("optimizer") as op:
                 trainee.optimizer_step()
@@ -262,11 +264,13 @@ def bisect(args, strategy: str, log: list, on_trial=None) -> int:
     lo, hi, top = 0, None, args.max_len // g
     k = max(1, args.min_len // g)
     while k <= top:
-        if run_one(args, strategy, k * g, log, on_trial)["status"] == "ok":
-            lo, k = k, (k * 2 if k * 2 <= top or k == top else top)   # doubling, then max_len itself
-        else:
+        if run_one(args, strategy, k * g, log, on_trial)["status"] != "ok":
             hi = k
             break
+        lo = k
+        if k == top:
+            break
+        k = min(2 * k, top)                     # doubling, then max_len itself
     if hi is None:
         return lo * g
     while hi - lo > 1 and (hi - lo) * g >= args.resolution:
@@ -278,17 +282,26 @@ def bisect(args, strategy: str, log: list, on_trial=None) -> int:
     return lo * g
 
 
-def slope_per_1k(trials: list, key: str = "device_peak_bytes") -> float | None:
-    """Least-squares slope of ``key`` against sequence length, in bytes per 1K tokens, over every
-    trial whose step completed (including those over a simulated ``--device-mem-gib``)."""
-    pts = [(t["seq_len"], t[key]) for t in trials if t.get("measured") and t.get(key) is not None]
+def least_squares(pts: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """``(slope, intercept)`` of the least-squares line through ``(x, y)`` points (None with
+    fewer than two distinct x)."""
     if len(pts) < 2:
         return None
     n = len(pts)
     mx = sum(x for x, _ in pts) / n
     my = sum(y for _, y in pts) / n
     sxx = sum((x - mx) ** 2 for x, _ in pts)
-    return None if sxx == 0 else 1024 * sum((x - mx) * (y - my) for x, y in pts) / sxx
+    if sxx == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    return slope, my - slope * mx
+
+
+def slope_per_1k(trials: list, key: str = "device_peak_bytes") -> float | None:
+    """Least-squares slope of ``key`` against sequence length, in bytes per 1K tokens, over every
+    trial whose step completed (including those over a simulated ``--device-mem-gib``)."""
+    fit = least_squares([(t["seq_len"], t[key]) for t in trials if t.get("measured") and t.get(key) is not None])
+    return None if fit is None else 1024 * fit[0]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -213,14 +213,8 @@ def _growing_peak(t: dict) -> int:
 
 def _fit(trials, value=_growing_peak) -> tuple[float, float] | None:
     """Least-squares ``(slope per token, intercept)`` of ``value`` against the length."""
-    pts = [(t["seq_len"], value(t)) for t in _ok(trials)]
-    if len(pts) < 2:
-        return None
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
-    return slope, my - slope * mx
+    import max_seqlen as ms
+    return ms.least_squares([(t["seq_len"], value(t)) for t in _ok(trials)])
 
 
 def _extrapolate(trials, cap_bytes: float) -> int | None:
@@ -260,7 +254,9 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
             lines.append(f"| {name} | skipped: {s['skipped']} |" + " |" * (len(caps) + 1 + bool(cap)))
             continue
         fit = _fit_trials(s["trials"])
-        dev = _slope(fit, "fwd_bwd_peak_bytes") or _slope(fit, "device_peak_bytes")
+        dev = _slope(fit, "fwd_bwd_peak_bytes")
+        if dev is None:                                   # files without the phase split
+            dev = _slope(fit, "device_peak_bytes")
         host = _slope(fit, "host_peak_bytes")
         slopes[name] = dev
         longest = " | ".join(_longest(s, c) for c in caps)
