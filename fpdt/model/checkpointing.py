@@ -53,6 +53,7 @@ class _LayerCheckpoint(torch.autograd.Function):
             ctx.save_for_backward(x)
         else:
             stash.put(key, x)  # the device->host copy starts now and overlaps the layer's compute
+            ctx.entry = _StashEntry(stash, key)   # freed with the graph: discards the entry if never popped
         with torch.no_grad():
             y = run_fn(x)
         return y
@@ -74,6 +75,25 @@ class _LayerCheckpoint(torch.autograd.Function):
         torch.autograd.backward(y, grad_y)
         n_params = len(ctx.needs_input_grad) - 6
         return (None, None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * n_params
+
+
+class _StashEntry:
+    """Discards a layer input's stash entry when the graph that owns it is freed.
+
+    The model's stash lives across steps; if a forward's backward never runs (an exception,
+    a skipped step, evaluation with grad enabled), its layer inputs would stay on the host
+    for good. Backward pops the entry first, and the token keeps a later ``put`` under the
+    same key safe, so this only acts on abandoned entries.
+    """
+
+    def __init__(self, stash: HostStash, key: Hashable):
+        self.stash, self.key, self.token = stash, key, stash.token(key)
+
+    def __del__(self) -> None:
+        try:
+            self.stash.discard(self.key, token=self.token)
+        except Exception:   # interpreter shutdown
+            pass
 
 
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:

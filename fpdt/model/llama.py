@@ -33,7 +33,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import ModelConfig
 from fpdt.model.inputs import prepare_inputs
-from fpdt.model.loss import IGNORE_INDEX, chunked_lm_loss, default_loss_chunks
+from fpdt.model.loss import IGNORE_INDEX, WGRAD_MODES, chunked_lm_loss, default_loss_chunks
 from fpdt.model.mlp import ChunkedSwiGLU, default_mlp_chunks
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
@@ -59,6 +59,11 @@ class FPDTOptions:
     """Token chunks of the fused LM head + cross-entropy; None = ``ceil(2 u V / hidden)``
     (each fp32 logits chunk fits the same budget); 0 = plain full-logits loss
     (``[B, S_local, V]`` fp32 logits)."""
+    lm_head_wgrad: str = "accumulate"
+    """How the chunked loss forms the LM-head weight gradient (:data:`fpdt.model.loss.WGRAD_MODES`):
+    ``"accumulate"`` sums it over token chunks in an fp32 ``[V, hidden]`` buffer (fastest);
+    ``"recompute"`` recomputes the logits in backward, one vocabulary slice at a time, and
+    needs no such buffer (one more LM-head GEMM; see :mod:`fpdt.model.loss`)."""
     checkpointing: str = "off"
     """Per-layer activation checkpointing: ``"off"``, ``"on"`` (keep each layer's input,
     recompute the layer in backward) or ``"offload"`` (as "on", with the layer inputs in
@@ -82,6 +87,8 @@ class FPDTOptions:
                 raise ValueError(f"{name}={value} must be >= 0 (0 = unchunked) or None (default)")
         if self.mesh is not None and self.group is not None:
             raise ValueError("set either group= (plain Ulysses) or mesh= (hp x cp), not both")
+        if self.lm_head_wgrad not in WGRAD_MODES:
+            raise ValueError(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {WGRAD_MODES}")
         if self.checkpointing not in CHECKPOINT_MODES:
             raise ValueError(f"checkpointing={self.checkpointing!r} must be one of {CHECKPOINT_MODES}")
         return self
@@ -168,6 +175,8 @@ class FPDTForCausalLM(nn.Module):
     * ``offload`` (False): attention chunks live in pinned host memory between uses.
     * ``mlp_chunks`` (``ceil(2 u I / hidden)``): SwiGLU token chunks, recomputed in backward; 0 = plain.
     * ``loss_chunks`` (``ceil(2 u V / hidden)``): fused LM-head + CE token chunks; 0 = full logits.
+    * ``lm_head_wgrad`` (``"accumulate"``): ``"recompute"`` drops the loss's fp32 ``[V, hidden]``
+      weight-gradient buffer for one more LM-head GEMM in backward.
     * ``checkpointing`` (``"off"``): ``"on"`` recomputes each decoder layer in backward from
       its saved input; ``"offload"`` also keeps that input in pinned host memory.
     * ``group`` (None): the sequence-parallel process group (None = default group).
@@ -351,7 +360,7 @@ class FPDTForCausalLM(nn.Module):
             count = torch.as_tensor(num_valid_tokens, device=h.device)
         # An all-ignored window gives loss 0 and zero gradients (Transformers would give NaN).
         scale = 1.0 / count.clamp(min=1).to(device=h.device, dtype=torch.float32)
-        local = chunked_lm_loss(h, self.lm_head.weight, labels, scale, self.loss_chunks)
+        local = chunked_lm_loss(h, self.lm_head.weight, labels, scale, self.loss_chunks, wgrad=self.options.lm_head_wgrad)
         if sp == 1:
             return local
         total = local.detach().clone()
@@ -362,4 +371,4 @@ class FPDTForCausalLM(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (f"num_chunks={o.num_chunks}, offload={o.offload}, mlp_chunks={self.mlp_chunks}, "
-                f"loss_chunks={self.loss_chunks}, checkpointing={o.checkpointing!r}")
+                f"loss_chunks={self.loss_chunks}, lm_head_wgrad={o.lm_head_wgrad!r}, checkpointing={o.checkpointing!r}")

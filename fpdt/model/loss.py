@@ -18,6 +18,22 @@ Flow (:class:`ChunkedLMHeadLossFunction`, one ``autograd.Function``):
 4. ``backward`` only multiplies the stored ``dh`` ``[B, S_local, hidden]`` and ``dW``
    ``[V, hidden]`` by the incoming scalar gradient.
 
+The weight gradient has two modes (``wgrad``, :data:`WGRAD_MODES`):
+
+* ``"accumulate"`` (default, step 3 above): ``dW`` is summed over the token chunks in an
+  fp32 ``[V, hidden]`` accumulator that lives from the loss forward to its backward.
+  Fastest: the logits are computed once.
+* ``"recompute"``: the forward keeps only the fp32 ``lse`` per token (and ``dh``). The
+  backward cuts the vocabulary into ``N`` slices and, per slice, recomputes the logits of
+  *every* local token (``[T, V/N]`` fp32, the size of one forward chunk), forms that
+  slice's ``dlogits`` and gets ``dW[slice] = dlogits^T h`` in one GEMM over all ``T``
+  tokens: the GEMM's own fp32 accumulation replaces the ``[V, hidden]`` fp32 buffer, and
+  the result is rounded to the weight dtype once. Costs one more ``T x hidden x V``
+  GEMM (the logits again) and saves ``4 V hidden`` bytes at the loss peak: 4.2 GB for
+  Llama-3-70B, which is what decides its longest sequence on 16 GPUs
+  (``fpdt-plan`` recommends it when it is needed to fit). Needs the weight in backward
+  (ZeRO-3 gathers it there, as it does for the fused attention and MLP).
+
 Memory: the fp32 logits (plus softmax/CE temporaries) go from ``T x V`` to ``T/N x V``.
 What stays alive from forward to backward is ``dh`` (the size of the hidden states, which
 autograd would otherwise keep anyway) and ``dW`` (the size of the LM-head gradient,
@@ -46,6 +62,7 @@ import torch.nn.functional as F
 from fpdt.model.chunks import budget_chunks, chunk_bounds
 
 IGNORE_INDEX = -100
+WGRAD_MODES = ("accumulate", "recompute")
 
 
 def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1) -> int:
@@ -72,27 +89,34 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
 
     Inputs: ``hidden`` ``[B, S, hidden]`` (after the final norm), ``weight`` ``[V, hidden]``,
     ``labels`` ``[B, S]`` long (-100 = ignore), ``scale`` fp32 0-dim tensor,
-    ``num_chunks`` int, ``compute_grad`` bool (False under ``no_grad``: loss only).
+    ``num_chunks`` int, ``compute_grad`` bool (False under ``no_grad``: loss only),
+    ``wgrad`` (:data:`WGRAD_MODES`).
     Output: fp32 0-dim tensor.
-    Saved: ``dh`` ``[B, S, hidden]`` (hidden dtype) and ``dW`` ``[V, hidden]`` (fp32),
-    already computed in forward; nothing offloaded. Backward scales them by the incoming
-    gradient *in place* (no second ``[V, hidden]`` fp32 or ``[B, S, hidden]`` tensor at the
-    head's backward), so it can run once per forward: a second backward through the same
-    forward (``retain_graph=True``) raises instead of scaling twice.
+    Saved: ``dh`` ``[B, S, hidden]`` (hidden dtype), already computed in forward; with
+    ``"accumulate"`` also ``dW`` ``[V, hidden]`` (fp32); with ``"recompute"`` instead
+    ``hidden``, ``weight``, ``labels``, ``scale`` and the fp32 ``lse`` ``[B * S]``. Nothing
+    offloaded. Backward scales ``dh`` (and the accumulated ``dW``) by the incoming gradient
+    *in place* (no second ``[V, hidden]`` fp32 or ``[B, S, hidden]`` tensor at the head's
+    backward), so it can run once per forward: a second backward through the same forward
+    (``retain_graph=True``) raises instead of scaling twice.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, num_chunks: int, compute_grad: bool):
+    def forward(ctx, hidden, weight, labels, scale, num_chunks: int, compute_grad: bool,
+                wgrad: str = "accumulate"):
         flat_h = hidden.reshape(-1, hidden.shape[-1])                 # [T, hidden]
         flat_y = labels.reshape(-1)                                   # [T]
         if flat_y.shape[0] != flat_h.shape[0]:
             raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape)}")
         need_dh = compute_grad and ctx.needs_input_grad[0]
         need_dw = compute_grad and ctx.needs_input_grad[1]
+        recompute = need_dw and wgrad == "recompute"
         scale = scale.to(device=hidden.device, dtype=torch.float32)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dh = torch.empty_like(flat_h) if need_dh else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+        accumulate = need_dw and not recompute
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if accumulate else None
+        lse_all = torch.empty(flat_h.shape[0], dtype=torch.float32, device=hidden.device) if recompute else None
         for s, e in chunk_bounds(flat_h.shape[0], num_chunks):
             hc, yc = flat_h[s:e], flat_y[s:e]                         # [n, hidden], [n]
             logits = F.linear(hc, weight).float()                     # [n, V] fp32
@@ -101,7 +125,9 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
             target = yc.clamp(min=0).unsqueeze(1)                     # [n, 1]
             picked = logits.gather(1, target).squeeze(1)              # [n]
             total += torch.where(valid, lse - picked, 0.0).sum()
-            if not (need_dh or need_dw):
+            if recompute:
+                lse_all[s:e] = lse
+            if not (need_dh or accumulate):
                 continue
             # dlogits = (softmax - onehot) * valid * scale, built in place in the logits buffer.
             grad = logits.sub_(lse.unsqueeze(1)).exp_()
@@ -110,12 +136,20 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
             grad = grad.to(weight.dtype)
             if need_dh:
                 dh[s:e] = grad @ weight                               # [n, hidden]
-            if need_dw and dw.dtype == grad.dtype:
+            if accumulate and dw.dtype == grad.dtype:
                 dw.addmm_(grad.t(), hc)                               # [V, hidden]
-            elif need_dw:
-                dw += (grad.t() @ hc).to(torch.float32)
+            elif accumulate:   # a bf16 GEMM, summed in fp32 a vocabulary slice at a time: the
+                # partial and its fp32 cast are never [V, hidden] (10 bytes per weight element)
+                for vs, ve in chunk_bounds(dw.shape[0], -(-hc.shape[1] // max(1, e - s))):
+                    dw[vs:ve] += (grad[:, vs:ve].t() @ hc).to(torch.float32)
             del logits, grad
-        ctx.save_for_backward(dh.view_as(hidden) if dh is not None else None, dw)
+        dh = dh.view_as(hidden) if dh is not None else None
+        if recompute:
+            ctx.save_for_backward(dh, hidden, weight, labels, scale, lse_all)
+        else:
+            ctx.save_for_backward(dh, dw)
+        ctx.recompute = recompute
+        ctx.num_chunks = num_chunks
         ctx.weight_dtype = weight.dtype
         return total * scale
 
@@ -126,21 +160,54 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
                                "(retain_graph=True) is not supported, its saved gradients were scaled in place "
                                "by the first; run the forward again, or use loss_chunks=0 (full logits)")
         ctx.consumed = True
-        dh, dw = ctx.saved_tensors
+        if ctx.recompute:
+            dh, hidden, weight, labels, scale, lse = ctx.saved_tensors
+            dw = _weight_grad_by_vocab_slices(hidden, weight, labels, scale * grad_out, lse, ctx.num_chunks)
+        else:
+            dh, dw = ctx.saved_tensors
+            dw = None if dw is None else dw.mul_(grad_out).to(ctx.weight_dtype)
         dh = None if dh is None else dh.mul_(grad_out.to(dh.dtype))
-        dw = None if dw is None else dw.mul_(grad_out).to(ctx.weight_dtype)
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
+
+
+def _weight_grad_by_vocab_slices(hidden, weight, labels, scale, lse, num_slices: int) -> torch.Tensor:
+    """``dW = ((softmax - onehot) * valid * scale)^T h`` for every local token, one vocabulary
+    slice at a time (the ``"recompute"`` mode of the module docstring).
+
+    ``hidden`` ``[..., hidden]``, ``weight`` ``[V, hidden]``, ``labels`` ``[...]``, ``scale``
+    fp32 0-dim (incoming gradient folded in), ``lse`` fp32 ``[T]`` from the forward ->
+    ``[V, hidden]`` in the weight dtype. Live beside the result: one fp32 ``[T, V / num_slices]``
+    logits slice (turned into its gradient in place) and its cast to the weight dtype.
+    """
+    flat_h = hidden.reshape(-1, hidden.shape[-1])                     # [T, hidden]
+    flat_y = labels.reshape(-1)
+    valid = flat_y != IGNORE_INDEX
+    row_scale = (valid.to(torch.float32) * scale).unsqueeze(1)        # [T, 1]
+    dw = torch.empty_like(weight)
+    for s, e in chunk_bounds(weight.shape[0], num_slices):
+        grad = F.linear(flat_h, weight[s:e]).float()                  # [T, e - s] fp32
+        grad.sub_(lse.unsqueeze(1)).exp_()                            # softmax restricted to the slice
+        # - onehot, for the targets inside this slice (a scatter: no host sync for a row list)
+        mine = (valid & (flat_y >= s) & (flat_y < e)).to(grad.dtype).unsqueeze(1)
+        grad.scatter_add_(1, (flat_y - s).clamp(0, e - s - 1).unsqueeze(1), -mine)
+        grad.mul_(row_scale)
+        torch.mm(grad.to(weight.dtype).t(), flat_h, out=dw[s:e])      # one GEMM over all T tokens
+        del grad
+    return dw
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    scale: torch.Tensor | float, num_chunks: int) -> torch.Tensor:
+                    scale: torch.Tensor | float, num_chunks: int, wgrad: str = "accumulate") -> torch.Tensor:
     """``scale * sum CE(hidden W^T, labels)`` (fp32 scalar) with logits one chunk at a time.
 
     ``num_chunks == 0`` runs :func:`lm_loss_reference` instead (full logits; for comparison).
+    ``wgrad`` picks how the weight gradient is formed (:data:`WGRAD_MODES`, module docstring).
     """
+    if wgrad not in WGRAD_MODES:
+        raise ValueError(f"wgrad={wgrad!r} must be one of {WGRAD_MODES}")
     if not torch.is_tensor(scale):
         scale = torch.tensor(float(scale), device=hidden.device)
     if num_chunks == 0:
         return lm_loss_reference(hidden, weight, labels, scale)
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return ChunkedLMHeadLossFunction.apply(hidden, weight, labels, scale, num_chunks, compute_grad)
+    return ChunkedLMHeadLossFunction.apply(hidden, weight, labels, scale, num_chunks, compute_grad, wgrad)

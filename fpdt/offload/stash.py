@@ -23,6 +23,12 @@ Ordering, through the device runtime (:mod:`fpdt.offload.runtime`; nothing block
   previous use) and for ``done`` (the host copy has landed), copies, records ``ready``.
 * ``get``: the compute stream waits for ``ready``.
 * host buffers go back to the pool with the event of the last copy that reads them.
+
+Abandoned entries (a forward whose backward never runs: an exception in between, a
+skipped step, a forward with grad enabled for evaluation) must not pin host memory: a
+stash that is garbage-collected returns what it still holds to the pool, and a long-lived
+stash's owner discards an entry when the autograd graph that would have popped it is
+freed (:meth:`HostStash.token` and ``discard(key, token)``).
 """
 
 from __future__ import annotations
@@ -123,8 +129,16 @@ class HostStash:
         self.pool.release(host, after=ready)
         return value
 
-    def discard(self, key: Hashable) -> None:
-        """Forget ``key`` without fetching it."""
+    def token(self, key: Hashable) -> object | None:
+        """What ``key`` holds now, as an opaque token for :meth:`discard` (None if nothing)."""
+        entry = self._host.get(key)
+        return entry[0] if entry is not None else self._device_refs.get(key)
+
+    def discard(self, key: Hashable, token: object | None = None) -> None:
+        """Forget ``key`` without fetching it; with ``token``, only if ``key`` still holds
+        that value (not one a later ``put`` stored under the same key)."""
+        if token is not None and self.token(key) is not token:
+            return
         self._device_refs.pop(key, None)
         inflight = self._inflight.pop(key, None)
         entry = self._host.pop(key, None)
@@ -142,3 +156,12 @@ class HostStash:
         for key in list(self._host) + list(self._device_refs):
             self.discard(key)
         self._inflight.clear()
+
+    def __del__(self) -> None:
+        # A stash dropped with entries in it (its backward never ran): its host buffers
+        # go back to the pool instead of leaving the pool's books and free lists short.
+        try:
+            if self._host:
+                self.clear()
+        except Exception:   # interpreter shutdown: modules may already be gone
+            pass

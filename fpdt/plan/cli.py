@@ -4,7 +4,8 @@
     fpdt-plan --model path/to/config.json --gpu a100-80g --gpus-per-node 4 --nodes 2 --max-seq-len --json
 
 Defaults follow ``fpdt-train``'s: ZeRO-3, ``--checkpoint offload``, attention ``--offload``,
-bf16. Chunk size, ``hp``/``cp`` and placement are chosen unless given.
+bf16. Chunk size, ``hp``/``cp``, placement and the LM-head weight-gradient mode are
+chosen unless given.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
 from fpdt.plan.models import PRESETS
 from fpdt.plan.planner import Choice, plan
-from fpdt.plan.setup import CHECKPOINT_MODES, DTYPES, PLACEMENTS
+from fpdt.plan.setup import CHECKPOINT_MODES, DTYPES, LM_HEAD_WGRAD_MODES, PLACEMENTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, help="ring degree (default: choose)")
     p.add_argument("--placement", choices=PLACEMENTS, help="default: choose")
     p.add_argument("--inner-ring", type=int, help="double-ring inner size (default: single ring)")
+    p.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
+                   help="LM-head weight gradient: fp32 accumulator or recomputed logits (default: choose)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--batch", type=int, default=1, help="sequences per SP group per step")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -79,7 +82,8 @@ def render(out: dict) -> str:
         f"seq_len          {out['seq_len']} ({_tokens(out['seq_len'])})",
         f"fits             {out['fits']}" + (f" (over on {out['limited_by']})" if out["limited_by"] else ""),
         f"setup            chunk {_tokens(s['chunk_size'])}, hp {s['hp']} x cp {s['cp']} ({s['placement']}), "
-        f"checkpoint {s['checkpoint']}, offload {s['offload']}, ZeRO-{s['zero_stage']}, {s['dtype']}",
+        f"checkpoint {s['checkpoint']}, offload {s['offload']}, LM-head wgrad {s['lm_head_wgrad']}, "
+        f"ZeRO-{s['zero_stage']}, {s['dtype']}",
         f"device peak      {_gib(out['device_peak_bytes'])} of {_gib(out['device_capacity_bytes'])} per GPU",
         f"host peak        {_gib(out['host_peak_bytes'])} of {_gib(out['host_capacity_bytes'])} per node",
         "breakdown:",
@@ -91,7 +95,8 @@ def render(out: dict) -> str:
     r = out.get("recommended")
     lines.append("recommended      " + (
         f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
-        f"--checkpoint {r['checkpoint']}" if r else "nothing fits at this length"))
+        f"--checkpoint {r['checkpoint']} --lm-head-wgrad {r['lm_head_wgrad']}" if r
+        else "nothing fits at this length"))
     return "\n".join(lines)
 
 
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         choice = Choice(chunk_size=args.chunk_size, sp=args.sp, hp=args.hp, cp=args.cp, placement=args.placement,
                         inner_ring=args.inner_ring, checkpoint=args.checkpoint, offload=args.offload,
                         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-                        offload_param=args.offload_param, dtype=args.dtype, batch=args.batch)
+                        offload_param=args.offload_param, dtype=args.dtype, batch=args.batch,
+                        lm_head_wgrad=args.lm_head_wgrad)
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:
         print(f"fpdt-plan: error: {exc}", file=sys.stderr)

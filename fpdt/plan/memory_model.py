@@ -34,9 +34,12 @@ Activations (per rank), the phase with the larger sum sets the peak:
   and gradient accumulators, ring blocks; without offload also the stash of q̂, k̂, v̂, o and
   the fp32 accumulators, which then stays on the device).
 * **MLP chunk**: four ``[T / mlp_chunks, I]`` intermediates (the chunked MLP's backward).
-* **loss chunk** (end of forward): fp32 logits and their gradient for ``T / loss_chunks``
-  tokens (:data:`LOSS_LOGIT_COPIES` ``[t, V]`` fp32 tensors), the fp32 LM-head gradient
-  accumulator ``V * h * 4`` and the kept ``dh`` (``Nd``) beside the final hidden state.
+* **loss chunk**: the larger of the loss's forward and backward. Forward: fp32 logits and
+  their gradient for ``t = T / loss_chunks`` tokens (:data:`LOSS_LOGIT_COPIES` ``[t, V]``
+  fp32 tensors) and the kept ``dh`` (``Nd``) beside the final hidden state; with
+  ``lm_head_wgrad="accumulate"`` also the fp32 LM-head gradient accumulator ``V * h * 4``,
+  whose backward adds its cast ``V * h * e``; with ``"recompute"`` instead the backward's
+  gradient ``V * h * e``, one fp32 ``[T, V / loss_chunks]`` logits slice and its cast.
 * **communication buffers**: ZeRO-3 gathers the current and the prefetched layer (or a
   layer and the embedding/LM head) in ``e``; one layer's unsharded gradients wait for the
   reduce-scatter (ring and all-to-all buffers are part of the attention working set).
@@ -187,7 +190,11 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     t_mlp = s.batch * s.local_tokens / mlp_chunks(cfg, s)
     mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
     t_loss = s.batch * s.local_tokens / loss_chunks(cfg, s)
-    loss = LOSS_LOGIT_COPIES * t_loss * cfg.vocab_size * 4 + cfg.vocab_size * h * 4 + 2 * nd
+    logits_chunk, vh = t_loss * cfg.vocab_size * 4, cfg.vocab_size * h
+    if s.lm_head_wgrad == "recompute":
+        loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk, vh * e + logits_chunk * (1 + e / 4))
+    else:
+        loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk + vh * 4, vh * (4 + e))
 
     # The peak is in one layer's backward or at the loss (end of forward); the breakdown
     # holds what is live at that moment, so that it sums to the peak.

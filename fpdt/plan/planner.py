@@ -2,7 +2,8 @@
 
 Choices the caller leaves open (``None``) are searched: global chunk sizes 8K..256K
 (powers of two dividing ``S``; ``S`` itself when none does), every ``hp x cp = sp`` with
-``hp`` dividing the query heads, both placements when ``cp > 1``. Among the candidates
+``hp`` dividing the query heads, both placements when ``cp > 1``, both LM-head weight
+gradient modes (:mod:`fpdt.model.loss`). Among the candidates
 that fit, the fastest wins (less device memory breaks ties). ``recommended`` searches the
 checkpoint mode as well; the headline figures keep the caller's mode (the trainer's
 default, ``offload``, unless told otherwise).
@@ -17,7 +18,7 @@ from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import estimate_memory
 from fpdt.plan.models import load_model_config
-from fpdt.plan.setup import CHECKPOINT_MODES, PLACEMENTS, Setup
+from fpdt.plan.setup import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, Setup
 from fpdt.plan.time_model import estimate_time, model_shape
 from fpdt.train.metrics import step_rates
 
@@ -44,6 +45,8 @@ class Choice:
     offload_param: bool = False
     dtype: str = "bf16"
     batch: int = 1
+    lm_head_wgrad: str | None = None
+    """None: the faster mode that fits ("accumulate" unless only "recompute" fits)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -79,13 +82,16 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
     else:
         chunks = [c for c in CHUNK_CANDIDATES if c <= seq_len and seq_len % c == 0] or [seq_len]
     out = []
-    for (hp, cp), chunk, ckpt in itertools.product(meshes, chunks, checkpoints or (choice.checkpoint,)):
+    wgrads = (choice.lm_head_wgrad,) if choice.lm_head_wgrad else LM_HEAD_WGRAD_MODES
+    for (hp, cp), chunk, ckpt, wgrad in itertools.product(meshes, chunks, checkpoints or (choice.checkpoint,),
+                                                          wgrads):
         placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
         for placement in placements:
             s = Setup(seq_len=seq_len, chunk_size=chunk, hp=hp, cp=cp, placement=placement,
                       inner_ring=choice.inner_ring, checkpoint=ckpt, offload=choice.offload,
                       zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
-                      offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch)
+                      offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch,
+                      lm_head_wgrad=wgrad)
             if not s.problems(cfg, world):
                 out.append(s)
     return out
@@ -140,7 +146,8 @@ def _recommended(r: dict | None) -> dict | None:
     if r is None or not r["fits"]:
         return None
     s = r["setup"]
-    return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint", "offload")}
+    return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint", "offload",
+                              "lm_head_wgrad")}
 
 
 def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fpdt.model.config import ModelConfig
 
 CHECKPOINT_MODES = ("off", "on", "offload")
+LM_HEAD_WGRAD_MODES = ("accumulate", "recompute")   # fpdt.model.loss.WGRAD_MODES
 PLACEMENTS = ("head_first", "context_first")
 DTYPES = {"bf16": 2, "fp32": 4}
 
@@ -45,6 +46,9 @@ class Setup:
     """None: the model's default (ceil(2 u I / hidden))."""
     loss_chunks: int | None = None
     """None: the model's default (ceil(2 u V / hidden))."""
+    lm_head_wgrad: str = "accumulate"
+    """The chunked loss's LM-head weight gradient (:mod:`fpdt.model.loss`): an fp32
+    ``[V, hidden]`` accumulator, or recomputed logits in backward (one more LM-head GEMM)."""
     kernel_expands_gqa: bool = False
     """The attention kernel repeats K/V heads (the CPU kernel); False for flash-attn/cuDNN,
     which take GQA natively (the GPU presets)."""
@@ -71,6 +75,8 @@ class Setup:
         out = []
         if self.checkpoint not in CHECKPOINT_MODES:
             out.append(f"checkpoint={self.checkpoint!r} must be one of {CHECKPOINT_MODES}")
+        if self.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
+            out.append(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
         if self.placement not in PLACEMENTS:
             out.append(f"placement={self.placement!r} must be one of {PLACEMENTS}")
         if self.dtype not in DTYPES:

@@ -3,7 +3,8 @@
 Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
 
 * **gemms**: projections, MLP and LM head, ``3 x`` forward FLOPs of ``T`` tokens (one
-  more layer forward when checkpointing recomputes), the trainer's FLOP formulas
+  more layer forward when checkpointing recomputes, one more LM head when its weight
+  gradient is recomputed), the trainer's FLOP formulas
   (:mod:`fpdt.train.metrics`), at the sustained GEMM rate.
 * **attention**: causal ``q.k^T`` and ``p.v`` FLOPs of ``T`` query tokens against ``S``
   keys, forward + backward (+ recompute), at the sustained attention rate.
@@ -54,7 +55,8 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     tokens = s.batch * s.local_tokens                       # per rank
     recompute = s.checkpoint != "off"
     passes = 4 if recompute else 3                          # forward, (recompute), backward = 2 x
-    gemm_flops = tokens * (passes * l * layer_matmul_flops(m) + 3 * 2 * cfg.hidden_size * cfg.vocab_size)
+    head_passes = 4 if s.lm_head_wgrad == "recompute" else 3   # the logits once more in backward
+    gemm_flops = tokens * (passes * l * layer_matmul_flops(m) + head_passes * 2 * cfg.hidden_size * cfg.vocab_size)
     attn_fwd = tokens * l * attention_flops(m, s.seq_len, causal=True)
     t_gemm = gemm_flops / rates.gemm_flops
     t_attn = passes * attn_fwd / rates.attention_flops

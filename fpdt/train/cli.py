@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offload attention chunks to pinned host memory (CUDA; default off)")
     f.add_argument("--mlp-chunks", type=int, help="MLP chunks (default 2 x attention chunks; 0 = unchunked)")
     f.add_argument("--loss-chunks", type=int, help="loss chunks (default ceil(2 vocab / hidden); 0 = unchunked)")
+    f.add_argument("--lm-head-wgrad", choices=["accumulate", "recompute"],
+                   help="LM-head weight gradient: fp32 [vocab, hidden] accumulator (accumulate, default) or "
+                        "recomputed logits in backward, no accumulator (recompute; fpdt-plan says when it is needed)")
     f.add_argument("--checkpoint", choices=["off", "on", "offload"], help="activation checkpointing (default off)")
     r = p.add_argument_group("run")
     r.add_argument("--deepspeed", metavar="JSON", help="DeepSpeed config (optimizer, precision, ZeRO, ...)")
@@ -100,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"sp": args.sp, "hp": args.hp, "cp": args.cp, "placement": args.placement,
             "inner_ring": args.inner_ring, "chunk_size": args.chunk_size, "offload": args.offload,
-            "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "checkpoint": args.checkpoint}
+            "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "lm_head_wgrad": args.lm_head_wgrad,
+            "checkpoint": args.checkpoint}
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -147,7 +151,7 @@ def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: Par
     from fpdt import model as fm
 
     kw = dict(num_chunks=plan.num_chunks, offload=opts.offload, mlp_chunks=plan.mlp_chunks,
-              loss_chunks=opts.loss_chunks, checkpointing=opts.checkpoint)
+              loss_chunks=opts.loss_chunks, lm_head_wgrad=opts.lm_head_wgrad, checkpointing=opts.checkpoint)
     kw.update(mesh=ps.mesh) if ps.mesh is not None else kw.update(group=ps.sp_group)
     torch.manual_seed(args.seed)  # same random weights on every rank
     if args.model:

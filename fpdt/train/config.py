@@ -27,6 +27,7 @@ from fpdt.comm import PLACEMENTS
 from fpdt.offload import selected_runtime_name
 
 CHECKPOINT_MODES = ("off", "on", "offload")
+LM_HEAD_WGRAD_MODES = ("accumulate", "recompute")   # fpdt.model.loss.WGRAD_MODES (no model import here)
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,10 @@ class FPDTOptions:
     loss_chunks: int | None = None
     """Chunks the LM head + cross-entropy are run in. ``None``: the model's default
     (``ceil(2 * vocab / hidden)``, FPDT paper); ``0``: plain full-logits loss."""
+    lm_head_wgrad: str = "accumulate"
+    """LM-head weight gradient of the chunked loss: ``"accumulate"`` (an fp32 ``[vocab, hidden]``
+    buffer, fastest) or ``"recompute"`` (no such buffer; one more LM-head GEMM in backward).
+    ``fpdt-plan`` says when the second is needed to fit."""
     checkpoint: str = "off"
     """Activation checkpointing of the decoder layers: ``"off"``, ``"on"`` (recompute in
     backward) or ``"offload"`` (also keep the saved layer inputs on the host; CUDA only)."""
@@ -109,6 +114,8 @@ def _check_types(opts: FPDTOptions) -> None:
         raise ConfigError(f"fpdt option offload={opts.offload!r} must be true or false")
     if opts.checkpoint not in CHECKPOINT_MODES:
         raise ConfigError(f"fpdt option checkpoint={opts.checkpoint!r} must be one of {CHECKPOINT_MODES}")
+    if opts.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
+        raise ConfigError(f"fpdt option lm_head_wgrad={opts.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
     if opts.placement not in PLACEMENTS:
         raise ConfigError(f"fpdt option placement={opts.placement!r} must be one of {PLACEMENTS}")
 

@@ -82,3 +82,23 @@ def test_host_pool_is_stable_over_steps():
         assert pool.stats.in_use_bytes == 0
         held.append((pool.stats.allocations, pool.stats.allocated_bytes))
     assert held[1] == held[2] == held[0], held
+
+
+@pytest.mark.parametrize("checkpointing", ["offload", "off"])
+def test_abandoned_forward_gives_its_host_buffers_back(checkpointing):
+    """A forward whose backward never runs (an exception before it, a skipped step): once
+    its loss is dropped, every host buffer it took is back in the pool -- the model's
+    long-lived layer-input stash keeps nothing, and the next steps allocate nothing new."""
+    model = _model(u=4).configure(checkpointing=checkpointing)
+    pool = host_pool("cpu")
+    inputs = _inputs(model, 256)
+    model(**inputs).backward()                             # warm the pool
+    before = pool.stats.in_use_bytes, pool.stats.allocations
+    for _ in range(2):
+        loss = model(**inputs)
+        assert pool.stats.in_use_bytes > before[0]
+        del loss                                           # abandoned: no backward
+        assert pool.stats.in_use_bytes == before[0]
+        assert model._stash is None or not model._stash._host
+    model(**inputs).backward()
+    assert (pool.stats.in_use_bytes, pool.stats.allocations) == before

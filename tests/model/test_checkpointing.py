@@ -76,3 +76,33 @@ def test_no_grad_runs_plain():
     with torch.no_grad():
         y = checkpointed(layer, torch.randn(1, 3, 4), list(layer.parameters()))
     assert not y.requires_grad
+
+
+def test_abandoned_forward_returns_its_host_buffers():
+    """A forward whose backward never runs (exception, skipped step) must not keep its
+    offloaded layer inputs: when its graph is freed they go back to the pool, and a later
+    forward reusing the same keys is left alone."""
+    from fpdt.offload import host_pool
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_Layer(8) for _ in range(3))
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    pool = host_pool("cpu")
+    before = pool.stats.in_use_bytes
+    y, stash = _run(layers, x, "offload")
+    assert len(stash._host) == 3 and pool.stats.in_use_bytes == before + 3 * x.numel() * 4
+    del y
+    assert len(stash._host) == 0 and pool.stats.in_use_bytes == before
+    # same keys, second forward: freeing the first graph late must not drop the second's entries
+    y1 = _run_with(layers, x, stash)
+    y2 = _run_with(layers, x, stash)   # put() replaced y1's entries; y1's graph still alive
+    del y1
+    assert len(stash._host) == 3
+    y2.sum().backward()
+    assert len(stash._host) == 0 and pool.stats.in_use_bytes == before
+
+
+def _run_with(layers, x, stash):
+    h = x
+    for i, layer in enumerate(layers):
+        h = checkpointed(layer, h, list(layer.parameters()), stash=stash, key=i, prev_key=i - 1 if i else None)
+    return h

@@ -22,14 +22,14 @@ CHUNKINGS = [(1, None, None, False), (2, 3, 5, True), (4, 0, 0, False), (2, 1, 1
 
 
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing,
-             B=2, S=None, ignore=True):
+             B=2, S=None, ignore=True, lm_head_wgrad="accumulate"):
     """Build both models, run one step, assert parity; returns the relative errors."""
     ref = hf_model(name)
     S = S or 4 * world * num_chunks
     ids, labels = tokens(ref.config.vocab_size, B, S, ignore=ignore)
     ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
     model = fpdt_from_hf(ref, num_chunks=num_chunks, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
-                         offload=offload, checkpointing=checkpointing)
+                         offload=offload, checkpointing=checkpointing, lm_head_wgrad=lm_head_wgrad)
     inputs = fm.prepare_inputs(ids, labels=labels, sp_size=world, rank=rank, num_chunks=num_chunks)
     loss = model(**inputs)
     loss.backward()
@@ -38,7 +38,7 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
         for g in grads.values():
             dist.all_reduce(g)  # the convention: gradients summed over SP ranks = reference gradient
     what = (f"{name} rank {rank}/{world} u={num_chunks} mlp={mlp_chunks} loss={loss_chunks} "
-            f"offload={offload} ckpt={checkpointing}")
+            f"offload={offload} ckpt={checkpointing} wgrad={lm_head_wgrad}")
     return compare(loss, grads, ref_loss, ref_grads, what)
 
 
@@ -50,12 +50,21 @@ def test_single_rank(name, checkpointing):
                  offload=offload, checkpointing=checkpointing)
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_tied"])
+def test_single_rank_lm_head_wgrad_recompute(name):
+    """The recomputed LM-head weight gradient (tied and untied heads) across chunkings."""
+    for num_chunks, mlp_chunks, loss_chunks, offload in CHUNKINGS:
+        if loss_chunks != 0:   # 0 = the plain full-logits loss, which has no weight-gradient mode
+            run_case(name, 0, 1, num_chunks=num_chunks, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
+                     offload=offload, checkpointing="offload", lm_head_wgrad="recompute")
+
+
 def _multi_rank(rank, world, cases, weighted_mean_check=False):
     if weighted_mean_check:
         _all_ignored_on_one_rank(rank, world)
-    for name, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing in cases:
+    for name, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, *wgrad in cases:
         run_case(name, rank, world, num_chunks=num_chunks, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
-                 offload=offload, checkpointing=checkpointing)
+                 offload=offload, checkpointing=checkpointing, lm_head_wgrad=(wgrad or ["accumulate"])[0])
 
 
 def test_two_ranks():
@@ -63,7 +72,8 @@ def test_two_ranks():
              ("llama_gqa", 2, 3, 5, True, "offload"),
              ("qwen2_tied", 2, None, 0, False, "on"),
              ("llama_bias", 4, 0, 3, True, "offload"),
-             ("mistral", 1, 2, None, False, "on")]
+             ("mistral", 1, 2, None, False, "on"),
+             ("qwen2_tied", 2, None, 3, True, "offload", "recompute")]
     run_distributed(_multi_rank, 2, args=(cases, True), timeout=240)
 
 

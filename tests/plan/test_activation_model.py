@@ -5,7 +5,9 @@ Same tiny model and inputs: a bf16 Llama (hidden 64, GQA 4:1... 4 query / 2 KV h
 step (so, as in the device-memory issue, only what the step creates is counted). The
 planner's ``activation_peak_bytes`` (everything beyond model states, communication
 buffers and the runtime reserve) must be within 10% of the accountant's device peak, on
-every rank, for sp 1 and 2, u 2/4/8, offload on/off, checkpointing on/offload.
+every rank, for sp 1 and 2, u 2/4/8, offload on/off, checkpointing on/offload. A
+vocabulary of 32,000 puts the peak at the loss instead, for both LM-head weight-gradient
+modes (there "recompute" measures 2.5x less than "accumulate").
 """
 
 import pytest
@@ -23,7 +25,7 @@ CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size
        "tie_word_embeddings": False, "rope_theta": 10000.0}
 TOLERANCE = 0.10
 
-# (sp, seq_len, u, offload, checkpoint)
+# (sp, seq_len, u, offload, checkpoint[, vocab, lm_head_wgrad])
 CASES = [
     (1, 2048, 2, True, "offload"),
     (1, 2048, 8, True, "offload"),
@@ -32,37 +34,47 @@ CASES = [
     (1, 2048, 4, False, "offload"),
     (2, 2048, 4, True, "offload"),
     (2, 2048, 2, False, "on"),
+    (1, 2048, 2, True, "offload", 32000, "accumulate"),
+    (1, 2048, 8, True, "offload", 32000, "recompute"),
+    (1, 512, 2, True, "offload", 32000, "recompute"),
+    (2, 2048, 4, True, "offload", 32000, "recompute"),
 ]
 
 
-def measured_peak(seq_len: int, u: int, offload: bool, checkpoint: str, group=None) -> int:
+def _config(vocab: int) -> dict:
+    return {**CFG, "vocab_size": vocab}
+
+
+def measured_peak(seq_len: int, u: int, offload: bool, checkpoint: str, vocab: int = 256,
+                  wgrad: str = "accumulate", group=None) -> int:
     torch.manual_seed(0)
-    model = fm.from_config(CFG, dtype=torch.bfloat16, num_chunks=u, offload=offload, checkpointing=checkpoint,
-                           group=group)
+    model = fm.from_config(_config(vocab), dtype=torch.bfloat16, num_chunks=u, offload=offload,
+                           checkpointing=checkpoint, lm_head_wgrad=wgrad, group=group)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    inputs = model.prepare_inputs(torch.randint(0, CFG["vocab_size"], (1, seq_len)))
+    inputs = model.prepare_inputs(torch.randint(0, vocab, (1, seq_len)))
     with MemoryAccountant("cpu") as acct:
         model(**inputs).backward()
     return acct.device_peak
 
 
-def planned_peak(sp: int, seq_len: int, u: int, offload: bool, checkpoint: str) -> float:
+def planned_peak(sp: int, seq_len: int, u: int, offload: bool, checkpoint: str, vocab: int = 256,
+                 wgrad: str = "accumulate") -> float:
     s = Setup(seq_len=seq_len, chunk_size=seq_len // u, hp=sp, checkpoint=checkpoint, offload=offload,
-              zero_stage=0, dtype="bf16", kernel_expands_gqa=True)   # the CPU kernel
+              zero_stage=0, dtype="bf16", kernel_expands_gqa=True, lm_head_wgrad=wgrad)   # the CPU kernel
     cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=sp)
-    return evaluate(load_model_config(CFG), s, cluster)["activation_peak_bytes"]
+    return evaluate(load_model_config(_config(vocab)), s, cluster)["activation_peak_bytes"]
 
 
 def _rank_body(rank, world_size, case):
-    sp, seq_len, u, offload, checkpoint = case
-    got = measured_peak(seq_len, u, offload, checkpoint)
+    sp, seq_len, u, offload, checkpoint, *loss = case
+    got = measured_peak(seq_len, u, offload, checkpoint, *loss)
     want = planned_peak(*case)
     assert abs(want - got) <= TOLERANCE * got, f"rank {rank}, {case}: planned {want:.0f} B, measured {got} B"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "sp{}-S{}-u{}-{}-ckpt_{}".format(
-    c[0], c[1], c[2], "offload" if c[3] else "device", c[4]))
+    c[0], c[1], c[2], "offload" if c[3] else "device", c[4]) + ("-V{}-{}".format(*c[5:]) if c[5:] else ""))
 def test_planned_activation_peak_matches_accountant(case):
     if case[0] == 1:
         _rank_body(0, 1, case)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fpdt.train.cli import main
+from fpdt.train.cli import build_parser, fpdt_flags, main
 from fpdt.train.config import ConfigError, FPDTOptions, load_ds_config, merge_options, validate
 from tests.train.helpers import write_fixture, write_json
 
@@ -19,6 +19,20 @@ def test_flags_win_over_json_over_defaults():
                          {"chunk_size": 64, "sp": 4, "checkpoint": "on"})
     assert opts == FPDTOptions(sp=2, chunk_size=64, checkpoint="on")
     assert merge_options({}, None) == FPDTOptions()
+
+
+def test_lm_head_wgrad_reaches_the_model():
+    """The flag (or JSON key) is one of the model's modes and is handed to it."""
+    from fpdt.model.loss import WGRAD_MODES
+    from fpdt.train.config import LM_HEAD_WGRAD_MODES
+    assert LM_HEAD_WGRAD_MODES == WGRAD_MODES
+    args = build_parser().parse_args(["--model-config", "c.json", "--steps", "1", "--data", "x.npy", "--seq-len", "8",
+                                     "--lm-head-wgrad", "recompute"])
+    assert merge_options(fpdt_flags(args), {"lm_head_wgrad": "accumulate"}).lm_head_wgrad == "recompute"
+    import fpdt.model as fm
+    from tests.model.helpers import hf_model
+    model = fm.from_config(hf_model("llama_gqa").config, lm_head_wgrad="recompute")
+    assert "lm_head_wgrad='recompute'" in repr(model)
 
 
 def test_fpdt_key_is_stripped_and_rest_passed_untouched(tmp_path):
@@ -34,6 +48,7 @@ def test_fpdt_key_is_stripped_and_rest_passed_untouched(tmp_path):
     ({"sp": 0}, r"sp=0 must be an integer >= 1"),
     ({"checkpoint": "full"}, r"checkpoint='full' must be one of"),
     ({"offload": "yes"}, r"offload='yes' must be true or false"),
+    ({"lm_head_wgrad": "sliced"}, r"lm_head_wgrad='sliced' must be one of \('accumulate', 'recompute'\)"),
 ])
 def test_bad_fpdt_section(section, match):
     with pytest.raises(ConfigError, match=match):

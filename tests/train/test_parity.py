@@ -38,17 +38,17 @@ def _train(rank: int, tmp: str, name: str, sp: int, chunk: int, extra: list[str]
 
 
 def _body(rank: int, world_size: int, tmp: str, sp: int, chunk: int, resume: bool,
-          checkpoint: str = "off") -> None:
+          checkpoint: str = "off", flags: tuple[str, ...] = ()) -> None:
     quiet()
     for name in ("sgd", "adamw"):
         extra = ["--save-dir", os.path.join(tmp, "ckpt"), "--save-every", "2"] if resume and name == "adamw" else []
-        _train(rank, tmp, name, sp, chunk, extra + ["--checkpoint", checkpoint])
+        _train(rank, tmp, name, sp, chunk, extra + ["--checkpoint", checkpoint, *flags])
     if resume:  # continue from step 2 to step 3 in a fresh engine
         _train(rank, tmp, "adamw_resumed", sp, chunk, ["--resume", os.path.join(tmp, "ckpt", "step2")])
 
 
 def _run_layout(tmp: str, sp: int, chunk: int, resume: bool, checkpoint: str = "off", grad_accum: int = 1,
-                bf16: bool = False, rtol: float = RTOL) -> dict[str, list[float]]:
+                bf16: bool = False, rtol: float = RTOL, flags: tuple[str, ...] = ()) -> dict[str, list[float]]:
     """Train with SGD and AdamW on 2 ranks and compare each step's loss with the fp32
     single-process reference, which trains ``dp * grad_accum`` windows per step as one batch."""
     cfg_path, data_path = write_fixture(tmp)
@@ -58,7 +58,7 @@ def _run_layout(tmp: str, sp: int, chunk: int, resume: bool, checkpoint: str = "
     write_json(os.path.join(tmp, "sgd.json"), ds_config(SGD, SGD_CLIP, **extra))
     write_json(os.path.join(tmp, "adamw.json"), ds_config(ADAMW, ADAMW_CLIP, **extra))
     write_json(os.path.join(tmp, "adamw_resumed.json"), ds_config(ADAMW, ADAMW_CLIP, **extra))
-    run_distributed(_body, world_size=2, args=(tmp, sp, chunk, resume, checkpoint), timeout=240)
+    run_distributed(_body, world_size=2, args=(tmp, sp, chunk, resume, checkpoint, flags), timeout=240)
     dp = 2 // sp
     out = {}
     for name, opt, clip in (("sgd", SGD, SGD_CLIP), ("adamw", ADAMW, ADAMW_CLIP)):
@@ -98,6 +98,15 @@ def test_sp2_zero3_with_activation_checkpointing_matches_single_process(tmp_path
 def test_sp2_zero3_gradient_accumulation_matches_single_process(tmp_path):
     """Two micro steps per optimizer step equal one step over both windows (equal token counts)."""
     _run_layout(str(tmp_path), sp=2, chunk=32, resume=False, grad_accum=2)
+
+
+@pytest.mark.slow
+def test_sp2_zero3_lm_head_wgrad_recompute_matches_single_process(tmp_path):
+    """The recomputed LM-head weight gradient needs the head's weight again in backward:
+    ZeRO-3 must have gathered it there (the root module's external parameter). Two micro
+    steps: the loss's incoming gradient is 1/2, not 1."""
+    _run_layout(str(tmp_path), sp=2, chunk=32, resume=False, checkpoint="on", grad_accum=2,
+                flags=("--lm-head-wgrad", "recompute"))
 
 
 @pytest.mark.slow
