@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
 from fpdt.plan.models import PRESETS
 from fpdt.plan.planner import Choice, plan
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--host-mem-gib", type=float, default=1024.0, help="host memory per node (default 1024)")
     p.add_argument("--calibration", help="rates measured by profiling/op_latency.py (JSON)")
+    p.add_argument("--deepspeed", metavar="JSON",
+                   help="the DeepSpeed config the run will use: its ZeRO stage, offload, bucket sizes and precision "
+                        "replace --zero-stage, --offload-optimizer, --offload-param and --dtype")
     p.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3))
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer state (and grads) on the host")
     p.add_argument("--offload-param", action="store_true", help="ZeRO-3 parameters on the host")
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
                         offload_param=args.offload_param, dtype=args.dtype, batch=args.batch,
                         lm_head_wgrad=args.lm_head_wgrad)
+        if args.deepspeed:
+            choice = apply_deepspeed_config(args.deepspeed, choice)
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:
         print(f"fpdt-plan: error: {exc}", file=sys.stderr)

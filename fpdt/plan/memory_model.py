@@ -42,7 +42,15 @@ Activations (per rank), the phase with the larger sum sets the peak:
   gradient ``V * h * e``, one fp32 ``[T, V / loss_chunks]`` logits slice and its cast.
 * **communication buffers**: ZeRO-3 gathers the current and the prefetched layer (or a
   layer and the embedding/LM head) in ``e``; one layer's unsharded gradients wait for the
-  reduce-scatter (ring and all-to-all buffers are part of the attention working set).
+  reduce-scatter; under ZeRO-2/3 DeepSpeed also keeps its contiguous-gradient bucket,
+  ``reduce_bucket_size`` elements in ``e`` for the whole run (DeepSpeed's default
+  :data:`ZERO_REDUCE_BUCKET`, or the JSON's: ``fpdt-plan --deepspeed``; ring and
+  all-to-all buffers are part of the attention working set).
+* **optimizer step** (a phase of its own, activations freed): DeepSpeed's ZeRO-3 step
+  casts one sub-group of the gradient partition to fp32 at a time
+  (``sub_group_size`` elements at most, default :data:`ZERO_SUB_GROUP`; the flat ``e`` copy and its fp32 cast are
+  momentarily both live), beside the bucket. It sets the peak only when activations are
+  small (short sequences on many GPUs).
 * **runtime reserve**: CUDA context, NCCL and cuBLAS workspaces
   (:data:`RUNTIME_RESERVE_BYTES`); the caching allocator's slack is a factor
   (:data:`FRAGMENTATION`) on everything allocated dynamically.
@@ -63,7 +71,7 @@ from fpdt.model.loss import default_loss_chunks
 from fpdt.model.mlp import default_mlp_chunks
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import param_counts
-from fpdt.plan.setup import Setup
+from fpdt.plan.setup import ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup  # noqa: F401 (re-exported)
 
 # Calibrated on the CPU with fpdt.profiling.memory against this implementation (tests/plan/
 # test_activation_model.py pins them: a change to the layer's memory must update them).
@@ -81,6 +89,7 @@ ATTENTION_WS_U = 16.0
 """Chunk-sized buffers of the attention pipeline at its backward peak (device-memory
 issue's budget)."""
 LOSS_LOGIT_COPIES = 3.0
+
 RUNTIME_RESERVE_BYTES = 2.5 * GIB
 FRAGMENTATION = 1.10
 HOST_RESERVE_PER_RANK = 4 * GIB
@@ -160,7 +169,21 @@ def communication(cfg: ModelConfig, s: Setup) -> float:
         zero = (gathered + pc.layer) * e
     else:
         zero = pc.layer * e if s.zero_stage == 2 else 0.0
-    return zero
+    return zero + zero_bucket(s)
+
+
+def zero_bucket(s: Setup) -> float:
+    """DeepSpeed's contiguous-gradient bucket (ZeRO-2/3), resident for the whole run."""
+    return s.reduce_bucket_size * s.elem_bytes if s.zero_stage >= 2 and s.contiguous_gradients else 0.0
+
+
+def optimizer_step_transient(cfg: ModelConfig, s: Setup, world: int) -> float:
+    """Bytes the ZeRO-3 optimizer step adds while it runs: one sub-group's flat gradient
+    (``e``) and its fp32 cast (none when the optimizer runs on the host)."""
+    if s.offload_optimizer or s.zero_stage != 3:
+        return 0.0
+    n = min(s.sub_group_size, param_counts(cfg).total / world)
+    return n * (4 + (s.elem_bytes if s.elem_bytes != 4 else 0))
 
 
 def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
@@ -214,10 +237,17 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
             at_peak[ws_key] = ws
     else:
         at_peak["loss_chunk"] = loss
-    activation = max(layer_phase, loss_phase)
+    activation = activation_peak = max(layer_phase, loss_phase)
     comm = communication(cfg, s)
+    step = optimizer_step_transient(cfg, s, world)
+    if step + zero_bucket(s) > activation + comm:    # the optimizer step is the peak
+        at_peak = {k: 0.0 for k in at_peak}
+        activation, comm = 0.0, zero_bucket(s)
+    else:
+        step = 0.0
+    dynamic = activation + comm + step
     device = (states["parameters"] + states["gradients"] + states["optimizer_state"]
-              + FRAGMENTATION * (activation + comm) + RUNTIME_RESERVE_BYTES)
+              + FRAGMENTATION * dynamic + RUNTIME_RESERVE_BYTES)
 
     stash_host = 0.0
     if s.offload:
@@ -230,7 +260,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         "optimizer_state": states["optimizer_state"],
         **at_peak,
         "communication_buffers": comm,
-        "runtime_reserve": RUNTIME_RESERVE_BYTES + (FRAGMENTATION - 1) * (activation + comm),
+        "optimizer_step": step,
+        "runtime_reserve": RUNTIME_RESERVE_BYTES + (FRAGMENTATION - 1) * dynamic,
         "checkpoints_host": ranks * ckpt_host,
         "attention_stash_host": ranks * stash_host,
         "model_states_host": ranks * states["model_states_host"],
@@ -238,4 +269,5 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     }
     working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, "loss": loss,
                     **{f"layer_{k}_phase": v[0] + v[2] for k, v in phases.items()}}
-    return MemoryEstimate(breakdown, working_sets, device, activation, ranks * per_rank_host)
+    working_sets["optimizer_step"] = optimizer_step_transient(cfg, s, world) + zero_bucket(s)
+    return MemoryEstimate(breakdown, working_sets, device, activation_peak, ranks * per_rank_host)

@@ -18,7 +18,8 @@ from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import estimate_memory
 from fpdt.plan.models import load_model_config
-from fpdt.plan.setup import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, Setup
+from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
+                             Setup)
 from fpdt.plan.time_model import estimate_time, model_shape
 from fpdt.train.metrics import step_rates
 
@@ -47,6 +48,10 @@ class Choice:
     batch: int = 1
     lm_head_wgrad: str | None = None
     """None: the faster mode that fits ("accumulate" unless only "recompute" fits)."""
+    reduce_bucket_size: float = ZERO_REDUCE_BUCKET
+    sub_group_size: float = ZERO_SUB_GROUP
+    contiguous_gradients: bool = True
+    """DeepSpeed ZeRO settings that allocate device memory (its defaults unless given)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -91,7 +96,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                       inner_ring=choice.inner_ring, checkpoint=ckpt, offload=choice.offload,
                       zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
                       offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch,
-                      lm_head_wgrad=wgrad)
+                      lm_head_wgrad=wgrad, reduce_bucket_size=choice.reduce_bucket_size,
+                      sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients)
             if not s.problems(cfg, world):
                 out.append(s)
     return out

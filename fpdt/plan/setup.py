@@ -16,6 +16,12 @@ from fpdt.model.config import ModelConfig
 
 CHECKPOINT_MODES = ("off", "on", "offload")
 LM_HEAD_WGRAD_MODES = ("accumulate", "recompute")   # fpdt.model.loss.WGRAD_MODES
+ZERO_REDUCE_BUCKET = 5e8
+"""DeepSpeed's default ``reduce_bucket_size`` (elements): with ``contiguous_gradients`` (also
+its default) ZeRO-2/3 allocate a bucket of that many gradient elements on the device at
+start-up and keep it."""
+ZERO_SUB_GROUP = 1e9
+"""DeepSpeed's default ZeRO-3 ``sub_group_size`` (elements per optimizer sub-group)."""
 PLACEMENTS = ("head_first", "context_first")
 DTYPES = {"bf16": 2, "fp32": 4}
 
@@ -49,6 +55,10 @@ class Setup:
     lm_head_wgrad: str = "accumulate"
     """The chunked loss's LM-head weight gradient (:mod:`fpdt.model.loss`): an fp32
     ``[V, hidden]`` accumulator, or recomputed logits in backward (one more LM-head GEMM)."""
+    reduce_bucket_size: float = ZERO_REDUCE_BUCKET
+    sub_group_size: float = ZERO_SUB_GROUP
+    contiguous_gradients: bool = True
+    """DeepSpeed ZeRO settings that allocate device memory (``zero_optimization`` keys)."""
     kernel_expands_gqa: bool = False
     """The attention kernel repeats K/V heads (the CPU kernel); False for flash-attn/cuDNN,
     which take GQA natively (the GPU presets)."""

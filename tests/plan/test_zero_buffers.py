@@ -1,0 +1,85 @@
+"""DeepSpeed's own ZeRO allocations in the planner: the contiguous-gradient bucket and the
+optimizer step's fp32 sub-group, with their sizes taken from DeepSpeed's defaults."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from fpdt.plan import GPU_PRESETS, Cluster, evaluate, load_model_config
+from fpdt.plan.memory_model import ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP
+from fpdt.plan.models import param_counts
+from fpdt.plan.setup import Setup
+
+K = 1024
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_constants_are_deepspeeds_defaults_and_fpdt_train_keeps_them():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from fpdt.train.config import DEFAULT_DS_CONFIG
+    zc = DeepSpeedZeroConfig()
+    assert (zc.reduce_bucket_size, zc.sub_group_size, zc.contiguous_gradients) == (ZERO_REDUCE_BUCKET,
+                                                                                    ZERO_SUB_GROUP, True)
+    zero = DEFAULT_DS_CONFIG.get("zero_optimization", {})
+    assert not {"reduce_bucket_size", "sub_group_size", "contiguous_gradients"} & set(zero), zero
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "examples", "**", "ds_*.json"), recursive=True)),
+                         ids=os.path.basename)
+def test_planning_with_a_shipped_deepspeed_config_reads_its_zero_settings(path, capsys):
+    """``fpdt-plan --deepspeed`` takes stage, offload, bucket sizes and precision from the file."""
+    from fpdt.plan import Choice
+    from fpdt.plan.cli import main
+    from fpdt.plan.deepspeed_config import apply_deepspeed_config
+    with open(path) as f:
+        cfg = json.load(f)
+    zero = cfg.get("zero_optimization", {})
+    choice = apply_deepspeed_config(path, Choice())
+    assert choice.zero_stage == zero.get("stage", 0)
+    assert choice.reduce_bucket_size == zero.get("reduce_bucket_size", ZERO_REDUCE_BUCKET)
+    assert choice.offload_optimizer == (zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme"))
+    assert choice.dtype == ("bf16" if cfg.get("bf16", {}).get("enabled") else "fp32")
+    assert main(["--model", "llama-3.2-1b", "--gpu", "h100-80g", "--gpus-per-node", "8", "--seq-len", str(256 * K),
+                 "--deepspeed", path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    bucket = choice.reduce_bucket_size * (2 if choice.dtype == "bf16" else 4) if choice.zero_stage >= 2 else 0
+    assert out["setup"]["reduce_bucket_size"] == choice.reduce_bucket_size
+    assert out["breakdown"]["communication_buffers"] >= bucket
+
+
+def _evaluate(model, seq_len, gpus, zero_stage=3, **kw):
+    s = Setup(seq_len=seq_len, chunk_size=min(seq_len, 64 * K), hp=gpus, zero_stage=zero_stage, **kw)
+    return evaluate(load_model_config(model), s, Cluster(GPU_PRESETS["a100-80g"], gpus_per_node=gpus))
+
+
+@pytest.mark.parametrize("stage, bucket", [(0, 0), (1, 0), (2, ZERO_REDUCE_BUCKET * 2), (3, ZERO_REDUCE_BUCKET * 2)])
+def test_gradient_bucket_in_communication_buffers(stage, bucket):
+    with_bucket = _evaluate("llama-3.2-1b", 256 * K, 8, zero_stage=stage)
+    pc = param_counts(load_model_config("llama-3.2-1b"))
+    gathers = {0: 0, 1: 0, 2: pc.layer * 2,
+               3: (max(2 * pc.layer, pc.layer + max(pc.embedding, pc.head)) + pc.layer) * 2}[stage]
+    assert with_bucket["breakdown"]["communication_buffers"] == pytest.approx(gathers + bucket)
+
+
+def test_optimizer_step_sets_the_peak_when_activations_are_small():
+    """Llama-3-8B at 8K tokens on one GPU: the step flattens one sub-group of 1e9 bf16
+    gradient elements and casts it to fp32 (6 GB) beside the bucket, more than the
+    gathers and the activations of 8K tokens."""
+    out = _evaluate("llama-3-8b", 8 * K, 1)
+    b = out["breakdown"]
+    assert b["optimizer_step"] == pytest.approx(ZERO_SUB_GROUP * (4 + 2))
+    assert b["communication_buffers"] == pytest.approx(ZERO_REDUCE_BUCKET * 2)
+    assert b["in_flight_layer"] == b["loss_chunk"] == b["checkpoints_device"] == 0
+    device = sum(v for k, v in b.items() if not k.endswith("_host"))
+    assert device == pytest.approx(out["device_peak_bytes"])
+    # long sequences: the layer is the peak again, and the step is listed as a working set only
+    long = _evaluate("llama-3-8b", 256 * K, 1)
+    assert long["breakdown"]["optimizer_step"] == 0 and long["breakdown"]["in_flight_layer"] > 0
+    assert long["working_sets"]["optimizer_step"] == pytest.approx(ZERO_SUB_GROUP * 6 + ZERO_REDUCE_BUCKET * 2)
+
+
+def test_no_step_transient_with_the_optimizer_on_the_host():
+    out = _evaluate("llama-3-8b", 8 * K, 1, offload_optimizer=True)
+    assert out["breakdown"]["optimizer_step"] == 0
