@@ -38,7 +38,7 @@ Activations (per rank), the phase with the larger sum sets the peak:
   their gradient for ``t = T / loss_chunks`` tokens (:data:`LOSS_LOGIT_COPIES` ``[t, V]``
   fp32 tensors) and the kept ``dh`` (``Nd``) beside the final hidden state; with
   ``lm_head_wgrad="accumulate"`` also the fp32 LM-head gradient accumulator ``V * h * 4``,
-  whose backward adds its cast ``V * h * e``; with ``"recompute"`` instead the backward's
+  whose backward adds its cast ``V * h * e`` (none in fp32); with ``"recompute"`` instead the backward's
   gradient ``V * h * e``, one fp32 ``[T, V / loss_chunks]`` logits slice and its cast.
 * **communication buffers**: ZeRO-3 gathers the current and the prefetched layer (or a
   layer and the embedding/LM head) in ``e``; one layer's unsharded gradients wait for the
@@ -217,7 +217,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     if s.lm_head_wgrad == "recompute":
         loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk, vh * e + logits_chunk * (1 + e / 4))
     else:
-        loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk + vh * 4, vh * (4 + e))
+        cast = vh * e if e != 4 else 0.0            # the backward's cast of the fp32 accumulator
+        loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk + vh * 4, vh * 4 + cast)
 
     # The peak is in one layer's backward or at the loss (end of forward); the breakdown
     # holds what is live at that moment, so that it sums to the peak.

@@ -181,8 +181,8 @@ def test_run_suite_tiny_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "(0 piece(s) stopped early)" in proc.stdout, proc.stdout[-2000:]
     names = set(os.listdir(out))
-    assert {"op_latency.json", "calibration.json", "chunk_sweep.json", "results.md", "memory_vs_length.png",
-            "max_seqlen.png", "chunk_sweep.png", "op_latency.png"} <= names
+    assert {"op_latency.json", "calibration.json", "chunk_sweep.json", "lm_head_wgrad.json", "results.md",
+            "memory_vs_length.png", "max_seqlen.png", "chunk_sweep.png", "op_latency.png"} <= names
     for s in ("fpdt", "fpdt-no-offload", "hf", "alst"):
         data = json.loads((out / f"max_seqlen-{s}.json").read_text())
         trials = data["strategies"][s]["trials"]
@@ -238,3 +238,19 @@ def test_bisection_order(ms, monkeypatch, limit, lo, hi, want, tried):
     monkeypatch.setattr(ms, "run_one", fake)
     args = types.SimpleNamespace(step=1, chunk_size=1, min_len=lo, max_len=hi, resolution=1)
     assert ms.bisect(args, "hf", []) == want and seen == tried
+
+
+def test_lm_head_wgrad_script_fields(tmp_path):
+    """Both modes measured on the same inputs; the fp32 run's peaks are equal-sized
+    (recompute's [V, hidden] gradient is fp32 too), the bf16 run's recompute peak is lower."""
+    import importlib
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "profiling"))
+    lw = importlib.import_module("lm_head_wgrad")
+    assert lw.main(["--shape", "32", "1000", "64", "--dtype", "bf16", "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "lm_head_wgrad.json").read_text())
+    (row,) = data["rows"]
+    assert set(row["modes"]) == {"accumulate", "recompute"} and data["dtype"] == "bfloat16"
+    assert all(m["time_s"] > 0 and m["device_peak_bytes"] > 0 for m in row["modes"].values())
+    assert row["peak_saved_bytes"] > 0 and row["peak_ratio"] < 1
+    assert row["accumulator_bytes"] == 1000 * 32 * 4 and row["gemm_ratio_model"] == pytest.approx(4 / 3)

@@ -1,0 +1,120 @@
+"""The chunked loss's two LM-head weight-gradient modes, measured side by side.
+
+For each shape (hidden, vocab, local tokens) the fused LM head + cross-entropy
+(:func:`fpdt.model.loss.chunked_lm_loss`, default loss chunks for ``--attn-chunks``) runs
+forward + backward in ``"accumulate"`` mode (fp32 ``[V, hidden]`` accumulator) and in
+``"recompute"`` mode (logits recomputed in backward a vocabulary slice at a time), in the
+same process, alternating, ``--repeats`` times each. Reported per mode: the median time and
+the device peak beyond the inputs (CUDA: ``max_memory_allocated``; CPU: the
+:class:`~fpdt.profiling.memory.MemoryAccountant`), and per shape the ratios recompute /
+accumulate. The planner charges "recompute" one more LM-head GEMM (4 instead of 3 ``T x
+hidden x V`` GEMMs in ``fpdt.plan.time_model``): the ``gemm_ratio_model`` field is that
+4/3 for comparison.
+
+    python profiling/lm_head_wgrad.py                      # Llama-3 heads on a GPU
+    python profiling/lm_head_wgrad.py --tiny               # seconds, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
+import bench_common as bc  # noqa: E402
+
+from fpdt.model.loss import WGRAD_MODES, chunked_lm_loss, default_loss_chunks
+from fpdt.profiling.memory import MemoryAccountant
+
+# (hidden, vocab, local tokens): Llama-3.2-1B, Llama-3-8B and Llama-3-70B heads at 16K tokens per GPU
+GPU_SHAPES = [(2048, 128256, 16384), (4096, 128256, 16384), (8192, 128256, 16384)]
+CPU_SHAPES = [(512, 32000, 4096), (1024, 32000, 2048)]
+TINY_SHAPES = [(64, 2000, 256)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_once(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunks: int, mode: str) -> tuple[float, int]:
+    """Seconds and device peak bytes (beyond what exists before) of one forward + backward."""
+    device = h.device
+    hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        chunked_lm_loss(hh, ww, y, 1.0 / y.numel(), chunks, wgrad=mode).backward()
+        _sync(device)
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated(device) - base
+    with MemoryAccountant(device) as acct:
+        t0 = time.perf_counter()
+        chunked_lm_loss(hh, ww, y, 1.0 / y.numel(), chunks, wgrad=mode).backward()
+        elapsed = time.perf_counter() - t0
+    return elapsed, acct.device_peak
+
+
+def measure(hidden: int, vocab: int, tokens: int, attn_chunks: int, dtype: torch.dtype, repeats: int,
+            device: torch.device) -> dict:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, tokens, hidden, generator=g).to(device, dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * hidden ** -0.5).to(device, dtype)
+    y = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+    chunks = default_loss_chunks(vocab, hidden, attn_chunks)
+    for mode in WGRAD_MODES:                      # warm-up (kernels, allocator)
+        run_once(h, w, y, chunks, mode)
+    times = {m: [] for m in WGRAD_MODES}
+    peaks = {m: 0 for m in WGRAD_MODES}
+    for _ in range(repeats):                      # alternate, so that load drifts hit both modes alike
+        for mode in WGRAD_MODES:
+            t, p = run_once(h, w, y, chunks, mode)
+            times[mode].append(t)
+            peaks[mode] = max(peaks[mode], p)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    return {"hidden": hidden, "vocab": vocab, "tokens": tokens, "loss_chunks": chunks,
+            "modes": {m: {"time_s": med[m], "times_s": times[m], "device_peak_bytes": peaks[m]}
+                      for m in WGRAD_MODES},
+            "time_ratio": med["recompute"] / med["accumulate"],
+            "peak_ratio": peaks["recompute"] / peaks["accumulate"],
+            "peak_saved_bytes": peaks["accumulate"] - peaks["recompute"],
+            "accumulator_bytes": vocab * hidden * 4,
+            "gemm_ratio_model": 4 / 3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=int, nargs=3, action="append", metavar=("HIDDEN", "VOCAB", "TOKENS"),
+                   help="hidden, vocabulary, local tokens (repeatable; default: Llama-3 heads on a GPU, "
+                        "smaller on the CPU)")
+    p.add_argument("--attn-chunks", type=int, default=1, help="attention chunks u, for the default loss chunks")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="one small shape, for the CPU smoke test")
+    p.add_argument("--out-dir")
+    args = p.parse_args(argv)
+    device = bc.default_device()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    shapes = args.shape or (TINY_SHAPES if args.tiny else GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
+    rows = []
+    for hidden, vocab, tokens in shapes:
+        r = measure(hidden, vocab, tokens, args.attn_chunks, dtype, args.repeats, device)
+        rows.append(r)
+        print(f"hidden {hidden} vocab {vocab} tokens {tokens} ({r['loss_chunks']} loss chunks): "
+              f"recompute/accumulate time {r['time_ratio']:.2f} (model {r['gemm_ratio_model']:.2f}), "
+              f"peak {r['peak_ratio']:.2f} ({r['peak_saved_bytes'] / 2**20:.1f} MiB saved; "
+              f"fp32 accumulator {r['accumulator_bytes'] / 2**20:.1f} MiB)")
+    out = {**bc.header("lm_head_wgrad.py", args), "dtype": str(dtype).replace("torch.", ""), "rows": rows}
+    path = bc.write_json(os.path.join(bc.results_dir(args.tiny, args.out_dir), "lm_head_wgrad.json"), out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
