@@ -11,6 +11,7 @@ chosen unless given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -37,13 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-mem-gib", type=float, default=1024.0, help="host memory per node (default 1024)")
     p.add_argument("--calibration", help="rates measured by profiling/op_latency.py (JSON)")
     p.add_argument("--deepspeed", metavar="JSON",
-                   help="the DeepSpeed config the run will use: its ZeRO stage, offload, bucket sizes and precision "
-                        "replace --zero-stage, --offload-optimizer, --offload-param and --dtype")
-    p.add_argument("--zero-stage", type=int, default=3, choices=(0, 1, 2, 3))
-    p.add_argument("--offload-optimizer", action="store_true", help="optimizer state (and grads) on the host")
-    p.add_argument("--offload-param", action="store_true", help="ZeRO-3 parameters on the host")
-    p.add_argument("--checkpoint", default="offload", choices=CHECKPOINT_MODES)
-    p.add_argument("--offload", dest="offload", action="store_true", default=True,
+                   help="the DeepSpeed config the run will use: its ZeRO stage, offload, bucket sizes, precision and "
+                        "\"fpdt\" section (chunk size, mesh, offload, checkpoint) are planned; flags given here win")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="default 3")
+    p.add_argument("--offload-optimizer", action="store_true", default=None,
+                   help="optimizer state (and grads) on the host")
+    p.add_argument("--offload-param", action="store_true", default=None, help="ZeRO-3 parameters on the host")
+    p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, help="default offload")
+    p.add_argument("--offload", dest="offload", action="store_true", default=None,
                    help="attention chunks in host memory (default)")
     p.add_argument("--no-offload", dest="offload", action="store_false")
     p.add_argument("--chunk-size", type=int, help="global tokens per FPDT chunk (default: choose)")
@@ -54,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inner-ring", type=int, help="double-ring inner size (default: single ring)")
     p.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
                    help="LM-head weight gradient: fp32 accumulator or recomputed logits (default: choose)")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--batch", type=int, default=1, help="sequences per SP group per step")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16")
+    p.add_argument("--batch", type=int, help="sequences per SP group per step (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -111,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         cal = load_calibration(args.calibration) if args.calibration else None
         cluster = Cluster(gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
                           host_mem_bytes=args.host_mem_gib * GIB, calibration=cal)
-        choice = Choice(chunk_size=args.chunk_size, sp=args.sp, hp=args.hp, cp=args.cp, placement=args.placement,
-                        inner_ring=args.inner_ring, checkpoint=args.checkpoint, offload=args.offload,
-                        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-                        offload_param=args.offload_param, dtype=args.dtype, batch=args.batch,
-                        lm_head_wgrad=args.lm_head_wgrad)
-        if args.deepspeed:
-            choice = apply_deepspeed_config(args.deepspeed, choice)
+        choice = apply_deepspeed_config(args.deepspeed, Choice()) if args.deepspeed else Choice()
+        flags = {"chunk_size": args.chunk_size, "sp": args.sp, "hp": args.hp, "cp": args.cp,
+                 "placement": args.placement, "inner_ring": args.inner_ring, "checkpoint": args.checkpoint,
+                 "offload": args.offload, "zero_stage": args.zero_stage, "offload_optimizer": args.offload_optimizer,
+                 "offload_param": args.offload_param, "dtype": args.dtype, "batch": args.batch,
+                 "lm_head_wgrad": args.lm_head_wgrad}
+        choice = dataclasses.replace(choice, **{k: v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:
         print(f"fpdt-plan: error: {exc}", file=sys.stderr)

@@ -3,9 +3,12 @@
 Read: ``zero_optimization`` -- ``stage``, ``offload_optimizer.device`` and
 ``offload_param.device`` (``"cpu"``/``"nvme"`` = on the host), and the keys that allocate
 device memory (``reduce_bucket_size``, ``sub_group_size``, ``contiguous_gradients``) --
-and the precision (``bf16`` / ``fp16`` enabled: 2-byte weights; neither: fp32). The
-``"fpdt"`` section is not read: chunk size and mesh stay the planner's to choose unless
-given as flags. Keys absent from the file keep DeepSpeed's defaults.
+the precision (``bf16`` / ``fp16`` enabled: 2-byte weights; neither: fp32), the micro
+batch (``train_micro_batch_size_per_gpu``: sequences per SP group), and the
+``"fpdt"`` section ``fpdt-train`` reads from the same file (:data:`FPDT_KEYS`): what it
+sets is fixed for the plan, as it will be for the run; what it leaves out the planner
+chooses. ZeRO keys absent from the file keep DeepSpeed's defaults. Command-line flags win
+over the file (the caller applies them afterwards, as ``fpdt-train`` does).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import dataclasses
 import json
 
 from fpdt.plan.planner import Choice
+
+FPDT_KEYS = ("sp", "hp", "cp", "placement", "inner_ring", "chunk_size", "offload", "checkpoint", "lm_head_wgrad")
+"""Keys of the JSON's ``"fpdt"`` section that are planner choices (same names as ``fpdt-train``'s)."""
 
 
 def _enabled(section) -> bool:
@@ -43,4 +49,8 @@ def apply_deepspeed_config(path: str, choice: Choice) -> Choice:
             changes[key] = float(zero[key])
     if "contiguous_gradients" in zero:
         changes["contiguous_gradients"] = bool(zero["contiguous_gradients"])
+    if "train_micro_batch_size_per_gpu" in cfg:   # sequences per SP group, as fpdt-train reads it
+        changes["batch"] = int(cfg["train_micro_batch_size_per_gpu"])
+    section = cfg.get("fpdt", {}) or {}
+    changes.update({k: section[k] for k in FPDT_KEYS if section.get(k) is not None})
     return dataclasses.replace(choice, **changes)

@@ -83,3 +83,21 @@ def test_optimizer_step_sets_the_peak_when_activations_are_small():
 def test_no_step_transient_with_the_optimizer_on_the_host():
     out = _evaluate("llama-3-8b", 8 * K, 1, offload_optimizer=True)
     assert out["breakdown"]["optimizer_step"] == 0
+
+
+def test_deepspeed_json_fpdt_section_is_planned_and_flags_win(capsys):
+    """The "fpdt" section fixes what the run will use (as fpdt-train reads it); flags win."""
+    from fpdt.plan.cli import main
+    path = os.path.join(ROOT, "examples", "llama-3-8b", "ds_zero3_8gpu.json")
+    base = ["--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8", "--seq-len", str(1024 * K),
+            "--deepspeed", path, "--json"]
+    assert main(base) == 0
+    s = json.loads(capsys.readouterr().out)["setup"]
+    assert (s["chunk_size"], s["hp"], s["cp"], s["offload"], s["checkpoint"]) == (64 * K, 8, 1, True, "offload")
+    assert (s["zero_stage"], s["dtype"], s["reduce_bucket_size"], s["batch"]) == (3, "bf16", 5e7, 1)
+    assert main(base + ["--chunk-size", str(16 * K), "--checkpoint", "on", "--zero-stage", "2"]) == 0
+    s = json.loads(capsys.readouterr().out)["setup"]
+    assert (s["chunk_size"], s["checkpoint"], s["zero_stage"]) == (16 * K, "on", 2)
+    # without --deepspeed the planner chooses the chunk size (the README's 16K at 2M)
+    assert main(base[:-3] + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["dtype"] == "bf16"
