@@ -5,8 +5,8 @@ For each shape (hidden, vocab, local tokens) the fused LM head + cross-entropy
 forward + backward in ``"accumulate"`` mode (fp32 ``[V, hidden]`` accumulator) and in
 ``"recompute"`` mode (logits recomputed in backward a vocabulary slice at a time), in the
 same process, alternating, ``--repeats`` times each. Reported per mode: the median time and
-the device peak beyond the inputs (CUDA: ``max_memory_allocated``; CPU: the
-:class:`~fpdt.profiling.memory.MemoryAccountant`), and per shape the ratios recompute /
+the device peak beyond the inputs (:class:`~fpdt.profiling.memory.RegionMemory`: CUDA's
+``max_memory_allocated``, the memory accountant on the CPU), and per shape the ratios recompute /
 accumulate. The planner charges "recompute" one more LM-head GEMM (4 instead of 3 ``T x
 hidden x V`` GEMMs in ``fpdt.plan.time_model``): the ``gemm_ratio_model`` field is that
 4/3 for comparison.
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modul
 import bench_common as bc  # noqa: E402
 
 from fpdt.model.loss import WGRAD_MODES, chunked_lm_loss, default_loss_chunks
-from fpdt.profiling.memory import MemoryAccountant
+from fpdt.profiling.memory import RegionMemory
 
 # (hidden, vocab, local tokens): Llama-3.2-1B, Llama-3-8B and Llama-3-70B heads at 16K tokens per GPU
 GPU_SHAPES = [(2048, 128256, 16384), (4096, 128256, 16384), (8192, 128256, 16384)]
@@ -47,18 +47,12 @@ def run_once(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunks: int, mod
     device = h.device
     hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
     _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+    with RegionMemory(device) as region:
         t0 = time.perf_counter()
         chunked_lm_loss(hh, ww, y, 1.0 / y.numel(), chunks, wgrad=mode).backward()
         _sync(device)
-        return time.perf_counter() - t0, torch.cuda.max_memory_allocated(device) - base
-    with MemoryAccountant(device) as acct:
-        t0 = time.perf_counter()
-        chunked_lm_loss(hh, ww, y, 1.0 / y.numel(), chunks, wgrad=mode).backward()
         elapsed = time.perf_counter() - t0
-    return elapsed, acct.device_peak
+    return elapsed, region.peaks.allocated - region.peaks.allocated_at_start
 
 
 def measure(hidden: int, vocab: int, tokens: int, attn_chunks: int, dtype: torch.dtype, repeats: int,

@@ -44,11 +44,12 @@ Activations (per rank), the phase with the larger sum sets the peak:
   layer and the embedding/LM head) in ``e``; one layer's unsharded gradients wait for the
   reduce-scatter; under ZeRO-2/3 DeepSpeed also keeps its contiguous-gradient bucket,
   ``reduce_bucket_size`` elements in ``e`` for the whole run (DeepSpeed's default
-  :data:`ZERO_REDUCE_BUCKET`, or the JSON's: ``fpdt-plan --deepspeed``; ring and
+  :data:`fpdt.plan.setup.ZERO_REDUCE_BUCKET`, or the JSON's: ``fpdt-plan --deepspeed``; ring and
   all-to-all buffers are part of the attention working set).
 * **optimizer step** (a phase of its own, activations freed): DeepSpeed's ZeRO-3 step
   casts one sub-group of the gradient partition to fp32 at a time
-  (``sub_group_size`` elements at most, default :data:`ZERO_SUB_GROUP`; the flat ``e`` copy and its fp32 cast are
+  (``sub_group_size`` elements at most, default :data:`fpdt.plan.setup.ZERO_SUB_GROUP`; the flat ``e`` copy
+  and its fp32 cast are
   momentarily both live), beside the bucket. It sets the peak only when activations are
   small (short sequences on many GPUs).
 * **runtime reserve**: CUDA context, NCCL and cuBLAS workspaces
@@ -71,7 +72,7 @@ from fpdt.model.loss import default_loss_chunks
 from fpdt.model.mlp import default_mlp_chunks
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import param_counts
-from fpdt.plan.setup import ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup  # noqa: F401 (re-exported)
+from fpdt.plan.setup import Setup
 
 # Calibrated on the CPU with fpdt.profiling.memory against this implementation (tests/plan/
 # test_activation_model.py pins them: a change to the layer's memory must update them).
@@ -89,7 +90,6 @@ ATTENTION_WS_U = 16.0
 """Chunk-sized buffers of the attention pipeline at its backward peak (device-memory
 issue's budget)."""
 LOSS_LOGIT_COPIES = 3.0
-
 RUNTIME_RESERVE_BYTES = 2.5 * GIB
 FRAGMENTATION = 1.10
 HOST_RESERVE_PER_RANK = 4 * GIB
@@ -239,13 +239,12 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     else:
         at_peak["loss_chunk"] = loss
     activation = activation_peak = max(layer_phase, loss_phase)
-    comm = communication(cfg, s)
-    step = optimizer_step_transient(cfg, s, world)
-    if step + zero_bucket(s) > activation + comm:    # the optimizer step is the peak
+    comm, bucket = communication(cfg, s), zero_bucket(s)
+    step_phase = optimizer_step_transient(cfg, s, world) + bucket
+    step = 0.0
+    if step_phase > activation + comm:               # the optimizer step is the peak
         at_peak = {k: 0.0 for k in at_peak}
-        activation, comm = 0.0, zero_bucket(s)
-    else:
-        step = 0.0
+        activation, comm, step = 0.0, bucket, step_phase - bucket
     dynamic = activation + comm + step
     device = (states["parameters"] + states["gradients"] + states["optimizer_state"]
               + FRAGMENTATION * dynamic + RUNTIME_RESERVE_BYTES)
@@ -268,7 +267,6 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         "model_states_host": ranks * states["model_states_host"],
         "process_host": ranks * HOST_RESERVE_PER_RANK,
     }
-    working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, "loss": loss,
+    working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, "loss": loss, "optimizer_step": step_phase,
                     **{f"layer_{k}_phase": v[0] + v[2] for k, v in phases.items()}}
-    working_sets["optimizer_step"] = optimizer_step_transient(cfg, s, world) + zero_bucket(s)
     return MemoryEstimate(breakdown, working_sets, device, activation_peak, ranks * per_rank_host)

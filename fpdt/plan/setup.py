@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fpdt.model.config import ModelConfig
+from fpdt.model.loss import WGRAD_MODES as LM_HEAD_WGRAD_MODES
 
 CHECKPOINT_MODES = ("off", "on", "offload")
-LM_HEAD_WGRAD_MODES = ("accumulate", "recompute")   # fpdt.model.loss.WGRAD_MODES
 ZERO_REDUCE_BUCKET = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): with ``contiguous_gradients`` (also
 its default) ZeRO-2/3 allocate a bucket of that many gradient elements on the device at

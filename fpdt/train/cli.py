@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.train import checkpoint, preflight, zero, zero_load
-from fpdt.train.config import (ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
+from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
 from fpdt.train.data import Windows, bin_dtype_for_vocab, check_vocab, load_tokens
 from fpdt.train.errors import RunError, debug_enabled, report
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offload attention chunks to pinned host memory (CUDA; default off)")
     f.add_argument("--mlp-chunks", type=int, help="MLP chunks (default 2 x attention chunks; 0 = unchunked)")
     f.add_argument("--loss-chunks", type=int, help="loss chunks (default ceil(2 vocab / hidden); 0 = unchunked)")
-    f.add_argument("--lm-head-wgrad", choices=["accumulate", "recompute"],
+    f.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
                    help="LM-head weight gradient: fp32 [vocab, hidden] accumulator (accumulate, default) or "
                         "recomputed logits in backward, no accumulator (recompute; fpdt-plan says when it is needed)")
     f.add_argument("--checkpoint", choices=["off", "on", "offload"], help="activation checkpointing (default off)")

@@ -8,9 +8,8 @@ import os
 import pytest
 
 from fpdt.plan import GPU_PRESETS, Cluster, evaluate, load_model_config
-from fpdt.plan.memory_model import ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP
 from fpdt.plan.models import param_counts
-from fpdt.plan.setup import Setup
+from fpdt.plan.setup import ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup
 
 K = 1024
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
