@@ -277,7 +277,10 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
                 times.setdefault(t["seq_len"], {})[name] = t["step_s"]   # ratios: the fixed-length trial
             plan, plan_s = t.get("planned_device_peak_bytes"), t.get("planned_step_s")
             ratio = "" if plan is None else f"{_mib(plan)} ({plan / t['device_peak_bytes']:.3f})"
-            ratio_s = "" if plan_s is None else f"{plan_s:.2f} ({plan_s / t['step_s']:.2f})"
+            # A step time planned from datasheet rates (no calibration in that run) is not this
+            # machine's, so it is not set beside the measured one.
+            ratio_s = ("" if plan_s is None or t.get("planned_rates") != "calibration"
+                       else f"{plan_s:.2f} ({plan_s / t['step_s']:.2f})")
             length = (f"{t['seq_len']}" + (f" (bisection at {t['cap']:g} GiB)" if t["mode"] == "bisect" and t["cap"]
                                             else " (bisection)" if t["mode"] == "bisect" else ""))
             lines.append(f"| {name} | {length} | {_mib(t['device_peak_bytes'])} | "

@@ -222,6 +222,23 @@ def test_markdown_with_two_capacities(tmp_path):
     assert plot._extrapolate(plot._fit_trials(strats["alst"]["trials"]), 2 * 1024 * mib) == 2 * 1024 * 1024 - 100 * 1024
 
 
+def test_markdown_sets_only_calibrated_step_times_beside_measured():
+    """The planner's step time from datasheet rates (a run without --calibration) is another
+    machine's: the table leaves it out rather than print a meaningless ratio."""
+    plot = _load("plot")
+    mib = 2 ** 20
+
+    def trial(n, rates):
+        return {"status": "ok", "measured": True, "seq_len": n, "step_s": 10.0, "device_peak_bytes": 200 * mib,
+                "fwd_bwd_peak_bytes": 100 * mib, "host_peak_bytes": 0, "planned_device_peak_bytes": 210 * mib,
+                "planned_step_s": 5.0, "planned_rates": rates}
+    run = {"mode": "lengths", "device_mem_gib": 2, "strategies": {"fpdt": {"status": "ran", "trials": [
+        trial(1024, "calibration"), trial(2048, "h100-80g datasheet")]}}}
+    md = plot.markdown(plot._strategies([run]), [run], "x")
+    assert "| fpdt | 1024 | 200.0 | 100.0 | 0.0 | 200.0 | 10.00 | 102 | 210.0 (1.050) | 5.00 (0.50) |" in md
+    assert "| fpdt | 2048 | 200.0 | 100.0 | 0.0 | 200.0 | 10.00 | 205 | 210.0 (1.050) |  |" in md
+
+
 @pytest.mark.parametrize("limit,lo,hi,want,tried", [
     (13, 8, 16, 13, [8, 16, 12, 14, 13]),                 # doubling, then bisection
     (20, 8, 12, 12, [8, 12]),                              # doubling stops at --max-len, which is tried
