@@ -10,12 +10,23 @@
 #
 # The device tool allows 10 minutes per command, so the suite runs one call per few pieces; results
 # land in benchmarks/results/<gpu>/<date>/ (commit them), logs in $OUT when set (device tool), else /tmp.
-# The alst strategy and the trainer need DeepSpeed, which the GPU machine lacks: carry its wheel
-# (../shared/ENVIRONMENT.md); max_seqlen.py reports a strategy whose packages are missing as skipped.
+# The alst strategy and the trainer need DeepSpeed, which the GPU machine lacks and cannot download:
+# run `bash profiling/gpu_wheels.sh` here first and carry `.gpu-wheels` (device tool: carry=[".gpu-wheels"]);
+# this script installs from it when DeepSpeed or pytest is missing. Without it, max_seqlen.py reports
+# alst as skipped (the other strategies do not need DeepSpeed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${OUT:-/tmp}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+for pkg in deepspeed pytest pytest_timeout; do
+  if ! python3 -c "import $pkg" 2>/dev/null; then
+    if [ -d .gpu-wheels ]; then
+      python3 -m pip install -q --no-index --find-links .gpu-wheels "${pkg//_/-}" 2>&1 | tail -3
+    else
+      echo "gpu_session.sh: $pkg is missing and there is no .gpu-wheels/ (bash profiling/gpu_wheels.sh, then carry it)"
+    fi
+  fi
+done
 if [ "${1:-}" = "suite" ]; then
   bash profiling/run_suite.sh --budget-min 9 --only "${2:?give the pieces to run, e.g. 'op_latency|chunk_sweep'}" \
     2>&1 | tee -a "$logs/suite.log"
