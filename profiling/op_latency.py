@@ -15,7 +15,9 @@ default Llama-3-8B: 32 query / 8 KV heads of 128) it times, median of ``--iters`
 It writes ``op_latency.json`` and ``calibration.json`` (``fpdt-plan --calibration``):
 ``gemm_flops`` (a square matmul in the run's dtype), ``attention_flops`` (causal
 forward + backward FLOPs per second at the largest chunk), ``h2d_bytes_s`` /
-``d2h_bytes_s`` (pinned, largest size) and ``intra_node_bytes_s`` (all-to-all, when measured).
+``d2h_bytes_s`` (pinned, largest size), ``memory_bytes_s`` (device memory read + written by an
+in-place fp32 add, as the weight-gradient accumulators do) and ``intra_node_bytes_s``
+(all-to-all, when measured).
 
     python profiling/op_latency.py                       # 8K..256K chunks on the GPU
     python profiling/op_latency.py --tiny                # CPU smoke sizes
@@ -102,6 +104,14 @@ def gemm_flops(device, dtype, n: int, iters: int) -> float:
     return 2 * n ** 3 / timed(lambda: a @ b, device, 1, iters)
 
 
+def memory_bytes_s(device, nbytes: int, iters: int) -> float:
+    """Device memory bandwidth of ``a += b`` on fp32 tensors of ``nbytes`` each: it reads
+    both and writes one, ``3 * nbytes`` per call."""
+    a = torch.zeros(nbytes // 4, device=device)
+    b = torch.ones(nbytes // 4, device=device)
+    return 3 * a.numel() * 4 / timed(lambda: a.add_(b), device, 1, iters)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", type=int, nargs="+", default=[2 ** k for k in range(13, 19)])
@@ -113,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--bandwidth-sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     p.add_argument("--gemm-size", type=int, default=8192, help="n of the n x n matmul timed for gemm_flops")
+    p.add_argument("--memory-mib", type=float, default=1024,
+                   help="size of each fp32 operand of the add timed for memory_bytes_s")
     p.add_argument("--tiny", action="store_true", help="CPU smoke sizes, results in cpu-smoke/")
     p.add_argument("--out-dir")
     return p
@@ -163,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "attention_flops": attn_rate,
         "h2d_bytes_s": big.get("h2d_pinned_bytes_s", big.get("h2d_pageable_bytes_s")),
         "d2h_bytes_s": big.get("d2h_pinned_bytes_s", big.get("d2h_pageable_bytes_s")),
+        "memory_bytes_s": memory_bytes_s(device, int((1 if args.tiny else args.memory_mib) * 2 ** 20), args.iters),
     }
     if last["all_to_all_s"]:
         p = dist.get_world_size()

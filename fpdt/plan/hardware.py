@@ -10,10 +10,12 @@ Rates come from one of two places:
   project measured ~790 of 989 TFLOP/s for a large bf16 matmul, 80%); FlashAttention-2
   class kernels reach ~70% forward and ~45% backward, so 50% over forward + backward;
   pinned PCIe copies reach ~80% of the link, pageable ones ~40%; an NVLink all-to-all
-  ~60% of the per-GPU link, an InfiniBand one ~80% of the NIC.
+  ~60% of the per-GPU link, an InfiniBand one ~80% of the NIC; streaming elementwise
+  kernels ~90% of HBM bandwidth (the same H100 measured ~3.0 of 3.35 TB/s for a
+  device-to-device copy).
 * **A calibration file** written by ``profiling/op_latency.py`` (JSON, see
   :func:`load_calibration`): measured GEMM and attention FLOP/s, pinned/pageable H2D and
-  D2H bandwidth and all-to-all bandwidth on the machine itself. Measured rates replace
+  D2H bandwidth, device memory bandwidth and all-to-all bandwidth on the machine itself. Measured rates replace
   the datasheet figure *and* its efficiency factor.
 """
 
@@ -33,6 +35,7 @@ DEFAULT_EFFICIENCY = {
     "pcie_pageable": 0.40,
     "nvlink": 0.60,      # all-to-all / P2P inside a node
     "network": 0.80,     # all-to-all / P2P / ZeRO collectives across nodes
+    "hbm": 0.90,         # elementwise kernels (read + write) of device memory bandwidth
 }
 
 
@@ -51,16 +54,19 @@ class GPUSpec:
     """Intra-node link per GPU, one direction."""
     network_bytes_s: float
     """Inter-node bandwidth per GPU (NIC share), one direction."""
+    hbm_bytes_s: float
+    """Device memory bandwidth (reads + writes)."""
 
 
 # Datasheet figures. A100: PCIe Gen4 x16 (32 GB/s, the FPDT paper's figure), NVLink3
 # 300 GB/s per direction, HDR-200 InfiniBand (25 GB/s). H100/H200 SXM: PCIe Gen5 x16
-# (64 GB/s), NVLink4 450 GB/s per direction, NDR-400 (50 GB/s) per GPU.
+# (64 GB/s), NVLink4 450 GB/s per direction, NDR-400 (50 GB/s) per GPU. HBM: A100 40G
+# 1555 GB/s, A100 80G SXM 2039 GB/s, H100 SXM 3350 GB/s, H200 4800 GB/s.
 GPU_PRESETS = {
-    "a100-40g": GPUSpec("a100-40g", 40 * GIB, 312e12, 32 * GB, 300 * GB, 25 * GB),
-    "a100-80g": GPUSpec("a100-80g", 80 * GIB, 312e12, 32 * GB, 300 * GB, 25 * GB),
-    "h100-80g": GPUSpec("h100-80g", 80 * GIB, 989.4e12, 64 * GB, 450 * GB, 50 * GB),
-    "h200": GPUSpec("h200", 141 * GB, 989.4e12, 64 * GB, 450 * GB, 50 * GB),
+    "a100-40g": GPUSpec("a100-40g", 40 * GIB, 312e12, 32 * GB, 300 * GB, 25 * GB, 1555 * GB),
+    "a100-80g": GPUSpec("a100-80g", 80 * GIB, 312e12, 32 * GB, 300 * GB, 25 * GB, 2039 * GB),
+    "h100-80g": GPUSpec("h100-80g", 80 * GIB, 989.4e12, 64 * GB, 450 * GB, 50 * GB, 3350 * GB),
+    "h200": GPUSpec("h200", 141 * GB, 989.4e12, 64 * GB, 450 * GB, 50 * GB, 4800 * GB),
 }
 
 
@@ -74,6 +80,8 @@ class Rates:
     d2h_bytes_s: float
     intra_node_bytes_s: float
     inter_node_bytes_s: float
+    memory_bytes_s: float
+    """Device memory traffic (bytes read + written) of streaming elementwise kernels."""
     source: str
     """``"datasheet x efficiency"`` or the calibration file's path."""
 
@@ -110,6 +118,7 @@ class Cluster:
             d2h_bytes_s=g.pcie_bytes_s * eff["pcie_pinned"],
             intra_node_bytes_s=g.nvlink_bytes_s * eff["nvlink"],
             inter_node_bytes_s=g.network_bytes_s * eff["network"],
+            memory_bytes_s=g.hbm_bytes_s * eff["hbm"],
             source="datasheet x efficiency",
         )
         measured = {k: cal[k] for k in _CALIBRATED_RATES if cal.get(k)}
@@ -120,7 +129,7 @@ class Cluster:
 
 # Keys of a calibration file that replace a Rates field (same names).
 _CALIBRATED_RATES = ("gemm_flops", "attention_flops", "h2d_bytes_s", "d2h_bytes_s",
-                     "intra_node_bytes_s", "inter_node_bytes_s")
+                     "intra_node_bytes_s", "inter_node_bytes_s", "memory_bytes_s")
 
 
 def gpu_from_args(preset: str | None, mem_gib: float | None = None, tflops: float | None = None,
@@ -128,7 +137,7 @@ def gpu_from_args(preset: str | None, mem_gib: float | None = None, tflops: floa
     """A preset by name, optionally with some fields overridden, or a fully explicit GPU.
 
     Explicit GPUs need all three of ``mem_gib``, ``tflops`` (dense bf16) and ``pcie_gbps``;
-    their NVLink and network rates are the H100 preset's.
+    their NVLink, network and HBM rates are the H100 preset's.
     """
     if preset is not None:
         key = preset.lower()
@@ -161,7 +170,8 @@ def load_calibration(path: str | os.PathLike) -> dict:
     Expected keys (any subset; missing ones fall back to datasheet x efficiency):
     ``gemm_flops``, ``attention_flops`` (forward + backward, causal FLOPs counted),
     ``h2d_bytes_s``, ``d2h_bytes_s`` (pinned), ``intra_node_bytes_s`` (all-to-all),
-    ``inter_node_bytes_s``; plus ``device`` (the name it was measured on).
+    ``inter_node_bytes_s``, ``memory_bytes_s`` (device memory, read + written, by an
+    elementwise add); plus ``device`` (the name it was measured on).
     """
     with open(path) as f:
         cal = json.load(f)

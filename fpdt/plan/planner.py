@@ -47,7 +47,8 @@ class Choice:
     dtype: str = "bf16"
     batch: int = 1
     lm_head_wgrad: str | None = None
-    """None: the faster mode that fits ("accumulate" unless only "recompute" fits)."""
+    """None: the mode the time model finds faster, among those that fit ("recompute" saves
+    the fp32 accumulator's traffic per loss chunk at the price of one more LM-head GEMM)."""
     reduce_bucket_size: float = ZERO_REDUCE_BUCKET
     sub_group_size: float = ZERO_SUB_GROUP
     contiguous_gradients: bool = True

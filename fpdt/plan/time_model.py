@@ -25,13 +25,18 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
 * **zero_collectives**: ZeRO-3 parameter all-gathers (forward, recompute, backward) and
   gradient reduce-scatter, exposed only where they exceed the step's compute (DeepSpeed
   prefetches the next layer).
+* **wgrad_accumulation**: the device-memory traffic of summing weight gradients over
+  chunks (:func:`wgrad_accumulation_bytes`), on the compute stream, at the device memory
+  rate. Each chunk's ``dW`` partial is a full weight-sized tensor whatever the chunk's
+  token count, so this term grows with the number of chunks, not with the tokens: with
+  small chunks the weight-gradient GEMMs turn memory-bound.
 """
 
 from __future__ import annotations
 
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster, Rates
-from fpdt.plan.memory_model import layer_attention_costs
+from fpdt.plan.memory_model import layer_attention_costs, loss_chunks, mlp_chunks
 from fpdt.plan.models import param_counts
 from fpdt.plan.setup import Setup
 from fpdt.train.metrics import ModelShape, attention_flops, layer_matmul_flops
@@ -46,6 +51,51 @@ def _link(cluster: Cluster, group: int, adjacent: bool, rates: Rates) -> float:
     """Bandwidth of a collective over ``group`` ranks: NVLink when they share a node."""
     inside = adjacent and group <= cluster.gpus_per_node or cluster.nodes == 1
     return rates.intra_node_bytes_s if inside else rates.inter_node_bytes_s
+
+
+def accumulation_bytes_per_weight(weight_bytes: int) -> int:
+    """Device bytes read + written per weight element to add one chunk's ``dW`` partial
+    into its fp32 accumulator, as :mod:`fpdt.model.mlp` and
+    :mod:`fpdt.attention.projected_attention` do (``acc += (g^T @ x).to(fp32)``): the
+    GEMM writes the partial (``e``); for bf16/fp16 weights the cast reads it and writes
+    fp32 (``e + 4``); the add reads both and writes the sum (``12``). 20 bytes in bf16,
+    16 in fp32."""
+    cast = 0 if weight_bytes == 4 else weight_bytes + 4
+    return weight_bytes + cast + 12
+
+
+def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
+    """Device bytes moved per optimizer step (one backward per rank) by the fp32
+    weight-gradient accumulators, per source:
+
+    * ``mlp``: every layer's gate, up and down weights, once per MLP token chunk
+      (:func:`fpdt.plan.memory_model.mlp_chunks`);
+    * ``qkv``: every layer's q, k and v projection weights, once per attention chunk
+      (``u``; the o projection is one unchunked GEMM);
+    * ``lm_head``: with ``lm_head_wgrad="accumulate"``, the ``[V, hidden]`` head once per
+      loss chunk (:func:`fpdt.plan.memory_model.loss_chunks`): in bf16 a partial, its cast
+      and the add, as above; in fp32 the GEMM adds into the accumulator itself, reading
+      and writing it (8 bytes). ``"recompute"`` forms each vocabulary slice in one GEMM
+      over all tokens: nothing to accumulate.
+    """
+    e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
+    tokens = s.batch * s.local_tokens
+    per_weight = accumulation_bytes_per_weight(e)
+    qkv_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    out = {"mlp": l * _chunks_run(tokens, mlp_chunks(cfg, s)) * 3 * cfg.intermediate_size * h * per_weight,
+           "qkv": l * s.num_chunks * qkv_weights * per_weight,
+           "lm_head": 0}
+    if s.lm_head_wgrad == "accumulate":
+        out["lm_head"] = (_chunks_run(tokens, loss_chunks(cfg, s)) * cfg.vocab_size * h
+                          * (8 if e == 4 else per_weight))
+    return out
+
+
+def _chunks_run(tokens: int, num_chunks: int) -> int:
+    """How many chunks :func:`fpdt.model.chunks.chunk_bounds` makes of ``tokens`` when asked
+    for ``num_chunks`` (equal spans of ``ceil(tokens / num_chunks)``, so sometimes fewer)."""
+    step = -(-tokens // max(1, min(num_chunks, tokens)))
+    return -(-tokens // step)
 
 
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
@@ -100,7 +150,9 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         zero = zero_bytes / _link(cluster, n, True, rates)
         zero_exposed = max(0.0, zero - (t_gemm + t_attn))
 
+    wgrad = sum(wgrad_accumulation_bytes(cfg, s).values()) / rates.memory_bytes_s
+
     parts = {"gemms": t_gemm, "attention": t_attn, "all_to_all": a2a_exposed, "p2p": p2p_exposed,
-             "h2d_d2h": h2d_exposed, "zero_collectives": zero_exposed}
+             "h2d_d2h": h2d_exposed, "zero_collectives": zero_exposed, "wgrad_accumulation": wgrad}
     parts["total"] = sum(parts.values())
     return parts

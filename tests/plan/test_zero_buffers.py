@@ -94,9 +94,10 @@ def test_deepspeed_json_fpdt_section_is_planned_and_flags_win(capsys):
     s = json.loads(capsys.readouterr().out)["setup"]
     assert (s["chunk_size"], s["hp"], s["cp"], s["offload"], s["checkpoint"]) == (64 * K, 8, 1, True, "offload")
     assert (s["zero_stage"], s["dtype"], s["reduce_bucket_size"], s["batch"]) == (3, "bf16", 5e7, 1)
+    assert s["lm_head_wgrad"] == "recompute"
     assert main(base + ["--chunk-size", str(16 * K), "--checkpoint", "on", "--zero-stage", "2"]) == 0
     s = json.loads(capsys.readouterr().out)["setup"]
     assert (s["chunk_size"], s["checkpoint"], s["zero_stage"]) == (16 * K, "on", 2)
-    # without --deepspeed the planner chooses the chunk size (the README's 16K at 2M)
+    # without --deepspeed the planner chooses the chunk size
     assert main(base[:-3] + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["setup"]["dtype"] == "bf16"

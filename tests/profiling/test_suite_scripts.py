@@ -133,6 +133,7 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     from fpdt.plan import load_calibration
     cal = load_calibration(tmp_path / "calibration.json")
     assert cal["gemm_flops"] > 0 and cal["attention_flops"] > 0 and cal["h2d_bytes_s"] > 0
+    assert cal["memory_bytes_s"] > 0
     ms = _load("max_seqlen")         # the planner's step time from this machine's rates
     run = ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--out-dir",
                    str(tmp_path / "calibrated"), "--calibration", str(tmp_path / "calibration.json")])
