@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inner-ring", type=int, help="double-ring inner size (default: single ring)")
     p.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
                    help="LM-head weight gradient: fp32 accumulator or recomputed logits (default: choose)")
+    p.add_argument("--mlp-chunks", type=int, help="MLP token chunks, as fpdt-train's (default: 2 per attention chunk)")
+    p.add_argument("--loss-chunks", type=int, help="LM-head loss token chunks, as fpdt-train's (default: the model's)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16")
     p.add_argument("--batch", type=int, help="sequences per SP group per step (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -88,7 +90,8 @@ def render(out: dict) -> str:
         f"seq_len          {out['seq_len']} ({_tokens(out['seq_len'])})",
         f"fits             {out['fits']}" + (f" (over on {out['limited_by']})" if out["limited_by"] else ""),
         f"setup            chunk {_tokens(s['chunk_size'])}, hp {s['hp']} x cp {s['cp']} ({s['placement']}), "
-        f"checkpoint {s['checkpoint']}, offload {s['offload']}, LM-head wgrad {s['lm_head_wgrad']}, "
+        f"checkpoint {s['checkpoint']}, offload {s['offload']}, MLP chunks {s['mlp_chunks']}, "
+        f"LM-head wgrad {s['lm_head_wgrad']}, "
         f"ZeRO-{s['zero_stage']}, {s['dtype']}",
         f"device peak      {_gib(out['device_peak_bytes'])} of {_gib(out['device_capacity_bytes'])} per GPU",
         f"host peak        {_gib(out['host_peak_bytes'])} of {_gib(out['host_capacity_bytes'])} per node",
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                  "placement": args.placement, "inner_ring": args.inner_ring, "checkpoint": args.checkpoint,
                  "offload": args.offload, "zero_stage": args.zero_stage, "offload_optimizer": args.offload_optimizer,
                  "offload_param": args.offload_param, "dtype": args.dtype, "batch": args.batch,
-                 "lm_head_wgrad": args.lm_head_wgrad}
+                 "lm_head_wgrad": args.lm_head_wgrad, "mlp_chunks": args.mlp_chunks,
+                 "loss_chunks": args.loss_chunks}
         choice = dataclasses.replace(choice, **{k: v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:

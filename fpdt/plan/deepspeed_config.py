@@ -18,7 +18,8 @@ import json
 
 from fpdt.plan.planner import Choice
 
-FPDT_KEYS = ("sp", "hp", "cp", "placement", "inner_ring", "chunk_size", "offload", "checkpoint", "lm_head_wgrad")
+FPDT_KEYS = ("sp", "hp", "cp", "placement", "inner_ring", "chunk_size", "offload", "checkpoint", "lm_head_wgrad",
+             "mlp_chunks", "loss_chunks")
 """Keys of the JSON's ``"fpdt"`` section that are planner choices (same names as ``fpdt-train``'s)."""
 
 

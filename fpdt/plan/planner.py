@@ -46,6 +46,12 @@ class Choice:
     offload_param: bool = False
     dtype: str = "bf16"
     batch: int = 1
+    mlp_chunks: int | None = None
+    """Token chunks of the chunked MLP; None: ``fpdt-train``'s default, two per attention
+    chunk (``2 u``; its ``--mlp-chunks``). The model's own default when built directly,
+    ``ceil(2 u I / hidden)``, is ``Setup(mlp_chunks=None)``."""
+    loss_chunks: int | None = None
+    """Token chunks of the LM-head loss; None: the model's default, as ``fpdt-train`` uses."""
     lm_head_wgrad: str | None = None
     """None: the mode the time model finds faster, among those that fit ("recompute" saves
     the fp32 accumulator's traffic per loss chunk at the price of one more LM-head GEMM)."""
@@ -98,6 +104,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                       zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
                       offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch,
                       lm_head_wgrad=wgrad, reduce_bucket_size=choice.reduce_bucket_size,
+                      mlp_chunks=choice.mlp_chunks if choice.mlp_chunks is not None else 2 * (seq_len // chunk),
+                      loss_chunks=choice.loss_chunks,
                       sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients)
             if not s.problems(cfg, world):
                 out.append(s)
@@ -222,6 +230,11 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     """
     cfg = load_model_config(model)
     choice = choice or Choice()
+    for name in ("mlp_chunks", "loss_chunks"):
+        n = getattr(choice, name)
+        if n is not None and n < 1:
+            raise ValueError(f"{name}={n}: the planner models the chunked MLP and loss; give at least 1 chunk "
+                             f"(0, unchunked, is a trainer option the planner does not model)")
     if search_max:
         out = max_seq_len(cfg, cluster, choice)
     else:

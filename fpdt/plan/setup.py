@@ -49,7 +49,8 @@ class Setup:
     batch: int = 1
     """Sequences per SP group per micro step."""
     mlp_chunks: int | None = None
-    """None: the model's default (ceil(2 u I / hidden))."""
+    """None: the model's default (ceil(2 u I / hidden)); the planner's search passes
+    ``fpdt-train``'s (``2 u``) unless told (:class:`fpdt.plan.planner.Choice`)."""
     loss_chunks: int | None = None
     """None: the model's default (ceil(2 u V / hidden))."""
     lm_head_wgrad: str = "accumulate"
@@ -101,6 +102,10 @@ class Setup:
             out.append(f"hp={self.hp} must divide the {cfg.num_heads} query heads")
         if self.inner_ring is not None and (self.inner_ring < 1 or self.cp % self.inner_ring):
             out.append(f"inner_ring={self.inner_ring} must divide cp={self.cp}")
+        for name in ("mlp_chunks", "loss_chunks"):
+            n = getattr(self, name)
+            if n is not None and n < 1:
+                out.append(f"{name}={n}: the planner models the chunked MLP and loss; give at least 1 chunk")
         if self.chunk_size < 1 or self.seq_len % self.chunk_size:
             out.append(f"chunk_size={self.chunk_size} must divide seq_len={self.seq_len}")
         elif self.chunk_size % (self.sp * (2 if self.cp > 1 else 1)):

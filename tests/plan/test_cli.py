@@ -134,7 +134,7 @@ def test_readme_worked_example_is_current(capsys):
     at_2m = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
                      "--host-mem-gib", "1024", "--seq-len", str(2 ** 21))
     assert f"({at_2m['step_time_s']:.0f} s)" in readme
-    assert at_2m["recommended"]["chunk_size"] == 65536 and "picks the paper's\n64K chunks" in readme
+    assert at_2m["recommended"]["chunk_size"] == 16384 and "picks 16K chunks" in readme
     assert at_2m["recommended"]["lm_head_wgrad"] == "recompute"
     assert f"weight-gradient accumulation {at_2m['step_time_split_s']['wgrad_accumulation']:.1f} s" in readme
     # what stops it: one granule more does not fit the host

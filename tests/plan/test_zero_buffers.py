@@ -101,3 +101,32 @@ def test_deepspeed_json_fpdt_section_is_planned_and_flags_win(capsys):
     # without --deepspeed the planner chooses the chunk size
     assert main(base[:-3] + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["setup"]["dtype"] == "bf16"
+
+
+def test_mlp_chunks_default_is_the_trainers():
+    """fpdt-train passes its own MLP chunk count (2 per attention chunk) to the model; the
+    planner plans that, and takes the count from --mlp-chunks or the JSON's "fpdt" section."""
+    from fpdt.plan import Choice, Cluster, GPU_PRESETS, plan
+    from fpdt.train.config import FPDTOptions, validate
+    cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8)
+    out = plan("llama-3-8b", cluster, seq_len=256 * K, choice=Choice(chunk_size=32 * K))
+    trainer = validate(FPDTOptions(sp=8, chunk_size=32 * K, offload=False), 256 * K, 8, "cpu", {})
+    assert out["setup"]["mlp_chunks"] == trainer.mlp_chunks == 16
+    fixed = plan("llama-3-8b", cluster, seq_len=256 * K, choice=Choice(chunk_size=32 * K, mlp_chunks=56))
+    assert fixed["setup"]["mlp_chunks"] == 56
+    assert fixed["step_time_split_s"]["wgrad_accumulation"] > 3 * out["step_time_split_s"]["wgrad_accumulation"]
+
+
+def test_mlp_and_loss_chunks_from_the_json_and_flags(tmp_path, capsys):
+    from fpdt.plan.cli import main
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                                "fpdt": {"chunk_size": 32 * K, "mlp_chunks": 24, "loss_chunks": 100}}))
+    base = ["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", str(256 * K), "--deepspeed", str(path), "--json"]
+    assert main(base) == 0
+    s = json.loads(capsys.readouterr().out)["setup"]
+    assert (s["mlp_chunks"], s["loss_chunks"]) == (24, 100)
+    assert main(base + ["--mlp-chunks", "8"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["mlp_chunks"] == 8
+    assert main(base + ["--mlp-chunks", "0"]) == 2
+    assert "mlp_chunks=0" in capsys.readouterr().err
