@@ -25,6 +25,15 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
 * **zero_collectives**: ZeRO-3 parameter all-gathers (forward, recompute, backward) and
   gradient reduce-scatter, exposed only where they exceed the step's compute (DeepSpeed
   prefetches the next layer).
+* **elementwise**: the memory-bound ops around the GEMMs and attention kernels (norms,
+  RoPE, SwiGLU's activation, residual adds, dtype casts, chunk copies, the online-softmax
+  merges, the loss's softmax over the vocabulary), as device bytes per token
+  (:func:`elementwise_bytes`) at the device memory rate. The coefficients were measured by
+  counting the bytes every such op of the model reads and writes in a forward + backward
+  (a dispatch mode; ``tests/plan/test_elementwise_traffic.py`` keeps the formula within
+  10% of that count on shapes it was not fitted to). About a third of the GEMM time for
+  Llama-3-8B per token and layer on an H100: it matters at short sequences, not at long
+  ones, where attention dominates.
 * **wgrad_accumulation**: the device-memory traffic of summing weight gradients over
   chunks (:func:`wgrad_accumulation_bytes`), on the compute stream, at the device memory
   rate. Each chunk's ``dW`` partial is a full weight-sized tensor whatever the chunk's
@@ -51,6 +60,33 @@ def _link(cluster: Cluster, group: int, adjacent: bool, rates: Rates) -> float:
     """Bandwidth of a collective over ``group`` ranks: NVLink when they share a node."""
     inside = adjacent and group <= cluster.gpus_per_node or cluster.nodes == 1
     return rates.intra_node_bytes_s if inside else rates.inter_node_bytes_s
+
+
+# Bytes read + written by the memory-bound ops of one forward + backward (checkpointing on:
+# a recompute forward included), per token, by weight precision (2: bf16/fp16, 4: fp32):
+# per layer, per element of the hidden size, MLP width and K/V width; per merge of the
+# online softmax (per element of one chunk's hidden states); per vocabulary entry for the
+# loss, by LM-head mode. Least-squares fits of the counted bytes over 14 model shapes, each
+# within 3%. Without checkpointing (no recompute forward) the layer terms are 0.76 of these.
+ELEMENTWISE_BYTES = {
+    2: {"hidden": 609, "mlp": 58, "kv": 85, "merge": 39, "vocab": {"accumulate": 56, "recompute": 105}},
+    4: {"hidden": 820, "mlp": 93, "kv": 47, "merge": 96, "vocab": {"accumulate": 45, "recompute": 84}},
+}
+NO_RECOMPUTE_FACTOR = 0.76
+
+
+def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
+    """Device bytes the memory-bound ops move per optimizer step on one rank (see
+    :data:`ELEMENTWISE_BYTES`); the weight-gradient accumulation is counted apart."""
+    k = ELEMENTWISE_BYTES[4 if s.elem_bytes == 4 else 2]
+    h, tokens, u = cfg.hidden_size, s.batch * s.local_tokens, s.num_chunks
+    per_token = (k["hidden"] * h + k["mlp"] * cfg.intermediate_size
+                 + k["kv"] * cfg.num_kv_heads * cfg.head_dim)
+    if s.checkpoint == "off":
+        per_token *= NO_RECOMPUTE_FACTOR
+    merges = s.cp * u * (u + 1) / 2 - u                     # touches after each query chunk's first
+    layer = tokens * per_token + k["merge"] * merges * tokens / u * h
+    return cfg.num_layers * layer + tokens * cfg.vocab_size * k["vocab"][s.lm_head_wgrad]
 
 
 def accumulation_bytes_per_weight(weight_bytes: int) -> int:
@@ -151,8 +187,10 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         zero_exposed = max(0.0, zero - (t_gemm + t_attn))
 
     wgrad = sum(wgrad_accumulation_bytes(cfg, s).values()) / rates.memory_bytes_s
+    elementwise = elementwise_bytes(cfg, s) / rates.memory_bytes_s
 
     parts = {"gemms": t_gemm, "attention": t_attn, "all_to_all": a2a_exposed, "p2p": p2p_exposed,
-             "h2d_d2h": h2d_exposed, "zero_collectives": zero_exposed, "wgrad_accumulation": wgrad}
+             "h2d_d2h": h2d_exposed, "zero_collectives": zero_exposed, "elementwise": elementwise,
+             "wgrad_accumulation": wgrad}
     parts["total"] = sum(parts.values())
     return parts

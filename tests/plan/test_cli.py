@@ -11,7 +11,8 @@ from fpdt.plan.setup import Setup
 
 BREAKDOWN = {"parameters", "gradients", "optimizer_state", "checkpoints_device", "checkpoints_host",
              "in_flight_layer", "attention_working_set", "loss_chunk", "communication_buffers"}
-TIME_SPLIT = {"gemms", "attention", "all_to_all", "p2p", "h2d_d2h", "zero_collectives", "wgrad_accumulation"}
+TIME_SPLIT = {"gemms", "attention", "all_to_all", "p2p", "h2d_d2h", "zero_collectives", "elementwise",
+              "wgrad_accumulation"}
 RECOMMENDED = {"chunk_size", "hp", "cp", "placement", "checkpoint"}
 
 
@@ -134,9 +135,12 @@ def test_readme_worked_example_is_current(capsys):
     at_2m = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
                      "--host-mem-gib", "1024", "--seq-len", str(2 ** 21))
     assert f"({at_2m['step_time_s']:.0f} s)" in readme
-    assert at_2m["recommended"]["chunk_size"] == 16384 and "picks 16K chunks" in readme
+    assert at_2m["recommended"]["chunk_size"] == 65536 and "picks the paper's\n64K chunks" in readme
     assert at_2m["recommended"]["lm_head_wgrad"] == "recompute"
-    assert f"weight-gradient accumulation {at_2m['step_time_split_s']['wgrad_accumulation']:.1f} s" in readme
+    split = at_2m["step_time_split_s"]
+    assert f"memory-bound ops {split['elementwise']:.1f} s" in readme
+    assert f"weight-gradient accumulation {split['wgrad_accumulation']:.1f} s" in readme
+    assert f"Each GPU peaks at {out['device_peak_bytes'] / 2 ** 30:.0f} GiB" in readme
     # what stops it: one granule more does not fit the host
     longer = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
                       "--host-mem-gib", "1024", "--seq-len", str(out["max_seq_len"] + 2 ** 16))
