@@ -14,52 +14,36 @@ import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fpdt.model as fm
 from fpdt.plan import load_model_config
 from fpdt.plan.setup import Setup
 from fpdt.plan.time_model import elementwise_bytes
+from tests.plan.dispatch_traffic import AccumulatorWatch, nbytes, storage_ptr
 
 NOT_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
                "lift_fresh", "zeros", "zeros_like", "fill_", "zero_"}
 COUNTED_ELSEWHERE = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
 
 
-class _ElementwiseTraffic(TorchDispatchMode):
-    def __init__(self, weight_shapes):
-        super().__init__()
-        self.shapes = {tuple(s) for s in weight_shapes}
-        self.accumulators, self.casts, self._alive = set(), {}, []
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
-        nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-        if name == "zeros" and out.dtype == torch.float32 and tuple(out.shape) in self.shapes:
-            self.accumulators.add(ptr(out))
-            self._alive.append(out)
+class _ElementwiseTraffic(AccumulatorWatch):
+    def on_op(self, name, func, args, kwargs, out) -> None:
         if name in NOT_TRAFFIC or name in COUNTED_ELSEWHERE or name.startswith("_scaled_dot_product"):
-            return out
+            return
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if any(ptr(t) in self.accumulators for t in ins + outs):
+        if any(storage_ptr(t) in self.accumulators for t in ins + outs):
             # an add into an accumulator: its partial's cast was accumulation traffic too
-            self.bytes -= sum(self.casts.pop(ptr(t), 0) for t in ins)
-            return out
+            self.bytes -= sum(self.casts.pop(storage_ptr(t), 0) for t in ins)
+            return
         mutable = func._schema.is_mutable
-        if not mutable and outs and all(ptr(t) in {ptr(i) for i in ins} for t in outs):
-            return out                                               # a view
-        moved = sum(nb(t) for t in ins if t.numel() > 1) + sum(nb(t) for t in (ins[:1] if mutable else outs))
+        if not mutable and outs and all(storage_ptr(t) in {storage_ptr(i) for i in ins} for t in outs):
+            return                                                   # a view
+        moved = sum(nbytes(t) for t in ins if t.numel() > 1) + sum(nbytes(t) for t in (ins[:1] if mutable else outs))
         self.bytes += moved
         if name == "_to_copy" and out.dtype == torch.float32 and ins[0].dtype != torch.float32:
-            self.casts[ptr(out)] = moved
-            self._alive.append(out)
-        return out
+            self.casts[self.remember(out)] = moved
 
 
 def _case(rng: random.Random):

@@ -11,51 +11,32 @@ counts, both LM-head modes and GQA.
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fpdt.model as fm
 from fpdt.plan import load_model_config
 from fpdt.plan.setup import Setup
 from fpdt.plan.time_model import accumulation_bytes_per_weight, wgrad_accumulation_bytes
+from tests.plan.dispatch_traffic import AccumulatorWatch, nbytes, storage_ptr
 
-class _AccumulationTraffic(TorchDispatchMode):
+class _AccumulationTraffic(AccumulatorWatch):
     """Bytes moved by fp32 weight-gradient accumulation, from the ops seen.
 
-    Accumulators are the fp32 tensors created with a weight's shape (``zeros``); an in-place
-    add into one (or into a slice of one) reads both operands and writes the sum; its other
-    operand is the chunk's partial, written by its GEMM, and in low precision first cast to
-    fp32 (the cast reads the bf16 partial and writes the fp32 one); ``addmm_`` into an
-    accumulator (fp32) reads and writes it.
+    An in-place add into an accumulator (or into a slice of one) reads both operands and
+    writes the sum; its other operand is the chunk's partial, written by its GEMM, and in low
+    precision first cast to fp32 (the cast reads the bf16 partial and writes the fp32 one);
+    ``addmm_`` into an accumulator (fp32) reads and writes it.
     """
 
-    def __init__(self, weight_shapes):
-        super().__init__()
-        self.shapes = {tuple(s) for s in weight_shapes}
-        self.accumulators = set()       # storage pointers
-        self.casts = {}                 # storage pointer of a cast's output -> bytes of its input
-        self.bytes = 0
-        self._alive = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
-        nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-        if name == "zeros" and out.dtype == torch.float32 and tuple(out.shape) in self.shapes:
-            self.accumulators.add(ptr(out))
-            self._alive.append(out)     # no later tensor reuses the address while counting
-        elif name == "_to_copy" and out.dtype == torch.float32 and args[0].dtype in (torch.bfloat16, torch.float16):
-            self.casts[ptr(out)] = nb(args[0])
-            self._alive.append(out)     # its address stays its own until the add that reads it
-        elif name == "add_" and args[0].dtype == torch.float32 and ptr(args[0]) in self.accumulators:
+    def on_op(self, name, func, args, kwargs, out) -> None:
+        if name == "_to_copy" and out.dtype == torch.float32 and args[0].dtype in (torch.bfloat16, torch.float16):
+            self.casts[self.remember(out)] = nbytes(args[0])
+        elif name == "add_" and args[0].dtype == torch.float32 and storage_ptr(args[0]) in self.accumulators:
             acc, part = args[0], args[1]
-            self.bytes += 3 * nb(acc)                                     # acc and partial read, acc written
-            cast_in = self.casts.pop(ptr(part), None)
-            self.bytes += nb(part) if cast_in is None else cast_in + cast_in + nb(part)   # GEMM write (+ cast)
-        elif name == "addmm_" and ptr(args[0]) in self.accumulators:
-            self.bytes += 2 * nb(args[0])
-        return out
+            self.bytes += 3 * nbytes(acc)                                 # acc and partial read, acc written
+            cast_in = self.casts.pop(storage_ptr(part), None)
+            self.bytes += nbytes(part) if cast_in is None else 2 * cast_in + nbytes(part)   # GEMM write (+ cast)
+        elif name == "addmm_" and storage_ptr(args[0]) in self.accumulators:
+            self.bytes += 2 * nbytes(args[0])
 
 
 CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 48,
