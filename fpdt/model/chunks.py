@@ -18,11 +18,20 @@ Explicit counts always win (``mlp_chunks=``, ``loss_chunks=``).
 from __future__ import annotations
 
 
+def _span(total: int, num_chunks: int) -> int:
+    return -(-total // max(1, min(num_chunks, total)))
+
+
 def chunk_bounds(total: int, num_chunks: int) -> list[tuple[int, int]]:
     """``num_chunks`` near-equal ``[start, end)`` spans covering ``range(total)`` (no empty ones)."""
-    n = max(1, min(num_chunks, total))
-    step = -(-total // n)
+    step = _span(total, num_chunks)
     return [(s, min(s + step, total)) for s in range(0, total, step)]
+
+
+def chunk_count(total: int, num_chunks: int) -> int:
+    """``len(chunk_bounds(total, num_chunks))``: spans of ``ceil(total / num_chunks)`` tokens,
+    so sometimes fewer than asked."""
+    return -(-total // _span(total, num_chunks))
 
 
 def budget_chunks(num_chunks: int, hidden: int, bytes_per_token: int) -> int:

@@ -189,7 +189,7 @@ def optimizer_step_transient(cfg: ModelConfig, s: Setup, world: int) -> float:
 def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
     """Per-category bytes of ``s`` (see the module docstring for the accounting)."""
     e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
-    nd = s.batch * s.local_tokens * h * e
+    nd = s.rank_tokens * h * e
     stash_nd = attention_stash_nd(cfg, s)
 
     states = model_states(cfg, s, world)
@@ -210,9 +210,9 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         attn_ws = ws_U * costs.U + (nd / s.num_chunks if s.offload else stash_resident)
     else:
         attn_ws = max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
-    t_mlp = s.batch * s.local_tokens / mlp_chunks(cfg, s)
+    t_mlp = s.rank_tokens / mlp_chunks(cfg, s)
     mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
-    t_loss = s.batch * s.local_tokens / loss_chunks(cfg, s)
+    t_loss = s.rank_tokens / loss_chunks(cfg, s)
     logits_chunk, vh = t_loss * cfg.vocab_size * 4, cfg.vocab_size * h
     if s.lm_head_wgrad == "recompute":
         loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk, vh * e + logits_chunk * (1 + e / 4))

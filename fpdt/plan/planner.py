@@ -19,8 +19,9 @@ from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import estimate_memory
 from fpdt.plan.models import load_model_config
 from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
-                             Setup)
+                             Setup, chunk_count_problems)
 from fpdt.plan.time_model import estimate_time, model_shape
+from fpdt.train.config import MLP_CHUNKS_PER_CHUNK
 from fpdt.train.metrics import step_rates
 
 CHUNK_CANDIDATES = tuple(2 ** k for k in range(13, 19))    # 8K .. 256K global tokens
@@ -104,7 +105,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                       zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
                       offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch,
                       lm_head_wgrad=wgrad, reduce_bucket_size=choice.reduce_bucket_size,
-                      mlp_chunks=choice.mlp_chunks if choice.mlp_chunks is not None else 2 * (seq_len // chunk),
+                      mlp_chunks=(choice.mlp_chunks if choice.mlp_chunks is not None
+                                  else MLP_CHUNKS_PER_CHUNK * (seq_len // chunk)),
                       loss_chunks=choice.loss_chunks,
                       sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients)
             if not s.problems(cfg, world):
@@ -230,11 +232,9 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     """
     cfg = load_model_config(model)
     choice = choice or Choice()
-    for name in ("mlp_chunks", "loss_chunks"):
-        n = getattr(choice, name)
-        if n is not None and n < 1:
-            raise ValueError(f"{name}={n}: the planner models the chunked MLP and loss; give at least 1 chunk "
-                             f"(0, unchunked, is a trainer option the planner does not model)")
+    bad = chunk_count_problems(choice.mlp_chunks, choice.loss_chunks)
+    if bad:
+        raise ValueError("; ".join(bad))
     if search_max:
         out = max_seq_len(cfg, cluster, choice)
     else:

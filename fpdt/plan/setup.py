@@ -23,6 +23,13 @@ start-up and keep it."""
 ZERO_SUB_GROUP = 1e9
 """DeepSpeed's default ZeRO-3 ``sub_group_size`` (elements per optimizer sub-group)."""
 PLACEMENTS = ("head_first", "context_first")
+
+
+def chunk_count_problems(mlp_chunks: int | None, loss_chunks: int | None) -> list[str]:
+    """Why these MLP / loss chunk counts cannot be planned (None = the default, fine)."""
+    return [f"{name}={n}: the planner models the chunked MLP and loss; give at least 1 chunk "
+            f"(0, unchunked, is a trainer option the planner does not model)"
+            for name, n in (("mlp_chunks", mlp_chunks), ("loss_chunks", loss_chunks)) if n is not None and n < 1]
 DTYPES = {"bf16": 2, "fp32": 4}
 
 
@@ -78,6 +85,11 @@ class Setup:
         return self.seq_len // self.sp
 
     @property
+    def rank_tokens(self) -> int:
+        """Tokens per rank per micro step: ``batch`` sequences of :attr:`local_tokens`."""
+        return self.batch * self.local_tokens
+
+    @property
     def elem_bytes(self) -> int:
         return DTYPES[self.dtype]
 
@@ -102,10 +114,7 @@ class Setup:
             out.append(f"hp={self.hp} must divide the {cfg.num_heads} query heads")
         if self.inner_ring is not None and (self.inner_ring < 1 or self.cp % self.inner_ring):
             out.append(f"inner_ring={self.inner_ring} must divide cp={self.cp}")
-        for name in ("mlp_chunks", "loss_chunks"):
-            n = getattr(self, name)
-            if n is not None and n < 1:
-                out.append(f"{name}={n}: the planner models the chunked MLP and loss; give at least 1 chunk")
+        out += chunk_count_problems(self.mlp_chunks, self.loss_chunks)
         if self.chunk_size < 1 or self.seq_len % self.chunk_size:
             out.append(f"chunk_size={self.chunk_size} must divide seq_len={self.seq_len}")
         elif self.chunk_size % (self.sp * (2 if self.cp > 1 else 1)):

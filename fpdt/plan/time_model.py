@@ -43,6 +43,7 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
 
 from __future__ import annotations
 
+from fpdt.model.chunks import chunk_count
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster, Rates
 from fpdt.plan.memory_model import layer_attention_costs, loss_chunks, mlp_chunks
@@ -79,7 +80,7 @@ def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
     """Device bytes the memory-bound ops move per optimizer step on one rank (see
     :data:`ELEMENTWISE_BYTES`); the weight-gradient accumulation is counted apart."""
     k = ELEMENTWISE_BYTES[4 if s.elem_bytes == 4 else 2]
-    h, tokens, u = cfg.hidden_size, s.batch * s.local_tokens, s.num_chunks
+    h, tokens, u = cfg.hidden_size, s.rank_tokens, s.num_chunks
     per_token = (k["hidden"] * h + k["mlp"] * cfg.intermediate_size
                  + k["kv"] * cfg.num_kv_heads * cfg.head_dim)
     if s.checkpoint == "off":
@@ -115,30 +116,24 @@ def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
       over all tokens: nothing to accumulate.
     """
     e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
-    tokens = s.batch * s.local_tokens
+    tokens = s.rank_tokens
     per_weight = accumulation_bytes_per_weight(e)
     qkv_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    out = {"mlp": l * _chunks_run(tokens, mlp_chunks(cfg, s)) * 3 * cfg.intermediate_size * h * per_weight,
+    out = {"mlp": l * chunk_count(tokens, mlp_chunks(cfg, s)) * 3 * cfg.intermediate_size * h * per_weight,
            "qkv": l * s.num_chunks * qkv_weights * per_weight,
            "lm_head": 0}
     if s.lm_head_wgrad == "accumulate":
-        out["lm_head"] = (_chunks_run(tokens, loss_chunks(cfg, s)) * cfg.vocab_size * h
+        out["lm_head"] = (chunk_count(tokens, loss_chunks(cfg, s)) * cfg.vocab_size * h
                           * (8 if e == 4 else per_weight))
     return out
 
-
-def _chunks_run(tokens: int, num_chunks: int) -> int:
-    """How many chunks :func:`fpdt.model.chunks.chunk_bounds` makes of ``tokens`` when asked
-    for ``num_chunks`` (equal spans of ``ceil(tokens / num_chunks)``, so sometimes fewer)."""
-    step = -(-tokens // max(1, min(num_chunks, tokens)))
-    return -(-tokens // step)
 
 
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     """Seconds per optimizer step, per component (exposed time) plus ``"total"``."""
     rates = cluster.rates()
     m, e, l = model_shape(cfg), s.elem_bytes, cfg.num_layers
-    tokens = s.batch * s.local_tokens                       # per rank
+    tokens = s.rank_tokens
     recompute = s.checkpoint != "off"
     passes = 4 if recompute else 3                          # forward, (recompute), backward = 2 x
     head_passes = 4 if s.lm_head_wgrad == "recompute" else 3   # the logits once more in backward

@@ -28,6 +28,8 @@ from fpdt.offload import selected_runtime_name
 
 CHECKPOINT_MODES = ("off", "on", "offload")
 LM_HEAD_WGRAD_MODES = ("accumulate", "recompute")   # fpdt.model.loss.WGRAD_MODES (no model import here)
+MLP_CHUNKS_PER_CHUNK = 2
+"""MLP token chunks per attention chunk when ``mlp_chunks`` is not given (fpdt-plan plans the same)."""
 
 
 class ConfigError(ValueError):
@@ -258,7 +260,7 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
             f"{2 * sp * num_chunks}; each chunk of {chunk} tokens is cut into 2 x cp zigzag pieces split over "
             f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
     _check_device_options(opts, device_type, ds_config)
-    mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else 2 * num_chunks
+    mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else MLP_CHUNKS_PER_CHUNK * num_chunks
     return Plan(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
                 chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=mlp_chunks, hp=hp, cp=cp,
                 placement=opts.placement, inner_ring=opts.inner_ring)
