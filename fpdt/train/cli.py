@@ -63,17 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--placement", choices=["head_first", "context_first"],
                    help="2D mesh placement: HP ranks adjacent (head_first, default) or CP ranks adjacent")
     f.add_argument("--inner-ring", type=int, help="double-ring inner size (divides --cp; default: one ring)")
-    f.add_argument("--chunk-size", type=int, help="global tokens per FPDT chunk (default: the whole sequence)")
+    f.add_argument("--chunk-size", type=int,
+                   help="global tokens per FPDT chunk (default: 65536, or the whole sequence when shorter; "
+                        "else the largest divisor of the sequence below 64K, down to 8K)")
     f.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
-                   help="offload attention chunks to pinned host memory (CUDA; default off)")
+                   help="offload attention chunks to pinned host memory (CUDA only; default: on with CUDA, "
+                        "off elsewhere)")
     f.add_argument("--mlp-chunks", type=int, help="MLP chunks (default 2 x attention chunks; 0 = unchunked)")
     f.add_argument("--loss-chunks", type=int, help="loss chunks (default ceil(2 vocab / hidden); 0 = unchunked)")
     f.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
                    help="LM-head weight gradient: fp32 [vocab, hidden] accumulator (accumulate, default) or "
                         "recomputed logits in backward, no accumulator (recompute; fpdt-plan says when it is needed)")
-    f.add_argument("--checkpoint", choices=["off", "on", "offload"], help="activation checkpointing (default off)")
+    f.add_argument("--checkpoint", choices=["off", "on", "offload"],
+                   help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
+                        "default: offload with CUDA, off elsewhere)")
     r = p.add_argument_group("run")
-    r.add_argument("--deepspeed", metavar="JSON", help="DeepSpeed config (optimizer, precision, ZeRO, ...)")
+    r.add_argument("--deepspeed", metavar="JSON",
+                   help="DeepSpeed config (optimizer, precision, ZeRO, ...; default: ZeRO-3, AdamW lr 1e-3, "
+                        "bf16 on CUDA, fp32 elsewhere)")
     r.add_argument("--steps", type=int, required=True, help="total optimizer steps (a resumed run counts on)")
     r.add_argument("--seed", type=int, default=0, help="seed for random init and --shuffle")
     r.add_argument("--log-json", metavar="FILE", help="append one JSON object per step to FILE")
@@ -150,8 +157,8 @@ def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: Par
     """
     from fpdt import model as fm
 
-    kw = dict(num_chunks=plan.num_chunks, offload=opts.offload, mlp_chunks=plan.mlp_chunks,
-              loss_chunks=opts.loss_chunks, lm_head_wgrad=opts.lm_head_wgrad, checkpointing=opts.checkpoint)
+    kw = dict(num_chunks=plan.num_chunks, offload=plan.offload, mlp_chunks=plan.mlp_chunks,
+              loss_chunks=opts.loss_chunks, lm_head_wgrad=opts.lm_head_wgrad, checkpointing=plan.checkpoint)
     kw.update(mesh=ps.mesh) if ps.mesh is not None else kw.update(group=ps.sp_group)
     torch.manual_seed(args.seed)  # same random weights on every rank
     if args.model:
@@ -191,7 +198,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     # 1. everything that needs no process group: flags, configs, model source, data, checkpoint
     _check_args(args)
     device = pick_device()
-    ds_config, section = load_ds_config(args.deepspeed)
+    ds_config, section = load_ds_config(args.deepspeed, device.type)
     opts = merge_options(fpdt_flags(args), section)
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
@@ -226,12 +233,13 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     peak, peak_src = resolve_peak_flops(device, dtype_name, args.peak_tflops)
     _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} "
              f"seq_len={plan.seq_len} "
-             f"chunks={plan.num_chunks} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
+             f"chunk={plan.chunk_size} chunks={plan.num_chunks} offload={'on' if plan.offload else 'off'} "
+             f"checkpoint={plan.checkpoint} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})")
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=model_shape(model.config),
-                    peak_flops=peak, recompute=opts.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
+                    peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
                     mem_accounting=args.mem_accounting)
     saver = Saver(args, engine, ps, info, dtype_name, progress)
 

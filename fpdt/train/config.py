@@ -30,6 +30,9 @@ CHECKPOINT_MODES = ("off", "on", "offload")
 LM_HEAD_WGRAD_MODES = ("accumulate", "recompute")   # fpdt.model.loss.WGRAD_MODES (no model import here)
 MLP_CHUNKS_PER_CHUNK = 2
 """MLP token chunks per attention chunk when ``mlp_chunks`` is not given (fpdt-plan plans the same)."""
+DEFAULT_CHUNK_TOKENS = 65536
+"""Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (BRIEF §1),
+where attention hides the chunk copies; see :func:`default_chunk_size`."""
 
 
 class ConfigError(ValueError):
@@ -56,9 +59,11 @@ class FPDTOptions:
     chunk_size: int | None = None
     """Global tokens per FPDT chunk (the post-all-to-all chunk length C). The number of
     attention chunks is ``u = seq_len / chunk_size`` and each rank holds ``C / P`` tokens
-    of every chunk. ``None``: one chunk, the whole sequence."""
-    offload: bool = False
-    """Keep finished q/k/v/o chunks in pinned host memory and stream them back (CUDA only)."""
+    of every chunk. ``None``: :func:`default_chunk_size` (64K, or the whole sequence when
+    it is no longer)."""
+    offload: bool | None = None
+    """Keep finished q/k/v/o chunks in pinned host memory and stream them back (CUDA only).
+    ``None``: on with CUDA (the FPDT design), off on other devices."""
     mlp_chunks: int | None = None
     """Chunks the MLP is run in over the local sequence. ``None``: ``2 * u`` (FPDT
     paper); ``0``: the plain, unchunked MLP."""
@@ -69,9 +74,10 @@ class FPDTOptions:
     """LM-head weight gradient of the chunked loss: ``"accumulate"`` (an fp32 ``[vocab, hidden]``
     buffer, fastest) or ``"recompute"`` (no such buffer; one more LM-head GEMM in backward).
     ``fpdt-plan`` says when the second is needed to fit."""
-    checkpoint: str = "off"
+    checkpoint: str | None = None
     """Activation checkpointing of the decoder layers: ``"off"``, ``"on"`` (recompute in
-    backward) or ``"offload"`` (also keep the saved layer inputs on the host; CUDA only)."""
+    backward) or ``"offload"`` (also keep the saved layer inputs on the host; CUDA only).
+    ``None``: ``"offload"`` with CUDA (the FPDT design), ``"off"`` on other devices."""
 
 
 FPDT_KEYS = tuple(f.name for f in fields(FPDTOptions))
@@ -112,9 +118,9 @@ def _check_types(opts: FPDTOptions) -> None:
         least = 0 if name in ("mlp_chunks", "loss_chunks") else 1  # 0 = unchunked
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= {least}")
-    if not isinstance(opts.offload, bool):
+    if opts.offload is not None and not isinstance(opts.offload, bool):
         raise ConfigError(f"fpdt option offload={opts.offload!r} must be true or false")
-    if opts.checkpoint not in CHECKPOINT_MODES:
+    if opts.checkpoint is not None and opts.checkpoint not in CHECKPOINT_MODES:
         raise ConfigError(f"fpdt option checkpoint={opts.checkpoint!r} must be one of {CHECKPOINT_MODES}")
     if opts.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
         raise ConfigError(f"fpdt option lm_head_wgrad={opts.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
@@ -143,18 +149,24 @@ DEFAULT_DS_CONFIG: dict[str, Any] = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "steps_per_print": 1_000_000_000,
 }
-"""Used when no ``--deepspeed`` JSON is given: fp32, ZeRO-3, AdamW (torch implementation,
-so nothing is JIT-compiled), lr 1e-3, clipping at 1.0."""
+"""Used when no ``--deepspeed`` JSON is given: ZeRO-3, AdamW (torch implementation, so
+nothing is JIT-compiled), lr 1e-3, clipping at 1.0; fp32, plus bf16 on CUDA
+(:func:`load_ds_config`)."""
 
 
-def load_ds_config(source: str | os.PathLike | Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_ds_config(source: str | os.PathLike | Mapping[str, Any] | None,
+                   device_type: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read the DeepSpeed JSON. Returns ``(deepspeed_dict_without_fpdt, fpdt_section)``.
 
     ``source`` is a path, an already-parsed dict (not modified) or ``None`` for
-    :data:`DEFAULT_DS_CONFIG`.
+    :data:`DEFAULT_DS_CONFIG`, which trains in bf16 when ``device_type`` is ``"cuda"``
+    (fp32 elsewhere: CPU kernels without native bf16 compute in fp32 anyway). A given JSON's
+    precision is DeepSpeed's to read, untouched.
     """
     if source is None:
         cfg = copy.deepcopy(DEFAULT_DS_CONFIG)
+        if device_type == "cuda":
+            cfg["bf16"] = {"enabled": True}
     elif isinstance(source, Mapping):
         cfg = copy.deepcopy(dict(source))
     else:
@@ -215,6 +227,10 @@ class Plan:
     """2D mesh placement (only used with cp > 1)."""
     inner_ring: int | None = None
     """Double-ring inner size (only used with cp > 1; None = one ring)."""
+    offload: bool = False
+    """Attention chunks in pinned host memory (the option, or its device default)."""
+    checkpoint: str = "off"
+    """Activation checkpointing mode (the option, or its device default)."""
 
     @property
     def local_seq_len(self) -> int:
@@ -241,7 +257,8 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
     if opts.inner_ring is not None and cp % opts.inner_ring:
         raise ConfigError(f"--inner-ring {opts.inner_ring} does not divide --cp {cp}; use a divisor of {cp} "
                           f"(ranks per inner ring, e.g. NICs per node)")
-    chunk = seq_len if opts.chunk_size is None else opts.chunk_size
+    split = sp if cp == 1 else 2 * sp
+    chunk = default_chunk_size(seq_len, split) if opts.chunk_size is None else opts.chunk_size
     if chunk > seq_len:
         raise ConfigError(f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); "
                           f"use a chunk size <= {seq_len} that divides it")
@@ -259,25 +276,51 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
             f"--seq-len {seq_len} is not divisible by 2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks} = "
             f"{2 * sp * num_chunks}; each chunk of {chunk} tokens is cut into 2 x cp zigzag pieces split over "
             f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
-    _check_device_options(opts, device_type, ds_config)
+    offload, checkpoint = device_defaults(opts, device_type)
+    _check_device_options(offload, checkpoint, device_type, ds_config)
     mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else MLP_CHUNKS_PER_CHUNK * num_chunks
     return Plan(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
                 chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=mlp_chunks, hp=hp, cp=cp,
-                placement=opts.placement, inner_ring=opts.inner_ring)
+                placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
 
 
-def _check_device_options(opts: FPDTOptions, device_type: str, ds_config: Mapping[str, Any]) -> None:
+def default_chunk_size(seq_len: int, split: int) -> int:
+    """The global chunk when none is given: :data:`DEFAULT_CHUNK_TOKENS`, or the whole
+    sequence when it is no longer; when 64K does not divide the sequence, the largest chunk
+    below it, down to 8K, that does and that splits into ``split`` equal pieces (``sp``, or
+    ``2 x hp x cp`` on a 2D mesh). With no such chunk: the whole sequence, one chunk (the
+    trainer's start-up line shows the chunking; ``--chunk-size`` sets it)."""
+    if seq_len <= DEFAULT_CHUNK_TOKENS:
+        return seq_len
+    smallest = DEFAULT_CHUNK_TOKENS // 8     # below this the copies outrun attention (BRIEF §1)
+    for chunk in range(DEFAULT_CHUNK_TOKENS - DEFAULT_CHUNK_TOKENS % split, smallest - 1, -split):
+        if seq_len % chunk == 0:
+            return chunk
+    return seq_len
+
+
+def device_defaults(opts: FPDTOptions, device_type: str) -> tuple[bool, str]:
+    """``(offload, checkpoint)``: the options where given, else the FPDT design on CUDA
+    (attention offload, offloaded layer-input checkpoints) and neither elsewhere (both need
+    pinned memory and copy streams; ``FPDT_RUNTIME=sim`` tests them on the CPU when asked)."""
+    cuda = device_type == "cuda"
+    offload = opts.offload if opts.offload is not None else cuda
+    checkpoint = opts.checkpoint if opts.checkpoint is not None else ("offload" if cuda else "off")
+    return offload, checkpoint
+
+
+def _check_device_options(offload: bool, checkpoint: str, device_type: str, ds_config: Mapping[str, Any]) -> None:
     if device_type == "cuda":
         return
     # Offload on the CPU only makes sense to test the offload paths: allowed when a device
     # runtime was chosen explicitly (FPDT_RUNTIME=sim simulates the copy streams).
     runtime, explicit = selected_runtime_name(device_type)
     simulated = explicit and runtime in ("sim", "sync")
-    if opts.offload and not simulated:
+    if offload and not simulated:
         raise ConfigError(f"--offload needs a CUDA device (pinned host memory and copy streams); "
                           f"this run is on {device_type}: pass --no-offload or set \"offload\": false "
                           f"(to test the offload paths on the CPU, set FPDT_RUNTIME=sim)")
-    if opts.checkpoint == "offload" and not simulated:
+    if checkpoint == "offload" and not simulated:
         raise ConfigError(f"checkpoint mode 'offload' needs a CUDA device; this run is on "
                           f"{device_type}: use --checkpoint on (or off), or set FPDT_RUNTIME=sim to test it on the CPU")
     if ds_dtype_name(ds_config) == "fp16":

@@ -76,6 +76,60 @@ def test_validate_plan():
     assert validate(FPDTOptions(offload=True, checkpoint="offload"), 64, 1, "cuda", {"fp16": {"enabled": True}})
 
 
+K = 1024
+
+
+@pytest.mark.parametrize("seq_len, split, chunk", [
+    (256, 1, 256),                  # up to 64K: one chunk, the whole sequence
+    (64 * K, 8, 64 * K),
+    (4 * 1024 * K, 8, 64 * K),      # the paper's 64K
+    (3 * 64 * K, 8, 64 * K),
+    (100_000, 1, 50_000),           # 64K does not divide: the largest divisor below it
+    (100_000, 16, 50_000),
+    (96 * K, 32, 48 * K),
+    (2 * 65537, 1, 2 * 65537),      # no divisor between 8K and 64K: one chunk
+    (96 * K + 1, 2, 96 * K + 1),    # odd, split over 2: nothing fits (validate names the fix)
+    (5 * 19661, 1, 19661),
+])
+def test_default_chunk_size(seq_len, split, chunk):
+    from fpdt.train.config import default_chunk_size
+    got = default_chunk_size(seq_len, split)
+    assert got == chunk and seq_len % got == 0 and (got == seq_len or got % split == 0)
+
+
+def test_defaults_follow_the_fpdt_design_on_cuda_only(monkeypatch):
+    """Unset, offload and checkpointing are FPDT's (attention chunks and layer inputs on the
+    host) on CUDA and off elsewhere, where they need FPDT_RUNTIME=sim; given values win."""
+    monkeypatch.delenv("FPDT_RUNTIME", raising=False)
+    cuda = validate(FPDTOptions(sp=8), 4 * 1024 * K, 8, "cuda", FP32)
+    assert (cuda.offload, cuda.checkpoint, cuda.chunk_size, cuda.num_chunks) == (True, "offload", 64 * K, 64)
+    cpu = validate(FPDTOptions(), 96, 1, "cpu", FP32)
+    assert (cpu.offload, cpu.checkpoint, cpu.chunk_size, cpu.num_chunks) == (False, "off", 96, 1)
+    given = validate(FPDTOptions(offload=False, checkpoint="on", chunk_size=32), 96, 1, "cuda", FP32)
+    assert (given.offload, given.checkpoint, given.num_chunks) == (False, "on", 3)
+    mesh = validate(FPDTOptions(hp=2, cp=2), 96 * K, 4, "cuda", FP32)     # 2D: chunks split into 2 x 2 x 2
+    assert mesh.chunk_size == 48 * K and mesh.chunk_size % 8 == 0
+
+
+def test_default_precision_is_bf16_on_cuda_only(tmp_path):
+    from fpdt.train.config import ds_dtype_name
+    assert ds_dtype_name(load_ds_config(None, "cuda")[0]) == "bf16"
+    assert ds_dtype_name(load_ds_config(None, "cpu")[0]) == "fp32"
+    assert ds_dtype_name(load_ds_config(None)[0]) == "fp32"
+    given = write_json(str(tmp_path / "ds.json"), {"zero_optimization": {"stage": 3}})
+    assert ds_dtype_name(load_ds_config(given, "cuda")[0]) == "fp32"      # a given JSON is DeepSpeed's to read
+
+
+def test_planner_defaults_are_the_trainers_on_a_gpu():
+    """fpdt-plan plans a GPU run; its defaults are what fpdt-train does there without flags."""
+    from fpdt.plan import Choice
+    from fpdt.train.config import device_defaults, ds_dtype_name, ds_zero_stage
+    ds = load_ds_config(None, "cuda")[0]
+    choice = Choice()
+    assert (choice.offload, choice.checkpoint) == device_defaults(FPDTOptions(), "cuda")
+    assert (choice.dtype, choice.zero_stage) == (ds_dtype_name(ds), ds_zero_stage(ds))
+
+
 @pytest.mark.parametrize("extra, json_section, message", [
     (["--sp", "2"], None, "--sp 2 does not divide the world size 1"),
     (["--chunk-size", "100"], None, "--chunk-size 100 is larger than the sequence"),
