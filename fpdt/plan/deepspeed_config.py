@@ -40,6 +40,11 @@ def apply_deepspeed_config(path: str, choice: Choice) -> Choice:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: a DeepSpeed config is a JSON object")
+    return apply_deepspeed_dict(cfg, choice)
+
+
+def apply_deepspeed_dict(cfg: dict, choice: Choice) -> Choice:
+    """``choice`` with the settings of an already-parsed DeepSpeed config (see the module)."""
     zero = cfg.get("zero_optimization", {}) or {}
     changes = {"zero_stage": int(zero.get("stage", 0)),
                "offload_optimizer": _on_host(zero.get("offload_optimizer")),

@@ -19,13 +19,15 @@ import argparse
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
-from fpdt.train import checkpoint, preflight, zero, zero_load
+from fpdt.train import checkpoint, memory_preflight, preflight, zero, zero_load
 from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
 from fpdt.train.data import Windows, bin_dtype_for_vocab, check_vocab, load_tokens
@@ -204,6 +206,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
     source = preflight_checks(args, plan, ds_config, dtype_name)
+    memory = check_memory(source.config, plan, opts, ds_config, dtype_name, device)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
 
     # 2. process groups
@@ -237,6 +240,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
              f"checkpoint={plan.checkpoint} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})")
+    if memory.warning:
+        _say(ps, memory.warning)
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=model_shape(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
@@ -276,6 +281,25 @@ def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, 
         preflight.check_resume(args.resume, steps=args.steps, world_size=plan.world_size, precision=dtype_name,
                                model=source, zero_stage=ds_zero_stage(ds_config))
     return source
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    warning: str | None
+    """A device-memory warning to print once the run is set up (None: predicted to fit)."""
+
+
+def check_memory(model_cfg, plan: Plan, opts: FPDTOptions, ds_config: dict[str, Any], dtype_name: str,
+                 device: torch.device) -> MemoryCheck:
+    """The host check of :mod:`fpdt.train.memory_preflight` (raises when offload cannot fit
+    in the node's available memory) and, on CUDA, its device-memory warning."""
+    ranks = memory_preflight.ranks_on_this_node(plan.world_size)
+    est = memory_preflight.estimate(model_cfg, plan, opts, ds_config, dtype_name, device.type, ranks)
+    memory_preflight.check_host_memory(est, ranks, psutil.virtual_memory().available, plan.seq_len)
+    warning = None
+    if device.type == "cuda":
+        warning = memory_preflight.device_memory_warning(est, torch.cuda.get_device_properties(device).total_memory)
+    return MemoryCheck(warning)
 
 
 class Saver:

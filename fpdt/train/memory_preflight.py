@@ -1,0 +1,99 @@
+"""The run's memory, predicted before it starts by ``fpdt-plan``'s model of this schedule.
+
+* **Host** (an error): with ``--checkpoint offload`` every layer's input waits in host
+  memory until the backward (``layers x Nd`` per rank, exact), beside one layer's attention
+  stash (``--offload``) and DeepSpeed's offloaded optimizer state or parameters. When the
+  ranks of one node would need more than the node has available, the run would be killed
+  by the kernel's out-of-memory killer part-way into its first forward (and the other ranks
+  would wait for it until ``--dist-timeout-min``), so it is refused up front, with the
+  figures and the fixes.
+* **Device** (a warning, CUDA only): the planner's predicted peak per GPU against the
+  GPU's capacity. The prediction is a model (within ~10% of the CPU accountant's counts,
+  not yet checked on a GPU), so a run it says will not fit still starts.
+
+The prediction is :func:`fpdt.plan.memory_model.estimate_memory` for the run's own
+settings (:func:`planned_setup`), so it names the same categories ``fpdt-plan`` prints.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from fpdt.model import ModelConfig
+from fpdt.train.config import ConfigError, FPDTOptions, Plan
+
+GIB = 1024 ** 3
+HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_host")
+"""Host bytes per node that the run allocates for offload (the process's own memory aside)."""
+
+
+def ranks_on_this_node(world_size: int) -> int:
+    """Processes sharing this node: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun) or
+    ``LOCAL_SIZE`` (deepspeed); one node holding every rank without a launcher."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(key, "").isdigit() and int(os.environ[key]) > 0:
+            return min(int(os.environ[key]), world_size)
+    return world_size
+
+
+def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
+                  device_type: str):
+    """The :class:`fpdt.plan.Setup` of this run (ZeRO and precision from the DeepSpeed config;
+    an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk)."""
+    from dataclasses import replace
+
+    from fpdt.plan.deepspeed_config import apply_deepspeed_dict
+    from fpdt.plan.planner import Choice
+    from fpdt.plan.setup import Setup
+
+    choice = apply_deepspeed_dict({k: v for k, v in ds_config.items() if k != "fpdt"}, Choice())
+    return replace(
+        Setup(seq_len=plan.seq_len, chunk_size=plan.chunk_size),
+        hp=plan.hp, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
+        checkpoint=plan.checkpoint, offload=plan.offload, zero_stage=choice.zero_stage,
+        offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
+        dtype="fp32" if dtype_name == "fp32" else "bf16", batch=choice.batch,
+        mlp_chunks=max(1, plan.mlp_chunks), loss_chunks=None if opts.loss_chunks is None else max(1, opts.loss_chunks),
+        lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
+        sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
+        kernel_expands_gqa=device_type != "cuda")
+
+
+def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
+             device_type: str, ranks_per_node: int):
+    """:class:`fpdt.plan.memory_model.MemoryEstimate` of this run."""
+    from fpdt.plan.memory_model import estimate_memory
+
+    setup = planned_setup(plan, opts, ds_config, dtype_name, device_type)
+    return estimate_memory(model, setup, plan.world_size, ranks_per_node)
+
+
+def check_host_memory(est, ranks_per_node: int, available_bytes: float, seq_len: int) -> None:
+    """Refuse a run whose offloaded bytes per node (:data:`HOST_CATEGORIES` of ``est``)
+    exceed ``available_bytes``; the error gives the split and the fixes."""
+    parts = {k: est.breakdown[k] for k in HOST_CATEGORIES}
+    need = sum(parts.values())
+    if need <= available_bytes:
+        return
+    split = ", ".join(f"{k.removesuffix('_host').replace('_', ' ')} {v / GIB:.1f} GiB" for k, v in parts.items() if v)
+    fixes = []
+    if parts["checkpoints_host"]:
+        fixes.append("--checkpoint on (layer inputs stay on the GPU)")
+    fixes += ["a larger --sp over more nodes (fewer tokens per rank)", "a shorter --seq-len"]
+    raise ConfigError(
+        f"the {ranks_per_node} rank(s) on this node would offload {need / GIB:.1f} GiB to host memory at "
+        f"--seq-len {seq_len} ({split}), but the node has {available_bytes / GIB:.1f} GiB available: the run would be "
+        f"killed for lack of memory in its first step. Use {', or '.join(fixes)}; fpdt-plan --max-seq-len "
+        f"gives the longest that fits")
+
+
+def device_memory_warning(est, capacity_bytes: float) -> str | None:
+    """A warning line when the predicted device peak per GPU exceeds ``capacity_bytes``."""
+    if est.device_peak_bytes <= capacity_bytes:
+        return None
+    top = sorted(((v, k) for k, v in est.breakdown.items() if not k.endswith("_host") and v), reverse=True)[:3]
+    largest = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for v, k in top)
+    return (f"warning: fpdt-plan's model predicts a device peak of {est.device_peak_bytes / GIB:.1f} GiB per GPU, more "
+            f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); if the run runs out of memory, "
+            f"fpdt-plan with this DeepSpeed JSON recommends settings that fit")

@@ -1,0 +1,119 @@
+"""fpdt-train's memory preflight: the host bytes offload will hold, predicted by fpdt-plan's
+model, refuse a run the node cannot hold before it starts; on CUDA a predicted device peak
+above the GPU's capacity is a warning."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import fpdt.model as fm
+from fpdt.offload.host_pool import _ALL_POOLS
+from fpdt.train import memory_preflight as mp
+from fpdt.train.cli import main
+from fpdt.train.config import FPDTOptions, load_ds_config, validate
+from tests.train.helpers import write_fixture
+
+HF = dict(model_type="llama", vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+          tie_word_embeddings=False)
+
+
+def _pool_bytes() -> int:
+    return sum(p.stats.allocated_bytes for p in list(_ALL_POOLS))
+
+
+@pytest.mark.parametrize("seq_len, u, dtype, checkpoint, offload", [
+    (512, 4, torch.float32, "offload", True),
+    (512, 2, torch.bfloat16, "offload", True),
+    (768, 3, torch.float32, "offload", False),
+    (512, 4, torch.float32, "on", True),
+    (1024, 8, torch.bfloat16, "offload", True),
+])
+def test_predicted_host_bytes_match_what_the_host_pool_holds(seq_len, u, dtype, checkpoint, offload, monkeypatch):
+    """The estimate the trainer gates on, against the host memory the pool actually holds
+    after a forward + backward (buffers in use and cached for reuse: what the node's RAM
+    holds), within 10%. The layer-input checkpoints, the term that grows with layers x
+    tokens, are exact."""
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+    for pool in list(_ALL_POOLS):
+        pool.empty_cache()
+    torch.manual_seed(0)
+    model = fm.from_config(HF, dtype=dtype, num_chunks=u, offload=offload, checkpointing=checkpoint)
+    inputs = model.prepare_inputs(torch.randint(0, HF["vocab_size"], (1, seq_len)))
+    before = _pool_bytes()
+    model(**inputs).backward()
+    held = _pool_bytes() - before
+
+    opts = FPDTOptions(chunk_size=seq_len // u, offload=offload, checkpoint=checkpoint)
+    ds = load_ds_config(None, "cpu")[0]
+    plan = validate(opts, seq_len, 1, "cpu", ds)
+    est = mp.estimate(model.config, plan, opts, ds, "fp32" if dtype == torch.float32 else "bf16", "cpu", 1)
+    predicted = sum(est.breakdown[k] for k in mp.HOST_CATEGORIES)
+    assert est.breakdown["checkpoints_host"] == (HF["num_hidden_layers"] * seq_len * HF["hidden_size"]
+                                                 * dtype.itemsize if checkpoint == "offload" else 0)
+    assert 0.9 <= predicted / held <= 1.1, (predicted, held)
+    for pool in list(_ALL_POOLS):
+        pool.empty_cache()
+
+
+def _estimate(seq_len: int, sp: int, ranks_on_node: int, ds=None):
+    from fpdt.plan import load_model_config
+    opts = FPDTOptions(sp=sp)
+    ds = ds or load_ds_config(None, "cuda")[0]
+    plan = validate(opts, seq_len, sp, "cuda", ds)
+    return mp.estimate(load_model_config("llama-3-8b"), plan, opts, ds, "bf16", "cuda", ranks_on_node)
+
+
+def test_a_node_that_cannot_hold_the_offload_is_refused_with_the_fix():
+    """Llama-3-8B at 4M on 8 GPUs offloads 32 layers x 512K tokens x 4096 x 2 B x 8 ranks =
+    1 TiB of layer inputs per node, plus the attention stash."""
+    est = _estimate(4 * 1024 * 1024, 8, 8)
+    assert est.breakdown["checkpoints_host"] == 1024 ** 4
+    need = sum(est.breakdown[k] for k in mp.HOST_CATEGORIES)
+    mp.check_host_memory(est, 8, need, 4 * 1024 * 1024)              # just enough: fine
+    with pytest.raises(Exception, match=r"8 rank\(s\) on this node would offload 1\d\d\d\.\d GiB to host memory at "
+                                        r"--seq-len 4194304 \(checkpoints 1024\.0 GiB, attention stash .* GiB\), but the "
+                                        r"node has 1000\.0 GiB available.*--checkpoint on.*fpdt-plan --max-seq-len"):
+        mp.check_host_memory(est, 8, 1000 * 1024 ** 3, 4 * 1024 * 1024)
+
+
+def test_ranks_on_this_node_come_from_the_launcher(monkeypatch):
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert mp.ranks_on_this_node(16) == 16
+    monkeypatch.setenv("LOCAL_SIZE", "8")                # deepspeed's launcher
+    assert mp.ranks_on_this_node(16) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")          # torchrun's
+    assert mp.ranks_on_this_node(16) == 4
+    # half the ranks on the node: half the host bytes
+    assert (_estimate(1024 * 1024, 8, 4).host_peak_bytes * 2 == _estimate(1024 * 1024, 8, 8).host_peak_bytes)
+
+
+def test_offloaded_optimizer_state_counts_on_the_host():
+    ds = load_ds_config(None, "cuda")[0]
+    ds["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    est = _estimate(1024 * 1024, 8, 8, ds)
+    assert est.breakdown["model_states_host"] > 0 and est.breakdown["optimizer_state"] == 0
+
+
+def test_device_warning_names_the_largest_parts():
+    est = _estimate(4 * 1024 * 1024, 8, 8)
+    assert mp.device_memory_warning(est, 80 * 1024 ** 3) is None
+    line = mp.device_memory_warning(est, 20 * 1024 ** 3)
+    assert line.startswith("warning: fpdt-plan's model predicts a device peak of ")
+    assert "more than its 20.0 GiB (largest: in flight layer 16.0, " in line
+
+
+def test_cli_refuses_before_building_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+    cfg, data = write_fixture(str(tmp_path))
+    import fpdt.train.cli as cli
+    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=4096))
+    argv = ["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", "--checkpoint", "offload",
+            "--offload", "--chunk-size", "32"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "would offload" in err and "GiB available" in err and "--checkpoint on" in err
