@@ -32,7 +32,7 @@ from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, FPDTOptions, Pl
                                merge_options, validate)
 from fpdt.train.data import Windows, bin_dtype_for_vocab, check_vocab, load_tokens
 from fpdt.train.errors import RunError, debug_enabled, report
-from fpdt.train.loop import CommFailure, LoopSpec, NonFiniteStep, run_steps
+from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
 from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
 from fpdt.train.progress import Progress, StepRecord
@@ -259,6 +259,9 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                        same_on_every_rank=True) from e
     except CommFailure as e:
         raise RunError(str(e)) from e
+    except DeviceOutOfMemory as e:
+        raise RunError(memory_preflight.out_of_memory_advice(e.step, plan, opts, memory.estimate,
+                                                             memory.capacity_bytes, e.detail)) from e
     finally:
         progress.close()
     if args.save_dir and args.steps not in saver.saved and start >= args.steps:
@@ -285,6 +288,10 @@ def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, 
 
 @dataclass(frozen=True)
 class MemoryCheck:
+    estimate: Any
+    """:class:`fpdt.plan.memory_model.MemoryEstimate` of this run."""
+    capacity_bytes: float | None
+    """The GPU's memory (None on the CPU)."""
     warning: str | None
     """A device-memory warning to print once the run is set up (None: predicted to fit)."""
 
@@ -296,10 +303,11 @@ def check_memory(model_cfg, plan: Plan, opts: FPDTOptions, ds_config: dict[str, 
     ranks = memory_preflight.ranks_on_this_node(plan.world_size)
     est = memory_preflight.estimate(model_cfg, plan, opts, ds_config, dtype_name, device.type, ranks)
     memory_preflight.check_host_memory(est, ranks, psutil.virtual_memory().available, plan.seq_len)
-    warning = None
+    capacity = warning = None
     if device.type == "cuda":
-        warning = memory_preflight.device_memory_warning(est, torch.cuda.get_device_properties(device).total_memory)
-    return MemoryCheck(warning)
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        warning = memory_preflight.device_memory_warning(est, capacity)
+    return MemoryCheck(est, capacity, warning)
 
 
 class Saver:

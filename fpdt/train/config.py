@@ -63,7 +63,8 @@ class FPDTOptions:
     it is no longer)."""
     offload: bool | None = None
     """Keep finished q/k/v/o chunks in pinned host memory and stream them back (CUDA only).
-    ``None``: on with CUDA (the FPDT design), off on other devices."""
+    ``None``: on with CUDA when the sequence has more than one chunk (the FPDT design; one
+    chunk has nothing to pipeline), off on other devices."""
     mlp_chunks: int | None = None
     """Chunks the MLP is run in over the local sequence. ``None``: ``2 * u`` (FPDT
     paper); ``0``: the plain, unchunked MLP."""
@@ -276,7 +277,7 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
             f"--seq-len {seq_len} is not divisible by 2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks} = "
             f"{2 * sp * num_chunks}; each chunk of {chunk} tokens is cut into 2 x cp zigzag pieces split over "
             f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
-    offload, checkpoint = device_defaults(opts, device_type)
+    offload, checkpoint = device_defaults(opts, device_type, num_chunks)
     _check_device_options(offload, checkpoint, device_type, ds_config)
     mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else MLP_CHUNKS_PER_CHUNK * num_chunks
     return Plan(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
@@ -299,12 +300,13 @@ def default_chunk_size(seq_len: int, split: int) -> int:
     return seq_len
 
 
-def device_defaults(opts: FPDTOptions, device_type: str) -> tuple[bool, str]:
+def device_defaults(opts: FPDTOptions, device_type: str, num_chunks: int = 2) -> tuple[bool, str]:
     """``(offload, checkpoint)``: the options where given, else the FPDT design on CUDA
-    (attention offload, offloaded layer-input checkpoints) and neither elsewhere (both need
-    pinned memory and copy streams; ``FPDT_RUNTIME=sim`` tests them on the CPU when asked)."""
+    (attention offload when there is more than one chunk to pipeline, offloaded layer-input
+    checkpoints) and neither elsewhere (both need pinned memory and copy streams;
+    ``FPDT_RUNTIME=sim`` tests them on the CPU when asked)."""
     cuda = device_type == "cuda"
-    offload = opts.offload if opts.offload is not None else cuda
+    offload = opts.offload if opts.offload is not None else cuda and num_chunks > 1
     checkpoint = opts.checkpoint if opts.checkpoint is not None else ("offload" if cuda else "off")
     return offload, checkpoint
 

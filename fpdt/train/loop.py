@@ -144,13 +144,22 @@ def train_step(engine, windows: Windows, spec: LoopSpec, step: int) -> StepRecor
                       hfu=rates.hfu, grad_norm=None if norm is None else float(norm), **mem)
 
 
+class DeviceOutOfMemory(RuntimeError):
+    """Step ``step`` (1-based) ran out of device memory; ``detail``: the allocator's line."""
+
+    def __init__(self, step: int, detail: str) -> None:
+        super().__init__(f"step {step}: out of device memory ({detail})")
+        self.step, self.detail = step, detail
+
+
 def run_steps(engine, windows: Windows, spec: LoopSpec, start: int, stop: int, progress: Progress,
               on_step_end: Callable[[int], None] | None = None) -> list[StepRecord]:
     """Optimizer steps ``start .. stop-1``; ``on_step_end(steps_done)`` after each (saving).
 
     Raises :class:`NonFiniteStep` at a step whose loss or gradient norm is not finite
-    (after ``spec.skip_nonfinite`` skipped ones), and :class:`CommFailure` when a
-    collective fails (another rank died, or stalled past the process-group timeout).
+    (after ``spec.skip_nonfinite`` skipped ones), :class:`CommFailure` when a
+    collective fails (another rank died, or stalled past the process-group timeout), and
+    :class:`DeviceOutOfMemory` when a step runs out of device memory.
     """
     records = []
     skipped = 0
@@ -162,6 +171,8 @@ def run_steps(engine, windows: Windows, spec: LoopSpec, start: int, stop: int, p
             skipped = _check_finite(rec, spec, skipped, progress)
             if on_step_end is not None:
                 on_step_end(step + 1)
+        except torch.OutOfMemoryError as e:
+            raise DeviceOutOfMemory(step + 1, _first_line(e)) from e
         except RuntimeError as e:
             if isinstance(e, (NonFiniteStep, CommFailure)) or not is_comm_failure(e):
                 raise

@@ -97,3 +97,27 @@ def device_memory_warning(est, capacity_bytes: float) -> str | None:
     return (f"warning: fpdt-plan's model predicts a device peak of {est.device_peak_bytes / GIB:.1f} GiB per GPU, more "
             f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); if the run runs out of memory, "
             f"fpdt-plan with this DeepSpeed JSON recommends settings that fit")
+
+
+def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est, capacity_bytes: float | None,
+                         detail: str) -> str:
+    """The error line for a step that ran out of device memory: what the GPU has, what the
+    model predicted, and the settings of this run that would lower the peak."""
+    levers = []
+    if not plan.offload:
+        levers.append("--offload (attention chunks in host memory)")
+    if plan.checkpoint != "offload":
+        levers.append("--checkpoint offload (layer inputs in host memory)")
+    half = plan.chunk_size // 2
+    split = plan.sp if plan.cp == 1 else 2 * plan.sp
+    if half >= split and plan.chunk_size % 2 == 0 and half % split == 0:
+        levers.append(f"a smaller --chunk-size (now {plan.chunk_size}, e.g. {half})")
+    if opts.lm_head_wgrad == "accumulate":
+        levers.append("--lm-head-wgrad recompute (no fp32 [vocab, hidden] gradient buffer)")
+    levers.append("more GPUs in the sequence-parallel group (--sp)")
+    if est.breakdown["optimizer_state"]:
+        levers.append('"offload_optimizer": {"device": "cpu"} in the DeepSpeed JSON\'s zero_optimization')
+    has = f"the GPU has {capacity_bytes / GIB:.1f} GiB; " if capacity_bytes else ""
+    return (f"step {step}: out of device memory ({detail}); {has}fpdt-plan's model predicted a peak of "
+            f"{est.device_peak_bytes / GIB:.1f} GiB for this run. To lower it: {'; '.join(levers)}. fpdt-plan "
+            f"--deepspeed <this JSON> --seq-len {plan.seq_len} recommends settings that fit")

@@ -109,6 +109,8 @@ def test_defaults_follow_the_fpdt_design_on_cuda_only(monkeypatch):
     assert (given.offload, given.checkpoint, given.num_chunks) == (False, "on", 3)
     mesh = validate(FPDTOptions(hp=2, cp=2), 96 * K, 4, "cuda", FP32)     # 2D: chunks split into 2 x 2 x 2
     assert mesh.chunk_size == 48 * K and mesh.chunk_size % 8 == 0
+    one = validate(FPDTOptions(), 32 * K, 1, "cuda", FP32)      # one chunk: nothing to pipeline, nothing offloaded
+    assert (one.num_chunks, one.offload, one.checkpoint) == (1, False, "offload")
 
 
 def test_default_precision_is_bf16_on_cuda_only(tmp_path):

@@ -117,3 +117,50 @@ def test_cli_refuses_before_building_anything(tmp_path, capsys, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "would offload" in err and "GiB available" in err and "--checkpoint on" in err
+
+
+def test_out_of_memory_advice_lists_only_levers_not_in_use():
+    from fpdt.plan import load_model_config
+    ds = load_ds_config(None, "cuda")[0]
+    lean = FPDTOptions(sp=8, lm_head_wgrad="recompute")
+    plan = validate(lean, 1024 * 1024, 8, "cuda", ds)
+    est = mp.estimate(load_model_config("llama-3-8b"), plan, lean, ds, "bf16", "cuda", 8)
+    line = mp.out_of_memory_advice(3, plan, lean, est, 80 * 1024 ** 3, "CUDA out of memory. Tried to allocate 2 GiB")
+    assert line.startswith("step 3: out of device memory (CUDA out of memory. Tried to allocate 2 GiB); the GPU has "
+                           "80.0 GiB; fpdt-plan's model predicted a peak of ")
+    assert "--offload" not in line and "--checkpoint offload" not in line and "--lm-head-wgrad" not in line
+    assert "a smaller --chunk-size (now 65536, e.g. 32768)" in line and "offload_optimizer" in line
+    bare = FPDTOptions(sp=8, offload=False, checkpoint="on")
+    plan = validate(bare, 1024 * 1024, 8, "cuda", ds)
+    line = mp.out_of_memory_advice(1, plan, bare, est, None, "x")
+    assert "--offload (attention chunks" in line and "--checkpoint offload" in line and "--lm-head-wgrad recompute" in line
+    assert "the GPU has" not in line
+
+
+OOM_RUN = """
+import sys, torch
+import fpdt.train.loop as loop
+def oom(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB\\nmore detail")
+loop.train_step = oom
+from fpdt.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cli_turns_an_out_of_memory_step_into_one_line_with_the_levers(tmp_path):
+    """In a process of its own: the run gets as far as its first step (process group,
+    DeepSpeed engine) before the allocator fails."""
+    import os
+    import subprocess
+    import sys
+    cfg, data = write_fixture(str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                             "FPDT_RUNTIME", "FPDT_DEBUG")}
+    proc = subprocess.run([sys.executable, "-c", OOM_RUN, "--model-config", cfg, "--data", data, "--seq-len", "64",
+                           "--steps", "2", "--chunk-size", "32"], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith("fpdt-train: error: step 1: out of device memory (CUDA out of memory. Tried to allocate "
+                          "64.00 MiB); fpdt-plan's model predicted a peak of "), err
+    assert "a smaller --chunk-size (now 32, e.g. 16)" in err and "--offload" in err
