@@ -274,7 +274,8 @@ class CudaRuntime(Runtime):
 # --- selection ------------------------------------------------------------------------
 
 _override: list[Runtime] = []            # stack of use_runtime(...) contexts
-_from_env: dict[str, Runtime] = {}       # process-wide instances chosen by name
+_from_env: dict[tuple, Runtime] = {}     # process-wide instances, by name and the env options they read
+SIM_ENV = ("FPDT_SIM_MODE", "FPDT_SIM_FAULT", "FPDT_SIM_SEED")
 
 
 def _make(name: str, **sim_options) -> Runtime:
@@ -308,9 +309,12 @@ def runtime_for(device: torch.device | str) -> Runtime:
     if _override:
         return _override[-1]
     name, _ = selected_runtime_name(device)
-    if name not in _from_env:
-        _from_env[name] = _make(name)
-    return _from_env[name]
+    # keyed by the sim options too: a runtime made while FPDT_SIM_FAULT was set must not
+    # serve (and inject its fault into) code that runs after the variable is gone
+    key = (name, *(os.environ.get(k, "").strip() for k in SIM_ENV)) if name == "sim" else (name,)
+    if key not in _from_env:
+        _from_env[key] = _make(name)
+    return _from_env[key]
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@
 Modules: :mod:`~fpdt.plan.hardware` (GPU presets, rates, calibration file),
 :mod:`~fpdt.plan.models` (model presets, parameter counts), :mod:`~fpdt.plan.setup` (one
 configuration), :mod:`~fpdt.plan.memory_model`, :mod:`~fpdt.plan.time_model`,
-:mod:`~fpdt.plan.planner` (search), :mod:`~fpdt.plan.cli` (``fpdt-plan``).
+:mod:`~fpdt.plan.planner` (search), :mod:`~fpdt.plan.cli` (``fpdt-plan``),
+:mod:`~fpdt.plan.trainer_run` (``fpdt-train``'s memory checks of its own run).
 """
 
 from fpdt.plan.hardware import GPU_PRESETS, Cluster, GPUSpec, gpu_from_args, load_calibration

@@ -4,7 +4,6 @@ Modules (nothing outside ``fpdt.train`` imports this package or DeepSpeed):
 
 * :mod:`~fpdt.train.config`     -- FPDT options, the DeepSpeed JSON, up-front validation
 * :mod:`~fpdt.train.preflight`  -- checks of files and checkpoints before anything starts
-* :mod:`~fpdt.train.memory_preflight` -- host memory the offload needs (an error), device peak (a warning)
 * :mod:`~fpdt.train.errors`     -- one error line per failure, exit codes, --debug
 * :mod:`~fpdt.train.data`       -- token sources, windows, FPDT-layout sharding
 * :mod:`~fpdt.train.parallel`   -- process group, SP / DP groups, device

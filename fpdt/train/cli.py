@@ -27,7 +27,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from fpdt.train import checkpoint, memory_preflight, preflight, zero, zero_load
+from fpdt.plan import trainer_run
+from fpdt.train import checkpoint, preflight, zero, zero_load
 from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
 from fpdt.train.data import Windows, bin_dtype_for_vocab, check_vocab, load_tokens
@@ -260,7 +261,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     except CommFailure as e:
         raise RunError(str(e)) from e
     except DeviceOutOfMemory as e:
-        raise RunError(memory_preflight.out_of_memory_advice(e.step, plan, opts, memory.estimate,
+        raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate,
                                                              memory.capacity_bytes, e.detail)) from e
     finally:
         progress.close()
@@ -298,15 +299,15 @@ class MemoryCheck:
 
 def check_memory(model_cfg, plan: Plan, opts: FPDTOptions, ds_config: dict[str, Any], dtype_name: str,
                  device: torch.device) -> MemoryCheck:
-    """The host check of :mod:`fpdt.train.memory_preflight` (raises when offload cannot fit
+    """The host check of :mod:`fpdt.plan.trainer_run` (raises when offload cannot fit
     in the node's available memory) and, on CUDA, its device-memory warning."""
-    ranks = memory_preflight.ranks_on_this_node(plan.world_size)
-    est = memory_preflight.estimate(model_cfg, plan, opts, ds_config, dtype_name, device.type, ranks)
-    memory_preflight.check_host_memory(est, ranks, psutil.virtual_memory().available, plan.seq_len)
+    ranks = trainer_run.ranks_on_this_node(plan.world_size)
+    est = trainer_run.estimate(model_cfg, plan, opts, ds_config, dtype_name, device.type, ranks)
+    trainer_run.check_host_memory(est, ranks, psutil.virtual_memory().available, plan.seq_len)
     capacity = warning = None
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
-        warning = memory_preflight.device_memory_warning(est, capacity)
+        warning = trainer_run.device_memory_warning(est, capacity)
     return MemoryCheck(est, capacity, warning)
 
 

@@ -181,3 +181,16 @@ def test_trainer_allows_cpu_offload_only_on_an_explicit_cpu_runtime(monkeypatch)
     for name in ("sim", "sync"):
         monkeypatch.setenv("FPDT_RUNTIME", name)
         assert validate(opts, 64, 1, "cpu", {}).num_chunks == 1
+
+
+def test_the_runtime_chosen_by_the_environment_follows_its_sim_options(monkeypatch):
+    """A sim runtime made under FPDT_SIM_FAULT does not outlive the variable: runtime_for
+    gives a clean one once it is unset, and the same instance while the options stay."""
+    from fpdt.offload import runtime_for
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+    monkeypatch.setenv("FPDT_SIM_FAULT", "drop_record_stream")
+    faulty = runtime_for("cpu")
+    assert faulty.fault == "drop_record_stream" and runtime_for("cpu") is faulty
+    monkeypatch.delenv("FPDT_SIM_FAULT")
+    clean = runtime_for("cpu")
+    assert clean.fault is None and clean is not faulty and runtime_for("cpu") is clean

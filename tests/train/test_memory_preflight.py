@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fpdt.model as fm
+from fpdt.offload import use_runtime
 from fpdt.offload.host_pool import _ALL_POOLS
-from fpdt.train import memory_preflight as mp
+from fpdt.plan import trainer_run as mp
 from fpdt.train.cli import main
 from fpdt.train.config import FPDTOptions, load_ds_config, validate
 from tests.train.helpers import write_fixture
@@ -37,15 +38,14 @@ def test_predicted_host_bytes_match_what_the_host_pool_holds(seq_len, u, dtype, 
     after a forward + backward (buffers in use and cached for reuse: what the node's RAM
     holds), within 10%. The layer-input checkpoints, the term that grows with layers x
     tokens, are exact."""
-    monkeypatch.setenv("FPDT_RUNTIME", "sim")
-    for pool in list(_ALL_POOLS):
-        pool.empty_cache()
-    torch.manual_seed(0)
-    model = fm.from_config(HF, dtype=dtype, num_chunks=u, offload=offload, checkpointing=checkpoint)
-    inputs = model.prepare_inputs(torch.randint(0, HF["vocab_size"], (1, seq_len)))
-    before = _pool_bytes()
-    model(**inputs).backward()
-    held = _pool_bytes() - before
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")     # validate() below allows CPU offload on it
+    with use_runtime("sim"):                      # a fresh runtime (and host pool), drained at exit
+        torch.manual_seed(0)
+        model = fm.from_config(HF, dtype=dtype, num_chunks=u, offload=offload, checkpointing=checkpoint)
+        inputs = model.prepare_inputs(torch.randint(0, HF["vocab_size"], (1, seq_len)))
+        before = _pool_bytes()
+        model(**inputs).backward()
+        held = _pool_bytes() - before
 
     opts = FPDTOptions(chunk_size=seq_len // u, offload=offload, checkpoint=checkpoint)
     ds = load_ds_config(None, "cpu")[0]
@@ -55,8 +55,6 @@ def test_predicted_host_bytes_match_what_the_host_pool_holds(seq_len, u, dtype, 
     assert est.breakdown["checkpoints_host"] == (HF["num_hidden_layers"] * seq_len * HF["hidden_size"]
                                                  * dtype.itemsize if checkpoint == "offload" else 0)
     assert 0.9 <= predicted / held <= 1.1, (predicted, held)
-    for pool in list(_ALL_POOLS):
-        pool.empty_cache()
 
 
 def _estimate(seq_len: int, sp: int, ranks_on_node: int, ds=None):

@@ -1,4 +1,7 @@
-"""The run's memory, predicted before it starts by ``fpdt-plan``'s model of this schedule.
+"""An ``fpdt-train`` run's memory, predicted before it starts by the planner's model.
+
+``fpdt-train`` calls this after validating its settings (:func:`fpdt.train.config.validate`)
+and before it builds anything:
 
 * **Host** (an error): with ``--checkpoint offload`` every layer's input waits in host
   memory until the backward (``layers x Nd`` per rank, exact), beside one layer's attention
@@ -20,7 +23,13 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from dataclasses import replace
+
 from fpdt.model import ModelConfig
+from fpdt.plan.deepspeed_config import apply_deepspeed_dict
+from fpdt.plan.memory_model import MemoryEstimate, estimate_memory
+from fpdt.plan.planner import Choice
+from fpdt.plan.setup import Setup
 from fpdt.train.config import ConfigError, FPDTOptions, Plan
 
 GIB = 1024 ** 3
@@ -38,15 +47,9 @@ def ranks_on_this_node(world_size: int) -> int:
 
 
 def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
-                  device_type: str):
-    """The :class:`fpdt.plan.Setup` of this run (ZeRO and precision from the DeepSpeed config;
-    an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk)."""
-    from dataclasses import replace
-
-    from fpdt.plan.deepspeed_config import apply_deepspeed_dict
-    from fpdt.plan.planner import Choice
-    from fpdt.plan.setup import Setup
-
+                  device_type: str) -> Setup:
+    """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
+    config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk)."""
     choice = apply_deepspeed_dict({k: v for k, v in ds_config.items() if k != "fpdt"}, Choice())
     return replace(
         Setup(seq_len=plan.seq_len, chunk_size=plan.chunk_size),
@@ -61,15 +64,13 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
 
 
 def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
-             device_type: str, ranks_per_node: int):
-    """:class:`fpdt.plan.memory_model.MemoryEstimate` of this run."""
-    from fpdt.plan.memory_model import estimate_memory
-
+             device_type: str, ranks_per_node: int) -> MemoryEstimate:
+    """:class:`~fpdt.plan.memory_model.MemoryEstimate` of this run."""
     setup = planned_setup(plan, opts, ds_config, dtype_name, device_type)
     return estimate_memory(model, setup, plan.world_size, ranks_per_node)
 
 
-def check_host_memory(est, ranks_per_node: int, available_bytes: float, seq_len: int) -> None:
+def check_host_memory(est: MemoryEstimate, ranks_per_node: int, available_bytes: float, seq_len: int) -> None:
     """Refuse a run whose offloaded bytes per node (:data:`HOST_CATEGORIES` of ``est``)
     exceed ``available_bytes``; the error gives the split and the fixes."""
     parts = {k: est.breakdown[k] for k in HOST_CATEGORIES}
@@ -88,7 +89,7 @@ def check_host_memory(est, ranks_per_node: int, available_bytes: float, seq_len:
         f"gives the longest that fits")
 
 
-def device_memory_warning(est, capacity_bytes: float) -> str | None:
+def device_memory_warning(est: MemoryEstimate, capacity_bytes: float) -> str | None:
     """A warning line when the predicted device peak per GPU exceeds ``capacity_bytes``."""
     if est.device_peak_bytes <= capacity_bytes:
         return None
@@ -99,7 +100,7 @@ def device_memory_warning(est, capacity_bytes: float) -> str | None:
             f"fpdt-plan with this DeepSpeed JSON recommends settings that fit")
 
 
-def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est, capacity_bytes: float | None,
+def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEstimate, capacity_bytes: float | None,
                          detail: str) -> str:
     """The error line for a step that ran out of device memory: what the GPU has, what the
     model predicted, and the settings of this run that would lower the peak."""
