@@ -21,14 +21,14 @@ settings (:func:`planned_setup`), so it names the same categories ``fpdt-plan`` 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
-
 from dataclasses import replace
+from typing import Any, Mapping
 
 from fpdt.model import ModelConfig
 from fpdt.plan.deepspeed_config import apply_deepspeed_dict
+from fpdt.plan.hardware import GPU_PRESETS, Cluster
 from fpdt.plan.memory_model import MemoryEstimate, estimate_memory
-from fpdt.plan.planner import Choice
+from fpdt.plan.planner import Choice, plan_at
 from fpdt.plan.setup import Setup
 from fpdt.train.config import ConfigError, FPDTOptions, Plan
 
@@ -50,10 +50,9 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
                   device_type: str) -> Setup:
     """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
     config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk)."""
-    choice = apply_deepspeed_dict({k: v for k, v in ds_config.items() if k != "fpdt"}, Choice())
-    return replace(
-        Setup(seq_len=plan.seq_len, chunk_size=plan.chunk_size),
-        hp=plan.hp, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
+    choice = _deepspeed_choice(ds_config)
+    return Setup(
+        seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
         checkpoint=plan.checkpoint, offload=plan.offload, zero_stage=choice.zero_stage,
         offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
         dtype="fp32" if dtype_name == "fp32" else "bf16", batch=choice.batch,
@@ -61,6 +60,11 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
         lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
         sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
         kernel_expands_gqa=device_type != "cuda")
+
+
+def _deepspeed_choice(ds_config: Mapping[str, Any]) -> Choice:
+    """The planner's ZeRO, precision and micro-batch settings from the run's DeepSpeed config."""
+    return apply_deepspeed_dict({k: v for k, v in ds_config.items() if k != "fpdt"}, Choice())
 
 
 def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
@@ -89,21 +93,28 @@ def check_host_memory(est: MemoryEstimate, ranks_per_node: int, available_bytes:
         f"gives the longest that fits")
 
 
-def device_memory_warning(est: MemoryEstimate, capacity_bytes: float) -> str | None:
-    """A warning line when the predicted device peak per GPU exceeds ``capacity_bytes``."""
+def device_memory_warning(est: MemoryEstimate, capacity_bytes: float, recommended: str | None) -> str | None:
+    """A warning line when the predicted device peak per GPU exceeds ``capacity_bytes``,
+    with :func:`recommended_flags` (``recommended``)."""
     if est.device_peak_bytes <= capacity_bytes:
         return None
     top = sorted(((v, k) for k, v in est.breakdown.items() if not k.endswith("_host") and v), reverse=True)[:3]
     largest = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for v, k in top)
     return (f"warning: fpdt-plan's model predicts a device peak of {est.device_peak_bytes / GIB:.1f} GiB per GPU, more "
-            f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); if the run runs out of memory, "
-            f"fpdt-plan with this DeepSpeed JSON recommends settings that fit")
+            f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); {_suggest(recommended)}")
+
+
+def _suggest(recommended: str | None) -> str:
+    if recommended:
+        return f"fpdt-plan's settings for this GPU: {recommended}"
+    return "fpdt-plan finds no setting of this length and GPU count that fits: use more GPUs or a shorter --seq-len"
 
 
 def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEstimate, capacity_bytes: float | None,
-                         detail: str) -> str:
+                         detail: str, recommended: str | None = None) -> str:
     """The error line for a step that ran out of device memory: what the GPU has, what the
-    model predicted, and the settings of this run that would lower the peak."""
+    model predicted, the settings of this run that would lower the peak, and (on CUDA)
+    :func:`recommended_flags`."""
     levers = []
     if not plan.offload:
         levers.append("--offload (attention chunks in host memory)")
@@ -119,6 +130,28 @@ def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEs
     if est.breakdown["optimizer_state"]:
         levers.append('"offload_optimizer": {"device": "cpu"} in the DeepSpeed JSON\'s zero_optimization')
     has = f"the GPU has {capacity_bytes / GIB:.1f} GiB; " if capacity_bytes else ""
+    plan_hint = (_suggest(recommended) if capacity_bytes else
+                 f"fpdt-plan --deepspeed <this JSON> --seq-len {plan.seq_len} recommends settings that fit")
     return (f"step {step}: out of device memory ({detail}); {has}fpdt-plan's model predicted a peak of "
-            f"{est.device_peak_bytes / GIB:.1f} GiB for this run. To lower it: {'; '.join(levers)}. fpdt-plan "
-            f"--deepspeed <this JSON> --seq-len {plan.seq_len} recommends settings that fit")
+            f"{est.device_peak_bytes / GIB:.1f} GiB for this run. To lower it: {'; '.join(levers)}. {plan_hint}")
+
+
+def recommended_flags(model: ModelConfig, plan: Plan, ds_config: Mapping[str, Any], ranks_per_node: int,
+                      capacity_bytes: float, host_bytes: float) -> str | None:
+    """``fpdt-plan``'s settings for this run's model, length, sequence-parallel size and
+    DeepSpeed settings on GPUs of ``capacity_bytes`` (``host_bytes`` per node), as
+    ``fpdt-train`` flags; None when nothing fits. The GPU's speed only breaks ties between
+    settings that fit, so the H100 preset's rates stand in for it."""
+    gpu = replace(GPU_PRESETS["h100-80g"], name="this GPU", mem_bytes=capacity_bytes)
+    ranks = min(ranks_per_node, plan.world_size)
+    cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, plan.world_size // ranks), host_mem_bytes=host_bytes)
+    choice = replace(_deepspeed_choice(ds_config), sp=plan.sp)
+    rec = plan_at(model, plan.seq_len, cluster, choice).get("recommended")
+    if rec is None:
+        return None
+    mesh = [f"--sp {rec['hp']}"] if rec["cp"] == 1 else [f"--hp {rec['hp']}", f"--cp {rec['cp']}",
+                                                           f"--placement {rec['placement']}"]
+    flags = [f"--chunk-size {rec['chunk_size']}", *mesh]
+    flags += [f"--checkpoint {rec['checkpoint']}", "--offload" if rec["offload"] else "--no-offload",
+              f"--lm-head-wgrad {rec['lm_head_wgrad']}"]
+    return " ".join(flags)

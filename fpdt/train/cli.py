@@ -261,8 +261,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     except CommFailure as e:
         raise RunError(str(e)) from e
     except DeviceOutOfMemory as e:
-        raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate,
-                                                             memory.capacity_bytes, e.detail)) from e
+        raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, memory.capacity_bytes,
+                                                        e.detail, memory.recommended)) from e
     finally:
         progress.close()
     if args.save_dir and args.steps not in saver.saved and start >= args.steps:
@@ -293,6 +293,8 @@ class MemoryCheck:
     """:class:`fpdt.plan.memory_model.MemoryEstimate` of this run."""
     capacity_bytes: float | None
     """The GPU's memory (None on the CPU)."""
+    recommended: str | None
+    """fpdt-plan's settings for this run on this GPU, as flags (None on the CPU, or when nothing fits)."""
     warning: str | None
     """A device-memory warning to print once the run is set up (None: predicted to fit)."""
 
@@ -304,11 +306,13 @@ def check_memory(model_cfg, plan: Plan, opts: FPDTOptions, ds_config: dict[str, 
     ranks = trainer_run.ranks_on_this_node(plan.world_size)
     est = trainer_run.estimate(model_cfg, plan, opts, ds_config, dtype_name, device.type, ranks)
     trainer_run.check_host_memory(est, ranks, psutil.virtual_memory().available, plan.seq_len)
-    capacity = warning = None
+    capacity = recommended = warning = None
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
-        warning = trainer_run.device_memory_warning(est, capacity)
-    return MemoryCheck(est, capacity, warning)
+        recommended = trainer_run.recommended_flags(model_cfg, plan, ds_config, ranks, capacity,
+                                                    psutil.virtual_memory().total)
+        warning = trainer_run.device_memory_warning(est, capacity, recommended)
+    return MemoryCheck(est, capacity, recommended, warning)
 
 
 class Saver:

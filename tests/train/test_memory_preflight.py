@@ -97,12 +97,40 @@ def test_offloaded_optimizer_state_counts_on_the_host():
     assert est.breakdown["model_states_host"] > 0 and est.breakdown["optimizer_state"] == 0
 
 
-def test_device_warning_names_the_largest_parts():
+def test_device_warning_names_the_largest_parts_and_the_planners_settings():
     est = _estimate(4 * 1024 * 1024, 8, 8)
-    assert mp.device_memory_warning(est, 80 * 1024 ** 3) is None
-    line = mp.device_memory_warning(est, 20 * 1024 ** 3)
+    assert mp.device_memory_warning(est, 80 * 1024 ** 3, None) is None
+    line = mp.device_memory_warning(est, 20 * 1024 ** 3, "--chunk-size 32768 --sp 8")
     assert line.startswith("warning: fpdt-plan's model predicts a device peak of ")
     assert "more than its 20.0 GiB (largest: in flight layer 16.0, " in line
+    assert line.endswith("; fpdt-plan's settings for this GPU: --chunk-size 32768 --sp 8")
+    assert "no setting of this length and GPU count that fits" in mp.device_memory_warning(est, 20 * 1024 ** 3, None)
+
+
+def test_recommended_flags_are_the_planners_choice_for_the_run_on_this_gpu():
+    """A run set up to need too much (one 1M chunk, layer inputs on the GPU, the fp32
+    LM-head accumulator) on 8 x 80 GiB: the planner's flags for the same model, length and
+    SP size fit (fpdt-train takes them: they validate), and nothing fits 4 GiB GPUs."""
+    from fpdt.plan import load_model_config
+    cfg, S = load_model_config("llama-3-8b"), 2 * 1024 * 1024
+    ds = load_ds_config(None, "cuda")[0]
+    heavy = FPDTOptions(sp=8, chunk_size=S, checkpoint="on", offload=False)
+    plan = validate(heavy, S, 8, "cuda", ds)
+    assert _estimate_of(cfg, plan, heavy, ds).device_peak_bytes > 80 * 1024 ** 3
+    flags = mp.recommended_flags(cfg, plan, ds, 8, 80 * 1024 ** 3, 1024 ** 4)
+    assert flags.startswith("--chunk-size ") and " --sp 8 --checkpoint offload --offload --lm-head-wgrad " in flags
+    from fpdt.train.cli import build_parser, fpdt_flags
+    from fpdt.train.config import merge_options
+    args = build_parser().parse_args(["--model-config", "c.json", "--data", "d", "--seq-len", str(S), "--steps", "1",
+                                      *flags.split()])
+    opts = merge_options(fpdt_flags(args), None)
+    fixed = validate(opts, S, 8, "cuda", ds)
+    assert _estimate_of(cfg, fixed, opts, ds).device_peak_bytes <= 80 * 1024 ** 3
+    assert mp.recommended_flags(cfg, plan, ds, 8, 4 * 1024 ** 3, 1024 ** 4) is None
+
+
+def _estimate_of(cfg, plan, opts, ds):
+    return mp.estimate(cfg, plan, opts, ds, "bf16", "cuda", 8)
 
 
 def test_cli_refuses_before_building_anything(tmp_path, capsys, monkeypatch):
@@ -123,16 +151,18 @@ def test_out_of_memory_advice_lists_only_levers_not_in_use():
     lean = FPDTOptions(sp=8, lm_head_wgrad="recompute")
     plan = validate(lean, 1024 * 1024, 8, "cuda", ds)
     est = mp.estimate(load_model_config("llama-3-8b"), plan, lean, ds, "bf16", "cuda", 8)
-    line = mp.out_of_memory_advice(3, plan, lean, est, 80 * 1024 ** 3, "CUDA out of memory. Tried to allocate 2 GiB")
+    line = mp.out_of_memory_advice(3, plan, lean, est, 80 * 1024 ** 3, "CUDA out of memory. Tried to allocate 2 GiB",
+                                   "--chunk-size 32768 --sp 8")
     assert line.startswith("step 3: out of device memory (CUDA out of memory. Tried to allocate 2 GiB); the GPU has "
                            "80.0 GiB; fpdt-plan's model predicted a peak of ")
     assert "--offload" not in line and "--checkpoint offload" not in line and "--lm-head-wgrad" not in line
     assert "a smaller --chunk-size (now 65536, e.g. 32768)" in line and "offload_optimizer" in line
+    assert line.endswith("fpdt-plan's settings for this GPU: --chunk-size 32768 --sp 8")
     bare = FPDTOptions(sp=8, offload=False, checkpoint="on")
     plan = validate(bare, 1024 * 1024, 8, "cuda", ds)
     line = mp.out_of_memory_advice(1, plan, bare, est, None, "x")
     assert "--offload (attention chunks" in line and "--checkpoint offload" in line and "--lm-head-wgrad recompute" in line
-    assert "the GPU has" not in line
+    assert "the GPU has" not in line and line.endswith("--seq-len 1048576 recommends settings that fit")
 
 
 OOM_RUN = """
