@@ -93,6 +93,20 @@ def check_host_memory(est: MemoryEstimate, ranks_per_node: int, available_bytes:
         f"gives the longest that fits")
 
 
+def prediction_line(est: MemoryEstimate, capacity_bytes: float | None) -> str | None:
+    """What the planner's model predicts for the run, for its start-up output (so that a log
+    holds the prediction beside the measured ``peak_mem_gib``): the device peak per GPU on
+    CUDA, the host bytes offload holds per node when there are any; None when neither."""
+    parts = []
+    if capacity_bytes:
+        parts.append(f"device peak {est.device_peak_bytes / GIB:.1f} of {capacity_bytes / GIB:.1f} GiB per GPU")
+    host = sum(est.breakdown[k] for k in HOST_CATEGORIES)
+    if host:
+        size = f"{host / GIB:.2f} GiB" if host >= GIB else f"{host / 2 ** 20:.1f} MiB"
+        parts.append(f"host offload {size} per node")
+    return f"fpdt-plan's model of this run: {', '.join(parts)}" if parts else None
+
+
 def device_memory_warning(est: MemoryEstimate, capacity_bytes: float, recommended: str | None) -> str | None:
     """A warning line when the predicted device peak per GPU exceeds ``capacity_bytes``,
     with :func:`recommended_flags` (``recommended``)."""

@@ -241,8 +241,9 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
              f"checkpoint={plan.checkpoint} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})")
-    if memory.warning:
-        _say(ps, memory.warning)
+    for line in (trainer_run.prediction_line(memory.estimate, memory.capacity_bytes), memory.warning):
+        if line:
+            _say(ps, line)
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=model_shape(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,

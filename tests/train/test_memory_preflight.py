@@ -192,3 +192,12 @@ def test_cli_turns_an_out_of_memory_step_into_one_line_with_the_levers(tmp_path)
     assert err.startswith("fpdt-train: error: step 1: out of device memory (CUDA out of memory. Tried to allocate "
                           "64.00 MiB); fpdt-plan's model predicted a peak of "), err
     assert "a smaller --chunk-size (now 32, e.g. 16)" in err and "--offload" in err
+
+
+def test_prediction_line_for_the_logs():
+    est = _estimate(4 * 1024 * 1024, 8, 8)
+    line = mp.prediction_line(est, 80 * 1024 ** 3)
+    assert line.startswith("fpdt-plan's model of this run: device peak ") and " of 80.0 GiB per GPU, host offload " in line
+    host = sum(est.breakdown[k] for k in mp.HOST_CATEGORIES) / 1024 ** 3
+    assert line.endswith(f"host offload {host:.2f} GiB per node")
+    assert mp.prediction_line(est, None) == f"fpdt-plan's model of this run: host offload {host:.2f} GiB per node"
