@@ -37,13 +37,18 @@ HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_hos
 """Host bytes per node that the run allocates for offload (the process's own memory aside)."""
 
 
-def ranks_on_this_node(world_size: int) -> int:
-    """Processes sharing this node: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun) or
-    ``LOCAL_SIZE`` (deepspeed); one node holding every rank without a launcher."""
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(key, "").isdigit() and int(os.environ[key]) > 0:
-            return min(int(os.environ[key]), world_size)
-    return world_size
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+"""Where launchers say how many processes share a node: torchrun, deepspeed, Slurm, Open MPI."""
+
+
+def ranks_on_this_node(world_size: int, gpus_on_node: int | None = None) -> int:
+    """Processes sharing this node, as the launcher says (:data:`LOCAL_SIZE_VARS`); without
+    one, at most one per GPU of this node (``gpus_on_node``), else every rank (one node)."""
+    for key in LOCAL_SIZE_VARS:
+        value = os.environ.get(key, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), world_size)
+    return min(world_size, gpus_on_node) if gpus_on_node else world_size
 
 
 def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,

@@ -304,7 +304,8 @@ def check_memory(model_cfg, plan: Plan, opts: FPDTOptions, ds_config: dict[str, 
                  device: torch.device) -> MemoryCheck:
     """The host check of :mod:`fpdt.plan.trainer_run` (raises when offload cannot fit
     in the node's available memory) and, on CUDA, its device-memory warning."""
-    ranks = trainer_run.ranks_on_this_node(plan.world_size)
+    ranks = trainer_run.ranks_on_this_node(plan.world_size,
+                                           torch.cuda.device_count() if device.type == "cuda" else None)
     est = trainer_run.estimate(model_cfg, plan, opts, ds_config, dtype_name, device.type, ranks)
     trainer_run.check_host_memory(est, ranks, psutil.virtual_memory().available, plan.seq_len)
     capacity = recommended = warning = None

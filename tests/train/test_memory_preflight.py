@@ -79,9 +79,14 @@ def test_a_node_that_cannot_hold_the_offload_is_refused_with_the_fix():
 
 
 def test_ranks_on_this_node_come_from_the_launcher(monkeypatch):
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+    for key in mp.LOCAL_SIZE_VARS:
         monkeypatch.delenv(key, raising=False)
     assert mp.ranks_on_this_node(16) == 16
+    assert mp.ranks_on_this_node(16, gpus_on_node=8) == 8    # no launcher variable: one rank per GPU at most
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")   # Open MPI
+    assert mp.ranks_on_this_node(16, gpus_on_node=8) == 2
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "6")        # srun
+    assert mp.ranks_on_this_node(16) == 6
     monkeypatch.setenv("LOCAL_SIZE", "8")                # deepspeed's launcher
     assert mp.ranks_on_this_node(16) == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")          # torchrun's
