@@ -33,7 +33,7 @@ if [ "${1:-}" = "suite" ]; then
   exit 0
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
-python3 -m pytest -q -m cuda tests 2>&1 | tee "$logs/cuda_tests.log"
+python3 -m pytest -q -s -m cuda tests 2>&1 | tee "$logs/cuda_tests.log"
 python3 profiling/attention_offload.py 2>&1 | tee "$logs/attention_offload.log"
 python3 profiling/model_memory.py 2>&1 | tee "$logs/model_memory.log"
 cp benchmarks/results/*.md "$logs/" 2>/dev/null || true
