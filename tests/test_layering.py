@@ -36,6 +36,7 @@ def _imports(path):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)   # `from fpdt.train import cli`
 
 
 def _modules():

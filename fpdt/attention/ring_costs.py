@@ -117,7 +117,7 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
     """Costs of one attention layer per rank (see the module docstring for every formula).
 
     ``hidden`` defaults to ``num_heads * head_dim``. Raises ``ValueError`` for shapes the
-    mesh refuses (``S`` not divisible by ``2*hp*cp*u``, ``hp`` not dividing ``H``,
+    mesh refuses (``S`` not divisible by ``2*hp*cp*u`` with a ring, by ``hp*u`` without; ``hp`` not dividing ``H``,
     ``inner_ring`` not dividing ``cp``).
     """
     H, D, u, e = num_heads, head_dim, num_chunks, dtype_bytes
@@ -125,8 +125,10 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
     w = cp if inner_ring is None else inner_ring
     if w < 1 or cp % w:
         raise ValueError(f"inner_ring={inner_ring} must divide cp={cp}")
-    if seq_len % (2 * hp * cp * u):
+    if cp > 1 and seq_len % (2 * hp * cp * u):      # the ring's zigzag halves every chunk
         raise ValueError(f"S={seq_len} is not divisible by 2*hp*cp*num_chunks={2 * hp * cp * u}")
+    if seq_len % (hp * u):
+        raise ValueError(f"S={seq_len} is not divisible by hp*num_chunks={hp * u}")
     f = kv_replication_factor(H, num_kv_heads, hp)
     Hkv = f * num_kv_heads
     n = cp // w

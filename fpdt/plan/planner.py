@@ -1,7 +1,7 @@
 """``fpdt.plan.plan``: will it fit, how fast, which settings, and the longest length.
 
 Choices the caller leaves open (``None``) are searched: global chunk sizes 8K..256K
-(powers of two dividing ``S``; ``S`` itself when none does), every ``hp x cp = sp`` with
+(powers of two dividing ``S``) and ``fpdt-train``'s default chunk for each mesh, every ``hp x cp = sp`` with
 ``hp`` dividing the query heads, both placements when ``cp > 1``, both LM-head weight
 gradient modes (:mod:`fpdt.model.loss`). Among the candidates
 that fit, the fastest wins (less device memory breaks ties). ``recommended`` searches the
@@ -21,7 +21,7 @@ from fpdt.plan.models import load_model_config
 from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
                              Setup, chunk_count_problems)
 from fpdt.plan.time_model import estimate_time, model_shape
-from fpdt.train.config import MLP_CHUNKS_PER_CHUNK
+from fpdt.train.config import MLP_CHUNKS_PER_CHUNK, default_chunk_size
 from fpdt.train.metrics import step_rates
 
 CHUNK_CANDIDATES = tuple(2 ** k for k in range(13, 19))    # 8K .. 256K global tokens
@@ -90,14 +90,10 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
         meshes = [(fixed, sp // fixed) if choice.hp else (sp // fixed, fixed)] if sp % fixed == 0 else []
     else:
         meshes = [(hp, sp // hp) for hp in _divisors(sp)]
-    if choice.chunk_size:
-        chunks = [choice.chunk_size]
-    else:
-        chunks = [c for c in CHUNK_CANDIDATES if c <= seq_len and seq_len % c == 0] or [seq_len]
     out = []
     wgrads = (choice.lm_head_wgrad,) if choice.lm_head_wgrad else LM_HEAD_WGRAD_MODES
-    for (hp, cp), chunk, ckpt, wgrad in itertools.product(meshes, chunks, checkpoints or (choice.checkpoint,),
-                                                          wgrads):
+    combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
+    for ((hp, cp), chunk), ckpt, wgrad in itertools.product(combos, checkpoints or (choice.checkpoint,), wgrads):
         placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
         for placement in placements:
             s = Setup(seq_len=seq_len, chunk_size=chunk, hp=hp, cp=cp, placement=placement,
@@ -112,6 +108,17 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
             if not s.problems(cfg, world):
                 out.append(s)
     return out
+
+
+def _chunk_candidates(seq_len: int, choice: Choice, hp: int, cp: int) -> list[int]:
+    """The caller's chunk, else the powers of two in :data:`CHUNK_CANDIDATES` dividing ``S``
+    plus ``fpdt-train``'s own default for this mesh (:func:`fpdt.train.config.default_chunk_size`,
+    which also serves meshes that no power of two splits, e.g. 6 ranks)."""
+    if choice.chunk_size:
+        return [choice.chunk_size]
+    chunks = [c for c in CHUNK_CANDIDATES if c <= seq_len and seq_len % c == 0]
+    default = default_chunk_size(seq_len, hp * cp * (2 if cp > 1 else 1))
+    return sorted(set(chunks) | {default})
 
 
 def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:

@@ -21,7 +21,7 @@ settings (:func:`planned_setup`), so it names the same categories ``fpdt-plan`` 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from fpdt.model import ModelConfig
@@ -31,6 +31,7 @@ from fpdt.plan.memory_model import MemoryEstimate, estimate_memory
 from fpdt.plan.planner import Choice, plan_at
 from fpdt.plan.setup import Setup
 from fpdt.train.config import ConfigError, FPDTOptions, Plan
+from fpdt.train.preflight import micro_batch_size
 
 GIB = 1024 ** 3
 HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_host")
@@ -60,7 +61,7 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
         checkpoint=plan.checkpoint, offload=plan.offload, zero_stage=choice.zero_stage,
         offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
-        dtype="fp32" if dtype_name == "fp32" else "bf16", batch=choice.batch,
+        dtype="fp32" if dtype_name == "fp32" else "bf16", batch=micro_batch_size(ds_config, plan.world_size),
         mlp_chunks=max(1, plan.mlp_chunks), loss_chunks=None if opts.loss_chunks is None else max(1, opts.loss_chunks),
         lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
         sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
@@ -112,33 +113,42 @@ def prediction_line(est: MemoryEstimate, capacity_bytes: float | None) -> str | 
     return f"fpdt-plan's model of this run: {', '.join(parts)}" if parts else None
 
 
-def device_memory_warning(est: MemoryEstimate, capacity_bytes: float, recommended: str | None) -> str | None:
+@dataclass(frozen=True)
+class Recommendation:
+    """What the planner suggests for a run on this GPU (:func:`recommend`)."""
+
+    flags: str | None
+    """``fpdt-train`` flags of the planner's choice (None when it has none)."""
+    note: str
+    """The sentence to print: the flags, or why there are none."""
+
+
+def device_memory_warning(est: MemoryEstimate, capacity_bytes: float, recommendation: Recommendation) -> str | None:
     """A warning line when the predicted device peak per GPU exceeds ``capacity_bytes``,
-    with :func:`recommended_flags` (``recommended``)."""
+    with the planner's :func:`recommend`."""
     if est.device_peak_bytes <= capacity_bytes:
         return None
     top = sorted(((v, k) for k, v in est.breakdown.items() if not k.endswith("_host") and v), reverse=True)[:3]
     largest = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for v, k in top)
     return (f"warning: fpdt-plan's model predicts a device peak of {est.device_peak_bytes / GIB:.1f} GiB per GPU, more "
-            f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); {_suggest(recommended)}")
+            f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); {recommendation.note}")
 
 
-def _suggest(recommended: str | None) -> str:
-    if recommended:
-        return f"fpdt-plan's settings for this GPU: {recommended}"
-    return "fpdt-plan finds no setting of this length and GPU count that fits: use more GPUs or a shorter --seq-len"
-
-
-def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEstimate, capacity_bytes: float | None,
-                         detail: str, recommended: str | None = None) -> str:
+def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEstimate | None, detail: str,
+                         capacity_bytes: float | None = None, recommendation: Recommendation | None = None,
+                         model_path: str = "<config.json>") -> str:
     """The error line for a step that ran out of device memory: what the GPU has, what the
-    model predicted, the settings of this run that would lower the peak, and (on CUDA)
-    :func:`recommended_flags`."""
+    model predicted, the settings of this run that would lower the peak (offload only on
+    CUDA, where it runs), and the planner's :func:`recommend` (on CUDA) or the
+    ``fpdt-plan`` command to ask it."""
+    cuda = capacity_bytes is not None
     levers = []
-    if not plan.offload:
+    if cuda and not plan.offload:
         levers.append("--offload (attention chunks in host memory)")
-    if plan.checkpoint != "offload":
+    if cuda and plan.checkpoint != "offload":
         levers.append("--checkpoint offload (layer inputs in host memory)")
+    if not cuda and plan.checkpoint == "off":
+        levers.append("--checkpoint on (recompute each layer in backward)")
     half = plan.chunk_size // 2
     split = plan.sp if plan.cp == 1 else 2 * plan.sp
     if half >= split and plan.chunk_size % 2 == 0 and half % split == 0:
@@ -146,31 +156,42 @@ def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEs
     if opts.lm_head_wgrad == "accumulate":
         levers.append("--lm-head-wgrad recompute (no fp32 [vocab, hidden] gradient buffer)")
     levers.append("more GPUs in the sequence-parallel group (--sp)")
-    if est.breakdown["optimizer_state"]:
+    if est is not None and est.breakdown["optimizer_state"]:
         levers.append('"offload_optimizer": {"device": "cpu"} in the DeepSpeed JSON\'s zero_optimization')
-    has = f"the GPU has {capacity_bytes / GIB:.1f} GiB; " if capacity_bytes else ""
-    plan_hint = (_suggest(recommended) if capacity_bytes else
-                 f"fpdt-plan --deepspeed <this JSON> --seq-len {plan.seq_len} recommends settings that fit")
-    return (f"step {step}: out of device memory ({detail}); {has}fpdt-plan's model predicted a peak of "
-            f"{est.device_peak_bytes / GIB:.1f} GiB for this run. To lower it: {'; '.join(levers)}. {plan_hint}")
+    has = f"the GPU has {capacity_bytes / GIB:.1f} GiB; " if cuda else ""
+    predicted = (f"fpdt-plan's model predicted a peak of {est.device_peak_bytes / GIB:.1f} GiB for this run. "
+                 if est is not None else "")
+    hint = (recommendation.note if recommendation is not None else
+            f"fpdt-plan --model {model_path} --deepspeed <this JSON> --seq-len {plan.seq_len} --gpu ... recommends "
+            f"settings that fit")
+    return f"step {step}: out of device memory ({detail}); {has}{predicted}To lower it: {'; '.join(levers)}. {hint}"
 
 
-def recommended_flags(model: ModelConfig, plan: Plan, ds_config: Mapping[str, Any], ranks_per_node: int,
-                      capacity_bytes: float, host_bytes: float) -> str | None:
-    """``fpdt-plan``'s settings for this run's model, length, sequence-parallel size and
-    DeepSpeed settings on GPUs of ``capacity_bytes`` (``host_bytes`` per node), as
-    ``fpdt-train`` flags; None when nothing fits. The GPU's speed only breaks ties between
-    settings that fit, so the H100 preset's rates stand in for it."""
+def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], ranks_per_node: int,
+              capacity_bytes: float, host_bytes: float) -> Recommendation:
+    """``fpdt-plan``'s settings for this run's model, length, sequence-parallel size, fixed
+    FPDT settings (inner ring, MLP and loss chunks) and DeepSpeed settings on GPUs of
+    ``capacity_bytes`` (``host_bytes`` per node), as ``fpdt-train`` flags, which win over
+    the JSON's ``"fpdt"`` section. The GPU's speed only breaks ties between settings that
+    fit, so the H100 preset's rates stand in for it."""
     gpu = replace(GPU_PRESETS["h100-80g"], name="this GPU", mem_bytes=capacity_bytes)
     ranks = min(ranks_per_node, plan.world_size)
-    cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, plan.world_size // ranks), host_mem_bytes=host_bytes)
-    choice = replace(_deepspeed_choice(ds_config), sp=plan.sp)
-    rec = plan_at(model, plan.seq_len, cluster, choice).get("recommended")
+    cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
+    choice = replace(_deepspeed_choice(ds_config), sp=plan.sp, batch=micro_batch_size(ds_config, plan.world_size),
+                     inner_ring=plan.inner_ring,
+                     mlp_chunks=None if opts.mlp_chunks is None else max(1, opts.mlp_chunks),
+                     loss_chunks=None if opts.loss_chunks is None else max(1, opts.loss_chunks))
+    out = plan_at(model, plan.seq_len, cluster, choice)
+    if "reason" in out:
+        return Recommendation(None, f"fpdt-plan has no setting to suggest for this mesh ({out['reason']})")
+    rec = out["recommended"]
     if rec is None:
-        return None
-    mesh = [f"--sp {rec['hp']}"] if rec["cp"] == 1 else [f"--hp {rec['hp']}", f"--cp {rec['cp']}",
-                                                           f"--placement {rec['placement']}"]
-    flags = [f"--chunk-size {rec['chunk_size']}", *mesh]
+        return Recommendation(None, "fpdt-plan finds no setting of this length and GPU count that fits: use more "
+                                    "GPUs or a shorter --seq-len")
+    flags = [f"--chunk-size {rec['chunk_size']}", f"--hp {rec['hp']}", f"--cp {rec['cp']}"]
+    if rec["cp"] > 1:
+        flags.append(f"--placement {rec['placement']}")
     flags += [f"--checkpoint {rec['checkpoint']}", "--offload" if rec["offload"] else "--no-offload",
               f"--lm-head-wgrad {rec['lm_head_wgrad']}"]
-    return " ".join(flags)
+    text = " ".join(flags)
+    return Recommendation(text, f"fpdt-plan's settings for this GPU: {text}")

@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="2D mesh placement: HP ranks adjacent (head_first, default) or CP ranks adjacent")
     f.add_argument("--inner-ring", type=int, help="double-ring inner size (divides --cp; default: one ring)")
     f.add_argument("--chunk-size", type=int,
-                   help="global tokens per FPDT chunk (default: 65536, or the whole sequence when shorter; "
-                        "else the largest divisor of the sequence below 64K, down to 8K)")
+                   help="global tokens per FPDT chunk, a multiple of sp (2 x hp x cp on a 2D mesh) dividing "
+                        "--seq-len (default: 65536, or the whole sequence when shorter; else the largest such "
+                        "chunk below 64K, down to 8K; else the whole sequence)")
     f.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="offload attention chunks to pinned host memory (CUDA only; default: on with CUDA, "
                         "off elsewhere)")
@@ -207,12 +208,12 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
     source = preflight_checks(args, plan, ds_config, dtype_name)
-    memory = check_memory(source.config, plan, opts, ds_config, dtype_name, device)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
 
     # 2. process groups
     timeout = timedelta(minutes=args.dist_timeout_min)
     init_distributed(device, timeout)
+    memory = check_memory(source, plan, opts, ds_config, dtype_name, device)
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
                               timeout=timeout)
@@ -241,9 +242,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
              f"checkpoint={plan.checkpoint} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})")
-    for line in (trainer_run.prediction_line(memory.estimate, memory.capacity_bytes), memory.warning):
-        if line:
-            _say(ps, line)
+    for line in memory.lines:
+        _say(ps, line)
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=model_shape(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
@@ -262,8 +262,9 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     except CommFailure as e:
         raise RunError(str(e)) from e
     except DeviceOutOfMemory as e:
-        raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, memory.capacity_bytes,
-                                                        e.detail, memory.recommended)) from e
+        raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, e.detail,
+                                                        memory.capacity_bytes, memory.recommendation,
+                                                        source.config_path)) from e
     finally:
         progress.close()
     if args.save_dir and args.steps not in saver.saved and start >= args.steps:
@@ -284,37 +285,54 @@ def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, 
     preflight.check_skip_nonfinite(args.skip_nonfinite, ds_config, plan.world_size)
     if args.resume:
         preflight.check_resume(args.resume, steps=args.steps, world_size=plan.world_size, precision=dtype_name,
-                               model=source, zero_stage=ds_zero_stage(ds_config))
+                               model=source, zero_stage=ds_zero_stage(ds_config),
+                               default_config=args.deepspeed is None)
     return source
 
 
 @dataclass(frozen=True)
 class MemoryCheck:
+    """The planner's view of this run (:mod:`fpdt.plan.trainer_run`)."""
+
     estimate: Any
-    """:class:`fpdt.plan.memory_model.MemoryEstimate` of this run."""
+    """:class:`fpdt.plan.memory_model.MemoryEstimate`, or None when the model cannot describe the run."""
     capacity_bytes: float | None
     """The GPU's memory (None on the CPU)."""
-    recommended: str | None
-    """fpdt-plan's settings for this run on this GPU, as flags (None on the CPU, or when nothing fits)."""
-    warning: str | None
-    """A device-memory warning to print once the run is set up (None: predicted to fit)."""
+    recommendation: Any
+    """:class:`fpdt.plan.trainer_run.Recommendation` on CUDA, else None."""
+    lines: tuple[str, ...]
+    """What to print at start-up: the prediction, a device-memory warning, or why there is none."""
 
 
-def check_memory(model_cfg, plan: Plan, opts: FPDTOptions, ds_config: dict[str, Any], dtype_name: str,
-                 device: torch.device) -> MemoryCheck:
-    """The host check of :mod:`fpdt.plan.trainer_run` (raises when offload cannot fit
-    in the node's available memory) and, on CUDA, its device-memory warning."""
-    ranks = trainer_run.ranks_on_this_node(plan.world_size,
-                                           torch.cuda.device_count() if device.type == "cuda" else None)
-    est = trainer_run.estimate(model_cfg, plan, opts, ds_config, dtype_name, device.type, ranks)
-    trainer_run.check_host_memory(est, ranks, psutil.virtual_memory().available, plan.seq_len)
-    capacity = recommended = warning = None
+def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, ds_config: dict[str, Any],
+                 dtype_name: str, device: torch.device) -> MemoryCheck:
+    """The host check of :mod:`fpdt.plan.trainer_run`, decided on the least available memory
+    of any rank's node (one collective, so that every rank stops together; raises
+    :class:`ConfigError`), and on CUDA the device-memory warning and the planner's settings.
+    A run the planner's model cannot describe is not stopped: it goes on without them."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else None
+    ranks = trainer_run.ranks_on_this_node(plan.world_size, gpus)
+    available = torch.tensor([float(psutil.virtual_memory().available)], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(available, op=dist.ReduceOp.MIN)
+    available = float(available.item())
+    try:
+        est = trainer_run.estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks)
+    except Exception as e:  # noqa: BLE001 -- a limit of the planner's model never stops a run the trainer can run
+        return MemoryCheck(None, None, None, (f"note: fpdt-plan's model cannot describe this run "
+                                              f"({type(e).__name__}: {e}); no memory prediction or host check",))
+    trainer_run.check_host_memory(est, ranks, available, plan.seq_len)
+    capacity = recommendation = None
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
-        recommended = trainer_run.recommended_flags(model_cfg, plan, ds_config, ranks, capacity,
-                                                    psutil.virtual_memory().total)
-        warning = trainer_run.device_memory_warning(est, capacity, recommended)
-    return MemoryCheck(est, capacity, recommended, warning)
+        try:
+            recommendation = trainer_run.recommend(source.config, plan, opts, ds_config, ranks, capacity, available)
+        except Exception as e:  # noqa: BLE001 -- as above: advice only
+            recommendation = trainer_run.Recommendation(None, f"fpdt-plan cannot suggest settings ({type(e).__name__}: "
+                                                              f"{e})")
+    lines = (trainer_run.prediction_line(est, capacity),
+             trainer_run.device_memory_warning(est, capacity, recommendation) if capacity else None)
+    return MemoryCheck(est, capacity, recommendation, tuple(line for line in lines if line))
 
 
 class Saver:

@@ -171,7 +171,7 @@ def run_steps(engine, windows: Windows, spec: LoopSpec, start: int, stop: int, p
             skipped = _check_finite(rec, spec, skipped, progress)
             if on_step_end is not None:
                 on_step_end(step + 1)
-        except torch.OutOfMemoryError as e:
+        except torch.cuda.OutOfMemoryError as e:   # torch.OutOfMemoryError from torch 2.5 on, the same class
             raise DeviceOutOfMemory(step + 1, _first_line(e)) from e
         except RuntimeError as e:
             if isinstance(e, (NonFiniteStep, CommFailure)) or not is_comm_failure(e):

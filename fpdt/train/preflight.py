@@ -134,6 +134,18 @@ def grad_accum_steps(ds_config: Mapping[str, Any], world_size: int) -> int:
     return 1
 
 
+def micro_batch_size(ds_config: Mapping[str, Any], world_size: int) -> int:
+    """Sequences per SP group per micro step that DeepSpeed will use (given, or derived from
+    ``train_batch_size`` as :func:`grad_accum_steps` does)."""
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    if micro is not None:
+        return int(micro)
+    tbs = ds_config.get("train_batch_size")
+    if tbs is not None:
+        return max(1, int(tbs) // (grad_accum_steps(ds_config, world_size) * world_size))
+    return 1
+
+
 def check_skip_nonfinite(skip: int, ds_config: Mapping[str, Any], world_size: int) -> None:
     """``--skip-nonfinite`` drops a whole optimizer step before its backward, which a step
     with several accumulated micro steps does not allow."""
@@ -167,9 +179,10 @@ def check_output_file(flag: str, path: str | None) -> None:
 
 
 def check_resume(path: str, *, steps: int, world_size: int, precision: str, model: ModelSource,
-                 zero_stage: int | None = None) -> checkpoint.SavedCheckpoint:
+                 zero_stage: int | None = None, default_config: bool = False) -> checkpoint.SavedCheckpoint:
     """``--resume PATH`` against this run: files whole, same world size, same precision, same
-    architecture, and ``--steps`` not below the saved step."""
+    architecture, and ``--steps`` not below the saved step. ``default_config``: the run has no
+    ``--deepspeed`` JSON (its precision is the device's default)."""
     if not os.path.exists(path):
         raise ConfigError(f"--resume {path}: no such directory; pass the --save-dir of a run or one of its step<N> dirs")
     saved = checkpoint.inspect(path, zero_stage)
@@ -177,9 +190,11 @@ def check_resume(path: str, *, steps: int, world_size: int, precision: str, mode
         raise ConfigError(f"--resume {path}: the checkpoint was written by {saved.world_size} processes, this run has "
                           f"{world_size}; resume with the same number of processes (ZeRO shards are per rank)")
     if saved.precision is not None and saved.precision != precision:
-        raise ConfigError(f"--resume {path}: the checkpoint was trained in {saved.precision}, this run's DeepSpeed JSON "
-                          f"asks for {precision}; use the precision it was saved with (or export it with fpdt-export "
-                          f"and start a new run from the export with --model)")
+        source = ("without --deepspeed this run trains in" if default_config else "this run's DeepSpeed JSON asks for")
+        fix = (f"pass a --deepspeed JSON in {saved.precision}" if default_config else
+               "use the precision it was saved with")
+        raise ConfigError(f"--resume {path}: the checkpoint was trained in {saved.precision}, {source} {precision}; "
+                          f"{fix} (or export it with fpdt-export and start a new run from the export with --model)")
     saved_cfg = os.path.join(saved.save_dir, "config.json")
     if os.path.isfile(saved_cfg):
         theirs = read_model_config(saved_cfg)

@@ -312,6 +312,19 @@ def test_resume_with_another_precision(saved_run, tmp_path, capsys):
            "the checkpoint was trained in fp32, this run's DeepSpeed JSON asks for bf16")
 
 
+def test_resume_without_a_json_names_the_default_precision(saved_run, tmp_path):
+    """An fp32 checkpoint resumed on CUDA without --deepspeed (whose default is bf16 there):
+    the message says where bf16 comes from and how to keep fp32."""
+    from fpdt.train import preflight
+    from fpdt.train.config import ConfigError
+    _, cfg, _ = saved_run
+    ck = _copy(saved_run, tmp_path)
+    with pytest.raises(ConfigError, match=r"trained in fp32, without --deepspeed this run trains in bf16; pass a "
+                                          r"--deepspeed JSON in fp32"):
+        preflight.check_resume(ck, steps=3, world_size=1, precision="bf16", model=preflight.model_source(None, cfg),
+                               zero_stage=3, default_config=True)
+
+
 def test_resume_with_a_missing_or_truncated_shard(saved_run, tmp_path, capsys):
     _, cfg, data = saved_run
     ck = _copy(saved_run, tmp_path)

@@ -4,8 +4,6 @@ above the GPU's capacity is a warning."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -104,50 +102,113 @@ def test_offloaded_optimizer_state_counts_on_the_host():
 
 def test_device_warning_names_the_largest_parts_and_the_planners_settings():
     est = _estimate(4 * 1024 * 1024, 8, 8)
-    assert mp.device_memory_warning(est, 80 * 1024 ** 3, None) is None
-    line = mp.device_memory_warning(est, 20 * 1024 ** 3, "--chunk-size 32768 --sp 8")
+    flags = mp.Recommendation("--chunk-size 32768 --hp 8 --cp 1", "fpdt-plan's settings for this GPU: --chunk-size 32768")
+    assert mp.device_memory_warning(est, 80 * 1024 ** 3, flags) is None
+    line = mp.device_memory_warning(est, 20 * 1024 ** 3, flags)
     assert line.startswith("warning: fpdt-plan's model predicts a device peak of ")
     assert "more than its 20.0 GiB (largest: in flight layer 16.0, " in line
-    assert line.endswith("; fpdt-plan's settings for this GPU: --chunk-size 32768 --sp 8")
-    assert "no setting of this length and GPU count that fits" in mp.device_memory_warning(est, 20 * 1024 ** 3, None)
+    assert line.endswith("; fpdt-plan's settings for this GPU: --chunk-size 32768")
 
 
-def test_recommended_flags_are_the_planners_choice_for_the_run_on_this_gpu():
-    """A run set up to need too much (one 1M chunk, layer inputs on the GPU, the fp32
-    LM-head accumulator) on 8 x 80 GiB: the planner's flags for the same model, length and
-    SP size fit (fpdt-train takes them: they validate), and nothing fits 4 GiB GPUs."""
+def _heavy_run(seq_len, ds, **extra):
+    """Llama-3-8B on 8 GPUs set up to need too much: one chunk, layer inputs on the GPU,
+    nothing offloaded, the fp32 LM-head accumulator."""
+    opts = FPDTOptions(sp=8, chunk_size=seq_len, checkpoint="on", offload=False, **extra)
+    return opts, validate(opts, seq_len, 8, "cuda", ds)
+
+
+def test_the_planners_flags_fit_and_fpdt_train_takes_them():
+    """The recommended flags, given on the command line over a JSON whose "fpdt" section
+    sets another mesh, parse, validate, keep the run's fixed MLP chunk count, and are
+    predicted to fit 8 x 80 GiB; nothing fits 4 GiB GPUs."""
     from fpdt.plan import load_model_config
-    cfg, S = load_model_config("llama-3-8b"), 2 * 1024 * 1024
-    ds = load_ds_config(None, "cuda")[0]
-    heavy = FPDTOptions(sp=8, chunk_size=S, checkpoint="on", offload=False)
-    plan = validate(heavy, S, 8, "cuda", ds)
-    assert _estimate_of(cfg, plan, heavy, ds).device_peak_bytes > 80 * 1024 ** 3
-    flags = mp.recommended_flags(cfg, plan, ds, 8, 80 * 1024 ** 3, 1024 ** 4)
-    assert flags.startswith("--chunk-size ") and " --sp 8 --checkpoint offload --offload --lm-head-wgrad " in flags
     from fpdt.train.cli import build_parser, fpdt_flags
     from fpdt.train.config import merge_options
+    cfg, S = load_model_config("llama-3-8b"), 2 * 1024 * 1024
+    ds = load_ds_config(None, "cuda")[0]
+    heavy, plan = _heavy_run(S, ds, mlp_chunks=48)
+    assert _estimate_of(cfg, plan, heavy, ds).device_peak_bytes > 80 * 1024 ** 3
+    rec = mp.recommend(cfg, plan, heavy, ds, 8, 80 * 1024 ** 3, 1024 ** 4)
+    assert rec.flags.startswith("--chunk-size ") and " --checkpoint offload --offload --lm-head-wgrad " in rec.flags
+    assert rec.note == f"fpdt-plan's settings for this GPU: {rec.flags}"
+    section = {"sp": 8, "hp": 2, "cp": 4, "mlp_chunks": 48}            # the run's JSON: flags win over it
     args = build_parser().parse_args(["--model-config", "c.json", "--data", "d", "--seq-len", str(S), "--steps", "1",
-                                      *flags.split()])
-    opts = merge_options(fpdt_flags(args), None)
+                                      *rec.flags.split()])
+    opts = merge_options(fpdt_flags(args), section)
     fixed = validate(opts, S, 8, "cuda", ds)
+    assert f"--hp {fixed.hp} --cp {fixed.cp}" in rec.flags and fixed.mlp_chunks == 48
     assert _estimate_of(cfg, fixed, opts, ds).device_peak_bytes <= 80 * 1024 ** 3
-    assert mp.recommended_flags(cfg, plan, ds, 8, 4 * 1024 ** 3, 1024 ** 4) is None
+    none = mp.recommend(cfg, plan, heavy, ds, 8, 4 * 1024 ** 3, 1024 ** 4)
+    assert none.flags is None and "no setting of this length and GPU count that fits" in none.note
+
+
+def test_a_mesh_no_power_of_two_splits_still_gets_settings():
+    """6 GPUs: the planner also tries fpdt-train's own default chunk for the mesh."""
+    from fpdt.plan import load_model_config
+    cfg = {**load_model_config("llama-3-8b").to_hf(), "num_attention_heads": 24, "num_key_value_heads": 6,
+           "head_dim": 128, "hidden_size": 3072}
+    from fpdt.model import ModelConfig
+    cfg = ModelConfig.from_hf(cfg)
+    S, ds = 6 * 8 * 65536, load_ds_config(None, "cuda")[0]
+    opts = FPDTOptions(sp=6, chunk_size=S, checkpoint="on", offload=False)
+    plan = validate(opts, S, 6, "cuda", ds)
+    rec = mp.recommend(cfg, plan, opts, ds, 6, 80 * 1024 ** 3, 1024 ** 4)
+    from fpdt.train.config import default_chunk_size
+    assert default_chunk_size(S, 6) == 49152
+    assert rec.flags is not None and rec.flags.startswith("--chunk-size 49152 --hp 6 --cp 1"), rec
 
 
 def _estimate_of(cfg, plan, opts, ds):
     return mp.estimate(cfg, plan, opts, ds, "bf16", "cuda", 8)
 
 
-def test_cli_refuses_before_building_anything(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+def test_micro_batch_from_train_batch_size_counts():
+    """train_batch_size 16 over 8 ranks without a micro batch: DeepSpeed runs 2 sequences per
+    micro step, so the layer inputs offloaded double."""
+    one = _estimate(1024 * 1024, 8, 8)
+    ds = {**load_ds_config(None, "cuda")[0], "train_batch_size": 16}
+    del ds["train_micro_batch_size_per_gpu"]
+    two = _estimate(1024 * 1024, 8, 8, ds)
+    assert two.breakdown["checkpoints_host"] == 2 * one.breakdown["checkpoints_host"]
+
+
+def test_a_run_the_planner_cannot_describe_still_trains(tmp_path):
+    """S = 63 with one rank and one chunk: fpdt-train runs it (the planner's cost model once
+    refused odd lengths)."""
+    import os
+    import subprocess
+    import sys
     cfg, data = write_fixture(str(tmp_path))
-    import fpdt.train.cli as cli
-    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=4096))
-    argv = ["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", "--checkpoint", "offload",
-            "--offload", "--chunk-size", "32"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "would offload" in err and "GiB available" in err and "--checkpoint on" in err
+    proc = subprocess.run([sys.executable, "-m", "fpdt.train", "--model-config", cfg, "--data", data, "--seq-len", "63",
+                           "--steps", "1", "--no-mem-accounting"], capture_output=True, text=True, env=_clean_env(),
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _clean_env():
+    import os
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                             "FPDT_RUNTIME", "FPDT_DEBUG")}
+
+
+REFUSE_RUN = """
+import sys, types, psutil
+psutil.virtual_memory = lambda: types.SimpleNamespace(available=4096, total=4096)
+from fpdt.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_cli_refuses_before_building_the_model(tmp_path):
+    import subprocess
+    import sys
+    cfg, data = write_fixture(str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", REFUSE_RUN, "--model-config", cfg, "--data", data, "--seq-len", "64",
+                           "--steps", "1", "--checkpoint", "offload", "--offload", "--chunk-size", "32"],
+                          capture_output=True, text=True, env={**_clean_env(), "FPDT_RUNTIME": "sim"}, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "would offload" in err and "0.0 GiB available" in err and "--checkpoint on" in err, err
 
 
 def test_out_of_memory_advice_lists_only_levers_not_in_use():
@@ -156,18 +217,22 @@ def test_out_of_memory_advice_lists_only_levers_not_in_use():
     lean = FPDTOptions(sp=8, lm_head_wgrad="recompute")
     plan = validate(lean, 1024 * 1024, 8, "cuda", ds)
     est = mp.estimate(load_model_config("llama-3-8b"), plan, lean, ds, "bf16", "cuda", 8)
-    line = mp.out_of_memory_advice(3, plan, lean, est, 80 * 1024 ** 3, "CUDA out of memory. Tried to allocate 2 GiB",
-                                   "--chunk-size 32768 --sp 8")
+    rec = mp.Recommendation("--chunk-size 32768 --hp 8 --cp 1", "fpdt-plan's settings for this GPU: --chunk-size 32768")
+    line = mp.out_of_memory_advice(3, plan, lean, est, "CUDA out of memory. Tried to allocate 2 GiB", 80 * 1024 ** 3,
+                                   rec)
     assert line.startswith("step 3: out of device memory (CUDA out of memory. Tried to allocate 2 GiB); the GPU has "
                            "80.0 GiB; fpdt-plan's model predicted a peak of ")
     assert "--offload" not in line and "--checkpoint offload" not in line and "--lm-head-wgrad" not in line
     assert "a smaller --chunk-size (now 65536, e.g. 32768)" in line and "offload_optimizer" in line
-    assert line.endswith("fpdt-plan's settings for this GPU: --chunk-size 32768 --sp 8")
+    assert line.endswith(rec.note)
     bare = FPDTOptions(sp=8, offload=False, checkpoint="on")
     plan = validate(bare, 1024 * 1024, 8, "cuda", ds)
-    line = mp.out_of_memory_advice(1, plan, bare, est, None, "x")
+    line = mp.out_of_memory_advice(1, plan, bare, est, "x", 80 * 1024 ** 3, rec)
     assert "--offload (attention chunks" in line and "--checkpoint offload" in line and "--lm-head-wgrad recompute" in line
-    assert "the GPU has" not in line and line.endswith("--seq-len 1048576 recommends settings that fit")
+    cpu = mp.out_of_memory_advice(1, plan, bare, None, "x", model_path="m/config.json")   # no GPU, no prediction
+    assert "the GPU has" not in cpu and "predicted" not in cpu and "--offload" not in cpu
+    assert cpu.endswith("fpdt-plan --model m/config.json --deepspeed <this JSON> --seq-len 1048576 --gpu ... recommends "
+                        "settings that fit")
 
 
 OOM_RUN = """
@@ -184,25 +249,15 @@ sys.exit(main(sys.argv[1:]))
 def test_cli_turns_an_out_of_memory_step_into_one_line_with_the_levers(tmp_path):
     """In a process of its own: the run gets as far as its first step (process group,
     DeepSpeed engine) before the allocator fails."""
-    import os
     import subprocess
     import sys
     cfg, data = write_fixture(str(tmp_path))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                             "FPDT_RUNTIME", "FPDT_DEBUG")}
     proc = subprocess.run([sys.executable, "-c", OOM_RUN, "--model-config", cfg, "--data", data, "--seq-len", "64",
-                           "--steps", "2", "--chunk-size", "32"], capture_output=True, text=True, env=env, timeout=240)
+                           "--steps", "2", "--chunk-size", "32"], capture_output=True, text=True, env=_clean_env(),
+                          timeout=240)
     assert proc.returncode == 1, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()[-1]
     assert err.startswith("fpdt-train: error: step 1: out of device memory (CUDA out of memory. Tried to allocate "
                           "64.00 MiB); fpdt-plan's model predicted a peak of "), err
-    assert "a smaller --chunk-size (now 32, e.g. 16)" in err and "--offload" in err
-
-
-def test_prediction_line_for_the_logs():
-    est = _estimate(4 * 1024 * 1024, 8, 8)
-    line = mp.prediction_line(est, 80 * 1024 ** 3)
-    assert line.startswith("fpdt-plan's model of this run: device peak ") and " of 80.0 GiB per GPU, host offload " in line
-    host = sum(est.breakdown[k] for k in mp.HOST_CATEGORIES) / 1024 ** 3
-    assert line.endswith(f"host offload {host:.2f} GiB per node")
-    assert mp.prediction_line(est, None) == f"fpdt-plan's model of this run: host offload {host:.2f} GiB per node"
+    assert "a smaller --chunk-size (now 32, e.g. 16)" in err and "--checkpoint on" in err and "--offload" not in err
+    assert f"fpdt-plan --model {cfg} --deepspeed" in err
