@@ -261,3 +261,19 @@ def test_cli_turns_an_out_of_memory_step_into_one_line_with_the_levers(tmp_path)
                           "64.00 MiB); fpdt-plan's model predicted a peak of "), err
     assert "a smaller --chunk-size (now 32, e.g. 16)" in err and "--checkpoint on" in err and "--offload" not in err
     assert f"fpdt-plan --model {cfg} --deepspeed" in err
+
+
+def test_a_planner_failure_becomes_a_note_not_an_error(tmp_path, monkeypatch):
+    from fpdt.train import cli, preflight
+
+    def broken(*args, **kwargs):
+        raise ValueError("a shape the model does not cover")
+    monkeypatch.setattr(mp, "estimate", broken)
+    cfg, _ = write_fixture(str(tmp_path))
+    ds = load_ds_config(None, "cpu")[0]
+    plan = validate(FPDTOptions(), 64, 1, "cpu", ds)
+    check = cli.check_memory(preflight.model_source(None, cfg), plan, FPDTOptions(), ds, "fp32", torch.device("cpu"))
+    assert check.estimate is None and check.lines == (
+        "note: fpdt-plan's model cannot describe this run (ValueError: a shape the model does not cover); no memory "
+        "prediction or host check",)
+    assert "predicted" not in mp.out_of_memory_advice(1, plan, FPDTOptions(), check.estimate, "x")
