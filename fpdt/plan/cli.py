@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         cal = load_calibration(args.calibration) if args.calibration else None
         cluster = Cluster(gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
                           host_mem_bytes=args.host_mem_gib * GIB, calibration=cal)
-        choice = apply_deepspeed_config(args.deepspeed, Choice()) if args.deepspeed else Choice()
+        choice = apply_deepspeed_config(args.deepspeed, Choice(), cluster.world) if args.deepspeed else Choice()
         flags = {"chunk_size": args.chunk_size, "sp": args.sp, "hp": args.hp, "cp": args.cp,
                  "placement": args.placement, "inner_ring": args.inner_ring, "checkpoint": args.checkpoint,
                  "offload": args.offload, "zero_stage": args.zero_stage, "offload_optimizer": args.offload_optimizer,

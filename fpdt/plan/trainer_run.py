@@ -31,7 +31,6 @@ from fpdt.plan.memory_model import MemoryEstimate, estimate_memory
 from fpdt.plan.planner import Choice, plan_at
 from fpdt.plan.setup import Setup
 from fpdt.train.config import ConfigError, FPDTOptions, Plan
-from fpdt.train.preflight import micro_batch_size
 
 GIB = 1024 ** 3
 HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_host")
@@ -56,21 +55,21 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
                   device_type: str) -> Setup:
     """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
     config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk)."""
-    choice = _deepspeed_choice(ds_config)
+    choice = _deepspeed_choice(ds_config, plan.world_size)
     return Setup(
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
         checkpoint=plan.checkpoint, offload=plan.offload, zero_stage=choice.zero_stage,
         offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
-        dtype="fp32" if dtype_name == "fp32" else "bf16", batch=micro_batch_size(ds_config, plan.world_size),
+        dtype="fp32" if dtype_name == "fp32" else "bf16", batch=choice.batch,
         mlp_chunks=max(1, plan.mlp_chunks), loss_chunks=None if opts.loss_chunks is None else max(1, opts.loss_chunks),
         lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
         sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
         kernel_expands_gqa=device_type != "cuda")
 
 
-def _deepspeed_choice(ds_config: Mapping[str, Any]) -> Choice:
+def _deepspeed_choice(ds_config: Mapping[str, Any], world_size: int) -> Choice:
     """The planner's ZeRO, precision and micro-batch settings from the run's DeepSpeed config."""
-    return apply_deepspeed_dict({k: v for k, v in ds_config.items() if k != "fpdt"}, Choice())
+    return apply_deepspeed_dict({k: v for k, v in ds_config.items() if k != "fpdt"}, Choice(), world_size)
 
 
 def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
@@ -177,8 +176,7 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
     gpu = replace(GPU_PRESETS["h100-80g"], name="this GPU", mem_bytes=capacity_bytes)
     ranks = min(ranks_per_node, plan.world_size)
     cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
-    choice = replace(_deepspeed_choice(ds_config), sp=plan.sp, batch=micro_batch_size(ds_config, plan.world_size),
-                     inner_ring=plan.inner_ring,
+    choice = replace(_deepspeed_choice(ds_config, plan.world_size), sp=plan.sp, inner_ring=plan.inner_ring,
                      mlp_chunks=None if opts.mlp_chunks is None else max(1, opts.mlp_chunks),
                      loss_chunks=None if opts.loss_chunks is None else max(1, opts.loss_chunks))
     out = plan_at(model, plan.seq_len, cluster, choice)

@@ -130,3 +130,18 @@ def test_mlp_and_loss_chunks_from_the_json_and_flags(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["setup"]["mlp_chunks"] == 8
     assert main(base + ["--mlp-chunks", "0"]) == 2
     assert "mlp_chunks=0" in capsys.readouterr().err
+
+
+def test_the_micro_batch_is_derived_from_train_batch_size_as_deepspeed_does(tmp_path):
+    """A JSON with train_batch_size and no micro batch: DeepSpeed runs train_batch_size /
+    (accumulation x world) sequences per micro step; fpdt-plan plans the same."""
+    import json
+
+    from fpdt.plan.deepspeed_config import apply_deepspeed_config
+    from fpdt.plan.planner import Choice
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 32, "gradient_accumulation_steps": 2,
+                                "zero_optimization": {"stage": 3}}))
+    assert apply_deepspeed_config(str(path), Choice(), world_size=8).batch == 2
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}}))
+    assert apply_deepspeed_config(str(path), Choice(), world_size=8).batch == 3
