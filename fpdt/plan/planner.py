@@ -41,7 +41,9 @@ class Choice:
     placement: str | None = None
     inner_ring: int | None = None
     checkpoint: str = "offload"
-    offload: bool = True
+    offload: bool | None = None
+    """Attention offload; None: ``fpdt-train``'s GPU default, on when the sequence has more
+    than one chunk (:func:`fpdt.train.config.device_defaults`)."""
     zero_stage: int = 3
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -97,7 +99,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
         placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
         for placement in placements:
             s = Setup(seq_len=seq_len, chunk_size=chunk, hp=hp, cp=cp, placement=placement,
-                      inner_ring=choice.inner_ring, checkpoint=ckpt, offload=choice.offload,
+                      inner_ring=choice.inner_ring, checkpoint=ckpt,
+                      offload=choice.offload if choice.offload is not None else seq_len // chunk > 1,
                       zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
                       offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch,
                       lm_head_wgrad=wgrad, reduce_bucket_size=choice.reduce_bucket_size,
@@ -189,7 +192,7 @@ def _why_none(cfg: ModelConfig, seq_len: int, choice: Choice, world: int) -> str
     sp = choice.sp or world
     hp = choice.hp or sp
     s = Setup(seq_len=seq_len, chunk_size=choice.chunk_size or seq_len, hp=hp, cp=choice.cp or sp // max(hp, 1),
-              checkpoint=choice.checkpoint, offload=choice.offload, zero_stage=choice.zero_stage,
+              checkpoint=choice.checkpoint, offload=choice.offload is not False, zero_stage=choice.zero_stage,
               dtype=choice.dtype)
     return "; ".join(s.problems(cfg, world)) or f"no chunk size / mesh divides seq_len={seq_len}"
 

@@ -126,10 +126,15 @@ def test_planner_defaults_are_the_trainers_on_a_gpu():
     """fpdt-plan plans a GPU run; its defaults are what fpdt-train does there without flags."""
     from fpdt.plan import Choice
     from fpdt.train.config import device_defaults, ds_dtype_name, ds_zero_stage
+    from fpdt.plan.planner import candidates
+    from fpdt.plan import load_model_config
     ds = load_ds_config(None, "cuda")[0]
     choice = Choice()
-    assert (choice.offload, choice.checkpoint) == device_defaults(FPDTOptions(), "cuda")
     assert (choice.dtype, choice.zero_stage) == (ds_dtype_name(ds), ds_zero_stage(ds))
+    cfg = load_model_config("llama-3.2-1b")
+    for seq_len in (32 * K, 1024 * K):                  # one chunk, and many
+        for s in candidates(cfg, seq_len, choice, 8):
+            assert (s.offload, s.checkpoint) == device_defaults(FPDTOptions(), "cuda", s.num_chunks)
 
 
 @pytest.mark.parametrize("extra, json_section, message", [
