@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-param", action="store_true", default=None, help="ZeRO-3 parameters on the host")
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, help="default offload")
     p.add_argument("--offload", dest="offload", action="store_true", default=None,
-                   help="attention chunks in host memory (default)")
+                   help="attention chunks in host memory (default: when there is more than one chunk)")
     p.add_argument("--no-offload", dest="offload", action="store_false")
     p.add_argument("--chunk-size", type=int, help="global tokens per FPDT chunk (default: choose)")
     p.add_argument("--sp", type=int, help="sequence-parallel group size (default: every GPU)")
@@ -105,7 +105,8 @@ def render(out: dict) -> str:
     r = out.get("recommended")
     lines.append("recommended      " + (
         f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
-        f"--checkpoint {r['checkpoint']} --lm-head-wgrad {r['lm_head_wgrad']}" if r
+        f"--checkpoint {r['checkpoint']} {'--offload' if r['offload'] else '--no-offload'} "
+        f"--lm-head-wgrad {r['lm_head_wgrad']}" if r
         else "nothing fits at this length"))
     return "\n".join(lines)
 

@@ -79,23 +79,38 @@ def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mappi
     return estimate_memory(model, setup, plan.world_size, ranks_per_node)
 
 
-def check_host_memory(est: MemoryEstimate, ranks_per_node: int, available_bytes: float, seq_len: int) -> None:
-    """Refuse a run whose offloaded bytes per node (:data:`HOST_CATEGORIES` of ``est``)
-    exceed ``available_bytes``; the error gives the split and the fixes."""
-    parts = {k: est.breakdown[k] for k in HOST_CATEGORIES}
-    need = sum(parts.values())
-    if need <= available_bytes:
-        return
-    split = ", ".join(f"{k.removesuffix('_host').replace('_', ' ')} {v / GIB:.1f} GiB" for k, v in parts.items() if v)
+def host_offload_bytes(est: MemoryEstimate) -> dict[str, float]:
+    """Bytes per node the run allocates in host memory for offload, per :data:`HOST_CATEGORIES`."""
+    return {k: est.breakdown[k] for k in HOST_CATEGORIES}
+
+
+def host_memory_error(need_bytes: float, available_bytes: float, ranks_per_node: int, seq_len: int,
+                      parts: dict[str, float] | None = None, where: str = "this node") -> ConfigError | None:
+    """The error for a node whose offload (``need_bytes``, split as ``parts`` when known)
+    exceeds its ``available_bytes``, with the fixes; None when it fits."""
+    if need_bytes <= available_bytes:
+        return None
+    split = ""
+    if parts:
+        split = " (" + ", ".join(f"{k.removesuffix('_host').replace('_', ' ')} {v / GIB:.1f} GiB"
+                                 for k, v in parts.items() if v) + ")"
     fixes = []
-    if parts["checkpoints_host"]:
+    if parts is None or parts["checkpoints_host"]:
         fixes.append("--checkpoint on (layer inputs stay on the GPU)")
     fixes += ["a larger --sp over more nodes (fewer tokens per rank)", "a shorter --seq-len"]
-    raise ConfigError(
-        f"the {ranks_per_node} rank(s) on this node would offload {need / GIB:.1f} GiB to host memory at "
-        f"--seq-len {seq_len} ({split}), but the node has {available_bytes / GIB:.1f} GiB available: the run would be "
+    return ConfigError(
+        f"the {ranks_per_node} rank(s) on {where} would offload {need_bytes / GIB:.1f} GiB to host memory at "
+        f"--seq-len {seq_len}{split}, but it has {available_bytes / GIB:.1f} GiB available: the run would be "
         f"killed for lack of memory in its first step. Use {', or '.join(fixes)}; fpdt-plan --max-seq-len "
         f"gives the longest that fits")
+
+
+def check_host_memory(est: MemoryEstimate, ranks_per_node: int, available_bytes: float, seq_len: int) -> None:
+    """Raise :func:`host_memory_error` for this node when its offload does not fit."""
+    parts = host_offload_bytes(est)
+    error = host_memory_error(sum(parts.values()), available_bytes, ranks_per_node, seq_len, parts)
+    if error is not None:
+        raise error
 
 
 def prediction_line(est: MemoryEstimate, capacity_bytes: float | None) -> str | None:
@@ -135,12 +150,13 @@ def device_memory_warning(est: MemoryEstimate, capacity_bytes: float, recommenda
 
 def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEstimate | None, detail: str,
                          capacity_bytes: float | None = None, recommendation: Recommendation | None = None,
-                         model_path: str = "<config.json>") -> str:
+                         model_path: str = "<config.json>", deepspeed_path: str | None = "<this JSON>") -> str:
     """The error line for a step that ran out of device memory: what the GPU has, what the
     model predicted, the settings of this run that would lower the peak (offload only on
     CUDA, where it runs), and the planner's :func:`recommend` (on CUDA) or the
     ``fpdt-plan`` command to ask it."""
     cuda = capacity_bytes is not None
+    deepspeed = f" --deepspeed {deepspeed_path}" if deepspeed_path else ""
     levers = []
     if cuda and not plan.offload:
         levers.append("--offload (attention chunks in host memory)")
@@ -161,7 +177,7 @@ def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEs
     predicted = (f"fpdt-plan's model predicted a peak of {est.device_peak_bytes / GIB:.1f} GiB for this run. "
                  if est is not None else "")
     hint = (recommendation.note if recommendation is not None else
-            f"fpdt-plan --model {model_path} --deepspeed <this JSON> --seq-len {plan.seq_len} --gpu ... recommends "
+            f"fpdt-plan --model {model_path}{deepspeed} --seq-len {plan.seq_len} --gpu ... recommends "
             f"settings that fit")
     return f"step {step}: out of device memory ({detail}); {has}{predicted}To lower it: {'; '.join(levers)}. {hint}"
 

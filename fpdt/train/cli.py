@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     except DeviceOutOfMemory as e:
         raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, e.detail,
                                                         memory.capacity_bytes, memory.recommendation,
-                                                        source.config_path)) from e
+                                                        source.config_path, args.deepspeed)) from e
     finally:
         progress.close()
     if args.save_dir and args.steps not in saver.saved and start >= args.steps:
@@ -306,25 +306,33 @@ class MemoryCheck:
 
 def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, ds_config: dict[str, Any],
                  dtype_name: str, device: torch.device) -> MemoryCheck:
-    """The host check of :mod:`fpdt.plan.trainer_run`, decided on the least available memory
-    of any rank's node (one collective, so that every rank stops together; raises
-    :class:`ConfigError`), and on CUDA the device-memory warning and the planner's settings.
-    A run the planner's model cannot describe is not stopped: it goes on without them."""
+    """The host check of :mod:`fpdt.plan.trainer_run`, decided once for all ranks on the
+    node whose offload exceeds its available memory the most (every rank reaches the one
+    collective and raises the same :class:`ConfigError`), and on CUDA the device-memory
+    warning and the planner's settings. A run the planner's model cannot describe is not
+    stopped: it goes on without them, with a note."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else None
     ranks = trainer_run.ranks_on_this_node(plan.world_size, gpus)
-    available = torch.tensor([float(psutil.virtual_memory().available)], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(available, op=dist.ReduceOp.MIN)
-    available = float(available.item())
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    available = float(psutil.virtual_memory().available)
+    est, notes, parts = None, [], {}
     try:
         est = trainer_run.estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks)
+        parts = trainer_run.host_offload_bytes(est)
     except Exception as e:  # noqa: BLE001 -- a limit of the planner's model never stops a run the trainer can run
-        return MemoryCheck(None, None, None, (f"note: fpdt-plan's model cannot describe this run "
-                                              f"({type(e).__name__}: {e}); no memory prediction or host check",))
-    trainer_run.check_host_memory(est, ranks, available, plan.seq_len)
-    capacity = recommendation = None
-    if device.type == "cuda":
-        capacity = torch.cuda.get_device_properties(device).total_memory
+        notes.append(f"note: fpdt-plan's model cannot describe this run ({type(e).__name__}: {e}); no memory "
+                     f"prediction or host check")
+    worst_rank, need, worst_available, worst_ranks = _worst_node(sum(parts.values()), available, ranks, device)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    error = trainer_run.host_memory_error(need, worst_available, worst_ranks, plan.seq_len,
+                                          parts if worst_rank == me else None,
+                                          "this node" if plan.world_size == 1 else f"rank {worst_rank}'s node")
+    if error is not None:
+        raise error
+    if est is None:
+        return MemoryCheck(None, capacity, None, tuple(notes))
+    recommendation = None
+    if capacity is not None:
         try:
             recommendation = trainer_run.recommend(source.config, plan, opts, ds_config, ranks, capacity, available)
         except Exception as e:  # noqa: BLE001 -- as above: advice only
@@ -333,6 +341,20 @@ def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, d
     lines = (trainer_run.prediction_line(est, capacity),
              trainer_run.device_memory_warning(est, capacity, recommendation) if capacity else None)
     return MemoryCheck(est, capacity, recommendation, tuple(line for line in lines if line))
+
+
+def _worst_node(need: float, available: float, ranks: int, device: torch.device) -> tuple[int, float, float, int]:
+    """``(rank, need, available, ranks on its node)`` of the rank whose node's offload exceeds
+    its available memory the most, from every rank's figures (one all-gather)."""
+    mine = torch.tensor([need, available, float(ranks)], dtype=torch.float64, device=device)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return 0, need, available, ranks
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    figures = [tuple(float(x) for x in row.tolist()) for row in rows]
+    worst = max(range(len(figures)), key=lambda r: figures[r][0] - figures[r][1])
+    n, a, k = figures[worst]
+    return worst, n, a, int(k)
 
 
 class Saver:

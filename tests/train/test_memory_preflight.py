@@ -71,8 +71,8 @@ def test_a_node_that_cannot_hold_the_offload_is_refused_with_the_fix():
     need = sum(est.breakdown[k] for k in mp.HOST_CATEGORIES)
     mp.check_host_memory(est, 8, need, 4 * 1024 * 1024)              # just enough: fine
     with pytest.raises(Exception, match=r"8 rank\(s\) on this node would offload 1\d\d\d\.\d GiB to host memory at "
-                                        r"--seq-len 4194304 \(checkpoints 1024\.0 GiB, attention stash .* GiB\), but the "
-                                        r"node has 1000\.0 GiB available.*--checkpoint on.*fpdt-plan --max-seq-len"):
+                                        r"--seq-len 4194304 \(checkpoints 1024\.0 GiB, attention stash .* GiB\), but it "
+                                        r"has 1000\.0 GiB available.*--checkpoint on.*fpdt-plan --max-seq-len"):
         mp.check_host_memory(est, 8, 1000 * 1024 ** 3, 4 * 1024 * 1024)
 
 
@@ -260,7 +260,7 @@ def test_cli_turns_an_out_of_memory_step_into_one_line_with_the_levers(tmp_path)
     assert err.startswith("fpdt-train: error: step 1: out of device memory (CUDA out of memory. Tried to allocate "
                           "64.00 MiB); fpdt-plan's model predicted a peak of "), err
     assert "a smaller --chunk-size (now 32, e.g. 16)" in err and "--checkpoint on" in err and "--offload" not in err
-    assert f"fpdt-plan --model {cfg} --deepspeed" in err
+    assert f"fpdt-plan --model {cfg} --seq-len 64 --gpu ... recommends" in err       # no JSON given: none named
 
 
 def test_a_planner_failure_becomes_a_note_not_an_error(tmp_path, monkeypatch):
@@ -277,3 +277,30 @@ def test_a_planner_failure_becomes_a_note_not_an_error(tmp_path, monkeypatch):
         "note: fpdt-plan's model cannot describe this run (ValueError: a shape the model does not cover); no memory "
         "prediction or host check",)
     assert "predicted" not in mp.out_of_memory_advice(1, plan, FPDTOptions(), check.estimate, "x")
+
+
+def _short_node_body(rank, world_size, tmp, cfg, data, short_rank):
+    import os
+    import types
+
+    import fpdt.train.cli as cli
+    os.environ["FPDT_RUNTIME"] = "sim"          # this rank only: offload on the CPU
+    os.environ["LOCAL_WORLD_SIZE"] = "1"        # one rank per "node"
+    free = 4096 if rank == short_rank else 64 * 2 ** 30
+    cli.psutil.virtual_memory = lambda: types.SimpleNamespace(available=free, total=free)
+    status = cli.main(["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", "--sp", "2",
+                       "--checkpoint", "offload", "--offload", "--chunk-size", "32"])
+    with open(os.path.join(tmp, f"rank{rank}"), "w") as f:
+        f.write(str(status))
+
+
+@pytest.mark.parametrize("short_rank", [0, 1])
+def test_every_rank_stops_together_when_one_node_is_short(tmp_path, short_rank):
+    """Two ranks, each on its own "node"; only one node lacks the memory. Both stop at once
+    with exit status 2 (before, the short rank left and the other waited in a collective)."""
+    import os
+
+    from tests.distributed import run_distributed
+    cfg, data = write_fixture(str(tmp_path))
+    run_distributed(_short_node_body, 2, args=(str(tmp_path), cfg, data, short_rank), timeout=120)
+    assert [open(os.path.join(tmp_path, f"rank{r}")).read() for r in (0, 1)] == ["2", "2"]
