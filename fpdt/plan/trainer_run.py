@@ -1,7 +1,8 @@
 """An ``fpdt-train`` run's memory, predicted before it starts by the planner's model.
 
-``fpdt-train`` calls this after validating its settings (:func:`fpdt.train.config.validate`)
-and before it builds anything:
+``fpdt-train`` uses this once its settings are validated (:func:`fpdt.train.config.validate`)
+and its process group exists, before it builds the model (``check_memory`` in
+:mod:`fpdt.train.cli`):
 
 * **Host** (an error): with ``--checkpoint offload`` every layer's input waits in host
   memory until the backward (``layers x Nd`` per rank, exact), beside one layer's attention
@@ -9,10 +10,13 @@ and before it builds anything:
   ranks of one node would need more than the node has available, the run would be killed
   by the kernel's out-of-memory killer part-way into its first forward (and the other ranks
   would wait for it until ``--dist-timeout-min``), so it is refused up front, with the
-  figures and the fixes.
+  figures and the fixes (:func:`host_memory_error`; the trainer decides it on every rank's
+  figures at once).
 * **Device** (a warning, CUDA only): the planner's predicted peak per GPU against the
-  GPU's capacity. The prediction is a model (within ~10% of the CPU accountant's counts,
-  not yet checked on a GPU), so a run it says will not fit still starts.
+  GPU's capacity, with the planner's own settings for the run (:func:`recommend`). The
+  prediction is a model (within ~10% of the CPU accountant's counts, not yet checked on a
+  GPU), so a run it says will not fit still starts.
+* **Out of device memory** in a step: :func:`out_of_memory_advice`.
 
 The prediction is :func:`fpdt.plan.memory_model.estimate_memory` for the run's own
 settings (:func:`planned_setup`), so it names the same categories ``fpdt-plan`` prints.
@@ -35,8 +39,6 @@ from fpdt.train.config import ConfigError, FPDTOptions, Plan
 GIB = 1024 ** 3
 HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_host")
 """Host bytes per node that the run allocates for offload (the process's own memory aside)."""
-
-
 LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 """Where launchers say how many processes share a node: torchrun, deepspeed, Slurm, Open MPI."""
 
