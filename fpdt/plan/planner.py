@@ -21,7 +21,7 @@ from fpdt.plan.models import load_model_config
 from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
                              Setup, chunk_count_problems)
 from fpdt.plan.time_model import estimate_time, model_shape
-from fpdt.train.config import MLP_CHUNKS_PER_CHUNK, default_chunk_size
+from fpdt.train.config import MLP_CHUNKS_PER_CHUNK, chunk_split, default_chunk_size
 from fpdt.train.metrics import step_rates
 
 CHUNK_CANDIDATES = tuple(2 ** k for k in range(13, 19))    # 8K .. 256K global tokens
@@ -120,7 +120,7 @@ def _chunk_candidates(seq_len: int, choice: Choice, hp: int, cp: int) -> list[in
     if choice.chunk_size:
         return [choice.chunk_size]
     chunks = [c for c in CHUNK_CANDIDATES if c <= seq_len and seq_len % c == 0]
-    default = default_chunk_size(seq_len, hp * cp * (2 if cp > 1 else 1))
+    default = default_chunk_size(seq_len, chunk_split(hp * cp, cp))
     return sorted(set(chunks) | {default})
 
 

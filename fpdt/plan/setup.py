@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fpdt.model.config import ModelConfig
 from fpdt.model.loss import WGRAD_MODES as LM_HEAD_WGRAD_MODES
+from fpdt.train.config import chunk_split
 
 CHECKPOINT_MODES = ("off", "on", "offload")
 ZERO_REDUCE_BUCKET = 5e8
@@ -117,8 +118,7 @@ class Setup:
         out += chunk_count_problems(self.mlp_chunks, self.loss_chunks)
         if self.chunk_size < 1 or self.seq_len % self.chunk_size:
             out.append(f"chunk_size={self.chunk_size} must divide seq_len={self.seq_len}")
-        elif self.chunk_size % (self.sp * (2 if self.cp > 1 else 1)):
-            mult = self.sp * (2 if self.cp > 1 else 1)
-            out.append(f"chunk_size={self.chunk_size} must be a multiple of {mult} "
+        elif self.chunk_size % chunk_split(self.sp, self.cp):
+            out.append(f"chunk_size={self.chunk_size} must be a multiple of {chunk_split(self.sp, self.cp)} "
                        f"(hp x cp{' x 2 for the zigzag ring split' if self.cp > 1 else ''})")
         return out

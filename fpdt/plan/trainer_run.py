@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from fpdt.model import ModelConfig
 from fpdt.plan.deepspeed_config import apply_deepspeed_dict
@@ -34,7 +34,7 @@ from fpdt.plan.hardware import GPU_PRESETS, Cluster
 from fpdt.plan.memory_model import MemoryEstimate, estimate_memory
 from fpdt.plan.planner import Choice, plan_at
 from fpdt.plan.setup import Setup
-from fpdt.train.config import ConfigError, FPDTOptions, Plan
+from fpdt.train.config import ConfigError, FPDTOptions, Plan, chunk_split
 
 GIB = 1024 ** 3
 HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_host")
@@ -59,14 +59,20 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
     config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk)."""
     choice = _deepspeed_choice(ds_config, plan.world_size)
     return Setup(
-        seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
+        seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement,
+        inner_ring=plan.inner_ring,
         checkpoint=plan.checkpoint, offload=plan.offload, zero_stage=choice.zero_stage,
         offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
         dtype="fp32" if dtype_name == "fp32" else "bf16", batch=choice.batch,
-        mlp_chunks=max(1, plan.mlp_chunks), loss_chunks=None if opts.loss_chunks is None else max(1, opts.loss_chunks),
+        mlp_chunks=_modelled(plan.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
         lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
         sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
         kernel_expands_gqa=device_type != "cuda")
+
+
+def _modelled(chunks: int | None) -> int | None:
+    """A trainer chunk count as the planner models it: ``0`` (unchunked) as one chunk."""
+    return None if chunks is None else max(1, chunks)
 
 
 def _deepspeed_choice(ds_config: Mapping[str, Any], world_size: int) -> Choice:
@@ -139,15 +145,16 @@ class Recommendation:
     """The sentence to print: the flags, or why there are none."""
 
 
-def device_memory_warning(est: MemoryEstimate, capacity_bytes: float, recommendation: Recommendation) -> str | None:
+def device_memory_warning(est: MemoryEstimate, capacity_bytes: float,
+                          recommend: Callable[[], Recommendation]) -> str | None:
     """A warning line when the predicted device peak per GPU exceeds ``capacity_bytes``,
-    with the planner's :func:`recommend`."""
+    with the planner's :func:`recommend` (``recommend()``: called only then)."""
     if est.device_peak_bytes <= capacity_bytes:
         return None
     top = sorted(((v, k) for k, v in est.breakdown.items() if not k.endswith("_host") and v), reverse=True)[:3]
     largest = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for v, k in top)
     return (f"warning: fpdt-plan's model predicts a device peak of {est.device_peak_bytes / GIB:.1f} GiB per GPU, more "
-            f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); {recommendation.note}")
+            f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); {recommend().note}")
 
 
 def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEstimate | None, detail: str,
@@ -167,7 +174,7 @@ def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEs
     if not cuda and plan.checkpoint == "off":
         levers.append("--checkpoint on (recompute each layer in backward)")
     half = plan.chunk_size // 2
-    split = plan.sp if plan.cp == 1 else 2 * plan.sp
+    split = chunk_split(plan.sp, plan.cp)
     if half >= split and plan.chunk_size % 2 == 0 and half % split == 0:
         levers.append(f"a smaller --chunk-size (now {plan.chunk_size}, e.g. {half})")
     if opts.lm_head_wgrad == "accumulate":
@@ -195,8 +202,7 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
     ranks = min(ranks_per_node, plan.world_size)
     cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
     choice = replace(_deepspeed_choice(ds_config, plan.world_size), sp=plan.sp, inner_ring=plan.inner_ring,
-                     mlp_chunks=None if opts.mlp_chunks is None else max(1, opts.mlp_chunks),
-                     loss_chunks=None if opts.loss_chunks is None else max(1, opts.loss_chunks))
+                     mlp_chunks=_modelled(opts.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks))
     out = plan_at(model, plan.seq_len, cluster, choice)
     if "reason" in out:
         return Recommendation(None, f"fpdt-plan has no setting to suggest for this mesh ({out['reason']})")

@@ -16,12 +16,13 @@ Order of set-up (each step needs the previous one):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -263,7 +264,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
         raise RunError(str(e)) from e
     except DeviceOutOfMemory as e:
         raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, e.detail,
-                                                        memory.capacity_bytes, memory.recommendation,
+                                                        memory.capacity_bytes,
+                                                        memory.recommend() if memory.recommend else None,
                                                         source.config_path, args.deepspeed)) from e
     finally:
         progress.close()
@@ -298,8 +300,9 @@ class MemoryCheck:
     """:class:`fpdt.plan.memory_model.MemoryEstimate`, or None when the model cannot describe the run."""
     capacity_bytes: float | None
     """The GPU's memory (None on the CPU)."""
-    recommendation: Any
-    """:class:`fpdt.plan.trainer_run.Recommendation` on CUDA, else None."""
+    recommend: Callable[[], Any] | None
+    """On CUDA: the planner's :class:`fpdt.plan.trainer_run.Recommendation`, searched on the
+    first call only (a warning or an out-of-memory line needs it; a run that fits never does)."""
     lines: tuple[str, ...]
     """What to print at start-up: the prediction, a device-memory warning, or why there is none."""
 
@@ -331,16 +334,17 @@ def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, d
         raise error
     if est is None:
         return MemoryCheck(None, capacity, None, tuple(notes))
-    recommendation = None
+    recommend = None
     if capacity is not None:
-        try:
-            recommendation = trainer_run.recommend(source.config, plan, opts, ds_config, ranks, capacity, available)
-        except Exception as e:  # noqa: BLE001 -- as above: advice only
-            recommendation = trainer_run.Recommendation(None, f"fpdt-plan cannot suggest settings ({type(e).__name__}: "
-                                                              f"{e})")
+        @functools.cache
+        def recommend():
+            try:
+                return trainer_run.recommend(source.config, plan, opts, ds_config, ranks, capacity, available)
+            except Exception as e:  # noqa: BLE001 -- as above: advice only
+                return trainer_run.Recommendation(None, f"fpdt-plan cannot suggest settings ({type(e).__name__}: {e})")
     lines = (trainer_run.prediction_line(est, capacity),
-             trainer_run.device_memory_warning(est, capacity, recommendation) if capacity else None)
-    return MemoryCheck(est, capacity, recommendation, tuple(line for line in lines if line))
+             trainer_run.device_memory_warning(est, capacity, recommend) if capacity else None)
+    return MemoryCheck(est, capacity, recommend, tuple(line for line in lines if line))
 
 
 def _worst_node(need: float, available: float, ranks: int, device: torch.device) -> tuple[int, float, float, int]:

@@ -258,8 +258,7 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
     if opts.inner_ring is not None and cp % opts.inner_ring:
         raise ConfigError(f"--inner-ring {opts.inner_ring} does not divide --cp {cp}; use a divisor of {cp} "
                           f"(ranks per inner ring, e.g. NICs per node)")
-    split = sp if cp == 1 else 2 * sp
-    chunk = default_chunk_size(seq_len, split) if opts.chunk_size is None else opts.chunk_size
+    chunk = default_chunk_size(seq_len, chunk_split(sp, cp)) if opts.chunk_size is None else opts.chunk_size
     if chunk > seq_len:
         raise ConfigError(f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); "
                           f"use a chunk size <= {seq_len} that divides it")
@@ -285,11 +284,16 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
                 placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
 
 
+def chunk_split(sp: int, cp: int) -> int:
+    """Equal pieces every global chunk is cut into over the SP group: ``sp`` ranks, or on a
+    2D mesh (``cp > 1``) ``2 x hp x cp`` zigzag pieces; a chunk must be a multiple of it."""
+    return sp if cp == 1 else 2 * sp
+
+
 def default_chunk_size(seq_len: int, split: int) -> int:
     """The global chunk when none is given: :data:`DEFAULT_CHUNK_TOKENS`, or the whole
     sequence when it is no longer; when 64K does not divide the sequence, the largest chunk
-    below it, down to 8K, that does and that splits into ``split`` equal pieces (``sp``, or
-    ``2 x hp x cp`` on a 2D mesh). With no such chunk: the whole sequence, one chunk (the
+    below it, down to 8K, that does and that is a multiple of ``split`` (:func:`chunk_split`). With no such chunk: the whole sequence, one chunk (the
     trainer's start-up line shows the chunking; ``--chunk-size`` sets it)."""
     if seq_len <= DEFAULT_CHUNK_TOKENS:
         return seq_len

@@ -103,8 +103,8 @@ def test_offloaded_optimizer_state_counts_on_the_host():
 def test_device_warning_names_the_largest_parts_and_the_planners_settings():
     est = _estimate(4 * 1024 * 1024, 8, 8)
     flags = mp.Recommendation("--chunk-size 32768 --hp 8 --cp 1", "fpdt-plan's settings for this GPU: --chunk-size 32768")
-    assert mp.device_memory_warning(est, 80 * 1024 ** 3, flags) is None
-    line = mp.device_memory_warning(est, 20 * 1024 ** 3, flags)
+    assert mp.device_memory_warning(est, 80 * 1024 ** 3, lambda: pytest.fail("searched for a run that fits")) is None
+    line = mp.device_memory_warning(est, 20 * 1024 ** 3, lambda: flags)
     assert line.startswith("warning: fpdt-plan's model predicts a device peak of ")
     assert "more than its 20.0 GiB (largest: in flight layer 16.0, " in line
     assert line.endswith("; fpdt-plan's settings for this GPU: --chunk-size 32768")
