@@ -4,6 +4,7 @@
 #   bash profiling/gpu_session.sh              # 1. the CUDA tests (attention kernels, offload streams,
 #                                              #    FPDTAttention, the model), 2. profiling/attention_offload.py
 #                                              #    at S=256K, 3. profiling/model_memory.py (Llama-3.2-1B shape)
+#   bash profiling/gpu_session.sh install      # only the packages from .gpu-wheels/ (then run steps by hand)
 #   bash profiling/gpu_session.sh suite REGEX  # pieces of the measurement suite (profiling/run_suite.sh
 #                                              # --only REGEX), each within 10 minutes, e.g. 'op_latency',
 #                                              # 'chunk_sweep', 'lengths fpdt$', 'bisect hf', 'plot'
@@ -27,6 +28,9 @@ for pkg in deepspeed pytest pytest_timeout; do
     fi
   fi
 done
+# The device tool returns only what lands in $OUT: pack the results folder there on every exit.
+if [ -n "${OUT:-}" ]; then trap 'tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null' EXIT; fi
+if [ "${1:-}" = "install" ]; then exit 0; fi
 if [ "${1:-}" = "suite" ]; then
   bash profiling/run_suite.sh --budget-min 9 --only "${2:?give the pieces to run, e.g. 'op_latency|chunk_sweep'}" \
     2>&1 | tee -a "$logs/suite.log"

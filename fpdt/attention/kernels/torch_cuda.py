@@ -117,6 +117,9 @@ def efficient_backward(dout, q, k, v, out, lse, causal, scale):
     padded = specs[1][0][-1]
     if padded != Sq:  # the kernel reads lse with its padded row stride; padding rows get +inf (p = 0)
         lse = torch.nn.functional.pad(lse, (0, padded - Sq), value=float("inf"))
+    # In half precision the kernel reads out and dout with q's strides: given another layout,
+    # dq and dk came out wrong (measured on an H100, torch 2.11; fp32 was right). All BSHD, as for cuDNN.
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         bhsd(dout), bhsd(q), bhsd(k), bhsd(v), None, bhsd(out), lse.contiguous(),
         _like(specs[2], q.device), _like(specs[3], q.device), 0.0, [True, True, True, False], causal, scale=scale)
