@@ -79,24 +79,42 @@ def load_config(args) -> dict:
 
 # ----------------------------------------------------------------------------- one trial
 
-def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, calibration: str | None = None) -> dict:
+def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, calibration: str | None = None,
+            states_bytes: float | None = None, kernel_expands_gqa: bool | None = None) -> dict:
     """The planner's prediction for a single-device run of an fpdt strategy (no ZeRO).
 
     Memory does not depend on the device's rates; the step time does: with ``calibration``
     (``profiling/op_latency.py``'s file, measured on this machine) the planner uses its rates,
     else the H100 preset's datasheet rates (then ``planned_step_s`` is not this machine's).
+
+    ``states_bytes``: the trial's own parameters + gradients + optimizer state. The planner
+    models fpdt-train's mixed precision (fp32 master weights and moments, 12 bytes per
+    parameter in bf16), this script trains the weights in their own dtype with torch's AdamW
+    (8 bytes per parameter in bf16); given them, ``planned_device_peak_bytes`` is the planner's
+    device peak with these states in place of its own (the same in fp32, where both hold 16
+    bytes per parameter). ``planned_allocated_peak_bytes`` is the one to compare with the measured
+    ``device_peak_bytes`` (an allocated peak); ``planned_device_peak_bytes`` adds the planner's
+    runtime reserve and fragmentation, which decide whether a run fits. ``kernel_expands_gqa``: default, the CPU kernel's (this machine).
     """
     from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_calibration, load_model_config
     from fpdt.plan.setup import Setup
     offload = strategy == "fpdt"
+    if kernel_expands_gqa is None:
+        kernel_expands_gqa = bc.default_device().type == "cpu"
     s = Setup(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpoint="offload" if offload else "on",
-              offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=bc.default_device().type == "cpu")
+              offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa)
     cal = load_calibration(calibration) if calibration else None
     r = evaluate(load_model_config(cfg), s, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal))
     b = r["breakdown"]
     states = b["parameters"] + b["gradients"] + b["optimizer_state"]
+    own = states if states_bytes is None else states_bytes
     return {"planned_activation_peak_bytes": r["activation_peak_bytes"],
-            "planned_device_peak_bytes": states + r["activation_peak_bytes"],
+            # what the allocator's peak counts (torch.cuda.max_memory_allocated): states + the larger
+            # of the activation and optimizer-step phases
+            "planned_allocated_peak_bytes": r["device_peak_bytes"] - b["runtime_reserve"] - states + own,
+            # what must fit in the GPU: plus the planner's reserve (CUDA context, workspaces) and
+            # allocator fragmentation, which the allocated peak does not see
+            "planned_device_peak_bytes": r["device_peak_bytes"] - states + own,
             "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"],
             "planned_step_s": r["step_time_s"], "planned_step_split_s": r["step_time_split_s"],
             "planned_rates": "calibration" if cal else "h100-80g datasheet"}
@@ -185,10 +203,19 @@ def trial(args) -> dict:
     rates = step_rates(shape, args.seq_len, args.seq_len, seconds, 1, peak, trainee.recompute)
     out.update(mfu=rates.mfu, mfu_full=rates.mfu_full, peak_flops=peak, peak_source=source)
     if args.strategy.startswith("fpdt"):
-        out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype, args.calibration))
+        states = param_bytes + param_bytes + opt_state     # gradients in the weights' dtype
+        out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype, args.calibration,
+                           states_bytes=states))
     if args.device_mem_gib and device_peak > args.device_mem_gib * GIB:
         out["status"] = "oom"
         out["error"] = f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {args.device_mem_gib}"
+    elif device.type == "cuda" and device_peak > torch.cuda.get_device_properties(device).total_memory:
+        # The first step ran, but the steady state (its forward+backward beside the optimizer
+        # state this step created) cannot: only a timed second step would have run out.
+        out["status"] = "oom"
+        out["error"] = (f"steady-state step peak {device_peak / GIB:.3f} GiB (first step's forward+backward "
+                        f"beside the optimizer state) > the GPU's "
+                        f"{torch.cuda.get_device_properties(device).total_memory / GIB:.2f} GiB")
     return out
 
 

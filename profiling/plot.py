@@ -10,7 +10,7 @@ directory and writes, next to them, whichever of these the files allow:
 
 The markdown (``results.md`` beside them, and the same text between the
 ``<!-- plot.py begin -->`` / ``<!-- plot.py end -->`` markers of ``--readme``, default
-``benchmarks/README.md``) has, per strategy: the longest length, the least-squares slope of
+``benchmarks/README.md``; GPU results get a block of their own, ``<!-- plot.py begin <device> -->``) has, per strategy: the longest length, the least-squares slope of
 device bytes per 1K tokens, host bytes per 1K tokens, per-length device/host/total/step
 time, fpdt's slope and step-time ratios against ``hf`` and ``alst``, and the planner's
 prediction beside fpdt's measurement.
@@ -232,11 +232,18 @@ def _mib(b) -> str:
     return "" if b is None else f"{b / MIB:.1f}"
 
 
+def _mfu(t: dict) -> str:
+    """The trial's MFU (the trainer's formula, against its device's peak), if recorded."""
+    return f"{t['mfu']:.3f}" if t.get("mfu") is not None else "-"
+
+
 def markdown(strats: dict, files: list[dict], rel: str) -> str:
     first = files[0] if files else {}
+    tier = ("Device tier on the CPU = live tensor bytes counted by `fpdt.profiling.memory` plus parameters"
+            if first.get("device_type", "cpu") == "cpu" else
+            "Device memory = the CUDA caching allocator's allocated peaks (`torch.cuda.max_memory_allocated`)")
     lines = [f"Results in `{rel}` (device `{first.get('device')}`, commit {first.get('commit')}, "
-             f"{first.get('date_utc')}). Device tier on the CPU = live tensor bytes counted by "
-             f"`fpdt.profiling.memory` plus parameters; host tier = offloaded stash. *device* is the "
+             f"{first.get('date_utc')}). {tier}; host tier = offloaded stash. *device* is the "
              f"steady-state step peak (forward+backward with the optimizer state live, or the optimizer "
              f"step if higher); *fwd+bwd* is the forward+backward peak of the first step (no optimizer "
              f"state yet), whose slope is the activation memory per token.", ""]
@@ -267,15 +274,18 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
         lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |{extra}" if dev is not None
                      else f"| {name} | {longest} | - | - |{extra}")
     lines += ["", "| strategy | length | device MiB | fwd+bwd MiB | host MiB | total MiB | step s | tokens/s "
-              "| planned device MiB (/ measured) | planned step s (/ measured) |"
+              "| MFU | planned allocated MiB (/ measured) | planned step s (/ measured) |"
               + (f" fits ({cap:g} GiB unless noted) |" if cap else ""),
-              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
+              "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
     times: dict = {}
     for name, s in strats.items():
         for t in sorted(_ok(s["trials"]), key=lambda t: (t["seq_len"], t["mode"] == "bisect")):
             if t["mode"] != "bisect" or t["seq_len"] not in times or name not in times[t["seq_len"]]:
                 times.setdefault(t["seq_len"], {})[name] = t["step_s"]   # ratios: the fixed-length trial
-            plan, plan_s = t.get("planned_device_peak_bytes"), t.get("planned_step_s")
+            # Allocated against allocated; files before planned_allocated_peak_bytes held that figure
+            # (states + activations, no runtime reserve) in planned_device_peak_bytes.
+            plan = t.get("planned_allocated_peak_bytes", t.get("planned_device_peak_bytes"))
+            plan_s = t.get("planned_step_s")
             ratio = "" if plan is None else f"{_mib(plan)} ({plan / t['device_peak_bytes']:.3f})"
             # A step time planned from datasheet rates (no calibration in that run) is not this
             # machine's, so it is not set beside the measured one.
@@ -286,7 +296,7 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
             lines.append(f"| {name} | {length} | {_mib(t['device_peak_bytes'])} | "
                          f"{_mib(t.get('fwd_bwd_peak_bytes'))} | {_mib(t['host_peak_bytes'])} | "
                          f"{_mib(t['device_peak_bytes'] + t['host_peak_bytes'])} | {t['step_s']:.2f} | "
-                         f"{t['seq_len'] / t['step_s']:.0f} | {ratio} | {ratio_s} |"
+                         f"{t['seq_len'] / t['step_s']:.0f} | {_mfu(t)} | {ratio} | {ratio_s} |"
                          + ((" yes |" if t["status"] == "ok" else " no |") if cap else ""))
     ratios = []
     for other in ("hf", "alst"):
@@ -301,11 +311,21 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_readme(path: str, text: str) -> None:
-    block = f"{BEGIN}\n{text}{END}\n"
+def markers(files: list[dict]) -> tuple[str, str]:
+    """The README block of a results directory's files: CPU results share the unnamed block of the
+    CPU side-by-side; a GPU's results get one per device (``"device"`` of the files)."""
+    first = files[0] if files else {}
+    if first.get("device_type", "cpu") == "cpu":
+        return BEGIN, END
+    return f"<!-- plot.py begin {first['device']} -->", f"<!-- plot.py end {first['device']} -->"
+
+
+def write_readme(path: str, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the block between ``begin`` and ``end`` in ``path`` with ``text`` (append it if absent)."""
+    block = f"{begin}\n{text}{end}\n"
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END) + 1:]
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end) + 1:]
     else:
         new = old.rstrip("\n") + "\n\n" + block
     with open(path, "w") as f:
@@ -335,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
             f.write(md)
         written.append(os.path.join(out, "results.md"))
         if args.readme:
-            write_readme(args.readme, md)
+            write_readme(args.readme, md, *markers(files))
     for w in written:
         print(f"wrote {w}")
     return {"written": written, "markdown": md}

@@ -97,3 +97,24 @@ def test_efficient_lse_padding_is_the_kernels():
     q = torch.empty(1, 2, 37, 64, device="meta", dtype=torch.bfloat16)
     lse = fwd_op(q, q, q, None, True, 0.0, False)[1]
     assert lse.shape[-1] > 37  # the case test_torch_cuda_adapter_calls covers
+
+
+@pytest.mark.parametrize("name", ["cuda_efficient", "cuda_cudnn"])
+def test_backward_gets_out_and_dout_in_qs_layout(name):
+    """The efficient kernel's half-precision backward reads ``out`` and ``grad_out`` with the
+    query's strides (on an H100 with torch 2.11, another layout gave dq and dk off by 100%+;
+    benchmarks/results/nvidia-h100-80gb-hbm3/2026-11-24/efficient_bf16_probe.log), and cuDNN
+    reads all five with one layout: whatever layouts the pipeline hands over, the op must get
+    q, k, v, out and grad_out with the same strides."""
+    B, S, H, D, dt = 1, 48, 4, 64, torch.bfloat16
+    q = torch.empty(B, S, H, D, device="meta", dtype=dt)
+    k, v = (torch.empty(B, S, H, D, device="meta", dtype=dt) for _ in range(2))
+    out = torch.empty(B, H, S, D, device="meta", dtype=dt).transpose(1, 2)     # a BHSD-contiguous view
+    dout = torch.empty(B, S, H, D, device="meta", dtype=dt)
+    lse = torch.empty(B, H, S, device="meta", dtype=torch.float32)
+    with Recorder() as rec:
+        BACKENDS[name].backward(dout, q, k, v, out, lse, True, 0.125)
+    args, _ = rec.only(OPS[name][1])
+    args["grad_out"] = args.get("grad_out", args.get("grad_out_"))      # the efficient op's name for it
+    strides = {a: args[a].stride() for a in ("query", "key", "value", "out", "grad_out")}
+    assert len(set(strides.values())) == 1, strides

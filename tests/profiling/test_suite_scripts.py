@@ -150,7 +150,7 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     text = readme.read_text()
     assert "kept" in text and "tail" in text and "old" not in text
     assert "fpdt / hf step time" in text and "| fpdt | 128 |" in text
-    assert "fpdt / hf fwd+bwd device slope" in text and "planned device MiB (/ measured)" in text
+    assert "fpdt / hf fwd+bwd device slope" in text and "planned allocated MiB (/ measured)" in text
 
 
 def test_extrapolation_uses_the_growing_peak():
@@ -236,8 +236,25 @@ def test_markdown_sets_only_calibrated_step_times_beside_measured():
     run = {"mode": "lengths", "device_mem_gib": 2, "strategies": {"fpdt": {"status": "ran", "trials": [
         trial(1024, "calibration"), trial(2048, "h100-80g datasheet")]}}}
     md = plot.markdown(plot._strategies([run]), [run], "x")
-    assert "| fpdt | 1024 | 200.0 | 100.0 | 0.0 | 200.0 | 10.00 | 102 | 210.0 (1.050) | 5.00 (0.50) |" in md
-    assert "| fpdt | 2048 | 200.0 | 100.0 | 0.0 | 200.0 | 10.00 | 205 | 210.0 (1.050) |  |" in md
+    assert "| fpdt | 1024 | 200.0 | 100.0 | 0.0 | 200.0 | 10.00 | 102 | - | 210.0 (1.050) | 5.00 (0.50) |" in md
+    assert "| fpdt | 2048 | 200.0 | 100.0 | 0.0 | 200.0 | 10.00 | 205 | - | 210.0 (1.050) |  |" in md
+
+
+def test_markdown_compares_allocated_with_allocated():
+    """Beside the measured allocated peak the table sets the planner's allocated peak (states +
+    activations), not its fits-in-the-GPU figure with the runtime reserve; and the MFU."""
+    plot = _load("plot")
+    mib = 2 ** 20
+    t = {"status": "ok", "measured": True, "seq_len": 1024, "step_s": 10.0, "device_peak_bytes": 200 * mib,
+         "fwd_bwd_peak_bytes": 100 * mib, "host_peak_bytes": 0, "planned_device_peak_bytes": 2800 * mib,
+         "planned_allocated_peak_bytes": 190 * mib, "planned_step_s": 9.0, "planned_rates": "calibration",
+         "mfu": 0.25}
+    run = {"mode": "lengths", "device": "some-gpu", "device_type": "cuda",
+           "strategies": {"fpdt": {"status": "ran", "trials": [t]}}}
+    md = plot.markdown(plot._strategies([run]), [run], "x")
+    assert "| fpdt | 1024 | 200.0 | 100.0 | 0.0 | 200.0 | 10.00 | 102 | 0.250 | 190.0 (0.950) | 9.00 (0.90) |" in md
+    assert "allocated peaks" in md and plot.markers([run]) == ("<!-- plot.py begin some-gpu -->",
+                                                               "<!-- plot.py end some-gpu -->")
 
 
 @pytest.mark.parametrize("limit,lo,hi,want,tried", [
