@@ -225,7 +225,7 @@ def test_out_of_memory_advice_lists_only_levers_not_in_use():
     assert "--offload" not in line and "--checkpoint offload" not in line and "--lm-head-wgrad" not in line
     assert "a smaller --chunk-size (now 65536, e.g. 32768)" in line and "offload_optimizer" in line
     assert line.endswith(rec.note)
-    bare = FPDTOptions(sp=8, offload=False, checkpoint="on")
+    bare = FPDTOptions(sp=8, offload=False, checkpoint="on", lm_head_wgrad="accumulate")
     plan = validate(bare, 1024 * 1024, 8, "cuda", ds)
     line = mp.out_of_memory_advice(1, plan, bare, est, "x", 80 * 1024 ** 3, rec)
     assert "--offload (attention chunks" in line and "--checkpoint offload" in line and "--lm-head-wgrad recompute" in line
