@@ -42,6 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _result(args, trial_args, rows: list[dict]) -> dict:
+    """``chunk_sweep.json``'s content for the trials so far (offload time ratios where both ran)."""
+    result = {**bc.header("chunk_sweep", args), "model": ms.load_config(trial_args), "seq_len": args.seq_len,
+              "rows": list(rows)}
+    if args.no_offload_too:
+        ratios = {}
+        for chunk in sorted({r["chunk_size"] for r in rows}):
+            t = {r["strategy"]: r.get("step_s") for r in rows if r["chunk_size"] == chunk}
+            if t.get("fpdt") and t.get("fpdt-no-offload"):
+                ratios[str(chunk)] = t["fpdt"] / t["fpdt-no-offload"]
+        result["offload_time_ratio"] = ratios
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.tiny:
@@ -56,7 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
     trial_args.device_mem_gib, trial_args.trial_timeout_s = None, args.trial_timeout_s
     trial_args.in_process, trial_args.profile_copies = args.in_process, True
     strategies = ["fpdt"] + (["fpdt-no-offload"] if args.no_offload_too else [])
-    rows = []
+    rows: list = []
+    path = os.path.join(bc.results_dir(args.tiny, args.out_dir), "chunk_sweep.json")
+    result: dict = {}
     for chunk in chunks:
         trial_args.chunk_size = chunk
         for strategy in strategies:
@@ -69,16 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
                 r["model_states_bytes"] = states
                 r["activation_bytes"] = r["device_peak_bytes"] - states
             rows.append(r)
-    result = {**bc.header("chunk_sweep", args), "model": ms.load_config(trial_args), "seq_len": args.seq_len,
-              "rows": rows}
-    if args.no_offload_too:
-        ratios = {}
-        for chunk in chunks:
-            t = {r["strategy"]: r.get("step_s") for r in rows if r["chunk_size"] == chunk}
-            if t.get("fpdt") and t.get("fpdt-no-offload"):
-                ratios[str(chunk)] = t["fpdt"] / t["fpdt-no-offload"]
-        result["offload_time_ratio"] = ratios
-    path = bc.write_json(os.path.join(bc.results_dir(args.tiny, args.out_dir), "chunk_sweep.json"), result)
+            # after every trial, so a sweep stopped by its time budget keeps what it measured
+            result = _result(args, trial_args, rows)
+            bc.write_json(path, result)
     print(f"wrote {os.path.relpath(path, bc.ROOT)}")
     return result
 

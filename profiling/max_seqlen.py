@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.min_len, args.max_len, args.resolution = 64, min(args.max_len, 512), 64
         args.dtype = "fp32" if "--dtype" not in (argv or sys.argv) else args.dtype
     cfg = load_config(args)
+    if args.calibration and not os.path.isfile(args.calibration):
+        raise SystemExit(f"--calibration {args.calibration}: no such file (run profiling/op_latency.py first, "
+                         f"or leave --calibration out to plan with the H100 preset's datasheet rates)")
     if args.step and args.step % args.chunk_size and any(x.startswith("fpdt") for x in args.strategies):
         raise SystemExit(f"--step {args.step} must be a multiple of --chunk-size {args.chunk_size} for the fpdt "
                          f"strategies (their lengths are whole chunks); drop --step or run them separately")

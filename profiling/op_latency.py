@@ -112,6 +112,33 @@ def memory_bytes_s(device, nbytes: int, iters: int) -> float:
     return 3 * a.numel() * 4 / timed(lambda: a.add_(b), device, 1, iters)
 
 
+def calibration(rows: list[dict], rates: dict, heads: int, head_dim: int) -> dict:
+    """The planner's calibration: ``rates`` plus the attention rate (causal forward + backward
+    FLOPs per second) of the largest chunk in ``rows``, and the all-to-all's, when measured."""
+    last = rows[-1]
+    c = last["chunk"]
+    causal_flops = 4 * c * c * heads * head_dim / 2            # one diagonal block, forward
+    full_flops = 4 * c * c * heads * head_dim
+    out = {**rates, "attention_flops": 3 * (causal_flops + full_flops) / (
+        last["diag_fwd_s"] + last["diag_bwd_s"] + last["full_fwd_s"] + last["full_bwd_s"])}
+    if last["all_to_all_s"]:
+        p = dist.get_world_size()
+        out["intra_node_bytes_s"] = last["qkv_bytes"] / p * (p - 1) / p / last["all_to_all_s"]
+    return out
+
+
+def _save(args, device, rows: list, bandwidth: list, cal: dict) -> dict:
+    """Write ``op_latency.json`` and ``calibration.json`` (rank 0) and return the former's content."""
+    result = {**bc.header("op_latency", args), "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+              "chunks": rows, "bandwidth": bandwidth, "calibration": cal,
+              "note": None if device.type == "cuda" else "CPU: copies are host-to-host memcpy, not PCIe"}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out = bc.results_dir(args.tiny, args.out_dir, device)
+        bc.write_json(os.path.join(out, "op_latency.json"), result)
+        bc.write_json(os.path.join(out, "calibration.json"), cal)
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", type=int, nargs="+", default=[2 ** k for k in range(13, 19)])
@@ -143,7 +170,23 @@ def main(argv: list[str] | None = None) -> dict:
     device = bc.default_device()
     dtype = DTYPES[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
-    rows = []
+    # The quick rates first, then one chunk size at a time, both files rewritten after each: a run
+    # stopped by its time budget keeps a calibration from the largest chunk it finished.
+    bandwidth = []
+    for mib in args.bandwidth_sizes_mib:
+        nbytes = int(mib * 2 ** 20)
+        lat = copy_latency(nbytes, device, args.warmup, args.iters)
+        bandwidth.append({"bytes": nbytes, **{k.replace("_s", "_bytes_s"): nbytes / v for k, v in lat.items()}})
+    big = bandwidth[-1]
+    rates = {
+        "device": bc.device_name(device), "dtype": args.dtype,
+        "gemm_flops": gemm_flops(device, dtype, 256 if args.tiny else args.gemm_size, args.iters),
+        "h2d_bytes_s": big.get("h2d_pinned_bytes_s", big.get("h2d_pageable_bytes_s")),
+        "d2h_bytes_s": big.get("d2h_pinned_bytes_s", big.get("d2h_pageable_bytes_s")),
+        "memory_bytes_s": memory_bytes_s(device, int((1 if args.tiny else args.memory_mib) * 2 ** 20), args.iters),
+    }
+    rows: list = []
+    result: dict = {}
     for c in args.chunks:
         qkv_bytes = c * (args.heads + 2 * args.kv_heads) * args.head_dim * elem
         row = {"chunk": c, "qkv_bytes": qkv_bytes,
@@ -156,38 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  chunk {c:>7}: attention fwd {row['diag_fwd_s'] * 1e3:8.2f} / {row['full_fwd_s'] * 1e3:8.2f} ms "
               f"(diag/full), bwd {row['full_bwd_s'] * 1e3:8.2f} ms, qkv d2h {row['qkv_d2h_pageable_s'] * 1e3:7.2f} ms",
               flush=True)
-    bandwidth = []
-    for mib in args.bandwidth_sizes_mib:
-        nbytes = int(mib * 2 ** 20)
-        lat = copy_latency(nbytes, device, args.warmup, args.iters)
-        bandwidth.append({"bytes": nbytes, **{k.replace("_s", "_bytes_s"): nbytes / v for k, v in lat.items()}})
-
-    last = rows[-1]
-    c = last["chunk"]
-    causal_flops = 4 * c * c * args.heads * args.head_dim / 2            # one diagonal block, forward
-    full_flops = 4 * c * c * args.heads * args.head_dim
-    attn_rate = 3 * (causal_flops + full_flops) / (last["diag_fwd_s"] + last["diag_bwd_s"]
-                                                   + last["full_fwd_s"] + last["full_bwd_s"])
-    big = bandwidth[-1]
-    calibration = {
-        "device": bc.device_name(device), "dtype": args.dtype,
-        "gemm_flops": gemm_flops(device, dtype, 256 if args.tiny else args.gemm_size, args.iters),
-        "attention_flops": attn_rate,
-        "h2d_bytes_s": big.get("h2d_pinned_bytes_s", big.get("h2d_pageable_bytes_s")),
-        "d2h_bytes_s": big.get("d2h_pinned_bytes_s", big.get("d2h_pageable_bytes_s")),
-        "memory_bytes_s": memory_bytes_s(device, int((1 if args.tiny else args.memory_mib) * 2 ** 20), args.iters),
-    }
-    if last["all_to_all_s"]:
-        p = dist.get_world_size()
-        calibration["intra_node_bytes_s"] = last["qkv_bytes"] / p * (p - 1) / p / last["all_to_all_s"]
-    result = {**bc.header("op_latency", args), "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-              "chunks": rows, "bandwidth": bandwidth, "calibration": calibration,
-              "note": None if device.type == "cuda" else "CPU: copies are host-to-host memcpy, not PCIe"}
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out = bc.results_dir(args.tiny, args.out_dir, device)
-        bc.write_json(os.path.join(out, "op_latency.json"), result)
-        bc.write_json(os.path.join(out, "calibration.json"), calibration)
-        print(f"wrote {os.path.relpath(out, bc.ROOT)}/op_latency.json and calibration.json")
+        result = _save(args, device, rows, bandwidth, calibration(rows, rates, args.heads, args.head_dim))
+    print(f"wrote {os.path.relpath(bc.results_dir(args.tiny, args.out_dir, device), bc.ROOT)}/op_latency.json "
+          f"and calibration.json")
     return result
 
 

@@ -289,3 +289,38 @@ def test_lm_head_wgrad_script_fields(tmp_path):
     assert all(m["time_s"] > 0 and m["device_peak_bytes"] > 0 for m in row["modes"].values())
     assert row["peak_saved_bytes"] > 0 and row["peak_ratio"] < 1
     assert row["accumulator_bytes"] == 1000 * 32 * 4 and row["gemm_ratio_model"] == pytest.approx(4 / 3)
+
+
+def test_pieces_stopped_by_their_budget_keep_what_they_measured(tmp_path, monkeypatch):
+    """op_latency.py and chunk_sweep.py write their files after each chunk size (on the H100 a
+    piece killed by its budget part-way had left nothing, and the next piece's --calibration
+    pointed at a missing file); max_seqlen.py refuses a missing --calibration before any trial."""
+    ol, cs, ms = _load("op_latency"), _load("chunk_sweep"), _load("max_seqlen")
+    real = ol.attention_latency
+
+    def dies_at_128(c, *a, **k):
+        if c == 128:
+            raise KeyboardInterrupt("stopped by the budget")
+        return real(c, *a, **k)
+    monkeypatch.setattr(ol, "attention_latency", dies_at_128)
+    with pytest.raises(KeyboardInterrupt):
+        ol.main(["--tiny", "--out-dir", str(tmp_path)])
+    kept = json.loads((tmp_path / "op_latency.json").read_text())
+    assert [r["chunk"] for r in kept["chunks"]] == [64]
+    from fpdt.plan import load_calibration
+    assert load_calibration(tmp_path / "calibration.json")["attention_flops"] > 0
+
+    real_run = ms.run_one
+
+    def sweep_dies_at_128(args, strategy, n, log, on_trial=None):
+        if args.chunk_size == 128:
+            raise KeyboardInterrupt("stopped by the budget")
+        return real_run(args, strategy, n, log)
+    monkeypatch.setattr(cs.ms, "run_one", sweep_dies_at_128)
+    with pytest.raises(KeyboardInterrupt):
+        cs.main(["--tiny", "--in-process", "--chunks", "64", "128", "--out-dir", str(tmp_path)])
+    assert [r["chunk_size"] for r in json.loads((tmp_path / "chunk_sweep.json").read_text())["rows"]] == [64]
+
+    with pytest.raises(SystemExit, match="no such file .*op_latency.py first"):
+        ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--out-dir", str(tmp_path),
+                 "--calibration", str(tmp_path / "missing.json")])
