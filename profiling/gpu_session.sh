@@ -15,6 +15,16 @@
 # run `bash profiling/gpu_wheels.sh` here first and carry `.gpu-wheels` (device tool: carry=[".gpu-wheels"]);
 # this script installs from it when DeepSpeed or pytest is missing. Without it, max_seqlen.py reports
 # alst as skipped (the other strategies do not need DeepSpeed).
+#
+# What the first GPU session (2026-11-24, one H100, 30 minutes of device time) learned:
+# - only $OUT comes back: this script packs benchmarks/results into $OUT/results.tgz on exit;
+#   unpack it here (tar xzf) and commit;
+# - git-ignored paths (a scratch folder) travel only when named in carry;
+# - a Llama-3.2-1B fpdt step takes ~7 s at 64K, ~22 s at 128K, ~78 s at 256K (a trial runs two
+#   steps plus ~20 s of start-up; a chunk-sweep trial three, for its profiler warm-up), so a
+#   bisection past 256K does not fit one 10-minute call; what it owes next is listed at the end
+#   of benchmarks/README.md's GPU section.
+#   bash profiling/gpu_session.sh sanitizer    # the CUDA attention tests under TORCH_CUDA_SANITIZER
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${OUT:-/tmp}"
@@ -31,6 +41,10 @@ done
 # The device tool returns only what lands in $OUT: pack the results folder there on every exit.
 if [ -n "${OUT:-}" ]; then trap 'tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null' EXIT; fi
 if [ "${1:-}" = "install" ]; then exit 0; fi
+if [ "${1:-}" = "sanitizer" ]; then
+  TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -s -m cuda tests/attention/test_cuda.py 2>&1 | tee "$logs/sanitizer.log"
+  exit 0
+fi
 if [ "${1:-}" = "suite" ]; then
   bash profiling/run_suite.sh --budget-min 9 --only "${2:?give the pieces to run, e.g. 'op_latency|chunk_sweep'}" \
     2>&1 | tee -a "$logs/suite.log"
