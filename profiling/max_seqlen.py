@@ -80,7 +80,8 @@ def load_config(args) -> dict:
 # ----------------------------------------------------------------------------- one trial
 
 def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, calibration: str | None = None,
-            states_bytes: float | None = None, kernel_expands_gqa: bool | None = None) -> dict:
+            states_bytes: float | None = None, kernel_expands_gqa: bool | None = None,
+            lm_head_wgrad: str | None = None) -> dict:
     """The planner's prediction for a single-device run of an fpdt strategy (no ZeRO).
 
     Memory does not depend on the device's rates; the step time does: with ``calibration``
@@ -94,7 +95,10 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     device peak with these states in place of its own (the same in fp32, where both hold 16
     bytes per parameter). ``planned_allocated_peak_bytes`` is the one to compare with the measured
     ``device_peak_bytes`` (an allocated peak); ``planned_device_peak_bytes`` adds the planner's
-    runtime reserve and fragmentation, which decide whether a run fits. ``kernel_expands_gqa``: default, the CPU kernel's (this machine).
+    runtime reserve and fragmentation, which decide whether a run fits.
+
+    ``kernel_expands_gqa``: default, the CPU kernel's (this machine). ``lm_head_wgrad``: default,
+    the fpdt strategies' (:data:`strategies.LM_HEAD_WGRAD`).
     """
     from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_calibration, load_model_config
     from fpdt.plan.setup import Setup
@@ -102,7 +106,8 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     if kernel_expands_gqa is None:
         kernel_expands_gqa = bc.default_device().type == "cpu"
     s = Setup(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpoint="offload" if offload else "on",
-              offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa)
+              offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
+              lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD)
     cal = load_calibration(calibration) if calibration else None
     r = evaluate(load_model_config(cfg), s, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal))
     b = r["breakdown"]

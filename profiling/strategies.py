@@ -8,7 +8,8 @@ work) and ``forward_backward(inputs)``. Weights are random (seeded by the caller
 strategy sees the same model shape and the same tokens.
 
 * ``fpdt``: :mod:`fpdt.model` with chunked attention (``S / chunk_size`` chunks),
-  attention offload, chunked MLP and loss (model defaults), ``checkpointing="offload"``.
+  attention offload, chunked MLP and loss (model defaults), ``checkpointing="offload"``,
+  and ``fpdt-train``'s LM-head weight-gradient mode (:data:`LM_HEAD_WGRAD`).
 * ``fpdt-no-offload``: the same without any host offload (``offload=False``,
   ``checkpointing="on"``).
 * ``hf``: ``transformers`` ``LlamaForCausalLM`` with SDPA attention and gradient
@@ -96,11 +97,21 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-5, foreach=False)
 
 
+def _trainer_lm_head_wgrad() -> str:
+    from fpdt.train.config import FPDTOptions
+    return FPDTOptions().lm_head_wgrad
+
+
+LM_HEAD_WGRAD = _trainer_lm_head_wgrad()
+"""The fpdt strategies' LM-head weight gradient: ``fpdt-train``'s default (``"recompute"``
+since 2026-11-24; results before that ran the model's default, ``"accumulate"``)."""
+
+
 def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload: bool = True) -> Trainee:
     import fpdt.model as fm
     chunks = max(1, seq_len // min(chunk_size, seq_len))
     model = fm.from_config(cfg, device=device, dtype=dtype, num_chunks=chunks, offload=offload,
-                           checkpointing="offload" if offload else "on")
+                           checkpointing="offload" if offload else "on", lm_head_wgrad=LM_HEAD_WGRAD)
 
     def forward_backward(inputs, on_backward=None):
         loss = model(**inputs)
@@ -109,7 +120,8 @@ def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload:
         loss.backward()
         return loss
     return _trainee(model.parameters(), model.prepare_inputs, forward_backward, True,
-                    f"num_chunks={chunks}, mlp_chunks={model.mlp_chunks}, loss_chunks={model.loss_chunks}",
+                    f"num_chunks={chunks}, mlp_chunks={model.mlp_chunks}, loss_chunks={model.loss_chunks}, "
+                    f"lm_head_wgrad={LM_HEAD_WGRAD}",
                     model.model.layers)
 
 
