@@ -91,7 +91,9 @@ elif [ "$SIDE" = 1 ]; then
       --no-timed-step --trial-timeout-s "$CAP" --tag "bisect1-$1" --out-dir "$OUT"
   done
 else
-  piece op_latency python profiling/op_latency.py --out-dir "$OUT"
+  # The kernel rates at the head shape of the model the max-length pieces train (max_seqlen.py's
+  # default, Llama-3.2-1B: 32 / 8 heads of 64): the planner's step time beside them uses these rates.
+  piece op_latency python profiling/op_latency.py --heads 32 --kv-heads 8 --head-dim 64 --out-dir "$OUT"
   CAL=()
   [ -f "$OUT/calibration.json" ] && CAL=(--calibration "$OUT/calibration.json")
   piece chunk_sweep python profiling/chunk_sweep.py --seq-len 262144 --no-offload-too --trial-timeout-s "$CAP" --out-dir "$OUT"
