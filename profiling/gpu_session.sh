@@ -5,6 +5,7 @@
 #                                              #    FPDTAttention, the model), 2. profiling/attention_offload.py
 #                                              #    at S=256K, 3. profiling/model_memory.py (Llama-3.2-1B shape)
 #   bash profiling/gpu_session.sh install      # only the packages from .gpu-wheels/ (then run steps by hand)
+#   bash profiling/gpu_session.sh sanitizer    # the CUDA attention tests under TORCH_CUDA_SANITIZER
 #   bash profiling/gpu_session.sh suite REGEX  # pieces of the measurement suite (profiling/run_suite.sh
 #                                              # --only REGEX), each within 10 minutes, e.g. 'op_latency',
 #                                              # 'chunk_sweep', 'lengths fpdt$', 'bisect hf', 'plot'
@@ -24,7 +25,6 @@
 #   steps plus ~20 s of start-up; a chunk-sweep trial three, for its profiler warm-up), so a
 #   bisection past 256K does not fit one 10-minute call; what it owes next is listed at the end
 #   of benchmarks/README.md's GPU section.
-#   bash profiling/gpu_session.sh sanitizer    # the CUDA attention tests under TORCH_CUDA_SANITIZER
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${OUT:-/tmp}"

@@ -89,16 +89,20 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     else the H100 preset's datasheet rates (then ``planned_step_s`` is not this machine's).
 
     ``states_bytes``: the trial's own parameters + gradients + optimizer state. The planner
-    models fpdt-train's mixed precision (fp32 master weights and moments, 12 bytes per
-    parameter in bf16), this script trains the weights in their own dtype with torch's AdamW
-    (8 bytes per parameter in bf16); given them, ``planned_device_peak_bytes`` is the planner's
-    device peak with these states in place of its own (the same in fp32, where both hold 16
-    bytes per parameter). ``planned_allocated_peak_bytes`` is the one to compare with the measured
-    ``device_peak_bytes`` (an allocated peak); ``planned_device_peak_bytes`` adds the planner's
-    runtime reserve and fragmentation, which decide whether a run fits.
+    models fpdt-train's mixed precision (in bf16: 2 + 2 + 12 = 16 bytes per parameter, the 12
+    being fp32 master weights and both moments); this script trains the weights in their own
+    dtype with torch's AdamW (in bf16: 2 + 2 + 4 = 8 bytes per parameter; in fp32 both hold
+    16). Given them, the planned peaks below hold these states in place of the planner's own:
 
-    ``kernel_expands_gqa``: default, the CPU kernel's (this machine). ``lm_head_wgrad``: default,
-    the fpdt strategies' (:data:`strategies.LM_HEAD_WGRAD`).
+    * ``planned_allocated_peak_bytes``: states + the larger of the activation and
+      optimizer-step phases, what an allocated peak counts: compare it with the measured
+      ``device_peak_bytes``;
+    * ``planned_device_peak_bytes``: that plus the planner's runtime reserve and allocator
+      fragmentation (``breakdown["runtime_reserve"]``), the figure that decides whether a run fits.
+
+    ``kernel_expands_gqa``: default, this machine's kernel (True on the CPU, whose kernel repeats
+    the KV heads; False on CUDA). ``lm_head_wgrad``: default, the fpdt strategies'
+    (:data:`strategies.LM_HEAD_WGRAD`).
     """
     from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_calibration, load_model_config
     from fpdt.plan.setup import Setup
@@ -122,7 +126,8 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
             "planned_device_peak_bytes": r["device_peak_bytes"] - states + own,
             "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"],
             "planned_step_s": r["step_time_s"], "planned_step_split_s": r["step_time_split_s"],
-            "planned_rates": "calibration" if cal else "h100-80g datasheet"}
+            "planned_rates": "calibration" if cal else "h100-80g datasheet",
+            "planned_setup": {"lm_head_wgrad": s.lm_head_wgrad, "kernel_expands_gqa": kernel_expands_gqa}}
 
 
 def trial(args) -> dict:
@@ -132,9 +137,14 @@ def trial(args) -> dict:
     cfg = load_config(args)
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
-    if device.type == "cuda" and args.device_mem_gib:
+    capacity = args.device_mem_gib * GIB if args.device_mem_gib else None
+    if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_mem_gib * GIB / total), device)
+        if args.device_mem_gib:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_mem_gib * GIB / total), device)
+        # what this process's tensors can have: the GPU's free memory once the CUDA context exists
+        free = torch.cuda.mem_get_info(device)[0]
+        capacity = min(capacity, free) if capacity else free
     out = {"strategy": args.strategy, "seq_len": args.seq_len}
     try:
         trainee = st.build(args.strategy, cfg, args.seq_len, args.chunk_size, device, dtype)
@@ -211,17 +221,23 @@ def trial(args) -> dict:
         states = param_bytes + param_bytes + opt_state     # gradients in the weights' dtype
         out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype, args.calibration,
                            states_bytes=states))
-    if args.device_mem_gib and device_peak > args.device_mem_gib * GIB:
-        out["status"] = "oom"
-        out["error"] = f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {args.device_mem_gib}"
-    elif device.type == "cuda" and device_peak > torch.cuda.get_device_properties(device).total_memory:
-        # The first step ran, but the steady state (its forward+backward beside the optimizer
-        # state this step created) cannot: only a timed second step would have run out.
-        out["status"] = "oom"
-        out["error"] = (f"steady-state step peak {device_peak / GIB:.3f} GiB (first step's forward+backward "
-                        f"beside the optimizer state) > the GPU's "
-                        f"{torch.cuda.get_device_properties(device).total_memory / GIB:.2f} GiB")
+    over = over_capacity(device_peak, capacity, args.device_mem_gib)
+    if over:
+        out["status"], out["error"] = "oom", over
     return out
+
+
+def over_capacity(device_peak: float, capacity: float | None, device_mem_gib: float | None) -> str | None:
+    """Why a completed first step does not fit, or None: its steady-state peak (forward+backward
+    beside the optimizer state it created, or the optimizer step) passes ``capacity``, the
+    simulated ``--device-mem-gib`` or, on CUDA, the memory free to tensors at the trial's start
+    (the smaller). Only a second step would have run out, so the first one alone cannot tell."""
+    if capacity is None or device_peak <= capacity:
+        return None
+    if device_mem_gib and capacity >= device_mem_gib * GIB:
+        return f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {device_mem_gib}"
+    return (f"steady-state step peak {device_peak / GIB:.3f} GiB (first step's forward+backward beside the "
+            f"optimizer state) > the {capacity / GIB:.2f} GiB free to tensors on the device")
 
 
 def _timed_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:

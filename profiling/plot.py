@@ -242,11 +242,14 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
     tier = ("Device tier on the CPU = live tensor bytes counted by `fpdt.profiling.memory` plus parameters"
             if first.get("device_type", "cpu") == "cpu" else
             "Device memory = the CUDA caching allocator's allocated peaks (`torch.cuda.max_memory_allocated`)")
+    mfu_peak = ("a fp32 matmul rate measured in each trial's own run (so CPU rows compare loosely)"
+                if first.get("device_type", "cpu") == "cpu" else "each trial's peak_flops (its peak_source names it)")
     lines = [f"Results in `{rel}` (device `{first.get('device')}`, commit {first.get('commit')}, "
              f"{first.get('date_utc')}). {tier}; host tier = offloaded stash. *device* is the "
              f"steady-state step peak (forward+backward with the optimizer state live, or the optimizer "
              f"step if higher); *fwd+bwd* is the forward+backward peak of the first step (no optimizer "
-             f"state yet), whose slope is the activation memory per token.", ""]
+             f"state yet), whose slope is the activation memory per token. MFU: the trainer's formula "
+             f"against {mfu_peak}.", ""]
     # the capacity of the fixed-length runs (their fit is extrapolated to it), and every capacity seen
     cap = next((f["device_mem_gib"] for f in files if f.get("device_mem_gib") and f.get("mode") == "lengths"),
                next((f["device_mem_gib"] for f in files if f.get("device_mem_gib")), None))
@@ -273,10 +276,13 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
             extra = f" {est} |" if est is not None else " - |"
         lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |{extra}" if dev is not None
                      else f"| {name} | {longest} | - | - |{extra}")
+    # a fits column with a capacity, or wherever a completed step was still out of memory (on a
+    # GPU: a steady state over the device's memory)
+    fits_col = bool(cap) or any(t["status"] != "ok" for s in strats.values() for t in _ok(s["trials"]))
     lines += ["", "| strategy | length | device MiB | fwd+bwd MiB | host MiB | total MiB | step s | tokens/s "
               "| MFU | planned allocated MiB (/ measured) | planned step s (/ measured) |"
-              + (f" fits ({cap:g} GiB unless noted) |" if cap else ""),
-              "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cap else "")]
+              + (f" fits ({cap:g} GiB unless noted) |" if cap else " fits |" if fits_col else ""),
+              "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if fits_col else "")]
     times: dict = {}
     for name, s in strats.items():
         for t in sorted(_ok(s["trials"]), key=lambda t: (t["seq_len"], t["mode"] == "bisect")):
@@ -297,7 +303,7 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
                          f"{_mib(t.get('fwd_bwd_peak_bytes'))} | {_mib(t['host_peak_bytes'])} | "
                          f"{_mib(t['device_peak_bytes'] + t['host_peak_bytes'])} | {t['step_s']:.2f} | "
                          f"{t['seq_len'] / t['step_s']:.0f} | {_mfu(t)} | {ratio} | {ratio_s} |"
-                         + ((" yes |" if t["status"] == "ok" else " no |") if cap else ""))
+                         + ((" yes |" if t["status"] == "ok" else " no |") if fits_col else ""))
     ratios = []
     for other in ("hf", "alst"):
         if slopes.get("fpdt") is not None and slopes.get(other):

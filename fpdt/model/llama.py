@@ -61,9 +61,10 @@ class FPDTOptions:
     (``[B, S_local, V]`` fp32 logits)."""
     lm_head_wgrad: str = "accumulate"
     """How the chunked loss forms the LM-head weight gradient (:data:`fpdt.model.loss.WGRAD_MODES`):
-    ``"accumulate"`` sums it over token chunks in an fp32 ``[V, hidden]`` buffer (fastest);
+    ``"accumulate"`` sums it over token chunks in an fp32 ``[V, hidden]`` buffer;
     ``"recompute"`` recomputes the logits in backward, one vocabulary slice at a time, and
-    needs no such buffer (one more LM-head GEMM; see :mod:`fpdt.model.loss`)."""
+    needs no such buffer (one more LM-head GEMM; see :mod:`fpdt.model.loss`). On an H100 at
+    the Llama-3 heads recompute was also the faster (``fpdt-train``'s default)."""
     checkpointing: str = "off"
     """Per-layer activation checkpointing: ``"off"``, ``"on"`` (keep each layer's input,
     recompute the layer in backward) or ``"offload"`` (as "on", with the layer inputs in

@@ -22,7 +22,9 @@ The weight gradient has two modes (``wgrad``, :data:`WGRAD_MODES`):
 
 * ``"accumulate"`` (default, step 3 above): ``dW`` is summed over the token chunks in an
   fp32 ``[V, hidden]`` accumulator that lives from the loss forward to its backward.
-  Fastest: the logits are computed once.
+  The logits are computed once, but every chunk's ``dW`` partial is cast and added into the
+  accumulator: on an H100 at the Llama-3 heads that traffic cost more than recompute's
+  extra GEMM (benchmarks/README.md).
 * ``"recompute"``: the forward keeps only the fp32 ``lse`` per token (and ``dh``). The
   backward cuts the vocabulary into ``N`` slices and, per slice, recomputes the logits of
   *every* local token (``[T, V/N]`` fp32, the size of one forward chunk), forms that

@@ -145,3 +145,20 @@ def test_readme_worked_example_is_current(capsys):
     longer = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
                       "--host-mem-gib", "1024", "--seq-len", str(out["max_seq_len"] + 2 ** 16))
     assert longer["fits"] is False and longer["limited_by"] == "host" and "the host is what stops it" in readme
+
+
+def test_near_ties_go_to_the_trainers_lm_head_mode():
+    """Where both LM-head modes fit within 1% of the same step time and device peak, the
+    recommendation is fpdt-train's default (recompute), so its out-of-memory advice never
+    tells a run to leave the default for a mode the H100 measured slower."""
+    from fpdt.plan import GPU_PRESETS, Choice, Cluster, evaluate, load_model_config, plan
+    from fpdt.plan.setup import Setup
+    from fpdt.train.config import FPDTOptions
+    cfg, cluster = load_model_config("llama-3.2-1b"), Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1)
+    seq, chunk = 1 << 20, 1 << 15
+    modes = {m: evaluate(cfg, Setup(seq_len=seq, chunk_size=chunk, lm_head_wgrad=m), cluster)
+             for m in ("accumulate", "recompute")}
+    assert modes["accumulate"]["device_peak_bytes"] == modes["recompute"]["device_peak_bytes"]   # a tie
+    assert abs(modes["accumulate"]["step_time_s"] / modes["recompute"]["step_time_s"] - 1) < 0.01
+    out = plan(cfg, cluster, seq_len=seq, choice=Choice(chunk_size=chunk))
+    assert out["recommended"]["lm_head_wgrad"] == FPDTOptions().lm_head_wgrad == "recompute"

@@ -324,3 +324,34 @@ def test_pieces_stopped_by_their_budget_keep_what_they_measured(tmp_path, monkey
     with pytest.raises(SystemExit, match="no such file .*op_latency.py first"):
         ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--out-dir", str(tmp_path),
                  "--calibration", str(tmp_path / "missing.json")])
+
+
+def test_planned_peaks_swap_in_the_trials_own_states(ms):
+    """planned(): the allocated figure is the fits figure less the planner's reserve and
+    fragmentation, and both hold the trial's own model states in place of the planner's."""
+    from fpdt.plan import GPU_PRESETS, Cluster, evaluate, load_model_config
+    from fpdt.plan.setup import Setup
+    cfg = ms.load_config(ms.build_parser().parse_args(["--tiny"]))
+    kw = dict(kernel_expands_gqa=False, lm_head_wgrad="recompute")
+    own = ms.planned(cfg, "fpdt", 4096, 1024, "bf16", **kw)
+    r = evaluate(load_model_config(cfg), Setup(seq_len=4096, chunk_size=1024, checkpoint="offload", offload=True,
+                                               zero_stage=0, dtype="bf16", **kw),
+                 Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1))
+    assert own["planned_device_peak_bytes"] == r["device_peak_bytes"]
+    assert own["planned_device_peak_bytes"] - own["planned_allocated_peak_bytes"] == r["breakdown"]["runtime_reserve"]
+    assert own["planned_setup"] == {"lm_head_wgrad": "recompute", "kernel_expands_gqa": False}
+    b = r["breakdown"]
+    states = b["parameters"] + b["gradients"] + b["optimizer_state"]
+    mine = ms.planned(cfg, "fpdt", 4096, 1024, "bf16", states_bytes=states / 2, **kw)
+    for key in ("planned_device_peak_bytes", "planned_allocated_peak_bytes"):
+        assert mine[key] == pytest.approx(own[key] - states / 2)
+
+
+def test_a_first_step_whose_steady_state_passes_the_device_is_out_of_memory(ms):
+    gib = 2 ** 30
+    assert ms.over_capacity(10 * gib, 12 * gib, None) is None
+    assert ms.over_capacity(10 * gib, None, None) is None                       # CPU without a capacity
+    assert "--device-mem-gib 2" in ms.over_capacity(3 * gib, 2 * gib, 2)         # the simulated capacity
+    cuda = ms.over_capacity(81.2 * gib, 79.2 * gib, None)                        # hf at 49,152 on the H100
+    assert "steady-state step peak 81.200 GiB" in cuda and "79.20 GiB free" in cuda
+    assert "free to tensors" in ms.over_capacity(3 * gib, 1.5 * gib, 2)          # less free than simulated
