@@ -7,9 +7,11 @@ forward + backward in ``"accumulate"`` mode (fp32 ``[V, hidden]`` accumulator) a
 same process, alternating, ``--repeats`` times each. Reported per mode: the median time and
 the device peak beyond the inputs (:class:`~fpdt.profiling.memory.RegionMemory`: CUDA's
 ``max_memory_allocated``, the memory accountant on the CPU), and per shape the ratios recompute /
-accumulate. The planner charges "recompute" one more LM-head GEMM (4 instead of 3 ``T x
-hidden x V`` GEMMs in ``fpdt.plan.time_model``): the ``gemm_ratio_model`` field is that
-4/3 for comparison.
+accumulate. Beside them, the planner's own time for each mode
+(:func:`fpdt.plan.time_model.lm_head_seconds`: the head GEMMs, 4 instead of 3 with recompute;
+the softmax's elementwise traffic; accumulate's fp32 weight-gradient adds) from
+``--calibration``'s rates (``op_latency.py``, this machine), else the H100 preset's datasheet
+rates: ``planner_time_ratio``. ``gemm_ratio_model`` is the GEMM count's 4/3 alone.
 
     python profiling/lm_head_wgrad.py                      # Llama-3 heads on a GPU
     python profiling/lm_head_wgrad.py --tiny               # seconds, on the CPU
@@ -55,8 +57,20 @@ def run_once(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunks: int, mod
     return elapsed, region.peaks.allocated - region.peaks.allocated_at_start
 
 
+def planner_seconds(hidden: int, vocab: int, tokens: int, chunks: int, dtype: torch.dtype,
+                    calibration: str | None) -> tuple[dict, str]:
+    """The planner's seconds per mode for this shape, and where its rates came from."""
+    from fpdt.plan import GPU_PRESETS, Cluster, load_calibration
+    from fpdt.plan.time_model import lm_head_seconds
+    cal = load_calibration(calibration) if calibration else None
+    rates = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal).rates()
+    e = torch.tensor([], dtype=dtype).element_size()
+    return ({m: lm_head_seconds(hidden, vocab, tokens, chunks, m, e, rates)["total"] for m in WGRAD_MODES},
+            "calibration" if cal else "h100-80g datasheet")
+
+
 def measure(hidden: int, vocab: int, tokens: int, attn_chunks: int, dtype: torch.dtype, repeats: int,
-            device: torch.device) -> dict:
+            device: torch.device, calibration: str | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     h = torch.randn(1, tokens, hidden, generator=g).to(device, dtype)
     w = (torch.randn(vocab, hidden, generator=g) * hidden ** -0.5).to(device, dtype)
@@ -72,6 +86,7 @@ def measure(hidden: int, vocab: int, tokens: int, attn_chunks: int, dtype: torch
             times[mode].append(t)
             peaks[mode] = max(peaks[mode], p)
     med = {m: statistics.median(v) for m, v in times.items()}
+    planned, rates = planner_seconds(hidden, vocab, tokens, chunks, dtype, calibration)
     return {"hidden": hidden, "vocab": vocab, "tokens": tokens, "loss_chunks": chunks,
             "modes": {m: {"time_s": med[m], "times_s": times[m], "device_peak_bytes": peaks[m]}
                       for m in WGRAD_MODES},
@@ -79,7 +94,9 @@ def measure(hidden: int, vocab: int, tokens: int, attn_chunks: int, dtype: torch
             "peak_ratio": peaks["recompute"] / peaks["accumulate"],
             "peak_saved_bytes": peaks["accumulate"] - peaks["recompute"],
             "accumulator_bytes": vocab * hidden * 4,
-            "gemm_ratio_model": 4 / 3}
+            "gemm_ratio_model": 4 / 3,
+            "planner_time_s": planned, "planner_rates": rates,
+            "planner_time_ratio": planned["recompute"] / planned["accumulate"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn-chunks", type=int, default=1, help="attention chunks u, for the default loss chunks")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--calibration", help="op_latency.py's calibration.json: the planner's times use its rates")
     p.add_argument("--tiny", action="store_true", help="one small shape, for the CPU smoke test")
     p.add_argument("--out-dir")
     args = p.parse_args(argv)
@@ -98,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     shapes = args.shape or (TINY_SHAPES if args.tiny else GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     rows = []
     for hidden, vocab, tokens in shapes:
-        r = measure(hidden, vocab, tokens, args.attn_chunks, dtype, args.repeats, device)
+        r = measure(hidden, vocab, tokens, args.attn_chunks, dtype, args.repeats, device, args.calibration)
         rows.append(r)
         print(f"hidden {hidden} vocab {vocab} tokens {tokens} ({r['loss_chunks']} loss chunks): "
-              f"recompute/accumulate time {r['time_ratio']:.2f} (model {r['gemm_ratio_model']:.2f}), "
+              f"recompute/accumulate time {r['time_ratio']:.2f} (planner {r['planner_time_ratio']:.2f} from "
+              f"{r['planner_rates']} rates; GEMMs alone {r['gemm_ratio_model']:.2f}), "
               f"peak {r['peak_ratio']:.2f} ({r['peak_saved_bytes'] / 2**20:.1f} MiB saved; "
               f"fp32 accumulator {r['accumulator_bytes'] / 2**20:.1f} MiB)")
     out = {**bc.header("lm_head_wgrad.py", args), "dtype": str(dtype).replace("torch.", ""), "rows": rows}

@@ -129,6 +129,26 @@ def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
 
 
 
+def lm_head_seconds(hidden: int, vocab: int, tokens: int, num_loss_chunks: int, mode: str, elem_bytes: int,
+                    rates: Rates) -> dict:
+    """This model's seconds for one forward + backward of the fused LM head + loss over
+    ``tokens`` local tokens in ``num_loss_chunks`` chunks, by part: the head GEMMs (3, or 4 with
+    ``mode="recompute"``), the softmax's elementwise traffic and, with ``"accumulate"``, the
+    fp32 weight-gradient accumulation. The same terms :func:`estimate_time` charges for the
+    head, so ``profiling/lm_head_wgrad.py`` can set them beside its measurement."""
+    k = ELEMENTWISE_BYTES[4 if elem_bytes == 4 else 2]
+    passes = 4 if mode == "recompute" else 3
+    parts = {"gemms": passes * 2 * hidden * vocab * tokens / rates.gemm_flops,
+             "elementwise": tokens * vocab * k["vocab"][mode] / rates.memory_bytes_s,
+             "wgrad_accumulation": 0.0}
+    if mode == "accumulate":
+        per_weight = 8 if elem_bytes == 4 else accumulation_bytes_per_weight(elem_bytes)
+        parts["wgrad_accumulation"] = chunk_count(tokens, num_loss_chunks) * vocab * hidden * per_weight \
+            / rates.memory_bytes_s
+    parts["total"] = sum(parts.values())
+    return parts
+
+
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     """Seconds per optimizer step, per component (exposed time) plus ``"total"``."""
     rates = cluster.rates()

@@ -162,3 +162,21 @@ def test_near_ties_go_to_the_trainers_lm_head_mode():
     assert abs(modes["accumulate"]["step_time_s"] / modes["recompute"]["step_time_s"] - 1) < 0.01
     out = plan(cfg, cluster, seq_len=seq, choice=Choice(chunk_size=chunk))
     assert out["recommended"]["lm_head_wgrad"] == FPDTOptions().lm_head_wgrad == "recompute"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_lm_head_seconds_are_the_step_models_head_terms(dtype):
+    """profiling/lm_head_wgrad.py sets lm_head_seconds beside its measurement: its difference
+    between the two modes is exactly the step model's (estimate_time) for the same run."""
+    from fpdt.plan.memory_model import loss_chunks
+    from fpdt.plan.time_model import estimate_time, lm_head_seconds
+    cfg = load_model_config("llama-3-8b")
+    cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8)
+    setups = {m: Setup(seq_len=1 << 20, chunk_size=1 << 16, hp=8, dtype=dtype, lm_head_wgrad=m)
+              for m in ("accumulate", "recompute")}
+    step = {m: estimate_time(cfg, s, cluster)["total"] for m, s in setups.items()}
+    s = setups["accumulate"]
+    head = {m: lm_head_seconds(cfg.hidden_size, cfg.vocab_size, s.rank_tokens, loss_chunks(cfg, s), m,
+                               s.elem_bytes, cluster.rates())["total"] for m in setups}
+    assert step["recompute"] - step["accumulate"] == pytest.approx(head["recompute"] - head["accumulate"], rel=1e-9)
+    assert head["accumulate"] > head["recompute"] > 0      # Llama-3's vocabulary: the adds cost more than a GEMM

@@ -289,6 +289,9 @@ def test_lm_head_wgrad_script_fields(tmp_path):
     assert all(m["time_s"] > 0 and m["device_peak_bytes"] > 0 for m in row["modes"].values())
     assert row["peak_saved_bytes"] > 0 and row["peak_ratio"] < 1
     assert row["accumulator_bytes"] == 1000 * 32 * 4 and row["gemm_ratio_model"] == pytest.approx(4 / 3)
+    assert row["planner_rates"] == "h100-80g datasheet" and set(row["planner_time_s"]) == {"accumulate", "recompute"}
+    assert row["planner_time_ratio"] == pytest.approx(row["planner_time_s"]["recompute"]
+                                                      / row["planner_time_s"]["accumulate"])
 
 
 def test_pieces_stopped_by_their_budget_keep_what_they_measured(tmp_path, monkeypatch):
