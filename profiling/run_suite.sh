@@ -97,7 +97,7 @@ else
   CAL=()
   [ -f "$OUT/calibration.json" ] && CAL=(--calibration "$OUT/calibration.json")
   piece chunk_sweep python profiling/chunk_sweep.py --seq-len 262144 --no-offload-too --trial-timeout-s "$CAP" --out-dir "$OUT"
-  piece lm_head_wgrad python profiling/lm_head_wgrad.py --out-dir "$OUT"
+  piece lm_head_wgrad python profiling/lm_head_wgrad.py --out-dir "$OUT" "${CAL[@]}"
   for s in fpdt fpdt-no-offload hf alst; do
     piece "lengths $s" python profiling/max_seqlen.py --strategies "$s" --lengths 65536 131072 262144 524288 \
       --trial-timeout-s "$CAP" --tag "lengths-$s" --out-dir "$OUT" "${CAL[@]}"
