@@ -101,6 +101,15 @@ def run_trial(script: str, argv: list[str], timeout_s: float) -> dict:
     return {"status": "error", "returncode": proc.returncode, "error": " | ".join(tail)}
 
 
+def planner_cluster(calibration: str | None):
+    """``(cluster, rates label)`` the scripts set the planner's predictions on: one GPU of the
+    H100 preset, with ``calibration``'s measured rates (``op_latency.py``) when given."""
+    from fpdt.plan import GPU_PRESETS, Cluster, load_calibration
+    cal = load_calibration(calibration) if calibration else None
+    return (Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal),
+            "calibration" if cal else "h100-80g datasheet")
+
+
 def exposed_copy_seconds(prof) -> dict:
     """From a ``torch.profiler`` trace on CUDA: host<->device copy time, and the part of it
     not overlapped by any compute kernel (FPDT Fig. 12's "exposed" copies)."""

@@ -60,13 +60,11 @@ def run_once(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunks: int, mod
 def planner_seconds(hidden: int, vocab: int, tokens: int, chunks: int, dtype: torch.dtype,
                     calibration: str | None) -> tuple[dict, str]:
     """The planner's seconds per mode for this shape, and where its rates came from."""
-    from fpdt.plan import GPU_PRESETS, Cluster, load_calibration
     from fpdt.plan.time_model import lm_head_seconds
-    cal = load_calibration(calibration) if calibration else None
-    rates = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal).rates()
+    cluster, label = bc.planner_cluster(calibration)
     e = torch.tensor([], dtype=dtype).element_size()
-    return ({m: lm_head_seconds(hidden, vocab, tokens, chunks, m, e, rates)["total"] for m in WGRAD_MODES},
-            "calibration" if cal else "h100-80g datasheet")
+    return ({m: lm_head_seconds(hidden, vocab, tokens, chunks, m, e, cluster.rates())["total"] for m in WGRAD_MODES},
+            label)
 
 
 def measure(hidden: int, vocab: int, tokens: int, attn_chunks: int, dtype: torch.dtype, repeats: int,

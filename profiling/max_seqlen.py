@@ -104,7 +104,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     the KV heads; False on CUDA). ``lm_head_wgrad``: default, the fpdt strategies'
     (:data:`strategies.LM_HEAD_WGRAD`).
     """
-    from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_calibration, load_model_config
+    from fpdt.plan import evaluate, load_model_config
     from fpdt.plan.setup import Setup
     offload = strategy == "fpdt"
     if kernel_expands_gqa is None:
@@ -112,8 +112,8 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     s = Setup(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpoint="offload" if offload else "on",
               offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
               lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD)
-    cal = load_calibration(calibration) if calibration else None
-    r = evaluate(load_model_config(cfg), s, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal))
+    cluster, rates = bc.planner_cluster(calibration)
+    r = evaluate(load_model_config(cfg), s, cluster)
     b = r["breakdown"]
     states = b["parameters"] + b["gradients"] + b["optimizer_state"]
     own = states if states_bytes is None else states_bytes
@@ -126,7 +126,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
             "planned_device_peak_bytes": r["device_peak_bytes"] - states + own,
             "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"],
             "planned_step_s": r["step_time_s"], "planned_step_split_s": r["step_time_split_s"],
-            "planned_rates": "calibration" if cal else "h100-80g datasheet",
+            "planned_rates": rates,
             "planned_setup": {"lm_head_wgrad": s.lm_head_wgrad, "kernel_expands_gqa": kernel_expands_gqa}}
 
 

@@ -87,7 +87,13 @@ def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
         per_token *= NO_RECOMPUTE_FACTOR
     merges = s.cp * u * (u + 1) / 2 - u                     # touches after each query chunk's first
     layer = tokens * per_token + k["merge"] * merges * tokens / u * h
-    return cfg.num_layers * layer + tokens * cfg.vocab_size * k["vocab"][s.lm_head_wgrad]
+    return cfg.num_layers * layer + lm_head_elementwise_bytes(tokens, cfg.vocab_size, s.elem_bytes, s.lm_head_wgrad)
+
+
+def lm_head_elementwise_bytes(tokens: int, vocab: int, elem_bytes: int, mode: str) -> float:
+    """The loss's share of :func:`elementwise_bytes`: its softmax over the vocabulary, per
+    token and vocabulary entry, by LM-head mode (:data:`ELEMENTWISE_BYTES`)."""
+    return tokens * vocab * ELEMENTWISE_BYTES[4 if elem_bytes == 4 else 2]["vocab"][mode]
 
 
 def accumulation_bytes_per_weight(weight_bytes: int) -> int:
@@ -120,12 +126,18 @@ def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
     per_weight = accumulation_bytes_per_weight(e)
     qkv_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     out = {"mlp": l * chunk_count(tokens, mlp_chunks(cfg, s)) * 3 * cfg.intermediate_size * h * per_weight,
-           "qkv": l * s.num_chunks * qkv_weights * per_weight,
-           "lm_head": 0}
-    if s.lm_head_wgrad == "accumulate":
-        out["lm_head"] = (chunk_count(tokens, loss_chunks(cfg, s)) * cfg.vocab_size * h
-                          * (8 if e == 4 else per_weight))
+           "qkv": l * s.num_chunks * qkv_weights * per_weight}
+    out["lm_head"] = lm_head_accumulation_bytes(tokens, loss_chunks(cfg, s), cfg.vocab_size, h, e, s.lm_head_wgrad)
     return out
+
+
+def lm_head_accumulation_bytes(tokens: int, num_loss_chunks: int, vocab: int, hidden: int, elem_bytes: int,
+                               mode: str) -> float:
+    """The ``lm_head`` entry of :func:`wgrad_accumulation_bytes` (0 with ``"recompute"``)."""
+    if mode != "accumulate":
+        return 0
+    per_weight = 8 if elem_bytes == 4 else accumulation_bytes_per_weight(elem_bytes)
+    return chunk_count(tokens, num_loss_chunks) * vocab * hidden * per_weight
 
 
 
@@ -136,17 +148,18 @@ def lm_head_seconds(hidden: int, vocab: int, tokens: int, num_loss_chunks: int, 
     ``mode="recompute"``), the softmax's elementwise traffic and, with ``"accumulate"``, the
     fp32 weight-gradient accumulation. The same terms :func:`estimate_time` charges for the
     head, so ``profiling/lm_head_wgrad.py`` can set them beside its measurement."""
-    k = ELEMENTWISE_BYTES[4 if elem_bytes == 4 else 2]
-    passes = 4 if mode == "recompute" else 3
-    parts = {"gemms": passes * 2 * hidden * vocab * tokens / rates.gemm_flops,
-             "elementwise": tokens * vocab * k["vocab"][mode] / rates.memory_bytes_s,
-             "wgrad_accumulation": 0.0}
-    if mode == "accumulate":
-        per_weight = 8 if elem_bytes == 4 else accumulation_bytes_per_weight(elem_bytes)
-        parts["wgrad_accumulation"] = chunk_count(tokens, num_loss_chunks) * vocab * hidden * per_weight \
-            / rates.memory_bytes_s
+    parts = {"gemms": lm_head_gemm_flops(tokens, hidden, vocab, mode) / rates.gemm_flops,
+             "elementwise": lm_head_elementwise_bytes(tokens, vocab, elem_bytes, mode) / rates.memory_bytes_s,
+             "wgrad_accumulation": lm_head_accumulation_bytes(tokens, num_loss_chunks, vocab, hidden, elem_bytes,
+                                                              mode) / rates.memory_bytes_s}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def lm_head_gemm_flops(tokens: int, hidden: int, vocab: int, mode: str) -> float:
+    """FLOPs of the ``T x hidden x V`` head GEMMs in one forward + backward: 3, or 4 with
+    ``"recompute"`` (the logits once more in backward)."""
+    return (4 if mode == "recompute" else 3) * 2 * hidden * vocab * tokens
 
 
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
@@ -156,8 +169,8 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     tokens = s.rank_tokens
     recompute = s.checkpoint != "off"
     passes = 4 if recompute else 3                          # forward, (recompute), backward = 2 x
-    head_passes = 4 if s.lm_head_wgrad == "recompute" else 3   # the logits once more in backward
-    gemm_flops = tokens * (passes * l * layer_matmul_flops(m) + head_passes * 2 * cfg.hidden_size * cfg.vocab_size)
+    gemm_flops = (tokens * passes * l * layer_matmul_flops(m)
+                  + lm_head_gemm_flops(tokens, cfg.hidden_size, cfg.vocab_size, s.lm_head_wgrad))
     attn_fwd = tokens * l * attention_flops(m, s.seq_len, causal=True)
     t_gemm = gemm_flops / rates.gemm_flops
     t_attn = passes * attn_fwd / rates.attention_flops
