@@ -55,9 +55,14 @@ def ranks_on_this_node(world_size: int, gpus_on_node: int | None = None) -> int:
 
 
 def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
-                  device_type: str) -> Setup:
+                  device_type: str, kernel_expands_gqa: bool | None = None) -> Setup:
     """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
-    config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk)."""
+    config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk).
+    ``kernel_expands_gqa``: whether the run's attention kernel repeats the KV heads (not
+    ``AttentionBackend.native_gqa``); None: as the automatic choice does in bf16, on CUDA
+    not, elsewhere yes."""
+    if kernel_expands_gqa is None:
+        kernel_expands_gqa = device_type != "cuda"
     choice = _deepspeed_choice(ds_config, plan.world_size)
     return Setup(
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement,
@@ -68,7 +73,7 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
         mlp_chunks=_modelled(plan.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
         lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
         sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
-        kernel_expands_gqa=device_type != "cuda")
+        kernel_expands_gqa=kernel_expands_gqa)
 
 
 def _modelled(chunks: int | None) -> int | None:
@@ -82,9 +87,10 @@ def _deepspeed_choice(ds_config: Mapping[str, Any], world_size: int) -> Choice:
 
 
 def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
-             device_type: str, ranks_per_node: int) -> MemoryEstimate:
-    """:class:`~fpdt.plan.memory_model.MemoryEstimate` of this run."""
-    setup = planned_setup(plan, opts, ds_config, dtype_name, device_type)
+             device_type: str, ranks_per_node: int, kernel_expands_gqa: bool | None = None) -> MemoryEstimate:
+    """:class:`~fpdt.plan.memory_model.MemoryEstimate` of this run (``kernel_expands_gqa``: as
+    :func:`planned_setup`)."""
+    setup = planned_setup(plan, opts, ds_config, dtype_name, device_type, kernel_expands_gqa)
     return estimate_memory(model, setup, plan.world_size, ranks_per_node)
 
 

@@ -28,6 +28,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from fpdt.attention.kernels import BACKENDS
 from fpdt.plan import trainer_run
 from fpdt.train import checkpoint, preflight, zero, zero_load
 from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LM-head weight gradient: recomputed logits in backward, no fp32 [vocab, hidden] "
                         "buffer (recompute, default: faster and smaller on an H100 at Llama-3 shapes) or that "
                         "buffer summed over the loss chunks (accumulate)")
+    f.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
+                   help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the fastest "
+                        f"that is installed, fits the device, dtype and head size and passes its self-check; "
+                        f"cuDNN ahead of FlashAttention-2 where torch's own SDPA prefers it)")
     f.add_argument("--checkpoint", choices=["off", "on", "offload"],
                    help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
                         "default: offload with CUDA, off elsewhere)")
@@ -117,7 +122,7 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"sp": args.sp, "hp": args.hp, "cp": args.cp, "placement": args.placement,
             "inner_ring": args.inner_ring, "chunk_size": args.chunk_size, "offload": args.offload,
             "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "lm_head_wgrad": args.lm_head_wgrad,
-            "checkpoint": args.checkpoint}
+            "attention_backend": args.attention_backend, "checkpoint": args.checkpoint}
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -164,7 +169,8 @@ def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: Par
     from fpdt import model as fm
 
     kw = dict(num_chunks=plan.num_chunks, offload=plan.offload, mlp_chunks=plan.mlp_chunks,
-              loss_chunks=opts.loss_chunks, lm_head_wgrad=opts.lm_head_wgrad, checkpointing=plan.checkpoint)
+              loss_chunks=opts.loss_chunks, lm_head_wgrad=opts.lm_head_wgrad, checkpointing=plan.checkpoint,
+              backend=opts.attention_backend)
     kw.update(mesh=ps.mesh) if ps.mesh is not None else kw.update(group=ps.sp_group)
     torch.manual_seed(args.seed)  # same random weights on every rank
     if args.model:
@@ -210,12 +216,13 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
     source = preflight_checks(args, plan, ds_config, dtype_name)
+    kernel = preflight.attention_kernel(opts.attention_backend, device, DTYPES[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
 
     # 2. process groups
     timeout = timedelta(minutes=args.dist_timeout_min)
     init_distributed(device, timeout)
-    memory = check_memory(source, plan, opts, ds_config, dtype_name, device)
+    memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa)
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
                               timeout=timeout)
@@ -241,7 +248,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} "
              f"seq_len={plan.seq_len} "
              f"chunk={plan.chunk_size} chunks={plan.num_chunks} offload={'on' if plan.offload else 'off'} "
-             f"checkpoint={plan.checkpoint} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
+             f"checkpoint={plan.checkpoint} attention={kernel.name} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})")
     for line in memory.lines:
@@ -309,7 +316,7 @@ class MemoryCheck:
 
 
 def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, ds_config: dict[str, Any],
-                 dtype_name: str, device: torch.device) -> MemoryCheck:
+                 dtype_name: str, device: torch.device, kernel_expands_gqa: bool | None = None) -> MemoryCheck:
     """The host check of :mod:`fpdt.plan.trainer_run`, decided once for all ranks on the
     node whose offload exceeds its available memory the most (every rank reaches the one
     collective and raises the same :class:`ConfigError`), and on CUDA the device-memory
@@ -321,7 +328,8 @@ def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, d
     available = float(psutil.virtual_memory().available)
     est, notes, parts = None, [], {}
     try:
-        est = trainer_run.estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks)
+        est = trainer_run.estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks,
+                                   kernel_expands_gqa)
         parts = trainer_run.host_offload_bytes(est)
     except Exception as e:  # noqa: BLE001 -- a limit of the planner's model never stops a run the trainer can run
         notes.append(f"note: fpdt-plan's model cannot describe this run ({type(e).__name__}: {e}); no memory "

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
+from fpdt.attention.kernels import BACKENDS
 from fpdt.comm import PLACEMENTS
 from fpdt.offload import selected_runtime_name
 
@@ -78,6 +79,12 @@ class FPDTOptions:
     default: on an H100 at the Llama-3 1B/8B/70B heads (16K tokens) it took 0.53-0.67x the
     time and 0.42x the peak (benchmarks/results/nvidia-h100-80gb-hbm3/2026-11-24/lm_head_wgrad.json);
     on the CPU (bf16) 1.10x the time, 0.38x the peak."""
+    attention_backend: str | None = None
+    """Attention kernel (:data:`fpdt.attention.kernels.BACKENDS`: ``flash_attn3``,
+    ``flash_attn``, ``cuda_flash``, ``cuda_cudnn``, ``cuda_efficient``, ``cpu``, ``math``).
+    ``None``: automatic, the first that is installed, fits the device, dtype and head size
+    and passes its self-check (:func:`fpdt.attention.kernels.auto_order`: on a GPU where
+    torch's own SDPA runs cuDNN, cuDNN comes before FlashAttention-2)."""
     checkpoint: str | None = None
     """Activation checkpointing of the decoder layers: ``"off"``, ``"on"`` (recompute in
     backward) or ``"offload"`` (also keep the saved layer inputs on the host; CUDA only).
@@ -128,6 +135,9 @@ def _check_types(opts: FPDTOptions) -> None:
         raise ConfigError(f"fpdt option checkpoint={opts.checkpoint!r} must be one of {CHECKPOINT_MODES}")
     if opts.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
         raise ConfigError(f"fpdt option lm_head_wgrad={opts.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
+    if opts.attention_backend is not None and opts.attention_backend not in BACKENDS:
+        raise ConfigError(f"fpdt option attention_backend={opts.attention_backend!r} must be one of "
+                          f"{tuple(BACKENDS)}, or left out for automatic selection")
     if opts.placement not in PLACEMENTS:
         raise ConfigError(f"fpdt option placement={opts.placement!r} must be one of {PLACEMENTS}")
 

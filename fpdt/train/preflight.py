@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from fpdt.attention.kernels import AttentionBackend, get_backend
 from fpdt.comm.heads import kv_replication_factor
 from fpdt.model import ModelConfig, UnsupportedConfigError
 from fpdt.model.weights import checkpoint_files
@@ -209,3 +210,15 @@ def check_resume(path: str, *, steps: int, world_size: int, precision: str, mode
                           f"--steps counts the total, so pass --steps {saved.step + max(steps, 1)} to train "
                           f"{max(steps, 1)} more steps")
     return saved
+
+
+def attention_kernel(name: str | None, device, dtype, head_dim: int) -> AttentionBackend:
+    """The attention kernel the run will use: ``name`` (``--attention-backend``), or the
+    automatic choice when None. A named kernel that is not installed, does not fit the
+    device, dtype or head size, or fails its self-check is a :class:`ConfigError` that says
+    so, before any process group or model exists (not at the first forward)."""
+    try:
+        return get_backend(name, device, dtype, head_dim)
+    except (RuntimeError, ValueError) as e:
+        flag = f"--attention-backend {name}" if name else "automatic attention-kernel selection"
+        raise ConfigError(f"{flag}: {e}") from e

@@ -141,3 +141,71 @@ def test_auto_order_takes_cudnn_where_it_passes_the_self_check(monkeypatch):
                                                                 forward=_fake_lse_forward))
     with pytest.warns(RuntimeWarning, match="'cuda_cudnn' failed its self-check"):
         assert get_backend(None, torch.device("cpu"), torch.float32, 32).name == "cuda_efficient"
+
+
+def test_auto_order_follows_torchs_sdpa_where_it_prefers_cudnn(monkeypatch):
+    """Where torch's SDPA dispatcher would run cuDNN (Hopper/Blackwell, recent torch and
+    cuDNN), cuda_cudnn comes right after flash_attn3, ahead of the FlashAttention-2 kernels;
+    elsewhere, and on any non-CUDA device (where torch is not asked), the fixed order holds."""
+    from fpdt.attention import kernels
+    from fpdt.attention.kernels import torch_cuda
+
+    asked = []
+
+    def choice(answer):
+        def sdpa_choice(device, dtype, heads, kv_heads, head_dim, causal=True):
+            asked.append((device.type, dtype, heads, kv_heads, head_dim))
+            return answer
+        return sdpa_choice
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch_cuda, "sdpa_choice", choice("cudnn"))
+    order = kernels.auto_order(cuda, torch.bfloat16, 128)
+    assert order[:3] == ("flash_attn3", "cuda_cudnn", "flash_attn")
+    assert sorted(order) == sorted(kernels._AUTO_ORDER)
+    assert asked[-1] == ("cuda", torch.bfloat16, 8, 2, 128)          # a GQA probe, as Llama-3 calls it
+    assert kernels.auto_order(torch.device("cpu"), torch.float32, 64) == kernels._AUTO_ORDER
+    assert len(asked) == 1
+    for answer in ("flash", "efficient", "math", None):
+        monkeypatch.setattr(torch_cuda, "sdpa_choice", choice(answer))
+        assert kernels.auto_order(cuda, torch.bfloat16, 128) == kernels._AUTO_ORDER
+
+
+def test_get_backend_tries_auto_order(monkeypatch):
+    """Automatic selection walks auto_order(), not the fixed tuple: the first candidate that
+    is available, supports the inputs and passes its self-check wins."""
+    from dataclasses import replace
+
+    from fpdt.attention import kernels
+
+    monkeypatch.setattr(kernels, "_SELF_CHECKS", {})
+    cpu = BACKENDS["cpu"]
+    monkeypatch.setitem(kernels.BACKENDS, "cuda_cudnn", replace(BACKENDS["cuda_cudnn"], forward=cpu.forward,
+                                                                backward=cpu.backward, supports=lambda *_: True,
+                                                                available=lambda: True))
+    monkeypatch.setattr(kernels, "auto_order", lambda *a, **k: ("flash_attn3", "cuda_cudnn", "cpu", "math"))
+    monkeypatch.setitem(kernels.BACKENDS, "flash_attn3", replace(BACKENDS["flash_attn3"], available=lambda: False))
+    assert get_backend(None, torch.device("cpu"), torch.float32, 32).name == "cuda_cudnn"
+
+
+def test_sdpa_choice_is_torchs_dispatch(monkeypatch):
+    """sdpa_choice asks torch's dispatcher, on the given device, for the same call Hugging
+    Face's SDPA attention makes (GQA via enable_gqa, no mask, inputs that require grad)."""
+    from torch.nn.attention import SDPBackend
+
+    from fpdt.attention.kernels import torch_cuda
+
+    names = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.MATH: "math", SDPBackend.EFFICIENT_ATTENTION: "efficient",
+             SDPBackend.CUDNN_ATTENTION: "cudnn"}
+    for dtype, heads, kv_heads, head_dim in ((torch.float32, 8, 2, 64), (torch.bfloat16, 6, 6, 40),
+                                             (torch.float64, 3, 1, 16)):
+        q = torch.zeros(1, heads, 128, head_dim, dtype=dtype, requires_grad=True)
+        k = torch.zeros(1, kv_heads, 128, head_dim, dtype=dtype, requires_grad=True)
+        want = names[SDPBackend(torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=heads != kv_heads))]
+        assert torch_cuda.sdpa_choice(torch.device("cpu"), dtype, heads, kv_heads, head_dim) == want
+
+
+    def no_answer(*args, **kwargs):
+        raise RuntimeError("this torch cannot say")
+    monkeypatch.setattr(torch, "_fused_sdp_choice", no_answer)
+    assert torch_cuda.sdpa_choice(torch.device("cpu"), torch.float32, 5, 5, 24) is None    # not cached before

@@ -155,3 +155,22 @@ def test_cli_reports_config_errors_before_starting(tmp_path, capsys, extra, json
         argv += ["--deepspeed", write_json(str(tmp_path / "ds.json"), {"fpdt": json_section})]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_attention_backend_reaches_every_layer(tmp_path):
+    """--attention-backend (or the JSON key) is handed to every attention layer of the
+    model fpdt-train builds; left out, the layers select automatically (None)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fpdt.train import cli
+    cfg, _ = write_fixture(str(tmp_path))
+    argv = ["--model-config", cfg, "--steps", "1", "--data", "x.npy", "--seq-len", "64"]
+    for extra, section, want in ((["--attention-backend", "math"], {}, "math"), ([], {"attention_backend": "cpu"}, "cpu"),
+                                 ([], {}, None)):
+        args = build_parser().parse_args(argv + extra)
+        opts = merge_options(fpdt_flags(args), section)
+        plan = validate(opts, 64, 1, "cpu", FP32)
+        model = cli.build_model(args, opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
+        assert [layer.self_attn.backend for layer in model.model.layers] == [want] * len(model.model.layers)

@@ -232,6 +232,9 @@ def test_unexpected_errors_are_one_line_too(fixture, capsys, monkeypatch):
     ([], {"fp16": {"enabled": True}}, "fp16 training needs a CUDA device"),
     ([], {"fpdt": {"chunk_sise": 32}}, "unknown key 'chunk_sise'"),
     (["--skip-nonfinite", "1"], {"gradient_accumulation_steps": 2}, "--skip-nonfinite needs gradient_accumulation_steps 1"),
+    (["--attention-backend", "cuda_flash"], None, "--attention-backend cuda_flash: attention backend 'cuda_flash' is not "
+                                                  "available here (needs a CUDA build of torch and a GPU)"),
+    ([], {"fpdt": {"attention_backend": "flash3"}}, "attention_backend='flash3' must be one of ('flash_attn3'"),
 ])
 def test_config_errors(fixture, capsys, extra, ds, needle, monkeypatch):
     monkeypatch.delenv("FPDT_RUNTIME", raising=False)  # FPDT_RUNTIME=sim|sync would allow CPU offload

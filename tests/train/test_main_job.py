@@ -48,6 +48,7 @@ def test_readme_main_job_runs_and_exports(tmp_path):
     assert records[0]["lr"] > 0                                      # the warm-up starts above zero
     assert "before it has started" not in proc.stderr               # DeepSpeed's scheduler warning is silenced
     assert re.search(r"peak=\d\S* TFLOP/s", proc.stderr) and "peak=0.00 " not in proc.stderr
+    assert " attention=cpu " in proc.stderr                         # the kernel automatic selection took
     _check_export(save, hf)
 
 

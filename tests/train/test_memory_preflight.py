@@ -304,3 +304,27 @@ def test_every_rank_stops_together_when_one_node_is_short(tmp_path, short_rank):
     cfg, data = write_fixture(str(tmp_path))
     run_distributed(_short_node_body, 2, args=(str(tmp_path), cfg, data, short_rank), timeout=120)
     assert [open(os.path.join(tmp_path, f"rank{r}")).read() for r in (0, 1)] == ["2", "2"]
+
+
+def test_the_prediction_follows_the_kernels_gqa_expansion(tmp_path, monkeypatch):
+    """A kernel without native GQA (cpu, math, cuda_efficient) holds the KV heads repeated
+    to the query heads per block; the prediction fpdt-train prints models the run's kernel
+    (``not AttentionBackend.native_gqa``), and by default the device type's automatic one."""
+    from fpdt.attention.kernels import BACKENDS
+    from fpdt.train import cli, preflight
+    cfg, _ = write_fixture(str(tmp_path))
+    source = preflight.model_source(None, cfg)
+    ds = load_ds_config(None, "cpu")[0]
+    plan = validate(FPDTOptions(), 64, 1, "cpu", ds)
+    for expands, device_type, want in ((None, "cpu", True), (None, "cuda", False), (True, "cuda", True),
+                                       (False, "cpu", False)):
+        setup = mp.planned_setup(plan, FPDTOptions(), ds, "fp32", device_type, expands)
+        assert setup.kernel_expands_gqa is want
+    seen = []
+    real = mp.estimate
+    monkeypatch.setattr(mp, "estimate", lambda *a: seen.append(a[-1]) or real(*a))
+    for expands in (True, False):
+        cli.check_memory(source, plan, FPDTOptions(), ds, "fp32", torch.device("cpu"), kernel_expands_gqa=expands)
+    assert seen == [True, False]
+    kernel = preflight.attention_kernel(None, torch.device("cpu"), torch.float32, source.config.head_dim)
+    assert kernel is BACKENDS["cpu"] and not kernel.native_gqa

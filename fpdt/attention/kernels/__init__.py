@@ -17,12 +17,18 @@ Backends (one module per family): ``flash_attn3`` and ``flash_attn`` (the option
 packages, :mod:`.flash`), ``cuda_flash``, ``cuda_cudnn`` and ``cuda_efficient`` (torch's
 own CUDA kernels, :mod:`.torch_cuda`), ``cpu`` (torch's CPU flash kernel,
 :mod:`.torch_cpu`) and ``math`` (a float64 reference for tests, any device,
-:mod:`.reference`). Automatic selection tries them in that order and takes the first
-that is installed, supports the device/dtype/head_dim and passes :func:`self_check`.
+:mod:`.reference`). Automatic selection (:func:`auto_order`) tries them in that order and
+takes the first that is installed, supports the device/dtype/head_dim and passes
+:func:`self_check`, with one exception: where torch's own SDPA dispatcher would run cuDNN
+(:func:`.torch_cuda.sdpa_choice`; Hopper and Blackwell with a recent torch and cuDNN),
+``cuda_cudnn`` moves ahead of the FlashAttention-2 kernels (``flash_attn``,
+``cuda_flash``), behind ``flash_attn3`` only. That is the kernel a Hugging Face model with
+SDPA attention runs on the same machine, so comparisons with such peers compare the
+method, not the kernel.
 
-GQA and its memory cost. ``flash_attn3``, ``flash_attn`` and ``cuda_flash`` take the
-``H_kv`` KV heads natively. ``cuda_cudnn``, ``cuda_efficient``, ``cpu`` and ``math``
-expand KV to ``H`` heads per block (``G = H / H_kv``): the forward holds two extra
+GQA and its memory cost. ``flash_attn3``, ``flash_attn``, ``cuda_flash`` and (from torch
+2.8) ``cuda_cudnn`` take the ``H_kv`` KV heads natively. ``cuda_efficient``, ``cpu`` and
+``math`` (and ``cuda_cudnn`` on an older torch) expand KV to ``H`` heads per block (``G = H / H_kv``): the forward holds two extra
 ``[B, C, H, D]`` tensors (k and v expanded; ``2·B·C·H·D`` elements in the kernel dtype
 beyond the ``2·B·C·H_kv·D`` of the block itself), the backward the same two plus the
 expanded dk, dv from the kernel and their fp32 sums ``[B, C, H_kv, D]``. All of it is
@@ -41,7 +47,7 @@ from fpdt.attention.kernels.common import HALF, AttentionBackend, on
 from fpdt.attention.kernels.reference import math_backward as _math_backward
 from fpdt.attention.kernels.reference import math_forward as _math_forward
 
-__all__ = ["AttentionBackend", "BACKENDS", "default_scale", "get_backend", "self_check"]
+__all__ = ["AttentionBackend", "BACKENDS", "auto_order", "default_scale", "get_backend", "self_check"]
 
 _ALWAYS = lambda: True  # noqa: E731
 _CUDA = torch.cuda.is_available
@@ -54,7 +60,8 @@ BACKENDS: dict[str, AttentionBackend] = {
     "cuda_flash": AttentionBackend("cuda_flash", torch_cuda.flash_forward, torch_cuda.flash_backward,
                                    on("cuda", HALF, 256), _CUDA, native_gqa=True),
     "cuda_cudnn": AttentionBackend("cuda_cudnn", torch_cuda.cudnn_forward, torch_cuda.cudnn_backward,
-                                   on("cuda", HALF, 128, multiple_of=8), _CUDA),
+                                   on("cuda", HALF, 128, multiple_of=8), _CUDA,
+                                   native_gqa=torch_cuda.CUDNN_NATIVE_GQA),
     "cuda_efficient": AttentionBackend("cuda_efficient", torch_cuda.efficient_forward, torch_cuda.efficient_backward,
                                        on("cuda", (torch.float32,) + HALF), _CUDA),
     "cpu": AttentionBackend("cpu", torch_cpu.cpu_forward, torch_cpu.cpu_backward,
@@ -62,8 +69,24 @@ BACKENDS: dict[str, AttentionBackend] = {
     "math": AttentionBackend("math", _math_forward, _math_backward, lambda *_: True, _ALWAYS),
 }
 
-# Preference order for automatic selection (each candidate must also pass self_check).
+# Preference order for automatic selection (each candidate must also pass self_check);
+# auto_order() moves cuda_cudnn forward where torch's SDPA prefers it.
 _AUTO_ORDER = ("flash_attn3", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu", "math")
+
+
+def auto_order(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int = 8,
+               num_kv_heads: int = 2) -> tuple[str, ...]:
+    """The candidates automatic selection tries, best first (see the module docstring).
+
+    :data:`_AUTO_ORDER`, except that on a CUDA device where torch's SDPA would dispatch a
+    ``num_heads``/``num_kv_heads`` self-attention call to cuDNN, ``cuda_cudnn`` comes right
+    after ``flash_attn3``.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or torch_cuda.sdpa_choice(device, dtype, num_heads, num_kv_heads, head_dim) != "cudnn":
+        return _AUTO_ORDER
+    rest = tuple(n for n in _AUTO_ORDER if n not in ("flash_attn3", "cuda_cudnn"))
+    return ("flash_attn3", "cuda_cudnn") + rest
 
 
 _SELF_CHECKS: dict[tuple[str, str, torch.dtype, int], str | None] = {}
@@ -124,7 +147,7 @@ def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head
     """
     device = torch.device(device)
     if name is None:
-        for candidate in _AUTO_ORDER:
+        for candidate in auto_order(device, dtype, head_dim):
             b = BACKENDS[candidate]
             if not (b.supports(device, dtype, head_dim) and b.available()):
                 continue

@@ -9,18 +9,24 @@ type-checked). Both are read from torch's meta kernel of the forward op
 backend         forward lse (what backward gets) RNG outputs -> backward       GQA
 =============== ================================ ============================ ==========
 cuda_flash      ``[B, H, Sq]``                   rng_state, unused            native
-cuda_cudnn      ``[B, H, Sq, 1]`` (squeezed for  philox seed, offset          expanded
-                the merge, unsqueezed back)
+cuda_cudnn      ``[B, H, Sq, 1]`` (squeezed for  philox seed, offset          native from
+                the merge, unsqueezed back)                                   torch 2.8
 cuda_efficient  ``[B, H, align(Sq, 32)]``        philox seed, offset          expanded
                 (sliced to Sq for the merge,
                 padded back with +inf)
 =============== ================================ ============================ ==========
 
 ``cuda_flash`` is FlashAttention-2 inside torch; it takes ``H_kv`` KV heads and sums the
-replica gradients in the kernel. The efficient kernel checks equal head counts; cuDNN's
-GQA support depends on the torch and cuDNN versions, so both get expanded KV (their
-replica gradients are summed in fp32 here). The CPU tests run these adapters on meta
-tensors (``tests/attention/test_kernels_torch_cuda.py``).
+replica gradients in the kernel. cuDNN's op does the same from torch 2.8 on (its
+dispatcher accepts ``enable_gqa`` for dense inputs and the backward returns dk/dv with
+the key's head count); before that, and always for the efficient kernel, which checks
+equal head counts, KV is expanded here and the replica gradients summed in fp32. The CPU
+tests run these adapters on meta tensors (``tests/attention/test_kernels_torch_cuda.py``).
+
+:func:`sdpa_choice` says which of these kernels torch's own ``scaled_dot_product_attention``
+would run for a shape, so automatic selection can follow torch's dispatch priority (which
+on Hopper and Blackwell puts cuDNN first, from torch 2.8 on with a recent cuDNN) and run
+the kernel a Hugging Face model with SDPA runs on the same machine.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from fpdt.attention.kernels.common import bhsd, expand_kv, fold_kv_grad
 
@@ -75,10 +82,40 @@ def flash_backward(dout, q, k, v, out, lse, causal, scale):
     return bhsd(dq), bhsd(dk), bhsd(dv)
 
 
+_SDPA_KERNELS = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cudnn",
+                 SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}
+
+
+@functools.lru_cache(maxsize=None)
+def sdpa_choice(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                causal: bool = True) -> str | None:
+    """The kernel torch's ``scaled_dot_product_attention`` dispatches a self-attention call to on
+    ``device`` (``"flash"``, ``"cudnn"``, ``"efficient"``, ``"math"``; None if torch cannot say),
+    for queries with ``num_heads`` heads and keys with ``num_kv_heads`` (``enable_gqa`` when they
+    differ, as Hugging Face's SDPA attention calls it) that require grad, without a mask.
+
+    Asks torch's dispatcher (``torch._fused_sdp_choice``) on a small probe (two 128-token
+    tensors on ``device``), so it follows the installed torch, cuDNN, GPU and the
+    ``TORCH_CUDNN_SDPA_*`` environment, as SDPA itself does. Cached per argument tuple.
+    """
+    try:
+        q = torch.zeros(1, num_heads, 128, head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.zeros(1, num_kv_heads, 128, head_dim, device=device, dtype=dtype, requires_grad=True)
+        choice = torch._fused_sdp_choice(q, k, k, is_causal=causal, enable_gqa=num_heads != num_kv_heads)
+    except Exception:  # noqa: BLE001 -- an old torch or a device it cannot probe: no answer
+        return None
+    return _SDPA_KERNELS.get(SDPBackend(choice))
+
+
+CUDNN_NATIVE_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+"""Whether torch's cuDNN attention op takes fewer KV heads than query heads (torch >= 2.8)."""
+
+
 # ----------------------------------------------------------------------------- cuDNN
 
 def cudnn_forward(q, k, v, causal, scale):
-    k, v, _ = expand_kv(k, v, q.shape[2])
+    if not CUDNN_NATIVE_GQA:
+        k, v, _ = expand_kv(k, v, q.shape[2])
     res = aten._scaled_dot_product_cudnn_attention(bhsd(q), bhsd(k), bhsd(v), None, True, 0.0, causal,
                                                    False, scale=scale)
     lse = res[1]
@@ -88,7 +125,7 @@ def cudnn_forward(q, k, v, causal, scale):
 
 
 def cudnn_backward(dout, q, k, v, out, lse, causal, scale):
-    k, v, group = expand_kv(k, v, q.shape[2])
+    k, v, group = expand_kv(k, v, q.shape[2]) if not CUDNN_NATIVE_GQA else (k, v, 1)
     Sq, Sk = q.shape[1], k.shape[1]
     specs = forward_output_specs("cudnn", Sq, q.dtype)
     if len(specs[1][0]) == 4:  # back to the forward's [B, H, Sq, 1]
