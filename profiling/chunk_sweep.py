@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, nargs="+", default=[2 ** k for k in range(13, 19)])
     p.add_argument("--dtype", default="bf16", choices=sorted(ms.DTYPES))
     p.add_argument("--no-offload-too", action="store_true", help="also run fpdt-no-offload at every chunk size")
+    p.add_argument("--attention-backend", metavar="KERNEL", help="attention kernel (default: automatic)")
     p.add_argument("--trial-timeout-s", type=float, default=580.0)
     p.add_argument("--in-process", action="store_true", help="tests only: trials in this process")
     p.add_argument("--tiny", action="store_true", help="tiny model, CPU smoke sizes, results in cpu-smoke/")
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     trial_args.tiny, trial_args.model_config, trial_args.dtype = args.tiny, args.model_config, args.dtype
     trial_args.device_mem_gib, trial_args.trial_timeout_s = None, args.trial_timeout_s
     trial_args.in_process, trial_args.profile_copies = args.in_process, True
+    trial_args.attention_backend = args.attention_backend
     strategies = ["fpdt"] + (["fpdt-no-offload"] if args.no_offload_too else [])
     rows: list = []
     path = os.path.join(bc.results_dir(args.tiny, args.out_dir), "chunk_sweep.json")

@@ -25,6 +25,10 @@
 #   steps plus ~20 s of start-up; a chunk-sweep trial three, for its profiler warm-up), so a
 #   bisection past 256K does not fit one 10-minute call; what it owes next is listed at the end
 #   of benchmarks/README.md's GPU section.
+# - fpdt ran torch's FlashAttention-2 kernel there while hf and alst ran whatever torch's SDPA
+#   dispatches to (on an H100 with torch >= 2.8 and a recent cuDNN: cuDNN), unrecorded. Trials
+#   now record attention_kernel and fpdt's automatic choice follows torch's SDPA; the first calls
+#   of a session should be `suite 'op_latency|kernel fpdt'` and `suite 'lengths (fpdt|alst)$'`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${OUT:-/tmp}"

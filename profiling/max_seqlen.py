@@ -24,6 +24,9 @@ subprocess, and records:
   in place; ``counted_step_s``: the first, counted step (``--no-timed-step`` skips the
   second step and reports the first); ``tokens_per_s``, ``mfu`` (the trainer's formula,
   :mod:`fpdt.train.metrics`);
+* ``attention_kernel``: the kernel attention ran on (fpdt: the :mod:`fpdt.attention.kernels`
+  backend, ``--attention-backend`` or automatic; hf/alst: ``sdpa:<kernel>``, torch's SDPA
+  dispatch), so step times are compared knowing whether the kernels differ;
 * for the fpdt strategies, ``planned_*``: what :mod:`fpdt.plan` predicts for the same run
   (memory; and the step time, from this machine's rates with ``--calibration``).
 
@@ -147,12 +150,12 @@ def trial(args) -> dict:
         capacity = min(capacity, free) if capacity else free
     out = {"strategy": args.strategy, "seq_len": args.seq_len}
     try:
-        trainee = st.build(args.strategy, cfg, args.seq_len, args.chunk_size, device, dtype)
+        trainee = st.build(args.strategy, cfg, args.seq_len, args.chunk_size, device, dtype, args.attention_backend)
         ids = torch.randint(0, cfg["vocab_size"], (1, args.seq_len), device=device)
         param_bytes = sum(p.numel() * p.element_size() for p in trainee.params)
-        if args.strategy.startswith("fpdt"):     # the kernel's first-use self-check, outside the step
-            from fpdt.attention.kernels import get_backend
-            get_backend(None, device, dtype, cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]))
+        # which kernel runs attention (for fpdt this is also the kernel's first-use self-check,
+        # kept outside the measured step)
+        out["attention_kernel"] = st.attention_kernel(args.strategy, cfg, device, dtype, args.attention_backend)
         profile = args.profile_copies and device.type == "cuda"
         if profile:                                # warm-up step, so the trace holds a steady step
             trainee.step(ids)
@@ -219,8 +222,9 @@ def trial(args) -> dict:
     out.update(mfu=rates.mfu, mfu_full=rates.mfu_full, peak_flops=peak, peak_source=source)
     if args.strategy.startswith("fpdt"):
         states = param_bytes + param_bytes + opt_state     # gradients in the weights' dtype
+        from fpdt.attention.kernels import BACKENDS
         out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype, args.calibration,
-                           states_bytes=states))
+                           states_bytes=states, kernel_expands_gqa=not BACKENDS[out["attention_kernel"]].native_gqa))
     over = over_capacity(device_peak, capacity, args.device_mem_gib)
     if over:
         out["status"], out["error"] = "oom", over
@@ -280,6 +284,8 @@ def trial_argv(args, strategy: str, seq_len: int) -> list[str]:
         argv.append("--profile-copies")
     if getattr(args, "calibration", None):
         argv += ["--calibration", os.path.abspath(args.calibration)]
+    if getattr(args, "attention_backend", None):
+        argv += ["--attention-backend", args.attention_backend]
     if not getattr(args, "timed_step", True):
         argv.append("--no-timed-step")
     if not args.lengths:           # bisection: a trial over the capacity need not finish to fail
@@ -373,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run trials in this process (tests only: no fresh process per trial)")
     p.add_argument("--profile-copies", action="store_true", help="CUDA: trace the step, report exposed copy time")
     p.add_argument("--calibration", help="op_latency.py's calibration.json: the planner's step time uses its rates")
+    p.add_argument("--attention-backend", metavar="KERNEL",
+                   help="the fpdt strategies' attention kernel (fpdt.attention.kernels.BACKENDS; default: automatic). "
+                        "Every trial records the kernel it ran as attention_kernel (hf/alst: sdpa:<kernel>)")
     p.add_argument("--no-timed-step", dest="timed_step", action="store_false",
                    help="time the counted first step instead of a second, uncounted one (halves a trial)")
     p.add_argument("--stop-at-capacity", action="store_true", help=argparse.SUPPRESS)
@@ -395,6 +404,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.calibration and not os.path.isfile(args.calibration):
         raise SystemExit(f"--calibration {args.calibration}: no such file (run profiling/op_latency.py first, "
                          f"or leave --calibration out to plan with the H100 preset's datasheet rates)")
+    if args.attention_backend:    # a named kernel must run here: checked once, not in every trial
+        from fpdt.attention.kernels import get_backend
+        head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        try:
+            get_backend(args.attention_backend, bc.default_device(), DTYPES[args.dtype], head_dim)
+        except (RuntimeError, ValueError) as e:
+            raise SystemExit(f"--attention-backend {args.attention_backend}: {e}") from e
     if args.step and args.step % args.chunk_size and any(x.startswith("fpdt") for x in args.strategies):
         raise SystemExit(f"--step {args.step} must be a multiple of --chunk-size {args.chunk_size} for the fpdt "
                          f"strategies (their lengths are whole chunks); drop --step or run them separately")

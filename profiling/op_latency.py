@@ -5,7 +5,12 @@ default Llama-3-8B: 32 query / 8 KV heads of 128) it times, median of ``--iters`
 ``--warmup``:
 
 * attention forward and backward of one diagonal (causal) block and one full block
-  ``[1, C, H, D]`` against ``[1, C, H_kv, D]``, through :mod:`fpdt.attention.kernels`;
+  ``[1, C, H, D]`` against ``[1, C, H_kv, D]``, through :mod:`fpdt.attention.kernels`
+  (automatic selection; the calibration's attention rate is its); with ``--backends``, the
+  same for each named kernel (``all``: every one that runs here) and for ``sdpa``, torch's
+  ``scaled_dot_product_attention`` called as Hugging Face calls it (``enable_gqa``,
+  autograd backward), i.e. the kernel the ``hf`` and ``alst`` strategies run, under
+  ``kernels`` in each chunk's row;
 * the device->host and host->device copies of one chunk's q/k/v, pinned and pageable
   (on the CPU: a host-to-host copy, reported as such);
 * the Ulysses all-to-all of one chunk's q/k/v when launched on several ranks
@@ -59,9 +64,14 @@ def timed(fn, device, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def attention_latency(c: int, heads: int, kv_heads: int, head_dim: int, device, dtype, warmup, iters) -> dict:
+def attention_latency(c: int, heads: int, kv_heads: int, head_dim: int, device, dtype, warmup, iters,
+                      backend: str | None = None) -> dict:
+    """Forward and backward seconds of a diagonal (causal) and a full ``c``-token block with
+    ``backend`` (None: automatic selection; ``"sdpa"``: :func:`sdpa_latency`)."""
+    if backend == "sdpa":
+        return sdpa_latency(c, heads, kv_heads, head_dim, device, dtype, warmup, iters)
     from fpdt.attention.kernels import default_scale, get_backend
-    be = get_backend(None, device, dtype, head_dim)
+    be = get_backend(backend, device, dtype, head_dim)
     q = torch.randn(1, c, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(1, c, kv_heads, head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
@@ -73,6 +83,42 @@ def attention_latency(c: int, heads: int, kv_heads: int, head_dim: int, device, 
         out[f"{label}_fwd_s"] = timed(lambda: be.forward(q, k, v, causal, scale), device, warmup, iters)
         out[f"{label}_bwd_s"] = timed(lambda: be.backward(do, q, k, v, o, lse, causal, scale), device, warmup, iters)
     return out
+
+
+def sdpa_latency(c: int, heads: int, kv_heads: int, head_dim: int, device, dtype, warmup, iters) -> dict:
+    """:func:`attention_latency` for torch's ``scaled_dot_product_attention`` as Hugging Face's
+    SDPA attention calls it (``[1, H, C, D]``, ``enable_gqa`` for GQA, no mask, inputs that
+    require grad); the backward is autograd's, on a retained graph. ``backend`` names the
+    kernel torch dispatches to (``sdpa:cudnn``, ``sdpa:flash``, ...)."""
+    import torch.nn.functional as F
+
+    from fpdt.attention.kernels.torch_cuda import sdpa_choice
+    q = torch.randn(1, heads, c, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, kv_heads, c, head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    gqa = heads != kv_heads
+    out = {"backend": f"sdpa:{sdpa_choice(device, dtype, heads, kv_heads, head_dim)}"}
+    for label, causal in (("diag", True), ("full", False)):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        do = torch.randn_like(o)
+        out[f"{label}_fwd_s"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
+                                      device, warmup, iters)
+        out[f"{label}_bwd_s"] = timed(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), device, warmup,
+                                      iters)
+    return out
+
+
+def kernel_names(requested: list[str], device, dtype, head_dim: int) -> list[str]:
+    """``--backends`` resolved: ``all`` is every kernel of :data:`fpdt.attention.kernels.BACKENDS`
+    that is installed and supports this device, dtype and head size (the float64 ``math``
+    reference aside), then ``sdpa``; other names are kept, in order, without repeats."""
+    from fpdt.attention.kernels import BACKENDS
+    names: list[str] = []
+    for name in requested:
+        expand = ([n for n, b in BACKENDS.items() if n != "math" and b.available() and b.supports(device, dtype, head_dim)]
+                  + ["sdpa"]) if name == "all" else [name]
+        names += [n for n in expand if n not in names]
+    return names
 
 
 def copy_latency(nbytes: int, device, warmup, iters) -> dict:
@@ -152,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm-size", type=int, default=8192, help="n of the n x n matmul timed for gemm_flops")
     p.add_argument("--memory-mib", type=float, default=1024,
                    help="size of each fp32 operand of the add timed for memory_bytes_s")
+    p.add_argument("--backends", nargs="+", default=[], metavar="KERNEL",
+                   help="also time these attention kernels (names of fpdt.attention.kernels.BACKENDS, 'sdpa' for "
+                        "torch's scaled_dot_product_attention as Hugging Face calls it, 'all' for every one that "
+                        "runs here); the calibration keeps the automatic choice's rate")
     p.add_argument("--tiny", action="store_true", help="CPU smoke sizes, results in cpu-smoke/")
     p.add_argument("--out-dir")
     return p
@@ -185,6 +235,11 @@ def main(argv: list[str] | None = None) -> dict:
         "d2h_bytes_s": big.get("d2h_pinned_bytes_s", big.get("d2h_pageable_bytes_s")),
         "memory_bytes_s": memory_bytes_s(device, int((1 if args.tiny else args.memory_mib) * 2 ** 20), args.iters),
     }
+    from fpdt.attention.kernels import BACKENDS
+    kernels = kernel_names(args.backends, device, dtype, args.head_dim)
+    unknown = [n for n in kernels if n not in BACKENDS and n != "sdpa"]
+    if unknown:
+        raise SystemExit(f"--backends: unknown kernel(s) {unknown}; choose from {list(BACKENDS)}, sdpa or all")
     rows: list = []
     result: dict = {}
     for c in args.chunks:
@@ -195,10 +250,21 @@ def main(argv: list[str] | None = None) -> dict:
                **{f"qkv_{k}": v for k, v in copy_latency(qkv_bytes, device, args.warmup, args.iters).items()},
                "all_to_all_s": all_to_all_latency(c, (args.heads + 2 * args.kv_heads) * args.head_dim, device,
                                                   dtype, args.warmup, args.iters)}
+        row["kernels"] = {}
+        for name in kernels:       # one that cannot run here is recorded as such, not fatal
+            try:
+                row["kernels"][name] = attention_latency(c, args.heads, args.kv_heads, args.head_dim, device, dtype,
+                                                         args.warmup, args.iters, backend=name)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                row["kernels"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         rows.append(row)
         print(f"  chunk {c:>7}: attention fwd {row['diag_fwd_s'] * 1e3:8.2f} / {row['full_fwd_s'] * 1e3:8.2f} ms "
-              f"(diag/full), bwd {row['full_bwd_s'] * 1e3:8.2f} ms, qkv d2h {row['qkv_d2h_pageable_s'] * 1e3:7.2f} ms",
-              flush=True)
+              f"(diag/full), bwd {row['full_bwd_s'] * 1e3:8.2f} ms ({row['backend']}), "
+              f"qkv d2h {row['qkv_d2h_pageable_s'] * 1e3:7.2f} ms", flush=True)
+        for name, lat in row["kernels"].items():
+            print(f"           {name:>14}: " + (lat["error"][:100] if "error" in lat else
+                  f"fwd {lat['diag_fwd_s'] * 1e3:8.2f} / {lat['full_fwd_s'] * 1e3:8.2f} ms, bwd "
+                  f"{lat['diag_bwd_s'] * 1e3:8.2f} / {lat['full_bwd_s'] * 1e3:8.2f} ms ({lat['backend']})"), flush=True)
         result = _save(args, device, rows, bandwidth, calibration(rows, rates, args.heads, args.head_dim))
     print(f"wrote {os.path.relpath(bc.results_dir(args.tiny, args.out_dir, device), bc.ROOT)}/op_latency.json "
           f"and calibration.json")

@@ -91,6 +91,11 @@ def plot_op_latency(data: dict, out: str) -> str:
         ys = [r.get(key) for r in rows]
         if all(y is not None for y in ys):
             a.plot(xs, [1e3 * y for y in ys], marker="o", label=label)
+    for name in dict.fromkeys(n for r in rows for n in r.get("kernels", {})):   # --backends: fwd+bwd of a full block
+        ys = [r.get("kernels", {}).get(name, {}) for r in rows]
+        if all("full_fwd_s" in y for y in ys):
+            a.plot(xs, [1e3 * (y["full_fwd_s"] + y["full_bwd_s"]) for y in ys], marker="x", linestyle="--",
+                   label=f"{name} fwd+bwd (full)")
     a.set(xscale="log", yscale="log", xlabel="chunk (tokens)", ylabel="ms", title="latency per chunk")
     a.legend(fontsize=7)
     bw = data["bandwidth"]
@@ -104,6 +109,7 @@ def plot_op_latency(data: dict, out: str) -> str:
 
 def _strategies(files: list[dict]) -> dict:
     """strategy -> {"trials": [...], "skipped": reason|None, "caps": {cap: longest}} over all files.
+    A file run with ``--attention-backend K`` gives its fpdt strategies as ``"<strategy> [K]"``.
 
     Every trial is tagged with its file's ``mode`` (lengths / bisect) and ``cap``
     (``device_mem_gib``, None without one). ``caps[cap]`` = ``{"best": longest length that fit
@@ -112,7 +118,10 @@ def _strategies(files: list[dict]) -> dict:
     merged: dict = {}
     for data in files:
         cap = data.get("device_mem_gib")
+        kernel = (data.get("args") or {}).get("attention_backend")   # a named kernel: its own rows
         for name, entry in data["strategies"].items():
+            if kernel and name.startswith("fpdt"):
+                name = f"{name} [{kernel}]"
             m = merged.setdefault(name, {"trials": [], "skipped": None, "caps": {}})
             if entry["status"] == "skipped":
                 m["skipped"] = entry["reason"]
@@ -312,6 +321,12 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
         if same:
             ratios.append(f"fpdt / {other} step time: " + ", ".join(
                 f"{n}: {times[n]['fpdt'] / times[n][other]:.2f}" for n in same))
+    # the attention kernel each strategy ran (recorded from 2026-11-24 on): step times of
+    # strategies on different kernels compare the kernels as much as the methods
+    kernels = {name: sorted({t["attention_kernel"] for t in _ok(s["trials"]) if t.get("attention_kernel")})
+               for name, s in strats.items() if not s["skipped"]}
+    if any(kernels.values()):
+        ratios.append("attention kernel: " + "; ".join(f"{n} `{'`, `'.join(k)}`" for n, k in kernels.items() if k))
     if ratios:
         lines += [""] + [f"- {r}" for r in ratios]
     return "\n".join(lines) + "\n"

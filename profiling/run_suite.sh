@@ -93,9 +93,17 @@ elif [ "$SIDE" = 1 ]; then
 else
   # The kernel rates at the head shape of the model the max-length pieces train (max_seqlen.py's
   # default, Llama-3.2-1B: 32 / 8 heads of 64): the planner's step time beside them uses these rates.
-  piece op_latency python profiling/op_latency.py --heads 32 --kv-heads 8 --head-dim 64 --out-dir "$OUT"
+  # --backends all: every attention kernel that runs here and torch's SDPA (what hf and alst run),
+  # side by side at the same shapes.
+  piece op_latency python profiling/op_latency.py --heads 32 --kv-heads 8 --head-dim 64 --backends all \
+    --out-dir "$OUT"
   CAL=()
   [ -f "$OUT/calibration.json" ] && CAL=(--calibration "$OUT/calibration.json")
+  # fpdt on FlashAttention-2 (torch's cuda_flash, the automatic choice before 2026-11-24) beside the
+  # automatic choice of the "lengths fpdt" piece: whether the kernel explains fpdt's step time
+  # against alst's (rows "fpdt [cuda_flash]" in the table).
+  piece "kernel fpdt cuda_flash" python profiling/max_seqlen.py --strategies fpdt --lengths 65536 131072 \
+    --attention-backend cuda_flash --trial-timeout-s "$CAP" --tag "lengths-fpdt-cuda_flash" --out-dir "$OUT" "${CAL[@]}"
   piece chunk_sweep python profiling/chunk_sweep.py --seq-len 262144 --no-offload-too --trial-timeout-s "$CAP" --out-dir "$OUT"
   piece lm_head_wgrad python profiling/lm_head_wgrad.py --out-dir "$OUT" "${CAL[@]}"
   for s in fpdt fpdt-no-offload hf alst; do

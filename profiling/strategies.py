@@ -104,11 +104,30 @@ LM_HEAD_WGRAD = FPDTOptions().lm_head_wgrad
 since 2026-11-24; results before that ran the model's default, ``"accumulate"``)."""
 
 
-def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload: bool = True) -> Trainee:
+def attention_kernel(strategy: str, cfg: dict, device, dtype, backend: str | None = None) -> str | None:
+    """The attention kernel ``strategy`` runs here: for the fpdt strategies the
+    :mod:`fpdt.attention.kernels` backend (``backend``, or the automatic choice, which this
+    call self-checks once); for ``hf`` and ``alst``, ``"sdpa:<kernel>"``, the kernel torch's
+    ``scaled_dot_product_attention`` dispatches their calls to (None if torch cannot say)."""
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
+    device = torch.device(device)
+    if strategy.startswith("fpdt"):
+        from fpdt.attention.kernels import get_backend
+        return get_backend(backend, device, dtype, head_dim).name
+    from fpdt.attention.kernels.torch_cuda import sdpa_choice
+    choice = sdpa_choice(device, dtype, heads, kv_heads, head_dim)
+    return None if choice is None else f"sdpa:{choice}"
+
+
+def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload: bool = True,
+               backend: str | None = None) -> Trainee:
+    """``backend``: the attention kernel (None: automatic selection)."""
     import fpdt.model as fm
     chunks = max(1, seq_len // min(chunk_size, seq_len))
     model = fm.from_config(cfg, device=device, dtype=dtype, num_chunks=chunks, offload=offload,
-                           checkpointing="offload" if offload else "on", lm_head_wgrad=LM_HEAD_WGRAD)
+                           checkpointing="offload" if offload else "on", lm_head_wgrad=LM_HEAD_WGRAD, backend=backend)
 
     def forward_backward(inputs, on_backward=None):
         loss = model(**inputs)
@@ -233,12 +252,14 @@ def build_alst(cfg: dict, seq_len: int, chunk_size: int, device, dtype, loss_sha
                     f"checkpoint offload{' (CPU hook)' if on_cpu else ''}", model.model.layers)
 
 
-def build(strategy: str, cfg: dict, seq_len: int, chunk_size: int, device, dtype) -> Trainee:
-    """The :class:`Trainee` of ``strategy`` (one of :data:`STRATEGIES`)."""
+def build(strategy: str, cfg: dict, seq_len: int, chunk_size: int, device, dtype,
+          backend: str | None = None) -> Trainee:
+    """The :class:`Trainee` of ``strategy`` (one of :data:`STRATEGIES`); ``backend``: the fpdt
+    strategies' attention kernel (None: automatic; the peers always run torch's SDPA)."""
     if strategy == "fpdt":
-        return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=True)
+        return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=True, backend=backend)
     if strategy == "fpdt-no-offload":
-        return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=False)
+        return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=False, backend=backend)
     if strategy == "hf":
         return build_hf(cfg, seq_len, chunk_size, device, dtype)
     if strategy == "alst":

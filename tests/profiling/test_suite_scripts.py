@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "fwd_bwd_s", "optimizer_s", "counted_step_s", "tokens_per_s", "mfu",
@@ -66,6 +67,31 @@ def test_max_seqlen_every_strategy(lengths_run):
     assert by["alst"]["host_peak_bytes"] > 0          # DeepSpeed's offload, hooked on the CPU
     assert by["hf"]["host_peak_bytes"] == 0
     assert "planned_device_peak_bytes" in by["fpdt"] and "planned_device_peak_bytes" not in by["hf"]
+    # the kernel each ran: fpdt's automatic choice on the CPU, and torch's SDPA dispatch for the peers
+    from fpdt.attention.kernels.torch_cuda import sdpa_choice
+    sdpa = f"sdpa:{sdpa_choice(torch.device('cpu'), torch.float32, 4, 2, 16)}"
+    assert {n: t["attention_kernel"] for n, t in by.items()} == {"fpdt": "cpu", "fpdt-no-offload": "cpu", "hf": sdpa,
+                                                               "alst": sdpa}
+    assert by["fpdt"]["planned_setup"]["kernel_expands_gqa"] is True      # the CPU kernel repeats KV heads
+
+
+def test_named_attention_backend(ms, tmp_path):
+    """--attention-backend reaches the fpdt trials (also in a fresh process) and the planner's
+    GQA expansion follows that kernel; a kernel that cannot run here stops before any trial."""
+    out = ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--attention-backend", "math",
+                   "--out-dir", str(tmp_path)])
+    t = out["strategies"]["fpdt"]["trials"][0]
+    assert t["status"] == "ok" and t["attention_kernel"] == "math" and t["planned_setup"]["kernel_expands_gqa"]
+    args = ms.build_parser().parse_args(["--tiny", "--chunk-size", "64", "--dtype", "fp32", "--attention-backend", "math"])
+    assert ms.trial_argv(args, "fpdt", 64)[-3:-1] == ["--attention-backend", "math"]
+    plot = _load("plot")
+    plot.main([str(tmp_path), "--readme", ""])
+    table = (tmp_path / "results.md").read_text()     # a named kernel's trials are rows of their own
+    assert "| fpdt [math] | 64 |" in table and "- attention kernel: fpdt [math] `math`" in table
+    with pytest.raises(SystemExit, match="--attention-backend cuda_flash: attention backend 'cuda_flash' is not "
+                                         "available here"):
+        ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--attention-backend",
+                 "cuda_flash", "--out-dir", str(tmp_path)])
 
 
 def test_alst_cpu_hook_restores_deepspeed():
@@ -127,9 +153,17 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
         assert r["first_step_device_peak_bytes"] == r["counted_device_peak_bytes"] > r["param_bytes"]   # CPU: counted
         assert r["device_reserved_peak_bytes"] is None and r["host_peak_bytes"] > 0           # fpdt offloads
         assert r.get("exposed_copy_s") is None          # CUDA only
-    lat = ol.main(["--tiny", "--out-dir", str(tmp_path)])
+    lat = ol.main(["--tiny", "--out-dir", str(tmp_path), "--backends", "all", "cuda_flash"])
     assert [r["chunk"] for r in lat["chunks"]] == [64, 128]
     assert all(r["full_fwd_s"] > 0 and r["full_bwd_s"] > 0 and r["all_to_all_s"] is None for r in lat["chunks"])
+    for r in lat["chunks"]:      # --backends: every kernel that runs here, torch's SDPA, and a named one that cannot
+        assert list(r["kernels"]) == ["cpu", "sdpa", "cuda_flash"] and r["backend"] == "cpu"
+        assert r["kernels"]["cpu"]["backend"] == "cpu" and r["kernels"]["sdpa"]["backend"].startswith("sdpa:")
+        for name in ("cpu", "sdpa"):
+            assert all(r["kernels"][name][f"{b}_{d}_s"] > 0 for b in ("diag", "full") for d in ("fwd", "bwd"))
+        assert "is not available here" in r["kernels"]["cuda_flash"]["error"]
+    with pytest.raises(SystemExit, match="unknown kernel"):
+        ol.main(["--tiny", "--out-dir", str(tmp_path / "x"), "--backends", "flash4"])
     from fpdt.plan import load_calibration
     cal = load_calibration(tmp_path / "calibration.json")
     assert cal["gemm_flops"] > 0 and cal["attention_flops"] > 0 and cal["h2d_bytes_s"] > 0
@@ -151,6 +185,7 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     assert "kept" in text and "tail" in text and "old" not in text
     assert "fpdt / hf step time" in text and "| fpdt | 128 |" in text
     assert "fpdt / hf fwd+bwd device slope" in text and "planned allocated MiB (/ measured)" in text
+    assert "- attention kernel: fpdt `cpu`; fpdt-no-offload `cpu`; hf `sdpa:" in text
 
 
 def test_extrapolation_uses_the_growing_peak():
