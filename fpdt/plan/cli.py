@@ -16,6 +16,7 @@ import dataclasses
 import json
 import sys
 
+from fpdt.attention.kernels import BACKENDS
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
 from fpdt.plan.models import PRESETS
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LM-head weight gradient: fp32 accumulator or recomputed logits (default: choose)")
     p.add_argument("--mlp-chunks", type=int, help="MLP token chunks, as fpdt-train's (default: 2 per attention chunk)")
     p.add_argument("--loss-chunks", type=int, help="LM-head loss token chunks, as fpdt-train's (default: the model's)")
+    p.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
+                   help=f"attention kernel, as fpdt-train's ({', '.join(BACKENDS)}; default: automatic). Only "
+                        f"its memory is modelled: one that repeats the KV heads (cuda_efficient, cpu, math) holds "
+                        f"more per block; the time model uses one attention rate")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16")
     p.add_argument("--batch", type=int, help="sequences per SP group per step (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -93,6 +98,7 @@ def render(out: dict) -> str:
         f"setup            chunk {_tokens(s['chunk_size'])}, hp {s['hp']} x cp {s['cp']} ({s['placement']}), "
         f"checkpoint {s['checkpoint']}, offload {s['offload']}, MLP chunks {s['mlp_chunks']}, "
         f"LM-head wgrad {s['lm_head_wgrad']}, "
+        f"{'KV heads repeated by the kernel' if s['kernel_expands_gqa'] else 'native GQA kernel'}, "
         f"ZeRO-{s['zero_stage']}, {s['dtype']}",
         f"device peak      {_gib(out['device_peak_bytes'])} of {_gib(out['device_capacity_bytes'])} per GPU",
         f"host peak        {_gib(out['host_peak_bytes'])} of {_gib(out['host_capacity_bytes'])} per node",
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                  "offload": args.offload, "zero_stage": args.zero_stage, "offload_optimizer": args.offload_optimizer,
                  "offload_param": args.offload_param, "dtype": args.dtype, "batch": args.batch,
                  "lm_head_wgrad": args.lm_head_wgrad, "mlp_chunks": args.mlp_chunks,
-                 "loss_chunks": args.loss_chunks}
+                 "loss_chunks": args.loss_chunks, "attention_backend": args.attention_backend}
         choice = dataclasses.replace(choice, **{k: v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
+import torch
+
+from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import estimate_memory
@@ -23,6 +26,9 @@ from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, 
 from fpdt.plan.time_model import estimate_time, model_shape
 from fpdt.train.config import MLP_CHUNKS_PER_CHUNK, chunk_split, default_chunk_size
 from fpdt.train.metrics import step_rates
+
+KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The planner's precisions as the attention kernels' dtypes."""
 
 CHUNK_CANDIDATES = tuple(2 ** k for k in range(13, 19))    # 8K .. 256K global tokens
 MAX_SEARCH_LEN = 2 ** 31
@@ -55,6 +61,9 @@ class Choice:
     ``ceil(2 u I / hidden)``, is ``Setup(mlp_chunks=None)``."""
     loss_chunks: int | None = None
     """Token chunks of the LM-head loss; None: the model's default, as ``fpdt-train`` uses."""
+    attention_backend: str | None = None
+    """The attention kernel, as ``fpdt-train --attention-backend`` (None: automatic); the
+    memory model counts the KV heads it repeats (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`)."""
     lm_head_wgrad: str | None = None
     """None: the mode the time model finds faster, among those that fit ("recompute" saves
     the fp32 accumulator's traffic per loss chunk at the price of one more LM-head GEMM)."""
@@ -93,6 +102,7 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
     else:
         meshes = [(hp, sp // hp) for hp in _divisors(sp)]
     out = []
+    expands = expands_gqa_on_gpu(choice.attention_backend, KERNEL_DTYPES[choice.dtype], cfg.head_dim)
     wgrads = (choice.lm_head_wgrad,) if choice.lm_head_wgrad else LM_HEAD_WGRAD_MODES
     combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
     for ((hp, cp), chunk), ckpt, wgrad in itertools.product(combos, checkpoints or (choice.checkpoint,), wgrads):
@@ -107,7 +117,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                       mlp_chunks=(choice.mlp_chunks if choice.mlp_chunks is not None
                                   else MLP_CHUNKS_PER_CHUNK * (seq_len // chunk)),
                       loss_chunks=choice.loss_chunks,
-                      sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients)
+                      sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
+                      kernel_expands_gqa=expands)
             if not s.problems(cfg, world):
                 out.append(s)
     return out

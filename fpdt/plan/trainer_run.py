@@ -29,6 +29,9 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
+import torch
+
+from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model import ModelConfig
 from fpdt.plan.deepspeed_config import apply_deepspeed_dict
 from fpdt.plan.hardware import GPU_PRESETS, Cluster
@@ -54,15 +57,20 @@ def ranks_on_this_node(world_size: int, gpus_on_node: int | None = None) -> int:
     return min(world_size, gpus_on_node) if gpus_on_node else world_size
 
 
+_KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
-                  device_type: str, kernel_expands_gqa: bool | None = None) -> Setup:
+                  device_type: str, kernel_expands_gqa: bool | None = None, head_dim: int = 128) -> Setup:
     """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
     config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk).
     ``kernel_expands_gqa``: whether the run's attention kernel repeats the KV heads (not
-    ``AttentionBackend.native_gqa``); None: as the automatic choice does in bf16, on CUDA
-    not, elsewhere yes."""
+    ``AttentionBackend.native_gqa``); None: on CUDA as ``opts.attention_backend``, or the
+    automatic choice for this precision and ``head_dim``, does
+    (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`); on other devices yes."""
     if kernel_expands_gqa is None:
-        kernel_expands_gqa = device_type != "cuda"
+        kernel_expands_gqa = device_type != "cuda" or expands_gqa_on_gpu(
+            opts.attention_backend, _KERNEL_DTYPES.get(dtype_name, torch.bfloat16), head_dim)
     choice = _deepspeed_choice(ds_config, plan.world_size)
     return Setup(
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement,
@@ -90,7 +98,7 @@ def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mappi
              device_type: str, ranks_per_node: int, kernel_expands_gqa: bool | None = None) -> MemoryEstimate:
     """:class:`~fpdt.plan.memory_model.MemoryEstimate` of this run (``kernel_expands_gqa``: as
     :func:`planned_setup`)."""
-    setup = planned_setup(plan, opts, ds_config, dtype_name, device_type, kernel_expands_gqa)
+    setup = planned_setup(plan, opts, ds_config, dtype_name, device_type, kernel_expands_gqa, model.head_dim)
     return estimate_memory(model, setup, plan.world_size, ranks_per_node)
 
 
@@ -209,7 +217,8 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
     ranks = min(ranks_per_node, plan.world_size)
     cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
     choice = replace(_deepspeed_choice(ds_config, plan.world_size), sp=plan.sp, inner_ring=plan.inner_ring,
-                     mlp_chunks=_modelled(opts.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks))
+                     mlp_chunks=_modelled(opts.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
+                     attention_backend=opts.attention_backend)
     out = plan_at(model, plan.seq_len, cluster, choice)
     if "reason" in out:
         return Recommendation(None, f"fpdt-plan has no setting to suggest for this mesh ({out['reason']})")

@@ -180,3 +180,30 @@ def test_lm_head_seconds_are_the_step_models_head_terms(dtype):
                                s.elem_bytes, cluster.rates())["total"] for m in setups}
     assert step["recompute"] - step["accumulate"] == pytest.approx(head["recompute"] - head["accumulate"], rel=1e-9)
     assert head["accumulate"] > head["recompute"] > 0      # Llama-3's vocabulary: the adds cost more than a GEMM
+
+
+def test_attention_kernel_gqa_expansion(capsys, tmp_path):
+    """fpdt-plan models the attention kernel fpdt-train would run: automatic is native GQA in
+    bf16 (FlashAttention-2 or cuDNN) and repeats the KV heads in fp32 (the efficient kernel);
+    --attention-backend (or the JSON's "fpdt" attention_backend) names one. Repeated KV heads
+    cost attention working set, nothing else."""
+    base = ("--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8", "--seq-len", str(2 ** 20),
+            "--chunk-size", "65536", "--hp", "8", "--lm-head-wgrad", "recompute")
+    auto, fp32 = run_json(capsys, *base), run_json(capsys, *base, "--dtype", "fp32")
+    named = {k: run_json(capsys, *base, "--attention-backend", k) for k in ("cuda_efficient", "cuda_cudnn", "cuda_flash")}
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "fpdt": {"attention_backend": "cuda_efficient"}}))
+    from_json = run_json(capsys, *base, "--deepspeed", str(ds))
+    assert not auto["setup"]["kernel_expands_gqa"] and fp32["setup"]["kernel_expands_gqa"]
+    assert [named[k]["setup"]["kernel_expands_gqa"] for k in named] == [True, False, False]
+    assert from_json["setup"]["kernel_expands_gqa"]
+    more = named["cuda_efficient"]["breakdown"]["attention_working_set"] - auto["breakdown"]["attention_working_set"]
+    changed = {k for k, v in named["cuda_efficient"]["breakdown"].items() if v != auto["breakdown"][k]}
+    assert more > 0 and changed == {"attention_working_set", "runtime_reserve"}     # the reserve's fragmentation share
+    assert named["cuda_cudnn"]["breakdown"] == named["cuda_flash"]["breakdown"] == auto["breakdown"]
+
+
+def test_attention_kernel_unknown_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", "65536", "--attention-backend", "flash4"])
+    assert exc.value.code == 2 and "invalid choice: 'flash4'" in capsys.readouterr().err

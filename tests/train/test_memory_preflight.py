@@ -316,10 +316,15 @@ def test_the_prediction_follows_the_kernels_gqa_expansion(tmp_path, monkeypatch)
     source = preflight.model_source(None, cfg)
     ds = load_ds_config(None, "cpu")[0]
     plan = validate(FPDTOptions(), 64, 1, "cpu", ds)
-    for expands, device_type, want in ((None, "cpu", True), (None, "cuda", False), (True, "cuda", True),
-                                       (False, "cpu", False)):
-        setup = mp.planned_setup(plan, FPDTOptions(), ds, "fp32", device_type, expands)
-        assert setup.kernel_expands_gqa is want
+    # given; else on CUDA the named kernel's or the automatic one's for the precision; elsewhere yes
+    for expands, device_type, dtype, kernel, want in (
+            (True, "cuda", "bf16", None, True), (False, "cpu", "fp32", None, False),
+            (None, "cpu", "bf16", None, True), (None, "cuda", "bf16", None, False),    # FlashAttention-2 / cuDNN
+            (None, "cuda", "fp32", None, True),                                         # the efficient kernel
+            (None, "cuda", "bf16", "cuda_efficient", True), (None, "cuda", "bf16", "cuda_cudnn", False)):
+        opts = FPDTOptions(attention_backend=kernel)
+        setup = mp.planned_setup(plan, opts, ds, dtype, device_type, expands, source.config.head_dim)
+        assert setup.kernel_expands_gqa is want, (expands, device_type, dtype, kernel)
     seen = []
     real = mp.estimate
     monkeypatch.setattr(mp, "estimate", lambda *a: seen.append(a[-1]) or real(*a))

@@ -47,7 +47,8 @@ from fpdt.attention.kernels.common import HALF, AttentionBackend, on
 from fpdt.attention.kernels.reference import math_backward as _math_backward
 from fpdt.attention.kernels.reference import math_forward as _math_forward
 
-__all__ = ["AttentionBackend", "BACKENDS", "auto_order", "default_scale", "get_backend", "self_check"]
+__all__ = ["AttentionBackend", "BACKENDS", "auto_order", "default_scale", "expands_gqa_on_gpu", "get_backend",
+           "self_check"]
 
 _ALWAYS = lambda: True  # noqa: E731
 _CUDA = torch.cuda.is_available
@@ -87,6 +88,21 @@ def auto_order(device: torch.device, dtype: torch.dtype, head_dim: int, num_head
         return _AUTO_ORDER
     rest = tuple(n for n in _AUTO_ORDER if n not in ("flash_attn3", "cuda_cudnn"))
     return ("flash_attn3", "cuda_cudnn") + rest
+
+
+def expands_gqa_on_gpu(name: str | None, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention on a CUDA GPU repeats the KV heads per block (for the memory model,
+    on any machine): the named backend's ``not native_gqa``, or for automatic selection that
+    of the first of torch's CUDA kernels that takes ``dtype`` and ``head_dim`` (in bf16/fp16
+    FlashAttention-2 or cuDNN, both native; in fp32 the efficient kernel, which expands).
+    The optional flash-attn packages are native too, so they do not change the answer."""
+    if name is not None:
+        return not BACKENDS[name].native_gqa
+    cuda = torch.device("cuda")
+    for candidate in ("cuda_flash", "cuda_cudnn", "cuda_efficient"):
+        if BACKENDS[candidate].supports(cuda, dtype, head_dim):
+            return not BACKENDS[candidate].native_gqa
+    return True     # the math kernel
 
 
 _SELF_CHECKS: dict[tuple[str, str, torch.dtype, int], str | None] = {}
