@@ -26,9 +26,12 @@
 #   bisection past 256K does not fit one 10-minute call; what it owes next is listed at the end
 #   of benchmarks/README.md's GPU section.
 # - fpdt ran torch's FlashAttention-2 kernel there while hf and alst ran whatever torch's SDPA
-#   dispatches to (on an H100 with torch >= 2.8 and a recent cuDNN: cuDNN), unrecorded. Trials
-#   now record attention_kernel and fpdt's automatic choice follows torch's SDPA; the first calls
-#   of a session should be `suite 'op_latency|kernel fpdt'` and `suite 'lengths (fpdt|alst)$'`.
+#   dispatched to (cuDNN first on sm90 when the runtime cuDNN is recent enough), unrecorded. Trials
+#   now record attention_kernel and fpdt's automatic choice follows torch's SDPA; a session's first
+#   calls should be `suite 'op_latency|kernel fpdt'` (about 4 minutes), then `suite 'lengths fpdt$'`
+#   and `suite 'lengths alst$'`, one call each (each fills its 9-minute budget).
+# - a call killed at the device tool's limit runs no EXIT trap: suite mode stops run_suite.sh at
+#   9.5 minutes, so the results are still packed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${OUT:-/tmp}"
@@ -50,8 +53,8 @@ if [ "${1:-}" = "sanitizer" ]; then
   exit 0
 fi
 if [ "${1:-}" = "suite" ]; then
-  bash profiling/run_suite.sh --budget-min 9 --only "${2:?give the pieces to run, e.g. 'op_latency|chunk_sweep'}" \
-    2>&1 | tee -a "$logs/suite.log"
+  timeout 570 bash profiling/run_suite.sh --budget-min 9 \
+    --only "${2:?give the pieces to run, e.g. 'op_latency|chunk_sweep'}" 2>&1 | tee -a "$logs/suite.log"
   exit 0
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"

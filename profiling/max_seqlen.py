@@ -84,7 +84,7 @@ def load_config(args) -> dict:
 
 def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, calibration: str | None = None,
             states_bytes: float | None = None, kernel_expands_gqa: bool | None = None,
-            lm_head_wgrad: str | None = None) -> dict:
+            lm_head_wgrad: str | None = None, kernel: str | None = None) -> dict:
     """The planner's prediction for a single-device run of an fpdt strategy (no ZeRO).
 
     Memory does not depend on the device's rates; the step time does: with ``calibration``
@@ -105,7 +105,8 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
 
     ``kernel_expands_gqa``: default, this machine's kernel (True on the CPU, whose kernel repeats
     the KV heads; False on CUDA). ``lm_head_wgrad``: default, the fpdt strategies'
-    (:data:`strategies.LM_HEAD_WGRAD`).
+    (:data:`strategies.LM_HEAD_WGRAD`). ``kernel``: the attention kernel the trial ran, whose own
+    calibrated rate the step time uses when the file has it (:func:`bench_common.planner_cluster`).
     """
     from fpdt.plan import evaluate, load_model_config
     from fpdt.plan.setup import Setup
@@ -115,7 +116,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     s = Setup(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpoint="offload" if offload else "on",
               offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
               lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD)
-    cluster, rates = bc.planner_cluster(calibration)
+    cluster, rates = bc.planner_cluster(calibration, kernel)
     r = evaluate(load_model_config(cfg), s, cluster)
     b = r["breakdown"]
     states = b["parameters"] + b["gradients"] + b["optimizer_state"]
@@ -224,11 +225,27 @@ def trial(args) -> dict:
         states = param_bytes + param_bytes + opt_state     # gradients in the weights' dtype
         from fpdt.attention.kernels import BACKENDS
         out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype, args.calibration,
-                           states_bytes=states, kernel_expands_gqa=not BACKENDS[out["attention_kernel"]].native_gqa))
+                           states_bytes=states, kernel_expands_gqa=not BACKENDS[out["attention_kernel"]].native_gqa,
+                           kernel=out["attention_kernel"]))
     over = over_capacity(device_peak, capacity, args.device_mem_gib)
     if over:
         out["status"], out["error"] = "oom", over
     return out
+
+
+def check_attention_backend(name: str | None, cfg: dict, dtype: str) -> None:
+    """Stop (SystemExit, with the reason) before any trial if kernel ``name`` is unknown, not
+    installed or does not fit this device, dtype and head size. No self-check here: it would
+    touch the GPU in this parent process (a CUDA context and kernel handles held through every
+    trial, less memory for them); each trial self-checks the kernel it runs."""
+    if not name:
+        return
+    from fpdt.attention.kernels import get_backend
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    try:
+        get_backend(name, bc.default_device(), DTYPES[dtype], head_dim, check=False)
+    except (RuntimeError, ValueError) as e:
+        raise SystemExit(f"--attention-backend {name}: {e}") from e
 
 
 def over_capacity(device_peak: float, capacity: float | None, device_mem_gib: float | None) -> str | None:
@@ -404,13 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.calibration and not os.path.isfile(args.calibration):
         raise SystemExit(f"--calibration {args.calibration}: no such file (run profiling/op_latency.py first, "
                          f"or leave --calibration out to plan with the H100 preset's datasheet rates)")
-    if args.attention_backend:    # a named kernel must run here: checked once, not in every trial
-        from fpdt.attention.kernels import get_backend
-        head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-        try:
-            get_backend(args.attention_backend, bc.default_device(), DTYPES[args.dtype], head_dim)
-        except (RuntimeError, ValueError) as e:
-            raise SystemExit(f"--attention-backend {args.attention_backend}: {e}") from e
+    check_attention_backend(args.attention_backend, cfg, args.dtype)
     if args.step and args.step % args.chunk_size and any(x.startswith("fpdt") for x in args.strategies):
         raise SystemExit(f"--step {args.step} must be a multiple of --chunk-size {args.chunk_size} for the fpdt "
                          f"strategies (their lengths are whole chunks); drop --step or run them separately")

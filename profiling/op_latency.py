@@ -158,15 +158,26 @@ def memory_bytes_s(device, nbytes: int, iters: int) -> float:
     return 3 * a.numel() * 4 / timed(lambda: a.add_(b), device, 1, iters)
 
 
-def calibration(rows: list[dict], rates: dict, heads: int, head_dim: int) -> dict:
-    """The planner's calibration: ``rates`` plus the attention rate (causal forward + backward
-    FLOPs per second) of the largest chunk in ``rows``, and the all-to-all's, when measured."""
-    last = rows[-1]
-    c = last["chunk"]
+def attention_rate(lat: dict, c: int, heads: int, head_dim: int) -> float:
+    """Causal forward + backward FLOPs per second of one chunk's timings (``diag_*``/``full_*``)."""
     causal_flops = 4 * c * c * heads * head_dim / 2            # one diagonal block, forward
     full_flops = 4 * c * c * heads * head_dim
-    out = {**rates, "attention_flops": 3 * (causal_flops + full_flops) / (
-        last["diag_fwd_s"] + last["diag_bwd_s"] + last["full_fwd_s"] + last["full_bwd_s"])}
+    return 3 * (causal_flops + full_flops) / (lat["diag_fwd_s"] + lat["diag_bwd_s"] + lat["full_fwd_s"]
+                                              + lat["full_bwd_s"])
+
+
+def calibration(rows: list[dict], rates: dict, heads: int, head_dim: int) -> dict:
+    """The planner's calibration: ``rates`` plus the attention rate (causal forward + backward
+    FLOPs per second) of the largest chunk in ``rows`` for the automatically selected kernel
+    (``attention_flops``, ``attention_backend`` names it) and for every kernel timed with
+    ``--backends`` (``attention_flops_by_kernel``), and the all-to-all's, when measured."""
+    last = rows[-1]
+    c = last["chunk"]
+    by_kernel = {last["backend"]: attention_rate(last, c, heads, head_dim)}
+    by_kernel.update({name: attention_rate(lat, c, heads, head_dim) for name, lat in last.get("kernels", {}).items()
+                      if "error" not in lat})
+    out = {**rates, "attention_flops": by_kernel[last["backend"]], "attention_backend": last["backend"],
+           "attention_flops_by_kernel": by_kernel}
     if last["all_to_all_s"]:
         p = dist.get_world_size()
         out["intra_node_bytes_s"] = last["qkv_bytes"] / p * (p - 1) / p / last["all_to_all_s"]
@@ -220,6 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
     device = bc.default_device()
     dtype = DTYPES[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
+    from fpdt.attention.kernels import BACKENDS
+    kernels = kernel_names(args.backends, device, dtype, args.head_dim)
+    unknown = [n for n in kernels if n not in BACKENDS and n != "sdpa"]
+    if unknown:
+        raise SystemExit(f"--backends: unknown kernel(s) {unknown}; choose from {list(BACKENDS)}, sdpa or all")
     # The quick rates first, then one chunk size at a time, both files rewritten after each: a run
     # stopped by its time budget keeps a calibration from the largest chunk it finished.
     bandwidth = []
@@ -235,11 +251,6 @@ def main(argv: list[str] | None = None) -> dict:
         "d2h_bytes_s": big.get("d2h_pinned_bytes_s", big.get("d2h_pageable_bytes_s")),
         "memory_bytes_s": memory_bytes_s(device, int((1 if args.tiny else args.memory_mib) * 2 ** 20), args.iters),
     }
-    from fpdt.attention.kernels import BACKENDS
-    kernels = kernel_names(args.backends, device, dtype, args.head_dim)
-    unknown = [n for n in kernels if n not in BACKENDS and n != "sdpa"]
-    if unknown:
-        raise SystemExit(f"--backends: unknown kernel(s) {unknown}; choose from {list(BACKENDS)}, sdpa or all")
     rows: list = []
     result: dict = {}
     for c in args.chunks:

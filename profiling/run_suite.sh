@@ -95,8 +95,9 @@ else
   # default, Llama-3.2-1B: 32 / 8 heads of 64): the planner's step time beside them uses these rates.
   # --backends all: every attention kernel that runs here and torch's SDPA (what hf and alst run),
   # side by side at the same shapes.
+  # Chunks up to 64K: every kernel at 128K and 256K would not fit one 10-minute piece.
   piece op_latency python profiling/op_latency.py --heads 32 --kv-heads 8 --head-dim 64 --backends all \
-    --out-dir "$OUT"
+    --chunks 8192 16384 32768 65536 --out-dir "$OUT"
   CAL=()
   [ -f "$OUT/calibration.json" ] && CAL=(--calibration "$OUT/calibration.json")
   # fpdt on FlashAttention-2 (torch's cuda_flash, the automatic choice before 2026-11-24) beside the

@@ -82,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "buffer (recompute, default: faster and smaller on an H100 at Llama-3 shapes) or that "
                         "buffer summed over the loss chunks (accumulate)")
     f.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
-                   help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the fastest "
-                        f"that is installed, fits the device, dtype and head size and passes its self-check; "
-                        f"cuDNN ahead of FlashAttention-2 where torch's own SDPA prefers it)")
+                   help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the first in that "
+                        f"order that is installed, fits the device, dtype and head size and passes its "
+                        f"self-check; cuDNN ahead of FlashAttention-2 where torch's own SDPA prefers it)")
     f.add_argument("--checkpoint", choices=["off", "on", "offload"],
                    help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
                         "default: offload with CUDA, off elsewhere)")

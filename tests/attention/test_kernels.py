@@ -209,3 +209,9 @@ def test_sdpa_choice_is_torchs_dispatch(monkeypatch):
         raise RuntimeError("this torch cannot say")
     monkeypatch.setattr(torch, "_fused_sdp_choice", no_answer)
     assert torch_cuda.sdpa_choice(torch.device("cpu"), torch.float32, 5, 5, 24) is None    # not cached before
+    monkeypatch.undo()                                                                    # a failure is not cached
+    assert torch_cuda.sdpa_choice(torch.device("cpu"), torch.float32, 5, 5, 24) is not None
+    with torch.no_grad():   # the probe is a training call whatever the caller's grad mode
+        assert torch_cuda.sdpa_choice(torch.device("cpu"), torch.float64, 2, 1, 8, causal=False) == names[
+            SDPBackend(torch._fused_sdp_choice(*(torch.zeros(1, h, 128, 8, dtype=torch.float64, requires_grad=True)
+                                                 for h in (2, 1, 1)), enable_gqa=True))]

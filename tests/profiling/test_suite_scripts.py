@@ -168,6 +168,9 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     cal = load_calibration(tmp_path / "calibration.json")
     assert cal["gemm_flops"] > 0 and cal["attention_flops"] > 0 and cal["h2d_bytes_s"] > 0
     assert cal["memory_bytes_s"] > 0
+    # the automatic kernel's attention rate, and every kernel timed with --backends
+    assert cal["attention_backend"] == "cpu" and set(cal["attention_flops_by_kernel"]) == {"cpu", "sdpa"}
+    assert cal["attention_flops"] == cal["attention_flops_by_kernel"]["cpu"]
     ms = _load("max_seqlen")         # the planner's step time from this machine's rates
     run = ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--out-dir",
                    str(tmp_path / "calibrated"), "--calibration", str(tmp_path / "calibration.json")])
@@ -393,3 +396,17 @@ def test_a_first_step_whose_steady_state_passes_the_device_is_out_of_memory(ms):
     cuda = ms.over_capacity(81.2 * gib, 79.2 * gib, None)                        # hf at 49,152 on the H100
     assert "steady-state step peak 81.200 GiB" in cuda and "79.20 GiB free" in cuda
     assert "free to tensors" in ms.over_capacity(3 * gib, 1.5 * gib, 2)          # less free than simulated
+
+
+def test_planner_rates_follow_the_trials_kernel(tmp_path):
+    """A trial on a named kernel is planned with that kernel's calibrated attention rate; when
+    the file lacks it, the rates label says whose rate stands in (and plot.py shows no ratio)."""
+    bc = _load("bench_common")
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"gemm_flops": 1e14, "attention_flops": 2e14, "attention_backend": "cuda_cudnn",
+                                "attention_flops_by_kernel": {"cuda_cudnn": 2e14, "cuda_flash": 1e14}}))
+    rate = lambda kernel: bc.planner_cluster(str(path), kernel)[0].rates().attention_flops   # noqa: E731
+    assert rate(None) == rate("cuda_cudnn") == 2e14 and rate("cuda_flash") == 1e14
+    assert bc.planner_cluster(str(path), "cuda_flash")[1] == "calibration"
+    assert bc.planner_cluster(str(path), "math")[1] == "calibration, attention rate of cuda_cudnn"
+    assert bc.planner_cluster(None, "math")[1] == "h100-80g datasheet"

@@ -20,7 +20,8 @@ own CUDA kernels, :mod:`.torch_cuda`), ``cpu`` (torch's CPU flash kernel,
 :mod:`.reference`). Automatic selection (:func:`auto_order`) tries them in that order and
 takes the first that is installed, supports the device/dtype/head_dim and passes
 :func:`self_check`, with one exception: where torch's own SDPA dispatcher would run cuDNN
-(:func:`.torch_cuda.sdpa_choice`; Hopper and Blackwell with a recent torch and cuDNN),
+(:func:`.torch_cuda.sdpa_choice`; in recent torch, Hopper and Blackwell with a new enough
+runtime cuDNN),
 ``cuda_cudnn`` moves ahead of the FlashAttention-2 kernels (``flash_attn``,
 ``cuda_flash``), behind ``flash_attn3`` only. That is the kernel a Hugging Face model with
 SDPA attention runs on the same machine, so comparisons with such peers compare the
@@ -153,13 +154,16 @@ def self_check(backend: AttentionBackend, device: torch.device, dtype: torch.dty
     return result
 
 
-def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head_dim: int,
+                check: bool = True) -> AttentionBackend:
     """The backend called ``name``, or the best one for ``(device, dtype, head_dim)`` if None.
 
     Every backend passes :func:`self_check` before first use: automatic selection warns
     and moves on to the next candidate; a named backend that fails raises.
     Raises ``ValueError`` for an unknown name and ``RuntimeError`` when the named backend
     is not installed, cannot run on this device/dtype, or fails its self-check.
+    ``check=False`` skips a named backend's self-check (no device work: a process that only
+    validates a name, e.g. before starting the processes that will run it).
     """
     device = torch.device(device)
     if name is None:
@@ -181,7 +185,7 @@ def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head
     if not b.supports(device, dtype, head_dim):
         raise RuntimeError(f"attention backend {name!r} does not support device={device}, dtype={dtype}, "
                            f"head_dim={head_dim}; pick another backend or None (auto)")
-    failure = self_check(b, device, dtype, head_dim)
+    failure = self_check(b, device, dtype, head_dim) if check else None
     if failure is not None:
         raise RuntimeError(f"attention backend {name!r} failed its self-check on {device}, {dtype}, "
                            f"head_dim={head_dim}: {failure}; pick another backend or None (auto)")

@@ -25,8 +25,8 @@ tests run these adapters on meta tensors (``tests/attention/test_kernels_torch_c
 
 :func:`sdpa_choice` says which of these kernels torch's own ``scaled_dot_product_attention``
 would run for a shape, so automatic selection can follow torch's dispatch priority (which
-on Hopper and Blackwell puts cuDNN first, from torch 2.8 on with a recent cuDNN) and run
-the kernel a Hugging Face model with SDPA runs on the same machine.
+in recent torch puts cuDNN first on Hopper and Blackwell when the runtime cuDNN is new
+enough) and run the kernel a Hugging Face model with SDPA runs on the same machine.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ _SDPA_KERNELS = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION
                  SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}
 
 
-@functools.lru_cache(maxsize=None)
+_SDPA_CHOICES: dict[tuple, str] = {}
+
+
 def sdpa_choice(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                 causal: bool = True) -> str | None:
     """The kernel torch's ``scaled_dot_product_attention`` dispatches a self-attention call to on
@@ -96,15 +98,25 @@ def sdpa_choice(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv
 
     Asks torch's dispatcher (``torch._fused_sdp_choice``) on a small probe (two 128-token
     tensors on ``device``), so it follows the installed torch, cuDNN, GPU and the
-    ``TORCH_CUDNN_SDPA_*`` environment, as SDPA itself does. Cached per argument tuple.
+    ``TORCH_CUDNN_SDPA_*`` environment, as SDPA itself does (on some builds the cuDNN
+    preference also depends on the runtime cuDNN version). The probe runs with grad enabled
+    (a training call). An answer is cached per argument tuple, for the process (a later
+    ``sdpa_kernel`` context does not change it); a failure is not cached.
     """
+    key = (str(device), dtype, num_heads, num_kv_heads, head_dim, causal)
+    if key in _SDPA_CHOICES:
+        return _SDPA_CHOICES[key]
     try:
-        q = torch.zeros(1, num_heads, 128, head_dim, device=device, dtype=dtype, requires_grad=True)
-        k = torch.zeros(1, num_kv_heads, 128, head_dim, device=device, dtype=dtype, requires_grad=True)
-        choice = torch._fused_sdp_choice(q, k, k, is_causal=causal, enable_gqa=num_heads != num_kv_heads)
+        with torch.enable_grad():
+            q = torch.zeros(1, num_heads, 128, head_dim, device=device, dtype=dtype, requires_grad=True)
+            k = torch.zeros(1, num_kv_heads, 128, head_dim, device=device, dtype=dtype, requires_grad=True)
+            choice = _SDPA_KERNELS.get(SDPBackend(torch._fused_sdp_choice(q, k, k, is_causal=causal,
+                                                                          enable_gqa=num_heads != num_kv_heads)))
     except Exception:  # noqa: BLE001 -- an old torch or a device it cannot probe: no answer
         return None
-    return _SDPA_KERNELS.get(SDPBackend(choice))
+    if choice is not None:
+        _SDPA_CHOICES[key] = choice
+    return choice
 
 
 CUDNN_NATIVE_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
