@@ -7,7 +7,9 @@
   non-finite loss) is printed by rank 0; one a rank meets on its own (another rank died
   or stalled) by that rank, prefixed with its rank. Exit status 1.
 * Anything else is a bug or an environment problem: one line with the exception's type
-  and message, and how to see the traceback. Exit status 1.
+  and message, and how to see the traceback; when it was raised inside an attention kernel
+  adapter (:mod:`fpdt.attention.kernels`), the line names it and ``--attention-backend``,
+  which runs another kernel. Exit status 1.
 
 ``--debug`` or ``FPDT_DEBUG=1`` re-raises instead, so the full traceback shows.
 """
@@ -57,6 +59,21 @@ def one_line(text: str) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
+_KERNELS_DIR = os.path.join("fpdt", "attention", "kernels") + os.sep
+
+
+def kernel_frame(exc: BaseException) -> str | None:
+    """``"<module>.<function>"`` of the innermost frame of ``exc``'s traceback that lies in an
+    attention kernel adapter (``fpdt/attention/kernels/*.py``), or None."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if _KERNELS_DIR in path:
+            found = f"{os.path.splitext(os.path.basename(path))[0]}.{tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    return found
+
+
 def report(prog: str, exc: BaseException) -> int:
     """Print ``exc`` as one line on the ranks that should, and return the exit status."""
     rank, world = this_rank()
@@ -68,7 +85,10 @@ def report(prog: str, exc: BaseException) -> int:
     if isinstance(exc, RunError):
         message = one_line(exc)
     else:
-        message = (f"{type(exc).__name__}: {one_line(exc)[:500]} (unexpected; rerun with --debug or FPDT_DEBUG=1 "
-                   f"for the traceback)")
+        kernel = kernel_frame(exc)
+        hint = (f"; raised in the attention kernel adapter {kernel}: --attention-backend runs another kernel "
+                f"(see fpdt-train --help)" if kernel else "")
+        message = (f"{type(exc).__name__}: {one_line(exc)[:500]} (unexpected{hint}; rerun with --debug or "
+                   f"FPDT_DEBUG=1 for the traceback)")
     print(f"{prog}: error: {where}{message}", file=sys.stderr, flush=True)
     return 1

@@ -221,6 +221,26 @@ def test_unexpected_errors_are_one_line_too(fixture, capsys, monkeypatch):
     _fails(capsys, _argv(cfg, data), "RuntimeError: something deep with a second line", "--debug", status=1)
 
 
+def test_a_kernel_failure_names_the_kernel_and_the_flag(capsys):
+    """An error raised inside an attention kernel adapter (e.g. a cuDNN or flash-attn build
+    that refuses a shape the self-check did not cover) says where, and how to run another
+    kernel; other unexpected errors do not."""
+    import torch
+
+    from fpdt.attention.kernels import BACKENDS
+    from fpdt.train.errors import report
+    q = torch.randn(1, 8, 4, 16)
+    try:   # a shape the CPU kernel refuses: key head_dim differs from the query's
+        BACKENDS["cpu"].forward(q, torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8), True, 0.25)
+    except RuntimeError as e:
+        assert report("fpdt-train", e) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("fpdt-train: error: RuntimeError: ") and "\n" not in line
+    assert "raised in the attention kernel adapter torch_cpu.cpu_forward: --attention-backend runs another" in line
+    assert report("fpdt-train", RuntimeError("elsewhere")) == 1
+    assert "attention kernel" not in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- already clear: keep them so
 
 @pytest.mark.parametrize("extra, ds, needle", [
