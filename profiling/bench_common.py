@@ -68,12 +68,30 @@ def git_commit() -> str | None:
         return None
 
 
+def software() -> dict:
+    """The versions a result depends on: torch, its CUDA and cuDNN (None without CUDA; torch's
+    SDPA prefers cuDNN only with a new enough runtime cuDNN), and the peers' packages (None
+    when not installed), without importing them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+    cuda = torch.cuda.is_available()
+    return {"torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
+            "cudnn": torch.backends.cudnn.version() if cuda else None,
+            "transformers": installed("transformers"), "deepspeed": installed("deepspeed"),
+            "flash_attn": installed("flash_attn") or installed("flash-attn")}
+
+
 def header(script: str, args) -> dict:
-    """The fields every results file starts with."""
+    """The fields every results file starts with (``software``: :func:`software`)."""
     dev = default_device()
     return {"script": script, "device": device_name(dev), "device_type": dev.type,
             "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
-            "torch": torch.__version__, "args": vars(args)}
+            "torch": torch.__version__, "software": software(), "args": vars(args)}
 
 
 def write_json(path: str, obj: dict) -> str:

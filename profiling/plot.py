@@ -253,8 +253,10 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
             "Device memory = the CUDA caching allocator's allocated peaks (`torch.cuda.max_memory_allocated`)")
     mfu_peak = ("a fp32 matmul rate measured in each trial's own run (so CPU rows compare loosely)"
                 if first.get("device_type", "cpu") == "cpu" else "each trial's peak_flops (its peak_source names it)")
+    sw = first.get("software") or {}
+    stack = (f", torch {sw['torch']}, CUDA {sw['cuda']}, cuDNN {sw['cudnn']}" if sw.get("cudnn") else "")
     lines = [f"Results in `{rel}` (device `{first.get('device')}`, commit {first.get('commit')}, "
-             f"{first.get('date_utc')}). {tier}; host tier = offloaded stash. *device* is the "
+             f"{first.get('date_utc')}{stack}). {tier}; host tier = offloaded stash. *device* is the "
              f"steady-state step peak (forward+backward with the optimizer state live, or the optimizer "
              f"step if higher); *fwd+bwd* is the forward+backward peak of the first step (no optimizer "
              f"state yet), whose slope is the activation memory per token. MFU: the trainer's formula "

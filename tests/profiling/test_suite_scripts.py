@@ -43,6 +43,11 @@ def test_max_seqlen_every_strategy(lengths_run):
     tmp_path, out = lengths_run
     saved = json.loads((tmp_path / "max_seqlen.json").read_text())
     assert saved["mode"] == "lengths" and set(saved["strategies"]) == {"fpdt", "fpdt-no-offload", "hf", "alst"}
+    import deepspeed
+    import transformers
+    assert saved["software"] == {"torch": torch.__version__, "cuda": None, "cudnn": None,      # CPU: no CUDA
+                                 "transformers": transformers.__version__, "deepspeed": deepspeed.__version__,
+                                 "flash_attn": None}
     for name, entry in out["strategies"].items():
         assert entry["status"] == "ran", (name, entry)
         for t in entry["trials"]:
@@ -410,3 +415,14 @@ def test_planner_rates_follow_the_trials_kernel(tmp_path):
     assert bc.planner_cluster(str(path), "cuda_flash")[1] == "calibration"
     assert bc.planner_cluster(str(path), "math")[1] == "calibration, attention rate of cuda_cudnn"
     assert bc.planner_cluster(None, "math")[1] == "h100-80g datasheet"
+
+
+def test_results_table_names_the_cuda_stack():
+    """A GPU results table says which torch, CUDA and cuDNN it ran on (torch's SDPA choice, and
+    so the peers' attention kernel, depends on the runtime cuDNN); a CPU one has none to say."""
+    plot = _load("plot")
+    gpu = {"device": "nvidia-h100", "device_type": "cuda", "commit": "abc", "date_utc": "2026-11-24",
+           "software": {"torch": "2.11.0+cu130", "cuda": "13.0", "cudnn": 91501}}
+    assert "abc, 2026-11-24, torch 2.11.0+cu130, CUDA 13.0, cuDNN 91501)" in plot.markdown({}, [gpu], "r")
+    cpu = {**gpu, "device_type": "cpu", "software": {"torch": "2.13.0+cpu", "cuda": None, "cudnn": None}}
+    assert "abc, 2026-11-24)" in plot.markdown({}, [cpu], "r")
