@@ -426,3 +426,23 @@ def test_results_table_names_the_cuda_stack():
     assert "abc, 2026-11-24, torch 2.11.0+cu130, CUDA 13.0, cuDNN 91501)" in plot.markdown({}, [gpu], "r")
     cpu = {**gpu, "device_type": "cpu", "software": {"torch": "2.13.0+cpu", "cuda": None, "cudnn": None}}
     assert "abc, 2026-11-24)" in plot.markdown({}, [cpu], "r")
+
+
+def test_exposed_copy_time_from_a_trace():
+    """FPDT Fig. 12's exposed copy time, from profiler events as a CUDA trace gives them
+    (microseconds): host<->device copies minus their overlap with the union of compute
+    kernels; device-to-device copies, memsets and host-side events count as neither."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    bc = _load("bench_common")
+
+    def ev(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    events = [ev("ampere_bf16_gemm", 0, 10), ev("flash_fwd_kernel", 5, 20), ev("elementwise_kernel", 30, 40),
+              ev("Memcpy HtoD (Pinned -> Device)", 8, 25),     # 12 of 17 under kernels
+              ev("Memcpy DtoH (Device -> Pinned)", 35, 45),    # 5 of 10
+              ev("Memcpy DtoD (Device -> Device)", 50, 90),    # neither copy nor compute
+              ev("Memset (Device)", 60, 70), ev("cudaMemcpyAsync", 100, 200, DeviceType.CPU)]
+    out = bc.exposed_copy_seconds(SimpleNamespace(events=lambda: events))
+    assert out["copy_s"] == pytest.approx(27e-6) and out["exposed_copy_s"] == pytest.approx(10e-6)
