@@ -28,8 +28,9 @@
 # - fpdt ran torch's FlashAttention-2 kernel there while hf and alst ran whatever torch's SDPA
 #   dispatched to (cuDNN first on sm90 when the runtime cuDNN is recent enough), unrecorded. Trials
 #   now record attention_kernel and fpdt's automatic choice follows torch's SDPA; a session's first
-#   calls should be `suite 'op_latency|kernel fpdt'` (about 4 minutes), then `suite 'lengths fpdt$'`
-#   and `suite 'lengths alst$'`, one call each (each fills its 9-minute budget).
+#   call should be `suite 'op_latency|kernel'` (about 7 minutes: every kernel's latency, then fpdt
+#   on its automatic kernel and on cuda_flash, and alst, at 64K and 128K), then `suite 'lengths
+#   fpdt$'` and `suite 'lengths alst$'`, one call each (each fills its 9-minute budget).
 # - a call killed at the device tool's limit runs no EXIT trap: suite mode stops run_suite.sh at
 #   9.5 minutes, so the results are still packed.
 set -uo pipefail

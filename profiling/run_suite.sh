@@ -100,11 +100,17 @@ else
     --chunks 8192 16384 32768 65536 --out-dir "$OUT"
   CAL=()
   [ -f "$OUT/calibration.json" ] && CAL=(--calibration "$OUT/calibration.json")
-  # fpdt on FlashAttention-2 (torch's cuda_flash, the automatic choice before 2026-11-24) beside the
-  # automatic choice of the "lengths fpdt" piece: whether the kernel explains fpdt's step time
-  # against alst's (rows "fpdt [cuda_flash]" in the table).
+  # Whether the attention kernel explains fpdt's step time against alst's, in one short call
+  # (--only 'op_latency|kernel', about 7 minutes on an H100): fpdt with its automatic kernel, fpdt on
+  # FlashAttention-2 (torch's cuda_flash, the automatic choice before 2026-11-24; rows
+  # "fpdt [cuda_flash]" in the table) and alst, at 64K and 128K. The "lengths" pieces repeat the
+  # first and last at more lengths.
+  piece "kernel fpdt" python profiling/max_seqlen.py --strategies fpdt --lengths 65536 131072 \
+    --trial-timeout-s "$CAP" --tag "kernel-fpdt" --out-dir "$OUT" "${CAL[@]}"
   piece "kernel fpdt cuda_flash" python profiling/max_seqlen.py --strategies fpdt --lengths 65536 131072 \
-    --attention-backend cuda_flash --trial-timeout-s "$CAP" --tag "lengths-fpdt-cuda_flash" --out-dir "$OUT" "${CAL[@]}"
+    --attention-backend cuda_flash --trial-timeout-s "$CAP" --tag "kernel-fpdt-cuda_flash" --out-dir "$OUT" "${CAL[@]}"
+  piece "kernel alst" python profiling/max_seqlen.py --strategies alst --lengths 65536 131072 \
+    --trial-timeout-s "$CAP" --tag "kernel-alst" --out-dir "$OUT"
   piece chunk_sweep python profiling/chunk_sweep.py --seq-len 262144 --no-offload-too --trial-timeout-s "$CAP" --out-dir "$OUT"
   piece lm_head_wgrad python profiling/lm_head_wgrad.py --out-dir "$OUT" "${CAL[@]}"
   for s in fpdt fpdt-no-offload hf alst; do
