@@ -21,15 +21,15 @@ own CUDA kernels, :mod:`.torch_cuda`), ``cpu`` (torch's CPU flash kernel,
 takes the first that is installed, supports the device/dtype/head_dim and passes
 :func:`self_check`, with one exception: where torch's own SDPA dispatcher would run cuDNN
 (:func:`.torch_cuda.sdpa_choice`; in recent torch, Hopper and Blackwell with a new enough
-runtime cuDNN),
-``cuda_cudnn`` moves ahead of the FlashAttention-2 kernels (``flash_attn``,
+runtime cuDNN), ``cuda_cudnn`` moves ahead of the FlashAttention-2 kernels (``flash_attn``,
 ``cuda_flash``), behind ``flash_attn3`` only. That is the kernel a Hugging Face model with
 SDPA attention runs on the same machine, so comparisons with such peers compare the
 method, not the kernel.
 
 GQA and its memory cost. ``flash_attn3``, ``flash_attn``, ``cuda_flash`` and (from torch
 2.8) ``cuda_cudnn`` take the ``H_kv`` KV heads natively. ``cuda_efficient``, ``cpu`` and
-``math`` (and ``cuda_cudnn`` on an older torch) expand KV to ``H`` heads per block (``G = H / H_kv``): the forward holds two extra
+``math`` (and ``cuda_cudnn`` on an older torch) expand KV to ``H`` heads per block
+(``G = H / H_kv``): the forward holds two extra
 ``[B, C, H, D]`` tensors (k and v expanded; ``2·B·C·H·D`` elements in the kernel dtype
 beyond the ``2·B·C·H_kv·D`` of the block itself), the backward the same two plus the
 expanded dk, dv from the kernel and their fp32 sums ``[B, C, H_kv, D]``. All of it is
