@@ -130,13 +130,10 @@ def planner_cluster(calibration: str | None, kernel: str | None = None):
     from fpdt.plan import GPU_PRESETS, Cluster, load_calibration
     cal = load_calibration(calibration) if calibration else None
     label = "calibration" if cal else "h100-80g datasheet"
-    if cal and kernel:
-        rate = (cal.get("attention_flops_by_kernel") or {}).get(kernel)
-        if rate:
-            cal = {**cal, "attention_flops": rate}
-        elif cal.get("attention_backend") not in (None, kernel):
-            label = f"calibration, attention rate of {cal['attention_backend']}"
-    return Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal), label
+    if cal and kernel and kernel not in (cal.get("attention_flops_by_kernel") or {}) \
+            and cal.get("attention_backend") not in (None, kernel):
+        label = f"calibration, attention rate of {cal['attention_backend']}"
+    return Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal).for_kernel(kernel), label
 
 
 def exposed_copy_seconds(prof) -> dict:

@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp-chunks", type=int, help="MLP token chunks, as fpdt-train's (default: 2 per attention chunk)")
     p.add_argument("--loss-chunks", type=int, help="LM-head loss token chunks, as fpdt-train's (default: the model's)")
     p.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
-                   help=f"attention kernel, as fpdt-train's ({', '.join(BACKENDS)}; default: automatic). Only "
-                        f"its memory is modelled: one that repeats the KV heads (cuda_efficient, cpu, math) holds "
-                        f"more per block; the time model uses one attention rate")
+                   help=f"attention kernel, as fpdt-train's ({', '.join(BACKENDS)}; default: automatic). One "
+                        f"that repeats the KV heads (cuda_efficient, cpu, math) holds more per block; its attention "
+                        f"rate is the calibration's for it when op_latency.py --backends timed it, else the "
+                        f"calibration's (automatic kernel's) or the datasheet's")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16")
     p.add_argument("--batch", type=int, help="sequences per SP group per step (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -108,6 +108,13 @@ class Cluster:
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    def for_kernel(self, kernel: str | None) -> "Cluster":
+        """This cluster with ``kernel``'s own calibrated attention rate, where the calibration
+        timed that kernel (``attention_flops_by_kernel``, ``op_latency.py --backends``); else
+        unchanged (the calibration's ``attention_flops`` is the automatic kernel's)."""
+        rate = ((self.calibration or {}).get("attention_flops_by_kernel") or {}).get(kernel) if kernel else None
+        return replace(self, calibration={**self.calibration, "attention_flops": rate}) if rate else self
+
     def rates(self) -> Rates:
         """Sustained rates: the calibration's where it has them, else datasheet x efficiency."""
         eff, g, cal = self.efficiency, self.gpu, self.calibration or {}

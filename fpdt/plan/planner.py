@@ -255,6 +255,7 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     """
     cfg = load_model_config(model)
     choice = choice or Choice()
+    cluster = cluster.for_kernel(choice.attention_backend)    # a named kernel's own calibrated rate
     bad = chunk_count_problems(choice.mlp_chunks, choice.loss_chunks)
     if bad:
         raise ValueError("; ".join(bad))

@@ -207,3 +207,19 @@ def test_attention_kernel_unknown_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", "65536", "--attention-backend", "flash4"])
     assert exc.value.code == 2 and "invalid choice: 'flash4'" in capsys.readouterr().err
+
+
+def test_a_named_kernel_is_timed_at_its_own_calibrated_rate(tmp_path, capsys):
+    """A calibration from op_latency.py --backends holds each kernel's attention rate: a named
+    kernel's step is planned at its own rate, the automatic one at the file's own; a kernel
+    the file did not time falls back to that one rate."""
+    cal = tmp_path / "calibration.json"
+    cal.write_text(json.dumps({"attention_flops": 4e14, "attention_backend": "cuda_cudnn",
+                               "attention_flops_by_kernel": {"cuda_cudnn": 4e14, "cuda_flash": 2e14}}))
+    base = ("--model", "llama-3.2-1b", "--gpu", "h100-80g", "--gpus-per-node", "1", "--seq-len", "131072",
+            "--chunk-size", "65536", "--lm-head-wgrad", "recompute", "--calibration", str(cal))
+    t = {k: run_json(capsys, *base, *(("--attention-backend", k) if k else ())) for k in (None, "cuda_cudnn",
+                                                                                         "cuda_flash", "flash_attn")}
+    attn = {k: v["step_time_split_s"]["attention"] for k, v in t.items()}
+    assert attn[None] == attn["cuda_cudnn"] == attn["flash_attn"] and attn["cuda_flash"] == pytest.approx(2 * attn[None])
+    assert t["cuda_flash"]["cluster"]["rates"]["attention_flops"] == 2e14

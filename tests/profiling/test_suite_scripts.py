@@ -43,10 +43,9 @@ def test_max_seqlen_every_strategy(lengths_run):
     tmp_path, out = lengths_run
     saved = json.loads((tmp_path / "max_seqlen.json").read_text())
     assert saved["mode"] == "lengths" and set(saved["strategies"]) == {"fpdt", "fpdt-no-offload", "hf", "alst"}
-    import deepspeed
-    import transformers
+    from importlib.metadata import version
     assert saved["software"] == {"torch": torch.__version__, "cuda": None, "cudnn": None,      # CPU: no CUDA
-                                 "transformers": transformers.__version__, "deepspeed": deepspeed.__version__,
+                                 "transformers": version("transformers"), "deepspeed": version("deepspeed"),
                                  "flash_attn": None}
     for name, entry in out["strategies"].items():
         assert entry["status"] == "ran", (name, entry)
