@@ -11,7 +11,10 @@ Modes (``checkpointing=`` option of the model):
   buffer on CUDA, started before the layer's forward so that it overlaps it). The backward of layer ``i`` pops its own input and immediately starts
   the host->device copy of layer ``i - 1``'s input, so that copy overlaps layer ``i``'s
   recompute and backward; device memory then holds O(1) layer inputs instead of
-  ``num_layers`` of them.
+  ``num_layers`` of them. ``on_device`` keeps one layer's input on the device within such
+  a stack (the model's ``checkpoint_device_layers``: the last layers, whose inputs backward
+  needs first), trading device memory for host memory; backward still starts the fetch of
+  the previous layer's offloaded input early.
 
 The function is "reentrant" (backward calls ``torch.autograd.backward`` on the
 recomputed layer): parameter gradients accumulate into ``.grad`` exactly as without
@@ -38,18 +41,20 @@ class _LayerCheckpoint(torch.autograd.Function):
 
     Inputs: ``run_fn`` (x -> y, same shape), ``stash`` (HostStash or None), ``key`` and
     ``prev_key`` (stash keys of this layer's and the previous layer's input),
-    ``free_output`` (see :func:`checkpointed`), ``x``
-    ``[B, S_local, hidden]``, then the layer's parameters (for graph connectivity only).
-    Saved: ``x`` -- in ``ctx`` when ``stash`` is None, else offloaded to host under ``key``.
+    ``free_output`` (see :func:`checkpointed`), ``on_device`` (keep ``x`` on the device even
+    with a stash), ``x`` ``[B, S_local, hidden]``, then the layer's parameters (for graph
+    connectivity only).
+    Saved: ``x`` -- in ``ctx`` when ``stash`` is None or ``on_device``, else offloaded to
+    host under ``key``. With a stash, backward starts the fetch of ``prev_key`` either way.
     """
 
     @staticmethod
-    def forward(ctx, run_fn, stash, key, prev_key, free_output, x, *params):
+    def forward(ctx, run_fn, stash, key, prev_key, free_output, on_device, x, *params):
         ctx.run_fn, ctx.stash, ctx.key, ctx.prev_key = run_fn, stash, key, prev_key
-        ctx.free_output = free_output
+        ctx.free_output, ctx.on_device = free_output, on_device
         ctx.x_requires_grad = x.requires_grad
         ctx.autocast = _autocast_state(x.device.type)
-        if stash is None:
+        if stash is None or on_device:
             ctx.save_for_backward(x)
         else:
             stash.put(key, x)  # the device->host copy starts now and overlaps the layer's compute
@@ -60,12 +65,9 @@ class _LayerCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        if ctx.stash is None:
-            (x,) = ctx.saved_tensors
-        else:
-            x = ctx.stash.pop(ctx.key)
-            if ctx.prev_key is not None and ctx.prev_key in ctx.stash:
-                ctx.stash.prefetch(ctx.prev_key)  # overlaps this layer's recompute + backward
+        x = ctx.saved_tensors[0] if ctx.stash is None or ctx.on_device else ctx.stash.pop(ctx.key)
+        if ctx.stash is not None and ctx.prev_key is not None and ctx.prev_key in ctx.stash:
+            ctx.stash.prefetch(ctx.prev_key)  # overlaps this layer's recompute + backward
         x = x.detach().requires_grad_(ctx.x_requires_grad)
         device_type, enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
@@ -73,8 +75,8 @@ class _LayerCheckpoint(torch.autograd.Function):
         if ctx.free_output:  # backward needs y's graph, not its values: give its memory back now
             y.untyped_storage().resize_(0)
         torch.autograd.backward(y, grad_y)
-        n_params = len(ctx.needs_input_grad) - 6
-        return (None, None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * n_params
+        n_params = len(ctx.needs_input_grad) - 7
+        return (None, None, None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * n_params
 
 
 class _StashEntry:
@@ -102,7 +104,8 @@ def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 
 def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                  params: list[torch.Tensor], stash: HostStash | None = None,
-                 key: Hashable = None, prev_key: Hashable = None, free_output: bool = False) -> torch.Tensor:
+                 key: Hashable = None, prev_key: Hashable = None, free_output: bool = False,
+                 on_device: bool = False) -> torch.Tensor:
     """Run ``run_fn(x)`` (``[B, S_local, hidden]`` -> same) under activation checkpointing.
 
     Args:
@@ -116,6 +119,9 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
             ``run_fn`` ends with a residual add), so backward frees them before
             back-propagating (one ``[B, S_local, hidden]`` tensor less at the layer's peak).
             Wrong when the last op saves its result (``exp``, ``tanh``, ...): leave False.
+        on_device: keep ``x`` on the device although a ``stash`` is given (a layer whose
+            input stays on the GPU in a partly offloaded stack); the stash still serves the
+            early fetch of ``prev_key``.
     """
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         return run_fn(x)  # no backward will come: nothing to keep
@@ -124,4 +130,4 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     # hands the Function partitioned (empty) parameters, and autograd would then reject
     # the full-shape gradients of the recomputed layer.
     anchors = [] if x.requires_grad else [p for p in params if p.requires_grad]
-    return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, free_output, x, *anchors)
+    return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, free_output, on_device, x, *anchors)

@@ -69,6 +69,12 @@ class FPDTOptions:
     """Per-layer activation checkpointing: ``"off"``, ``"on"`` (keep each layer's input,
     recompute the layer in backward) or ``"offload"`` (as "on", with the layer inputs in
     pinned host memory, prefetched one layer ahead in backward)."""
+    checkpoint_device_layers: int = 0
+    """With ``checkpointing="offload"``: how many of the last decoder layers keep their
+    input on the device instead (0 = every input on the host, the FPDT design; the number of
+    layers = as ``"on"``). Each such layer moves ``[B, S_local, hidden]`` from host to device
+    memory and saves its two copies; backward needs the last layers' inputs first, so
+    keeping those costs no prefetch. For runs whose host memory, not the GPU's, is the limit."""
     group: dist.ProcessGroup | None = None
     """Sequence-parallel process group; None = the default group if torch.distributed is
     initialised, else a world of 1."""
@@ -92,6 +98,12 @@ class FPDTOptions:
             raise ValueError(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {WGRAD_MODES}")
         if self.checkpointing not in CHECKPOINT_MODES:
             raise ValueError(f"checkpointing={self.checkpointing!r} must be one of {CHECKPOINT_MODES}")
+        if isinstance(self.checkpoint_device_layers, bool) or not isinstance(self.checkpoint_device_layers, int) \
+                or self.checkpoint_device_layers < 0:
+            raise ValueError(f"checkpoint_device_layers={self.checkpoint_device_layers!r} must be an integer >= 0")
+        if self.checkpoint_device_layers and self.checkpointing != "offload":
+            raise ValueError(f"checkpoint_device_layers={self.checkpoint_device_layers} keeps some offloaded layer "
+                             f"inputs on the device: it needs checkpointing='offload' (now {self.checkpointing!r})")
         return self
 
 
@@ -180,6 +192,8 @@ class FPDTForCausalLM(nn.Module):
       weight-gradient buffer for one more LM-head GEMM in backward.
     * ``checkpointing`` (``"off"``): ``"on"`` recomputes each decoder layer in backward from
       its saved input; ``"offload"`` also keeps that input in pinned host memory.
+    * ``checkpoint_device_layers`` (0): with ``"offload"``, the last this many layers keep
+      their inputs on the device.
     * ``group`` (None): the sequence-parallel process group (None = default group).
     * ``mesh`` (None): a 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group``.
     * ``backend`` (None): attention kernel.
@@ -342,6 +356,8 @@ class FPDTForCausalLM(nn.Module):
                 self._stash = HostStash(h.device, enabled=True)
             stash = self._stash
         fid = next(self._forward_ids)  # stash keys unique per forward call
+        # the last `checkpoint_device_layers` inputs stay on the device (backward needs them first)
+        on_host = len(self.model.layers) - self.options.checkpoint_device_layers
         for i, layer in enumerate(self.model.layers):
             if mode == "off":
                 h = layer(h, position_ids, rope)
@@ -349,7 +365,8 @@ class FPDTForCausalLM(nn.Module):
             run = (lambda x, layer=layer: layer(x, position_ids, rope))
             # the layer ends with a residual add, which saves nothing: its output may be freed
             h = checkpointed(run, h, list(layer.parameters()), stash=stash, key=("layer input", i, fid),
-                             prev_key=("layer input", i - 1, fid) if i > 0 else None, free_output=True)
+                             prev_key=("layer input", i - 1, fid) if i > 0 else None, free_output=True,
+                             on_device=i >= on_host)
         return self.model.norm(h)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:
@@ -372,4 +389,5 @@ class FPDTForCausalLM(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (f"num_chunks={o.num_chunks}, offload={o.offload}, mlp_chunks={self.mlp_chunks}, "
-                f"loss_chunks={self.loss_chunks}, lm_head_wgrad={o.lm_head_wgrad!r}, checkpointing={o.checkpointing!r}")
+                f"loss_chunks={self.loss_chunks}, lm_head_wgrad={o.lm_head_wgrad!r}, checkpointing={o.checkpointing!r}"
+                + (f", checkpoint_device_layers={o.checkpoint_device_layers}" if o.checkpoint_device_layers else ""))

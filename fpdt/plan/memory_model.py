@@ -196,7 +196,10 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     if s.checkpoint == "on":
         ckpt_dev, ckpt_host = l * nd, 0.0
     elif s.checkpoint == "offload":
-        ckpt_dev, ckpt_host = min(2, l) * nd, l * nd
+        # Two inputs on the device at a time (the layer's own, the next one fetched); with
+        # the last k layers' inputs kept there, k at the start of backward, then fewer.
+        k = s.checkpoint_device_layers
+        ckpt_dev, ckpt_host = max(k, min(2, l)) * nd, (l - k) * nd
     else:   # every layer keeps its activations (and its stash, unless offloaded)
         per_layer = SAVED_PER_LAYER_ND + (0.0 if s.offload else stash_nd)
         ckpt_dev, ckpt_host = l * per_layer * nd, 0.0

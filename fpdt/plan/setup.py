@@ -49,6 +49,9 @@ class Setup:
     placement: str = "head_first"
     inner_ring: int | None = None
     checkpoint: str = "offload"
+    checkpoint_device_layers: int = 0
+    """With ``checkpoint="offload"``: the last this many layers keep their input on the
+    device (the model's option of the same name)."""
     offload: bool = True
     zero_stage: int = 3
     offload_optimizer: bool = False
@@ -99,6 +102,10 @@ class Setup:
         out = []
         if self.checkpoint not in CHECKPOINT_MODES:
             out.append(f"checkpoint={self.checkpoint!r} must be one of {CHECKPOINT_MODES}")
+        if self.checkpoint_device_layers and (self.checkpoint != "offload"
+                                              or not 0 < self.checkpoint_device_layers <= cfg.num_layers):
+            out.append(f"checkpoint_device_layers={self.checkpoint_device_layers} needs checkpoint='offload' and "
+                       f"at most the model's {cfg.num_layers} layers")
         if self.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
             out.append(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
         if self.placement not in PLACEMENTS:

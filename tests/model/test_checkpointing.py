@@ -106,3 +106,42 @@ def _run_with(layers, x, stash):
     for i, layer in enumerate(layers):
         h = checkpointed(layer, h, list(layer.parameters()), stash=stash, key=i, prev_key=i - 1 if i else None)
     return h
+
+
+@pytest.mark.parametrize("on_device", [0, 1, 2, 3])
+def test_last_layers_keep_their_input_on_the_device(on_device):
+    """A partly offloaded stack: the last ``on_device`` layers keep their input on the device
+    (saved in the graph), the others go to the host. Gradients are those of plain autograd,
+    every host entry is popped, and the first offloaded layer's input is fetched early, in
+    the backward of the last device-resident layer (the stash's prefetch), as between two
+    offloaded layers."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_Layer(8) for _ in range(3))
+    x = torch.randn(2, 5, 8)
+    layers.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_()
+    ref = _run(layers, xr, "off")[0]
+    ref.pow(2).sum().backward()
+    want = ({n: p.grad.clone() for n, p in layers.named_parameters()}, xr.grad.clone())
+    layers.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_()
+    stash = HostStash("cpu", enabled=True)
+    early = []                 # keys whose fetch had started before their layer's backward asked
+    pop = stash.pop
+    stash.pop = lambda key: early.append((key, key in stash._inflight)) or pop(key)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h = xr
+        for i, layer in enumerate(layers):
+            h = checkpointed(layer, h, list(layer.parameters()), stash=stash, key=i, prev_key=i - 1 if i else None,
+                             on_device=i >= 3 - on_device)
+    assert sorted(stash._host) == list(range(3 - on_device))          # the first layers' inputs on the host
+    assert len([t for t in saved if t.shape == x.shape]) == on_device  # the last ones' in the graph
+    h.pow(2).sum().backward()
+    assert len(stash._host) == 0 and not stash._inflight
+    # every offloaded input was fetched ahead (in the next layer's backward), except the last
+    # layer's when it is itself offloaded (no layer runs backward before it)
+    host = 3 - on_device
+    assert early == [(i, not (on_device == 0 and i == 2)) for i in range(host - 1, -1, -1)]
+    assert all(rel_err(p.grad, want[0][n]) < 1e-6 for n, p in layers.named_parameters())
+    assert rel_err(xr.grad, want[1]) < 1e-6

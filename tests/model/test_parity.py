@@ -22,23 +22,26 @@ CHUNKINGS = [(1, None, None, False), (2, 3, 5, True), (4, 0, 0, False), (2, 1, 1
 
 
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing,
-             B=2, S=None, ignore=True, lm_head_wgrad="accumulate"):
+             B=2, S=None, ignore=True, lm_head_wgrad="accumulate", checkpoint_device_layers=0):
     """Build both models, run one step, assert parity; returns the relative errors."""
     ref = hf_model(name)
     S = S or 4 * world * num_chunks
     ids, labels = tokens(ref.config.vocab_size, B, S, ignore=ignore)
     ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
     model = fpdt_from_hf(ref, num_chunks=num_chunks, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
-                         offload=offload, checkpointing=checkpointing, lm_head_wgrad=lm_head_wgrad)
+                         offload=offload, checkpointing=checkpointing, lm_head_wgrad=lm_head_wgrad,
+                         checkpoint_device_layers=checkpoint_device_layers)
     inputs = fm.prepare_inputs(ids, labels=labels, sp_size=world, rank=rank, num_chunks=num_chunks)
     loss = model(**inputs)
+    if checkpointing == "offload":   # the first layers' inputs on the host, the last ones' on the device
+        assert len(model._stash._host) == ref.config.num_hidden_layers - checkpoint_device_layers
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if world > 1:
         for g in grads.values():
             dist.all_reduce(g)  # the convention: gradients summed over SP ranks = reference gradient
     what = (f"{name} rank {rank}/{world} u={num_chunks} mlp={mlp_chunks} loss={loss_chunks} "
-            f"offload={offload} ckpt={checkpointing} wgrad={lm_head_wgrad}")
+            f"offload={offload} ckpt={checkpointing} wgrad={lm_head_wgrad} device_layers={checkpoint_device_layers}")
     return compare(loss, grads, ref_loss, ref_grads, what)
 
 
@@ -59,12 +62,31 @@ def test_single_rank_lm_head_wgrad_recompute(name):
                      offload=offload, checkpointing="offload", lm_head_wgrad="recompute")
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_tied"])
+def test_single_rank_checkpoint_device_layers(name):
+    """Offloaded checkpointing with the last layers' inputs kept on the device (1 layer, and
+    all of them): the same loss and gradients, across chunkings."""
+    layers = hf_model(name).config.num_hidden_layers
+    for device_layers in sorted({1, layers}):
+        for num_chunks, mlp_chunks, loss_chunks, offload in CHUNKINGS[:2]:
+            run_case(name, 0, 1, num_chunks=num_chunks, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
+                     offload=offload, checkpointing="offload", checkpoint_device_layers=device_layers)
+
+
+def test_checkpoint_device_layers_needs_offload():
+    with pytest.raises(ValueError, match="checkpoint_device_layers=1 .* needs checkpointing='offload'"):
+        fpdt_from_hf(hf_model("llama_gqa"), checkpointing="on", checkpoint_device_layers=1)
+    with pytest.raises(ValueError, match="must be an integer >= 0"):
+        fpdt_from_hf(hf_model("llama_gqa"), checkpointing="offload", checkpoint_device_layers=-1)
+
+
 def _multi_rank(rank, world, cases, weighted_mean_check=False):
     if weighted_mean_check:
         _all_ignored_on_one_rank(rank, world)
-    for name, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, *wgrad in cases:
+    for name, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, *extra in cases:
         run_case(name, rank, world, num_chunks=num_chunks, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
-                 offload=offload, checkpointing=checkpointing, lm_head_wgrad=(wgrad or ["accumulate"])[0])
+                 offload=offload, checkpointing=checkpointing, lm_head_wgrad=(extra or ["accumulate"])[0],
+                 checkpoint_device_layers=(extra[1:] or [0])[0])
 
 
 def test_two_ranks():
@@ -73,7 +95,8 @@ def test_two_ranks():
              ("qwen2_tied", 2, None, 0, False, "on"),
              ("llama_bias", 4, 0, 3, True, "offload"),
              ("mistral", 1, 2, None, False, "on"),
-             ("qwen2_tied", 2, None, 3, True, "offload", "recompute")]
+             ("qwen2_tied", 2, None, 3, True, "offload", "recompute"),
+             ("llama_gqa", 2, 3, 5, True, "offload", "accumulate", 1)]
     run_distributed(_multi_rank, 2, args=(cases, True), timeout=240)
 
 

@@ -80,3 +80,34 @@ def test_planned_activation_peak_matches_accountant(case):
         _rank_body(0, 1, case)
     else:
         run_distributed(_rank_body, world_size=case[0], args=(case,))
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("device_layers", [0, 1, 4, 6])
+def test_checkpoint_device_layers_move_checkpoints_between_tiers(offload, device_layers):
+    """Offloaded checkpointing with the last k of 6 layers' inputs on the device: the planner's
+    device activation peak (two inputs in flight, or k at the start of backward) within 10% of
+    the accountant's; its host tier the other layers' inputs exactly (without attention
+    offload) and, with the attention stash beside them, an upper bound (the planner's stash
+    holds one layer input's worth more than this tiny model's, and with k = 0 one checkpoint
+    more than is on the host at the stash's peak)."""
+    cfg = {**CFG, "num_hidden_layers": 6}
+    torch.manual_seed(0)
+    model = fm.from_config(cfg, dtype=torch.bfloat16, num_chunks=2, offload=offload, checkpointing="offload",
+                           checkpoint_device_layers=device_layers)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    inputs = model.prepare_inputs(torch.randint(0, 256, (1, 2048)))
+    with MemoryAccountant("cpu") as acct:
+        model(**inputs).backward()
+    s = Setup(seq_len=2048, chunk_size=1024, checkpoint="offload", checkpoint_device_layers=device_layers,
+              offload=offload, zero_stage=0, dtype="bf16", kernel_expands_gqa=True)
+    r = evaluate(load_model_config(cfg), s, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1))
+    host = r["breakdown"]["checkpoints_host"] + r["breakdown"]["attention_stash_host"]
+    assert abs(r["activation_peak_bytes"] - acct.device_peak) <= TOLERANCE * acct.device_peak
+    nd = 2048 * 64 * 2
+    assert r["breakdown"]["checkpoints_host"] == (6 - device_layers) * nd
+    if offload:
+        assert acct.host_peak <= host <= acct.host_peak + 2 * nd
+    else:
+        assert host == acct.host_peak == (6 - device_layers) * nd
