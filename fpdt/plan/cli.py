@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer state (and grads) on the host")
     p.add_argument("--offload-param", action="store_true", default=None, help="ZeRO-3 parameters on the host")
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, help="default offload")
+    p.add_argument("--checkpoint-device-layers", type=int, metavar="K",
+                   help="with --checkpoint offload, the last K layers' inputs stay on the GPU (default: 0, or the "
+                        "fewest that make the host memory fit when it is what does not)")
     p.add_argument("--offload", dest="offload", action="store_true", default=None,
                    help="attention chunks in host memory (default: when there is more than one chunk)")
     p.add_argument("--no-offload", dest="offload", action="store_false")
@@ -97,7 +100,9 @@ def render(out: dict) -> str:
         f"seq_len          {out['seq_len']} ({_tokens(out['seq_len'])})",
         f"fits             {out['fits']}" + (f" (over on {out['limited_by']})" if out["limited_by"] else ""),
         f"setup            chunk {_tokens(s['chunk_size'])}, hp {s['hp']} x cp {s['cp']} ({s['placement']}), "
-        f"checkpoint {s['checkpoint']}, offload {s['offload']}, MLP chunks {s['mlp_chunks']}, "
+        f"checkpoint {s['checkpoint']}"
+        + (f" (last {s['checkpoint_device_layers']} layer inputs on the GPU)" if s["checkpoint_device_layers"] else "")
+        + f", offload {s['offload']}, MLP chunks {s['mlp_chunks']}, "
         f"LM-head wgrad {s['lm_head_wgrad']}, "
         f"{'KV heads repeated by the kernel' if s['kernel_expands_gqa'] else 'native GQA kernel'}, "
         f"ZeRO-{s['zero_stage']}, {s['dtype']}",
@@ -112,7 +117,9 @@ def render(out: dict) -> str:
     r = out.get("recommended")
     lines.append("recommended      " + (
         f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
-        f"--checkpoint {r['checkpoint']} {'--offload' if r['offload'] else '--no-offload'} "
+        f"--checkpoint {r['checkpoint']} "
+        + (f"--checkpoint-device-layers {r['checkpoint_device_layers']} " if r["checkpoint_device_layers"] else "")
+        + f"{'--offload' if r['offload'] else '--no-offload'} "
         f"--lm-head-wgrad {r['lm_head_wgrad']}" if r
         else "nothing fits at this length"))
     return "\n".join(lines)
@@ -131,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                  "offload": args.offload, "zero_stage": args.zero_stage, "offload_optimizer": args.offload_optimizer,
                  "offload_param": args.offload_param, "dtype": args.dtype, "batch": args.batch,
                  "lm_head_wgrad": args.lm_head_wgrad, "mlp_chunks": args.mlp_chunks,
-                 "loss_chunks": args.loss_chunks, "attention_backend": args.attention_backend}
+                 "loss_chunks": args.loss_chunks, "attention_backend": args.attention_backend,
+                 "checkpoint_device_layers": args.checkpoint_device_layers}
         choice = dataclasses.replace(choice, **{k: v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:

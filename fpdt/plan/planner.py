@@ -11,7 +11,9 @@ default, ``offload``, unless told otherwise).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -61,6 +63,10 @@ class Choice:
     ``ceil(2 u I / hidden)``, is ``Setup(mlp_chunks=None)``."""
     loss_chunks: int | None = None
     """Token chunks of the LM-head loss; None: the model's default, as ``fpdt-train`` uses."""
+    checkpoint_device_layers: int | None = None
+    """With ``checkpoint="offload"``: the last this many layers keep their input on the
+    device. None: 0, or where the host memory is what does not fit, the fewest that bring
+    the host peak within it while the GPU still fits (:func:`_with_device_layers`)."""
     attention_backend: str | None = None
     """The attention kernel, as ``fpdt-train --attention-backend`` (None: automatic); the
     memory model counts the KV heads it repeats (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`)."""
@@ -118,7 +124,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                                   else MLP_CHUNKS_PER_CHUNK * (seq_len // chunk)),
                       loss_chunks=choice.loss_chunks,
                       sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
-                      kernel_expands_gqa=expands)
+                      kernel_expands_gqa=expands,
+                      checkpoint_device_layers=(choice.checkpoint_device_layers or 0) if ckpt == "offload" else 0)
             if not s.problems(cfg, world):
                 out.append(s)
     return out
@@ -166,9 +173,31 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     }
 
 
-def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster) -> dict | None:
-    """The fastest fitting setup's evaluation, or the least-memory one when none fits."""
+def _with_device_layers(cfg: ModelConfig, r: dict, cluster: Cluster) -> dict | None:
+    """``r``'s setup with the fewest more of its last layers' inputs kept on the device that
+    bring its host peak within the host memory, evaluated; None when ``r`` is not an
+    offloaded-checkpoint setup over on the host only, or no such count fits the GPU too.
+    Each layer kept moves one layer input per rank from host to device (``checkpoints_host``
+    over the offloaded layers)."""
+    s = Setup(**r["setup"])
+    offloaded = cfg.num_layers - s.checkpoint_device_layers
+    if r["fits"] or r["limited_by"] != "host" or s.checkpoint != "offload" or offloaded == 0:
+        return None
+    per_layer = r["breakdown"]["checkpoints_host"] / offloaded          # bytes per node
+    k = s.checkpoint_device_layers + math.ceil((r["host_peak_bytes"] - r["host_capacity_bytes"]) / per_layer)
+    if k > cfg.num_layers:
+        return None
+    tiered = evaluate(cfg, dataclasses.replace(s, checkpoint_device_layers=k), cluster)
+    return tiered if tiered["fits"] else None
+
+
+def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = False) -> dict | None:
+    """The fastest fitting setup's evaluation, or the least-memory one when none fits.
+    ``tier``: a setup over on the host only may keep some layer inputs on the device
+    (:func:`_with_device_layers`)."""
     results = [evaluate(cfg, s, cluster) for s in setups]
+    if tier:
+        results += [t for t in (_with_device_layers(cfg, r, cluster) for r in results) if t is not None]
     if not results:
         return None
     fitting = [r for r in results if r["fits"]]
@@ -186,18 +215,19 @@ def _recommended(r: dict | None) -> dict | None:
     if r is None or not r["fits"]:
         return None
     s = r["setup"]
-    return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint", "offload",
-                              "lm_head_wgrad")}
+    return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint",
+                              "checkpoint_device_layers", "offload", "lm_head_wgrad")}
 
 
 def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict:
     """The planner's answer at one length (the caller's checkpoint mode; best other choices)."""
-    best = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster)
+    tier = choice.checkpoint_device_layers is None
+    best = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster, tier)
     if best is None:
         return {"fits": False, "seq_len": seq_len, "reason": _why_none(cfg, seq_len, choice, cluster.world),
                 "recommended": None}
     free_ckpt = candidates(cfg, seq_len, choice, cluster.world, checkpoints=CHECKPOINT_MODES)
-    best["recommended"] = _recommended(_best(cfg, free_ckpt, cluster))
+    best["recommended"] = _recommended(_best(cfg, free_ckpt, cluster, tier))
     return best
 
 
@@ -211,7 +241,7 @@ def _why_none(cfg: ModelConfig, seq_len: int, choice: Choice, world: int) -> str
 
 
 def _fits(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict | None:
-    r = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster)
+    r = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster, choice.checkpoint_device_layers is None)
     return r if r is not None and r["fits"] else None
 
 

@@ -76,6 +76,7 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement,
         inner_ring=plan.inner_ring,
         checkpoint=plan.checkpoint, offload=plan.offload, zero_stage=choice.zero_stage,
+        checkpoint_device_layers=opts.checkpoint_device_layers if plan.checkpoint == "offload" else 0,
         offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
         dtype="fp32" if dtype_name == "fp32" else "bf16", batch=choice.batch,
         mlp_chunks=_modelled(plan.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
@@ -119,7 +120,8 @@ def host_memory_error(need_bytes: float, available_bytes: float, ranks_per_node:
                                  for k, v in parts.items() if v) + ")"
     fixes = []
     if parts is None or parts["checkpoints_host"]:
-        fixes.append("--checkpoint on (layer inputs stay on the GPU)")
+        fixes.append("--checkpoint-device-layers K (the last K layers' inputs stay on the GPU; one layer's is "
+                     "checkpoints / layers) or --checkpoint on (all of them)")
     fixes += ["a larger --sp over more nodes (fewer tokens per rank)", "a shorter --seq-len"]
     return ConfigError(
         f"the {ranks_per_node} rank(s) on {where} would offload {need_bytes / GIB:.1f} GiB to host memory at "
@@ -186,6 +188,9 @@ def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEs
         levers.append("--offload (attention chunks in host memory)")
     if cuda and plan.checkpoint != "offload":
         levers.append("--checkpoint offload (layer inputs in host memory)")
+    if plan.checkpoint == "offload" and opts.checkpoint_device_layers:
+        levers.append(f"fewer --checkpoint-device-layers (now {opts.checkpoint_device_layers}; each keeps a layer "
+                      f"input on the GPU)")
     if not cuda and plan.checkpoint == "off":
         levers.append("--checkpoint on (recompute each layer in backward)")
     half = plan.chunk_size // 2
@@ -229,7 +234,9 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
     flags = [f"--chunk-size {rec['chunk_size']}", f"--hp {rec['hp']}", f"--cp {rec['cp']}"]
     if rec["cp"] > 1:
         flags.append(f"--placement {rec['placement']}")
-    flags += [f"--checkpoint {rec['checkpoint']}", "--offload" if rec["offload"] else "--no-offload",
-              f"--lm-head-wgrad {rec['lm_head_wgrad']}"]
+    flags.append(f"--checkpoint {rec['checkpoint']}")
+    if rec["checkpoint_device_layers"]:
+        flags.append(f"--checkpoint-device-layers {rec['checkpoint_device_layers']}")
+    flags += ["--offload" if rec["offload"] else "--no-offload", f"--lm-head-wgrad {rec['lm_head_wgrad']}"]
     text = " ".join(flags)
     return Recommendation(text, f"fpdt-plan's settings for this GPU: {text}")

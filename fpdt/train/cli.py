@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LM-head weight gradient: recomputed logits in backward, no fp32 [vocab, hidden] "
                         "buffer (recompute, default: faster and smaller on an H100 at Llama-3 shapes) or that "
                         "buffer summed over the loss chunks (accumulate)")
+    f.add_argument("--checkpoint-device-layers", type=int, metavar="K",
+                   help="with --checkpoint offload, keep the last K decoder layers' inputs on the GPU instead of "
+                        "the host (default 0), for runs whose host memory is the limit; fpdt-plan suggests K")
     f.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
                    help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the first in that "
                         f"order that is installed, fits the device, dtype and head size and passes its "
@@ -122,7 +125,8 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"sp": args.sp, "hp": args.hp, "cp": args.cp, "placement": args.placement,
             "inner_ring": args.inner_ring, "chunk_size": args.chunk_size, "offload": args.offload,
             "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "lm_head_wgrad": args.lm_head_wgrad,
-            "attention_backend": args.attention_backend, "checkpoint": args.checkpoint}
+            "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
+            "checkpoint_device_layers": args.checkpoint_device_layers}
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -170,7 +174,7 @@ def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: Par
 
     kw = dict(num_chunks=plan.num_chunks, offload=plan.offload, mlp_chunks=plan.mlp_chunks,
               loss_chunks=opts.loss_chunks, lm_head_wgrad=opts.lm_head_wgrad, checkpointing=plan.checkpoint,
-              backend=opts.attention_backend)
+              backend=opts.attention_backend, checkpoint_device_layers=opts.checkpoint_device_layers)
     kw.update(mesh=ps.mesh) if ps.mesh is not None else kw.update(group=ps.sp_group)
     torch.manual_seed(args.seed)  # same random weights on every rank
     if args.model:
@@ -215,7 +219,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
-    source = preflight_checks(args, plan, ds_config, dtype_name)
+    source = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers)
     kernel = preflight.attention_kernel(opts.attention_backend, device, DTYPES[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
 
@@ -285,10 +289,11 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
 
 
 def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, Any],
-                     dtype_name: str) -> preflight.ModelSource:
+                     dtype_name: str, device_layers: int = 0) -> preflight.ModelSource:
     """The checks of :mod:`fpdt.train.preflight` for this run (before any process group)."""
     source = preflight.model_source(args.model, args.model_config)
     preflight.check_heads(source.config, plan.hp, source.config_path, "--sp" if plan.cp == 1 else "--hp")
+    preflight.check_device_layers(source.config, device_layers, source.config_path)
     preflight.check_batch_size(ds_config, plan.world_size)
     preflight.check_save_dir(args.save_dir)
     preflight.check_output_file("--log-json", args.log_json)

@@ -79,6 +79,11 @@ class FPDTOptions:
     default: on an H100 at the Llama-3 1B/8B/70B heads (16K tokens) it took 0.53-0.67x the
     time and 0.42x the peak (benchmarks/results/nvidia-h100-80gb-hbm3/2026-11-24/lm_head_wgrad.json);
     on the CPU (bf16) 1.10x the time, 0.38x the peak."""
+    checkpoint_device_layers: int = 0
+    """With ``checkpoint="offload"``: keep the last this many decoder layers' inputs on the
+    GPU instead of the host (0: all on the host). For runs whose host memory, not the GPU's,
+    is the limit: each such layer moves one ``[S_local, hidden]`` input per rank from host
+    to GPU memory (``fpdt-plan`` picks the fewest that fit; its advice names it)."""
     attention_backend: str | None = None
     """Attention kernel (:data:`fpdt.attention.kernels.BACKENDS`: ``flash_attn3``,
     ``flash_attn``, ``cuda_flash``, ``cuda_cudnn``, ``cuda_efficient``, ``cpu``, ``math``).
@@ -122,11 +127,12 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -
 
 
 def _check_types(opts: FPDTOptions) -> None:
-    for name in ("sp", "hp", "cp", "inner_ring", "chunk_size", "mlp_chunks", "loss_chunks"):
+    for name in ("sp", "hp", "cp", "inner_ring", "chunk_size", "mlp_chunks", "loss_chunks",
+                 "checkpoint_device_layers"):
         value = getattr(opts, name)
         if value is None and name != "sp":
             continue
-        least = 0 if name in ("mlp_chunks", "loss_chunks") else 1  # 0 = unchunked
+        least = 0 if name in ("mlp_chunks", "loss_chunks", "checkpoint_device_layers") else 1  # 0 = unchunked / none
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= {least}")
     if opts.offload is not None and not isinstance(opts.offload, bool):
@@ -291,6 +297,10 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
             f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
     offload, checkpoint = device_defaults(opts, device_type, num_chunks)
     _check_device_options(offload, checkpoint, device_type, ds_config)
+    if opts.checkpoint_device_layers and checkpoint != "offload":
+        raise ConfigError(f"--checkpoint-device-layers {opts.checkpoint_device_layers} keeps some offloaded layer "
+                          f"inputs on the GPU: it needs --checkpoint offload (the run's checkpointing is "
+                          f"{checkpoint!r}); drop it, or use --checkpoint offload")
     mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else MLP_CHUNKS_PER_CHUNK * num_chunks
     return Plan(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
                 chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=mlp_chunks, hp=hp, cp=cp,

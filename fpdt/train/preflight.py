@@ -95,6 +95,13 @@ def check_heads(cfg: ModelConfig, hp: int, config_path: str, flag: str = "--sp")
                           f"Ulysses gives every rank num_heads / {flag[2:]} heads: use {flag} in {divisors}") from None
 
 
+def check_device_layers(cfg: ModelConfig, layers: int, config_path: str) -> None:
+    """``--checkpoint-device-layers`` cannot keep more layers' inputs than the model has."""
+    if layers > cfg.num_layers:
+        raise ConfigError(f"--checkpoint-device-layers {layers} is more than the model's {cfg.num_layers} decoder "
+                          f"layers ({config_path}); use at most {cfg.num_layers} (all of them is --checkpoint on)")
+
+
 def check_batch_size(ds_config: Mapping[str, Any], world_size: int) -> None:
     """DeepSpeed's ``train_batch_size = micro x grad_accum x world size`` (every rank,
     SP ranks included, counts as a data-parallel rank), checked with a message that says so."""

@@ -141,6 +141,12 @@ def test_readme_worked_example_is_current(capsys):
     assert f"memory-bound ops {split['elementwise']:.1f} s" in readme
     assert f"weight-gradient accumulation {split['wgrad_accumulation']:.1f} s" in readme
     assert f"Each GPU peaks at {out['device_peak_bytes'] / 2 ** 30:.0f} GiB" in readme
+    k = out["setup"]["checkpoint_device_layers"]      # the layer inputs kept on the GPUs so that the host fits
+    assert k > 0 and f"`--checkpoint-device-layers {k}`" in readme and f"other {k} layers' inputs" in readme
+    untiered = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
+                        "--host-mem-gib", "1024", "--max-seq-len", "--checkpoint-device-layers", "0")
+    assert untiered["max_seq_len"] < out["max_seq_len"]
+    assert f"with none it would stop at {untiered['max_seq_len'] / 2 ** 20:.2f}M" in readme
     # what stops it: one granule more does not fit the host
     longer = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
                       "--host-mem-gib", "1024", "--seq-len", str(out["max_seq_len"] + 2 ** 16))
