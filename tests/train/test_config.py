@@ -174,3 +174,22 @@ def test_attention_backend_reaches_every_layer(tmp_path):
         plan = validate(opts, 64, 1, "cpu", FP32)
         model = cli.build_model(args, opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
         assert [layer.self_attn.backend for layer in model.model.layers] == [want] * len(model.model.layers)
+
+
+def test_checkpoint_device_layers_reach_the_model(tmp_path, monkeypatch):
+    """--checkpoint-device-layers (or the JSON key) is the model's option of the same name."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fpdt.train import cli
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")      # offloaded checkpointing on the CPU
+    cfg, _ = write_fixture(str(tmp_path))
+    argv = ["--model-config", cfg, "--steps", "1", "--data", "x.npy", "--seq-len", "64", "--checkpoint", "offload"]
+    for extra, section, want in ((["--checkpoint-device-layers", "1"], {"checkpoint_device_layers": 2}, 1),
+                                 ([], {"checkpoint_device_layers": 2}, 2), ([], {}, 0)):
+        args = build_parser().parse_args(argv + extra)
+        opts = merge_options(fpdt_flags(args), section)
+        plan = validate(opts, 64, 1, "cpu", FP32)
+        model = cli.build_model(args, opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
+        assert model.options.checkpoint_device_layers == want

@@ -255,6 +255,9 @@ def test_a_kernel_failure_names_the_kernel_and_the_flag(capsys):
     (["--attention-backend", "cuda_flash"], None, "--attention-backend cuda_flash: attention backend 'cuda_flash' is not "
                                                   "available here (needs a CUDA build of torch and a GPU)"),
     ([], {"fpdt": {"attention_backend": "flash3"}}, "attention_backend='flash3' must be one of ('flash_attn3'"),
+    (["--checkpoint-device-layers", "1"], None, "--checkpoint-device-layers 1 keeps some offloaded layer inputs on "
+                                               "the GPU: it needs --checkpoint offload (the run's checkpointing is 'off')"),
+    (["--checkpoint-device-layers", "-1"], None, "checkpoint_device_layers=-1 must be an integer >= 0"),
 ])
 def test_config_errors(fixture, capsys, extra, ds, needle, monkeypatch):
     monkeypatch.delenv("FPDT_RUNTIME", raising=False)  # FPDT_RUNTIME=sim|sync would allow CPU offload
@@ -262,6 +265,13 @@ def test_config_errors(fixture, capsys, extra, ds, needle, monkeypatch):
     if ds is not None:
         extra = [*extra, "--deepspeed", write_json(str(tmp / "ds.json"), ds)]
     _fails(capsys, _argv(cfg, data, *extra), needle)
+
+
+def test_more_device_layers_than_the_model_has(fixture, capsys, monkeypatch):
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")            # offloaded checkpointing on the CPU
+    tmp, cfg, data = fixture
+    _fails(capsys, _argv(cfg, data, "--checkpoint", "offload", "--checkpoint-device-layers", "3"),
+           "--checkpoint-device-layers 3 is more than the model's 2 decoder layers", "use at most 2")
 
 
 def test_seq_len_not_divisible_by_sp_chunks(fixture, capsys, monkeypatch):

@@ -10,6 +10,7 @@ import torch
 import fpdt.model as fm
 from fpdt.offload import use_runtime
 from fpdt.offload.host_pool import _ALL_POOLS
+from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
 from fpdt.train.cli import main
 from fpdt.train.config import FPDTOptions, load_ds_config, validate
@@ -72,8 +73,26 @@ def test_a_node_that_cannot_hold_the_offload_is_refused_with_the_fix():
     mp.check_host_memory(est, 8, need, 4 * 1024 * 1024)              # just enough: fine
     with pytest.raises(Exception, match=r"8 rank\(s\) on this node would offload 1\d\d\d\.\d GiB to host memory at "
                                         r"--seq-len 4194304 \(checkpoints 1024\.0 GiB, attention stash .* GiB\), but it "
-                                        r"has 1000\.0 GiB available.*--checkpoint on.*fpdt-plan --max-seq-len"):
+                                        r"has 1000\.0 GiB available.*--checkpoint-device-layers K .*--checkpoint on"
+                                        r".*fpdt-plan --max-seq-len"):
         mp.check_host_memory(est, 8, 1000 * 1024 ** 3, 4 * 1024 * 1024)
+
+
+def test_device_layers_move_layer_inputs_from_host_to_gpu():
+    """--checkpoint-device-layers K in the trainer's prediction: K layer inputs per rank leave
+    the node's host memory and join the GPU's checkpoints (two in flight otherwise)."""
+    ds = load_ds_config(None, "cuda")[0]
+    plan = validate(FPDTOptions(sp=8), 4 * 1024 * 1024, 8, "cuda", ds)
+    cfg = load_model_config("llama-3-8b")
+    per_rank_layer = 512 * 1024 * 4096 * 2
+    base = mp.estimate(cfg, plan, FPDTOptions(sp=8), ds, "bf16", "cuda", 8)
+    tiered = mp.estimate(cfg, plan, FPDTOptions(sp=8, checkpoint_device_layers=6), ds, "bf16", "cuda", 8)
+    assert base.breakdown["checkpoints_host"] - tiered.breakdown["checkpoints_host"] == 6 * 8 * per_rank_layer
+    assert tiered.breakdown["checkpoints_device"] - base.breakdown["checkpoints_device"] == (6 - 2) * per_rank_layer
+    advice = mp.out_of_memory_advice(1, plan, FPDTOptions(sp=8, checkpoint_device_layers=6), tiered, "x", 80 * 2 ** 30)
+    assert "fewer --checkpoint-device-layers (now 6" in advice
+    assert "--checkpoint-device-layers" not in mp.out_of_memory_advice(1, plan, FPDTOptions(sp=8), base, "x",
+                                                                       80 * 2 ** 30)
 
 
 def test_ranks_on_this_node_come_from_the_launcher(monkeypatch):
@@ -333,3 +352,18 @@ def test_the_prediction_follows_the_kernels_gqa_expansion(tmp_path, monkeypatch)
     assert seen == [True, False]
     kernel = preflight.attention_kernel(None, torch.device("cpu"), torch.float32, source.config.head_dim)
     assert kernel is BACKENDS["cpu"] and not kernel.native_gqa
+
+
+def test_the_recommendation_keeps_layer_inputs_on_the_gpu_when_the_host_is_short():
+    """Llama-3-8B at 4M on 8 x 80 GiB with 1 TiB of host: with every input offloaded the host
+    cannot hold it; the planner's settings keep the fewest last layers' inputs on the GPUs."""
+    ds = load_ds_config(None, "cuda")[0]
+    plan = validate(FPDTOptions(sp=8), 4 * 1024 * 1024, 8, "cuda", ds)
+    cfg = load_model_config("llama-3-8b")
+    rec = mp.recommend(cfg, plan, FPDTOptions(sp=8), ds, 8, 80 * 2 ** 30, 1024 * 2 ** 30)
+    k = int(rec.flags.split("--checkpoint-device-layers ")[1].split()[0])
+    assert 0 < k < cfg.num_layers and "--checkpoint offload" in rec.flags
+    fits = [mp.estimate(cfg, plan, FPDTOptions(sp=8, checkpoint_device_layers=j), ds, "bf16", "cuda", 8)
+            for j in (k - 1, k)]
+    host = [sum(e.breakdown[c] for c in mp.HOST_CATEGORIES) + e.breakdown["process_host"] for e in fits]
+    assert host[0] > 1024 * 2 ** 30 >= host[1]                      # the fewest that fit the host
