@@ -219,6 +219,9 @@ class FPDTForCausalLM(nn.Module):
             raise TypeError(f"unknown FPDT options {sorted(unknown)}; valid: {[f.name for f in fields(FPDTOptions)]}")
         self.options = replace(self.options, **changes).validate()
         opts = self.options
+        if opts.checkpoint_device_layers > self.config.num_layers:
+            raise ValueError(f"checkpoint_device_layers={opts.checkpoint_device_layers} is more than the model's "
+                             f"{self.config.num_layers} decoder layers")
         for layer in self.model.layers:
             layer.self_attn.num_chunks = opts.num_chunks
             layer.self_attn.offload = opts.offload

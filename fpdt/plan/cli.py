@@ -117,9 +117,8 @@ def render(out: dict) -> str:
     r = out.get("recommended")
     lines.append("recommended      " + (
         f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
-        f"--checkpoint {r['checkpoint']} "
-        + (f"--checkpoint-device-layers {r['checkpoint_device_layers']} " if r["checkpoint_device_layers"] else "")
-        + f"{'--offload' if r['offload'] else '--no-offload'} "
+        f"--checkpoint {r['checkpoint']} --checkpoint-device-layers {r['checkpoint_device_layers']} "
+        f"{'--offload' if r['offload'] else '--no-offload'} "
         f"--lm-head-wgrad {r['lm_head_wgrad']}" if r
         else "nothing fits at this length"))
     return "\n".join(lines)

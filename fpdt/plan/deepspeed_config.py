@@ -18,6 +18,7 @@ import dataclasses
 import json
 
 from fpdt.plan.planner import Choice
+from fpdt.train.config import merge_options
 from fpdt.train.preflight import micro_batch_size
 
 FPDT_KEYS = ("sp", "hp", "cp", "placement", "inner_ring", "chunk_size", "offload", "checkpoint", "lm_head_wgrad",
@@ -61,5 +62,6 @@ def apply_deepspeed_dict(cfg: dict, choice: Choice, world_size: int = 1) -> Choi
     if "train_micro_batch_size_per_gpu" in cfg or "train_batch_size" in cfg:   # sequences per SP group
         changes["batch"] = micro_batch_size(cfg, world_size)                   # as DeepSpeed derives it
     section = cfg.get("fpdt", {}) or {}
+    merge_options({}, section)      # fpdt-train's checks of the section: unknown keys, types, values
     changes.update({k: section[k] for k in FPDT_KEYS if section.get(k) is not None})
     return dataclasses.replace(choice, **changes)

@@ -185,10 +185,12 @@ def _with_device_layers(cfg: ModelConfig, r: dict, cluster: Cluster) -> dict | N
         return None
     per_layer = r["breakdown"]["checkpoints_host"] / offloaded          # bytes per node
     k = s.checkpoint_device_layers + math.ceil((r["host_peak_bytes"] - r["host_capacity_bytes"]) / per_layer)
-    if k > cfg.num_layers:
-        return None
-    tiered = evaluate(cfg, dataclasses.replace(s, checkpoint_device_layers=k), cluster)
-    return tiered if tiered["fits"] else None
+    while k <= cfg.num_layers:      # (one more if rounding left the host a few bytes over)
+        tiered = evaluate(cfg, dataclasses.replace(s, checkpoint_device_layers=k), cluster)
+        if tiered["limited_by"] != "host":
+            return tiered if tiered["fits"] else None   # more on the GPU cannot make it fit there
+        k += 1
+    return None
 
 
 def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = False) -> dict | None:
@@ -229,6 +231,19 @@ def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) ->
     free_ckpt = candidates(cfg, seq_len, choice, cluster.world, checkpoints=CHECKPOINT_MODES)
     best["recommended"] = _recommended(_best(cfg, free_ckpt, cluster, tier))
     return best
+
+
+def device_layer_problems(cfg: ModelConfig, choice: Choice) -> list[str]:
+    """Why ``choice.checkpoint_device_layers`` cannot be planned (empty when it can), naming the fix."""
+    k = choice.checkpoint_device_layers
+    if k is None or k == 0:
+        return []
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= cfg.num_layers:
+        return [f"--checkpoint-device-layers {k!r} must be an integer from 0 to the model's {cfg.num_layers} layers"]
+    if choice.checkpoint != "offload":
+        return [f"--checkpoint-device-layers {k} keeps some offloaded layer inputs on the GPU: it needs "
+                f"--checkpoint offload (not {choice.checkpoint})"]
+    return []
 
 
 def _why_none(cfg: ModelConfig, seq_len: int, choice: Choice, world: int) -> str:
@@ -286,7 +301,7 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     cfg = load_model_config(model)
     choice = choice or Choice()
     cluster = cluster.for_kernel(choice.attention_backend)    # a named kernel's own calibrated rate
-    bad = chunk_count_problems(choice.mlp_chunks, choice.loss_chunks)
+    bad = chunk_count_problems(choice.mlp_chunks, choice.loss_chunks) + device_layer_problems(cfg, choice)
     if bad:
         raise ValueError("; ".join(bad))
     if search_max:

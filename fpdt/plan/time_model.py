@@ -201,10 +201,11 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         blocks = s.cp * u * (u + 1) / 2
         h2d_exposed = l * (fwd_passes * (max(0.0, copy_f - attn_f) + copy_f / blocks)
                            + max(0.0, copy_b - 2 * attn_f) + copy_b / blocks)
-    if s.checkpoint == "offload":
+    if s.checkpoint == "offload":   # the layers whose inputs go to the host and come back
         layer_compute = (t_gemm + t_attn) / l
         ckpt_copy = tokens * cfg.hidden_size * e / rates.h2d_bytes_s
-        h2d_exposed += l * max(0.0, ckpt_copy - layer_compute) + ckpt_copy
+        offloaded = l - s.checkpoint_device_layers
+        h2d_exposed += offloaded * max(0.0, ckpt_copy - layer_compute) + (ckpt_copy if offloaded else 0.0)
 
     zero_exposed = 0.0
     if s.zero_stage == 3 and cluster.world > 1:

@@ -120,8 +120,8 @@ def host_memory_error(need_bytes: float, available_bytes: float, ranks_per_node:
                                  for k, v in parts.items() if v) + ")"
     fixes = []
     if parts is None or parts["checkpoints_host"]:
-        fixes.append("--checkpoint-device-layers K (the last K layers' inputs stay on the GPU; one layer's is "
-                     "checkpoints / layers) or --checkpoint on (all of them)")
+        fixes.append("--checkpoint-device-layers K (the last K layers' inputs stay on the GPU, each taking one "
+                     "offloaded layer's share of the checkpoints off the host) or --checkpoint on (all of them)")
     fixes += ["a larger --sp over more nodes (fewer tokens per rank)", "a shorter --seq-len"]
     return ConfigError(
         f"the {ranks_per_node} rank(s) on {where} would offload {need_bytes / GIB:.1f} GiB to host memory at "
@@ -234,9 +234,8 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
     flags = [f"--chunk-size {rec['chunk_size']}", f"--hp {rec['hp']}", f"--cp {rec['cp']}"]
     if rec["cp"] > 1:
         flags.append(f"--placement {rec['placement']}")
-    flags.append(f"--checkpoint {rec['checkpoint']}")
-    if rec["checkpoint_device_layers"]:
-        flags.append(f"--checkpoint-device-layers {rec['checkpoint_device_layers']}")
-    flags += ["--offload" if rec["offload"] else "--no-offload", f"--lm-head-wgrad {rec['lm_head_wgrad']}"]
+    # every setting given, 0 device layers too: flags win over the JSON, whose values may not fit the advice
+    flags += [f"--checkpoint {rec['checkpoint']}", f"--checkpoint-device-layers {rec['checkpoint_device_layers']}",
+              "--offload" if rec["offload"] else "--no-offload", f"--lm-head-wgrad {rec['lm_head_wgrad']}"]
     text = " ".join(flags)
     return Recommendation(text, f"fpdt-plan's settings for this GPU: {text}")

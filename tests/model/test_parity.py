@@ -78,6 +78,9 @@ def test_checkpoint_device_layers_needs_offload():
         fpdt_from_hf(hf_model("llama_gqa"), checkpointing="on", checkpoint_device_layers=1)
     with pytest.raises(ValueError, match="must be an integer >= 0"):
         fpdt_from_hf(hf_model("llama_gqa"), checkpointing="offload", checkpoint_device_layers=-1)
+    layers = hf_model("llama_gqa").config.num_hidden_layers
+    with pytest.raises(ValueError, match=f"checkpoint_device_layers={layers + 1} is more than the model's {layers}"):
+        fpdt_from_hf(hf_model("llama_gqa"), checkpointing="offload", checkpoint_device_layers=layers + 1)
 
 
 def _multi_rank(rank, world, cases, weighted_mean_check=False):
