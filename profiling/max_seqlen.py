@@ -103,16 +103,18 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     * ``planned_device_peak_bytes``: that plus the planner's runtime reserve and allocator
       fragmentation (``breakdown["runtime_reserve"]``), the figure that decides whether a run fits.
 
-    ``kernel_expands_gqa``: default, this machine's kernel (True on the CPU, whose kernel repeats
-    the KV heads; False on CUDA). ``lm_head_wgrad``: default, the fpdt strategies'
-    (:data:`strategies.LM_HEAD_WGRAD`). ``kernel``: the attention kernel the trial ran, whose own
-    calibrated rate the step time uses when the file has it (:func:`bench_common.planner_cluster`).
+    ``kernel``: the attention kernel the trial ran: the planner models its GQA expansion and
+    uses its own calibrated rate when the file has it (:func:`bench_common.planner_cluster`).
+    ``kernel_expands_gqa``: default, ``kernel``'s (else this machine's: True on the CPU, whose
+    kernel repeats the KV heads; False on CUDA). ``lm_head_wgrad``: default, the fpdt
+    strategies' (:data:`strategies.LM_HEAD_WGRAD`).
     """
     from fpdt.plan import evaluate, load_model_config
     from fpdt.plan.setup import Setup
     offload = strategy == "fpdt"
     if kernel_expands_gqa is None:
-        kernel_expands_gqa = bc.default_device().type == "cpu"
+        from fpdt.attention.kernels import BACKENDS
+        kernel_expands_gqa = (not BACKENDS[kernel].native_gqa) if kernel else bc.default_device().type == "cpu"
     s = Setup(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpoint="offload" if offload else "on",
               offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
               lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD)
@@ -213,20 +215,16 @@ def trial(args) -> dict:
                counted_device_peak_bytes=counted, device_reserved_peak_bytes=peaks.reserved,
                host_peak_bytes=peaks.host_stash,
                host_rss_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, notes=trainee.notes)
+    from fpdt.model import ModelConfig
     from fpdt.train.metrics import ModelShape, resolve_peak_flops, step_rates
-    shape = ModelShape(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-                       cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-                       cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
-                       cfg["intermediate_size"], cfg["vocab_size"])
+    shape = ModelShape.from_config(ModelConfig.from_hf(cfg))
     peak, source = resolve_peak_flops(device, args.dtype, None)
     rates = step_rates(shape, args.seq_len, args.seq_len, seconds, 1, peak, trainee.recompute)
     out.update(mfu=rates.mfu, mfu_full=rates.mfu_full, peak_flops=peak, peak_source=source)
     if args.strategy.startswith("fpdt"):
         states = param_bytes + param_bytes + opt_state     # gradients in the weights' dtype
-        from fpdt.attention.kernels import BACKENDS
         out.update(planned(cfg, args.strategy, args.seq_len, args.chunk_size, args.dtype, args.calibration,
-                           states_bytes=states, kernel_expands_gqa=not BACKENDS[out["attention_kernel"]].native_gqa,
-                           kernel=out["attention_kernel"]))
+                           states_bytes=states, kernel=out["attention_kernel"]))
     over = over_capacity(device_peak, capacity, args.device_mem_gib)
     if over:
         out["status"], out["error"] = "oom", over
@@ -241,9 +239,9 @@ def check_attention_backend(name: str | None, cfg: dict, dtype: str) -> None:
     if not name:
         return
     from fpdt.attention.kernels import get_backend
-    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    from fpdt.model import ModelConfig
     try:
-        get_backend(name, bc.default_device(), DTYPES[dtype], head_dim, check=False)
+        get_backend(name, bc.default_device(), DTYPES[dtype], ModelConfig.from_hf(cfg).head_dim, check=False)
     except (RuntimeError, ValueError) as e:
         raise SystemExit(f"--attention-backend {name}: {e}") from e
 

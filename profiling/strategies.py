@@ -109,15 +109,14 @@ def attention_kernel(strategy: str, cfg: dict, device, dtype, backend: str | Non
     :mod:`fpdt.attention.kernels` backend (``backend``, or the automatic choice, which this
     call self-checks once); for ``hf`` and ``alst``, ``"sdpa:<kernel>"``, the kernel torch's
     ``scaled_dot_product_attention`` dispatches their calls to (None if torch cannot say)."""
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
+    from fpdt.model import ModelConfig
+    shape = ModelConfig.from_hf(cfg)
     device = torch.device(device)
     if strategy.startswith("fpdt"):
         from fpdt.attention.kernels import get_backend
-        return get_backend(backend, device, dtype, head_dim).name
+        return get_backend(backend, device, dtype, shape.head_dim).name
     from fpdt.attention.kernels.torch_cuda import sdpa_choice
-    choice = sdpa_choice(device, dtype, heads, kv_heads, head_dim)
+    choice = sdpa_choice(device, dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim)
     return None if choice is None else f"sdpa:{choice}"
 
 

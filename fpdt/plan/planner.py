@@ -23,14 +23,14 @@ from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import estimate_memory
 from fpdt.plan.models import load_model_config
-from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
+from fpdt.plan.setup import (CHECKPOINT_MODES, device_layer_problems, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
                              Setup, chunk_count_problems)
-from fpdt.plan.time_model import estimate_time, model_shape
+from fpdt.plan.time_model import estimate_time
 from fpdt.train.config import MLP_CHUNKS_PER_CHUNK, chunk_split, default_chunk_size
-from fpdt.train.metrics import step_rates
+from fpdt.train.metrics import ModelShape, step_rates
 
-KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-"""The planner's precisions as the attention kernels' dtypes."""
+KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Training precisions (the planner's and ``fpdt-train``'s) as the attention kernels' dtypes."""
 
 CHUNK_CANDIDATES = tuple(2 ** k for k in range(13, 19))    # 8K .. 256K global tokens
 MAX_SEARCH_LEN = 2 ** 31
@@ -148,7 +148,7 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     times = estimate_time(cfg, s, cluster)
     dp = cluster.world // s.sp
     tokens = s.seq_len * s.batch * dp
-    rates = step_rates(model_shape(cfg), s.seq_len, tokens, times["total"], cluster.world,
+    rates = step_rates(ModelShape.from_config(cfg), s.seq_len, tokens, times["total"], cluster.world,
                        cluster.gpu.bf16_flops, recompute=s.checkpoint != "off")
     fits_device = mem.device_peak_bytes <= cluster.gpu.mem_bytes
     fits_host = mem.host_peak_bytes <= cluster.host_mem_bytes
@@ -233,19 +233,6 @@ def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) ->
     return best
 
 
-def device_layer_problems(cfg: ModelConfig, choice: Choice) -> list[str]:
-    """Why ``choice.checkpoint_device_layers`` cannot be planned (empty when it can), naming the fix."""
-    k = choice.checkpoint_device_layers
-    if k is None or k == 0:
-        return []
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= cfg.num_layers:
-        return [f"--checkpoint-device-layers {k!r} must be an integer from 0 to the model's {cfg.num_layers} layers"]
-    if choice.checkpoint != "offload":
-        return [f"--checkpoint-device-layers {k} keeps some offloaded layer inputs on the GPU: it needs "
-                f"--checkpoint offload (not {choice.checkpoint})"]
-    return []
-
-
 def _why_none(cfg: ModelConfig, seq_len: int, choice: Choice, world: int) -> str:
     sp = choice.sp or world
     hp = choice.hp or sp
@@ -301,7 +288,9 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     cfg = load_model_config(model)
     choice = choice or Choice()
     cluster = cluster.for_kernel(choice.attention_backend)    # a named kernel's own calibrated rate
-    bad = chunk_count_problems(choice.mlp_chunks, choice.loss_chunks) + device_layer_problems(cfg, choice)
+    bad = chunk_count_problems(choice.mlp_chunks, choice.loss_chunks)
+    if choice.checkpoint_device_layers is not None:
+        bad += device_layer_problems(choice.checkpoint_device_layers, choice.checkpoint, cfg.num_layers)
     if bad:
         raise ValueError("; ".join(bad))
     if search_max:

@@ -34,6 +34,17 @@ def chunk_count_problems(mlp_chunks: int | None, loss_chunks: int | None) -> lis
 DTYPES = {"bf16": 2, "fp32": 4}
 
 
+def device_layer_problems(k, checkpoint: str, num_layers: int) -> list[str]:
+    """Why ``k`` last layers' inputs cannot stay on the device under ``checkpoint`` (empty
+    when they can; 0 always can), naming the fix."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= num_layers:
+        return [f"--checkpoint-device-layers {k!r} must be an integer from 0 to the model's {num_layers} layers"]
+    if k and checkpoint != "offload":
+        return [f"--checkpoint-device-layers {k} keeps some offloaded layer inputs on the GPU: it needs "
+                f"--checkpoint offload (not {checkpoint})"]
+    return []
+
+
 @dataclass(frozen=True)
 class Setup:
     """A complete training configuration on a cluster (one sequence per SP group)."""
@@ -102,10 +113,7 @@ class Setup:
         out = []
         if self.checkpoint not in CHECKPOINT_MODES:
             out.append(f"checkpoint={self.checkpoint!r} must be one of {CHECKPOINT_MODES}")
-        if self.checkpoint_device_layers and (self.checkpoint != "offload"
-                                              or not 0 < self.checkpoint_device_layers <= cfg.num_layers):
-            out.append(f"checkpoint_device_layers={self.checkpoint_device_layers} needs checkpoint='offload' and "
-                       f"at most the model's {cfg.num_layers} layers")
+        out += device_layer_problems(self.checkpoint_device_layers, self.checkpoint, cfg.num_layers)
         if self.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
             out.append(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
         if self.placement not in PLACEMENTS:

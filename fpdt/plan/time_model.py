@@ -52,11 +52,6 @@ from fpdt.plan.setup import Setup
 from fpdt.train.metrics import ModelShape, attention_flops, layer_matmul_flops
 
 
-def model_shape(cfg: ModelConfig) -> ModelShape:
-    return ModelShape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.intermediate_size, cfg.vocab_size)
-
-
 def _link(cluster: Cluster, group: int, adjacent: bool, rates: Rates) -> float:
     """Bandwidth of a collective over ``group`` ranks: NVLink when they share a node."""
     inside = adjacent and group <= cluster.gpus_per_node or cluster.nodes == 1
@@ -140,7 +135,6 @@ def lm_head_accumulation_bytes(tokens: int, num_loss_chunks: int, vocab: int, hi
     return chunk_count(tokens, num_loss_chunks) * vocab * hidden * per_weight
 
 
-
 def lm_head_seconds(hidden: int, vocab: int, tokens: int, num_loss_chunks: int, mode: str, elem_bytes: int,
                     rates: Rates) -> dict:
     """This model's seconds for one forward + backward of the fused LM head + loss over
@@ -165,7 +159,7 @@ def lm_head_gemm_flops(tokens: int, hidden: int, vocab: int, mode: str) -> float
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     """Seconds per optimizer step, per component (exposed time) plus ``"total"``."""
     rates = cluster.rates()
-    m, e, l = model_shape(cfg), s.elem_bytes, cfg.num_layers
+    m, e, l = ModelShape.from_config(cfg), s.elem_bytes, cfg.num_layers
     tokens = s.rank_tokens
     recompute = s.checkpoint != "off"
     passes = 4 if recompute else 3                          # forward, (recompute), backward = 2 x

@@ -29,14 +29,12 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
-import torch
-
 from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model import ModelConfig
 from fpdt.plan.deepspeed_config import apply_deepspeed_dict
 from fpdt.plan.hardware import GPU_PRESETS, Cluster
 from fpdt.plan.memory_model import MemoryEstimate, estimate_memory
-from fpdt.plan.planner import Choice, plan_at
+from fpdt.plan.planner import KERNEL_DTYPES, Choice, plan_at
 from fpdt.plan.setup import Setup
 from fpdt.train.config import ConfigError, FPDTOptions, Plan, chunk_split
 
@@ -57,9 +55,6 @@ def ranks_on_this_node(world_size: int, gpus_on_node: int | None = None) -> int:
     return min(world_size, gpus_on_node) if gpus_on_node else world_size
 
 
-_KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
                   device_type: str, kernel_expands_gqa: bool | None = None, head_dim: int = 128) -> Setup:
     """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
@@ -70,7 +65,7 @@ def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], d
     (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`); on other devices yes."""
     if kernel_expands_gqa is None:
         kernel_expands_gqa = device_type != "cuda" or expands_gqa_on_gpu(
-            opts.attention_backend, _KERNEL_DTYPES.get(dtype_name, torch.bfloat16), head_dim)
+            opts.attention_backend, KERNEL_DTYPES[dtype_name], head_dim)
     choice = _deepspeed_choice(ds_config, plan.world_size)
     return Setup(
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement,

@@ -195,12 +195,6 @@ def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> 
     return windows, tokenizer if os.path.isfile(tokenizer) else None
 
 
-def model_shape(cfg) -> ModelShape:
-    return ModelShape(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
-                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                      intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
-
-
 def run_info(args: argparse.Namespace, plan: Plan, micro: int, gas: int) -> dict[str, Any]:
     """What decides which windows a step reads (compared on resume)."""
     return {"seq_len": plan.seq_len, "dp": plan.dp, "micro_batch": micro, "grad_accum": gas,
@@ -258,7 +252,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     for line in memory.lines:
         _say(ps, line)
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
-    spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=model_shape(model.config),
+    spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
                     mem_accounting=args.mem_accounting)
     saver = Saver(args, engine, ps, info, dtype_name, progress)

@@ -56,6 +56,12 @@ class ModelShape:
     vocab_size: int
     """V."""
 
+    @classmethod
+    def from_config(cls, cfg) -> "ModelShape":
+        """The shape of a :class:`fpdt.model.ModelConfig` (or anything with its size fields)."""
+        return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size, cfg.vocab_size)
+
 
 def layer_matmul_flops(m: ModelShape) -> float:
     """Forward FLOPs of one token in one layer, projections and MLP only (no attention)."""

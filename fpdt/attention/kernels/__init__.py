@@ -100,7 +100,7 @@ def expands_gqa_on_gpu(name: str | None, dtype: torch.dtype, head_dim: int) -> b
     if name is not None:
         return not BACKENDS[name].native_gqa
     cuda = torch.device("cuda")
-    for candidate in ("cuda_flash", "cuda_cudnn", "cuda_efficient"):
+    for candidate in (n for n in _AUTO_ORDER if n.startswith("cuda_")):   # torch's own CUDA kernels
         if BACKENDS[candidate].supports(cuda, dtype, head_dim):
             return not BACKENDS[candidate].native_gqa
     return True     # the math kernel
