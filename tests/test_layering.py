@@ -1,7 +1,7 @@
 """Imports point down only: train -> model -> attention -> offload, comm, layout; the
 planner sits on the trainer's configuration, and only the trainer's command line on the planner.
 
-Also: nothing outside ``fpdt.train`` imports DeepSpeed, and nothing in ``fpdt`` imports
+Also: nothing outside ``fpdt.train`` and ``fpdt.hf`` imports DeepSpeed, and nothing in ``fpdt`` imports
 the tests. Checked statically from the source, so a violation fails here rather than
 in a user's import graph.
 """
@@ -23,7 +23,10 @@ ALLOWED = {
     "model": {"layout", "comm", "offload", "attention"},
     "train": {"layout", "comm", "offload", "attention", "model", "profiling"},
     "plan": {"attention", "comm", "model", "train"},
+    "hf": {"layout", "comm", "offload", "attention", "model"},   # Transformers integration, beside train
 }
+# may import DeepSpeed (lazily in fpdt.hf: its ZeRO-3 registration, when DeepSpeed is installed)
+DEEPSPEED_USERS = {"train", "hf"}
 # fpdt-train's command line is the application on top: it checks its run with the
 # planner's model (fpdt.plan.trainer_run); no planner module imports it.
 ABOVE_PLAN = {os.path.join("train", "cli.py")}
@@ -62,5 +65,5 @@ def test_imports_point_down(pkg, path):
         if parts[0] == "fpdt" and len(parts) > 1 and parts[1] in ALLOWED and parts[1] != pkg:
             assert parts[1] in ALLOWED[pkg], f"{os.path.relpath(path, ROOT)} imports {name}: {pkg} may not import {parts[1]}"
         assert parts[0] != "tests", f"{path} imports the tests ({name})"
-        if pkg != "train":
-            assert parts[0] != "deepspeed", f"{path} imports DeepSpeed; only fpdt.train may"
+        if pkg not in DEEPSPEED_USERS:
+            assert parts[0] != "deepspeed", f"{path} imports DeepSpeed; only {sorted(DEEPSPEED_USERS)} may"

@@ -1,8 +1,9 @@
 """``fpdt_attention``: FPDT attention over q, k, v that are already projected.
 
-One autograd.Function, :class:`FPDTAttentionFunction`. It saves no tensors through
-``ctx.save_for_backward``; everything backward needs lives in a :class:`HostStash`
-held by ``ctx``:
+One autograd.Function, :class:`FPDTAttentionFunction`. Everything backward needs lives
+in a :class:`HostStash`, carried by the one (storage-less) tensor it saves through
+``ctx.save_for_backward`` (:mod:`fpdt.attention.saved_stash`, so that activation
+checkpointing frees it with the rest of a region's saved tensors):
 
 * ``k̂_i, v̂_i, q̂_i`` (head layout, input dtype), ``o_i`` (head layout, input dtype)
   and ``lse_i`` (fp32) for every chunk -- in pinned host memory when ``offload=True``,
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import build_spec
+from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
 
@@ -39,7 +41,8 @@ class FPDTAttentionFunction(torch.autograd.Function):
             out[:, i * L:(i + 1) * L] = out_i
 
         run_forward(spec, produce, emit, stash, for_backward)
-        ctx.spec, ctx.stash, ctx.L = spec, stash, L
+        ctx.save_for_backward(stash_token(stash))
+        ctx.spec, ctx.L = spec, L
         ctx.shapes = (q.shape, k.shape, v.shape, q.dtype)
         return out
 
@@ -62,7 +65,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
             dk[:, sl] = dk_j
             dv[:, sl] = dv_j
 
-        run_backward(ctx.spec, grad_out_chunk, deliver, ctx.stash)
+        run_backward(ctx.spec, grad_out_chunk, deliver, stash_of(ctx.saved_tensors[0]))
         return dq, dk, dv, None, None, None
 
 

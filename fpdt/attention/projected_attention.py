@@ -3,8 +3,8 @@
 The full-sequence q, k, v never exist on the device: chunk ``i`` of the hidden states is
 projected, rotated, all-to-all'd and attended, then dropped. Saved for backward:
 
-* through ``ctx.save_for_backward``: the projection weights and biases and the position
-  ids (small);
+* through ``ctx.save_for_backward``: the projection weights and biases, the position
+  ids (small) and a token carrying the stash (:mod:`fpdt.attention.saved_stash`);
 * in the :class:`HostStash` (pinned host memory when ``offload=True``): the input chunks
   ``T_i`` ``[B, L, hidden]`` and the attention chunks of :mod:`fpdt.attention.pipeline`
   (``q̂_i, k̂_i, v̂_i, o_i, lse_i``).
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from fpdt.attention.mesh_pipeline import run_backward, run_forward
 from fpdt.attention.pipeline import PipelineSpec
 from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward_
+from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.offload import HostStash
 
 
@@ -56,16 +57,17 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             out[:, i * L:(i + 1) * L] = out_i
 
         run_forward(spec, produce, emit, stash, for_backward)
-        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids)
-        ctx.rope, ctx.spec, ctx.stash, ctx.L, ctx.heads = rope, spec, stash, L, heads
+        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, stash_token(stash))
+        ctx.rope, ctx.spec, ctx.L, ctx.heads = rope, spec, L, heads
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        wq, bq, wk, bk, wv, bv, position_ids = ctx.saved_tensors
+        wq, bq, wk, bk, wv, bv, position_ids, token = ctx.saved_tensors
         H, H_kv, D = ctx.heads
-        L, spec, stash, rope = ctx.L, ctx.spec, ctx.stash, ctx.rope
+        L, spec, rope = ctx.L, ctx.spec, ctx.rope
+        stash = stash_of(token)
         shape, dtype = ctx.hidden_meta
         B = shape[0]
         acc = spec.acc_dtype

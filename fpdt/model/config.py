@@ -186,24 +186,27 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, out
 
 
-def _sliding_window(hf: Mapping[str, Any], model_type: str) -> None:
+def uses_sliding_window(hf: Mapping[str, Any]) -> bool:
+    """Whether a Transformers config (as a dict) makes any layer attend through a sliding window."""
     window = hf.get("sliding_window")
-    if model_type == "qwen2":
+    layer_types = hf.get("layer_types") or []
+    if hf.get("model_type") == "qwen2":
         # Qwen2 only uses the window when use_sliding_window is true (Qwen2.5 configs
         # carry a window value with use_sliding_window=false).
-        layer_types = hf.get("layer_types") or []
-        sliding = bool(hf.get("use_sliding_window")) and window is not None
-        sliding = sliding or any(t != "full_attention" for t in layer_types)
-    elif model_type == "mistral":
-        sliding = window is not None
-    else:
-        sliding = bool(hf.get("use_sliding_window")) or any(
-            t != "full_attention" for t in (hf.get("layer_types") or []))
-    _refuse(sliding, f"sliding-window attention (sliding_window={window}, use_sliding_window="
-                     f"{hf.get('use_sliding_window')}, layer_types={hf.get('layer_types')}) is not supported: "
-                     f"FPDT attention is full causal. To train with full attention anyway, set "
-                     f"\"sliding_window\": null in config.json (this changes the model for sequences "
-                     f"longer than the window)")
+        return (bool(hf.get("use_sliding_window")) and window is not None) or \
+            any(t != "full_attention" for t in layer_types)
+    if hf.get("model_type") == "mistral":
+        return window is not None
+    return bool(hf.get("use_sliding_window")) or any(t != "full_attention" for t in layer_types)
+
+
+def _sliding_window(hf: Mapping[str, Any], model_type: str) -> None:
+    _refuse(uses_sliding_window({**hf, "model_type": model_type}),
+            f"sliding-window attention (sliding_window={hf.get('sliding_window')}, use_sliding_window="
+            f"{hf.get('use_sliding_window')}, layer_types={hf.get('layer_types')}) is not supported: "
+            f"FPDT attention is full causal. To train with full attention anyway, set "
+            f"\"sliding_window\": null in config.json (this changes the model for sequences "
+            f"longer than the window)")
 
 
 def _parse(hf: dict[str, Any]) -> ModelConfig:

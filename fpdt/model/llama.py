@@ -33,7 +33,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import ModelConfig
 from fpdt.model.inputs import prepare_inputs
-from fpdt.model.loss import IGNORE_INDEX, WGRAD_MODES, chunked_lm_loss, default_loss_chunks
+from fpdt.model.loss import WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU, default_mlp_chunks
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
@@ -373,21 +373,9 @@ class FPDTForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:
-        if num_valid_tokens is None:
-            count = labels.ne(IGNORE_INDEX).sum()                           # int64, this rank
-            if sp > 1:
-                dist.all_reduce(count, group=self.sp_group)                 # global valid tokens
-        else:
-            count = torch.as_tensor(num_valid_tokens, device=h.device)
-        # An all-ignored window gives loss 0 and zero gradients (Transformers would give NaN).
-        scale = 1.0 / count.clamp(min=1).to(device=h.device, dtype=torch.float32)
-        local = chunked_lm_loss(h, self.lm_head.weight, labels, scale, self.loss_chunks, wgrad=self.options.lm_head_wgrad)
-        if sp == 1:
-            return local
-        total = local.detach().clone()
-        dist.all_reduce(total, group=self.sp_group)
-        # Value: the global mean on every rank. Gradient: this rank's own share (see forward).
-        return local + (total - local.detach())
+        return sequence_parallel_lm_loss(h, self.lm_head.weight, labels, group=self.sp_group, sp=sp,
+                                         num_chunks=self.loss_chunks, wgrad=self.options.lm_head_wgrad,
+                                         num_valid_tokens=num_valid_tokens)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -59,6 +59,7 @@ the gradient is complete when ``backward`` returns it, so nothing needs the weig
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fpdt.model.chunks import budget_chunks, chunk_bounds
@@ -213,3 +214,55 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         return lm_loss_reference(hidden, weight, labels, scale)
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return ChunkedLMHeadLossFunction.apply(hidden, weight, labels, scale, num_chunks, compute_grad, wgrad)
+
+
+
+def valid_token_scale(labels: torch.Tensor, *, group: dist.ProcessGroup | None, sp: int,
+                      num_valid_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``1 / N_valid``: valid labels summed over the SP group (or ``num_valid_tokens``);
+    an all-ignored window counts as 1, so its loss is 0 (Transformers would give NaN)."""
+    if num_valid_tokens is None:
+        count = labels.ne(IGNORE_INDEX).sum()                           # int64, this rank
+        if sp > 1:
+            dist.all_reduce(count, group=group)                         # global valid tokens
+    else:
+        count = torch.as_tensor(num_valid_tokens, device=labels.device)
+    return 1.0 / count.clamp(min=1).to(device=labels.device, dtype=torch.float32)
+
+
+def sum_over_group(local: torch.Tensor, *, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
+    """A scalar share ``local`` -> the group's sum as value, ``local``'s gradient only.
+
+    Every rank then reports the same loss, while each rank's backward carries only its own
+    term, so parameter gradients *summed* over the group are those of the sum."""
+    if sp == 1:
+        return local
+    total = local.detach().clone()
+    dist.all_reduce(total, group=group)
+    return local + (total - local.detach())
+
+
+def sequence_parallel_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                              group: dist.ProcessGroup | None, sp: int, num_chunks: int,
+                              wgrad: str = "accumulate",
+                              num_valid_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Global token-mean cross-entropy of a sequence split over ``sp`` ranks.
+
+    Args:
+        hidden: ``[B, S_local, hidden]`` final hidden states of this rank's tokens.
+        weight: ``[V, hidden]`` LM-head weight (the embedding when tied).
+        labels: ``[B, S_local]`` next-token targets, already shifted on the global sequence
+            (``-100`` = ignore).
+        group, sp: the sequence-parallel group and its size (``sp == 1``: no communication).
+        num_chunks, wgrad: as :func:`chunked_lm_loss`.
+        num_valid_tokens: the denominator; default: valid labels summed over the group.
+
+    Returns:
+        fp32 scalar, the same value on every rank of the group: ``sum of CE over the
+        group's valid tokens / N_valid``. Its gradient on this rank is only this rank's
+        term (``local CE sum / N_valid``), so parameter gradients **summed** over the group
+        are those of the global mean (:func:`sum_over_group`).
+    """
+    scale = valid_token_scale(labels, group=group, sp=sp, num_valid_tokens=num_valid_tokens)
+    local = chunked_lm_loss(hidden, weight, labels, scale.to(hidden.device), num_chunks, wgrad=wgrad)
+    return sum_over_group(local, group=group, sp=sp)

@@ -1,0 +1,42 @@
+"""Tie a chunk stash's lifetime to autograd's saved tensors, so checkpointing can drop it.
+
+The FPDT autograd Functions keep what backward needs in a :class:`fpdt.offload.HostStash`
+(host or device chunks), not in ``ctx.save_for_backward``. Held by ``ctx`` itself, the
+stash would live as long as the graph node, which breaks non-reentrant activation
+checkpointing (``torch.utils.checkpoint(use_reentrant=False)``, Transformers' default):
+the checkpoint discards a region's *saved tensors* after the forward and recomputes them
+in backward, but the first forward's ``ctx`` -- and with it a whole layer's stash -- would
+stay alive until backward, for every layer.
+
+So the stash hangs off a storage-less token tensor that goes through
+``ctx.save_for_backward``: plain autograd keeps the token (and the stash) until backward;
+a checkpoint drops the first forward's token at once (freeing its stash) and hands
+backward the token of the recomputed forward, which carries that forward's stash.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fpdt.offload import HostStash
+
+_ATTR = "_fpdt_stash"
+
+
+def stash_token(stash: HostStash) -> torch.Tensor:
+    """A 0-element CPU tensor carrying ``stash``; pass it to ``ctx.save_for_backward``."""
+    token = torch.empty(0)
+    setattr(token, _ATTR, stash)
+    return token
+
+
+def stash_of(token: torch.Tensor) -> HostStash:
+    """The stash a saved token carries (in backward, after ``ctx.saved_tensors``)."""
+    stash = getattr(token, _ATTR, None)
+    if stash is None:
+        raise RuntimeError(
+            "fpdt attention's saved state was replaced by a saved-tensor hook that copies tensors "
+            "(e.g. torch.autograd.graph.save_on_cpu around the attention without a checkpoint): "
+            "its chunks are already offloaded by fpdt's own offload=True, so leave the attention "
+            "out of that hook (activation checkpointing around it is fine)")
+    return stash

@@ -1,0 +1,17 @@
+"""FPDT inside an existing Transformers model: sequence-parallel, chunked, offloaded.
+
+For users who keep their ``transformers`` model class (and its checkpoints, PEFT adapters,
+training loop) rather than rebuild it as :class:`fpdt.model.FPDTForCausalLM`:
+
+* :func:`apply_fpdt` -- FPDT attention (Ulysses or 2D mesh, chunked, host offload), the
+  chunked SwiGLU MLP and the chunked sequence-parallel loss, applied to a ``*ForCausalLM``
+  in place (:mod:`fpdt.hf.model`);
+* :func:`prepare_inputs` -- one rank's ``input_ids``, ``position_ids`` and ``shift_labels``;
+* :func:`register_attention` -- only the attention, as a named Transformers attention
+  implementation (:mod:`fpdt.hf.attention`).
+"""
+
+from fpdt.hf.attention import FPDTHFError, register_attention
+from fpdt.hf.model import HFSettings, apply_fpdt, prepare_inputs
+
+__all__ = ["FPDTHFError", "HFSettings", "apply_fpdt", "prepare_inputs", "register_attention"]

@@ -1,0 +1,125 @@
+"""FPDT attention as a Transformers attention implementation.
+
+Transformers models that follow its ``AttentionInterface`` (Llama, Qwen2, Mistral and most
+decoder-only models of transformers >= 4.48) project and rotate q/k/v themselves, then
+call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with
+
+* ``query`` ``[B, H, S_local, D]``, ``key``/``value`` ``[B, H_kv, S_local, D]`` (after RoPE,
+  with the position ids the caller passed: global positions in the FPDT layout), and
+* ``attention_mask``: what ``ALL_MASK_ATTENTION_FUNCTIONS[...]`` built for the same name.
+
+:func:`register_attention` registers, under one name, an attention function that runs
+:func:`fpdt.attention.fpdt_attention` (Ulysses all-to-all, chunked online-softmax
+attention, optional host offload; or the 2D mesh) and returns ``[B, S_local, H, D]``, and a
+mask function that builds no mask (the attention is causal over the whole global window)
+and refuses a padding mask that hides any token, which fpdt cannot honour. Anything else
+the model passes that would change the result (dropout during training, a sliding window,
+a KV cache) is refused with the fix rather than ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fpdt.attention import fpdt_attention
+from fpdt.comm import SequenceMesh
+
+_names = itertools.count()
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """What every call of one registered implementation passes to :func:`fpdt_attention`."""
+
+    group: dist.ProcessGroup | None = None
+    """Sequence-parallel group (None: the default group, or a world of 1)."""
+    mesh: SequenceMesh | None = None
+    """A 2D hp x cp mesh instead of ``group``."""
+    num_chunks: int = 1
+    """Attention chunks per rank ``u``; the inputs must be sharded with the same ``u``."""
+    offload: bool = False
+    """Keep finished chunks in (pinned) host memory."""
+    backend: str | None = None
+    """Attention kernel (see :mod:`fpdt.attention.kernels`); None = automatic."""
+
+    def __post_init__(self) -> None:
+        if self.num_chunks < 1:
+            raise ValueError(f"num_chunks={self.num_chunks} must be >= 1")
+        if self.mesh is not None and self.group is not None:
+            raise ValueError("pass either group= (plain Ulysses) or mesh= (hp x cp), not both")
+
+
+class FPDTHFError(ValueError):
+    """A Transformers input or setting that the FPDT attention cannot honour."""
+
+
+def _attention(settings: AttentionSettings, name: str):
+    def fpdt_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                               scaling: float | None = None, dropout: float = 0.0,
+                               sliding_window: int | None = None, **kwargs):
+        if attention_mask is not None:
+            raise FPDTHFError(f"attention implementation {name!r} got an attention mask; fpdt attention is "
+                              f"causal over the whole sequence and takes none (mark padding with labels -100)")
+        if dropout:
+            raise FPDTHFError(f"attention dropout {dropout} is not supported by fpdt attention: set the "
+                              f"config's attention_dropout to 0")
+        if sliding_window is not None:
+            raise FPDTHFError(f"sliding-window attention (window {sliding_window}) is not supported by fpdt "
+                              f"attention: disable the config's sliding window (use_sliding_window=False)")
+        if not getattr(module, "is_causal", True):
+            raise FPDTHFError(f"{type(module).__name__} is not causal; fpdt attention is causal only")
+        if query.dim() != 4 or key.dim() != 4:
+            raise FPDTHFError(f"expected query [B, H, S, D] and key [B, H_kv, S, D], got {tuple(query.shape)} "
+                              f"and {tuple(key.shape)}")
+        out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                             group=settings.group, mesh=settings.mesh, num_chunks=settings.num_chunks,
+                             offload=settings.offload, causal=True, softmax_scale=scaling,
+                             backend=settings.backend)
+        return out, None                                               # [B, S_local, H, D], no weights
+
+    return fpdt_attention_forward
+
+
+def _mask(name: str):
+    def fpdt_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+        if q_offset or kv_offset or kv_length != q_length:
+            raise FPDTHFError(f"attention implementation {name!r} does not support a KV cache (generation): "
+                              f"call the model with use_cache=False, or generate with another implementation")
+        # One host read per forward pass (not per chunk): a mask that hides nothing is dropped.
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise FPDTHFError(f"attention implementation {name!r} cannot apply a padding mask: fpdt attention "
+                              f"is causal over the whole window; drop attention_mask and give padded "
+                              f"positions the label -100 instead")
+        return None
+
+    return fpdt_mask
+
+
+def register_attention(*, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
+                       num_chunks: int = 1, offload: bool = False, backend: str | None = None,
+                       name: str | None = None) -> str:
+    """Register FPDT attention with these settings in Transformers and return its name.
+
+    Use the name as ``attn_implementation`` (``from_pretrained(..., attn_implementation=name)``
+    or ``model.set_attn_implementation(name)``). Each call registers a new name
+    (``fpdt-0``, ``fpdt-1``, ...) unless ``name`` is given, which replaces an earlier one.
+    The model's inputs must then be this rank's tokens in the matching layout, with global
+    position ids: :func:`fpdt.hf.prepare_inputs` builds them.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError(f"fpdt.hf needs transformers with AttentionInterface and AttentionMaskInterface "
+                          f"(tested with 5.23; pip install -U transformers): {e}") from e
+    settings = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
+    name = name or f"fpdt-{next(_names)}"
+    AttentionInterface.register(name, _attention(settings, name))
+    AttentionMaskInterface.register(name, _mask(name))
+    return name

@@ -1,0 +1,252 @@
+"""Put FPDT's sequence-parallel, chunked pieces into an existing Transformers causal LM.
+
+:func:`apply_fpdt` changes a ``*ForCausalLM`` instance in place (its class and weights stay
+Transformers', so checkpoints, ``save_pretrained``, PEFT adapters and DeepSpeed wrap it as
+before):
+
+* **attention**: the model's attention implementation becomes FPDT attention
+  (:mod:`fpdt.hf.attention`): Ulysses all-to-all over the SP group (or the 2D mesh),
+  chunked online-softmax attention, finished chunks offloaded to host with ``offload``;
+* **MLP** (``mlp_chunks``): each decoder layer's SwiGLU runs over token chunks with the
+  intermediates recomputed in backward (:class:`fpdt.model.mlp.ChunkedSwiGLUFunction`);
+* **loss** (``loss_chunks``): with ``shift_labels``, the forward returns the global
+  token-mean cross-entropy from the final hidden states a chunk of logits at a time
+  (:func:`fpdt.model.loss.sequence_parallel_lm_loss`) and no logits;
+* **ZeRO-3**: when DeepSpeed is installed, the weights those chunked functions read
+  without calling their ``nn.Linear`` are registered as external parameters of the module
+  that reads them, so ZeRO-3 gathers them there.
+
+What stays Transformers': embeddings, norms, the q/k/v/o projections and RoPE (so the
+full-length local q/k/v of a layer exist during its forward, unlike
+:class:`fpdt.model.FPDTForCausalLM`, whose projections are chunked too), and activation
+checkpointing (``model.gradient_checkpointing_enable()``; works with FPDT attention:
+the attention's saved chunks are freed with the checkpointed region,
+:mod:`fpdt.attention.saved_stash`).
+
+Gradient convention, as :class:`fpdt.model.FPDTForCausalLM`: the loss value is the same on
+every SP rank; parameter gradients **summed** over the SP group are those of the global
+mean. DeepSpeed averages over all ranks, so back-propagate ``loss * sp``.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fpdt.comm import SequenceMesh
+from fpdt.comm.ulysses import group_rank, group_size
+from fpdt.hf.attention import FPDTHFError, register_attention
+from fpdt.model.config import uses_sliding_window
+from fpdt.model.inputs import prepare_inputs as _prepare_inputs
+from fpdt.model.inputs import shift_labels as _shift_labels
+from fpdt.model.loss import (IGNORE_INDEX, WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss,
+                             sum_over_group, valid_token_scale)
+from fpdt.model.mlp import ChunkedSwiGLUFunction, default_mlp_chunks
+
+SWIGLU_ACTIVATIONS = ("silu", "swish")
+
+
+@dataclass(frozen=True)
+class HFSettings:
+    """What :func:`apply_fpdt` set on a model (``model.fpdt``)."""
+
+    attn_implementation: str
+    group: dist.ProcessGroup | None
+    mesh: SequenceMesh | None
+    num_chunks: int
+    offload: bool
+    mlp_chunks: int
+    loss_chunks: int
+    lm_head_wgrad: str
+
+    def rank_size(self) -> tuple[int, int]:
+        """``(rank, size)`` in the sequence-parallel group."""
+        if self.mesh is not None:
+            return self.mesh.sp_rank, self.mesh.sp
+        return group_rank(self.group), group_size(self.group)
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.sp_group if self.mesh is not None else self.group
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not hasattr(model, "lm_head"):
+        raise FPDTHFError(f"{type(model).__name__} is not a decoder-only causal LM with model.layers and lm_head "
+                          f"(e.g. LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)")
+    return list(layers)
+
+
+def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int) -> None:
+    cfg = model.config
+    if getattr(cfg, "attention_dropout", 0.0):
+        raise FPDTHFError(f"attention_dropout={cfg.attention_dropout}: fpdt attention has no dropout; set it to 0")
+    if uses_sliding_window(cfg.to_dict()) or any(getattr(layer.self_attn, "sliding_window", None) for layer in layers):
+        raise FPDTHFError(f"sliding-window attention (window {getattr(cfg, 'sliding_window', None)}) is not "
+                          f"supported by fpdt attention, which is full causal: load the model with "
+                          f"sliding_window=None (and use_sliding_window=False)")
+    if getattr(model.lm_head, "bias", None) is not None:
+        raise FPDTHFError("an LM head with a bias is not supported by the chunked loss; use loss_chunks=0")
+    if mlp_chunks:
+        act = getattr(cfg, "hidden_act", None)
+        if act not in SWIGLU_ACTIVATIONS or not all(
+                all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) for layer in layers):
+            raise FPDTHFError(f"the chunked MLP needs a SwiGLU MLP (gate_proj/up_proj/down_proj, hidden_act silu); "
+                              f"this model has hidden_act={act!r}: pass mlp_chunks=0")
+
+
+def _chunked_mlp_forward(num_chunks: int):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ChunkedSwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                                           self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias, num_chunks)
+    return forward
+
+
+def _causal_lm_forward(original):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, shift_labels=None,
+                num_items_in_batch=None, **kwargs):
+        settings: HFSettings = self.fpdt
+        _, sp = settings.rank_size()
+        if use_cache or past_key_values is not None:
+            raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
+                              "past_key_values (generate with a model that has not been through apply_fpdt)")
+        if labels is not None:
+            if shift_labels is not None:
+                raise FPDTHFError("pass labels= or shift_labels=, not both")
+            if sp > 1:
+                raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
+                                  f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
+            shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
+        if position_ids is None and sp > 1:
+            raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
+                              f"are not contiguous; use fpdt.hf.prepare_inputs")
+        if shift_labels is None or settings.loss_chunks == 0:
+            out = original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep, **kwargs)
+            if shift_labels is not None:   # full logits (loss_chunks=0), the same reduction as the chunked loss
+                out.loss = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
+            return out
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, use_cache=False, **kwargs)
+        loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
+                                         group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
+                                         wgrad=settings.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
+        return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions)
+    return forward
+
+
+def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_items_in_batch):
+    """What :func:`sequence_parallel_lm_loss` gives, from materialised logits (``loss_chunks=0``)."""
+    group = settings.sp_group
+    scale = valid_token_scale(shift_labels, group=group, sp=sp, num_valid_tokens=num_items_in_batch)
+    local = F.cross_entropy(logits.float().flatten(0, -2), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="sum") * scale.to(logits.device)
+    return sum_over_group(local, group=group, sp=sp)
+
+
+def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool) -> int:
+    try:
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+    except ImportError:        # no DeepSpeed, no ZeRO-3
+        return 0
+    n = 0
+    if mlp_chunked:
+        for layer in layers:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                for p in getattr(layer.mlp, name).parameters(recurse=False):
+                    register_external_parameter(layer.mlp, p)
+                    n += 1
+    if loss_chunked:
+        register_external_parameter(model, model.lm_head.weight)
+        n += 1
+    return n
+
+
+def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
+               num_chunks: int = 1, offload: bool = False, backend: str | None = None,
+               mlp_chunks: int | None = None, loss_chunks: int | None = None,
+               lm_head_wgrad: str = "recompute") -> nn.Module:
+    """Make a Transformers causal LM sequence-parallel and chunked with FPDT; returns ``model``.
+
+    Args:
+        model: a ``*ForCausalLM`` whose attention uses Transformers' ``AttentionInterface``
+            (Llama, Qwen2, Mistral, ...), before or after ``deepspeed.initialize``'s
+            ``zero.Init`` (call it before ``deepspeed.initialize``).
+        group / mesh: the sequence-parallel group (None: the default group, or no
+            parallelism without torch.distributed), or a 2D :class:`fpdt.comm.SequenceMesh`.
+        num_chunks: attention chunks per rank ``u``; inputs must be sharded with the same
+            ``u`` (:func:`prepare_inputs`).
+        offload: keep finished attention chunks in pinned host memory (needs CUDA, or
+            ``FPDT_RUNTIME=sim`` on the CPU).
+        backend: attention kernel (:mod:`fpdt.attention.kernels`); None = automatic.
+        mlp_chunks: token chunks of each layer's SwiGLU MLP; default
+            ``ceil(2 u I / hidden)`` (as :class:`fpdt.model.FPDTForCausalLM`); 0 leaves it.
+        loss_chunks: token chunks of the LM head + loss; default ``ceil(2 u V / hidden)``;
+            0 computes full logits (and the same sequence-parallel loss from them).
+        lm_head_wgrad: ``"recompute"`` or ``"accumulate"`` (:mod:`fpdt.model.loss`).
+
+    After this, call ``model(input_ids=..., position_ids=..., shift_labels=...)`` with this
+    rank's inputs from :func:`prepare_inputs`: ``.loss`` is the global token-mean
+    cross-entropy (the same on every SP rank; ``num_items_in_batch=`` overrides its
+    denominator with a count over the SP group, e.g. of a gradient-accumulation window),
+    ``.logits`` is None. Without labels the model returns logits of this rank's tokens.
+    Without sequence parallelism ``labels=`` (unshifted, as in Transformers) works too.
+    """
+    if getattr(model, "fpdt", None) is not None:
+        raise FPDTHFError("apply_fpdt was already applied to this model")
+    if lm_head_wgrad not in WGRAD_MODES:
+        raise FPDTHFError(f"lm_head_wgrad={lm_head_wgrad!r} must be one of {WGRAD_MODES}")
+    layers = _decoder_layers(model)
+    cfg = model.config
+    mlp_chunks = default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size, num_chunks) \
+        if mlp_chunks is None else int(mlp_chunks)
+    loss_chunks = default_loss_chunks(cfg.vocab_size, cfg.hidden_size, num_chunks) \
+        if loss_chunks is None else int(loss_chunks)
+    if mlp_chunks < 0 or loss_chunks < 0:
+        raise FPDTHFError(f"mlp_chunks={mlp_chunks} and loss_chunks={loss_chunks} must be >= 0")
+    _check_config(model, layers, mlp_chunks)
+    name = register_attention(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise FPDTHFError(f"{type(model).__name__} did not take attention implementation {name!r}; it does not "
+                          f"use Transformers' AttentionInterface")
+    model.config.use_cache = False
+    if mlp_chunks:
+        for layer in layers:
+            layer.mlp.forward = types.MethodType(_chunked_mlp_forward(mlp_chunks), layer.mlp)
+    model.forward = types.MethodType(_causal_lm_forward(model.forward), model)
+    model.fpdt = HFSettings(attn_implementation=name, group=group, mesh=mesh, num_chunks=num_chunks,
+                            offload=offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
+                            lm_head_wgrad=lm_head_wgrad)
+    _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks))
+    return model
+
+
+def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """This rank's ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S / P]``.
+
+    ``input_ids`` ``[B, S]`` is the global window (the same on every SP rank); ``labels``
+    (default ``input_ids``) are unshifted, as in Transformers, and are shifted on the
+    *global* sequence before sharding; ``position_ids`` default to ``arange(S)``. The
+    layout is the one ``model`` was set up with by :func:`apply_fpdt`.
+    """
+    settings: HFSettings | None = getattr(model, "fpdt", None)
+    if settings is None:
+        raise FPDTHFError("call fpdt.hf.apply_fpdt(model, ...) before fpdt.hf.prepare_inputs")
+    rank, sp = settings.rank_size()
+    inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.num_chunks, labels=labels,
+                             position_ids=position_ids, mesh=settings.mesh)
+    return {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"],
+            "shift_labels": inputs["labels"]}
