@@ -46,6 +46,7 @@ if [ "$TINY" = 1 ]; then
   piece op_latency python profiling/op_latency.py --tiny --out-dir "$OUT"
   piece chunk_sweep python profiling/chunk_sweep.py --tiny --no-offload-too --out-dir "$OUT"
   piece lm_head_wgrad python profiling/lm_head_wgrad.py --tiny --repeats 1 --out-dir "$OUT"
+  piece hf_integration python profiling/hf_integration.py --tiny --out-dir "$OUT"
   for s in fpdt fpdt-no-offload hf alst; do
     piece "max_seqlen $s" python profiling/max_seqlen.py --tiny --strategies "$s" --lengths 64 128 \
       --tag "$s" --out-dir "$OUT"
@@ -113,6 +114,8 @@ else
     --trial-timeout-s "$CAP" --tag "kernel-alst" --out-dir "$OUT"
   piece chunk_sweep python profiling/chunk_sweep.py --seq-len 262144 --no-offload-too --trial-timeout-s "$CAP" --out-dir "$OUT"
   piece lm_head_wgrad python profiling/lm_head_wgrad.py --out-dir "$OUT" "${CAL[@]}"
+  piece hf_integration python profiling/hf_integration.py --seq-lens 32768 65536 131072 --chunk-size 16384 \
+    --out-dir "$OUT"
   for s in fpdt fpdt-no-offload hf alst; do
     piece "lengths $s" python profiling/max_seqlen.py --strategies "$s" --lengths 65536 131072 262144 524288 \
       --trial-timeout-s "$CAP" --tag "lengths-$s" --out-dir "$OUT" "${CAL[@]}"

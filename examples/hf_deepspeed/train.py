@@ -64,7 +64,8 @@ def main(argv=None) -> list[float]:
     args = parse_args(argv)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
         torch.device("cpu")
-    if not dist.is_initialized():
+    started_here = not dist.is_initialized()
+    if started_here:
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     with open(args.deepspeed) as f:
         ds_config = json.load(f)
@@ -94,6 +95,8 @@ def main(argv=None) -> list[float]:
             if args.log_json:
                 with open(args.log_json, "a") as f:
                     f.write(json.dumps({"step": step + 1, "loss": loss.item()}) + "\n")
+    if started_here:
+        dist.destroy_process_group()
     return losses
 
 

@@ -128,21 +128,24 @@ def _causal_lm_forward(original):
         if position_ids is None and sp > 1:
             raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
                               f"are not contiguous; use fpdt.hf.prepare_inputs")
+        return_dict = kwargs.pop("return_dict", None)
         if shift_labels is None or settings.loss_chunks == 0:
             out = original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep, **kwargs)
+                           inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
+                           return_dict=True, **kwargs)
             if shift_labels is not None:   # full logits (loss_chunks=0), the same reduction as the chunked loss
-                out.loss = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
-            return out
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+                out["loss"] = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
+        else:
+            from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, use_cache=False, **kwargs)
-        loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
-                                         group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
-                                         wgrad=settings.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                      attentions=outputs.attentions)
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
+            loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
+                                             group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
+                                             wgrad=settings.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
+            out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                         attentions=outputs.attentions)
+        return out.to_tuple() if return_dict is False else out
     return forward
 
 
@@ -221,7 +224,6 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
     if model.config._attn_implementation != name:
         raise FPDTHFError(f"{type(model).__name__} did not take attention implementation {name!r}; it does not "
                           f"use Transformers' AttentionInterface")
-    model.config.use_cache = False
     if mlp_chunks:
         for layer in layers:
             layer.mlp.forward = types.MethodType(_chunked_mlp_forward(mlp_chunks), layer.mlp)

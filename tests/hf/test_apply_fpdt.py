@@ -217,3 +217,30 @@ def _labels_refused_with_sp(rank, world):
 def test_labels_and_missing_positions_refused_with_sequence_parallelism():
     with warnings.catch_warnings():
         run_distributed(_labels_refused_with_sp, 2)
+
+
+def test_save_pretrained_loads_back_as_a_plain_transformers_model(tmp_path):
+    """The patched model's weights and config load back unchanged, with a standard attention
+    implementation and the KV cache setting the model had."""
+    ref = hf_model("qwen2_tied")
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), num_chunks=2)
+    model.save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert back.config._attn_implementation in ("sdpa", "eager")
+    assert back.config.use_cache == ref.config.use_cache
+    ids, _ = tokens(256, 1, 16)
+    with torch.no_grad():
+        got, want = back(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()     # sdpa there, eager here
+    for (n, p), (n2, p2) in zip(back.state_dict().items(), ref.state_dict().items()):
+        assert n == n2 and torch.equal(p, p2), n
+
+
+@pytest.mark.parametrize("loss_chunks", [None, 0])
+def test_return_dict_false_gives_the_loss_first(loss_chunks):
+    model = _patched(num_chunks=2, loss_chunks=loss_chunks)
+    ids, labels = tokens(256, 1, 16)
+    out = model(input_ids=ids, labels=labels)
+    tup = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(tup, tuple) and torch.equal(tup[0], out.loss)
+    assert out.loss is out["loss"]

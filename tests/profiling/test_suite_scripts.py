@@ -225,6 +225,7 @@ def test_run_suite_tiny_end_to_end(tmp_path):
     assert "(0 piece(s) stopped early)" in proc.stdout, proc.stdout[-2000:]
     names = set(os.listdir(out))
     assert {"op_latency.json", "calibration.json", "chunk_sweep.json", "lm_head_wgrad.json", "results.md",
+            "hf_integration.json", "hf_integration.md",
             "memory_vs_length.png", "max_seqlen.png", "chunk_sweep.png", "op_latency.png"} <= names
     for s in ("fpdt", "fpdt-no-offload", "hf", "alst"):
         data = json.loads((out / f"max_seqlen-{s}.json").read_text())

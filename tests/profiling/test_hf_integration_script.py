@@ -1,0 +1,29 @@
+"""CPU smoke run of ``profiling/hf_integration.py``: every strategy measured, the JSON's fields,
+and the ordering its counts must show (exact on the CPU, so deterministic)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def test_hf_integration_script_runs_tiny(tmp_path):
+    spec = importlib.util.spec_from_file_location("hf_integration", os.path.join(ROOT, "profiling", "hf_integration.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = mod.main(["--tiny", "--out-dir", str(tmp_path)])
+    with open(path) as f:
+        res = json.load(f)
+    assert res["script"] == "hf_integration.py" and res["software"]["transformers"]
+    assert {t["strategy"] for t in res["trials"]} == set(mod.STRATEGIES)
+    for t in res["trials"]:
+        assert t["status"] == "ok" and t["device_peak_bytes"] > 0 and t["step_s"] > 0, t
+        assert (t["host_stash_peak_bytes"] > 0) == (t["strategy"] in ("alst", "hf+fpdt offload", "fpdt.model")), t
+    per_1k = {s: v["device_bytes_per_1k_tokens"] for s, v in res["slopes"].items()}
+    assert per_1k["fpdt.model"] < per_1k["hf+fpdt offload"] < per_1k["hf+fpdt"] < per_1k["hf"]
+    assert res["slopes"]["hf"]["ratio_to_hf"] == 1.0
