@@ -129,15 +129,17 @@ def _causal_lm_forward(original):
             raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
                               f"are not contiguous; use fpdt.hf.prepare_inputs")
         return_dict = kwargs.pop("return_dict", None)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
         if shift_labels is None or settings.loss_chunks == 0:
             out = original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
                            return_dict=True, **kwargs)
             if shift_labels is not None:   # full logits (loss_chunks=0), the same reduction as the chunked loss
-                out["loss"] = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
+                loss = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
+                out = CausalLMOutputWithPast(loss=loss, logits=out.logits, hidden_states=out.hidden_states,
+                                             attentions=out.attentions)
         else:
-            from transformers.modeling_outputs import CausalLMOutputWithPast
-
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
             loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
