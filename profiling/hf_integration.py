@@ -11,6 +11,8 @@ does not depend on the strategy), activation checkpointing on in every strategy:
 * ``hf+fpdt``: the same model after ``fpdt.hf.apply_fpdt`` (FPDT attention, chunked MLP and
   loss), attention offload off;
 * ``hf+fpdt offload``: the same with ``offload=True``;
+* ``hf+fpdt offload, ckpt offload``: also ``checkpointing="offload"`` (fpdt's own layer
+  checkpoint, layer inputs in host memory) instead of Transformers' checkpointing;
 * ``fpdt.model``: the model rebuilt as :class:`fpdt.model.FPDTForCausalLM` with every
   feature (chunked projections, attention offload, offloaded layer-input checkpoints).
 
@@ -42,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from profiling.bench_common import default_device, header, results_dir, write_json  # noqa: E402
 
-STRATEGIES = ("hf", "alst", "hf+fpdt", "hf+fpdt offload", "fpdt.model")
+STRATEGIES = ("hf", "alst", "hf+fpdt", "hf+fpdt offload", "hf+fpdt offload, ckpt offload", "fpdt.model")
 SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 20)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -69,10 +71,13 @@ def build(strategy: str, base, cfg: dict, seq_len: int, chunk: int, device: torc
         inputs = {k: v.to(device) for k, v in model.prepare_inputs(ids).items()}
         return (lambda: model(**inputs).backward()), f"u={u}"
     model = copy.deepcopy(base).to(device)
+    own_checkpoint = strategy.endswith("ckpt offload")
     if strategy != "hf":
-        fpdt.hf.apply_fpdt(model, num_chunks=u, offload=strategy.endswith("offload"))
+        fpdt.hf.apply_fpdt(model, num_chunks=u, offload="offload" in strategy,
+                           checkpointing="offload" if own_checkpoint else "off")
     model.train()
-    model.gradient_checkpointing_enable()
+    if not own_checkpoint:
+        model.gradient_checkpointing_enable()
     if strategy == "hf":
         ids = ids.to(device)
         return (lambda: model(input_ids=ids, labels=ids, use_cache=False).loss.backward()), "sdpa"

@@ -16,12 +16,16 @@ before):
   without calling their ``nn.Linear`` are registered as external parameters of the module
   that reads them, so ZeRO-3 gathers them there.
 
-What stays Transformers': embeddings, norms, the q/k/v/o projections and RoPE (so the
+* **checkpointing** (``"on"`` / ``"offload"``): each decoder layer under fpdt's own
+  activation checkpoint (:mod:`fpdt.model.checkpointing`), with ``"offload"`` the layer
+  inputs in host memory, fetched one layer ahead in backward. Or leave it ``"off"`` and use
+  Transformers' ``model.gradient_checkpointing_enable()``, which works with FPDT attention:
+  the attention's saved chunks are freed with the checkpointed region
+  (:mod:`fpdt.attention.saved_stash`).
+
+What stays Transformers': embeddings, norms, the q/k/v/o projections and RoPE, so the
 full-length local q/k/v of a layer exist during its forward, unlike
-:class:`fpdt.model.FPDTForCausalLM`, whose projections are chunked too), and activation
-checkpointing (``model.gradient_checkpointing_enable()``; works with FPDT attention:
-the attention's saved chunks are freed with the checkpointed region,
-:mod:`fpdt.attention.saved_stash`).
+:class:`fpdt.model.FPDTForCausalLM`, whose projections are chunked too.
 
 Gradient convention, as :class:`fpdt.model.FPDTForCausalLM`: the loss value is the same on
 every SP rank; parameter gradients **summed** over the SP group are those of the global
@@ -30,6 +34,7 @@ mean. DeepSpeed averages over all ranks, so back-propagate ``loss * sp``.
 
 from __future__ import annotations
 
+import itertools
 import types
 from dataclasses import dataclass
 
@@ -41,12 +46,14 @@ from torch import nn
 from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import FPDTHFError, register_attention
+from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
 from fpdt.model.loss import (IGNORE_INDEX, WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss,
                              sum_over_group, valid_token_scale)
 from fpdt.model.mlp import ChunkedSwiGLUFunction, default_mlp_chunks
+from fpdt.offload import HostStash
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
 
@@ -63,6 +70,7 @@ class HFSettings:
     mlp_chunks: int
     loss_chunks: int
     lm_head_wgrad: str
+    checkpointing: str = "off"
 
     def rank_size(self) -> tuple[int, int]:
         """``(rank, size)`` in the sequence-parallel group."""
@@ -106,6 +114,40 @@ def _chunked_mlp_forward(num_chunks: int):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ChunkedSwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                                            self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias, num_chunks)
+    return forward
+
+
+class _LayerInputStash:
+    """The host stash of one model's offloaded layer inputs, and unique keys per forward."""
+
+    def __init__(self):
+        self.stash: HostStash | None = None
+        self.forward_ids = itertools.count()
+        self.current = 0
+
+    def for_device(self, device: torch.device) -> HostStash:
+        if self.stash is None or self.stash.device != device:
+            self.stash = HostStash(device, enabled=True)
+        return self.stash
+
+
+def _checkpointed_layer_forward(i: int, layer: nn.Module, mode: str, state: _LayerInputStash):
+    original = layer.forward            # the class's forward, Transformers' own checkpoint wrapper included
+    params = list(layer.parameters())
+
+    def forward(hidden_states, *args, **kwargs):
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+            raise FPDTHFError(f"apply_fpdt(checkpointing={mode!r}) checkpoints the decoder layers itself: call "
+                              f"model.gradient_checkpointing_disable(), or apply_fpdt with checkpointing='off' "
+                              f"to keep Transformers' checkpointing")
+        if i == 0:
+            state.current = next(state.forward_ids)   # stash keys unique per forward call
+        fid = state.current
+        stash = state.for_device(hidden_states.device) if mode == "offload" else None
+        # the decoder layer ends with a residual add, which saves nothing: its output may be freed
+        return checkpointed(lambda x: original(x, *args, **kwargs), hidden_states, params, stash=stash,
+                            key=("layer input", i, fid), prev_key=("layer input", i - 1, fid) if i > 0 else None,
+                            free_output=True)
     return forward
 
 
@@ -181,7 +223,7 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
 def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                num_chunks: int = 1, offload: bool = False, backend: str | None = None,
                mlp_chunks: int | None = None, loss_chunks: int | None = None,
-               lm_head_wgrad: str = "recompute") -> nn.Module:
+               lm_head_wgrad: str = "recompute", checkpointing: str = "off") -> nn.Module:
     """Make a Transformers causal LM sequence-parallel and chunked with FPDT; returns ``model``.
 
     Args:
@@ -200,6 +242,12 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
         loss_chunks: token chunks of the LM head + loss; default ``ceil(2 u V / hidden)``;
             0 computes full logits (and the same sequence-parallel loss from them).
         lm_head_wgrad: ``"recompute"`` or ``"accumulate"`` (:mod:`fpdt.model.loss`).
+        checkpointing: ``"off"`` leaves activation checkpointing to Transformers
+            (``model.gradient_checkpointing_enable()`` works with everything above); ``"on"``
+            checkpoints each decoder layer with fpdt's own checkpoint
+            (:mod:`fpdt.model.checkpointing`: the layer input is kept, the layer recomputed in
+            backward); ``"offload"`` keeps the layer inputs in (pinned) host memory instead,
+            fetched one layer ahead in backward, as FPDT does. Not together with Transformers'.
 
     After this, call ``model(input_ids=..., position_ids=..., shift_labels=...)`` with this
     rank's inputs from :func:`prepare_inputs`: ``.loss`` is the global token-mean
@@ -210,6 +258,8 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
     """
     if getattr(model, "fpdt", None) is not None:
         raise FPDTHFError("apply_fpdt was already applied to this model")
+    if checkpointing not in CHECKPOINT_MODES:
+        raise FPDTHFError(f"checkpointing={checkpointing!r} must be one of {CHECKPOINT_MODES}")
     if lm_head_wgrad not in WGRAD_MODES:
         raise FPDTHFError(f"lm_head_wgrad={lm_head_wgrad!r} must be one of {WGRAD_MODES}")
     layers = _decoder_layers(model)
@@ -229,10 +279,14 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
     if mlp_chunks:
         for layer in layers:
             layer.mlp.forward = types.MethodType(_chunked_mlp_forward(mlp_chunks), layer.mlp)
+    if checkpointing != "off":
+        state = _LayerInputStash()
+        for i, layer in enumerate(layers):
+            layer.forward = _checkpointed_layer_forward(i, layer, checkpointing, state)
     model.forward = types.MethodType(_causal_lm_forward(model.forward), model)
     model.fpdt = HFSettings(attn_implementation=name, group=group, mesh=mesh, num_chunks=num_chunks,
                             offload=offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
-                            lm_head_wgrad=lm_head_wgrad)
+                            lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing)
     _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks))
     return model
 

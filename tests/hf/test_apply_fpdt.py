@@ -28,6 +28,15 @@ from tests.model.helpers import compare, hf_config, hf_loss_and_grads, hf_model,
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 
+def checkpoint_stash(model):
+    """The host stash of the layer inputs apply_fpdt(checkpointing="offload") keeps, if any."""
+    for cell in model.model.layers[0].forward.__closure__ or ():
+        state = cell.cell_contents
+        if isinstance(state, fpdt.hf.model._LayerInputStash):
+            return state.stash
+    return None
+
+
 @contextlib.contextmanager
 def count_calls(owner, name):
     """Record each call of ``owner.name`` (so a patch that silently did nothing fails)."""
@@ -43,13 +52,15 @@ def count_calls(owner, name):
     finally:
         setattr(owner, name, original)
 
-# (model, num_chunks, mlp_chunks, loss_chunks, offload, activation checkpointing, lm_head_wgrad)
+# (model, num_chunks, mlp_chunks, loss_chunks, offload, activation checkpointing, lm_head_wgrad);
+# checkpointing: False, "hf" (Transformers' own, non-reentrant), or apply_fpdt's "on" / "offload"
 CASES_1 = [
     ("llama_gqa", 1, None, None, False, False, "recompute"),
-    ("llama_gqa", 4, 3, 5, True, True, "accumulate"),
-    ("qwen2_tied", 2, None, 0, False, True, "recompute"),     # full logits, tied head
-    ("llama_bias", 4, 0, 3, True, False, "recompute"),        # plain MLP, biases, head_dim != hidden/heads
-    ("mistral", 2, 2, None, True, True, "accumulate"),
+    ("llama_gqa", 4, 3, 5, True, "hf", "accumulate"),
+    ("qwen2_tied", 2, None, 0, False, "hf", "recompute"),     # full logits, tied head
+    ("llama_bias", 4, 0, 3, True, "offload", "recompute"),    # plain MLP, biases, head_dim != hidden/heads
+    ("mistral", 2, 2, None, True, "on", "accumulate"),
+    ("qwen2_tied", 4, None, None, True, "offload", "accumulate"),
 ]
 
 
@@ -62,16 +73,22 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
     fpdt.hf.apply_fpdt(model, mesh=mesh, num_chunks=num_chunks, offload=offload, mlp_chunks=mlp_chunks,
-                       loss_chunks=loss_chunks, lm_head_wgrad=wgrad)
-    if checkpointing:
-        model.train()
+                       loss_chunks=loss_chunks, lm_head_wgrad=wgrad,
+                       checkpointing=checkpointing if checkpointing in ("on", "offload") else "off")
+    model.train()
+    if checkpointing == "hf":
         model.gradient_checkpointing_enable()    # Transformers' default: non-reentrant
     inputs = fpdt.hf.prepare_inputs(model, ids, labels=labels)
     with count_calls(fpdt.hf.attention, "fpdt_attention") as attention_calls, \
             count_calls(fpdt.hf.model.ChunkedSwiGLUFunction, "apply") as mlp_calls:
         out = model(**inputs)
         assert out.logits is None if loss_chunks != 0 else out.logits.shape[:2] == (B, S // world)
+        stash = checkpoint_stash(model) if checkpointing == "offload" else None
+        if checkpointing == "offload":        # every layer's input on the host until backward
+            assert len(stash._host) == ref.config.num_hidden_layers
         out.loss.backward()
+        if checkpointing == "offload":
+            assert len(stash._host) == 0 and not stash._inflight
     layers = ref.config.num_hidden_layers
     assert len(attention_calls) == layers * (2 if checkpointing else 1)    # the checkpoint recomputes
     assert len(mlp_calls) == (0 if mlp_chunks == 0 else len(attention_calls))
@@ -113,7 +130,7 @@ def test_logits_without_labels():
 
 
 def test_bf16_close_to_transformers_bf16():
-    run_case("llama_gqa", 0, 1, num_chunks=2, mlp_chunks=None, loss_chunks=None, offload=True, checkpointing=True,
+    run_case("llama_gqa", 0, 1, num_chunks=2, mlp_chunks=None, loss_chunks=None, offload=True, checkpointing="offload",
              wgrad="recompute", S=64, dtype=torch.bfloat16, tol=2e-2)
 
 
@@ -126,17 +143,18 @@ def _multi_rank(rank, world, cases, mesh_shape=None):
 
 def test_two_ranks():
     cases = [("llama_gqa", 1, None, None, False, False, "recompute"),
-             ("llama_gqa", 2, 3, 5, True, True, "accumulate"),
-             ("qwen2_tied", 2, None, 0, True, False, "recompute"),
-             ("mistral", 4, 2, 3, False, True, "recompute")]
+             ("llama_gqa", 2, 3, 5, True, "hf", "accumulate"),
+             ("qwen2_tied", 2, None, 0, True, "offload", "recompute"),
+             ("mistral", 4, 2, 3, False, "hf", "recompute"),
+             ("llama_gqa", 2, None, None, True, "on", "recompute")]
     run_distributed(_multi_rank, 2, args=(cases,), timeout=240)
 
 
 @pytest.mark.slow
 def test_four_ranks_ulysses_and_2d_mesh():
     """Ulysses over 4 ranks (KV heads replicated: 2 < 4), and the 2 x 2 mesh (ring over cp)."""
-    run_distributed(_multi_rank, 4, args=([("llama_sp4", 2, None, None, True, True, "recompute")],), timeout=240)
-    run_distributed(_multi_rank, 4, args=([("llama_sp4", 2, 3, 5, True, True, "recompute")], (2, 2)),
+    run_distributed(_multi_rank, 4, args=([("llama_sp4", 2, None, None, True, "hf", "recompute")],), timeout=240)
+    run_distributed(_multi_rank, 4, args=([("llama_sp4", 2, 3, 5, True, "offload", "recompute")], (2, 2)),
                     timeout=240)
 
 
@@ -189,6 +207,13 @@ def test_unsupported_configs_are_refused():
     fpdt.hf.apply_fpdt(transformers.LlamaForCausalLM(cfg), mlp_chunks=0)
     with pytest.raises(fpdt.hf.FPDTHFError, match="already applied"):
         fpdt.hf.apply_fpdt(_patched())
+    with pytest.raises(fpdt.hf.FPDTHFError, match="checkpointing='sometimes' must be one of"):
+        _patched(checkpointing="sometimes")
+    both = _patched(checkpointing="offload")
+    both.train()
+    both.gradient_checkpointing_enable()
+    with pytest.raises(fpdt.hf.FPDTHFError, match="gradient_checkpointing_disable"):
+        both(input_ids=torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(fpdt.hf.FPDTHFError, match="not a decoder-only causal LM"):
         fpdt.hf.apply_fpdt(hf_model("llama_gqa").model)
     with pytest.raises(fpdt.hf.FPDTHFError, match="before fpdt.hf.prepare_inputs"):

@@ -23,7 +23,12 @@ def test_hf_integration_script_runs_tiny(tmp_path):
     assert {t["strategy"] for t in res["trials"]} == set(mod.STRATEGIES)
     for t in res["trials"]:
         assert t["status"] == "ok" and t["device_peak_bytes"] > 0 and t["step_s"] > 0, t
-        assert (t["host_stash_peak_bytes"] > 0) == (t["strategy"] in ("alst", "hf+fpdt offload", "fpdt.model")), t
+        assert (t["host_stash_peak_bytes"] > 0) == (t["strategy"] in ("alst", "hf+fpdt offload", "hf+fpdt offload, ckpt offload",
+                                                                  "fpdt.model")), t
     per_1k = {s: v["device_bytes_per_1k_tokens"] for s, v in res["slopes"].items()}
     assert per_1k["fpdt.model"] < per_1k["hf+fpdt offload"] < per_1k["hf+fpdt"] < per_1k["hf"]
+    host = {(t["strategy"], t["seq_len"]): t["host_stash_peak_bytes"] for t in res["trials"]}
+    for (s, n), b in host.items():   # fpdt's checkpoint puts the layer inputs on the host too
+        if s == "hf+fpdt offload, ckpt offload":
+            assert b > host[("hf+fpdt offload", n)]
     assert res["slopes"]["hf"]["ratio_to_hf"] == 1.0
