@@ -77,8 +77,9 @@ def main(argv=None) -> list[float]:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
 
     sp = dist.get_world_size()
-    fpdt.hf.apply_fpdt(model, num_chunks=args.chunks, offload=args.offload)   # fpdt
-    model.gradient_checkpointing_enable()
+    model.train()                        # from_pretrained returns eval mode, where nothing is checkpointed
+    fpdt.hf.apply_fpdt(model, num_chunks=args.chunks, offload=args.offload,   # fpdt
+                       checkpointing="offload" if args.offload else "on")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
     windows = token_windows(args, model.config.eos_token_id)

@@ -13,6 +13,7 @@ checkpointing frees it with the rest of a region's saved tensors):
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
@@ -47,6 +48,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable   # the chunked backward is not itself differentiable
     def backward(ctx, grad_out):
         q_shape, k_shape, v_shape, dtype = ctx.shapes
         L = ctx.L

@@ -18,6 +18,7 @@ gradients.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
 from fpdt.attention.mesh_pipeline import run_backward, run_forward
@@ -63,6 +64,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable   # the chunked backward is not itself differentiable
     def backward(ctx, grad_out):
         wq, bq, wk, bk, wv, bv, position_ids, token = ctx.saved_tensors
         H, H_kv, D = ctx.heads

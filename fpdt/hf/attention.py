@@ -71,6 +71,11 @@ def _attention(settings: AttentionSettings, name: str):
         if sliding_window is not None:
             raise FPDTHFError(f"sliding-window attention (window {sliding_window}) is not supported by fpdt "
                               f"attention: disable the config's sliding window (use_sliding_window=False)")
+        ignored = sorted(k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "softcap", "s_aux", "sinks")
+                         if kwargs.get(k) is not None)
+        if ignored:
+            raise FPDTHFError(f"fpdt attention cannot honour {', '.join(ignored)} (packed sequences, logit "
+                              f"soft-capping or attention sinks): use another attention implementation")
         if not getattr(module, "is_causal", True):
             raise FPDTHFError(f"{type(module).__name__} is not causal; fpdt attention is causal only")
         if query.dim() != 4 or key.dim() != 4:
@@ -88,9 +93,12 @@ def _attention(settings: AttentionSettings, name: str):
 def _mask(name: str):
     def fpdt_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                   mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
-        if q_offset or kv_offset or kv_length != q_length:
+        if q_offset or kv_offset:
             raise FPDTHFError(f"attention implementation {name!r} does not support a KV cache (generation): "
                               f"call the model with use_cache=False, or generate with another implementation")
+        if kv_length != q_length:
+            raise FPDTHFError(f"the attention mask covers {kv_length} tokens but this rank holds {q_length}: "
+                              f"fpdt attention takes no mask; drop attention_mask (mark padding with labels -100)")
         # One host read per forward pass (not per chunk): a mask that hides nothing is dropped.
         if attention_mask is not None and not bool(attention_mask.all()):
             raise FPDTHFError(f"attention implementation {name!r} cannot apply a padding mask: fpdt attention "

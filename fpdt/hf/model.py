@@ -1,8 +1,7 @@
 """Put FPDT's sequence-parallel, chunked pieces into an existing Transformers causal LM.
 
 :func:`apply_fpdt` changes a ``*ForCausalLM`` instance in place (its class and weights stay
-Transformers', so checkpoints, ``save_pretrained``, PEFT adapters and DeepSpeed wrap it as
-before):
+Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as before):
 
 * **attention**: the model's attention implementation becomes FPDT attention
   (:mod:`fpdt.hf.attention`): Ulysses all-to-all over the SP group (or the 2D mesh),
@@ -72,6 +71,9 @@ class HFSettings:
     lm_head_wgrad: str
     checkpointing: str = "off"
 
+    def __deepcopy__(self, memo) -> "HFSettings":
+        return self     # immutable, and a copied model stays in the same process group
+
     def rank_size(self) -> tuple[int, int]:
         """``(rank, size)`` in the sequence-parallel group."""
         if self.mesh is not None:
@@ -92,7 +94,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int) -> None:
+def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, loss_chunks: int) -> None:
     cfg = model.config
     if getattr(cfg, "attention_dropout", 0.0):
         raise FPDTHFError(f"attention_dropout={cfg.attention_dropout}: fpdt attention has no dropout; set it to 0")
@@ -100,7 +102,7 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int) ->
         raise FPDTHFError(f"sliding-window attention (window {getattr(cfg, 'sliding_window', None)}) is not "
                           f"supported by fpdt attention, which is full causal: load the model with "
                           f"sliding_window=None (and use_sliding_window=False)")
-    if getattr(model.lm_head, "bias", None) is not None:
+    if loss_chunks and getattr(model.lm_head, "bias", None) is not None:
         raise FPDTHFError("an LM head with a bias is not supported by the chunked loss; use loss_chunks=0")
     if mlp_chunks:
         act = getattr(cfg, "hidden_act", None)
@@ -110,8 +112,18 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int) ->
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 
 
+def _plain_linears(*modules: nn.Module) -> bool:
+    """The chunked functions read ``.weight``/``.bias`` directly: only a plain ``nn.Linear``
+    (not a PEFT/LoRA wrapper, a quantised linear, ...) computes nothing else."""
+    return all(type(m) is nn.Linear for m in modules)
+
+
 def _chunked_mlp_forward(num_chunks: int):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _plain_linears(self.gate_proj, self.up_proj, self.down_proj):
+            raise FPDTHFError(f"the chunked MLP reads gate_proj/up_proj/down_proj's weights directly, and this "
+                              f"MLP's are {type(self.gate_proj).__name__} (an adapter or quantised layer), whose "
+                              f"extra computation it would skip: apply_fpdt(..., mlp_chunks=0)")
         return ChunkedSwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                                            self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias, num_chunks)
     return forward
@@ -125,38 +137,46 @@ class _LayerInputStash:
         self.forward_ids = itertools.count()
         self.current = 0
 
+    def __deepcopy__(self, memo) -> "_LayerInputStash":
+        return _LayerInputStash()      # a copied model gets a stash of its own (host buffers are not copied)
+
     def for_device(self, device: torch.device) -> HostStash:
         if self.stash is None or self.stash.device != device:
             self.stash = HostStash(device, enabled=True)
         return self.stash
 
 
-def _checkpointed_layer_forward(i: int, layer: nn.Module, mode: str, state: _LayerInputStash):
-    original = layer.forward            # the class's forward, Transformers' own checkpoint wrapper included
-    params = list(layer.parameters())
-
-    def forward(hidden_states, *args, **kwargs):
-        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
-            raise FPDTHFError(f"apply_fpdt(checkpointing={mode!r}) checkpoints the decoder layers itself: call "
-                              f"model.gradient_checkpointing_disable(), or apply_fpdt with checkpointing='off' "
-                              f"to keep Transformers' checkpointing")
-        if i == 0:
-            state.current = next(state.forward_ids)   # stash keys unique per forward call
-        fid = state.current
-        stash = state.for_device(hidden_states.device) if mode == "offload" else None
-        # the decoder layer ends with a residual add, which saves nothing: its output may be freed
-        return checkpointed(lambda x: original(x, *args, **kwargs), hidden_states, params, stash=stash,
-                            key=("layer input", i, fid), prev_key=("layer input", i - 1, fid) if i > 0 else None,
-                            free_output=True)
-    return forward
+def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
+    """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
+    ``_fpdt_checkpoint`` holds ``(index, mode, shared stash state)`` (copied with the model)."""
+    i, mode, state = self._fpdt_checkpoint
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+        raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=mode))
+    if i == 0:
+        state.current = next(state.forward_ids)   # stash keys unique per forward call
+    fid = state.current
+    stash = state.for_device(hidden_states.device) if mode == "offload" else None
+    run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
+    # the decoder layer ends with a residual add, which saves nothing: its output may be freed
+    return checkpointed(lambda x: run(self, x, *args, **kwargs), hidden_states, list(self.parameters()),
+                        stash=stash, key=("layer input", i, fid),
+                        prev_key=("layer input", i - 1, fid) if i > 0 else None, free_output=True)
 
 
-def _causal_lm_forward(original):
+_BOTH_CHECKPOINTS = ("apply_fpdt(checkpointing={mode!r}) checkpoints the decoder layers itself: call "
+                     "model.gradient_checkpointing_disable(), or apply_fpdt with checkpointing='off' to keep "
+                     "Transformers' checkpointing")
+
+
+def _causal_lm_forward():
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, shift_labels=None,
                 num_items_in_batch=None, **kwargs):
         settings: HFSettings = self.fpdt
+        original = type(self).forward               # Transformers' forward, bound to this (maybe copied) model
         _, sp = settings.rank_size()
+        if settings.checkpointing != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
+            raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=settings.checkpointing))
         if use_cache or past_key_values is not None:
             raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
                               "past_key_values (generate with a model that has not been through apply_fpdt)")
@@ -171,10 +191,12 @@ def _causal_lm_forward(original):
             raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
                               f"are not contiguous; use fpdt.hf.prepare_inputs")
         return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         if shift_labels is None or settings.loss_chunks == 0:
-            out = original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            out = original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
                            return_dict=True, **kwargs)
             if shift_labels is not None:   # full logits (loss_chunks=0), the same reduction as the chunked loss
@@ -182,6 +204,10 @@ def _causal_lm_forward(original):
                 out = CausalLMOutputWithPast(loss=loss, logits=out.logits, hidden_states=out.hidden_states,
                                              attentions=out.attentions)
         else:
+            if not _plain_linears(self.lm_head):
+                raise FPDTHFError(f"the chunked loss reads lm_head.weight directly, and lm_head is "
+                                  f"{type(self.lm_head).__name__} (an adapter or quantised layer), whose extra "
+                                  f"computation it would skip: apply_fpdt(..., loss_chunks=0)")
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
             loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
@@ -189,7 +215,7 @@ def _causal_lm_forward(original):
                                              wgrad=settings.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
             out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                          attentions=outputs.attentions)
-        return out.to_tuple() if return_dict is False else out
+        return out if return_dict else out.to_tuple()
     return forward
 
 
@@ -228,8 +254,10 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
 
     Args:
         model: a ``*ForCausalLM`` whose attention uses Transformers' ``AttentionInterface``
-            (Llama, Qwen2, Mistral, ...), before or after ``deepspeed.initialize``'s
-            ``zero.Init`` (call it before ``deepspeed.initialize``).
+            (Llama, Qwen2, Mistral, ...), built normally or under ``deepspeed.zero.Init``;
+            call this before ``deepspeed.initialize``. Adapters (PEFT/LoRA) or quantised
+            layers on the MLP projections or the LM head need ``mlp_chunks=0`` /
+            ``loss_chunks=0`` (the chunked functions read plain weights; others are refused).
         group / mesh: the sequence-parallel group (None: the default group, or no
             parallelism without torch.distributed), or a 2D :class:`fpdt.comm.SequenceMesh`.
         num_chunks: attention chunks per rank ``u``; inputs must be sharded with the same
@@ -270,7 +298,7 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
         if loss_chunks is None else int(loss_chunks)
     if mlp_chunks < 0 or loss_chunks < 0:
         raise FPDTHFError(f"mlp_chunks={mlp_chunks} and loss_chunks={loss_chunks} must be >= 0")
-    _check_config(model, layers, mlp_chunks)
+    _check_config(model, layers, mlp_chunks, loss_chunks)
     name = register_attention(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
@@ -282,8 +310,9 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
     if checkpointing != "off":
         state = _LayerInputStash()
         for i, layer in enumerate(layers):
-            layer.forward = _checkpointed_layer_forward(i, layer, checkpointing, state)
-    model.forward = types.MethodType(_causal_lm_forward(model.forward), model)
+            layer._fpdt_checkpoint = (i, checkpointing, state)
+            layer.forward = types.MethodType(_checkpointed_layer_forward, layer)
+    model.forward = types.MethodType(_causal_lm_forward(), model)
     model.fpdt = HFSettings(attn_implementation=name, group=group, mesh=mesh, num_chunks=num_chunks,
                             offload=offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
                             lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing)
@@ -303,6 +332,11 @@ def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.T
     settings: HFSettings | None = getattr(model, "fpdt", None)
     if settings is None:
         raise FPDTHFError("call fpdt.hf.apply_fpdt(model, ...) before fpdt.hf.prepare_inputs")
+    if position_ids is not None and position_ids.shape[-1] > 1 and \
+            bool((position_ids[..., 1:] <= position_ids[..., :-1]).any()):
+        raise FPDTHFError("position_ids restart or do not increase (packed documents?): fpdt attention treats "
+                          "the window as one causal sequence and has no document mask; pass increasing "
+                          "positions (the default arange) or one document per window")
     rank, sp = settings.rank_size()
     inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.num_chunks, labels=labels,
                              position_ids=position_ids, mesh=settings.mesh)

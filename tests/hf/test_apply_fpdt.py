@@ -30,11 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 def checkpoint_stash(model):
     """The host stash of the layer inputs apply_fpdt(checkpointing="offload") keeps, if any."""
-    for cell in model.model.layers[0].forward.__closure__ or ():
-        state = cell.cell_contents
-        if isinstance(state, fpdt.hf.model._LayerInputStash):
-            return state.stash
-    return None
+    return model.model.layers[0]._fpdt_checkpoint[2].stash
 
 
 @contextlib.contextmanager
@@ -229,6 +225,24 @@ def test_sequence_not_divisible_names_the_fix():
         model(input_ids=ids)
 
 
+def _num_items_is_the_group_count(rank, world):
+    """``num_items_in_batch`` = the valid-label count over the SP group gives the default loss;
+    a per-rank count would not (it must be the group's)."""
+    model = _patched(num_chunks=2)
+    ids, labels = tokens(256, 1, 16)
+    inputs = fpdt.hf.prepare_inputs(model, ids, labels=labels)
+    default = model(**inputs).loss
+    count = inputs["shift_labels"].ne(-100).sum()
+    local_only = model(**inputs, num_items_in_batch=count).loss
+    dist.all_reduce(count)
+    assert torch.equal(model(**inputs, num_items_in_batch=count).loss, default)
+    assert not torch.allclose(local_only, default)
+
+
+def test_num_items_in_batch_on_two_ranks():
+    run_distributed(_num_items_is_the_group_count, 2)
+
+
 def _labels_refused_with_sp(rank, world):
     model = _patched(num_chunks=1)
     ids, labels = tokens(256, 1, 16)
@@ -269,3 +283,50 @@ def test_return_dict_false_gives_the_loss_first(loss_chunks):
     tup = model(input_ids=ids, labels=labels, return_dict=False)
     assert isinstance(tup, tuple) and torch.equal(tup[0], out.loss)
     assert out.loss is out["loss"]
+
+
+def test_a_deep_copy_runs_its_own_weights():
+    """EMA / reference-model copies made after apply_fpdt: each copy's forward (loss, logits and
+    fpdt's layer checkpoint) runs the copy's layers, not the original's."""
+    ids, labels = tokens(256, 1, 16)
+    for checkpointing in ("off", "offload"):
+        model = _patched(num_chunks=2, checkpointing=checkpointing, loss_chunks=0)
+        model.train()
+        before = model(input_ids=ids, labels=labels)
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        after = twin(input_ids=ids, labels=labels)
+        assert torch.equal(after.loss, before.loss) and torch.equal(after.logits, before.logits), checkpointing
+        after.loss.backward()
+        assert all(p.grad is not None for p in twin.parameters()) and \
+            all(p.grad is None for p in model.parameters()), checkpointing
+
+
+class _Adapter(torch.nn.Linear):
+    """Stands in for a PEFT/LoRA or quantised linear: not a plain nn.Linear."""
+
+
+def test_adapters_on_the_chunked_weights_are_refused():
+    ids, labels = tokens(256, 1, 16)
+    model = _patched(num_chunks=2)
+    mlp = model.model.layers[0].mlp
+    mlp.gate_proj = _Adapter(mlp.gate_proj.in_features, mlp.gate_proj.out_features, bias=False)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="Adapter .*mlp_chunks=0"):
+        model(input_ids=ids, labels=labels)
+    model = _patched(num_chunks=2)
+    model.lm_head = _Adapter(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="lm_head is _Adapter.*loss_chunks=0"):
+        model(input_ids=ids, labels=labels)
+    model(input_ids=ids)          # logits only: the LM head runs as a module
+
+
+def test_packed_positions_and_a_global_mask_are_refused():
+    model = _patched(num_chunks=2)
+    ids, _ = tokens(256, 1, 16)
+    packed = torch.cat([torch.arange(8), torch.arange(8)]).unsqueeze(0)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="restart or do not increase"):
+        fpdt.hf.prepare_inputs(model, ids, position_ids=packed)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="mask covers 16 tokens but this rank holds 8"):
+        model(input_ids=ids[:, :8], attention_mask=torch.ones(1, 16, dtype=torch.long))

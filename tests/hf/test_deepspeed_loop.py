@@ -1,7 +1,8 @@
 """The example loop (``examples/hf_deepspeed/train.py``: a Transformers model, ``fpdt.hf``,
-DeepSpeed ZeRO-3 with AdamW and clipping) on 2 gloo ranks, against single-process
-Transformers training on the same windows: every step's loss within 1e-4 relative (fp32),
-which a wrong gradient scale, a mis-sharded sequence or a missing ZeRO-3 gather breaks.
+DeepSpeed ZeRO-3) on 2 gloo ranks, against single-process Transformers training on the
+same windows: every step's loss within 1e-4 relative (fp32). The optimizer is plain SGD
+without clipping, so that a wrong gradient scale (e.g. a missing ``loss * sp``) changes
+the next step's loss, as would a mis-sharded sequence or a missing ZeRO-3 gather.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ def _argv(tmp: str) -> list[str]:
             "--tokenizer", os.path.join(ROOT, "examples", "tiny-llama", "tokenizer.json"),
             "--data", os.path.join(ROOT, "examples", "data", "jargon-file-4.4.7.txt"),
             "--seq-len", str(SEQ_LEN), "--chunks", str(CHUNKS), "--steps", str(STEPS),
-            "--deepspeed", os.path.join(ROOT, "examples", "hf_deepspeed", "ds_zero3.json")]
+            "--deepspeed", os.path.join(tmp, "ds.json")]
+
+
+SGD_LR = 0.5
+DS = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+      "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}}, "zero_allow_untested_optimizer": True,
+      "gradient_clipping": 0.0, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+      "steps_per_print": 10 ** 9}
 
 
 def _write_config(tmp: str) -> None:
@@ -43,6 +51,8 @@ def _write_config(tmp: str) -> None:
     cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)   # smaller, faster
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f)
+    with open(os.path.join(tmp, "ds.json"), "w") as f:
+        json.dump(DS, f)
 
 
 def _rank(rank, world, tmp, out):
@@ -59,21 +69,17 @@ def _reference(tmp: str) -> list[float]:
 
     mod = _example()
     args = mod.parse_args(_argv(tmp))
-    with open(args.deepspeed) as f:
-        opt = json.load(f)["optimizer"]["params"]
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=torch.float32)
-    adam = torch.optim.AdamW(model.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]),
-                             weight_decay=opt["weight_decay"])
+    sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     windows = mod.token_windows(args, model.config.eos_token_id)
     losses = []
     for step in range(STEPS):
         ids = windows[step % len(windows)].unsqueeze(0)
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        adam.zero_grad()
+        sgd.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the JSON's gradient_clipping
-        adam.step()
+        sgd.step()
         losses.append(loss.item())
     return losses
 
