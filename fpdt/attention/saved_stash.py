@@ -21,6 +21,7 @@ import torch
 from fpdt.offload import HostStash
 
 _ATTR = "_fpdt_stash"
+_USED = "_fpdt_stash_used"
 
 
 def stash_token(stash: HostStash) -> torch.Tensor:
@@ -31,7 +32,14 @@ def stash_token(stash: HostStash) -> torch.Tensor:
 
 
 def stash_of(token: torch.Tensor) -> HostStash:
-    """The stash a saved token carries (in backward, after ``ctx.saved_tensors``)."""
+    """The stash a saved token carries, for its one backward (after ``ctx.saved_tensors``).
+
+    Backward consumes the stash (its chunks are popped), so a second backward through the
+    same graph (``retain_graph=True``) is refused here rather than failing on a missing chunk.
+    """
+    if getattr(token, _USED, False):
+        raise RuntimeError("fpdt attention's saved chunks were consumed by an earlier backward through this "
+                           "graph: backward twice (retain_graph=True) is not supported; run the forward again")
     stash = getattr(token, _ATTR, None)
     if stash is None:
         raise RuntimeError(
@@ -39,4 +47,5 @@ def stash_of(token: torch.Tensor) -> HostStash:
             "(e.g. torch.autograd.graph.save_on_cpu around the attention without a checkpoint): "
             "its chunks are already offloaded by fpdt's own offload=True, so leave the attention "
             "out of that hook (activation checkpointing around it is fine)")
+    setattr(token, _USED, True)
     return stash

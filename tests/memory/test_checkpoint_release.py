@@ -82,3 +82,12 @@ def test_a_copying_saved_tensor_hook_gets_a_clear_error():
         out = fpdt_attention(q, k, v, num_chunks=U)
     with pytest.raises(RuntimeError, match="saved-tensor hook that copies tensors.*offload=True"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_second_backward_through_the_same_graph_is_refused(offload):
+    q, k, v = _inputs(torch.float32)
+    out = fpdt_attention(q, k, v, num_chunks=U, offload=offload)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="consumed by an earlier backward.*retain_graph=True"):
+        out.sum().backward()
