@@ -11,16 +11,15 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
 * **loss** (``loss_chunks``): with ``shift_labels``, the forward returns the global
   token-mean cross-entropy from the final hidden states a chunk of logits at a time
   (:func:`fpdt.model.loss.sequence_parallel_lm_loss`) and no logits;
-* **ZeRO-3**: when DeepSpeed is installed, the weights those chunked functions read
-  without calling their ``nn.Linear`` are registered as external parameters of the module
-  that reads them, so ZeRO-3 gathers them there.
-
 * **checkpointing** (``"on"`` / ``"offload"``): each decoder layer under fpdt's own
   activation checkpoint (:mod:`fpdt.model.checkpointing`), with ``"offload"`` the layer
   inputs in host memory, fetched one layer ahead in backward. Or leave it ``"off"`` and use
   Transformers' ``model.gradient_checkpointing_enable()``, which works with FPDT attention:
   the attention's saved chunks are freed with the checkpointed region
   (:mod:`fpdt.attention.saved_stash`).
+* **ZeRO-3**: when DeepSpeed is installed, the weights those chunked functions read
+  without calling their ``nn.Linear`` are registered as external parameters of the module
+  that reads them, so ZeRO-3 gathers them there.
 
 What stays Transformers': embeddings, norms, the q/k/v/o projections and RoPE, so the
 full-length local q/k/v of a layer exist during its forward, unlike
@@ -51,7 +50,7 @@ from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
 from fpdt.model.loss import (IGNORE_INDEX, WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss,
                              sum_over_group, valid_token_scale)
-from fpdt.model.mlp import ChunkedSwiGLUFunction, default_mlp_chunks
+from fpdt.model.mlp import default_mlp_chunks, swiglu_of_linears
 from fpdt.offload import HostStash
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
@@ -124,8 +123,7 @@ def _chunked_mlp_forward(num_chunks: int):
             raise FPDTHFError(f"the chunked MLP reads gate_proj/up_proj/down_proj's weights directly, and this "
                               f"MLP's are {type(self.gate_proj).__name__} (an adapter or quantised layer), whose "
                               f"extra computation it would skip: apply_fpdt(..., mlp_chunks=0)")
-        return ChunkedSwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                                           self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias, num_chunks)
+        return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, num_chunks)
     return forward
 
 
@@ -168,55 +166,54 @@ _BOTH_CHECKPOINTS = ("apply_fpdt(checkpointing={mode!r}) checkpoints the decoder
                      "Transformers' checkpointing")
 
 
-def _causal_lm_forward():
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, shift_labels=None,
-                num_items_in_batch=None, **kwargs):
-        settings: HFSettings = self.fpdt
-        original = type(self).forward               # Transformers' forward, bound to this (maybe copied) model
-        _, sp = settings.rank_size()
-        if settings.checkpointing != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
-            raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=settings.checkpointing))
-        if use_cache or past_key_values is not None:
-            raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
-                              "past_key_values (generate with a model that has not been through apply_fpdt)")
-        if labels is not None:
-            if shift_labels is not None:
-                raise FPDTHFError("pass labels= or shift_labels=, not both")
-            if sp > 1:
-                raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
-                                  f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
-            shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
-        if position_ids is None and sp > 1:
-            raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
-                              f"are not contiguous; use fpdt.hf.prepare_inputs")
-        return_dict = kwargs.pop("return_dict", None)
-        if return_dict is None:
-            return_dict = getattr(self.config, "return_dict", True)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, shift_labels=None,
+                       num_items_in_batch=None, **kwargs):
+    """The causal LM's forward after :func:`apply_fpdt` (bound to the model)."""
+    settings: HFSettings = self.fpdt
+    original = type(self).forward               # Transformers' forward, called with this (maybe copied) model
+    _, sp = settings.rank_size()
+    if settings.checkpointing != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
+        raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=settings.checkpointing))
+    if use_cache or past_key_values is not None:
+        raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
+                          "past_key_values (generate with a model that has not been through apply_fpdt)")
+    if labels is not None:
+        if shift_labels is not None:
+            raise FPDTHFError("pass labels= or shift_labels=, not both")
+        if sp > 1:
+            raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
+                              f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
+        shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
+    if position_ids is None and sp > 1:
+        raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
+                          f"are not contiguous; use fpdt.hf.prepare_inputs")
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        if shift_labels is None or settings.loss_chunks == 0:
-            out = original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
-                           return_dict=True, **kwargs)
-            if shift_labels is not None:   # full logits (loss_chunks=0), the same reduction as the chunked loss
-                loss = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
-                out = CausalLMOutputWithPast(loss=loss, logits=out.logits, hidden_states=out.hidden_states,
-                                             attentions=out.attentions)
-        else:
-            if not _plain_linears(self.lm_head):
-                raise FPDTHFError(f"the chunked loss reads lm_head.weight directly, and lm_head is "
-                                  f"{type(self.lm_head).__name__} (an adapter or quantised layer), whose extra "
-                                  f"computation it would skip: apply_fpdt(..., loss_chunks=0)")
-            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
-            loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
-                                             group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
-                                             wgrad=settings.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
-            out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                         attentions=outputs.attentions)
-        return out if return_dict else out.to_tuple()
-    return forward
+    if shift_labels is None or settings.loss_chunks == 0:
+        out = original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
+                       return_dict=True, **kwargs)
+        if shift_labels is not None:   # full logits (loss_chunks=0), the same reduction as the chunked loss
+            loss = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
+            out = CausalLMOutputWithPast(loss=loss, logits=out.logits, hidden_states=out.hidden_states,
+                                         attentions=out.attentions)
+    else:
+        if not _plain_linears(self.lm_head):
+            raise FPDTHFError(f"the chunked loss reads lm_head.weight directly, and lm_head is "
+                              f"{type(self.lm_head).__name__} (an adapter or quantised layer), whose extra "
+                              f"computation it would skip: apply_fpdt(..., loss_chunks=0)")
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
+        loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
+                                         group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
+                                         wgrad=settings.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions)
+    return out if return_dict else out.to_tuple()
 
 
 def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_items_in_batch):
@@ -228,22 +225,18 @@ def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_i
     return sum_over_group(local, group=group, sp=sp)
 
 
-def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool) -> int:
+def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool) -> None:
     try:
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
     except ImportError:        # no DeepSpeed, no ZeRO-3
-        return 0
-    n = 0
+        return
     if mlp_chunked:
         for layer in layers:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 for p in getattr(layer.mlp, name).parameters(recurse=False):
                     register_external_parameter(layer.mlp, p)
-                    n += 1
     if loss_chunked:
         register_external_parameter(model, model.lm_head.weight)
-        n += 1
-    return n
 
 
 def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
@@ -312,7 +305,7 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
         for i, layer in enumerate(layers):
             layer._fpdt_checkpoint = (i, checkpointing, state)
             layer.forward = types.MethodType(_checkpointed_layer_forward, layer)
-    model.forward = types.MethodType(_causal_lm_forward(), model)
+    model.forward = types.MethodType(_causal_lm_forward, model)
     model.fpdt = HFSettings(attn_implementation=name, group=group, mesh=mesh, num_chunks=num_chunks,
                             offload=offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
                             lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing)

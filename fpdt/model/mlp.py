@@ -146,12 +146,17 @@ class ChunkedSwiGLU(nn.Module):
         self.num_chunks = num_chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
-        if self.num_chunks == 0:
-            return swiglu_reference(*args)
-        return ChunkedSwiGLUFunction.apply(*args, self.num_chunks)
+        return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, self.num_chunks)
 
     def extra_repr(self) -> str:
         return f"num_chunks={self.num_chunks}"
 
+
+def swiglu_of_linears(x: torch.Tensor, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
+                      num_chunks: int) -> torch.Tensor:
+    """SwiGLU of three ``nn.Linear`` modules' weights and biases, read directly: over
+    ``num_chunks`` token chunks (:class:`ChunkedSwiGLUFunction`), or plain when 0."""
+    args = (x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias, down_proj.bias)
+    if num_chunks == 0:
+        return swiglu_reference(*args)
+    return ChunkedSwiGLUFunction.apply(*args, num_chunks)

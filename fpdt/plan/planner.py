@@ -23,8 +23,8 @@ from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import estimate_memory
 from fpdt.plan.models import load_model_config
-from fpdt.plan.setup import (CHECKPOINT_MODES, device_layer_problems, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
-                             Setup, chunk_count_problems)
+from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
+                             Setup, chunk_count_problems, device_layer_problems)
 from fpdt.plan.time_model import estimate_time
 from fpdt.train.config import MLP_CHUNKS_PER_CHUNK, chunk_split, default_chunk_size
 from fpdt.train.metrics import ModelShape, step_rates

@@ -20,7 +20,7 @@ import transformers
 
 import fpdt.hf
 import fpdt.hf.attention
-import fpdt.hf.model
+import fpdt.model.mlp
 from fpdt.comm import SequenceMesh
 from tests.distributed import run_distributed
 from tests.model.helpers import compare, hf_config, hf_loss_and_grads, hf_model, tokens
@@ -76,7 +76,7 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
         model.gradient_checkpointing_enable()    # Transformers' default: non-reentrant
     inputs = fpdt.hf.prepare_inputs(model, ids, labels=labels)
     with count_calls(fpdt.hf.attention, "fpdt_attention") as attention_calls, \
-            count_calls(fpdt.hf.model.ChunkedSwiGLUFunction, "apply") as mlp_calls:
+            count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls:
         out = model(**inputs)
         assert out.logits is None if loss_chunks != 0 else out.logits.shape[:2] == (B, S // world)
         stash = checkpoint_stash(model) if checkpointing == "offload" else None
