@@ -8,8 +8,8 @@ does not depend on the strategy), activation checkpointing on in every strategy:
 * ``alst``: DeepSpeed's long-sequence recipe on the same Transformers model (``TiledMLP``,
   ``TiledFusedLogitsLoss``, checkpoint offload; ``profiling/strategies.py``, whose
   docstring says how its offload is counted on the CPU);
-* ``hf+fpdt``: the same model after ``fpdt.hf.apply_fpdt`` (FPDT attention, chunked MLP and
-  loss), attention offload off;
+* ``hf+fpdt``: the same model after ``fpdt.hf.apply_fpdt`` with its defaults (FPDT attention
+  with chunked q/k/v projections, lean RMSNorm, chunked MLP and loss), attention offload off;
 * ``hf+fpdt offload``: the same with ``offload=True``;
 * ``hf+fpdt offload, ckpt offload``: also ``checkpointing="offload"`` (fpdt's own layer
   checkpoint, layer inputs in host memory) instead of Transformers' checkpointing;

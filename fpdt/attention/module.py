@@ -6,9 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fpdt.attention.mesh_pipeline import build_mesh_spec
-from fpdt.attention.pipeline import build_spec
-from fpdt.attention.projected_attention import ProjectedFPDTAttentionFunction
+from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.attention.rope import RotaryEmbedding
 from fpdt.comm import SequenceMesh
 
@@ -69,19 +67,9 @@ class FPDTAttention(nn.Module):
         B, S_local, _ = hidden_states.shape
         if position_ids.shape != (B, S_local):
             raise ValueError(f"position_ids must be [B, S_local]=[{B}, {S_local}], got {tuple(position_ids.shape)}")
-        shape = dict(seq_local=S_local, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                     head_dim=self.head_dim, dtype=hidden_states.dtype, device=hidden_states.device,
-                     num_chunks=self.num_chunks, causal=True, softmax_scale=self.softmax_scale, backend=self.backend)
-        if self.mesh is not None and self.group is not None:
-            raise ValueError("FPDTAttention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
-        spec = build_mesh_spec(mesh=self.mesh, **shape) if self.mesh is not None else \
-            build_spec(group=self.group, **shape)
-        spec.label = self.stash_label
-        inputs = (hidden_states, self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
-                  self.v_proj.weight, self.v_proj.bias)
-        # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
-        for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-        attn = ProjectedFPDTAttentionFunction.apply(
-            *inputs, position_ids, rope, spec, self.offload, (self.num_heads, self.num_kv_heads, self.head_dim),
-            for_backward)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        attn = projected_fpdt_attention(
+            hidden_states, self.q_proj, self.k_proj, self.v_proj, heads=heads, position_ids=position_ids,
+            rope=rope, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks, offload=self.offload,
+            backend=self.backend, softmax_scale=self.softmax_scale, label=self.stash_label)
         return self.o_proj(attn.reshape(B, S_local, self.num_heads * self.head_dim))

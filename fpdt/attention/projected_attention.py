@@ -4,7 +4,8 @@ The full-sequence q, k, v never exist on the device: chunk ``i`` of the hidden s
 projected, rotated, all-to-all'd and attended, then dropped. Saved for backward:
 
 * through ``ctx.save_for_backward``: the projection weights and biases, the position
-  ids (small) and a token carrying the stash (:mod:`fpdt.attention.saved_stash`);
+  ids or the rotation table (small: ``D`` per token against ``hidden``) and a token
+  carrying the stash (:mod:`fpdt.attention.saved_stash`);
 * in the :class:`HostStash` (pinned host memory when ``offload=True``): the input chunks
   ``T_i`` ``[B, L, hidden]`` and the attention chunks of :mod:`fpdt.attention.pipeline`
   (``q̂_i, k̂_i, v̂_i, o_i, lse_i``).
@@ -13,6 +14,10 @@ Backward (FPDT): after outer step ``j`` of the attention backward, dq̂_j/dk̂_j
 back through the all-to-all, RoPE is undone, and the projection backward runs with
 ``T_j`` (prefetched during the outer step) to give ``dT_j`` and accumulate fp32 weight
 gradients.
+
+RoPE comes either from a :class:`RotaryEmbedding` evaluated at the chunk's position ids,
+or from a precomputed rotation table ``(cos, sin)`` ``[B or 1, S_local, D]`` sliced per
+chunk (what a Transformers model computes once per forward, whatever its RoPE type).
 """
 
 from __future__ import annotations
@@ -21,23 +26,60 @@ import torch
 from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
-from fpdt.attention.mesh_pipeline import run_backward, run_forward
-from fpdt.attention.pipeline import PipelineSpec
+import torch.distributed as dist
+
+from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
+from fpdt.attention.pipeline import PipelineSpec, build_spec
 from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward_
 from fpdt.attention.saved_stash import stash_of, stash_token
+from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
 
 
+def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_proj: torch.nn.Linear,
+                             v_proj: torch.nn.Linear, *, heads: tuple[int, int, int],
+                             position_ids: torch.Tensor | None = None, rope: RotaryEmbedding | None = None,
+                             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                             group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
+                             num_chunks: int = 1, offload: bool = False, backend: str | None = None,
+                             softmax_scale: float | None = None, label: str | None = None) -> torch.Tensor:
+    """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
+    FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
+    ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
+    before the output projection. ``heads`` = ``(H, H_kv, D)``; RoPE from ``rope`` at
+    ``position_ids``, or from the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none.
+    ``label`` names the chunks in offload errors (e.g. "layer 2")."""
+    if mesh is not None and group is not None:
+        raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
+    H, H_kv, D = heads
+    shape = dict(seq_local=hidden.shape[1], num_heads=H, num_kv_heads=H_kv, head_dim=D, dtype=hidden.dtype,
+                 device=hidden.device, num_chunks=num_chunks, causal=True, softmax_scale=softmax_scale,
+                 backend=backend)
+    spec = build_mesh_spec(mesh=mesh, **shape) if mesh is not None else build_spec(group=group, **shape)
+    spec.label = label
+    inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
+    # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
+    for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, offload, heads, for_backward,
+                                                cos, sin)
+
+
 class ProjectedFPDTAttentionFunction(torch.autograd.Function):
-    """hidden ``[B, S_local, hidden]`` -> attention output ``[B, S_local, H, D]`` (before o_proj)."""
+    """hidden ``[B, S_local, hidden]`` -> attention output ``[B, S_local, H, D]`` (before o_proj).
+
+    RoPE: ``rope`` at ``position_ids`` ``[B, S_local]``, or the table ``cos``/``sin``
+    ``[B or 1, S_local, D]`` (then ``rope`` and ``position_ids`` are None), or neither.
+    """
 
     @staticmethod
     def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, position_ids, rope: RotaryEmbedding | None,
-                spec: PipelineSpec, offload: bool, heads: tuple[int, int, int], for_backward: bool):
+                spec: PipelineSpec, offload: bool, heads: tuple[int, int, int], for_backward: bool,
+                cos=None, sin=None):
         H, H_kv, D = heads
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
         stash = HostStash(hidden.device, enabled=offload, label=spec.label)
+        rotation = _rotation(rope, position_ids, cos, sin)
 
         def produce(i):
             sl = slice(i * L, (i + 1) * L)
@@ -47,9 +89,9 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             q = F.linear(T, wq, bq).view(B, L, H, D)
             k = F.linear(T, wk, bk).view(B, L, H_kv, D)
             v = F.linear(T, wv, bv).view(B, L, H_kv, D)
-            if rope is not None:
-                cos, sin = rope.cos_sin(position_ids[:, sl], q.dtype)
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if rotation is not None:
+                c, s = rotation(sl, q.dtype)
+                q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
             return q, k, v
 
         out = torch.empty(B, S_local, H, D, dtype=hidden.dtype, device=hidden.device)
@@ -58,7 +100,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             out[:, i * L:(i + 1) * L] = out_i
 
         run_forward(spec, produce, emit, stash, for_backward)
-        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, stash_token(stash))
+        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, stash_token(stash))
         ctx.rope, ctx.spec, ctx.L, ctx.heads = rope, spec, L, heads
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         return out
@@ -66,9 +108,10 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable   # the chunked backward is not itself differentiable
     def backward(ctx, grad_out):
-        wq, bq, wk, bk, wv, bv, position_ids, token = ctx.saved_tensors
+        wq, bq, wk, bk, wv, bv, position_ids, cos, sin, token = ctx.saved_tensors
         H, H_kv, D = ctx.heads
-        L, spec, rope = ctx.L, ctx.spec, ctx.rope
+        L, spec = ctx.L, ctx.spec
+        rotation = _rotation(ctx.rope, position_ids, cos, sin)
         stash = stash_of(token)
         shape, dtype = ctx.hidden_meta
         B = shape[0]
@@ -90,9 +133,9 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             T = stash.pop(("T", j))
             if j + 1 < spec.num_chunks:
                 stash.prefetch(("T", j + 1))  # copies in during the next outer step
-            if rope is not None:
-                cos, sin = rope.cos_sin(position_ids[:, sl], acc)
-                dq, dk = apply_rotary_backward_(dq, cos, sin), apply_rotary_backward_(dk, cos, sin)  # ours to overwrite
+            if rotation is not None:
+                c, s = rotation(sl, acc)
+                dq, dk = apply_rotary_backward_(dq, c, s), apply_rotary_backward_(dk, c, s)  # ours to overwrite
             T2 = T.reshape(B * L, -1)
             d_T = None
             for n, g in enumerate((dq, dk, dv)):
@@ -109,4 +152,15 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         out_w = [dw.to(w.dtype) for dw, w in zip(d_w, weights)]
         out_b = [None if db is None else db.to(b.dtype) for db, b in zip(d_b, biases)]
         return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2],
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
+
+
+def _rotation(rope: RotaryEmbedding | None, position_ids, cos, sin):
+    """``(slice, dtype) -> (cos, sin)`` of a chunk, or None without RoPE."""
+    if cos is not None:
+        if rope is not None:
+            raise ValueError("pass a RotaryEmbedding or a (cos, sin) table, not both")
+        return lambda sl, dtype: (cos[:, sl].to(dtype), sin[:, sl].to(dtype))
+    if rope is not None:
+        return lambda sl, dtype: rope.cos_sin(position_ids[:, sl], dtype)
+    return None

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.attention import fpdt_attention
+from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.comm import SequenceMesh
 
 _names = itertools.count()
@@ -57,27 +58,33 @@ class FPDTHFError(ValueError):
     """A Transformers input or setting that the FPDT attention cannot honour."""
 
 
+def _refuse_unhonoured(module: torch.nn.Module, name: str, attention_mask, dropout: float,
+                       sliding_window: int | None, kwargs: dict) -> None:
+    """Raise for anything a Transformers attention call asks that fpdt attention would ignore."""
+    if attention_mask is not None:
+        raise FPDTHFError(f"attention implementation {name!r} got an attention mask; fpdt attention is "
+                          f"causal over the whole sequence and takes none (mark padding with labels -100)")
+    if dropout:
+        raise FPDTHFError(f"attention dropout {dropout} is not supported by fpdt attention: set the "
+                          f"config's attention_dropout to 0")
+    if sliding_window is not None:
+        raise FPDTHFError(f"sliding-window attention (window {sliding_window}) is not supported by fpdt "
+                          f"attention: disable the config's sliding window (use_sliding_window=False)")
+    ignored = sorted(k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "softcap", "s_aux", "sinks")
+                     if kwargs.get(k) is not None)
+    if ignored:
+        raise FPDTHFError(f"fpdt attention cannot honour {', '.join(ignored)} (packed sequences, logit "
+                          f"soft-capping or attention sinks): use another attention implementation")
+    if not getattr(module, "is_causal", True):
+        raise FPDTHFError(f"{type(module).__name__} is not causal; fpdt attention is causal only")
+
+
 def _attention(settings: AttentionSettings, name: str):
     def fpdt_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, attention_mask: torch.Tensor | None, *,
                                scaling: float | None = None, dropout: float = 0.0,
                                sliding_window: int | None = None, **kwargs):
-        if attention_mask is not None:
-            raise FPDTHFError(f"attention implementation {name!r} got an attention mask; fpdt attention is "
-                              f"causal over the whole sequence and takes none (mark padding with labels -100)")
-        if dropout:
-            raise FPDTHFError(f"attention dropout {dropout} is not supported by fpdt attention: set the "
-                              f"config's attention_dropout to 0")
-        if sliding_window is not None:
-            raise FPDTHFError(f"sliding-window attention (window {sliding_window}) is not supported by fpdt "
-                              f"attention: disable the config's sliding window (use_sliding_window=False)")
-        ignored = sorted(k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "softcap", "s_aux", "sinks")
-                         if kwargs.get(k) is not None)
-        if ignored:
-            raise FPDTHFError(f"fpdt attention cannot honour {', '.join(ignored)} (packed sequences, logit "
-                              f"soft-capping or attention sinks): use another attention implementation")
-        if not getattr(module, "is_causal", True):
-            raise FPDTHFError(f"{type(module).__name__} is not causal; fpdt attention is causal only")
+        _refuse_unhonoured(module, name, attention_mask, dropout, sliding_window, kwargs)
         if query.dim() != 4 or key.dim() != 4:
             raise FPDTHFError(f"expected query [B, H, S, D] and key [B, H_kv, S, D], got {tuple(query.shape)} "
                               f"and {tuple(key.shape)}")
@@ -88,6 +95,62 @@ def _attention(settings: AttentionSettings, name: str):
         return out, None                                               # [B, S_local, H, D], no weights
 
     return fpdt_attention_forward
+
+
+CHUNKED_QKV_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
+"""Attention classes whose forward is exactly: q/k/v ``nn.Linear`` projections, RoPE from
+``position_embeddings``, attention, ``o_proj`` (so :func:`chunked_qkv_attention_forward`
+may replace it). Others (q/k norms, fused projections, ...) keep their own forward."""
+
+
+def check_chunked_qkv(module: torch.nn.Module) -> None:
+    """Refuse, naming the fix, an attention module whose forward the chunked one would change."""
+    kind = type(module).__name__
+    if kind not in CHUNKED_QKV_ATTENTION:
+        raise FPDTHFError(f"the chunked q/k/v projection replaces the attention forward of "
+                          f"{', '.join(CHUNKED_QKV_ATTENTION)} only; {kind} computes something else around it "
+                          f"(q/k norms, fused projections, ...): apply_fpdt(..., chunked_qkv=False)")
+    projections = [getattr(module, n) for n in ("q_proj", "k_proj", "v_proj")]
+    if not all(type(p) is torch.nn.Linear for p in projections):
+        kinds = ", ".join(type(p).__name__ for p in projections)
+        raise FPDTHFError(f"the chunked q/k/v projection reads q_proj/k_proj/v_proj's weights directly, and "
+                          f"{kind}'s are {kinds} (an adapter or quantised layer), whose extra computation it would "
+                          f"skip: apply_fpdt(..., chunked_qkv=False)")
+
+
+def _sliding_window(module: torch.nn.Module) -> int | None:
+    """The window the module's own forward would pass (Qwen2: per layer; Mistral: the config's)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)
+
+
+def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
+    """A forward for a :data:`CHUNKED_QKV_ATTENTION` module (to bind to it) that runs the
+    q/k/v projections, RoPE and FPDT attention chunk by chunk
+    (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), so the layer's
+    full-length local q/k/v never exist; then ``o_proj``. RoPE uses the model's own
+    ``position_embeddings`` (any RoPE type), sliced per chunk."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        check_chunked_qkv(self)
+        if past_key_values is not None:
+            raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
+                              "past_key_values")
+        dropout = self.attention_dropout if self.training else 0.0
+        _refuse_unhonoured(self, name, attention_mask, dropout, _sliding_window(self), kwargs)
+        cos, sin = position_embeddings
+        B, S_local, _ = hidden_states.shape
+        H, H_kv = self.config.num_attention_heads, self.config.num_key_value_heads
+        out = projected_fpdt_attention(hidden_states, self.q_proj, self.k_proj, self.v_proj,
+                                       heads=(H, H_kv, self.head_dim), cos=cos, sin=sin, group=settings.group,
+                                       mesh=settings.mesh, num_chunks=settings.num_chunks,
+                                       offload=settings.offload, backend=settings.backend,
+                                       softmax_scale=self.scaling, label=f"layer {self.layer_idx}")
+        return self.o_proj(out.reshape(B, S_local, H * self.head_dim)), None
+
+    return forward
 
 
 def _mask(name: str):
@@ -120,13 +183,18 @@ def register_attention(*, group: dist.ProcessGroup | None = None, mesh: Sequence
     The model's inputs must then be this rank's tokens in the matching layout, with global
     position ids: :func:`fpdt.hf.prepare_inputs` builds them.
     """
+    settings = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
+    return register_settings(settings, name)
+
+
+def register_settings(settings: AttentionSettings, name: str | None = None) -> str:
+    """:func:`register_attention` with its settings already built."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
         raise ImportError(f"fpdt.hf needs transformers with AttentionInterface and AttentionMaskInterface "
                           f"(tested with 5.23; pip install -U transformers): {e}") from e
-    settings = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
     name = name or f"fpdt-{next(_names)}"
     AttentionInterface.register(name, _attention(settings, name))
     AttentionMaskInterface.register(name, _mask(name))

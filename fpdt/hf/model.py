@@ -21,9 +21,17 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
   without calling their ``nn.Linear`` are registered as external parameters of the module
   that reads them, so ZeRO-3 gathers them there.
 
-What stays Transformers': embeddings, norms, the q/k/v/o projections and RoPE, so the
-full-length local q/k/v of a layer exist during its forward, unlike
-:class:`fpdt.model.FPDTForCausalLM`, whose projections are chunked too.
+* **RMSNorm** (``lean_norms``): the models' RMSNorms run :func:`fpdt.model.rmsnorm.rms_norm`
+  (same numerics; saves the input and one fp32 scale per token instead of Transformers'
+  fp32 copies, about 2.5 sequence-sized bf16 tensors less per norm);
+* **q/k/v projections** (``chunked_qkv``): each layer's q/k/v projections and RoPE run
+  chunk by chunk inside the FPDT attention (as in :class:`fpdt.model.FPDTForCausalLM`), so
+  the layer's full-length local q/k/v never exist; RoPE is the model's own
+  ``position_embeddings``, sliced per chunk.
+
+What stays Transformers': embeddings, RoPE's tables (``(cos, sin)`` of every local token,
+``2 D / hidden`` of a hidden-state tensor, which :class:`fpdt.model.FPDTForCausalLM` does not
+hold) and the output projection (and the q/k/v projections with ``chunked_qkv=False``).
 
 Gradient convention, as :class:`fpdt.model.FPDTForCausalLM`: the loss value is the same on
 every SP rank; parameter gradients **summed** over the SP group are those of the global
@@ -43,7 +51,8 @@ from torch import nn
 
 from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
-from fpdt.hf.attention import FPDTHFError, register_attention
+from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
+                               register_settings)
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
@@ -51,9 +60,13 @@ from fpdt.model.inputs import shift_labels as _shift_labels
 from fpdt.model.loss import (IGNORE_INDEX, WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss,
                              sum_over_group, valid_token_scale)
 from fpdt.model.mlp import default_mlp_chunks, swiglu_of_linears
+from fpdt.model.rmsnorm import rms_norm
 from fpdt.offload import HostStash
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
+LEAN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+"""Transformers RMSNorm classes whose forward is exactly :func:`fpdt.model.rmsnorm.rms_norm`'s
+(fp32 normalisation, cast to the input dtype, then the weight multiply)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,8 @@ class HFSettings:
     loss_chunks: int
     lm_head_wgrad: str
     checkpointing: str = "off"
+    chunked_qkv: bool = True
+    lean_norms: bool = True
 
     def __deepcopy__(self, memo) -> "HFSettings":
         return self     # immutable, and a copied model stays in the same process group
@@ -125,6 +140,21 @@ def _chunked_mlp_forward(num_chunks: int):
                               f"extra computation it would skip: apply_fpdt(..., mlp_chunks=0)")
         return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, num_chunks)
     return forward
+
+
+def _lean_norm_forward(num_chunks: int):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, num_chunks)
+    return forward
+
+
+def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The model's RMSNorms, refused (naming the fix) unless their class is a known one."""
+    kind = type(layers[0].input_layernorm).__name__ if hasattr(layers[0], "input_layernorm") else None
+    if kind not in LEAN_RMSNORMS:
+        raise FPDTHFError(f"lean_norms replaces the RMSNorm of {', '.join(LEAN_RMSNORMS)}; this model's layer norm "
+                          f"is {kind}, which may compute something else: apply_fpdt(..., lean_norms=False)")
+    return [m for m in model.modules() if type(m).__name__ in LEAN_RMSNORMS]
 
 
 class _LayerInputStash:
@@ -225,11 +255,17 @@ def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_i
     return sum_over_group(local, group=group, sp=sp)
 
 
-def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool) -> None:
+def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool,
+                           qkv_chunked: bool) -> None:
     try:
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
     except ImportError:        # no DeepSpeed, no ZeRO-3
         return
+    if qkv_chunked:
+        for layer in layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                for p in getattr(layer.self_attn, name).parameters(recurse=False):
+                    register_external_parameter(layer.self_attn, p)
     if mlp_chunked:
         for layer in layers:
             for name in ("gate_proj", "up_proj", "down_proj"):
@@ -242,7 +278,8 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
 def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                num_chunks: int = 1, offload: bool = False, backend: str | None = None,
                mlp_chunks: int | None = None, loss_chunks: int | None = None,
-               lm_head_wgrad: str = "recompute", checkpointing: str = "off") -> nn.Module:
+               lm_head_wgrad: str = "recompute", checkpointing: str = "off",
+               chunked_qkv: bool = True, lean_norms: bool = True) -> nn.Module:
     """Make a Transformers causal LM sequence-parallel and chunked with FPDT; returns ``model``.
 
     Args:
@@ -269,6 +306,15 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
             (:mod:`fpdt.model.checkpointing`: the layer input is kept, the layer recomputed in
             backward); ``"offload"`` keeps the layer inputs in (pinned) host memory instead,
             fetched one layer ahead in backward, as FPDT does. Not together with Transformers'.
+        chunked_qkv: run each layer's q/k/v projections and RoPE chunk by chunk inside the
+            FPDT attention, as :class:`fpdt.model.FPDTForCausalLM` does, so the layer's
+            full-length local q/k/v never exist (Llama, Mistral, Qwen2 attention; adapters or
+            quantised q/k/v projections and other attention classes need ``chunked_qkv=False``,
+            which keeps Transformers' projections and calls FPDT attention on their output).
+        lean_norms: run the RMSNorms (Llama, Mistral, Qwen2, Qwen3 classes) with fpdt's
+            RMSNorm (:mod:`fpdt.model.rmsnorm`), which saves the input and an fp32 scale per
+            token instead of Transformers' fp32 copies, over ``2 u`` token chunks; same
+            numerics. Other norm classes need ``lean_norms=False``.
 
     After this, call ``model(input_ids=..., position_ids=..., shift_labels=...)`` with this
     rank's inputs from :func:`prepare_inputs`: ``.loss`` is the global token-mean
@@ -292,11 +338,23 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
     if mlp_chunks < 0 or loss_chunks < 0:
         raise FPDTHFError(f"mlp_chunks={mlp_chunks} and loss_chunks={loss_chunks} must be >= 0")
     _check_config(model, layers, mlp_chunks, loss_chunks)
-    name = register_attention(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
+    if chunked_qkv:
+        for layer in layers:
+            check_chunked_qkv(layer.self_attn)
+    norms = _lean_norms(model, layers) if lean_norms else []
+    attention = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
+    name = register_settings(attention)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
         raise FPDTHFError(f"{type(model).__name__} did not take attention implementation {name!r}; it does not "
                           f"use Transformers' AttentionInterface")
+    if chunked_qkv:
+        forward = chunked_qkv_attention_forward(attention, name)
+        for layer in layers:
+            layer.self_attn.forward = types.MethodType(forward, layer.self_attn)
+    norm_forward = _lean_norm_forward(2 * num_chunks)   # fp32 temporaries within the chunk budget
+    for norm in norms:
+        norm.forward = types.MethodType(norm_forward, norm)
     if mlp_chunks:
         for layer in layers:
             layer.mlp.forward = types.MethodType(_chunked_mlp_forward(mlp_chunks), layer.mlp)
@@ -308,8 +366,9 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
     model.forward = types.MethodType(_causal_lm_forward, model)
     model.fpdt = HFSettings(attn_implementation=name, group=group, mesh=mesh, num_chunks=num_chunks,
                             offload=offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
-                            lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing)
-    _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks))
+                            lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing,
+                            chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
+    _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv))
     return model
 
 

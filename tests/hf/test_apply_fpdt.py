@@ -20,6 +20,7 @@ import transformers
 
 import fpdt.hf
 import fpdt.hf.attention
+import fpdt.hf.model
 import fpdt.model.mlp
 from fpdt.comm import SequenceMesh
 from tests.distributed import run_distributed
@@ -48,20 +49,28 @@ def count_calls(owner, name):
     finally:
         setattr(owner, name, original)
 
-# (model, num_chunks, mlp_chunks, loss_chunks, offload, activation checkpointing, lm_head_wgrad);
-# checkpointing: False, "hf" (Transformers' own, non-reentrant), or apply_fpdt's "on" / "offload"
+# (model, num_chunks, mlp_chunks, loss_chunks, offload, activation checkpointing, lm_head_wgrad, options);
+# checkpointing: False, "hf" (Transformers' own, non-reentrant), or apply_fpdt's "on" / "offload";
+# options: apply_fpdt's chunked_qkv / lean_norms when not the defaults (True)
+HF_QKV = dict(chunked_qkv=False)
+HF_NORMS = dict(lean_norms=False)
+HF_BOTH = dict(chunked_qkv=False, lean_norms=False)
 CASES_1 = [
-    ("llama_gqa", 1, None, None, False, False, "recompute"),
-    ("llama_gqa", 4, 3, 5, True, "hf", "accumulate"),
-    ("qwen2_tied", 2, None, 0, False, "hf", "recompute"),     # full logits, tied head
-    ("llama_bias", 4, 0, 3, True, "offload", "recompute"),    # plain MLP, biases, head_dim != hidden/heads
-    ("mistral", 2, 2, None, True, "on", "accumulate"),
-    ("qwen2_tied", 4, None, None, True, "offload", "accumulate"),
+    ("llama_gqa", 1, None, None, False, False, "recompute", {}),
+    ("llama_gqa", 4, 3, 5, True, "hf", "accumulate", {}),
+    ("qwen2_tied", 2, None, 0, False, "hf", "recompute", {}),     # full logits, tied head
+    ("llama_bias", 4, 0, 3, True, "offload", "recompute", {}),    # plain MLP, biases, head_dim != hidden/heads
+    ("mistral", 2, 2, None, True, "on", "accumulate", {}),
+    ("qwen2_tied", 4, None, None, True, "offload", "accumulate", {}),
+    # Transformers' own q/k/v projections and RoPE (FPDT attention on their output), or its own norms
+    ("llama_gqa", 4, 3, 5, True, "hf", "accumulate", HF_BOTH),
+    ("llama_bias", 2, None, None, False, "offload", "recompute", HF_QKV),
+    ("mistral", 2, None, 0, True, "hf", "recompute", HF_NORMS),
 ]
 
 
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, wgrad,
-             mesh=None, B=2, S=None, dtype=torch.float32, tol=1e-5):
+             options=None, mesh=None, B=2, S=None, dtype=torch.float32, tol=1e-5):
     ref = hf_model(name).to(dtype)
     S = S or 4 * world * num_chunks * (2 if mesh is not None else 1)
     ids, labels = tokens(ref.config.vocab_size, B, S)
@@ -69,14 +78,16 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
     fpdt.hf.apply_fpdt(model, mesh=mesh, num_chunks=num_chunks, offload=offload, mlp_chunks=mlp_chunks,
-                       loss_chunks=loss_chunks, lm_head_wgrad=wgrad,
+                       loss_chunks=loss_chunks, lm_head_wgrad=wgrad, **(options or {}),
                        checkpointing=checkpointing if checkpointing in ("on", "offload") else "off")
     model.train()
     if checkpointing == "hf":
         model.gradient_checkpointing_enable()    # Transformers' default: non-reentrant
     inputs = fpdt.hf.prepare_inputs(model, ids, labels=labels)
-    with count_calls(fpdt.hf.attention, "fpdt_attention") as attention_calls, \
-            count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls:
+    with count_calls(fpdt.hf.attention, "fpdt_attention") as interface_calls, \
+            count_calls(fpdt.hf.attention, "projected_fpdt_attention") as projected_calls, \
+            count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls, \
+            count_calls(fpdt.hf.model, "rms_norm") as norm_calls:
         out = model(**inputs)
         assert out.logits is None if loss_chunks != 0 else out.logits.shape[:2] == (B, S // world)
         stash = checkpoint_stash(model) if checkpointing == "offload" else None
@@ -86,22 +97,28 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
         if checkpointing == "offload":
             assert len(stash._host) == 0 and not stash._inflight
     layers = ref.config.num_hidden_layers
+    options = options or {}
+    chunked_qkv = options.get("chunked_qkv", True)
+    attention_calls, unused = (projected_calls, interface_calls) if chunked_qkv else (interface_calls, projected_calls)
     assert len(attention_calls) == layers * (2 if checkpointing else 1)    # the checkpoint recomputes
+    assert not unused
+    # two norms per layer (twice under a checkpoint) and the final norm
+    assert len(norm_calls) == (2 * len(attention_calls) + 1 if options.get("lean_norms", True) else 0)
     assert len(mlp_calls) == (0 if mlp_chunks == 0 else len(attention_calls))
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if world > 1:
         for g in grads.values():
             dist.all_reduce(g)
     what = (f"{name} rank {rank}/{world} u={num_chunks} mlp={mlp_chunks} loss={loss_chunks} offload={offload} "
-            f"ckpt={checkpointing} wgrad={wgrad} mesh={mesh and (mesh.hp, mesh.cp)} {dtype}")
+            f"ckpt={checkpointing} wgrad={wgrad} {options} mesh={mesh and (mesh.hp, mesh.cp)} {dtype}")
     return compare(out.loss, grads, ref_loss, ref_grads, what, tol=tol)
 
 
-@pytest.mark.parametrize("case", CASES_1, ids=[f"{c[0]}-u{c[1]}" for c in CASES_1])
+@pytest.mark.parametrize("case", CASES_1, ids=[f"{c[0]}-u{c[1]}-{'-'.join(c[7]) or 'defaults'}" for c in CASES_1])
 def test_single_process_matches_transformers(case):
-    name, u, mlp, loss, offload, ckpt, wgrad = case
+    name, u, mlp, loss, offload, ckpt, wgrad, options = case
     run_case(name, 0, 1, num_chunks=u, mlp_chunks=mlp, loss_chunks=loss, offload=offload, checkpointing=ckpt,
-             wgrad=wgrad)
+             wgrad=wgrad, options=options)
 
 
 def test_unshifted_labels_without_sequence_parallelism():
@@ -132,25 +149,28 @@ def test_bf16_close_to_transformers_bf16():
 
 def _multi_rank(rank, world, cases, mesh_shape=None):
     mesh = SequenceMesh(hp=mesh_shape[0], cp=mesh_shape[1]) if mesh_shape else None
-    for name, u, mlp, loss, offload, ckpt, wgrad in cases:
+    for name, u, mlp, loss, offload, ckpt, wgrad, options in cases:
         run_case(name, rank, world, num_chunks=u, mlp_chunks=mlp, loss_chunks=loss, offload=offload,
-                 checkpointing=ckpt, wgrad=wgrad, mesh=mesh)
+                 checkpointing=ckpt, wgrad=wgrad, options=options, mesh=mesh)
 
 
 def test_two_ranks():
-    cases = [("llama_gqa", 1, None, None, False, False, "recompute"),
-             ("llama_gqa", 2, 3, 5, True, "hf", "accumulate"),
-             ("qwen2_tied", 2, None, 0, True, "offload", "recompute"),
-             ("mistral", 4, 2, 3, False, "hf", "recompute"),
-             ("llama_gqa", 2, None, None, True, "on", "recompute")]
+    cases = [("llama_gqa", 1, None, None, False, False, "recompute", {}),
+             ("llama_gqa", 2, 3, 5, True, "hf", "accumulate", {}),
+             ("qwen2_tied", 2, None, 0, True, "offload", "recompute", {}),
+             ("mistral", 4, 2, 3, False, "hf", "recompute", {}),
+             ("llama_gqa", 2, None, None, True, "on", "recompute", {}),
+             ("qwen2_tied", 2, 3, 5, True, "hf", "recompute", HF_BOTH)]
     run_distributed(_multi_rank, 2, args=(cases,), timeout=240)
 
 
 @pytest.mark.slow
 def test_four_ranks_ulysses_and_2d_mesh():
     """Ulysses over 4 ranks (KV heads replicated: 2 < 4), and the 2 x 2 mesh (ring over cp)."""
-    run_distributed(_multi_rank, 4, args=([("llama_sp4", 2, None, None, True, "hf", "recompute")],), timeout=240)
-    run_distributed(_multi_rank, 4, args=([("llama_sp4", 2, 3, 5, True, "offload", "recompute")], (2, 2)),
+    run_distributed(_multi_rank, 4, args=([("llama_sp4", 2, None, None, True, "hf", "recompute", {})],),
+                    timeout=240)
+    run_distributed(_multi_rank, 4, args=([("llama_sp4", 2, 3, 5, True, "offload", "recompute", {}),
+                                           ("llama_sp4", 1, None, None, False, "hf", "recompute", HF_BOTH)], (2, 2)),
                     timeout=240)
 
 
@@ -330,3 +350,62 @@ def test_packed_positions_and_a_global_mask_are_refused():
         fpdt.hf.prepare_inputs(model, ids, position_ids=packed)
     with pytest.raises(fpdt.hf.FPDTHFError, match="mask covers 16 tokens but this rank holds 8"):
         model(input_ids=ids[:, :8], attention_mask=torch.ones(1, 16, dtype=torch.long))
+
+
+def _qwen3(seed=0):
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   attn_implementation="eager", initializer_range=0.05)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_other_attention_classes_need_transformers_projections():
+    """Qwen3 normalises q and k per head between the projection and RoPE, which the chunked
+    q/k/v path does not: refused by default, and exact with ``chunked_qkv=False`` (its q/k
+    norms then run fpdt's lean RMSNorm, on [B, S, H, D])."""
+    with pytest.raises(fpdt.hf.FPDTHFError, match="Qwen3Attention computes something else.*chunked_qkv=False"):
+        fpdt.hf.apply_fpdt(_qwen3())
+    ref = _qwen3()
+    ids, labels = tokens(256, 2, 16)
+    ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), num_chunks=2, chunked_qkv=False)
+    model.zero_grad(set_to_none=True)
+    with count_calls(fpdt.hf.model, "rms_norm") as norm_calls:
+        loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
+    assert len(norm_calls) == 2 * 4 + 1                      # q, k, input, post-attention norms; final norm
+    loss.backward()
+    compare(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "qwen3 chunked_qkv=False")
+
+
+def test_adapters_on_the_projections_are_refused():
+    ids, labels = tokens(256, 1, 16)
+    model = hf_model("llama_gqa")
+    attn = model.model.layers[1].self_attn
+    attn.k_proj = _Adapter(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="Linear, _Adapter, Linear .*chunked_qkv=False"):
+        fpdt.hf.apply_fpdt(model)
+    fpdt.hf.apply_fpdt(model, chunked_qkv=False)(input_ids=ids, labels=labels)
+    model = _patched(num_chunks=2)                            # an adapter added after apply_fpdt
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = _Adapter(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="chunked_qkv=False"):
+        model(input_ids=ids, labels=labels)
+
+
+class _OtherNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
+    """Stands in for an RMSNorm variant fpdt does not know (e.g. Gemma's 1 + weight)."""
+
+
+def test_unknown_norm_classes_are_refused():
+    model = hf_model("llama_gqa")
+    for layer in model.model.layers:
+        layer.input_layernorm = _OtherNorm(model.config.hidden_size)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="layer norm is _OtherNorm.*lean_norms=False"):
+        fpdt.hf.apply_fpdt(model)
+    fpdt.hf.apply_fpdt(model, lean_norms=False)

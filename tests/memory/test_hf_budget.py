@@ -1,0 +1,65 @@
+"""Device memory of a Transformers model after ``fpdt.hf.apply_fpdt``, counted exactly on the CPU.
+
+The same model and budget as :mod:`tests.memory.test_model_budget` (2 layers, hidden 256,
+4 query heads / 1 KV head of 64, bf16, ``offload=True``, ``checkpointing="offload"``), built
+as Transformers' ``LlamaForCausalLM`` and patched by ``apply_fpdt`` with its defaults (FPDT
+attention with chunked q/k/v projections, lean RMSNorm, chunked MLP and loss). Budget on
+the per-token slope, in ``Nd`` (one bf16 hidden-state tensor of the local sequence):
+:class:`fpdt.model.FPDTForCausalLM`'s ``7 + 2 / u``, plus the one thing Transformers keeps
+that fpdt's model does not: RoPE's ``(cos, sin)`` tables for every local token, computed
+once per forward and passed to every layer, ``2 * head_dim / hidden`` Nd (0.5 here; 1/16
+for Llama-3-8B). Before ``lean_norms`` and ``chunked_qkv`` the same run took 21 Nd.
+"""
+
+import pytest
+import torch
+import transformers
+
+import fpdt.hf
+from fpdt.profiling.memory import MemoryAccountant, sequence_unit
+from tests.memory.test_model_budget import CONFIG, EPS
+
+ROPE_TABLES_ND = 2 * CONFIG["head_dim"] / CONFIG["hidden_size"]
+
+
+def _model(u: int, **options):
+    cfg = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    fpdt.hf.apply_fpdt(model, num_chunks=u, offload=True, checkpointing="offload", **options)
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)                       # pre-allocated: part of the baseline
+    return model
+
+
+def _peak(model, seq: int) -> int:
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
+    inputs = fpdt.hf.prepare_inputs(model, ids)
+    with MemoryAccountant("cpu") as acct:
+        loss = model(**inputs).loss
+        loss.backward()
+        del loss
+    return acct.device_peak
+
+
+def _slope(model) -> float:
+    _peak(model, 256)                                      # kernel self-check outside the count
+    a, b = _peak(model, 1024), _peak(model, 2048)
+    return (b - a) / (sequence_unit(2048, 256) - sequence_unit(1024, 256))
+
+
+@pytest.mark.parametrize("u", [4, 8])
+def test_transformers_model_per_token_within_fpdt_model_budget(u):
+    slope = _slope(_model(u))
+    budget = 7 + 2 / u + ROPE_TABLES_ND + EPS
+    assert slope <= budget, f"u={u}: {slope:.3f} Nd per token > fpdt.model's budget + RoPE tables {budget:.3f}"
+
+
+def test_transformers_norms_and_projections_cost_what_the_docs_say():
+    """With Transformers' own RMSNorm (fp32 copies saved) the slope is far over budget; with
+    its own q/k/v projections (full-length local q, k, v in the layer in flight) 1 Nd over here."""
+    u = 4
+    lean = _slope(_model(u))
+    assert _slope(_model(u, lean_norms=False)) > lean + 8
+    assert _slope(_model(u, chunked_qkv=False)) == pytest.approx(lean + 1, abs=EPS)
