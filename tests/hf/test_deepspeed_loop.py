@@ -2,7 +2,10 @@
 DeepSpeed ZeRO-3) on 2 gloo ranks, against single-process Transformers training on the
 same windows: every step's loss within 1e-4 relative (fp32). The optimizer is plain SGD
 without clipping, so that a wrong gradient scale (e.g. a missing ``loss * sp``) changes
-the next step's loss, as would a mis-sharded sequence or a missing ZeRO-3 gather.
+the next step's loss, as would a mis-sharded sequence. (A weight read without its module's
+forward is gathered by DeepSpeed 0.19 even unregistered: ZeRO-3's parameter dict gathers on
+attribute access. ``apply_fpdt`` registers those weights as external parameters anyway, as
+DeepSpeed documents, so the gather happens in the module's pre-forward hook.)
 """
 
 from __future__ import annotations
