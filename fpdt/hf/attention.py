@@ -20,6 +20,7 @@ a KV cache) is refused with the fix rather than ignored.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,19 +98,34 @@ def _attention(settings: AttentionSettings, name: str):
     return fpdt_attention_forward
 
 
-CHUNKED_QKV_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
-"""Attention classes whose forward is exactly: q/k/v ``nn.Linear`` projections, RoPE from
-``position_embeddings``, attention, ``o_proj`` (so :func:`chunked_qkv_attention_forward`
-may replace it). Others (q/k norms, fused projections, ...) keep their own forward."""
+def _no_window(module: torch.nn.Module) -> None:
+    return None
+
+
+def _chunked_qkv_classes() -> dict[type, Callable[[torch.nn.Module], int | None]]:
+    """Transformers attention classes whose forward is exactly: q/k/v ``nn.Linear``
+    projections, RoPE from ``position_embeddings``, attention, ``o_proj`` (so
+    :func:`chunked_qkv_attention_forward` may replace it), each with the sliding window its
+    own forward would pass to the attention (Qwen2: per layer; Mistral: the config's; Llama:
+    none). Matched by class, not name: a remote-code class of the same name is not these."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+
+    return {LlamaAttention: _no_window,
+            MistralAttention: lambda m: getattr(m.config, "sliding_window", None),
+            Qwen2Attention: lambda m: m.sliding_window}
 
 
 def check_chunked_qkv(module: torch.nn.Module) -> None:
     """Refuse, naming the fix, an attention module whose forward the chunked one would change."""
     kind = type(module).__name__
-    if kind not in CHUNKED_QKV_ATTENTION:
-        raise FPDTHFError(f"the chunked q/k/v projection replaces the attention forward of "
-                          f"{', '.join(CHUNKED_QKV_ATTENTION)} only; {kind} computes something else around it "
-                          f"(q/k norms, fused projections, ...): apply_fpdt(..., chunked_qkv=False)")
+    known = _chunked_qkv_classes()
+    if type(module) not in known:
+        names = ", ".join(f"{c.__module__}.{c.__name__}" for c in known)
+        raise FPDTHFError(f"the chunked q/k/v projection replaces the attention forward of {names} only; "
+                          f"{type(module).__module__}.{kind} may compute something else around it (q/k norms, "
+                          f"fused projections, ...): apply_fpdt(..., chunked_qkv=False)")
     projections = [getattr(module, n) for n in ("q_proj", "k_proj", "v_proj")]
     if not all(type(p) is torch.nn.Linear for p in projections):
         kinds = ", ".join(type(p).__name__ for p in projections)
@@ -118,19 +134,12 @@ def check_chunked_qkv(module: torch.nn.Module) -> None:
                           f"skip: apply_fpdt(..., chunked_qkv=False)")
 
 
-def _sliding_window(module: torch.nn.Module) -> int | None:
-    """The window the module's own forward would pass (Qwen2: per layer; Mistral: the config's)."""
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    return getattr(module.config, "sliding_window", None)
-
-
 def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
     """A forward for a :data:`CHUNKED_QKV_ATTENTION` module (to bind to it) that runs the
     q/k/v projections, RoPE and FPDT attention chunk by chunk
     (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), so the layer's
     full-length local q/k/v never exist; then ``o_proj``. RoPE uses the model's own
-    ``position_embeddings`` (any RoPE type), sliced per chunk."""
+    ``position_embeddings`` (whatever its RoPE scaling computed), sliced per chunk."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -139,7 +148,10 @@ def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
             raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
                               "past_key_values")
         dropout = self.attention_dropout if self.training else 0.0
-        _refuse_unhonoured(self, name, attention_mask, dropout, _sliding_window(self), kwargs)
+        _refuse_unhonoured(self, name, attention_mask, dropout, _chunked_qkv_classes()[type(self)](self), kwargs)
+        if position_embeddings is None:
+            raise FPDTHFError(f"{type(self).__name__} was called without position_embeddings (cos, sin); the "
+                              f"chunked q/k/v projection applies the model's RoPE from them")
         cos, sin = position_embeddings
         B, S_local, _ = hidden_states.shape
         H, H_kv = self.config.num_attention_heads, self.config.num_key_value_heads

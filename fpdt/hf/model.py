@@ -64,9 +64,18 @@ from fpdt.model.rmsnorm import rms_norm
 from fpdt.offload import HostStash
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
-LEAN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-"""Transformers RMSNorm classes whose forward is exactly :func:`fpdt.model.rmsnorm.rms_norm`'s
-(fp32 normalisation, cast to the input dtype, then the weight multiply)."""
+RECOMPUTED_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def _lean_rmsnorm_classes() -> tuple[type, ...]:
+    """Transformers RMSNorm classes whose forward is exactly :func:`fpdt.model.rmsnorm.rms_norm`'s
+    (fp32 normalisation, cast to the input dtype, then the weight multiply); matched by class."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,16 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 
 
+def _check_rope(model: nn.Module, group, mesh) -> None:
+    rope_type = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
+    sp = mesh.sp if mesh is not None else group_size(group)
+    if rope_type in RECOMPUTED_ROPE_TYPES and sp > 1:
+        raise FPDTHFError(f"rope_type={rope_type!r} picks its RoPE frequencies from the largest position a forward "
+                          f"sees, and each of the {sp} sequence-parallel ranks sees different positions, so ranks "
+                          f"would rotate differently: use a fixed scaling for the target length (e.g. rope_type "
+                          f"'yarn' or 'linear' with its factor), or no sequence parallelism")
+
+
 def _plain_linears(*modules: nn.Module) -> bool:
     """The chunked functions read ``.weight``/``.bias`` directly: only a plain ``nn.Linear``
     (not a PEFT/LoRA wrapper, a quantised linear, ...) computes nothing else."""
@@ -150,11 +169,14 @@ def _lean_norm_forward(num_chunks: int):
 
 def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     """The model's RMSNorms, refused (naming the fix) unless their class is a known one."""
-    kind = type(layers[0].input_layernorm).__name__ if hasattr(layers[0], "input_layernorm") else None
-    if kind not in LEAN_RMSNORMS:
-        raise FPDTHFError(f"lean_norms replaces the RMSNorm of {', '.join(LEAN_RMSNORMS)}; this model's layer norm "
-                          f"is {kind}, which may compute something else: apply_fpdt(..., lean_norms=False)")
-    return [m for m in model.modules() if type(m).__name__ in LEAN_RMSNORMS]
+    known = _lean_rmsnorm_classes()
+    norm = getattr(layers[0], "input_layernorm", None)
+    if type(norm) not in known:
+        names = ", ".join(c.__name__ for c in known)
+        raise FPDTHFError(f"lean_norms replaces Transformers' {names}; this model's layer norm is "
+                          f"{type(norm).__module__}.{type(norm).__name__}, which may compute something else: "
+                          f"apply_fpdt(..., lean_norms=False)")
+    return [m for m in model.modules() if type(m) in known]
 
 
 class _LayerInputStash:
@@ -205,6 +227,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     _, sp = settings.rank_size()
     if settings.checkpointing != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
         raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=settings.checkpointing))
+    ref = input_ids if input_ids is not None else inputs_embeds
+    if ref is not None and torch.is_autocast_enabled(ref.device.type):
+        raise FPDTHFError("apply_fpdt's chunked functions do not run under torch.autocast: cast the model to the "
+                          "training dtype instead (model.to(torch.bfloat16), or DeepSpeed's bf16 mode) and call it "
+                          "outside autocast")
     if use_cache or past_key_values is not None:
         raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
                           "past_key_values (generate with a model that has not been through apply_fpdt)")
@@ -342,6 +369,7 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
         for layer in layers:
             check_chunked_qkv(layer.self_attn)
     norms = _lean_norms(model, layers) if lean_norms else []
+    _check_rope(model, group, mesh)
     attention = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
     name = register_settings(attention)
     model.set_attn_implementation(name)

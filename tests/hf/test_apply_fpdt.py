@@ -354,7 +354,7 @@ def test_packed_positions_and_a_global_mask_are_refused():
 
 def _qwen3(seed=0):
     cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-3,
                                    attn_implementation="eager", initializer_range=0.05)
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(cfg)
@@ -369,7 +369,7 @@ def test_other_attention_classes_need_transformers_projections():
     """Qwen3 normalises q and k per head between the projection and RoPE, which the chunked
     q/k/v path does not: refused by default, and exact with ``chunked_qkv=False`` (its q/k
     norms then run fpdt's lean RMSNorm, on [B, S, H, D])."""
-    with pytest.raises(fpdt.hf.FPDTHFError, match="Qwen3Attention computes something else.*chunked_qkv=False"):
+    with pytest.raises(fpdt.hf.FPDTHFError, match="Qwen3Attention may compute something else.*chunked_qkv=False"):
         fpdt.hf.apply_fpdt(_qwen3())
     ref = _qwen3()
     ids, labels = tokens(256, 2, 16)
@@ -406,6 +406,96 @@ def test_unknown_norm_classes_are_refused():
     model = hf_model("llama_gqa")
     for layer in model.model.layers:
         layer.input_layernorm = _OtherNorm(model.config.hidden_size)
-    with pytest.raises(fpdt.hf.FPDTHFError, match="layer norm is _OtherNorm.*lean_norms=False"):
+    with pytest.raises(fpdt.hf.FPDTHFError, match="layer norm is .*_OtherNorm.*lean_norms=False"):
         fpdt.hf.apply_fpdt(model)
     fpdt.hf.apply_fpdt(model, lean_norms=False)
+
+
+class LlamaAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """A remote-code class that only shares Transformers' name."""
+
+
+def test_classes_are_matched_by_identity_not_name():
+    model = hf_model("llama_gqa")
+    old = model.model.layers[0].self_attn
+    new = LlamaAttention(model.config, 0)
+    new.load_state_dict(old.state_dict())
+    model.model.layers[0].self_attn = new
+    with pytest.raises(fpdt.hf.FPDTHFError, match="test_apply_fpdt.LlamaAttention may compute something else"):
+        fpdt.hf.apply_fpdt(model)
+
+
+def test_a_config_window_llama_never_uses_is_not_refused():
+    """Llama's attention passes no window whatever the config carries (ported checkpoints may
+    have a sliding_window key); only Mistral's reads the config's."""
+    cfg = hf_config("llama_gqa")
+    cfg.sliding_window = 4096
+    ref = transformers.LlamaForCausalLM(cfg)
+    ids, labels = tokens(256, 1, 16)
+    ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), num_chunks=2)
+    model.zero_grad(set_to_none=True)
+    loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
+    loss.backward()
+    compare(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "llama with a config window")
+
+
+@pytest.mark.parametrize("chunked_qkv", [True, False])
+def test_settings_changed_after_apply_are_refused_in_forward(chunked_qkv):
+    """What the attention would be asked at call time (dropout switched on later, packed-sequence
+    kwargs) is refused there, on both attention paths."""
+    ids, labels = tokens(256, 1, 16)
+    model = _patched(num_chunks=2, chunked_qkv=chunked_qkv).train()
+    model.model.layers[1].self_attn.attention_dropout = 0.1
+    with pytest.raises(fpdt.hf.FPDTHFError, match="attention dropout 0.1 .*attention_dropout to 0"):
+        model(input_ids=ids, labels=labels)
+    model.model.layers[1].self_attn.attention_dropout = 0.0
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="cu_seq_lens_k, cu_seq_lens_q .*packed sequences"):
+        model(input_ids=ids, labels=labels, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
+    model(input_ids=ids, labels=labels).loss.backward()
+
+
+def test_autocast_is_refused_with_the_fix():
+    model = _patched(num_chunks=2)
+    ids, labels = tokens(256, 1, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(fpdt.hf.FPDTHFError, match=r"torch.autocast: cast the model .*model.to\(torch.bfloat16\)"):
+            model(input_ids=ids, labels=labels)
+
+
+def _dynamic_rope_refused_with_sp(rank, world):
+    cfg = hf_config("llama_gqa")
+    cfg.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(fpdt.hf.FPDTHFError, match="rope_type='dynamic' .*2 sequence-parallel ranks.*'yarn'"):
+        fpdt.hf.apply_fpdt(transformers.LlamaForCausalLM(cfg))
+    singles = [dist.new_group([r]) for r in range(world)]      # every rank creates every group
+    fpdt.hf.apply_fpdt(transformers.LlamaForCausalLM(cfg), group=singles[rank])   # no SP: fine
+
+
+def test_position_dependent_rope_scaling_is_refused_under_sequence_parallelism():
+    run_distributed(_dynamic_rope_refused_with_sp, 2)
+
+
+def test_zero3_external_parameters_registered():
+    """The weights the chunked functions read without their module's forward are registered
+    with the module whose forward reads them (DeepSpeed's route for ZeRO-3's gather)."""
+    pytest.importorskip("deepspeed")
+    model = _patched(num_chunks=2)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert set(attn._external_params.values()) == {attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight}
+        assert set(mlp._external_params.values()) == {mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight}
+    assert set(model._external_params.values()) == {model.lm_head.weight}
+    plain = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), chunked_qkv=False, mlp_chunks=0, loss_chunks=0)
+    assert not any(hasattr(m, "_external_params") for m in plain.modules())
+
+
+def _bf16_two_ranks(rank, world):
+    for name, u in (("llama_gqa", 2), ("qwen2_tied", 1)):
+        run_case(name, rank, world, num_chunks=u, mlp_chunks=None, loss_chunks=None, offload=True,
+                 checkpointing="hf", wgrad="recompute", S=64, dtype=torch.bfloat16, tol=2e-2)
+
+
+def test_bf16_on_two_ranks_close_to_transformers_bf16():
+    run_distributed(_bf16_two_ranks, 2, timeout=240)

@@ -27,10 +27,11 @@ CONFIGS = {
     "qwen2_tied": (transformers.Qwen2Config, dict(
         hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
         tie_word_embeddings=True, rope_theta=1000000.0)),
-    # Llama with all attention + MLP biases, untied, MHA, explicit head_dim != hidden / heads.
+    # Llama with all attention + MLP biases, untied, MHA, explicit head_dim != hidden / heads,
+    # an RMSNorm epsilon that is not the default.
     "llama_bias": (transformers.LlamaConfig, dict(
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
-        attention_bias=True, mlp_bias=True)),
+        attention_bias=True, mlp_bias=True, rms_norm_eps=1e-3)),
     # Mistral without a window, linear RoPE scaling.
     "mistral": (transformers.MistralConfig, dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4, sliding_window=None,
