@@ -23,7 +23,7 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
 
 * **RMSNorm** (``lean_norms``): the models' RMSNorms run :func:`fpdt.model.rmsnorm.rms_norm`
   (same numerics; saves the input and one fp32 scale per token instead of Transformers'
-  fp32 copies, about 2.5 sequence-sized bf16 tensors less per norm);
+  fp32 copy of the input and copy of the normalised output);
 * **q/k/v projections** (``chunked_qkv``): each layer's q/k/v projections and RoPE run
   chunk by chunk inside the FPDT attention (as in :class:`fpdt.model.FPDTForCausalLM`), so
   the layer's full-length local q/k/v never exist; RoPE is the model's own
