@@ -22,12 +22,15 @@ from tests.memory.test_model_budget import CONFIG, EPS
 ROPE_TABLES_ND = 2 * CONFIG["head_dim"] / CONFIG["hidden_size"]
 
 
-def _model(u: int, **options):
+def _model(u: int, transformers_checkpointing: bool = False, **options):
     cfg = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    fpdt.hf.apply_fpdt(model, num_chunks=u, offload=True, checkpointing="offload", **options)
+    fpdt.hf.apply_fpdt(model, num_chunks=u, offload=True,
+                       checkpointing="off" if transformers_checkpointing else "offload", **options)
     model.train()
+    if transformers_checkpointing:
+        model.gradient_checkpointing_enable()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)                       # pre-allocated: part of the baseline
     return model
@@ -54,6 +57,17 @@ def test_transformers_model_per_token_within_fpdt_model_budget(u):
     slope = _slope(_model(u))
     budget = 7 + 2 / u + ROPE_TABLES_ND + EPS
     assert slope <= budget, f"u={u}: {slope:.3f} Nd per token > fpdt.model's budget + RoPE tables {budget:.3f}"
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_transformers_own_checkpointing_within_the_same_budget():
+    """Transformers' checkpointing (``checkpointing="off"`` + ``gradient_checkpointing_enable()``)
+    keeps every layer input on the device instead of fpdt's two (restored + prefetched): with
+    these 2 layers, the same budget."""
+    u = 4
+    slope = _slope(_model(u, transformers_checkpointing=True))
+    budget = 7 + 2 / u + ROPE_TABLES_ND + EPS
+    assert slope <= budget, f"{slope:.3f} Nd per token > {budget:.3f}"
 
 
 def test_transformers_norms_and_projections_cost_what_the_docs_say():
