@@ -17,16 +17,15 @@ gradients.
 
 RoPE comes either from a :class:`RotaryEmbedding` evaluated at the chunk's position ids,
 or from a precomputed rotation table ``(cos, sin)`` ``[B or 1, S_local, D]`` sliced per
-chunk (what a Transformers model computes once per forward, whatever its RoPE type).
+chunk (what a Transformers model computes once per forward and passes to every layer).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
-import torch.nn.functional as F
-
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import PipelineSpec, build_spec

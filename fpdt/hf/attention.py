@@ -15,6 +15,12 @@ mask function that builds no mask (the attention is causal over the whole global
 and refuses a padding mask that hides any token, which fpdt cannot honour. Anything else
 the model passes that would change the result (dropout during training, a sliding window,
 a KV cache) is refused with the fix rather than ignored.
+
+:func:`chunked_qkv_attention_forward` goes one step further for Llama, Mistral and Qwen2
+attention modules: it replaces the module's forward, so that the q/k/v projections and
+RoPE run inside FPDT attention chunk by chunk
+(:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), as in
+:class:`fpdt.model.FPDTForCausalLM`.
 """
 
 from __future__ import annotations
@@ -135,8 +141,8 @@ def check_chunked_qkv(module: torch.nn.Module) -> None:
 
 
 def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
-    """A forward for a :data:`CHUNKED_QKV_ATTENTION` module (to bind to it) that runs the
-    q/k/v projections, RoPE and FPDT attention chunk by chunk
+    """A forward for a Llama, Mistral or Qwen2 attention module (:func:`check_chunked_qkv`;
+    to bind to it) that runs the q/k/v projections, RoPE and FPDT attention chunk by chunk
     (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), so the layer's
     full-length local q/k/v never exist; then ``o_proj``. RoPE uses the model's own
     ``position_embeddings`` (whatever its RoPE scaling computed), sliced per chunk."""
