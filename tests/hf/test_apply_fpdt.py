@@ -70,10 +70,10 @@ CASES_1 = [
 
 
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, wgrad,
-             options=None, mesh=None, B=2, S=None, dtype=torch.float32, tol=1e-5):
-    ref = hf_model(name).to(dtype)
+             options=None, mesh=None, B=2, S=None, dtype=torch.float32, tol=1e-5, device="cpu"):
+    ref = hf_model(name).to(device, dtype)
     S = S or 4 * world * num_chunks * (2 if mesh is not None else 1)
-    ids, labels = tokens(ref.config.vocab_size, B, S)
+    ids, labels = (t.to(device) for t in tokens(ref.config.vocab_size, B, S))
     ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
@@ -499,3 +499,12 @@ def _bf16_two_ranks(rank, world):
 
 def test_bf16_on_two_ranks_close_to_transformers_bf16():
     run_distributed(_bf16_two_ranks, 2, timeout=240)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpointing", ["offload", "hf"])
+def test_cuda_bf16_with_offload_close_to_transformers(checkpointing):
+    """On a GPU: real CUDA streams and pinned host buffers for the attention chunks (and, with
+    fpdt's checkpoint, the layer inputs), against the unchanged model on the same GPU."""
+    run_case("llama_gqa", 0, 1, num_chunks=4, mlp_chunks=None, loss_chunks=None, offload=True,
+             checkpointing=checkpointing, wgrad="recompute", S=256, dtype=torch.bfloat16, tol=2e-2, device="cuda")
