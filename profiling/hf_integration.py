@@ -4,7 +4,7 @@ Same model (a small Llama by default: hidden 512, 4 layers, GQA 8/2, SwiGLU 1408
 random weights), same tokens, one forward + backward (batch 1, no optimizer: its memory
 does not depend on the strategy), activation checkpointing on in every strategy:
 
-* ``hf``: the Transformers model as is (SDPA, ``gradient_checkpointing_enable()``, its own loss);
+* ``hf``: the Transformers model as is (SDPA, ``activation_checkpointing_enable()``, its own loss);
 * ``alst``: DeepSpeed's long-sequence recipe on the same Transformers model (``TiledMLP``,
   ``TiledFusedLogitsLoss``, checkpoint offload; ``profiling/strategies.py``, whose
   docstring says how its offload is counted on the CPU);
@@ -77,7 +77,8 @@ def build(strategy: str, base, cfg: dict, seq_len: int, chunk: int, device: torc
                            checkpointing="offload" if own_checkpoint else "off")
     model.train()
     if not own_checkpoint:
-        model.gradient_checkpointing_enable()
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()                          # the older name is deprecated in Transformers 5
     if strategy == "hf":
         ids = ids.to(device)
         return (lambda: model(input_ids=ids, labels=ids, use_cache=False).loss.backward()), "sdpa"

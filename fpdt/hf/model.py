@@ -14,7 +14,8 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
 * **checkpointing** (``"on"`` / ``"offload"``): each decoder layer under fpdt's own
   activation checkpoint (:mod:`fpdt.model.checkpointing`), with ``"offload"`` the layer
   inputs in host memory, fetched one layer ahead in backward. Or leave it ``"off"`` and use
-  Transformers' ``model.gradient_checkpointing_enable()``, which works with FPDT attention:
+  Transformers' ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable()``,
+  its older name), which works with FPDT attention:
   the attention's saved chunks are freed with the checkpointed region
   (:mod:`fpdt.attention.saved_stash`).
 * **ZeRO-3**: when DeepSpeed is installed, the weights those chunked functions read
@@ -214,8 +215,8 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
 
 
 _BOTH_CHECKPOINTS = ("apply_fpdt(checkpointing={mode!r}) checkpoints the decoder layers itself: call "
-                     "model.gradient_checkpointing_disable(), or apply_fpdt with checkpointing='off' to keep "
-                     "Transformers' checkpointing")
+                     "model.activation_checkpointing_disable() (gradient_checkpointing_disable(), its older "
+                     "name), or apply_fpdt with checkpointing='off' to keep Transformers' checkpointing")
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -328,7 +329,8 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
             0 computes full logits (and the same sequence-parallel loss from them).
         lm_head_wgrad: ``"recompute"`` or ``"accumulate"`` (:mod:`fpdt.model.loss`).
         checkpointing: ``"off"`` leaves activation checkpointing to Transformers
-            (``model.gradient_checkpointing_enable()`` works with everything above); ``"on"``
+            (``model.activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``,
+            works with everything above); ``"on"``
             checkpoints each decoder layer with fpdt's own checkpoint
             (:mod:`fpdt.model.checkpointing`: the layer input is kept, the layer recomputed in
             backward); ``"offload"`` keeps the layer inputs in (pinned) host memory instead,

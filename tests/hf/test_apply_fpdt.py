@@ -227,8 +227,8 @@ def test_unsupported_configs_are_refused():
         _patched(checkpointing="sometimes")
     both = _patched(checkpointing="offload")
     both.train()
-    both.gradient_checkpointing_enable()
-    with pytest.raises(fpdt.hf.FPDTHFError, match="gradient_checkpointing_disable"):
+    both.activation_checkpointing_enable()
+    with pytest.raises(fpdt.hf.FPDTHFError, match="activation_checkpointing_disable"):
         both(input_ids=torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(fpdt.hf.FPDTHFError, match="not a decoder-only causal LM"):
         fpdt.hf.apply_fpdt(hf_model("llama_gqa").model)
