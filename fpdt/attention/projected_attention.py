@@ -15,6 +15,11 @@ back through the all-to-all, RoPE is undone, and the projection backward runs wi
 ``T_j`` (prefetched during the outer step) to give ``dT_j`` and accumulate fp32 weight
 gradients.
 
+Optionally (Qwen3), q and k are RMS-normalised per head over ``D`` before RoPE, with
+weights ``[D]`` (fp32 normalisation, cast, then the weight multiply); backward recomputes the
+chunk's pre-norm q/k from ``T_j`` (one more projection GEMM each) and accumulates the norm
+weights' gradients in fp32.
+
 RoPE comes either from a :class:`RotaryEmbedding` evaluated at the chunk's position ids,
 or from a precomputed rotation table ``(cos, sin)`` ``[B or 1, S_local, D]`` sliced per
 chunk (what a Transformers model computes once per forward and passes to every layer).
@@ -41,13 +46,15 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                              group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                              num_chunks: int = 1, offload: bool = False, backend: str | None = None,
-                             softmax_scale: float | None = None, label: str | None = None) -> torch.Tensor:
+                             softmax_scale: float | None = None, label: str | None = None,
+                             qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
     FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
     ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
     before the output projection. ``heads`` = ``(H, H_kv, D)``; RoPE from ``rope`` at
     ``position_ids``, or from the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none.
-    ``label`` names the chunks in offload errors (e.g. "layer 2")."""
+    ``label`` names the chunks in offload errors (e.g. "layer 2"). ``qk_norm`` =
+    ``(q_weight, k_weight, eps)``: RMSNorm of q and k per head before RoPE (Qwen3)."""
     if mesh is not None and group is not None:
         raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
     H, H_kv, D = heads
@@ -59,8 +66,11 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
     # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
     for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+    for_backward = for_backward or (torch.is_grad_enabled() and qk_norm is not None and
+                                    (wqn.requires_grad or wkn.requires_grad))
     return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, offload, heads, for_backward,
-                                                cos, sin)
+                                                cos, sin, wqn, wkn, eps)
 
 
 class ProjectedFPDTAttentionFunction(torch.autograd.Function):
@@ -68,12 +78,13 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
 
     RoPE: ``rope`` at ``position_ids`` ``[B, S_local]``, or the table ``cos``/``sin``
     ``[B or 1, S_local, D]`` (then ``rope`` and ``position_ids`` are None), or neither.
+    ``q_norm``/``k_norm`` ``[D]`` (or None) with ``norm_eps``: per-head RMSNorm before RoPE.
     """
 
     @staticmethod
     def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, position_ids, rope: RotaryEmbedding | None,
                 spec: PipelineSpec, offload: bool, heads: tuple[int, int, int], for_backward: bool,
-                cos=None, sin=None):
+                cos=None, sin=None, q_norm=None, k_norm=None, norm_eps: float = 0.0):
         H, H_kv, D = heads
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
@@ -88,6 +99,8 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             q = F.linear(T, wq, bq).view(B, L, H, D)
             k = F.linear(T, wk, bk).view(B, L, H_kv, D)
             v = F.linear(T, wv, bv).view(B, L, H_kv, D)
+            if q_norm is not None:
+                q, k = _head_rms_norm(q, q_norm, norm_eps), _head_rms_norm(k, k_norm, norm_eps)
             if rotation is not None:
                 c, s = rotation(sl, q.dtype)
                 q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
@@ -99,15 +112,15 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             out[:, i * L:(i + 1) * L] = out_i
 
         run_forward(spec, produce, emit, stash, for_backward)
-        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, stash_token(stash))
-        ctx.rope, ctx.spec, ctx.L, ctx.heads = rope, spec, L, heads
+        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, stash_token(stash))
+        ctx.rope, ctx.spec, ctx.L, ctx.heads, ctx.norm_eps = rope, spec, L, heads, norm_eps
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         return out
 
     @staticmethod
     @once_differentiable   # the chunked backward is not itself differentiable
     def backward(ctx, grad_out):
-        wq, bq, wk, bk, wv, bv, position_ids, cos, sin, token = ctx.saved_tensors
+        wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, token = ctx.saved_tensors
         H, H_kv, D = ctx.heads
         L, spec = ctx.L, ctx.spec
         rotation = _rotation(ctx.rope, position_ids, cos, sin)
@@ -122,6 +135,8 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         # fp32 accumulators for the weight and bias gradients, summed over chunks
         d_w = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in weights]
         d_b = [None if b is None else torch.zeros(b.shape, dtype=acc, device=b.device) for b in biases]
+        norms = (q_norm, k_norm)
+        d_n = [None if w is None else torch.zeros(w.shape, dtype=acc, device=w.device) for w in norms]
         stash.prefetch(("T", 0))
 
         def grad_out_chunk(i):
@@ -135,6 +150,10 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             if rotation is not None:
                 c, s = rotation(sl, acc)
                 dq, dk = apply_rotary_backward_(dq, c, s), apply_rotary_backward_(dk, c, s)  # ours to overwrite
+            if q_norm is not None:   # through the per-head RMSNorm, from the recomputed pre-norm q/k
+                pre = (F.linear(T, wq, bq).view(B, L, H, D), F.linear(T, wk, bk).view(B, L, H_kv, D))
+                dq = _head_rms_norm_backward(dq, pre[0], q_norm, ctx.norm_eps, d_n[0])
+                dk = _head_rms_norm_backward(dk, pre[1], k_norm, ctx.norm_eps, d_n[1])
             T2 = T.reshape(B * L, -1)
             d_T = None
             for n, g in enumerate((dq, dk, dv)):
@@ -150,8 +169,30 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         run_backward(spec, grad_out_chunk, deliver, stash)
         out_w = [dw.to(w.dtype) for dw, w in zip(d_w, weights)]
         out_b = [None if db is None else db.to(b.dtype) for db, b in zip(d_b, biases)]
+        out_n = [None if dn is None else dn.to(w.dtype) for dn, w in zip(d_n, norms)]
         return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2],
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, out_n[0], out_n[1], None)
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * cast(x * rstd)``, ``rstd = 1 / sqrt(mean(x^2) + eps)`` over the last dim in fp32
+    (Transformers' Llama-style RMSNorm, here over each head's ``D``)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            d_weight: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``weight * cast(x * rstd)`` (RMS over the last dim) w.r.t. ``x``, in fp32;
+    adds the weight's gradient to the fp32 accumulator ``d_weight``."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = x32 * rstd
+    dy = dy.float()
+    d_weight += (dy * x_hat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+    g = dy * weight.float()
+    return rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
 
 
 def _rotation(rope: RotaryEmbedding | None, position_ids, cos, sin):

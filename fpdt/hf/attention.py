@@ -16,8 +16,8 @@ and refuses a padding mask that hides any token, which fpdt cannot honour. Anyth
 the model passes that would change the result (dropout during training, a sliding window,
 a KV cache) is refused with the fix rather than ignored.
 
-:func:`chunked_qkv_attention_forward` goes one step further for Llama, Mistral and Qwen2
-attention modules: it replaces the module's forward, so that the q/k/v projections and
+:func:`chunked_qkv_attention_forward` goes one step further for Llama, Mistral, Qwen2 and
+Qwen3 attention modules: it replaces the module's forward, so that the q/k/v projections and
 RoPE run inside FPDT attention chunk by chunk
 (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), as in
 :class:`fpdt.model.FPDTForCausalLM`.
@@ -110,17 +110,33 @@ def _no_window(module: torch.nn.Module) -> None:
 
 def _chunked_qkv_classes() -> dict[type, Callable[[torch.nn.Module], int | None]]:
     """Transformers attention classes whose forward is exactly: q/k/v ``nn.Linear``
-    projections, RoPE from ``position_embeddings``, attention, ``o_proj`` (so
-    :func:`chunked_qkv_attention_forward` may replace it), each with the sliding window its
-    own forward would pass to the attention (Qwen2: per layer; Mistral: the config's; Llama:
-    none). Matched by class, not name: a remote-code class of the same name is not these."""
+    projections (Qwen3: then an RMSNorm of q and k per head), RoPE from
+    ``position_embeddings``, attention, ``o_proj`` (so :func:`chunked_qkv_attention_forward`
+    may replace it), each with the sliding window its own forward would pass to the attention
+    (Qwen2, Qwen3: per layer; Mistral: the config's; Llama: none). Matched by class, not name:
+    a remote-code class of the same name is not these."""
     from transformers.models.llama.modeling_llama import LlamaAttention
     from transformers.models.mistral.modeling_mistral import MistralAttention
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
     return {LlamaAttention: _no_window,
             MistralAttention: lambda m: getattr(m.config, "sliding_window", None),
-            Qwen2Attention: lambda m: m.sliding_window}
+            Qwen2Attention: lambda m: m.sliding_window,
+            Qwen3Attention: lambda m: m.sliding_window}
+
+
+def _qk_norms(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """Qwen3's per-head q/k RMSNorms (read directly: refused unless Transformers' own class)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
+
+    if type(module) is not Qwen3Attention:
+        return None
+    norms = (module.q_norm, module.k_norm)
+    if not all(type(n) is Qwen3RMSNorm for n in norms):
+        raise FPDTHFError(f"the chunked q/k/v projection reads Qwen3Attention's q_norm/k_norm weights directly, and "
+                          f"they are {', '.join(type(n).__name__ for n in norms)}: apply_fpdt(..., chunked_qkv=False)")
+    return norms
 
 
 def check_chunked_qkv(module: torch.nn.Module) -> None:
@@ -138,11 +154,12 @@ def check_chunked_qkv(module: torch.nn.Module) -> None:
         raise FPDTHFError(f"the chunked q/k/v projection reads q_proj/k_proj/v_proj's weights directly, and "
                           f"{kind}'s are {kinds} (an adapter or quantised layer), whose extra computation it would "
                           f"skip: apply_fpdt(..., chunked_qkv=False)")
+    _qk_norms(module)
 
 
 def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
-    """A forward for a Llama, Mistral or Qwen2 attention module (:func:`check_chunked_qkv`;
-    to bind to it) that runs the q/k/v projections, RoPE and FPDT attention chunk by chunk
+    """A forward for a Llama, Mistral, Qwen2 or Qwen3 attention module (:func:`check_chunked_qkv`;
+    to bind to it) that runs the q/k/v projections (and Qwen3's q/k norms), RoPE and FPDT attention chunk by chunk
     (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), so the layer's
     full-length local q/k/v never exist; then ``o_proj``. RoPE uses the model's own
     ``position_embeddings`` (whatever its RoPE scaling computed), sliced per chunk."""
@@ -161,11 +178,16 @@ def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
         cos, sin = position_embeddings
         B, S_local, _ = hidden_states.shape
         H, H_kv = self.config.num_attention_heads, self.config.num_key_value_heads
+        norms = _qk_norms(self)
+        qk_norm = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].variance_epsilon)
+        if norms is not None and norms[0].variance_epsilon != norms[1].variance_epsilon:
+            raise FPDTHFError("q_norm and k_norm have different epsilons: apply_fpdt(..., chunked_qkv=False)")
         out = projected_fpdt_attention(hidden_states, self.q_proj, self.k_proj, self.v_proj,
                                        heads=(H, H_kv, self.head_dim), cos=cos, sin=sin, group=settings.group,
                                        mesh=settings.mesh, num_chunks=settings.num_chunks,
                                        offload=settings.offload, backend=settings.backend,
-                                       softmax_scale=self.scaling, label=f"layer {self.layer_idx}")
+                                       softmax_scale=self.scaling, label=f"layer {self.layer_idx}",
+                                       qk_norm=qk_norm)
         return self.o_proj(out.reshape(B, S_local, H * self.head_dim)), None
 
     return forward

@@ -20,12 +20,12 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
   (:mod:`fpdt.attention.saved_stash`).
 * **ZeRO-3**: when DeepSpeed is installed, the weights those chunked functions read
   without calling their ``nn.Linear`` are registered as external parameters of the module
-  that reads them, so ZeRO-3 gathers them there.
-
+  that reads them, so ZeRO-3 gathers them there;
 * **RMSNorm** (``lean_norms``): the models' RMSNorms run :func:`fpdt.model.rmsnorm.rms_norm`
   (same numerics; saves the input and one fp32 scale per token instead of Transformers'
   fp32 copy of the input and copy of the normalised output);
-* **q/k/v projections** (``chunked_qkv``): each layer's q/k/v projections and RoPE run
+* **q/k/v projections** (``chunked_qkv``): each layer's q/k/v projections (Qwen3: and its
+  per-head q/k norms) and RoPE run
   chunk by chunk inside the FPDT attention (as in :class:`fpdt.model.FPDTForCausalLM`), so
   the layer's full-length local q/k/v never exist; RoPE is the model's own
   ``position_embeddings``, sliced per chunk.
@@ -291,8 +291,9 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
         return
     if qkv_chunked:
         for layer in layers:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                for p in getattr(layer.self_attn, name).parameters(recurse=False):
+            names = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")        # q/k norms: Qwen3
+            for module in filter(None, (getattr(layer.self_attn, n, None) for n in names)):
+                for p in module.parameters(recurse=False):
                     register_external_parameter(layer.self_attn, p)
     if mlp_chunked:
         for layer in layers:
@@ -337,7 +338,7 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
             fetched one layer ahead in backward, as FPDT does. Not together with Transformers'.
         chunked_qkv: run each layer's q/k/v projections and RoPE chunk by chunk inside the
             FPDT attention, as :class:`fpdt.model.FPDTForCausalLM` does, so the layer's
-            full-length local q/k/v never exist (Llama, Mistral, Qwen2 attention; adapters or
+            full-length local q/k/v never exist (Llama, Mistral, Qwen2, Qwen3 attention; adapters or
             quantised q/k/v projections and other attention classes need ``chunked_qkv=False``,
             which keeps Transformers' projections and calls FPDT attention on their output).
         lean_norms: run the RMSNorms (Llama, Mistral, Qwen2, Qwen3 classes) with fpdt's

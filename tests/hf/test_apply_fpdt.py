@@ -24,7 +24,7 @@ import fpdt.hf.model
 import fpdt.model.mlp
 from fpdt.comm import SequenceMesh
 from tests.distributed import run_distributed
-from tests.model.helpers import compare, hf_config, hf_loss_and_grads, hf_model, tokens
+from tests.model.helpers import compare, hf_config, hf_loss_and_grads, hf_model, rel_err, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -70,9 +70,12 @@ CASES_1 = [
 
 
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, wgrad,
-             options=None, mesh=None, B=2, S=None, dtype=torch.float32, tol=1e-5, device="cpu"):
-    ref = hf_model(name).to(device, dtype)
-    S = S or 4 * world * num_chunks * (2 if mesh is not None else 1)
+             options=None, mesh=None, B=2, S=None, dtype=torch.float32, tol=1e-5, device="cpu",
+             against_fp32=False):
+    ref = (_qwen3() if name == "qwen3" else hf_model(name)).to(device, dtype)
+    # at least 16 tokens: with 4, only position 0 has a label (tokens() masks spans from 2 on), whose
+    # attention is over itself alone, so q and k would get no gradient at all
+    S = S or max(16, 4 * world * num_chunks * (2 if mesh is not None else 1))
     ids, labels = (t.to(device) for t in tokens(ref.config.vocab_size, B, S))
     ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
     model = copy.deepcopy(ref)
@@ -102,8 +105,10 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
     attention_calls, unused = (projected_calls, interface_calls) if chunked_qkv else (interface_calls, projected_calls)
     assert len(attention_calls) == layers * (2 if checkpointing else 1)    # the checkpoint recomputes
     assert not unused
-    # two norms per layer (twice under a checkpoint) and the final norm
-    assert len(norm_calls) == (2 * len(attention_calls) + 1 if options.get("lean_norms", True) else 0)
+    # two norms per layer (twice under a checkpoint) and the final norm; Qwen3's q/k norms run as
+    # modules only with Transformers' projections (the chunked path reads their weights)
+    per_layer = 4 if name == "qwen3" and not chunked_qkv else 2
+    assert len(norm_calls) == (per_layer * len(attention_calls) + 1 if options.get("lean_norms", True) else 0)
     assert len(mlp_calls) == (0 if mlp_chunks == 0 else len(attention_calls))
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if world > 1:
@@ -111,7 +116,22 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
             dist.all_reduce(g)
     what = (f"{name} rank {rank}/{world} u={num_chunks} mlp={mlp_chunks} loss={loss_chunks} offload={offload} "
             f"ckpt={checkpointing} wgrad={wgrad} {options} mesh={mesh and (mesh.hp, mesh.cp)} {dtype}")
+    if against_fp32:
+        return _no_worse_than_transformers_bf16(name, ids, labels, out.loss, grads, ref_loss, ref_grads, what, tol)
     return compare(out.loss, grads, ref_loss, ref_grads, what, tol=tol)
+
+
+def _no_worse_than_transformers_bf16(name, ids, labels, loss, grads, ref_loss, ref_grads, what, tol):
+    """bf16 against the fp32 truth, with Transformers' own bf16 error as the yardstick: each
+    error within ``tol`` or within 1.25x Transformers' (where its own bf16 is further than
+    ``tol`` from fp32, as with Qwen3's per-head norms over a small head dim)."""
+    truth = (_qwen3() if name == "qwen3" else hf_model(name)).to(ids.device)
+    truth_loss, truth_grads = hf_loss_and_grads(truth, ids, labels)
+    errors = {"loss": (rel_err(loss, truth_loss), rel_err(ref_loss, truth_loss))}
+    errors.update({n: (rel_err(g, truth_grads[n]), rel_err(ref_grads[n], truth_grads[n])) for n, g in grads.items()})
+    bad = {n: e for n, e in errors.items() if not e[0] <= max(tol, 1.25 * e[1])}
+    assert not bad, f"{what}: (ours, Transformers bf16) errors against fp32 beyond the yardstick: {bad}"
+    return errors
 
 
 @pytest.mark.parametrize("case", CASES_1, ids=[f"{c[0]}-u{c[1]}-{'-'.join(c[7]) or 'defaults'}" for c in CASES_1])
@@ -354,7 +374,7 @@ def test_packed_positions_and_a_global_mask_are_refused():
 
 def _qwen3(seed=0):
     cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-3,
                                    attn_implementation="eager", initializer_range=0.05)
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(cfg)
@@ -365,22 +385,38 @@ def _qwen3(seed=0):
     return model
 
 
-def test_other_attention_classes_need_transformers_projections():
-    """Qwen3 normalises q and k per head between the projection and RoPE, which the chunked
-    q/k/v path does not: refused by default, and exact with ``chunked_qkv=False`` (its q/k
-    norms then run fpdt's lean RMSNorm, on [B, S, H, D])."""
-    with pytest.raises(fpdt.hf.FPDTHFError, match="Qwen3Attention may compute something else.*chunked_qkv=False"):
-        fpdt.hf.apply_fpdt(_qwen3())
-    ref = _qwen3()
-    ids, labels = tokens(256, 2, 16)
-    ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
-    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), num_chunks=2, chunked_qkv=False)
-    model.zero_grad(set_to_none=True)
-    with count_calls(fpdt.hf.model, "rms_norm") as norm_calls:
-        loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
-    assert len(norm_calls) == 2 * 4 + 1                      # q, k, input, post-attention norms; final norm
-    loss.backward()
-    compare(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "qwen3 chunked_qkv=False")
+QWEN3_CASES = [("qwen3", 1, None, None, False, False, "recompute", {}),
+               ("qwen3", 4, 3, 5, True, "offload", "accumulate", {}),
+               ("qwen3", 2, None, 0, True, "hf", "recompute", {}),
+               ("qwen3", 2, None, None, False, "hf", "recompute", HF_QKV)]   # Transformers' projections
+
+
+@pytest.mark.parametrize("case", QWEN3_CASES, ids=[f"u{c[1]}-{'-'.join(c[7]) or 'defaults'}" for c in QWEN3_CASES])
+def test_qwen3_per_head_qk_norms(case):
+    """Qwen3 RMS-normalises q and k per head between the projection and RoPE: inside the chunked
+    projection (its backward recomputes the pre-norm q/k and accumulates the norm weights'
+    gradients), or with ``chunked_qkv=False`` as Transformers' modules running the lean norm."""
+    name, u, mlp, loss, offload, ckpt, wgrad, options = case
+    run_case(name, 0, 1, num_chunks=u, mlp_chunks=mlp, loss_chunks=loss, offload=offload, checkpointing=ckpt,
+             wgrad=wgrad, options=options)
+
+
+def _qwen3_two_ranks(rank, world):
+    run_case("qwen3", rank, world, num_chunks=2, mlp_chunks=None, loss_chunks=None, offload=True,
+             checkpointing="offload", wgrad="recompute")
+    run_case("qwen3", rank, world, num_chunks=2, mlp_chunks=None, loss_chunks=None, offload=True,
+             checkpointing="hf", wgrad="recompute", S=64, dtype=torch.bfloat16, tol=2e-2, against_fp32=True)
+
+
+def test_qwen3_on_two_ranks_fp32_and_bf16():
+    run_distributed(_qwen3_two_ranks, 2, timeout=240)
+
+
+def test_qwen3_norms_that_are_not_transformers_own_are_refused():
+    model = _qwen3()
+    model.model.layers[0].self_attn.k_norm = _OtherNorm(16)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="q_norm/k_norm weights directly.*_OtherNorm.*chunked_qkv=False"):
+        fpdt.hf.apply_fpdt(model, lean_norms=False)
 
 
 def test_adapters_on_the_projections_are_refused():
@@ -487,6 +523,11 @@ def test_zero3_external_parameters_registered():
         assert set(attn._external_params.values()) == {attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight}
         assert set(mlp._external_params.values()) == {mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight}
     assert set(model._external_params.values()) == {model.lm_head.weight}
+    qwen3 = fpdt.hf.apply_fpdt(_qwen3(), num_chunks=2)
+    for layer in qwen3.model.layers:
+        attn = layer.self_attn
+        assert set(attn._external_params.values()) == {attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                                                       attn.q_norm.weight, attn.k_norm.weight}
     plain = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), chunked_qkv=False, mlp_chunks=0, loss_chunks=0)
     assert not any(hasattr(m, "_external_params") for m in plain.modules())
 
