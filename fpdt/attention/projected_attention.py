@@ -64,11 +64,9 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     spec = build_mesh_spec(mesh=mesh, **shape) if mesh is not None else build_spec(group=group, **shape)
     spec.label = label
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
-    # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
-    for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-    for_backward = for_backward or (torch.is_grad_enabled() and qk_norm is not None and
-                                    (wqn.requires_grad or wkn.requires_grad))
+    # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
+    for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*inputs, wqn, wkn))
     return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, offload, heads, for_backward,
                                                 cos, sin, wqn, wkn, eps)
 

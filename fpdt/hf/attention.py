@@ -104,6 +104,12 @@ def _attention(settings: AttentionSettings, name: str):
     return fpdt_attention_forward
 
 
+def plain_linears(*modules: torch.nn.Module) -> bool:
+    """Functions that read ``.weight``/``.bias`` directly are exact only for a plain
+    ``nn.Linear`` (not a PEFT/LoRA wrapper, a quantised linear, ...), which computes nothing else."""
+    return all(type(m) is torch.nn.Linear for m in modules)
+
+
 def _no_window(module: torch.nn.Module) -> None:
     return None
 
@@ -126,21 +132,26 @@ def _chunked_qkv_classes() -> dict[type, Callable[[torch.nn.Module], int | None]
             Qwen3Attention: lambda m: m.sliding_window}
 
 
-def _qk_norms(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
-    """Qwen3's per-head q/k RMSNorms (read directly: refused unless Transformers' own class)."""
+def _qk_norm(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """Qwen3's per-head q/k RMSNorms as ``(q weight, k weight, eps)`` (read directly: refused
+    unless Transformers' own class, with one epsilon); None for other classes."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
 
     if type(module) is not Qwen3Attention:
         return None
-    norms = (module.q_norm, module.k_norm)
-    if not all(type(n) is Qwen3RMSNorm for n in norms):
+    q, k = module.q_norm, module.k_norm
+    if not (type(q) is Qwen3RMSNorm and type(k) is Qwen3RMSNorm):
         raise FPDTHFError(f"the chunked q/k/v projection reads Qwen3Attention's q_norm/k_norm weights directly, and "
-                          f"they are {', '.join(type(n).__name__ for n in norms)}: apply_fpdt(..., chunked_qkv=False)")
-    return norms
+                          f"they are {type(q).__name__}, {type(k).__name__}: apply_fpdt(..., chunked_qkv=False)")
+    if q.variance_epsilon != k.variance_epsilon:
+        raise FPDTHFError("q_norm and k_norm have different epsilons: apply_fpdt(..., chunked_qkv=False)")
+    return q.weight, k.weight, q.variance_epsilon
 
 
-def check_chunked_qkv(module: torch.nn.Module) -> None:
-    """Refuse, naming the fix, an attention module whose forward the chunked one would change."""
+def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[torch.Tensor, torch.Tensor, float] | None]:
+    """Refuse, naming the fix, an attention module whose forward the chunked one would change;
+    else return what that forward needs besides the projections: the sliding window the
+    module's own forward would pass, and Qwen3's q/k norm (:func:`_qk_norm`)."""
     kind = type(module).__name__
     known = _chunked_qkv_classes()
     if type(module) not in known:
@@ -149,39 +160,35 @@ def check_chunked_qkv(module: torch.nn.Module) -> None:
                           f"{type(module).__module__}.{kind} may compute something else around it (q/k norms, "
                           f"fused projections, ...): apply_fpdt(..., chunked_qkv=False)")
     projections = [getattr(module, n) for n in ("q_proj", "k_proj", "v_proj")]
-    if not all(type(p) is torch.nn.Linear for p in projections):
+    if not plain_linears(*projections):
         kinds = ", ".join(type(p).__name__ for p in projections)
         raise FPDTHFError(f"the chunked q/k/v projection reads q_proj/k_proj/v_proj's weights directly, and "
                           f"{kind}'s are {kinds} (an adapter or quantised layer), whose extra computation it would "
                           f"skip: apply_fpdt(..., chunked_qkv=False)")
-    _qk_norms(module)
+    return known[type(module)](module), _qk_norm(module)
 
 
 def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
     """A forward for a Llama, Mistral, Qwen2 or Qwen3 attention module (:func:`check_chunked_qkv`;
-    to bind to it) that runs the q/k/v projections (and Qwen3's q/k norms), RoPE and FPDT attention chunk by chunk
-    (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), so the layer's
-    full-length local q/k/v never exist; then ``o_proj``. RoPE uses the model's own
+    to bind to it) that runs the q/k/v projections (and Qwen3's q/k norms), RoPE and FPDT
+    attention chunk by chunk (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`),
+    so the layer's full-length local q/k/v never exist; then ``o_proj``. RoPE uses the model's own
     ``position_embeddings`` (whatever its RoPE scaling computed), sliced per chunk."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
-        check_chunked_qkv(self)
+        window, qk_norm = check_chunked_qkv(self)     # again: an adapter may have been added since
         if past_key_values is not None:
             raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
                               "past_key_values")
         dropout = self.attention_dropout if self.training else 0.0
-        _refuse_unhonoured(self, name, attention_mask, dropout, _chunked_qkv_classes()[type(self)](self), kwargs)
+        _refuse_unhonoured(self, name, attention_mask, dropout, window, kwargs)
         if position_embeddings is None:
             raise FPDTHFError(f"{type(self).__name__} was called without position_embeddings (cos, sin); the "
                               f"chunked q/k/v projection applies the model's RoPE from them")
         cos, sin = position_embeddings
         B, S_local, _ = hidden_states.shape
         H, H_kv = self.config.num_attention_heads, self.config.num_key_value_heads
-        norms = _qk_norms(self)
-        qk_norm = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].variance_epsilon)
-        if norms is not None and norms[0].variance_epsilon != norms[1].variance_epsilon:
-            raise FPDTHFError("q_norm and k_norm have different epsilons: apply_fpdt(..., chunked_qkv=False)")
         out = projected_fpdt_attention(hidden_states, self.q_proj, self.k_proj, self.v_proj,
                                        heads=(H, H_kv, self.head_dim), cos=cos, sin=sin, group=settings.group,
                                        mesh=settings.mesh, num_chunks=settings.num_chunks,

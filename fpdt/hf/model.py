@@ -53,7 +53,7 @@ from torch import nn
 from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
-                               register_settings)
+                               plain_linears, register_settings)
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
@@ -100,13 +100,17 @@ class HFSettings:
 
     def rank_size(self) -> tuple[int, int]:
         """``(rank, size)`` in the sequence-parallel group."""
-        if self.mesh is not None:
-            return self.mesh.sp_rank, self.mesh.sp
-        return group_rank(self.group), group_size(self.group)
+        return _rank_size(self.group, self.mesh)
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.sp_group if self.mesh is not None else self.group
+
+
+def _rank_size(group: dist.ProcessGroup | None, mesh: SequenceMesh | None) -> tuple[int, int]:
+    if mesh is not None:
+        return mesh.sp_rank, mesh.sp
+    return group_rank(group), group_size(group)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -138,7 +142,7 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
 
 def _check_rope(model: nn.Module, group, mesh) -> None:
     rope_type = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
-    sp = mesh.sp if mesh is not None else group_size(group)
+    _, sp = _rank_size(group, mesh)
     if rope_type in RECOMPUTED_ROPE_TYPES and sp > 1:
         raise FPDTHFError(f"rope_type={rope_type!r} picks its RoPE frequencies from the largest position a forward "
                           f"sees, and each of the {sp} sequence-parallel ranks sees different positions, so ranks "
@@ -146,15 +150,9 @@ def _check_rope(model: nn.Module, group, mesh) -> None:
                           f"'yarn' or 'linear' with its factor), or no sequence parallelism")
 
 
-def _plain_linears(*modules: nn.Module) -> bool:
-    """The chunked functions read ``.weight``/``.bias`` directly: only a plain ``nn.Linear``
-    (not a PEFT/LoRA wrapper, a quantised linear, ...) computes nothing else."""
-    return all(type(m) is nn.Linear for m in modules)
-
-
 def _chunked_mlp_forward(num_chunks: int):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _plain_linears(self.gate_proj, self.up_proj, self.down_proj):
+        if not plain_linears(self.gate_proj, self.up_proj, self.down_proj):
             raise FPDTHFError(f"the chunked MLP reads gate_proj/up_proj/down_proj's weights directly, and this "
                               f"MLP's are {type(self.gate_proj).__name__} (an adapter or quantised layer), whose "
                               f"extra computation it would skip: apply_fpdt(..., mlp_chunks=0)")
@@ -260,7 +258,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             out = CausalLMOutputWithPast(loss=loss, logits=out.logits, hidden_states=out.hidden_states,
                                          attentions=out.attentions)
     else:
-        if not _plain_linears(self.lm_head):
+        if not plain_linears(self.lm_head):
             raise FPDTHFError(f"the chunked loss reads lm_head.weight directly, and lm_head is "
                               f"{type(self.lm_head).__name__} (an adapter or quantised layer), whose extra "
                               f"computation it would skip: apply_fpdt(..., loss_chunks=0)")
@@ -289,17 +287,17 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
     except ImportError:        # no DeepSpeed, no ZeRO-3
         return
-    if qkv_chunked:
-        for layer in layers:
-            names = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")        # q/k norms: Qwen3
-            for module in filter(None, (getattr(layer.self_attn, n, None) for n in names)):
-                for p in module.parameters(recurse=False):
-                    register_external_parameter(layer.self_attn, p)
-    if mlp_chunked:
-        for layer in layers:
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                for p in getattr(layer.mlp, name).parameters(recurse=False):
-                    register_external_parameter(layer.mlp, p)
+
+    def register(owner: nn.Module, names: tuple[str, ...]) -> None:
+        for sub in filter(None, (getattr(owner, n, None) for n in names)):
+            for p in sub.parameters(recurse=False):
+                register_external_parameter(owner, p)
+
+    for layer in layers:
+        if qkv_chunked:
+            register(layer.self_attn, ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))   # q/k norms: Qwen3
+        if mlp_chunked:
+            register(layer.mlp, ("gate_proj", "up_proj", "down_proj"))
     if loss_chunked:
         register_external_parameter(model, model.lm_head.weight)
 
@@ -387,8 +385,9 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
     for norm in norms:
         norm.forward = types.MethodType(norm_forward, norm)
     if mlp_chunks:
+        mlp_forward = _chunked_mlp_forward(mlp_chunks)
         for layer in layers:
-            layer.mlp.forward = types.MethodType(_chunked_mlp_forward(mlp_chunks), layer.mlp)
+            layer.mlp.forward = types.MethodType(mlp_forward, layer.mlp)
     if checkpointing != "off":
         state = _LayerInputStash()
         for i, layer in enumerate(layers):
