@@ -69,10 +69,15 @@ CASES_1 = [
 ]
 
 
+def _reference_model(name):
+    """The fp32 Transformers model of a case: the shared tiny configs, or this file's Qwen3."""
+    return _qwen3() if name == "qwen3" else hf_model(name)
+
+
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, wgrad,
              options=None, mesh=None, B=2, S=None, dtype=torch.float32, tol=1e-5, device="cpu",
              against_fp32=False):
-    ref = (_qwen3() if name == "qwen3" else hf_model(name)).to(device, dtype)
+    ref = _reference_model(name).to(device, dtype)
     # at least 16 tokens: with 4, only position 0 has a label (tokens() masks spans from 2 on), whose
     # attention is over itself alone, so q and k would get no gradient at all
     S = S or max(16, 4 * world * num_chunks * (2 if mesh is not None else 1))
@@ -125,7 +130,7 @@ def _no_worse_than_transformers_bf16(name, ids, labels, loss, grads, ref_loss, r
     """bf16 against the fp32 truth, with Transformers' own bf16 error as the yardstick: each
     error within ``tol`` or within 1.25x Transformers' (where its own bf16 is further than
     ``tol`` from fp32, as with Qwen3's per-head norms over a small head dim)."""
-    truth = (_qwen3() if name == "qwen3" else hf_model(name)).to(ids.device)
+    truth = _reference_model(name).to(ids.device)
     truth_loss, truth_grads = hf_loss_and_grads(truth, ids, labels)
     errors = {"loss": (rel_err(loss, truth_loss), rel_err(ref_loss, truth_loss))}
     errors.update({n: (rel_err(g, truth_grads[n]), rel_err(ref_grads[n], truth_grads[n])) for n, g in grads.items()})
