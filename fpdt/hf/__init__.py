@@ -8,10 +8,14 @@ training loop) rather than rebuild it as :class:`fpdt.model.FPDTForCausalLM`:
   in place (:mod:`fpdt.hf.model`);
 * :func:`prepare_inputs` -- one rank's ``input_ids``, ``position_ids`` and ``shift_labels``;
 * :func:`register_attention` -- only the attention, as a named Transformers attention
-  implementation (:mod:`fpdt.hf.attention`).
+  implementation (:mod:`fpdt.hf.attention`);
+* :func:`trainer_parallelism_config` -- with ``apply_fpdt(model, group="trainer")``, training
+  under Hugging Face's ``Trainer`` and its sequence parallelism (:mod:`fpdt.hf.trainer`).
 """
 
 from fpdt.hf.attention import FPDTHFError, register_attention
 from fpdt.hf.model import HFSettings, apply_fpdt, prepare_inputs
+from fpdt.hf.trainer import trainer_parallelism_config
 
-__all__ = ["FPDTHFError", "HFSettings", "apply_fpdt", "prepare_inputs", "register_attention"]
+__all__ = ["FPDTHFError", "HFSettings", "apply_fpdt", "prepare_inputs", "register_attention",
+           "trainer_parallelism_config"]

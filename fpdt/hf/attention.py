@@ -35,6 +35,7 @@ import torch.distributed as dist
 from fpdt.attention import fpdt_attention
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.comm import SequenceMesh
+from fpdt.hf.groups import TrainerGroup, resolve_group
 
 _names = itertools.count()
 
@@ -43,8 +44,9 @@ _names = itertools.count()
 class AttentionSettings:
     """What every call of one registered implementation passes to :func:`fpdt_attention`."""
 
-    group: dist.ProcessGroup | None = None
-    """Sequence-parallel group (None: the default group, or a world of 1)."""
+    group: dist.ProcessGroup | TrainerGroup | None = None
+    """Sequence-parallel group (None: the default group, or a world of 1; a
+    :class:`fpdt.hf.groups.TrainerGroup` is looked up at each call)."""
     mesh: SequenceMesh | None = None
     """A 2D hp x cp mesh instead of ``group``."""
     num_chunks: int = 1
@@ -96,7 +98,8 @@ def _attention(settings: AttentionSettings, name: str):
             raise FPDTHFError(f"expected query [B, H, S, D] and key [B, H_kv, S, D], got {tuple(query.shape)} "
                               f"and {tuple(key.shape)}")
         out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                             group=settings.group, mesh=settings.mesh, num_chunks=settings.num_chunks,
+                             group=resolve_group(settings.group), mesh=settings.mesh,
+                             num_chunks=settings.num_chunks,
                              offload=settings.offload, causal=True, softmax_scale=scaling,
                              backend=settings.backend)
         return out, None                                               # [B, S_local, H, D], no weights
@@ -190,7 +193,8 @@ def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
         B, S_local, _ = hidden_states.shape
         H, H_kv = self.config.num_attention_heads, self.config.num_key_value_heads
         out = projected_fpdt_attention(hidden_states, self.q_proj, self.k_proj, self.v_proj,
-                                       heads=(H, H_kv, self.head_dim), cos=cos, sin=sin, group=settings.group,
+                                       heads=(H, H_kv, self.head_dim), cos=cos, sin=sin,
+                                       group=resolve_group(settings.group),
                                        mesh=settings.mesh, num_chunks=settings.num_chunks,
                                        offload=settings.offload, backend=settings.backend,
                                        softmax_scale=self.scaling, label=f"layer {self.layer_idx}",
@@ -246,3 +250,4 @@ def register_settings(settings: AttentionSettings, name: str | None = None) -> s
     AttentionInterface.register(name, _attention(settings, name))
     AttentionMaskInterface.register(name, _mask(name))
     return name
+

@@ -41,6 +41,7 @@ mean. DeepSpeed averages over all ranks, so back-propagate ``loss * sp``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
 from dataclasses import dataclass
@@ -54,17 +55,20 @@ from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
                                plain_linears, register_settings)
+from fpdt.hf.groups import TrainerGroup, resolve_group
+from fpdt.hf.trainer import check_increasing_positions, contiguous_to_fpdt_layout
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
 from fpdt.model.loss import (IGNORE_INDEX, WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss,
-                             sum_over_group, valid_token_scale)
+                             sum_gradient_over_group, sum_over_group, valid_token_scale)
 from fpdt.model.mlp import default_mlp_chunks, swiglu_of_linears
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.offload import HostStash
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
+TRAINER_ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 RECOMPUTED_ROPE_TYPES = ("dynamic", "longrope")
 
 
@@ -84,7 +88,8 @@ class HFSettings:
     """What :func:`apply_fpdt` set on a model (``model.fpdt``)."""
 
     attn_implementation: str
-    group: dist.ProcessGroup | None
+    """The name fpdt's attention is registered under (the model's own, except under the Trainer)."""
+    group: dist.ProcessGroup | TrainerGroup | None
     mesh: SequenceMesh | None
     num_chunks: int
     offload: bool
@@ -104,12 +109,18 @@ class HFSettings:
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.sp_group if self.mesh is not None else self.group
+        return self.mesh.sp_group if self.mesh is not None else resolve_group(self.group)
+
+    @property
+    def under_trainer(self) -> bool:
+        """Set up for the Hugging Face Trainer's sequence parallelism (:mod:`fpdt.hf.trainer`)."""
+        return isinstance(self.group, TrainerGroup)
 
 
-def _rank_size(group: dist.ProcessGroup | None, mesh: SequenceMesh | None) -> tuple[int, int]:
+def _rank_size(group: dist.ProcessGroup | TrainerGroup | None, mesh: SequenceMesh | None) -> tuple[int, int]:
     if mesh is not None:
         return mesh.sp_rank, mesh.sp
+    group = resolve_group(group)
     return group_rank(group), group_size(group)
 
 
@@ -223,7 +234,12 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     """The causal LM's forward after :func:`apply_fpdt` (bound to the model)."""
     settings: HFSettings = self.fpdt
     original = type(self).forward               # Transformers' forward, called with this (maybe copied) model
-    _, sp = settings.rank_size()
+    rank, sp = settings.rank_size()
+    trainer = settings.under_trainer
+    if trainer:
+        _check_rope(self, settings.group, None)  # the Trainer's group size is known only now
+        if labels is not None and labels is shift_labels:
+            labels = None                        # the Trainer's SP loss passes its shift_labels as labels too
     if settings.checkpointing != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
         raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=settings.checkpointing))
     ref = input_ids if input_ids is not None else inputs_embeds
@@ -237,6 +253,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if labels is not None:
         if shift_labels is not None:
             raise FPDTHFError("pass labels= or shift_labels=, not both")
+        if sp > 1 and trainer:
+            raise FPDTHFError(f"labels= without shift_labels= under the Trainer's sequence parallelism (sp={sp}): "
+                              f"the Trainer's evaluation gives every rank whole windows of its own, which fpdt "
+                              f"cannot split; evaluate with TrainingArguments(eval_strategy='no') or a model "
+                              f"without apply_fpdt")
         if sp > 1:
             raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
                               f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
@@ -244,9 +265,39 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if position_ids is None and sp > 1:
         raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
                           f"are not contiguous; use fpdt.hf.prepare_inputs")
+    if trainer and sp > 1:                      # DeepSpeed's data adapter slices the window contiguously
+        if input_ids is None:
+            raise FPDTHFError("under the Trainer's sequence parallelism pass input_ids, not inputs_embeds (the "
+                              "tokens are moved into fpdt's chunk layout by id)")
+        input_ids, position_ids, shift_labels = contiguous_to_fpdt_layout(
+            input_ids, position_ids, shift_labels, attention_mask, group=settings.sp_group, sp=sp, rank=rank,
+            num_chunks=settings.num_chunks)
+        attention_mask = None                    # all ones over the window, or refused above
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
+    with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext():
+        out = _decoder_and_loss(self, original, settings, sp, input_ids, attention_mask, position_ids, inputs_embeds,
+                                shift_labels, logits_to_keep, num_items_in_batch, kwargs)
+    if trainer and out.loss is not None:
+        out.loss = sum_gradient_over_group(out.loss, group=settings.sp_group, sp=sp)
+    return out if return_dict else out.to_tuple()
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str):
+    """The model runs fpdt's attention and mask functions (``name``) while keeping the implementation
+    name the Trainer's sequence-parallel setup checked (``sdpa``, ...) outside its forward."""
+    kept = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = kept
+
+
+def _decoder_and_loss(self, original, settings: HFSettings, sp: int, input_ids, attention_mask, position_ids,
+                      inputs_embeds, shift_labels, logits_to_keep, num_items_in_batch, kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if shift_labels is None or settings.loss_chunks == 0:
@@ -269,7 +320,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                                          wgrad=settings.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
         out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                      attentions=outputs.attentions)
-    return out if return_dict else out.to_tuple()
+    return out
 
 
 def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_items_in_batch):
@@ -302,7 +353,7 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
         register_external_parameter(model, model.lm_head.weight)
 
 
-def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
+def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None, mesh: SequenceMesh | None = None,
                num_chunks: int = 1, offload: bool = False, backend: str | None = None,
                mlp_chunks: int | None = None, loss_chunks: int | None = None,
                lm_head_wgrad: str = "recompute", checkpointing: str = "off",
@@ -317,6 +368,11 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
             ``loss_chunks=0`` (the chunked functions read plain weights; others are refused).
         group / mesh: the sequence-parallel group (None: the default group, or no
             parallelism without torch.distributed), or a 2D :class:`fpdt.comm.SequenceMesh`.
+            ``group="trainer"``: for Hugging Face's ``Trainer`` with sequence parallelism
+            (:mod:`fpdt.hf.trainer`; the group is the one DeepSpeed creates when the Trainer
+            prepares the model, the inputs arrive in its contiguous slices and the loss follows
+            its convention; needs ``chunked_qkv``; build ``TrainingArguments(parallelism_config=``
+            :func:`fpdt.hf.trainer_parallelism_config` ``(model, sp_size))``).
         num_chunks: attention chunks per rank ``u``; inputs must be sharded with the same
             ``u`` (:func:`prepare_inputs`).
         offload: keep finished attention chunks in pinned host memory (needs CUDA, or
@@ -357,6 +413,16 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
         raise FPDTHFError(f"checkpointing={checkpointing!r} must be one of {CHECKPOINT_MODES}")
     if lm_head_wgrad not in WGRAD_MODES:
         raise FPDTHFError(f"lm_head_wgrad={lm_head_wgrad!r} must be one of {WGRAD_MODES}")
+    if group == "trainer":
+        group = TrainerGroup()
+    elif isinstance(group, str):
+        raise FPDTHFError(f"group={group!r}: pass a torch.distributed process group, None, or 'trainer'")
+    trainer = isinstance(group, TrainerGroup)
+    if trainer and (mesh is not None or not chunked_qkv):
+        raise FPDTHFError("group='trainer' runs Ulysses over the Trainer's group with fpdt's chunked q/k/v "
+                          "projections (DeepSpeed wraps the model's registered attention function in its own "
+                          "all-to-all, which only the chunked attention bypasses): pass no mesh and keep "
+                          "chunked_qkv=True")
     layers = _decoder_layers(model)
     cfg = model.config
     mlp_chunks = default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size, num_chunks) \
@@ -370,11 +436,18 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | None = None, mesh
         for layer in layers:
             check_chunked_qkv(layer.self_attn)
     norms = _lean_norms(model, layers) if lean_norms else []
-    _check_rope(model, group, mesh)
+    if not trainer:                               # the Trainer's group exists only once it prepares the model
+        _check_rope(model, group, mesh)
     attention = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
     name = register_settings(attention)
-    model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
+    if trainer:
+        # The Trainer's SP setup accepts only these names; the chunked attention modules never call the
+        # function behind it, and the forward switches to `name` (fpdt's mask function) while it runs.
+        if model.config._attn_implementation not in TRAINER_ATTN_IMPLEMENTATIONS:
+            model.set_attn_implementation("sdpa")
+    else:
+        model.set_attn_implementation(name)
+    if not trainer and model.config._attn_implementation != name:
         raise FPDTHFError(f"{type(model).__name__} did not take attention implementation {name!r}; it does not "
                           f"use Transformers' AttentionInterface")
     if chunked_qkv:
@@ -414,11 +487,8 @@ def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.T
     settings: HFSettings | None = getattr(model, "fpdt", None)
     if settings is None:
         raise FPDTHFError("call fpdt.hf.apply_fpdt(model, ...) before fpdt.hf.prepare_inputs")
-    if position_ids is not None and position_ids.shape[-1] > 1 and \
-            bool((position_ids[..., 1:] <= position_ids[..., :-1]).any()):
-        raise FPDTHFError("position_ids restart or do not increase (packed documents?): fpdt attention treats "
-                          "the window as one causal sequence and has no document mask; pass increasing "
-                          "positions (the default arange) or one document per window")
+    if position_ids is not None:
+        check_increasing_positions(position_ids)
     rank, sp = settings.rank_size()
     inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.num_chunks, labels=labels,
                              position_ids=position_ids, mesh=settings.mesh)

@@ -242,6 +242,34 @@ def sum_over_group(local: torch.Tensor, *, group: dist.ProcessGroup | None, sp: 
     return local + (total - local.detach())
 
 
+
+class _SumGradientOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces the incoming gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_gradient_over_group(loss: torch.Tensor, *, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
+    """``loss`` unchanged in value; in backward, each rank receives the *sum* over the group of
+    the gradients every rank's copy of it received.
+
+    For a caller that back-propagates every rank's copy of a :func:`sum_over_group` loss with a
+    weight of its own (Hugging Face Trainer's sequence-parallel loss aggregation weighs each
+    rank's loss by its valid-token count): the weights add up to the gradient of the one global
+    loss, whichever ranks hold the valid tokens."""
+    if sp == 1:
+        return loss
+    return _SumGradientOverGroup.apply(loss, group)
+
 def sequence_parallel_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                               group: dist.ProcessGroup | None, sp: int, num_chunks: int,
                               wgrad: str = "accumulate",

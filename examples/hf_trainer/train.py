@@ -1,0 +1,107 @@
+"""Hugging Face's Trainer with its DeepSpeed sequence parallelism, running FPDT.
+
+This is the Trainer setup DeepSpeed's ALST documents (accelerate's ``ParallelismConfig`` with
+``sp_backend="deepspeed"``, a DeepSpeed config, batches with ``position_ids``); the fpdt lines
+are marked ``# fpdt``: one call that puts FPDT attention, the chunked MLP and loss and the
+checkpointing into the model, and fpdt's ``ParallelismConfig`` for it.
+
+    # CPU, 2 processes, the tiny model on the shipped text (about a minute)
+    torchrun --standalone --nproc_per_node 2 examples/hf_trainer/train.py \\
+        --model-config examples/tiny-llama/config.json --tokenizer examples/tiny-llama/tokenizer.json \\
+        --data examples/data/jargon-file-4.4.7.txt --seq-len 512 --chunks 2 --steps 20
+    # GPUs: --model /path/to/Llama-3.2-1B --seq-len 262144 --chunks 4 --offload --bf16
+
+All ranks form one sequence-parallel group (``--sp``, default: every rank); each holds
+``seq_len / sp`` tokens of a window. Every window's length must be divisible by
+``sp * chunks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import fpdt.hf  # fpdt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a Transformers checkpoint directory")
+    src.add_argument("--model-config", help="a config.json: random weights (seeded by --seed)")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the --model directory's)")
+    p.add_argument("--data", required=True, help="a .txt file")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--chunks", type=int, default=1, help="FPDT attention chunks per rank")
+    p.add_argument("--offload", action="store_true",
+                   help="attention chunks and layer inputs to pinned host memory (CUDA)")
+    p.add_argument("--sp", type=int, help="sequence-parallel degree (default: the world size)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim name")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--deepspeed", default=os.path.join(HERE, "ds_zero3.json"), help="DeepSpeed JSON")
+    p.add_argument("--output-dir", default=os.path.join("runs", "hf_trainer"))
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def token_windows(args, eos_id) -> list[dict[str, torch.Tensor]]:
+    """The text as consecutive windows of ``seq_len`` tokens, each with its labels and the
+    ``position_ids`` that DeepSpeed's sequence-parallel data adapter requires."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(args.tokenizer or os.path.join(args.model, "tokenizer.json"))
+    with open(args.data, encoding="utf-8") as f:
+        ids = tok.encode(f.read()).ids + ([eos_id] if eos_id is not None else [])
+    ids = np.asarray(ids, dtype=np.int64)
+    n = len(ids) // args.seq_len
+    if n == 0:
+        raise SystemExit(f"{args.data} has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
+    windows = [torch.from_numpy(ids[k * args.seq_len:(k + 1) * args.seq_len]) for k in range(n)]
+    return [{"input_ids": w, "labels": w.clone(), "position_ids": torch.arange(args.seq_len)} for w in windows]
+
+
+def build_trainer(args):
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    on_gpu = torch.cuda.is_available()
+    # DeepSpeed's communication layer, over torch.distributed (which it starts unless already started):
+    # the Trainer's sequence-parallel setup builds its groups through it.
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    sp = args.sp or dist.get_world_size()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    torch.manual_seed(args.seed)
+    # For large models build TrainingArguments first, so that ZeRO-3 partitions the weights as they load.
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
+    fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=args.chunks, offload=args.offload,   # fpdt
+                       checkpointing="offload" if args.offload else "on")
+    training = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=1,
+        learning_rate=args.lr, optim=args.optim, max_grad_norm=args.max_grad_norm,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, bf16=args.bf16,
+        logging_steps=1, save_strategy="no", report_to=[], seed=args.seed, use_cpu=not on_gpu,
+        deepspeed=args.deepspeed,
+        parallelism_config=fpdt.hf.trainer_parallelism_config(model, sp_size=sp))                # fpdt
+    return Trainer(model=model, args=training, train_dataset=token_windows(args, model.config.eos_token_id))
+
+
+def main(argv=None) -> list[float]:
+    trainer = build_trainer(parse_args(argv))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""FPDT under Hugging Face's ``Trainer``, through its own sequence-parallel route.
+
+The Trainer runs sequence parallelism with accelerate's ``ParallelismConfig(sp_backend=
+"deepspeed", sp_size=P)``, the setup of DeepSpeed's ALST: while it prepares the model,
+DeepSpeed creates the sequence-parallel group, its data-loader adapter gives every rank of
+a group a contiguous slice (``S / P`` tokens) of the same window with global ``position_ids``
+and ``shift_labels``, and the Trainer aggregates the ranks' losses weighted by their valid
+tokens. A model under ``apply_fpdt(model, group="trainer")`` fits that route:
+
+* its group is DeepSpeed's, looked up at each forward (:class:`fpdt.hf.groups.TrainerGroup`);
+* its forward moves the token ids, positions and labels from the adapter's contiguous slices
+  into FPDT's chunk layout (:func:`contiguous_to_fpdt_layout`: one all-gather of the integer
+  inputs, ``24 S`` bytes per rank for ``S`` tokens, once per forward);
+* its loss is the global token mean on every rank, and its backward sums the Trainer's
+  per-rank weights over the group (:func:`fpdt.model.loss.sum_gradient_over_group`), so the
+  gradients are the global mean's whichever ranks hold the valid tokens;
+* DeepSpeed's Ulysses wrapper of the attention is never called: the attention modules run
+  FPDT's chunked q/k/v projections and attention (``chunked_qkv=True`` is required).
+
+:func:`trainer_parallelism_config` builds the ``ParallelismConfig`` for such a model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fpdt.hf.attention import FPDTHFError
+from fpdt.hf.groups import TrainerGroup
+from fpdt.layout.fpdt_layout import check_layout, shard
+
+
+def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None,
+                              attention_mask: torch.Tensor | None = None, *,
+                              group: dist.ProcessGroup | None, sp: int, rank: int,
+                              num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's ``input_ids``, ``position_ids`` and ``labels`` ``[B, S / P]`` in contiguous
+    slices (rank ``r`` holds tokens ``[r S / P, (r + 1) S / P)`` of the window) -> the same
+    tokens' slices in the FPDT layout (:mod:`fpdt.layout.fpdt_layout`, ``num_chunks`` chunks per
+    rank); dtypes kept, ``labels`` may be None.
+
+    Refuses, on every rank alike, position ids that restart or do not increase over the window
+    (packed documents) and an ``attention_mask`` ``[B, S / P]`` that hides any token (padding),
+    which fpdt attention cannot honour."""
+    tensors = [t for t in (input_ids, position_ids, labels, attention_mask) if t is not None]
+    shape = input_ids.shape
+    if any(t.shape != shape for t in tensors):
+        raise FPDTHFError(f"input_ids, position_ids and labels of shapes {[tuple(t.shape) for t in tensors]} are not "
+                          f"slices of one window")
+    check_layout(shape[-1] * sp, sp, num_chunks)
+    stacked = torch.stack([t.to(torch.int64) for t in tensors])                  # [n, B, S / P]
+    slices = [torch.empty_like(stacked) for _ in range(sp)]
+    dist.all_gather(slices, stacked.contiguous(), group=group)
+    window = torch.cat(slices, dim=-1)                                           # [n, B, S]
+    del slices
+    check_increasing_positions(window[1])
+    if attention_mask is not None and not bool(window[-1].all()):
+        raise FPDTHFError("the attention_mask hides tokens (padding): fpdt attention is causal over the whole "
+                          "window and takes no mask; drop attention_mask and give padded positions the label -100")
+    local = [x.to(t.dtype) for x, t in zip(shard(window, sp, num_chunks, rank, dim=-1).unbind(0), tensors)]
+    return local[0], local[1], (local[2] if labels is not None else None)
+
+
+def check_increasing_positions(position_ids: torch.Tensor) -> None:
+    """Refuse a window whose position ids restart or do not increase (one host read)."""
+    if position_ids.shape[-1] > 1 and bool((position_ids[..., 1:] <= position_ids[..., :-1]).any()):
+        raise FPDTHFError("position_ids restart or do not increase (packed documents?): fpdt attention treats "
+                          "the window as one causal sequence and has no document mask; pass increasing "
+                          "positions (the default arange) or one document per window")
+
+
+def trainer_parallelism_config(model: torch.nn.Module, sp_size: int, **kwargs):
+    """accelerate's ``ParallelismConfig`` for training ``model`` (after
+    ``apply_fpdt(model, group="trainer")``) with ``sp_size``-way sequence parallelism under the
+    Trainer: pass it as ``TrainingArguments(parallelism_config=...)`` with a DeepSpeed config.
+
+    ``kwargs`` go to ``ParallelismConfig`` (e.g. ``dp_shard_size``). The sequence length may
+    change from batch to batch; every window's length must be divisible by ``sp_size`` times
+    the model's ``num_chunks``.
+    """
+    settings = getattr(model, "fpdt", None)
+    if settings is None or not isinstance(settings.group, TrainerGroup):
+        raise FPDTHFError("call fpdt.hf.apply_fpdt(model, group='trainer', ...) before trainer_parallelism_config")
+    try:
+        from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+    except ImportError as e:
+        raise ImportError(f"the Trainer's sequence parallelism needs accelerate (pip install accelerate): {e}") from e
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
+                                              sp_attn_implementation=model.config._attn_implementation)
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=handler, **kwargs)

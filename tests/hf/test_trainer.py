@@ -1,0 +1,295 @@
+"""``apply_fpdt(model, group="trainer")`` under Hugging Face's Trainer with its DeepSpeed
+sequence parallelism (``examples/hf_trainer/train.py``: accelerate's ``ParallelismConfig``,
+DeepSpeed ZeRO-3, DeepSpeed's data adapter slicing each window contiguously), on 2 gloo
+ranks, against single-process Transformers training on the windows the Trainer fed it: every
+step's loss within 1e-4 relative (fp32).
+
+The optimizer is plain SGD without clipping, so a wrong gradient scale changes the next
+step's loss. With ``prompt`` the first 60% of every window's labels are -100 (as in
+fine-tuning on answers only): rank 0's contiguous slice then has no valid token, the
+Trainer gives its loss weight 0, and only a backward that sums the Trainer's weights over the
+group (:func:`fpdt.model.loss.sum_gradient_over_group`) still trains on the tokens that the
+FPDT layout put on rank 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+pytest.importorskip("accelerate")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "hf_trainer", "train.py")
+SEQ_LEN, STEPS, SGD_LR, RTOL = 128, 3, 0.5, 1e-4
+PROMPT_FRACTION = 0.6
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("hf_trainer_train", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _argv(tmp: str, chunks: int) -> list[str]:
+    return ["--model-config", os.path.join(tmp, "config.json"),
+            "--tokenizer", os.path.join(ROOT, "examples", "tiny-llama", "tokenizer.json"),
+            "--data", os.path.join(ROOT, "examples", "data", "jargon-file-4.4.7.txt"),
+            "--seq-len", str(SEQ_LEN), "--chunks", str(chunks), "--steps", str(STEPS),
+            "--optim", "sgd", "--lr", str(SGD_LR), "--max-grad-norm", "0", "--output-dir", os.path.join(tmp, "out")]
+
+
+def _write_config(tmp: str) -> None:
+    with open(os.path.join(ROOT, "examples", "tiny-llama", "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)   # smaller, faster
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def _labels(input_ids: torch.Tensor, prompt: bool) -> torch.Tensor:
+    labels = input_ids.clone()
+    if prompt:
+        labels[..., :int(PROMPT_FRACTION * labels.shape[-1])] = -100
+    return labels
+
+
+def _rank(rank, world, tmp, chunks, prompt, out):
+    import torch.distributed as dist
+
+    for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", world)):
+        os.environ[k] = str(v)
+    trainer = _example().build_trainer(_example().parse_args(_argv(tmp, chunks)))
+    for item in trainer.train_dataset:
+        item["labels"] = _labels(item["input_ids"], prompt)
+    windows = []
+
+    def record(module, args, kwargs):    # the adapter's contiguous slices -> the window this step trains on
+        slices = [torch.empty_like(kwargs["input_ids"]) for _ in range(world)]
+        dist.all_gather(slices, kwargs["input_ids"].contiguous())
+        windows.append(torch.cat(slices, dim=-1)[0].tolist())
+
+    trainer.model.register_forward_pre_hook(record, with_kwargs=True)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": losses, "windows": windows}, f)
+
+
+def _reference(tmp: str, windows: list[list[int]], prompt: bool) -> list[float]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.join(tmp, "config.json")),
+                                             dtype=torch.float32)
+    sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    losses = []
+    for window in windows:
+        ids = torch.tensor(window).unsqueeze(0)
+        loss = model(input_ids=ids, labels=_labels(ids, prompt), use_cache=False).loss
+        sgd.zero_grad()
+        loss.backward()
+        sgd.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("chunks,prompt", [(1, False), (2, True)], ids=["u1", "u2-prompt-masked"])
+def test_trainer_sequence_parallel_matches_single_process_transformers(tmp_path, chunks, prompt):
+    tmp = str(tmp_path)
+    _write_config(tmp)
+    out = os.path.join(tmp, "result.json")
+    run_distributed(_rank, 2, args=(tmp, chunks, prompt, out), timeout=300)
+    with open(out) as f:
+        got = json.load(f)
+    assert len(got["losses"]) == STEPS and len(got["windows"]) == STEPS
+    assert len({tuple(w) for w in got["windows"]}) > 1        # both ranks' batches were trained on
+    want = _reference(tmp, got["windows"], prompt)
+    for step, (g, w) in enumerate(zip(got["losses"], want)):
+        assert abs(g - w) <= RTOL * abs(w), f"step {step + 1}: {g} vs single-process {w}"
+
+
+# ---- the Trainer's route without the Trainer: DeepSpeed's SP groups and data slicing, Transformers' own
+# ---- SP loss aggregation (deepspeed_sp_compute_loss), DeepSpeed's gradient averaging over all ranks
+
+def _adapter_slices(ids, labels, sp_rank, sp):
+    """What DeepSpeed's UlyssesSPDataLoaderAdapter gives one rank: contiguous slices of the window,
+    labels shifted on the whole window."""
+    S = ids.shape[1]
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    cut = slice(sp_rank * S // sp, (sp_rank + 1) * S // sp)
+    return {"input_ids": ids[:, cut], "position_ids": torch.arange(S).expand_as(ids)[:, cut],
+            "shift_labels": shift[:, cut]}
+
+
+class _GroupAllGather(torch.autograd.Function):
+    """``torch.distributed.nn.functional.all_gather`` for a gloo subgroup: torch's own backward (an
+    all-to-all of scatters) passes group ranks where global ranks belong and fails outside the
+    default group (pytorch/pytorch#120213); NCCL takes another path. Same math: the gradient of
+    this rank's input is the sum over the group of its slot's gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor.contiguous(), group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        import torch.distributed as dist
+
+        stacked = torch.stack(grads).contiguous()
+        dist.all_reduce(stacked, group=ctx.group)
+        return stacked[dist.get_rank(ctx.group)], None
+
+
+def _trainer_route(rank, world, sp, cases):
+    import copy
+    import types
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+
+    import fpdt.hf
+    from tests.model.helpers import compare, hf_loss_and_grads, hf_model, tokens
+
+    from deepspeed.utils import groups
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    parallel_state_sp.initialize_sequence_parallel(sp)
+    groups.mpu = parallel_state_sp            # as deepspeed.initialize(mpu=...) sets it
+    import torch.distributed.nn.functional
+    torch.distributed.nn.functional.all_gather = lambda tensor, group=None: _GroupAllGather.apply(tensor, group)
+    try:
+        window, sp_rank = rank // sp, rank % sp           # each SP group trains on a window of its own
+        for name, u, prompt in cases:
+            ref = hf_model(name)
+            S = max(16, 4 * sp * u)
+            ids, labels = tokens(ref.config.vocab_size, 1, S, seed=1 + window)
+            if prompt:
+                labels[:, :int(PROMPT_FRACTION * S)] = -100
+            ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
+            model = copy.deepcopy(ref)
+            model.zero_grad(set_to_none=True)
+            fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=u)
+            model.train()
+            pc = types.SimpleNamespace(sp_backend="deepspeed", sp_size=sp)
+            loss = deepspeed_sp_compute_loss(None, model, _adapter_slices(ids, labels, sp_rank, sp), False, pc)
+            loss.backward()
+            assert model.config._attn_implementation == "sdpa"     # what the Trainer's SP setup checked
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            for g, r in zip(grads.values(), ref_grads.values()):   # DeepSpeed: the mean over all ranks;
+                dist.all_reduce(g)                                 # the truth: the mean over the windows
+                g.div_(world)
+                dist.all_reduce(r)
+                r.div_(world)
+            compare(loss, grads, ref_loss, ref_grads, f"{name} u={u} prompt={prompt} rank {rank}/{world} sp={sp}")
+    finally:
+        groups.mpu = None
+        parallel_state_sp._release_sequence_parallel_groups()
+
+
+@pytest.mark.parametrize("world,sp,cases", [
+    (2, 2, [("llama_gqa", 1, False), ("llama_gqa", 2, True), ("qwen2_tied", 4, True), ("mistral", 2, False)]),
+    (4, 4, [("llama_sp4", 2, True)]),      # KV heads replicated: 2 < 4
+    (4, 2, [("llama_bias", 2, True)]),      # 2 SP groups x 2-way data parallelism
+], ids=["sp2", "sp4", "sp2xdp2"])
+def test_trainer_route_matches_transformers(world, sp, cases):
+    run_distributed(_trainer_route, world, args=(sp, cases), timeout=240)
+
+
+# ---- without the Trainer's group, and what it cannot honour
+
+def test_one_process_needs_no_trainer_group_and_matches_transformers():
+    """A world of one (no torch.distributed): group='trainer' is no parallelism; the Trainer's
+    unshifted labels= work, and the loss and gradients are Transformers'."""
+    import copy
+
+    import fpdt.hf
+    from tests.model.helpers import compare, hf_loss_and_grads, hf_model, tokens
+
+    ref = hf_model("llama_gqa")
+    ids, labels = tokens(ref.config.vocab_size, 2, 32)
+    ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=2)
+    assert model.config._attn_implementation == "sdpa"    # eager would be refused by the Trainer's SP setup
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    compare(out.loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "group='trainer', 1 rank")
+
+
+def test_trainer_settings_refused_with_the_fix():
+    import fpdt.hf
+    from fpdt.comm import SequenceMesh
+    from fpdt.hf import FPDTHFError
+    from tests.model.helpers import hf_model
+
+    with pytest.raises(FPDTHFError, match="keep chunked_qkv=True"):
+        fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer", chunked_qkv=False)
+    with pytest.raises(FPDTHFError, match="pass no mesh"):
+        fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer", mesh=object.__new__(SequenceMesh))
+    with pytest.raises(FPDTHFError, match="'trainer'"):
+        fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="deepspeed")
+    with pytest.raises(FPDTHFError, match="group='trainer'"):
+        fpdt.hf.trainer_parallelism_config(fpdt.hf.apply_fpdt(hf_model("llama_gqa")), sp_size=2)
+    pc = fpdt.hf.trainer_parallelism_config(fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer"), sp_size=2)
+    assert (pc.sp_backend, pc.sp_size, pc.sp_handler.sp_attn_implementation) == ("deepspeed", 2, "sdpa")
+    assert pc.sp_handler.sp_seq_length_is_variable
+
+
+def _refusals_on_two_ranks(rank, world):
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    import fpdt.hf
+    from fpdt.hf import FPDTHFError
+    from tests.model.helpers import hf_model, tokens
+
+    model = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer", num_chunks=2)
+    ids, labels = tokens(model.config.vocab_size, 1, 32)
+    inputs = _adapter_slices(ids, labels, rank, world)
+    # before the Trainer prepared the model: no sequence-parallel group yet
+    with pytest.raises(RuntimeError, match="trainer_parallelism_config"):
+        model(**inputs)
+    deepspeed.init_distributed(dist_backend="gloo")
+    parallel_state_sp.initialize_sequence_parallel(world)
+    try:
+        # the Trainer's evaluation: whole windows of each rank's own, unshifted labels
+        with pytest.raises(FPDTHFError, match="eval_strategy='no'"):
+            model(input_ids=ids, labels=labels, position_ids=torch.arange(32)[None])
+        # padding on one rank only: refused on every rank alike (no rank left waiting in a collective)
+        mask = torch.ones_like(inputs["input_ids"])
+        if rank == 1:
+            mask[0, -3:] = 0
+        with pytest.raises(FPDTHFError, match="padding"):
+            model(**inputs, attention_mask=mask)
+        with pytest.raises(FPDTHFError, match="packed documents"):
+            model(**{**inputs, "position_ids": inputs["position_ids"] % 8})
+        with pytest.raises(ValueError, match="sp_size\\*num_chunks"):
+            model(**_adapter_slices(ids[:, :10], labels[:, :10], rank, world))   # 10 = 2 x 5, not 2 x 2 x k
+        out = model(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]))   # a full mask is fine
+        assert torch.isfinite(out.loss)
+        assert model.config._attn_implementation == "sdpa"                           # restored after forward
+    finally:
+        parallel_state_sp._release_sequence_parallel_groups()
+
+
+def test_refusals_under_the_trainer_group_on_two_ranks():
+    run_distributed(_refusals_on_two_ranks, 2, timeout=120)
