@@ -13,7 +13,9 @@ checkpointing into the model, and fpdt's ``ParallelismConfig`` for it.
 
 All ranks form one sequence-parallel group (``--sp``, default: every rank); each holds
 ``seq_len / sp`` tokens of a window. Every window's length must be divisible by
-``sp * chunks``.
+``sp * chunks``. With ``--sp`` below the world size the groups train on different windows
+(data parallelism over them); ``--sp 1`` is data parallelism alone, FPDT's chunking and
+offload within each rank.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def parse_args(argv=None):
                    help="attention chunks and layer inputs to pinned host memory (CUDA)")
     p.add_argument("--sp", type=int, help="sequence-parallel degree (default: the world size)")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim name")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
@@ -89,6 +92,7 @@ def build_trainer(args):
                        checkpointing="offload" if args.offload else "on")
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=1,
+        gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.lr, optim=args.optim, max_grad_norm=args.max_grad_norm,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, bf16=args.bf16,
         logging_steps=1, save_strategy="no", report_to=[], seed=args.seed, use_cpu=not on_gpu,

@@ -16,8 +16,9 @@ class TrainerGroup:
     """The sequence-parallel group DeepSpeed creates when Hugging Face's ``Trainer`` prepares
     the model under ``ParallelismConfig(sp_backend="deepspeed", sp_size=...)``.
 
-    Resolved at each forward: DeepSpeed's Ulysses group once it exists; no parallelism in a
-    world of one process; otherwise an error naming the missing setting.
+    Resolved at each forward: DeepSpeed's Ulysses group once it exists; otherwise (the Trainer
+    without sequence parallelism: data parallelism only, or one process) no sequence
+    parallelism: a group of this rank alone.
     """
 
     def __repr__(self) -> str:
@@ -35,11 +36,20 @@ class TrainerGroup:
             return group
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        raise RuntimeError(
-            f"apply_fpdt(group='trainer') runs over the sequence-parallel group that the Trainer has DeepSpeed "
-            f"create, and there is none in this world of {dist.get_world_size()} processes: train with "
-            f"TrainingArguments(parallelism_config=fpdt.hf.trainer_parallelism_config(model, sp_size=...)) "
-            f"and a DeepSpeed config, and call the model only after Trainer.train() has prepared it")
+        return _own_rank_group()
+
+
+_own_rank_groups: dict[int, dist.ProcessGroup] = {}   # id(default group) -> this rank's group of one
+
+
+def _own_rank_group() -> dist.ProcessGroup:
+    """A group of this rank alone, created once per default group. Creating groups is collective
+    over the world; every rank gets here in the same forward (data parallelism runs in lockstep)."""
+    key = id(dist.group.WORLD)
+    if key not in _own_rank_groups:
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        _own_rank_groups[key] = groups[dist.get_rank()]
+    return _own_rank_groups[key]
 
 
 def _deepspeed_sequence_parallel_group() -> dist.ProcessGroup | None:

@@ -10,7 +10,8 @@ tokens. A model under ``apply_fpdt(model, group="trainer")`` fits that route:
 * its group is DeepSpeed's, looked up at each forward (:class:`fpdt.hf.groups.TrainerGroup`);
 * its forward moves the token ids, positions and labels from the adapter's contiguous slices
   into FPDT's chunk layout (:func:`contiguous_to_fpdt_layout`: one all-gather of the integer
-  inputs, ``24 S`` bytes per rank for ``S`` tokens, once per forward);
+  inputs as int32, ``12 S`` bytes per rank for a window of ``S`` tokens (16 with a mask), twice
+  while it is assembled, once per forward and freed before the first layer);
 * its loss is the global token mean on every rank, and its backward sums the Trainer's
   per-rank weights over the group (:func:`fpdt.model.loss.sum_gradient_over_group`), so the
   gradients are the global mean's whichever ranks hold the valid tokens;
@@ -48,7 +49,8 @@ def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tenso
         raise FPDTHFError(f"input_ids, position_ids and labels of shapes {[tuple(t.shape) for t in tensors]} are not "
                           f"slices of one window")
     check_layout(shape[-1] * sp, sp, num_chunks)
-    stacked = torch.stack([t.to(torch.int64) for t in tensors])                  # [n, B, S / P]
+    # int32 on the wire (ids, positions, labels and mask all fit): 4 n bytes per token of the window
+    stacked = torch.stack([t.to(torch.int32) for t in tensors])                  # [n, B, S / P]
     slices = [torch.empty_like(stacked) for _ in range(sp)]
     dist.all_gather(slices, stacked.contiguous(), group=group)
     window = torch.cat(slices, dim=-1)                                           # [n, B, S]

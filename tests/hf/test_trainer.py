@@ -40,12 +40,13 @@ def _example():
     return mod
 
 
-def _argv(tmp: str, chunks: int) -> list[str]:
+def _argv(tmp: str, chunks: int, sp: int, grad_accum: int) -> list[str]:
     return ["--model-config", os.path.join(tmp, "config.json"),
             "--tokenizer", os.path.join(ROOT, "examples", "tiny-llama", "tokenizer.json"),
             "--data", os.path.join(ROOT, "examples", "data", "jargon-file-4.4.7.txt"),
-            "--seq-len", str(SEQ_LEN), "--chunks", str(chunks), "--steps", str(STEPS),
-            "--optim", "sgd", "--lr", str(SGD_LR), "--max-grad-norm", "0", "--output-dir", os.path.join(tmp, "out")]
+            "--seq-len", str(SEQ_LEN), "--chunks", str(chunks), "--steps", str(STEPS), "--sp", str(sp),
+            "--grad-accum", str(grad_accum), "--optim", "sgd", "--lr", str(SGD_LR), "--max-grad-norm", "0",
+            "--output-dir", os.path.join(tmp, "out")]
 
 
 def _write_config(tmp: str) -> None:
@@ -63,30 +64,33 @@ def _labels(input_ids: torch.Tensor, prompt: bool) -> torch.Tensor:
     return labels
 
 
-def _rank(rank, world, tmp, chunks, prompt, out):
+def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out):
     import torch.distributed as dist
 
     for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", world)):
         os.environ[k] = str(v)
-    trainer = _example().build_trainer(_example().parse_args(_argv(tmp, chunks)))
+    trainer = _example().build_trainer(_example().parse_args(_argv(tmp, chunks, sp, grad_accum)))
     for item in trainer.train_dataset:
         item["labels"] = _labels(item["input_ids"], prompt)
-    windows = []
+    batches = []
 
-    def record(module, args, kwargs):    # the adapter's contiguous slices -> the window this step trains on
+    def record(module, args, kwargs):     # every rank's input -> the windows this micro-batch trains on
         slices = [torch.empty_like(kwargs["input_ids"]) for _ in range(world)]
         dist.all_gather(slices, kwargs["input_ids"].contiguous())
-        windows.append(torch.cat(slices, dim=-1)[0].tolist())
+        batches.append([torch.cat(slices[g:g + sp], dim=-1)[0].tolist() for g in range(0, world, sp)])
 
     trainer.model.register_forward_pre_hook(record, with_kwargs=True)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if rank == 0:
+        steps = [sum(batches[i:i + grad_accum], []) for i in range(0, len(batches), grad_accum)]
         with open(out, "w") as f:
-            json.dump({"losses": losses, "windows": windows}, f)
+            json.dump({"losses": losses, "steps": steps}, f)
 
 
-def _reference(tmp: str, windows: list[list[int]], prompt: bool) -> list[float]:
+def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool) -> list[float]:
+    """Single-process Transformers and SGD: each step on the mean of its windows' losses (every
+    window has the same number of valid labels, so this is also the token mean over the step)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -94,27 +98,35 @@ def _reference(tmp: str, windows: list[list[int]], prompt: bool) -> list[float]:
                                              dtype=torch.float32)
     sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     losses = []
-    for window in windows:
-        ids = torch.tensor(window).unsqueeze(0)
-        loss = model(input_ids=ids, labels=_labels(ids, prompt), use_cache=False).loss
+    for windows in steps:
         sgd.zero_grad()
-        loss.backward()
+        total = 0.0
+        for window in windows:
+            ids = torch.tensor(window).unsqueeze(0)
+            loss = model(input_ids=ids, labels=_labels(ids, prompt), use_cache=False).loss / len(windows)
+            loss.backward()
+            total += loss.item()
         sgd.step()
-        losses.append(loss.item())
+        losses.append(total)
     return losses
 
 
-@pytest.mark.parametrize("chunks,prompt", [(1, False), (2, True)], ids=["u1", "u2-prompt-masked"])
-def test_trainer_sequence_parallel_matches_single_process_transformers(tmp_path, chunks, prompt):
+@pytest.mark.parametrize("chunks,prompt,sp,grad_accum", [(1, False, 2, 1), (2, True, 2, 2), (2, True, 1, 1)],
+                         ids=["sp2-u1", "sp2-u2-prompt-masked-accum2", "dp2-u2-prompt-masked"])
+def test_trainer_matches_single_process_transformers(tmp_path, chunks, prompt, sp, grad_accum):
+    """2 ranks: one SP group (with gradient accumulation), or data parallelism alone (no SP group:
+    each rank runs FPDT's chunked layers on its own windows)."""
     tmp = str(tmp_path)
     _write_config(tmp)
     out = os.path.join(tmp, "result.json")
-    run_distributed(_rank, 2, args=(tmp, chunks, prompt, out), timeout=300)
+    run_distributed(_rank, 2, args=(tmp, chunks, prompt, sp, grad_accum, out), timeout=300)
     with open(out) as f:
         got = json.load(f)
-    assert len(got["losses"]) == STEPS and len(got["windows"]) == STEPS
-    assert len({tuple(w) for w in got["windows"]}) > 1        # both ranks' batches were trained on
-    want = _reference(tmp, got["windows"], prompt)
+    assert len(got["losses"]) == STEPS and len(got["steps"]) == STEPS
+    assert all(len(w) == grad_accum * 2 // sp for w in got["steps"])      # windows accumulated, or one per DP rank
+    windows = [w for step in got["steps"] for w in step]
+    assert len({tuple(w) for w in windows}) > 1                   # both ranks' batches were trained on
+    want = _reference(tmp, got["steps"], prompt)
     for step, (g, w) in enumerate(zip(got["losses"], want)):
         assert abs(g - w) <= RTOL * abs(w), f"step {step + 1}: {g} vs single-process {w}"
 
@@ -213,7 +225,7 @@ def test_trainer_route_matches_transformers(world, sp, cases):
     run_distributed(_trainer_route, world, args=(sp, cases), timeout=240)
 
 
-# ---- without the Trainer's group, and what it cannot honour
+# ---- without the Trainer's sequence-parallel group, and what it cannot honour
 
 def test_one_process_needs_no_trainer_group_and_matches_transformers():
     """A world of one (no torch.distributed): group='trainer' is no parallelism; the Trainer's
@@ -255,19 +267,23 @@ def test_trainer_settings_refused_with_the_fix():
 
 
 def _refusals_on_two_ranks(rank, world):
+    import copy
+
     import deepspeed
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     import fpdt.hf
     from fpdt.hf import FPDTHFError
-    from tests.model.helpers import hf_model, tokens
+    from tests.model.helpers import hf_model, rel_err, tokens
 
-    model = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer", num_chunks=2)
-    ids, labels = tokens(model.config.vocab_size, 1, 32)
+    ref = hf_model("llama_gqa")
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), group="trainer", num_chunks=2)
+    ids, labels = tokens(model.config.vocab_size, 1, 32, seed=1 + rank)
+    # no sequence-parallel group (the Trainer with data parallelism only): each rank its own whole window
+    loss = model(input_ids=ids, labels=labels).loss
+    assert rel_err(loss, ref(input_ids=ids, labels=labels).loss) < 1e-5
+    ids, labels = tokens(model.config.vocab_size, 1, 32)              # one window for the SP group
     inputs = _adapter_slices(ids, labels, rank, world)
-    # before the Trainer prepared the model: no sequence-parallel group yet
-    with pytest.raises(RuntimeError, match="trainer_parallelism_config"):
-        model(**inputs)
     deepspeed.init_distributed(dist_backend="gloo")
     parallel_state_sp.initialize_sequence_parallel(world)
     try:
@@ -291,5 +307,5 @@ def _refusals_on_two_ranks(rank, world):
         parallel_state_sp._release_sequence_parallel_groups()
 
 
-def test_refusals_under_the_trainer_group_on_two_ranks():
+def test_trainer_group_without_and_with_sequence_parallelism_on_two_ranks():
     run_distributed(_refusals_on_two_ranks, 2, timeout=120)
