@@ -14,8 +14,9 @@ checkpointing into the model, and fpdt's ``ParallelismConfig`` for it.
 All ranks form one sequence-parallel group (``--sp``, default: every rank); each holds
 ``seq_len / sp`` tokens of a window. Every window's length must be divisible by
 ``sp * chunks``. With ``--sp`` below the world size the groups train on different windows
-(data parallelism over them); ``--sp 1`` is data parallelism alone, FPDT's chunking and
-offload within each rank.
+(data parallelism over them; on the CPU this needs a torch whose gloo all-gather backward
+works on a subgroup, pytorch/pytorch#120213, which the Trainer's loss aggregation uses);
+``--sp 1`` is data parallelism alone, FPDT's chunking and offload within each rank.
 """
 
 from __future__ import annotations

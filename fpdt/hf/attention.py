@@ -250,4 +250,3 @@ def register_settings(settings: AttentionSettings, name: str | None = None) -> s
     AttentionInterface.register(name, _attention(settings, name))
     AttentionMaskInterface.register(name, _mask(name))
     return name
-

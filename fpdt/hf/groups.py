@@ -9,6 +9,8 @@ at every forward (:func:`resolve_group`).
 
 from __future__ import annotations
 
+import sys
+
 import torch.distributed as dist
 
 
@@ -39,25 +41,33 @@ class TrainerGroup:
         return _own_rank_group()
 
 
-_own_rank_groups: dict[int, dist.ProcessGroup] = {}   # id(default group) -> this rank's group of one
+_own_rank_group_of: list[tuple[object, dist.ProcessGroup]] = []   # (default group, this rank's group of one)
 
 
 def _own_rank_group() -> dist.ProcessGroup:
-    """A group of this rank alone, created once per default group. Creating groups is collective
-    over the world; every rank gets here in the same forward (data parallelism runs in lockstep)."""
-    key = id(dist.group.WORLD)
-    if key not in _own_rank_groups:
-        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        _own_rank_groups[key] = groups[dist.get_rank()]
-    return _own_rank_groups[key]
+    """A group of this rank alone, created once per default group (only this rank takes part)."""
+    world = dist.group.WORLD
+    if not _own_rank_group_of or _own_rank_group_of[0][0] is not world:
+        _own_rank_group_of[:] = [(world, dist.new_group([dist.get_rank()], use_local_synchronization=True))]
+    return _own_rank_group_of[0][1]
 
 
 def _deepspeed_sequence_parallel_group() -> dist.ProcessGroup | None:
-    try:
-        from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    except ImportError:
-        return None
-    return getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
+    """DeepSpeed's Ulysses group if one was set up, without importing DeepSpeed otherwise: the
+    one ``register_with_transformers`` creates (``parallel_state_sp``), or the one the Trainer's
+    loss aggregation reads (``deepspeed.utils.groups``: the engine's mpu or device mesh)."""
+    state = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    group = getattr(state, "_SEQUENCE_PARALLEL_GROUP", None)
+    if group is not None:
+        return group
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and (getattr(groups, "mpu", None) is not None or
+                               getattr(groups, "mesh_device", None) is not None):
+        try:
+            return groups._get_sequence_parallel_group()
+        except (KeyError, AttributeError, AssertionError):
+            return None
+    return None
 
 
 def resolve_group(group) -> dist.ProcessGroup | None:

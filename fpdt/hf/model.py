@@ -36,7 +36,9 @@ hold) and the output projection (and the q/k/v projections with ``chunked_qkv=Fa
 
 Gradient convention, as :class:`fpdt.model.FPDTForCausalLM`: the loss value is the same on
 every SP rank; parameter gradients **summed** over the SP group are those of the global
-mean. DeepSpeed averages over all ranks, so back-propagate ``loss * sp``.
+mean. DeepSpeed averages over all ranks, so back-propagate ``loss * sp``. Not so with
+``group="trainer"`` (:mod:`fpdt.hf.trainer`): there the backward already sums the Trainer's
+per-rank loss weights over the group.
 """
 
 from __future__ import annotations
@@ -238,8 +240,16 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     trainer = settings.under_trainer
     if trainer:
         _check_rope(self, settings.group, None)  # the Trainer's group size is known only now
-        if labels is not None and labels is shift_labels:
-            labels = None                        # the Trainer's SP loss passes its shift_labels as labels too
+        if labels is not None and labels is shift_labels:   # the Trainer's SP loss passes shift_labels as labels
+            labels = None
+            if sp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
+                raise FPDTHFError("these inputs are DeepSpeed's sequence-parallel slices (the Trainer's SP loss), "
+                                  "but no DeepSpeed sequence-parallel group exists: train through the Trainer "
+                                  "with parallelism_config=fpdt.hf.trainer_parallelism_config(model, sp_size)")
+        if sp > 1 and not self.training:
+            raise FPDTHFError(f"evaluation under the Trainer's sequence parallelism (sp={sp}): the Trainer gives "
+                              f"every rank whole windows of its own, which fpdt cannot split; evaluate with "
+                              f"TrainingArguments(eval_strategy='no') or a model without apply_fpdt")
     if settings.checkpointing != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
         raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=settings.checkpointing))
     ref = input_ids if input_ids is not None else inputs_embeds
@@ -255,9 +265,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             raise FPDTHFError("pass labels= or shift_labels=, not both")
         if sp > 1 and trainer:
             raise FPDTHFError(f"labels= without shift_labels= under the Trainer's sequence parallelism (sp={sp}): "
-                              f"the Trainer's evaluation gives every rank whole windows of its own, which fpdt "
-                              f"cannot split; evaluate with TrainingArguments(eval_strategy='no') or a model "
-                              f"without apply_fpdt")
+                              f"DeepSpeed's data adapter gives shift_labels; whole windows with labels (the "
+                              f"Trainer's evaluation) cannot be split by fpdt: use TrainingArguments("
+                              f"eval_strategy='no') or a model without apply_fpdt")
         if sp > 1:
             raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
                               f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
@@ -420,8 +430,9 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
     trainer = isinstance(group, TrainerGroup)
     if trainer and (mesh is not None or not chunked_qkv):
         raise FPDTHFError("group='trainer' runs Ulysses over the Trainer's group with fpdt's chunked q/k/v "
-                          "projections (DeepSpeed wraps the model's registered attention function in its own "
-                          "all-to-all, which only the chunked attention bypasses): pass no mesh and keep "
+                          "projections: the model keeps 'sdpa' as its attention name, which DeepSpeed replaces "
+                          "with its own Ulysses all-to-all, and Transformers' attention forward would reach it "
+                          "when a checkpointed layer is recomputed in backward; pass no mesh and keep "
                           "chunked_qkv=True")
     layers = _decoder_layers(model)
     cfg = model.config

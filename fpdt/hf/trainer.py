@@ -16,12 +16,20 @@ tokens. A model under ``apply_fpdt(model, group="trainer")`` fits that route:
   per-rank weights over the group (:func:`fpdt.model.loss.sum_gradient_over_group`), so the
   gradients are the global mean's whichever ranks hold the valid tokens;
 * DeepSpeed's Ulysses wrapper of the attention is never called: the attention modules run
-  FPDT's chunked q/k/v projections and attention (``chunked_qkv=True`` is required).
+  FPDT's chunked q/k/v projections and attention (``chunked_qkv=True`` is required: the model
+  keeps ``sdpa`` as its attention name, the one the Trainer's setup checks and DeepSpeed
+  replaces with its wrapper, and Transformers' attention forward would look it up when a
+  checkpointed layer is recomputed in backward, outside the forward that switches the name).
+
+Without sequence parallelism (``sp_size=1``, data parallelism only) each rank runs FPDT's
+chunked layers over its own windows in a group of its own.
 
 :func:`trainer_parallelism_config` builds the ``ParallelismConfig`` for such a model.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -76,9 +84,12 @@ def trainer_parallelism_config(model: torch.nn.Module, sp_size: int, **kwargs):
     ``apply_fpdt(model, group="trainer")``) with ``sp_size``-way sequence parallelism under the
     Trainer: pass it as ``TrainingArguments(parallelism_config=...)`` with a DeepSpeed config.
 
-    ``kwargs`` go to ``ParallelismConfig`` (e.g. ``dp_shard_size``). The sequence length may
-    change from batch to batch; every window's length must be divisible by ``sp_size`` times
-    the model's ``num_chunks``.
+    The ranks beyond one sequence-parallel group are data-parallel: unless ``kwargs`` give a
+    ``dp_shard_size`` or ``dp_replicate_size``, ``dp_shard_size`` is the world size (that of
+    torch.distributed, else ``$WORLD_SIZE``) over ``sp_size``, which DeepSpeed's batch-size
+    check needs. Other ``kwargs`` go to ``ParallelismConfig``. The sequence length may change
+    from batch to batch; every window's length must be divisible by ``sp_size`` times the
+    model's ``num_chunks``.
     """
     settings = getattr(model, "fpdt", None)
     if settings is None or not isinstance(settings.group, TrainerGroup):
@@ -87,6 +98,13 @@ def trainer_parallelism_config(model: torch.nn.Module, sp_size: int, **kwargs):
         from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     except ImportError as e:
         raise ImportError(f"the Trainer's sequence parallelism needs accelerate (pip install accelerate): {e}") from e
+    if "dp_shard_size" not in kwargs and "dp_replicate_size" not in kwargs:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+            int(os.environ.get("WORLD_SIZE", "1"))
+        if world % sp_size:
+            raise FPDTHFError(f"sp_size={sp_size} does not divide the world of {world} processes: use an sp_size "
+                              f"that does (the other factor is data parallelism)")
+        kwargs["dp_shard_size"] = world // sp_size
     handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
                                               sp_attn_implementation=model.config._attn_implementation)
     return ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=handler, **kwargs)

@@ -242,7 +242,6 @@ def sum_over_group(local: torch.Tensor, *, group: dist.ProcessGroup | None, sp: 
     return local + (total - local.detach())
 
 
-
 class _SumGradientOverGroup(torch.autograd.Function):
     """Identity forward; backward all-reduces the incoming gradient over ``group``."""
 

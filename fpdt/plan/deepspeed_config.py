@@ -8,7 +8,9 @@ batch (``train_micro_batch_size_per_gpu``: sequences per SP group, or what DeepS
 from ``train_batch_size`` over the GPUs), and the
 ``"fpdt"`` section ``fpdt-train`` reads from the same file (:data:`FPDT_KEYS`): what it
 sets is fixed for the plan, as it will be for the run; what it leaves out the planner
-chooses. ZeRO keys absent from the file keep DeepSpeed's defaults. Command-line flags win
+chooses. ZeRO keys absent from the file keep DeepSpeed's defaults. A value ``"auto"`` (which
+Hugging Face's Trainer fills in from its own arguments) counts as absent: the precision and
+micro batch stay the planner's, the ZeRO sizes DeepSpeed's defaults. Command-line flags win
 over the file (the caller applies them afterwards, as ``fpdt-train`` does).
 """
 
@@ -26,7 +28,20 @@ FPDT_KEYS = ("sp", "hp", "cp", "placement", "inner_ring", "chunk_size", "offload
 """Keys of the JSON's ``"fpdt"`` section that are planner choices (same names as ``fpdt-train``'s)."""
 
 
-def _enabled(section) -> bool:
+AUTO = "auto"
+"""Hugging Face's placeholder for a value the Trainer fills in."""
+
+
+def _given(section, key: str):
+    """``section[key]``, or None when absent or ``"auto"``."""
+    value = section.get(key) if isinstance(section, dict) else None
+    return None if value == AUTO else value
+
+
+def _enabled(section) -> bool | None:
+    """Whether a ``bf16`` / ``fp16`` section is on; None when it says ``"auto"``."""
+    if isinstance(section, dict) and section.get("enabled") == AUTO:
+        return None
     return isinstance(section, dict) and bool(section.get("enabled", False))
 
 
@@ -50,17 +65,24 @@ def apply_deepspeed_config(path: str, choice: Choice, world_size: int = 1) -> Ch
 def apply_deepspeed_dict(cfg: dict, choice: Choice, world_size: int = 1) -> Choice:
     """``choice`` with the settings of an already-parsed DeepSpeed config (see the module)."""
     zero = cfg.get("zero_optimization", {}) or {}
-    changes = {"zero_stage": int(zero.get("stage", 0)),
+    changes = {"zero_stage": int(_given(zero, "stage") or 0),
                "offload_optimizer": _on_host(zero.get("offload_optimizer")),
-               "offload_param": _on_host(zero.get("offload_param")),
-               "dtype": "bf16" if _enabled(cfg.get("bf16")) or _enabled(cfg.get("fp16")) else "fp32"}
+               "offload_param": _on_host(zero.get("offload_param"))}
+    half = [_enabled(cfg.get("bf16")), _enabled(cfg.get("fp16"))]
+    if True in half:
+        changes["dtype"] = "bf16"
+    elif None not in half:
+        changes["dtype"] = "fp32"
     for key in ("reduce_bucket_size", "sub_group_size"):
-        if key in zero:
+        if _given(zero, key) is not None:
             changes[key] = float(zero[key])
-    if "contiguous_gradients" in zero:
+    if _given(zero, "contiguous_gradients") is not None:
         changes["contiguous_gradients"] = bool(zero["contiguous_gradients"])
-    if "train_micro_batch_size_per_gpu" in cfg or "train_batch_size" in cfg:   # sequences per SP group
-        changes["batch"] = micro_batch_size(cfg, world_size)                   # as DeepSpeed derives it
+    sizes = {k: _given(cfg, k) for k in ("train_micro_batch_size_per_gpu", "train_batch_size",
+                                          "gradient_accumulation_steps")}
+    if sizes["train_micro_batch_size_per_gpu"] is not None or sizes["train_batch_size"] is not None:
+        changes["batch"] = micro_batch_size({k: v for k, v in sizes.items() if v is not None},  # sequences
+                                            world_size)                          # per SP group, as DeepSpeed does
     section = cfg.get("fpdt", {}) or {}
     merge_options({}, section)      # fpdt-train's checks of the section: unknown keys, types, values
     changes.update({k: section[k] for k in FPDT_KEYS if section.get(k) is not None})

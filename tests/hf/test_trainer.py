@@ -69,6 +69,9 @@ def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out):
 
     for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", world)):
         os.environ[k] = str(v)
+    if 1 < sp < world:      # the Trainer's loss aggregation all-gathers over a subgroup: see _GroupAllGather
+        import torch.distributed.nn.functional as differentiable
+        differentiable.all_gather = lambda tensor, group=None: _GroupAllGather.apply(tensor, group)
     trainer = _example().build_trainer(_example().parse_args(_argv(tmp, chunks, sp, grad_accum)))
     for item in trainer.train_dataset:
         item["labels"] = _labels(item["input_ids"], prompt)
@@ -111,19 +114,20 @@ def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool) -> list[flo
     return losses
 
 
-@pytest.mark.parametrize("chunks,prompt,sp,grad_accum", [(2, True, 2, 2), (2, True, 1, 1)],
-                         ids=["sp2-u2-prompt-masked-accum2", "dp2-u2-prompt-masked"])
-def test_trainer_matches_single_process_transformers(tmp_path, chunks, prompt, sp, grad_accum):
-    """2 ranks: one SP group (with gradient accumulation), or data parallelism alone (no SP group:
-    each rank runs FPDT's chunked layers on its own windows)."""
+@pytest.mark.parametrize("world,chunks,prompt,sp,grad_accum", [
+    (2, 2, True, 2, 2), (2, 2, True, 1, 1), pytest.param(4, 2, True, 2, 1, marks=pytest.mark.slow)],
+    ids=["sp2-u2-prompt-masked-accum2", "dp2-u2-prompt-masked", "sp2xdp2-u2-prompt-masked"])
+def test_trainer_matches_single_process_transformers(tmp_path, world, chunks, prompt, sp, grad_accum):
+    """One SP group of 2 (with gradient accumulation); data parallelism alone (no SP group: each
+    rank runs FPDT's chunked layers on its own windows); 2 SP groups x 2-way data parallelism."""
     tmp = str(tmp_path)
     _write_config(tmp)
     out = os.path.join(tmp, "result.json")
-    run_distributed(_rank, 2, args=(tmp, chunks, prompt, sp, grad_accum, out), timeout=300)
+    run_distributed(_rank, world, args=(tmp, chunks, prompt, sp, grad_accum, out), timeout=300)
     with open(out) as f:
         got = json.load(f)
     assert len(got["losses"]) == STEPS and len(got["steps"]) == STEPS
-    assert all(len(w) == grad_accum * 2 // sp for w in got["steps"])      # windows accumulated, or one per DP rank
+    assert all(len(w) == grad_accum * world // sp for w in got["steps"])  # windows accumulated, or one per DP group
     windows = [w for step in got["steps"] for w in step]
     assert len({tuple(w) for w in windows}) > 1                   # both ranks' batches were trained on
     want = _reference(tmp, got["steps"], prompt)
@@ -185,11 +189,11 @@ def _trainer_route(rank, world, sp, cases):
     deepspeed.init_distributed(dist_backend="gloo")
     parallel_state_sp.initialize_sequence_parallel(sp)
     groups.mpu = parallel_state_sp            # as deepspeed.initialize(mpu=...) sets it
-    import torch.distributed.nn.functional
-    torch.distributed.nn.functional.all_gather = lambda tensor, group=None: _GroupAllGather.apply(tensor, group)
+    import torch.distributed.nn.functional as differentiable
+    differentiable.all_gather = lambda tensor, group=None: _GroupAllGather.apply(tensor, group)
     try:
         window, sp_rank = rank // sp, rank % sp           # each SP group trains on a window of its own
-        for name, u, prompt in cases:
+        for name, u, prompt, options in cases:
             ref = hf_model(name)
             S = max(16, 4 * sp * u)
             ids, labels = tokens(ref.config.vocab_size, 1, S, seed=1 + window)
@@ -198,7 +202,7 @@ def _trainer_route(rank, world, sp, cases):
             ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
             model = copy.deepcopy(ref)
             model.zero_grad(set_to_none=True)
-            fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=u)
+            fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=u, **options)
             model.train()
             pc = types.SimpleNamespace(sp_backend="deepspeed", sp_size=sp)
             loss = deepspeed_sp_compute_loss(None, model, _adapter_slices(ids, labels, sp_rank, sp), False, pc)
@@ -210,16 +214,18 @@ def _trainer_route(rank, world, sp, cases):
                 g.div_(world)
                 dist.all_reduce(r)
                 r.div_(world)
-            compare(loss, grads, ref_loss, ref_grads, f"{name} u={u} prompt={prompt} rank {rank}/{world} sp={sp}")
+            compare(loss, grads, ref_loss, ref_grads,
+                    f"{name} u={u} prompt={prompt} {options} rank {rank}/{world} sp={sp}")
     finally:
         groups.mpu = None
         parallel_state_sp._release_sequence_parallel_groups()
 
 
 @pytest.mark.parametrize("world,sp,cases", [
-    (2, 2, [("llama_gqa", 1, False), ("llama_gqa", 2, True), ("qwen2_tied", 4, True), ("mistral", 2, False)]),
-    (4, 4, [("llama_sp4", 2, True)]),      # KV heads replicated: 2 < 4
-    (4, 2, [("llama_bias", 2, True)]),      # 2 SP groups x 2-way data parallelism
+    (2, 2, [("llama_gqa", 1, False, {}), ("llama_gqa", 2, True, {}), ("qwen2_tied", 4, True, {}),
+            ("mistral", 2, False, {"loss_chunks": 0})]),
+    (4, 4, [("llama_sp4", 2, True, {})]),      # KV heads replicated: 2 < 4
+    (4, 2, [("llama_bias", 2, True, {})]),     # 2 SP groups x 2-way data parallelism
 ], ids=["sp2", "sp4", "sp2xdp2"])
 def test_trainer_route_matches_transformers(world, sp, cases):
     run_distributed(_trainer_route, world, args=(sp, cases), timeout=240)
@@ -261,9 +267,13 @@ def test_trainer_settings_refused_with_the_fix():
         fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="deepspeed")
     with pytest.raises(FPDTHFError, match="group='trainer'"):
         fpdt.hf.trainer_parallelism_config(fpdt.hf.apply_fpdt(hf_model("llama_gqa")), sp_size=2)
-    pc = fpdt.hf.trainer_parallelism_config(fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer"), sp_size=2)
+    model = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer")
+    with pytest.raises(FPDTHFError, match="does not divide the world of 1"):
+        fpdt.hf.trainer_parallelism_config(model, sp_size=2)
+    pc = fpdt.hf.trainer_parallelism_config(model, sp_size=2, dp_shard_size=3)      # explicit sizes are kept
     assert (pc.sp_backend, pc.sp_size, pc.sp_handler.sp_attn_implementation) == ("deepspeed", 2, "sdpa")
-    assert pc.sp_handler.sp_seq_length_is_variable
+    assert pc.sp_handler.sp_seq_length_is_variable and pc.dp_shard_size == 3
+    assert fpdt.hf.trainer_parallelism_config(model, sp_size=1).dp_shard_size == 1
 
 
 def _refusals_on_two_ranks(rank, world):
@@ -284,12 +294,18 @@ def _refusals_on_two_ranks(rank, world):
     assert rel_err(loss, ref(input_ids=ids, labels=labels).loss) < 1e-5
     ids, labels = tokens(model.config.vocab_size, 1, 32)              # one window for the SP group
     inputs = _adapter_slices(ids, labels, rank, world)
+    with pytest.raises(FPDTHFError, match="no DeepSpeed sequence-parallel group"):
+        model(**inputs, labels=inputs["shift_labels"])                 # as the Trainer's SP loss calls it
     deepspeed.init_distributed(dist_backend="gloo")
     parallel_state_sp.initialize_sequence_parallel(world)
     try:
-        # the Trainer's evaluation: whole windows of each rank's own, unshifted labels
+        # the Trainer's evaluation: whole windows of each rank's own, unshifted labels (or none)
         with pytest.raises(FPDTHFError, match="eval_strategy='no'"):
             model(input_ids=ids, labels=labels, position_ids=torch.arange(32)[None])
+        model.eval()
+        with pytest.raises(FPDTHFError, match="evaluation under the Trainer's sequence parallelism"):
+            model(input_ids=ids[:, :8 + 8 * rank], position_ids=torch.arange(8 + 8 * rank)[None])  # lengths differ
+        model.train()
         # padding on one rank only: refused on every rank alike (no rank left waiting in a collective)
         mask = torch.ones_like(inputs["input_ids"])
         if rank == 1:

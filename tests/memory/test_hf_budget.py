@@ -77,3 +77,46 @@ def test_transformers_norms_and_projections_cost_what_the_docs_say():
     lean = _slope(_model(u))
     assert _slope(_model(u, lean_norms=False)) > lean + 8
     assert _slope(_model(u, chunked_qkv=False)) == pytest.approx(lean + 1, abs=EPS)
+
+
+def _trainer_route_against_own_loop(rank, world, u, seq):
+    """Peak device bytes of one step, per rank: the user's own loop (inputs from prepare_inputs)
+    against the Trainer's route (DeepSpeed's contiguous slices, moved into the FPDT layout)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    from tests.hf.test_trainer import _adapter_slices
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    parallel_state_sp.initialize_sequence_parallel(world)
+    try:
+        ids = torch.randint(0, CONFIG["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
+        peaks = {}
+        for route, group in (("own loop", dist.group.WORLD), ("trainer", "trainer")):
+            model = _model(u, group=group)
+            if route == "own loop":
+                inputs = fpdt.hf.prepare_inputs(model, ids)
+            else:
+                inputs = _adapter_slices(ids, ids, rank, world)
+            model(**inputs).loss.backward()                 # kernel self-check outside the count
+            with MemoryAccountant("cpu") as acct:
+                loss = model(**inputs).loss
+                loss.backward()
+                del loss
+            peaks[route] = acct.device_peak
+        relaid = 3 * 8 * seq // world                      # input_ids, position_ids, shift_labels: int64
+        extra = peaks["trainer"] - peaks["own loop"]
+        assert 0 <= extra <= relaid, f"rank {rank}: the Trainer's route holds {extra} B more than the own loop " \
+                                     f"(budget: the relaid integer inputs, {relaid} B)"
+    finally:
+        parallel_state_sp._release_sequence_parallel_groups()
+
+
+def test_trainer_route_holds_only_the_relaid_inputs_more():
+    """Under the Trainer (``group="trainer"``, 2 ranks) a step holds what the user's own loop
+    holds, plus at most this rank's copy of the integer inputs in the FPDT layout; the
+    all-gather that builds it is freed before the first layer."""
+    from tests.distributed import run_distributed
+
+    run_distributed(_trainer_route_against_own_loop, 2, args=(4, 1024), timeout=240)

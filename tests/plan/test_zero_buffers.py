@@ -39,7 +39,8 @@ def test_planning_with_a_shipped_deepspeed_config_reads_its_zero_settings(path, 
     assert choice.zero_stage == zero.get("stage", 0)
     assert choice.reduce_bucket_size == zero.get("reduce_bucket_size", ZERO_REDUCE_BUCKET)
     assert choice.offload_optimizer == (zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme"))
-    assert choice.dtype == ("bf16" if cfg.get("bf16", {}).get("enabled") else "fp32")
+    enabled = cfg.get("bf16", {}).get("enabled")
+    assert choice.dtype == (Choice().dtype if enabled == "auto" else "bf16" if enabled else "fp32")
     assert main(["--model", "llama-3.2-1b", "--gpu", "h100-80g", "--gpus-per-node", "8", "--seq-len", str(256 * K),
                  "--deepspeed", path, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -145,3 +146,25 @@ def test_the_micro_batch_is_derived_from_train_batch_size_as_deepspeed_does(tmp_
     assert apply_deepspeed_config(str(path), Choice(), world_size=8).batch == 2
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}}))
     assert apply_deepspeed_config(str(path), Choice(), world_size=8).batch == 3
+
+
+def test_auto_values_of_the_trainer_leave_the_planners_choice():
+    """Hugging Face's Trainer fills in ``"auto"``: the planner keeps its own precision and micro
+    batch and DeepSpeed's ZeRO sizes for those keys, and reads the rest of the file."""
+    from fpdt.plan import Choice
+    from fpdt.plan.deepspeed_config import apply_deepspeed_dict
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+           "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "sub_group_size": 1e8,
+                                 "offload_optimizer": {"device": "cpu"}}}
+    start = Choice(dtype="fp32", batch=3)
+    choice = apply_deepspeed_dict(cfg, start)
+    assert (choice.dtype, choice.batch, choice.reduce_bucket_size) == ("fp32", 3, start.reduce_bucket_size)
+    assert (choice.zero_stage, choice.sub_group_size, choice.offload_optimizer) == (2, 1e8, True)
+    assert apply_deepspeed_dict({**cfg, "bf16": {"enabled": True}}, start).dtype == "bf16"
+
+
+def test_fpdt_train_refuses_auto_naming_the_trainer():
+    from fpdt.train.preflight import ConfigError, check_batch_size
+    with pytest.raises(ConfigError, match="filled in by Hugging Face's Trainer"):
+        check_batch_size({"train_micro_batch_size_per_gpu": "auto"}, 2)
