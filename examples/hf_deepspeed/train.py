@@ -33,7 +33,7 @@ def parse_args(argv=None):
     src.add_argument("--model", help="a Transformers checkpoint directory")
     src.add_argument("--model-config", help="a config.json: random weights (seeded by --seed)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the --model directory's)")
-    p.add_argument("--data", required=True, help="a .txt file")
+    p.add_argument("--data", required=True, help="text (.txt, .jsonl), tokens (.npy, .bin) or a directory")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--chunks", type=int, default=1, help="FPDT attention chunks per rank")
     p.add_argument("--offload", action="store_true", help="attention chunks to pinned host memory (CUDA)")
@@ -45,12 +45,12 @@ def parse_args(argv=None):
 
 
 def token_windows(args, eos_id):
-    from tokenizers import Tokenizer
+    """``--data`` (text, .jsonl, .npy/.bin, or a directory of them, read as ``fpdt-train`` reads
+    it) as consecutive windows of ``seq_len`` tokens."""
+    from fpdt.train.data import load_tokens
 
-    tok = Tokenizer.from_file(args.tokenizer or os.path.join(args.model, "tokenizer.json"))
-    with open(args.data, encoding="utf-8") as f:
-        ids = tok.encode(f.read()).ids + ([eos_id] if eos_id is not None else [])
-    ids = np.asarray(ids, dtype=np.int64)
+    ids = np.asarray(load_tokens(args.data, tokenizer_path=args.tokenizer or os.path.join(args.model, "tokenizer.json"),
+                                 eos_id=eos_id), dtype=np.int64)
     n = len(ids) // args.seq_len
     if n == 0:
         raise SystemExit(f"{args.data} has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")

@@ -39,7 +39,7 @@ def parse_args(argv=None):
     src.add_argument("--model", help="a Transformers checkpoint directory")
     src.add_argument("--model-config", help="a config.json: random weights (seeded by --seed)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the --model directory's)")
-    p.add_argument("--data", required=True, help="a .txt file")
+    p.add_argument("--data", required=True, help="text (.txt, .jsonl), tokens (.npy, .bin) or a directory")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--chunks", type=int, default=1, help="FPDT attention chunks per rank")
     p.add_argument("--offload", action="store_true",
@@ -58,14 +58,13 @@ def parse_args(argv=None):
 
 
 def token_windows(args, eos_id) -> list[dict[str, torch.Tensor]]:
-    """The text as consecutive windows of ``seq_len`` tokens, each with its labels and the
-    ``position_ids`` that DeepSpeed's sequence-parallel data adapter requires."""
-    from tokenizers import Tokenizer
+    """``--data`` (read as ``fpdt-train`` reads it) as consecutive windows of ``seq_len`` tokens,
+    each with its labels and the ``position_ids`` that DeepSpeed's sequence-parallel data
+    adapter requires."""
+    from fpdt.train.data import load_tokens
 
-    tok = Tokenizer.from_file(args.tokenizer or os.path.join(args.model, "tokenizer.json"))
-    with open(args.data, encoding="utf-8") as f:
-        ids = tok.encode(f.read()).ids + ([eos_id] if eos_id is not None else [])
-    ids = np.asarray(ids, dtype=np.int64)
+    ids = np.asarray(load_tokens(args.data, tokenizer_path=args.tokenizer or os.path.join(args.model, "tokenizer.json"),
+                                 eos_id=eos_id), dtype=np.int64)
     n = len(ids) // args.seq_len
     if n == 0:
         raise SystemExit(f"{args.data} has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
@@ -83,14 +82,7 @@ def build_trainer(args):
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     sp = args.sp or dist.get_world_size()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    torch.manual_seed(args.seed)
-    # For large models build TrainingArguments first, so that ZeRO-3 partitions the weights as they load.
-    if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
-    fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=args.chunks, offload=args.offload,   # fpdt
-                       checkpointing="offload" if args.offload else "on")
+    # TrainingArguments before the model: with ZeRO-3 the weights are partitioned as they load.
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=1,
         gradient_accumulation_steps=args.grad_accum,
@@ -98,7 +90,14 @@ def build_trainer(args):
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, bf16=args.bf16,
         logging_steps=1, save_strategy="no", report_to=[], seed=args.seed, use_cpu=not on_gpu,
         deepspeed=args.deepspeed,
-        parallelism_config=fpdt.hf.trainer_parallelism_config(model, sp_size=sp))                # fpdt
+        parallelism_config=fpdt.hf.trainer_parallelism_config(sp_size=sp))                       # fpdt
+    torch.manual_seed(args.seed)
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
+    fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=args.chunks, offload=args.offload,   # fpdt
+                       checkpointing="offload" if args.offload else "on")
     return Trainer(model=model, args=training, train_dataset=token_windows(args, model.config.eos_token_id))
 
 

@@ -58,7 +58,7 @@ from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
                                plain_linears, register_settings)
 from fpdt.hf.groups import TrainerGroup, resolve_group
-from fpdt.hf.trainer import check_increasing_positions, contiguous_to_fpdt_layout
+from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
@@ -70,7 +70,6 @@ from fpdt.model.rmsnorm import rms_norm
 from fpdt.offload import HostStash
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
-TRAINER_ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 RECOMPUTED_ROPE_TYPES = ("dynamic", "longrope")
 
 
@@ -245,7 +244,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             if sp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
                 raise FPDTHFError("these inputs are DeepSpeed's sequence-parallel slices (the Trainer's SP loss), "
                                   "but no DeepSpeed sequence-parallel group exists: train through the Trainer "
-                                  "with parallelism_config=fpdt.hf.trainer_parallelism_config(model, sp_size)")
+                                  "with parallelism_config=fpdt.hf.trainer_parallelism_config(sp_size)")
         if sp > 1 and not self.training:
             raise FPDTHFError(f"evaluation under the Trainer's sequence parallelism (sp={sp}): the Trainer gives "
                               f"every rank whole windows of its own, which fpdt cannot split; evaluate with "
@@ -382,7 +381,7 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
             (:mod:`fpdt.hf.trainer`; the group is the one DeepSpeed creates when the Trainer
             prepares the model, the inputs arrive in its contiguous slices and the loss follows
             its convention; needs ``chunked_qkv``; build ``TrainingArguments(parallelism_config=``
-            :func:`fpdt.hf.trainer_parallelism_config` ``(model, sp_size))``).
+            :func:`fpdt.hf.trainer_parallelism_config` ``(sp_size))``).
         num_chunks: attention chunks per rank ``u``; inputs must be sharded with the same
             ``u`` (:func:`prepare_inputs`).
         offload: keep finished attention chunks in pinned host memory (needs CUDA, or
@@ -452,10 +451,9 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
     attention = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
     name = register_settings(attention)
     if trainer:
-        # The Trainer's SP setup accepts only these names; the chunked attention modules never call the
-        # function behind it, and the forward switches to `name` (fpdt's mask function) while it runs.
-        if model.config._attn_implementation not in TRAINER_ATTN_IMPLEMENTATIONS:
-            model.set_attn_implementation("sdpa")
+        # The name the Trainer's SP setup checks; the chunked attention modules never call the function
+        # behind it, and the forward switches to `name` (fpdt's mask function) while it runs.
+        model.set_attn_implementation(TRAINER_ATTN_NAME)
     else:
         model.set_attn_implementation(name)
     if not trainer and model.config._attn_implementation != name:

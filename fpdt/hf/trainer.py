@@ -24,7 +24,8 @@ tokens. A model under ``apply_fpdt(model, group="trainer")`` fits that route:
 Without sequence parallelism (``sp_size=1``, data parallelism only) each rank runs FPDT's
 chunked layers over its own windows in a group of its own.
 
-:func:`trainer_parallelism_config` builds the ``ParallelismConfig`` for such a model.
+:func:`trainer_parallelism_config` builds the ``ParallelismConfig``; it needs no model, so
+``TrainingArguments`` can come first and ZeRO-3 partition the weights as they load.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ import torch
 import torch.distributed as dist
 
 from fpdt.hf.attention import FPDTHFError
-from fpdt.hf.groups import TrainerGroup
 from fpdt.layout.fpdt_layout import check_layout, shard
+
+TRAINER_ATTN_NAME = "sdpa"
+"""The attention implementation name a model under ``group="trainer"`` keeps: one the Trainer's
+sequence-parallel setup accepts. Its function is never called (the attention modules run
+fpdt's chunked attention), though DeepSpeed wraps it."""
 
 
 def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None,
@@ -79,10 +84,11 @@ def check_increasing_positions(position_ids: torch.Tensor) -> None:
                           "positions (the default arange) or one document per window")
 
 
-def trainer_parallelism_config(model: torch.nn.Module, sp_size: int, **kwargs):
-    """accelerate's ``ParallelismConfig`` for training ``model`` (after
-    ``apply_fpdt(model, group="trainer")``) with ``sp_size``-way sequence parallelism under the
+def trainer_parallelism_config(sp_size: int, **kwargs):
+    """accelerate's ``ParallelismConfig`` for training a model under
+    ``apply_fpdt(model, group="trainer")`` with ``sp_size``-way sequence parallelism under the
     Trainer: pass it as ``TrainingArguments(parallelism_config=...)`` with a DeepSpeed config.
+    It names ``sdpa`` as the attention, the name such a model keeps (:data:`TRAINER_ATTN_NAME`).
 
     The ranks beyond one sequence-parallel group are data-parallel: unless ``kwargs`` give a
     ``dp_shard_size`` or ``dp_replicate_size``, ``dp_shard_size`` is the world size (that of
@@ -91,9 +97,9 @@ def trainer_parallelism_config(model: torch.nn.Module, sp_size: int, **kwargs):
     from batch to batch; every window's length must be divisible by ``sp_size`` times the
     model's ``num_chunks``.
     """
-    settings = getattr(model, "fpdt", None)
-    if settings is None or not isinstance(settings.group, TrainerGroup):
-        raise FPDTHFError("call fpdt.hf.apply_fpdt(model, group='trainer', ...) before trainer_parallelism_config")
+    if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+        raise FPDTHFError(f"sp_size={sp_size!r} must be a positive integer (the model is no longer an argument: "
+                          f"trainer_parallelism_config(sp_size, ...))")
     try:
         from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     except ImportError as e:
@@ -106,5 +112,5 @@ def trainer_parallelism_config(model: torch.nn.Module, sp_size: int, **kwargs):
                               f"that does (the other factor is data parallelism)")
         kwargs["dp_shard_size"] = world // sp_size
     handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
-                                              sp_attn_implementation=model.config._attn_implementation)
+                                              sp_attn_implementation=TRAINER_ATTN_NAME)
     return ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=handler, **kwargs)

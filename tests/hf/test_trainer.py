@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.hf.test_deepspeed_loop import _write_config     # the example's tiny model, smaller
 
 pytest.importorskip("accelerate")
 
@@ -40,21 +41,27 @@ def _example():
     return mod
 
 
+def _save_model(tmp: str) -> str:
+    """The tiny model with seeded weights as a checkpoint: the Trainer's ranks load it under ZeRO-3's
+    partitioned loading (TrainingArguments come first), the reference loads it plainly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _write_config(tmp)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.join(tmp, "config.json")),
+                                             dtype=torch.float32)
+    path = os.path.join(tmp, "model")
+    model.save_pretrained(path)
+    return path
+
+
 def _argv(tmp: str, chunks: int, sp: int, grad_accum: int) -> list[str]:
-    return ["--model-config", os.path.join(tmp, "config.json"),
+    return ["--model", os.path.join(tmp, "model"),
             "--tokenizer", os.path.join(ROOT, "examples", "tiny-llama", "tokenizer.json"),
             "--data", os.path.join(ROOT, "examples", "data", "jargon-file-4.4.7.txt"),
             "--seq-len", str(SEQ_LEN), "--chunks", str(chunks), "--steps", str(STEPS), "--sp", str(sp),
             "--grad-accum", str(grad_accum), "--optim", "sgd", "--lr", str(SGD_LR), "--max-grad-norm", "0",
             "--output-dir", os.path.join(tmp, "out")]
-
-
-def _write_config(tmp: str) -> None:
-    with open(os.path.join(ROOT, "examples", "tiny-llama", "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)   # smaller, faster
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f)
 
 
 def _labels(input_ids: torch.Tensor, prompt: bool) -> torch.Tensor:
@@ -73,6 +80,7 @@ def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out):
         import torch.distributed.nn.functional as differentiable
         differentiable.all_gather = lambda tensor, group=None: _GroupAllGather.apply(tensor, group)
     trainer = _example().build_trainer(_example().parse_args(_argv(tmp, chunks, sp, grad_accum)))
+    assert all(hasattr(p, "ds_id") for p in trainer.model.parameters())    # loaded partitioned (zero.Init)
     for item in trainer.train_dataset:
         item["labels"] = _labels(item["input_ids"], prompt)
     batches = []
@@ -94,11 +102,10 @@ def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out):
 def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool) -> list[float]:
     """Single-process Transformers and SGD: each step on the mean of its windows' losses (every
     window has the same number of valid labels, so this is also the token mean over the step)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.join(tmp, "config.json")),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "model"), dtype=torch.float32)
+    model.train()
     sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     losses = []
     for windows in steps:
@@ -121,7 +128,7 @@ def test_trainer_matches_single_process_transformers(tmp_path, world, chunks, pr
     """One SP group of 2 (with gradient accumulation); data parallelism alone (no SP group: each
     rank runs FPDT's chunked layers on its own windows); 2 SP groups x 2-way data parallelism."""
     tmp = str(tmp_path)
-    _write_config(tmp)
+    _save_model(tmp)
     out = os.path.join(tmp, "result.json")
     run_distributed(_rank, world, args=(tmp, chunks, prompt, sp, grad_accum, out), timeout=300)
     with open(out) as f:
@@ -265,15 +272,16 @@ def test_trainer_settings_refused_with_the_fix():
         fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer", mesh=object.__new__(SequenceMesh))
     with pytest.raises(FPDTHFError, match="'trainer'"):
         fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="deepspeed")
-    with pytest.raises(FPDTHFError, match="group='trainer'"):
-        fpdt.hf.trainer_parallelism_config(fpdt.hf.apply_fpdt(hf_model("llama_gqa")), sp_size=2)
-    model = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), group="trainer")
+    with pytest.raises(FPDTHFError, match="positive integer"):
+        fpdt.hf.trainer_parallelism_config(hf_model("llama_gqa"))
     with pytest.raises(FPDTHFError, match="does not divide the world of 1"):
-        fpdt.hf.trainer_parallelism_config(model, sp_size=2)
-    pc = fpdt.hf.trainer_parallelism_config(model, sp_size=2, dp_shard_size=3)      # explicit sizes are kept
+        fpdt.hf.trainer_parallelism_config(sp_size=2)
+    pc = fpdt.hf.trainer_parallelism_config(sp_size=2, dp_shard_size=3)      # explicit sizes are kept
     assert (pc.sp_backend, pc.sp_size, pc.sp_handler.sp_attn_implementation) == ("deepspeed", 2, "sdpa")
     assert pc.sp_handler.sp_seq_length_is_variable and pc.dp_shard_size == 3
-    assert fpdt.hf.trainer_parallelism_config(model, sp_size=1).dp_shard_size == 1
+    assert fpdt.hf.trainer_parallelism_config(1).dp_shard_size == 1
+    eager = hf_model("llama_gqa")                  # the test models are eager, which the Trainer's SP refuses
+    assert fpdt.hf.apply_fpdt(eager, group="trainer").config._attn_implementation == "sdpa"
 
 
 def _refusals_on_two_ranks(rank, world):
