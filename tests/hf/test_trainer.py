@@ -209,8 +209,12 @@ def _trainer_route(rank, world, sp, cases):
             ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
             model = copy.deepcopy(ref)
             model.zero_grad(set_to_none=True)
+            options = dict(options)
+            hf_checkpointing = options.pop("hf_checkpointing", False)
             fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=u, **options)
             model.train()
+            if hf_checkpointing:      # TrainingArguments(gradient_checkpointing=True): recomputed outside forward
+                model.gradient_checkpointing_enable()
             pc = types.SimpleNamespace(sp_backend="deepspeed", sp_size=sp)
             loss = deepspeed_sp_compute_loss(None, model, _adapter_slices(ids, labels, sp_rank, sp), False, pc)
             loss.backward()
@@ -230,7 +234,9 @@ def _trainer_route(rank, world, sp, cases):
 
 @pytest.mark.parametrize("world,sp,cases", [
     (2, 2, [("llama_gqa", 1, False, {}), ("llama_gqa", 2, True, {}), ("qwen2_tied", 4, True, {}),
-            ("mistral", 2, False, {"loss_chunks": 0})]),
+            ("mistral", 2, False, {"loss_chunks": 0}),
+            ("llama_gqa", 2, True, {"offload": True, "checkpointing": "offload"}),
+            ("llama_bias", 2, True, {"hf_checkpointing": True})]),
     (4, 4, [("llama_sp4", 2, True, {})]),      # KV heads replicated: 2 < 4
     (4, 2, [("llama_bias", 2, True, {})]),     # 2 SP groups x 2-way data parallelism
 ], ids=["sp2", "sp4", "sp2xdp2"])
