@@ -1,4 +1,4 @@
-"""Imports point down only: train -> model -> attention -> offload, comm, layout; the
+"""Imports point down only: train -> model -> attention -> offload, comm, layout, ops; the
 planner sits on the trainer's configuration, and only the trainer's command line on the planner.
 
 Also: nothing outside ``fpdt.train`` and ``fpdt.hf`` imports DeepSpeed, and nothing in ``fpdt`` imports
@@ -16,14 +16,15 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # package -> fpdt packages it may import
 ALLOWED = {
     "layout": set(),
+    "ops": set(),        # numerical primitives shared by attention and model
     "comm": {"layout"},  # SequenceMesh owns its token layout
     "offload": set(),
     "profiling": {"offload"},
-    "attention": {"layout", "comm", "offload"},
-    "model": {"layout", "comm", "offload", "attention"},
-    "train": {"layout", "comm", "offload", "attention", "model", "profiling"},
+    "attention": {"layout", "comm", "offload", "ops"},
+    "model": {"layout", "comm", "offload", "attention", "ops"},
+    "train": {"layout", "comm", "offload", "attention", "model", "profiling", "ops"},
     "plan": {"attention", "comm", "model", "train"},
-    "hf": {"layout", "comm", "offload", "attention", "model"},   # Transformers integration, beside train
+    "hf": {"layout", "comm", "offload", "attention", "model", "ops"},   # Transformers integration, beside train
 }
 # may import DeepSpeed (lazily in fpdt.hf: its ZeRO-3 registration, when DeepSpeed is installed)
 DEEPSPEED_USERS = {"train", "hf"}

@@ -38,6 +38,7 @@ from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_back
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
+from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference
 
 
 def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_proj: torch.nn.Linear,
@@ -98,7 +99,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             k = F.linear(T, wk, bk).view(B, L, H_kv, D)
             v = F.linear(T, wv, bv).view(B, L, H_kv, D)
             if q_norm is not None:
-                q, k = _head_rms_norm(q, q_norm, norm_eps), _head_rms_norm(k, k_norm, norm_eps)
+                q, k = rms_norm_reference(q, q_norm, norm_eps), rms_norm_reference(k, k_norm, norm_eps)
             if rotation is not None:
                 c, s = rotation(sl, q.dtype)
                 q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
@@ -172,25 +173,14 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None, None, out_n[0], out_n[1], None)
 
 
-def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * cast(x * rstd)``, ``rstd = 1 / sqrt(mean(x^2) + eps)`` over the last dim in fp32
-    (Transformers' Llama-style RMSNorm, here over each head's ``D``)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
                             d_weight: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``weight * cast(x * rstd)`` (RMS over the last dim) w.r.t. ``x``, in fp32;
-    adds the weight's gradient to the fp32 accumulator ``d_weight``."""
-    x32 = x.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    x_hat = x32 * rstd
+    """Gradient of the per-head RMSNorm ``rms_norm_reference(x, weight, eps)`` (over each head's
+    ``D``) w.r.t. ``x``, in fp32; adds the weight's gradient to the fp32 accumulator ``d_weight``."""
+    x_hat, rstd = normalised(x, eps)
     dy = dy.float()
     d_weight += (dy * x_hat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
-    g = dy * weight.float()
-    return rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    return input_grad_(dy * weight.float(), x_hat, rstd)
 
 
 def _rotation(rope: RotaryEmbedding | None, position_ids, cos, sin):

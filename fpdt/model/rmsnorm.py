@@ -10,10 +10,8 @@ tensors, 5x the bf16 input. :class:`RMSNormFunction` saves only
 
 and works over ``num_chunks`` token chunks in forward and backward, so fp32 temporaries
 exist for one chunk at a time (``[T / num_chunks, hidden]``), never for the full sequence.
-Backward recomputes ``x_hat = x * rstd`` per chunk and uses
-
-    dx = rstd * (g - x_hat * mean(g * x_hat)),   g = dy * weight (fp32)
-    dweight = sum over tokens of dy * cast(x_hat)   (fp32 accumulator, cast at the end)
+Backward recomputes ``x_hat = x * rstd`` per chunk and applies the gradient formulas of
+:mod:`fpdt.ops.rmsnorm` (the weight's in an fp32 accumulator, cast at the end).
 """
 
 from __future__ import annotations
@@ -21,21 +19,9 @@ from __future__ import annotations
 import torch
 
 from fpdt.model.chunks import chunk_bounds
+from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference
 
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The plain autograd form (what Transformers' ``LlamaRMSNorm`` computes)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def _normalised(x_chunk: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):
-    """-> (fp32 ``x * rstd`` as a fresh tensor, rstd ``[n, 1]``) for one ``[n, hidden]`` chunk."""
-    x32 = x_chunk.to(torch.float32, copy=True)
-    if rstd is None:
-        rstd = torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + eps)
-    return x32.mul_(rstd), rstd
+__all__ = ["RMSNormFunction", "rms_norm", "rms_norm_reference"]
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -49,7 +35,7 @@ class RMSNormFunction(torch.autograd.Function):
         out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
         for s, e in chunk_bounds(flat.shape[0], num_chunks):
-            x_hat, rstd[s:e] = _normalised(flat[s:e], eps)
+            x_hat, rstd[s:e] = normalised(flat[s:e], eps)
             torch.mul(weight, x_hat.to(x.dtype), out=out[s:e])
             del x_hat
         ctx.save_for_backward(x, weight, rstd)
@@ -66,14 +52,12 @@ class RMSNormFunction(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
         w32 = weight.float()
         for s, e in chunk_bounds(flat.shape[0], ctx.num_chunks):
-            x_hat, r = _normalised(flat[s:e], ctx.eps, rstd[s:e])
-            dy = gflat[s:e].float()                                            # fp32 chunk
+            x_hat, r = normalised(flat[s:e], ctx.eps, rstd[s:e])
+            dy = gflat[s:e].to(torch.float32, copy=True)     # our fp32 chunk (never the caller's gradient)
             if need_dw:
                 dw += (dy * x_hat.to(x.dtype)).sum(0)
             if need_dx:
-                g = dy.mul_(w32)                                               # dy is our temporary
-                dot = (g * x_hat).mean(-1, keepdim=True)
-                dx[s:e] = g.sub_(x_hat.mul_(dot)).mul_(r)
+                dx[s:e] = input_grad_(dy.mul_(w32), x_hat, r)                  # dy is our temporary
             del x_hat, dy
         return (None if dx is None else dx.view_as(x),
                 None if dw is None else dw.to(weight.dtype), None, None)

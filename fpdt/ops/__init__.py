@@ -1,0 +1,1 @@
+"""Numerical primitives shared by the attention pipelines and the model (below both)."""

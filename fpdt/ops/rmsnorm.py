@@ -1,0 +1,37 @@
+"""RMSNorm's math, Llama convention: ``weight * cast(x * rstd)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``
+over the last dimension in fp32, cast back to the input dtype before the weight multiply.
+
+Shared by the model's lean, chunked RMSNorm (:mod:`fpdt.model.rmsnorm`) and the per-head q/k
+norms (Qwen3) inside the chunked projected attention (:mod:`fpdt.attention.projected_attention`).
+The backward, with ``x_hat = x * rstd`` and ``g = dy * weight`` (fp32):
+
+    dx = rstd * (g - x_hat * mean(g * x_hat))
+    dweight = sum over tokens of dy * cast(x_hat)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain autograd form (what Transformers' ``LlamaRMSNorm`` computes)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def normalised(x: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):
+    """-> (fp32 ``x * rstd`` as a fresh tensor, ``rstd`` ``[..., 1]``); ``rstd`` is computed unless given."""
+    x32 = x.to(torch.float32, copy=True)
+    if rstd is None:
+        rstd = torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + eps)
+    return x32.mul_(rstd), rstd
+
+
+def input_grad_(g: torch.Tensor, x_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """``dx = rstd * (g - x_hat * mean(g * x_hat))`` in fp32, computed in place: ``g`` (fp32
+    ``dy * weight``) becomes the result and ``x_hat`` is overwritten, so that no other
+    temporary of their size is made."""
+    dot = (g * x_hat).mean(-1, keepdim=True)
+    return g.sub_(x_hat.mul_(dot)).mul_(rstd)
