@@ -59,3 +59,15 @@ def test_saves_input_and_fp32_rstd_only_and_no_full_sequence_fp32_temporaries():
     assert acct.phases["fwd"].peak <= full_bf16 + T * 4 + 2 * chunk_fp32 + T // chunks * 4
     # backward: dx + a handful of fp32 chunk temporaries, never a full-sequence fp32 tensor
     assert acct.phases["bwd"].peak_above_start <= full_bf16 + 5 * chunk_fp32 + hidden * 8
+
+
+def test_backward_leaves_the_incoming_gradient_alone():
+    """fp32: the incoming gradient may be shared with another consumer (an add passes one
+    tensor to both its inputs); the norm's backward must not change it in place."""
+    torch.manual_seed(0)
+    x, other = torch.randn(8, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    tripled = other * 3                       # created first: its backward runs after the norm's
+    r = torch.randn(8, 16)
+    ((rms_norm(x, w, 1e-5, 2) + tripled) * r).sum().backward()
+    torch.testing.assert_close(other.grad, 3 * r)
