@@ -152,14 +152,23 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 
 
-def _check_rope(model: nn.Module, group, mesh) -> None:
-    rope_type = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
-    _, sp = _rank_size(group, mesh)
-    if rope_type in RECOMPUTED_ROPE_TYPES and sp > 1:
-        raise FPDTHFError(f"rope_type={rope_type!r} picks its RoPE frequencies from the largest position a forward "
-                          f"sees, and each of the {sp} sequence-parallel ranks sees different positions, so ranks "
-                          f"would rotate differently: use a fixed scaling for the target length (e.g. rope_type "
-                          f"'yarn' or 'linear' with its factor), or no sequence parallelism")
+def _global_rope_forward(settings: "HFSettings"):
+    """A forward for the model's rotary embedding whose position-dependent RoPE (``dynamic``,
+    ``longrope``: frequencies picked from the largest position a forward sees) sees the
+    largest position of the whole window, as one process holding it would: each SP rank
+    holds other positions. One all-reduce of one integer per model forward (RoPE's tables are
+    computed once per forward); the window's largest position rides along as one extra
+    position, so Transformers' own update picks the frequencies (whatever its version)."""
+    def forward(self, x, position_ids, *args, **kwargs):
+        _, sp = settings.rank_size()
+        if sp == 1:
+            return type(self).forward(self, x, position_ids, *args, **kwargs)
+        top = position_ids.max().reshape(1, 1).to(torch.int64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=settings.sp_group)
+        top = top.to(position_ids.dtype).expand(position_ids.shape[0], 1)
+        cos, sin = type(self).forward(self, x, torch.cat([position_ids, top], dim=-1), *args, **kwargs)
+        return cos[:, :-1], sin[:, :-1]
+    return forward
 
 
 def _chunked_mlp_forward(num_chunks: int):
@@ -238,7 +247,6 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     rank, sp = settings.rank_size()
     trainer = settings.under_trainer
     if trainer:
-        _check_rope(self, settings.group, None)  # the Trainer's group size is known only now
         if labels is not None and labels is shift_labels:   # the Trainer's SP loss passes shift_labels as labels
             labels = None
             if sp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
@@ -446,8 +454,6 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
         for layer in layers:
             check_chunked_qkv(layer.self_attn)
     norms = _lean_norms(model, layers) if lean_norms else []
-    if not trainer:                               # the Trainer's group exists only once it prepares the model
-        _check_rope(model, group, mesh)
     attention = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
     name = register_settings(attention)
     if trainer:
@@ -480,6 +486,9 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
                             offload=offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
                             lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing,
                             chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
+    rotary = getattr(model.model, "rotary_emb", None)
+    if getattr(rotary, "rope_type", "default") in RECOMPUTED_ROPE_TYPES:
+        rotary.forward = types.MethodType(_global_rope_forward(model.fpdt), rotary)
     _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv))
     return model
 

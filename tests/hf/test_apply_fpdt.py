@@ -70,8 +70,11 @@ CASES_1 = [
 
 
 def _reference_model(name):
-    """The fp32 Transformers model of a case: the shared tiny configs, or this file's Qwen3."""
-    return _qwen3() if name == "qwen3" else hf_model(name)
+    """The fp32 Transformers model of a case: the shared tiny configs, or this file's Qwen3 and
+    position-dependent RoPE variants."""
+    if name == "qwen3":
+        return _qwen3()
+    return _rope_variant(name) if name in ROPE_VARIANTS else hf_model(name)
 
 
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, wgrad,
@@ -82,9 +85,8 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
     # attention is over itself alone, so q and k would get no gradient at all
     S = S or max(16, 4 * world * num_chunks * (2 if mesh is not None else 1))
     ids, labels = (t.to(device) for t in tokens(ref.config.vocab_size, B, S))
+    model = copy.deepcopy(ref)          # before the reference runs: dynamic RoPE keeps state from a forward
     ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
-    model = copy.deepcopy(ref)
-    model.zero_grad(set_to_none=True)
     fpdt.hf.apply_fpdt(model, mesh=mesh, num_chunks=num_chunks, offload=offload, mlp_chunks=mlp_chunks,
                        loss_chunks=loss_chunks, lm_head_wgrad=wgrad, **(options or {}),
                        checkpointing=checkpointing if checkpointing in ("on", "offload") else "off")
@@ -505,17 +507,41 @@ def test_autocast_is_refused_with_the_fix():
             model(input_ids=ids, labels=labels)
 
 
-def _dynamic_rope_refused_with_sp(rank, world):
-    cfg = hf_config("llama_gqa")
-    cfg.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    with pytest.raises(fpdt.hf.FPDTHFError, match="rope_type='dynamic' .*2 sequence-parallel ranks.*'yarn'"):
-        fpdt.hf.apply_fpdt(transformers.LlamaForCausalLM(cfg))
-    singles = [dist.new_group([r]) for r in range(world)]      # every rank creates every group
-    fpdt.hf.apply_fpdt(transformers.LlamaForCausalLM(cfg), group=singles[rank])   # no SP: fine
+# RoPE that picks its frequencies from the largest position a forward sees. With 32 tokens on 2 ranks
+# and u = 4, rank 0 holds positions up to 27 and rank 1 up to 31: dynamic NTK scaling (past 16)
+# would give each rank other frequencies, and longrope (past 28) rank 0 the short factors.
+ROPE_VARIANTS = {
+    "llama_dynamic": ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, 16),
+    "llama_longrope": ({"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 28,
+                        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                        "long_factor": [2.0 + 0.5 * i for i in range(8)]}, 64),
+}
 
 
-def test_position_dependent_rope_scaling_is_refused_under_sequence_parallelism():
-    run_distributed(_dynamic_rope_refused_with_sp, 2)
+def _rope_variant(name, seed=0):
+    rope, max_positions = ROPE_VARIANTS[name]
+    cfg = hf_config("llama_gqa")                              # head_dim 16: 8 frequencies
+    cfg.rope_parameters, cfg.max_position_embeddings = dict(rope), max_positions
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_position_dependent_rope_on_two_ranks_sees_the_whole_window():
+    """Each rank's RoPE picks the frequencies one process holding the window would: the largest
+    position is the window's (one all-reduce per forward), not the rank's."""
+    run_distributed(_multi_rank, 2, args=([("llama_dynamic", 4, None, None, False, False, "recompute", {}),
+                                           ("llama_longrope", 4, None, None, True, "offload", "recompute", {})],))
+
+
+def test_position_dependent_rope_on_one_process():
+    for name in ROPE_VARIANTS:
+        run_case(name, 0, 1, num_chunks=4, mlp_chunks=None, loss_chunks=None, offload=False, checkpointing=False,
+                 wgrad="recompute")
 
 
 def test_zero3_external_parameters_registered():
