@@ -49,8 +49,8 @@ def token_windows(args, eos_id):
     it) as consecutive windows of ``seq_len`` tokens."""
     from fpdt.train.data import load_tokens
 
-    ids = np.asarray(load_tokens(args.data, tokenizer_path=args.tokenizer or os.path.join(args.model, "tokenizer.json"),
-                                 eos_id=eos_id), dtype=np.int64)
+    tokenizer = args.tokenizer or (os.path.join(args.model, "tokenizer.json") if args.model else None)
+    ids = np.asarray(load_tokens(args.data, tokenizer_path=tokenizer, eos_id=eos_id), dtype=np.int64)
     n = len(ids) // args.seq_len
     if n == 0:
         raise SystemExit(f"{args.data} has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")

@@ -28,7 +28,10 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
   per-head q/k norms) and RoPE run
   chunk by chunk inside the FPDT attention (as in :class:`fpdt.model.FPDTForCausalLM`), so
   the layer's full-length local q/k/v never exist; RoPE is the model's own
-  ``position_embeddings``, sliced per chunk.
+  ``position_embeddings``, sliced per chunk;
+* **RoPE** (``dynamic``, ``longrope``): these pick their frequencies from the largest position
+  a forward sees; the rotary embedding's forward is replaced so that, under sequence
+  parallelism, every rank sees the window's largest position (one all-reduce per forward).
 
 What stays Transformers': embeddings, RoPE's tables (``(cos, sin)`` of every local token,
 ``2 D / hidden`` of a hidden-state tensor, which :class:`fpdt.model.FPDTForCausalLM` does not
@@ -71,6 +74,8 @@ from fpdt.offload import HostStash
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
 RECOMPUTED_ROPE_TYPES = ("dynamic", "longrope")
+"""RoPE types whose frequencies depend on the largest position of the forward (Transformers'
+``dynamic_rope_update``): under SP each rank must see the window's (:func:`_global_rope_forward`)."""
 
 
 def _lean_rmsnorm_classes() -> tuple[type, ...]:
@@ -165,9 +170,9 @@ def _global_rope_forward(settings: "HFSettings"):
             return type(self).forward(self, x, position_ids, *args, **kwargs)
         top = position_ids.max().reshape(1, 1).to(torch.int64)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=settings.sp_group)
-        top = top.to(position_ids.dtype).expand(position_ids.shape[0], 1)
+        top = top.to(position_ids.dtype).expand(*position_ids.shape[:-1], 1)
         cos, sin = type(self).forward(self, x, torch.cat([position_ids, top], dim=-1), *args, **kwargs)
-        return cos[:, :-1], sin[:, :-1]
+        return cos[..., :-1, :], sin[..., :-1, :]
     return forward
 
 
@@ -294,8 +299,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext():
-        out = _decoder_and_loss(self, original, settings, sp, input_ids, attention_mask, position_ids, inputs_embeds,
-                                shift_labels, logits_to_keep, num_items_in_batch, kwargs)
+        out = _decoder_and_loss(self, original, settings, sp, input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds, shift_labels=shift_labels,
+                                logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
     if trainer and out.loss is not None:
         out.loss = sum_gradient_over_group(out.loss, group=settings.sp_group, sp=sp)
     return out if return_dict else out.to_tuple()
@@ -313,8 +319,9 @@ def _attention_implementation(config, name: str):
         config._attn_implementation = kept
 
 
-def _decoder_and_loss(self, original, settings: HFSettings, sp: int, input_ids, attention_mask, position_ids,
+def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_ids, attention_mask, position_ids,
                       inputs_embeds, shift_labels, logits_to_keep, num_items_in_batch, kwargs):
+    """The decoder and the loss (chunked, or from full logits) of :func:`_causal_lm_forward`."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if shift_labels is None or settings.loss_chunks == 0:
@@ -487,7 +494,8 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
                             lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing,
                             chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
     rotary = getattr(model.model, "rotary_emb", None)
-    if getattr(rotary, "rope_type", "default") in RECOMPUTED_ROPE_TYPES:
+    rope_types = getattr(rotary, "rope_type", "default")          # per layer type in some models
+    if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
         rotary.forward = types.MethodType(_global_rope_forward(model.fpdt), rotary)
     _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv))
     return model

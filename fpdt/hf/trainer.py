@@ -98,8 +98,8 @@ def trainer_parallelism_config(sp_size: int, **kwargs):
     model's ``num_chunks``.
     """
     if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
-        raise FPDTHFError(f"sp_size={sp_size!r} must be a positive integer (the model is no longer an argument: "
-                          f"trainer_parallelism_config(sp_size, ...))")
+        raise FPDTHFError(f"sp_size={sp_size!r}: trainer_parallelism_config takes the sequence-parallel degree, "
+                          f"a positive integer (not a model)")
     try:
         from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     except ImportError as e:

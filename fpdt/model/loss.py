@@ -252,7 +252,7 @@ class _SumGradientOverGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -268,6 +268,7 @@ def sum_gradient_over_group(loss: torch.Tensor, *, group: dist.ProcessGroup | No
     if sp == 1:
         return loss
     return _SumGradientOverGroup.apply(loss, group)
+
 
 def sequence_parallel_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                               group: dist.ProcessGroup | None, sp: int, num_chunks: int,

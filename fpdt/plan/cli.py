@@ -19,7 +19,7 @@ import sys
 from fpdt.attention.kernels import BACKENDS
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
-from fpdt.plan.models import PRESETS
+from fpdt.plan.models import PRESETS, load_model_config
 from fpdt.plan.planner import Choice, plan
 from fpdt.plan.setup import CHECKPOINT_MODES, DTYPES, LM_HEAD_WGRAD_MODES, PLACEMENTS
 
@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         cal = load_calibration(args.calibration) if args.calibration else None
         cluster = Cluster(gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
                           host_mem_bytes=args.host_mem_gib * GIB, calibration=cal)
-        choice = apply_deepspeed_config(args.deepspeed, Choice(), cluster.world) if args.deepspeed else Choice()
+        choice = apply_deepspeed_config(args.deepspeed, Choice(), cluster.world,
+                                        hidden_size=load_model_config(args.model).hidden_size) \
+            if args.deepspeed else Choice()
         flags = {"chunk_size": args.chunk_size, "sp": args.sp, "hp": args.hp, "cp": args.cp,
                  "placement": args.placement, "inner_ring": args.inner_ring, "checkpoint": args.checkpoint,
                  "offload": args.offload, "zero_stage": args.zero_stage, "offload_optimizer": args.offload_optimizer,

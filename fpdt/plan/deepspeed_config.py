@@ -9,9 +9,11 @@ from ``train_batch_size`` over the GPUs), and the
 ``"fpdt"`` section ``fpdt-train`` reads from the same file (:data:`FPDT_KEYS`): what it
 sets is fixed for the plan, as it will be for the run; what it leaves out the planner
 chooses. ZeRO keys absent from the file keep DeepSpeed's defaults. A value ``"auto"`` (which
-Hugging Face's Trainer fills in from its own arguments) counts as absent: the precision and
-micro batch stay the planner's, the ZeRO sizes DeepSpeed's defaults. Command-line flags win
-over the file (the caller applies them afterwards, as ``fpdt-train`` does).
+Hugging Face's Trainer fills in from its own arguments) is read as the Trainer fills it where
+the plan can know it (``reduce_bucket_size``: ``hidden_size ** 2``, given the model's hidden
+size), else as absent: the precision and micro batch stay the planner's, other ZeRO sizes
+DeepSpeed's defaults. Command-line flags win over the file (the caller applies them
+afterwards, as ``fpdt-train`` does).
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def _on_host(section) -> bool:
     return isinstance(section, dict) and section.get("device", "none") in ("cpu", "nvme")
 
 
-def apply_deepspeed_config(path: str, choice: Choice, world_size: int = 1) -> Choice:
+def apply_deepspeed_config(path: str, choice: Choice, world_size: int = 1, hidden_size: int | None = None) -> Choice:
     """``choice`` with the ZeRO and precision settings of the DeepSpeed JSON at ``path``
-    (``world_size``: the GPUs, to derive the micro batch from ``train_batch_size``)."""
+    (``world_size``: the GPUs, to derive the micro batch from ``train_batch_size``;
+    ``hidden_size``: the model's, for a ``reduce_bucket_size`` of ``"auto"``)."""
     with open(path) as f:
         try:
             cfg = json.load(f)
@@ -59,10 +62,10 @@ def apply_deepspeed_config(path: str, choice: Choice, world_size: int = 1) -> Ch
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: a DeepSpeed config is a JSON object")
-    return apply_deepspeed_dict(cfg, choice, world_size)
+    return apply_deepspeed_dict(cfg, choice, world_size, hidden_size)
 
 
-def apply_deepspeed_dict(cfg: dict, choice: Choice, world_size: int = 1) -> Choice:
+def apply_deepspeed_dict(cfg: dict, choice: Choice, world_size: int = 1, hidden_size: int | None = None) -> Choice:
     """``choice`` with the settings of an already-parsed DeepSpeed config (see the module)."""
     zero = cfg.get("zero_optimization", {}) or {}
     changes = {"zero_stage": int(_given(zero, "stage") or 0),
@@ -76,6 +79,8 @@ def apply_deepspeed_dict(cfg: dict, choice: Choice, world_size: int = 1) -> Choi
     for key in ("reduce_bucket_size", "sub_group_size"):
         if _given(zero, key) is not None:
             changes[key] = float(zero[key])
+    if zero.get("reduce_bucket_size") == AUTO and hidden_size:
+        changes["reduce_bucket_size"] = float(hidden_size * hidden_size)       # what the Trainer fills in
     if _given(zero, "contiguous_gradients") is not None:
         changes["contiguous_gradients"] = bool(zero["contiguous_gradients"])
     sizes = {k: _given(cfg, k) for k in ("train_micro_batch_size_per_gpu", "train_batch_size",

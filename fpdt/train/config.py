@@ -198,12 +198,24 @@ def load_ds_config(source: str | os.PathLike | Mapping[str, Any] | None,
                 cfg = json.load(f)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"--deepspeed {path} is not valid JSON: {e}") from e
+    _refuse_auto(cfg)
     section = cfg.pop("fpdt", None) or {}
     if not isinstance(section, Mapping):
         raise ConfigError(f'the "fpdt" section of the DeepSpeed JSON must be an object, got {section!r}')
     if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
         cfg["train_micro_batch_size_per_gpu"] = 1
     return cfg, dict(section)
+
+
+def _refuse_auto(cfg: Any, path: str = "") -> None:
+    """``"auto"`` is Hugging Face's Trainer's placeholder, filled in from its own arguments."""
+    items = cfg.items() if isinstance(cfg, Mapping) else enumerate(cfg) if isinstance(cfg, list) else ()
+    for key, value in items:
+        where = f"{path}.{key}" if path else str(key)
+        if value == "auto":
+            raise ConfigError(f"DeepSpeed JSON: {where}='auto' is filled in by Hugging Face's Trainer, which "
+                              f"fpdt-train is not: give the value, or leave the key out for DeepSpeed's default")
+        _refuse_auto(value, where)
 
 
 def ds_zero_stage(cfg: Mapping[str, Any]) -> int:

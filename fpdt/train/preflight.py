@@ -110,16 +110,13 @@ def check_batch_size(ds_config: Mapping[str, Any], world_size: int) -> None:
     gas = ds_config.get("gradient_accumulation_steps")
     for key, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro),
                        ("gradient_accumulation_steps", gas)):
-        if value == "auto":
-            raise ConfigError(f"DeepSpeed JSON: {key}='auto' is filled in by Hugging Face's Trainer, which "
-                              f"fpdt-train is not: give a positive integer, or leave the key out")
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"DeepSpeed JSON: {key}={value!r} must be a positive integer")
     if tbs is None:
         return
     why = ("DeepSpeed counts every rank (SP ranks too) as data parallel, so train_batch_size must be "
            "micro batch x gradient_accumulation_steps x world size")
-    fix = f"drop train_batch_size and set train_micro_batch_size_per_gpu (sequences per SP group) instead"
+    fix = "drop train_batch_size and set train_micro_batch_size_per_gpu (sequences per SP group) instead"
     if micro is not None and gas is not None:
         if tbs != micro * gas * world_size:
             raise ConfigError(f"DeepSpeed JSON: train_batch_size {tbs} != train_micro_batch_size_per_gpu {micro} x "

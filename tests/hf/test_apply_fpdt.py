@@ -538,6 +538,29 @@ def test_position_dependent_rope_on_two_ranks_sees_the_whole_window():
                                            ("llama_longrope", 4, None, None, True, "offload", "recompute", {})],))
 
 
+def _rope_state_over_steps(rank, world):
+    from fpdt.layout.fpdt_layout import shard
+    for name in ROPE_VARIANTS:
+        ref = _rope_variant(name)
+        model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), num_chunks=2)          # the world as the SP group
+        ours, theirs = model.model.rotary_emb, ref.model.rotary_emb
+        # growth, a reset below the original length, regrowth; position ids [B, S] and [1, S]
+        for S, B, rows in ((32, 1, 1), (8, 2, 2), (48, 2, 1), (24, 1, 1), (12, 2, 2), (64, 2, 2)):
+            positions = torch.arange(S).expand(rows, S)
+            x = torch.randn(B, S, ref.config.hidden_size)
+            want = theirs(x, positions)                                        # one process, the whole window
+            local = shard(positions, world, 2, rank, dim=1)
+            got = ours(shard(x, world, 2, rank, dim=1), local)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w.index_select(1, local[0])), f"{name} S={S} rows={rows}"
+            assert torch.equal(ours.inv_freq, theirs.inv_freq) and ours.attention_scaling == theirs.attention_scaling
+            assert getattr(ours, "max_seq_len_cached", None) == getattr(theirs, "max_seq_len_cached", None)
+
+
+def test_position_dependent_rope_state_follows_one_process_over_steps():
+    run_distributed(_rope_state_over_steps, 2)
+
+
 def test_position_dependent_rope_on_one_process():
     for name in ROPE_VARIANTS:
         run_case(name, 0, 1, num_chunks=4, mlp_chunks=None, loss_chunks=None, offload=False, checkpointing=False,

@@ -162,9 +162,15 @@ def test_auto_values_of_the_trainer_leave_the_planners_choice():
     assert (choice.dtype, choice.batch, choice.reduce_bucket_size) == ("fp32", 3, start.reduce_bucket_size)
     assert (choice.zero_stage, choice.sub_group_size, choice.offload_optimizer) == (2, 1e8, True)
     assert apply_deepspeed_dict({**cfg, "bf16": {"enabled": True}}, start).dtype == "bf16"
+    # the Trainer fills reduce_bucket_size with hidden_size ** 2
+    assert apply_deepspeed_dict(cfg, start, hidden_size=4096).reduce_bucket_size == 4096.0 ** 2
 
 
 def test_fpdt_train_refuses_auto_naming_the_trainer():
-    from fpdt.train.preflight import ConfigError, check_batch_size
-    with pytest.raises(ConfigError, match="filled in by Hugging Face's Trainer"):
-        check_batch_size({"train_micro_batch_size_per_gpu": "auto"}, 2)
+    from fpdt.train.config import ConfigError, load_ds_config
+    for cfg, where in (({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
+                       ({"bf16": {"enabled": "auto"}}, "bf16.enabled"),
+                       ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
+                        "zero_optimization.reduce_bucket_size")):
+        with pytest.raises(ConfigError, match=f"{where}='auto' is filled in by Hugging Face's Trainer"):
+            load_ds_config(cfg)
