@@ -38,7 +38,7 @@ from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_back
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
-from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference
+from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference, weight_grad
 
 
 def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_proj: torch.nn.Linear,
@@ -179,7 +179,7 @@ def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     ``D``) w.r.t. ``x``, in fp32; adds the weight's gradient to the fp32 accumulator ``d_weight``."""
     x_hat, rstd = normalised(x, eps)
     dy = dy.float()
-    d_weight += (dy * x_hat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+    d_weight += weight_grad(dy, x_hat, x.dtype)
     return input_grad_(dy * weight.float(), x_hat, rstd)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fpdt.model.chunks import chunk_bounds
-from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference
+from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference, weight_grad
 
 __all__ = ["RMSNormFunction", "rms_norm", "rms_norm_reference"]
 
@@ -55,7 +55,7 @@ class RMSNormFunction(torch.autograd.Function):
             x_hat, r = normalised(flat[s:e], ctx.eps, rstd[s:e])
             dy = gflat[s:e].to(torch.float32, copy=True)     # our fp32 chunk (never the caller's gradient)
             if need_dw:
-                dw += (dy * x_hat.to(x.dtype)).sum(0)
+                dw += weight_grad(dy, x_hat, x.dtype)
             if need_dx:
                 dx[s:e] = input_grad_(dy.mul_(w32), x_hat, r)                  # dy is our temporary
             del x_hat, dy

@@ -29,6 +29,13 @@ def normalised(x: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):
     return x32.mul_(rstd), rstd
 
 
+def weight_grad(dy: torch.Tensor, x_hat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum over tokens of dy * cast(x_hat)`` in fp32 (``dy`` fp32 ``[..., hidden]``, ``x_hat``
+    fp32, cast to the input ``dtype`` as the forward did): this chunk's share of the weight's
+    gradient, for an fp32 accumulator."""
+    return (dy * x_hat.to(dtype)).reshape(-1, dy.shape[-1]).sum(0)
+
+
 def input_grad_(g: torch.Tensor, x_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """``dx = rstd * (g - x_hat * mean(g * x_hat))`` in fp32, computed in place: ``g`` (fp32
     ``dy * weight``) becomes the result and ``x_hat`` is overwritten, so that no other
