@@ -379,17 +379,22 @@ def test_packed_positions_and_a_global_mask_are_refused():
         model(input_ids=ids[:, :8], attention_mask=torch.ones(1, 16, dtype=torch.long))
 
 
-def _qwen3(seed=0):
-    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-3,
-                                   attn_implementation="eager", initializer_range=0.05)
+def _seeded(model_class, cfg, seed):
+    """``model_class(cfg)`` with seeded weights and non-trivial norm weights (their gradients tested too)."""
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(cfg)
+    model = model_class(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def _qwen3(seed=0):
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-3,
+                                   attn_implementation="eager", initializer_range=0.05)
+    return _seeded(transformers.Qwen3ForCausalLM, cfg, seed)
 
 
 QWEN3_CASES = [("qwen3", 1, None, None, False, False, "recompute", {}),
@@ -522,13 +527,7 @@ def _rope_variant(name, seed=0):
     rope, max_positions = ROPE_VARIANTS[name]
     cfg = hf_config("llama_gqa")                              # head_dim 16: 8 frequencies
     cfg.rope_parameters, cfg.max_position_embeddings = dict(rope), max_positions
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return _seeded(transformers.LlamaForCausalLM, cfg, seed)
 
 
 def test_position_dependent_rope_on_two_ranks_sees_the_whole_window():
