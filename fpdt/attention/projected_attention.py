@@ -15,6 +15,11 @@ back through the all-to-all, RoPE is undone, and the projection backward runs wi
 ``T_j`` (prefetched during the outer step) to give ``dT_j`` and accumulate fp32 weight
 gradients.
 
+Optionally, LoRA adapters on the q/k/v projections (:mod:`fpdt.ops.lora`) run chunk by chunk
+with their base projections: nothing more is saved (their dropout masks are regenerated in
+backward), and their gradients accumulate over chunks like the weights'. A frozen weight
+(``requires_grad=False``, as under LoRA) gets no gradient and no accumulator.
+
 Optionally (Qwen3), q and k are RMS-normalised per head over ``D`` before RoPE, with
 weights ``[D]`` (fp32 normalisation, cast, then the weight multiply); backward recomputes the
 chunk's pre-norm q/k from ``T_j`` (one more projection GEMM each) and accumulates the norm
@@ -38,6 +43,7 @@ from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_back
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
+from fpdt.ops.lora import LoraAdapters, accumulators, finish, lora_backward, with_lora
 from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference, weight_grad
 
 
@@ -48,14 +54,16 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                              num_chunks: int = 1, offload: bool = False, backend: str | None = None,
                              softmax_scale: float | None = None, label: str | None = None,
-                             qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                             qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                             adapters: LoraAdapters | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
     FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
     ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
     before the output projection. ``heads`` = ``(H, H_kv, D)``; RoPE from ``rope`` at
     ``position_ids``, or from the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none.
     ``label`` names the chunks in offload errors (e.g. "layer 2"). ``qk_norm`` =
-    ``(q_weight, k_weight, eps)``: RMSNorm of q and k per head before RoPE (Qwen3)."""
+    ``(q_weight, k_weight, eps)``: RMSNorm of q and k per head before RoPE (Qwen3).
+    ``adapters``: LoRA terms of the three projections, in the order q, k, v."""
     if mesh is not None and group is not None:
         raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
     H, H_kv, D = heads
@@ -66,10 +74,14 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     spec.label = label
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
     wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+    lora = () if adapters is None else (adapters.layout, *adapters.tensors)
+    if adapters is not None and len(adapters.layout.terms) != 3:
+        raise ValueError(f"the q/k/v LoRA layout must have 3 projections, got {len(adapters.layout.terms)}")
     # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
-    for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*inputs, wqn, wkn))
+    for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                   for t in (*inputs, wqn, wkn, *lora[1:]))
     return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, offload, heads, for_backward,
-                                                cos, sin, wqn, wkn, eps)
+                                                cos, sin, wqn, wkn, eps, *lora)
 
 
 class ProjectedFPDTAttentionFunction(torch.autograd.Function):
@@ -78,26 +90,30 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
     RoPE: ``rope`` at ``position_ids`` ``[B, S_local]``, or the table ``cos``/``sin``
     ``[B or 1, S_local, D]`` (then ``rope`` and ``position_ids`` are None), or neither.
     ``q_norm``/``k_norm`` ``[D]`` (or None) with ``norm_eps``: per-head RMSNorm before RoPE.
+    ``lora`` (a :class:`fpdt.ops.lora.LoraLayout` of the q, k, v projections, or None) and its
+    tensors, last.
     """
 
     @staticmethod
     def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, position_ids, rope: RotaryEmbedding | None,
                 spec: PipelineSpec, offload: bool, heads: tuple[int, int, int], for_backward: bool,
-                cos=None, sin=None, q_norm=None, k_norm=None, norm_eps: float = 0.0):
+                cos=None, sin=None, q_norm=None, k_norm=None, norm_eps: float = 0.0, lora=None, *lora_tensors):
         H, H_kv, D = heads
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
         stash = HostStash(hidden.device, enabled=offload, label=spec.label)
         rotation = _rotation(rope, position_ids, cos, sin)
+        terms = lora.split(lora_tensors) if lora is not None else [[], [], []]
+        seed = lora.draw_seed() if lora is not None else None
 
         def produce(i):
             sl = slice(i * L, (i + 1) * L)
             T = hidden[:, sl]
             if for_backward:
                 stash.put(("T", i), T)
-            q = F.linear(T, wq, bq).view(B, L, H, D)
-            k = F.linear(T, wk, bk).view(B, L, H_kv, D)
-            v = F.linear(T, wv, bv).view(B, L, H_kv, D)
+            q = with_lora(F.linear(T, wq, bq), T, terms[0], seed, i).view(B, L, H, D)
+            k = with_lora(F.linear(T, wk, bk), T, terms[1], seed, i).view(B, L, H_kv, D)
+            v = with_lora(F.linear(T, wv, bv), T, terms[2], seed, i).view(B, L, H_kv, D)
             if q_norm is not None:
                 q, k = rms_norm_reference(q, q_norm, norm_eps), rms_norm_reference(k, k_norm, norm_eps)
             if rotation is not None:
@@ -111,15 +127,18 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             out[:, i * L:(i + 1) * L] = out_i
 
         run_forward(spec, produce, emit, stash, for_backward)
-        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, stash_token(stash))
+        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, stash_token(stash),
+                              *lora_tensors)
         ctx.rope, ctx.spec, ctx.L, ctx.heads, ctx.norm_eps = rope, spec, L, heads, norm_eps
+        ctx.lora, ctx.seed = lora, seed
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         return out
 
     @staticmethod
     @once_differentiable   # the chunked backward is not itself differentiable
     def backward(ctx, grad_out):
-        wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, token = ctx.saved_tensors
+        wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, token, *lora_tensors = ctx.saved_tensors
+        need = ctx.needs_input_grad
         H, H_kv, D = ctx.heads
         L, spec = ctx.L, ctx.spec
         rotation = _rotation(ctx.rope, position_ids, cos, sin)
@@ -128,14 +147,21 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         B = shape[0]
         acc = spec.acc_dtype
         grad_out = grad_out.to(dtype)
-        d_hidden = torch.empty(shape, dtype=dtype, device=grad_out.device)
+        d_hidden = torch.empty(shape, dtype=dtype, device=grad_out.device) if need[0] else None
         weights = (wq, wk, wv)
         biases = (bq, bk, bv)
+
+        def zeros(t, i):     # an accumulator for input i, or None (absent, or frozen)
+            return None if t is None or not need[i] else torch.zeros(t.shape, dtype=acc, device=t.device)
         # fp32 accumulators for the weight and bias gradients, summed over chunks
-        d_w = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in weights]
-        d_b = [None if b is None else torch.zeros(b.shape, dtype=acc, device=b.device) for b in biases]
+        d_w = [zeros(w, i) for w, i in zip(weights, (1, 3, 5))]
+        d_b = [zeros(b, i) for b, i in zip(biases, (2, 4, 6))]
         norms = (q_norm, k_norm)
-        d_n = [None if w is None else torch.zeros(w.shape, dtype=acc, device=w.device) for w in norms]
+        d_n = [zeros(w, i) for w, i in zip(norms, (15, 16))]
+        lora = ctx.lora
+        terms = lora.split(lora_tensors) if lora is not None else [[], [], []]
+        d_lora = accumulators(lora, lora_tensors, need[19:]) if lora is not None else []
+        d_terms = lora.split(d_lora) if lora is not None else [[], [], []]
         stash.prefetch(("T", 0))
 
         def grad_out_chunk(i):
@@ -150,7 +176,8 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 c, s = rotation(sl, acc)
                 dq, dk = apply_rotary_backward_(dq, c, s), apply_rotary_backward_(dk, c, s)  # ours to overwrite
             if q_norm is not None:   # through the per-head RMSNorm, from the recomputed pre-norm q/k
-                pre = (F.linear(T, wq, bq).view(B, L, H, D), F.linear(T, wk, bk).view(B, L, H_kv, D))
+                pre = (with_lora(F.linear(T, wq, bq), T, terms[0], ctx.seed, j).view(B, L, H, D),
+                       with_lora(F.linear(T, wk, bk), T, terms[1], ctx.seed, j).view(B, L, H_kv, D))
                 dq = _head_rms_norm_backward(dq, pre[0], q_norm, ctx.norm_eps, d_n[0])
                 dk = _head_rms_norm_backward(dk, pre[1], k_norm, ctx.norm_eps, d_n[1])
             T2 = T.reshape(B * L, -1)
@@ -158,19 +185,27 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             for n, g in enumerate((dq, dk, dv)):
                 g2 = g.reshape(B * L, -1)
                 g_c = g2.to(dtype)
-                d_w[n] += (g_c.t() @ T2).to(acc)
+                if d_w[n] is not None:
+                    d_w[n] += (g_c.t() @ T2).to(acc)
                 if d_b[n] is not None:
                     d_b[n] += g2.sum(0)
-                part = g_c @ weights[n]
-                d_T = part if d_T is None else d_T + part
-            d_hidden[:, sl] = d_T.view(B, L, -1)
+                if d_hidden is not None:
+                    part = g_c @ weights[n]
+                    d_T = part if d_T is None else d_T + part
+                if terms[n]:
+                    d_lo = lora_backward(T2, g2, terms[n], d_terms[n], ctx.seed, j, d_hidden is not None)
+                    if d_lo is not None:
+                        d_T = d_T + d_lo.to(dtype)
+            if d_hidden is not None:
+                d_hidden[:, sl] = d_T.view(B, L, -1)
 
         run_backward(spec, grad_out_chunk, deliver, stash)
-        out_w = [dw.to(w.dtype) for dw, w in zip(d_w, weights)]
-        out_b = [None if db is None else db.to(b.dtype) for db, b in zip(d_b, biases)]
-        out_n = [None if dn is None else dn.to(w.dtype) for dn, w in zip(d_n, norms)]
+        out_w = finish(d_w, weights)
+        out_b = finish(d_b, biases)
+        out_n = finish(d_n, norms)
         return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2],
-                None, None, None, None, None, None, None, None, out_n[0], out_n[1], None)
+                None, None, None, None, None, None, None, None, out_n[0], out_n[1], None,
+                None, *finish(d_lora, lora_tensors))
 
 
 def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -21,13 +21,17 @@ recomputed layer): parameter gradients accumulate into ``.grad`` exactly as with
 checkpointing. The layer's parameters are passed as inputs so the output requires grad
 even when ``x`` does not (e.g. frozen embeddings); when ``x`` requires grad they are left
 out, which keeps the Function compatible with ZeRO-3's partitioned parameters. Autocast state is captured in forward
-and restored for the recompute. There is no RNG state to restore: the model has no
-dropout (configs with dropout are refused).
+and restored for the recompute, and so is the random state (the default CPU generator, and
+the device's on CUDA): fpdt's own models have no dropout, but LoRA adapters in a
+Transformers model do (:mod:`fpdt.ops.lora` draws its masks' seed from the CPU generator),
+and the recompute must draw the masks the forward drew.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Hashable
+
+import contextlib
 
 import torch
 
@@ -54,6 +58,7 @@ class _LayerCheckpoint(torch.autograd.Function):
         ctx.free_output, ctx.on_device = free_output, on_device
         ctx.x_requires_grad = x.requires_grad
         ctx.autocast = _autocast_state(x.device.type)
+        ctx.rng = _rng_state(x.device)
         if stash is None or on_device:
             ctx.save_for_backward(x)
         else:
@@ -70,7 +75,8 @@ class _LayerCheckpoint(torch.autograd.Function):
             ctx.stash.prefetch(ctx.prev_key)  # overlaps this layer's recompute + backward
         x = x.detach().requires_grad_(ctx.x_requires_grad)
         device_type, enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
+                _replayed_rng(ctx.rng, x.device):
             y = ctx.run_fn(x)
         if ctx.free_output:  # backward needs y's graph, not its values: give its memory back now
             y.untyped_storage().resize_(0)
@@ -96,6 +102,22 @@ class _StashEntry:
             self.stash.discard(self.key, token=self.token)
         except Exception:   # interpreter shutdown
             pass
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The default CPU generator's state, and the device's on CUDA (host-side: no sync)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device):
+    """Run with the random state of :func:`_rng_state`, and put the current one back after."""
+    cpu, dev = state
+    with torch.random.fork_rng(devices=[device] if dev is not None else [], device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if dev is not None:
+            torch.cuda.set_rng_state(dev, device)
+        yield
 
 
 def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:

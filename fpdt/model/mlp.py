@@ -18,7 +18,10 @@ The price is one recomputation of the gate/up projections in backward.
 Nothing is written in place into a tensor autograd saved: the output and ``dx`` are
 fresh tensors, and in-place updates only touch this function's own temporaries.
 Weight-gradient accumulators are fp32 when the weights are lower precision (summing N
-chunk partials in bf16 would add N roundings), then cast back.
+chunk partials in bf16 would add N roundings), then cast back. A frozen weight gets none.
+
+LoRA adapters on the three projections (:mod:`fpdt.ops.lora`) run chunk by chunk with them:
+the down projection's adapters read the chunk's recomputed ``h``; nothing more is saved.
 
 ZeRO-3: the function reads the ``gate_proj/up_proj/down_proj`` weights directly instead
 of calling those modules. DeepSpeed's engine notices such reads during forward and
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fpdt.model.chunks import budget_chunks, chunk_bounds
+from fpdt.ops.lora import LoraAdapters, accumulators, finish, lora_backward, with_lora
 
 
 def default_mlp_chunks(hidden_size: int, intermediate_size: int, num_chunks: int = 1) -> int:
@@ -53,27 +57,36 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
     """SwiGLU over ``num_chunks`` token chunks with recompute in backward.
 
     Inputs: ``x`` ``[B, S, hidden]``; ``w_gate``, ``w_up`` ``[I, hidden]``; ``w_down``
-    ``[hidden, I]``; optional biases ``[I]``, ``[I]``, ``[hidden]``; ``num_chunks`` int.
+    ``[hidden, I]``; optional biases ``[I]``, ``[I]``, ``[hidden]``; ``num_chunks`` int; then
+    optionally a :class:`fpdt.ops.lora.LoraLayout` of the gate, up and down projections and
+    its tensors.
     Output: ``[B, S, hidden]`` in ``x.dtype``.
     Saved: ``x`` and the weights/biases (no intermediates; none offloaded).
     """
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, num_chunks: int):
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, num_chunks: int, lora=None, *lora_tensors):
         flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
         out = torch.empty(flat.shape[0], w_down.shape[0], dtype=x.dtype, device=x.device)
-        for s, e in chunk_bounds(flat.shape[0], num_chunks):
+        tg, tu, td = lora.split(lora_tensors) if lora is not None else ([], [], [])
+        seed = lora.draw_seed() if lora is not None else None
+        for k, (s, e) in enumerate(chunk_bounds(flat.shape[0], num_chunks)):
             xc = flat[s:e]
-            h = F.silu(F.linear(xc, w_gate, b_gate)) * F.linear(xc, w_up, b_up)   # [n, I]
-            out[s:e] = F.linear(h, w_down, b_down)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-        ctx.num_chunks = num_chunks
+            g = with_lora(F.linear(xc, w_gate, b_gate), xc, tg, seed, k)
+            h = F.silu(g) * with_lora(F.linear(xc, w_up, b_up), xc, tu, seed, k)   # [n, I]
+            out[s:e] = with_lora(F.linear(h, w_down, b_down), h, td, seed, k)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down, *lora_tensors)
+        ctx.num_chunks, ctx.lora, ctx.seed = num_chunks, lora, seed
         return out.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w_gate, w_up, w_down, b_gate, b_up, b_down = ctx.saved_tensors
+        x, w_gate, w_up, w_down, b_gate, b_up, b_down, *lora_tensors = ctx.saved_tensors
         need = ctx.needs_input_grad
+        lora, seed = ctx.lora, ctx.seed
+        tg, tu, td = lora.split(lora_tensors) if lora is not None else ([], [], [])
+        d_lora = accumulators(lora, lora_tensors, need[9:]) if lora is not None else []
+        acc_gate, acc_up, acc_down = lora.split(d_lora) if lora is not None else ([], [], [])
         flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
         gflat = grad_out.reshape(-1, grad_out.shape[-1])                    # [T, hidden]
 
@@ -88,18 +101,23 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         dx = torch.empty_like(flat) if need[0] else None
         # At most four [n, I] tensors live at a time (g, u or u*dh, a or du, and one of
         # a*u / dh / dg): products are formed in place wherever the input is dead after.
-        for s, e in chunk_bounds(flat.shape[0], ctx.num_chunks):
+        for k, (s, e) in enumerate(chunk_bounds(flat.shape[0], ctx.num_chunks)):
             xc, dy = flat[s:e], gflat[s:e]                                  # [n, hidden]
-            g = F.linear(xc, w_gate, b_gate)                                # [n, I]
-            u = F.linear(xc, w_up, b_up)
+            g = with_lora(F.linear(xc, w_gate, b_gate), xc, tg, seed, k)   # [n, I]
+            u = with_lora(F.linear(xc, w_up, b_up), xc, tu, seed, k)
             a = F.silu(g)
-            if dwd is not None:
-                au = a * u
-                dwd += (dy.t() @ au).to(dwd.dtype)                          # [hidden, I]
+            if dwd is not None or td:
+                au = a * u                                                  # h
+                if dwd is not None:
+                    dwd += (dy.t() @ au).to(dwd.dtype)                      # [hidden, I]
+                d_lo = lora_backward(au, dy, td, acc_down, seed, k, True) if td else None
                 del au
             if dbd is not None:
                 dbd += dy.sum(0, dtype=dbd.dtype)
             dh = dy @ w_down                                                # [n, I]
+            if td:
+                dh += d_lo.to(dh.dtype)
+                del d_lo
             u.mul_(dh)                                                      # dL/da = dh * u
             du = a.mul_(dh)                                                 # dL/du = dh * silu(g)
             del a, dh
@@ -109,6 +127,10 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                 dbu += du.sum(0, dtype=dbu.dtype)
             if dx is not None:
                 dx[s:e] = du @ w_up
+            if tu:
+                d_lo = lora_backward(xc, du, tu, acc_up, seed, k, dx is not None)
+                if d_lo is not None:
+                    dx[s:e] += d_lo.to(dx.dtype)
             del du
             dg = torch.ops.aten.silu_backward(u, g)                         # dL/dg, fused
             del u, g
@@ -118,11 +140,15 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                 dbg += dg.sum(0, dtype=dbg.dtype)
             if dx is not None:
                 dx[s:e] += dg @ w_gate
+            if tg:
+                d_lo = lora_backward(xc, dg, tg, acc_gate, seed, k, dx is not None)
+                if d_lo is not None:
+                    dx[s:e] += d_lo.to(dx.dtype)
             del dg
         cast = lambda g, w: None if g is None else g.to(w.dtype)  # noqa: E731
         return (None if dx is None else dx.view_as(x),
                 cast(dwg, w_gate), cast(dwu, w_up), cast(dwd, w_down),
-                cast(dbg, b_gate), cast(dbu, b_up), cast(dbd, b_down), None)
+                cast(dbg, b_gate), cast(dbu, b_up), cast(dbd, b_down), None, None, *finish(d_lora, lora_tensors))
 
 
 class ChunkedSwiGLU(nn.Module):
@@ -153,10 +179,17 @@ class ChunkedSwiGLU(nn.Module):
 
 
 def swiglu_of_linears(x: torch.Tensor, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
-                      num_chunks: int) -> torch.Tensor:
+                      num_chunks: int, adapters: LoraAdapters | None = None) -> torch.Tensor:
     """SwiGLU of three ``nn.Linear`` modules' weights and biases, read directly: over
-    ``num_chunks`` token chunks (:class:`ChunkedSwiGLUFunction`), or plain when 0."""
+    ``num_chunks`` token chunks (:class:`ChunkedSwiGLUFunction`), or plain when 0.
+    ``adapters``: LoRA terms of the gate, up and down projections (chunked only)."""
     args = (x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias, down_proj.bias)
     if num_chunks == 0:
+        if adapters is not None:
+            raise ValueError("LoRA adapters run inside the chunked MLP only: num_chunks must be >= 1")
         return swiglu_reference(*args)
-    return ChunkedSwiGLUFunction.apply(*args, num_chunks)
+    if adapters is None:
+        return ChunkedSwiGLUFunction.apply(*args, num_chunks)
+    if len(adapters.layout.terms) != 3:
+        raise ValueError(f"the MLP's LoRA layout must have 3 projections, got {len(adapters.layout.terms)}")
+    return ChunkedSwiGLUFunction.apply(*args, num_chunks, adapters.layout, *adapters.tensors)

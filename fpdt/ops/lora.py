@@ -1,0 +1,170 @@
+"""LoRA adapters on a linear projection, computed a chunk of tokens at a time inside fpdt's
+chunked functions (the q/k/v projections of :mod:`fpdt.attention.projected_attention`, the
+SwiGLU MLP of :mod:`fpdt.model.mlp`), which read their weights directly.
+
+One adapter (PEFT's plain LoRA on an ``nn.Linear``) adds to the base projection
+
+    delta(x) = (dropout(x) A^T B^T + b) * scaling        A [r, in], B [out, r], b [out] or None
+
+in the adapters' dtype (``x`` is cast to it first); the sum ``base + delta_1 + ...`` is cast
+back to the base output's dtype, as PEFT does when the adapters are fp32 on a bf16 model.
+With ``z = dropout(x) A^T`` and ``g = dy * scaling``, the backward is
+
+    dB += g^T z        db += sum(g)        dz = g B        dA += dz^T dropout(x)
+    dx += (dz A) * mask / (1 - p)
+
+Dropout: nothing is saved for backward. The masks of one function call come from one seed,
+drawn from torch's default CPU generator when the call's forward runs, and are regenerated
+per ``(seed, stream, chunk)`` in backward; a checkpoint that replays the default generator
+(torch's, and fpdt's own :mod:`fpdt.model.checkpointing`) replays the masks with it. The
+masks are not PEFT's (those are drawn for the whole sequence at once), but are drawn the same
+way: keep with probability ``1 - p``, then scale by ``1 / (1 - p)``.
+
+What the chunked functions take: a :class:`LoraLayout` (which terms each projection has, and
+their probabilities and scalings), with the terms' tensors as trailing inputs of the
+function, three per term ``(A, B, b)`` in layout order, so that autograd returns their
+gradients (accumulated over chunks in fp32 for low-precision adapters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+TENSORS_PER_TERM = 3     # A, B, B's bias (or None)
+
+
+@dataclass(frozen=True)
+class LoraTerm:
+    """One adapter on one projection: ``scaling`` and the dropout probability in effect
+    (0 when its dropout module is in eval mode); ``stream`` tells its dropout masks apart from
+    those of the other terms of the same function call."""
+    scaling: float
+    dropout: float
+    stream: int
+
+    def __post_init__(self):
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout probability {self.dropout} must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """The LoRA terms of each projection of one chunked function (``terms[n]``: projection
+    ``n``'s, maybe none). Their tensors follow the function's other inputs, in this order."""
+    terms: tuple[tuple[LoraTerm, ...], ...]
+
+    @property
+    def num_tensors(self) -> int:
+        return TENSORS_PER_TERM * sum(len(t) for t in self.terms)
+
+    def split(self, tensors: Sequence) -> list[list[tuple]]:
+        """``tensors`` (``num_tensors`` of anything: tensors, gradients, accumulators) grouped
+        per projection and term: ``[[(term, A, B, b), ...], ...]``."""
+        if len(tensors) != self.num_tensors:
+            raise ValueError(f"LoRA layout has {self.num_tensors} tensors, got {len(tensors)}")
+        it = iter(tensors)
+        return [[(term, next(it), next(it), next(it)) for term in terms] for terms in self.terms]
+
+    def draw_seed(self) -> int | None:
+        """The dropout seed of one call (from the default CPU generator), or None without dropout."""
+        if not any(t.dropout for terms in self.terms for t in terms):
+            return None
+        return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+
+
+@dataclass
+class LoraAdapters:
+    """A layout and its tensors: what a caller hands to a chunked function."""
+    layout: LoraLayout
+    tensors: tuple[torch.Tensor | None, ...]
+
+    def __post_init__(self):
+        self.layout.split(self.tensors)        # checks the count
+
+    def requires_grad(self) -> bool:
+        return any(t is not None and t.requires_grad for t in self.tensors)
+
+
+def keep_scale(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: float, seed: int, stream: int,
+               chunk: int) -> torch.Tensor:
+    """Dropout's multiplier for one chunk: 0 with probability ``p``, else ``1 / (1 - p)``;
+    the same on every call with the same ``(seed, stream, chunk)``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + stream * 10_007 + chunk) % (2 ** 63))
+    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - p, generator=gen).div_(1.0 - p)
+
+
+def _dropped(x: torch.Tensor, term: LoraTerm, seed: int | None, chunk: int):
+    """``(dropout(x), the multiplier or None)`` with ``x`` already in the adapters' dtype."""
+    if not term.dropout:
+        return x, None
+    scale = keep_scale(x.shape, x.dtype, x.device, term.dropout, seed, term.stream, chunk)
+    return x * scale, scale
+
+
+def with_lora(base: torch.Tensor, x: torch.Tensor, terms: list[tuple], seed: int | None, chunk: int) -> torch.Tensor:
+    """``base`` (the base projection of ``x`` ``[..., in]``) plus each term's delta, in
+    the base output's dtype. ``terms``: ``[(term, A, B, b), ...]`` of one projection."""
+    if not terms:
+        return base
+    out = base
+    for term, a, b, bias in terms:
+        xd, _ = _dropped(x.to(a.dtype), term, seed, chunk)
+        out = out + F.linear(F.linear(xd, a), b, bias) * term.scaling
+    return out.to(base.dtype)
+
+
+def accumulators(layout: LoraLayout, tensors: Sequence, needs: Sequence[bool]) -> list[torch.Tensor | None]:
+    """Zeroed gradient accumulators for the trailing tensors (fp32 for 16-bit tensors; None
+    where the tensor is None or needs no gradient); ``needs``: ``needs_input_grad`` of them."""
+    def acc(t, need):
+        if t is None or not need:
+            return None
+        dtype = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+        return torch.zeros(t.shape, dtype=dtype, device=t.device)
+    layout.split(tensors)
+    return [acc(t, n) for t, n in zip(tensors, needs)]
+
+
+def finish(accs: Sequence, tensors: Sequence) -> tuple:
+    """The accumulators cast back to their tensors' dtypes (the gradients to return)."""
+    return tuple(None if a is None else a.to(t.dtype) for a, t in zip(accs, tensors))
+
+
+def lora_backward(x: torch.Tensor, dy: torch.Tensor, terms: list[tuple], accs: list[tuple], seed: int | None,
+                  chunk: int, need_dx: bool) -> torch.Tensor | None:
+    """Back through one projection's terms for one chunk: ``x`` ``[..., in]`` its input,
+    ``dy`` ``[..., out]`` the gradient of its output; adds to ``accs`` (``[(term, dA, dB, db),
+    ...]`` matching ``terms``, entries None where not needed) and returns the terms' share of
+    ``dx`` (fp32, or the adapters' dtype if wider), or None (no terms, or ``need_dx`` False)."""
+    dx = None
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    for (term, a, b, _), (_, da, db, dbias) in zip(terms, accs):
+        xd, scale = _dropped(x2.to(a.dtype), term, seed, chunk)
+        g = dy2.to(a.dtype) * term.scaling                       # [n, out]
+        if db is not None:
+            db += (g.t() @ F.linear(xd, a)).to(db.dtype)         # [out, r]
+        if dbias is not None:
+            dbias += g.sum(0, dtype=dbias.dtype)
+        dz = g @ b                                               # [n, r]
+        if da is not None:
+            da += (dz.t() @ xd).to(da.dtype)                     # [r, in]
+        if need_dx:
+            part = dz @ a                                        # [n, in]
+            if scale is not None:
+                part.mul_(scale)
+            part = part.to(torch.promote_types(part.dtype, torch.float32))
+            dx = part if dx is None else dx + part
+    return None if dx is None else dx.view(*x.shape[:-1], x.shape[-1])
+
+
+def flat_terms(per_projection: list[list[tuple]]) -> Iterator[torch.Tensor | None]:
+    """The tensors of ``[[(term, A, B, b), ...], ...]`` in layout order (inverse of ``split``)."""
+    for terms in per_projection:
+        for _, a, b, bias in terms:
+            yield from (a, b, bias)
