@@ -209,12 +209,14 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
 
 
 def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                            d_weight: torch.Tensor) -> torch.Tensor:
+                            d_weight: torch.Tensor | None) -> torch.Tensor:
     """Gradient of the per-head RMSNorm ``rms_norm_reference(x, weight, eps)`` (over each head's
-    ``D``) w.r.t. ``x``, in fp32; adds the weight's gradient to the fp32 accumulator ``d_weight``."""
+    ``D``) w.r.t. ``x``, in fp32; adds the weight's gradient to the fp32 accumulator ``d_weight``
+    (None: a frozen weight)."""
     x_hat, rstd = normalised(x, eps)
     dy = dy.float()
-    d_weight += weight_grad(dy, x_hat, x.dtype)
+    if d_weight is not None:
+        d_weight += weight_grad(dy, x_hat, x.dtype)
     return input_grad_(dy * weight.float(), x_hat, rstd)
 
 

@@ -35,6 +35,8 @@ import torch.distributed as dist
 from fpdt.attention import fpdt_attention
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.comm import SequenceMesh
+from fpdt.hf.adapters import Projections, read_projections
+from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import TrainerGroup, resolve_group
 
 _names = itertools.count()
@@ -61,10 +63,6 @@ class AttentionSettings:
             raise ValueError(f"num_chunks={self.num_chunks} must be >= 1")
         if self.mesh is not None and self.group is not None:
             raise ValueError("pass either group= (plain Ulysses) or mesh= (hp x cp), not both")
-
-
-class FPDTHFError(ValueError):
-    """A Transformers input or setting that the FPDT attention cannot honour."""
 
 
 def _refuse_unhonoured(module: torch.nn.Module, name: str, attention_mask, dropout: float,
@@ -151,10 +149,12 @@ def _qk_norm(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float
     return q.weight, k.weight, q.variance_epsilon
 
 
-def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[torch.Tensor, torch.Tensor, float] | None]:
+def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[torch.Tensor, torch.Tensor, float] | None,
+                                                      Projections]:
     """Refuse, naming the fix, an attention module whose forward the chunked one would change;
-    else return what that forward needs besides the projections: the sliding window the
-    module's own forward would pass, and Qwen3's q/k norm (:func:`_qk_norm`)."""
+    else return what that forward needs: the sliding window the module's own forward would
+    pass, Qwen3's q/k norm (:func:`_qk_norm`), and the q/k/v projections (plain linears, or
+    PEFT LoRA layers: :mod:`fpdt.hf.adapters`)."""
     kind = type(module).__name__
     known = _chunked_qkv_classes()
     if type(module) not in known:
@@ -162,13 +162,9 @@ def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[torch.
         raise FPDTHFError(f"the chunked q/k/v projection replaces the attention forward of {names} only; "
                           f"{type(module).__module__}.{kind} may compute something else around it (q/k norms, "
                           f"fused projections, ...): apply_fpdt(..., chunked_qkv=False)")
-    projections = [getattr(module, n) for n in ("q_proj", "k_proj", "v_proj")]
-    if not plain_linears(*projections):
-        kinds = ", ".join(type(p).__name__ for p in projections)
-        raise FPDTHFError(f"the chunked q/k/v projection reads q_proj/k_proj/v_proj's weights directly, and "
-                          f"{kind}'s are {kinds} (an adapter or quantised layer), whose extra computation it would "
-                          f"skip: apply_fpdt(..., chunked_qkv=False)")
-    return known[type(module)](module), _qk_norm(module)
+    projections = read_projections({n: getattr(module, n) for n in ("q_proj", "k_proj", "v_proj")}, kind,
+                                   "apply_fpdt(..., chunked_qkv=False)")
+    return known[type(module)](module), _qk_norm(module), projections
 
 
 def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
@@ -180,7 +176,7 @@ def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
-        window, qk_norm = check_chunked_qkv(self)     # again: an adapter may have been added since
+        window, qk_norm, proj = check_chunked_qkv(self)     # again: an adapter may have been added since
         if past_key_values is not None:
             raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
                               "past_key_values")
@@ -192,13 +188,13 @@ def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
         cos, sin = position_embeddings
         B, S_local, _ = hidden_states.shape
         H, H_kv = self.config.num_attention_heads, self.config.num_key_value_heads
-        out = projected_fpdt_attention(hidden_states, self.q_proj, self.k_proj, self.v_proj,
+        out = projected_fpdt_attention(hidden_states, *proj.bases,
                                        heads=(H, H_kv, self.head_dim), cos=cos, sin=sin,
                                        group=resolve_group(settings.group),
                                        mesh=settings.mesh, num_chunks=settings.num_chunks,
                                        offload=settings.offload, backend=settings.backend,
                                        softmax_scale=self.scaling, label=f"layer {self.layer_idx}",
-                                       qk_norm=qk_norm)
+                                       qk_norm=qk_norm, adapters=proj.adapters)
         return self.o_proj(out.reshape(B, S_local, H * self.head_dim)), None
 
     return forward

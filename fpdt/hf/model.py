@@ -19,8 +19,11 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
   the attention's saved chunks are freed with the checkpointed region
   (:mod:`fpdt.attention.saved_stash`).
 * **ZeRO-3**: when DeepSpeed is installed, the weights those chunked functions read
-  without calling their ``nn.Linear`` are registered as external parameters of the module
-  that reads them, so ZeRO-3 gathers them there;
+  without calling their ``nn.Linear`` (and the LoRA adapters' weights) are registered as
+  external parameters of the module that reads them, so ZeRO-3 gathers them there;
+* **LoRA** (PEFT): LoRA layers on the q/k/v and MLP projections are computed inside the
+  chunked functions (:mod:`fpdt.hf.adapters`, :mod:`fpdt.ops.lora`); the frozen base weights
+  get no gradient computation at all;
 * **RMSNorm** (``lean_norms``): the models' RMSNorms run :func:`fpdt.model.rmsnorm.rms_norm`
   (same numerics; saves the input and one fp32 scale per token instead of Transformers'
   fp32 copy of the input and copy of the normalised output);
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import types
 from dataclasses import dataclass
 
@@ -60,6 +64,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
                                plain_linears, register_settings)
+from fpdt.hf.adapters import read_parameters, read_projections
 from fpdt.hf.groups import TrainerGroup, resolve_group
 from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
@@ -130,6 +135,14 @@ def _rank_size(group: dist.ProcessGroup | TrainerGroup | None, mesh: SequenceMes
     return group_rank(group), group_size(group)
 
 
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` inside a PEFT model (``PeftModel`` -> ``LoraModel`` -> it), or ``model``."""
+    peft_model = sys.modules.get("peft.peft_model")
+    if peft_model is not None and isinstance(model, peft_model.PeftModel):
+        return model.get_base_model()
+    return model
+
+
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     decoder = getattr(model, "model", None)
     layers = getattr(decoder, "layers", None)
@@ -178,11 +191,9 @@ def _global_rope_forward(settings: "HFSettings"):
 
 def _chunked_mlp_forward(num_chunks: int):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not plain_linears(self.gate_proj, self.up_proj, self.down_proj):
-            raise FPDTHFError(f"the chunked MLP reads gate_proj/up_proj/down_proj's weights directly, and this "
-                              f"MLP's are {type(self.gate_proj).__name__} (an adapter or quantised layer), whose "
-                              f"extra computation it would skip: apply_fpdt(..., mlp_chunks=0)")
-        return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, num_chunks)
+        proj = read_projections({n: getattr(self, n) for n in ("gate_proj", "up_proj", "down_proj")},
+                                type(self).__name__, "apply_fpdt(..., mlp_chunks=0)")
+        return swiglu_of_linears(x, *proj.bases, num_chunks, adapters=proj.adapters)
     return forward
 
 
@@ -365,7 +376,7 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
 
     def register(owner: nn.Module, names: tuple[str, ...]) -> None:
         for sub in filter(None, (getattr(owner, n, None) for n in names)):
-            for p in sub.parameters(recurse=False):
+            for p in read_parameters(sub):          # with PEFT: the base layer's and the adapters'
                 register_external_parameter(owner, p)
 
     for layer in layers:
@@ -386,10 +397,14 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
 
     Args:
         model: a ``*ForCausalLM`` whose attention uses Transformers' ``AttentionInterface``
-            (Llama, Qwen2, Mistral, ...), built normally or under ``deepspeed.zero.Init``;
-            call this before ``deepspeed.initialize``. Adapters (PEFT/LoRA) or quantised
-            layers on the MLP projections or the LM head need ``mlp_chunks=0`` /
-            ``loss_chunks=0`` (the chunked functions read plain weights; others are refused).
+            (Llama, Qwen2, Mistral, ...), built normally or under ``deepspeed.zero.Init``, or
+            a PEFT model around one (returned as given); call this before
+            ``deepspeed.initialize`` and after ``peft.get_peft_model`` (so that ZeRO-3 gathers
+            the adapters where the chunked functions read them). PEFT's plain LoRA layers on
+            the q/k/v and MLP projections run inside the chunked functions
+            (:mod:`fpdt.hf.adapters`; dropout masks are fpdt's); other adapters (DoRA, ...)
+            or quantised layers there need ``chunked_qkv=False`` / ``mlp_chunks=0``, and any
+            adapter on the LM head ``loss_chunks=0`` (each refused with its fix).
         group / mesh: the sequence-parallel group (None: the default group, or no
             parallelism without torch.distributed), or a 2D :class:`fpdt.comm.SequenceMesh`.
             ``group="trainer"``: for Hugging Face's ``Trainer`` with sequence parallelism
@@ -416,9 +431,10 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
             fetched one layer ahead in backward, as FPDT does. Not together with Transformers'.
         chunked_qkv: run each layer's q/k/v projections and RoPE chunk by chunk inside the
             FPDT attention, as :class:`fpdt.model.FPDTForCausalLM` does, so the layer's
-            full-length local q/k/v never exist (Llama, Mistral, Qwen2, Qwen3 attention; adapters or
-            quantised q/k/v projections and other attention classes need ``chunked_qkv=False``,
-            which keeps Transformers' projections and calls FPDT attention on their output).
+            full-length local q/k/v never exist (Llama, Mistral, Qwen2, Qwen3 attention, with
+            plain or PEFT LoRA projections; other adapters, quantised q/k/v projections and other
+            attention classes need ``chunked_qkv=False``, which keeps Transformers' projections
+            and calls FPDT attention on their output).
         lean_norms: run the RMSNorms (Llama, Mistral, Qwen2, Qwen3 classes) with fpdt's
             RMSNorm (:mod:`fpdt.model.rmsnorm`), which saves the input and an fp32 scale per
             token instead of Transformers' fp32 copies, over ``2 u`` token chunks; same
@@ -431,6 +447,7 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
     ``.logits`` is None. Without labels the model returns logits of this rank's tokens.
     Without sequence parallelism ``labels=`` (unshifted, as in Transformers) works too.
     """
+    outer, model = model, _causal_lm(model)
     if getattr(model, "fpdt", None) is not None:
         raise FPDTHFError("apply_fpdt was already applied to this model")
     if checkpointing not in CHECKPOINT_MODES:
@@ -498,7 +515,7 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
     if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
         rotary.forward = types.MethodType(_global_rope_forward(model.fpdt), rotary)
     _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv))
-    return model
+    return outer
 
 
 def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,

@@ -360,7 +360,7 @@ def test_adapters_on_the_chunked_weights_are_refused():
     model = _patched(num_chunks=2)
     mlp = model.model.layers[0].mlp
     mlp.gate_proj = _Adapter(mlp.gate_proj.in_features, mlp.gate_proj.out_features, bias=False)
-    with pytest.raises(fpdt.hf.FPDTHFError, match="Adapter .*mlp_chunks=0"):
+    with pytest.raises(fpdt.hf.FPDTHFError, match="_Adapter, Linear, Linear .*mlp_chunks=0"):
         model(input_ids=ids, labels=labels)
     model = _patched(num_chunks=2)
     model.lm_head = _Adapter(model.lm_head.in_features, model.lm_head.out_features, bias=False)
