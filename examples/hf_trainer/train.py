@@ -17,6 +17,10 @@ All ranks form one sequence-parallel group (``--sp``, default: every rank); each
 (data parallelism over them; on the CPU this needs a torch whose gloo all-gather backward
 works on a subgroup, pytorch/pytorch#120213, which the Trainer's loss aggregation uses);
 ``--sp 1`` is data parallelism alone, FPDT's chunking and offload within each rank.
+
+``--lora-rank R`` fine-tunes LoRA adapters (PEFT) on every linear of the decoder layers instead
+of the whole model: ``get_peft_model`` before ``apply_fpdt``, which then runs the adapters on
+the q/k/v and MLP projections inside its chunked functions.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim name")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (PEFT); 0: full fine-tuning")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: twice the rank)")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--deepspeed", default=os.path.join(HERE, "ds_zero3.json"), help="DeepSpeed JSON")
     p.add_argument("--output-dir", default=os.path.join("runs", "hf_trainer"))
     p.add_argument("--seed", type=int, default=0)
@@ -96,9 +103,24 @@ def build_trainer(args):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
+    if args.lora_rank:
+        model = with_lora(model, args)
     fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=args.chunks, offload=args.offload,   # fpdt
                        checkpointing="offload" if args.offload else "on")
     return Trainer(model=model, args=training, train_dataset=token_windows(args, model.config.eos_token_id))
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(model, args):
+    """``model`` with PEFT LoRA adapters (seeded by ``--seed``) on every linear of its decoder layers."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(args.seed)
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+                        lora_dropout=args.lora_dropout, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 def main(argv=None) -> list[float]:

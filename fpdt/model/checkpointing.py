@@ -18,9 +18,9 @@ Modes (``checkpointing=`` option of the model):
 
 The function is "reentrant" (backward calls ``torch.autograd.backward`` on the
 recomputed layer): parameter gradients accumulate into ``.grad`` exactly as without
-checkpointing. The layer's parameters are passed as inputs so the output requires grad
-even when ``x`` does not (e.g. frozen embeddings); when ``x`` requires grad they are left
-out, which keeps the Function compatible with ZeRO-3's partitioned parameters. Autocast state is captured in forward
+checkpointing. When ``x`` does not require grad (e.g. frozen embeddings) an empty leaf that
+does is passed along, so the output requires grad; the parameters themselves never are
+(ZeRO-3 has them partitioned at that point). Autocast state is captured in forward
 and restored for the recompute, and so is the random state (the default CPU generator, and
 the device's on CUDA): fpdt's own models have no dropout, but LoRA adapters in a
 Transformers model do (:mod:`fpdt.ops.lora` draws its masks' seed from the CPU generator),
@@ -46,14 +46,14 @@ class _LayerCheckpoint(torch.autograd.Function):
     Inputs: ``run_fn`` (x -> y, same shape), ``stash`` (HostStash or None), ``key`` and
     ``prev_key`` (stash keys of this layer's and the previous layer's input),
     ``free_output`` (see :func:`checkpointed`), ``on_device`` (keep ``x`` on the device even
-    with a stash), ``x`` ``[B, S_local, hidden]``, then the layer's parameters (for graph
-    connectivity only).
+    with a stash), ``x`` ``[B, S_local, hidden]``, then, when ``x`` does not require grad,
+    an empty leaf that does (graph connectivity only; it gets no gradient).
     Saved: ``x`` -- in ``ctx`` when ``stash`` is None or ``on_device``, else offloaded to
     host under ``key``. With a stash, backward starts the fetch of ``prev_key`` either way.
     """
 
     @staticmethod
-    def forward(ctx, run_fn, stash, key, prev_key, free_output, on_device, x, *params):
+    def forward(ctx, run_fn, stash, key, prev_key, free_output, on_device, x, *anchor):
         ctx.run_fn, ctx.stash, ctx.key, ctx.prev_key = run_fn, stash, key, prev_key
         ctx.free_output, ctx.on_device = free_output, on_device
         ctx.x_requires_grad = x.requires_grad
@@ -81,8 +81,8 @@ class _LayerCheckpoint(torch.autograd.Function):
         if ctx.free_output:  # backward needs y's graph, not its values: give its memory back now
             y.untyped_storage().resize_(0)
         torch.autograd.backward(y, grad_y)
-        n_params = len(ctx.needs_input_grad) - 7
-        return (None, None, None, None, None, None, x.grad if ctx.x_requires_grad else None) + (None,) * n_params
+        return (None, None, None, None, None, None, x.grad if ctx.x_requires_grad else None) + \
+            (None,) * (len(ctx.needs_input_grad) - 7)
 
 
 class _StashEntry:
@@ -147,9 +147,9 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     """
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         return run_fn(x)  # no backward will come: nothing to keep
-    # The parameters are passed as inputs only when x does not require grad (frozen
-    # embeddings), to connect the output to the graph. Otherwise they stay out: ZeRO-3
-    # hands the Function partitioned (empty) parameters, and autograd would then reject
-    # the full-shape gradients of the recomputed layer.
-    anchors = [] if x.requires_grad else [p for p in params if p.requires_grad]
+    # When x does not require grad (frozen embeddings, as under LoRA), a throwaway leaf that
+    # does connects the output to the graph. Not the parameters: under ZeRO-3 they are
+    # partitioned (empty) here, and the gradient accumulator autograd would create for them now
+    # would reject the full-shape gradients of the recomputed layer.
+    anchors = [] if x.requires_grad else [torch.empty(0, device=x.device, requires_grad=True)]
     return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, free_output, on_device, x, *anchors)

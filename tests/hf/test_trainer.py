@@ -55,8 +55,8 @@ def _save_model(tmp: str) -> str:
     return path
 
 
-def _argv(tmp: str, chunks: int, sp: int, grad_accum: int) -> list[str]:
-    return ["--model", os.path.join(tmp, "model"),
+def _argv(tmp: str, chunks: int, sp: int, grad_accum: int, lora: int = 0) -> list[str]:
+    return ["--lora-rank", str(lora),"--model", os.path.join(tmp, "model"),
             "--tokenizer", os.path.join(ROOT, "examples", "tiny-llama", "tokenizer.json"),
             "--data", os.path.join(ROOT, "examples", "data", "jargon-file-4.4.7.txt"),
             "--seq-len", str(SEQ_LEN), "--chunks", str(chunks), "--steps", str(STEPS), "--sp", str(sp),
@@ -71,7 +71,7 @@ def _labels(input_ids: torch.Tensor, prompt: bool) -> torch.Tensor:
     return labels
 
 
-def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out):
+def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out, lora=0):
     import torch.distributed as dist
 
     for k, v in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", world)):
@@ -79,8 +79,12 @@ def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out):
     if 1 < sp < world:      # the Trainer's loss aggregation all-gathers over a subgroup: see _GroupAllGather
         import torch.distributed.nn.functional as differentiable
         differentiable.all_gather = lambda tensor, group=None: _GroupAllGather.apply(tensor, group)
-    trainer = _example().build_trainer(_example().parse_args(_argv(tmp, chunks, sp, grad_accum)))
-    assert all(hasattr(p, "ds_id") for p in trainer.model.parameters())    # loaded partitioned (zero.Init)
+    trainer = _example().build_trainer(_example().parse_args(_argv(tmp, chunks, sp, grad_accum, lora)))
+    # loaded partitioned (zero.Init); PEFT's adapters, made after loading, are partitioned when training starts
+    assert all(hasattr(p, "ds_id") for n, p in trainer.model.named_parameters() if "lora_" not in n)
+    if lora:
+        assert {n for n, p in trainer.model.named_parameters() if p.requires_grad} and \
+            all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
     for item in trainer.train_dataset:
         item["labels"] = _labels(item["input_ids"], prompt)
     batches = []
@@ -99,14 +103,18 @@ def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out):
             json.dump({"losses": losses, "steps": steps}, f)
 
 
-def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool) -> list[float]:
-    """Single-process Transformers and SGD: each step on the mean of its windows' losses (every
-    window has the same number of valid labels, so this is also the token mean over the step)."""
+def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool, lora: int = 0) -> list[float]:
+    """Single-process Transformers (with the example's PEFT adapters when ``lora``) and SGD: each
+    step on the mean of its windows' losses (every window has the same number of valid labels,
+    so this is also the token mean over the step)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "model"), dtype=torch.float32)
+    if lora:
+        mod = _example()
+        model = mod.with_lora(model, mod.parse_args(_argv(tmp, 1, 1, 1, lora)))
     model.train()
-    sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD_LR)
     losses = []
     for windows in steps:
         sgd.zero_grad()
@@ -121,23 +129,25 @@ def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool) -> list[flo
     return losses
 
 
-@pytest.mark.parametrize("world,chunks,prompt,sp,grad_accum", [
-    (2, 2, True, 2, 2), (2, 2, True, 1, 1), pytest.param(4, 2, True, 2, 1, marks=pytest.mark.slow)],
-    ids=["sp2-u2-prompt-masked-accum2", "dp2-u2-prompt-masked", "sp2xdp2-u2-prompt-masked"])
-def test_trainer_matches_single_process_transformers(tmp_path, world, chunks, prompt, sp, grad_accum):
+@pytest.mark.parametrize("world,chunks,prompt,sp,grad_accum,lora", [
+    (2, 2, True, 2, 2, 0), (2, 2, True, 1, 1, 0), pytest.param(4, 2, True, 2, 1, 0, marks=pytest.mark.slow),
+    (2, 2, True, 2, 1, 4)],
+    ids=["sp2-u2-prompt-masked-accum2", "dp2-u2-prompt-masked", "sp2xdp2-u2-prompt-masked", "sp2-u2-lora"])
+def test_trainer_matches_single_process_transformers(tmp_path, world, chunks, prompt, sp, grad_accum, lora):
     """One SP group of 2 (with gradient accumulation); data parallelism alone (no SP group: each
-    rank runs FPDT's chunked layers on its own windows); 2 SP groups x 2-way data parallelism."""
+    rank runs FPDT's chunked layers on its own windows); 2 SP groups x 2-way data parallelism;
+    PEFT LoRA adapters on one SP group of 2 (against single-process PEFT)."""
     tmp = str(tmp_path)
     _save_model(tmp)
     out = os.path.join(tmp, "result.json")
-    run_distributed(_rank, world, args=(tmp, chunks, prompt, sp, grad_accum, out), timeout=300)
+    run_distributed(_rank, world, args=(tmp, chunks, prompt, sp, grad_accum, out, lora), timeout=300)
     with open(out) as f:
         got = json.load(f)
     assert len(got["losses"]) == STEPS and len(got["steps"]) == STEPS
     assert all(len(w) == grad_accum * world // sp for w in got["steps"])  # windows accumulated, or one per DP group
     windows = [w for step in got["steps"] for w in step]
     assert len({tuple(w) for w in windows}) > 1                   # both ranks' batches were trained on
-    want = _reference(tmp, got["steps"], prompt)
+    want = _reference(tmp, got["steps"], prompt, lora)
     for step, (g, w) in enumerate(zip(got["losses"], want)):
         assert abs(g - w) <= RTOL * abs(w), f"step {step + 1}: {g} vs single-process {w}"
 
