@@ -195,7 +195,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 if terms[n]:
                     d_lo = lora_backward(T2, g2, terms[n], d_terms[n], ctx.seed, j, d_hidden is not None)
                     if d_lo is not None:
-                        d_T = d_T + d_lo.to(dtype)
+                        d_T.add_(d_lo)          # d_T: this step's own sum
             if d_hidden is not None:
                 d_hidden[:, sl] = d_T.view(B, L, -1)
 

@@ -85,6 +85,21 @@ def read_projections(modules: dict[str, nn.Module], owner: str, fix: str) -> Pro
     return Projections(bases, adapters)
 
 
+def lean_lora(module: nn.Module, owner: str) -> Projections | None:
+    """``module`` as a base linear and its LoRA terms if it is a PEFT LoRA layer whose terms
+    fpdt computes (then the caller computes it with :func:`fpdt.ops.lora.lora_linear`, which
+    keeps less for backward than PEFT's forward); None for anything else, which the caller
+    runs as a module (its own forward)."""
+    lora_linear = _peft_lora_linear()
+    if lora_linear is None or type(module) is not lora_linear:
+        return None
+    try:
+        proj = read_projections({"o_proj": module}, owner, "")
+    except FPDTHFError:            # a LoRA variant, a quantised base, ...: PEFT's own forward
+        return None
+    return proj if proj.adapters is not None else None
+
+
 def read_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Every parameter a chunked function may read from ``module`` (a projection or norm; its
     base layer's and its adapters' with PEFT), for ZeRO-3's external-parameter registration."""

@@ -35,9 +35,10 @@ import torch.distributed as dist
 from fpdt.attention import fpdt_attention
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.comm import SequenceMesh
-from fpdt.hf.adapters import Projections, read_projections
+from fpdt.hf.adapters import Projections, lean_lora, read_projections
 from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import TrainerGroup, resolve_group
+from fpdt.ops.lora import lora_linear
 
 _names = itertools.count()
 
@@ -195,7 +196,13 @@ def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
                                        offload=settings.offload, backend=settings.backend,
                                        softmax_scale=self.scaling, label=f"layer {self.layer_idx}",
                                        qk_norm=qk_norm, adapters=proj.adapters)
-        return self.o_proj(out.reshape(B, S_local, H * self.head_dim)), None
+        out = out.reshape(B, S_local, H * self.head_dim)
+        lean = lean_lora(self.o_proj, type(self).__name__)
+        if lean is None:
+            return self.o_proj(out), None
+        # a PEFT LoRA o_proj: its terms over 2u token chunks, saving only the attention output
+        base = lean.bases[0]
+        return lora_linear(out, base.weight, base.bias, lean.adapters, 2 * settings.num_chunks), None
 
     return forward
 

@@ -64,7 +64,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
                                plain_linears, register_settings)
-from fpdt.hf.adapters import read_parameters, read_projections
+from fpdt.hf.adapters import lean_lora, read_parameters, read_projections
 from fpdt.hf.groups import TrainerGroup, resolve_group
 from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
@@ -382,6 +382,8 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
     for layer in layers:
         if qkv_chunked:
             register(layer.self_attn, ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))   # q/k norms: Qwen3
+            if lean_lora(layer.self_attn.o_proj, "") is not None:   # read directly too (a PEFT LoRA o_proj)
+                register(layer.self_attn, ("o_proj",))
         if mlp_chunked:
             register(layer.mlp, ("gate_proj", "up_proj", "down_proj"))
     if loss_chunked:

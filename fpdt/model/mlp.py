@@ -116,7 +116,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                 dbd += dy.sum(0, dtype=dbd.dtype)
             dh = dy @ w_down                                                # [n, I]
             if td:
-                dh += d_lo.to(dh.dtype)
+                dh.add_(d_lo)
                 del d_lo
             u.mul_(dh)                                                      # dL/da = dh * u
             du = a.mul_(dh)                                                 # dL/du = dh * silu(g)
@@ -130,7 +130,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
             if tu:
                 d_lo = lora_backward(xc, du, tu, acc_up, seed, k, dx is not None)
                 if d_lo is not None:
-                    dx[s:e] += d_lo.to(dx.dtype)
+                    dx[s:e].add_(d_lo)
             del du
             dg = torch.ops.aten.silu_backward(u, g)                         # dL/dg, fused
             del u, g
@@ -143,7 +143,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
             if tg:
                 d_lo = lora_backward(xc, dg, tg, acc_gate, seed, k, dx is not None)
                 if d_lo is not None:
-                    dx[s:e] += d_lo.to(dx.dtype)
+                    dx[s:e].add_(d_lo)
             del dg
         cast = lambda g, w: None if g is None else g.to(w.dtype)  # noqa: E731
         return (None if dx is None else dx.view_as(x),

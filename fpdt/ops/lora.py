@@ -89,21 +89,27 @@ class LoraAdapters:
         return any(t is not None and t.requires_grad for t in self.tensors)
 
 
-def keep_scale(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: float, seed: int, stream: int,
-               chunk: int) -> torch.Tensor:
-    """Dropout's multiplier for one chunk: 0 with probability ``p``, else ``1 / (1 - p)``;
-    the same on every call with the same ``(seed, stream, chunk)``."""
+def drop_mask(shape: torch.Size, device: torch.device, p: float, seed: int, stream: int, chunk: int) -> torch.Tensor:
+    """Dropout's mask for one chunk (bool, True = dropped, with probability ``p``); the same on
+    every call with the same ``(seed, stream, chunk)``."""
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + stream * 10_007 + chunk) % (2 ** 63))
-    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - p, generator=gen).div_(1.0 - p)
+    return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(p, generator=gen)
 
 
-def _dropped(x: torch.Tensor, term: LoraTerm, seed: int | None, chunk: int):
-    """``(dropout(x), the multiplier or None)`` with ``x`` already in the adapters' dtype."""
+def keep_scale(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: float, seed: int, stream: int,
+               chunk: int) -> torch.Tensor:
+    """Dropout's multiplier for one chunk, 0 where :func:`drop_mask` drops, else ``1 / (1 - p)``
+    (the plain form of what :func:`with_lora` applies; for references)."""
+    return drop_mask(shape, device, p, seed, stream, chunk).logical_not_().to(dtype).div_(1.0 - p)
+
+
+def _dropped(x: torch.Tensor, dtype: torch.dtype, term: LoraTerm, seed: int | None, chunk: int):
+    """``(dropout(x) in dtype, the drop mask or None)``: one copy of ``x`` and a bool mask."""
     if not term.dropout:
-        return x, None
-    scale = keep_scale(x.shape, x.dtype, x.device, term.dropout, seed, term.stream, chunk)
-    return x * scale, scale
+        return x.to(dtype), None
+    drop = drop_mask(x.shape, x.device, term.dropout, seed, term.stream, chunk)
+    return x.to(dtype, copy=True).masked_fill_(drop, 0.0).mul_(1.0 / (1.0 - term.dropout)), drop
 
 
 def with_lora(base: torch.Tensor, x: torch.Tensor, terms: list[tuple], seed: int | None, chunk: int) -> torch.Tensor:
@@ -113,8 +119,9 @@ def with_lora(base: torch.Tensor, x: torch.Tensor, terms: list[tuple], seed: int
         return base
     out = base
     for term, a, b, bias in terms:
-        xd, _ = _dropped(x.to(a.dtype), term, seed, chunk)
+        xd, _ = _dropped(x, a.dtype, term, seed, chunk)
         out = out + F.linear(F.linear(xd, a), b, bias) * term.scaling
+        del xd
     return out.to(base.dtype)
 
 
@@ -145,21 +152,25 @@ def lora_backward(x: torch.Tensor, dy: torch.Tensor, terms: list[tuple], accs: l
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
     for (term, a, b, _), (_, da, db, dbias) in zip(terms, accs):
-        xd, scale = _dropped(x2.to(a.dtype), term, seed, chunk)
-        g = dy2.to(a.dtype) * term.scaling                       # [n, out]
+        xd, drop = _dropped(x2, a.dtype, term, seed, chunk)
+        g = dy2.to(a.dtype)                                      # [n, out]; the scaling goes on [., r] terms
         if db is not None:
-            db += (g.t() @ F.linear(xd, a)).to(db.dtype)         # [out, r]
+            db += (g.t() @ F.linear(xd, a)).mul_(term.scaling).to(db.dtype)   # [out, r]
         if dbias is not None:
-            dbias += g.sum(0, dtype=dbias.dtype)
-        dz = g @ b                                               # [n, r]
+            dbias += g.sum(0, dtype=dbias.dtype).mul_(term.scaling)
+        dz = (g @ b).mul_(term.scaling)                          # [n, r]
+        del g
         if da is not None:
             da += (dz.t() @ xd).to(da.dtype)                     # [r, in]
+        del xd
         if need_dx:
             part = dz @ a                                        # [n, in]
-            if scale is not None:
-                part.mul_(scale)
-            part = part.to(torch.promote_types(part.dtype, torch.float32))
-            dx = part if dx is None else dx + part
+            if drop is not None:
+                part.masked_fill_(drop, 0.0).mul_(1.0 / (1.0 - term.dropout))
+            if dx is None:
+                dx = part
+            else:
+                dx.add_(part)
     return None if dx is None else dx.view(*x.shape[:-1], x.shape[-1])
 
 
@@ -168,3 +179,56 @@ def flat_terms(per_projection: list[list[tuple]]) -> Iterator[torch.Tensor | Non
     for terms in per_projection:
         for _, a, b, bias in terms:
             yield from (a, b, bias)
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """A LoRA layer (base ``F.linear(x, weight, bias)`` plus one projection's terms) whose
+    terms run over ``num_chunks`` token chunks.
+
+    Inputs: ``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` or None, ``num_chunks``, a
+    one-projection :class:`LoraLayout` and its tensors. Output ``[..., out]`` in the base
+    output's dtype. Saved: ``x`` and references to the weights, nothing else (PEFT's own
+    forward saves ``x`` cast to the adapters' dtype, and with dropout the dropped copy and the
+    mask, each full length); the terms' fp32 temporaries are one chunk's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, num_chunks: int, layout: LoraLayout, *tensors):
+        (terms,) = layout.split(tensors)
+        seed = layout.draw_seed()
+        out = F.linear(x, weight, bias)
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        for k, (s, e) in enumerate(_bounds(flat_x.shape[0], num_chunks)):
+            flat_out[s:e] = with_lora(flat_out[s:e], flat_x[s:e], terms, seed, k)
+        ctx.save_for_backward(x, weight, bias, *tensors)
+        ctx.num_chunks, ctx.layout, ctx.seed = num_chunks, layout, seed
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, *tensors = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        flat_x, g = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        dx = (g @ weight) if need[0] else None                               # [T, in]
+        dw = (g.t() @ flat_x) if need[1] else None
+        db = g.sum(0) if need[2] and bias is not None else None
+        accs = accumulators(ctx.layout, tensors, need[5:])
+        (terms,), (d_terms,) = ctx.layout.split(tensors), ctx.layout.split(accs)
+        for k, (s, e) in enumerate(_bounds(flat_x.shape[0], ctx.num_chunks)):
+            part = lora_backward(flat_x[s:e], g[s:e], terms, d_terms, ctx.seed, k, dx is not None)
+            if part is not None:
+                dx[s:e].add_(part)
+        return (None if dx is None else dx.view_as(x), dw, db, None, None, *finish(accs, tensors))
+
+
+def _bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    chunks = max(1, min(chunks, n))
+    return [(k * n // chunks, (k + 1) * n // chunks) for k in range(chunks)]
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, adapters: LoraAdapters,
+                num_chunks: int) -> torch.Tensor:
+    """:class:`LoraLinearFunction` of one projection's adapters."""
+    if len(adapters.layout.terms) != 1:
+        raise ValueError(f"lora_linear takes one projection's adapters, got {len(adapters.layout.terms)}")
+    return LoraLinearFunction.apply(x, weight, bias, num_chunks, adapters.layout, *adapters.tensors)

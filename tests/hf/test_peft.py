@@ -20,6 +20,7 @@ import torch.distributed as dist
 import fpdt.hf
 import fpdt.hf.model
 import fpdt.model.mlp
+import fpdt.ops.lora
 from fpdt.comm import SequenceMesh
 from tests.distributed import run_distributed
 from tests.hf.test_apply_fpdt import _qwen3, count_calls
@@ -73,11 +74,14 @@ def run_lora_case(name, rank, world, *, num_chunks, checkpointing=False, offload
         model.gradient_checkpointing_enable()
     inputs = fpdt.hf.prepare_inputs(model, ids, labels=labels)
     with count_calls(fpdt.hf.attention, "projected_fpdt_attention") as attention_calls, \
-            count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls:
+            count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls, \
+            count_calls(fpdt.ops.lora.LoraLinearFunction, "apply") as o_proj_calls:
         loss = model(**inputs).loss
         loss.backward()
     layers = ref.config.num_hidden_layers * (2 if checkpointing else 1)
     assert len(attention_calls) == layers and len(mlp_calls) == layers     # the chunked paths ran
+    lora_o_proj = "o_proj" in model.peft_config["default"].target_modules
+    assert len(o_proj_calls) == (layers if lora_o_proj else 0)           # a LoRA o_proj: fpdt's lean layer
     grads = trainable_grads(model)
     assert grads and all("lora_" in n for n in grads)
     if world > 1:
@@ -210,7 +214,7 @@ def test_zero3_registers_the_adapters_with_the_module_that_reads_them():
     pytest.importorskip("deepspeed")
     model = fpdt.hf.apply_fpdt(peft_model("llama_gqa", lora_config(bias=True)), num_chunks=2)
     for layer in model.base_model.model.model.layers:
-        for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+        for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),   # o_proj: lean LoRA
                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
             want = {p for n in names for p in getattr(owner, n).parameters()}
             assert len(want) == 4 * len(names)          # base weight, A, B, B's bias

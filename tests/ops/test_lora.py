@@ -19,7 +19,7 @@ from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.layout.fpdt_layout import global_token_index, shard
 from fpdt.model.chunks import chunk_bounds
 from fpdt.model.mlp import swiglu_of_linears
-from fpdt.ops.lora import LoraAdapters, LoraLayout, LoraTerm, keep_scale
+from fpdt.ops.lora import LoraAdapters, LoraLayout, LoraTerm, _bounds, keep_scale, lora_linear
 from tests.attention.reference import reference_attention
 from tests.distributed import run_distributed
 
@@ -157,7 +157,7 @@ def test_layout_checks_its_tensor_count():
 def _attention_case(rank, world, dtype, u, p, heads, frozen):
     gen = torch.Generator().manual_seed(5)
     H, H_kv, D = heads
-    B, hidden, S = 2, 20, 8 * world * u
+    B, hidden, S = 2, 20, (32 if dtype == torch.bfloat16 else 8) * world * u   # bf16: enough tokens that its noise averages
     projs = [torch.nn.Linear(hidden, n * D, bias=True, dtype=torch.float64) for n in (H, H_kv, H_kv)]
     for m in projs:
         m.to(dtype).requires_grad_(not frozen)
@@ -287,3 +287,47 @@ def _two_ranks(rank, world):
 
 def test_projected_attention_with_lora_on_two_ranks():
     run_distributed(_two_ranks, 2)
+
+
+LINEAR_CASES = [  # (dtype, adapter dtype, chunks, dropout, frozen base)
+    (torch.float64, torch.float64, 3, 0.3, True),
+    (torch.float64, torch.float64, 1, 0.0, False),
+    (torch.bfloat16, torch.float32, 4, 0.2, True),
+]
+
+
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: f"{c[0]}-u{c[2]}-p{c[3]}-frozen{c[4]}")
+def test_lean_lora_linear_matches_autograd(case):
+    """``lora_linear`` (a PEFT LoRA o_proj, computed by fpdt): two adapters, one with a bias."""
+    dtype, lora_dtype, chunks, p, frozen = case
+    gen = torch.Generator().manual_seed(2)
+    B, S, fan_in, fan_out = 2, 11, 24, 20
+    base = torch.nn.Linear(fan_in, fan_out, bias=True, dtype=torch.float64).to(dtype).requires_grad_(not frozen)
+    ad = _adapters([(fan_in, fan_out)], [[3, 2]], True, p, lora_dtype, gen)
+    x = torch.randn(B, S, fan_in, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    dy = torch.randn(B, S, fan_out, generator=gen, dtype=torch.float64).to(dtype)
+    torch.manual_seed(SEED)
+    y = lora_linear(x, base.weight, base.bias, ad, chunks)
+    y.backward(dy)
+    tensors = [x, base.weight, base.bias, *ad.tensors]
+    got = _grads(tensors)
+    seed = _seed_drawn(SEED)
+
+    def scales(term):
+        if not term.dropout:
+            return None
+        return torch.cat([keep_scale(torch.Size([e - s, fan_in]), torch.float64, torch.device("cpu"), term.dropout,
+                                     seed, term.stream, k)
+                          for k, (s, e) in enumerate(_bounds(B * S, chunks))]).view(B, S, fan_in)
+
+    ref = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+    (terms,) = ad.layout.split(ref[3:])
+    yr = _reference_proj(ref[0], ref[1], ref[2], terms, [scales(t[0]) for t in terms])
+    yr.backward(dy.double())
+    want = _grads(ref)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-10
+    _close(y, yr, tol, "output")
+    for n, gt, wt in zip(["x", "weight", "bias"] + [f"lora[{i}]" for i in range(len(ad.tensors))], got, want):
+        _close(gt, wt, tol, n)
+    if frozen:
+        assert got[1] is None and got[2] is None
