@@ -23,17 +23,23 @@ from tests.memory.test_model_budget import CONFIG, EPS, STEADY, budget_nd
 ROPE_TABLES_ND = 2 * CONFIG["head_dim"] / CONFIG["hidden_size"]
 
 
-def _model(u: int, transformers_checkpointing: bool = False, **options):
+def _model(u: int, transformers_checkpointing: bool = False, lora_dropout: float | None = None, **options):
     cfg = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if lora_dropout is not None:     # PEFT LoRA on every decoder linear; PEFT makes the adapters fp32
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=lora_dropout,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     fpdt.hf.apply_fpdt(model, num_chunks=u, offload=True,
                        checkpointing="off" if transformers_checkpointing else "offload", **options)
     model.train()
     if transformers_checkpointing:
         model.gradient_checkpointing_enable()
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)                       # pre-allocated: part of the baseline
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)                   # pre-allocated: part of the baseline
     return model
 
 
@@ -127,3 +133,20 @@ def test_trainer_route_holds_only_the_relaid_inputs_more():
     from tests.distributed import run_distributed
 
     run_distributed(_trainer_route_against_own_loop, 2, args=(4, 1024), timeout=240)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_holds_per_token_what_full_fine_tuning_holds(dropout):
+    """PEFT LoRA on every decoder linear (fp32 adapters on the bf16 model): the chunked functions
+    compute the q/k/v and MLP adapters, fpdt's lean LoRA linear the o_proj's, and the per-token
+    slope is full fine-tuning's budget (PEFT's own o_proj forward keeps an fp32 copy of the
+    attention output, and with dropout the dropped copy too: 12.6 / 16.6 Nd here). The frozen
+    base weights get no weight-sized gradient accumulators: the short-length peak is lower."""
+    pytest.importorskip("peft")
+    u = 4
+    lora = _model(u, lora_dropout=dropout)
+    slope = _slope(lora, u)
+    budget = budget_nd(u) + ROPE_TABLES_ND
+    assert budget - 0.1 <= slope <= budget, f"LoRA, dropout {dropout}: {slope:.3f} Nd per token, budget {budget:.3f}"
+    assert _peak(lora, 1024) < _peak(_model(u), 1024)
