@@ -11,11 +11,16 @@ base weight, is its base layer. Dropout follows the dropout module's train/eval 
 masks are fpdt's (:mod:`fpdt.ops.lora`), not the ones PEFT would draw.
 
 Refused, naming the fix: anything else in those places (quantised layers, other adapter
-types), LoRA variants (DoRA, ...), adapters disabled while merged.
+types), LoRA variants (DoRA, ...), adapters disabled while merged, active adapters of one
+layer in different dtypes (PEFT casts the input cumulatively from one to the next), PEFT's
+input casting turned off with adapters in another dtype than the base (PEFT's own forward
+fails), and PEFT's per-sample ``adapter_names`` (mixed-adapter batches: PEFT passes them
+through forward hooks on the LoRA layers, which the chunked functions do not call).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -60,6 +65,10 @@ def read_projections(modules: dict[str, nn.Module], owner: str, fix: str) -> Pro
                               f"layer), whose weight the chunked function cannot read: {fix}")
         bases.append(base)
         row = []
+        if _peft_forward_hooks(m):
+            raise FPDTHFError(f"{owner}.{name} has PEFT forward hooks (per-sample adapter_names, mixed-adapter "
+                              f"batches), which the chunked function does not run: call the model without "
+                              f"adapter_names, or {fix}")
         if m.disable_adapters and m.merged:
             raise FPDTHFError(f"{owner}.{name} has adapters merged into its weight but disabled (PEFT would "
                               f"unmerge them inside its forward): call unmerge_adapter() first")
@@ -67,22 +76,41 @@ def read_projections(modules: dict[str, nn.Module], owner: str, fix: str) -> Pro
             for adapter in m.active_adapters:
                 if adapter not in m.lora_A:
                     continue
-                if adapter in getattr(m, "lora_variant", {}):
-                    raise FPDTHFError(f"{owner}.{name}'s adapter {adapter!r} is a LoRA variant "
-                                      f"({type(m.lora_variant[adapter]).__name__}, e.g. DoRA), which the chunked "
-                                      f"function does not compute: plain LoRA, or {fix}")
+                variant = getattr(m, "lora_variant", {}).get(adapter)
+                if variant is not None or getattr(m, "use_dora", {}).get(adapter) \
+                        or adapter in getattr(m, "lora_magnitude_vector", {}):     # DoRA before PEFT's variants
+                    kind = type(variant).__name__ if variant is not None else "DoRA"
+                    raise FPDTHFError(f"{owner}.{name}'s adapter {adapter!r} is a LoRA variant ({kind}, e.g. DoRA), "
+                                      f"which the chunked function does not compute: plain LoRA, or {fix}")
                 a, b, drop = m.lora_A[adapter], m.lora_B[adapter], m.lora_dropout[adapter]
                 if not (type(a) is nn.Linear and type(b) is nn.Linear and a.bias is None):
                     raise FPDTHFError(f"{owner}.{name}'s adapter {adapter!r} is not two plain linears: {fix}")
                 if type(drop) not in (nn.Dropout, nn.Identity):
                     raise FPDTHFError(f"{owner}.{name}'s adapter {adapter!r} has dropout {type(drop).__name__}: "
                                       f"{fix}")
+                if row and a.weight.dtype != tensors[-3].dtype:
+                    raise FPDTHFError(f"{owner}.{name}'s active adapters are in different dtypes "
+                                      f"({tensors[-3].dtype}, {a.weight.dtype}); PEFT casts the input from one to "
+                                      f"the next: give them one dtype, or {fix}")
+                if not getattr(m, "cast_input_dtype_enabled", True) and a.weight.dtype != base.weight.dtype:
+                    raise FPDTHFError(f"{owner}.{name}: PEFT's input casting is disabled and its adapter "
+                                      f"{adapter!r} is {a.weight.dtype} on a {base.weight.dtype} layer (PEFT's "
+                                      f"own forward would fail): enable the casting, or cast the adapters")
                 p = float(drop.p) if type(drop) is nn.Dropout and drop.training else 0.0
                 row.append(LoraTerm(scaling=float(m.scaling[adapter]), dropout=p, stream=len(tensors) // 3))
                 tensors += [a.weight, b.weight, b.bias]
         terms.append(tuple(row))
     adapters = LoraAdapters(LoraLayout(tuple(terms)), tuple(tensors)) if tensors else None
     return Projections(bases, adapters)
+
+
+def _peft_forward_hooks(module: nn.Module) -> bool:
+    """Whether PEFT put forward pre-hooks on ``module`` (to inject ``adapter_names``)."""
+    for hook in module._forward_pre_hooks.values():
+        fn = hook.func if isinstance(hook, functools.partial) else hook
+        if getattr(fn, "__module__", "").startswith("peft."):
+            return True
+    return False
 
 
 def lean_lora(module: nn.Module, owner: str) -> Projections | None:

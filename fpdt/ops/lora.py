@@ -73,7 +73,7 @@ class LoraLayout:
         """The dropout seed of one call (from the default CPU generator), or None without dropout."""
         if not any(t.dropout for terms in self.terms for t in terms):
             return None
-        return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+        return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64, device="cpu"))
 
 
 @dataclass
@@ -147,7 +147,7 @@ def lora_backward(x: torch.Tensor, dy: torch.Tensor, terms: list[tuple], accs: l
     """Back through one projection's terms for one chunk: ``x`` ``[..., in]`` its input,
     ``dy`` ``[..., out]`` the gradient of its output; adds to ``accs`` (``[(term, dA, dB, db),
     ...]`` matching ``terms``, entries None where not needed) and returns the terms' share of
-    ``dx`` (fp32, or the adapters' dtype if wider), or None (no terms, or ``need_dx`` False)."""
+    ``dx`` in the adapters' dtype, or None (no terms, or ``need_dx`` False). ``dy`` is only read."""
     dx = None
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])

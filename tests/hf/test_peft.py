@@ -235,3 +235,58 @@ def test_every_adapter_draws_its_own_dropout_masks():
     model.eval()
     proj = read_projections({n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")}, "attn", "fix")
     assert all(t.dropout == 0.0 for row in proj.adapters.layout.terms for t in row)
+
+
+def test_what_would_differ_from_peft_is_refused():
+    ids, labels = tokens(256, 2, 16)
+    model = peft_model("llama_gqa", second=lora_config(targets=["q_proj"]))
+    fpdt.hf.apply_fpdt(model, num_chunks=2)
+    model.eval()
+    with pytest.raises(fpdt.hf.FPDTHFError, match="adapter_names.*chunked_qkv=False"), torch.no_grad():
+        model(input_ids=ids, labels=labels, adapter_names=["default", "second"])   # mixed-adapter batch
+    # (PEFT leaves its hooks in place when a forward raises: a fresh model for the next checks)
+    model = fpdt.hf.apply_fpdt(peft_model("llama_gqa", second=lora_config(targets=["q_proj"])), num_chunks=2)
+    attn = model.base_model.model.model.layers[0].self_attn
+    attn.q_proj.lora_A["second"].to(torch.bfloat16)                                 # two dtypes on one layer
+    with pytest.raises(fpdt.hf.FPDTHFError, match="different dtypes"):
+        model(input_ids=ids, labels=labels)
+    attn.q_proj.lora_A["second"].float()
+    model(input_ids=ids, labels=labels)
+    attn.k_proj.use_dora["default"] = True            # how PEFT before its LoRA variants marked DoRA
+    with pytest.raises(fpdt.hf.FPDTHFError, match="LoRA variant \\(DoRA"):
+        model(input_ids=ids, labels=labels)
+    bf16 = fpdt.hf.apply_fpdt(peft_model("llama_gqa").to(torch.bfloat16), num_chunks=2)
+    for m in bf16.modules():
+        if hasattr(m, "cast_input_dtype_enabled"):
+            m.lora_A["default"].float()
+            m.lora_B["default"].float()
+            m.cast_input_dtype_enabled = False         # peft.helpers.disable_input_dtype_casting
+    with pytest.raises(fpdt.hf.FPDTHFError, match="input casting is disabled"):
+        bf16(input_ids=ids, labels=labels)
+
+
+def test_bf16_model_with_fp32_adapters_no_worse_than_peft():
+    """The usual setup: a bf16 model, PEFT's fp32 adapters. Against a float64 copy of the PEFT
+    model, fpdt's loss and adapter gradients are within 2e-2 or within 1.25x PEFT's own bf16
+    error (the adapters' terms in their own dtype: computing them in bf16 fails this)."""
+    ref = peft_model("llama_gqa")
+    ref.to(torch.bfloat16)
+    for n, p in ref.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()                      # as get_peft_model's autocast_adapter_dtype makes them
+    truth = copy.deepcopy(ref).double()
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), num_chunks=2, offload=True, checkpointing="offload")
+    ids, labels = tokens(256, 2, 64)
+    (truth_loss, truth_g), (peft_loss, peft_g) = reference(truth, ids, labels), reference(ref, ids, labels)
+    model.train()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    got = trainable_grads(model)
+
+    def err(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    errors = {"loss": (err(loss, truth_loss), err(peft_loss, truth_loss))}
+    errors.update({n: (err(got[n], truth_g[n]), err(peft_g[n], truth_g[n])) for n in truth_g})
+    bad = {n: e for n, e in errors.items() if not e[0] <= max(2e-2, 1.25 * e[1])}
+    assert not bad, f"(fpdt, PEFT bf16) errors against float64 beyond the yardstick: {bad}"
+    assert errors["loss"][0] <= max(1e-3, 1.25 * errors["loss"][1])
