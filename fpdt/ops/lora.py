@@ -14,7 +14,8 @@ With ``z = dropout(x) A^T`` and ``g = dy * scaling``, the backward is
     dx += (dz A) * mask / (1 - p)
 
 Dropout: nothing is saved for backward. The masks of one function call come from one seed,
-drawn from torch's default CPU generator when the call's forward runs, and are regenerated
+drawn from torch's default CPU generator when the call's forward runs (and folded with the
+process's rank, so that ranks seeded alike draw different masks), and are regenerated
 per ``(seed, stream, chunk)`` in backward; a checkpoint that replays the default generator
 (torch's, and fpdt's own :mod:`fpdt.model.checkpointing`) replays the masks with it. The
 masks are not PEFT's (those are drawn for the whole sequence at once), but are drawn the same
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 TENSORS_PER_TERM = 3     # A, B, B's bias (or None)
@@ -70,10 +72,18 @@ class LoraLayout:
         return [[(term, next(it), next(it), next(it)) for term in terms] for terms in self.terms]
 
     def draw_seed(self) -> int | None:
-        """The dropout seed of one call (from the default CPU generator), or None without dropout."""
+        """The dropout seed of one call (from the default CPU generator, folded with this
+        process's rank: :func:`rank_seed`), or None without dropout."""
         if not any(t.dropout for terms in self.terms for t in terms):
             return None
-        return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64, device="cpu"))
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return rank_seed(int(torch.randint(0, 2 ** 62, (), dtype=torch.int64, device="cpu")), rank)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """``seed`` made this rank's: ranks seeded alike (as training runs are) hold different tokens
+    in the same local chunk, whose masks should not repeat from rank to rank."""
+    return (seed + rank * 0x9E3779B97F4A7C15) % (2 ** 62)
 
 
 @dataclass

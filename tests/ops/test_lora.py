@@ -19,17 +19,17 @@ from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.layout.fpdt_layout import global_token_index, shard
 from fpdt.model.chunks import chunk_bounds
 from fpdt.model.mlp import swiglu_of_linears
-from fpdt.ops.lora import LoraAdapters, LoraLayout, LoraTerm, _bounds, keep_scale, lora_linear
+from fpdt.ops.lora import LoraAdapters, LoraLayout, LoraTerm, _bounds, keep_scale, lora_linear, rank_seed
 from tests.attention.reference import reference_attention
 from tests.distributed import run_distributed
 
 SEED = 1234
 
 
-def _seed_drawn(seed: int) -> int:
-    """The dropout seed a function draws right after ``torch.manual_seed(seed)``."""
+def _seed_drawn(seed: int, rank: int = 0) -> int:
+    """The dropout seed a function draws on ``rank`` right after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
-    return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+    return rank_seed(int(torch.randint(0, 2 ** 62, (), dtype=torch.int64)), rank)
 
 
 def _adapters(projections, ranks, bias, dropout, dtype, gen):
@@ -183,14 +183,14 @@ def _attention_case(rank, world, dtype, u, p, heads, frozen):
                 dist.all_reduce(g)
 
     # the reference: the whole sequence, every rank's masks put at its tokens' global positions
-    seed, L = _seed_drawn(SEED), S // world // u
+    L = S // world // u
 
     def scales(term):
         if not term.dropout:
             return None
         full = torch.empty(B, S, hidden, dtype=torch.float64)
-        for r in range(world):
-            index = global_token_index(S, world, u, r)
+        for r in range(world):          # each rank's masks, from its own seed
+            index, seed = global_token_index(S, world, u, r), _seed_drawn(SEED, r)
             for i in range(u):
                 full[:, index[i * L:(i + 1) * L]] = keep_scale(torch.Size([B, L, hidden]), torch.float64,
                                                                torch.device("cpu"), term.dropout, seed,
@@ -331,3 +331,10 @@ def test_lean_lora_linear_matches_autograd(case):
         _close(gt, wt, tol, n)
     if frozen:
         assert got[1] is None and got[2] is None
+
+
+def test_ranks_seeded_alike_draw_different_masks():
+    seeds = {rank_seed(_seed_drawn(SEED), r) for r in range(8)}
+    assert len(seeds) == 8
+    masks = [keep_scale(torch.Size([16, 64]), torch.float32, torch.device("cpu"), 0.5, s, 0, 0) for s in seeds]
+    assert all(not torch.equal(masks[0], m) for m in masks[1:])
