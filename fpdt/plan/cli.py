@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"that repeats the KV heads (cuda_efficient, cpu, math) holds more per block; its attention "
                         f"rate is the calibration's for it when op_latency.py --backends timed it, else the "
                         f"calibration's (automatic kernel's) or the datasheet's")
+    p.add_argument("--lora-rank", type=int, metavar="R",
+                   help="LoRA fine-tuning (fpdt.hf with PEFT): adapters of rank R on every decoder linear, the "
+                        "rest frozen (default: full training)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16")
     p.add_argument("--batch", type=int, help="sequences per SP group per step (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -105,7 +108,8 @@ def render(out: dict) -> str:
         + f", offload {s['offload']}, MLP chunks {s['mlp_chunks']}, "
         f"LM-head wgrad {s['lm_head_wgrad']}, "
         f"{'KV heads repeated by the kernel' if s['kernel_expands_gqa'] else 'native GQA kernel'}, "
-        f"ZeRO-{s['zero_stage']}, {s['dtype']}",
+        f"ZeRO-{s['zero_stage']}, {s['dtype']}"
+        + (f", LoRA rank {s['lora_rank']} (base frozen)" if s.get("lora_rank") else ""),
         f"device peak      {_gib(out['device_peak_bytes'])} of {_gib(out['device_capacity_bytes'])} per GPU",
         f"host peak        {_gib(out['host_peak_bytes'])} of {_gib(out['host_capacity_bytes'])} per node",
         "breakdown:",
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                  "offload_param": args.offload_param, "dtype": args.dtype, "batch": args.batch,
                  "lm_head_wgrad": args.lm_head_wgrad, "mlp_chunks": args.mlp_chunks,
                  "loss_chunks": args.loss_chunks, "attention_backend": args.attention_backend,
-                 "checkpoint_device_layers": args.checkpoint_device_layers}
+                 "checkpoint_device_layers": args.checkpoint_device_layers, "lora_rank": args.lora_rank}
         choice = dataclasses.replace(choice, **{k: v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:

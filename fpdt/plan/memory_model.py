@@ -12,6 +12,11 @@ Model states (per rank):
 * gradients ``e * Psi`` (``/ N`` under ZeRO-2/3; on the host with optimizer offload);
 * optimizer state: AdamW moments (+ fp32 master weights when training in bf16),
   ``12 * Psi`` or ``8 * Psi`` (``/ N`` under ZeRO >= 1; on the host with optimizer offload).
+* with LoRA (``lora_rank``): the frozen base's ``e * Psi`` parameters only; the adapters'
+  ``Psi_l`` (:func:`fpdt.plan.models.lora_param_count`) in fp32 as PEFT makes them: ``4 Psi_l``
+  parameters, ``4 Psi_l`` gradients, ``8 Psi_l`` AdamW moments (no master copy), sharded the
+  same way. Activations are full fine-tuning's (``tests/memory/test_hf_budget.py`` counts it),
+  less the LM head's gradient (frozen: no accumulator, no recomputed logits).
 
 Activations (per rank), the phase with the larger sum sets the peak:
 
@@ -71,7 +76,7 @@ from fpdt.model.config import ModelConfig
 from fpdt.model.loss import default_loss_chunks
 from fpdt.model.mlp import default_mlp_chunks
 from fpdt.plan.hardware import GIB
-from fpdt.plan.models import param_counts
+from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
 
 # Calibrated on the CPU with fpdt.profiling.memory against this implementation (tests/plan/
@@ -131,9 +136,13 @@ def kv_dim(cfg: ModelConfig, s: Setup) -> int:
 def model_states(cfg: ModelConfig, s: Setup, world: int) -> dict:
     """Device and host bytes per rank of parameters, gradients and optimizer state."""
     psi, e = param_counts(cfg).total, s.elem_bytes
-    opt_bytes = (12 if s.dtype == "bf16" else 8) * psi
-    params = e * psi / (world if s.zero_stage == 3 else 1)
-    grads = e * psi / (world if s.zero_stage >= 2 else 1)
+    if s.lora_rank:
+        psi_l = lora_param_count(cfg, s.lora_rank)
+        param_bytes, grad_bytes, opt_bytes = e * psi + 4 * psi_l, 4 * psi_l, 8 * psi_l
+    else:
+        param_bytes, grad_bytes, opt_bytes = e * psi, e * psi, (12 if s.dtype == "bf16" else 8) * psi
+    params = param_bytes / (world if s.zero_stage == 3 else 1)
+    grads = grad_bytes / (world if s.zero_stage >= 2 else 1)
     opt = opt_bytes / (world if s.zero_stage >= 1 else 1)
     dev = {"parameters": 0.0 if s.offload_param else params,
            "gradients": 0.0 if s.offload_optimizer else grads,
@@ -164,11 +173,13 @@ def attention_stash_nd(cfg: ModelConfig, s: Setup) -> float:
 
 def communication(cfg: ModelConfig, s: Setup) -> float:
     pc, e = param_counts(cfg), s.elem_bytes
+    # one layer's unsharded gradients wait for the reduce-scatter: the adapters' alone with LoRA
+    grads = 4 * lora_param_count(cfg, s.lora_rank) / cfg.num_layers if s.lora_rank else pc.layer * e
     if s.zero_stage == 3:
         gathered = max(2 * pc.layer, pc.layer + max(pc.embedding, pc.head))
-        zero = (gathered + pc.layer) * e
+        zero = gathered * e + grads
     else:
-        zero = pc.layer * e if s.zero_stage == 2 else 0.0
+        zero = grads if s.zero_stage == 2 else 0.0
     return zero + zero_bucket(s)
 
 
@@ -182,6 +193,8 @@ def optimizer_step_transient(cfg: ModelConfig, s: Setup, world: int) -> float:
     (``e``) and its fp32 cast (none when the optimizer runs on the host)."""
     if s.offload_optimizer or s.zero_stage != 3:
         return 0.0
+    if s.lora_rank:     # fp32 adapters: no cast
+        return min(s.sub_group_size, lora_param_count(cfg, s.lora_rank) / world) * 4
     n = min(s.sub_group_size, param_counts(cfg).total / world)
     return n * (4 + (s.elem_bytes if s.elem_bytes != 4 else 0))
 
@@ -217,7 +230,9 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
     t_loss = s.rank_tokens / loss_chunks(cfg, s)
     logits_chunk, vh = t_loss * cfg.vocab_size * 4, cfg.vocab_size * h
-    if s.lm_head_wgrad == "recompute":
+    if s.lora_rank:     # a frozen LM head: no weight gradient in either mode
+        loss = 2 * nd + LOSS_LOGIT_COPIES * logits_chunk
+    elif s.lm_head_wgrad == "recompute":
         loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk, vh * e + logits_chunk * (1 + e / 4))
     else:
         cast = vh * e if e != 4 else 0.0            # the backward's cast of the fp32 accumulator

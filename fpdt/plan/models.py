@@ -65,6 +65,15 @@ class ParamCounts:
         return self.num_layers * self.layer + self.embedding + self.head
 
 
+def lora_param_count(cfg: ModelConfig, rank: int) -> int:
+    """Elements of LoRA adapters of ``rank`` on every linear of the decoder layers (q/k/v/o,
+    gate/up/down: ``r (in + out)`` each), as ``fpdt.hf`` runs them; 0 for ``rank`` 0."""
+    h, qd, kvd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    per_layer = (h + qd) + 2 * (h + kvd) + (qd + h) + 2 * (h + inter) + (inter + h)
+    return rank * per_layer * cfg.num_layers
+
+
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = h * (qd + 2 * kvd) + qd * h + (qd + 2 * kvd if cfg.qkv_bias else 0) + (h if cfg.o_bias else 0)

@@ -27,7 +27,7 @@ from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, 
                              Setup, chunk_count_problems, device_layer_problems)
 from fpdt.plan.time_model import estimate_time
 from fpdt.train.config import MLP_CHUNKS_PER_CHUNK, chunk_split, default_chunk_size
-from fpdt.train.metrics import ModelShape, step_rates
+from fpdt.train.metrics import ModelShape, layer_matmul_flops, step_rates, train_flops_per_token
 
 KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Training precisions (the planner's and ``fpdt-train``'s) as the attention kernels' dtypes."""
@@ -77,6 +77,8 @@ class Choice:
     sub_group_size: float = ZERO_SUB_GROUP
     contiguous_gradients: bool = True
     """DeepSpeed ZeRO settings that allocate device memory (its defaults unless given)."""
+    lora_rank: int = 0
+    """LoRA fine-tuning (``fpdt.hf`` with PEFT) of this rank on every decoder linear; 0: full."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -124,7 +126,7 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                                   else MLP_CHUNKS_PER_CHUNK * (seq_len // chunk)),
                       loss_chunks=choice.loss_chunks,
                       sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
-                      kernel_expands_gqa=expands,
+                      kernel_expands_gqa=expands, lora_rank=choice.lora_rank,
                       checkpoint_device_layers=(choice.checkpoint_device_layers or 0) if ckpt == "offload" else 0)
             if not s.problems(cfg, world):
                 out.append(s)
@@ -148,8 +150,12 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     times = estimate_time(cfg, s, cluster)
     dp = cluster.world // s.sp
     tokens = s.seq_len * s.batch * dp
-    rates = step_rates(ModelShape.from_config(cfg), s.seq_len, tokens, times["total"], cluster.world,
+    shape = ModelShape.from_config(cfg)
+    rates = step_rates(shape, s.seq_len, tokens, times["total"], cluster.world,
                        cluster.gpu.bf16_flops, recompute=s.checkpoint != "off")
+    if s.lora_rank:   # the FLOPs a LoRA step needs: no weight gradients of the frozen linears and head
+        rates = dataclasses.replace(rates, mfu=rates.mfu * _lora_flops_fraction(shape, s.seq_len, True),
+                                    mfu_full=rates.mfu_full * _lora_flops_fraction(shape, s.seq_len, False))
     fits_device = mem.device_peak_bytes <= cluster.gpu.mem_bytes
     fits_host = mem.host_peak_bytes <= cluster.host_mem_bytes
     return {
@@ -171,6 +177,13 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         "mfu_full": rates.mfu_full,
         "setup": asdict(s),
     }
+
+
+def _lora_flops_fraction(m: ModelShape, seq_len: int, causal: bool) -> float:
+    """A LoRA step's FLOPs over full training's (the trainer's ``3 x forward`` formula): the
+    linears' and the head's weight-gradient GEMMs are not run (the adapters' are negligible)."""
+    full = train_flops_per_token(m, seq_len, causal)
+    return (full - m.num_layers * layer_matmul_flops(m) - 2 * m.hidden_size * m.vocab_size) / full
 
 
 def _with_device_layers(cfg: ModelConfig, r: dict, cluster: Cluster) -> dict | None:
@@ -238,7 +251,7 @@ def _why_none(cfg: ModelConfig, seq_len: int, choice: Choice, world: int) -> str
     hp = choice.hp or sp
     s = Setup(seq_len=seq_len, chunk_size=choice.chunk_size or seq_len, hp=hp, cp=choice.cp or sp // max(hp, 1),
               checkpoint=choice.checkpoint, offload=choice.offload is not False, zero_stage=choice.zero_stage,
-              dtype=choice.dtype)
+              dtype=choice.dtype, lora_rank=choice.lora_rank)
     return "; ".join(s.problems(cfg, world)) or f"no chunk size / mesh divides seq_len={seq_len}"
 
 

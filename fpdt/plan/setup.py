@@ -85,6 +85,10 @@ class Setup:
     kernel_expands_gqa: bool = False
     """The attention kernel repeats K/V heads (the CPU kernel); False for flash-attn/cuDNN,
     which take GQA natively (the GPU presets)."""
+    lora_rank: int = 0
+    """PEFT LoRA adapters of this rank on every decoder linear, the rest frozen (``fpdt.hf``:
+    fp32 adapters, their gradients and AdamW moments; no weight gradients for the base, no
+    LM-head gradient); 0 trains every weight."""
 
     @property
     def sp(self) -> int:
@@ -120,6 +124,8 @@ class Setup:
             out.append(f"placement={self.placement!r} must be one of {PLACEMENTS}")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        if self.lora_rank < 0:
+            out.append(f"lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
         if self.zero_stage not in (0, 1, 2, 3):
             out.append(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         if self.offload_param and self.zero_stage != 3:

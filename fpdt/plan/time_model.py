@@ -47,7 +47,7 @@ from fpdt.model.chunks import chunk_count
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster, Rates
 from fpdt.plan.memory_model import layer_attention_costs, loss_chunks, mlp_chunks
-from fpdt.plan.models import param_counts
+from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
 from fpdt.train.metrics import ModelShape, attention_flops, layer_matmul_flops
 
@@ -163,8 +163,11 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     tokens = s.rank_tokens
     recompute = s.checkpoint != "off"
     passes = 4 if recompute else 3                          # forward, (recompute), backward = 2 x
-    gemm_flops = (tokens * passes * l * layer_matmul_flops(m)
-                  + lm_head_gemm_flops(tokens, cfg.hidden_size, cfg.vocab_size, s.lm_head_wgrad))
+    # LoRA: the frozen weights' backward is the input gradient alone, the LM head's too
+    gemm_passes = passes - 1 if s.lora_rank else passes
+    head_flops = (2 * tokens * cfg.hidden_size * cfg.vocab_size * 2 if s.lora_rank
+                  else lm_head_gemm_flops(tokens, cfg.hidden_size, cfg.vocab_size, s.lm_head_wgrad))
+    gemm_flops = tokens * gemm_passes * l * layer_matmul_flops(m) + head_flops
     attn_fwd = tokens * l * attention_flops(m, s.seq_len, causal=True)
     t_gemm = gemm_flops / rates.gemm_flops
     t_attn = passes * attn_fwd / rates.attention_flops
@@ -205,11 +208,12 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     if s.zero_stage == 3 and cluster.world > 1:
         psi, n = param_counts(cfg).total, cluster.world
         gathers = 3 if recompute else 2
-        zero_bytes = (gathers + 1) * psi * e * (n - 1) / n
+        reduced = 4 * lora_param_count(cfg, s.lora_rank) if s.lora_rank else psi * e   # gradients reduce-scattered
+        zero_bytes = (gathers * psi * e + reduced) * (n - 1) / n
         zero = zero_bytes / _link(cluster, n, True, rates)
         zero_exposed = max(0.0, zero - (t_gemm + t_attn))
 
-    wgrad = sum(wgrad_accumulation_bytes(cfg, s).values()) / rates.memory_bytes_s
+    wgrad = 0.0 if s.lora_rank else sum(wgrad_accumulation_bytes(cfg, s).values()) / rates.memory_bytes_s
     elementwise = elementwise_bytes(cfg, s) / rates.memory_bytes_s
 
     parts = {"gemms": t_gemm, "attention": t_attn, "all_to_all": a2a_exposed, "p2p": p2p_exposed,
