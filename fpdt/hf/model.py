@@ -346,7 +346,8 @@ def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_id
     else:
         if not plain_linears(self.lm_head):
             raise FPDTHFError(f"the chunked loss reads lm_head.weight directly, and lm_head is "
-                              f"{type(self.lm_head).__name__} (an adapter or quantised layer), whose extra "
+                              f"{type(self.lm_head).__module__}.{type(self.lm_head).__name__} (an adapter or "
+                              f"quantised layer), whose extra "
                               f"computation it would skip: apply_fpdt(..., loss_chunks=0)")
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)

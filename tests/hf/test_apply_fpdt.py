@@ -364,7 +364,7 @@ def test_adapters_on_the_chunked_weights_are_refused():
         model(input_ids=ids, labels=labels)
     model = _patched(num_chunks=2)
     model.lm_head = _Adapter(model.lm_head.in_features, model.lm_head.out_features, bias=False)
-    with pytest.raises(fpdt.hf.FPDTHFError, match="lm_head is _Adapter.*loss_chunks=0"):
+    with pytest.raises(fpdt.hf.FPDTHFError, match="lm_head is tests.hf.test_apply_fpdt._Adapter.*loss_chunks=0"):
         model(input_ids=ids, labels=labels)
     model(input_ids=ids)          # logits only: the LM head runs as a module
 
