@@ -31,20 +31,33 @@ def _run(layers, x, mode):
     return h, stash
 
 
+class _DropoutLayer(_Layer):
+    """Draws from the default CPU generator in forward, as LoRA's dropout (and its mask seed) does."""
+
+    def forward(self, x):
+        return x + self.b(torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=True))
+
+
 @pytest.mark.parametrize("mode", ["on", "offload"])
 @pytest.mark.parametrize("input_requires_grad", [True, False])
-def test_same_gradients_as_plain(mode, input_requires_grad):
+@pytest.mark.parametrize("layer", [_Layer, _DropoutLayer])
+def test_same_gradients_as_plain(mode, input_requires_grad, layer):
+    """With dropout, the recompute draws the masks the forward drew (the random state is replayed,
+    and the generator left where the forward left it): fails without the replay."""
     torch.manual_seed(0)
-    layers = nn.ModuleList(_Layer(8) for _ in range(3))
+    layers = nn.ModuleList(layer(8) for _ in range(3))
     x = torch.randn(2, 5, 8)
     grads = {}
     for m in ("off", mode):
         layers.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
         xr = x.clone().requires_grad_(input_requires_grad)
         y, stash = _run(layers, xr, m)
         if stash is not None:
             assert len(stash._host) == 3  # every layer input went to the host
+        after_forward = torch.get_rng_state()
         y.pow(2).sum().backward()
+        assert torch.equal(torch.get_rng_state(), after_forward)      # backward draws nothing visible
         if stash is not None:
             assert len(stash._host) == 0 and not stash._inflight  # all popped in backward
         grads[m] = ({n: p.grad.clone() for n, p in layers.named_parameters()}, xr.grad, y.detach())
@@ -146,33 +159,3 @@ def test_last_layers_keep_their_input_on_the_device(on_device):
     assert all(rel_err(p.grad, want[0][n]) < 1e-6 for n, p in layers.named_parameters())
     assert rel_err(xr.grad, want[1]) < 1e-6
 
-
-class _DropoutLayer(_Layer):
-    """Draws from the default CPU generator in forward, as LoRA's dropout (and its mask seed) does."""
-
-    def forward(self, x):
-        return x + self.b(torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=True))
-
-
-@pytest.mark.parametrize("mode", ["on", "offload"])
-def test_recompute_replays_the_random_state(mode):
-    """The recompute draws the dropout masks the forward drew (and leaves the generator where the
-    forward left it): gradients equal the plain run's with the same seed. Fails without the replay."""
-    torch.manual_seed(0)
-    layers = nn.ModuleList(_DropoutLayer(16) for _ in range(3))
-    x = torch.randn(2, 5, 16)
-    runs = {}
-    for m in ("off", mode):
-        layers.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        xr = x.clone().requires_grad_()
-        y, _ = _run(layers, xr, m)
-        after_forward = torch.get_rng_state()
-        y.pow(2).sum().backward()
-        assert torch.equal(torch.get_rng_state(), after_forward)      # backward draws nothing visible
-        runs[m] = ({n: p.grad.clone() for n, p in layers.named_parameters()}, xr.grad, y.detach())
-    (g0, dx0, y0), (g1, dx1, y1) = runs["off"], runs[mode]
-    assert rel_err(y1, y0) == 0
-    assert rel_err(dx1, dx0) < 1e-6
-    for n in g0:
-        assert rel_err(g1[n], g0[n]) < 1e-6, n
