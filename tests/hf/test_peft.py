@@ -290,3 +290,26 @@ def test_bf16_model_with_fp32_adapters_no_worse_than_peft():
     bad = {n: e for n, e in errors.items() if not e[0] <= max(2e-2, 1.25 * e[1])}
     assert not bad, f"(fpdt, PEFT bf16) errors against float64 beyond the yardstick: {bad}"
     assert errors["loss"][0] <= max(1e-3, 1.25 * errors["loss"][1])
+
+
+def test_adapters_save_and_load_back_as_plain_peft(tmp_path):
+    """After training through apply_fpdt, PEFT's save_pretrained writes the adapters as always; a
+    fresh PEFT model loads them and computes the trained model's loss without fpdt."""
+    ids, labels = tokens(256, 2, 16)
+    model = fpdt.hf.apply_fpdt(peft_model("llama_gqa", lora_config(dropout=0.1)), num_chunks=2,
+                               checkpointing="offload")
+    model.train()
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        sgd.zero_grad()
+        model(input_ids=ids, labels=labels).loss.backward()
+        sgd.step()
+    model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(hf_model("llama_gqa"), tmp_path)
+    for n, p in loaded.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, dict(model.named_parameters())[n]), n
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert rel_err(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss) <= 1e-5
