@@ -11,6 +11,9 @@ training loop) rather than rebuild it as :class:`fpdt.model.FPDTForCausalLM`:
   implementation (:mod:`fpdt.hf.attention`);
 * :func:`trainer_parallelism_config` -- with ``apply_fpdt(model, group="trainer")``, training
   under Hugging Face's ``Trainer`` and its sequence parallelism (:mod:`fpdt.hf.trainer`).
+
+PEFT LoRA models go through :func:`apply_fpdt` as they are (after ``get_peft_model``): their
+LoRA layers run inside the chunked functions (:mod:`fpdt.hf.adapters`).
 """
 
 from fpdt.hf.attention import FPDTHFError, register_attention
