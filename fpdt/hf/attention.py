@@ -219,8 +219,9 @@ def _mask(name: str):
         # One host read per forward pass (not per chunk): a mask that hides nothing is dropped.
         if attention_mask is not None and not bool(attention_mask.all()):
             raise FPDTHFError(f"attention implementation {name!r} cannot apply a padding mask: fpdt attention "
-                              f"is causal over the whole window; drop attention_mask and give padded "
-                              f"positions the label -100 instead")
+                              f"is causal over the whole window; pass the window's right-padding mask to "
+                              f"fpdt.hf.prepare_inputs (checked there; padding labelled -100) instead of to the "
+                              f"model")
         return None
 
     return fpdt_mask

@@ -66,6 +66,7 @@ from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv
                                plain_linears, register_settings)
 from fpdt.hf.adapters import lean_lora, read_parameters, read_projections
 from fpdt.hf.groups import TrainerGroup, resolve_group
+from fpdt.hf.padding import check_right_padding
 from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import uses_sliding_window
@@ -295,6 +296,13 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
                               f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
         shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
+    if sp == 1 and attention_mask is not None and attention_mask.dim() == 2:
+        held = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if attention_mask.shape != held:
+            raise FPDTHFError(f"the attention mask covers {attention_mask.shape[-1]} tokens but this rank holds "
+                              f"{held[-1]}: pass the mask of these tokens")
+        check_right_padding(attention_mask, shift_labels)    # this rank holds the whole window
+        attention_mask = None                    # all ones, or right padding the loss never sees
     if position_ids is None and sp > 1:
         raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
                           f"are not contiguous; use fpdt.hf.prepare_inputs")
@@ -522,19 +530,25 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
 
 
 def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                   position_ids: torch.Tensor | None = None,
+                   attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """This rank's ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S / P]``.
 
     ``input_ids`` ``[B, S]`` is the global window (the same on every SP rank); ``labels``
     (default ``input_ids``) are unshifted, as in Transformers, and are shifted on the
     *global* sequence before sharding; ``position_ids`` default to ``arange(S)``. The
-    layout is the one ``model`` was set up with by :func:`apply_fpdt`.
+    layout is the one ``model`` was set up with by :func:`apply_fpdt`. ``attention_mask``
+    ``[B, S]`` (the window's) may be right padding whose labels are -100, which the model
+    computes exactly without a mask (:mod:`fpdt.hf.padding`); it is checked here and not
+    returned. Anything else is refused.
     """
     settings: HFSettings | None = getattr(model, "fpdt", None)
     if settings is None:
         raise FPDTHFError("call fpdt.hf.apply_fpdt(model, ...) before fpdt.hf.prepare_inputs")
     if position_ids is not None:
         check_increasing_positions(position_ids)
+    if attention_mask is not None:
+        check_right_padding(attention_mask, _shift_labels(labels if labels is not None else input_ids))
     rank, sp = settings.rank_size()
     inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.num_chunks, labels=labels,
                              position_ids=position_ids, mesh=settings.mesh)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.hf.attention import FPDTHFError
+from fpdt.hf.padding import check_right_padding
 from fpdt.layout.fpdt_layout import check_layout, shard
 
 TRAINER_ATTN_NAME = "sdpa"
@@ -54,8 +55,9 @@ def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tenso
     rank); dtypes kept, ``labels`` may be None.
 
     Refuses, on every rank alike, position ids that restart or do not increase over the window
-    (packed documents) and an ``attention_mask`` ``[B, S / P]`` that hides any token (padding),
-    which fpdt attention cannot honour."""
+    (packed documents) and an ``attention_mask`` ``[B, S / P]`` other than right padding with
+    targets -100 (:func:`fpdt.hf.padding.check_right_padding`), which fpdt attention cannot
+    honour; the mask itself is not returned (the attention needs none)."""
     tensors = [t for t in (input_ids, position_ids, labels, attention_mask) if t is not None]
     shape = input_ids.shape
     if any(t.shape != shape for t in tensors):
@@ -69,9 +71,8 @@ def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tenso
     window = torch.cat(slices, dim=-1)                                           # [n, B, S]
     del slices
     check_increasing_positions(window[1])
-    if attention_mask is not None and not bool(window[-1].all()):
-        raise FPDTHFError("the attention_mask hides tokens (padding): fpdt attention is causal over the whole "
-                          "window and takes no mask; drop attention_mask and give padded positions the label -100")
+    if attention_mask is not None:      # right padding with -100 targets is exact without the mask
+        check_right_padding(window[-1], window[2] if labels is not None else None)
     local = [x.to(t.dtype) for x, t in zip(shard(window, sp, num_chunks, rank, dim=-1).unbind(0), tensors)]
     return local[0], local[1], (local[2] if labels is not None else None)
 

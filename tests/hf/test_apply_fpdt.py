@@ -206,14 +206,25 @@ def _patched(name="llama_gqa", **kw):
     return fpdt.hf.apply_fpdt(hf_model(name), **kw)
 
 
-def test_padding_mask_is_refused_and_a_full_mask_accepted():
+def test_padding_other_than_right_padding_with_ignored_labels_is_refused():
     model = _patched(num_chunks=2)
-    ids, _ = tokens(256, 1, 16)
+    ids, labels = tokens(256, 1, 16, ignore=False)
     mask = torch.ones_like(ids)
     model(input_ids=ids, attention_mask=mask)                 # hides nothing: fine
-    mask[0, :3] = 0
-    with pytest.raises(fpdt.hf.FPDTHFError, match="cannot apply a padding mask.*label -100"):
-        model(input_ids=ids, attention_mask=mask)
+    left = mask.clone()
+    left[0, :3] = 0
+    with pytest.raises(fpdt.hf.FPDTHFError, match="not right padding.*padding_side='right'"):
+        model(input_ids=ids, attention_mask=left, labels=labels)
+    right = mask.clone()
+    right[0, -3:] = 0
+    with pytest.raises(fpdt.hf.FPDTHFError, match="without labels"):
+        model(input_ids=ids, attention_mask=right)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="targets other than -100.*label -100"):
+        model(input_ids=ids, attention_mask=right, labels=labels)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="targets other than -100"):
+        fpdt.hf.prepare_inputs(model, ids, labels=labels, attention_mask=right)
+    labels[0, -3:] = -100
+    model(input_ids=ids, attention_mask=right, labels=labels)          # right padding, ignored: accepted
 
 
 def test_kv_cache_is_refused():
@@ -602,3 +613,41 @@ def test_cuda_bf16_with_offload_close_to_transformers(checkpointing):
     fpdt's checkpoint, the layer inputs), against the unchanged model on the same GPU."""
     run_case("llama_gqa", 0, 1, num_chunks=4, mlp_chunks=None, loss_chunks=None, offload=True,
              checkpointing=checkpointing, wgrad="recompute", S=256, dtype=torch.bfloat16, tol=2e-2, device="cuda")
+
+
+def _right_padded(vocab, S):
+    """Two rows, the second right-padded (its last S/4 + 1 tokens), labels -100 there."""
+    ids, labels = tokens(vocab, 2, S)
+    mask = torch.ones_like(ids)
+    mask[1, S - S // 4 - 1:] = 0
+    labels[mask == 0] = -100
+    return ids, labels, mask
+
+
+def _padding_case(rank, world, u, checkpointing):
+    ref = hf_model("llama_gqa")
+    ids, labels, mask = _right_padded(ref.config.vocab_size, 8 * world * u)
+    model = copy.deepcopy(ref)
+    ref.zero_grad(set_to_none=True)
+    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss     # Transformers with the mask
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    fpdt.hf.apply_fpdt(model, num_chunks=u, offload=True, checkpointing=checkpointing)
+    model.train()
+    if world == 1:
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    else:
+        loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels, attention_mask=mask)).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    compare(loss, grads, ref_loss, ref_grads, f"right padding rank {rank}/{world} u={u} {checkpointing}")
+
+
+def test_right_padding_matches_transformers_with_its_mask():
+    """Right padding labelled -100, as padding collators make it: Transformers applies the mask,
+    fpdt needs none (real tokens never see the padding); loss and every gradient within 1e-5."""
+    _padding_case(0, 1, 2, "off")
+    run_distributed(_padding_case, 2, args=(2, "offload"))

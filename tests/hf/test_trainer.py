@@ -155,14 +155,17 @@ def test_trainer_matches_single_process_transformers(tmp_path, world, chunks, pr
 # ---- the Trainer's route without the Trainer: DeepSpeed's SP groups and data slicing, Transformers' own
 # ---- SP loss aggregation (deepspeed_sp_compute_loss), DeepSpeed's gradient averaging over all ranks
 
-def _adapter_slices(ids, labels, sp_rank, sp):
+def _adapter_slices(ids, labels, sp_rank, sp, mask=None):
     """What DeepSpeed's UlyssesSPDataLoaderAdapter gives one rank: contiguous slices of the window,
-    labels shifted on the whole window."""
+    labels shifted on the whole window (and the padding mask's slice, if any)."""
     S = ids.shape[1]
     shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     cut = slice(sp_rank * S // sp, (sp_rank + 1) * S // sp)
-    return {"input_ids": ids[:, cut], "position_ids": torch.arange(S).expand_as(ids)[:, cut],
-            "shift_labels": shift[:, cut]}
+    out = {"input_ids": ids[:, cut], "position_ids": torch.arange(S).expand_as(ids)[:, cut],
+           "shift_labels": shift[:, cut]}
+    if mask is not None:
+        out["attention_mask"] = mask[:, cut]
+    return out
 
 
 class _GroupAllGather(torch.autograd.Function):
@@ -199,7 +202,7 @@ def _trainer_route(rank, world, sp, cases):
     from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
 
     import fpdt.hf
-    from tests.model.helpers import compare, hf_loss_and_grads, hf_model, tokens
+    from tests.model.helpers import compare, hf_model, tokens
 
     from deepspeed.utils import groups
 
@@ -216,17 +219,25 @@ def _trainer_route(rank, world, sp, cases):
             ids, labels = tokens(ref.config.vocab_size, 1, S, seed=1 + window)
             if prompt:
                 labels[:, :int(PROMPT_FRACTION * S)] = -100
-            ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
-            model = copy.deepcopy(ref)
-            model.zero_grad(set_to_none=True)
             options = dict(options)
+            mask = None
+            if options.pop("right_padding", False):    # the window's last S/4 + 1 tokens padding, labelled -100
+                mask = torch.ones_like(ids)
+                mask[:, S - S // 4 - 1:] = 0
+                labels[mask == 0] = -100
+            model = copy.deepcopy(ref)
+            ref.zero_grad(set_to_none=True)
+            ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss   # Transformers with the mask
+            ref_loss.backward()
+            ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+            model.zero_grad(set_to_none=True)
             hf_checkpointing = options.pop("hf_checkpointing", False)
             fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=u, **options)
             model.train()
             if hf_checkpointing:      # TrainingArguments(gradient_checkpointing=True): recomputed outside forward
                 model.gradient_checkpointing_enable()
             pc = types.SimpleNamespace(sp_backend="deepspeed", sp_size=sp)
-            loss = deepspeed_sp_compute_loss(None, model, _adapter_slices(ids, labels, sp_rank, sp), False, pc)
+            loss = deepspeed_sp_compute_loss(None, model, _adapter_slices(ids, labels, sp_rank, sp, mask), False, pc)
             loss.backward()
             assert model.config._attn_implementation == "sdpa"     # what the Trainer's SP setup checked
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -246,7 +257,8 @@ def _trainer_route(rank, world, sp, cases):
     (2, 2, [("llama_gqa", 1, False, {}), ("llama_gqa", 2, True, {}), ("qwen2_tied", 4, True, {}),
             ("mistral", 2, False, {"loss_chunks": 0}),
             ("llama_gqa", 2, True, {"offload": True, "checkpointing": "offload"}),
-            ("llama_bias", 2, True, {"hf_checkpointing": True})]),
+            ("llama_bias", 2, True, {"hf_checkpointing": True}),
+            ("llama_gqa", 2, False, {"right_padding": True, "offload": True, "checkpointing": "offload"})]),
     (4, 4, [("llama_sp4", 2, True, {})]),      # KV heads replicated: 2 < 4
     (4, 2, [("llama_bias", 2, True, {})]),     # 2 SP groups x 2-way data parallelism
 ], ids=["sp2", "sp4", "sp2xdp2"])

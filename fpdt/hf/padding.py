@@ -1,0 +1,37 @@
+"""Right padding, which fpdt computes exactly without a mask.
+
+fpdt attention is causal over the whole window and takes no mask. With right padding (each row
+of the ``attention_mask`` is ones, then zeros) a real token never sees a padded one, so every
+real token's output is Transformers' own; only the padded queries' outputs differ (they see the
+padding before them, Transformers' mask hides it). Those never reach the loss when their
+targets are ``-100``, as a padding collator sets them. So a right-padding mask is accepted,
+checked on the whole window, and dropped; anything else is refused, naming the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fpdt.hf.errors import FPDTHFError
+from fpdt.model.loss import IGNORE_INDEX
+
+
+def check_right_padding(attention_mask: torch.Tensor, shift_labels: torch.Tensor | None) -> None:
+    """Accept ``attention_mask`` ``[B, S]`` (the whole window) if fpdt computes it exactly
+    without the mask: all ones, or right padding whose padded queries all have the target
+    ``-100`` in ``shift_labels`` ``[B, S]`` (next-token targets, on the same window). One host
+    read. Else raise, naming the fix."""
+    mask = attention_mask.bool()
+    if bool(mask.all()):
+        return
+    if not bool((mask[:, 1:] <= mask[:, :-1]).all()):
+        raise FPDTHFError("the attention_mask is not right padding (ones, then zeros, per row): fpdt attention is "
+                          "causal over the whole window and takes no mask; pad on the right (tokenizer "
+                          "padding_side='right'), and unpack packed documents")
+    if shift_labels is None:
+        raise FPDTHFError("a padding attention_mask without labels: the padded positions' outputs would not be "
+                          "Transformers' (fpdt attention takes no mask); pass labels with -100 at the padding, or "
+                          "drop the padding")
+    if bool((shift_labels[~mask] != IGNORE_INDEX).any()):
+        raise FPDTHFError("padded positions have targets other than -100: fpdt attention takes no mask, so their "
+                          "outputs are not Transformers'; give the padding the label -100 (as padding collators do)")
