@@ -71,7 +71,8 @@ def _refuse_unhonoured(module: torch.nn.Module, name: str, attention_mask, dropo
     """Raise for anything a Transformers attention call asks that fpdt attention would ignore."""
     if attention_mask is not None:
         raise FPDTHFError(f"attention implementation {name!r} got an attention mask; fpdt attention is "
-                          f"causal over the whole sequence and takes none (mark padding with labels -100)")
+                          f"causal over the whole sequence and takes none (right padding labelled -100 is "
+                          f"exact without it: pass the window's mask to fpdt.hf.prepare_inputs)")
     if dropout:
         raise FPDTHFError(f"attention dropout {dropout} is not supported by fpdt attention: set the "
                           f"config's attention_dropout to 0")
@@ -215,7 +216,8 @@ def _mask(name: str):
                               f"call the model with use_cache=False, or generate with another implementation")
         if kv_length != q_length:
             raise FPDTHFError(f"the attention mask covers {kv_length} tokens but this rank holds {q_length}: "
-                              f"fpdt attention takes no mask; drop attention_mask (mark padding with labels -100)")
+                              f"fpdt attention takes no mask; pass the window's mask to fpdt.hf.prepare_inputs "
+                              f"(right padding labelled -100 is checked there) instead of to the model")
         # One host read per forward pass (not per chunk): a mask that hides nothing is dropped.
         if attention_mask is not None and not bool(attention_mask.all()):
             raise FPDTHFError(f"attention implementation {name!r} cannot apply a padding mask: fpdt attention "

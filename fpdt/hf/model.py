@@ -548,6 +548,9 @@ def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.T
     if position_ids is not None:
         check_increasing_positions(position_ids)
     if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise FPDTHFError(f"attention_mask {tuple(attention_mask.shape)} is not the window's mask "
+                              f"{tuple(input_ids.shape)}: pass the whole window's, the same on every rank")
         check_right_padding(attention_mask, _shift_labels(labels if labels is not None else input_ids))
     rank, sp = settings.rank_size()
     inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.num_chunks, labels=labels,

@@ -111,7 +111,9 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
         meshes = [(hp, sp // hp) for hp in _divisors(sp)]
     out = []
     expands = expands_gqa_on_gpu(choice.attention_backend, KERNEL_DTYPES[choice.dtype], cfg.head_dim)
-    wgrads = (choice.lm_head_wgrad,) if choice.lm_head_wgrad else LM_HEAD_WGRAD_MODES
+    # a frozen LM head (LoRA) forms no weight gradient: both modes are one run (apply_fpdt's default)
+    wgrads = (choice.lm_head_wgrad,) if choice.lm_head_wgrad else (("recompute",) if choice.lora_rank
+                                                                   else LM_HEAD_WGRAD_MODES)
     combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
     for ((hp, cp), chunk), ckpt, wgrad in itertools.product(combos, checkpoints or (choice.checkpoint,), wgrads):
         placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
@@ -194,8 +196,8 @@ def _with_device_layers(cfg: ModelConfig, r: dict, cluster: Cluster) -> dict | N
     over the offloaded layers)."""
     s = Setup(**r["setup"])
     offloaded = cfg.num_layers - s.checkpoint_device_layers
-    if r["fits"] or r["limited_by"] != "host" or s.checkpoint != "offload" or offloaded == 0:
-        return None
+    if r["fits"] or r["limited_by"] != "host" or s.checkpoint != "offload" or offloaded == 0 or s.lora_rank:
+        return None     # (LoRA runs through fpdt.hf, whose checkpoint offload has no device tier)
     per_layer = r["breakdown"]["checkpoints_host"] / offloaded          # bytes per node
     k = s.checkpoint_device_layers + math.ceil((r["host_peak_bytes"] - r["host_capacity_bytes"]) / per_layer)
     while k <= cfg.num_layers:      # (one more if rounding left the host a few bytes over)

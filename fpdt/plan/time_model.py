@@ -69,6 +69,14 @@ ELEMENTWISE_BYTES = {
     4: {"hidden": 820, "mlp": 93, "kv": 47, "merge": 96, "vocab": {"accumulate": 45, "recompute": 84}},
 }
 NO_RECOMPUTE_FACTOR = 0.76
+LORA_ELEMENTWISE_BYTES = 42
+"""With LoRA (fp32 adapters on a bf16 model, no dropout), the adapters' memory-bound work per
+token and layer, per element of the summed in + out widths of the adapted linears (the fp32
+cast of each chunk's input, the low-rank product's fp32 result, its scaling, the add and the
+cast back, and their backward). Counted with the elementwise-traffic counter at rank 16 it
+is 26.5, 34.7 and 42.0 B on three shapes (hidden 256 to 512; it grows with the rank, 45.6 at
+rank 64, and dropout 0.1 nearly triples it): the top of that range, so that the LoRA step
+time errs long rather than short (``tests/plan/test_lora_plan.py``)."""
 
 
 def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
@@ -78,11 +86,14 @@ def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
     h, tokens, u = cfg.hidden_size, s.rank_tokens, s.num_chunks
     per_token = (k["hidden"] * h + k["mlp"] * cfg.intermediate_size
                  + k["kv"] * cfg.num_kv_heads * cfg.head_dim)
+    if s.lora_rank:
+        per_token += LORA_ELEMENTWISE_BYTES * lora_param_count(cfg, 1) / cfg.num_layers
     if s.checkpoint == "off":
         per_token *= NO_RECOMPUTE_FACTOR
     merges = s.cp * u * (u + 1) / 2 - u                     # touches after each query chunk's first
     layer = tokens * per_token + k["merge"] * merges * tokens / u * h
-    return cfg.num_layers * layer + lm_head_elementwise_bytes(tokens, cfg.vocab_size, s.elem_bytes, s.lm_head_wgrad)
+    head_mode = "accumulate" if s.lora_rank else s.lm_head_wgrad     # a frozen head recomputes nothing
+    return cfg.num_layers * layer + lm_head_elementwise_bytes(tokens, cfg.vocab_size, s.elem_bytes, head_mode)
 
 
 def lm_head_elementwise_bytes(tokens: int, vocab: int, elem_bytes: int, mode: str) -> float:

@@ -83,3 +83,43 @@ def test_cli_flag(capsys):
     assert "LoRA rank 8 (base frozen)" in capsys.readouterr().out
     main(["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", str(M), "--lora-rank", "-1"])
     assert "cannot run: lora_rank=-1 must be >= 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape", [(256, 4, 2, 704), (512, 8, 8, 768)], ids=["h256-gqa", "h512-mha"])
+def test_adapter_traffic_bounds_a_count_of_the_ops(shape):
+    """The adapters' memory-bound traffic the time model adds (``LORA_ELEMENTWISE_BYTES``, rank 16)
+    against the bytes fpdt.hf's ops move with and without LoRA (bf16 model, fp32 adapters,
+    checkpointing on), counted by the elementwise-traffic counter: never under the count (the
+    step time errs long), at most 1.7x it."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    import fpdt.hf
+    from fpdt.plan.time_model import elementwise_bytes
+    from tests.plan.test_elementwise_traffic import _ElementwiseTraffic
+
+    (h, heads, kv, inter), d, vocab, T, u = shape, 64, 1000, 512, 2
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": h,
+           "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "head_dim": d, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+           "max_position_embeddings": 4096, "tie_word_embeddings": False, "rope_theta": 10000.0}
+    ids = torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(0))
+    counted = {}
+    for lora in (False, True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **{k: v for k, v in cfg.items() if k != "architectures"})).to(torch.bfloat16)
+        if lora:       # PEFT makes the adapters fp32 on a bf16 model
+            model = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=[
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        fpdt.hf.apply_fpdt(model, num_chunks=u, checkpointing="on", lm_head_wgrad="accumulate", mlp_chunks=2 * u)
+        model.train()
+        counter = _ElementwiseTraffic([(inter, h), (h, inter), (heads * d, h), (kv * d, h), (vocab, h)])
+        with counter:
+            model(**fpdt.hf.prepare_inputs(model, ids)).loss.backward()
+        counted[lora] = counter.bytes
+    plan_cfg = load_model_config(cfg)
+    setups = [Setup(seq_len=T, chunk_size=T // u, checkpoint="on", offload=False, lm_head_wgrad="accumulate",
+                    mlp_chunks=2 * u, lora_rank=r) for r in (0, 16)]
+    modelled = elementwise_bytes(plan_cfg, setups[1]) - elementwise_bytes(plan_cfg, setups[0])
+    count = counted[True] - counted[False]
+    assert count <= modelled <= 1.7 * count, f"modelled {modelled:.3g} B, counted {count:.3g} B"
