@@ -4,7 +4,8 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
 
 * **gemms**: projections, MLP and LM head, ``3 x`` forward FLOPs of ``T`` tokens (one
   more layer forward when checkpointing recomputes, one more LM head when its weight
-  gradient is recomputed), the trainer's FLOP formulas
+  gradient is recomputed, the gate and up projections once more in the chunked MLP's
+  backward; with LoRA no weight-gradient GEMMs), the trainer's FLOP formulas
   (:mod:`fpdt.train.metrics`), at the sustained GEMM rate.
 * **attention**: causal ``q.k^T`` and ``p.v`` FLOPs of ``T`` query tokens against ``S``
   keys, forward + backward (+ recompute), at the sustained attention rate.
@@ -178,7 +179,9 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     gemm_passes = passes - 1 if s.lora_rank else passes
     head_flops = (2 * tokens * cfg.hidden_size * cfg.vocab_size * 2 if s.lora_rank
                   else lm_head_gemm_flops(tokens, cfg.hidden_size, cfg.vocab_size, s.lm_head_wgrad))
-    gemm_flops = tokens * gemm_passes * l * layer_matmul_flops(m) + head_flops
+    # the chunked MLP's backward recomputes each chunk's gate and up projections (fpdt.model.mlp)
+    mlp_recompute = 4 * cfg.hidden_size * cfg.intermediate_size
+    gemm_flops = tokens * l * (gemm_passes * layer_matmul_flops(m) + mlp_recompute) + head_flops
     attn_fwd = tokens * l * attention_flops(m, s.seq_len, causal=True)
     t_gemm = gemm_flops / rates.gemm_flops
     t_attn = passes * attn_fwd / rates.attention_flops
