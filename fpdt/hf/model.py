@@ -244,9 +244,10 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     fid = state.current
     stash = state.for_device(hidden_states.device) if mode == "offload" else None
     run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
+    # the decoder layer ends with a residual add, which saves nothing: its output may be freed
     return checkpointed(lambda x: run(self, x, *args, **kwargs), hidden_states, list(self.parameters()),
                         stash=stash, key=("layer input", i, fid),
-                        prev_key=("layer input", i - 1, fid) if i > 0 else None)
+                        prev_key=("layer input", i - 1, fid) if i > 0 else None, free_output=True)
 
 
 _BOTH_CHECKPOINTS = ("apply_fpdt(checkpointing={mode!r}) checkpoints the decoder layers itself: call "

@@ -366,8 +366,9 @@ class FPDTForCausalLM(nn.Module):
                 h = layer(h, position_ids, rope)
                 continue
             run = (lambda x, layer=layer: layer(x, position_ids, rope))
+            # the layer ends with a residual add, which saves nothing: its output may be freed
             h = checkpointed(run, h, list(layer.parameters()), stash=stash, key=("layer input", i, fid),
-                             prev_key=("layer input", i - 1, fid) if i > 0 else None,
+                             prev_key=("layer input", i - 1, fid) if i > 0 else None, free_output=True,
                              on_device=i >= on_host)
         return self.model.norm(h)
 
