@@ -9,6 +9,7 @@ from torch import nn
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.attention.rope import RotaryEmbedding
 from fpdt.comm import SequenceMesh
+from fpdt.ops.lora import attached_adapters, lora_linear
 
 
 class FPDTAttention(nn.Module):
@@ -35,9 +36,15 @@ class FPDTAttention(nn.Module):
             and position ids are then in the mesh layout (may be reassigned later).
         backend: attention kernel name, None = automatic.
 
-    Note for ZeRO-3: the q/k/v weights are read inside a custom autograd.Function rather
-    than through the ``nn.Linear`` modules' forward, so a ZeRO-3 wrapper must register
-    them as external parameters of this module (the trainer does).
+    LoRA adapters that :func:`fpdt.model.lora.add_lora` attached to the projections run inside
+    the chunked q/k/v projection, and on ``o_proj`` as the lean LoRA linear
+    (:func:`fpdt.ops.lora.lora_linear`, which saves only its input); dropout follows
+    ``self.training``.
+
+    Note for ZeRO-3: the q/k/v weights (and ``o_proj``'s when it has an adapter) and the
+    adapters are read inside custom autograd Functions rather than through the ``nn.Linear``
+    modules' forward, so a ZeRO-3 wrapper must register them as external parameters of this
+    module (the trainer does).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
@@ -71,5 +78,10 @@ class FPDTAttention(nn.Module):
         attn = projected_fpdt_attention(
             hidden_states, self.q_proj, self.k_proj, self.v_proj, heads=heads, position_ids=position_ids,
             rope=rope, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks, offload=self.offload,
-            backend=self.backend, softmax_scale=self.softmax_scale, label=self.stash_label)
-        return self.o_proj(attn.reshape(B, S_local, self.num_heads * self.head_dim))
+            backend=self.backend, softmax_scale=self.softmax_scale, label=self.stash_label,
+            adapters=attached_adapters((self.q_proj, self.k_proj, self.v_proj), self.training))
+        attn = attn.reshape(B, S_local, self.num_heads * self.head_dim)
+        o_adapters = attached_adapters((self.o_proj,), self.training)
+        if o_adapters is None:
+            return self.o_proj(attn)
+        return lora_linear(attn, self.o_proj.weight, self.o_proj.bias, o_adapters, 2 * self.num_chunks)

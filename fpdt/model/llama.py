@@ -207,6 +207,7 @@ class FPDTForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.lora = None   # a fpdt.model.lora.LoraSpec once add_lora attached adapters
         self._stash: HostStash | None = None
         self._forward_ids = itertools.count()
         self.configure()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fpdt.model.chunks import budget_chunks, chunk_bounds
-from fpdt.ops.lora import LoraAdapters, accumulators, finish, lora_backward, with_lora
+from fpdt.ops.lora import LoraAdapters, accumulators, attached_adapters, finish, lora_backward, with_lora
 
 
 def default_mlp_chunks(hidden_size: int, intermediate_size: int, num_chunks: int = 1) -> int:
@@ -161,6 +161,9 @@ class ChunkedSwiGLU(nn.Module):
             autograd MLP (keeps ``[B, S_local, I]`` intermediates; for comparisons).
             May be reassigned after construction.
 
+    LoRA adapters attached by :func:`fpdt.model.lora.add_lora` run inside the chunked function
+    (dropout follows ``self.training``).
+
     ``forward(x [B, S_local, hidden]) -> [B, S_local, hidden]``.
     """
 
@@ -172,7 +175,8 @@ class ChunkedSwiGLU(nn.Module):
         self.num_chunks = num_chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, self.num_chunks)
+        adapters = attached_adapters((self.gate_proj, self.up_proj, self.down_proj), self.training)
+        return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, self.num_chunks, adapters)
 
     def extra_repr(self) -> str:
         return f"num_chunks={self.num_chunks}"

@@ -27,6 +27,7 @@ from torch import nn
 
 from fpdt.model.config import ModelConfig
 from fpdt.model.llama import FPDTForCausalLM, FPDTOptions
+from fpdt.model.lora import is_adapter
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -197,7 +198,7 @@ def check_unexpected(names: list[str]) -> None:
 
 def check_missing(model: FPDTForCausalLM, loaded: set[str]) -> None:
     """Raise ``ValueError`` when parameters of ``model`` (by name) are not in ``loaded``."""
-    missing = [n for n, _ in model.named_parameters() if n not in loaded]
+    missing = [n for n, _ in model.named_parameters() if n not in loaded and not is_adapter(n)]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: {missing[:10]}")
 
@@ -226,7 +227,8 @@ def save_pretrained(model: FPDTForCausalLM, path: str | os.PathLike, *,
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     dtype = _resolve_dtype(dtype)
-    named = list(model.named_parameters())  # tied lm_head.weight is not listed: not stored, as in HF
+    # tied lm_head.weight is not listed: not stored, as in HF; LoRA adapters go to save_adapter
+    named = [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
     if any(p.is_meta for _, p in named):
         raise ValueError("cannot save a model that is still on the meta device")
     limit = _parse_size(max_shard_size)

@@ -75,9 +75,11 @@ def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, t
     """``(module, parameter)`` for every parameter a module of the FPDT model reads directly
     inside a fused autograd Function instead of calling the submodule that owns it:
 
-    * :class:`fpdt.attention.FPDTAttention` -- its ``q_proj``/``k_proj``/``v_proj`` weights and biases;
+    * :class:`fpdt.attention.FPDTAttention` -- its ``q_proj``/``k_proj``/``v_proj`` weights and biases,
+      and ``o_proj``'s when it has a LoRA adapter (the lean LoRA linear reads it);
     * :class:`fpdt.model.ChunkedSwiGLU` -- its ``gate_proj``/``up_proj``/``down_proj`` weights and biases;
-    * the root :class:`fpdt.model.FPDTForCausalLM` -- ``lm_head.weight`` (the chunked loss).
+    * the root :class:`fpdt.model.FPDTForCausalLM` -- ``lm_head.weight`` (the chunked loss);
+    * with LoRA (:func:`fpdt.model.add_lora`), the adapters of each of those projections.
     """
     from fpdt.attention.module import FPDTAttention
     from fpdt.model import ChunkedSwiGLU, FPDTForCausalLM
@@ -89,10 +91,12 @@ def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, t
         for cls, names in owners:
             if not isinstance(module, cls):
                 continue
+            if cls is FPDTAttention and getattr(module.o_proj, "lora_A", None) is not None:
+                names = names + ("o_proj",)
             for name in names:
                 child = getattr(module, name, None)
                 if child is not None:
-                    for p in child.parameters(recurse=False):
+                    for p in child.parameters():        # with LoRA, its lora_A / lora_B too
                         yield module, p
 
 

@@ -1,0 +1,194 @@
+"""LoRA fine-tuning of fpdt's own model: adapters on the decoder's linear projections, the rest
+frozen, saved and loaded in PEFT's adapter format.
+
+:func:`add_lora` attaches to each targeted projection ``nn.Linear`` (of every decoder layer)
+
+    lora_A  nn.Linear(in, r, bias=False)     kaiming-uniform, as PEFT initialises it
+    lora_B  nn.Linear(r, out, bias=False)    zeros, so the model starts as the base
+
+and the floats ``lora_scaling`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) and
+``lora_dropout``. The projection's own forward is never called: the chunked functions that
+read its weight (:mod:`fpdt.attention.module`, :mod:`fpdt.model.mlp`) read the adapters too
+(:func:`fpdt.ops.lora.attached_adapters`) and add ``lora_B(lora_A(dropout(x))) * scaling``
+to the base projection a chunk of tokens at a time, as PEFT's ``Linear.forward`` would (the
+input cast to the adapters' dtype, the sum cast back); an ``o_proj`` with an adapter runs as
+the lean LoRA linear. Every other parameter gets ``requires_grad=False``: no weight-gradient
+GEMM, no accumulator, no optimizer state for it.
+
+Parameter names are then PEFT's, less its ``base_model.model.`` prefix and adapter name:
+``model.layers.0.self_attn.q_proj.lora_A.weight``. :func:`save_adapter` writes
+``adapter_model.safetensors`` and ``adapter_config.json`` that ``peft.PeftModel.from_pretrained``
+loads onto the Transformers base model; :func:`load_adapter` reads such a directory (PEFT's
+or ours) back. The dropout masks are fpdt's (:mod:`fpdt.ops.lora`), not the ones PEFT would
+draw; without dropout the numbers are PEFT's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections of a decoder layer that may carry an adapter (all by default)."""
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What :func:`add_lora` attaches: rank ``r``, ``alpha`` (default ``2 r``), dropout
+    probability, target projections (names from :data:`LORA_TARGETS`), rsLoRA scaling."""
+
+    rank: int
+    alpha: float | None = None
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    rslora: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank {self.rank!r} must be a positive integer")
+        if self.alpha is not None and not self.alpha > 0:
+            raise ValueError(f"LoRA alpha {self.alpha!r} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout {self.dropout!r} must be in [0, 1)")
+        targets = tuple(self.targets)
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if not targets or unknown or len(set(targets)) != len(targets):
+            raise ValueError(f"LoRA targets {list(targets)}: name each of {list(LORA_TARGETS)} at most once, "
+                             f"at least one")
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in targets))
+
+    @property
+    def lora_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def _projections(model: nn.Module, targets: tuple[str, ...]):
+    """``(layer index, name, nn.Linear)`` of every targeted projection, in layer order."""
+    for i, layer in enumerate(model.model.layers):
+        for name in targets:
+            owner = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+            yield i, name, getattr(owner, name)
+
+
+def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
+    """Attach LoRA adapters to ``model`` (a :class:`fpdt.model.FPDTForCausalLM`), freeze the rest.
+
+    ``lora_A`` is drawn from a CPU generator seeded with ``seed``, one projection after another
+    in layer order, so every rank draws the same adapters (as ZeRO-3 needs; the draws do not
+    depend on the world size). ``dtype``: the adapters' (default fp32, as PEFT keeps them on a
+    16-bit model; DeepSpeed's mixed precision casts them to the training dtype and keeps fp32
+    master copies). Returns ``model``, with ``model.lora`` set to ``spec``.
+    """
+    if getattr(model, "lora", None) is not None:
+        raise ValueError("the model already has LoRA adapters")
+    model.requires_grad_(False)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = dtype or torch.float32
+    for _, _, linear in _projections(model, spec.targets):
+        device = linear.weight.device
+        a = nn.Linear(linear.in_features, spec.rank, bias=False, device="cpu", dtype=torch.float32)
+        b = nn.Linear(spec.rank, linear.out_features, bias=False, device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5), generator=gen)   # nn.Linear's (and PEFT's) init
+            b.weight.zero_()
+        linear.lora_A = a.to(device=device, dtype=dtype)
+        linear.lora_B = b.to(device=device, dtype=dtype)
+        linear.lora_scaling = spec.scaling
+        linear.lora_dropout = spec.dropout
+    model.lora = spec
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (``....lora_A.weight`` / ``....lora_B.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under the model's own names (see the module docstring)."""
+    return {n: p for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def peft_adapter_config(spec: LoraSpec, base_model_name_or_path: str | None = None) -> dict:
+    """``adapter_config.json`` as PEFT writes it for these adapters (PEFT fills the fields it
+    does not find with its defaults)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.lora_alpha,
+        "lora_dropout": spec.dropout, "target_modules": list(spec.targets), "bias": "none",
+        "use_rslora": spec.rslora, "use_dora": False, "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
+    }
+
+
+def save_adapter(state: dict[str, torch.Tensor], spec: LoraSpec, path: str | os.PathLike, *,
+                 base_model_name_or_path: str | None = None, dtype: torch.dtype | None = None) -> None:
+    """Write ``state`` (:func:`adapter_state_dict`, or the adapters of a trained checkpoint) as a
+    PEFT adapter directory. ``dtype`` converts on the way out (default: as they are)."""
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    names = [n for n in state if is_adapter(n)]
+    if not names:
+        raise ValueError("no LoRA adapter tensors to save (names end in .lora_A.weight / .lora_B.weight)")
+    tensors = {PEFT_PREFIX + n: state[n].detach().to(device="cpu", dtype=dtype or state[n].dtype).contiguous()
+               for n in names}
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(peft_adapter_config(spec, base_model_name_or_path), f, indent=2)
+
+
+def read_adapter_config(path: str | os.PathLike) -> LoraSpec:
+    """The :class:`LoraSpec` of a PEFT adapter directory; refuses what fpdt does not compute."""
+    with open(os.path.join(os.fspath(path), ADAPTER_CONFIG)) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: a {cfg.get('peft_type')} adapter; fpdt trains plain LoRA")
+    for key, plain in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):
+        if cfg.get(key, plain) != plain:
+            raise ValueError(f"{path}: {key}={cfg[key]!r} is not plain LoRA, which is what fpdt computes")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("modules_to_save"):
+        raise ValueError(f"{path}: per-module ranks/alphas or modules_to_save are not supported")
+    targets = cfg.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    return LoraSpec(rank=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", 8)), dropout=float(cfg.get("lora_dropout", 0.0)),
+                    targets=tuple(targets), rslora=bool(cfg.get("use_rslora", False)))
+
+
+def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy a PEFT adapter directory's weights into ``model``'s adapters (attached with the
+    same :class:`LoraSpec`); refuses missing, unexpected or misshapen tensors."""
+    from safetensors.torch import load_file
+
+    spec = read_adapter_config(path)
+    if getattr(model, "lora", None) is None:
+        raise ValueError("the model has no LoRA adapters: fpdt.model.lora.add_lora(model, read_adapter_config(path)) "
+                         "first")
+    if (spec.rank, spec.targets) != (model.lora.rank, model.lora.targets):
+        raise ValueError(f"{path} holds rank {spec.rank} adapters on {list(spec.targets)}; the model's are rank "
+                         f"{model.lora.rank} on {list(model.lora.targets)}")
+    saved = {k.removeprefix(PEFT_PREFIX).replace(".default.", "."): v
+             for k, v in load_file(os.path.join(os.fspath(path), ADAPTER_WEIGHTS)).items()}
+    params = adapter_state_dict(model)
+    missing, unexpected = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match the model's adapters: missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            if saved[name].shape != p.shape:
+                raise ValueError(f"{path}: {name} is {tuple(saved[name].shape)}, the model's {tuple(p.shape)}")
+            p.copy_(saved[name])
