@@ -1,5 +1,47 @@
-"""The error ``fpdt.hf`` raises for what it cannot run as asked."""
+"""The error ``fpdt.hf`` raises for what it cannot run as asked, and raising it on every rank at once."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
 
 
 class FPDTHFError(ValueError):
     """A Transformers model, input or setting that ``fpdt.hf`` cannot honour; the message names the fix."""
+
+
+def refuse_on_every_rank(refusal: Exception | None, *, group: dist.ProcessGroup | None,
+                         device: torch.device) -> None:
+    """Return if no rank of ``group`` (None: the default group) refused this step; else raise
+    :class:`FPDTHFError` on every rank of it.
+
+    Every rank of ``group`` calls it once, with the error it would raise (None if its input was
+    fine), so that no rank leaves a step whose other ranks go on into the next collective (a
+    hang: ZeRO-3's parameter all-gathers, the next all-gather of the inputs). A rank that refused
+    raises its own message (the fix), chained to ``refusal``; the others raise one that names the
+    refusing ranks (global ranks) and carries their messages.
+
+    Cost when no rank refused: one all-reduce of one int32 on ``device`` (a CUDA device for
+    NCCL, the CPU for gloo) and one host read of its result. On a refusal the messages are
+    all-gathered as objects (:func:`torch.distributed.all_gather_object`).
+    """
+    flag = torch.tensor([refusal is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, group=group)          # SUM: how many ranks refused
+    if not flag.item():                         # host read: the step goes on only if none did
+        return
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if refusal is None else str(refusal), group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(messages)))
+    by_message: dict[str, list[int]] = {}
+    for r, message in zip(ranks, messages):
+        if message is not None:
+            by_message.setdefault(message, []).append(r)
+    refused = sorted(r for rs in by_message.values() for r in rs)
+    who = f"rank{'s' * (len(refused) > 1)} {', '.join(map(str, refused))} of {len(ranks)}"
+    if refusal is not None:
+        others = {m: rs for m, rs in by_message.items() if m != str(refusal)}
+        also = "".join(f"; rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {m}" for m, rs in others.items())
+        raise FPDTHFError(f"{refusal} [refused on {who}, every rank stops{also}]") from refusal
+    reasons = "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items())
+    raise FPDTHFError(f"{who} refused this step's inputs, so this rank stops too (its own were fine; going on "
+                      f"would leave it waiting in a collective): {reasons}")

@@ -66,7 +66,7 @@ from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv
                                plain_linears, register_settings)
 from fpdt.hf.adapters import lean_lora, read_parameters, read_projections
 from fpdt.hf.groups import TrainerGroup, resolve_group
-from fpdt.hf.padding import check_right_padding
+from fpdt.hf.padding import check_right_padding, whole_window_mask
 from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
 from fpdt.model.config import uses_sliding_window
@@ -296,13 +296,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
                               f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
         shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
-    if sp == 1 and attention_mask is not None and attention_mask.dim() == 2:
-        held = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        if attention_mask.shape != held:
-            raise FPDTHFError(f"the attention mask covers {attention_mask.shape[-1]} tokens but this rank holds "
-                              f"{held[-1]}: pass the mask of these tokens")
-        check_right_padding(attention_mask, shift_labels)    # this rank holds the whole window
-        attention_mask = None                    # all ones, or right padding the loss never sees
+    if sp == 1:
+        attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and self.training)
     if position_ids is None and sp > 1:
         raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
                           f"are not contiguous; use fpdt.hf.prepare_inputs")
@@ -310,9 +305,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         if input_ids is None:
             raise FPDTHFError("under the Trainer's sequence parallelism pass input_ids, not inputs_embeds (the "
                               "tokens are moved into fpdt's chunk layout by id)")
-        input_ids, position_ids, shift_labels = contiguous_to_fpdt_layout(
-            input_ids, position_ids, shift_labels, attention_mask, group=settings.sp_group, sp=sp, rank=rank,
-            num_chunks=settings.num_chunks)
+        input_ids, position_ids, shift_labels = contiguous_to_fpdt_layout(     # every rank of the job agrees
+            input_ids, position_ids, shift_labels, attention_mask, group=settings.sp_group, job_group=None, sp=sp,
+            rank=rank, num_chunks=settings.num_chunks)
         attention_mask = None                    # all ones over the window, or refused above
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:

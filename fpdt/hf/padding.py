@@ -5,14 +5,17 @@ of the ``attention_mask`` is ones, then zeros) a real token never sees a padded 
 real token's output is Transformers' own; only the padded queries' outputs differ (they see the
 padding before them, Transformers' mask hides it). Those never reach the loss when their
 targets are ``-100``, as a padding collator sets them. So a right-padding mask is accepted,
-checked on the whole window, and dropped; anything else is refused, naming the fix.
+checked on the whole window, and dropped; anything else is refused, naming the fix. Under the
+Trainer's data parallelism a refusal stops every rank, not the refusing one alone
+(:func:`whole_window_mask`, :func:`fpdt.hf.errors.refuse_on_every_rank`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from fpdt.hf.errors import FPDTHFError
+from fpdt.hf.errors import FPDTHFError, refuse_on_every_rank
 from fpdt.model.loss import IGNORE_INDEX
 
 
@@ -35,3 +38,30 @@ def check_right_padding(attention_mask: torch.Tensor, shift_labels: torch.Tensor
     if bool((shift_labels[~mask] != IGNORE_INDEX).any()):
         raise FPDTHFError("padded positions have targets other than -100: fpdt attention takes no mask, so their "
                           "outputs are not Transformers'; give the padding the label -100 (as padding collators do)")
+
+
+def whole_window_mask(attention_mask, ref: torch.Tensor | None, shift_labels, lockstep: bool):
+    """Without sequence parallelism (this rank holds whole windows): None for an ``attention_mask``
+    ``[B, S]`` fpdt computes exactly without it (:func:`check_right_padding`), else refused; a mask
+    that is not ``[B, S]`` passes through (the attention refuses what it cannot honour).
+
+    ``lockstep`` (training under the Trainer, where every rank of the job runs this forward each
+    step): with more than one process the refusal is collective (:func:`refuse_on_every_rank`,
+    one all-reduce of a flag every step, mask or not), so that the data-parallel ranks whose
+    windows were fine do not wait for this one in the next collective."""
+    refusal = None
+    if attention_mask is not None and attention_mask.dim() == 2:
+        held = ref.shape[:2]
+        try:
+            if attention_mask.shape != held:
+                raise FPDTHFError(f"the attention mask covers {attention_mask.shape[-1]} tokens but this rank holds "
+                                  f"{held[-1]}: pass the mask of these tokens")
+            check_right_padding(attention_mask, shift_labels)    # this rank holds the whole window
+        except FPDTHFError as e:
+            refusal = e
+        attention_mask = None                    # all ones, or right padding the loss never sees
+    if lockstep and ref is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        refuse_on_every_rank(refusal, group=None, device=ref.device)
+    elif refusal is not None:
+        raise refusal
+    return attention_mask

@@ -11,7 +11,11 @@ tokens. A model under ``apply_fpdt(model, group="trainer")`` fits that route:
 * its forward moves the token ids, positions and labels from the adapter's contiguous slices
   into FPDT's chunk layout (:func:`contiguous_to_fpdt_layout`: one all-gather of the integer
   inputs as int32, ``12 S`` bytes per rank for a window of ``S`` tokens (16 with a mask), twice
-  while it is assembled, once per forward and freed before the first layer);
+  while it is assembled, once per forward and freed before the first layer). What it refuses
+  (packed documents, padding other than right padding, a length the layout cannot cut) it
+  refuses on every rank of the job, every data-parallel replica included, after one all-reduce
+  of a refusal flag per step (:func:`refuse_on_every_rank`): a replica whose batch was fine
+  raises too, naming the refusing ranks and the fix, rather than waiting for them forever;
 * its loss is the global token mean on every rank, and its backward sums the Trainer's
   per-rank weights over the group (:func:`fpdt.model.loss.sum_gradient_over_group`), so the
   gradients are the global mean's whichever ranks hold the valid tokens;
@@ -22,7 +26,8 @@ tokens. A model under ``apply_fpdt(model, group="trainer")`` fits that route:
   checkpointed layer is recomputed in backward, outside the forward that switches the name).
 
 Without sequence parallelism (``sp_size=1``, data parallelism only) each rank runs FPDT's
-chunked layers over its own windows in a group of its own.
+chunked layers over its own windows in a group of its own; a padding mask it refuses is
+refused on every rank alike in training, as above.
 
 :func:`trainer_parallelism_config` builds the ``ParallelismConfig``; it needs no model, so
 ``TrainingArguments`` can come first and ZeRO-3 partition the weights as they load.
@@ -35,7 +40,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from fpdt.hf.attention import FPDTHFError
+from fpdt.hf.errors import FPDTHFError, refuse_on_every_rank
 from fpdt.hf.padding import check_right_padding
 from fpdt.layout.fpdt_layout import check_layout, shard
 
@@ -47,34 +52,65 @@ fpdt's chunked attention), though DeepSpeed wraps it."""
 
 def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None,
                               attention_mask: torch.Tensor | None = None, *,
-                              group: dist.ProcessGroup | None, sp: int, rank: int,
-                              num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                              group: dist.ProcessGroup | None, job_group: dist.ProcessGroup | None, sp: int,
+                              rank: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's ``input_ids``, ``position_ids`` and ``labels`` ``[B, S / P]`` in contiguous
-    slices (rank ``r`` holds tokens ``[r S / P, (r + 1) S / P)`` of the window) -> the same
-    tokens' slices in the FPDT layout (:mod:`fpdt.layout.fpdt_layout`, ``num_chunks`` chunks per
-    rank); dtypes kept, ``labels`` may be None.
+    slices (rank ``r`` of ``group`` holds tokens ``[r S / P, (r + 1) S / P)`` of the window) -> the
+    same tokens' slices in the FPDT layout (:mod:`fpdt.layout.fpdt_layout`, ``num_chunks`` chunks
+    per rank); dtypes kept, ``labels`` may be None.
 
-    Refuses, on every rank alike, position ids that restart or do not increase over the window
-    (packed documents) and an ``attention_mask`` ``[B, S / P]`` other than right padding with
-    targets -100 (:func:`fpdt.hf.padding.check_right_padding`), which fpdt attention cannot
-    honour; the mask itself is not returned (the attention needs none)."""
+    Refuses slices of different shapes, a window length ``S`` not divisible by ``P * num_chunks``,
+    position ids that restart or do not increase over the window (packed documents) and an
+    ``attention_mask`` ``[B, S / P]`` other than right padding with targets -100
+    (:func:`fpdt.hf.padding.check_right_padding`), which fpdt attention cannot honour; the mask
+    itself is not returned (the attention needs none).
+
+    Collective over ``job_group``: every rank of it (the default group with None: the whole job,
+    every data-parallel replica's sequence-parallel group) must call this in the same step, as
+    the Trainer's ranks do. A refusal is never one rank's or one replica's alone, which would
+    leave the other replicas waiting in their next collective: when any rank refuses, every rank
+    of ``job_group`` raises :class:`FPDTHFError` (:func:`refuse_on_every_rank`), a refusing rank
+    with its own message, the others naming the refusing ranks and their messages (the fix).
+    The shape checks run before the all-gather over ``group``, which they skip on failure:
+    DeepSpeed's data adapter cuts one window into equal slices, so they fail on all of a
+    group's ranks alike (the all-gather needs equal shapes anyway).
+
+    Cost: one all-gather over ``group`` and, over ``job_group``, one all-reduce of one int32 on
+    ``input_ids``' device with one host read of it; the messages are gathered only on a refusal.
+    """
     tensors = [t for t in (input_ids, position_ids, labels, attention_mask) if t is not None]
-    shape = input_ids.shape
+    refusal: ValueError | None = None
+    local = None
+    try:
+        _check_slices(tensors, sp, num_chunks)
+    except ValueError as e:         # FPDTHFError, or check_layout's ValueError
+        refusal = e
+    else:
+        # int32 on the wire (ids, positions, labels and mask all fit): 4 n bytes per token of the window
+        stacked = torch.stack([t.to(torch.int32) for t in tensors])              # [n, B, S / P]
+        slices = [torch.empty_like(stacked) for _ in range(sp)]
+        dist.all_gather(slices, stacked.contiguous(), group=group)
+        window = torch.cat(slices, dim=-1)                                       # [n, B, S]
+        del slices
+        try:
+            check_increasing_positions(window[1])
+            if attention_mask is not None:  # right padding with -100 targets is exact without the mask
+                check_right_padding(window[-1], window[2] if labels is not None else None)
+        except FPDTHFError as e:
+            refusal = e
+        else:
+            local = [x.to(t.dtype) for x, t in zip(shard(window, sp, num_chunks, rank, dim=-1).unbind(0), tensors)]
+    refuse_on_every_rank(refusal, group=job_group, device=input_ids.device)
+    return local[0], local[1], (local[2] if labels is not None else None)
+
+
+def _check_slices(tensors: list[torch.Tensor], sp: int, num_chunks: int) -> None:
+    """Refuse slices ``[B, S / P]`` of different shapes, or a window ``S`` the layout cannot cut."""
+    shape = tensors[0].shape
     if any(t.shape != shape for t in tensors):
         raise FPDTHFError(f"input_ids, position_ids and labels of shapes {[tuple(t.shape) for t in tensors]} are not "
                           f"slices of one window")
     check_layout(shape[-1] * sp, sp, num_chunks)
-    # int32 on the wire (ids, positions, labels and mask all fit): 4 n bytes per token of the window
-    stacked = torch.stack([t.to(torch.int32) for t in tensors])                  # [n, B, S / P]
-    slices = [torch.empty_like(stacked) for _ in range(sp)]
-    dist.all_gather(slices, stacked.contiguous(), group=group)
-    window = torch.cat(slices, dim=-1)                                           # [n, B, S]
-    del slices
-    check_increasing_positions(window[1])
-    if attention_mask is not None:      # right padding with -100 targets is exact without the mask
-        check_right_padding(window[-1], window[2] if labels is not None else None)
-    local = [x.to(t.dtype) for x, t in zip(shard(window, sp, num_chunks, rank, dim=-1).unbind(0), tensors)]
-    return local[0], local[1], (local[2] if labels is not None else None)
 
 
 def check_increasing_positions(position_ids: torch.Tensor) -> None:
