@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"rate is the calibration's for it when op_latency.py --backends timed it, else the "
                         f"calibration's (automatic kernel's) or the datasheet's")
     p.add_argument("--lora-rank", type=int, metavar="R",
-                   help="LoRA fine-tuning (fpdt.hf with PEFT): adapters of rank R on every decoder linear, the "
-                        "rest frozen (default: full training)")
+                   help="LoRA fine-tuning (fpdt-train --lora-rank, or fpdt.hf with PEFT): adapters of rank R on "
+                        "every decoder linear, the rest frozen (default: full training)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16")
     p.add_argument("--batch", type=int, help="sequences per SP group per step (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -123,7 +123,8 @@ def render(out: dict) -> str:
         f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
         f"--checkpoint {r['checkpoint']} --checkpoint-device-layers {r['checkpoint_device_layers']} "
         f"{'--offload' if r['offload'] else '--no-offload'} "
-        f"--lm-head-wgrad {r['lm_head_wgrad']}" if r
+        f"--lm-head-wgrad {r['lm_head_wgrad']}"
+        + (f" --lora-rank {r['lora_rank']}" if r.get("lora_rank") else "") if r
         else "nothing fits at this length"))
     return "\n".join(lines)
 

@@ -196,8 +196,8 @@ def _with_device_layers(cfg: ModelConfig, r: dict, cluster: Cluster) -> dict | N
     over the offloaded layers)."""
     s = Setup(**r["setup"])
     offloaded = cfg.num_layers - s.checkpoint_device_layers
-    if r["fits"] or r["limited_by"] != "host" or s.checkpoint != "offload" or offloaded == 0 or s.lora_rank:
-        return None     # (LoRA runs through fpdt.hf, whose checkpoint offload has no device tier)
+    if r["fits"] or r["limited_by"] != "host" or s.checkpoint != "offload" or offloaded == 0:
+        return None
     per_layer = r["breakdown"]["checkpoints_host"] / offloaded          # bytes per node
     k = s.checkpoint_device_layers + math.ceil((r["host_peak_bytes"] - r["host_capacity_bytes"]) / per_layer)
     while k <= cfg.num_layers:      # (one more if rounding left the host a few bytes over)
@@ -233,7 +233,7 @@ def _recommended(r: dict | None) -> dict | None:
         return None
     s = r["setup"]
     return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint",
-                              "checkpoint_device_layers", "offload", "lm_head_wgrad")}
+                              "checkpoint_device_layers", "offload", "lm_head_wgrad", "lora_rank")}
 
 
 def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict:

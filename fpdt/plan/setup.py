@@ -126,9 +126,6 @@ class Setup:
             out.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         if self.lora_rank < 0:
             out.append(f"lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
-        if self.lora_rank and self.checkpoint_device_layers:
-            out.append("LoRA runs through fpdt.hf, whose checkpoint offload keeps every layer input on the host: "
-                       "checkpoint_device_layers must be 0")
         if self.zero_stage not in (0, 1, 2, 3):
             out.append(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         if self.offload_param and self.zero_stage != 3:
