@@ -11,7 +11,8 @@ Modules (nothing outside ``fpdt.train`` imports this package or DeepSpeed):
 * :mod:`~fpdt.train.loop`       -- the optimizer-step loop and its loss scaling
 * :mod:`~fpdt.train.metrics`    -- FLOPs, MFU, TGS
 * :mod:`~fpdt.train.progress`   -- tqdm bar and JSON-lines log
+* :mod:`~fpdt.train.lora`       -- LoRA fine-tuning: flags, checks, adapters, what checkpoints record
 * :mod:`~fpdt.train.checkpoint` -- save / resume
-* :mod:`~fpdt.train.export`     -- training checkpoint -> Hugging Face checkpoint
+* :mod:`~fpdt.train.export`     -- training checkpoint -> Hugging Face checkpoint (PEFT adapter for LoRA)
 * :mod:`~fpdt.train.cli`        -- ``fpdt-train`` (``python -m fpdt.train``)
 """

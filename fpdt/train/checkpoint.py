@@ -4,15 +4,23 @@ Layout of ``--save-dir DIR``::
 
     DIR/latest                       tag of the newest checkpoint (written by DeepSpeed)
     DIR/config.json                  the model's HF config (for fpdt-export)
+    DIR/adapter_config.json          a LoRA run's PEFT adapter config (fpdt-export then writes
+                                     an adapter directory)
     DIR/tokenizer.json               copied from the model directory, when there is one
     DIR/step<N>/                     DeepSpeed's files for optimizer step N (ZeRO shards,
                                      optimizer and scheduler state, fp32 master weights)
     DIR/step<N>/fpdt_trainer_rank<r>.pt   per rank: steps done, run shape, RNG states
 
 Resuming restores the model, optimizer and scheduler through ``engine.load_checkpoint``
-and the RNG states from the trainer file. The data position needs no state: the windows
+and, right before the first step, the RNG states from the trainer file. The data position needs no state: the windows
 of step ``t`` are a pure function of ``t`` and the run shape (:mod:`fpdt.train.data`), so
 the next step sees exactly the windows it would have seen without the interruption.
+
+A LoRA run (:mod:`fpdt.train.lora`) saves with ``exclude_frozen_parameters``: the adapters,
+their optimizer state and fp32 master copies, not the frozen base, which the resumed run
+reads again from ``--model`` or draws again from ``--seed``. Its resume loads the module
+state non-strictly, and :func:`_adapters_only` checks that exactly the frozen parameters
+were left out. The trainer file records the LoRA spec (``"lora"``; None for full training).
 """
 
 from __future__ import annotations
@@ -53,32 +61,47 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def write_model_files(save_dir: str, hf_config: dict, tokenizer_path: str | None) -> None:
-    """Rank 0: the model config (and tokenizer) next to the checkpoints, for export."""
+def write_model_files(save_dir: str, hf_config: dict, tokenizer_path: str | None, lora=None,
+                      base_model: str | None = None) -> None:
+    """Rank 0: the model config (and tokenizer) next to the checkpoints, for export. A LoRA
+    run (``lora``: its :class:`fpdt.model.LoraSpec`) adds PEFT's ``adapter_config.json``
+    (``base_model_name_or_path``: ``base_model``); a full run removes one left by an earlier
+    LoRA run in the same directory."""
     import json
+
+    from fpdt.model.lora import ADAPTER_CONFIG, peft_adapter_config
 
     os.makedirs(save_dir, exist_ok=True)
     with open(os.path.join(save_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
+    adapter_config = os.path.join(save_dir, ADAPTER_CONFIG)
+    if lora is not None:
+        with open(adapter_config, "w") as f:
+            json.dump(peft_adapter_config(lora, base_model), f, indent=2)
+    elif os.path.isfile(adapter_config):
+        os.remove(adapter_config)
     if tokenizer_path and os.path.isfile(tokenizer_path):
         shutil.copyfile(tokenizer_path, os.path.join(save_dir, "tokenizer.json"))
 
 
-def save(engine, save_dir: str, step: int, rank: int, run_info: dict[str, Any], precision: str | None = None) -> str:
+def save(engine, save_dir: str, step: int, rank: int, run_info: dict[str, Any], precision: str | None = None,
+         lora: dict[str, Any] | None = None) -> str:
     """Save optimizer step ``step`` (collective: every rank calls it). Returns the tag dir.
 
     ``precision`` (``"bf16"``/``"fp16"``/``"fp32"``) and the world size are stored in the
     trainer file so that a resume with another precision or process count is refused
-    before DeepSpeed starts (:func:`inspect`).
+    before DeepSpeed starts (:func:`inspect`). ``lora``: a LoRA run's record
+    (:func:`fpdt.train.lora.record`); the frozen parameters are then not saved.
     """
     tag = tag_for(step)
-    engine.save_checkpoint(save_dir, tag=tag, client_state={"fpdt_step": step})
+    engine.save_checkpoint(save_dir, tag=tag, client_state={"fpdt_step": step, "fpdt_lora": lora},
+                           exclude_frozen_parameters=lora is not None)
     tag_dir = os.path.join(save_dir, tag)
     os.makedirs(tag_dir, exist_ok=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
     torch.save({"step": step, "run": run_info, "rng": rng_state(), "precision": precision, "world_size": world,
-                "zero_stage": stage},
+                "zero_stage": stage, "lora": lora},
                os.path.join(tag_dir, TRAINER_FILE.format(rank=rank)))
     dist.barrier()
     return tag_dir
@@ -98,20 +121,36 @@ def resolve(path: str) -> tuple[str, str]:
                       f"{TRAINER_FILE.format(rank=0)}); pass the --save-dir of a run or one of its step<N> dirs")
 
 
-def load(engine, path: str, rank: int) -> dict[str, Any]:
-    """Restore engine and RNG from ``--resume PATH``; returns the trainer state
-    (``{"step", "run", "rng"}``)."""
+def load(engine, path: str, rank: int, lora: bool = False) -> dict[str, Any]:
+    """Restore the engine from ``--resume PATH``; returns the trainer state (``{"step", "run",
+    "rng", "lora", ...}``). The caller restores ``state["rng"]`` (:func:`set_rng_state`) right
+    before the first step, after any set-up that draws random numbers (LoRA dropout draws its
+    masks' seeds from the default generator, so the next step's masks depend on it).
+    ``lora``: the checkpoint left the frozen parameters out (the engine's model has them)."""
     save_dir, tag = resolve(path)
     trainer_file = os.path.join(save_dir, tag, TRAINER_FILE.format(rank=rank))
     if not os.path.isfile(trainer_file):
         raise ConfigError(f"--resume {path}: {trainer_file} is missing; resume with the same number of "
                           f"processes that saved the checkpoint")
-    load_path, _ = engine.load_checkpoint(save_dir, tag=tag)
+    if lora:
+        load_path, _ = engine.load_checkpoint(save_dir, tag=tag, load_module_strict=False, custom_load_fn=_adapters_only)
+    else:
+        load_path, _ = engine.load_checkpoint(save_dir, tag=tag)
     if load_path is None:
         raise ConfigError(f"--resume {path}: DeepSpeed found no checkpoint under tag {tag!r}")
-    state = torch.load(trainer_file, weights_only=False)
-    set_rng_state(state["rng"])
-    return state
+    return torch.load(trainer_file, weights_only=False)
+
+
+def _adapters_only(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """DeepSpeed's module load for a checkpoint saved without its frozen parameters: a
+    non-strict ``load_state_dict`` that refuses any other missing or unexpected key."""
+    result = dst.load_state_dict(src, strict=False)
+    frozen = {n for n, p in dst.named_parameters() if not p.requires_grad}
+    missing = sorted(set(result.missing_keys) - frozen)
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"the checkpoint's model state does not match this model beyond its frozen parameters: "
+                          f"missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}; resume with "
+                          f"the --lora-* flags and model it was trained with")
 
 
 def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -142,6 +181,9 @@ class SavedCheckpoint:
     """``"bf16"``/``"fp16"``/``"fp32"``, or ``None`` when unknown (older checkpoints that are not bf16)."""
     run: dict[str, Any]
     """The run shape stored with it (see ``cli.run_info``)."""
+    lora: dict[str, Any] | None = None
+    """A LoRA run's :func:`fpdt.train.lora.record`; None for full training (and checkpoints
+    written before LoRA existed, which all trained every weight)."""
 
     @property
     def tag_dir(self) -> str:
@@ -192,7 +234,7 @@ def inspect(path: str, zero_stage: int | None = None) -> SavedCheckpoint:
     if precision is None and any(n.startswith("bf16_zero_pp_rank_") for n in names):
         precision = "bf16"
     return SavedCheckpoint(save_dir=save_dir, tag=tag, step=int(state["step"]), world_size=world,
-                           precision=precision, run=dict(state.get("run") or {}))
+                           precision=precision, run=dict(state.get("run") or {}), lora=state.get("lora"))
 
 
 def _check_rank_files(path: str, save_dir: str, tag: str, kinds: dict[tuple[str, str, str], set[int]],

@@ -11,6 +11,9 @@ Order of set-up (each step needs the previous one):
 3. the model (seeded, so every rank builds the same random weights);
 4. ``deepspeed.initialize`` (ZeRO partitions the model here, unless it already is: see
    :func:`build_model`), resume, train, save.
+
+With ``--lora-rank`` (or ``--lora-init``) step 3 attaches LoRA adapters and freezes the rest
+(:mod:`fpdt.train.lora`); the memory check, the FLOPs, the checkpoints and the export follow.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
 from fpdt.plan import trainer_run
-from fpdt.train import checkpoint, preflight, zero, zero_load
+from fpdt.train import checkpoint, lora, preflight, zero, zero_load
 from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
 from fpdt.train.data import Windows, bin_dtype_for_vocab, check_vocab, load_tokens
@@ -91,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--checkpoint", choices=["off", "on", "offload"],
                    help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
                         "default: offload with CUDA, off elsewhere)")
+    lora.add_arguments(p)
     r = p.add_argument_group("run")
     r.add_argument("--deepspeed", metavar="JSON",
                    help="DeepSpeed config (optimizer, precision, ZeRO, ...; default: ZeRO-3, AdamW lr 1e-3, "
@@ -109,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-last", type=int, default=0, metavar="N",
                    help="after each save keep only the newest N checkpoints (never the one 'latest' names; "
                         "default 0: keep all)")
-    r.add_argument("--export-hf", metavar="DIR", help="at the end, also write a Hugging Face checkpoint (needs --save-dir)")
+    r.add_argument("--export-hf", metavar="DIR",
+                   help="at the end, also write a Hugging Face checkpoint, or for a LoRA run a PEFT adapter "
+                        "directory (needs --save-dir)")
     r.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
                    help="skip (do not apply) up to N steps whose loss is not finite; default 0: stop at the first, "
                         "naming the step and the last good checkpoint")
@@ -153,8 +159,10 @@ def model_dir(args: argparse.Namespace) -> str:
 
 
 def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: ParallelState, dtype: torch.dtype,
-                ds_config: dict[str, Any] | None = None):
-    """The FPDT model in ``dtype``.
+                ds_config: dict[str, Any] | None = None, lora_spec=None):
+    """The FPDT model in ``dtype``; with ``lora_spec`` (:func:`fpdt.train.lora.spec_from_args`)
+    LoRA adapters attached to it (in ``dtype``, seeded with ``--seed``, or ``--lora-init``'s)
+    and every other parameter frozen, on each of the three paths below.
 
     * ``--model DIR`` with ZeRO-3 in ``ds_config``: built under ``deepspeed.zero.Init`` and
       the checkpoint streamed in one tensor at a time (:mod:`fpdt.train.zero_load`), so a
@@ -177,11 +185,15 @@ def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: Par
               backend=opts.attention_backend, checkpoint_device_layers=opts.checkpoint_device_layers)
     kw.update(mesh=ps.mesh) if ps.mesh is not None else kw.update(group=ps.sp_group)
     torch.manual_seed(args.seed)  # same random weights on every rank
-    if args.model:
-        if ds_config is not None and ds_zero_stage(ds_config) == 3:
-            return zero_load.from_pretrained_zero3(args.model, ds_config, dtype=dtype, device=ps.device, **kw)
-        return fm.from_pretrained(args.model, dtype=dtype, **kw)
-    return fm.from_config(args.model_config, dtype=dtype, **kw)
+    if args.model and ds_config is not None and ds_zero_stage(ds_config) == 3:
+        model = zero_load.from_pretrained_zero3(args.model, ds_config, dtype=dtype, device=ps.device, **kw)
+    elif args.model:
+        model = fm.from_pretrained(args.model, dtype=dtype, **kw)
+    else:
+        model = fm.from_config(args.model_config, dtype=dtype, **kw)
+    if lora_spec is not None:
+        lora.attach(model, lora_spec, seed=args.seed, dtype=dtype, init=args.lora_init)
+    return model
 
 
 def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> tuple[Windows, str | None]:
@@ -207,39 +219,43 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     """Everything ``fpdt-train`` does; returns this rank's step records."""
     # 1. everything that needs no process group: flags, configs, model source, data, checkpoint
     _check_args(args)
+    lora_spec = lora.spec_from_args(args)
+    lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed)
     device = pick_device()
     ds_config, section = load_ds_config(args.deepspeed, device.type)
     opts = merge_options(fpdt_flags(args), section)
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
-    source = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers)
+    source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec)
     kernel = preflight.attention_kernel(opts.attention_backend, device, DTYPES[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
 
     # 2. process groups
     timeout = timedelta(minutes=args.dist_timeout_min)
     init_distributed(device, timeout)
-    memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa)
+    memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
+                          lora_rank=lora_spec.rank if lora_spec else 0)
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
                               timeout=timeout)
 
     # 3. model, engine, resume
-    model = build_model(args, opts, plan, ps, DTYPES[dtype_name], ds_config)
+    model = build_model(args, opts, plan, ps, DTYPES[dtype_name], ds_config, lora_spec)
     hf_config = model.config.to_hf()
     engine = zero.build_engine(model, ds_config)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     info = run_info(args, plan, micro, gas)
-    start = 0
+    start, rng = 0, None
     if args.resume:
-        state = checkpoint.load(engine, args.resume, ps.rank)
-        start = state["step"]
+        state = checkpoint.load(engine, args.resume, ps.rank, lora=lora_spec is not None)
+        start, rng = state["step"], state["rng"]
         for diff in checkpoint.check_same_run(state["run"], info):
             _say(ps, f"warning: the resumed run differs from the saved one, so its next step is not the "
                      f"one the saved run would have taken ({diff})")
     if args.save_dir and ps.is_main:
-        checkpoint.write_model_files(args.save_dir, hf_config, tokenizer)
+        checkpoint.write_model_files(args.save_dir, hf_config, tokenizer, lora_spec,
+                                     os.path.abspath(args.model) if args.model else None)
 
     # 4. train
     peak, peak_src = resolve_peak_flops(device, dtype_name, args.peak_tflops)
@@ -249,18 +265,22 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
              f"checkpoint={plan.checkpoint} attention={kernel.name} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"windows={windows.num_windows} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})")
-    for line in memory.lines:
+    for line in memory.lines + tuple(f"warning: {n}" for n in notes):
         _say(ps, line)
+    if lora_spec is not None:
+        _say(ps, lora.describe(model, lora_spec, args.lora_init))
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
-                    mem_accounting=args.mem_accounting)
-    saver = Saver(args, engine, ps, info, dtype_name, progress)
+                    mem_accounting=args.mem_accounting, lora=lora_spec)
+    saver = Saver(args, engine, ps, info, dtype_name, progress, lora_record)
 
     def on_step_end(done: int) -> None:
         if args.save_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             saver.save(done)
 
+    if rng is not None:
+        checkpoint.set_rng_state(rng)   # last: the set-up above may draw (e.g. the CPU peak's matmuls)
     try:
         records = run_steps(engine, windows, spec, start, args.steps, progress, on_step_end)
     except NonFiniteStep as e:
@@ -282,21 +302,26 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     return records
 
 
-def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, Any],
-                     dtype_name: str, device_layers: int = 0) -> preflight.ModelSource:
-    """The checks of :mod:`fpdt.train.preflight` for this run (before any process group)."""
+def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, Any], dtype_name: str,
+                     device_layers: int = 0, lora_spec=None) -> tuple[preflight.ModelSource, list[str]]:
+    """The checks of :mod:`fpdt.train.preflight` and :mod:`fpdt.train.lora` for this run
+    (before any process group). Returns the model source and warnings to print."""
     source = preflight.model_source(args.model, args.model_config)
+    lora.check_plan(lora_spec, plan.mlp_chunks, source.config_path, source.config, args.lora_init)
     preflight.check_heads(source.config, plan.hp, source.config_path, "--sp" if plan.cp == 1 else "--hp")
     preflight.check_device_layers(source.config, device_layers, source.config_path)
     preflight.check_batch_size(ds_config, plan.world_size)
     preflight.check_save_dir(args.save_dir)
     preflight.check_output_file("--log-json", args.log_json)
     preflight.check_skip_nonfinite(args.skip_nonfinite, ds_config, plan.world_size)
+    notes = []
     if args.resume:
-        preflight.check_resume(args.resume, steps=args.steps, world_size=plan.world_size, precision=dtype_name,
-                               model=source, zero_stage=ds_zero_stage(ds_config),
-                               default_config=args.deepspeed is None)
-    return source
+        saved = preflight.check_resume(args.resume, steps=args.steps, world_size=plan.world_size, precision=dtype_name,
+                                       model=source, zero_stage=ds_zero_stage(ds_config),
+                                       default_config=args.deepspeed is None)
+        notes = lora.check_resume(args.resume, saved.lora,
+                                  lora.record(lora_spec, args.model, args.model_config, args.seed))
+    return source, notes
 
 
 @dataclass(frozen=True)
@@ -315,20 +340,23 @@ class MemoryCheck:
 
 
 def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, ds_config: dict[str, Any],
-                 dtype_name: str, device: torch.device, kernel_expands_gqa: bool | None = None) -> MemoryCheck:
+                 dtype_name: str, device: torch.device, kernel_expands_gqa: bool | None = None,
+                 lora_rank: int = 0) -> MemoryCheck:
     """The host check of :mod:`fpdt.plan.trainer_run`, decided once for all ranks on the
     node whose offload exceeds its available memory the most (every rank reaches the one
     collective and raises the same :class:`ConfigError`), and on CUDA the device-memory
     warning and the planner's settings. A run the planner's model cannot describe is not
-    stopped: it goes on without them, with a note."""
+    stopped: it goes on without them, with a note. ``lora_rank``: a LoRA run's, predicted as
+    such (:func:`fpdt.train.preflight.memory_estimate`); the planner's suggested settings on
+    CUDA are still searched for full training."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else None
     ranks = trainer_run.ranks_on_this_node(plan.world_size, gpus)
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     available = float(psutil.virtual_memory().available)
     est, notes, parts = None, [], {}
     try:
-        est = trainer_run.estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks,
-                                   kernel_expands_gqa)
+        est = preflight.memory_estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks,
+                                        kernel_expands_gqa, lora_rank)
         parts = trainer_run.host_offload_bytes(est)
     except Exception as e:  # noqa: BLE001 -- a limit of the planner's model never stops a run the trainer can run
         notes.append(f"note: fpdt-plan's model cannot describe this run ({type(e).__name__}: {e}); no memory "
@@ -374,14 +402,16 @@ class Saver:
     remembers the last one for error messages."""
 
     def __init__(self, args: argparse.Namespace, engine, ps: ParallelState, info: dict[str, Any], precision: str,
-                 progress: Progress) -> None:
+                 progress: Progress, lora_record: dict[str, Any] | None = None) -> None:
         self.args, self.engine, self.ps, self.info, self.precision = args, engine, ps, info, precision
+        self.lora_record = lora_record
         self.progress = progress
         self.saved: set[int] = set()
         self.last: str | None = None
 
     def save(self, step: int) -> None:
-        tag_dir = checkpoint.save(self.engine, self.args.save_dir, step, self.ps.rank, self.info, self.precision)
+        tag_dir = checkpoint.save(self.engine, self.args.save_dir, step, self.ps.rank, self.info, self.precision,
+                                  self.lora_record)
         self.saved.add(step)
         self.last = tag_dir
         if not self.ps.is_main:

@@ -6,6 +6,11 @@ Reads the fp32 master weights of a ``fpdt-train --save-dir`` checkpoint (any ZeR
 the shards are merged on the host, no GPU or process group needed), and writes
 ``config.json`` + safetensors that ``transformers`` loads, plus the tokenizer files found
 next to the checkpoint.
+
+A LoRA run's save dir holds ``adapter_config.json`` (written by fpdt-train) and checkpoints
+of the adapters only; its export is a PEFT adapter directory (``adapter_config.json`` +
+``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(base, OUT_DIR)`` loads
+onto the Transformers base model (``base_model_name_or_path``: the run's ``--model``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import sys
 import zipfile
 
 import torch
+
+from fpdt.model.lora import ADAPTER_CONFIG
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -74,11 +81,14 @@ def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype
     config = os.path.join(save_dir, "config.json")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{config} is missing: export needs the config.json fpdt-train writes to --save-dir")
-    model = from_config(config, device="meta")
     state = fp32_state_dict(save_dir, tag)
-    load_hf_state_dict(model, {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")})
-    model.reset_rope()
-    save_pretrained(model, out_dir, dtype=dtype)
+    if os.path.isfile(os.path.join(save_dir, ADAPTER_CONFIG)):
+        export_adapter(save_dir, config, state, out_dir, dtype)
+    else:
+        model = from_config(config, device="meta")
+        load_hf_state_dict(model, {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")})
+        model.reset_rope()
+        save_pretrained(model, out_dir, dtype=dtype)
     for name in TOKENIZER_FILES:
         src = os.path.join(save_dir, name)
         if os.path.isfile(src):
@@ -86,10 +96,34 @@ def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype
     return out_dir
 
 
+def export_adapter(save_dir: str, config: str, state: dict[str, torch.Tensor], out_dir: str,
+                   dtype: torch.dtype | None = None) -> None:
+    """Write the adapters of a LoRA run's checkpoint ``state`` as a PEFT adapter directory,
+    after checking that they are exactly the ones the save dir's spec puts on its model."""
+    import json
+
+    from fpdt.model.lora import is_adapter, read_adapter_config, save_adapter
+    from fpdt.train.lora import adapter_shapes
+    from fpdt.train.preflight import read_model_config
+
+    spec = read_adapter_config(save_dir)
+    with open(os.path.join(save_dir, ADAPTER_CONFIG)) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    adapters = {k: v for k, v in state.items() if is_adapter(k)}
+    want = adapter_shapes(read_model_config(config), spec)
+    wrong = sorted(set(want) ^ set(adapters)) + [k for k in want if k in adapters and tuple(adapters[k].shape) != want[k]]
+    if wrong:
+        raise ValueError(f"{save_dir}: the checkpoint's adapters do not match its {ADAPTER_CONFIG} (e.g. {wrong[0]}); "
+                         f"export another checkpoint with --tag (one of {', '.join(_tags(save_dir))})")
+    save_adapter(adapters, spec, out_dir, base_model_name_or_path=base, dtype=dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fpdt-export", description="Hugging Face checkpoint from an fpdt-train checkpoint")
+    p = argparse.ArgumentParser(prog="fpdt-export", description="Hugging Face checkpoint from an fpdt-train checkpoint "
+                                                                 "(a PEFT adapter directory for a LoRA run)")
     p.add_argument("save_dir", help="the --save-dir of an fpdt-train run")
-    p.add_argument("out_dir", help="where to write config.json + safetensors")
+    p.add_argument("out_dir", help="where to write config.json + safetensors (LoRA: adapter_config.json + "
+                                   "adapter_model.safetensors)")
     p.add_argument("--tag", help="checkpoint to export, e.g. step100 (default: the newest)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype of the saved weights")
     args = p.parse_args(argv)

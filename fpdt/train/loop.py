@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,8 @@ class LoopSpec:
     """Steps with a non-finite loss that may be skipped (``--skip-nonfinite``); 0: stop at the first."""
     mem_accounting: bool = True
     """Count the step's device working set on the CPU (see the module docstring); no effect on CUDA."""
+    lora: Any = None
+    """A LoRA run's :class:`fpdt.model.LoraSpec` (its FLOPs are counted as such, :mod:`fpdt.train.metrics`)."""
 
 
 class NonFiniteStep(RuntimeError):
@@ -137,7 +139,7 @@ def train_step(engine, windows: Windows, spec: LoopSpec, step: int) -> StepRecor
     loss, mem = _reduce_stats(loss_sum, region.peaks, spec)
     tokens = spec.plan.seq_len * spec.micro_batch * spec.grad_accum * ps.dp
     rates = step_rates(spec.shape, spec.plan.seq_len, tokens, seconds, ps.world_size,
-                       spec.peak_flops, spec.recompute)
+                       spec.peak_flops, spec.recompute, lora=spec.lora)
     norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
     return StepRecord(step=step + 1, loss=loss, lr=lr, tokens=tokens, step_time_s=seconds,
                       tokens_per_s=rates.tokens_per_s, tgs=rates.tgs, mfu=rates.mfu, mfu_full=rates.mfu_full,

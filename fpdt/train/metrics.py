@@ -27,6 +27,19 @@ recomputed layer forward, ``l * [...]`` once more, when checkpointing is on.
 ``tokens_per_second`` counts every token of every sequence trained in the step
 (``B * S * dp * grad_accum`` per optimizer step); the SP ranks of a group share a
 sequence, so a sequence's tokens are counted once.
+
+**LoRA** (``lora=``, a :class:`fpdt.model.LoraSpec`): the frozen projections and LM head
+get no weight gradient, so their weight-gradient GEMMs (one forward's worth each) are not
+counted; their input gradients, the attention's backward and the adapters' own work are.
+An adapter of rank r on a projection ``in -> out`` costs ``A(r) = 2 r (in + out)`` forward
+FLOPs per token and three times that in training (forward, input and weight gradients)::
+
+    F_train_lora = 3 * F_fwd - l * [q, k, v, o, gate, up, down terms above] - 2*h*V
+                   + 3 * l * sum over targeted projections of A(r)
+
+(the same count as ``fpdt-plan``'s LoRA MFU, which leaves out the adapters' small term).
+HFU adds the recomputed layer forward with its adapters, ``l * ([...] + sum A(r))``.
+Elementwise work (dropout, the scaling) is not counted, as the norms and SwiGLU are not.
 """
 
 from __future__ import annotations
@@ -81,11 +94,26 @@ def forward_flops_per_token(m: ModelShape, seq_len: int, causal: bool = True) ->
     return m.num_layers * layer + 2 * m.hidden_size * m.vocab_size
 
 
-def train_flops_per_token(m: ModelShape, seq_len: int, causal: bool = True, recompute: bool = False) -> float:
-    """FLOPs of forward + backward per token; ``recompute`` adds one layer forward (HFU)."""
+def adapter_flops(m: ModelShape, lora) -> float:
+    """Forward FLOPs of one token through one layer's LoRA adapters: ``2 r (in + out)`` per
+    targeted projection (``lora``: a :class:`fpdt.model.LoraSpec`, or None: 0)."""
+    if lora is None:
+        return 0.0
+    h, qd, kvd, inter = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
+    widths = {"q_proj": h + qd, "k_proj": h + kvd, "v_proj": h + kvd, "o_proj": qd + h,
+              "gate_proj": h + inter, "up_proj": h + inter, "down_proj": inter + h}
+    return 2 * lora.rank * sum(widths[t] for t in lora.targets)
+
+
+def train_flops_per_token(m: ModelShape, seq_len: int, causal: bool = True, recompute: bool = False,
+                          lora=None) -> float:
+    """FLOPs of forward + backward per token; ``recompute`` adds one layer forward (HFU);
+    ``lora`` (a :class:`fpdt.model.LoraSpec`): a LoRA step's count (module docstring)."""
     flops = 3 * forward_flops_per_token(m, seq_len, causal)
+    if lora is not None:
+        flops += m.num_layers * (3 * adapter_flops(m, lora) - layer_matmul_flops(m)) - 2 * m.hidden_size * m.vocab_size
     if recompute:
-        flops += m.num_layers * (layer_matmul_flops(m) + attention_flops(m, seq_len, causal))
+        flops += m.num_layers * (layer_matmul_flops(m) + attention_flops(m, seq_len, causal) + adapter_flops(m, lora))
     return flops
 
 
@@ -115,8 +143,9 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repe
 
     Used as the MFU denominator on CPU, where there is no datasheet figure.
     """
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)      # not the default generator: a resumed run's RNG stays as saved
+    a = torch.randn(n, n, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, dtype=dtype, generator=gen)
     torch.mm(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -171,8 +200,9 @@ class StepRates:
 
 
 def step_rates(m: ModelShape, seq_len: int, tokens: int, seconds: float, n_devices: int,
-               peak_flops: float | None, recompute: bool) -> StepRates:
-    """Rates for a step that trained ``tokens`` tokens of ``seq_len``-token sequences in ``seconds``."""
+               peak_flops: float | None, recompute: bool, lora=None) -> StepRates:
+    """Rates for a step that trained ``tokens`` tokens of ``seq_len``-token sequences in
+    ``seconds`` (``lora``: a :class:`fpdt.model.LoraSpec` for a LoRA step's FLOPs)."""
     tps = tokens / seconds
     if not peak_flops:
         return StepRates(tps, tps / n_devices, None, None, None)
@@ -180,7 +210,7 @@ def step_rates(m: ModelShape, seq_len: int, tokens: int, seconds: float, n_devic
     return StepRates(
         tokens_per_s=tps,
         tgs=tps / n_devices,
-        mfu=train_flops_per_token(m, seq_len, causal=True) * tps / denom,
-        mfu_full=train_flops_per_token(m, seq_len, causal=False) * tps / denom,
-        hfu=train_flops_per_token(m, seq_len, causal=True, recompute=recompute) * tps / denom,
+        mfu=train_flops_per_token(m, seq_len, causal=True, lora=lora) * tps / denom,
+        mfu_full=train_flops_per_token(m, seq_len, causal=False, lora=lora) * tps / denom,
+        hfu=train_flops_per_token(m, seq_len, causal=True, recompute=recompute, lora=lora) * tps / denom,
     )

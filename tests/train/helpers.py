@@ -106,3 +106,67 @@ def check_memory_fields(log_path: str, offload: bool) -> None:
 def quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+# ----------------------------------------------------------------------------- LoRA: PEFT on the Transformers model
+
+def peft_name(ours: str) -> str:
+    """``model.layers.0.self_attn.q_proj.lora_A.weight`` (fpdt's adapter name) -> PEFT's
+    parameter name (``base_model.model.`` prefix, adapter ``default``)."""
+    head, _, tail = ours.rpartition(".lora_")
+    kind = tail.split(".")[0]
+    return f"base_model.model.{head}.lora_{kind}.default.weight"
+
+
+def peft_model(base_dir: str, *, adapter_dir: str | None = None, spec=None, adapters: dict | None = None):
+    """The fp32 Transformers model of ``base_dir`` with PEFT LoRA adapters, trainable: loaded
+    from ``adapter_dir``, or made for ``spec`` (:class:`fpdt.model.LoraSpec`) with ``adapters``
+    (fpdt's names, e.g. :func:`fpdt.model.adapter_state_dict`) copied in."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
+                                                             attn_implementation="eager")
+    if adapter_dir is not None:
+        return peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=spec.rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.dropout, target_modules=list(spec.targets),
+        use_rslora=spec.rslora))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in adapters.items():
+            params[peft_name(name)].copy_(value)
+    return model
+
+
+def windows_batch(tokens: np.ndarray, seq_len: int, ks) -> torch.Tensor:
+    """Windows ``ks`` (``tokens[k*(S+1) : (k+1)*(S+1)]``) as a ``[len(ks), S + 1]`` batch."""
+    return torch.from_numpy(np.stack([tokens[k * (seq_len + 1):(k + 1) * (seq_len + 1)] for k in ks]))
+
+
+def causal_lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of a Transformers (or PEFT) model on ``batch [B, S + 1]``, with
+    fpdt's label convention (``batch[:, 1:]`` are the labels of ``batch[:, :-1]``)."""
+    logits = model(input_ids=batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+def peft_reference_losses(model, data_path: str, seq_len: int, steps: int, seqs_per_step: int, optimizer: dict,
+                          clip: float) -> list[float]:
+    """:func:`reference_losses` for a PEFT model: only its trainable (adapter) parameters are
+    optimised, and clipped, as DeepSpeed does with the frozen base left out."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    kw = dict(optimizer["params"])
+    kw.pop("torch_adam", None)
+    opt = getattr(torch.optim, optimizer["type"])(params, **kw)
+    tokens = np.load(data_path).astype(np.int64)
+    losses = []
+    for t in range(steps):
+        loss = causal_lm_loss(model, windows_batch(tokens, seq_len, range(t * seqs_per_step, (t + 1) * seqs_per_step)))
+        opt.zero_grad()
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses

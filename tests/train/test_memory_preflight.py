@@ -367,3 +367,29 @@ def test_the_recommendation_keeps_layer_inputs_on_the_gpu_when_the_host_is_short
             for j in (k - 1, k)]
     host = [sum(e.breakdown[c] for c in mp.HOST_CATEGORIES) + e.breakdown["process_host"] for e in fits]
     assert host[0] > 1024 * 2 ** 30 >= host[1]                      # the fewest that fit the host
+
+
+def test_a_lora_run_is_checked_as_lora(monkeypatch):
+    """Llama-3-70B on one node of 8, ZeRO-3 with the optimizer offloaded: trained fully, its
+    gradients and AdamW state (about 920 GiB per node) do not fit 512 GiB of host memory and the
+    run is refused; with --lora-rank 16 only the adapters' are offloaded (about 2.3 GiB) and it
+    passes (the planner's LoRA setup: the frozen base holds no gradient or optimizer state)."""
+    import types
+
+    from fpdt.train import cli, preflight
+    from fpdt.train.config import ConfigError
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=512 * 2 ** 30))
+    cfg = load_model_config("llama-3-70b")
+    source = preflight.ModelSource("llama-3-70b", cfg)
+    ds = {**load_ds_config(None, "cpu")[0], "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    opts = FPDTOptions(sp=8)
+    plan = validate(opts, 128 * 1024, 8, "cpu", ds)
+    with pytest.raises(ConfigError, match=r"8 rank\(s\) on rank 0's node would offload 9\d\d\.\d GiB .*\(model states 9"):
+        cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cpu"))
+    check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cpu"), lora_rank=16)
+    assert check.estimate.breakdown["model_states_host"] < 3 * 2 ** 30
+    assert check.lines == ("fpdt-plan's model of this run: host offload 2.31 GiB per node",)
+    full = preflight.memory_estimate(cfg, plan, opts, ds, "bf16", "cpu", 8)
+    assert check.estimate.breakdown["optimizer_state"] == full.breakdown["optimizer_state"] == 0   # on the host

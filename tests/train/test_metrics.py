@@ -32,3 +32,30 @@ def test_recompute_only_in_hfu_and_gqa_lowers_flops():
     gqa = ModelShape(12, 768, 12, 4, 64, 2048, 50304)
     assert train_flops_per_token(gqa, 2048) < train_flops_per_token(m, 2048)
     assert step_rates(m, 2048, 2048, 1.0, 1, None, False).mfu is None
+
+
+def test_a_lora_step_counts_no_frozen_weight_gradients():
+    """LoRA: the frozen linears' and LM head's weight-gradient GEMMs (one forward's worth each)
+    are not counted, the adapters' forward, input- and weight-gradient GEMMs are (3 x 2 r (in +
+    out) per targeted projection); without the adapters' term it is fpdt-plan's LoRA count."""
+    from fpdt.model import LoraSpec
+    from fpdt.plan.planner import _lora_flops_fraction
+    from fpdt.train.metrics import adapter_flops, forward_flops_per_token, layer_matmul_flops
+
+    m, s = ModelShape(12, 768, 12, 4, 64, 2048, 50304), 4096
+    h, qd, kvd, inter, l, V = 768, 768, 256, 2048, 12, 50304
+    spec = LoraSpec(16)
+    per_layer = 2 * 16 * ((h + qd) + 2 * (h + kvd) + (qd + h) + 3 * (h + inter))
+    assert adapter_flops(m, spec) == per_layer
+    full = train_flops_per_token(m, s)
+    lora = train_flops_per_token(m, s, lora=spec)
+    assert lora == pytest.approx(3 * forward_flops_per_token(m, s) - l * layer_matmul_flops(m) - 2 * h * V
+                                 + 3 * l * per_layer, rel=1e-12)
+    assert (lora - 3 * l * per_layer) / full == pytest.approx(_lora_flops_fraction(m, s, True), rel=1e-12)
+    few = LoraSpec(16, targets=("q_proj", "down_proj"))
+    assert adapter_flops(m, few) == 2 * 16 * ((h + qd) + (inter + h))
+    assert train_flops_per_token(m, s, lora=few) < lora < full
+    r = step_rates(m, s, tokens=s, seconds=1.0, n_devices=1, peak_flops=1e12, recompute=True, lora=spec)
+    r0 = step_rates(m, s, tokens=s, seconds=1.0, n_devices=1, peak_flops=1e12, recompute=True)
+    assert r.mfu == pytest.approx(r0.mfu * lora / full, rel=1e-12)
+    assert (r.hfu - r.mfu) * 1e12 / s == pytest.approx(l * (layer_matmul_flops(m) + 0.5 * 4 * qd * s + per_layer))
