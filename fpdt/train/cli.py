@@ -372,15 +372,19 @@ def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, d
         return MemoryCheck(None, capacity, None, tuple(notes))
     recommend = None
     if capacity is not None:
-        @functools.cache
-        def recommend():
-            try:
-                return trainer_run.recommend(source.config, plan, opts, ds_config, ranks, capacity, available)
-            except Exception as e:  # noqa: BLE001 -- as above: advice only
-                return trainer_run.Recommendation(None, f"fpdt-plan cannot suggest settings ({type(e).__name__}: {e})")
+        recommend = functools.cache(functools.partial(_recommend, source.config, plan, opts, ds_config, ranks, capacity,
+                                                      available))
     lines = (trainer_run.prediction_line(est, capacity),
              trainer_run.device_memory_warning(est, capacity, recommend) if capacity else None)
     return MemoryCheck(est, capacity, recommend, tuple(line for line in lines if line))
+
+
+def _recommend(*args) -> trainer_run.Recommendation:
+    """:func:`fpdt.plan.trainer_run.recommend`, or why there is no suggestion."""
+    try:
+        return trainer_run.recommend(*args)
+    except Exception as e:  # noqa: BLE001 -- as in check_memory: advice only
+        return trainer_run.Recommendation(None, f"fpdt-plan cannot suggest settings ({type(e).__name__}: {e})")
 
 
 def _worst_node(need: float, available: float, ranks: int, device: torch.device) -> tuple[int, float, float, int]:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from fpdt.train.cli import build_parser, fpdt_flags, main

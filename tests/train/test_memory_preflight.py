@@ -12,7 +12,6 @@ from fpdt.offload import use_runtime
 from fpdt.offload.host_pool import _ALL_POOLS
 from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
-from fpdt.train.cli import main
 from fpdt.train.config import FPDTOptions, load_ds_config, validate
 from tests.train.helpers import write_fixture
 
@@ -194,7 +193,6 @@ def test_micro_batch_from_train_batch_size_counts():
 def test_a_run_the_planner_cannot_describe_still_trains(tmp_path):
     """S = 63 with one rank and one chunk: fpdt-train runs it (the planner's cost model once
     refused odd lengths)."""
-    import os
     import subprocess
     import sys
     cfg, data = write_fixture(str(tmp_path))
