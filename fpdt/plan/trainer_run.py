@@ -171,13 +171,15 @@ def device_memory_warning(est: MemoryEstimate, capacity_bytes: float,
 
 def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEstimate | None, detail: str,
                          capacity_bytes: float | None = None, recommendation: Recommendation | None = None,
-                         model_path: str = "<config.json>", deepspeed_path: str | None = "<this JSON>") -> str:
+                         model_path: str = "<config.json>", deepspeed_path: str | None = "<this JSON>",
+                         lora_rank: int = 0) -> str:
     """The error line for a step that ran out of device memory: what the GPU has, what the
     model predicted, the settings of this run that would lower the peak (offload only on
     CUDA, where it runs), and the planner's :func:`recommend` (on CUDA) or the
-    ``fpdt-plan`` command to ask it."""
+    ``fpdt-plan`` command to ask it (with ``--lora-rank`` for a LoRA run, ``lora_rank``)."""
     cuda = capacity_bytes is not None
     deepspeed = f" --deepspeed {deepspeed_path}" if deepspeed_path else ""
+    lora = f" --lora-rank {lora_rank}" if lora_rank else ""
     levers = []
     if cuda and not plan.offload:
         levers.append("--offload (attention chunks in host memory)")
@@ -201,24 +203,26 @@ def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEs
     predicted = (f"fpdt-plan's model predicted a peak of {est.device_peak_bytes / GIB:.1f} GiB for this run. "
                  if est is not None else "")
     hint = (recommendation.note if recommendation is not None else
-            f"fpdt-plan --model {model_path}{deepspeed} --seq-len {plan.seq_len} --gpu ... recommends "
+            f"fpdt-plan --model {model_path}{deepspeed} --seq-len {plan.seq_len}{lora} --gpu ... recommends "
             f"settings that fit")
     return f"step {step}: out of device memory ({detail}); {has}{predicted}To lower it: {'; '.join(levers)}. {hint}"
 
 
 def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], ranks_per_node: int,
-              capacity_bytes: float, host_bytes: float) -> Recommendation:
+              capacity_bytes: float, host_bytes: float, lora_rank: int = 0) -> Recommendation:
     """``fpdt-plan``'s settings for this run's model, length, sequence-parallel size, fixed
     FPDT settings (inner ring, MLP and loss chunks) and DeepSpeed settings on GPUs of
     ``capacity_bytes`` (``host_bytes`` per node), as ``fpdt-train`` flags, which win over
-    the JSON's ``"fpdt"`` section. The GPU's speed only breaks ties between settings that
-    fit, so the H100 preset's rates stand in for it."""
+    the JSON's ``"fpdt"`` section. ``lora_rank``: a LoRA run's (``--lora-rank``), searched as
+    ``fpdt-plan --lora-rank`` does (the frozen base holds no gradient or optimizer state), and
+    given back among the flags; 0: full training. The GPU's speed only breaks ties between
+    settings that fit, so the H100 preset's rates stand in for it."""
     gpu = replace(GPU_PRESETS["h100-80g"], name="this GPU", mem_bytes=capacity_bytes)
     ranks = min(ranks_per_node, plan.world_size)
     cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
     choice = replace(_deepspeed_choice(ds_config, plan.world_size), sp=plan.sp, inner_ring=plan.inner_ring,
                      mlp_chunks=_modelled(opts.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
-                     attention_backend=opts.attention_backend)
+                     attention_backend=opts.attention_backend, lora_rank=lora_rank)
     out = plan_at(model, plan.seq_len, cluster, choice)
     if "reason" in out:
         return Recommendation(None, f"fpdt-plan has no setting to suggest for this mesh ({out['reason']})")
@@ -232,5 +236,7 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
     # every setting given, 0 device layers too: flags win over the JSON, whose values may not fit the advice
     flags += [f"--checkpoint {rec['checkpoint']}", f"--checkpoint-device-layers {rec['checkpoint_device_layers']}",
               "--offload" if rec["offload"] else "--no-offload", f"--lm-head-wgrad {rec['lm_head_wgrad']}"]
+    if lora_rank:
+        flags.append(f"--lora-rank {lora_rank}")
     text = " ".join(flags)
     return Recommendation(text, f"fpdt-plan's settings for this GPU: {text}")

@@ -292,7 +292,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
         raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, e.detail,
                                                         memory.capacity_bytes,
                                                         memory.recommend() if memory.recommend else None,
-                                                        source.config_path, args.deepspeed)) from e
+                                                        source.config_path, args.deepspeed,
+                                                        lora_spec.rank if lora_spec else 0)) from e
     finally:
         progress.close()
     if args.save_dir and args.steps not in saver.saved and start >= args.steps:
@@ -347,8 +348,8 @@ def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, d
     collective and raises the same :class:`ConfigError`), and on CUDA the device-memory
     warning and the planner's settings. A run the planner's model cannot describe is not
     stopped: it goes on without them, with a note. ``lora_rank``: a LoRA run's, predicted as
-    such (:func:`fpdt.train.preflight.memory_estimate`); the planner's suggested settings on
-    CUDA are still searched for full training."""
+    such (:func:`fpdt.train.preflight.memory_estimate`) and, on CUDA, given the planner's
+    settings for LoRA of that rank (:func:`fpdt.plan.trainer_run.recommend`)."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else None
     ranks = trainer_run.ranks_on_this_node(plan.world_size, gpus)
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -373,7 +374,7 @@ def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, d
     recommend = None
     if capacity is not None:
         recommend = functools.cache(functools.partial(_recommend, source.config, plan, opts, ds_config, ranks, capacity,
-                                                      available))
+                                                      available, lora_rank))
     lines = (trainer_run.prediction_line(est, capacity),
              trainer_run.device_memory_warning(est, capacity, recommend) if capacity else None)
     return MemoryCheck(est, capacity, recommend, tuple(line for line in lines if line))

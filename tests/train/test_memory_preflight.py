@@ -391,3 +391,46 @@ def test_a_lora_run_is_checked_as_lora(monkeypatch):
     assert check.lines == ("fpdt-plan's model of this run: host offload 2.31 GiB per node",)
     full = preflight.memory_estimate(cfg, plan, opts, ds, "bf16", "cpu", 8)
     assert check.estimate.breakdown["optimizer_state"] == full.breakdown["optimizer_state"] == 0   # on the host
+
+
+def test_a_lora_runs_memory_advice_is_the_lora_plans(monkeypatch):
+    """Llama-3-70B at 512K on one node of 8 x 80 GiB (1 TiB of host), ZeRO-3 without offload:
+    trained fully, its weights, gradients and AdamW state (16 B per parameter over 8 GPUs, about
+    130 GiB per GPU) fit no setting; with --lora-rank 16 the frozen base holds no gradient or
+    optimizer state, and the planner's LoRA settings fit. The CUDA path of check_memory (the
+    device-memory warning's and the out-of-memory line's advice), with the GPU faked."""
+    import types
+
+    from fpdt.train import cli, preflight
+    from fpdt.train.cli import build_parser, fpdt_flags
+    from fpdt.train.config import merge_options
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1024 * 2 ** 30))
+    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(cli.torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=80 * 2 ** 30))
+    monkeypatch.setattr(cli, "_worst_node", lambda need, available, ranks, device: (0, need, available, ranks))
+    cfg, S = load_model_config("llama-3-70b"), 512 * 1024
+    source = preflight.ModelSource("llama-3-70b", cfg)
+    ds = load_ds_config(None, "cuda")[0]
+    opts = FPDTOptions(sp=8)
+    plan = validate(opts, S, 8, "cuda", ds)
+    full = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
+    assert full.recommend().flags is None and "no setting of this length and GPU count that fits" in full.recommend().note
+    lora = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"), lora_rank=16)
+    rec = lora.recommend()
+    assert rec.flags is not None and rec.flags.endswith(" --lora-rank 16"), rec
+    assert rec.flags.startswith("--chunk-size ") and " --checkpoint offload " in rec.flags, rec
+    args = build_parser().parse_args(["--model-config", "c.json", "--data", "d", "--seq-len", str(S), "--steps", "1",
+                                      "--sp", "8", *rec.flags.split()])
+    assert args.lora_rank == 16
+    fixed_opts = merge_options(fpdt_flags(args), {})
+    fixed = validate(fixed_opts, S, 8, "cuda", ds)
+    est = preflight.memory_estimate(cfg, fixed, fixed_opts, ds, "bf16", "cuda", 8, lora_rank=16)
+    assert est.device_peak_bytes <= 80 * 2 ** 30                     # the LoRA plan's settings fit
+    line = mp.out_of_memory_advice(1, plan, opts, lora.estimate, "x", 80 * 2 ** 30, rec)
+    assert line.endswith(f"fpdt-plan's settings for this GPU: {rec.flags}")
+    cpu = mp.out_of_memory_advice(1, plan, opts, None, "x", model_path="m/config.json", deepspeed_path=None,
+                                  lora_rank=16)
+    assert cpu.endswith(f"fpdt-plan --model m/config.json --seq-len {S} --lora-rank 16 --gpu ... recommends settings "
+                        f"that fit")
