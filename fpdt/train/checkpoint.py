@@ -4,12 +4,14 @@ Layout of ``--save-dir DIR``::
 
     DIR/latest                       tag of the newest checkpoint (written by DeepSpeed)
     DIR/config.json                  the model's HF config (for fpdt-export)
-    DIR/adapter_config.json          a LoRA run's PEFT adapter config (fpdt-export then writes
-                                     an adapter directory)
+    DIR/adapter_config.json          the PEFT adapter config of the newest run, when it trained
+                                     LoRA (for reading only: fpdt-export takes the kind and
+                                     spec of each checkpoint from its own trainer file)
     DIR/tokenizer.json               copied from the model directory, when there is one
     DIR/step<N>/                     DeepSpeed's files for optimizer step N (ZeRO shards,
                                      optimizer and scheduler state, fp32 master weights)
-    DIR/step<N>/fpdt_trainer_rank<r>.pt   per rank: steps done, run shape, RNG states
+    DIR/step<N>/fpdt_trainer_rank<r>.pt   per rank: steps done, run shape, RNG states, the LoRA
+                                     record (None for full training)
 
 Resuming restores the model, optimizer and scheduler through ``engine.load_checkpoint``
 and, right before the first step, the RNG states from the trainer file. The data position needs no state: the windows

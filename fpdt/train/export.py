@@ -7,10 +7,13 @@ the shards are merged on the host, no GPU or process group needed), and writes
 ``config.json`` + safetensors that ``transformers`` loads, plus the tokenizer files found
 next to the checkpoint.
 
-A LoRA run's save dir holds ``adapter_config.json`` (written by fpdt-train) and checkpoints
-of the adapters only; its export is a PEFT adapter directory (``adapter_config.json`` +
-``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(base, OUT_DIR)`` loads
-onto the Transformers base model (``base_model_name_or_path``: the run's ``--model``).
+A LoRA run's checkpoints hold the adapters only; the export of one is a PEFT adapter
+directory (``adapter_config.json`` + ``adapter_model.safetensors``) that
+``peft.PeftModel.from_pretrained(base, OUT_DIR)`` loads onto the Transformers base model
+(``base_model_name_or_path``: the run's ``--model``). Whether a checkpoint is of LoRA or of
+full training, and its LoRA spec, are read from that checkpoint's own trainer file
+(``"lora"``, :func:`fpdt.train.lora.record`), not from the save dir, which runs of either kind
+may share (each run's start rewrites the save dir's ``adapter_config.json``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ import sys
 import zipfile
 
 import torch
-
-from fpdt.model.lora import ADAPTER_CONFIG
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -72,9 +73,23 @@ def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state["module"].items()}
 
 
+def saved_lora(save_dir: str, tag: str) -> dict | None:
+    """The LoRA record (:func:`fpdt.train.lora.record`) that checkpoint ``tag``'s rank-0 trainer
+    file holds; None for full training (and checkpoints written before LoRA existed)."""
+    from fpdt.train.checkpoint import TRAINER_FILE
+
+    path = os.path.join(save_dir, tag, TRAINER_FILE.format(rank=0))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: it records whether the checkpoint trained LoRA adapters or "
+                                f"every weight; export another checkpoint with --tag (one of "
+                                f"{', '.join(_tags(save_dir))})")
+    return torch.load(path, map_location="cpu", weights_only=False).get("lora")
+
+
 def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype: str | None = None) -> str:
     """Write the HF checkpoint of ``save_dir``'s checkpoint ``tag`` (default: newest) to
-    ``out_dir``; returns ``out_dir``."""
+    ``out_dir``, or the PEFT adapter directory when that checkpoint is of a LoRA run (its
+    trainer file says so); returns ``out_dir``."""
     from fpdt.model import from_config, load_hf_state_dict, save_pretrained
 
     tag = _read_tag(save_dir, tag)
@@ -82,8 +97,9 @@ def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{config} is missing: export needs the config.json fpdt-train writes to --save-dir")
     state = fp32_state_dict(save_dir, tag)
-    if os.path.isfile(os.path.join(save_dir, ADAPTER_CONFIG)):
-        export_adapter(save_dir, config, state, out_dir, dtype)
+    lora = saved_lora(save_dir, tag)
+    if lora is not None:
+        export_adapter(save_dir, tag, config, state, out_dir, lora, dtype)
     else:
         model = from_config(config, device="meta")
         load_hf_state_dict(model, {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")})
@@ -96,26 +112,24 @@ def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype
     return out_dir
 
 
-def export_adapter(save_dir: str, config: str, state: dict[str, torch.Tensor], out_dir: str,
-                   dtype: torch.dtype | None = None) -> None:
-    """Write the adapters of a LoRA run's checkpoint ``state`` as a PEFT adapter directory,
-    after checking that they are exactly the ones the save dir's spec puts on its model."""
-    import json
-
-    from fpdt.model.lora import is_adapter, read_adapter_config, save_adapter
-    from fpdt.train.lora import adapter_shapes
+def export_adapter(save_dir: str, tag: str, config: str, state: dict[str, torch.Tensor], out_dir: str,
+                   lora: dict, dtype: torch.dtype | None = None) -> None:
+    """Write the adapters of checkpoint ``tag``'s ``state`` as a PEFT adapter directory with
+    the spec and base of its trainer file's record ``lora`` (:func:`fpdt.train.lora.record`),
+    after checking that they are exactly the ones that spec puts on the model of ``config``."""
+    from fpdt.model.lora import is_adapter, save_adapter
+    from fpdt.train.lora import adapter_shapes, spec_from_record
     from fpdt.train.preflight import read_model_config
 
-    spec = read_adapter_config(save_dir)
-    with open(os.path.join(save_dir, ADAPTER_CONFIG)) as f:
-        base = json.load(f).get("base_model_name_or_path")
+    spec = spec_from_record(lora)
     adapters = {k: v for k, v in state.items() if is_adapter(k)}
     want = adapter_shapes(read_model_config(config), spec)
     wrong = sorted(set(want) ^ set(adapters)) + [k for k in want if k in adapters and tuple(adapters[k].shape) != want[k]]
     if wrong:
-        raise ValueError(f"{save_dir}: the checkpoint's adapters do not match its {ADAPTER_CONFIG} (e.g. {wrong[0]}); "
-                         f"export another checkpoint with --tag (one of {', '.join(_tags(save_dir))})")
-    save_adapter(adapters, spec, out_dir, base_model_name_or_path=base, dtype=dtype)
+        raise ValueError(f"{os.path.join(save_dir, tag)}: the checkpoint's adapters do not match the LoRA spec its "
+                         f"trainer file records on the model of {config} (e.g. {wrong[0]}); export another checkpoint "
+                         f"with --tag (one of {', '.join(_tags(save_dir))})")
+    save_adapter(adapters, spec, out_dir, base_model_name_or_path=lora["base"]["model"], dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -205,6 +205,12 @@ def record(spec: LoraSpec | None, model: str | None, model_config: str | None, s
                      "model_config": os.path.abspath(model_config) if model_config else None, "seed": seed}}
 
 
+def spec_from_record(rec: dict[str, Any]) -> LoraSpec:
+    """The :class:`LoraSpec` a checkpoint's :func:`record` describes."""
+    return LoraSpec(rank=int(rec["rank"]), alpha=float(rec["alpha"]), dropout=float(rec["dropout"]),
+                    targets=tuple(rec["targets"]), rslora=bool(rec["rslora"]))
+
+
 def _spec_text(rec: dict[str, Any]) -> str:
     return (f"rank {rec['rank']}, alpha {rec['alpha']:g}, dropout {rec['dropout']:g}, targets "
             f"{','.join(rec['targets'])}{', rsLoRA' if rec['rslora'] else ''}")

@@ -347,3 +347,71 @@ def test_lora_init_contradictions_and_misfits_are_refused(tmp_path, capsys, no_p
            "model.layers.0.self_attn.q_proj.lora_A.weight (2, 64) (the model's (2, 96))")
     os.remove(os.path.join(good, "adapter_model.safetensors"))
     _fails(capsys, argv + ["--lora-init", good], "no adapter_model.safetensors in the directory")
+
+
+# ----------------------------------------------------------------------------- LoRA and full runs in one --save-dir
+
+def _mixed_body(rank: int, world: int, tmp: str) -> None:
+    """One process: step1 of full training, step2 of a LoRA run, step3 of full training, all
+    in one save dir (each run's start rewrites its adapter_config.json); the dir as the LoRA run
+    left it is copied aside."""
+    quiet()
+    from fpdt.train.cli import main
+    ck = os.path.join(tmp, "ckpt")
+    common = ("--model-config", os.path.join(tmp, "config.json"), "--chunk-size", "32", "--save-dir", ck)
+    assert main(_argv(tmp, "mixed", *common, "--steps", "1")) == 0
+    assert main(_argv(tmp, "mixed", *common, "--steps", "2", *RESUME_FLAGS)) == 0
+    shutil.copytree(ck, os.path.join(tmp, "after_lora"))
+    assert main(_argv(tmp, "mixed", *common, "--steps", "3")) == 0
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("lora_mixed"))
+    write_fixture(tmp)
+    write_json(os.path.join(tmp, "mixed.json"), ds_config(SGD, SGD_CLIP, stage=2))
+    run_distributed(_mixed_body, world_size=1, args=(tmp,), timeout=240)
+    return tmp
+
+
+def test_fpdt_export_takes_lora_or_full_from_the_checkpoint_not_the_save_dir(mixed_run, tmp_path):
+    """Each tag exports as what it is, whichever kind of run wrote the save dir last: the full
+    step1 while the dir's adapter_config.json is the LoRA run's, the LoRA step2 after a full
+    run removed it; the exports are the same from either state of the dir."""
+    from safetensors.torch import load_file
+
+    from fpdt.model.lora import read_adapter_config
+    from fpdt.train.export import main as export_main
+    tmp = mixed_run
+    assert os.path.isfile(os.path.join(tmp, "after_lora", "adapter_config.json"))
+    assert not os.path.exists(os.path.join(tmp, "ckpt", "adapter_config.json"))
+    outs = {}
+    for where in ("after_lora", "ckpt"):
+        for tag in ("step1", "step2") + (("step3",) if where == "ckpt" else ()):
+            out = str(tmp_path / f"{where}_{tag}")
+            assert export_main([os.path.join(tmp, where), out, "--tag", tag]) == 0, (where, tag)
+            outs[where, tag] = out
+    for tag in ("step1", "step3"):                                   # full training: a Transformers checkpoint
+        out = outs["ckpt", tag]
+        assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"], os.listdir(out)
+        init = _initial_state(0)
+        weights = load_file(os.path.join(out, "model.safetensors"))
+        assert set(weights) == set(init) and not torch.equal(weights["lm_head.weight"], init["lm_head.weight"])
+    spec = read_adapter_config(outs["ckpt", "step2"])                # LoRA: a PEFT adapter directory
+    assert spec == LoraSpec(2, alpha=4.0, dropout=0.1, targets=("q_proj", "o_proj", "up_proj"))
+    adapters = {k.removeprefix("base_model.model."): v
+                for k, v in load_file(os.path.join(outs["ckpt", "step2"], "adapter_model.safetensors")).items()}
+    init = _initial_adapters(spec)
+    assert set(adapters) == set(init) and all(not torch.equal(adapters[k], init[k]) for k in init if "lora_B" in k)
+    for tag in ("step1", "step2"):
+        a, b = outs["after_lora", tag], outs["ckpt", tag]
+        assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+        for name in os.listdir(a):
+            with open(os.path.join(a, name), "rb") as f, open(os.path.join(b, name), "rb") as g:
+                assert f.read() == g.read(), (tag, name)
+
+
+def _initial_state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v for k, v in fm.from_config(TINY_CONFIG, dtype=torch.float32).state_dict().items()
+            if not k.endswith("inv_freq")}
