@@ -268,7 +268,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     for line in memory.lines + tuple(f"warning: {n}" for n in notes):
         _say(ps, line)
     if lora_spec is not None:
-        _say(ps, lora.describe(model, lora_spec, args.lora_init))
+        resumed = os.path.join(*checkpoint.resolve(args.resume)) if args.resume else None
+        _say(ps, lora.describe(model, lora_spec, args.lora_init, resumed))
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,

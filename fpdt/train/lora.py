@@ -181,15 +181,17 @@ def attach(model, spec: LoraSpec, *, seed: int, dtype, init: str | None = None):
     return model
 
 
-def describe(model, spec: LoraSpec, init: str | None) -> str:
-    """The start-up line of a LoRA run: the spec and the trainable share."""
+def describe(model, spec: LoraSpec, init: str | None, resumed: str | None = None) -> str:
+    """The start-up line of a LoRA run: the spec, the trainable share, and where the adapters
+    come from: the checkpoint ``resumed`` (its ``step<N>`` dir) on ``--resume``, else
+    ``--lora-init``'s directory ``init`` or a fresh init."""
     from fpdt.model import adapter_state_dict
 
     n = sum(int(getattr(p, "ds_numel", p.numel())) for p in adapter_state_dict(model).values())
     total = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
     return (f"LoRA: rank {spec.rank}, alpha {spec.lora_alpha:g} (scaling {spec.scaling:g}{', rsLoRA' if spec.rslora else ''}), "
             f"dropout {spec.dropout:g}, on {','.join(spec.targets)}: {n:,} trainable parameters of {total:,} "
-            f"({100 * n / total:.3g}%), from {init or 'a fresh init'}")
+            f"({100 * n / total:.3g}%), from {f'checkpoint {resumed}' if resumed else init or 'a fresh init'}")
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -354,15 +354,23 @@ def test_lora_init_contradictions_and_misfits_are_refused(tmp_path, capsys, no_p
 def _mixed_body(rank: int, world: int, tmp: str) -> None:
     """One process: step1 of full training, step2 of a LoRA run, step3 of full training, all
     in one save dir (each run's start rewrites its adapter_config.json); the dir as the LoRA run
-    left it is copied aside."""
+    left it is copied aside. Then the LoRA step2 resumed for one step, its output kept."""
+    import contextlib
+    import io
     quiet()
     from fpdt.train.cli import main
     ck = os.path.join(tmp, "ckpt")
-    common = ("--model-config", os.path.join(tmp, "config.json"), "--chunk-size", "32", "--save-dir", ck)
-    assert main(_argv(tmp, "mixed", *common, "--steps", "1")) == 0
-    assert main(_argv(tmp, "mixed", *common, "--steps", "2", *RESUME_FLAGS)) == 0
+    model = ("--model-config", os.path.join(tmp, "config.json"), "--chunk-size", "32")
+    assert main(_argv(tmp, "mixed", *model, "--save-dir", ck, "--steps", "1")) == 0
+    assert main(_argv(tmp, "mixed", *model, "--save-dir", ck, "--steps", "2", *RESUME_FLAGS)) == 0
     shutil.copytree(ck, os.path.join(tmp, "after_lora"))
-    assert main(_argv(tmp, "mixed", *common, "--steps", "3")) == 0
+    assert main(_argv(tmp, "mixed", *model, "--save-dir", ck, "--steps", "3")) == 0
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(_argv(tmp, "mixed", *model, "--steps", "3", "--resume", os.path.join(ck, "step2"), *RESUME_FLAGS))
+    with open(os.path.join(tmp, "resumed.txt"), "w") as f:
+        f.write(err.getvalue())
+    assert status == 0, err.getvalue()[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -415,3 +423,10 @@ def _initial_state(seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     return {k: v for k, v in fm.from_config(TINY_CONFIG, dtype=torch.float32).state_dict().items()
             if not k.endswith("inv_freq")}
+
+
+def test_a_resumed_lora_run_says_its_adapters_come_from_the_checkpoint(mixed_run):
+    with open(os.path.join(mixed_run, "resumed.txt")) as f:
+        lines = [line for line in f.read().splitlines() if line.startswith("LoRA: ")]
+    step2 = os.path.join(mixed_run, "ckpt", "step2")
+    assert len(lines) == 1 and lines[0].endswith(f"), from checkpoint {step2}"), lines
