@@ -220,7 +220,6 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     # 1. everything that needs no process group: flags, configs, model source, data, checkpoint
     _check_args(args)
     lora_spec = lora.spec_from_args(args)
-    lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed)
     device = pick_device()
     ds_config, section = load_ds_config(args.deepspeed, device.type)
     opts = merge_options(fpdt_flags(args), section)
@@ -228,6 +227,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
     source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec)
+    lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed, source.config)
     kernel = preflight.attention_kernel(opts.attention_backend, device, DTYPES[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
 
@@ -322,7 +322,7 @@ def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, 
                                        model=source, zero_stage=ds_zero_stage(ds_config),
                                        default_config=args.deepspeed is None)
         notes = lora.check_resume(args.resume, saved.lora,
-                                  lora.record(lora_spec, args.model, args.model_config, args.seed))
+                                  lora.record(lora_spec, args.model, args.model_config, args.seed, source.config))
     return source, notes
 
 

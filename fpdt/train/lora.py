@@ -15,16 +15,18 @@ and any that is given must agree with it (a contradiction is refused, naming bot
 Checkpoints of a LoRA run hold the adapters, their optimizer state and the RNG states, not the
 frozen base (``exclude_frozen_parameters``); on ``--resume`` the base is read again from
 ``--model`` or drawn again from ``--seed``. The trainer file records :func:`record` (the spec
-and where the base came from), and :func:`check_resume` refuses a resume whose spec, or whose
-LoRA-or-full choice, differs from the checkpoint's, or whose random base would be another.
+and where the base came from: for a random base the seed and every field of the parsed model
+config), and :func:`check_resume` refuses a resume whose spec, or whose LoRA-or-full choice,
+differs from the checkpoint's, or whose random base would be another.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from fpdt.model import ModelConfig
 from fpdt.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_TARGETS, PEFT_PREFIX, LoraSpec, read_adapter_config
@@ -196,15 +198,32 @@ def describe(model, spec: LoraSpec, init: str | None, resumed: str | None = None
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def record(spec: LoraSpec | None, model: str | None, model_config: str | None, seed: int) -> dict[str, Any] | None:
+def record(spec: LoraSpec | None, model: str | None, model_config: str | None, seed: int,
+           config: ModelConfig | None = None) -> dict[str, Any] | None:
     """What the trainer file keeps of a LoRA run (None for full training): the spec, and
-    where the frozen base, which the checkpoint leaves out, comes from."""
+    where the frozen base, which the checkpoint leaves out, comes from. A random base
+    (``--model-config``) is decided by ``--seed`` and the parsed ``config``
+    (:func:`drawn_config`; the precision, which also decides it, is checked for every resume)."""
     if spec is None:
         return None
     return {"rank": spec.rank, "alpha": spec.lora_alpha, "dropout": spec.dropout, "targets": list(spec.targets),
             "rslora": spec.rslora,
             "base": {"model": os.path.abspath(model) if model else None,
-                     "model_config": os.path.abspath(model_config) if model_config else None, "seed": seed}}
+                     "model_config": os.path.abspath(model_config) if model_config else None, "seed": seed,
+                     "config": drawn_config(config) if model is None and config is not None else None}}
+
+
+def drawn_config(cfg: ModelConfig) -> dict[str, Any]:
+    """Every field of a parsed model config but the original dict: what
+    :func:`fpdt.model.from_config` draws the random base from with the seed (sizes,
+    ``initializer_range``, the zeroed padding row, tied embeddings) and what decides how that
+    base computes (norm epsilon, RoPE), so another value of any is another base."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.name != "hf_config":
+            value = getattr(cfg, f.name)
+            out[f.name] = dict(value) if isinstance(value, Mapping) else value
+    return out
 
 
 def spec_from_record(rec: dict[str, Any]) -> LoraSpec:
@@ -220,7 +239,9 @@ def _spec_text(rec: dict[str, Any]) -> str:
 
 def check_resume(path: str, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
     """Refuse a resume whose LoRA spec (or LoRA vs full training) differs from the checkpoint's,
-    or whose base is drawn from another seed; returns warnings (a ``--model`` at another path)."""
+    or whose random base is drawn from another seed or another model config
+    (:func:`drawn_config`); returns warnings (a ``--model`` at another path, a checkpoint that
+    does not record its random base's config)."""
     if saved is None and current is None:
         return []
     if saved is None:
@@ -243,7 +264,25 @@ def check_resume(path: str, saved: dict[str, Any] | None, current: dict[str, Any
         raise ConfigError(f"--resume {path}: the checkpoint's frozen base was drawn with --seed {a['seed']}, this "
                           f"run's with --seed {b['seed']}; the checkpoint holds only the adapters, so resume with "
                           f"--seed {a['seed']}")
-    if a["model"] is not None and a["model"] != b["model"]:
+    if a["model"] is None:
+        return _check_drawn_config(path, a, b)
+    if a["model"] != b["model"]:
         return [f"the checkpoint's adapters were trained on --model {a['model']}, this run reads {b['model']} "
                 f"(the checkpoint holds only the adapters: it must be the same base)"]
+    return []
+
+
+def _check_drawn_config(path: str, saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The random base's config, field by field (only the fields the checkpoint records)."""
+    theirs, ours = saved.get("config"), current.get("config") or {}
+    if theirs is None:
+        return [f"the checkpoint does not record the model config its random base was drawn from (it was written "
+                f"before fpdt-train recorded it), so only its architecture and --seed are checked: resume with the "
+                f"--model-config it was trained with ({saved['model_config']})"]
+    diffs = [f"{k} {theirs[k]!r} (this run's {ours.get(k)!r})" for k in theirs if theirs[k] != ours.get(k)]
+    if diffs:
+        raise ConfigError(f"--resume {path}: the checkpoint's frozen base was drawn (--seed {saved['seed']}) from a "
+                          f"model config with {', '.join(diffs)}, so this run's base would be another; the checkpoint "
+                          f"holds only the adapters, so resume with a --model-config with the checkpoint's values "
+                          f"(it was {saved['model_config']})")
     return []

@@ -430,3 +430,25 @@ def test_a_resumed_lora_run_says_its_adapters_come_from_the_checkpoint(mixed_run
         lines = [line for line in f.read().splitlines() if line.startswith("LoRA: ")]
     step2 = os.path.join(mixed_run, "ckpt", "step2")
     assert len(lines) == 1 and lines[0].endswith(f"), from checkpoint {step2}"), lines
+
+
+def test_a_resume_onto_a_random_base_from_another_config_is_refused(mixed_run, tmp_path, capsys, no_process_group):
+    """Same architecture and seed, another initializer_range: the base drawn would be another
+    one, which the seed and the architecture alone did not show."""
+    from fpdt.train import lora
+    tmp = mixed_run
+    step2 = os.path.join(tmp, "ckpt", "step2")
+    other = write_json(str(tmp_path / "config.json"), {**TINY_CONFIG, "initializer_range": 0.05})
+    _fails(capsys, _argv(tmp, "mixed", "--model-config", other, "--chunk-size", "32", "--steps", "3", "--resume", step2,
+                         *RESUME_FLAGS),
+           f"--resume {step2}: the checkpoint's frozen base was drawn (--seed 0) from a model config with "
+           f"initializer_range 0.02 (this run's 0.05), so this run's base would be another",
+           f"resume with a --model-config with the checkpoint's values (it was {os.path.join(tmp, 'config.json')})")
+    saved = torch.load(os.path.join(step2, "fpdt_trainer_rank0.pt"), weights_only=False)["lora"]
+    assert saved["base"]["config"]["initializer_range"] == 0.02
+    old = {**saved, "base": {**saved["base"], "config": None}}       # written before the config was recorded
+    current = lora.record(lora.spec_from_record(saved), None, os.path.join(tmp, "config.json"), 0,
+                          fm.ModelConfig.from_hf(TINY_CONFIG))
+    assert lora.check_resume(step2, saved, current) == []
+    warning, = lora.check_resume(step2, old, current)
+    assert "does not record the model config its random base was drawn from" in warning
