@@ -22,7 +22,8 @@ A LoRA run (:mod:`fpdt.train.lora`) saves with ``exclude_frozen_parameters``: th
 their optimizer state and fp32 master copies, not the frozen base, which the resumed run
 reads again from ``--model`` or draws again from ``--seed``. Its resume loads the module
 state non-strictly, and :func:`_adapters_only` checks that exactly the frozen parameters
-were left out. The trainer file records the LoRA spec (``"lora"``; None for full training).
+were left out (none missing but those, none of those present). The trainer file records the
+LoRA spec (``"lora"``; None for full training).
 """
 
 from __future__ import annotations
@@ -145,9 +146,20 @@ def load(engine, path: str, rank: int, lora: bool = False) -> dict[str, Any]:
 
 def _adapters_only(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
     """DeepSpeed's module load for a checkpoint saved without its frozen parameters: a
-    non-strict ``load_state_dict`` that refuses any other missing or unexpected key."""
-    result = dst.load_state_dict(src, strict=False)
+    non-strict ``load_state_dict`` that refuses, before loading anything, a checkpoint that
+    holds a frozen parameter (the resumed run's base is the one it read from ``--model`` or
+    drew from ``--seed``, never the checkpoint's), and any missing key that is not a frozen
+    parameter or unexpected key. The frozen parameters are those ``named_parameters()``
+    names, which is what ``exclude_frozen_parameters`` drops: the second name of a tied
+    weight (``lm_head.weight`` with ``tie_word_embeddings``) stays in every such checkpoint
+    and is loaded as saved, the frozen value it was trained with."""
     frozen = {n for n, p in dst.named_parameters() if not p.requires_grad}
+    held = sorted(frozen & set(src))
+    if held:
+        raise ConfigError(f"the checkpoint's model state holds {len(held)} frozen base weight(s) (e.g. {held[0]}), "
+                          f"which a LoRA run's checkpoint leaves out (its base is read from --model or drawn from "
+                          f"--seed); resume from a checkpoint fpdt-train --lora-rank saved")
+    result = dst.load_state_dict(src, strict=False)
     missing = sorted(set(result.missing_keys) - frozen)
     if missing or result.unexpected_keys:
         raise ConfigError(f"the checkpoint's model state does not match this model beyond its frozen parameters: "

@@ -452,3 +452,33 @@ def test_a_resume_onto_a_random_base_from_another_config_is_refused(mixed_run, t
     assert lora.check_resume(step2, saved, current) == []
     warning, = lora.check_resume(step2, old, current)
     assert "does not record the model config its random base was drawn from" in warning
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_lora_resume_loads_the_adapters_only(tied):
+    """checkpoint._adapters_only: the module state exclude_frozen_parameters leaves (with tied
+    embeddings it keeps lm_head.weight, a second name of the frozen embedding) loads; a state
+    that holds the frozen base too, or lacks an adapter, is refused before anything loads."""
+    from fpdt.train.checkpoint import _adapters_only
+    from fpdt.train.config import ConfigError
+    cfg = {**TINY_CONFIG, "tie_word_embeddings": tied}
+    spec = LoraSpec(2, targets=("q_proj", "v_proj"))
+    saved = fm.add_lora(fm.from_config(cfg, dtype=torch.float32), spec, seed=1)
+    with torch.no_grad():
+        for p in fm.adapter_state_dict(saved).values():
+            p.add_(1.0)
+    full = saved.state_dict()
+    kept = {k: v for k, v in full.items()
+            if k not in {n for n, p in saved.named_parameters() if not p.requires_grad}}  # as DeepSpeed saves it
+    assert ("lm_head.weight" in kept) == tied
+    model = fm.add_lora(fm.from_config(cfg, dtype=torch.float32), spec)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    with pytest.raises(ConfigError, match=r"the checkpoint's model state holds \d+ frozen base weight\(s\) \(e\.g\. "
+                                          r"(lm_head|model\.embed_tokens)\.weight\), which a LoRA run's checkpoint leaves out"):
+        _adapters_only(full, model)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)  # nothing loaded
+    with pytest.raises(ConfigError, match=r"missing \['model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight'\]"):
+        _adapters_only({k: v for k, v in kept.items() if k != "model.layers.0.self_attn.q_proj.lora_A.weight"}, model)
+    _adapters_only(kept, model)
+    for n, p in fm.adapter_state_dict(model).items():
+        assert torch.equal(p, fm.adapter_state_dict(saved)[n]), n
