@@ -68,7 +68,7 @@ from fpdt.hf.adapters import lean_lora, read_parameters, read_projections
 from fpdt.hf.groups import TrainerGroup, resolve_group
 from fpdt.hf.padding import check_right_padding, whole_window_mask
 from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
-from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
+from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed, checkpointed_residual
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
@@ -243,11 +243,30 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
         state.current = next(state.forward_ids)   # stash keys unique per forward call
     fid = state.current
     stash = state.for_device(hidden_states.device) if mode == "offload" else None
+    keys = dict(stash=stash, key=("layer input", i, fid), prev_key=("layer input", i - 1, fid) if i > 0 else None)
+    if not args and type(self).__name__ in _PRE_NORM_LAYERS:
+        return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
     run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
     # the decoder layer ends with a residual add, which saves nothing: its output may be freed
     return checkpointed(lambda x: run(self, x, *args, **kwargs), hidden_states, list(self.parameters()),
-                        stash=stash, key=("layer input", i, fid),
-                        prev_key=("layer input", i - 1, fid) if i > 0 else None, free_output=True)
+                        free_output=True, **keys)
+
+
+_PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+"""Transformers decoder layers whose forward is exactly ``h = x + self_attn(input_layernorm(x), **kwargs)[0]``,
+then ``h + mlp(post_attention_layernorm(h))`` (one shared source in Transformers 5; the parity tests
+against Transformers hold fpdt's split of it to that)."""
+
+
+def _residual_branches(layer: nn.Module, kwargs: dict):
+    """``layer``'s two residual branches (:func:`fpdt.model.checkpointing.checkpointed_residual`),
+    called with the keyword arguments the model passed to the layer, as its forward calls them."""
+    def attention(x):
+        return layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)[0]
+
+    def mlp(h):
+        return layer.mlp(layer.post_attention_layernorm(h))
+    return attention, mlp
 
 
 _BOTH_CHECKPOINTS = ("apply_fpdt(checkpointing={mode!r}) checkpoints the decoder layers itself: call "

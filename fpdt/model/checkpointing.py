@@ -16,20 +16,34 @@ Modes (``checkpointing=`` option of the model):
   needs first), trading device memory for host memory; backward still starts the fetch of
   the previous layer's offloaded input early.
 
-The function is "reentrant" (backward calls ``torch.autograd.backward`` on the
-recomputed layer): parameter gradients accumulate into ``.grad`` exactly as without
-checkpointing. When ``x`` does not require grad (e.g. frozen embeddings) an empty leaf that
-does is passed along, so the output requires grad; the parameters themselves never are
-(ZeRO-3 has them partitioned at that point). Autocast state is captured in forward
-and restored for the recompute, and so is the random state (the default CPU generator, and
-the device's on CUDA): fpdt's own models have no dropout, but LoRA adapters in a
-Transformers model do (:mod:`fpdt.ops.lora` draws its masks' seed from the CPU generator),
-and the recompute must draw the masks the forward drew.
+The function is "reentrant" (backward runs ``torch.autograd.backward`` on the recomputed
+layer): parameter gradients accumulate into ``.grad`` exactly as without checkpointing, and
+the first forward runs without autograd, so nothing is saved or offloaded for it (the
+attention's chunks go to the host in the recompute only). The layer comes in two forms:
+
+* an opaque function ``run_fn(x)`` (:func:`checkpointed`): backward recomputes ``y`` and
+  back-propagates the layer's incoming gradient through it. The caller's engine holds that
+  gradient while the recompute's engine builds the residual's sum beside it: two
+  full-length gradients live through the layer's backward.
+* pre-norm residual branches ``x_{k+1} = x_k + f_k(x_k)`` (:func:`checkpointed_residual`):
+  backward runs the branches' backward last to first and adds each branch's input gradient
+  into the incoming gradient **in place**, when that gradient is provably this node's alone
+  (:func:`_exclusively_owned`; otherwise into a sum of its own, as the opaque form does).
+  One full-length gradient then lives through the layer's backward, as under a
+  non-reentrant checkpoint.
+
+When ``x`` does not require grad (e.g. frozen embeddings) an empty leaf that does is passed
+along, so the output requires grad; the parameters themselves never are (ZeRO-3 has them
+partitioned at that point). Autocast state is captured in forward and restored for the
+recompute, and so is the random state (the default CPU generator, and the device's on
+CUDA): fpdt's own models have no dropout, but LoRA adapters do (:mod:`fpdt.ops.lora` draws
+its masks' seed from the CPU generator), and the recompute must draw the masks the forward
+drew.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 import contextlib
 
@@ -40,22 +54,124 @@ from fpdt.offload import HostStash
 CHECKPOINT_MODES = ("off", "on", "offload")
 
 
-class _LayerCheckpoint(torch.autograd.Function):
-    """``run_fn(x)`` with recompute in backward.
+class _OpaqueBody:
+    """``y = run_fn(x)``; backward recomputes ``y`` and back-propagates ``grad_y`` through it."""
 
-    Inputs: ``run_fn`` (x -> y, same shape), ``stash`` (HostStash or None), ``key`` and
-    ``prev_key`` (stash keys of this layer's and the previous layer's input),
-    ``free_output`` (see :func:`checkpointed`), ``on_device`` (keep ``x`` on the device even
-    with a stash), ``x`` ``[B, S_local, hidden]``, then, when ``x`` does not require grad,
-    an empty leaf that does (graph connectivity only; it gets no gradient).
+    def __init__(self, run_fn: Callable[[torch.Tensor], torch.Tensor], free_output: bool):
+        self.run_fn, self.free_output = run_fn, free_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run_fn(x)
+
+    def backward(self, x: torch.Tensor, x_requires_grad: bool, grad_y: torch.Tensor,
+                 owned: bool) -> torch.Tensor | None:
+        x = x.detach().requires_grad_(x_requires_grad)
+        y = self.run_fn(x)
+        if self.free_output:  # backward needs y's graph, not its values: give its memory back now
+            _free_values(y)
+        torch.autograd.backward(y, grad_y)
+        return x.grad if x_requires_grad else None
+
+
+class _ResidualBody:
+    """``x_{k+1} = x_k + f_k(x_k)`` over the branches; backward accumulates the input
+    gradient into the incoming one in place (see the module docstring).
+
+    The branches' outputs must not be saved by their own graphs (a linear or fpdt's chunked
+    MLP ends each of them): backward frees their values once their sum is formed
+    (:func:`_free_values`)."""
+
+    def __init__(self, branches: Sequence[Callable[[torch.Tensor], torch.Tensor]]):
+        self.branches = tuple(branches)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for f in self.branches:
+            x = x + f(x)
+        return x
+
+    def backward(self, x: torch.Tensor, x_requires_grad: bool, grad_y: torch.Tensor,
+                 owned: bool) -> torch.Tensor | None:
+        """Back-propagate ``grad_y`` through the recomputed branches; ``owned``: ``grad_y`` may
+        be accumulated into in place (:func:`_exclusively_owned`)."""
+        # Recompute: one leaf per branch input, each branch's graph kept for its backward. The
+        # next branch input is formed in the branch output's own storage (x + f(x), in that
+        # order of operands as in forward: bitwise the same sum).
+        leaves, outs = [], []
+        h = x
+        for k, f in enumerate(self.branches):
+            leaf = h.detach().requires_grad_(k > 0 or x_requires_grad)
+            out = f(leaf)
+            leaves.append(leaf)
+            outs.append(out)
+            if k + 1 < len(self.branches):
+                with torch.no_grad():
+                    h = out.add_(leaf) if out._base is None and _same_layout(out, leaf) else out + leaf
+        del h, x, leaf, out
+        _free_values(outs[-1])
+        grad = grad_y
+        del grad_y
+        for k in reversed(range(len(self.branches))):
+            torch.autograd.backward(outs[k], grad)
+            outs[k] = None                              # this branch's graph
+            contribution, leaves[k] = leaves[k].grad, None
+            if k > 0:
+                _free_values(outs[k - 1])               # the input of branch k, built in that output
+            if contribution is None:
+                continue
+            if owned and _same_layout(grad, contribution):
+                grad.add_(contribution)
+            else:
+                grad, owned = grad + contribution, True
+            del contribution
+        return grad if x_requires_grad else None
+
+
+def _free_values(t: torch.Tensor) -> None:
+    """Give ``t``'s memory back while its ``grad_fn`` stays usable as a backward root. Its
+    version is bumped first, so that a graph which saved ``t`` raises instead of reading freed
+    memory -- except for a view (autograd forbids modifying a view a custom Function returned,
+    e.g. the chunked MLP's reshaped output)."""
+    if t._base is None:
+        torch.autograd.graph.increment_version(t)
+    t.untyped_storage().resize_(0)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a.add_(b)`` computes ``a + b`` exactly in ``a``'s memory (no broadcast, no promotion)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+
+
+def _exclusively_owned(grad: torch.Tensor) -> bool:
+    """Whether the incoming gradient of a Function's backward is held by that call alone
+    (the engine's buffer and this frame) and no other tensor shares its memory, so it may be
+    accumulated into in place. False when another node receives the same tensor (an add hands
+    one gradient to both inputs), when the caller passed a tensor it keeps
+    (``y.backward(g)``), under double backward, or where torch cannot tell."""
+    try:
+        impl_refs = grad._use_count()
+        storage_refs = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
+    except (AttributeError, RuntimeError):
+        return False
+    # storage_refs counts this tensor and the temporary UntypedStorage made to ask
+    return (impl_refs == 1 and storage_refs == 2 and not torch.is_grad_enabled()
+            and not grad.requires_grad and grad.is_contiguous())
+
+
+class _LayerCheckpoint(torch.autograd.Function):
+    """``body.forward(x)`` with recompute in backward.
+
+    Inputs: ``body`` (:class:`_OpaqueBody` or :class:`_ResidualBody`), ``stash`` (HostStash
+    or None), ``key`` and ``prev_key`` (stash keys of this layer's and the previous layer's
+    input), ``on_device`` (keep ``x`` on the device even with a stash), ``x``
+    ``[B, S_local, hidden]``, then, when ``x`` does not require grad, an empty leaf that does
+    (graph connectivity only; it gets no gradient).
     Saved: ``x`` -- in ``ctx`` when ``stash`` is None or ``on_device``, else offloaded to
     host under ``key``. With a stash, backward starts the fetch of ``prev_key`` either way.
     """
 
     @staticmethod
-    def forward(ctx, run_fn, stash, key, prev_key, free_output, on_device, x, *anchor):
-        ctx.run_fn, ctx.stash, ctx.key, ctx.prev_key = run_fn, stash, key, prev_key
-        ctx.free_output, ctx.on_device = free_output, on_device
+    def forward(ctx, body, stash, key, prev_key, on_device, x, *anchor):
+        ctx.body, ctx.stash, ctx.key, ctx.prev_key, ctx.on_device = body, stash, key, prev_key, on_device
         ctx.x_requires_grad = x.requires_grad
         ctx.autocast = _autocast_state(x.device.type)
         ctx.rng = _rng_state(x.device)
@@ -65,24 +181,20 @@ class _LayerCheckpoint(torch.autograd.Function):
             stash.put(key, x)  # the device->host copy starts now and overlaps the layer's compute
             ctx.entry = _StashEntry(stash, key)   # freed with the graph: discards the entry if never popped
         with torch.no_grad():
-            y = run_fn(x)
+            y = body.forward(x)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
+        owned = _exclusively_owned(grad_y)   # asked here: grad mode is the caller's (double backward)
         x = ctx.saved_tensors[0] if ctx.stash is None or ctx.on_device else ctx.stash.pop(ctx.key)
         if ctx.stash is not None and ctx.prev_key is not None and ctx.prev_key in ctx.stash:
             ctx.stash.prefetch(ctx.prev_key)  # overlaps this layer's recompute + backward
-        x = x.detach().requires_grad_(ctx.x_requires_grad)
         device_type, enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
                 _replayed_rng(ctx.rng, x.device):
-            y = ctx.run_fn(x)
-        if ctx.free_output:  # backward needs y's graph, not its values: give its memory back now
-            y.untyped_storage().resize_(0)
-        torch.autograd.backward(y, grad_y)
-        return (None, None, None, None, None, None, x.grad if ctx.x_requires_grad else None) + \
-            (None,) * (len(ctx.needs_input_grad) - 7)
+            dx = ctx.body.backward(x, ctx.x_requires_grad, grad_y, owned)
+        return (None, None, None, None, None, dx) + (None,) * (len(ctx.needs_input_grad) - 6)
 
 
 class _StashEntry:
@@ -124,6 +236,18 @@ def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
+def _apply(body, x: torch.Tensor, params: list[torch.Tensor], stash: HostStash | None, key: Hashable,
+           prev_key: Hashable, on_device: bool) -> torch.Tensor:
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
+        return body.forward(x)  # no backward will come: nothing to keep
+    # When x does not require grad (frozen embeddings, as under LoRA), a throwaway leaf that
+    # does connects the output to the graph. Not the parameters: under ZeRO-3 they are
+    # partitioned (empty) here, and the gradient accumulator autograd would create for them now
+    # would reject the full-shape gradients of the recomputed layer.
+    anchors = [] if x.requires_grad else [torch.empty(0, device=x.device, requires_grad=True)]
+    return _LayerCheckpoint.apply(body, stash, key, prev_key, on_device, x, *anchors)
+
+
 def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                  params: list[torch.Tensor], stash: HostStash | None = None,
                  key: Hashable = None, prev_key: Hashable = None, free_output: bool = False,
@@ -140,16 +264,25 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
         free_output: the recomputed output's values are not saved by its own graph (e.g.
             ``run_fn`` ends with a residual add), so backward frees them before
             back-propagating (one ``[B, S_local, hidden]`` tensor less at the layer's peak).
-            Wrong when the last op saves its result (``exp``, ``tanh``, ...): leave False.
+            A graph that did save them fails in backward (their version is bumped), it does
+            not read freed memory.
         on_device: keep ``x`` on the device although a ``stash`` is given (a layer whose
             input stays on the GPU in a partly offloaded stack); the stash still serves the
             early fetch of ``prev_key``.
     """
-    if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
-        return run_fn(x)  # no backward will come: nothing to keep
-    # When x does not require grad (frozen embeddings, as under LoRA), a throwaway leaf that
-    # does connects the output to the graph. Not the parameters: under ZeRO-3 they are
-    # partitioned (empty) here, and the gradient accumulator autograd would create for them now
-    # would reject the full-shape gradients of the recomputed layer.
-    anchors = [] if x.requires_grad else [torch.empty(0, device=x.device, requires_grad=True)]
-    return _LayerCheckpoint.apply(run_fn, stash, key, prev_key, free_output, on_device, x, *anchors)
+    return _apply(_OpaqueBody(run_fn, free_output), x, params, stash, key, prev_key, on_device)
+
+
+def checkpointed_residual(branches: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor,
+                          params: list[torch.Tensor], stash: HostStash | None = None,
+                          key: Hashable = None, prev_key: Hashable = None,
+                          on_device: bool = False) -> torch.Tensor:
+    """Run the residual stack ``x <- x + f(x)`` for ``f`` in ``branches`` (a pre-norm decoder
+    layer: attention, then MLP; ``[B, S_local, hidden]`` -> same) under activation
+    checkpointing, holding one full-length gradient through the layer's backward instead of
+    :func:`checkpointed`'s two (module docstring).
+
+    Arguments as :func:`checkpointed`. Each branch's output must not be saved by its own graph
+    (its values are freed in backward once used; a graph that saved them fails loudly).
+    """
+    return _apply(_ResidualBody(branches), x, params, stash, key, prev_key, on_device)

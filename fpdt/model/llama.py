@@ -21,6 +21,7 @@ Shapes: ``B`` batch, ``S`` global sequence, ``S_local = S / P`` tokens on each o
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, fields, replace
 
@@ -30,7 +31,7 @@ from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.comm import SequenceMesh
-from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed
+from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed_residual
 from fpdt.model.config import ModelConfig
 from fpdt.model.inputs import prepare_inputs
 from fpdt.model.loss import WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss
@@ -140,8 +141,16 @@ class FPDTDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``."""
-        h = h + self.self_attn(self.input_layernorm(h), position_ids, rope)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.attention_branch(h, position_ids, rope)
+        return h + self.mlp_branch(h)
+
+    def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        """The first residual branch, ``attn(norm(h))``: ends with ``o_proj``, which does not save its output."""
+        return self.self_attn(self.input_layernorm(h), position_ids, rope)
+
+    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
+        """The second residual branch, ``mlp(norm(h))``: the chunked MLP saves its input only."""
+        return self.mlp(self.post_attention_layernorm(h))
 
 
 class FPDTModel(nn.Module):
@@ -366,11 +375,12 @@ class FPDTForCausalLM(nn.Module):
             if mode == "off":
                 h = layer(h, position_ids, rope)
                 continue
-            run = (lambda x, layer=layer: layer(x, position_ids, rope))
-            # the layer ends with a residual add, which saves nothing: its output may be freed
-            h = checkpointed(run, h, list(layer.parameters()), stash=stash, key=("layer input", i, fid),
-                             prev_key=("layer input", i - 1, fid) if i > 0 else None, free_output=True,
-                             on_device=i >= on_host)
+            branches = (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope),
+                        layer.mlp_branch)
+            h = checkpointed_residual(branches, h, list(layer.parameters()), stash=stash,
+                                      key=("layer input", i, fid),
+                                      prev_key=("layer input", i - 1, fid) if i > 0 else None,
+                                      on_device=i >= on_host)
         return self.model.norm(h)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:

@@ -48,7 +48,8 @@ class RMSNormFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         flat = x.reshape(-1, x.shape[-1])
         gflat = grad_out.reshape(-1, grad_out.shape[-1])
-        dx = torch.empty_like(flat) if need_dx else None
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None   # not a view: the caller
+        dx_flat = None if dx is None else dx.view(flat.shape)                            # may own it (in place)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
         w32 = weight.float()
         for s, e in chunk_bounds(flat.shape[0], ctx.num_chunks):
@@ -57,9 +58,10 @@ class RMSNormFunction(torch.autograd.Function):
             if need_dw:
                 dw += weight_grad(dy, x_hat, x.dtype)
             if need_dx:
-                dx[s:e] = input_grad_(dy.mul_(w32), x_hat, r)                  # dy is our temporary
+                dx_flat[s:e] = input_grad_(dy.mul_(w32), x_hat, r)             # dy is our temporary
             del x_hat, dy
-        return (None if dx is None else dx.view_as(x),
+        del dx_flat
+        return (dx,
                 None if dw is None else dw.to(weight.dtype), None, None)
 
 

@@ -84,8 +84,10 @@ from fpdt.plan.setup import Setup
 NORM_PHASE_ND = 4.0
 """Full-length [T, h] tensors (besides the layer inputs) alive at the RMSNorm backward:
 the layer's output gradient, the residual branch's gradient, the norm's input and output."""
-ATTENTION_PHASE_ND = 4.0
-"""Full-length tensors beside the attention core's working set in its backward."""
+ATTENTION_PHASE_ND = 3.0
+"""Full-length tensors beside the attention core's working set in its backward (the layer's
+gradient, the attention output's and the projection input's gradients; the checkpoint adds
+the residual branches' gradients into the incoming one in place)."""
 MLP_PHASE_ND = 4.0
 """Full-length tensors beside the chunked MLP's working set in its backward."""
 SAVED_PER_LAYER_ND = 5.0

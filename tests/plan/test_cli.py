@@ -193,8 +193,9 @@ def test_attention_kernel_gqa_expansion(capsys, tmp_path):
     bf16 (FlashAttention-2 or cuDNN) and repeats the KV heads in fp32 (the efficient kernel);
     --attention-backend (or the JSON's "fpdt" attention_backend) names one. Repeated KV heads
     cost attention working set, nothing else."""
+    # 128K chunks: the attention core's backward is the peak (at 64K the MLP's is)
     base = ("--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8", "--seq-len", str(2 ** 20),
-            "--chunk-size", "65536", "--hp", "8", "--lm-head-wgrad", "recompute")
+            "--chunk-size", "131072", "--hp", "8", "--lm-head-wgrad", "recompute")
     auto, fp32 = run_json(capsys, *base), run_json(capsys, *base, "--dtype", "fp32")
     named = {k: run_json(capsys, *base, "--attention-backend", k) for k in ("cuda_efficient", "cuda_cudnn", "cuda_flash")}
     ds = tmp_path / "ds.json"

@@ -28,7 +28,8 @@ TABLE = {   # FPDT Table 1; None = "-" (does not run)
 _STATES = ("ZeRO-3 model states alone (16 B/param: bf16 weights and grads, fp32 master and moments) "
            "leave no room")
 _LIGHT = ("this implementation's layer in flight is lighter than the paper's (lean RMSNorm, final dq delivered "
-          "at once, chunked MLP within half a chunk: 6 Nd full-length beside the attention's chunk buffers, "
+          "at once, chunked MLP within half a chunk, residual gradients accumulated in place: 5 Nd full-length "
+          "beside the attention's chunk buffers, "
           "tests/memory/test_model_budget.py), "
           "so the planner fits more than the paper ran")
 DEVIATIONS = {
