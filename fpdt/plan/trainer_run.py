@@ -25,6 +25,8 @@ settings (:func:`planned_setup`), so it names the same categories ``fpdt-plan`` 
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -91,10 +93,16 @@ def _deepspeed_choice(ds_config: Mapping[str, Any], world_size: int) -> Choice:
 
 
 def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
-             device_type: str, ranks_per_node: int, kernel_expands_gqa: bool | None = None) -> MemoryEstimate:
+             device_type: str, ranks_per_node: int, kernel_expands_gqa: bool | None = None,
+             lora_rank: int = 0) -> MemoryEstimate:
     """:class:`~fpdt.plan.memory_model.MemoryEstimate` of this run (``kernel_expands_gqa``: as
-    :func:`planned_setup`)."""
+    :func:`planned_setup`). With ``lora_rank`` the setup is LoRA's (the frozen base's
+    parameters only, the adapters' gradients and optimizer state), so a LoRA run is not checked
+    as if it trained every weight; adapters are counted on all seven projections, an upper
+    bound when ``--lora-targets`` names fewer."""
     setup = planned_setup(plan, opts, ds_config, dtype_name, device_type, kernel_expands_gqa, model.head_dim)
+    if lora_rank:
+        setup = dataclasses.replace(setup, lora_rank=lora_rank)
     return estimate_memory(model, setup, plan.world_size, ranks_per_node)
 
 

@@ -349,7 +349,7 @@ def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, d
     collective and raises the same :class:`ConfigError`), and on CUDA the device-memory
     warning and the planner's settings. A run the planner's model cannot describe is not
     stopped: it goes on without them, with a note. ``lora_rank``: a LoRA run's, predicted as
-    such (:func:`fpdt.train.preflight.memory_estimate`) and, on CUDA, given the planner's
+    such (:func:`fpdt.plan.trainer_run.estimate`) and, on CUDA, given the planner's
     settings for LoRA of that rank (:func:`fpdt.plan.trainer_run.recommend`)."""
     gpus = torch.cuda.device_count() if device.type == "cuda" else None
     ranks = trainer_run.ranks_on_this_node(plan.world_size, gpus)
@@ -357,8 +357,8 @@ def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, d
     available = float(psutil.virtual_memory().available)
     est, notes, parts = None, [], {}
     try:
-        est = preflight.memory_estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks,
-                                        kernel_expands_gqa, lora_rank)
+        est = trainer_run.estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks,
+                                   kernel_expands_gqa, lora_rank)
         parts = trainer_run.host_offload_bytes(est)
     except Exception as e:  # noqa: BLE001 -- a limit of the planner's model never stops a run the trainer can run
         notes.append(f"note: fpdt-plan's model cannot describe this run ({type(e).__name__}: {e}); no memory "

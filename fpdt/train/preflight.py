@@ -219,26 +219,6 @@ def check_resume(path: str, *, steps: int, world_size: int, precision: str, mode
     return saved
 
 
-def memory_estimate(model: ModelConfig, plan, opts, ds_config: Mapping[str, Any], dtype_name: str, device_type: str,
-                    ranks_per_node: int, kernel_expands_gqa: bool | None = None, lora_rank: int = 0):
-    """The planner's :class:`~fpdt.plan.memory_model.MemoryEstimate` of this run
-    (:func:`fpdt.plan.trainer_run.estimate`); with ``lora_rank`` its setup is LoRA's (the
-    frozen base's parameters only, the adapters' gradients and optimizer state), so a LoRA
-    run is not checked as if it trained every weight. The planner counts adapters on all
-    seven projections, an upper bound when ``--lora-targets`` names fewer."""
-    from dataclasses import replace
-
-    from fpdt.plan import trainer_run
-    from fpdt.plan.memory_model import estimate_memory
-
-    if not lora_rank:
-        return trainer_run.estimate(model, plan, opts, ds_config, dtype_name, device_type, ranks_per_node,
-                                    kernel_expands_gqa)
-    setup = trainer_run.planned_setup(plan, opts, ds_config, dtype_name, device_type, kernel_expands_gqa,
-                                      model.head_dim)
-    return estimate_memory(model, replace(setup, lora_rank=lora_rank), plan.world_size, ranks_per_node)
-
-
 def attention_kernel(name: str | None, device, dtype, head_dim: int) -> AttentionBackend:
     """The attention kernel the run will use: ``name`` (``--attention-backend``), or the
     automatic choice when None. A named kernel that is not installed, does not fit the

@@ -344,7 +344,7 @@ def test_the_prediction_follows_the_kernels_gqa_expansion(tmp_path, monkeypatch)
         assert setup.kernel_expands_gqa is want, (expands, device_type, dtype, kernel)
     seen = []
     real = mp.estimate
-    monkeypatch.setattr(mp, "estimate", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(mp, "estimate", lambda *a: seen.append(a[7]) or real(*a))   # kernel_expands_gqa
     for expands in (True, False):
         cli.check_memory(source, plan, FPDTOptions(), ds, "fp32", torch.device("cpu"), kernel_expands_gqa=expands)
     assert seen == [True, False]
@@ -389,7 +389,7 @@ def test_a_lora_run_is_checked_as_lora(monkeypatch):
     check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cpu"), lora_rank=16)
     assert check.estimate.breakdown["model_states_host"] < 3 * 2 ** 30
     assert check.lines == ("fpdt-plan's model of this run: host offload 2.31 GiB per node",)
-    full = preflight.memory_estimate(cfg, plan, opts, ds, "bf16", "cpu", 8)
+    full = mp.estimate(cfg, plan, opts, ds, "bf16", "cpu", 8)
     assert check.estimate.breakdown["optimizer_state"] == full.breakdown["optimizer_state"] == 0   # on the host
 
 
@@ -426,7 +426,7 @@ def test_a_lora_runs_memory_advice_is_the_lora_plans(monkeypatch):
     assert args.lora_rank == 16
     fixed_opts = merge_options(fpdt_flags(args), {})
     fixed = validate(fixed_opts, S, 8, "cuda", ds)
-    est = preflight.memory_estimate(cfg, fixed, fixed_opts, ds, "bf16", "cuda", 8, lora_rank=16)
+    est = mp.estimate(cfg, fixed, fixed_opts, ds, "bf16", "cuda", 8, lora_rank=16)
     assert est.device_peak_bytes <= 80 * 2 ** 30                     # the LoRA plan's settings fit
     line = mp.out_of_memory_advice(1, plan, opts, lora.estimate, "x", 80 * 2 ** 30, rec)
     assert line.endswith(f"fpdt-plan's settings for this GPU: {rec.flags}")
