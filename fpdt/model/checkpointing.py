@@ -111,7 +111,8 @@ class _ResidualBody:
         grad = grad_y
         del grad_y
         for k in reversed(range(len(self.branches))):
-            torch.autograd.backward(outs[k], grad)
+            with _donating(grad if owned else None, leaves[k]):
+                torch.autograd.backward(outs[k], grad)
             outs[k] = None                              # this branch's graph
             contribution, leaves[k] = leaves[k].grad, None
             if k > 0:
@@ -124,6 +125,39 @@ class _ResidualBody:
                 grad, owned = grad + contribution, True
             del contribution
         return grad if x_requires_grad else None
+
+
+_donation: tuple[torch.Tensor, torch.Tensor] | None = None
+"""(layer gradient, branch input) while a residual branch's backward may add into the former."""
+
+
+@contextlib.contextmanager
+def _donating(grad: torch.Tensor | None, leaf: torch.Tensor):
+    global _donation
+    before, _donation = _donation, (None if grad is None else (grad, leaf))
+    try:
+        yield
+    finally:
+        _donation = before
+
+
+def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool:
+    """For a Function computing a whole residual branch ``f(x)`` of
+    :func:`checkpointed_residual`: whether its backward may add its input gradient ``dL/dx``
+    into ``grad_out`` in place (and return ``None`` for ``x``) instead of returning it.
+
+    True only inside such a branch's backward, when the layer's gradient is this layer's
+    alone (:func:`_exclusively_owned`), ``grad_out`` is that gradient itself (the Function's
+    output is the branch's output, nothing but identities after it) and ``branch_input`` is
+    the branch's input. That sum is exactly what the checkpoint would form from the returned
+    gradient; done chunk by chunk, no full-length input gradient exists."""
+    if _donation is None:
+        return False
+    grad, leaf = _donation
+    return (grad_out.data_ptr() == grad.data_ptr() and grad_out.shape == grad.shape
+            and grad_out.dtype == grad.dtype and grad_out.is_contiguous()
+            and branch_input.data_ptr() == leaf.data_ptr() and branch_input.shape == leaf.shape
+            and branch_input.dtype == grad.dtype)
 
 
 def _free_values(t: torch.Tensor) -> None:

@@ -149,8 +149,9 @@ class FPDTDecoderLayer(nn.Module):
         return self.self_attn(self.input_layernorm(h), position_ids, rope)
 
     def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
-        """The second residual branch, ``mlp(norm(h))``: the chunked MLP saves its input only."""
-        return self.mlp(self.post_attention_layernorm(h))
+        """The second residual branch, ``mlp(norm(h))``, one chunked function with the norm
+        inside (:mod:`fpdt.model.mlp`): saves ``h`` and an fp32 scale per token only."""
+        return self.mlp(h, norm=self.post_attention_layernorm)
 
 
 class FPDTModel(nn.Module):

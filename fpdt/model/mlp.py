@@ -23,6 +23,16 @@ chunk partials in bf16 would add N roundings), then cast back. A frozen weight g
 LoRA adapters on the three projections (:mod:`fpdt.ops.lora`) run chunk by chunk with them:
 the down projection's adapters read the chunk's recomputed ``h``; nothing more is saved.
 
+The pre-MLP RMSNorm may run inside too (``norm``): the input is then the residual stream
+``h`` and each chunk is normalised on the fly (``weight * cast(x_hat)``, the Llama
+convention of :mod:`fpdt.ops.rmsnorm`), so the normed input is never stored whole (saved:
+``h`` and one fp32 ``rstd`` per token) and the gradient leaves as ``dL/dh``, one chunk at a
+time. Inside :func:`fpdt.model.checkpointing.checkpointed_residual`, whose layer gradient the
+MLP's own gradient is summed into, each chunk's ``dL/dh`` is added into that gradient in place
+(:func:`fpdt.model.checkpointing.donated_gradient`) instead of into a full-length tensor of its
+own. Same numbers either way: the norm's gradient is computed from the MLP's input gradient
+chunk in the dtype the unfused pair passes between them.
+
 ZeRO-3: the function reads the ``gate_proj/up_proj/down_proj`` weights directly instead
 of calling those modules. DeepSpeed's engine notices such reads during forward and
 registers the weights as external parameters of this module (or the trainer registers
@@ -35,7 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fpdt.model.checkpointing import donated_gradient
 from fpdt.model.chunks import budget_chunks, chunk_bounds
+from fpdt.ops.rmsnorm import input_grad_, normalised, weight_grad
 from fpdt.ops.lora import LoraAdapters, accumulators, attached_adapters, finish, lora_backward, with_lora
 
 
@@ -57,35 +69,50 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
     """SwiGLU over ``num_chunks`` token chunks with recompute in backward.
 
     Inputs: ``x`` ``[B, S, hidden]``; ``w_gate``, ``w_up`` ``[I, hidden]``; ``w_down``
-    ``[hidden, I]``; optional biases ``[I]``, ``[I]``, ``[hidden]``; ``num_chunks`` int; then
-    optionally a :class:`fpdt.ops.lora.LoraLayout` of the gate, up and down projections and
-    its tensors.
-    Output: ``[B, S, hidden]`` in ``x.dtype``.
-    Saved: ``x`` and the weights/biases (no intermediates; none offloaded).
+    ``[hidden, I]``; optional biases ``[I]``, ``[I]``, ``[hidden]``; ``num_chunks`` int;
+    ``lora``: a :class:`fpdt.ops.lora.LoraLayout` of the gate, up and down projections or None;
+    ``norm_eps``: a float to normalise ``x`` first (the RMSNorm runs inside, module
+    docstring) or None; then the tensors: the norm's weight ``[hidden]`` when ``norm_eps`` is
+    given, then the LoRA layout's tensors.
+    Output: ``[B, S, hidden]`` in ``x.dtype`` (``promote(norm weight, x)`` with a norm).
+    Saved: ``x`` and the weights/biases, with a norm its fp32 ``rstd`` ``[T, 1]`` (no
+    intermediates; none offloaded).
     """
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, num_chunks: int, lora=None, *lora_tensors):
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, num_chunks: int, lora=None, norm_eps=None,
+                *tensors):
+        norm_w, lora_tensors = (tensors[0], tensors[1:]) if norm_eps is not None else (None, tensors)
         flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
-        out = torch.empty(flat.shape[0], w_down.shape[0], dtype=x.dtype, device=x.device)
+        dtype = x.dtype if norm_w is None else torch.promote_types(norm_w.dtype, x.dtype)   # the MLP's input's
+        out = torch.empty(flat.shape[0], w_down.shape[0], dtype=dtype, device=x.device)
+        rstd = None if norm_w is None else torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
         tg, tu, td = lora.split(lora_tensors) if lora is not None else ([], [], [])
         seed = lora.draw_seed() if lora is not None else None
         for k, (s, e) in enumerate(chunk_bounds(flat.shape[0], num_chunks)):
-            xc = flat[s:e]
+            if norm_w is None:
+                xc = flat[s:e]
+            else:
+                x_hat, rstd[s:e] = normalised(flat[s:e], norm_eps)
+                xc = torch.mul(norm_w, x_hat.to(x.dtype))                  # [n, hidden], the norm's output
+                del x_hat
             g = with_lora(F.linear(xc, w_gate, b_gate), xc, tg, seed, k)
             h = F.silu(g) * with_lora(F.linear(xc, w_up, b_up), xc, tu, seed, k)   # [n, I]
             out[s:e] = with_lora(F.linear(h, w_down, b_down), h, td, seed, k)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down, *lora_tensors)
-        ctx.num_chunks, ctx.lora, ctx.seed = num_chunks, lora, seed
+        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down, rstd, *tensors)
+        ctx.num_chunks, ctx.lora, ctx.seed, ctx.norm_eps = num_chunks, lora, seed, norm_eps
         return out.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w_gate, w_up, w_down, b_gate, b_up, b_down, *lora_tensors = ctx.saved_tensors
+        x, w_gate, w_up, w_down, b_gate, b_up, b_down, rstd, *tensors = ctx.saved_tensors
+        eps = ctx.norm_eps
+        norm_w, lora_tensors = (tensors[0], tensors[1:]) if eps is not None else (None, tensors)
         need = ctx.needs_input_grad
+        first_lora = 11 if eps is not None else 10                          # index of the first LoRA tensor
         lora, seed = ctx.lora, ctx.seed
         tg, tu, td = lora.split(lora_tensors) if lora is not None else ([], [], [])
-        d_lora = accumulators(lora, lora_tensors, need[9:]) if lora is not None else []
+        d_lora = accumulators(lora, lora_tensors, need[first_lora:]) if lora is not None else []
         acc_gate, acc_up, acc_down = lora.split(d_lora) if lora is not None else ([], [], [])
         flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
         gflat = grad_out.reshape(-1, grad_out.shape[-1])                    # [T, hidden]
@@ -98,11 +125,25 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
 
         dwg, dwu, dwd = acc(w_gate, 1), acc(w_up, 2), acc(w_down, 3)
         dbg, dbu, dbd = acc(b_gate, 4), acc(b_up, 5), acc(b_down, 6)
-        dx = torch.empty_like(flat) if need[0] else None
+        dnorm = acc(norm_w, 10)
+        # With the norm inside, the input gradient may go straight into the layer's gradient,
+        # which is then grad_out itself: each chunk is read before its own slice is written.
+        into = eps is not None and need[0] and donated_gradient(grad_out, x)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need[0] and not into else None
+        dx_flat = gflat if into else None if dx is None else dx.view(flat.shape)
+        mlp_dx = need[0] or (dnorm is not None)                             # the MLP input's gradient is needed
+        w32 = None if norm_w is None else norm_w.float()
         # At most four [n, I] tensors live at a time (g, u or u*dh, a or du, and one of
         # a*u / dh / dg): products are formed in place wherever the input is dead after.
         for k, (s, e) in enumerate(chunk_bounds(flat.shape[0], ctx.num_chunks)):
-            xc, dy = flat[s:e], gflat[s:e]                                  # [n, hidden]
+            dy = gflat[s:e]                                                 # [n, hidden]
+            if norm_w is None:
+                xc = flat[s:e]
+                dxc = dx_flat[s:e] if dx_flat is not None else None        # the MLP input's gradient, in place
+            else:
+                x_hat, r = normalised(flat[s:e], eps, rstd[s:e])
+                xc = torch.mul(norm_w, x_hat.to(x.dtype))                  # the norm's output, recomputed
+                dxc = torch.empty(xc.shape, dtype=xc.dtype, device=xc.device) if mlp_dx else None
             g = with_lora(F.linear(xc, w_gate, b_gate), xc, tg, seed, k)   # [n, I]
             u = with_lora(F.linear(xc, w_up, b_up), xc, tu, seed, k)
             a = F.silu(g)
@@ -125,12 +166,12 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                 dwu += (du.t() @ xc).to(dwu.dtype)
             if dbu is not None:
                 dbu += du.sum(0, dtype=dbu.dtype)
-            if dx is not None:
-                dx[s:e] = du @ w_up
+            if dxc is not None:
+                torch.matmul(du, w_up, out=dxc)
             if tu:
-                d_lo = lora_backward(xc, du, tu, acc_up, seed, k, dx is not None)
+                d_lo = lora_backward(xc, du, tu, acc_up, seed, k, dxc is not None)
                 if d_lo is not None:
-                    dx[s:e].add_(d_lo)
+                    dxc.add_(d_lo)
             del du
             dg = torch.ops.aten.silu_backward(u, g)                         # dL/dg, fused
             del u, g
@@ -138,17 +179,29 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                 dwg += (dg.t() @ xc).to(dwg.dtype)
             if dbg is not None:
                 dbg += dg.sum(0, dtype=dbg.dtype)
-            if dx is not None:
-                dx[s:e] += dg @ w_gate
+            if dxc is not None:
+                dxc += dg @ w_gate
             if tg:
-                d_lo = lora_backward(xc, dg, tg, acc_gate, seed, k, dx is not None)
+                d_lo = lora_backward(xc, dg, tg, acc_gate, seed, k, dxc is not None)
                 if d_lo is not None:
-                    dx[s:e].add_(d_lo)
+                    dxc.add_(d_lo)
             del dg
+            if norm_w is not None and dxc is not None:                     # the norm's backward, as RMSNormFunction's
+                dyn = dxc.to(torch.float32, copy=True)
+                if dnorm is not None:
+                    dnorm += weight_grad(dyn, x_hat, x.dtype)
+                if need[0]:
+                    dh = input_grad_(dyn.mul_(w32), x_hat, r)              # fp32 [n, hidden]
+                    if into:
+                        dx_flat[s:e] += dh.to(x.dtype)                      # the residual's sum, in place
+                    else:
+                        dx_flat[s:e] = dh
+                    del dh
+                del dyn, x_hat, dxc
         cast = lambda g, w: None if g is None else g.to(w.dtype)  # noqa: E731
-        return (None if dx is None else dx.view_as(x),
-                cast(dwg, w_gate), cast(dwu, w_up), cast(dwd, w_down),
-                cast(dbg, b_gate), cast(dbu, b_up), cast(dbd, b_down), None, None, *finish(d_lora, lora_tensors))
+        return (dx, cast(dwg, w_gate), cast(dwu, w_up), cast(dwd, w_down),
+                cast(dbg, b_gate), cast(dbu, b_up), cast(dbd, b_down), None, None, None,
+                *(() if norm_w is None else (cast(dnorm, norm_w),)), *finish(d_lora, lora_tensors))
 
 
 class ChunkedSwiGLU(nn.Module):
@@ -174,26 +227,33 @@ class ChunkedSwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.num_chunks = num_chunks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """``norm``: an RMSNorm (``weight``, ``eps``) to apply to ``x`` first; chunked, it runs
+        inside the chunked function (module docstring)."""
         adapters = attached_adapters((self.gate_proj, self.up_proj, self.down_proj), self.training)
-        return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, self.num_chunks, adapters)
+        return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, self.num_chunks, adapters, norm)
 
     def extra_repr(self) -> str:
         return f"num_chunks={self.num_chunks}"
 
 
 def swiglu_of_linears(x: torch.Tensor, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
-                      num_chunks: int, adapters: LoraAdapters | None = None) -> torch.Tensor:
+                      num_chunks: int, adapters: LoraAdapters | None = None,
+                      norm: nn.Module | None = None) -> torch.Tensor:
     """SwiGLU of three ``nn.Linear`` modules' weights and biases, read directly: over
     ``num_chunks`` token chunks (:class:`ChunkedSwiGLUFunction`), or plain when 0.
-    ``adapters``: LoRA terms of the gate, up and down projections (chunked only)."""
+    ``adapters``: LoRA terms of the gate, up and down projections (chunked only). ``norm``: an
+    RMSNorm module (``weight``, ``eps``) applied to ``x`` first: inside the chunked function, or
+    called as a module when plain."""
+    if num_chunks == 0 and norm is not None:
+        x = norm(x)
     args = (x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias, down_proj.bias)
     if num_chunks == 0:
         if adapters is not None:
             raise ValueError("LoRA adapters run inside the chunked MLP only: num_chunks must be >= 1")
         return swiglu_reference(*args)
-    if adapters is None:
-        return ChunkedSwiGLUFunction.apply(*args, num_chunks)
-    if len(adapters.layout.terms) != 3:
+    if adapters is not None and len(adapters.layout.terms) != 3:
         raise ValueError(f"the MLP's LoRA layout must have 3 projections, got {len(adapters.layout.terms)}")
-    return ChunkedSwiGLUFunction.apply(*args, num_chunks, adapters.layout, *adapters.tensors)
+    layout, lora_tensors = (None, ()) if adapters is None else (adapters.layout, adapters.tensors)
+    norm_args = (None,) if norm is None else (norm.eps, norm.weight)
+    return ChunkedSwiGLUFunction.apply(*args, num_chunks, layout, *norm_args, *lora_tensors)

@@ -88,8 +88,10 @@ ATTENTION_PHASE_ND = 3.0
 """Full-length tensors beside the attention core's working set in its backward (the layer's
 gradient, the attention output's and the projection input's gradients; the checkpoint adds
 the residual branches' gradients into the incoming one in place)."""
-MLP_PHASE_ND = 4.0
-"""Full-length tensors beside the chunked MLP's working set in its backward."""
+MLP_PHASE_ND = 2.0
+"""Full-length tensors beside the chunked MLP's working set in its backward (the attention
+output saved for ``o_proj``, the residual the MLP saves, the layer's gradient it adds into:
+the post-attention norm runs inside the MLP, whose input gradient is never full-length)."""
 SAVED_PER_LAYER_ND = 5.0
 """Full-length tensors one layer saves for backward without checkpointing (norm inputs,
 normed projection input, attention output, residual, MLP input), attention stash aside."""

@@ -77,17 +77,21 @@ def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, t
 
     * :class:`fpdt.attention.FPDTAttention` -- its ``q_proj``/``k_proj``/``v_proj`` weights and biases,
       and ``o_proj``'s when it has a LoRA adapter (the lean LoRA linear reads it);
-    * :class:`fpdt.model.ChunkedSwiGLU` -- its ``gate_proj``/``up_proj``/``down_proj`` weights and biases;
+    * :class:`fpdt.model.ChunkedSwiGLU` -- its ``gate_proj``/``up_proj``/``down_proj`` weights and biases,
+      and the decoder layer's ``post_attention_layernorm`` weight (the norm runs inside the MLP);
     * the root :class:`fpdt.model.FPDTForCausalLM` -- ``lm_head.weight`` (the chunked loss);
     * with LoRA (:func:`fpdt.model.add_lora`), the adapters of each of those projections.
     """
     from fpdt.attention.module import FPDTAttention
     from fpdt.model import ChunkedSwiGLU, FPDTForCausalLM
+    from fpdt.model.llama import FPDTDecoderLayer
 
     owners = ((FPDTAttention, ("q_proj", "k_proj", "v_proj")),
               (ChunkedSwiGLU, ("gate_proj", "up_proj", "down_proj")),
               (FPDTForCausalLM, ("lm_head",)))
     for module in model.modules():
+        if isinstance(module, FPDTDecoderLayer):
+            yield module.mlp, module.post_attention_layernorm.weight
         for cls, names in owners:
             if not isinstance(module, cls):
                 continue

@@ -31,13 +31,15 @@ Two sub-phases of the recomputed last layer's backward can peak, per token:
   chunks (0.5) of the outer step;
 * fp32 ``[S, 1]`` lse-sized vectors (``EPS``).
 
-**The chunked MLP's backward** (the peak at u = 8): the restored and prefetched inputs (2),
-the attention output saved for ``o_proj`` (1), the residual ``h1`` (1, saved by the
-post-attention norm), the norm output saved by the MLP (1), the incoming gradient (1) and the
-MLP's input gradient (1) = 7 Nd, beside its four live ``[n, I]`` intermediates, each half an
-attention chunk by the default byte budget of :mod:`fpdt.model.chunks` (``2 U``).
+**The chunked MLP's backward**: the restored and prefetched inputs (2), the attention output
+saved for ``o_proj`` (1), the residual ``h1`` (1, saved by the chunked MLP, which runs the
+post-attention norm inside), the layer's gradient (1, into which the MLP adds its input
+gradient a chunk at a time) = 5 Nd, beside its four live ``[n, I]`` intermediates, each half
+an attention chunk by the default byte budget of :mod:`fpdt.model.chunks` (``2 U``). It was
+7 Nd (the norm's output saved by the MLP, the MLP's full-length input gradient) and set the
+peak at u = 8 (7.27 Nd); now the attention core's backward does at every u.
 
-Budget: ``max(5 + 16.5 / u, 7 + 2 / u)`` Nd: 9.125 at u = 4, 7.25 at u = 8 (the issue asked
+Budget: ``max(5 + 16.5 / u, 5 + 2 / u)`` Nd: 9.125 at u = 4, 7.06 at u = 8 (the issue asked
 for 8 at u = 4: the chunk count is the lever). Before the fixes of issue 8 the same run held
 20 Nd.
 """
@@ -86,7 +88,7 @@ def _peak(model, seq: int) -> int:
 STEADY = {4: (4096, 8192), 8: (8192, 16384)}
 """Lengths per ``u`` where the slope is steady (checked: the next doubling gives the same)."""
 ATTENTION_PHASE_ND, ATTENTION_WS_U = 5.0, 16.5
-MLP_PHASE_ND, MLP_WS_U = 7.0, 2.0
+MLP_PHASE_ND, MLP_WS_U = 5.0, 2.0
 
 
 def budget_nd(u: int) -> float:

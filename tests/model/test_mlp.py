@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fpdt.model.mlp import ChunkedSwiGLU, ChunkedSwiGLUFunction, swiglu_reference
+from fpdt.ops.rmsnorm import rms_norm_reference
 from tests.model.helpers import rel_err
 
 
@@ -80,3 +81,88 @@ def test_no_grad_forward():
     assert not y.requires_grad
     ref = F.linear(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x), mlp.down_proj.weight)
     assert rel_err(y, ref) < 1e-6
+
+
+def _norm(hidden, dtype, seed=1):
+    from fpdt.model.llama import RMSNorm
+    torch.manual_seed(seed)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return norm
+
+
+def _run_fused(mlp, norm, x, dy, num_chunks, fused):
+    mlp.zero_grad(set_to_none=True)
+    norm.zero_grad(set_to_none=True)
+    mlp.num_chunks = num_chunks
+    xr = x.clone().requires_grad_()
+    y = mlp(xr, norm=norm) if fused else mlp(rms_norm_reference(xr, norm.weight, norm.eps))
+    y.backward(dy)
+    grads = {n: p.grad.clone() for n, p in mlp.named_parameters()}
+    grads["norm"] = norm.weight.grad.clone()
+    return y.detach(), xr.grad, grads
+
+
+# fp64 inputs too are normalised in fp32 (the Llama convention, as the reference does): ~1e-7
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_chunks", [1, 3, 26])
+def test_norm_inside_matches_norm_then_mlp(dtype, tol, num_chunks):
+    """The RMSNorm run inside the chunked function: output and every gradient (input, MLP
+    weights and biases, norm weight) as the plain autograd norm followed by the plain MLP."""
+    mlp, x, dy = _setup(True, dtype)
+    norm = _norm(x.shape[-1], dtype)
+    y0, dx0, g0 = _run_fused(mlp, norm, x, dy, 0, fused=False)
+    y, dx, g = _run_fused(mlp, norm, x, dy, num_chunks, fused=True)
+    assert y.dtype == dtype and rel_err(y, y0) < tol and rel_err(dx, dx0) < tol
+    for n in g0:
+        assert g[n].dtype == dtype and rel_err(g[n], g0[n]) < tol, n
+
+
+def _residual_mlp_layer(hidden=32, inter=48, dtype=torch.float32):
+    from fpdt.model.checkpointing import checkpointed_residual
+    mlp, _, _ = _setup(False, dtype, hidden=hidden, inter=inter)
+    norm = _norm(hidden, dtype)
+    lin = torch.nn.Linear(hidden, hidden).to(dtype)
+    params = [*mlp.parameters(), *norm.parameters(), *lin.parameters()]
+    branches = (lin, lambda h: mlp(h, norm=norm))
+    return (lambda x: checkpointed_residual(branches, x, params)), (lambda x: (lambda h: h + mlp(norm(h)))(x + lin(x))), params
+
+
+def test_donated_gradient_sum_is_exact():
+    """Inside the residual checkpoint the chunked MLP adds its input gradient into the layer's
+    gradient in place: the same input and parameter gradients as plain autograd."""
+    torch.manual_seed(0)
+    ckpt, plain, params = _residual_mlp_layer()
+    x = torch.randn(2, 9, 32)
+    got = []
+    for f in (plain, ckpt):
+        for p in params:
+            p.grad = None
+        xr = x.clone().requires_grad_()
+        (f(xr) * 3).sum().backward()                   # (y * 3): the layer's gradient is its own
+        got.append((xr.grad, [p.grad.clone() for p in params]))
+    assert rel_err(got[1][0], got[0][0]) < 1e-6
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(got[1][1], got[0][1]))
+
+
+def test_donated_gradient_holds_no_input_gradient(monkeypatch):
+    """Counted: with the layer's gradient donated, the MLP branch's backward holds no
+    full-length input gradient of its own: one ``[T, hidden]`` tensor less at its peak than
+    when the function returns that gradient for the checkpoint to add."""
+    import fpdt.model.mlp as mlp_module
+    from fpdt.profiling.memory import MemoryAccountant
+    torch.manual_seed(0)
+    ckpt, _, params = _residual_mlp_layer(hidden=64, inter=64)
+    x = torch.randn(1, 4096, 64, requires_grad=True)
+    peaks = {}
+    for donated in (True, False):
+        if not donated:
+            monkeypatch.setattr(mlp_module, "donated_gradient", lambda *a: False)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        loss = (ckpt(x * 1) * 2).sum()
+        with MemoryAccountant("cpu") as acct:
+            loss.backward()
+        peaks[donated] = acct.device_peak
+    assert peaks[False] - peaks[True] >= x.numel() * 4, peaks
