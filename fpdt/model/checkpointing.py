@@ -30,7 +30,11 @@ attention's chunks go to the host in the recompute only). The layer comes in two
   into the incoming gradient **in place**, when that gradient is provably this node's alone
   (:func:`_exclusively_owned`; otherwise into a sum of its own, as the opaque form does).
   One full-length gradient then lives through the layer's backward, as under a
-  non-reentrant checkpoint.
+  non-reentrant checkpoint. A Function that computes a whole branch may go further:
+  add its input gradient into the layer's gradient itself, a chunk at a time
+  (:func:`donated_gradient`), and, in the recompute of the last branch, whose output is
+  only a backward root, skip its forward (:func:`output_values_unused`); fpdt's chunked
+  MLP does both.
 
 When ``x`` does not require grad (e.g. frozen embeddings) an empty leaf that does is passed
 along, so the output requires grad; the parameters themselves never are (ZeRO-3 has them
@@ -100,7 +104,12 @@ class _ResidualBody:
         h = x
         for k, f in enumerate(self.branches):
             leaf = h.detach().requires_grad_(k > 0 or x_requires_grad)
-            out = f(leaf)
+            with _values_unused(k + 1 == len(self.branches)) as skipped:   # the last output is a root only
+                out = f(leaf)
+            if skipped and not any(p.data_ptr() == out.data_ptr() for p in skipped):
+                raise RuntimeError("a Function skipped its forward in the recompute of a residual branch "
+                                   "(output_values_unused) whose output is not that Function's: the branch "
+                                   "must end with it, or later ops would save placeholder values")
             leaves.append(leaf)
             outs.append(out)
             if k + 1 < len(self.branches):
@@ -125,6 +134,34 @@ class _ResidualBody:
                 grad, owned = grad + contribution, True
             del contribution
         return grad if x_requires_grad else None
+
+
+_graph_only: list[torch.Tensor] | None = None
+"""While the last residual branch is recomputed: the placeholders Functions returned instead of
+their output (:func:`output_values_unused`)."""
+
+
+@contextlib.contextmanager
+def _values_unused(flag: bool):
+    global _graph_only
+    before, _graph_only = _graph_only, ([] if flag else None)
+    try:
+        yield _graph_only
+    finally:
+        _graph_only = before
+
+
+def output_values_unused(placeholder: torch.Tensor | None = None) -> bool:
+    """For a Function that computes a whole residual branch of :func:`checkpointed_residual`
+    (its output is the branch's output): True in the recompute of the layer's last branch,
+    whose output serves only as the root of its backward. Such a Function may then skip its
+    forward computation and return a placeholder of the output's shape and dtype (its
+    backward must recompute what it needs anyway, as the chunked MLP does), saving the
+    output's memory and its forward FLOPs. It passes that placeholder here; the checkpoint
+    raises if the branch's output is not it (a later op would have read its values)."""
+    if placeholder is not None and _graph_only is not None:
+        _graph_only.append(placeholder)
+    return _graph_only is not None
 
 
 _donation: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fpdt.model.checkpointing import donated_gradient
+from fpdt.model.checkpointing import donated_gradient, output_values_unused
 from fpdt.model.chunks import budget_chunks, chunk_bounds
 from fpdt.ops.rmsnorm import input_grad_, normalised, weight_grad
 from fpdt.ops.lora import LoraAdapters, accumulators, attached_adapters, finish, lora_backward, with_lora
@@ -76,7 +76,10 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
     given, then the LoRA layout's tensors.
     Output: ``[B, S, hidden]`` in ``x.dtype`` (``promote(norm weight, x)`` with a norm).
     Saved: ``x`` and the weights/biases, with a norm its fp32 ``rstd`` ``[T, 1]`` (no
-    intermediates; none offloaded).
+    intermediates; none offloaded). With the norm inside, in a residual checkpoint's recompute
+    of the layer's last branch (:func:`fpdt.model.checkpointing.output_values_unused`) forward
+    computes nothing and returns a placeholder of the output's shape: backward recomputes
+    every chunk anyway.
     """
 
     @staticmethod
@@ -89,6 +92,16 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         rstd = None if norm_w is None else torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
         tg, tu, td = lora.split(lora_tensors) if lora is not None else ([], [], [])
         seed = lora.draw_seed() if lora is not None else None
+        ctx.num_chunks, ctx.lora, ctx.seed, ctx.norm_eps = num_chunks, lora, seed, norm_eps
+        if norm_w is not None and output_values_unused():
+            # a checkpoint's recompute of this branch: only the graph is needed; backward
+            # recomputes every chunk (and the norm's rstd, the same per-token numbers). Only
+            # with the norm inside: with a separate norm module (fpdt.hf) the branch's graph
+            # around the placeholder held one full-length tensor more (counted), not less
+            ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down, None, *tensors)
+            placeholder = torch.empty(1, dtype=dtype, device=x.device).expand(*x.shape[:-1], w_down.shape[0])
+            output_values_unused(placeholder)
+            return placeholder
         for k, (s, e) in enumerate(chunk_bounds(flat.shape[0], num_chunks)):
             if norm_w is None:
                 xc = flat[s:e]
@@ -100,7 +113,6 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
             h = F.silu(g) * with_lora(F.linear(xc, w_up, b_up), xc, tu, seed, k)   # [n, I]
             out[s:e] = with_lora(F.linear(h, w_down, b_down), h, td, seed, k)
         ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down, rstd, *tensors)
-        ctx.num_chunks, ctx.lora, ctx.seed, ctx.norm_eps = num_chunks, lora, seed, norm_eps
         return out.view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
@@ -141,7 +153,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                 xc = flat[s:e]
                 dxc = dx_flat[s:e] if dx_flat is not None else None        # the MLP input's gradient, in place
             else:
-                x_hat, r = normalised(flat[s:e], eps, rstd[s:e])
+                x_hat, r = normalised(flat[s:e], eps, None if rstd is None else rstd[s:e])
                 xc = torch.mul(norm_w, x_hat.to(x.dtype))                  # the norm's output, recomputed
                 dxc = torch.empty(xc.shape, dtype=xc.dtype, device=xc.device) if mlp_dx else None
             g = with_lora(F.linear(xc, w_gate, b_gate), xc, tg, seed, k)   # [n, I]

@@ -82,8 +82,10 @@ from fpdt.plan.setup import Setup
 # Calibrated on the CPU with fpdt.profiling.memory against this implementation (tests/plan/
 # test_activation_model.py pins them: a change to the layer's memory must update them).
 NORM_PHASE_ND = 4.0
-"""Full-length [T, h] tensors (besides the layer inputs) alive at the RMSNorm backward:
-the layer's output gradient, the residual branch's gradient, the norm's input and output."""
+"""Full-length [T, h] tensors (besides the layer inputs) alive at the RMSNorm backward (the
+layer's output gradient, the residual branch's gradient, the norm's input and output), and as
+many in the recompute of the attention branch (the layer's gradient, the normed input, the
+attention output and o_proj's output), which peaks at large chunk counts."""
 ATTENTION_PHASE_ND = 3.0
 """Full-length tensors beside the attention core's working set in its backward (the layer's
 gradient, the attention output's and the projection input's gradients; the checkpoint adds

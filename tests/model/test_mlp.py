@@ -166,3 +166,27 @@ def test_donated_gradient_holds_no_input_gradient(monkeypatch):
             loss.backward()
         peaks[donated] = acct.device_peak
     assert peaks[False] - peaks[True] >= x.numel() * 4, peaks
+
+
+def test_recompute_of_the_last_branch_skips_the_mlp_forward(monkeypatch):
+    """In the residual checkpoint's recompute the MLP branch's output is a backward root only:
+    the chunked MLP computes no forward chunk there (its backward recomputes each), and a branch
+    that would read the skipped values fails loudly."""
+    import fpdt.model.mlp as mlp_module
+    from fpdt.model.checkpointing import checkpointed_residual
+    calls = []
+    real = mlp_module.with_lora
+    monkeypatch.setattr(mlp_module, "with_lora", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    ckpt, plain, params = _residual_mlp_layer()
+    loss = (ckpt(torch.randn(2, 9, 32, requires_grad=True)) * 2).sum()
+    forward_calls = len(calls)                    # 3 GEMMs per chunk in forward
+    calls.clear()
+    loss.backward()
+    assert forward_calls > 0 and len(calls) == 2 * forward_calls // 3   # backward's gate/up recompute only
+    mlp, _, _ = _setup(False, torch.float32, hidden=32, inter=48)
+    norm = _norm(32, torch.float32)
+    branches = (torch.nn.Linear(32, 32), lambda h: torch.tanh(mlp(h, norm=norm)))
+    y = checkpointed_residual(branches, torch.randn(2, 9, 32, requires_grad=True), [*mlp.parameters()])
+    with pytest.raises(RuntimeError, match="must end with it"):
+        y.sum().backward()
