@@ -155,7 +155,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
             else:
                 x_hat, r = normalised(flat[s:e], eps, None if rstd is None else rstd[s:e])
                 xc = torch.mul(norm_w, x_hat.to(x.dtype))                  # the norm's output, recomputed
-                dxc = torch.empty(xc.shape, dtype=xc.dtype, device=xc.device) if mlp_dx else None
+                dxc = torch.empty(xc.shape, dtype=xc.dtype, device=xc.device) if mlp_dx else None   # chunk-sized
             g = with_lora(F.linear(xc, w_gate, b_gate), xc, tg, seed, k)   # [n, I]
             u = with_lora(F.linear(xc, w_up, b_up), xc, tu, seed, k)
             a = F.silu(g)
@@ -179,7 +179,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
             if dbu is not None:
                 dbu += du.sum(0, dtype=dbu.dtype)
             if dxc is not None:
-                torch.matmul(du, w_up, out=dxc)
+                dxc[...] = du @ w_up                                        # cast to the input's dtype (autocast)
             if tu:
                 d_lo = lora_backward(xc, du, tu, acc_up, seed, k, dxc is not None)
                 if d_lo is not None:

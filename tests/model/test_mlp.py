@@ -190,3 +190,32 @@ def test_recompute_of_the_last_branch_skips_the_mlp_forward(monkeypatch):
     y = checkpointed_residual(branches, torch.randn(2, 9, 32, requires_grad=True), [*mlp.parameters()])
     with pytest.raises(RuntimeError, match="must end with it"):
         y.sum().backward()
+
+
+def test_under_autocast():
+    """fp32 weights under bf16 autocast (as a Trainer with bf16=True runs): the chunk products are
+    bf16 and land in the fp32 input's gradient; the norm inside and the residual checkpoint's
+    donated sum as the norm module followed by the chunked MLP."""
+    from fpdt.model.checkpointing import checkpointed_residual
+    torch.manual_seed(0)
+    mlp, x, _ = _setup(True, torch.float32, hidden=16, inter=24)
+    mlp.num_chunks = 3
+    norm = _norm(16, torch.float32)
+    lin = torch.nn.Linear(16, 16)
+    params = [*mlp.parameters(), *norm.parameters(), *lin.parameters()]
+    got = []
+    for form in ("modules", "fused", "checkpointed"):
+        for p in params:
+            p.grad = None
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if form == "checkpointed":
+                y = checkpointed_residual((lin, lambda h: mlp(h, norm=norm)), xr * 1, params)
+            else:
+                h = xr * 1 + lin(xr * 1)
+                y = h + (mlp(h, norm=norm) if form == "fused" else mlp(norm(h)))
+            (y.float() * 2).sum().backward()
+        got.append((xr.grad, [p.grad.clone() for p in params]))
+    for dx, grads in got[1:]:
+        assert dx.dtype == torch.float32 and rel_err(dx, got[0][0]) < 2e-2
+        assert all(rel_err(a, b) < 2e-2 for a, b in zip(grads, got[0][1]))
