@@ -88,8 +88,6 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         norm_w, lora_tensors = (tensors[0], tensors[1:]) if norm_eps is not None else (None, tensors)
         flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
         dtype = x.dtype if norm_w is None else torch.promote_types(norm_w.dtype, x.dtype)   # the MLP's input's
-        out = torch.empty(flat.shape[0], w_down.shape[0], dtype=dtype, device=x.device)
-        rstd = None if norm_w is None else torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
         tg, tu, td = lora.split(lora_tensors) if lora is not None else ([], [], [])
         seed = lora.draw_seed() if lora is not None else None
         ctx.num_chunks, ctx.lora, ctx.seed, ctx.norm_eps = num_chunks, lora, seed, norm_eps
@@ -102,6 +100,8 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
             placeholder = torch.empty(1, dtype=dtype, device=x.device).expand(*x.shape[:-1], w_down.shape[0])
             output_values_unused(placeholder)
             return placeholder
+        out = torch.empty(flat.shape[0], w_down.shape[0], dtype=dtype, device=x.device)
+        rstd = None if norm_w is None else torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
         for k, (s, e) in enumerate(chunk_bounds(flat.shape[0], num_chunks)):
             if norm_w is None:
                 xc = flat[s:e]
