@@ -12,6 +12,8 @@ Layout of ``--save-dir DIR``::
                                      optimizer and scheduler state, fp32 master weights)
     DIR/step<N>/fpdt_trainer_rank<r>.pt   per rank: steps done, run shape, RNG states, the LoRA
                                      record (None for full training)
+    DIR/step<N>/config.json, tokenizer.json   DIR's at the time of the save: export reads
+                                     these (another model's run into DIR rewrites DIR's)
 
 Resuming restores the model, optimizer and scheduler through ``engine.load_checkpoint``
 and, right before the first step, the RNG states from the trainer file. The data position needs no state: the windows
@@ -106,8 +108,24 @@ def save(engine, save_dir: str, step: int, rank: int, run_info: dict[str, Any], 
     torch.save({"step": step, "run": run_info, "rng": rng_state(), "precision": precision, "world_size": world,
                 "zero_stage": stage, "lora": lora},
                os.path.join(tag_dir, TRAINER_FILE.format(rank=rank)))
+    if rank == 0:   # the tag keeps the model files it was trained with: a later run may rewrite DIR's
+        for name in TAG_MODEL_FILES:
+            if os.path.isfile(os.path.join(save_dir, name)):
+                shutil.copyfile(os.path.join(save_dir, name), os.path.join(tag_dir, name))
     dist.barrier()
     return tag_dir
+
+
+TAG_MODEL_FILES = ("config.json", "tokenizer.json")
+"""Copied from the save dir into each ``step<N>`` dir at save (a few KB to MB), so that export
+reads the config a tag was trained with even after another model's run rewrote ``DIR/``'s."""
+
+
+def model_file(save_dir: str, tag: str, name: str) -> str:
+    """Path of model file ``name`` for checkpoint ``tag``: the tag's own copy, or (checkpoints
+    written before tags kept one) the save dir's."""
+    own = os.path.join(save_dir, tag, name)
+    return own if os.path.isfile(own) else os.path.join(save_dir, name)
 
 
 def resolve(path: str) -> tuple[str, str]:

@@ -26,6 +26,8 @@ import zipfile
 
 import torch
 
+from fpdt.train.checkpoint import model_file
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -93,7 +95,7 @@ def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype
     from fpdt.model import from_config, load_hf_state_dict, save_pretrained
 
     tag = _read_tag(save_dir, tag)
-    config = os.path.join(save_dir, "config.json")
+    config = model_file(save_dir, tag, "config.json")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{config} is missing: export needs the config.json fpdt-train writes to --save-dir")
     state = fp32_state_dict(save_dir, tag)
@@ -106,7 +108,7 @@ def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype
         model.reset_rope()
         save_pretrained(model, out_dir, dtype=dtype)
     for name in TOKENIZER_FILES:
-        src = os.path.join(save_dir, name)
+        src = model_file(save_dir, tag, name)
         if os.path.isfile(src):
             shutil.copyfile(src, os.path.join(out_dir, name))
     return out_dir

@@ -409,3 +409,28 @@ def test_fpdt_export_with_a_truncated_shard_or_missing_tag(saved_run, tmp_path, 
     assert export_main([ck, str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip() == (f"fpdt-export: error: {bad} is truncated or corrupt; export another "
                                                f"checkpoint with --tag (one of step1, step2)")
+
+
+def test_fpdt_export_uses_the_config_its_tag_was_trained_with(saved_run, tmp_path):
+    """Each step<N> dir keeps the config.json (and tokenizer) of its run: a later run of another
+    model into the same --save-dir rewrites DIR/config.json, and export of the old tag still
+    builds the model it trained (before, it read DIR's and failed on the shapes). A tag written
+    before tags kept a copy falls back to DIR's."""
+    import json
+
+    from fpdt.train.export import main as export_main
+
+    ck = _copy(saved_run, tmp_path)
+    for tag in ("step1", "step2"):
+        assert os.path.isfile(os.path.join(ck, tag, "config.json"))
+    with open(os.path.join(ck, "config.json")) as f:
+        trained = json.load(f)
+    with open(os.path.join(ck, "config.json"), "w") as f:        # another model's run rewrote it
+        json.dump({**trained, "intermediate_size": trained["intermediate_size"] * 2}, f)
+    assert export_main([ck, str(tmp_path / "out"), "--tag", "step1"]) == 0
+    with open(tmp_path / "out" / "config.json") as f:
+        assert json.load(f)["intermediate_size"] == trained["intermediate_size"]
+    os.remove(os.path.join(ck, "step2", "config.json"))            # an older checkpoint: DIR's config
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(trained, f)
+    assert export_main([ck, str(tmp_path / "out2"), "--tag", "step2"]) == 0
