@@ -44,7 +44,7 @@ from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
 from fpdt.ops.lora import LoraAdapters, accumulators, finish, lora_backward, with_lora
-from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference, weight_grad
+from fpdt.ops.rmsnorm import norm_backward, normalised, rms_norm_reference
 
 
 def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_proj: torch.nn.Linear,
@@ -214,10 +214,7 @@ def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     ``D``) w.r.t. ``x``, in fp32; adds the weight's gradient to the fp32 accumulator ``d_weight``
     (None: a frozen weight)."""
     x_hat, rstd = normalised(x, eps)
-    dy = dy.float()
-    if d_weight is not None:
-        d_weight += weight_grad(dy, x_hat, x.dtype)
-    return input_grad_(dy * weight.float(), x_hat, rstd)
+    return norm_backward(dy, x_hat, rstd, weight.float(), x.dtype, d_weight)
 
 
 def _rotation(rope: RotaryEmbedding | None, position_ids, cos, sin):

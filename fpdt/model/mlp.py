@@ -47,7 +47,7 @@ from torch import nn
 
 from fpdt.model.checkpointing import donated_gradient, output_values_unused
 from fpdt.model.chunks import budget_chunks, chunk_bounds
-from fpdt.ops.rmsnorm import input_grad_, normalised, weight_grad
+from fpdt.ops.rmsnorm import norm_backward, normalised
 from fpdt.ops.lora import LoraAdapters, accumulators, attached_adapters, finish, lora_backward, with_lora
 
 
@@ -199,17 +199,12 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                     dxc.add_(d_lo)
             del dg
             if norm_w is not None and dxc is not None:                     # the norm's backward, as RMSNormFunction's
-                dyn = dxc.to(torch.float32, copy=True)
-                if dnorm is not None:
-                    dnorm += weight_grad(dyn, x_hat, x.dtype)
-                if need[0]:
-                    dh = input_grad_(dyn.mul_(w32), x_hat, r)              # fp32 [n, hidden]
-                    if into:
-                        dx_flat[s:e] += dh.to(x.dtype)                      # the residual's sum, in place
-                    else:
-                        dx_flat[s:e] = dh
-                    del dh
-                del dyn, x_hat, dxc
+                dh = norm_backward(dxc, x_hat, r, w32, x.dtype, dnorm, need[0])   # fp32 [n, hidden]
+                if into:
+                    dx_flat[s:e] += dh.to(x.dtype)                          # the residual's sum, in place
+                elif dh is not None:
+                    dx_flat[s:e] = dh
+                del dh, x_hat, dxc
         cast = lambda g, w: None if g is None else g.to(w.dtype)  # noqa: E731
         return (dx, cast(dwg, w_gate), cast(dwu, w_up), cast(dwd, w_down),
                 cast(dbg, b_gate), cast(dbu, b_up), cast(dbd, b_down), None, None, None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fpdt.model.chunks import chunk_bounds
-from fpdt.ops.rmsnorm import input_grad_, normalised, rms_norm_reference, weight_grad
+from fpdt.ops.rmsnorm import norm_backward, normalised, rms_norm_reference
 
 __all__ = ["RMSNormFunction", "rms_norm", "rms_norm_reference"]
 
@@ -54,12 +54,10 @@ class RMSNormFunction(torch.autograd.Function):
         w32 = weight.float()
         for s, e in chunk_bounds(flat.shape[0], ctx.num_chunks):
             x_hat, r = normalised(flat[s:e], ctx.eps, rstd[s:e])
-            dy = gflat[s:e].to(torch.float32, copy=True)     # our fp32 chunk (never the caller's gradient)
-            if need_dw:
-                dw += weight_grad(dy, x_hat, x.dtype)
+            part = norm_backward(gflat[s:e], x_hat, r, w32, x.dtype, dw, need_dx)
             if need_dx:
-                dx_flat[s:e] = input_grad_(dy.mul_(w32), x_hat, r)             # dy is our temporary
-            del x_hat, dy
+                dx_flat[s:e] = part
+            del x_hat, part
         del dx_flat
         return (dx,
                 None if dw is None else dw.to(weight.dtype), None, None)

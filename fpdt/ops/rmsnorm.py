@@ -42,3 +42,17 @@ def input_grad_(g: torch.Tensor, x_hat: torch.Tensor, rstd: torch.Tensor) -> tor
     temporary of their size is made."""
     dot = (g * x_hat).mean(-1, keepdim=True)
     return g.sub_(x_hat.mul_(dot)).mul_(rstd)
+
+
+def norm_backward(grad: torch.Tensor, x_hat: torch.Tensor, rstd: torch.Tensor, weight32: torch.Tensor,
+                  dtype: torch.dtype, d_weight: torch.Tensor | None = None,
+                  need_dx: bool = True) -> torch.Tensor | None:
+    """The backward of ``weight * cast(x_hat)`` for one chunk of tokens, from its output gradient
+    ``grad`` (any dtype; left unchanged): adds the weight's share (:func:`weight_grad`, ``dtype``
+    the input's) into the fp32 accumulator ``d_weight`` (None: a frozen weight) and returns the
+    fp32 input gradient (:func:`input_grad_`; None unless ``need_dx``). ``weight32``: the weight
+    in fp32. ``x_hat`` is overwritten."""
+    dy = grad.to(torch.float32, copy=True)                 # our fp32 copy, never the caller's gradient
+    if d_weight is not None:
+        d_weight += weight_grad(dy, x_hat, dtype)
+    return input_grad_(dy.mul_(weight32), x_hat, rstd) if need_dx else None

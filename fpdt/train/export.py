@@ -26,7 +26,7 @@ import zipfile
 
 import torch
 
-from fpdt.train.checkpoint import model_file
+from fpdt.train.checkpoint import TRAINER_FILE, model_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -78,8 +78,6 @@ def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
 def saved_lora(save_dir: str, tag: str) -> dict | None:
     """The LoRA record (:func:`fpdt.train.lora.record`) that checkpoint ``tag``'s rank-0 trainer
     file holds; None for full training (and checkpoints written before LoRA existed)."""
-    from fpdt.train.checkpoint import TRAINER_FILE
-
     path = os.path.join(save_dir, tag, TRAINER_FILE.format(rank=0))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing: it records whether the checkpoint trained LoRA adapters or "
