@@ -103,15 +103,17 @@ class MeshSpec:
 
 def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device, mesh: SequenceMesh, num_chunks: int, causal: bool,
-                    softmax_scale: float | None, backend: str | None) -> MeshSpec | PipelineSpec:
-    """Validate one call on ``mesh`` (errors name the fix); ``cp = 1`` gives the Ulysses spec."""
+                    softmax_scale: float | None, backend: str | None, doc_ids: torch.Tensor | None = None
+                    ) -> MeshSpec | PipelineSpec:
+    """Validate one call on ``mesh`` (errors name the fix); ``cp = 1`` gives the Ulysses spec.
+    ``doc_ids``: packed documents ``[B, S]`` (global order), None = one document."""
     if num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks} must be >= 1")
     check_mesh_layout(seq_local * mesh.sp, mesh.hp, mesh.cp, num_chunks)
     if mesh.cp == 1:
         return build_spec(seq_local=seq_local, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           dtype=dtype, device=device, group=mesh.hp_group, num_chunks=num_chunks, causal=causal,
-                          softmax_scale=softmax_scale, backend=backend)
+                          softmax_scale=softmax_scale, backend=backend, doc_ids=doc_ids)
     return MeshSpec(
         mesh=mesh, comm=RingComm(mesh.cp_ranks, mesh.cp_group, mesh.cp_outer_group),
         schedule=RingSchedule(mesh.cp, mesh.inner_ring, mesh.cp_rank), num_chunks=num_chunks, causal=causal,

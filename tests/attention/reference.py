@@ -68,3 +68,24 @@ def assert_rel_close(actual, expected, tol, what=""):
     err = (a - e).abs().max().item() / max(e.abs().max().item(), 1e-30)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
     return err
+
+
+def reference_document_attention(q, k, v, doc_ids, causal=True, scale=None):
+    """Packed documents in float64: each document of each row run alone through
+    :func:`reference_attention` (``doc_ids`` ``[B, S]``, contiguous documents), concatenated."""
+    rows = []
+    for b in range(q.shape[0]):
+        _, counts = torch.unique_consecutive(doc_ids[b], return_counts=True)
+        parts, start = [], 0
+        for n in counts.tolist():
+            sl = slice(start, start + n)
+            parts.append(reference_attention(q[b:b + 1, sl], k[b:b + 1, sl], v[b:b + 1, sl], causal, scale))
+            start += n
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def doc_ids_from_lengths(lengths_per_row, device=None):
+    """``[[len, ...], ...]`` (each row summing to S) -> doc ids ``[B, S]`` (0, 1, ... per row)."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls)) for ls in lengths_per_row]
+                       ).to(device)

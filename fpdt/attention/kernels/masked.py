@@ -1,0 +1,82 @@
+"""Document-masked block attention: a :class:`~fpdt.attention.documents.Block` of kind ``masked``.
+
+Contract (as the dense kernels', :mod:`fpdt.attention.kernels`, plus the block):
+
+* ``masked_forward(backend, q, k, v, block, scale) -> (out, lse)``: q ``[B, Sq, H, D]``,
+  k/v ``[B, Sk, H_kv, D]``; each segment ``(row, q0, q1, k0, k1)`` of ``block`` attends
+  queries ``q0:q1`` of that row to keys ``k0:k1`` (causally on a diagonal block). Query
+  rows in no segment see no key: **out 0 and lse -inf** (the merge gives them no weight).
+  out in q's dtype, lse ``[B, H, Sq]`` fp32 (float64 for float64 inputs).
+* ``masked_backward(backend, dout, q, k, v, out, lse, block, scale) -> (dq, dk, dv)``
+  with the *final merged* out and lse: this block's contribution, zero outside the
+  segments, in fp32 (float64 for float64 inputs).
+
+Two implementations, both exact:
+
+* **segments** (any backend, the CPU's path): the backend's dense kernel once per
+  distinct segment (rows with the same segment go in one call), on views of q/k/v: the
+  work is the documents' own, nothing outside them is computed;
+* **varlen** (CUDA): one variable-length kernel call over the packed segments
+  (:mod:`fpdt.attention.kernels.varlen`), when the backend has one that passed its
+  self-check (:func:`varlen_for`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fpdt.attention.kernels.common import AttentionBackend
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def grouped_segments(block, batch: int) -> list[tuple[slice, int, int, int, int]]:
+    """Segments merged over rows: ``(rows, q0, q1, k0, k1)`` with ``rows`` a slice (all
+    ``batch`` rows share the segment, or one row each)."""
+    by_span: dict[tuple[int, int, int, int], list[int]] = {}
+    for row, q0, q1, k0, k1 in block.segments:
+        by_span.setdefault((q0, q1, k0, k1), []).append(row)
+    out = []
+    for span, rows in by_span.items():
+        if rows == list(range(batch)):
+            out.append((slice(None), *span))
+        else:
+            out.extend((slice(r, r + 1), *span) for r in rows)
+    return out
+
+
+def segments_forward(backend: AttentionBackend, q, k, v, block, scale):
+    B, Sq, H, _ = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((B, H, Sq), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+    for rows, q0, q1, k0, k1 in grouped_segments(block, B):
+        o, l = backend.forward(q[rows, q0:q1], k[rows, k0:k1], v[rows, k0:k1], block.causal, scale)
+        out[rows, q0:q1] = o
+        lse[rows, :, q0:q1] = l
+    return out, lse
+
+
+def segments_backward(backend: AttentionBackend, dout, q, k, v, out, lse, block, scale):
+    acc = _acc(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for rows, q0, q1, k0, k1 in grouped_segments(block, q.shape[0]):
+        g = backend.backward(dout[rows, q0:q1], q[rows, q0:q1], k[rows, k0:k1], v[rows, k0:k1], out[rows, q0:q1],
+                             lse[rows, :, q0:q1].contiguous(), block.causal, scale)
+        dq[rows, q0:q1] = g[0]   # each query and each key lies in one document: one segment writes it
+        dk[rows, k0:k1] = g[1]
+        dv[rows, k0:k1] = g[2]
+    return dq, dk, dv
+
+
+def masked_forward(backend: AttentionBackend, q, k, v, block, scale):
+    """See the module docstring."""
+    return segments_forward(backend, q, k, v, block, scale)
+
+
+def masked_backward(backend: AttentionBackend, dout, q, k, v, out, lse, block, scale):
+    """See the module docstring."""
+    return segments_backward(backend, dout, q, k, v, out, lse, block, scale)
