@@ -254,3 +254,39 @@ def _ranks_body(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_parity(world):
     run_distributed(_ranks_body, world, timeout=300)
+
+
+# ----------------------------------------------------------------------------- the 2D mesh
+def check_mesh_case(mesh, *, lengths, u, H, H_kv, offload, D=8, causal=True, seed=0):
+    from tests.attention.reference import assert_rel_close as close
+    doc = doc_ids_from_lengths(lengths)
+    B, S = doc.shape
+    q, k, v, dout = _inputs(B, S, H, H_kv, D, seed)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_document_attention(qr, kr, vr, doc, causal=causal)
+    ref.backward(dout.double())
+    ql, kl, vl = (mesh.shard(t, u).requires_grad_() for t in (q, k, v))
+    out = fpdt_attention(ql, kl, vl, mesh=mesh, num_chunks=u, offload=offload, causal=causal, doc_ids=doc)
+    out.backward(mesh.shard(dout, u))
+    what = f"{mesh} docs={lengths} u={u} H={H} H_kv={H_kv} offload={offload} causal={causal}"
+    for name, a, b in (("out", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad), ("dv", vl.grad, vr.grad)):
+        close(a, mesh.shard(b, u), TOL, f"{name} [{what}]")
+
+
+def _mesh_body(rank, world):
+    from fpdt.comm import SequenceMesh
+    meshes = [SequenceMesh(hp=2, cp=2), SequenceMesh(hp=1, cp=4, inner_ring=2)]
+    for m, mesh in enumerate(meshes):
+        for n, (layout, u, H_kv, offload) in enumerate((("mixed", 1, 2, True), ("mixed", 3, 4, False),
+                                                        ("long_and_short", 2, 1, True), ("tiny", 3, 2, True))):
+            if 48 % (2 * 4 * u):
+                u = 1
+            check_mesh_case(mesh, lengths=LAYOUTS[layout], u=u, H=4, H_kv=H_kv, offload=offload, seed=10 * m + n)
+    check_mesh_case(meshes[0], lengths=LAYOUTS["mixed"], u=2, H=4, H_kv=2, offload=True, causal=False)
+    with use_runtime("sim"):
+        check_mesh_case(meshes[1], lengths=LAYOUTS["mixed"], u=2, H=4, H_kv=2, offload=True, seed=99)
+
+
+@pytest.mark.slow
+def test_mesh_parity():
+    run_distributed(_mesh_body, 4, timeout=400)
