@@ -72,17 +72,22 @@ def assert_rel_close(actual, expected, tol, what=""):
 
 def reference_document_attention(q, k, v, doc_ids, causal=True, scale=None):
     """Packed documents in float64: each document of each row run alone through
-    :func:`reference_attention` (``doc_ids`` ``[B, S]``, contiguous documents), concatenated."""
-    rows = []
+    :func:`reference_attention` (``doc_ids`` ``[B, S]``, contiguous documents). Documents of
+    equal length go through it together, as the rows of one batch (each still alone)."""
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    spans: dict[int, list[tuple[int, int]]] = {}
     for b in range(q.shape[0]):
         _, counts = torch.unique_consecutive(doc_ids[b], return_counts=True)
-        parts, start = [], 0
+        start = 0
         for n in counts.tolist():
-            sl = slice(start, start + n)
-            parts.append(reference_attention(q[b:b + 1, sl], k[b:b + 1, sl], v[b:b + 1, sl], causal, scale))
+            spans.setdefault(n, []).append((b, start))
             start += n
-        rows.append(torch.cat(parts, dim=1))
-    return torch.cat(rows, dim=0)
+    for n, where in spans.items():
+        parts = [torch.stack([t[b, s:s + n] for b, s in where]) for t in (q, k, v)]
+        o = reference_attention(*parts, causal, scale)
+        for m, (b, s) in enumerate(where):
+            out[b, s:s + n] = o[m]
+    return out
 
 
 def doc_ids_from_lengths(lengths_per_row, device=None):

@@ -11,11 +11,15 @@ Contract (as the dense kernels', :mod:`fpdt.attention.kernels`, plus the block):
   with the *final merged* out and lse: this block's contribution, zero outside the
   segments, in fp32 (float64 for float64 inputs).
 
-Two implementations, both exact:
+Implementations, all exact:
 
-* **segments** (any backend, the CPU's path): the backend's dense kernel once per
-  distinct segment (rows with the same segment go in one call), on views of q/k/v: the
-  work is the documents' own, nothing outside them is computed;
+* **segments** (any backend): the backend's dense kernel once per distinct segment (rows
+  with the same segment go in one call), on views of q/k/v: the work is the documents'
+  own, nothing outside them is computed;
+* **mask** (the ``cpu`` backend, for blocks of many small documents, where one call per
+  segment would cost more in calls than it saves: more than :data:`MASK_MIN_CALLS` calls
+  and a mask of at most :data:`MASK_MAX_ELEMENTS`): torch's CPU flash op once, with an
+  additive ``[B, 1, Sq, Sk]`` mask of the segments;
 * **varlen** (CUDA): one variable-length kernel call over the packed segments
   (:mod:`fpdt.attention.kernels.varlen`), when the backend has one that passed its
   self-check (:func:`varlen_for`).
@@ -25,7 +29,11 @@ from __future__ import annotations
 
 import torch
 
+from fpdt.attention.kernels import torch_cpu
 from fpdt.attention.kernels.common import AttentionBackend
+
+MASK_MIN_CALLS = 8
+MASK_MAX_ELEMENTS = 1 << 24
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -72,11 +80,37 @@ def segments_backward(backend: AttentionBackend, dout, q, k, v, out, lse, block,
     return dq, dk, dv
 
 
+def visible_mask(block, batch: int, device=None) -> torch.Tensor:
+    """``[B, Sq, Sk]`` bool: which keys each query of the block sees."""
+    q_seg = torch.full((batch, block.q_len), -1, dtype=torch.int64)   # segment of each query (-1: none)
+    k_seg = torch.full((batch, block.k_len), -2, dtype=torch.int64)
+    for n, (row, q0, q1, k0, k1) in enumerate(block.segments):
+        q_seg[row, q0:q1] = n
+        k_seg[row, k0:k1] = n
+    q_seg, k_seg = q_seg.to(device), k_seg.to(device)
+    mask = q_seg[:, :, None] == k_seg[:, None, :]
+    if block.causal:   # a diagonal block: query t sees keys up to t
+        t = torch.arange(block.q_len, device=device)
+        mask &= t[:, None] >= t[None, :]
+    return mask
+
+
+def uses_mask(backend: AttentionBackend, block, batch: int) -> bool:
+    """Whether :func:`masked_forward` takes the one-call mask path for ``block``."""
+    return (backend.name == "cpu" and len(grouped_segments(block, batch)) > MASK_MIN_CALLS
+            and batch * block.q_len * block.k_len <= MASK_MAX_ELEMENTS)
+
+
 def masked_forward(backend: AttentionBackend, q, k, v, block, scale):
     """See the module docstring."""
+    if uses_mask(backend, block, q.shape[0]):
+        return torch_cpu.cpu_masked_forward(q, k, v, visible_mask(block, q.shape[0], q.device), scale)
     return segments_forward(backend, q, k, v, block, scale)
 
 
 def masked_backward(backend: AttentionBackend, dout, q, k, v, out, lse, block, scale):
     """See the module docstring."""
+    if uses_mask(backend, block, q.shape[0]):
+        return torch_cpu.cpu_masked_backward(dout, q, k, v, out, lse, visible_mask(block, q.shape[0], q.device),
+                                             scale)
     return segments_backward(backend, dout, q, k, v, out, lse, block, scale)
