@@ -20,16 +20,16 @@ Implementations, all exact:
   segment would cost more in calls than it saves: more than :data:`MASK_MIN_CALLS` calls
   and a mask of at most :data:`MASK_MAX_ELEMENTS`): torch's CPU flash op once, with an
   additive ``[B, 1, Sq, Sk]`` mask of the segments;
-* **varlen** (CUDA): one variable-length kernel call over the packed segments
-  (:mod:`fpdt.attention.kernels.varlen`), when the backend has one that passed its
-  self-check (:func:`varlen_for`).
+* **varlen** (CUDA, fp16/bf16, any dense backend): one call of torch's variable-length
+  FlashAttention-2 over the packed segments (:mod:`fpdt.attention.kernels.varlen`), once
+  it passed its self-check (:func:`~fpdt.attention.kernels.varlen.varlen_for`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fpdt.attention.kernels import torch_cpu
+from fpdt.attention.kernels import torch_cpu, varlen
 from fpdt.attention.kernels.common import AttentionBackend
 
 MASK_MIN_CALLS = 8
@@ -103,6 +103,8 @@ def uses_mask(backend: AttentionBackend, block, batch: int) -> bool:
 
 def masked_forward(backend: AttentionBackend, q, k, v, block, scale):
     """See the module docstring."""
+    if varlen.varlen_for(q.device, q.dtype, q.shape[-1]):
+        return varlen.varlen_forward(q, k, v, block, scale)
     if uses_mask(backend, block, q.shape[0]):
         return torch_cpu.cpu_masked_forward(q, k, v, visible_mask(block, q.shape[0], q.device), scale)
     return segments_forward(backend, q, k, v, block, scale)
@@ -110,6 +112,8 @@ def masked_forward(backend: AttentionBackend, q, k, v, block, scale):
 
 def masked_backward(backend: AttentionBackend, dout, q, k, v, out, lse, block, scale):
     """See the module docstring."""
+    if varlen.varlen_for(q.device, q.dtype, q.shape[-1]):
+        return varlen.varlen_backward(dout, q, k, v, out, lse, block, scale)
     if uses_mask(backend, block, q.shape[0]):
         return torch_cpu.cpu_masked_backward(dout, q, k, v, out, lse, visible_mask(block, q.shape[0], q.device),
                                              scale)
