@@ -297,3 +297,33 @@ def _mesh_body(rank, world):
 @pytest.mark.slow
 def test_mesh_parity():
     run_distributed(_mesh_body, 4, timeout=400)
+
+
+# ----------------------------------------------------------------------------- the projected layer
+def test_layer_with_restarting_positions_equals_each_document_alone():
+    """FPDTAttention (projections, RoPE at positions restarting per document, o_proj) vs each
+    document through the float64 reference layer alone, forward and every gradient."""
+    from fpdt.attention import FPDTAttention, RotaryEmbedding, default_inv_freq
+    from tests.attention.reference import reference_layer
+    torch.manual_seed(0)
+    lengths = [5, 1, 1, 17, 7, 1, 16]
+    hidden, H, H_kv, D, u = 24, 4, 2, 6, 3
+    layer = FPDTAttention(hidden, H, H_kv, D, qkv_bias=True, num_chunks=u, offload=True)
+    doc = doc_ids_from_lengths([lengths])
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    x, dout = torch.randn(1, 48, hidden), torch.randn(1, 48, hidden)
+    names = {"wq": "q_proj.weight", "bq": "q_proj.bias", "wk": "k_proj.weight", "bk": "k_proj.bias",
+             "wv": "v_proj.weight", "bv": "v_proj.bias", "wo": "o_proj.weight"}
+    params = {k: layer.get_parameter(n).detach().double().requires_grad_() for k, n in names.items()}
+    xr = x.double().requires_grad_()
+    starts = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    ref = torch.cat([reference_layer(xr[:, a:b], pos[:, a:b], params, (H, H_kv, D))
+                     for a, b in zip(starts[:-1], starts[1:])], dim=1)
+    ref.backward(dout.double())
+    xl = x.clone().requires_grad_()
+    out = layer(xl, pos, RotaryEmbedding(default_inv_freq(D)), doc_ids=doc)
+    out.backward(dout)
+    assert_rel_close(out, ref, TOL, "out")
+    assert_rel_close(xl.grad, xr.grad, TOL, "d_hidden")
+    for key, name in names.items():
+        assert_rel_close(layer.get_parameter(name).grad, params[key].grad, TOL, f"{name}.grad")
