@@ -61,6 +61,16 @@ from fpdt.offload import HostStash
 FULL, CAUSAL, K_FIRST, Q_SECOND = "full", "causal", "k_first", "q_second"
 
 
+def touch_kind(i: int, j: int, src: int, me: int, causal: bool) -> str | None:
+    """How query chunk i of CP rank ``me`` meets KV chunk j of CP rank ``src`` (module
+    docstring; None: skipped)."""
+    if not causal or j < i:
+        return FULL
+    if j > i:
+        return None
+    return CAUSAL if src == me else (K_FIRST if src < me else Q_SECOND)
+
+
 @dataclass
 class MeshSpec:
     """Static description of one mesh attention call (cp > 1; :func:`single_rank_mesh_spec`
@@ -93,12 +103,7 @@ class MeshSpec:
 
     def kind(self, i: int, j: int, src: int) -> str | None:
         """How query chunk i of this rank meets KV chunk j of CP rank ``src`` (module docstring)."""
-        if not self.causal or j < i:
-            return FULL
-        if j > i:
-            return None
-        me = self.mesh.cp_rank
-        return CAUSAL if src == me else (K_FIRST if src < me else Q_SECOND)
+        return touch_kind(i, j, src, self.mesh.cp_rank, self.causal)
 
     def last_pass(self, i: int) -> int:
         """The KV chunk after whose pass query chunk i is final."""

@@ -327,3 +327,89 @@ def test_layer_with_restarting_positions_equals_each_document_alone():
     assert_rel_close(xl.grad, xr.grad, TOL, "d_hidden")
     for key, name in names.items():
         assert_rel_close(layer.get_parameter(name).grad, params[key].grad, TOL, f"{name}.grad")
+
+
+# ----------------------------------------------------------------------------- costs against what runs
+def _layer_volume_body(rank, world, lengths, u):
+    from fpdt.attention import FPDTAttention
+    from fpdt.attention.offload_volume import attention_layer_copy_bytes
+    doc = doc_ids_from_lengths(lengths)
+    B, S = doc.shape
+    torch.manual_seed(0)
+    layer = FPDTAttention(32, 4, 2, 8, num_chunks=u, offload=True)
+    x = torch.randn(B, S // world, 32, requires_grad=True)
+    pos = shard(torch.arange(S).expand(B, S), world, u, rank)
+    with use_runtime("sim") as rt:
+        out = layer(x, pos, None, doc_ids=doc)
+        out.backward(torch.randn_like(out))
+        got = (rt.counters.bytes_d2h, rt.counters.bytes_h2d)
+    want = attention_layer_copy_bytes(batch=B, seq_local=S // world, hidden=32, num_heads=4, num_kv_heads=2,
+                                      head_dim=8, sp=world, num_chunks=u, dtype=torch.float32, doc_ids=doc)
+    dense = attention_layer_copy_bytes(batch=B, seq_local=S // world, hidden=32, num_heads=4, num_kv_heads=2,
+                                       head_dim=8, sp=world, num_chunks=u, dtype=torch.float32)
+    assert got == (want.d2h, want.h2d), (got, want)
+    return want, dense
+
+
+@pytest.mark.parametrize("lengths,u", [([[12, 12, 12, 12]], 4), ([[5, 1, 1, 17, 7, 1, 16]], 6),
+                                       ([[48]], 3), ([[1] * 24 + [24]], 4)])
+def test_copy_volume_with_documents_matches_the_formula(lengths, u):
+    want, dense = _layer_volume_body(0, 1, lengths, u)
+    if len(lengths[0]) > 1 and lengths[0][0] < 48 // u:
+        assert want.h2d < dense.h2d                    # skipped blocks fetch nothing
+    if lengths == [[48]]:
+        assert want == dense
+
+
+def _mesh_traffic_body(rank, world):
+    from fpdt.attention.ring_costs import attention_costs
+    from fpdt.comm import SequenceMesh
+    from tests.attention.test_mesh_attention import _Traffic
+    counts = {"pairs": 0}
+    base = BACKENDS["cpu"]
+
+    def forward(q, k, v, causal, scale):
+        n_q, n_k = q.shape[1], k.shape[1]
+        counts["pairs"] += q.shape[0] * (n_q * (n_q + 1) // 2 if causal else n_q * n_k)
+        return base.forward(q, k, v, causal, scale)
+
+    with pytest.MonkeyPatch.context() as monkey:
+        monkey.setitem(BACKENDS, "counting", dataclasses.replace(base, name="counting", forward=forward))
+        get_backend("counting", torch.device("cpu"), torch.float32, 8)
+        traffic = _Traffic(monkey)
+        for kw, lengths, u in ((dict(hp=2, cp=2), [[5, 1, 1, 17, 7, 1, 16]], 3),
+                               (dict(hp=1, cp=4, inner_ring=2), [[6, 18, 24], [1] * 16 + [32]], 2),
+                               (dict(hp=4, cp=1), [[20, 28]], 2)):
+            mesh = SequenceMesh(**kw)
+            doc = doc_ids_from_lengths(lengths)
+            B, S = doc.shape
+            q, k, v, dout = (mesh.shard(t, u) for t in _inputs(B, S, 4, 2, 8, seed=1))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            want = attention_costs(seq_len=S, num_heads=4, num_kv_heads=2, head_dim=8, hp=mesh.hp, cp=mesh.cp,
+                                   inner_ring=mesh.inner_ring, num_chunks=u, dtype_bytes=4, offload=True,
+                                   doc_ids=doc, cp_rank=mesh.cp_rank)
+            traffic.take()
+            counts["pairs"] = 0
+            out = fpdt_attention(q, k, v, mesh=mesh, num_chunks=u, offload=True, doc_ids=doc, backend="counting")
+            p2p, a2a, h2d, d2h = traffic.take()
+            assert p2p == (want.p2p_sends_fwd, want.p2p_bytes_fwd), (kw, p2p, want)
+            assert a2a == (want.all_to_alls_fwd, want.all_to_all_bytes_fwd), (kw, a2a, want)
+            assert (h2d, d2h) == (want.h2d_bytes_fwd, want.d2h_bytes_fwd), (kw, h2d, d2h, want)
+            # the work run: this rank's pairs as counted in the kernels = the cost model's, and over
+            # the CP ranks the sum over documents of n (n + 1) / 2
+            assert counts["pairs"] == want.attention_pairs, (kw, counts, want.attention_pairs)
+            total = torch.tensor(counts["pairs"])
+            torch.distributed.all_reduce(total)
+            assert total.item() == mesh.hp * sum(n * (n + 1) // 2 for row in lengths for n in row)
+            out.backward(dout)
+            p2p, a2a, h2d, d2h = traffic.take()
+            assert p2p == (want.p2p_sends_bwd, want.p2p_bytes_bwd), (kw, p2p, want)
+            assert a2a == (want.all_to_alls_bwd, want.all_to_all_bytes_bwd), (kw, a2a, want)
+            assert (h2d, d2h) == (want.h2d_bytes_bwd, want.d2h_bytes_bwd), (kw, h2d, d2h, want)
+
+
+@pytest.mark.slow
+def test_mesh_traffic_and_work_match_the_cost_model():
+    """Per rank: P2P, all-to-all, host copies (skipped touches fetch nothing) and the
+    (query, key) pairs the kernels compute, against ring_costs with the documents."""
+    run_distributed(_mesh_traffic_body, 4, timeout=300)
