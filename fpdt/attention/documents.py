@@ -31,6 +31,7 @@ derives the same decisions for the same blocks.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,13 @@ def check_doc_ids(doc_ids: torch.Tensor, batch: int, seq_len: int) -> torch.Tens
         raise ValueError("doc_ids must be non-decreasing along the sequence (documents contiguous and in order, "
                          "in global token order); pass them before any layout permutation")
     return ids
+
+
+def check_batch(doc_ids: torch.Tensor | None, batch: int) -> None:
+    """``doc_ids`` must have one row per batch row of the attention inputs."""
+    if doc_ids is not None and (doc_ids.dim() != 2 or doc_ids.shape[0] != batch):
+        raise ValueError(f"doc_ids must be [B, S] with B={batch} (one row per batch row of the inputs), got "
+                         f"{tuple(doc_ids.shape)}")
 
 
 class _Side:
@@ -195,3 +203,21 @@ class MeshDocuments(Documents):
                 half = full.numel() // 2
                 self.add_side(key, full if key[2] is None else full[key[2] * half:(key[2] + 1) * half])
         return self.block(q_key, k_key)
+
+
+_CACHE: dict[tuple, tuple] = {}     # (class, geometry) -> (weakref to doc_ids, its version, documents)
+
+
+def cached_documents(cls, doc_ids: torch.Tensor, **geometry):
+    """``cls(doc_ids, **geometry)``, reused while the same ``doc_ids`` tensor (unmodified) comes
+    back with the same geometry: every layer of a model call sees the same documents, so the
+    host copy and the classification happen once per step, not once per layer."""
+    key = (cls, tuple(sorted(geometry.items())))
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is doc_ids and hit[1] == doc_ids._version:
+        return hit[2]
+    docs = cls(doc_ids, **geometry)
+    if len(_CACHE) >= 16:
+        _CACHE.clear()
+    _CACHE[key] = (weakref.ref(doc_ids), doc_ids._version, docs)
+    return docs

@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
+from fpdt.attention.documents import check_batch
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import build_spec
 from fpdt.attention.saved_stash import stash_of, stash_token
@@ -107,6 +108,7 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                          f"{tuple(v.shape)}")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_batch(doc_ids, q.shape[0])
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     shape = dict(seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3],

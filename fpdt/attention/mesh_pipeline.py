@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from fpdt.attention.documents import DENSE, SKIP, Block, MeshDocuments
+from fpdt.attention.documents import DENSE, SKIP, Block, MeshDocuments, cached_documents
 from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
 from fpdt.attention.kernels.masked import masked_backward, masked_forward
 from fpdt.attention.merge import merge
@@ -141,8 +141,9 @@ def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_d
         return build_spec(seq_local=seq_local, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           dtype=dtype, device=device, group=mesh.hp_group, num_chunks=num_chunks, causal=causal,
                           softmax_scale=softmax_scale, backend=backend, doc_ids=doc_ids)
-    docs = None if doc_ids is None else MeshDocuments(doc_ids, seq_len=seq_local * mesh.sp, hp=mesh.hp, cp=mesh.cp,
-                                                      num_chunks=num_chunks, causal=causal, cp_rank=mesh.cp_rank)
+    docs = None if doc_ids is None else cached_documents(
+        MeshDocuments, doc_ids, seq_len=seq_local * mesh.sp, hp=mesh.hp, cp=mesh.cp, num_chunks=num_chunks,
+        causal=causal, cp_rank=mesh.cp_rank)
     return MeshSpec(docs=docs, 
         mesh=mesh, comm=RingComm(mesh.cp_ranks, mesh.cp_group, mesh.cp_outer_group),
         schedule=RingSchedule(mesh.cp, mesh.inner_ring, mesh.cp_rank), num_chunks=num_chunks, causal=causal,

@@ -73,7 +73,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fpdt.attention.documents import DENSE, UlyssesDocuments
+from fpdt.attention.documents import DENSE, UlyssesDocuments, cached_documents
 from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
 from fpdt.attention.kernels.masked import masked_backward, masked_forward
 from fpdt.attention.merge import OnlineSoftmax
@@ -159,7 +159,7 @@ def build_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: i
         kv_factor=kv_replication_factor(num_heads, num_kv_heads, P),
         acc_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
         sp_size=P,
-        docs=None if doc_ids is None else UlyssesDocuments(doc_ids, seq_len=seq_local * P, sp=P,
+        docs=None if doc_ids is None else cached_documents(UlyssesDocuments, doc_ids, seq_len=seq_local * P, sp=P,
                                                            num_chunks=num_chunks, causal=causal),
     )
 

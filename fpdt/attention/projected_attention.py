@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from fpdt.attention.documents import check_batch
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import PipelineSpec, build_spec
 from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward_
@@ -70,6 +71,7 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     if mesh is not None and group is not None:
         raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
     H, H_kv, D = heads
+    check_batch(doc_ids, hidden.shape[0])
     shape = dict(seq_local=hidden.shape[1], num_heads=H, num_kv_heads=H_kv, head_dim=D, dtype=hidden.dtype,
                  device=hidden.device, num_chunks=num_chunks, causal=True, softmax_scale=softmax_scale,
                  backend=backend, doc_ids=doc_ids)

@@ -83,6 +83,19 @@ def test_bad_doc_ids_name_the_fix():
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ValueError, match=r"\[B, S\]=\[1, 8\]"):
         fpdt_attention(q, q, q, num_chunks=2, doc_ids=torch.zeros(1, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match="B=1 .one row per batch row"):
+        fpdt_attention(q, q, q, num_chunks=2, doc_ids=torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_documents_are_classified_once_per_doc_ids_tensor():
+    from fpdt.attention.documents import cached_documents
+    doc = doc_ids_from_lengths([[20, 28]])
+    geometry = dict(seq_len=48, sp=1, num_chunks=4, causal=True)
+    first = cached_documents(UlyssesDocuments, doc, **geometry)
+    assert cached_documents(UlyssesDocuments, doc, **geometry) is first
+    assert cached_documents(UlyssesDocuments, doc.clone(), **geometry) is not first   # another tensor
+    doc[0, -1] += 1                                                                  # modified in place
+    assert cached_documents(UlyssesDocuments, doc, **geometry) is not first
 
 
 # ----------------------------------------------------------------------------- masked kernels
