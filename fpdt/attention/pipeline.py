@@ -314,9 +314,9 @@ def _start_dout(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor
 
 def _last_outer(spec: PipelineSpec, i: int) -> int:
     """The last outer step that touches query chunk i (after it, dq_i is final)."""
-    if spec.causal:
-        return i
-    return max(j for j in range(spec.num_chunks) if i in spec.q_blocks(j))
+    if spec.causal or spec.docs is None:
+        return i if spec.causal else spec.num_chunks - 1
+    return max(j for j in range(spec.num_chunks) if spec.docs.visible(i, j))
 
 
 def _first_touch_order(spec: PipelineSpec) -> list[int]:
