@@ -2,7 +2,7 @@
 
 ``fpdt-train`` uses this once its settings are validated (:func:`fpdt.train.config.validate`)
 and its process group exists, before it builds the model (``check_memory`` in
-:mod:`fpdt.train.cli`):
+:mod:`fpdt.cli.train`):
 
 * **Host** (an error): with ``--checkpoint offload`` every layer's input waits in host
   memory until the backward (``layers x Nd`` per rank, exact), beside one layer's attention
