@@ -17,6 +17,10 @@ from fpdt.model.loss import WGRAD_MODES as LM_HEAD_WGRAD_MODES
 from fpdt.train.config import chunk_split
 
 CHECKPOINT_MODES = ("off", "on", "offload")
+ATTENTION_CHECKPOINT_MODES = ("recompute", "save")
+"""The model's ``attention_checkpoint`` option: a checkpointed layer's recompute runs the
+attention kernel's forward again, or reads the attention output and log-sum-exp its forward
+saved (LoongTrain, arXiv:2406.18485, section 5.2: Selective Checkpoint++)."""
 ZERO_REDUCE_BUCKET = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): with ``contiguous_gradients`` (also
 its default) ZeRO-2/3 allocate a bucket of that many gradient elements on the device at
@@ -42,6 +46,17 @@ def device_layer_problems(k, checkpoint: str, num_layers: int) -> list[str]:
     if k and checkpoint != "offload":
         return [f"--checkpoint-device-layers {k} keeps some offloaded layer inputs on the GPU: it needs "
                 f"--checkpoint offload (not {checkpoint})"]
+    return []
+
+
+def save_attention_problems(mode: str, layers, num_layers: int) -> list[str]:
+    """Why ``attention_checkpoint=mode`` with ``save_attention_layers=layers`` cannot be
+    planned (empty when it can), naming the fix."""
+    if mode not in ATTENTION_CHECKPOINT_MODES:
+        return [f"--attention-checkpoint {mode!r} must be one of {ATTENTION_CHECKPOINT_MODES}"]
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
+                               or not 0 <= layers <= num_layers):
+        return [f"--save-attention-layers {layers!r} must be an integer from 0 to the model's {num_layers} layers"]
     return []
 
 
@@ -85,10 +100,31 @@ class Setup:
     kernel_expands_gqa: bool = False
     """The attention kernel repeats K/V heads (the CPU kernel); False for flash-attn/cuDNN,
     which take GQA natively (the GPU presets)."""
+    attention_checkpoint: str = "recompute"
+    """``"save"``: each saving layer keeps its attention output (head layout, before ``o_proj``)
+    and fp32 log-sum-exp from the forward, so its recompute runs no attention kernel
+    (:func:`fpdt.plan.memory_model.saved_attention_bytes`); ``"recompute"``: today's."""
+    save_attention_layers: int | None = None
+    """With ``"save"``: how many layers save (the first ones, counted from the embedding);
+    None: every layer."""
     lora_rank: int = 0
     """PEFT LoRA adapters of this rank on every decoder linear, the rest frozen (``fpdt.hf``:
     fp32 adapters, their gradients and AdamW moments; no weight gradients for the base, no
     LM-head gradient); 0 trains every weight."""
+
+    def saving_layers(self, num_layers: int) -> tuple[int, int]:
+        """``(host, device)``: how many layers save their attention output, by where it lives.
+        The saving layers are the first ``save_attention_layers`` (all when None); a saved
+        output lives where its layer's input checkpoint does: on the host under
+        ``checkpoint="offload"`` except for the last ``checkpoint_device_layers`` layers,
+        on the device under ``"on"``. 0 and 0 with ``"recompute"`` or ``checkpoint="off"``."""
+        if self.attention_checkpoint != "save" or self.checkpoint == "off":
+            return 0, 0
+        n = num_layers if self.save_attention_layers is None else min(self.save_attention_layers, num_layers)
+        if self.checkpoint == "on":
+            return 0, n
+        on_device = max(0, n - (num_layers - self.checkpoint_device_layers))
+        return n - on_device, on_device
 
     @property
     def sp(self) -> int:
@@ -118,6 +154,7 @@ class Setup:
         if self.checkpoint not in CHECKPOINT_MODES:
             out.append(f"checkpoint={self.checkpoint!r} must be one of {CHECKPOINT_MODES}")
         out += device_layer_problems(self.checkpoint_device_layers, self.checkpoint, cfg.num_layers)
+        out += save_attention_problems(self.attention_checkpoint, self.save_attention_layers, cfg.num_layers)
         if self.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
             out.append(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
         if self.placement not in PLACEMENTS:

@@ -8,7 +8,12 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
   backward; with LoRA no weight-gradient GEMMs), the trainer's FLOP formulas
   (:mod:`fpdt.train.metrics`), at the sustained GEMM rate.
 * **attention**: causal ``q.k^T`` and ``p.v`` FLOPs of ``T`` query tokens against ``S``
-  keys, forward + backward (+ recompute), at the sustained attention rate.
+  keys, forward + backward (+ recompute), at the sustained attention rate: four forwards'
+  worth per checkpointed layer (forward, recompute, backward = 2), three for a layer that
+  saves its attention output (``attention_checkpoint="save"``: its recompute runs no kernel).
+  Under ``saving_layers``, the recompute of a saving layer still runs its q/k/v all-to-alls
+  and the one of its output (:data:`SAVED_OUTPUT_ALL_TO_ALLS`), and still stashes q̂, k̂, v̂
+  (their copies hide behind the layer's GEMMs), but fetches no K/V block.
 * **all_to_all**: Ulysses all-to-alls per layer and pass (forward and recompute: q/k/v in,
   o out; backward: dô in, fp32 dq/dk/dv out), the bytes that leave the rank as
   :func:`fpdt.attention.ring_costs.attention_costs` counts them; NVLink when the
@@ -47,7 +52,7 @@ from __future__ import annotations
 from fpdt.model.chunks import chunk_count
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster, Rates
-from fpdt.plan.memory_model import layer_attention_costs, loss_chunks, mlp_chunks
+from fpdt.plan.memory_model import kv_dim, layer_attention_costs, loss_chunks, mlp_chunks
 from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
 from fpdt.train.metrics import ModelShape, attention_flops, layer_matmul_flops
@@ -78,6 +83,17 @@ cast back, and their backward). Counted with the elementwise-traffic counter at 
 is 26.5, 34.7 and 42.0 B on three shapes (hidden 256 to 512; it grows with the rank, 45.6 at
 rank 64, and dropout 0.1 nearly triples it): the top of that range, so that the LoRA step
 time errs long rather than short (``tests/plan/test_lora_plan.py``)."""
+
+
+SAVED_OUTPUT_ALL_TO_ALLS = 1
+"""All-to-alls of the attention output per step, beyond the forward's, for a layer that saves it.
+The output is saved in head layout, as the attention backward reads it (the FPDT pipeline
+already stashes it so for the layer in flight); the recompute needs it in sequence layout
+for ``o_proj`` and the MLP's input, so it crosses the all-to-all once more, as the recomputed
+output does with ``"recompute"``. Saved in sequence layout instead, the recompute would skip
+that all-to-all and the backward would need it into head layout: one either way, so the
+all-to-all time does not change with ``"save"``. 0 would model a design that keeps both layouts
+(twice the saved bytes)."""
 
 
 def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
@@ -168,8 +184,10 @@ def lm_head_gemm_flops(tokens: int, hidden: int, vocab: int, mode: str) -> float
     return (4 if mode == "recompute" else 3) * 2 * hidden * vocab * tokens
 
 
-def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
-    """Seconds per optimizer step, per component (exposed time) plus ``"total"``."""
+def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
+                  saved_output_all_to_alls: int = SAVED_OUTPUT_ALL_TO_ALLS) -> dict:
+    """Seconds per optimizer step, per component (exposed time) plus ``"total"``
+    (``saved_output_all_to_alls``: :data:`SAVED_OUTPUT_ALL_TO_ALLS`)."""
     rates = cluster.rates()
     m, e, l = ModelShape.from_config(cfg), s.elem_bytes, cfg.num_layers
     tokens = s.rank_tokens
@@ -184,7 +202,8 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     gemm_flops = tokens * l * (gemm_passes * layer_matmul_flops(m) + mlp_recompute) + head_flops
     attn_fwd = tokens * l * attention_flops(m, s.seq_len, causal=True)
     t_gemm = gemm_flops / rates.gemm_flops
-    t_attn = passes * attn_fwd / rates.attention_flops
+    saving = sum(s.saving_layers(l))                       # their recompute runs no attention kernel
+    t_attn = (passes * l - saving) * (attn_fwd / l) / rates.attention_flops
     u = s.num_chunks
 
     # Per-layer communication and copy volumes of the attention schedule (fpdt.attention.ring_costs).
@@ -193,6 +212,8 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     a2a = 0.0
     if s.hp > 1:
         a2a_bytes = l * (fwd_passes * c.all_to_all_bytes_fwd + c.all_to_all_bytes_bwd)
+        o_bytes = s.batch * s.local_tokens * cfg.num_heads * cfg.head_dim * e * (s.hp - 1) // s.hp
+        a2a_bytes -= saving * (1 - saved_output_all_to_alls) * o_bytes
         a2a = a2a_bytes / _link(cluster, s.hp, s.placement == "head_first", rates)
     a2a_exposed = a2a / u + max(0.0, a2a * (u - 1) / u - t_attn * (u - 1) / u)
 
@@ -210,8 +231,13 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         copy_b = (c.h2d_bytes_bwd + c.d2h_bytes_bwd) / duplex
         attn_f = attn_fwd / l / rates.attention_flops
         blocks = s.cp * u * (u + 1) / 2
-        h2d_exposed = l * (fwd_passes * (max(0.0, copy_f - attn_f) + copy_f / blocks)
-                           + max(0.0, copy_b - 2 * attn_f) + copy_b / blocks)
+        forward = max(0.0, copy_f - attn_f) + copy_f / blocks
+        h2d_exposed = l * (forward + max(0.0, copy_b - 2 * attn_f) + copy_b / blocks)
+        if recompute:   # a saving layer's recompute only stashes q̂ and its K/V chunks, beside its GEMMs
+            q = c.Nd / u
+            stashed = u * (q + 2 * q * kv_dim(cfg, s) / cfg.hidden_size) / rates.d2h_bytes_s
+            gemm_pass = t_gemm / (l * gemm_passes)
+            h2d_exposed += (l - saving) * forward + saving * max(0.0, stashed - gemm_pass)
     if s.checkpoint == "offload":   # the layers whose inputs go to the host and come back
         layer_compute = (t_gemm + t_attn) / l
         ckpt_copy = tokens * cfg.hidden_size * e / rates.h2d_bytes_s
