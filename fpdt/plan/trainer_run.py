@@ -41,7 +41,7 @@ from fpdt.plan.setup import Setup
 from fpdt.train.config import ConfigError, FPDTOptions, Plan, chunk_split
 
 GIB = 1024 ** 3
-HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_host")
+HOST_CATEGORIES = ("checkpoints_host", "attention_saved_host", "attention_stash_host", "model_states_host")
 """Host bytes per node that the run allocates for offload (the process's own memory aside)."""
 LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 """Where launchers say how many processes share a node: torchrun, deepspeed, Slurm, Open MPI."""
@@ -125,6 +125,9 @@ def host_memory_error(need_bytes: float, available_bytes: float, ranks_per_node:
     if parts is None or parts["checkpoints_host"]:
         fixes.append("--checkpoint-device-layers K (the last K layers' inputs stay on the GPU, each taking one "
                      "offloaded layer's share of the checkpoints off the host) or --checkpoint on (all of them)")
+    if parts is not None and parts.get("attention_saved_host"):
+        fixes.append("fewer --save-attention-layers (each saving layer's attention output and lse are offloaded "
+                     "beside its input) or --attention-checkpoint recompute (none)")
     fixes += ["a larger --sp over more nodes (fewer tokens per rank)", "a shorter --seq-len"]
     return ConfigError(
         f"the {ranks_per_node} rank(s) on {where} would offload {need_bytes / GIB:.1f} GiB to host memory at "
