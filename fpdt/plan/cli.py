@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "layers as fit")
     p.add_argument("--save-attention-layers", type=int, metavar="K",
                    help="with --attention-checkpoint save, only the first K layers save (default: as many as fit)")
+    p.add_argument("--doc-len", type=int, metavar="N",
+                   help="packed documents of N tokens (their mean; for a spread of lengths the token-weighted "
+                        "mean sum(n^2)/sum(n)), each attending only within itself: the attention time and MFU "
+                        "count the work the document mask leaves (default: one document per sequence)")
     p.add_argument("--lora-rank", type=int, metavar="R",
                    help="LoRA fine-tuning (fpdt-train --lora-rank, or fpdt.hf with PEFT): adapters of rank R on "
                         "every decoder linear, the rest frozen (default: full training)")
@@ -127,7 +131,8 @@ def render(out: dict) -> str:
         f"LM-head wgrad {s['lm_head_wgrad']}, "
         f"{'KV heads repeated by the kernel' if s['kernel_expands_gqa'] else 'native GQA kernel'}, "
         f"ZeRO-{s['zero_stage']}, {s['dtype']}"
-        + (f", LoRA rank {s['lora_rank']} (base frozen)" if s.get("lora_rank") else ""),
+        + (f", LoRA rank {s['lora_rank']} (base frozen)" if s.get("lora_rank") else "")
+        + (f", packed documents of {_tokens(s['doc_len'])} tokens" if s.get("doc_len") else ""),
         f"device peak      {_gib(out['device_peak_bytes'])} of {_gib(out['device_capacity_bytes'])} per GPU",
         f"host peak        {_gib(out['host_peak_bytes'])} of {_gib(out['host_capacity_bytes'])} per node",
         "breakdown:",
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                  "loss_chunks": args.loss_chunks, "attention_backend": args.attention_backend,
                  "checkpoint_device_layers": args.checkpoint_device_layers, "lora_rank": args.lora_rank,
                  "attention_checkpoint": args.attention_checkpoint,
-                 "save_attention_layers": args.save_attention_layers}
+                 "save_attention_layers": args.save_attention_layers, "doc_len": args.doc_len}
         choice = dataclasses.replace(choice, **{k: v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:

@@ -164,12 +164,12 @@ def model_states(cfg: ModelConfig, s: Setup, world: int) -> dict:
     return {**dev, "model_states_host": host}
 
 
-def layer_attention_costs(cfg: ModelConfig, s: Setup) -> AttentionCosts:
+def layer_attention_costs(cfg: ModelConfig, s: Setup, causal: bool = True) -> AttentionCosts:
     """Per-rank, per-layer costs of the attention schedule (:mod:`fpdt.attention.ring_costs`)."""
     return attention_costs(seq_len=s.seq_len, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                            head_dim=cfg.head_dim, hp=s.hp, cp=s.cp, inner_ring=s.inner_ring,
                            num_chunks=s.num_chunks, hidden=cfg.hidden_size, batch=s.batch,
-                           dtype_bytes=s.elem_bytes, offload=s.offload)
+                           dtype_bytes=s.elem_bytes, offload=s.offload, causal=causal)
 
 
 def _dq_nd(cfg: ModelConfig, s: Setup) -> float:

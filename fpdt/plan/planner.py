@@ -21,6 +21,7 @@ import torch
 
 from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model.config import ModelConfig
+from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, saved_attention_bytes
 from fpdt.plan.models import load_model_config
@@ -83,6 +84,8 @@ class Choice:
     attention_checkpoint: str | None = None
     """``"save"`` / ``"recompute"`` (the model's option); None: choose, as ``fpdt-train``'s
     default does (``"save"`` for as many layers as fit, when any do)."""
+    doc_len: int | None = None
+    """Packed documents of this mean length (:mod:`fpdt.plan.documents`); None: one per sequence."""
     save_attention_layers: int | None = None
     """How many layers save their attention output (implies ``"save"``); None: the most that
     fit (the host and device memory left by the rest of the setup)."""
@@ -145,7 +148,7 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                       kernel_expands_gqa=expands, lora_rank=choice.lora_rank,
                       checkpoint_device_layers=(choice.checkpoint_device_layers or 0) if ckpt == "offload" else 0,
                       attention_checkpoint="save" if choice.fixed_save_layers else "recompute",
-                      save_attention_layers=choice.fixed_save_layers or None)
+                      save_attention_layers=choice.fixed_save_layers or None, doc_len=choice.doc_len)
             if not s.problems(cfg, world):
                 out.append(s)
     return out
@@ -169,11 +172,12 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     dp = cluster.world // s.sp
     tokens = s.seq_len * s.batch * dp
     shape = ModelShape.from_config(cfg)
-    rates = step_rates(shape, s.seq_len, tokens, times["total"], cluster.world,
+    attended = effective_length(s.seq_len, s.doc_len)     # MFU counts the attention work the mask needs
+    rates = step_rates(shape, attended, tokens, times["total"], cluster.world,
                        cluster.gpu.bf16_flops, recompute=s.checkpoint != "off")
     if s.lora_rank:   # the FLOPs a LoRA step needs: no weight gradients of the frozen linears and head
-        rates = dataclasses.replace(rates, mfu=rates.mfu * _lora_flops_fraction(shape, s.seq_len, True),
-                                    mfu_full=rates.mfu_full * _lora_flops_fraction(shape, s.seq_len, False))
+        rates = dataclasses.replace(rates, mfu=rates.mfu * _lora_flops_fraction(shape, attended, True),
+                                    mfu_full=rates.mfu_full * _lora_flops_fraction(shape, attended, False))
     fits_device = mem.device_peak_bytes <= cluster.gpu.mem_bytes
     fits_host = mem.host_peak_bytes <= cluster.host_mem_bytes
     return {
@@ -373,6 +377,10 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
         bad += device_layer_problems(choice.checkpoint_device_layers, choice.checkpoint, cfg.num_layers)
     bad += save_attention_problems(choice.attention_checkpoint or "save", choice.save_attention_layers,
                                    cfg.num_layers)
+    if choice.doc_len is not None and (isinstance(choice.doc_len, bool) or not isinstance(choice.doc_len, int)
+                                       or choice.doc_len < 1):
+        bad.append(f"--doc-len {choice.doc_len!r} must be a whole number of tokens, at least 1 (the mean "
+                   f"document length)")
     if choice.attention_checkpoint == "recompute" and choice.save_attention_layers:
         bad.append(f"--save-attention-layers {choice.save_attention_layers} needs --attention-checkpoint save "
                    f"(not recompute)")

@@ -107,6 +107,9 @@ class Setup:
     save_attention_layers: int | None = None
     """With ``"save"``: how many layers save (the first ones, counted from the embedding);
     None: every layer."""
+    doc_len: int | None = None
+    """Packed documents of this many tokens (the mean; :mod:`fpdt.plan.documents`), each
+    attending within itself; None: one document per sequence."""
     lora_rank: int = 0
     """PEFT LoRA adapters of this rank on every decoder linear, the rest frozen (``fpdt.hf``:
     fp32 adapters, their gradients and AdamW moments; no weight gradients for the base, no
@@ -161,6 +164,9 @@ class Setup:
             out.append(f"placement={self.placement!r} must be one of {PLACEMENTS}")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        if self.doc_len is not None and (isinstance(self.doc_len, bool) or not isinstance(self.doc_len, int)
+                                         or self.doc_len < 1):
+            out.append(f"--doc-len {self.doc_len!r} must be a whole number of tokens, at least 1")
         if self.lora_rank < 0:
             out.append(f"lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
         if self.zero_stage not in (0, 1, 2, 3):
