@@ -233,7 +233,7 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
     cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
     choice = replace(_deepspeed_choice(ds_config, plan.world_size), sp=plan.sp, inner_ring=plan.inner_ring,
                      mlp_chunks=_modelled(opts.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
-                     attention_backend=opts.attention_backend, lora_rank=lora_rank)
+                     attention_backend=opts.attention_backend, lora_rank=lora_rank, attention_checkpoint="recompute")
     out = plan_at(model, plan.seq_len, cluster, choice)
     if "reason" in out:
         return Recommendation(None, f"fpdt-plan has no setting to suggest for this mesh ({out['reason']})")
