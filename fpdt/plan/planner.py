@@ -228,6 +228,26 @@ def _with_device_layers(cfg: ModelConfig, r: dict, cluster: Cluster) -> dict | N
     return None
 
 
+def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room: float | None,
+                       ranks_per_node: int) -> int:
+    """The most layers (the first ones) that can save their attention output in the memory a
+    recompute setup ``s`` leaves: ``host_room`` bytes per node of ``ranks_per_node`` ranks and
+    ``device_room`` per GPU (None: not limited). The first ``l - k`` layers' outputs go to the
+    host under ``"offload"``, the rest (and all under ``"on"``) to the device, where the
+    allocator's slack (:data:`FRAGMENTATION`) is counted on them. 0 without checkpointing."""
+    l = cfg.num_layers
+    if s.checkpoint == "off":
+        return 0
+    per = saved_attention_bytes(cfg, s)
+    on_host = l - s.checkpoint_device_layers if s.checkpoint == "offload" else 0
+    n_host = max(0, min(on_host, int(host_room // (ranks_per_node * per))))
+    if n_host < on_host:
+        return n_host
+    on_device = l - on_host if device_room is None else min(l - on_host, int(max(0.0, device_room)
+                                                                           // (FRAGMENTATION * per)))
+    return on_host + on_device
+
+
 def _with_saved_attention(cfg: ModelConfig, r: dict, cluster: Cluster, tier: bool) -> dict | None:
     """``r``'s fitting setup with the most layers saving their attention output that still
     fit, evaluated (None when ``r`` does not fit, does not checkpoint, or not one layer fits).
@@ -244,7 +264,6 @@ def _with_saved_attention(cfg: ModelConfig, r: dict, cluster: Cluster, tier: boo
     l = cfg.num_layers
     if not r["fits"] or s.checkpoint == "off":
         return None
-    per = saved_attention_bytes(cfg, s)
     nd = s.rank_tokens * cfg.hidden_size * s.elem_bytes
     ranks = min(cluster.gpus_per_node, cluster.world)
     host_room = r["host_capacity_bytes"] - r["host_peak_bytes"]
@@ -256,9 +275,7 @@ def _with_saved_attention(cfg: ModelConfig, r: dict, cluster: Cluster, tier: boo
         dev_k = dev_room - FRAGMENTATION * nd * (max(k, min(2, l)) - max(k0, min(2, l)))
         if dev_k < 0:
             break
-        on_host = l - k if s.checkpoint == "offload" else 0      # saving layers whose output the host holds
-        n_host = min(on_host, int(host_k // (ranks * per)))
-        n = n_host if n_host < on_host else on_host + min(l - on_host, int(dev_k // (FRAGMENTATION * per)))
+        n = most_saving_layers(cfg, dataclasses.replace(s, checkpoint_device_layers=k), host_k, dev_k, ranks)
         if n > best[0]:
             best = (n, k)
     n, k = best

@@ -251,3 +251,61 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
         flags.append(f"--lora-rank {lora_rank}")
     text = " ".join(flags)
     return Recommendation(text, f"fpdt-plan's settings for this GPU: {text}")
+
+
+@dataclass(frozen=True)
+class AttentionCheckpoint:
+    """How the run's checkpointed layers get their attention output back in backward
+    (the model's ``attention_checkpoint`` and ``save_attention_layers``), and why."""
+
+    mode: str
+    """``"save"`` or ``"recompute"``."""
+    layers: int | None
+    """With ``"save"``: how many layers (the first ones) save; None: every layer."""
+    reason: str
+
+    def line(self, num_layers: int) -> str:
+        """The start-up line's words for it."""
+        if self.mode == "save":
+            n = num_layers if self.layers is None else self.layers
+            return f"attention_checkpoint=save layers={n}/{num_layers} ({self.reason})"
+        return f"attention_checkpoint=recompute ({self.reason})"
+
+
+def saving_layers_that_fit(model: ModelConfig, setup: Setup, est: MemoryEstimate, host_available: float,
+                           device_capacity: float | None, ranks_per_node: int) -> int:
+    """The most layers of ``setup`` (a recompute setup, ``est`` its estimate) that can save
+    their attention output in what the run's memory check predicts is left: the node's
+    ``host_available`` bytes less its offload (:func:`host_offload_bytes`), and on CUDA the
+    GPU's capacity less the predicted device peak (:func:`fpdt.plan.planner.most_saving_layers`)."""
+    from fpdt.plan.planner import most_saving_layers
+    host_room = host_available - sum(host_offload_bytes(est).values())
+    device_room = None if device_capacity is None else device_capacity - est.device_peak_bytes
+    return most_saving_layers(model, setup, host_room, device_room, ranks_per_node)
+
+
+def attention_checkpoint(requested: str | None, layers: int | None, checkpoint: str, fit: int,
+                         num_layers: int, per_layer_bytes: float | None = None) -> AttentionCheckpoint:
+    """The run's choice: ``requested`` / ``layers`` as given (flag or JSON; None: not given),
+    else ``"save"`` for the ``fit`` layers the memory check leaves room for
+    (:func:`saving_layers_that_fit`, agreed by every rank), else ``"recompute"``.
+    ``per_layer_bytes``: one saving layer's bytes per rank, for the reason."""
+    if requested == "recompute":
+        return AttentionCheckpoint("recompute", None, "--attention-checkpoint recompute")
+    if checkpoint == "off":
+        return AttentionCheckpoint("recompute", None, "checkpointing is off: no layer runs a recompute")
+    if layers is not None:
+        return AttentionCheckpoint("save", min(layers, num_layers), f"--save-attention-layers {layers}")
+    size = f" ({per_layer_bytes / GIB:.2f} GiB per rank and layer)" if per_layer_bytes else ""
+    given = "--attention-checkpoint save" if requested == "save" else "default"
+    if fit >= num_layers:
+        return AttentionCheckpoint("save", None, f"{given}: the predicted host and device memory hold every "
+                                                 f"layer's attention output and lse{size}")
+    if fit > 0:
+        return AttentionCheckpoint("save", fit, f"{given}: the predicted host and device memory hold the attention "
+                                                f"outputs of the first {fit} layers{size}, not more")
+    if requested == "save":
+        return AttentionCheckpoint("save", 0, f"{given}, but the predicted host and device memory hold no layer's "
+                                              f"attention output{size}: every layer recomputes")
+    return AttentionCheckpoint("recompute", None, f"default: the predicted host and device memory hold no layer's "
+                                                  f"attention output{size}")
