@@ -149,9 +149,10 @@ def test_readme_worked_example_is_current(capsys):
     assert (f"{host_only['setup']['save_attention_layers']} layers fit their outputs "
             f"({host_only['step_time_s']:.0f} s, MFU {host_only['mfu']:.0%})") in readme
     assert out["setup"]["attention_checkpoint"] == "recompute"     # nothing left to save at the longest length
-    assert at_2m["recommended"]["chunk_size"] == 65536 and "picks the paper's\n64K chunks" in readme
-    assert at_2m["recommended"]["lm_head_wgrad"] == "recompute"
-    split = at_2m["step_time_split_s"]
+    assert recomputed["recommended"]["chunk_size"] == 65536 and "picks the paper's\n64K chunks" in readme
+    assert at_2m["recommended"]["chunk_size"] == 131072 and "MFU 49%**, with 128K chunks" in readme
+    assert at_2m["recommended"]["lm_head_wgrad"] == recomputed["recommended"]["lm_head_wgrad"] == "recompute"
+    split = recomputed["step_time_split_s"]
     assert f"memory-bound ops {split['elementwise']:.1f} s" in readme
     assert f"weight-gradient accumulation {split['wgrad_accumulation']:.1f} s" in readme
     assert f"Each GPU peaks at {out['device_peak_bytes'] / 2 ** 30:.0f} GiB" in readme
@@ -173,7 +174,7 @@ def test_near_ties_go_to_the_trainers_lm_head_mode():
     tells a run to leave the default for a mode the H100 measured slower."""
     from fpdt.plan import GPU_PRESETS, Choice, Cluster, evaluate, load_model_config, plan
     from fpdt.plan.setup import Setup
-    from fpdt.train.config import FPDTOptions
+    from fpdt.train.config import TrainerOptions
     cfg, cluster = load_model_config("llama-3.2-1b"), Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1)
     seq, chunk = 1 << 20, 1 << 15
     modes = {m: evaluate(cfg, Setup(seq_len=seq, chunk_size=chunk, lm_head_wgrad=m), cluster)
@@ -181,7 +182,7 @@ def test_near_ties_go_to_the_trainers_lm_head_mode():
     assert modes["accumulate"]["device_peak_bytes"] == modes["recompute"]["device_peak_bytes"]   # a tie
     assert abs(modes["accumulate"]["step_time_s"] / modes["recompute"]["step_time_s"] - 1) < 0.01
     out = plan(cfg, cluster, seq_len=seq, choice=Choice(chunk_size=chunk))
-    assert out["recommended"]["lm_head_wgrad"] == FPDTOptions().lm_head_wgrad == "recompute"
+    assert out["recommended"]["lm_head_wgrad"] == TrainerOptions().lm_head_wgrad == "recompute"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
