@@ -12,8 +12,9 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
   worth per checkpointed layer (forward, recompute, backward = 2), three for a layer that
   saves its attention output (``attention_checkpoint="save"``: its recompute runs no kernel).
   Under ``saving_layers``, the recompute of a saving layer still runs its q/k/v all-to-alls
-  and the one of its output (:data:`SAVED_OUTPUT_ALL_TO_ALLS`), and still stashes q̂, k̂, v̂
-  (their copies hide behind the layer's GEMMs), but fetches no K/V block.
+  and the one of its output (:data:`SAVED_OUTPUT_ALL_TO_ALLS`), still stashes q̂, k̂, v̂ and
+  fetches each saved output chunk once (these copies hide behind the layer's GEMMs), but
+  fetches no K/V block.
 * **all_to_all**: Ulysses all-to-alls per layer and pass (forward and recompute: q/k/v in,
   o out; backward: dô in, fp32 dq/dk/dv out), the bytes that leave the rank as
   :func:`fpdt.attention.ring_costs.attention_costs` counts them; NVLink when the
@@ -255,11 +256,12 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
         blocks = ring_touches(s.seq_len, s.doc_len, u, s.cp)
         forward = max(0.0, copy_f - attn_f) + copy_f / blocks
         h2d_exposed = l * (forward + max(0.0, copy_b - 2 * attn_f) + copy_b / blocks)
-        if recompute:   # a saving layer's recompute only stashes q̂ and its K/V chunks, beside its GEMMs
-            q = c.Nd / u
+        if recompute:   # a saving layer's recompute stashes q̂ and its K/V chunks and fetches each saved o
+            q = c.Nd / u  # once (to send it back to sequence layout), beside its GEMMs
             stashed = u * (q + 2 * q * kv_dim(cfg, s) / cfg.hidden_size) / rates.d2h_bytes_s
+            fetched = u * q / rates.h2d_bytes_s
             gemm_pass = t_gemm / (l * gemm_passes)
-            h2d_exposed += (l - saving) * forward + saving * max(0.0, stashed - gemm_pass)
+            h2d_exposed += (l - saving) * forward + saving * max(0.0, max(stashed, fetched) - gemm_pass)
     if s.checkpoint == "offload":   # the layers whose inputs go to the host and come back
         layer_compute = (t_gemm + t_attn) / l
         ckpt_copy = tokens * cfg.hidden_size * e / rates.h2d_bytes_s

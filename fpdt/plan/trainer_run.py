@@ -60,7 +60,8 @@ def ranks_on_this_node(world_size: int, gpus_on_node: int | None = None) -> int:
 def planned_setup(plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str, Any], dtype_name: str,
                   device_type: str, kernel_expands_gqa: bool | None = None, head_dim: int = 128) -> Setup:
     """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
-    config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk).
+    config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk; an
+    ``attention_checkpoint`` still to be chosen, None, as ``"recompute"``).
     ``kernel_expands_gqa``: whether the run's attention kernel repeats the KV heads (not
     ``AttentionBackend.native_gqa``); None: on CUDA as ``opts.backend``, or the
     automatic choice for this precision and ``head_dim``, does
@@ -79,7 +80,9 @@ def planned_setup(plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str,
         mlp_chunks=_modelled(plan.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
         lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
         sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
-        kernel_expands_gqa=kernel_expands_gqa)
+        kernel_expands_gqa=kernel_expands_gqa,
+        attention_checkpoint=opts.attention_checkpoint or "recompute",      # None (to choose): as recompute
+        save_attention_layers=opts.save_attention_layers)
 
 
 def _modelled(chunks: int | None) -> int | None:
