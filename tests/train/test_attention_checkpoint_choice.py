@@ -131,3 +131,11 @@ def test_the_start_up_line_prints_the_choice(tmp_path, capsys):
             "attention output and lse") in out, out
     assert main([*base, "--checkpoint", "on", "--attention-checkpoint", "recompute"]) == 0
     assert "attention_checkpoint=recompute (--attention-checkpoint recompute)" in capsys.readouterr().err
+
+
+def test_the_choice_reaches_the_models_options():
+    ds = load_ds_config(None, "cpu")[0]
+    opts = TrainerOptions(attention_checkpoint="save", save_attention_layers=1, checkpointing="on")
+    run = validate(opts, 64, 1, "cpu", ds)
+    model = opts.model_options(run)
+    assert (model.attention_checkpoint, model.save_attention_layers, model.checkpointing) == ("save", 1, "on")
