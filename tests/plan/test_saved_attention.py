@@ -109,3 +109,17 @@ def test_cli_shows_the_choice_and_refuses_bad_counts(capsys):
     assert "from 0 to the model's 32 layers" in capsys.readouterr().err
     assert main([*args, "--attention-checkpoint", "recompute", "--save-attention-layers", "3"]) == 2
     assert "needs --attention-checkpoint save" in capsys.readouterr().err
+
+
+def test_deepspeed_json_section_sets_the_saving_layers(tmp_path, capsys):
+    import json
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                                "fpdt": {"sp": 8, "chunk_size": 65536, "attention_checkpoint": "save",
+                                         "save_attention_layers": 10}}))
+    assert main(["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", str(S), "--deepspeed", str(path),
+                 "--json"]) == 0
+    import json as j
+    out = j.loads(capsys.readouterr().out)
+    assert (out["setup"]["attention_checkpoint"], out["setup"]["save_attention_layers"]) == ("save", 10)
+    assert out["breakdown"]["attention_saved_host"] == 8 * 10 * saved_attention_bytes(CFG, BASE)
