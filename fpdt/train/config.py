@@ -77,7 +77,7 @@ class TrainerOptions(FPDTOptions):
         """The model's :class:`FPDTOptions` for the validated ``run`` (its chunk count and the
         device defaults it resolved) on ``group`` or ``mesh``. An ``attention_checkpoint`` still
         to be chosen (None) is ``"recompute"`` here: ``fpdt-train`` chooses it from its memory
-        check before it builds the model (:func:`fpdt.train.cli.check_memory`)."""
+        check before it builds the model (:func:`fpdt.cli.train.check_memory`)."""
         shared = {f.name: getattr(self, f.name) for f in fields(FPDTOptions)}
         shared.update(num_chunks=run.num_chunks, offload=run.offload, checkpointing=run.checkpoint,
                       group=group, mesh=mesh, attention_checkpoint=self.attention_checkpoint or "recompute")

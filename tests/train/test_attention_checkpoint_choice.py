@@ -20,7 +20,7 @@ GIB = 2 ** 30
 
 
 def _args(*extra):
-    from fpdt.train.cli import build_parser, fpdt_flags
+    from fpdt.cli.train import build_parser, fpdt_flags
     args = build_parser().parse_args(["--model-config", "c.json", "--data", "d", "--seq-len", "64", "--steps", "1",
                                       *extra])
     return fpdt_flags(args)
@@ -66,7 +66,7 @@ def test_the_choice_and_its_reason():
 
 
 def _fake_node(monkeypatch, available):
-    from fpdt.train import cli
+    from fpdt.cli import train as cli
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available))
     monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 8)
@@ -122,7 +122,7 @@ def test_default_with_room_for_every_layer_and_none(monkeypatch):
 
 
 def test_the_start_up_line_prints_the_choice(tmp_path, capsys):
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
     cfg, data = write_fixture(str(tmp_path))
     base = ["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", "--chunk-size", "32"]
     assert main([*base, "--checkpoint", "on"]) == 0
