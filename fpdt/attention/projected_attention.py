@@ -10,6 +10,10 @@ projected, rotated, all-to-all'd and attended, then dropped. Saved for backward:
   ``T_i`` ``[B, L, hidden]`` and the attention chunks of :mod:`fpdt.attention.pipeline`
   (``q̂_i, k̂_i, v̂_i, o_i, lse_i``).
 
+Under a layer checkpoint with ``attention_checkpoint="save"`` the first (no-grad) forward
+keeps each chunk's ``o_i``/``lse_i`` and the recompute runs no attention kernel
+(:mod:`fpdt.attention.saved_attention`).
+
 Backward (FPDT): after outer step ``j`` of the attention backward, dq̂_j/dk̂_j/dv̂_j come
 back through the all-to-all, RoPE is undone, and the projection backward runs with
 ``T_j`` (prefetched during the outer step) to give ``dT_j`` and accumulate fp32 weight
@@ -40,6 +44,7 @@ from torch.autograd.function import once_differentiable
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import PipelineSpec, build_spec
 from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward_
+from fpdt.attention.saved_attention import active
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
@@ -126,7 +131,8 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         def emit(i, out_i):
             out[:, i * L:(i + 1) * L] = out_i
 
-        run_forward(spec, produce, emit, stash, for_backward)
+        saved = active(for_backward, (type(spec).__name__, spec.num_chunks, tuple(hidden.shape), hidden.dtype))
+        run_forward(spec, produce, emit, stash, for_backward, saved)
         ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, stash_token(stash),
                               *lora_tensors)
         ctx.rope, ctx.spec, ctx.L, ctx.heads, ctx.norm_eps = rope, spec, L, heads, norm_eps

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
+from fpdt.attention.saved_attention import ATTENTION_CHECKPOINT_MODES, SavedAttention
 from fpdt.comm import SequenceMesh
 from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed_residual
 from fpdt.model.config import ModelConfig
@@ -76,6 +77,21 @@ class FPDTOptions:
     layers = as ``"on"``). Each such layer moves ``[B, S_local, hidden]`` from host to device
     memory and saves its two copies; backward needs the last layers' inputs first, so
     keeping those costs no prefetch. For runs whose host memory, not the GPU's, is the limit."""
+    attention_checkpoint: str = "recompute"
+    """What a checkpointed layer's recompute does about its attention (:data:`ATTENTION_CHECKPOINT_MODES`):
+    ``"recompute"`` runs the attention forward again; ``"save"`` keeps each saving layer's
+    attention output (head layout, in the input dtype) and fp32 lse from the first forward,
+    where the layer input lives (pinned host memory under ``checkpointing="offload"``, except
+    the last ``checkpoint_device_layers``; the device under ``"on"``), and the recompute runs
+    the q/k/v projections, norms, RoPE and all-to-alls but no attention kernel
+    (:mod:`fpdt.attention.saved_attention`): three attention passes per step instead of four,
+    for ``B S (H D e + 4 H) / P`` bytes per saving layer
+    (:func:`fpdt.attention.offload_volume.saved_attention_bytes`). Needs ``checkpointing`` on."""
+    save_attention_layers: int | None = None
+    """With ``attention_checkpoint="save"``: how many layers save, the *first* this many
+    (None = every layer). The first layers are those whose inputs go to the host first under
+    ``"offload"`` (the last ``checkpoint_device_layers`` stay on the device), so saving ones
+    and host-resident ones are the same prefix of the stack when host memory is the limit."""
     group: dist.ProcessGroup | None = None
     """Sequence-parallel process group; None = the default group if torch.distributed is
     initialised, else a world of 1."""
@@ -102,6 +118,18 @@ class FPDTOptions:
         if isinstance(self.checkpoint_device_layers, bool) or not isinstance(self.checkpoint_device_layers, int) \
                 or self.checkpoint_device_layers < 0:
             raise ValueError(f"checkpoint_device_layers={self.checkpoint_device_layers!r} must be an integer >= 0")
+        if self.attention_checkpoint not in ATTENTION_CHECKPOINT_MODES:
+            raise ValueError(f"attention_checkpoint={self.attention_checkpoint!r} must be one of "
+                             f"{ATTENTION_CHECKPOINT_MODES}")
+        if self.attention_checkpoint == "save" and self.checkpointing == "off":
+            raise ValueError("attention_checkpoint='save' keeps attention outputs for the layer checkpoint's "
+                             "recompute: it needs checkpointing='on' or 'offload' (now 'off')")
+        k = self.save_attention_layers
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(f"save_attention_layers={k!r} must be an integer >= 0 or None (every layer)")
+        if k is not None and self.attention_checkpoint != "save":
+            raise ValueError(f"save_attention_layers={k} limits attention_checkpoint='save', and it is "
+                             f"{self.attention_checkpoint!r}: set attention_checkpoint='save' or leave it None")
         if self.checkpoint_device_layers and self.checkpointing != "offload":
             raise ValueError(f"checkpoint_device_layers={self.checkpoint_device_layers} keeps some offloaded layer "
                              f"inputs on the device: it needs checkpointing='offload' (now {self.checkpointing!r})")
@@ -204,6 +232,9 @@ class FPDTForCausalLM(nn.Module):
       its saved input; ``"offload"`` also keeps that input in pinned host memory.
     * ``checkpoint_device_layers`` (0): with ``"offload"``, the last this many layers keep
       their inputs on the device.
+    * ``attention_checkpoint`` (``"recompute"``): ``"save"`` keeps checkpointed layers'
+      attention outputs and lse, so the recompute runs no attention kernel.
+    * ``save_attention_layers`` (None = all): with ``"save"``, only the first this many layers save.
     * ``group`` (None): the sequence-parallel process group (None = default group).
     * ``mesh`` (None): a 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group``.
     * ``backend`` (None): attention kernel.
@@ -230,6 +261,9 @@ class FPDTForCausalLM(nn.Module):
             raise TypeError(f"unknown FPDT options {sorted(unknown)}; valid: {[f.name for f in fields(FPDTOptions)]}")
         self.options = replace(self.options, **changes).validate()
         opts = self.options
+        if opts.save_attention_layers is not None and opts.save_attention_layers > self.config.num_layers:
+            raise ValueError(f"save_attention_layers={opts.save_attention_layers} is more than the model's "
+                             f"{self.config.num_layers} decoder layers")
         if opts.checkpoint_device_layers > self.config.num_layers:
             raise ValueError(f"checkpoint_device_layers={opts.checkpoint_device_layers} is more than the model's "
                              f"{self.config.num_layers} decoder layers")
@@ -372,6 +406,7 @@ class FPDTForCausalLM(nn.Module):
         fid = next(self._forward_ids)  # stash keys unique per forward call
         # the last `checkpoint_device_layers` inputs stay on the device (backward needs them first)
         on_host = len(self.model.layers) - self.options.checkpoint_device_layers
+        saving = self.saving_layers
         for i, layer in enumerate(self.model.layers):
             if mode == "off":
                 h = layer(h, position_ids, rope)
@@ -381,8 +416,20 @@ class FPDTForCausalLM(nn.Module):
             h = checkpointed_residual(branches, h, list(layer.parameters()), stash=stash,
                                       key=("layer input", i, fid),
                                       prev_key=("layer input", i - 1, fid) if i > 0 else None,
-                                      on_device=i >= on_host)
+                                      on_device=i >= on_host,
+                                      saved=SavedAttention(h.device, on_host=stash is not None and i < on_host,
+                                                           label=f"layer {i}") if i < saving else None)
         return self.model.norm(h)
+
+    @property
+    def saving_layers(self) -> int:
+        """How many decoder layers (the first ones) keep their attention output for the
+        recompute (``attention_checkpoint="save"``); 0 with ``"recompute"``."""
+        o = self.options
+        if o.attention_checkpoint != "save" or o.checkpointing == "off":
+            return 0
+        n = len(self.model.layers)
+        return n if o.save_attention_layers is None else min(o.save_attention_layers, n)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:
         return sequence_parallel_lm_loss(h, self.lm_head.weight, labels, group=self.sp_group, sp=sp,
@@ -393,4 +440,6 @@ class FPDTForCausalLM(nn.Module):
         o = self.options
         return (f"num_chunks={o.num_chunks}, offload={o.offload}, mlp_chunks={self.mlp_chunks}, "
                 f"loss_chunks={self.loss_chunks}, lm_head_wgrad={o.lm_head_wgrad!r}, checkpointing={o.checkpointing!r}"
-                + (f", checkpoint_device_layers={o.checkpoint_device_layers}" if o.checkpoint_device_layers else ""))
+                + (f", checkpoint_device_layers={o.checkpoint_device_layers}" if o.checkpoint_device_layers else "")
+                + (f", attention_checkpoint='save', saving_layers={self.saving_layers}"
+                   if o.attention_checkpoint == "save" else ""))
