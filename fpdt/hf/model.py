@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fpdt.attention.saved_attention import ATTENTION_CHECKPOINT_MODES, SavedAttention
 from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
@@ -111,6 +112,16 @@ class HFSettings:
     checkpointing: str = "off"
     chunked_qkv: bool = True
     lean_norms: bool = True
+    attention_checkpoint: str = "recompute"
+    save_attention_layers: int | None = None
+
+    @property
+    def saving_layers(self) -> int | None:
+        """How many decoder layers (the first ones) keep their attention output for the
+        recompute; None = every layer (``attention_checkpoint="save"``), 0 with ``"recompute"``."""
+        if self.attention_checkpoint != "save" or self.checkpointing == "off":
+            return 0
+        return self.save_attention_layers
 
     def __deepcopy__(self, memo) -> "HFSettings":
         return self     # immutable, and a copied model stays in the same process group
@@ -235,8 +246,9 @@ class _LayerInputStash:
 
 def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
-    ``_fpdt_checkpoint`` holds ``(index, mode, shared stash state)`` (copied with the model)."""
-    i, mode, state = self._fpdt_checkpoint
+    ``_fpdt_checkpoint`` holds ``(index, mode, shared stash state, saving layers)`` (copied with the
+    model; saving layers: 0, None = all, or the first K keep their attention output)."""
+    i, mode, state, saving = self._fpdt_checkpoint
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=mode))
     if i == 0:
@@ -244,6 +256,8 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     fid = state.current
     stash = state.for_device(hidden_states.device) if mode == "offload" else None
     keys = dict(stash=stash, key=("layer input", i, fid), prev_key=("layer input", i - 1, fid) if i > 0 else None)
+    if saving is None or i < saving:   # attention_checkpoint="save": the first `saving` layers
+        keys["saved"] = SavedAttention(hidden_states.device, on_host=mode == "offload", label=f"layer {i}")
     if not args and type(self).__name__ in _PRE_NORM_LAYERS:
         return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
     run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
@@ -413,11 +427,30 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
         register_external_parameter(model, model.lm_head.weight)
 
 
+def _check_attention_checkpoint(mode: str, layers: int | None, checkpointing: str, model: nn.Module) -> None:
+    if mode not in ATTENTION_CHECKPOINT_MODES:
+        raise FPDTHFError(f"attention_checkpoint={mode!r} must be one of {ATTENTION_CHECKPOINT_MODES}")
+    if mode == "save" and checkpointing == "off":
+        raise FPDTHFError("attention_checkpoint='save' keeps attention outputs for fpdt's layer checkpoint: it "
+                          "needs checkpointing='on' or 'offload' (now 'off')")
+    if layers is None:
+        return
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        raise FPDTHFError(f"save_attention_layers={layers!r} must be an integer >= 0 or None (every layer)")
+    if mode != "save":
+        raise FPDTHFError(f"save_attention_layers={layers} limits attention_checkpoint='save', and it is "
+                          f"{mode!r}: pass attention_checkpoint='save' or leave it None")
+    n = len(_decoder_layers(model))
+    if layers > n:
+        raise FPDTHFError(f"save_attention_layers={layers} is more than the model's {n} decoder layers")
+
+
 def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None, mesh: SequenceMesh | None = None,
                num_chunks: int = 1, offload: bool = False, backend: str | None = None,
                mlp_chunks: int | None = None, loss_chunks: int | None = None,
                lm_head_wgrad: str = "recompute", checkpointing: str = "off",
-               chunked_qkv: bool = True, lean_norms: bool = True) -> nn.Module:
+               chunked_qkv: bool = True, lean_norms: bool = True, attention_checkpoint: str = "recompute",
+               save_attention_layers: int | None = None) -> nn.Module:
     """Make a Transformers causal LM sequence-parallel and chunked with FPDT; returns ``model``.
 
     Args:
@@ -454,6 +487,13 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
             (:mod:`fpdt.model.checkpointing`: the layer input is kept, the layer recomputed in
             backward); ``"offload"`` keeps the layer inputs in (pinned) host memory instead,
             fetched one layer ahead in backward, as FPDT does. Not together with Transformers'.
+        attention_checkpoint: ``"recompute"`` (the checkpoint's recompute runs the attention
+            forward again) or ``"save"``: each checkpointed layer keeps its attention output and
+            lse from the first forward (on the host under ``"offload"``, else on the device) and
+            its recompute runs no attention kernel (:mod:`fpdt.attention.saved_attention`);
+            needs ``checkpointing`` ``"on"`` or ``"offload"``.
+        save_attention_layers: with ``"save"``, only the first this many decoder layers save
+            (None: every layer).
         chunked_qkv: run each layer's q/k/v projections and RoPE chunk by chunk inside the
             FPDT attention, as :class:`fpdt.model.FPDTForCausalLM` does, so the layer's
             full-length local q/k/v never exist (Llama, Mistral, Qwen2, Qwen3 attention, with
@@ -479,6 +519,7 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
         raise FPDTHFError(f"checkpointing={checkpointing!r} must be one of {CHECKPOINT_MODES}")
     if lm_head_wgrad not in WGRAD_MODES:
         raise FPDTHFError(f"lm_head_wgrad={lm_head_wgrad!r} must be one of {WGRAD_MODES}")
+    _check_attention_checkpoint(attention_checkpoint, save_attention_layers, checkpointing, model)
     if group == "trainer":
         group = TrainerGroup()
     elif isinstance(group, str):
@@ -528,13 +569,15 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
     if checkpointing != "off":
         state = _LayerInputStash()
         for i, layer in enumerate(layers):
-            layer._fpdt_checkpoint = (i, checkpointing, state)
+            layer._fpdt_checkpoint = (i, checkpointing, state, 0 if attention_checkpoint == "recompute"
+                                      else save_attention_layers)
             layer.forward = types.MethodType(_checkpointed_layer_forward, layer)
     model.forward = types.MethodType(_causal_lm_forward, model)
     model.fpdt = HFSettings(attn_implementation=name, group=group, mesh=mesh, num_chunks=num_chunks,
                             offload=offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
                             lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing,
-                            chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
+                            chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms),
+                            attention_checkpoint=attention_checkpoint, save_attention_layers=save_attention_layers)
     rotary = getattr(model.model, "rotary_emb", None)
     rope_types = getattr(rotary, "rope_type", "default")          # per layer type in some models
     if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
