@@ -75,6 +75,7 @@ class MeshSpec:
     kv_factor: int
     acc_dtype: torch.dtype
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
+    stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
 
     @property
     def hp_group(self):

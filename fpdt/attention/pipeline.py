@@ -97,6 +97,7 @@ class PipelineSpec:
     kv_factor: int              # GQA replication factor before the all-to-all (1 = none)
     acc_dtype: torch.dtype      # fp32 (float64 for float64 inputs)
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
+    stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
     sp_size: int = 1            # ranks in ``group``
 
     @property

@@ -60,7 +60,7 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              num_chunks: int = 1, offload: bool = False, backend: str | None = None,
                              softmax_scale: float | None = None, label: str | None = None,
                              qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                             adapters: LoraAdapters | None = None) -> torch.Tensor:
+                             adapters: LoraAdapters | None = None, stash_sink: list | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
     FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
     ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
@@ -68,7 +68,9 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     ``position_ids``, or from the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none.
     ``label`` names the chunks in offload errors (e.g. "layer 2"). ``qk_norm`` =
     ``(q_weight, k_weight, eps)``: RMSNorm of q and k per head before RoPE (Qwen3).
-    ``adapters``: LoRA terms of the three projections, in the order q, k, v."""
+    ``adapters``: LoRA terms of the three projections, in the order q, k, v. ``stash_sink``: a
+    list that gets the call's :class:`HostStash` (with the spec and chunk length), whose ``o``
+    chunks :func:`fpdt.attention.saved_attention.input_from_stash` reads back."""
     if mesh is not None and group is not None:
         raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
     H, H_kv, D = heads
@@ -77,6 +79,7 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                  backend=backend)
     spec = build_mesh_spec(mesh=mesh, **shape) if mesh is not None else build_spec(group=group, **shape)
     spec.label = label
+    spec.stash_sink = stash_sink
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
     wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
     lora = () if adapters is None else (adapters.layout, *adapters.tensors)
@@ -131,6 +134,10 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         def emit(i, out_i):
             out[:, i * L:(i + 1) * L] = out_i
 
+        if spec.stash_sink is not None:
+            if for_backward:
+                spec.stash_sink.append((stash, spec, L))
+            spec.stash_sink = None      # no cycle spec -> sink -> spec
         saved = active(for_backward, (type(spec).__name__, spec.num_chunks, tuple(hidden.shape), hidden.dtype))
         run_forward(spec, produce, emit, stash, for_backward, saved)
         ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, stash_token(stash),

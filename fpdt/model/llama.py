@@ -270,6 +270,8 @@ class FPDTForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.num_chunks = opts.num_chunks
             layer.self_attn.offload = opts.offload
+            # without a layer checkpoint every layer would keep o_proj's input to backward
+            layer.self_attn.o_proj_input_from_stash = opts.checkpointing == "off"
             layer.self_attn.group = opts.group
             layer.self_attn.mesh = opts.mesh
             layer.self_attn.backend = opts.backend
