@@ -45,7 +45,6 @@ import torch
 from fpdt.comm import heads_to_seq, replicate_kv, start_seq_to_heads_packed
 from fpdt.offload import HostStash
 
-ATTENTION_CHECKPOINT_MODES = ("recompute", "save")
 OUT, LSE = "attn out", "attn lse"
 
 _active: tuple["SavedAttention", str] | None = None

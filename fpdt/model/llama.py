@@ -23,117 +23,24 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
-from fpdt.attention.saved_attention import ATTENTION_CHECKPOINT_MODES, SavedAttention
+from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import SequenceMesh
-from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed_residual
+from fpdt.model.checkpointing import checkpointed_residual
 from fpdt.model.config import ModelConfig
 from fpdt.model.inputs import prepare_inputs
-from fpdt.model.loss import WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss
+from fpdt.model.loss import default_loss_chunks, sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU, default_mlp_chunks
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
+from fpdt.model.weights import save_pretrained
 from fpdt.offload import HostStash
-
-
-@dataclass(frozen=True)
-class FPDTOptions:
-    """Memory and parallelism options (all may be changed later with ``model.configure``)."""
-
-    num_chunks: int = 1
-    """Attention chunks per rank ``u``: ``S`` must be divisible by ``P * u``, and inputs must be
-    laid out with the same ``u`` (:func:`fpdt.model.prepare_inputs`). The global chunk
-    length is ``S / u`` (the paper's sweet spot is 64K)."""
-    offload: bool = False
-    """Keep attention chunks (k̂, v̂, q̂, o, lse, layer-input chunks) in pinned host memory
-    between forward and backward, double-buffered (FPDT "w. offload")."""
-    mlp_chunks: int | None = None
-    """Token chunks of the SwiGLU MLP; None = ``ceil(2 u I / hidden)`` (each ``[n, I]``
-    intermediate fits the byte budget of :mod:`fpdt.model.chunks`); 0 = the plain,
-    unchunked autograd MLP (keeps its ``[B, S_local, I]`` intermediates)."""
-    loss_chunks: int | None = None
-    """Token chunks of the fused LM head + cross-entropy; None = ``ceil(2 u V / hidden)``
-    (each fp32 logits chunk fits the same budget); 0 = plain full-logits loss
-    (``[B, S_local, V]`` fp32 logits)."""
-    lm_head_wgrad: str = "accumulate"
-    """How the chunked loss forms the LM-head weight gradient (:data:`fpdt.model.loss.WGRAD_MODES`):
-    ``"accumulate"`` sums it over token chunks in an fp32 ``[V, hidden]`` buffer;
-    ``"recompute"`` recomputes the logits in backward, one vocabulary slice at a time, and
-    needs no such buffer (one more LM-head GEMM; see :mod:`fpdt.model.loss`). On an H100 at
-    the Llama-3 heads recompute was also the faster (``fpdt-train``'s default)."""
-    checkpointing: str = "off"
-    """Per-layer activation checkpointing: ``"off"``, ``"on"`` (keep each layer's input,
-    recompute the layer in backward) or ``"offload"`` (as "on", with the layer inputs in
-    pinned host memory, prefetched one layer ahead in backward)."""
-    checkpoint_device_layers: int = 0
-    """With ``checkpointing="offload"``: how many of the last decoder layers keep their
-    input on the device instead (0 = every input on the host, the FPDT design; the number of
-    layers = as ``"on"``). Each such layer moves ``[B, S_local, hidden]`` from host to device
-    memory and saves its two copies; backward needs the last layers' inputs first, so
-    keeping those costs no prefetch. For runs whose host memory, not the GPU's, is the limit."""
-    attention_checkpoint: str = "recompute"
-    """What a checkpointed layer's recompute does about its attention (:data:`ATTENTION_CHECKPOINT_MODES`):
-    ``"recompute"`` runs the attention forward again; ``"save"`` keeps each saving layer's
-    attention output (head layout, in the input dtype) and fp32 lse from the first forward,
-    where the layer input lives (pinned host memory under ``checkpointing="offload"``, except
-    the last ``checkpoint_device_layers``; the device under ``"on"``), and the recompute runs
-    the q/k/v projections, norms, RoPE and all-to-alls but no attention kernel
-    (:mod:`fpdt.attention.saved_attention`): three attention passes per step instead of four,
-    for ``B S (H D e + 4 H) / P`` bytes per saving layer
-    (:func:`fpdt.attention.offload_volume.saved_attention_bytes`). Needs ``checkpointing`` on."""
-    save_attention_layers: int | None = None
-    """With ``attention_checkpoint="save"``: how many layers save, the *first* this many
-    (None = every layer). The first layers are those whose inputs go to the host first under
-    ``"offload"`` (the last ``checkpoint_device_layers`` stay on the device), so saving ones
-    and host-resident ones are the same prefix of the stack when host memory is the limit."""
-    group: dist.ProcessGroup | None = None
-    """Sequence-parallel process group; None = the default group if torch.distributed is
-    initialised, else a world of 1."""
-    mesh: SequenceMesh | None = None
-    """2D sequence parallelism (:class:`fpdt.comm.SequenceMesh`, hp x cp) instead of
-    ``group``: inputs in the mesh layout (``prepare_inputs`` uses it), ``S`` divisible by
-    ``2 * hp * cp * num_chunks``; reductions (loss token count) run over ``mesh.sp_group``."""
-    backend: str | None = None
-    """Attention kernel backend name for :class:`FPDTAttention` (None = automatic)."""
-
-    def validate(self) -> "FPDTOptions":
-        if self.num_chunks < 1:
-            raise ValueError(f"num_chunks={self.num_chunks} must be >= 1")
-        for name in ("mlp_chunks", "loss_chunks"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name}={value} must be >= 0 (0 = unchunked) or None (default)")
-        if self.mesh is not None and self.group is not None:
-            raise ValueError("set either group= (plain Ulysses) or mesh= (hp x cp), not both")
-        if self.lm_head_wgrad not in WGRAD_MODES:
-            raise ValueError(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {WGRAD_MODES}")
-        if self.checkpointing not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpointing={self.checkpointing!r} must be one of {CHECKPOINT_MODES}")
-        if isinstance(self.checkpoint_device_layers, bool) or not isinstance(self.checkpoint_device_layers, int) \
-                or self.checkpoint_device_layers < 0:
-            raise ValueError(f"checkpoint_device_layers={self.checkpoint_device_layers!r} must be an integer >= 0")
-        if self.attention_checkpoint not in ATTENTION_CHECKPOINT_MODES:
-            raise ValueError(f"attention_checkpoint={self.attention_checkpoint!r} must be one of "
-                             f"{ATTENTION_CHECKPOINT_MODES}")
-        if self.attention_checkpoint == "save" and self.checkpointing == "off":
-            raise ValueError("attention_checkpoint='save' keeps attention outputs for the layer checkpoint's "
-                             "recompute: it needs checkpointing='on' or 'offload' (now 'off')")
-        k = self.save_attention_layers
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise ValueError(f"save_attention_layers={k!r} must be an integer >= 0 or None (every layer)")
-        if k is not None and self.attention_checkpoint != "save":
-            raise ValueError(f"save_attention_layers={k} limits attention_checkpoint='save', and it is "
-                             f"{self.attention_checkpoint!r}: set attention_checkpoint='save' or leave it None")
-        if self.checkpoint_device_layers and self.checkpointing != "offload":
-            raise ValueError(f"checkpoint_device_layers={self.checkpoint_device_layers} keeps some offloaded layer "
-                             f"inputs on the device: it needs checkpointing='offload' (now {self.checkpointing!r})")
-        return self
+from fpdt.options import FPDTOptions
 
 
 class RMSNorm(nn.Module):
@@ -220,30 +127,15 @@ class FPDTForCausalLM(nn.Module):
     ``forward(input_ids, labels=..., position_ids=...)`` returns the loss; see there for
     the sequence-parallel gradient convention.
 
-    Options (:class:`FPDTOptions`; change them later with :meth:`configure`):
-
-    * ``num_chunks`` (1): attention chunks per rank; ``S % (sp * num_chunks) == 0``.
-    * ``offload`` (False): attention chunks live in pinned host memory between uses.
-    * ``mlp_chunks`` (``ceil(2 u I / hidden)``): SwiGLU token chunks, recomputed in backward; 0 = plain.
-    * ``loss_chunks`` (``ceil(2 u V / hidden)``): fused LM-head + CE token chunks; 0 = full logits.
-    * ``lm_head_wgrad`` (``"accumulate"``): ``"recompute"`` drops the loss's fp32 ``[V, hidden]``
-      weight-gradient buffer for one more LM-head GEMM in backward.
-    * ``checkpointing`` (``"off"``): ``"on"`` recomputes each decoder layer in backward from
-      its saved input; ``"offload"`` also keeps that input in pinned host memory.
-    * ``checkpoint_device_layers`` (0): with ``"offload"``, the last this many layers keep
-      their inputs on the device.
-    * ``attention_checkpoint`` (``"recompute"``): ``"save"`` keeps checkpointed layers'
-      attention outputs and lse, so the recompute runs no attention kernel.
-    * ``save_attention_layers`` (None = all): with ``"save"``, only the first this many layers save.
-    * ``group`` (None): the sequence-parallel process group (None = default group).
-    * ``mesh`` (None): a 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group``.
-    * ``backend`` (None): attention kernel.
+    Options: :class:`fpdt.options.FPDTOptions` (fields and defaults documented there); change
+    them later with :meth:`configure`.
     """
 
     def __init__(self, config: ModelConfig, options: FPDTOptions | None = None):
         super().__init__()
         self.config = config
         self.options = (options or FPDTOptions()).validate()
+        self.options.check_layers(config.num_layers)
         self.model = FPDTModel(config, self.options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -256,17 +148,9 @@ class FPDTForCausalLM(nn.Module):
     # ------------------------------------------------------------------ options
     def configure(self, **changes) -> "FPDTForCausalLM":
         """Change options (any :class:`FPDTOptions` field) and push them into the layers."""
-        unknown = set(changes) - {f.name for f in fields(FPDTOptions)}
-        if unknown:
-            raise TypeError(f"unknown FPDT options {sorted(unknown)}; valid: {[f.name for f in fields(FPDTOptions)]}")
-        self.options = replace(self.options, **changes).validate()
-        opts = self.options
-        if opts.save_attention_layers is not None and opts.save_attention_layers > self.config.num_layers:
-            raise ValueError(f"save_attention_layers={opts.save_attention_layers} is more than the model's "
-                             f"{self.config.num_layers} decoder layers")
-        if opts.checkpoint_device_layers > self.config.num_layers:
-            raise ValueError(f"checkpoint_device_layers={opts.checkpoint_device_layers} is more than the model's "
-                             f"{self.config.num_layers} decoder layers")
+        opts = self.options.updated(**changes)
+        opts.check_layers(self.config.num_layers)
+        self.options = opts
         for layer in self.model.layers:
             layer.self_attn.num_chunks = opts.num_chunks
             layer.self_attn.offload = opts.offload
@@ -321,8 +205,6 @@ class FPDTForCausalLM(nn.Module):
     # ------------------------------------------------------------------ weights
     def save_pretrained(self, path, **kwargs) -> None:
         """:func:`fpdt.model.save_pretrained` (a checkpoint ``transformers`` loads)."""
-        from fpdt.model.weights import save_pretrained  # weights imports this module
-
         save_pretrained(self, path, **kwargs)
 
     @torch.no_grad()
