@@ -148,7 +148,8 @@ def main(argv=None) -> dict:
             }
         result["saved_bytes_per_layer_formula"] = saved
         result["saved_bytes_all_layers_formula"] = saved * args.layers
-        result["ratio_step_save_over_recompute"] = result["save"]["step_s_median"] / result["recompute"]["step_s_median"]
+        result["ratio_step_save_over_recompute"] = (result["save"]["step_s_median"]
+                                                    / result["recompute"]["step_s_median"])
         result["ratio_attention_save_over_recompute"] = (result["save"]["attention_s_median"]
                                                          / result["recompute"]["attention_s_median"])
         print(f"S={S}: step save/recompute {result['ratio_step_save_over_recompute']:.3f}, attention "

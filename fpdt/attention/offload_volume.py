@@ -16,7 +16,9 @@ i >= 1) and dq_i (while not final, i > j)::
     H2D = u T + u (u + 1) / 2 · (2k + q + o + lse) + u (u - 1) / 2 · (dô + dq)
 
 A no-grad forward (the first pass of a checkpointed layer) moves ``D2H = u · 2k`` and
-``H2D = u (u - 1) / 2 · 2k``.
+``H2D = u (u - 1) / 2 · 2k``. Layer inputs offloaded by activation checkpointing add
+``B S_local hidden e`` each way per layer. ``tests/offload/test_schedule.py`` checks these
+against the bytes the runtime counts.
 
 With ``attention_checkpoint="save"`` (:mod:`fpdt.attention.saved_attention`) a checkpointed
 layer's first forward also keeps every chunk's ``o`` and ``lse``: **host bytes per saving
@@ -26,9 +28,8 @@ When they are on the host (``checkpointing="offload"``) and the attention offloa
 recompute moves their host buffers into its own stash instead of copying ``o``, ``lse`` out
 again, fetches each ``o`` once (for the output projection's input) and fetches no k̂/v̂ (it
 runs no attention): per step ``D2H`` is unchanged and ``H2D`` changes by
-``u o - u (u - 1) / 2 · 2k`` (:func:`checkpointed_attention_copy_bytes`). Layer inputs offloaded by activation checkpointing add
-``B S_local hidden e`` each way per layer. ``tests/offload/test_schedule.py`` checks these
-against the bytes the runtime counts.
+``u o - u (u - 1) / 2 · 2k`` (:func:`checkpointed_attention_copy_bytes`; both checked by
+``tests/offload/test_saved_attention.py``).
 """
 
 from __future__ import annotations
