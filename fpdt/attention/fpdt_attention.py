@@ -23,7 +23,7 @@ import torch.distributed as dist
 from fpdt.attention.documents import check_batch
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import build_spec
-from fpdt.attention.saved_attention import active
+from fpdt.attention.saved_attention import SavedAttention
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
@@ -47,7 +47,9 @@ class FPDTAttentionFunction(torch.autograd.Function):
         def emit(i, out_i):
             out[:, i * L:(i + 1) * L] = out_i
 
-        saved = active(for_backward, (type(spec).__name__, u, tuple(q.shape), tuple(k.shape), q.dtype))
+        saved, spec.saved = spec.saved, None    # the call's SavedAttention (no cycle spec -> saved)
+        if saved is not None:
+            saved = saved.claim(for_backward, (type(spec).__name__, u, tuple(q.shape), tuple(k.shape), q.dtype))
         run_forward(spec, produce, emit, stash, for_backward, saved)
         ctx.save_for_backward(stash_token(stash))
         ctx.spec, ctx.L = spec, L
@@ -81,7 +83,8 @@ class FPDTAttentionFunction(torch.autograd.Function):
 def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                    num_chunks: int = 1, offload: bool = False, causal: bool = True, softmax_scale: float | None = None,
-                   backend: str | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   backend: str | None = None, doc_ids: torch.Tensor | None = None,
+                   saved: SavedAttention | None = None) -> torch.Tensor:
     """FPDT attention of sequence-parallel q, k, v.
 
     Args:
@@ -105,6 +108,9 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             sequence in global token order (non-decreasing; the same on every rank). Each
             query attends to the keys of its own document only; blocks that no query sees
             are skipped (:mod:`fpdt.attention.documents`). None = one document.
+        saved: a checkpointed layer's :class:`fpdt.attention.saved_attention.SavedAttention`
+            (``attention_checkpoint="save"``): this call's output and lse are recorded in the
+            layer's first forward and replayed in its recompute. None: run as usual.
 
     Returns:
         ``[B, S_local, H, D]`` in the same layout and dtype as ``q``; differentiable in q, k, v.
@@ -126,5 +132,6 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         spec = build_mesh_spec(mesh=mesh, **shape)
     else:
         spec = build_spec(group=group, **shape)
+    spec.saved = saved
     for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return FPDTAttentionFunction.apply(q, k, v, spec, offload, for_backward)

@@ -95,6 +95,7 @@ class MeshSpec:
     docs: MeshDocuments | None = None   # packed documents (:mod:`fpdt.attention.documents`); None = one
     _last_touch: dict | None = None
     stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
+    saved: object | None = None     # the call's SavedAttention (attention_checkpoint="save"), taken by the Function
 
     @property
     def hp_group(self):

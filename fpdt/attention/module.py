@@ -8,7 +8,7 @@ from torch import nn
 
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.attention.rope import RotaryEmbedding
-from fpdt.attention.saved_attention import input_from_stash
+from fpdt.attention.saved_attention import SavedAttention, input_from_stash
 from fpdt.comm import SequenceMesh
 from fpdt.ops.lora import attached_adapters, lora_linear
 
@@ -75,11 +75,13 @@ class FPDTAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                rope: RotaryEmbedding | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                rope: RotaryEmbedding | None = None, doc_ids: torch.Tensor | None = None,
+                saved: SavedAttention | None = None) -> torch.Tensor:
         """``hidden_states`` ``[B, S_local, hidden]`` and ``position_ids`` ``[B, S_local]`` (global
         positions, FPDT layout) -> ``[B, S_local, hidden]``. ``rope=None`` skips RoPE. ``doc_ids``:
         packed documents ``[B, S]`` of the global sequence in global order (None: one document;
-        see :func:`fpdt.attention.fpdt_attention`)."""
+        see :func:`fpdt.attention.fpdt_attention`). ``saved``: the layer checkpoint's saved
+        attention outputs (:mod:`fpdt.attention.saved_attention`), or None."""
         B, S_local, _ = hidden_states.shape
         if position_ids.shape != (B, S_local):
             raise ValueError(f"position_ids must be [B, S_local]=[{B}, {S_local}], got {tuple(position_ids.shape)}")
@@ -90,7 +92,7 @@ class FPDTAttention(nn.Module):
             rope=rope, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks, offload=self.offload,
             backend=self.backend, softmax_scale=self.softmax_scale, label=self.stash_label,
             adapters=attached_adapters((self.q_proj, self.k_proj, self.v_proj), self.training), doc_ids=doc_ids,
-            stash_sink=sink)
+            stash_sink=sink, saved=saved)
         attn = attn.reshape(B, S_local, self.num_heads * self.head_dim)
         o_adapters = attached_adapters((self.o_proj,), self.training)
         with input_from_stash(attn, sink or []):

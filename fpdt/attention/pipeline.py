@@ -107,6 +107,7 @@ class PipelineSpec:
     acc_dtype: torch.dtype      # fp32 (float64 for float64 inputs)
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
     stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
+    saved: object | None = None     # the call's SavedAttention (attention_checkpoint="save"), taken by the Function
     sp_size: int = 1            # ranks in ``group``
     docs: UlyssesDocuments | None = None   # packed documents (:mod:`fpdt.attention.documents`); None = one
 

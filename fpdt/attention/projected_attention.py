@@ -45,7 +45,7 @@ from fpdt.attention.documents import check_batch
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import PipelineSpec, build_spec
 from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward_
-from fpdt.attention.saved_attention import active
+from fpdt.attention.saved_attention import SavedAttention
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
@@ -63,7 +63,7 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                              adapters: LoraAdapters | None = None,
                              doc_ids: torch.Tensor | None = None,
-                             stash_sink: list | None = None) -> torch.Tensor:
+                             stash_sink: list | None = None, saved: SavedAttention | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
     FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
     ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
@@ -75,7 +75,10 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     documents, ``[B, S]`` over the global sequence in global order (see
     :func:`fpdt.attention.fpdt_attention`); None = one document. ``stash_sink``: a
     list that gets the call's :class:`HostStash` (with the spec and chunk length), whose ``o``
-    chunks :func:`fpdt.attention.saved_attention.input_from_stash` reads back."""
+    chunks :func:`fpdt.attention.saved_attention.input_from_stash` reads back. ``saved``: the
+    checkpointed layer's :class:`fpdt.attention.saved_attention.SavedAttention`
+    (``attention_checkpoint="save"``), which records this call's output in the layer's first
+    forward and replays it in the recompute (no attention kernel)."""
     if mesh is not None and group is not None:
         raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
     H, H_kv, D = heads
@@ -86,6 +89,7 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     spec = build_mesh_spec(mesh=mesh, **shape) if mesh is not None else build_spec(group=group, **shape)
     spec.label = label
     spec.stash_sink = stash_sink
+    spec.saved = saved
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
     wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
     lora = () if adapters is None else (adapters.layout, *adapters.tensors)
@@ -144,7 +148,9 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             if for_backward:
                 spec.stash_sink.append((stash, spec, L))
             spec.stash_sink = None      # no cycle spec -> sink -> spec
-        saved = active(for_backward, (type(spec).__name__, spec.num_chunks, tuple(hidden.shape), hidden.dtype))
+        saved, spec.saved = spec.saved, None    # the call's SavedAttention (no cycle spec -> saved)
+        if saved is not None:
+            saved = saved.claim(for_backward, (type(spec).__name__, spec.num_chunks, tuple(hidden.shape), hidden.dtype))
         run_forward(spec, produce, emit, stash, for_backward, saved)
         ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, stash_token(stash),
                               *lora_tensors)

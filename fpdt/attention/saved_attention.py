@@ -31,9 +31,12 @@ Host bytes per saving layer and rank: :func:`fpdt.attention.offload_volume.saved
 ``B S (H D e + H a) / P`` (``e`` the output's element size, ``a`` = 4, the fp32 lse): with
 bf16, ``(2 S H D + 4 S H) / P`` per sequence.
 
-The checkpoint opens :meth:`SavedAttention.recording` around the layer's first forward and
-:meth:`SavedAttention.replaying` around its backward; the attention Functions ask
-:func:`active` which (if any) applies to their call. One attention call per layer.
+The layer's forward passes its :class:`SavedAttention` to its one attention call (``saved=``
+of :func:`fpdt.attention.fpdt_attention`, :func:`fpdt.attention.projected_attention.projected_fpdt_attention`
+and :class:`fpdt.attention.FPDTAttention`), in the first forward and in the recompute alike;
+the attention Function asks it (:meth:`SavedAttention.claim`) whether to record or replay.
+The checkpoint calls :meth:`SavedAttention.begin_backward` / :meth:`end_backward` around the
+layer's backward. One attention call per layer.
 """
 
 from __future__ import annotations
@@ -46,9 +49,6 @@ from fpdt.comm import heads_to_seq, replicate_kv, start_seq_to_heads_packed
 from fpdt.offload import HostStash
 
 OUT, LSE = "attn out", "attn lse"
-
-_active: tuple["SavedAttention", str] | None = None
-
 
 class SavedAttention:
     """One checkpointed layer's attention outputs and lse between its two forwards.
@@ -69,20 +69,34 @@ class SavedAttention:
     def recorded(self) -> bool:
         return self.signature is not None
 
-    @contextlib.contextmanager
-    def recording(self):
-        """Around the layer's first (no-grad) forward."""
-        with _activate(self, "record"):
-            yield
-
-    @contextlib.contextmanager
-    def replaying(self):
-        """Around the layer's backward (recompute + backward); starts fetching chunk 0."""
+    def begin_backward(self) -> None:
+        """The layer's backward starts (before its recompute): fetch chunk 0 ahead."""
         if self.recorded and (OUT, 0) in self.stash:
             self.stash.prefetch((OUT, 0))   # overlaps the recompute's norm and chunk 0's projections
-        with _activate(self, "replay"):
-            yield
+
+    def end_backward(self) -> None:
+        """The layer's backward is over: drop whatever was not handed over."""
         self.stash.clear()
+
+    def claim(self, for_backward: bool, signature: tuple) -> tuple[str, SavedAttention] | None:
+        """What the attention call this object was passed to should do with its outputs:
+        ``("record", self)`` (the first, no-grad forward of a saving checkpoint),
+        ``("replay", self)`` (that layer's recompute), or None (run as usual). ``signature``
+        identifies the call's shapes and chunking; a replay whose call differs from the
+        recorded one, or a second recording call, is refused."""
+        if not for_backward:
+            if self.recorded:
+                raise RuntimeError(f"attention_checkpoint='save' keeps one attention call per checkpointed layer, "
+                                   f"and {self.label or 'a layer'} made a second: use attention_checkpoint='recompute'")
+            self.signature = signature
+            return "record", self
+        if self.recorded and not self.replayed:
+            if signature != self.signature:
+                raise RuntimeError(f"the recompute of {self.label or 'a layer'} calls its attention with {signature}, "
+                                   f"its first forward with {self.signature}: the saved outputs do not apply")
+            self.replayed = True
+            return "replay", self
+        return None
 
     def keep(self, i: int, o_h: torch.Tensor, lse: torch.Tensor) -> None:
         """Record chunk ``i``'s final output (head layout, not modified afterwards) and lse."""
@@ -98,39 +112,6 @@ class SavedAttention:
         self.stash.hand_over((OUT, i), dest, ("o", i))
         self.stash.hand_over((LSE, i), dest, ("lse", i))
         return o
-
-
-@contextlib.contextmanager
-def _activate(saved: SavedAttention, mode: str):
-    global _active
-    before, _active = _active, (saved, mode)
-    try:
-        yield
-    finally:
-        _active = before
-
-
-def active(for_backward: bool, signature: tuple) -> tuple[str, SavedAttention] | None:
-    """What an attention Function's forward should do with its outputs: ``("record", saved)``
-    (a no-grad first forward under a saving checkpoint), ``("replay", saved)`` (that layer's
-    recompute), or None (run as usual). ``signature`` identifies the call's shapes and
-    chunking; a replay whose call differs from the recorded one is refused."""
-    if _active is None:
-        return None
-    saved, mode = _active
-    if mode == "record" and not for_backward:
-        if saved.recorded:
-            raise RuntimeError(f"attention_checkpoint='save' keeps one attention call per checkpointed layer, "
-                               f"and {saved.label or 'a layer'} made a second: use attention_checkpoint='recompute'")
-        saved.signature = signature
-        return "record", saved
-    if mode == "replay" and for_backward and saved.recorded and not saved.replayed:
-        if signature != saved.signature:
-            raise RuntimeError(f"the recompute of {saved.label or 'a layer'} calls its attention with {signature}, "
-                               f"its first forward with {saved.signature}: the saved outputs do not apply")
-        saved.replayed = True
-        return "replay", saved
-    return None
 
 
 def replay_forward(spec, produce, emit, stash: HostStash, saved: SavedAttention) -> None:

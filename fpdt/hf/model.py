@@ -60,7 +60,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
@@ -71,6 +70,7 @@ from fpdt.hf.padding import check_right_padding, whole_window_mask
 from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
 from fpdt.model.checkpointing import checkpointed, checkpointed_residual
 from fpdt.model.config import uses_sliding_window
+from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
 from fpdt.model.loss import (IGNORE_INDEX, WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss,
@@ -217,37 +217,17 @@ def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     return [m for m in model.modules() if type(m) in known]
 
 
-class _LayerInputStash:
-    """The host stash of one model's offloaded layer inputs, and unique keys per forward."""
-
-    def __init__(self):
-        self.stash: HostStash | None = None
-        self.forward_ids = itertools.count()
-        self.current = 0
-
-    def __deepcopy__(self, memo) -> "_LayerInputStash":
-        return _LayerInputStash()      # a copied model gets a stash of its own (host buffers are not copied)
-
-    def for_device(self, device: torch.device) -> HostStash:
-        if self.stash is None or self.stash.device != device:
-            self.stash = HostStash(device, enabled=True)
-        return self.stash
-
-
 def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
-    ``_fpdt_checkpoint`` holds ``(index, mode, shared stash state, saving layers)`` (copied with the
-    model; saving layers: 0, None = all, or the first K keep their attention output)."""
-    i, mode, state, saving = self._fpdt_checkpoint
+    ``_fpdt_checkpoint`` holds ``(index, mode, the model's LayerCheckpoints)`` (copied with the model)."""
+    i, mode, checkpoints = self._fpdt_checkpoint
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=mode))
     if i == 0:
-        state.current = next(state.forward_ids)   # stash keys unique per forward call
-    fid = state.current
-    stash = state.for_device(hidden_states.device) if mode == "offload" else None
-    keys = dict(stash=stash, key=("layer input", i, fid), prev_key=("layer input", i - 1, fid) if i > 0 else None)
-    if saving is None or i < saving:   # attention_checkpoint="save": the first `saving` layers
-        keys["saved"] = SavedAttention(hidden_states.device, on_host=mode == "offload", label=f"layer {i}")
+        checkpoints.start()                       # stash keys unique per forward call
+    keys = checkpoints.arguments(i, hidden_states.device)
+    if keys["saved"] is not None:                 # the layer's attention call records / replays its output
+        kwargs = dict(kwargs, fpdt_saved=keys["saved"])
     if not args and type(self).__name__ in _PRE_NORM_LAYERS:
         return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
     run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
@@ -547,10 +527,9 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
         for layer in layers:
             layer.mlp.forward = types.MethodType(mlp_forward, layer.mlp)
     if checkpointing != "off":
-        state = _LayerInputStash()
+        checkpoints = LayerCheckpoints(options, len(layers))
         for i, layer in enumerate(layers):
-            layer._fpdt_checkpoint = (i, checkpointing, state, 0 if options.attention_checkpoint == "recompute"
-                                      else options.save_attention_layers)
+            layer._fpdt_checkpoint = (i, checkpointing, checkpoints)
             layer.forward = types.MethodType(_checkpointed_layer_forward, layer)
     model.forward = types.MethodType(_causal_lm_forward, model)
     model.fpdt = HFSettings(attn_implementation=name, options=options, mlp_chunks=mlp_chunks,

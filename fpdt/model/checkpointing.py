@@ -107,10 +107,14 @@ class _ResidualBody:
         # order of operands as in forward: bitwise the same sum).
         leaves, outs = [], []
         h = x
+        calls = []
         for k, f in enumerate(self.branches):
             leaf = h.detach().requires_grad_(k > 0 or x_requires_grad)
-            with _values_unused(k + 1 == len(self.branches)) as skipped:   # the last output is a root only
-                out = f(leaf)
+            call = BranchCall(values_unused=k + 1 == len(self.branches))   # the last output is a root only
+            leaf._fpdt_branch = call        # carried on the branch input (see BranchCall)
+            out = f(leaf)
+            calls.append(call)
+            skipped = call.placeholders
             if skipped and not any(p.data_ptr() == out.data_ptr() for p in skipped):
                 raise RuntimeError("a Function skipped its forward in the recompute of a residual branch "
                                    "(output_values_unused) whose output is not that Function's: the branch "
@@ -120,13 +124,16 @@ class _ResidualBody:
             if k + 1 < len(self.branches):
                 with torch.no_grad():
                     h = out.add_(leaf) if out._base is None and _same_layout(out, leaf) else out + leaf
-        del h, x, leaf, out
+        del h, x, leaf, out, call
         _free_values(outs[-1])
         grad = grad_y
         del grad_y
         for k in reversed(range(len(self.branches))):
-            with _donating(grad if owned else None, leaves[k]):
+            calls[k].donation = grad if owned else None
+            try:
                 torch.autograd.backward(outs[k], grad)
+            finally:
+                calls[k].donation = None
             outs[k] = None                              # this branch's graph
             contribution, leaves[k] = leaves[k].grad, None
             if k > 0:
@@ -141,46 +148,42 @@ class _ResidualBody:
         return grad if x_requires_grad else None
 
 
-_graph_only: list[torch.Tensor] | None = None
-"""While the last residual branch is recomputed: the placeholders Functions returned instead of
-their output (:func:`output_values_unused`)."""
+class BranchCall:
+    """What the checkpoint tells one residual branch while it recomputes and back-propagates it.
+
+    Carried on the branch's input, the leaf the recompute creates (attribute ``_fpdt_branch``),
+    so that a Function computing the whole branch reads it from its own input: no module state.
+
+    * ``values_unused``: this is the layer's last branch, whose output is only a backward root
+      (:func:`output_values_unused`); ``placeholders`` collects what such Functions returned.
+    * ``donation``: during the branch's backward, the layer's incoming gradient when it is this
+      layer's alone and may be added into in place (:func:`donated_gradient`), else None.
+    """
+
+    def __init__(self, values_unused: bool):
+        self.values_unused = values_unused
+        self.placeholders: list[torch.Tensor] = []
+        self.donation: torch.Tensor | None = None
 
 
-@contextlib.contextmanager
-def _values_unused(flag: bool):
-    global _graph_only
-    before, _graph_only = _graph_only, ([] if flag else None)
-    try:
-        yield _graph_only
-    finally:
-        _graph_only = before
+def _branch_call(branch_input: torch.Tensor) -> BranchCall | None:
+    return getattr(branch_input, "_fpdt_branch", None)
 
 
-def output_values_unused(placeholder: torch.Tensor | None = None) -> bool:
+def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor | None = None) -> bool:
     """For a Function that computes a whole residual branch of :func:`checkpointed_residual`
-    (its output is the branch's output): True in the recompute of the layer's last branch,
-    whose output serves only as the root of its backward. Such a Function may then skip its
-    forward computation and return a placeholder of the output's shape and dtype (its
-    backward must recompute what it needs anyway, as the chunked MLP does), saving the
-    output's memory and its forward FLOPs. It passes that placeholder here; the checkpoint
+    from ``branch_input`` (its output is the branch's output): True in the recompute of the
+    layer's last branch, whose output serves only as the root of its backward. Such a Function
+    may then skip its forward computation and return a placeholder of the output's shape and
+    dtype (its backward must recompute what it needs anyway, as the chunked MLP does), saving
+    the output's memory and its forward FLOPs. It passes that placeholder here; the checkpoint
     raises if the branch's output is not it (a later op would have read its values)."""
-    if placeholder is not None and _graph_only is not None:
-        _graph_only.append(placeholder)
-    return _graph_only is not None
-
-
-_donation: tuple[torch.Tensor, torch.Tensor] | None = None
-"""(layer gradient, branch input) while a residual branch's backward may add into the former."""
-
-
-@contextlib.contextmanager
-def _donating(grad: torch.Tensor | None, leaf: torch.Tensor):
-    global _donation
-    before, _donation = _donation, (None if grad is None else (grad, leaf))
-    try:
-        yield
-    finally:
-        _donation = before
+    call = _branch_call(branch_input)
+    if call is None or not call.values_unused:
+        return False
+    if placeholder is not None:
+        call.placeholders.append(placeholder)
+    return True
 
 
 def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool:
@@ -193,13 +196,13 @@ def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool
     output is the branch's output, nothing but identities after it) and ``branch_input`` is
     the branch's input. That sum is exactly what the checkpoint would form from the returned
     gradient; done chunk by chunk, no full-length input gradient exists."""
-    if _donation is None:
+    call = _branch_call(branch_input)
+    grad = None if call is None else call.donation
+    if grad is None:
         return False
-    grad, leaf = _donation
     return (grad_out.data_ptr() == grad.data_ptr() and grad_out.shape == grad.shape
             and grad_out.dtype == grad.dtype and grad_out.is_contiguous()
-            and branch_input.data_ptr() == leaf.data_ptr() and branch_input.shape == leaf.shape
-            and branch_input.dtype == grad.dtype)
+            and branch_input.shape == grad.shape and branch_input.dtype == grad.dtype)
 
 
 def _free_values(t: torch.Tensor) -> None:
@@ -259,8 +262,8 @@ class _LayerCheckpoint(torch.autograd.Function):
         else:
             stash.put(key, x)  # the device->host copy starts now and overlaps the layer's compute
             ctx.entry = _StashEntry(stash, key)   # freed with the graph: discards the entry if never popped
-        with torch.no_grad(), (saved.recording() if saved is not None else contextlib.nullcontext()):
-            y = body.forward(x)
+        with torch.no_grad():
+            y = body.forward(x)       # a saving layer's attention records into ``saved`` (bound by the caller)
         return y
 
     @staticmethod
@@ -271,10 +274,15 @@ class _LayerCheckpoint(torch.autograd.Function):
             ctx.stash.prefetch(ctx.prev_key)  # overlaps this layer's recompute + backward
         device_type, enabled, dtype = ctx.autocast
         saved, ctx.saved_attention = ctx.saved_attention, None
-        replaying = saved.replaying() if saved is not None else contextlib.nullcontext()
-        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
-                _replayed_rng(ctx.rng, x.device), replaying:
-            dx = ctx.body.backward(x, ctx.x_requires_grad, grad_y, owned)
+        if saved is not None:
+            saved.begin_backward()
+        try:
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
+                    _replayed_rng(ctx.rng, x.device):
+                dx = ctx.body.backward(x, ctx.x_requires_grad, grad_y, owned)
+        finally:
+            if saved is not None:
+                saved.end_backward()
         return (None, None, None, None, None, None, dx) + (None,) * (len(ctx.needs_input_grad) - 7)
 
 
@@ -350,9 +358,11 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
         on_device: keep ``x`` on the device although a ``stash`` is given (a layer whose
             input stays on the GPU in a partly offloaded stack); the stash still serves the
             early fetch of ``prev_key``.
-        saved: a :class:`fpdt.attention.saved_attention.SavedAttention` (``attention_checkpoint="save"``):
-            the layer's one attention call keeps its output and lse in the first forward, and
-            the recompute runs no attention kernel. None: the recompute recomputes it.
+        saved: a :class:`fpdt.attention.saved_attention.SavedAttention` (``attention_checkpoint="save"``)
+            that ``run_fn`` / the branches pass to the layer's one attention call: it keeps its
+            output and lse in the first forward, and the recompute runs no attention kernel;
+            the checkpoint starts its prefetch and releases it around the layer's backward.
+            None: the recompute recomputes the attention.
     """
     return _apply(_OpaqueBody(run_fn, free_output), x, params, stash, key, prev_key, on_device, saved)
 

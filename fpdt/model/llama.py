@@ -22,7 +22,6 @@ Shapes: ``B`` batch, ``S`` global sequence, ``S_local = S / P`` tokens on each o
 from __future__ import annotations
 
 import functools
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import SequenceMesh
 from fpdt.model.checkpointing import checkpointed_residual
 from fpdt.model.config import ModelConfig
+from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs
 from fpdt.model.loss import default_loss_chunks, sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU, default_mlp_chunks
@@ -79,9 +79,11 @@ class FPDTDecoderLayer(nn.Module):
         h = h + self.attention_branch(h, position_ids, rope)
         return h + self.mlp_branch(h)
 
-    def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        """The first residual branch, ``attn(norm(h))``: ends with ``o_proj``, which does not save its output."""
-        return self.self_attn(self.input_layernorm(h), position_ids, rope)
+    def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
+                         saved: SavedAttention | None = None) -> torch.Tensor:
+        """The first residual branch, ``attn(norm(h))``: ends with ``o_proj``, which does not save its
+        output. ``saved``: the layer checkpoint's saved attention outputs (``attention_checkpoint="save"``)."""
+        return self.self_attn(self.input_layernorm(h), position_ids, rope, saved=saved)
 
     def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
         """The second residual branch, ``mlp(norm(h))``, one chunked function with the norm
@@ -141,8 +143,6 @@ class FPDTForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.lora = None   # a fpdt.model.lora.LoraSpec once add_lora attached adapters
-        self._stash: HostStash | None = None
-        self._forward_ids = itertools.count()
         self.configure()
 
     # ------------------------------------------------------------------ options
@@ -151,6 +151,7 @@ class FPDTForCausalLM(nn.Module):
         opts = self.options.updated(**changes)
         opts.check_layers(self.config.num_layers)
         self.options = opts
+        self._checkpoints = LayerCheckpoints(opts, self.config.num_layers)
         for layer in self.model.layers:
             layer.self_attn.num_chunks = opts.num_chunks
             layer.self_attn.offload = opts.offload
@@ -281,39 +282,29 @@ class FPDTForCausalLM(nn.Module):
     def _decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         rope = self.model.rotary_emb
         h = self.model.embed_tokens(input_ids)
-        mode = self.options.checkpointing
-        stash = None
-        if mode == "offload":
-            if self._stash is None or self._stash.device != h.device:
-                self._stash = HostStash(h.device, enabled=True)
-            stash = self._stash
-        fid = next(self._forward_ids)  # stash keys unique per forward call
-        # the last `checkpoint_device_layers` inputs stay on the device (backward needs them first)
-        on_host = len(self.model.layers) - self.options.checkpoint_device_layers
-        saving = self.saving_layers
+        checkpoints = self._checkpoints
+        checkpoints.start()
         for i, layer in enumerate(self.model.layers):
-            if mode == "off":
+            if not checkpoints.enabled:
                 h = layer(h, position_ids, rope)
                 continue
-            branches = (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope),
+            args = checkpoints.arguments(i, h.device)
+            branches = (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope,
+                                          saved=args["saved"]),
                         layer.mlp_branch)
-            h = checkpointed_residual(branches, h, list(layer.parameters()), stash=stash,
-                                      key=("layer input", i, fid),
-                                      prev_key=("layer input", i - 1, fid) if i > 0 else None,
-                                      on_device=i >= on_host,
-                                      saved=SavedAttention(h.device, on_host=stash is not None and i < on_host,
-                                                           label=f"layer {i}") if i < saving else None)
+            h = checkpointed_residual(branches, h, list(layer.parameters()), **args)
         return self.model.norm(h)
 
     @property
     def saving_layers(self) -> int:
         """How many decoder layers (the first ones) keep their attention output for the
         recompute (``attention_checkpoint="save"``); 0 with ``"recompute"``."""
-        o = self.options
-        if o.attention_checkpoint != "save" or o.checkpointing == "off":
-            return 0
-        n = len(self.model.layers)
-        return n if o.save_attention_layers is None else min(o.save_attention_layers, n)
+        return self._checkpoints.saving
+
+    @property
+    def _stash(self) -> HostStash | None:
+        """The host stash of the offloaded layer inputs (None until an offloading forward made it)."""
+        return self._checkpoints.stash
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:
         return sequence_parallel_lm_loss(h, self.lm_head.weight, labels, group=self.sp_group, sp=sp,

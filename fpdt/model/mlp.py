@@ -92,14 +92,14 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         seed = lora.draw_seed() if lora is not None else None
         ctx.num_chunks, ctx.lora, ctx.seed, ctx.norm_eps = num_chunks, lora, seed, norm_eps
         ctx.input_names = _input_names(norm_eps is not None, len(lora_tensors))
-        if norm_w is not None and output_values_unused():
+        if norm_w is not None and output_values_unused(x):
             # a checkpoint's recompute of this branch: only the graph is needed; backward
             # recomputes every chunk (and the norm's rstd, the same per-token numbers). Only
             # with the norm inside: with a separate norm module (fpdt.hf) the branch's graph
             # around the placeholder held one full-length tensor more (counted), not less
             ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down, None, *tensors)
             placeholder = torch.empty(1, dtype=dtype, device=x.device).expand(*x.shape[:-1], w_down.shape[0])
-            output_values_unused(placeholder)
+            output_values_unused(x, placeholder)
             return placeholder
         out = torch.empty(flat.shape[0], w_down.shape[0], dtype=dtype, device=x.device)
         rstd = None if norm_w is None else torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)

@@ -36,7 +36,7 @@ def _step(rank, world, *, u, offload, saved_on_host, save, dtype=torch.float32, 
     pos = local_position_ids(S, world, u, rank, B)
     rope = RotaryEmbedding(default_inv_freq(D))
     saved = SavedAttention(x.device, on_host=saved_on_host, label="layer 0") if save else None
-    out = checkpointed(lambda h: layer(h, pos, rope), x, list(layer.parameters()), saved=saved)
+    out = checkpointed(lambda h: layer(h, pos, rope, saved=saved), x, list(layer.parameters()), saved=saved)
     held = 0 if saved is None else sum(h.numel() * h.element_size() for h, _ in saved.stash._host.values())
     out.backward(torch.randn_like(out))
     assert saved is None or not saved.stash._host and saved.replayed

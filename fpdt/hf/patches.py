@@ -1,0 +1,47 @@
+"""Every change :func:`fpdt.hf.apply_fpdt` makes to a Transformers model, recorded so that
+:func:`fpdt.hf.remove_fpdt` can undo it.
+
+:class:`Patches` is the one way ``fpdt.hf`` modifies a module: :meth:`Patches.set` replaces an
+instance attribute (a bound ``forward``, a bookkeeping attribute) and remembers what was there,
+or that nothing was (the class's own attribute then shows through again after :meth:`undo`).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+_ABSENT = object()
+
+
+class Patches:
+    """The attributes set on a model's modules, in order, with what they replaced."""
+
+    def __init__(self):
+        self._done: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        """``obj.name = value``, remembering the instance's previous value (or its absence)."""
+        self._done.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+        setattr(obj, name, value)
+
+    def bind(self, obj: Any, name: str, function: Callable) -> None:
+        """Replace the method ``obj.name`` with ``function`` bound to ``obj`` (its first argument)."""
+        self.set(obj, name, types.MethodType(function, obj))
+
+    def undo(self) -> None:
+        """Restore every attribute, newest first; the record is then empty."""
+        while self._done:
+            obj, name, before = self._done.pop()
+            if before is _ABSENT:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, before)
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def __deepcopy__(self, memo) -> "Patches":
+        # A copied model carries its own patched attributes (deep-copied with it) but cannot be
+        # restored through the original's record: it gets an empty one.
+        return Patches()

@@ -1,0 +1,75 @@
+"""The decoder-layer checkpoint of a whole model, written once for ``fpdt.model`` and ``fpdt.hf``.
+
+:class:`LayerCheckpoints` holds what one model's layer checkpoints share (:mod:`fpdt.model.checkpointing`
+does one layer): the host stash of the offloaded layer inputs, keys unique per forward call,
+which layers keep their input on the device (the last ``checkpoint_device_layers``), and
+which layers keep their attention output for the recompute (the first
+``save_attention_layers`` under ``attention_checkpoint="save"``). The model's forward calls
+:meth:`start` once, then :meth:`arguments` for each layer and passes them to
+:func:`fpdt.model.checkpointing.checkpointed_residual` (or ``checkpointed``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from fpdt.attention.saved_attention import SavedAttention
+from fpdt.offload import HostStash
+from fpdt.options import FPDTOptions
+
+
+class LayerCheckpoints:
+    """One model's layer-checkpoint state for ``options`` and ``num_layers`` decoder layers."""
+
+    def __init__(self, options: FPDTOptions, num_layers: int):
+        self.mode = options.checkpointing
+        self.num_layers = num_layers
+        self.on_host = num_layers - options.checkpoint_device_layers   # layers [on_host, n) keep x on the device
+        self.saving = saving_layers(options, num_layers)
+        self._stash: HostStash | None = None
+        self._ids = itertools.count()
+        self._forward = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def start(self) -> None:
+        """A new forward call: fresh stash keys (an earlier call's entries may still be held)."""
+        self._forward = next(self._ids)
+
+    def arguments(self, i: int, device: torch.device) -> dict:
+        """The keyword arguments of layer ``i``'s checkpoint in the current forward call."""
+        stash = self._stash_for(device) if self.mode == "offload" else None
+        fid = self._forward
+        saved = None
+        if i < self.saving and torch.is_grad_enabled():   # no backward, no recompute to serve
+            saved = SavedAttention(device, on_host=stash is not None and i < self.on_host, label=f"layer {i}")
+        return dict(stash=stash, key=("layer input", i, fid),
+                    prev_key=("layer input", i - 1, fid) if i > 0 else None,
+                    on_device=i >= self.on_host, saved=saved)
+
+    @property
+    def stash(self) -> HostStash | None:
+        """The host stash of the offloaded layer inputs (None until an offloading forward made it)."""
+        return self._stash
+
+    def _stash_for(self, device: torch.device) -> HostStash:
+        if self._stash is None or self._stash.device != torch.device(device):
+            self._stash = HostStash(device, enabled=True)
+        return self._stash
+
+    def __deepcopy__(self, memo) -> "LayerCheckpoints":
+        copy = LayerCheckpoints.__new__(LayerCheckpoints)   # a copied model gets a stash of its own
+        copy.__dict__.update(self.__dict__, _stash=None, _ids=itertools.count())
+        return copy
+
+
+def saving_layers(options: FPDTOptions, num_layers: int) -> int:
+    """How many decoder layers (the first ones) keep their attention output for the recompute:
+    0 with ``attention_checkpoint="recompute"`` or without layer checkpointing."""
+    if options.attention_checkpoint != "save" or options.checkpointing == "off":
+        return 0
+    return num_layers if options.save_attention_layers is None else min(options.save_attention_layers, num_layers)
