@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from fpdt.offload import runtime_for
 from fpdt.profiling.memory import MemoryPeaks, RegionMemory
-from fpdt.train.config import Plan
+from fpdt.train.config import RunLayout
 from fpdt.train.data import PackedWindows, Windows, sequence_ids
 from fpdt.train.metrics import ModelShape, step_rates
 from fpdt.train.parallel import ParallelState
@@ -56,7 +56,7 @@ from fpdt.train.progress import Progress, StepRecord, host_rss_gib
 class LoopSpec:
     """What the loop needs besides the engine and the data."""
 
-    plan: Plan
+    plan: RunLayout
     """Validated parallel sizes and chunking."""
     parallel: ParallelState
     """This rank's place."""
