@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
+from fpdt.attention.documents import check_batch
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import build_spec
 from fpdt.attention.saved_stash import stash_of, stash_token
@@ -74,7 +75,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
 def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                    num_chunks: int = 1, offload: bool = False, causal: bool = True, softmax_scale: float | None = None,
-                   backend: str | None = None) -> torch.Tensor:
+                   backend: str | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """FPDT attention of sequence-parallel q, k, v.
 
     Args:
@@ -94,6 +95,10 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         causal: causal mask over the *global* sequence.
         softmax_scale: defaults to ``1/sqrt(D)``.
         backend: attention kernel name (see :mod:`fpdt.attention.kernels`); None = auto.
+        doc_ids: packed documents: ``[B, S]`` document index of every token of the *global*
+            sequence in global token order (non-decreasing; the same on every rank). Each
+            query attends to the keys of its own document only; blocks that no query sees
+            are skipped (:mod:`fpdt.attention.documents`). None = one document.
 
     Returns:
         ``[B, S_local, H, D]`` in the same layout and dtype as ``q``; differentiable in q, k, v.
@@ -103,11 +108,12 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                          f"{tuple(v.shape)}")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_batch(doc_ids, q.shape[0])
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     shape = dict(seq_local=q.shape[1], num_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3],
                  dtype=q.dtype, device=q.device, num_chunks=num_chunks, causal=causal, softmax_scale=softmax_scale,
-                 backend=backend)
+                 backend=backend, doc_ids=doc_ids)
     if mesh is not None:
         if group is not None:
             raise ValueError("pass either group= (plain Ulysses) or mesh= (hp x cp), not both")

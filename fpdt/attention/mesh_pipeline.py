@@ -45,7 +45,9 @@ from typing import Callable
 
 import torch
 
+from fpdt.attention.documents import DENSE, SKIP, Block, MeshDocuments, cached_documents
 from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
+from fpdt.attention.kernels.masked import masked_backward, masked_forward
 from fpdt.attention.merge import merge
 from fpdt.attention.pipeline import (Deliver, Emit, PipelineSpec, Produce, build_spec, pipeline_backward,
                                      pipeline_forward)
@@ -57,6 +59,16 @@ from fpdt.layout import check_mesh_layout
 from fpdt.offload import HostStash
 
 FULL, CAUSAL, K_FIRST, Q_SECOND = "full", "causal", "k_first", "q_second"
+
+
+def touch_kind(i: int, j: int, src: int, me: int, causal: bool) -> str | None:
+    """How query chunk i of CP rank ``me`` meets KV chunk j of CP rank ``src`` (module
+    docstring; None: skipped)."""
+    if not causal or j < i:
+        return FULL
+    if j > i:
+        return None
+    return CAUSAL if src == me else (K_FIRST if src < me else Q_SECOND)
 
 
 @dataclass
@@ -74,6 +86,8 @@ class MeshSpec:
     kv_factor: int
     acc_dtype: torch.dtype
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
+    docs: MeshDocuments | None = None   # packed documents (:mod:`fpdt.attention.documents`); None = one
+    _last_touch: dict | None = None
 
     @property
     def hp_group(self):
@@ -89,30 +103,48 @@ class MeshSpec:
 
     def kind(self, i: int, j: int, src: int) -> str | None:
         """How query chunk i of this rank meets KV chunk j of CP rank ``src`` (module docstring)."""
-        if not self.causal or j < i:
-            return FULL
-        if j > i:
-            return None
-        me = self.mesh.cp_rank
-        return CAUSAL if src == me else (K_FIRST if src < me else Q_SECOND)
+        return touch_kind(i, j, src, self.mesh.cp_rank, self.causal)
 
     def last_pass(self, i: int) -> int:
         """The KV chunk after whose pass query chunk i is final."""
         return i if self.causal else self.num_chunks - 1
 
+    def doc_block(self, i: int, j: int, src: int, kind: str) -> Block | None:
+        """The documents' view of a touch (None without documents)."""
+        if self.docs is None:
+            return None
+        return self.docs.mesh_block(i, j, src, 1 if kind == Q_SECOND else None, 0 if kind == K_FIRST else None)
+
+    def is_last_touch(self, i: int, j: int, s: int) -> bool:
+        """Whether ring step ``s`` of pass ``j`` is query chunk i's last touch (it is final after it)."""
+        if self.docs is None:
+            return j == self.last_pass(i) and s == self.cp - 1
+        if self._last_touch is None:
+            self._last_touch = {}
+            for jj in range(self.num_chunks):
+                for ss in range(self.cp):
+                    for ii, _ in _touches(self, jj, self.schedule.owner(ss)):
+                        self._last_touch[ii] = (jj, ss)
+        return self._last_touch[i] == (j, s)
+
 
 def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device, mesh: SequenceMesh, num_chunks: int, causal: bool,
-                    softmax_scale: float | None, backend: str | None) -> MeshSpec | PipelineSpec:
-    """Validate one call on ``mesh`` (errors name the fix); ``cp = 1`` gives the Ulysses spec."""
+                    softmax_scale: float | None, backend: str | None, doc_ids: torch.Tensor | None = None
+                    ) -> MeshSpec | PipelineSpec:
+    """Validate one call on ``mesh`` (errors name the fix); ``cp = 1`` gives the Ulysses spec.
+    ``doc_ids``: packed documents ``[B, S]`` (global order), None = one document."""
     if num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks} must be >= 1")
     check_mesh_layout(seq_local * mesh.sp, mesh.hp, mesh.cp, num_chunks)
     if mesh.cp == 1:
         return build_spec(seq_local=seq_local, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           dtype=dtype, device=device, group=mesh.hp_group, num_chunks=num_chunks, causal=causal,
-                          softmax_scale=softmax_scale, backend=backend)
-    return MeshSpec(
+                          softmax_scale=softmax_scale, backend=backend, doc_ids=doc_ids)
+    docs = None if doc_ids is None else cached_documents(
+        MeshDocuments, doc_ids, seq_len=seq_local * mesh.sp, hp=mesh.hp, cp=mesh.cp, num_chunks=num_chunks,
+        causal=causal, cp_rank=mesh.cp_rank)
+    return MeshSpec(docs=docs, 
         mesh=mesh, comm=RingComm(mesh.cp_ranks, mesh.cp_group, mesh.cp_outer_group),
         schedule=RingSchedule(mesh.cp, mesh.inner_ring, mesh.cp_rank), num_chunks=num_chunks, causal=causal,
         scale=default_scale(head_dim) if softmax_scale is None else float(softmax_scale),
@@ -169,7 +201,10 @@ def ring_pass(spec: MeshSpec, block: torch.Tensor, visit: Callable[[int, int, to
 
 
 def _touches(spec: MeshSpec, j: int, src: int) -> list[tuple[int, str]]:
-    return [(i, k) for i in spec.q_blocks(j) if (k := spec.kind(i, j, src)) is not None]
+    """(query chunk, kind) of every block pass j's ring step with ``src``'s block computes
+    (no block whose queries see none of its keys)."""
+    return [(i, k) for i in spec.q_blocks(j) if (k := spec.kind(i, j, src)) is not None
+            and (spec.docs is None or spec.doc_block(i, j, src, k).kind != SKIP)]
 
 
 def _next_first_touch(spec: MeshSpec, j: int, s: int) -> int | None:
@@ -198,13 +233,16 @@ def _start_to_heads(spec: MeshSpec, produce: Produce, i: int) -> PendingAllToAll
                                      spec.hp_group)
 
 
-def _block_forward(spec: MeshSpec, kind: str, q: torch.Tensor, kv: torch.Tensor):
-    """(rows, o_blk, lse_blk): this block's partial attention for query rows ``rows``."""
+def _block_forward(spec: MeshSpec, kind: str, q: torch.Tensor, kv: torch.Tensor, blk: Block | None = None):
+    """(rows, o_blk, lse_blk): this block's partial attention for query rows ``rows``
+    (``blk``: its documents, None or dense for the dense kernel)."""
     half = q.shape[1] // 2
     k, v = kv[0], kv[1]
     if kind == K_FIRST:
         k, v = k[:, :half], v[:, :half]
     rows = slice(half, None) if kind == Q_SECOND else slice(None)
+    if blk is not None and blk.kind != DENSE:
+        return (rows, *masked_forward(spec.backend, q[:, rows], k, v, blk, spec.scale))
     o, lse = spec.backend.forward(q[:, rows], k, v, kind == CAUSAL, spec.scale)
     return rows, o, lse
 
@@ -228,10 +266,15 @@ def mesh_forward(spec: MeshSpec, produce: Produce, emit: Emit, stash: HostStash,
             for n, (i, kind) in enumerate(touches):
                 if n + 1 < len(touches):  # double buffer: the next touch's query side copies in now
                     _prefetch(stash, ("q", "oacc", "lseacc"), touches[n + 1][0])
-                final = j == spec.last_pass(i) and s == spec.cp - 1
+                final = spec.is_last_touch(i, j, s)
                 q = stash.get(("q", i)) if for_backward or not final else stash.pop(("q", i))
-                rows, o_blk, lse_blk = _block_forward(spec, kind, q, kv)
-                if ("oacc", i) not in stash:  # first touch: own block, every row
+                rows, o_blk, lse_blk = _block_forward(spec, kind, q, kv, spec.doc_block(i, j, src, kind))
+                if ("oacc", i) not in stash and rows != slice(None):  # documents: a first touch of half the rows
+                    acc_o = torch.zeros(q.shape, dtype=spec.acc_dtype, device=q.device)
+                    acc_lse = torch.full(lse_blk.shape[:2] + q.shape[1:2], float("-inf"), dtype=spec.acc_dtype,
+                                         device=q.device)
+                    acc_o[:, rows], acc_lse[:, :, rows] = o_blk, lse_blk
+                elif ("oacc", i) not in stash:  # first touch: own block, every row
                     acc_o, acc_lse = o_blk.to(spec.acc_dtype), lse_blk.to(spec.acc_dtype)
                 else:
                     acc_o, acc_lse = stash.pop(("oacc", i)), stash.pop(("lseacc", i))
@@ -257,7 +300,7 @@ def mesh_forward(spec: MeshSpec, produce: Produce, emit: Emit, stash: HostStash,
 
 
 # ----------------------------------------------------------------------------- backward
-def _block_backward(spec: MeshSpec, kind: str, do, q, kv, o, lse):
+def _block_backward(spec: MeshSpec, kind: str, do, q, kv, o, lse, blk: Block | None = None):
     """(rows, keys, dq, dk, dv): this block's gradient contributions and where they go."""
     half = q.shape[1] // 2
     k, v = kv[0], kv[1]
@@ -265,7 +308,10 @@ def _block_backward(spec: MeshSpec, kind: str, do, q, kv, o, lse):
     rows = slice(half, None) if kind == Q_SECOND else slice(None)
     if kind == Q_SECOND:
         do, q, o, lse = do[:, rows], q[:, rows], o[:, rows], lse[:, :, rows].contiguous()
-    dq, dk, dv = spec.backend.backward(do, q, k[:, keys], v[:, keys], o, lse, kind == CAUSAL, spec.scale)
+    if blk is not None and blk.kind != DENSE:
+        dq, dk, dv = masked_backward(spec.backend, do, q, k[:, keys], v[:, keys], o, lse, blk, spec.scale)
+    else:
+        dq, dk, dv = spec.backend.backward(do, q, k[:, keys], v[:, keys], o, lse, kind == CAUSAL, spec.scale)
     return rows, keys, dq, dk, dv
 
 
@@ -296,10 +342,11 @@ def mesh_backward(spec: MeshSpec, grad_out_chunk: Callable[[int], torch.Tensor],
             for n, (i, kind) in enumerate(touches):
                 if n + 1 < len(touches):
                     _prefetch(stash, ("q", "o", "lse", "do", "dq"), touches[n + 1][0])
-                final = j == spec.last_pass(i) and s == spec.cp - 1
+                final = spec.is_last_touch(i, j, s)
                 take = stash.pop if final else stash.get
                 q, o, lse, do = take(("q", i)), take(("o", i)), take(("lse", i)), take(("do", i))
-                rows, keys, dq_b, dk_b, dv_b = _block_backward(spec, kind, do, q, kv, o, lse)
+                rows, keys, dq_b, dk_b, dv_b = _block_backward(spec, kind, do, q, kv, o, lse,
+                                                               spec.doc_block(i, j, src, kind))
                 dq = stash.pop(("dq", i)) if ("dq", i) in stash else torch.zeros(q.shape, dtype=spec.acc_dtype,
                                                                                device=q.device)
                 dq[:, rows] += dq_b

@@ -68,9 +68,11 @@ class FPDTAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                rope: RotaryEmbedding | None = None) -> torch.Tensor:
+                rope: RotaryEmbedding | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden_states`` ``[B, S_local, hidden]`` and ``position_ids`` ``[B, S_local]`` (global
-        positions, FPDT layout) -> ``[B, S_local, hidden]``. ``rope=None`` skips RoPE."""
+        positions, FPDT layout) -> ``[B, S_local, hidden]``. ``rope=None`` skips RoPE. ``doc_ids``:
+        packed documents ``[B, S]`` of the global sequence in global order (None: one document;
+        see :func:`fpdt.attention.fpdt_attention`)."""
         B, S_local, _ = hidden_states.shape
         if position_ids.shape != (B, S_local):
             raise ValueError(f"position_ids must be [B, S_local]=[{B}, {S_local}], got {tuple(position_ids.shape)}")
@@ -79,7 +81,7 @@ class FPDTAttention(nn.Module):
             hidden_states, self.q_proj, self.k_proj, self.v_proj, heads=heads, position_ids=position_ids,
             rope=rope, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks, offload=self.offload,
             backend=self.backend, softmax_scale=self.softmax_scale, label=self.stash_label,
-            adapters=attached_adapters((self.q_proj, self.k_proj, self.v_proj), self.training))
+            adapters=attached_adapters((self.q_proj, self.k_proj, self.v_proj), self.training), doc_ids=doc_ids)
         attn = attn.reshape(B, S_local, self.num_heads * self.head_dim)
         o_adapters = attached_adapters((self.o_proj,), self.training)
         if o_adapters is None:

@@ -16,7 +16,17 @@ i >= 1) and dq_i (while not final, i > j)::
     H2D = u T + u (u + 1) / 2 · (2k + q + o + lse) + u (u - 1) / 2 · (dô + dq)
 
 A no-grad forward (the first pass of a checkpointed layer) moves ``D2H = u · 2k`` and
-``H2D = u (u - 1) / 2 · 2k``. Layer inputs offloaded by activation checkpointing add
+``H2D = u (u - 1) / 2 · 2k``.
+
+Packed documents (``doc_ids``): blocks whose queries see none of their keys are skipped
+(:mod:`fpdt.attention.documents`) and fetch nothing. With ``V`` the blocks that run
+(``u (u + 1) / 2`` without documents) and ``m`` the query chunks touched more than once
+(``u - 1``)::
+
+    D2H = u (T + 2k + q + o + lse) + m dô + (V - u) dq
+    H2D = u T + V (2k + q + o + lse) + (V - u) (dô + dq)
+
+and the no-grad forward's ``H2D = (V - u) · 2k``. Layer inputs offloaded by activation checkpointing add
 ``B S_local hidden e`` each way per layer. ``tests/offload/test_schedule.py`` checks these
 against the bytes the runtime counts.
 """
@@ -40,9 +50,10 @@ class CopyVolume:
 
 def attention_layer_copy_bytes(*, batch: int, seq_local: int, hidden: int, num_heads: int, num_kv_heads: int,
                                head_dim: int, sp: int, num_chunks: int, dtype: torch.dtype,
-                               for_backward: bool = True) -> CopyVolume:
+                               for_backward: bool = True, doc_ids: torch.Tensor | None = None) -> CopyVolume:
     """The formula of the module docstring for one offloaded, causal FPDT attention layer
-    (forward with ``for_backward``, plus its backward; or a no-grad forward)."""
+    (forward with ``for_backward``, plus its backward; or a no-grad forward); ``doc_ids``
+    ``[B, S]``: packed documents of the global sequence (None: one)."""
     u, P = num_chunks, sp
     L = seq_local // u
     C = P * L
@@ -57,8 +68,13 @@ def attention_layer_copy_bytes(*, batch: int, seq_local: int, hidden: int, num_h
     dq = batch * C * Hq * head_dim * a
     pairs_below = u * (u - 1) // 2      # (i, j) with j < i
     pairs = u * (u + 1) // 2            # (i, j) with j <= i
+    multi = u - 1                       # query chunks touched more than once
+    if doc_ids is not None:
+        from fpdt.attention.ring_costs import document_work
+        pairs, multi, _ = document_work(doc_ids, seq_len=seq_local * P, hp=P, num_chunks=u)
+        pairs_below = pairs - u
     if not for_backward:
         return CopyVolume(d2h=u * 2 * k, h2d=pairs_below * 2 * k)
-    d2h = u * (T + 2 * k + 2 * q + lse) + (u - 1) * q + pairs_below * dq
+    d2h = u * (T + 2 * k + 2 * q + lse) + multi * q + pairs_below * dq
     h2d = u * T + pairs * (2 * k + 2 * q + lse) + pairs_below * (q + dq)
     return CopyVolume(d2h=d2h, h2d=h2d)

@@ -73,7 +73,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fpdt.attention.documents import DENSE, UlyssesDocuments, cached_documents
 from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
+from fpdt.attention.kernels.masked import masked_backward, masked_forward
 from fpdt.attention.merge import OnlineSoftmax
 from fpdt.comm import (PendingAllToAll, group_size, heads_to_seq, heads_to_seq_packed, kv_replication_factor,
                        replicate_kv, start_seq_to_heads_packed, sum_kv_replicas)
@@ -97,6 +99,7 @@ class PipelineSpec:
     acc_dtype: torch.dtype      # fp32 (float64 for float64 inputs)
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
     sp_size: int = 1            # ranks in ``group``
+    docs: UlyssesDocuments | None = None   # packed documents (:mod:`fpdt.attention.documents`); None = one
 
     @property
     def overlap_all_to_all(self) -> bool:
@@ -107,9 +110,8 @@ class PipelineSpec:
 
     def kv_blocks(self, i: int) -> list[int]:
         """KV chunks that query chunk i attends to, diagonal first (its KV is on the device)."""
-        if self.causal:
-            return [i] + list(range(i))
-        return [i] + [j for j in range(self.num_chunks) if j != i]
+        blocks = [i] + (list(range(i)) if self.causal else [j for j in range(self.num_chunks) if j != i])
+        return blocks if self.docs is None else [j for j in blocks if self.docs.visible(i, j)]
 
     def q_blocks(self, j: int) -> list[int]:
         """Query chunks that attend to KV chunk j, in the backward's inner-loop order.
@@ -117,15 +119,29 @@ class PipelineSpec:
         Causal: the diagonal chunk j comes *last*. Its dq is final at that step (no later
         KV chunk touches query chunk j), so it goes straight to delivery with dk_j/dv_j
         instead of being held on the device through the whole outer step."""
-        if self.causal:
-            return list(range(j + 1, self.num_chunks)) + [j]
-        return list(range(self.num_chunks))
+        blocks = list(range(j + 1, self.num_chunks)) + [j] if self.causal else list(range(self.num_chunks))
+        return blocks if self.docs is None else [i for i in blocks if self.docs.visible(i, j)]
+
+    def block_forward(self, i: int, j: int, q, k, v):
+        """The kernel of block (query chunk i, KV chunk j): dense, or document-masked."""
+        blk = None if self.docs is None else self.docs.block(i, j)
+        if blk is None or blk.kind == DENSE:
+            return self.backend.forward(q, k, v, self.causal and i == j, self.scale)
+        return masked_forward(self.backend, q, k, v, blk, self.scale)
+
+    def block_backward(self, i: int, j: int, do, q, k, v, o, lse):
+        blk = None if self.docs is None else self.docs.block(i, j)
+        if blk is None or blk.kind == DENSE:
+            return self.backend.backward(do, q, k, v, o, lse, self.causal and i == j, self.scale)
+        return masked_backward(self.backend, do, q, k, v, o, lse, blk, self.scale)
 
 
 def build_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                device: torch.device, group: dist.ProcessGroup | None, num_chunks: int, causal: bool,
-               softmax_scale: float | None, backend: str | None) -> PipelineSpec:
-    """Validate one call's shapes and options (errors name the fix) and build its spec."""
+               softmax_scale: float | None, backend: str | None, doc_ids: torch.Tensor | None = None
+               ) -> PipelineSpec:
+    """Validate one call's shapes and options (errors name the fix) and build its spec.
+    ``doc_ids``: packed documents, ``[B, S]`` over the global sequence (None: one document)."""
     P = group_size(group)
     if num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks} must be >= 1")
@@ -143,6 +159,8 @@ def build_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_dim: i
         kv_factor=kv_replication_factor(num_heads, num_kv_heads, P),
         acc_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
         sp_size=P,
+        docs=None if doc_ids is None else cached_documents(UlyssesDocuments, doc_ids, seq_len=seq_local * P, sp=P,
+                                                           num_chunks=num_chunks, causal=causal),
     )
 
 
@@ -218,7 +236,7 @@ def _attend(spec: PipelineSpec, i: int, q_h: torch.Tensor, current: dict, stash:
         if nxt is not None and nxt not in current:  # double buffer: next block copies during this one
             stash.prefetch(("k", nxt))
             stash.prefetch(("v", nxt))
-        o_blk, lse_blk = spec.backend.forward(q_h, k_j, v_j, spec.causal and j == i, spec.scale)
+        o_blk, lse_blk = spec.block_forward(i, j, q_h, k_j, v_j)
         del k_j, v_j
         acc.update(o_blk, lse_blk)
         del o_blk, lse_blk
@@ -238,7 +256,8 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
     final_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     final_dq: dict[int, torch.Tensor] = {}
     _prefetch_outer(spec, 0, stash)
-    pending_do = _start_dout(spec, grad_out_chunk, spec.q_blocks(0)[0])
+    do_order = _first_touch_order(spec)   # dô_i is all-to-all'd on chunk i's first touch
+    pending_do = _start_dout(spec, grad_out_chunk, do_order.pop(0))
     for j in range(u):
         k_j, v_j = stash.pop(("k", j)), stash.pop(("v", j))
         dk = torch.zeros(k_j.shape, dtype=spec.acc_dtype, device=k_j.device)
@@ -250,23 +269,23 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
             if ("dq", i) in stash:  # needed only after this block's kernel: its copy overlaps the kernel
                 stash.prefetch(("dq", i))
             last_use = _last_outer(spec, i) == j
+            first_use = ("dq", i) not in stash and i not in final_dq
             take = stash.pop if last_use else stash.get
             q_i, o_i, lse_i = take(("q", i)), take(("o", i)), take(("lse", i))
-            if j == 0:  # dô_i: all-to-all of grad-out chunk i, done on first use...
+            if first_use:  # dô_i: all-to-all of grad-out chunk i, done on first use...
                 do_i = pending_do.wait()[0]
-                if n + 1 < len(inner):  # ...and the next one's starts now, overlapping this step
-                    pending_do = _start_dout(spec, grad_out_chunk, inner[n + 1])
+                if do_order:  # ...and the next one's starts now, overlapping this step
+                    pending_do = _start_dout(spec, grad_out_chunk, do_order.pop(0))
                 if not last_use:
                     stash.put(("do", i), do_i)
             else:
                 do_i = take(("do", i))
-            dq_blk, dk_blk, dv_blk = spec.backend.backward(do_i, q_i, k_j, v_j, o_i, lse_i,
-                                                           spec.causal and i == j, spec.scale)
+            dq_blk, dk_blk, dv_blk = spec.block_backward(i, j, do_i, q_i, k_j, v_j, o_i, lse_i)
             del q_i, o_i, lse_i, do_i
             dk += dk_blk
             dv += dv_blk
             del dk_blk, dv_blk
-            if j == 0:
+            if first_use:
                 dq_i = dq_blk.to(spec.acc_dtype, memory_format=torch.contiguous_format)
             else:
                 dq_i = stash.pop(("dq", i))
@@ -295,7 +314,18 @@ def _start_dout(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor
 
 def _last_outer(spec: PipelineSpec, i: int) -> int:
     """The last outer step that touches query chunk i (after it, dq_i is final)."""
-    return i if spec.causal else spec.num_chunks - 1
+    if spec.causal:
+        return i
+    return max(j for j in range(spec.num_chunks) if i in spec.q_blocks(j))
+
+
+def _first_touch_order(spec: PipelineSpec) -> list[int]:
+    """Query chunks in the order the backward first touches them (j = 0's inner loop
+    without documents; with them a chunk whose block with KV chunk 0 is skipped comes later)."""
+    order: list[int] = []
+    for j in range(spec.num_chunks):
+        order += [i for i in spec.q_blocks(j) if i not in order]
+    return order
 
 
 def _ready_chunks(spec: PipelineSpec, j: int) -> list[int]:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from fpdt.attention.documents import check_batch
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import PipelineSpec, build_spec
 from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward_
@@ -55,7 +56,8 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              num_chunks: int = 1, offload: bool = False, backend: str | None = None,
                              softmax_scale: float | None = None, label: str | None = None,
                              qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                             adapters: LoraAdapters | None = None) -> torch.Tensor:
+                             adapters: LoraAdapters | None = None,
+                             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
     FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
     ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
@@ -63,13 +65,16 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     ``position_ids``, or from the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none.
     ``label`` names the chunks in offload errors (e.g. "layer 2"). ``qk_norm`` =
     ``(q_weight, k_weight, eps)``: RMSNorm of q and k per head before RoPE (Qwen3).
-    ``adapters``: LoRA terms of the three projections, in the order q, k, v."""
+    ``adapters``: LoRA terms of the three projections, in the order q, k, v. ``doc_ids``: packed
+    documents, ``[B, S]`` over the global sequence in global order (see
+    :func:`fpdt.attention.fpdt_attention`); None = one document."""
     if mesh is not None and group is not None:
         raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
     H, H_kv, D = heads
+    check_batch(doc_ids, hidden.shape[0])
     shape = dict(seq_local=hidden.shape[1], num_heads=H, num_kv_heads=H_kv, head_dim=D, dtype=hidden.dtype,
                  device=hidden.device, num_chunks=num_chunks, causal=True, softmax_scale=softmax_scale,
-                 backend=backend)
+                 backend=backend, doc_ids=doc_ids)
     spec = build_mesh_spec(mesh=mesh, **shape) if mesh is not None else build_spec(group=group, **shape)
     spec.label = label
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)

@@ -43,7 +43,15 @@ in bf16), an lse ``l = B C (H/hp) 4``:
   d2h: ``u Q + (T - u) A`` (dô once, dq accumulators between touches)
 * ``cp = 1`` is the Ulysses pipeline (K/V fetched per block, ``T1 = u(u+1)/2``): forward
   h2d ``(T1 - u) K``, d2h ``u (K + 2Q + l)``; backward h2d ``u K + T1 (2Q + l) + (T1 - u)(Q + A)``,
-  d2h ``(T1 - u) A + (u - 1) Q``.
+  d2h ``(T1 - u) A + m Q`` (``m = u - 1`` chunks whose dô is kept between touches).
+
+**Packed documents** (``doc_ids``): blocks whose queries see none of their keys are skipped
+(:mod:`fpdt.attention.documents`), so ``T`` (``T1``) counts only the touches that run, per
+rank (:func:`document_work`; the costs are those of the rank with the most touches), ``m``
+the chunks touched more than once; every formula above holds with those counts. Ring
+transfers and all-to-alls do not change (every block still travels). ``attention_pairs``:
+the (query, key) pairs the rank's kernels compute per head, ``B S (S+1) / 2`` summed over
+ranks without documents, the sum over documents of ``n (n+1) / 2`` with them.
 
 **Peak device memory of the attention core** (beyond its full-sequence output and input
 gradient; an estimate from the buffers live at the peak, bf16, counted in ``Q`` and
@@ -97,6 +105,8 @@ class AttentionCosts:
     Nd: int                       # bytes of this rank's full-sequence hidden tensor B*S_l*hidden*e
     peak_fwd_U: float             # attention-core working set, forward, in U
     peak_bwd_U: float             # attention-core working set, backward, in U
+    touches: int = 0              # attention blocks (query chunk x KV block) this rank computes
+    attention_pairs: int = 0      # (query, key) pairs its kernels compute, per head, summed over the batch
 
     @property
     def p2p_bytes(self) -> int:
@@ -113,14 +123,19 @@ class AttentionCosts:
 def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, hp: int = 1, cp: int = 1,
                     inner_ring: int | None = None, num_chunks: int = 1, hidden: int | None = None,
                     batch: int = 1, dtype_bytes: int = 2, offload: bool = True,
-                    causal: bool = True) -> AttentionCosts:
+                    causal: bool = True, doc_ids=None, cp_rank: int | None = None) -> AttentionCosts:
     """Costs of one attention layer per rank (see the module docstring for every formula).
+
+    ``doc_ids``: packed documents ``[B, S]`` (global order; ``batch`` is then its ``B``): only
+    the blocks that run are counted, for CP rank ``cp_rank`` (None: the rank with the most).
 
     ``hidden`` defaults to ``num_heads * head_dim``. Raises ``ValueError`` for shapes the
     mesh refuses (``S`` not divisible by ``2*hp*cp*u`` with a ring, by ``hp*u`` without; ``hp`` not dividing ``H``,
     ``inner_ring`` not dividing ``cp``).
     """
     H, D, u, e = num_heads, head_dim, num_chunks, dtype_bytes
+    if doc_ids is not None:
+        batch = doc_ids.shape[0]
     hidden = H * D if hidden is None else hidden
     w = cp if inner_ring is None else inner_ring
     if w < 1 or cp % w:
@@ -140,6 +155,16 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
     acc = Q * 4 // e                   # one fp32 accumulator chunk (o in forward, dq in backward)
     lse = batch * C * (H // hp) * 4    # one fp32 lse chunk
     T = cp * (u * (u + 1) // 2 if causal else u * u)
+    m = u - 1 if causal else u
+    C = seq_len // (cp * u)
+    if causal and cp > 1:
+        pairs = batch * u * ((u - 1) * cp * C * C + C * (C + 1) + (cp - 1) * C * C) // 2
+    else:
+        pairs = batch * (seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len) // cp
+    if doc_ids is not None:
+        ranks = range(cp) if cp_rank is None else [cp_rank]
+        T, m, pairs = max(document_work(doc_ids, seq_len=seq_len, hp=hp, cp=cp, num_chunks=u, causal=causal,
+                                        cp_rank=c) for c in ranks)
     ring = cp > 1
     frac_num, S_l = hp - 1, seq_len // (hp * cp)
     a2a_f = batch * S_l * D * (H + 2 * Hkv + H) * e * frac_num // hp
@@ -150,11 +175,11 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
         h2d_b = u * K + T * (3 * Q + lse) + (T - u) * acc
         d2h_b = u * Q + (T - u) * acc
     elif offload:  # cp = 1 runs the Ulysses pipeline: K/V fetched per (i, j), q side per backward touch
-        T1 = u * (u + 1) // 2 if causal else u * u
+        T1 = T
         h2d_f = (T1 - u) * K
         d2h_f = u * (K + 2 * Q + lse)
         h2d_b = u * K + T1 * (2 * Q + lse) + (T1 - u) * (Q + acc)
-        d2h_b = (T1 - u) * acc + (u - 1) * Q
+        d2h_b = (T1 - u) * acc + m * Q
     else:
         h2d_f = d2h_f = h2d_b = d2h_b = 0
     g2 = K / Q  # = 2g
@@ -172,7 +197,37 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
         all_to_alls_fwd=2 * u if hp > 1 else 0, all_to_all_bytes_fwd=a2a_f,
         all_to_alls_bwd=3 * u if hp > 1 else 0, all_to_all_bytes_bwd=a2a_b,
         h2d_bytes_fwd=h2d_f, d2h_bytes_fwd=d2h_f, h2d_bytes_bwd=h2d_b, d2h_bytes_bwd=d2h_b,
-        U=U, Nd=u * Q, peak_fwd_U=peak_f / hp, peak_bwd_U=peak_b / hp)
+        U=U, Nd=u * Q, peak_fwd_U=peak_f / hp, peak_bwd_U=peak_b / hp, touches=T, attention_pairs=pairs)
+
+
+def document_work(doc_ids, *, seq_len: int, hp: int = 1, cp: int = 1, num_chunks: int = 1, causal: bool = True,
+                  cp_rank: int = 0) -> tuple[int, int, int]:
+    """``(T, m, pairs)`` of CP rank ``cp_rank`` under packed documents ``doc_ids`` ``[B, S]``:
+    the blocks its pipeline computes (skipped ones excluded), the query chunks it touches
+    more than once, and the (query, key) pairs its kernels compute per head."""
+    from fpdt.attention.documents import SKIP, MeshDocuments, UlyssesDocuments
+    from fpdt.attention.mesh_pipeline import touch_kind
+    u = num_chunks
+    touched = [0] * u
+    pairs = 0
+    if cp == 1:
+        docs = UlyssesDocuments(doc_ids, seq_len=seq_len, sp=hp, num_chunks=u, causal=causal)
+        blocks = [(i, j, docs.block(i, j)) for i in range(u) for j in (range(i + 1) if causal else range(u))]
+    else:
+        docs = MeshDocuments(doc_ids, seq_len=seq_len, hp=hp, cp=cp, num_chunks=u, causal=causal, cp_rank=cp_rank)
+        blocks = []
+        for j in range(u):
+            for src in range(cp):
+                for i in range(u):
+                    kind = touch_kind(i, j, src, cp_rank, causal)
+                    if kind is not None:
+                        blocks.append((i, j, docs.mesh_block(i, j, src, 1 if kind == "q_second" else None,
+                                                             0 if kind == "k_first" else None)))
+    for i, _, blk in blocks:
+        if blk.kind != SKIP:
+            touched[i] += 1
+            pairs += blk.pairs
+    return sum(touched), sum(n > 1 for n in touched), pairs
 
 
 def ulysses_working_set_U(*, num_heads: int, num_kv_heads: int, head_dim: int, sp: int = 1,

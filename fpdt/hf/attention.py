@@ -78,7 +78,7 @@ def _attention(settings: FPDTOptions, name: str):
                              group=resolve_group(settings.group), mesh=settings.mesh,
                              num_chunks=settings.num_chunks,
                              offload=settings.offload, causal=True, softmax_scale=scaling,
-                             backend=settings.backend)
+                             backend=settings.backend, doc_ids=kwargs.get("doc_ids"))
         return out, None                                               # [B, S_local, H, D], no weights
 
     return fpdt_attention_forward
@@ -173,7 +173,7 @@ def chunked_qkv_attention_forward(settings: FPDTOptions, name: str):
                                        mesh=settings.mesh, num_chunks=settings.num_chunks,
                                        offload=settings.offload, backend=settings.backend,
                                        softmax_scale=self.scaling, label=f"layer {self.layer_idx}",
-                                       qk_norm=qk_norm, adapters=proj.adapters)
+                                       qk_norm=qk_norm, adapters=proj.adapters, doc_ids=kwargs.get("doc_ids"))
         out = out.reshape(B, S_local, H * self.head_dim)
         lean = lean_lora(self.o_proj, type(self).__name__)
         if lean is None:

@@ -68,3 +68,29 @@ def assert_rel_close(actual, expected, tol, what=""):
     err = (a - e).abs().max().item() / max(e.abs().max().item(), 1e-30)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
     return err
+
+
+def reference_document_attention(q, k, v, doc_ids, causal=True, scale=None):
+    """Packed documents in float64: each document of each row run alone through
+    :func:`reference_attention` (``doc_ids`` ``[B, S]``, contiguous documents). Documents of
+    equal length go through it together, as the rows of one batch (each still alone)."""
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for b in range(q.shape[0]):
+        _, counts = torch.unique_consecutive(doc_ids[b], return_counts=True)
+        start = 0
+        for n in counts.tolist():
+            spans.setdefault(n, []).append((b, start))
+            start += n
+    for n, where in spans.items():
+        parts = [torch.stack([t[b, s:s + n] for b, s in where]) for t in (q, k, v)]
+        o = reference_attention(*parts, causal, scale)
+        for m, (b, s) in enumerate(where):
+            out[b, s:s + n] = o[m]
+    return out
+
+
+def doc_ids_from_lengths(lengths_per_row, device=None):
+    """``[[len, ...], ...]`` (each row summing to S) -> doc ids ``[B, S]`` (0, 1, ... per row)."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls)) for ls in lengths_per_row]
+                       ).to(device)

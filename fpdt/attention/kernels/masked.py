@@ -1,0 +1,120 @@
+"""Document-masked block attention: a :class:`~fpdt.attention.documents.Block` of kind ``masked``.
+
+Contract (as the dense kernels', :mod:`fpdt.attention.kernels`, plus the block):
+
+* ``masked_forward(backend, q, k, v, block, scale) -> (out, lse)``: q ``[B, Sq, H, D]``,
+  k/v ``[B, Sk, H_kv, D]``; each segment ``(row, q0, q1, k0, k1)`` of ``block`` attends
+  queries ``q0:q1`` of that row to keys ``k0:k1`` (causally on a diagonal block). Query
+  rows in no segment see no key: **out 0 and lse -inf** (the merge gives them no weight).
+  out in q's dtype, lse ``[B, H, Sq]`` fp32 (float64 for float64 inputs).
+* ``masked_backward(backend, dout, q, k, v, out, lse, block, scale) -> (dq, dk, dv)``
+  with the *final merged* out and lse: this block's contribution, zero outside the
+  segments, in fp32 (float64 for float64 inputs).
+
+Implementations, all exact:
+
+* **segments** (any backend): the backend's dense kernel once per distinct segment (rows
+  with the same segment go in one call), on views of q/k/v: the work is the documents'
+  own, nothing outside them is computed;
+* **mask** (the ``cpu`` backend, for blocks of many small documents, where one call per
+  segment would cost more in calls than it saves: more than :data:`MASK_MIN_CALLS` calls
+  and a mask of at most :data:`MASK_MAX_ELEMENTS`): torch's CPU flash op once, with an
+  additive ``[B, 1, Sq, Sk]`` mask of the segments;
+* **varlen** (CUDA, fp16/bf16, any dense backend): one call of torch's variable-length
+  FlashAttention-2 over the packed segments (:mod:`fpdt.attention.kernels.varlen`), once
+  it passed its self-check (:func:`~fpdt.attention.kernels.varlen.varlen_for`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fpdt.attention.kernels import torch_cpu, varlen
+from fpdt.attention.kernels.common import AttentionBackend
+
+MASK_MIN_CALLS = 8
+MASK_MAX_ELEMENTS = 1 << 24
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def grouped_segments(block, batch: int) -> list[tuple[slice, int, int, int, int]]:
+    """Segments merged over rows: ``(rows, q0, q1, k0, k1)`` with ``rows`` a slice (all
+    ``batch`` rows share the segment, or one row each)."""
+    by_span: dict[tuple[int, int, int, int], list[int]] = {}
+    for row, q0, q1, k0, k1 in block.segments:
+        by_span.setdefault((q0, q1, k0, k1), []).append(row)
+    out = []
+    for span, rows in by_span.items():
+        if rows == list(range(batch)):
+            out.append((slice(None), *span))
+        else:
+            out.extend((slice(r, r + 1), *span) for r in rows)
+    return out
+
+
+def segments_forward(backend: AttentionBackend, q, k, v, block, scale):
+    B, Sq, H, _ = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((B, H, Sq), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+    for rows, q0, q1, k0, k1 in grouped_segments(block, B):
+        o, l = backend.forward(q[rows, q0:q1], k[rows, k0:k1], v[rows, k0:k1], block.causal, scale)
+        out[rows, q0:q1] = o
+        lse[rows, :, q0:q1] = l
+    return out, lse
+
+
+def segments_backward(backend: AttentionBackend, dout, q, k, v, out, lse, block, scale):
+    acc = _acc(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for rows, q0, q1, k0, k1 in grouped_segments(block, q.shape[0]):
+        g = backend.backward(dout[rows, q0:q1], q[rows, q0:q1], k[rows, k0:k1], v[rows, k0:k1], out[rows, q0:q1],
+                             lse[rows, :, q0:q1].contiguous(), block.causal, scale)
+        dq[rows, q0:q1] = g[0]   # each query and each key lies in one document: one segment writes it
+        dk[rows, k0:k1] = g[1]
+        dv[rows, k0:k1] = g[2]
+    return dq, dk, dv
+
+
+def visible_mask(block, batch: int, device=None) -> torch.Tensor:
+    """``[B, Sq, Sk]`` bool: which keys each query of the block sees."""
+    q_seg = torch.full((batch, block.q_len), -1, dtype=torch.int64)   # segment of each query (-1: none)
+    k_seg = torch.full((batch, block.k_len), -2, dtype=torch.int64)
+    for n, (row, q0, q1, k0, k1) in enumerate(block.segments):
+        q_seg[row, q0:q1] = n
+        k_seg[row, k0:k1] = n
+    q_seg, k_seg = q_seg.to(device), k_seg.to(device)
+    mask = q_seg[:, :, None] == k_seg[:, None, :]
+    if block.causal:   # a diagonal block: query t sees keys up to t
+        t = torch.arange(block.q_len, device=device)
+        mask &= t[:, None] >= t[None, :]
+    return mask
+
+
+def uses_mask(backend: AttentionBackend, block, batch: int) -> bool:
+    """Whether :func:`masked_forward` takes the one-call mask path for ``block``."""
+    return (backend.name == "cpu" and len(grouped_segments(block, batch)) > MASK_MIN_CALLS
+            and batch * block.q_len * block.k_len <= MASK_MAX_ELEMENTS)
+
+
+def masked_forward(backend: AttentionBackend, q, k, v, block, scale):
+    """See the module docstring."""
+    if varlen.varlen_for(q.device, q.dtype, q.shape[-1]):
+        return varlen.varlen_forward(q, k, v, block, scale)
+    if uses_mask(backend, block, q.shape[0]):
+        return torch_cpu.cpu_masked_forward(q, k, v, visible_mask(block, q.shape[0], q.device), scale)
+    return segments_forward(backend, q, k, v, block, scale)
+
+
+def masked_backward(backend: AttentionBackend, dout, q, k, v, out, lse, block, scale):
+    """See the module docstring."""
+    if varlen.varlen_for(q.device, q.dtype, q.shape[-1]):
+        return varlen.varlen_backward(dout, q, k, v, out, lse, block, scale)
+    if uses_mask(backend, block, q.shape[0]):
+        return torch_cpu.cpu_masked_backward(dout, q, k, v, out, lse, visible_mask(block, q.shape[0], q.device),
+                                             scale)
+    return segments_backward(backend, dout, q, k, v, out, lse, block, scale)
