@@ -84,8 +84,7 @@ class FPDTDecoderLayer(nn.Module):
     def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
                          doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The first residual branch, ``attn(norm(h))``: ends with ``o_proj``, which does not save its output."""
-        docs = {} if doc_ids is None else {"doc_ids": doc_ids}
-        return self.self_attn(self.input_layernorm(h), position_ids, rope, **docs)
+        return self.self_attn(self.input_layernorm(h), position_ids, rope, doc_ids=doc_ids)
 
     def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
         """The second residual branch, ``mlp(norm(h))``, one chunked function with the norm
