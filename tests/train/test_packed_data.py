@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ from fpdt.layout import mesh_unshard, unshard
 from fpdt.layout.documents import doc_ids_from_position_ids
 from fpdt.train.data import DataError, PackedWindows, load_documents
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = "examples/tiny-llama/tokenizer.json"
 EOS = 0
 
@@ -130,3 +135,73 @@ def test_order_is_a_function_of_the_run():
     plain = PackedWindows(tokens, lengths, 24)
     assert [plain.window_of_sequence(k) for k in range(plain.num_windows + 2)] == \
         list(range(plain.num_windows)) + [0, 1]
+
+
+def _jargon_paragraphs(path) -> int:
+    """The main job's text (README) as JSONL documents, one per paragraph."""
+    import re
+
+    with open(os.path.join(ROOT, "examples", "data", "jargon-file-4.4.7.txt")) as f:
+        paragraphs = [p for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": p}) + "\n" for p in paragraphs)
+    return len(paragraphs)
+
+
+def _train(tmp, *extra):
+    argv = [sys.executable, "-m", "fpdt.train", "--model-config", "examples/tiny-llama/config.json",
+            "--data", os.path.join(tmp, "jargon.jsonl"), "--seq-len", "256", "--steps", "3",
+            "--deepspeed", "examples/tiny-llama/ds_cpu.json", "--pack-documents", "--no-mem-accounting", *extra]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+def _losses(path):
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+@pytest.mark.slow
+def test_main_job_data_packed_and_resumed_in_order(tmp_path):
+    """The README's main job on its text cut into paragraphs, packed: the start-up line counts the
+    documents, the loss starts near ln(vocab) and falls, and a run resumed at step 2 takes step 3
+    exactly as the uninterrupted run did (same windows, in the same order)."""
+    tmp = str(tmp_path)
+    docs = _jargon_paragraphs(os.path.join(tmp, "jargon.jsonl"))
+    log = os.path.join(tmp, "run.jsonl")
+    err = _train(tmp, "--log-json", log, "--save-dir", os.path.join(tmp, "ckpt"), "--save-every", "2")
+    line = re.search(r"packed documents=(\d+) mean_len=([\d.]+) continuations=(\d+) fill=([\d.]+)%", err)
+    assert line and int(line.group(1)) == docs and 30 < float(line.group(2)) < 200, err[-2000:]
+    losses = _losses(log)
+    assert len(losses) == 3 and losses[0] == pytest.approx(7.6, abs=0.3) and losses[-1] < losses[0]
+    resumed_log = os.path.join(tmp, "resumed.jsonl")
+    err = _train(tmp, "--log-json", resumed_log, "--resume", os.path.join(tmp, "ckpt", "step2"))
+    assert "differs from the saved one" not in err
+    assert _losses(resumed_log) == losses[2:]
+
+
+def _train_sp2(rank, world, tmp, log):
+    from fpdt.train.cli import main
+    from tests.train.helpers import quiet
+
+    quiet()
+    os.chdir(ROOT)
+    assert main(["--model-config", "examples/tiny-llama/config.json", "--data", os.path.join(tmp, "jargon.jsonl"),
+                 "--seq-len", "256", "--steps", "3", "--sp", "2", "--deepspeed", "examples/tiny-llama/ds_cpu.json",
+                 "--pack-documents", "--no-mem-accounting", "--log-json", log]) == 0
+
+
+@pytest.mark.slow
+def test_main_job_data_packed_on_two_ranks_matches_one(tmp_path):
+    """sp=2 (documents across the ranks' chunks, the model given the windows' document ids) trains as
+    one process does: each step's loss within 1e-4."""
+    from tests.distributed import run_distributed
+
+    tmp = str(tmp_path)
+    _jargon_paragraphs(os.path.join(tmp, "jargon.jsonl"))
+    one, two = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "two.jsonl")
+    _train(tmp, "--log-json", one)
+    run_distributed(_train_sp2, 2, args=(tmp, two), timeout=300)
+    for a, b in zip(_losses(one), _losses(two), strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (_losses(one), _losses(two))
