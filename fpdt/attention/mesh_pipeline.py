@@ -26,6 +26,11 @@ Block kinds for query chunk ``i`` of rank ``me`` against KV chunk ``j`` of rank 
 Every rank does the same work at every step (the zigzag load balance). Non-causal
 attention makes every pair full.
 
+Packed documents (``spec.docs``): a touch whose queries see none of the block's keys is
+skipped (no kernel call, no fetch of its query side; the block still travels the ring), a
+touch inside one document runs the dense kernel, a mixed one the masked kernels; a query
+chunk is final after its last touch that runs.
+
 Forward: produce and all-to-all every chunk (chunk i+1's all-to-all overlaps chunk i's
 stash copy), stash q̂_i and the K/V block; then for each j circulate the block, merging
 online in fp32; o_i is final after pass ``j = i`` (causal) and goes back through the

@@ -33,6 +33,13 @@ step's chunks are already being prefetched.
 Non-causal attention runs the same loops over all (i, j) pairs; its forward first
 produces every KV chunk, and its backward delivers once every gradient is final.
 
+Packed documents (``spec.docs``, :mod:`fpdt.attention.documents`): the loops run only the
+blocks (i, j) whose queries see some of their keys; a skipped block makes no kernel call and
+fetches nothing (the diagonal is never skipped). A block inside one document runs the dense
+kernel, a mixed one the masked kernels (:mod:`fpdt.attention.kernels.masked`). In backward,
+dô_i's all-to-all and dq_i's accumulator start at chunk i's first touch (outer step 0 without
+documents), and dq_i is final after its last. Every rank of the group makes the same decisions.
+
 Device memory (budgets tested in ``tests/memory/test_attention_budget.py``). ``U`` = one
 chunk of hidden states in the input dtype, ``C * H * D * itemsize``; one rank (P = 1),
 ``offload=True``; ``r = H_kv * kv_factor / H`` (a k̂ or v̂ chunk is ``r U``); ``e = 2 / D``
@@ -314,9 +321,9 @@ def _start_dout(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor
 
 def _last_outer(spec: PipelineSpec, i: int) -> int:
     """The last outer step that touches query chunk i (after it, dq_i is final)."""
-    if spec.causal:
-        return i
-    return max(j for j in range(spec.num_chunks) if i in spec.q_blocks(j))
+    if spec.causal or spec.docs is None:
+        return i if spec.causal else spec.num_chunks - 1
+    return max(j for j in range(spec.num_chunks) if spec.docs.visible(i, j))
 
 
 def _first_touch_order(spec: PipelineSpec) -> list[int]:

@@ -26,6 +26,10 @@ runtime cuDNN), ``cuda_cudnn`` moves ahead of the FlashAttention-2 kernels (``fl
 SDPA attention runs on the same machine, so comparisons with such peers compare the
 method, not the kernel.
 
+Packed documents: blocks that mix documents run :mod:`.masked` (one dense call per
+document segment, one CPU call with a mask for many small ones, or torch's varlen
+FlashAttention-2 on CUDA, :mod:`.varlen`, behind its own self-check).
+
 GQA and its memory cost. ``flash_attn3``, ``flash_attn``, ``cuda_flash`` and (from torch
 2.8) ``cuda_cudnn`` take the ``H_kv`` KV heads natively. ``cuda_efficient``, ``cpu`` and
 ``math`` (and ``cuda_cudnn`` on an older torch) expand KV to ``H`` heads per block
