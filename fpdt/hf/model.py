@@ -35,6 +35,11 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
 * **RoPE** (``dynamic``, ``longrope``): these pick their frequencies from the largest position
   a forward sees; the rotary embedding's forward is replaced so that, under sequence
   parallelism, every rank sees the window's largest position (one all-reduce per forward).
+* **packed documents** (:mod:`fpdt.hf.documents`): position ids that restart at 0, as
+  ``DataCollatorWithFlattening`` makes them (or its ``cu_seq_lens_q/k``, or ``doc_ids`` from
+  :func:`prepare_inputs`), mask the attention at every document boundary; the forward finds the
+  window's documents once (under SP one all-gather of the positions) and hands their ids to every
+  attention call.
 
 What stays Transformers': embeddings, RoPE's tables (``(cos, sin)`` of every local token,
 ``2 D / hidden`` of a hidden-state tensor, which :class:`fpdt.model.FPDTForCausalLM` does not
