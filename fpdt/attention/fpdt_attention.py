@@ -8,6 +8,10 @@ checkpointing frees it with the rest of a region's saved tensors):
 * ``k̂_i, v̂_i, q̂_i`` (head layout, input dtype), ``o_i`` (head layout, input dtype)
   and ``lse_i`` (fp32) for every chunk -- in pinned host memory when ``offload=True``,
   on the device otherwise.
+
+Under a layer checkpoint with ``attention_checkpoint="save"`` the first (no-grad) forward
+keeps each chunk's ``o_i``/``lse_i`` and the recompute runs no attention kernel
+(:mod:`fpdt.attention.saved_attention`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from fpdt.attention.documents import check_batch
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import build_spec
+from fpdt.attention.saved_attention import active
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
@@ -42,7 +47,8 @@ class FPDTAttentionFunction(torch.autograd.Function):
         def emit(i, out_i):
             out[:, i * L:(i + 1) * L] = out_i
 
-        run_forward(spec, produce, emit, stash, for_backward)
+        saved = active(for_backward, (type(spec).__name__, u, tuple(q.shape), tuple(k.shape), q.dtype))
+        run_forward(spec, produce, emit, stash, for_backward, saved)
         ctx.save_for_backward(stash_token(stash))
         ctx.spec, ctx.L = spec, L
         ctx.shapes = (q.shape, k.shape, v.shape, q.dtype)

@@ -54,8 +54,9 @@ from fpdt.attention.documents import DENSE, SKIP, Block, MeshDocuments, cached_d
 from fpdt.attention.kernels import AttentionBackend, default_scale, get_backend
 from fpdt.attention.kernels.masked import masked_backward, masked_forward
 from fpdt.attention.merge import merge
-from fpdt.attention.pipeline import (Deliver, Emit, PipelineSpec, Produce, build_spec, pipeline_backward,
+from fpdt.attention.pipeline import (Deliver, Emit, Keep, PipelineSpec, Produce, build_spec, pipeline_backward,
                                      pipeline_forward)
+from fpdt.attention.saved_attention import replay_forward
 from fpdt.comm import (PendingAllToAll, RingComm, RingSchedule, SequenceMesh, group_size, heads_to_seq,
                        heads_to_seq_packed, kv_replication_factor, replicate_kv, start_seq_to_heads_packed,
                        sum_kv_replicas)
@@ -93,6 +94,7 @@ class MeshSpec:
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
     docs: MeshDocuments | None = None   # packed documents (:mod:`fpdt.attention.documents`); None = one
     _last_touch: dict | None = None
+    stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
 
     @property
     def hp_group(self):
@@ -252,9 +254,11 @@ def _block_forward(spec: MeshSpec, kind: str, q: torch.Tensor, kv: torch.Tensor,
     return rows, o, lse
 
 
-def mesh_forward(spec: MeshSpec, produce: Produce, emit: Emit, stash: HostStash, for_backward: bool = True) -> None:
+def mesh_forward(spec: MeshSpec, produce: Produce, emit: Emit, stash: HostStash, for_backward: bool = True,
+                 keep: Keep | None = None) -> None:
     """Forward; leaves ``("kv"|"q"|"o"|"lse", i)`` in ``stash`` for backward (nothing without
-    ``for_backward``). ``emit(i, out_i)`` gets each output chunk in sequence layout."""
+    ``for_backward``). ``emit(i, out_i)`` gets each output chunk in sequence layout; ``keep(i,
+    o_i, lse_i)``, when given, its final output (head layout) and lse."""
     u = spec.num_chunks
     pending = _start_to_heads(spec, produce, 0)
     for i in range(u):
@@ -287,6 +291,8 @@ def mesh_forward(spec: MeshSpec, produce: Produce, emit: Emit, stash: HostStash,
                                                                 o_blk.to(spec.acc_dtype), lse_blk.to(spec.acc_dtype))
                 if final:
                     o_i = acc_o.to(q.dtype)
+                    if keep is not None:
+                        keep(i, o_i, acc_lse)
                     if for_backward:
                         stash.put(("o", i), o_i)
                         stash.put(("lse", i), acc_lse)
@@ -388,10 +394,18 @@ def mesh_backward(spec: MeshSpec, grad_out_chunk: Callable[[int], torch.Tensor],
 
 # ----------------------------------------------------------------------------- dispatch
 def run_forward(spec: MeshSpec | PipelineSpec, produce: Produce, emit: Emit, stash: HostStash,
-                for_backward: bool = True) -> None:
-    """:func:`mesh_forward` for a mesh spec, the Ulysses pipeline's forward otherwise."""
+                for_backward: bool = True, saved: tuple | None = None) -> None:
+    """:func:`mesh_forward` for a mesh spec, the Ulysses pipeline's forward otherwise.
+
+    ``saved``: what :func:`fpdt.attention.saved_attention.active` returned for this call:
+    ``("record", s)`` hands each chunk's output and lse to ``s``; ``("replay", s)`` runs
+    :func:`fpdt.attention.saved_attention.replay_forward` (no attention kernel) instead."""
+    if saved is not None and saved[0] == "replay":
+        replay_forward(spec, produce, emit, stash, saved[1])
+        return
+    keep = saved[1].keep if saved is not None else None
     fn = mesh_forward if isinstance(spec, MeshSpec) else pipeline_forward
-    fn(spec, produce, emit, stash, for_backward)
+    fn(spec, produce, emit, stash, for_backward, keep)
 
 
 def run_backward(spec: MeshSpec | PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor], deliver: Deliver,

@@ -8,6 +8,7 @@ from torch import nn
 
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.attention.rope import RotaryEmbedding
+from fpdt.attention.saved_attention import input_from_stash
 from fpdt.comm import SequenceMesh
 from fpdt.ops.lora import attached_adapters, lora_linear
 
@@ -41,6 +42,11 @@ class FPDTAttention(nn.Module):
     (:func:`fpdt.ops.lora.lora_linear`, which saves only its input); dropout follows
     ``self.training``.
 
+    ``o_proj_input_from_stash`` (False; the model sets it under ``checkpointing="off"``): with
+    ``offload``, ``o_proj`` does not keep its full-length input on the device for backward; its
+    backward rebuilds it from the attention's ``o`` chunks in the host stash
+    (:func:`fpdt.attention.saved_attention.input_from_stash`).
+
     Note for ZeRO-3: the q/k/v weights (and ``o_proj``'s when it has an adapter) and the
     adapters are read inside custom autograd Functions rather than through the ``nn.Linear``
     modules' forward, so a ZeRO-3 wrapper must register them as external parameters of this
@@ -62,6 +68,7 @@ class FPDTAttention(nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale
         self.stash_label: str | None = None  # names this layer's chunks in offload errors, e.g. "layer 2"
+        self.o_proj_input_from_stash = False    # see the class docstring
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -77,13 +84,16 @@ class FPDTAttention(nn.Module):
         if position_ids.shape != (B, S_local):
             raise ValueError(f"position_ids must be [B, S_local]=[{B}, {S_local}], got {tuple(position_ids.shape)}")
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        sink = [] if self.o_proj_input_from_stash and self.offload and torch.is_grad_enabled() else None
         attn = projected_fpdt_attention(
             hidden_states, self.q_proj, self.k_proj, self.v_proj, heads=heads, position_ids=position_ids,
             rope=rope, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks, offload=self.offload,
             backend=self.backend, softmax_scale=self.softmax_scale, label=self.stash_label,
-            adapters=attached_adapters((self.q_proj, self.k_proj, self.v_proj), self.training), doc_ids=doc_ids)
+            adapters=attached_adapters((self.q_proj, self.k_proj, self.v_proj), self.training), doc_ids=doc_ids,
+            stash_sink=sink)
         attn = attn.reshape(B, S_local, self.num_heads * self.head_dim)
         o_adapters = attached_adapters((self.o_proj,), self.training)
-        if o_adapters is None:
-            return self.o_proj(attn)
-        return lora_linear(attn, self.o_proj.weight, self.o_proj.bias, o_adapters, 2 * self.num_chunks)
+        with input_from_stash(attn, sink or []):
+            if o_adapters is None:
+                return self.o_proj(attn)
+            return lora_linear(attn, self.o_proj.weight, self.o_proj.bias, o_adapters, 2 * self.num_chunks)

@@ -29,6 +29,17 @@ Packed documents (``doc_ids``): blocks whose queries see none of their keys are 
 and the no-grad forward's ``H2D = (V - u) · 2k``. Layer inputs offloaded by activation checkpointing add
 ``B S_local hidden e`` each way per layer. ``tests/offload/test_schedule.py`` checks these
 against the bytes the runtime counts.
+
+With ``attention_checkpoint="save"`` (:mod:`fpdt.attention.saved_attention`) a checkpointed
+layer's first forward also keeps every chunk's ``o`` and ``lse``: **host bytes per saving
+layer** ``u (o + lse) = B S_local H (D e + a)``, i.e. ``B S (H D e + 4 H) / P`` for an
+fp32 lse (bf16 output: ``(2 S H D + 4 S H) / P`` per sequence; :func:`saved_attention_bytes`).
+When they are on the host (``checkpointing="offload"``) and the attention offloads too, the
+recompute moves their host buffers into its own stash instead of copying ``o``, ``lse`` out
+again, fetches each ``o`` once (for the output projection's input) and fetches no k̂/v̂ (it
+runs no attention): per step ``D2H`` is unchanged and ``H2D`` changes by
+``u o - u (u - 1) / 2 · 2k`` (:func:`checkpointed_attention_copy_bytes`; both checked by
+``tests/offload/test_saved_attention.py``).
 """
 
 from __future__ import annotations
@@ -78,3 +89,33 @@ def attention_layer_copy_bytes(*, batch: int, seq_local: int, hidden: int, num_h
     d2h = u * (T + 2 * k + 2 * q + lse) + multi * q + pairs_below * dq
     h2d = u * T + pairs * (2 * k + 2 * q + lse) + pairs_below * (q + dq)
     return CopyVolume(d2h=d2h, h2d=h2d)
+
+
+def saved_attention_bytes(*, batch: int, seq_local: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one layer keeps per rank under ``attention_checkpoint="save"``: its attention output
+    ``[B, S_local, H, D]`` in ``dtype`` (``S_local = S / P``, in head layout across the chunks)
+    and the lse ``[B, H, S_local]`` in fp32 (float64 for float64), i.e. ``B S (H D e + 4 H) / P``."""
+    e = torch.empty((), dtype=dtype).element_size()
+    a = 8 if dtype == torch.float64 else 4
+    return batch * seq_local * num_heads * (head_dim * e + a)
+
+
+def checkpointed_attention_copy_bytes(*, batch: int, seq_local: int, hidden: int, num_heads: int,
+                                      num_kv_heads: int, head_dim: int, sp: int, num_chunks: int,
+                                      dtype: torch.dtype, saved: bool) -> CopyVolume:
+    """One step of a checkpointed, offloaded causal FPDT attention layer whose saved outputs
+    (``saved``: ``attention_checkpoint="save"``) are on the host: the no-grad first forward,
+    the recompute's forward and the backward (layer inputs not included)."""
+    shape = dict(batch=batch, seq_local=seq_local, hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, sp=sp, num_chunks=num_chunks, dtype=dtype)
+    first = attention_layer_copy_bytes(**shape, for_backward=False)
+    train = attention_layer_copy_bytes(**shape)
+    if not saved:
+        return CopyVolume(d2h=first.d2h + train.d2h, h2d=first.h2d + train.h2d)
+    u, P = num_chunks, sp
+    o = batch * (seq_local // u) * P * (num_heads // P) * head_dim * torch.empty((), dtype=dtype).element_size()
+    lse = saved_attention_bytes(batch=batch, seq_local=seq_local, num_heads=num_heads, head_dim=head_dim,
+                                dtype=dtype) // u - o
+    # first forward: + u (o + lse) out; recompute: - u (o + lse) out (host buffers move), + u o in,
+    # and none of the first forward's k/v fetches (no attention)
+    return CopyVolume(d2h=first.d2h + u * (o + lse) + train.d2h - u * (o + lse), h2d=train.h2d + u * o)

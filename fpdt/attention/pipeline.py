@@ -91,6 +91,7 @@ from fpdt.offload import HostStash
 Produce = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 Emit = Callable[[int, torch.Tensor], None]
 Deliver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Keep = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -105,6 +106,7 @@ class PipelineSpec:
     kv_factor: int              # GQA replication factor before the all-to-all (1 = none)
     acc_dtype: torch.dtype      # fp32 (float64 for float64 inputs)
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
+    stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
     sp_size: int = 1            # ranks in ``group``
     docs: UlyssesDocuments | None = None   # packed documents (:mod:`fpdt.attention.documents`); None = one
 
@@ -179,7 +181,7 @@ def _start_to_heads(spec: PipelineSpec, produce: Produce, i: int) -> PendingAllT
 
 
 def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: HostStash,
-                     for_backward: bool = True) -> None:
+                     for_backward: bool = True, keep: Keep | None = None) -> None:
     """Run the forward; ``emit(i, out_i)`` receives each output chunk in sequence layout
     ``[B, L, H, D]`` (callers write it into a preallocated output, so no list of chunks
     and no concatenated copy exist side by side).
@@ -187,7 +189,8 @@ def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: Ho
     With ``for_backward`` it leaves ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk in
     ``stash``, as backward needs; without (a no-grad pass, e.g. the first pass of an
     activation-checkpointed layer) only the KV chunks go through the stash and it is
-    emptied at the end.
+    emptied at the end. ``keep(i, o_i, lse_i)``, when given, gets each chunk's final output
+    (head layout) and lse (:mod:`fpdt.attention.saved_attention`).
     """
     u = spec.num_chunks
     pending = None
@@ -214,6 +217,8 @@ def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: Ho
             current = {}
         o_h, lse = _attend(spec, i, q_h, current, stash)
         del current
+        if keep is not None:
+            keep(i, o_h, lse)
         if for_backward:
             if spec.causal:
                 stash.put(("q", i), q_h)

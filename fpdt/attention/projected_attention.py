@@ -10,6 +10,10 @@ projected, rotated, all-to-all'd and attended, then dropped. Saved for backward:
   ``T_i`` ``[B, L, hidden]`` and the attention chunks of :mod:`fpdt.attention.pipeline`
   (``q̂_i, k̂_i, v̂_i, o_i, lse_i``).
 
+Under a layer checkpoint with ``attention_checkpoint="save"`` the first (no-grad) forward
+keeps each chunk's ``o_i``/``lse_i`` and the recompute runs no attention kernel
+(:mod:`fpdt.attention.saved_attention`).
+
 Backward (FPDT): after outer step ``j`` of the attention backward, dq̂_j/dk̂_j/dv̂_j come
 back through the all-to-all, RoPE is undone, and the projection backward runs with
 ``T_j`` (prefetched during the outer step) to give ``dT_j`` and accumulate fp32 weight
@@ -41,6 +45,7 @@ from fpdt.attention.documents import check_batch
 from fpdt.attention.mesh_pipeline import build_mesh_spec, run_backward, run_forward
 from fpdt.attention.pipeline import PipelineSpec, build_spec
 from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_backward_
+from fpdt.attention.saved_attention import active
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash
@@ -57,7 +62,8 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              softmax_scale: float | None = None, label: str | None = None,
                              qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                              adapters: LoraAdapters | None = None,
-                             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                             doc_ids: torch.Tensor | None = None,
+                             stash_sink: list | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
     FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
     ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
@@ -67,7 +73,9 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     ``(q_weight, k_weight, eps)``: RMSNorm of q and k per head before RoPE (Qwen3).
     ``adapters``: LoRA terms of the three projections, in the order q, k, v. ``doc_ids``: packed
     documents, ``[B, S]`` over the global sequence in global order (see
-    :func:`fpdt.attention.fpdt_attention`); None = one document."""
+    :func:`fpdt.attention.fpdt_attention`); None = one document. ``stash_sink``: a
+    list that gets the call's :class:`HostStash` (with the spec and chunk length), whose ``o``
+    chunks :func:`fpdt.attention.saved_attention.input_from_stash` reads back."""
     if mesh is not None and group is not None:
         raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
     H, H_kv, D = heads
@@ -77,6 +85,7 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                  backend=backend, doc_ids=doc_ids)
     spec = build_mesh_spec(mesh=mesh, **shape) if mesh is not None else build_spec(group=group, **shape)
     spec.label = label
+    spec.stash_sink = stash_sink
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
     wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
     lora = () if adapters is None else (adapters.layout, *adapters.tensors)
@@ -131,7 +140,12 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         def emit(i, out_i):
             out[:, i * L:(i + 1) * L] = out_i
 
-        run_forward(spec, produce, emit, stash, for_backward)
+        if spec.stash_sink is not None:
+            if for_backward:
+                spec.stash_sink.append((stash, spec, L))
+            spec.stash_sink = None      # no cycle spec -> sink -> spec
+        saved = active(for_backward, (type(spec).__name__, spec.num_chunks, tuple(hidden.shape), hidden.dtype))
+        run_forward(spec, produce, emit, stash, for_backward, saved)
         ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, stash_token(stash),
                               *lora_tensors)
         ctx.rope, ctx.spec, ctx.L, ctx.heads, ctx.norm_eps = rope, spec, L, heads, norm_eps

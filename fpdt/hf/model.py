@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
@@ -242,8 +243,9 @@ class _LayerInputStash:
 
 def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
-    ``_fpdt_checkpoint`` holds ``(index, mode, shared stash state)`` (copied with the model)."""
-    i, mode, state = self._fpdt_checkpoint
+    ``_fpdt_checkpoint`` holds ``(index, mode, shared stash state, saving layers)`` (copied with the
+    model; saving layers: 0, None = all, or the first K keep their attention output)."""
+    i, mode, state, saving = self._fpdt_checkpoint
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=mode))
     if i == 0:
@@ -251,6 +253,8 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     fid = state.current
     stash = state.for_device(hidden_states.device) if mode == "offload" else None
     keys = dict(stash=stash, key=("layer input", i, fid), prev_key=("layer input", i - 1, fid) if i > 0 else None)
+    if saving is None or i < saving:   # attention_checkpoint="save": the first `saving` layers
+        keys["saved"] = SavedAttention(hidden_states.device, on_host=mode == "offload", label=f"layer {i}")
     if not args and type(self).__name__ in _PRE_NORM_LAYERS:
         return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
     run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
@@ -490,6 +494,14 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
             (:mod:`fpdt.model.checkpointing`: the layer input is kept, the layer recomputed in
             backward); ``"offload"`` keeps the layer inputs in (pinned) host memory instead,
             fetched one layer ahead in backward, as FPDT does. Not together with Transformers'.
+        attention_checkpoint: ``"recompute"`` (the checkpoint's recompute runs the attention
+            forward again) or ``"save"``: each checkpointed layer keeps its attention output and
+            lse from the first forward (on the host under ``"offload"``, else on the device) and
+            its recompute runs no attention kernel (:mod:`fpdt.attention.saved_attention`);
+            only with fpdt's checkpoint (``checkpointing`` ``"on"`` or ``"offload"``; with
+            ``"off"`` there is no recompute and it changes nothing).
+        save_attention_layers: with ``"save"``, only the first this many decoder layers save
+            (None: every layer).
         chunked_qkv: run each layer's q/k/v projections and RoPE chunk by chunk inside the
             FPDT attention, as :class:`fpdt.model.FPDTForCausalLM` does, so the layer's
             full-length local q/k/v never exist (Llama, Mistral, Qwen2, Qwen3 attention, with
@@ -538,9 +550,10 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
         raise FPDTHFError(f"checkpoint_device_layers={options.checkpoint_device_layers}: fpdt.hf keeps every "
                           f"checkpointed layer input in one tier; use checkpointing='on' (device) or 'offload' "
                           f"(host), or fpdt.model, which tiers them")
-    if options.attention_checkpoint != "recompute":
-        raise FPDTHFError(f"attention_checkpoint={options.attention_checkpoint!r} is not available in fpdt.hf yet: "
-                          f"use attention_checkpoint='recompute'")
+    try:
+        options.check_layers(len(layers))
+    except OptionsError as e:
+        raise FPDTHFError(str(e)) from None
     _check_config(model, layers, mlp_chunks, loss_chunks)
     if chunked_qkv:
         for layer in layers:
@@ -571,7 +584,8 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
     if checkpointing != "off":
         state = _LayerInputStash()
         for i, layer in enumerate(layers):
-            layer._fpdt_checkpoint = (i, checkpointing, state)
+            layer._fpdt_checkpoint = (i, checkpointing, state, 0 if options.attention_checkpoint == "recompute"
+                                      else options.save_attention_layers)
             layer.forward = types.MethodType(_checkpointed_layer_forward, layer)
     model.forward = types.MethodType(_causal_lm_forward, model)
     model.fpdt = HFSettings(attn_implementation=name, options=options, mlp_chunks=mlp_chunks,

@@ -43,6 +43,12 @@ recompute, and so is the random state (the default CPU generator, and the device
 CUDA): fpdt's own models have no dropout, but LoRA adapters do (:mod:`fpdt.ops.lora` draws
 its masks' seed from the CPU generator), and the recompute must draw the masks the forward
 drew.
+
+With a :class:`fpdt.attention.saved_attention.SavedAttention` (the model's
+``attention_checkpoint="save"``), the first forward also keeps the layer's attention output
+and lse (where the layer input lives: on the host under ``"offload"``, else on the device),
+and the recompute runs no attention-kernel forward (LoongTrain's Selective Checkpoint++,
+arXiv 2406.18485 §5.2).
 """
 
 from __future__ import annotations
@@ -232,7 +238,9 @@ class _LayerCheckpoint(torch.autograd.Function):
 
     Inputs: ``body`` (:class:`_OpaqueBody` or :class:`_ResidualBody`), ``stash`` (HostStash
     or None), ``key`` and ``prev_key`` (stash keys of this layer's and the previous layer's
-    input), ``on_device`` (keep ``x`` on the device even with a stash), ``x``
+    input), ``on_device`` (keep ``x`` on the device even with a stash), ``saved`` (a
+    :class:`fpdt.attention.saved_attention.SavedAttention`, or None: the layer's attention
+    output and lse, recorded in forward and replayed in the recompute), ``x``
     ``[B, S_local, hidden]``, then, when ``x`` does not require grad, an empty leaf that does
     (graph connectivity only; it gets no gradient).
     Saved: ``x`` -- in ``ctx`` when ``stash`` is None or ``on_device``, else offloaded to
@@ -240,8 +248,9 @@ class _LayerCheckpoint(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, body, stash, key, prev_key, on_device, x, *anchor):
+    def forward(ctx, body, stash, key, prev_key, on_device, saved, x, *anchor):
         ctx.body, ctx.stash, ctx.key, ctx.prev_key, ctx.on_device = body, stash, key, prev_key, on_device
+        ctx.saved_attention = saved
         ctx.x_requires_grad = x.requires_grad
         ctx.autocast = _autocast_state(x.device.type)
         ctx.rng = _rng_state(x.device)
@@ -250,7 +259,7 @@ class _LayerCheckpoint(torch.autograd.Function):
         else:
             stash.put(key, x)  # the device->host copy starts now and overlaps the layer's compute
             ctx.entry = _StashEntry(stash, key)   # freed with the graph: discards the entry if never popped
-        with torch.no_grad():
+        with torch.no_grad(), (saved.recording() if saved is not None else contextlib.nullcontext()):
             y = body.forward(x)
         return y
 
@@ -261,10 +270,12 @@ class _LayerCheckpoint(torch.autograd.Function):
         if ctx.stash is not None and ctx.prev_key is not None and ctx.prev_key in ctx.stash:
             ctx.stash.prefetch(ctx.prev_key)  # overlaps this layer's recompute + backward
         device_type, enabled, dtype = ctx.autocast
+        saved, ctx.saved_attention = ctx.saved_attention, None
+        replaying = saved.replaying() if saved is not None else contextlib.nullcontext()
         with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
-                _replayed_rng(ctx.rng, x.device):
+                _replayed_rng(ctx.rng, x.device), replaying:
             dx = ctx.body.backward(x, ctx.x_requires_grad, grad_y, owned)
-        return (None, None, None, None, None, dx) + (None,) * (len(ctx.needs_input_grad) - 6)
+        return (None, None, None, None, None, None, dx) + (None,) * (len(ctx.needs_input_grad) - 7)
 
 
 class _StashEntry:
@@ -307,7 +318,7 @@ def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
 
 
 def _apply(body, x: torch.Tensor, params: list[torch.Tensor], stash: HostStash | None, key: Hashable,
-           prev_key: Hashable, on_device: bool) -> torch.Tensor:
+           prev_key: Hashable, on_device: bool, saved=None) -> torch.Tensor:
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         return body.forward(x)  # no backward will come: nothing to keep
     # When x does not require grad (frozen embeddings, as under LoRA), a throwaway leaf that
@@ -315,13 +326,13 @@ def _apply(body, x: torch.Tensor, params: list[torch.Tensor], stash: HostStash |
     # partitioned (empty) here, and the gradient accumulator autograd would create for them now
     # would reject the full-shape gradients of the recomputed layer.
     anchors = [] if x.requires_grad else [torch.empty(0, device=x.device, requires_grad=True)]
-    return _LayerCheckpoint.apply(body, stash, key, prev_key, on_device, x, *anchors)
+    return _LayerCheckpoint.apply(body, stash, key, prev_key, on_device, saved, x, *anchors)
 
 
 def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                  params: list[torch.Tensor], stash: HostStash | None = None,
                  key: Hashable = None, prev_key: Hashable = None, free_output: bool = False,
-                 on_device: bool = False) -> torch.Tensor:
+                 on_device: bool = False, saved=None) -> torch.Tensor:
     """Run ``run_fn(x)`` (``[B, S_local, hidden]`` -> same) under activation checkpointing.
 
     Args:
@@ -339,14 +350,17 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
         on_device: keep ``x`` on the device although a ``stash`` is given (a layer whose
             input stays on the GPU in a partly offloaded stack); the stash still serves the
             early fetch of ``prev_key``.
+        saved: a :class:`fpdt.attention.saved_attention.SavedAttention` (``attention_checkpoint="save"``):
+            the layer's one attention call keeps its output and lse in the first forward, and
+            the recompute runs no attention kernel. None: the recompute recomputes it.
     """
-    return _apply(_OpaqueBody(run_fn, free_output), x, params, stash, key, prev_key, on_device)
+    return _apply(_OpaqueBody(run_fn, free_output), x, params, stash, key, prev_key, on_device, saved)
 
 
 def checkpointed_residual(branches: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor,
                           params: list[torch.Tensor], stash: HostStash | None = None,
                           key: Hashable = None, prev_key: Hashable = None,
-                          on_device: bool = False) -> torch.Tensor:
+                          on_device: bool = False, saved=None) -> torch.Tensor:
     """Run the residual stack ``x <- x + f(x)`` for ``f`` in ``branches`` (a pre-norm decoder
     layer: attention, then MLP; ``[B, S_local, hidden]`` -> same) under activation
     checkpointing, holding one full-length gradient through the layer's backward instead of
@@ -355,4 +369,4 @@ def checkpointed_residual(branches: Sequence[Callable[[torch.Tensor], torch.Tens
     Arguments as :func:`checkpointed`. Each branch's output must not be saved by its own graph
     (its values are freed in backward once used; a graph that saved them fails loudly).
     """
-    return _apply(_ResidualBody(branches), x, params, stash, key, prev_key, on_device)
+    return _apply(_ResidualBody(branches), x, params, stash, key, prev_key, on_device, saved)

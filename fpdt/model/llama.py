@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
+from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import SequenceMesh
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
 from fpdt.model.checkpointing import checkpointed_residual
@@ -157,6 +158,8 @@ class FPDTForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.num_chunks = opts.num_chunks
             layer.self_attn.offload = opts.offload
+            # without a layer checkpoint every layer would keep o_proj's input to backward
+            layer.self_attn.o_proj_input_from_stash = opts.checkpointing == "off"
             layer.self_attn.group = opts.group
             layer.self_attn.mesh = opts.mesh
             layer.self_attn.backend = opts.backend
@@ -308,6 +311,7 @@ class FPDTForCausalLM(nn.Module):
         fid = next(self._forward_ids)  # stash keys unique per forward call
         # the last `checkpoint_device_layers` inputs stay on the device (backward needs them first)
         on_host = len(self.model.layers) - self.options.checkpoint_device_layers
+        saving = self.saving_layers
         for i, layer in enumerate(self.model.layers):
             if mode == "off":
                 h = layer(h, position_ids, rope, doc_ids)
@@ -318,8 +322,20 @@ class FPDTForCausalLM(nn.Module):
             h = checkpointed_residual(branches, h, list(layer.parameters()), stash=stash,
                                       key=("layer input", i, fid),
                                       prev_key=("layer input", i - 1, fid) if i > 0 else None,
-                                      on_device=i >= on_host)
+                                      on_device=i >= on_host,
+                                      saved=SavedAttention(h.device, on_host=stash is not None and i < on_host,
+                                                           label=f"layer {i}") if i < saving else None)
         return self.model.norm(h)
+
+    @property
+    def saving_layers(self) -> int:
+        """How many decoder layers (the first ones) keep their attention output for the
+        recompute (``attention_checkpoint="save"``); 0 with ``"recompute"``."""
+        o = self.options
+        if o.attention_checkpoint != "save" or o.checkpointing == "off":
+            return 0
+        n = len(self.model.layers)
+        return n if o.save_attention_layers is None else min(o.save_attention_layers, n)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:
         return sequence_parallel_lm_loss(h, self.lm_head.weight, labels, group=self.sp_group, sp=sp,
@@ -330,4 +346,6 @@ class FPDTForCausalLM(nn.Module):
         o = self.options
         return (f"num_chunks={o.num_chunks}, offload={o.offload}, mlp_chunks={self.mlp_chunks}, "
                 f"loss_chunks={self.loss_chunks}, lm_head_wgrad={o.lm_head_wgrad!r}, checkpointing={o.checkpointing!r}"
-                + (f", checkpoint_device_layers={o.checkpoint_device_layers}" if o.checkpoint_device_layers else ""))
+                + (f", checkpoint_device_layers={o.checkpoint_device_layers}" if o.checkpoint_device_layers else "")
+                + (f", attention_checkpoint='save', saving_layers={self.saving_layers}"
+                   if o.attention_checkpoint == "save" else ""))

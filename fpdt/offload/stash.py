@@ -130,6 +130,17 @@ class HostStash:
         self.pool.release(host, after=ready)
         return value
 
+    def hand_over(self, key: Hashable, dest: "HostStash", dest_key: Hashable) -> None:
+        """Move ``key`` into ``dest`` as ``dest_key``. When both offload into the same pool the
+        host buffer itself moves, with the event of its device->host copy (no copy); otherwise
+        the value is popped here and put there (a copy where ``dest`` offloads)."""
+        if not (self.enabled and dest.enabled and dest.pool is self.pool) or key in self._inflight:
+            dest.put(dest_key, self.pop(key))     # (a fetch in flight reads the buffer: it stays here)
+            return
+        entry = self._host.pop(key)
+        dest.discard(dest_key)
+        dest._host[dest_key] = entry
+
     def token(self, key: Hashable) -> object | None:
         """What ``key`` holds now, as an opaque token for :meth:`discard` (None if nothing)."""
         entry = self._host.get(key)

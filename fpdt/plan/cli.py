@@ -21,7 +21,7 @@ from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
 from fpdt.plan.models import PRESETS, load_model_config
 from fpdt.plan.planner import Choice, plan
-from fpdt.plan.setup import CHECKPOINT_MODES, DTYPES, LM_HEAD_WGRAD_MODES, PLACEMENTS
+from fpdt.plan.setup import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, DTYPES, LM_HEAD_WGRAD_MODES, PLACEMENTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"that repeats the KV heads (cuda_efficient, cpu, math) holds more per block; its attention "
                         f"rate is the calibration's for it when op_latency.py --backends timed it, else the "
                         f"calibration's (automatic kernel's) or the datasheet's")
+    p.add_argument("--attention-checkpoint", choices=ATTENTION_CHECKPOINT_MODES,
+                   help="with checkpointing, whether a layer's recompute runs the attention forward again "
+                        "(recompute) or reads the output and lse its forward saved (save: 3 attention passes "
+                        "instead of 4, the saved bytes beside the layer inputs); default: choose, save for as many "
+                        "layers as fit")
+    p.add_argument("--save-attention-layers", type=int, metavar="K",
+                   help="with --attention-checkpoint save, only the first K layers save (default: as many as fit)")
+    p.add_argument("--doc-len", type=int, metavar="N",
+                   help="packed documents of N tokens (their mean; for a spread of lengths the token-weighted "
+                        "mean sum(n^2)/sum(n)), each attending only within itself: the attention time and MFU "
+                        "count the work the document mask leaves (default: one document per sequence)")
     p.add_argument("--lora-rank", type=int, metavar="R",
                    help="LoRA fine-tuning (fpdt-train --lora-rank, or fpdt.hf with PEFT): adapters of rank R on "
                         "every decoder linear, the rest frozen (default: full training)")
@@ -88,6 +99,16 @@ def _tokens(n: int) -> str:
     return str(n)
 
 
+def _attention_checkpoint(s: dict) -> str:
+    """How the setup's checkpointed layers get their attention output back in backward."""
+    if s["checkpoint"] == "off":
+        return "not recomputed (no checkpointing)"
+    if s["attention_checkpoint"] != "save" or s["save_attention_layers"] == 0:
+        return "recomputed"
+    n = s["save_attention_layers"]
+    return "saved" + (f" by the first {n} layers" if n is not None else " by every layer")
+
+
 def render(out: dict) -> str:
     """The readable table."""
     c = out["cluster"]
@@ -105,11 +126,13 @@ def render(out: dict) -> str:
         f"setup            chunk {_tokens(s['chunk_size'])}, hp {s['hp']} x cp {s['cp']} ({s['placement']}), "
         f"checkpoint {s['checkpoint']}"
         + (f" (last {s['checkpoint_device_layers']} layer inputs on the GPU)" if s["checkpoint_device_layers"] else "")
+        + f", attention {_attention_checkpoint(s)}"
         + f", offload {s['offload']}, MLP chunks {s['mlp_chunks']}, "
         f"LM-head wgrad {s['lm_head_wgrad']}, "
         f"{'KV heads repeated by the kernel' if s['kernel_expands_gqa'] else 'native GQA kernel'}, "
         f"ZeRO-{s['zero_stage']}, {s['dtype']}"
-        + (f", LoRA rank {s['lora_rank']} (base frozen)" if s.get("lora_rank") else ""),
+        + (f", LoRA rank {s['lora_rank']} (base frozen)" if s.get("lora_rank") else "")
+        + (f", packed documents of {_tokens(s['doc_len'])} tokens" if s.get("doc_len") else ""),
         f"device peak      {_gib(out['device_peak_bytes'])} of {_gib(out['device_capacity_bytes'])} per GPU",
         f"host peak        {_gib(out['host_peak_bytes'])} of {_gib(out['host_capacity_bytes'])} per node",
         "breakdown:",
@@ -123,7 +146,8 @@ def render(out: dict) -> str:
         f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
         f"--checkpoint {r['checkpoint']} --checkpoint-device-layers {r['checkpoint_device_layers']} "
         f"{'--offload' if r['offload'] else '--no-offload'} "
-        f"--lm-head-wgrad {r['lm_head_wgrad']}"
+        f"--lm-head-wgrad {r['lm_head_wgrad']} --attention-checkpoint {r['attention_checkpoint']}"
+        + (f" --save-attention-layers {r['save_attention_layers']}" if r["attention_checkpoint"] == "save" else "")
         + (f" --lora-rank {r['lora_rank']}" if r.get("lora_rank") else "") if r
         else "nothing fits at this length"))
     return "\n".join(lines)
@@ -145,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                  "offload_param": args.offload_param, "dtype": args.dtype, "batch": args.batch,
                  "lm_head_wgrad": args.lm_head_wgrad, "mlp_chunks": args.mlp_chunks,
                  "loss_chunks": args.loss_chunks, "attention_backend": args.attention_backend,
-                 "checkpoint_device_layers": args.checkpoint_device_layers, "lora_rank": args.lora_rank}
+                 "checkpoint_device_layers": args.checkpoint_device_layers, "lora_rank": args.lora_rank,
+                 "attention_checkpoint": args.attention_checkpoint,
+                 "save_attention_layers": args.save_attention_layers, "doc_len": args.doc_len}
         choice = dataclasses.replace(choice, **{k: v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:

@@ -26,7 +26,8 @@ from fpdt.train.config import merge_options
 from fpdt.train.preflight import micro_batch_size
 
 FPDT_KEYS = ("sp", "hp", "cp", "placement", "inner_ring", "chunk_size", "offload", "checkpoint", "lm_head_wgrad",
-             "mlp_chunks", "loss_chunks", "attention_backend", "checkpoint_device_layers")
+             "mlp_chunks", "loss_chunks", "attention_backend", "checkpoint_device_layers", "attention_checkpoint",
+             "save_attention_layers")
 """Keys of the JSON's ``"fpdt"`` section that are planner choices (same names as ``fpdt-train``'s)."""
 
 

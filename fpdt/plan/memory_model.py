@@ -61,7 +61,14 @@ Activations (per rank), the phase with the larger sum sets the peak:
   (:data:`RUNTIME_RESERVE_BYTES`); the caching allocator's slack is a factor
   (:data:`FRAGMENTATION`) on everything allocated dynamically.
 
-Host (per node = ``gpus_per_node`` ranks): offloaded checkpoints ``l * Nd``, the
+* **saved attention outputs** (``attention_checkpoint="save"``,
+  :func:`saved_attention_bytes` per saving layer): held from the layer's forward to its
+  backward, so live at every peak; on the device for the saving layers whose input
+  checkpoint is there (:meth:`fpdt.plan.setup.Setup.saving_layers`), on the host for the others.
+
+Host (per node = ``gpus_per_node`` ranks): offloaded checkpoints ``l * Nd``, the saved
+attention outputs of the offloaded saving layers (the layer in flight's are also counted
+in its stash: an over-count of one layer's output and lse), the
 attention stash of the layer in flight (of every layer when checkpointing is off),
 offloaded model states, and :data:`HOST_RESERVE_PER_RANK` of process memory per rank.
 """
@@ -157,12 +164,12 @@ def model_states(cfg: ModelConfig, s: Setup, world: int) -> dict:
     return {**dev, "model_states_host": host}
 
 
-def layer_attention_costs(cfg: ModelConfig, s: Setup) -> AttentionCosts:
+def layer_attention_costs(cfg: ModelConfig, s: Setup, causal: bool = True) -> AttentionCosts:
     """Per-rank, per-layer costs of the attention schedule (:mod:`fpdt.attention.ring_costs`)."""
     return attention_costs(seq_len=s.seq_len, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                            head_dim=cfg.head_dim, hp=s.hp, cp=s.cp, inner_ring=s.inner_ring,
                            num_chunks=s.num_chunks, hidden=cfg.hidden_size, batch=s.batch,
-                           dtype_bytes=s.elem_bytes, offload=s.offload)
+                           dtype_bytes=s.elem_bytes, offload=s.offload, causal=causal)
 
 
 def _dq_nd(cfg: ModelConfig, s: Setup) -> float:
@@ -175,6 +182,15 @@ def attention_stash_nd(cfg: ModelConfig, s: Setup) -> float:
     lse = cfg.num_heads * 4 / (h * s.elem_bytes)
     dq = qd * 4 / (h * s.elem_bytes)
     return (2 * qd + 2 * kvd) / h + lse + dq + 1.0
+
+
+def saved_attention_bytes(cfg: ModelConfig, s: Setup) -> int:
+    """Bytes per rank one saving layer keeps (``attention_checkpoint="save"``): its attention
+    output in the training dtype and its fp32 log-sum-exp, ``B (S / P) H (D e + 4)`` with
+    ``P = hp * cp``; ``(2 S H D + 4 S H) / P`` in bf16 (LoongTrain, arXiv:2406.18485, section 5.2).
+    The same whether it is kept in head layout (``S / cp`` tokens of ``H / hp`` heads) or in
+    sequence layout (``S / P`` tokens of ``H`` heads)."""
+    return s.batch * s.local_tokens * cfg.num_heads * (cfg.head_dim * s.elem_bytes + 4)
 
 
 def communication(cfg: ModelConfig, s: Setup) -> float:
@@ -222,6 +238,9 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     else:   # every layer keeps its activations (and its stash, unless offloaded)
         per_layer = SAVED_PER_LAYER_ND + (0.0 if s.offload else stash_nd)
         ckpt_dev, ckpt_host = l * per_layer * nd, 0.0
+    saved_host_layers, saved_dev_layers = s.saving_layers(l)
+    saved_dev = saved_dev_layers * saved_attention_bytes(cfg, s)
+    saved_host = saved_host_layers * saved_attention_bytes(cfg, s)
     stash_resident = 0.0 if s.offload else (stash_nd - _dq_nd(cfg, s)) * nd   # recomputed, kept on device
     costs = layer_attention_costs(cfg, s)       # its peaks include the on-device stash without offload
     if s.cp == 1:   # the Ulysses pipeline, plus the projection-input chunk the layer fetches for dW
@@ -246,7 +265,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
 
     # The peak is in one layer's backward or at the loss (end of forward); the breakdown
     # holds what is live at that moment, so that it sums to the peak.
-    at_peak = {"checkpoints_device": ckpt_dev, "in_flight_layer": 0.0, "attention_working_set": 0.0,
+    at_peak = {"checkpoints_device": ckpt_dev, "attention_saved_device": saved_dev, "in_flight_layer": 0.0,
+               "attention_working_set": 0.0,
                "mlp_chunk": 0.0, "loss_chunk": 0.0}
     phases = {   # sub-phase -> (full-length tensors of the in-flight layer, working-set category, bytes)
         "norm": (NORM_PHASE_ND * nd + stash_resident, None, 0.0),
@@ -254,8 +274,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         "mlp": (MLP_PHASE_ND * nd + stash_resident, "mlp_chunk", mlp_ws),
     }
     in_flight, ws_key, ws = max(phases.values(), key=lambda p: p[0] + p[2])
-    layer_phase = ckpt_dev + in_flight + ws
-    loss_phase = ckpt_dev + loss
+    layer_phase = ckpt_dev + saved_dev + in_flight + ws
+    loss_phase = ckpt_dev + saved_dev + loss
     if layer_phase >= loss_phase:
         at_peak["in_flight_layer"] = in_flight
         if ws_key:
@@ -276,7 +296,7 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     stash_host = 0.0
     if s.offload:
         stash_host = (l if s.checkpoint == "off" else 1) * stash_nd * nd
-    per_rank_host = ckpt_host + stash_host + states["model_states_host"] + HOST_RESERVE_PER_RANK
+    per_rank_host = ckpt_host + saved_host + stash_host + states["model_states_host"] + HOST_RESERVE_PER_RANK
     ranks = min(gpus_per_node, world)
     breakdown = {
         "parameters": states["parameters"],
@@ -287,6 +307,7 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         "optimizer_step": step,
         "runtime_reserve": RUNTIME_RESERVE_BYTES + (FRAGMENTATION - 1) * dynamic,
         "checkpoints_host": ranks * ckpt_host,
+        "attention_saved_host": ranks * saved_host,
         "attention_stash_host": ranks * stash_host,
         "model_states_host": ranks * states["model_states_host"],
         "process_host": ranks * HOST_RESERVE_PER_RANK,

@@ -3,8 +3,9 @@
 Choices the caller leaves open (``None``) are searched: global chunk sizes 8K..256K
 (powers of two dividing ``S``) and ``fpdt-train``'s default chunk for each mesh, every ``hp x cp = sp`` with
 ``hp`` dividing the query heads, both placements when ``cp > 1``, both LM-head weight
-gradient modes (:mod:`fpdt.model.loss`). Among the candidates
-that fit, the fastest wins (less device memory breaks ties). ``recommended`` searches the
+gradient modes (:mod:`fpdt.model.loss`), and for checkpointed setups whether (and how many)
+layers save their attention output instead of recomputing it (:func:`_with_saved_attention`).
+Among the candidates that fit, the fastest wins (less device memory breaks ties). ``recommended`` searches the
 checkpoint mode as well; the headline figures keep the caller's mode (the trainer's
 default, ``offload``, unless told otherwise).
 """
@@ -20,11 +21,12 @@ import torch
 
 from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model.config import ModelConfig
+from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
-from fpdt.plan.memory_model import estimate_memory
+from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, saved_attention_bytes
 from fpdt.plan.models import load_model_config
 from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
-                             Setup, chunk_count_problems, device_layer_problems)
+                             Setup, chunk_count_problems, device_layer_problems, save_attention_problems)
 from fpdt.plan.time_model import estimate_time
 from fpdt.train.config import chunk_split, default_chunk_size
 from fpdt.train.metrics import ModelShape, layer_matmul_flops, step_rates, train_flops_per_token
@@ -78,6 +80,21 @@ class Choice:
     """DeepSpeed ZeRO settings that allocate device memory (its defaults unless given)."""
     lora_rank: int = 0
     """LoRA fine-tuning (``fpdt.hf`` with PEFT) of this rank on every decoder linear; 0: full."""
+    attention_checkpoint: str | None = None
+    """``"save"`` / ``"recompute"`` (the model's option); None: choose, as ``fpdt-train``'s
+    default does (``"save"`` for as many layers as fit, when any do)."""
+    doc_len: int | None = None
+    """Packed documents of this mean length (:mod:`fpdt.plan.documents`); None: one per sequence."""
+    save_attention_layers: int | None = None
+    """How many layers save their attention output (implies ``"save"``); None: the most that
+    fit (the host and device memory left by the rest of the setup)."""
+
+    @property
+    def fixed_save_layers(self) -> int | None:
+        """The saving-layer count the caller fixed: theirs, 0 for ``"recompute"``, else None."""
+        if self.attention_checkpoint == "recompute":
+            return 0
+        return self.save_attention_layers
 
 
 def _divisors(n: int) -> list[int]:
@@ -127,7 +144,9 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                       loss_chunks=choice.loss_chunks,
                       sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
                       kernel_expands_gqa=expands, lora_rank=choice.lora_rank,
-                      checkpoint_device_layers=(choice.checkpoint_device_layers or 0) if ckpt == "offload" else 0)
+                      checkpoint_device_layers=(choice.checkpoint_device_layers or 0) if ckpt == "offload" else 0,
+                      attention_checkpoint="save" if choice.fixed_save_layers else "recompute",
+                      save_attention_layers=choice.fixed_save_layers or None, doc_len=choice.doc_len)
             if not s.problems(cfg, world):
                 out.append(s)
     return out
@@ -151,11 +170,12 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     dp = cluster.world // s.sp
     tokens = s.seq_len * s.batch * dp
     shape = ModelShape.from_config(cfg)
-    rates = step_rates(shape, s.seq_len, tokens, times["total"], cluster.world,
+    attended = effective_length(s.seq_len, s.doc_len)     # MFU counts the attention work the mask needs
+    rates = step_rates(shape, attended, tokens, times["total"], cluster.world,
                        cluster.gpu.bf16_flops, recompute=s.checkpoint != "off")
     if s.lora_rank:   # the FLOPs a LoRA step needs: no weight gradients of the frozen linears and head
-        rates = dataclasses.replace(rates, mfu=rates.mfu * _lora_flops_fraction(shape, s.seq_len, True),
-                                    mfu_full=rates.mfu_full * _lora_flops_fraction(shape, s.seq_len, False))
+        rates = dataclasses.replace(rates, mfu=rates.mfu * _lora_flops_fraction(shape, attended, True),
+                                    mfu_full=rates.mfu_full * _lora_flops_fraction(shape, attended, False))
     fits_device = mem.device_peak_bytes <= cluster.gpu.mem_bytes
     fits_host = mem.host_peak_bytes <= cluster.host_mem_bytes
     return {
@@ -206,13 +226,77 @@ def _with_device_layers(cfg: ModelConfig, r: dict, cluster: Cluster) -> dict | N
     return None
 
 
-def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = False) -> dict | None:
+def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room: float | None,
+                       ranks_per_node: int) -> int:
+    """The most layers (the first ones) that can save their attention output in the memory a
+    recompute setup ``s`` leaves: ``host_room`` bytes per node of ``ranks_per_node`` ranks and
+    ``device_room`` per GPU (None: not limited). The first ``l - k`` layers' outputs go to the
+    host under ``"offload"``, the rest (and all under ``"on"``) to the device, where the
+    allocator's slack (:data:`FRAGMENTATION`) is counted on them. 0 without checkpointing."""
+    l = cfg.num_layers
+    if s.checkpoint == "off":
+        return 0
+    per = saved_attention_bytes(cfg, s)
+    on_host = l - s.checkpoint_device_layers if s.checkpoint == "offload" else 0
+    n_host = max(0, min(on_host, int(host_room // (ranks_per_node * per))))
+    if n_host < on_host:
+        return n_host
+    on_device = l - on_host if device_room is None else min(l - on_host, int(max(0.0, device_room)
+                                                                           // (FRAGMENTATION * per)))
+    return on_host + on_device
+
+
+def _with_saved_attention(cfg: ModelConfig, r: dict, cluster: Cluster, tier: bool) -> dict | None:
+    """``r``'s fitting setup with the most layers saving their attention output that still
+    fit, evaluated (None when ``r`` does not fit, does not checkpoint, or not one layer fits).
+
+    The saving layers are the first ``K``; a layer's saved output goes where its input
+    checkpoint is (:meth:`fpdt.plan.setup.Setup.saving_layers`), so under ``"offload"`` the
+    first ``l - k`` cost host memory and the rest device memory. With ``tier`` (the caller
+    left ``checkpoint_device_layers`` open) more layer inputs may move to the device, each
+    freeing host memory for one more saved output: the smallest ``k`` that gives the largest
+    ``K`` wins. ``K`` comes from the memory ``r`` leaves (both grow linearly in ``K``: on the
+    host by the ranks' saved bytes, on the device by those times the allocator's slack, an
+    upper bound), then is checked by :func:`evaluate`."""
+    s = Setup(**r["setup"])
+    l = cfg.num_layers
+    if not r["fits"] or s.checkpoint == "off":
+        return None
+    nd = s.rank_tokens * cfg.hidden_size * s.elem_bytes
+    ranks = min(cluster.gpus_per_node, cluster.world)
+    host_room = r["host_capacity_bytes"] - r["host_peak_bytes"]
+    dev_room = r["device_capacity_bytes"] - r["device_peak_bytes"]
+    k0 = s.checkpoint_device_layers
+    best = (0, k0)
+    for k in range(k0, l + 1) if tier and s.checkpoint == "offload" else [k0]:
+        host_k = host_room + (k - k0) * ranks * nd
+        dev_k = dev_room - FRAGMENTATION * nd * (max(k, min(2, l)) - max(k0, min(2, l)))
+        if dev_k < 0:
+            break
+        n = most_saving_layers(cfg, dataclasses.replace(s, checkpoint_device_layers=k), host_k, dev_k, ranks)
+        if n > best[0]:
+            best = (n, k)
+    n, k = best
+    while n > 0:
+        out = evaluate(cfg, dataclasses.replace(s, attention_checkpoint="save", save_attention_layers=n,
+                                                checkpoint_device_layers=k), cluster)
+        if out["fits"]:
+            return out
+        n -= 1
+    return None
+
+
+def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = False,
+          save: bool = False) -> dict | None:
     """The fastest fitting setup's evaluation, or the least-memory one when none fits.
     ``tier``: a setup over on the host only may keep some layer inputs on the device
-    (:func:`_with_device_layers`)."""
+    (:func:`_with_device_layers`). ``save``: each fitting checkpointed setup is also tried
+    with the most layers saving their attention output (:func:`_with_saved_attention`)."""
     results = [evaluate(cfg, s, cluster) for s in setups]
     if tier:
         results += [t for t in (_with_device_layers(cfg, r, cluster) for r in results) if t is not None]
+    if save:
+        results += [t for t in (_with_saved_attention(cfg, r, cluster, tier) for r in results) if t is not None]
     if not results:
         return None
     fitting = [r for r in results if r["fits"]]
@@ -231,18 +315,20 @@ def _recommended(r: dict | None) -> dict | None:
         return None
     s = r["setup"]
     return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint",
-                              "checkpoint_device_layers", "offload", "lm_head_wgrad", "lora_rank")}
+                              "checkpoint_device_layers", "offload", "lm_head_wgrad", "lora_rank",
+                              "attention_checkpoint", "save_attention_layers")}
 
 
 def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict:
     """The planner's answer at one length (the caller's checkpoint mode; best other choices)."""
     tier = choice.checkpoint_device_layers is None
-    best = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster, tier)
+    save = choice.fixed_save_layers is None
+    best = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster, tier, save)
     if best is None:
         return {"fits": False, "seq_len": seq_len, "reason": _why_none(cfg, seq_len, choice, cluster.world),
                 "recommended": None}
     free_ckpt = candidates(cfg, seq_len, choice, cluster.world, checkpoints=CHECKPOINT_MODES)
-    best["recommended"] = _recommended(_best(cfg, free_ckpt, cluster, tier))
+    best["recommended"] = _recommended(_best(cfg, free_ckpt, cluster, tier, save))
     return best
 
 
@@ -304,6 +390,15 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     bad = chunk_count_problems(choice.mlp_chunks, choice.loss_chunks)
     if choice.checkpoint_device_layers is not None:
         bad += device_layer_problems(choice.checkpoint_device_layers, choice.checkpoint, cfg.num_layers)
+    bad += save_attention_problems(choice.attention_checkpoint or "save", choice.save_attention_layers,
+                                   cfg.num_layers)
+    if choice.doc_len is not None and (isinstance(choice.doc_len, bool) or not isinstance(choice.doc_len, int)
+                                       or choice.doc_len < 1):
+        bad.append(f"--doc-len {choice.doc_len!r} must be a whole number of tokens, at least 1 (the mean "
+                   f"document length)")
+    if choice.attention_checkpoint == "recompute" and choice.save_attention_layers:
+        bad.append(f"--save-attention-layers {choice.save_attention_layers} needs --attention-checkpoint save "
+                   f"(not recompute)")
     if bad:
         raise ValueError("; ".join(bad))
     if search_max:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fpdt.model.config import ModelConfig
-from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions
 from fpdt.train.config import chunk_split
 
 ZERO_REDUCE_BUCKET = 5e8
@@ -41,6 +41,17 @@ def device_layer_problems(k, checkpoint: str, num_layers: int) -> list[str]:
     if k and checkpoint != "offload":
         return [f"--checkpoint-device-layers {k} keeps some offloaded layer inputs on the GPU: it needs "
                 f"--checkpoint offload (not {checkpoint})"]
+    return []
+
+
+def save_attention_problems(mode: str, layers, num_layers: int) -> list[str]:
+    """Why ``attention_checkpoint=mode`` with ``save_attention_layers=layers`` cannot be
+    planned (empty when it can), naming the fix."""
+    if mode not in ATTENTION_CHECKPOINT_MODES:
+        return [f"--attention-checkpoint {mode!r} must be one of {ATTENTION_CHECKPOINT_MODES}"]
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
+                               or not 0 <= layers <= num_layers):
+        return [f"--save-attention-layers {layers!r} must be an integer from 0 to the model's {num_layers} layers"]
     return []
 
 
@@ -83,10 +94,34 @@ class Setup:
     kernel_expands_gqa: bool = False
     """The attention kernel repeats K/V heads (the CPU kernel); False for flash-attn/cuDNN,
     which take GQA natively (the GPU presets)."""
+    attention_checkpoint: str = "recompute"
+    """``"save"``: each saving layer keeps its attention output (head layout, before ``o_proj``)
+    and fp32 log-sum-exp from the forward, so its recompute runs no attention kernel
+    (:func:`fpdt.plan.memory_model.saved_attention_bytes`); ``"recompute"``: today's."""
+    save_attention_layers: int | None = None
+    """With ``"save"``: how many layers save (the first ones, counted from the embedding);
+    None: every layer."""
+    doc_len: int | None = None
+    """Packed documents of this many tokens (the mean; :mod:`fpdt.plan.documents`), each
+    attending within itself; None: one document per sequence."""
     lora_rank: int = 0
     """PEFT LoRA adapters of this rank on every decoder linear, the rest frozen (``fpdt.hf``:
     fp32 adapters, their gradients and AdamW moments; no weight gradients for the base, no
     LM-head gradient); 0 trains every weight."""
+
+    def saving_layers(self, num_layers: int) -> tuple[int, int]:
+        """``(host, device)``: how many layers save their attention output, by where it lives.
+        The saving layers are the first ``save_attention_layers`` (all when None); a saved
+        output lives where its layer's input checkpoint does: on the host under
+        ``checkpoint="offload"`` except for the last ``checkpoint_device_layers`` layers,
+        on the device under ``"on"``. 0 and 0 with ``"recompute"`` or ``checkpoint="off"``."""
+        if self.attention_checkpoint != "save" or self.checkpoint == "off":
+            return 0, 0
+        n = num_layers if self.save_attention_layers is None else min(self.save_attention_layers, num_layers)
+        if self.checkpoint == "on":
+            return 0, n
+        on_device = max(0, n - (num_layers - self.checkpoint_device_layers))
+        return n - on_device, on_device
 
     @property
     def sp(self) -> int:
@@ -116,12 +151,16 @@ class Setup:
         if self.checkpoint not in CHECKPOINT_MODES:
             out.append(f"checkpoint={self.checkpoint!r} must be one of {CHECKPOINT_MODES}")
         out += device_layer_problems(self.checkpoint_device_layers, self.checkpoint, cfg.num_layers)
+        out += save_attention_problems(self.attention_checkpoint, self.save_attention_layers, cfg.num_layers)
         if self.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
             out.append(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
         if self.placement not in PLACEMENTS:
             out.append(f"placement={self.placement!r} must be one of {PLACEMENTS}")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        if self.doc_len is not None and (isinstance(self.doc_len, bool) or not isinstance(self.doc_len, int)
+                                         or self.doc_len < 1):
+            out.append(f"--doc-len {self.doc_len!r} must be a whole number of tokens, at least 1")
         if self.lora_rank < 0:
             out.append(f"lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -8,7 +8,13 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
   backward; with LoRA no weight-gradient GEMMs), the trainer's FLOP formulas
   (:mod:`fpdt.train.metrics`), at the sustained GEMM rate.
 * **attention**: causal ``q.k^T`` and ``p.v`` FLOPs of ``T`` query tokens against ``S``
-  keys, forward + backward (+ recompute), at the sustained attention rate.
+  keys, forward + backward (+ recompute), at the sustained attention rate: four forwards'
+  worth per checkpointed layer (forward, recompute, backward = 2), three for a layer that
+  saves its attention output (``attention_checkpoint="save"``: its recompute runs no kernel).
+  Under ``saving_layers``, the recompute of a saving layer still runs its q/k/v all-to-alls
+  and the one of its output (:data:`SAVED_OUTPUT_ALL_TO_ALLS`), still stashes q̂, k̂, v̂ and
+  fetches each saved output chunk once (these copies hide behind the layer's GEMMs), but
+  fetches no K/V block.
 * **all_to_all**: Ulysses all-to-alls per layer and pass (forward and recompute: q/k/v in,
   o out; backward: dô in, fp32 dq/dk/dv out), the bytes that leave the rank as
   :func:`fpdt.attention.ring_costs.attention_costs` counts them; NVLink when the
@@ -35,6 +41,9 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
   10% of that count on shapes it was not fitted to). About a third of the GEMM time for
   Llama-3-8B per token and layer on an H100: it matters at short sequences, not at long
   ones, where attention dominates.
+* **packed documents** (``doc_len``, :mod:`fpdt.plan.documents`): the attention time scales
+  with the kernel's work under the document mask, and the blocks no query sees are neither
+  fetched nor merged (copies and merges scale with the touched blocks).
 * **wgrad_accumulation**: the device-memory traffic of summing weight gradients over
   chunks (:func:`wgrad_accumulation_bytes`), on the compute stream, at the device memory
   rate. Each chunk's ``dW`` partial is a full weight-sized tensor whatever the chunk's
@@ -44,10 +53,14 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
 
 from __future__ import annotations
 
+import dataclasses
+
+from fpdt.attention.ring_costs import AttentionCosts
 from fpdt.model.chunks import chunk_count
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster, Rates
-from fpdt.plan.memory_model import layer_attention_costs, loss_chunks, mlp_chunks
+from fpdt.plan.memory_model import kv_dim, layer_attention_costs, loss_chunks, mlp_chunks
+from fpdt.plan.documents import ring_touches, work_fraction
 from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
 from fpdt.train.metrics import ModelShape, attention_flops, layer_matmul_flops
@@ -80,6 +93,17 @@ rank 64, and dropout 0.1 nearly triples it): the top of that range, so that the 
 time errs long rather than short (``tests/plan/test_lora_plan.py``)."""
 
 
+SAVED_OUTPUT_ALL_TO_ALLS = 1
+"""All-to-alls of the attention output per step, beyond the forward's, for a layer that saves it.
+The output is saved in head layout, as the attention backward reads it (the FPDT pipeline
+already stashes it so for the layer in flight); the recompute needs it in sequence layout
+for ``o_proj`` and the MLP's input, so it crosses the all-to-all once more, as the recomputed
+output does with ``"recompute"``. Saved in sequence layout instead, the recompute would skip
+that all-to-all and the backward would need it into head layout: one either way, so the
+all-to-all time does not change with ``"save"``. 0 would model a design that keeps both layouts
+(twice the saved bytes)."""
+
+
 def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
     """Device bytes the memory-bound ops move per optimizer step on one rank (see
     :data:`ELEMENTWISE_BYTES`); the weight-gradient accumulation is counted apart."""
@@ -91,7 +115,7 @@ def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
         per_token += LORA_ELEMENTWISE_BYTES * lora_param_count(cfg, 1) / cfg.num_layers
     if s.checkpoint == "off":
         per_token *= NO_RECOMPUTE_FACTOR
-    merges = s.cp * u * (u + 1) / 2 - u                     # touches after each query chunk's first
+    merges = ring_touches(s.seq_len, s.doc_len, u, s.cp) - u   # touches after each query chunk's first
     layer = tokens * per_token + k["merge"] * merges * tokens / u * h
     head_mode = "accumulate" if s.lora_rank else s.lm_head_wgrad     # a frozen head recomputes nothing
     return cfg.num_layers * layer + lm_head_elementwise_bytes(tokens, cfg.vocab_size, s.elem_bytes, head_mode)
@@ -168,8 +192,25 @@ def lm_head_gemm_flops(tokens: int, hidden: int, vocab: int, mode: str) -> float
     return (4 if mode == "recompute" else 3) * 2 * hidden * vocab * tokens
 
 
-def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
-    """Seconds per optimizer step, per component (exposed time) plus ``"total"``."""
+def _document_copies(cfg: ModelConfig, s: Setup, c: AttentionCosts) -> AttentionCosts:
+    """``c`` with the host copies of the blocks a document mask skips taken out: every copy
+    volume of :func:`fpdt.attention.ring_costs.attention_costs` is affine in the touches
+    ``T``, so it is read off the causal (``T = cp u (u+1)/2``) and the full (``cp u^2``)
+    counts at :func:`fpdt.plan.documents.ring_touches`."""
+    u = s.num_chunks
+    if s.doc_len is None or u == 1 or not s.offload:
+        return c
+    full = layer_attention_costs(cfg, s, causal=False)
+    t_causal, t_full = s.cp * u * (u + 1) / 2, s.cp * u * u
+    x = (ring_touches(s.seq_len, s.doc_len, u, s.cp) - t_causal) / (t_full - t_causal)
+    fields = ("h2d_bytes_fwd", "d2h_bytes_fwd", "h2d_bytes_bwd", "d2h_bytes_bwd")
+    return dataclasses.replace(c, **{f: getattr(c, f) + x * (getattr(full, f) - getattr(c, f)) for f in fields})
+
+
+def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
+                  saved_output_all_to_alls: int = SAVED_OUTPUT_ALL_TO_ALLS) -> dict:
+    """Seconds per optimizer step, per component (exposed time) plus ``"total"``
+    (``saved_output_all_to_alls``: :data:`SAVED_OUTPUT_ALL_TO_ALLS`)."""
     rates = cluster.rates()
     m, e, l = ModelShape.from_config(cfg), s.elem_bytes, cfg.num_layers
     tokens = s.rank_tokens
@@ -182,17 +223,20 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     # the chunked MLP's backward recomputes each chunk's gate and up projections (fpdt.model.mlp)
     mlp_recompute = 4 * cfg.hidden_size * cfg.intermediate_size
     gemm_flops = tokens * l * (gemm_passes * layer_matmul_flops(m) + mlp_recompute) + head_flops
-    attn_fwd = tokens * l * attention_flops(m, s.seq_len, causal=True)
+    attn_fwd = tokens * l * attention_flops(m, s.seq_len, causal=True) * work_fraction(s.seq_len, s.doc_len)
     t_gemm = gemm_flops / rates.gemm_flops
-    t_attn = passes * attn_fwd / rates.attention_flops
+    saving = sum(s.saving_layers(l))                       # their recompute runs no attention kernel
+    t_attn = (passes * l - saving) * (attn_fwd / l) / rates.attention_flops
     u = s.num_chunks
 
     # Per-layer communication and copy volumes of the attention schedule (fpdt.attention.ring_costs).
-    c = layer_attention_costs(cfg, s)
+    c = _document_copies(cfg, s, layer_attention_costs(cfg, s))
     fwd_passes = 2 if recompute else 1
     a2a = 0.0
     if s.hp > 1:
         a2a_bytes = l * (fwd_passes * c.all_to_all_bytes_fwd + c.all_to_all_bytes_bwd)
+        o_bytes = s.batch * s.local_tokens * cfg.num_heads * cfg.head_dim * e * (s.hp - 1) // s.hp
+        a2a_bytes -= saving * (1 - saved_output_all_to_alls) * o_bytes
         a2a = a2a_bytes / _link(cluster, s.hp, s.placement == "head_first", rates)
     a2a_exposed = a2a / u + max(0.0, a2a * (u - 1) / u - t_attn * (u - 1) / u)
 
@@ -209,9 +253,15 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         copy_f = (c.h2d_bytes_fwd + c.d2h_bytes_fwd) / duplex                 # per layer and pass
         copy_b = (c.h2d_bytes_bwd + c.d2h_bytes_bwd) / duplex
         attn_f = attn_fwd / l / rates.attention_flops
-        blocks = s.cp * u * (u + 1) / 2
-        h2d_exposed = l * (fwd_passes * (max(0.0, copy_f - attn_f) + copy_f / blocks)
-                           + max(0.0, copy_b - 2 * attn_f) + copy_b / blocks)
+        blocks = ring_touches(s.seq_len, s.doc_len, u, s.cp)
+        forward = max(0.0, copy_f - attn_f) + copy_f / blocks
+        h2d_exposed = l * (forward + max(0.0, copy_b - 2 * attn_f) + copy_b / blocks)
+        if recompute:   # a saving layer's recompute stashes q̂ and its K/V chunks and fetches each saved o
+            q = c.Nd / u  # once (to send it back to sequence layout), beside its GEMMs
+            stashed = u * (q + 2 * q * kv_dim(cfg, s) / cfg.hidden_size) / rates.d2h_bytes_s
+            fetched = u * q / rates.h2d_bytes_s
+            gemm_pass = t_gemm / (l * gemm_passes)
+            h2d_exposed += (l - saving) * forward + saving * max(0.0, max(stashed, fetched) - gemm_pass)
     if s.checkpoint == "offload":   # the layers whose inputs go to the host and come back
         layer_compute = (t_gemm + t_attn) / l
         ckpt_copy = tokens * cfg.hidden_size * e / rates.h2d_bytes_s

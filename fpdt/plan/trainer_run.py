@@ -2,7 +2,7 @@
 
 ``fpdt-train`` uses this once its settings are validated (:func:`fpdt.train.config.validate`)
 and its process group exists, before it builds the model (``check_memory`` in
-:mod:`fpdt.train.cli`):
+:mod:`fpdt.cli.train`):
 
 * **Host** (an error): with ``--checkpoint offload`` every layer's input waits in host
   memory until the backward (``layers x Nd`` per rank, exact), beside one layer's attention
@@ -41,7 +41,7 @@ from fpdt.plan.setup import Setup
 from fpdt.train.config import ConfigError, TrainerOptions, RunLayout, chunk_split
 
 GIB = 1024 ** 3
-HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_host")
+HOST_CATEGORIES = ("checkpoints_host", "attention_saved_host", "attention_stash_host", "model_states_host")
 """Host bytes per node that the run allocates for offload (the process's own memory aside)."""
 LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 """Where launchers say how many processes share a node: torchrun, deepspeed, Slurm, Open MPI."""
@@ -60,7 +60,8 @@ def ranks_on_this_node(world_size: int, gpus_on_node: int | None = None) -> int:
 def planned_setup(plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str, Any], dtype_name: str,
                   device_type: str, kernel_expands_gqa: bool | None = None, head_dim: int = 128) -> Setup:
     """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
-    config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk).
+    config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk; an
+    ``attention_checkpoint`` still to be chosen, None, as ``"recompute"``).
     ``kernel_expands_gqa``: whether the run's attention kernel repeats the KV heads (not
     ``AttentionBackend.native_gqa``); None: on CUDA as ``opts.backend``, or the
     automatic choice for this precision and ``head_dim``, does
@@ -79,7 +80,9 @@ def planned_setup(plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str,
         mlp_chunks=_modelled(plan.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
         lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
         sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
-        kernel_expands_gqa=kernel_expands_gqa)
+        kernel_expands_gqa=kernel_expands_gqa,
+        attention_checkpoint=opts.attention_checkpoint or "recompute",      # None (to choose): as recompute
+        save_attention_layers=opts.save_attention_layers)
 
 
 def _modelled(chunks: int | None) -> int | None:
@@ -125,6 +128,9 @@ def host_memory_error(need_bytes: float, available_bytes: float, ranks_per_node:
     if parts is None or parts["checkpoints_host"]:
         fixes.append("--checkpoint-device-layers K (the last K layers' inputs stay on the GPU, each taking one "
                      "offloaded layer's share of the checkpoints off the host) or --checkpoint on (all of them)")
+    if parts is not None and parts.get("attention_saved_host"):
+        fixes.append("fewer --save-attention-layers (each saving layer's attention output and lse are offloaded "
+                     "beside its input) or --attention-checkpoint recompute (none)")
     fixes += ["a larger --sp over more nodes (fewer tokens per rank)", "a shorter --seq-len"]
     return ConfigError(
         f"the {ranks_per_node} rank(s) on {where} would offload {need_bytes / GIB:.1f} GiB to host memory at "
@@ -230,7 +236,7 @@ def recommend(model: ModelConfig, plan: RunLayout, opts: TrainerOptions, ds_conf
     cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
     choice = replace(_deepspeed_choice(ds_config, plan.world_size), sp=plan.sp, inner_ring=plan.inner_ring,
                      mlp_chunks=_modelled(opts.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
-                     attention_backend=opts.backend, lora_rank=lora_rank)
+                     attention_backend=opts.backend, lora_rank=lora_rank, attention_checkpoint="recompute")
     out = plan_at(model, plan.seq_len, cluster, choice)
     if "reason" in out:
         return Recommendation(None, f"fpdt-plan has no setting to suggest for this mesh ({out['reason']})")
@@ -248,3 +254,61 @@ def recommend(model: ModelConfig, plan: RunLayout, opts: TrainerOptions, ds_conf
         flags.append(f"--lora-rank {lora_rank}")
     text = " ".join(flags)
     return Recommendation(text, f"fpdt-plan's settings for this GPU: {text}")
+
+
+@dataclass(frozen=True)
+class AttentionCheckpoint:
+    """How the run's checkpointed layers get their attention output back in backward
+    (the model's ``attention_checkpoint`` and ``save_attention_layers``), and why."""
+
+    mode: str
+    """``"save"`` or ``"recompute"``."""
+    layers: int | None
+    """With ``"save"``: how many layers (the first ones) save; None: every layer."""
+    reason: str
+
+    def line(self, num_layers: int) -> str:
+        """The start-up line's words for it."""
+        if self.mode == "save":
+            n = num_layers if self.layers is None else self.layers
+            return f"attention_checkpoint=save layers={n}/{num_layers} ({self.reason})"
+        return f"attention_checkpoint=recompute ({self.reason})"
+
+
+def saving_layers_that_fit(model: ModelConfig, setup: Setup, est: MemoryEstimate, host_available: float,
+                           device_capacity: float | None, ranks_per_node: int) -> int:
+    """The most layers of ``setup`` (a recompute setup, ``est`` its estimate) that can save
+    their attention output in what the run's memory check predicts is left: the node's
+    ``host_available`` bytes less its offload (:func:`host_offload_bytes`), and on CUDA the
+    GPU's capacity less the predicted device peak (:func:`fpdt.plan.planner.most_saving_layers`)."""
+    from fpdt.plan.planner import most_saving_layers
+    host_room = host_available - sum(host_offload_bytes(est).values())
+    device_room = None if device_capacity is None else device_capacity - est.device_peak_bytes
+    return most_saving_layers(model, setup, host_room, device_room, ranks_per_node)
+
+
+def attention_checkpoint(requested: str | None, layers: int | None, checkpoint: str, fit: int,
+                         num_layers: int, per_layer_bytes: float | None = None) -> AttentionCheckpoint:
+    """The run's choice: ``requested`` / ``layers`` as given (flag or JSON; None: not given),
+    else ``"save"`` for the ``fit`` layers the memory check leaves room for
+    (:func:`saving_layers_that_fit`, agreed by every rank), else ``"recompute"``.
+    ``per_layer_bytes``: one saving layer's bytes per rank, for the reason."""
+    if requested == "recompute":
+        return AttentionCheckpoint("recompute", None, "--attention-checkpoint recompute")
+    if checkpoint == "off":
+        return AttentionCheckpoint("recompute", None, "checkpointing is off: no layer runs a recompute")
+    if layers is not None:
+        return AttentionCheckpoint("save", min(layers, num_layers), f"--save-attention-layers {layers}")
+    size = f" ({per_layer_bytes / GIB:.2f} GiB per rank and layer)" if per_layer_bytes else ""
+    given = "--attention-checkpoint save" if requested == "save" else "default"
+    if fit >= num_layers:
+        return AttentionCheckpoint("save", None, f"{given}: the predicted host and device memory hold every "
+                                                 f"layer's attention output and lse{size}")
+    if fit > 0:
+        return AttentionCheckpoint("save", fit, f"{given}: the predicted host and device memory hold the attention "
+                                                f"outputs of the first {fit} layers{size}, not more")
+    if requested == "save":
+        return AttentionCheckpoint("save", 0, f"{given}, but the predicted host and device memory hold no layer's "
+                                              f"attention output{size}: every layer recomputes")
+    return AttentionCheckpoint("recompute", None, f"default: the predicted host and device memory hold no layer's "
+                                                  f"attention output{size}")

@@ -14,5 +14,5 @@ Modules (nothing outside ``fpdt.train`` imports this package or DeepSpeed):
 * :mod:`~fpdt.train.lora`       -- LoRA fine-tuning: flags, checks, adapters, what checkpoints record
 * :mod:`~fpdt.train.checkpoint` -- save / resume
 * :mod:`~fpdt.train.export`     -- training checkpoint -> Hugging Face checkpoint (PEFT adapter for LoRA)
-* :mod:`~fpdt.train.cli`        -- ``fpdt-train`` (``python -m fpdt.train``)
+* ``fpdt-train`` itself is :mod:`fpdt.cli.train` (above the planner it uses; ``python -m fpdt.train`` runs it)
 """

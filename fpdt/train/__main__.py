@@ -1,8 +1,11 @@
-"""``python -m fpdt.train`` = ``fpdt-train``."""
+"""``python -m fpdt.train`` (also under ``torchrun -m`` / ``deepspeed --module``) = ``fpdt-train``.
+
+An entry script, run and never imported: it may call the command line above this package.
+"""
 
 import sys
 
-from fpdt.train.cli import main
+from fpdt.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 from fpdt.attention.kernels import BACKENDS
 from fpdt.comm import PLACEMENTS
 from fpdt.offload import selected_runtime_name
-from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions  # noqa: F401 (LM_HEAD_WGRAD_MODES: the CLI's choices)
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions  # noqa: F401 (LM_HEAD_WGRAD_MODES: the CLI's choices)
 
 DEFAULT_CHUNK_TOKENS = 65536
 """Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (BRIEF §1),
@@ -50,6 +50,10 @@ class TrainerOptions(FPDTOptions):
     checkpointing: str | None = None
     """As :attr:`FPDTOptions.checkpointing` (flag ``--checkpoint``, JSON key ``"checkpoint"``);
     ``None``: ``"offload"`` with CUDA (the FPDT design), ``"off"`` on other devices."""
+    attention_checkpoint: str | None = None
+    """As :attr:`FPDTOptions.attention_checkpoint`; ``None``: ``"save"`` for as many layers as
+    the run's own memory check predicts the host and device hold, else ``"recompute"``
+    (:func:`fpdt.plan.trainer_run.attention_checkpoint`; the start-up line says which and why)."""
     sp: int = 1
     """Sequence-parallel size P. Must divide the world size; the rest is data parallel.
     Shorthand for ``hp = sp, cp = 1`` (plain Ulysses)."""
@@ -71,10 +75,12 @@ class TrainerOptions(FPDTOptions):
 
     def model_options(self, run: RunLayout, group=None, mesh=None) -> FPDTOptions:
         """The model's :class:`FPDTOptions` for the validated ``run`` (its chunk count and the
-        device defaults it resolved) on ``group`` or ``mesh``."""
+        device defaults it resolved) on ``group`` or ``mesh``. An ``attention_checkpoint`` still
+        to be chosen (None) is ``"recompute"`` here: ``fpdt-train`` chooses it from its memory
+        check before it builds the model (:func:`fpdt.cli.train.check_memory`)."""
         shared = {f.name: getattr(self, f.name) for f in fields(FPDTOptions)}
         shared.update(num_chunks=run.num_chunks, offload=run.offload, checkpointing=run.checkpoint,
-                      group=group, mesh=mesh)
+                      group=group, mesh=mesh, attention_checkpoint=self.attention_checkpoint or "recompute")
         return FPDTOptions(**shared).validate()
 
 
@@ -115,11 +121,12 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -
 
 def _check_types(opts: TrainerOptions) -> None:
     for name in ("sp", "hp", "cp", "inner_ring", "chunk_size", "mlp_chunks", "loss_chunks",
-                 "checkpoint_device_layers"):
+                 "checkpoint_device_layers", "save_attention_layers"):
         value = getattr(opts, name)
         if value is None and name != "sp":
             continue
-        least = 0 if name in ("mlp_chunks", "loss_chunks", "checkpoint_device_layers") else 1  # 0 = unchunked / none
+        least = 0 if name in ("mlp_chunks", "loss_chunks", "checkpoint_device_layers",
+                              "save_attention_layers") else 1  # 0 = unchunked / none
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= {least}")
     if opts.offload is not None and not isinstance(opts.offload, bool):
@@ -132,7 +139,14 @@ def _check_types(opts: TrainerOptions) -> None:
     if opts.placement not in PLACEMENTS:
         raise ConfigError(f"fpdt option placement={opts.placement!r} must be one of {PLACEMENTS}")
     # the rest as the model checks it, device defaults standing in for what is still automatic
-    resolved = replace(opts, offload=bool(opts.offload), checkpointing=opts.checkpointing or "offload")
+    if opts.attention_checkpoint is not None and opts.attention_checkpoint not in ATTENTION_CHECKPOINT_MODES:
+        raise ConfigError(f"fpdt option attention_checkpoint={opts.attention_checkpoint!r} must be one of "
+                          f"{ATTENTION_CHECKPOINT_MODES}, or left out to save as many layers as fit")
+    if opts.attention_checkpoint == "recompute" and opts.save_attention_layers:
+        raise ConfigError(f"--save-attention-layers {opts.save_attention_layers} needs --attention-checkpoint save "
+                          f"(it is recompute): drop one of them")
+    resolved = replace(opts, offload=bool(opts.offload), checkpointing=opts.checkpointing or "offload",
+                       attention_checkpoint=opts.attention_checkpoint or "recompute")
     for problem in FPDTOptions.problems(resolved):
         if not problem.startswith("checkpoint_device_layers="):   # checked against the run in validate()
             raise ConfigError(f"fpdt option {problem}")
@@ -303,6 +317,11 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
         raise ConfigError(f"--checkpoint-device-layers {opts.checkpoint_device_layers} keeps some offloaded layer "
                           f"inputs on the GPU: it needs --checkpoint offload (the run's checkpointing is "
                           f"{checkpoint!r}); drop it, or use --checkpoint offload")
+    saving = opts.attention_checkpoint == "save" or opts.save_attention_layers is not None
+    if saving and checkpoint == "off":
+        raise ConfigError("--attention-checkpoint save keeps each checkpointed layer's attention output for its "
+                          "recompute, but the run's checkpointing is 'off' (nothing is recomputed): use "
+                          "--checkpoint on or offload, or drop it")
     return RunLayout(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
                      chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=opts.mlp_chunks, hp=hp, cp=cp,
                      placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)

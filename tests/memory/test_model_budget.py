@@ -67,9 +67,10 @@ CONFIG = {
 EPS = 0.05               # fp32 [S, 1] vectors: 4 / (hidden * 2) Nd each
 
 
-def _model(u: int, lora: fm.LoraSpec | None = None):
+def _model(u: int, lora: fm.LoraSpec | None = None, attention_checkpoint: str = "recompute"):
     torch.manual_seed(0)
-    model = fm.from_config(CONFIG, dtype=torch.bfloat16, num_chunks=u, offload=True, checkpointing="offload")
+    model = fm.from_config(CONFIG, dtype=torch.bfloat16, num_chunks=u, offload=True, checkpointing="offload",
+                           attention_checkpoint=attention_checkpoint)
     if lora is not None:
         fm.add_lora(model, lora)                           # fp32 adapters on the bf16 model
     for p in model.parameters():
@@ -103,9 +104,13 @@ def budget_nd(u: int) -> float:
     return max(ATTENTION_PHASE_ND + ATTENTION_WS_U / u, RECOMPUTE_PHASE_ND, MLP_PHASE_ND + MLP_WS_U / u) + EPS
 
 
-@pytest.mark.parametrize("u", [4, 8, 16])
-def test_two_layer_model_per_token_within_budget(u):
-    model = _model(u=u)
+@pytest.mark.parametrize("u,attention_checkpoint", [(4, "recompute"), (8, "recompute"), (16, "recompute"),
+                                                    (4, "save")])
+def test_two_layer_model_per_token_within_budget(u, attention_checkpoint):
+    """Also with ``attention_checkpoint="save"``: the saved outputs are on the host, the
+    recompute fetches one output chunk at a time (and the next), and nothing else changes on
+    the device: the same budget (measured at the attention-bound u = 4)."""
+    model = _model(u=u, attention_checkpoint=attention_checkpoint)
     model(**_inputs(model, 256)).backward()               # kernel self-check outside the count
     lo, hi = STEADY[u]
     a, b = _peak(model, lo), _peak(model, hi)
@@ -131,10 +136,11 @@ def test_lora_per_token_within_the_same_budget(dropout):
     assert _peak(model, 1024) < _peak(_model(u), 1024)
 
 
-def test_host_pool_is_stable_over_steps():
+@pytest.mark.parametrize("attention_checkpoint", ["recompute", "save"])
+def test_host_pool_is_stable_over_steps(attention_checkpoint):
     """No pinned-buffer leak: after the first step the pool allocates nothing and every
     buffer is back in the pool at the end of each step."""
-    model = _model(u=4)
+    model = _model(u=4, attention_checkpoint=attention_checkpoint)
     pool = host_pool("cpu")
     inputs = _inputs(model, 256)
     held = []
@@ -145,12 +151,13 @@ def test_host_pool_is_stable_over_steps():
     assert held[1] == held[2] == held[0], held
 
 
-@pytest.mark.parametrize("checkpointing", ["offload", "off"])
-def test_abandoned_forward_gives_its_host_buffers_back(checkpointing):
+@pytest.mark.parametrize("checkpointing,attention_checkpoint", [("offload", "recompute"), ("off", "recompute"),
+                                                                ("offload", "save")])
+def test_abandoned_forward_gives_its_host_buffers_back(checkpointing, attention_checkpoint):
     """A forward whose backward never runs (an exception before it, a skipped step): once
     its loss is dropped, every host buffer it took is back in the pool -- the model's
     long-lived layer-input stash keeps nothing, and the next steps allocate nothing new."""
-    model = _model(u=4).configure(checkpointing=checkpointing)
+    model = _model(u=4).configure(checkpointing=checkpointing, attention_checkpoint=attention_checkpoint)
     pool = host_pool("cpu")
     inputs = _inputs(model, 256)
     model(**inputs).backward()                             # warm the pool

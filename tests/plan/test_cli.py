@@ -134,10 +134,25 @@ def test_readme_worked_example_is_current(capsys):
     assert f"({out['max_seq_len']:,})" in readme and out["limited_by"] is None
     at_2m = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
                      "--host-mem-gib", "1024", "--seq-len", str(2 ** 21))
-    assert f"({at_2m['step_time_s']:.0f} s)" in readme
-    assert at_2m["recommended"]["chunk_size"] == 65536 and "picks the paper's\n64K chunks" in readme
-    assert at_2m["recommended"]["lm_head_wgrad"] == "recompute"
-    split = at_2m["step_time_split_s"]
+    assert at_2m["recommended"]["attention_checkpoint"] == at_2m["setup"]["attention_checkpoint"] == "save"
+    saved, kept = at_2m["setup"]["save_attention_layers"], at_2m["setup"]["checkpoint_device_layers"]
+    assert f"**{at_2m['step_time_s']:.0f} s per step, MFU {at_2m['mfu']:.0%}**" in readme
+    assert f"per node for all {saved} layers" in readme and f"keeps the last {kept}\nlayer inputs" in readme
+    assert f"`--checkpoint-device-layers {kept}`, {at_2m['device_peak_bytes'] / 2 ** 30:.0f} GiB per GPU" in readme
+    assert f"{at_2m['step_time_split_s']['attention']:.0f} s of attention" in readme
+    recomputed = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
+                          "--host-mem-gib", "1024", "--seq-len", str(2 ** 21), "--attention-checkpoint", "recompute")
+    assert f"({recomputed['step_time_s']:.0f} s), MFU {recomputed['mfu']:.0%}" in readme
+    assert f"({recomputed['step_time_split_s']['attention']:.0f} s: four attention passes" in readme
+    host_only = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
+                         "--host-mem-gib", "1024", "--seq-len", str(2 ** 21), "--checkpoint-device-layers", "0")
+    assert (f"{host_only['setup']['save_attention_layers']} layers fit their outputs "
+            f"({host_only['step_time_s']:.0f} s, MFU {host_only['mfu']:.0%})") in readme
+    assert out["setup"]["attention_checkpoint"] == "recompute"     # nothing left to save at the longest length
+    assert recomputed["recommended"]["chunk_size"] == 65536 and "picks the paper's\n64K chunks" in readme
+    assert at_2m["recommended"]["chunk_size"] == 131072 and "MFU 49%**, with 128K chunks" in readme
+    assert at_2m["recommended"]["lm_head_wgrad"] == recomputed["recommended"]["lm_head_wgrad"] == "recompute"
+    split = recomputed["step_time_split_s"]
     assert f"memory-bound ops {split['elementwise']:.1f} s" in readme
     assert f"weight-gradient accumulation {split['wgrad_accumulation']:.1f} s" in readme
     assert f"Each GPU peaks at {out['device_peak_bytes'] / 2 ** 30:.0f} GiB" in readme

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fpdt.train.cli import build_parser, fpdt_flags, main
+from fpdt.cli.train import build_parser, fpdt_flags, main
 from fpdt.train.config import ConfigError, TrainerOptions, load_ds_config, merge_options, validate
 from tests.train.helpers import write_fixture, write_json
 
@@ -161,7 +161,7 @@ def test_attention_backend_reaches_every_layer(tmp_path):
 
     import torch
 
-    from fpdt.train import cli
+    from fpdt.cli import train as cli
     cfg, _ = write_fixture(str(tmp_path))
     argv = ["--model-config", cfg, "--steps", "1", "--data", "x.npy", "--seq-len", "64"]
     for extra, section, want in ((["--attention-backend", "math"], {}, "math"), ([], {"attention_backend": "cpu"}, "cpu"),
@@ -179,7 +179,7 @@ def test_checkpoint_device_layers_reach_the_model(tmp_path, monkeypatch):
 
     import torch
 
-    from fpdt.train import cli
+    from fpdt.cli import train as cli
     monkeypatch.setenv("FPDT_RUNTIME", "sim")      # offloaded checkpointing on the CPU
     cfg, _ = write_fixture(str(tmp_path))
     argv = ["--model-config", cfg, "--steps", "1", "--data", "x.npy", "--seq-len", "64", "--checkpoint", "offload"]

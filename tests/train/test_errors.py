@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from fpdt.train.cli import build_parser, main
+from fpdt.cli.train import build_parser, main
 from fpdt.train.config import ConfigError
 from tests.train.helpers import TINY_CONFIG, write_fixture, write_json
 
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def no_process_group(monkeypatch):
     """Every case here must fail before the process group starts (and none may start one
     in the test process)."""
-    import fpdt.train.cli as cli
+    import fpdt.cli.train as cli
 
     def refuse(*a, **k):
         raise AssertionError("the run got as far as the process group")
@@ -210,7 +210,7 @@ def test_debug_shows_the_traceback(fixture, monkeypatch):
 
 
 def test_unexpected_errors_are_one_line_too(fixture, capsys, monkeypatch):
-    import fpdt.train.cli as cli
+    import fpdt.cli.train as cli
 
     tmp, cfg, data = fixture
 

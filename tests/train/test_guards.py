@@ -120,7 +120,7 @@ def test_skip_nonfinite_drops_the_step_before_backward():
 # ----------------------------------------------------------------------------- real runs on 2 ranks
 
 def _main(argv):
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):

@@ -83,7 +83,9 @@ def _sp2_body(rank: int, world: int, tmp: str) -> None:
     quiet()
     import deepspeed
 
-    from fpdt.train import cli, zero
+    from fpdt.cli import train as cli
+
+    from fpdt.train import zero
     engines, lora_ranks = [], []
     build, check = zero.build_engine, cli.check_memory
     zero.build_engine = lambda *a, **k: engines.append(build(*a, **k)) or engines[-1]
@@ -179,7 +181,7 @@ INIT_SPEC = LoraSpec(3, alpha=5.0, targets=("q_proj", "v_proj", "down_proj"), rs
 
 def _dp2_body(rank: int, world: int, tmp: str) -> None:
     quiet()
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
     argv = _argv(tmp, "dp2", "--model", os.path.join(tmp, "base"), "--steps", "3", "--sp", "1",
                  "--lora-init", os.path.join(tmp, "peft_init"), "--lora-rank", "3")
     assert main(argv) == 0
@@ -212,7 +214,7 @@ RESUME_FLAGS = ("--lora-rank", "2", "--lora-dropout", "0.1", "--lora-targets", "
 
 def _resume_body(rank: int, world: int, tmp: str) -> None:
     quiet()
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
     common = ("--model-config", os.path.join(tmp, "config.json"), "--sp", "2", "--chunk-size", "32", *RESUME_FLAGS)
     assert main(_argv(tmp, "whole", *common, "--steps", "4", "--save-dir", os.path.join(tmp, "ckpt"),
                       "--save-every", "2")) == 0
@@ -265,7 +267,7 @@ def test_fpdt_export_of_a_lora_run_loads_into_peft(resume_run, tmp_path):
 
 @pytest.fixture
 def no_process_group(monkeypatch):
-    import fpdt.train.cli as cli
+    import fpdt.cli.train as cli
 
     def refuse(*a, **k):
         raise AssertionError("the run got as far as the process group")
@@ -273,7 +275,7 @@ def no_process_group(monkeypatch):
 
 
 def _fails(capsys, argv: list[str], *needles: str) -> None:
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
     assert main(argv) == 2
     lines = [l for l in capsys.readouterr().err.splitlines() if l.strip() and "[WARNING]" not in l]
     assert len(lines) == 1 and lines[0].startswith("fpdt-train: error: "), lines
@@ -358,7 +360,7 @@ def _mixed_body(rank: int, world: int, tmp: str) -> None:
     import contextlib
     import io
     quiet()
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
     ck = os.path.join(tmp, "ckpt")
     model = ("--model-config", os.path.join(tmp, "config.json"), "--chunk-size", "32")
     assert main(_argv(tmp, "mixed", *model, "--save-dir", ck, "--steps", "1")) == 0

@@ -140,7 +140,7 @@ def test_the_planners_flags_fit_and_fpdt_train_takes_them():
     sets another mesh, parse, validate, keep the run's fixed MLP chunk count, and are
     predicted to fit 8 x 80 GiB; nothing fits 4 GiB GPUs."""
     from fpdt.plan import load_model_config
-    from fpdt.train.cli import build_parser, fpdt_flags
+    from fpdt.cli.train import build_parser, fpdt_flags
     from fpdt.train.config import merge_options
     cfg, S = load_model_config("llama-3-8b"), 2 * 1024 * 1024
     ds = load_ds_config(None, "cuda")[0]
@@ -211,7 +211,7 @@ def _clean_env():
 REFUSE_RUN = """
 import sys, types, psutil
 psutil.virtual_memory = lambda: types.SimpleNamespace(available=4096, total=4096)
-from fpdt.train.cli import main
+from fpdt.cli.train import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -258,7 +258,7 @@ import fpdt.train.loop as loop
 def oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB\\nmore detail")
 loop.train_step = oom
-from fpdt.train.cli import main
+from fpdt.cli.train import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -281,7 +281,8 @@ def test_cli_turns_an_out_of_memory_step_into_one_line_with_the_levers(tmp_path)
 
 
 def test_a_planner_failure_becomes_a_note_not_an_error(tmp_path, monkeypatch):
-    from fpdt.train import cli, preflight
+    from fpdt.cli import train as cli
+    from fpdt.train import preflight
 
     def broken(*args, **kwargs):
         raise ValueError("a shape the model does not cover")
@@ -300,7 +301,7 @@ def _short_node_body(rank, world_size, tmp, cfg, data, short_rank):
     import os
     import types
 
-    import fpdt.train.cli as cli
+    import fpdt.cli.train as cli
     os.environ["FPDT_RUNTIME"] = "sim"          # this rank only: offload on the CPU
     os.environ["LOCAL_WORLD_SIZE"] = "1"        # one rank per "node"
     free = 4096 if rank == short_rank else 64 * 2 ** 30
@@ -328,7 +329,8 @@ def test_the_prediction_follows_the_kernels_gqa_expansion(tmp_path, monkeypatch)
     to the query heads per block; the prediction fpdt-train prints models the run's kernel
     (``not AttentionBackend.native_gqa``), and by default the device type's automatic one."""
     from fpdt.attention.kernels import BACKENDS
-    from fpdt.train import cli, preflight
+    from fpdt.cli import train as cli
+    from fpdt.train import preflight
     cfg, _ = write_fixture(str(tmp_path))
     source = preflight.model_source(None, cfg)
     ds = load_ds_config(None, "cpu")[0]
@@ -374,7 +376,9 @@ def test_a_lora_run_is_checked_as_lora(monkeypatch):
     passes (the planner's LoRA setup: the frozen base holds no gradient or optimizer state)."""
     import types
 
-    from fpdt.train import cli, preflight
+    from fpdt.cli import train as cli
+
+    from fpdt.train import preflight
     from fpdt.train.config import ConfigError
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=512 * 2 ** 30))
@@ -401,8 +405,10 @@ def test_a_lora_runs_memory_advice_is_the_lora_plans(monkeypatch):
     device-memory warning's and the out-of-memory line's advice), with the GPU faked."""
     import types
 
-    from fpdt.train import cli, preflight
-    from fpdt.train.cli import build_parser, fpdt_flags
+    from fpdt.cli import train as cli
+
+    from fpdt.train import preflight
+    from fpdt.cli.train import build_parser, fpdt_flags
     from fpdt.train.config import merge_options
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1024 * 2 ** 30))

@@ -27,7 +27,7 @@ def _body(rank: int, world_size: int, tmp: str) -> None:
     os.environ["FPDT_RUNTIME"] = "sync"   # this rank only: offload paths on the CPU
     import fpdt.train.loop as loop
     from fpdt.memory.accountant import MemoryAccountant
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
 
     seen = []
     inner = loop.train_step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fpdt.train.cli import build_parser, fpdt_flags
+from fpdt.cli.train import build_parser, fpdt_flags
 from fpdt.train.config import ConfigError, TrainerOptions, merge_options, mesh_degrees, validate
 
 FP32 = {"train_micro_batch_size_per_gpu": 1}

@@ -26,7 +26,7 @@ LAYOUTS = {  # name -> (flags, "fpdt" JSON section)
 
 
 def _body(rank: int, world_size: int, tmp: str) -> None:
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
 
     quiet()
     for name, (flags, _) in LAYOUTS.items():

@@ -182,7 +182,7 @@ def test_main_job_data_packed_and_resumed_in_order(tmp_path):
 
 
 def _train_sp2(rank, world, tmp, log):
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
     from tests.train.helpers import quiet
 
     quiet()

@@ -28,7 +28,7 @@ def _losses(path: str) -> list[float]:
 
 
 def _train(rank: int, tmp: str, name: str, sp: int, chunk: int, extra: list[str]) -> None:
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
 
     log = os.path.join(tmp, f"{name}.jsonl")
     argv = ["--model-config", os.path.join(tmp, "config.json"), "--data", os.path.join(tmp, "tokens.npy"),

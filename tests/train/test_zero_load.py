@@ -81,7 +81,7 @@ def _check_partitioned_and_loaded(model, world_size: int, model_dir: str) -> Non
 def _body(rank: int, world_size: int, tmp: str) -> None:
     quiet()
     from fpdt.train import zero
-    from fpdt.train.cli import main
+    from fpdt.cli.train import main
 
     original = zero.build_engine
     checked = []

@@ -128,7 +128,7 @@ def varlen_self_check(device: torch.device, dtype: torch.dtype, head_dim: int) -
         return _CHECKS[key]
     from fpdt.attention.documents import Documents
     from fpdt.attention.kernels import BACKENDS
-    from fpdt.attention.kernels.masked import segments_backward, segments_forward
+    from fpdt.attention.kernels.segments import segments_backward, segments_forward
     g = torch.Generator().manual_seed(4321)
     C, scale = 40, head_dim ** -0.5
     lengths = ([7, 1, 20, 24, 8, 20], [3, 37, 10, 10, 19, 1])         # two rows, 2C tokens each

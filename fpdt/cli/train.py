@@ -23,7 +23,7 @@ import functools
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
 from fpdt.plan import trainer_run
+from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import checkpoint, lora, preflight, zero, zero_load
-from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
+from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
 from fpdt.train.data import PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, load_documents, load_tokens
 from fpdt.train.errors import RunError, debug_enabled, report
@@ -92,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--checkpoint-device-layers", type=int, metavar="K",
                    help="with --checkpoint offload, keep the last K decoder layers' inputs on the GPU instead of "
                         "the host (default 0), for runs whose host memory is the limit; fpdt-plan suggests K")
+    f.add_argument("--attention-checkpoint", choices=list(ATTENTION_CHECKPOINT_MODES),
+                   help="with checkpointing, whether a layer's recompute runs the attention forward again "
+                        "(recompute) or reads the attention output and lse its forward kept beside the layer input "
+                        "(save: 3 attention passes instead of 4). Default: save for as many layers as the run's "
+                        "memory check predicts the host and device hold, else recompute")
+    f.add_argument("--save-attention-layers", type=int, metavar="K",
+                   help="with --attention-checkpoint save, only the first K layers save (default: every layer when "
+                        "given save; as many as fit when left to choose)")
     f.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
                    help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the first in that "
                         f"order that is installed, fits the device, dtype and head size and passes its "
@@ -137,7 +146,8 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
             "inner_ring": args.inner_ring, "chunk_size": args.chunk_size, "offload": args.offload,
             "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "lm_head_wgrad": args.lm_head_wgrad,
             "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
-            "checkpoint_device_layers": args.checkpoint_device_layers}
+            "checkpoint_device_layers": args.checkpoint_device_layers,
+            "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers}
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -239,7 +249,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
-    source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec)
+    source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec,
+                                     opts.save_attention_layers)
     lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed, source.config)
     kernel = preflight.attention_kernel(opts.backend, device, DTYPES[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
@@ -249,6 +260,9 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     init_distributed(device, timeout)
     memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
                           lora_rank=lora_spec.rank if lora_spec else 0)
+    if memory.attention is not None:     # the choice the memory check made (or the one given)
+        opts = replace(opts, attention_checkpoint=memory.attention.mode,
+                       save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
                               timeout=timeout)
@@ -277,7 +291,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
              f"chunk={plan.chunk_size} chunks={plan.num_chunks} offload={'on' if plan.offload else 'off'} "
              f"checkpoint={plan.checkpoint} attention={kernel.name} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"{windows.describe()} steps {start}->{args.steps} "
-             f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})")
+             f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})"
+             + (f" {memory.attention.line(model.config.num_layers)}" if memory.attention is not None else ""))
     for line in memory.lines + tuple(f"warning: {n}" for n in notes):
         _say(ps, line)
     if lora_spec is not None:
@@ -318,13 +333,15 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
 
 
 def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[str, Any], dtype_name: str,
-                     device_layers: int = 0, lora_spec=None) -> tuple[preflight.ModelSource, list[str]]:
+                     device_layers: int = 0, lora_spec=None,
+                     save_layers: int | None = None) -> tuple[preflight.ModelSource, list[str]]:
     """The checks of :mod:`fpdt.train.preflight` and :mod:`fpdt.train.lora` for this run
     (before any process group). Returns the model source and warnings to print."""
     source = preflight.model_source(args.model, args.model_config)
     lora.check_plan(lora_spec, plan.mlp_chunks, source.config_path, source.config, args.lora_init)
     preflight.check_heads(source.config, plan.hp, source.config_path, "--sp" if plan.cp == 1 else "--hp")
     preflight.check_device_layers(source.config, device_layers, source.config_path)
+    preflight.check_save_layers(source.config, save_layers, source.config_path)
     preflight.check_batch_size(ds_config, plan.world_size)
     preflight.check_save_dir(args.save_dir)
     preflight.check_output_file("--log-json", args.log_json)
@@ -352,6 +369,9 @@ class MemoryCheck:
     first call only (a warning or an out-of-memory line needs it; a run that fits never does)."""
     lines: tuple[str, ...]
     """What to print at start-up: the prediction, a device-memory warning, or why there is none."""
+    attention: trainer_run.AttentionCheckpoint | None = None
+    """The run's ``attention_checkpoint`` / ``save_attention_layers``: as given, or chosen here
+    from the predicted memory (:func:`fpdt.plan.trainer_run.attention_checkpoint`)."""
 
 
 def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
@@ -372,10 +392,13 @@ def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOp
     try:
         est = trainer_run.estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks,
                                    kernel_expands_gqa, lora_rank)
-        parts = trainer_run.host_offload_bytes(est)
     except Exception as e:  # noqa: BLE001 -- a limit of the planner's model never stops a run the trainer can run
         notes.append(f"note: fpdt-plan's model cannot describe this run ({type(e).__name__}: {e}); no memory "
                      f"prediction or host check")
+    attention, est = _choose_attention_checkpoint(source, plan, opts, ds_config, dtype_name, device, est, available,
+                                                  capacity, ranks, kernel_expands_gqa, lora_rank)
+    if est is not None:
+        parts = trainer_run.host_offload_bytes(est)
     worst_rank, need, worst_available, worst_ranks = _worst_node(sum(parts.values()), available, ranks, device)
     me = dist.get_rank() if dist.is_initialized() else 0
     error = trainer_run.host_memory_error(need, worst_available, worst_ranks, plan.seq_len,
@@ -384,14 +407,56 @@ def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOp
     if error is not None:
         raise error
     if est is None:
-        return MemoryCheck(None, capacity, None, tuple(notes))
+        return MemoryCheck(None, capacity, None, tuple(notes), attention)
     recommend = None
     if capacity is not None:
         recommend = functools.cache(functools.partial(_recommend, source.config, plan, opts, ds_config, ranks, capacity,
                                                       available, lora_rank))
     lines = (trainer_run.prediction_line(est, capacity),
              trainer_run.device_memory_warning(est, capacity, recommend) if capacity else None)
-    return MemoryCheck(est, capacity, recommend, tuple(line for line in lines if line))
+    return MemoryCheck(est, capacity, recommend, tuple(line for line in lines if line), attention)
+
+
+def _choose_attention_checkpoint(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions,
+                                 ds_config: dict[str, Any], dtype_name: str, device: torch.device, est, available: float,
+                                 capacity: float | None, ranks: int, kernel_expands_gqa: bool | None,
+                                 lora_rank: int) -> tuple[trainer_run.AttentionCheckpoint, Any]:
+    """The run's attention checkpoint (:func:`fpdt.plan.trainer_run.attention_checkpoint`) and
+    its memory estimate with it. Left to choose (no ``--save-attention-layers``, not
+    ``recompute``), every rank computes how many layers' saved outputs its node's host memory
+    and its GPU hold beside the recompute estimate ``est``, and all take the smallest (one
+    all-reduce), so that every rank builds the same model."""
+    cfg = source.config
+    choose = (plan.checkpoint != "off" and opts.attention_checkpoint != "recompute"
+              and opts.save_attention_layers is None)
+    fit, per_layer = 0, None
+    if choose and est is not None:
+        setup = trainer_run.planned_setup(plan, opts, ds_config, dtype_name, device.type, kernel_expands_gqa,
+                                          cfg.head_dim)
+        per_layer = saved_attention_bytes(cfg, setup)
+        fit = trainer_run.saving_layers_that_fit(cfg, setup, est, available, capacity, ranks)
+    if choose:
+        fit = _smallest_on_any_rank(fit, device)
+    if choose and est is None:
+        mode = "save" if opts.attention_checkpoint == "save" else "recompute"
+        why = "fpdt-plan's model cannot describe this run, so nothing predicts room for saved outputs"
+        return trainer_run.AttentionCheckpoint(mode, None, f"{opts.attention_checkpoint or 'default'}: {why}"), est
+    attention = trainer_run.attention_checkpoint(opts.attention_checkpoint, opts.save_attention_layers,
+                                                 plan.checkpoint, fit, cfg.num_layers, per_layer)
+    if choose and attention.mode == "save":
+        chosen = replace(opts, attention_checkpoint="save", save_attention_layers=attention.layers)
+        est = trainer_run.estimate(cfg, plan, chosen, ds_config, dtype_name, device.type, ranks, kernel_expands_gqa,
+                                   lora_rank)
+    return attention, est
+
+
+def _smallest_on_any_rank(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over the ranks (one all-reduce; itself on one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _recommend(*args) -> trainer_run.Recommendation:

@@ -1,0 +1,225 @@
+"""Saved attention outputs for the layer checkpoint's recompute (Selective Checkpoint++).
+
+Under layer checkpointing a decoder layer runs its forward twice: once without autograd,
+keeping only its input, and again in backward to rebuild the graph. The attention is the
+only part of that recompute whose cost grows faster than the sequence, and its backward
+needs nothing from the recompute's attention forward but ``o`` and ``lse``, which the first
+forward already computed. LoongTrain's Selective Checkpoint++ (arXiv 2406.18485, §5.2) and
+LightSeq's rematerialization-aware checkpointing (arXiv 2310.03294, §3.3) keep them instead.
+
+:class:`SavedAttention` does that for one checkpointed layer:
+
+* **record** (the first, no-grad forward): as each chunk's attention finishes, its output
+  ``o_i`` and ``lse_i`` go into the layer's own :class:`fpdt.offload.HostStash`, in the
+  pipeline's **head layout** (``o_i`` ``[B, C, H/P, D]`` in the input dtype, ``lse_i``
+  ``[B, H/P, C]`` fp32; mesh: ``H/hp``), keys ``("attn out", i)`` / ``("attn lse", i)``
+  (``"attn out chunk 3, layer 2"`` in errors). Head layout, because that is what the
+  attention backward reads, once per (query chunk, KV chunk) pair: saved in sequence
+  layout, it would need an all-to-all back into head layout and a second stash copy. The
+  host stash (pinned, asynchronous device->host copy per chunk) is used when the layer's
+  input is offloaded (``checkpointing="offload"``, except the last
+  ``checkpoint_device_layers``); otherwise the stash keeps device references.
+* **replay** (the recompute in backward): the attention Function runs its q/k/v
+  projections, norms, RoPE and all-to-alls as before and stashes q̂, k̂, v̂ for its backward,
+  but runs **no attention-kernel forward**: :func:`replay_forward` takes ``o_i``, ``lse_i``
+  from the saved stash (fetched one chunk ahead; chunk 0 when the layer's backward starts),
+  moves their host buffers into the pipeline's stash as ``("o", i)``/``("lse", i)`` (no
+  second device->host copy), and emits ``o_i`` through the all-to-all back to sequence
+  layout (the input of ``o_proj``).
+
+Host bytes per saving layer and rank: :func:`fpdt.attention.offload_volume.saved_attention_bytes`,
+``B S (H D e + H a) / P`` (``e`` the output's element size, ``a`` = 4, the fp32 lse): with
+bf16, ``(2 S H D + 4 S H) / P`` per sequence.
+
+The checkpoint opens :meth:`SavedAttention.recording` around the layer's first forward and
+:meth:`SavedAttention.replaying` around its backward; the attention Functions ask
+:func:`active` which (if any) applies to their call. One attention call per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fpdt.comm import heads_to_seq, replicate_kv, start_seq_to_heads_packed
+from fpdt.offload import HostStash
+
+OUT, LSE = "attn out", "attn lse"
+
+_active: tuple["SavedAttention", str] | None = None
+
+
+class SavedAttention:
+    """One checkpointed layer's attention outputs and lse between its two forwards.
+
+    Args:
+        device: the compute device.
+        on_host: keep them in pinned host memory (else device references).
+        label: names the layer in errors, e.g. ``"layer 2"``.
+    """
+
+    def __init__(self, device: torch.device | str, on_host: bool, label: str | None = None):
+        self.stash = HostStash(device, enabled=on_host, label=label)
+        self.label = label
+        self.signature: tuple | None = None     # set by the recording call, checked by the replay
+        self.replayed = False
+
+    @property
+    def recorded(self) -> bool:
+        return self.signature is not None
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Around the layer's first (no-grad) forward."""
+        with _activate(self, "record"):
+            yield
+
+    @contextlib.contextmanager
+    def replaying(self):
+        """Around the layer's backward (recompute + backward); starts fetching chunk 0."""
+        if self.recorded and (OUT, 0) in self.stash:
+            self.stash.prefetch((OUT, 0))   # overlaps the recompute's norm and chunk 0's projections
+        with _activate(self, "replay"):
+            yield
+        self.stash.clear()
+
+    def keep(self, i: int, o_h: torch.Tensor, lse: torch.Tensor) -> None:
+        """Record chunk ``i``'s final output (head layout, not modified afterwards) and lse."""
+        self.stash.put((OUT, i), o_h)
+        self.stash.put((LSE, i), lse)
+
+    def take(self, i: int, num_chunks: int, dest: HostStash) -> torch.Tensor:
+        """Chunk ``i``'s output on the device; its output and lse move into ``dest`` as
+        ``("o", i)``, ``("lse", i)`` (host buffers handed over when both stashes offload)."""
+        o = self.stash.get((OUT, i))
+        if i + 1 < num_chunks:
+            self.stash.prefetch((OUT, i + 1))
+        self.stash.hand_over((OUT, i), dest, ("o", i))
+        self.stash.hand_over((LSE, i), dest, ("lse", i))
+        return o
+
+
+@contextlib.contextmanager
+def _activate(saved: SavedAttention, mode: str):
+    global _active
+    before, _active = _active, (saved, mode)
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def active(for_backward: bool, signature: tuple) -> tuple[str, SavedAttention] | None:
+    """What an attention Function's forward should do with its outputs: ``("record", saved)``
+    (a no-grad first forward under a saving checkpoint), ``("replay", saved)`` (that layer's
+    recompute), or None (run as usual). ``signature`` identifies the call's shapes and
+    chunking; a replay whose call differs from the recorded one is refused."""
+    if _active is None:
+        return None
+    saved, mode = _active
+    if mode == "record" and not for_backward:
+        if saved.recorded:
+            raise RuntimeError(f"attention_checkpoint='save' keeps one attention call per checkpointed layer, "
+                               f"and {saved.label or 'a layer'} made a second: use attention_checkpoint='recompute'")
+        saved.signature = signature
+        return "record", saved
+    if mode == "replay" and for_backward and saved.recorded and not saved.replayed:
+        if signature != saved.signature:
+            raise RuntimeError(f"the recompute of {saved.label or 'a layer'} calls its attention with {signature}, "
+                               f"its first forward with {saved.signature}: the saved outputs do not apply")
+        saved.replayed = True
+        return "replay", saved
+    return None
+
+
+def replay_forward(spec, produce, emit, stash: HostStash, saved: SavedAttention) -> None:
+    """The recompute's forward of :func:`fpdt.attention.mesh_pipeline.run_forward` without the
+    attention: leaves in ``stash`` what that forward leaves for backward (``k``, ``v``, ``q``
+    chunks, or ``q`` and packed ``kv`` for a mesh spec, plus ``o``, ``lse`` from ``saved``) and
+    emits each saved output chunk in sequence layout. Same collectives, in the same order on
+    every rank: per chunk the q/k/v all-to-all (chunk i+1's started before chunk i's output
+    goes back, as in forward) and the output's all-to-all back."""
+    mesh = hasattr(spec, "hp_group")                       # a mesh_pipeline.MeshSpec (which imports this)
+    group = spec.hp_group if mesh else spec.group
+    u = spec.num_chunks
+
+    def start(i):
+        q, k, v = produce(i)
+        return start_seq_to_heads_packed((q, replicate_kv(k, spec.kv_factor), replicate_kv(v, spec.kv_factor)), group)
+
+    overlap = mesh or spec.overlap_all_to_all      # as each pipeline's forward does
+    pending = None
+    for i in range(u):
+        if pending is None:
+            pending = start(i)
+        q_h, k_h, v_h = pending.wait()
+        pending = start(i + 1) if i + 1 < u and overlap else None
+        if mesh:
+            stash.put(("q", i), q_h)
+            stash.put(("kv", i), torch.stack((k_h, v_h)))
+        else:
+            stash.put(("k", i), k_h)
+            stash.put(("v", i), v_h)
+            stash.put(("q", i), q_h)
+        del q_h, k_h, v_h
+        o = saved.take(i, u, stash)
+        emit(i, heads_to_seq(o, group))
+        del o
+
+
+class _FromStash:
+    """What o_proj's graph saves in place of its input (:func:`input_from_stash`)."""
+
+    def __init__(self, stash: HostStash, spec, L: int, meta: tuple, view: torch.Tensor):
+        self.stash, self.spec, self.L = stash, spec, L
+        self.full_meta = meta
+        self.view_meta = (view.shape, view.stride(), view.storage_offset())
+
+    def rebuild(self) -> torch.Tensor:
+        shape, dtype, device = self.full_meta
+        full = torch.empty(shape, dtype=dtype, device=device)
+        group = self.spec.hp_group if hasattr(self.spec, "hp_group") else self.spec.group
+        u, L = self.spec.num_chunks, self.L
+        if ("o", u - 1) not in self.stash:
+            raise RuntimeError("fpdt attention's saved chunks were consumed by an earlier backward through this "
+                               "graph: backward twice (retain_graph=True) is not supported; run the forward again")
+        self.stash.prefetch(("o", 0))
+        for i in range(u):
+            o = self.stash.get(("o", i))            # get, not pop: the attention backward reads it next
+            if i + 1 < u:
+                self.stash.prefetch(("o", i + 1))
+            full[:, i * L:(i + 1) * L] = heads_to_seq(o, group).reshape(shape[0], L, -1)
+            del o
+        size, stride, offset = self.view_meta
+        return full.as_strided(size, stride, offset)
+
+
+def input_from_stash(attn: torch.Tensor, sink: list):
+    """A ``saved_tensors_hooks`` context for the output projection of ``attn`` ``[B, S_local, H D]``
+    (the projected attention's output, whose call put its stash in ``sink``): a saved tensor
+    that is ``attn`` (or a view of all of it) is not kept; its backward rebuilds it from the
+    attention stash's ``o`` chunks (head layout, on the host under ``offload=True``: fetched
+    one chunk ahead, each all-to-all'd back to sequence layout). Without it, every layer holds
+    its full-length ``attn`` on the device from forward to backward under
+    ``checkpointing="off"``; with it, one layer's, transiently, during its o_proj backward.
+    The rebuilt values are the emitted ones (the same chunks, the same all-to-all), so the
+    gradients are unchanged. A call that saved no stash (no-grad) leaves ``sink`` empty: no hooks."""
+    if not sink:
+        return contextlib.nullcontext()
+    stash, spec, L = sink[0]
+    # metadata only: autograd keeps the hooks with what they saved, and a closure over ``attn``
+    # would keep it alive as surely as saving it
+    ptr, meta = attn.untyped_storage().data_ptr(), (attn.shape, attn.dtype, attn.device)
+    numel = attn.numel()
+
+    def pack(t: torch.Tensor):
+        if (t.device == meta[2] and t.dtype == meta[1] and t.numel() == numel
+                and t.untyped_storage().data_ptr() == ptr):
+            return _FromStash(stash, spec, L, meta, t)
+        return t
+
+    def unpack(saved):
+        return saved.rebuild() if isinstance(saved, _FromStash) else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -1,0 +1,161 @@
+"""Per-rank attention work of packed documents under the FPDT and the zigzag layouts.
+
+Counting only (no model runs): for every window of packed documents and every layout, the
+query-key pairs that each of ``P`` ranks computes under the document mask, and the imbalance
+``max / mean`` over the ranks (the step waits for the slowest rank).
+
+**Documents**: lengths drawn from a log-normal (median ``--median`` 2048 tokens, ``--sigma``
+1.5, so the token-weighted mean is ~20K), clipped to ``--max-doc`` (128K), packed in order
+into windows of ``S`` tokens; a document longer than what is left of a window is split and its
+continuation starts the next window at position 0 (as ``fpdt-train --pack-documents`` and
+Transformers' packing do). ``--windows`` windows per length, one stream per seed.
+
+**Work**: a query at position ``q`` of its document (0-based) sees ``q + 1`` keys (causal,
+itself included), so a rank's work is the sum of that over the query tokens it holds, times
+the fraction of the heads it computes. This is the exact pair count the masked path runs
+(the dense kernel on each shared-document segment of a block, nothing for a skipped block);
+a varlen GPU kernel rounds each segment to its 128-token tiles on top.
+
+**Layouts** (``P`` ranks, ``u`` FPDT chunks per rank, the global chunk ``S / u``;
+:mod:`fpdt.layout`):
+
+* ``ulysses`` (``hp = P``): after the all-to-all every rank attends every query of the global
+  chunk for ``H / P`` heads: ``1/P`` of the total whatever the documents (balanced by
+  construction; computed anyway as a check);
+* ``fpdt_ring`` (``cp = P`` on the FPDT layout): rank ``r`` holds global piece ``i P + r``
+  of every chunk ``i`` (rank-ordinal chunks) and computes its own queries against keys
+  passed around a ring;
+* ``zigzag`` (``cp = P``, :func:`fpdt.layout.mesh_token_index` with ``hp = 1``): rank ``c``
+  holds pieces ``c`` and ``2P - 1 - c`` of every span, the ring's causal load balance;
+* ``mesh_hpXcp`` (``hp x cp = P``, zigzag over ``cp``): a CP rank's queries' work split over its
+  ``hp`` head ranks.
+
+    python profiling/doc_balance.py --out benchmarks/results/cpu-amd-epyc/2026-11-27/doc_balance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+
+import torch
+
+from fpdt.layout import global_token_index, mesh_token_index
+
+
+def document_stream(seed: int, median: int, sigma: float, max_doc: int):
+    """Document lengths, log-normal (median, sigma), clipped to [1, max_doc]."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        for z in torch.randn(4096, generator=gen, dtype=torch.float64).tolist():
+            yield max(1, min(max_doc, round(median * math.exp(sigma * z))))
+
+
+def pack_windows(lengths, seq_len: int, count: int) -> list[list[int]]:
+    """``count`` windows of ``seq_len`` tokens, each a list of document lengths; a document
+    longer than what is left is split, its continuation starting the next window."""
+    windows, current, room, carry = [], [], seq_len, 0
+    while len(windows) < count:
+        n = carry or next(lengths)
+        take = min(n, room)
+        current.append(take)
+        room -= take
+        carry = n - take
+        if room == 0:
+            windows.append(current)
+            current, room = [], seq_len
+    return windows
+
+
+def keys_seen(docs: list[int]) -> torch.Tensor:
+    """Per global token, the keys it sees under the causal document mask (``[S]`` int64)."""
+    lengths = torch.tensor(docs, dtype=torch.int64)
+    starts = torch.cumsum(lengths, 0) - lengths
+    pos = torch.arange(int(lengths.sum()), dtype=torch.int64)
+    return pos - torch.repeat_interleave(starts, lengths) + 1
+
+
+def layouts(seq_len: int, ranks: int, chunks: int) -> dict[str, list[tuple[torch.Tensor, float]]]:
+    """Per layout, per rank: (global query tokens whose work it runs, the share of heads)."""
+    out = {"ulysses": [(torch.arange(seq_len), 1 / ranks)] * ranks,
+           "fpdt_ring": [(global_token_index(seq_len, ranks, chunks, r), 1.0) for r in range(ranks)],
+           "zigzag": [(mesh_token_index(seq_len, 1, ranks, chunks, c, 0), 1.0) for c in range(ranks)]}
+    for hp in (2, 4):
+        cp = ranks // hp
+        if hp < ranks and ranks % hp == 0:
+            cp_tokens = [torch.cat([mesh_token_index(seq_len, hp, cp, chunks, c, h) for h in range(hp)])
+                         for c in range(cp)]
+            out[f"mesh_{hp}x{cp}"] = [(cp_tokens[c], 1 / hp) for c in range(cp) for _ in range(hp)]
+    return out
+
+
+def rank_work(work: torch.Tensor, layout: list[tuple[torch.Tensor, float]]) -> list[float]:
+    return [float(work[idx].sum()) * share for idx, share in layout]
+
+
+def imbalance(per_rank: list[float]) -> float:
+    return max(per_rank) / statistics.fmean(per_rank)
+
+
+def run(args) -> dict:
+    results = []
+    for seq_len in args.lengths:
+        for chunk in args.chunks:
+            chunks = max(1, seq_len // chunk)
+            lays = layouts(seq_len, args.ranks, chunks)
+            stream = document_stream(args.seed, args.median, args.sigma, args.max_doc)
+            windows = pack_windows(stream, seq_len, args.windows)
+            per_layout = {name: [] for name in lays}
+            docs_per_window, needed, causal_full = [], [], seq_len * (seq_len + 1) / 2
+            for docs in windows:
+                work = keys_seen(docs)
+                docs_per_window.append(len(docs))
+                needed.append(float(work.sum()))
+                for name, layout in lays.items():
+                    per_layout[name].append(imbalance(rank_work(work, layout)))
+            dense = torch.arange(1, seq_len + 1, dtype=torch.int64)     # one document: the causal reference
+            row = {"seq_len": seq_len, "chunk": seq_len // chunks, "num_chunks": chunks, "ranks": args.ranks,
+                   "windows": len(windows), "docs_per_window_mean": statistics.fmean(docs_per_window),
+                   "needed_over_causal": statistics.fmean(needed) / causal_full,
+                   "imbalance": {name: {"mean": statistics.fmean(v), "median": statistics.median(v), "max": max(v),
+                                        "p90": sorted(v)[int(0.9 * (len(v) - 1))]}
+                                 for name, v in per_layout.items()},
+                   "imbalance_one_document": {name: imbalance(rank_work(dense, layout))
+                                              for name, layout in lays.items()}}
+            results.append(row)
+            print(f"S={seq_len:>8} chunk={row['chunk']:>6} u={chunks:>3} docs/window={row['docs_per_window_mean']:7.1f} "
+                  f"needed/causal={row['needed_over_causal']:.4f}  "
+                  + "  ".join(f"{k} {v['mean']:.3f}/{v['max']:.3f}" for k, v in row["imbalance"].items()),
+                  flush=True)
+    return {"what": "per-rank attention work (query-key pairs) of packed documents: max/mean over ranks, "
+                    "mean and max over windows (profiling/doc_balance.py)",
+            "documents": {"distribution": "log-normal", "median": args.median, "sigma": args.sigma,
+                          "max_doc": args.max_doc, "seed": args.seed},
+            "host": platform.node(), "torch": torch.__version__, "results": results}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2 ** 17, 2 ** 18, 2 ** 19, 2 ** 20])
+    p.add_argument("--chunks", type=int, nargs="+", default=[2 ** 16, 2 ** 14],
+                   help="global FPDT chunk lengths (u = S / chunk chunks per rank)")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--median", type=int, default=2048)
+    p.add_argument("--sigma", type=float, default=1.5)
+    p.add_argument("--max-doc", type=int, default=2 ** 17)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    out = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

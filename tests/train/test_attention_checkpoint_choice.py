@@ -1,0 +1,141 @@
+"""fpdt-train --attention-checkpoint save|recompute [--save-attention-layers K]: flags, JSON keys,
+and the default, save for as many layers as the run's own memory check predicts room for."""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import pytest
+import torch
+
+from fpdt.plan import load_model_config
+from fpdt.plan import trainer_run as mp
+from fpdt.plan.memory_model import saved_attention_bytes
+from fpdt.train.config import ConfigError, TrainerOptions, load_ds_config, merge_options, validate
+from tests.train.helpers import write_fixture
+
+GIB = 2 ** 30
+
+
+def _args(*extra):
+    from fpdt.cli.train import build_parser, fpdt_flags
+    args = build_parser().parse_args(["--model-config", "c.json", "--data", "d", "--seq-len", "64", "--steps", "1",
+                                      *extra])
+    return fpdt_flags(args)
+
+
+def test_flags_and_json_keys():
+    opts = merge_options(_args("--attention-checkpoint", "save", "--save-attention-layers", "3"), {})
+    assert (opts.attention_checkpoint, opts.save_attention_layers) == ("save", 3)
+    section = {"attention_checkpoint": "save", "save_attention_layers": 2}
+    assert merge_options(_args(), section).save_attention_layers == 2
+    assert merge_options(_args("--save-attention-layers", "5"), section).save_attention_layers == 5   # flags win
+    assert merge_options(_args(), {}).attention_checkpoint is None                                    # to choose
+    with pytest.raises(ConfigError, match="attention_checkpoint='maybe' must be one of"):
+        merge_options(_args(), {"attention_checkpoint": "maybe"})
+    with pytest.raises(ConfigError, match="save_attention_layers=-1 must be an integer >= 0"):
+        merge_options(_args(), {"save_attention_layers": -1})
+    with pytest.raises(ConfigError, match="needs --attention-checkpoint save"):
+        merge_options(_args("--attention-checkpoint", "recompute", "--save-attention-layers", "1"), {})
+
+
+def test_save_needs_a_recompute_to_skip():
+    ds = load_ds_config(None, "cpu")[0]
+    with pytest.raises(ConfigError, match="use --checkpoint on or offload"):
+        validate(TrainerOptions(attention_checkpoint="save"), 64, 1, "cpu", ds)      # the CPU default is off
+    assert validate(TrainerOptions(attention_checkpoint="save", checkpointing="on"), 64, 1, "cpu", ds).checkpoint == "on"
+
+
+def test_the_choice_and_its_reason():
+    choose = mp.attention_checkpoint
+    assert choose(None, None, "offload", 32, 32, 2 * GIB).line(32) == (
+        "attention_checkpoint=save layers=32/32 (default: the predicted host and device memory hold every layer's "
+        "attention output and lse (2.00 GiB per rank and layer))")
+    assert choose(None, None, "offload", 24, 32).line(32) == (
+        "attention_checkpoint=save layers=24/32 (default: the predicted host and device memory hold the attention "
+        "outputs of the first 24 layers, not more)")
+    assert choose(None, None, "offload", 0, 32).mode == "recompute"
+    assert choose("save", None, "offload", 0, 32).layers == 0            # asked for: kept, saving none
+    assert choose("recompute", None, "offload", 32, 32).line(32) == (
+        "attention_checkpoint=recompute (--attention-checkpoint recompute)")
+    assert choose("save", 7, "on", 0, 32).line(32) == "attention_checkpoint=save layers=7/32 (--save-attention-layers 7)"
+    assert choose(None, None, "off", 32, 32).line(32) == (
+        "attention_checkpoint=recompute (checkpointing is off: no layer runs a recompute)")
+
+
+def _fake_node(monkeypatch, available):
+    from fpdt.cli import train as cli
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available))
+    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(cli.torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(cli, "_worst_node", lambda need, available, ranks, device: (0, need, available, ranks))
+    return cli
+
+
+def test_default_saves_as_many_layers_as_the_node_holds(monkeypatch):
+    """Llama-3-8B at 2M on 8 x 80 GiB with 1 TiB available: every layer input offloaded, the
+    host holds the outputs of the first K layers; K + 1 would not fit, K is what the model gets."""
+    from fpdt.train import preflight
+    cli = _fake_node(monkeypatch, 1024 * GIB)
+    cfg, s = load_model_config("llama-3-8b"), 2 ** 21
+    source = preflight.ModelSource("llama-3-8b", cfg)
+    ds = load_ds_config(None, "cuda")[0]
+    opts = TrainerOptions(sp=8)
+    plan = validate(opts, s, 8, "cuda", ds)
+    check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
+    recompute = mp.estimate(cfg, plan, TrainerOptions(sp=8, attention_checkpoint="recompute"), ds, "bf16", "cuda", 8)
+    per = saved_attention_bytes(cfg, mp.planned_setup(plan, opts, ds, "bf16", "cuda"))
+    assert per == (2 * s * 32 * 128 + 4 * s * 32) // 8
+    room = 1024 * GIB - sum(mp.host_offload_bytes(recompute).values())
+    k = math.floor(room / (8 * per))
+    assert 0 < k < 32 and check.attention.mode == "save" and check.attention.layers == k
+    assert "the attention outputs of the first" in check.attention.reason
+    assert check.estimate.breakdown["attention_saved_host"] == 8 * k * per      # what the host check gated on
+    more = mp.estimate(cfg, plan, TrainerOptions(sp=8, attention_checkpoint="save", save_attention_layers=k + 1), ds,
+                       "bf16", "cuda", 8)
+    assert sum(mp.host_offload_bytes(more).values()) > 1024 * GIB
+    # asked for more than fit: refused before the model is built, with the lever
+    with pytest.raises(ConfigError, match="fewer --save-attention-layers"):
+        cli.check_memory(source, plan, TrainerOptions(sp=8, attention_checkpoint="save", save_attention_layers=32),
+                         ds, "bf16", torch.device("cuda"))
+    told = cli.check_memory(source, plan, TrainerOptions(sp=8, attention_checkpoint="recompute"), ds, "bf16",
+                            torch.device("cuda"))
+    assert told.attention.mode == "recompute" and told.estimate.breakdown["attention_saved_host"] == 0
+
+
+def test_default_with_room_for_every_layer_and_none(monkeypatch):
+    from fpdt.train import preflight
+    cfg, s = load_model_config("llama-3-8b"), 2 ** 21
+    source = preflight.ModelSource("llama-3-8b", cfg)
+    ds = load_ds_config(None, "cuda")[0]
+    opts = TrainerOptions(sp=8)
+    plan = validate(opts, s, 8, "cuda", ds)
+    cli = _fake_node(monkeypatch, 2048 * GIB)
+    assert cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda")).attention.layers is None  # all
+    cli = _fake_node(monkeypatch, 610 * GIB)       # the layer inputs fit, no saved output does
+    check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
+    assert check.attention.mode == "recompute" and "hold no layer's attention output" in check.attention.reason
+
+
+def test_the_start_up_line_prints_the_choice(tmp_path, capsys):
+    from fpdt.cli.train import main
+    cfg, data = write_fixture(str(tmp_path))
+    base = ["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", "--chunk-size", "32"]
+    assert main([*base, "--checkpoint", "on"]) == 0
+    out = capsys.readouterr().err
+    assert ("attention_checkpoint=save layers=2/2 (default: the predicted host and device memory hold every layer's "
+            "attention output and lse") in out, out
+    assert main([*base, "--checkpoint", "on", "--attention-checkpoint", "recompute"]) == 0
+    assert "attention_checkpoint=recompute (--attention-checkpoint recompute)" in capsys.readouterr().err
+
+
+def test_the_choice_reaches_the_models_options():
+    ds = load_ds_config(None, "cpu")[0]
+    opts = TrainerOptions(attention_checkpoint="save", save_attention_layers=1, checkpointing="on")
+    run = validate(opts, 64, 1, "cpu", ds)
+    model = opts.model_options(run)
+    assert (model.attention_checkpoint, model.save_attention_layers, model.checkpointing) == ("save", 1, "on")
