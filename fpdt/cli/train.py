@@ -37,7 +37,7 @@ from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import checkpoint, lora, preflight, zero, zero_load
 from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
-from fpdt.train.data import Windows, bin_dtype_for_vocab, check_vocab, load_tokens
+from fpdt.train.data import PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, load_documents, load_tokens
 from fpdt.train.errors import RunError, debug_enabled, report
 from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "else uint32)")
     d.add_argument("--seq-len", type=int, required=True, help="global tokens per training sequence")
     d.add_argument("--shuffle", action="store_true", help="visit windows in a seeded random order")
+    d.add_argument("--pack-documents", action="store_true",
+                   help="windows of whole documents (each .txt file, each .jsonl line; .npy/.bin streams split "
+                        "after every eos_token_id), in order: positions restart and attention is masked at each "
+                        "document, whose last token predicts nothing; a document longer than --seq-len is split, "
+                        "each continuation from position 0")
     f = p.add_argument_group("FPDT (flags win over the \"fpdt\" section of the DeepSpeed JSON)")
     f.add_argument("--sp", type=int, help="sequence-parallel size (divides the world size; default 1); "
                                          "shorthand for --hp SP --cp 1")
@@ -205,12 +210,20 @@ def build_model(args: argparse.Namespace, opts: TrainerOptions, plan: RunLayout,
     return model
 
 
-def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> tuple[Windows, str | None]:
+def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> tuple[Windows | PackedWindows, str | None]:
     tokenizer = args.tokenizer or os.path.join(model_dir(args), "tokenizer.json")
     eos = hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    tokens = load_tokens(args.data, bin_dtype=args.data_dtype or bin_dtype_for_vocab(vocab_size),
-                         tokenizer_path=tokenizer, eos_id=eos if isinstance(eos, int) else None)
+    eos = eos if isinstance(eos, int) else None
+    source = dict(bin_dtype=args.data_dtype or bin_dtype_for_vocab(vocab_size), tokenizer_path=tokenizer, eos_id=eos)
+    if args.pack_documents:
+        tokens, lengths = load_documents(args.data, **source)
+        check_vocab(tokens, vocab_size, args.data)
+        pad = hf_config.get("pad_token_id")
+        pad = pad if isinstance(pad, int) and 0 <= pad < vocab_size else (eos if eos is not None else 0)
+        windows = PackedWindows(tokens, lengths, args.seq_len, pad_id=pad, shuffle=args.shuffle, seed=args.seed)
+        return windows, tokenizer if os.path.isfile(tokenizer) else None
+    tokens = load_tokens(args.data, **source)
     check_vocab(tokens, vocab_size, args.data)
     windows = Windows(tokens, args.seq_len, shuffle=args.shuffle, seed=args.seed)
     return windows, tokenizer if os.path.isfile(tokenizer) else None
@@ -219,7 +232,8 @@ def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> 
 def run_info(args: argparse.Namespace, plan: RunLayout, micro: int, gas: int) -> dict[str, Any]:
     """What decides which windows a step reads (compared on resume)."""
     return {"seq_len": plan.seq_len, "dp": plan.dp, "micro_batch": micro, "grad_accum": gas,
-            "shuffle": args.shuffle, "seed": args.seed, "data": os.path.abspath(args.data)}
+            "shuffle": args.shuffle, "seed": args.seed, "data": os.path.abspath(args.data),
+            "pack_documents": True if args.pack_documents else None}   # None: as runs before it
 
 
 # ----------------------------------------------------------------------------- the run
@@ -276,7 +290,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
              f"seq_len={plan.seq_len} "
              f"chunk={plan.chunk_size} chunks={plan.num_chunks} offload={'on' if plan.offload else 'off'} "
              f"checkpoint={plan.checkpoint} attention={kernel.name} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
-             f"windows={windows.num_windows} steps {start}->{args.steps} "
+             f"{windows.describe()} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})"
              + (f" {memory.attention.line(model.config.num_layers)}" if memory.attention is not None else ""))
     for line in memory.lines + tuple(f"warning: {n}" for n in notes):

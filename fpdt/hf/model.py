@@ -35,6 +35,11 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
 * **RoPE** (``dynamic``, ``longrope``): these pick their frequencies from the largest position
   a forward sees; the rotary embedding's forward is replaced so that, under sequence
   parallelism, every rank sees the window's largest position (one all-reduce per forward).
+* **packed documents** (:mod:`fpdt.hf.documents`): position ids that restart at 0, as
+  ``DataCollatorWithFlattening`` makes them (or its ``cu_seq_lens_q/k``, or ``doc_ids`` from
+  :func:`prepare_inputs`), mask the attention at every document boundary; the forward finds the
+  window's documents once (under SP one all-gather of the positions) and hands their ids to every
+  attention call.
 
 What stays Transformers': embeddings, RoPE's tables (``(cos, sin)`` of every local token,
 ``2 D / hidden`` of a hidden-state tensor, which :class:`fpdt.model.FPDTForCausalLM` does not
@@ -65,9 +70,11 @@ from fpdt.comm.ulysses import group_rank, group_size
 from fpdt.hf.attention import (FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
                                plain_linears, register_settings)
 from fpdt.hf.adapters import lean_lora, read_parameters, read_projections
+from fpdt.hf.documents import pop_explicit_documents, window_doc_ids
 from fpdt.hf.groups import TrainerGroup, resolve_group
 from fpdt.hf.padding import check_right_padding, whole_window_mask
-from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
+from fpdt.hf.trainer import TRAINER_ATTN_NAME, contiguous_to_fpdt_layout
+from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
 from fpdt.model.checkpointing import checkpointed, checkpointed_residual
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.layer_checkpoints import LayerCheckpoints
@@ -300,8 +307,17 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
                               f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
         shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
+    explicit_docs, cu_seqlens = pop_explicit_documents(kwargs)     # packed documents: fpdt.hf.documents
+    doc_ids = None
     if sp == 1:
-        attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and self.training)
+        refusal = None
+        try:
+            if ref is not None:
+                doc_ids = window_doc_ids(ref.shape[:2], ref.device, position_ids=position_ids, doc_ids=explicit_docs,
+                                         cu_seqlens=cu_seqlens)
+        except FPDTHFError as e:
+            refusal = e
+        attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and self.training, refusal)
     if position_ids is None and sp > 1:
         raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
                           f"are not contiguous; use fpdt.hf.prepare_inputs")
@@ -309,10 +325,29 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         if input_ids is None:
             raise FPDTHFError("under the Trainer's sequence parallelism pass input_ids, not inputs_embeds (the "
                               "tokens are moved into fpdt's chunk layout by id)")
-        input_ids, position_ids, shift_labels = contiguous_to_fpdt_layout(     # every rank of the job agrees
+        if explicit_docs is not None or cu_seqlens is not None:
+            raise FPDTHFError("under the Trainer's sequence parallelism packed documents are marked by position_ids "
+                              "that restart at 0 (DataCollatorWithFlattening's default), not by doc_ids or "
+                              "cu_seq_lens_q/k, which DeepSpeed's data adapter cannot slice")
+        input_ids, position_ids, shift_labels, doc_ids = contiguous_to_fpdt_layout(   # every rank of the job agrees
             input_ids, position_ids, shift_labels, attention_mask, group=settings.sp_group, job_group=None, sp=sp,
             rank=rank, num_chunks=settings.options.num_chunks)
         attention_mask = None                    # all ones over the window, or refused above
+    elif sp > 1:
+        if cu_seqlens is not None:
+            raise FPDTHFError(f"cu_seq_lens_q/k with sequence parallelism (sp={sp}): pass the window's cu_seqlens "
+                              f"to fpdt.hf.prepare_inputs, whose doc_ids the model then takes")
+        B, S_local = ref.shape[:2]
+        try:
+            doc_ids = window_doc_ids((B, S_local * sp), ref.device, doc_ids=explicit_docs) \
+                if explicit_docs is not None else \
+                sequence_parallel_doc_ids(position_ids, settings.options.num_chunks,
+                                          group=resolve_group(settings.options.group),
+                                          mesh=settings.options.mesh)        # one all-gather of the positions
+        except DocumentError as e:
+            raise FPDTHFError(str(e)) from e
+    if doc_ids is not None:
+        kwargs["doc_ids"] = doc_ids              # [B, S] global: to every attention call (recompute included)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
@@ -543,8 +578,8 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
 
 
 def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None,
-                   attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                   position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                   doc_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """This rank's ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S / P]``.
 
     ``input_ids`` ``[B, S]`` is the global window (the same on every SP rank); ``labels``
@@ -554,19 +589,28 @@ def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.T
     ``[B, S]`` (the window's) may be right padding whose labels are -100, which the model
     computes exactly without a mask (:mod:`fpdt.hf.padding`); it is checked here and not
     returned. Anything else is refused.
+
+    Packed documents (:mod:`fpdt.layout.documents`, as ``DataCollatorWithFlattening`` makes them):
+    ``position_ids`` that restart at 0 at each document, or ``doc_ids`` ``[B, S]`` / ``cu_seqlens``
+    ``[n + 1]`` naming them (positions then default to restarting at each). No token attends to
+    another document's, and each document's last token gets the target -100. With ``doc_ids`` or
+    ``cu_seqlens`` the result also holds ``doc_ids`` ``[B, S]`` of the whole window, for the model.
     """
     settings: HFSettings | None = getattr(model, "fpdt", None)
     if settings is None:
         raise FPDTHFError("call fpdt.hf.apply_fpdt(model, ...) before fpdt.hf.prepare_inputs")
-    if position_ids is not None:
-        check_increasing_positions(position_ids)
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise FPDTHFError(f"attention_mask {tuple(attention_mask.shape)} is not the window's mask "
                               f"{tuple(input_ids.shape)}: pass the whole window's, the same on every rank")
         check_right_padding(attention_mask, _shift_labels(labels if labels is not None else input_ids))
     rank, sp = settings.rank_size()
-    inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.options.num_chunks,
-                             labels=labels, position_ids=position_ids, mesh=settings.options.mesh)
-    return {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"],
-            "shift_labels": inputs["labels"]}
+    try:
+        inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.options.num_chunks, labels=labels,
+                                 position_ids=position_ids, mesh=settings.options.mesh, doc_ids=doc_ids, cu_seqlens=cu_seqlens)
+    except DocumentError as e:
+        raise FPDTHFError(str(e)) from e
+    out = {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"], "shift_labels": inputs["labels"]}
+    if "doc_ids" in inputs:
+        out["doc_ids"] = inputs["doc_ids"]
+    return out

@@ -30,7 +30,8 @@ def check_right_padding(attention_mask: torch.Tensor, shift_labels: torch.Tensor
     if not bool((mask[:, 1:] <= mask[:, :-1]).all()):
         raise FPDTHFError("the attention_mask is not right padding (ones, then zeros, per row): fpdt attention is "
                           "causal over the whole window and takes no mask; pad on the right (tokenizer "
-                          "padding_side='right'), and unpack packed documents")
+                          "padding_side='right'), and mark packed documents by position_ids that restart at 0 "
+                          "(DataCollatorWithFlattening), not by a mask")
     if shift_labels is None:
         raise FPDTHFError("a padding attention_mask without labels: the padded positions' outputs would not be "
                           "Transformers' (fpdt attention takes no mask); pass labels with -100 at the padding, or "
@@ -40,7 +41,8 @@ def check_right_padding(attention_mask: torch.Tensor, shift_labels: torch.Tensor
                           "outputs are not Transformers'; give the padding the label -100 (as padding collators do)")
 
 
-def whole_window_mask(attention_mask, ref: torch.Tensor | None, shift_labels, lockstep: bool):
+def whole_window_mask(attention_mask, ref: torch.Tensor | None, shift_labels, lockstep: bool,
+                      refusal: FPDTHFError | None = None):
     """Without sequence parallelism (this rank holds whole windows): None for an ``attention_mask``
     ``[B, S]`` fpdt computes exactly without it (:func:`check_right_padding`), else refused; a mask
     that is not ``[B, S]`` passes through (the attention refuses what it cannot honour).
@@ -48,8 +50,8 @@ def whole_window_mask(attention_mask, ref: torch.Tensor | None, shift_labels, lo
     ``lockstep`` (training under the Trainer, where every rank of the job runs this forward each
     step): with more than one process the refusal is collective (:func:`refuse_on_every_rank`,
     one all-reduce of a flag every step, mask or not), so that the data-parallel ranks whose
-    windows were fine do not wait for this one in the next collective."""
-    refusal = None
+    windows were fine do not wait for this one in the next collective. ``refusal``: what the caller
+    already refuses in this window (its packed documents, :mod:`fpdt.hf.documents`), refused alike."""
     if attention_mask is not None and attention_mask.dim() == 2:
         held = ref.shape[:2]
         try:
@@ -58,7 +60,7 @@ def whole_window_mask(attention_mask, ref: torch.Tensor | None, shift_labels, lo
                                   f"{held[-1]}: pass the mask of these tokens")
             check_right_padding(attention_mask, shift_labels)    # this rank holds the whole window
         except FPDTHFError as e:
-            refusal = e
+            refusal = refusal or e
         attention_mask = None                    # all ones, or right padding the loss never sees
     if lockstep and ref is not None and dist.is_initialized() and dist.get_world_size() > 1:
         refuse_on_every_rank(refusal, group=None, device=ref.device)

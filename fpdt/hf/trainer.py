@@ -11,8 +11,11 @@ tokens. A model under ``apply_fpdt(model, group="trainer")`` fits that route:
 * its forward moves the token ids, positions and labels from the adapter's contiguous slices
   into FPDT's chunk layout (:func:`contiguous_to_fpdt_layout`: one all-gather of the integer
   inputs as int32, ``12 S`` bytes per rank for a window of ``S`` tokens (16 with a mask), twice
-  while it is assembled, once per forward and freed before the first layer). What it refuses
-  (packed documents, padding other than right padding, a length the layout cannot cut) it
+  while it is assembled, once per forward and freed before the first layer). Position ids that
+  restart at 0 mark packed documents (``DataCollatorWithFlattening``'s batches): the document ids
+  of the whole window come from the same gathered positions and go to every attention call
+  (:mod:`fpdt.hf.documents`). What it refuses (positions that jump, padding other than right
+  padding, a length the layout cannot cut) it
   refuses on every rank of the job, every data-parallel replica included, after one all-reduce
   of a refusal flag per step (:func:`refuse_on_every_rank`): a replica whose batch was fine
   raises too, naming the refusing ranks and the fix, rather than waiting for them forever;
@@ -40,6 +43,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from fpdt.hf.documents import window_doc_ids
 from fpdt.hf.errors import FPDTHFError, refuse_on_every_rank
 from fpdt.hf.padding import check_right_padding
 from fpdt.layout.fpdt_layout import check_layout, shard
@@ -53,14 +57,17 @@ fpdt's chunked attention), though DeepSpeed wraps it."""
 def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None,
                               attention_mask: torch.Tensor | None = None, *,
                               group: dist.ProcessGroup | None, job_group: dist.ProcessGroup | None, sp: int,
-                              rank: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                              rank: int, num_chunks: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """This rank's ``input_ids``, ``position_ids`` and ``labels`` ``[B, S / P]`` in contiguous
     slices (rank ``r`` of ``group`` holds tokens ``[r S / P, (r + 1) S / P)`` of the window) -> the
     same tokens' slices in the FPDT layout (:mod:`fpdt.layout.fpdt_layout`, ``num_chunks`` chunks
-    per rank); dtypes kept, ``labels`` may be None.
+    per rank); dtypes kept, ``labels`` may be None; and the window's document ids ``[B, S]`` (int64,
+    global order, the same on every rank of ``group``; None for one document per row) from the
+    positions, which restart at 0 where a packed document starts (:mod:`fpdt.layout.documents`).
 
     Refuses slices of different shapes, a window length ``S`` not divisible by ``P * num_chunks``,
-    position ids that restart or do not increase over the window (packed documents) and an
+    position ids that step to anything but the next position or 0, and an
     ``attention_mask`` ``[B, S / P]`` other than right padding with targets -100
     (:func:`fpdt.hf.padding.check_right_padding`), which fpdt attention cannot honour; the mask
     itself is not returned (the attention needs none).
@@ -80,7 +87,7 @@ def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tenso
     """
     tensors = [t for t in (input_ids, position_ids, labels, attention_mask) if t is not None]
     refusal: ValueError | None = None
-    local = None
+    local, doc_ids = None, None
     try:
         _check_slices(tensors, sp, num_chunks)
     except ValueError as e:         # FPDTHFError, or check_layout's ValueError
@@ -93,7 +100,7 @@ def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tenso
         window = torch.cat(slices, dim=-1)                                       # [n, B, S]
         del slices
         try:
-            check_increasing_positions(window[1])
+            doc_ids = window_doc_ids(window[1].shape, window.device, position_ids=window[1])
             if attention_mask is not None:  # right padding with -100 targets is exact without the mask
                 check_right_padding(window[-1], window[2] if labels is not None else None)
         except FPDTHFError as e:
@@ -101,7 +108,7 @@ def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tenso
         else:
             local = [x.to(t.dtype) for x, t in zip(shard(window, sp, num_chunks, rank, dim=-1).unbind(0), tensors)]
     refuse_on_every_rank(refusal, group=job_group, device=input_ids.device)
-    return local[0], local[1], (local[2] if labels is not None else None)
+    return local[0], local[1], (local[2] if labels is not None else None), doc_ids
 
 
 def _check_slices(tensors: list[torch.Tensor], sp: int, num_chunks: int) -> None:
@@ -111,14 +118,6 @@ def _check_slices(tensors: list[torch.Tensor], sp: int, num_chunks: int) -> None
         raise FPDTHFError(f"input_ids, position_ids and labels of shapes {[tuple(t.shape) for t in tensors]} are not "
                           f"slices of one window")
     check_layout(shape[-1] * sp, sp, num_chunks)
-
-
-def check_increasing_positions(position_ids: torch.Tensor) -> None:
-    """Refuse a window whose position ids restart or do not increase (one host read)."""
-    if position_ids.shape[-1] > 1 and bool((position_ids[..., 1:] <= position_ids[..., :-1]).any()):
-        raise FPDTHFError("position_ids restart or do not increase (packed documents?): fpdt attention treats "
-                          "the window as one causal sequence and has no document mask; pass increasing "
-                          "positions (the default arange) or one document per window")
 
 
 def trainer_parallelism_config(sp_size: int, **kwargs):

@@ -7,7 +7,15 @@ from fpdt.layout.fpdt_layout import (
     shard,
     unshard,
 )
+from fpdt.layout.documents import (
+    DocumentError,
+    canonical_doc_ids,
+    doc_ids_from_cu_seqlens,
+    doc_ids_from_position_ids,
+    sequence_parallel_doc_ids,
+)
 from fpdt.layout.mesh_layout import check_mesh_layout, mesh_shard, mesh_token_index, mesh_unshard
 
-__all__ = ["check_layout", "check_mesh_layout", "global_token_index", "local_position_ids", "mesh_shard",
+__all__ = ["DocumentError", "canonical_doc_ids", "check_layout", "doc_ids_from_cu_seqlens", "doc_ids_from_position_ids",
+           "sequence_parallel_doc_ids", "check_mesh_layout", "global_token_index", "local_position_ids", "mesh_shard",
            "mesh_token_index", "mesh_unshard", "shard", "unshard"]

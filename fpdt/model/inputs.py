@@ -4,6 +4,10 @@ Order matters (brief §4 pitfall 1): labels are shifted on the *global* sequence
 (the target of token ``t`` is token ``t + 1``, including across the pieces that end up on
 different ranks), and only then are ids, labels and position ids sharded with one and
 the same layout (:func:`fpdt.layout.shard`).
+
+Packed documents (:mod:`fpdt.layout.documents`): position ids that restart at 0 mark where each
+document starts; ``doc_ids=`` or ``cu_seqlens=`` name the documents instead. Either way each
+document's last token gets the target ``-100`` (it would predict the next document's first token).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import torch
 
 from fpdt.comm import SequenceMesh
 from fpdt.layout import check_layout, check_mesh_layout, shard
+from fpdt.layout.documents import (canonical_doc_ids, doc_ids_from_cu_seqlens, doc_ids_from_position_ids,
+                                   mask_cross_document_targets, restarting_position_ids)
 from fpdt.model.loss import IGNORE_INDEX
 
 
@@ -24,7 +30,8 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chunks: int,
                    labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   shift: bool = True, mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
+                   shift: bool = True, mesh: SequenceMesh | None = None, doc_ids: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s ``input_ids``, ``labels`` and ``position_ids`` ``[B, S / P]``.
 
     Args:
@@ -34,15 +41,24 @@ def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chun
             ``num_chunks`` option, since the layout and the attention pipeline agree on it.
         labels: ``[B, S]`` long targets aligned with ``input_ids`` as in Transformers
             (``-100`` = ignore); default: ``input_ids``.
-        position_ids: ``[B, S]`` global positions; default ``arange(S)``.
-        shift: shift ``labels`` to next-token targets (set False if they already are).
+        position_ids: ``[B, S]`` global positions; default ``arange(S)`` (with ``doc_ids`` or
+            ``cu_seqlens``: restarting at 0 at each document). Positions that restart at 0 mark
+            packed documents (:mod:`fpdt.layout.documents`); other jumps are refused.
+        shift: shift ``labels`` to next-token targets (set False if they already are); the
+            target of each packed document's last token becomes ``-100``.
         mesh: a 2D :class:`fpdt.comm.SequenceMesh`: use its layout (FPDT chunk order x zigzag,
             :mod:`fpdt.layout.mesh_layout`) instead of the FPDT layout; ``sp_size``/``rank``
             are then ignored and ``S`` must be divisible by ``2 * hp * cp * num_chunks``.
+        doc_ids: ``[B, S]`` integer document of each token, non-decreasing along each row; or
+        cu_seqlens: ``[n + 1]`` FlashAttention-style cumulative document lengths over the
+            flattened ``B * S`` tokens. Either one names the packed documents instead of the
+            positions (which then only feed RoPE).
 
     Returns:
         ``{"input_ids", "labels", "position_ids"}``, each ``[B, S / P]``, ready for
-        ``model(**inputs)``.
+        ``model(**inputs)``; with ``doc_ids`` or ``cu_seqlens`` also ``"doc_ids"``, the canonical
+        ids ``[B, S]`` of the *whole* window (0, 1, ... per row; not sharded), which the model's
+        forward takes as they are.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
@@ -52,14 +68,27 @@ def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chun
     else:
         check_layout(S, sp_size, num_chunks)
     labels = input_ids if labels is None else labels
+    if doc_ids is not None and cu_seqlens is not None:
+        raise ValueError("pass doc_ids= or cu_seqlens=, not both")
+    explicit = doc_ids is not None or cu_seqlens is not None
+    if doc_ids is not None:
+        docs = canonical_doc_ids(doc_ids.to(input_ids.device), (B, S))
+    elif cu_seqlens is not None:
+        docs = doc_ids_from_cu_seqlens(cu_seqlens, (B, S))
+        docs = None if docs is None else docs.to(input_ids.device)
     if position_ids is None:
-        position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        position_ids = restarting_position_ids(docs if explicit else None, (B, S), device=input_ids.device)
     for name, t in (("labels", labels), ("position_ids", position_ids)):
         if t.shape != input_ids.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    if not explicit:
+        docs = doc_ids_from_position_ids(position_ids)       # refuses positions that jump
     if shift:
-        labels = shift_labels(labels)
+        labels = mask_cross_document_targets(shift_labels(labels), docs)
     take = (lambda t: mesh.shard(t, num_chunks, dim=1)) if mesh is not None else \
         (lambda t: shard(t, sp_size, num_chunks, rank, dim=1))
-    return {name: take(t)
-            for name, t in (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids))}
+    out = {name: take(t)
+           for name, t in (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids))}
+    if explicit:
+        out["doc_ids"] = docs if docs is not None else torch.zeros(B, S, dtype=torch.long, device=input_ids.device)
+    return out

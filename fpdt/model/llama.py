@@ -30,6 +30,7 @@ from torch import nn
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import SequenceMesh
+from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
 from fpdt.model.checkpointing import checkpointed_residual
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
@@ -74,16 +75,19 @@ class FPDTDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``."""
-        h = h + self.attention_branch(h, position_ids, rope)
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``;
+        ``doc_ids`` ``[B, S]``: the global window's packed documents (None: one)."""
+        h = h + self.attention_branch(h, position_ids, rope, doc_ids)
         return h + self.mlp_branch(h)
 
     def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
-                         saved: SavedAttention | None = None) -> torch.Tensor:
+                         doc_ids: torch.Tensor | None = None, saved: SavedAttention | None = None) -> torch.Tensor:
         """The first residual branch, ``attn(norm(h))``: ends with ``o_proj``, which does not save its
-        output. ``saved``: the layer checkpoint's saved attention outputs (``attention_checkpoint="save"``)."""
-        return self.self_attn(self.input_layernorm(h), position_ids, rope, saved=saved)
+        output. ``doc_ids``: packed documents (None: one); ``saved``: the layer checkpoint's saved
+        attention outputs (``attention_checkpoint="save"``)."""
+        return self.self_attn(self.input_layernorm(h), position_ids, rope, doc_ids=doc_ids, saved=saved)
 
     def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
         """The second residual branch, ``mlp(norm(h))``, one chunked function with the norm
@@ -196,12 +200,15 @@ class FPDTForCausalLM(nn.Module):
         return dist.get_rank(self.sp_group), dist.get_world_size(self.sp_group)
 
     def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                       position_ids: torch.Tensor | None = None, shift: bool = True) -> dict[str, torch.Tensor]:
+                       position_ids: torch.Tensor | None = None, shift: bool = True, *,
+                       doc_ids: torch.Tensor | None = None,
+                       cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """:func:`fpdt.model.prepare_inputs` with this process's SP rank/size and the model's
         ``num_chunks``: global ``[B, S]`` window -> this rank's ``model(**inputs)`` arguments."""
         rank, sp = self.sp_rank_size()
         return prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=self.options.num_chunks,
-                              labels=labels, position_ids=position_ids, shift=shift, mesh=self.options.mesh)
+                              labels=labels, position_ids=position_ids, shift=shift, mesh=self.options.mesh,
+                              doc_ids=doc_ids, cu_seqlens=cu_seqlens)
 
     # ------------------------------------------------------------------ weights
     def save_pretrained(self, path, **kwargs) -> None:
@@ -231,8 +238,8 @@ class FPDTForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, *, return_logits: bool = False,
-                num_valid_tokens: int | torch.Tensor | None = None):
+                position_ids: torch.Tensor | None = None, *, doc_ids: torch.Tensor | None = None,
+                return_logits: bool = False, num_valid_tokens: int | torch.Tensor | None = None):
         """Loss of this rank's tokens, normalised by the global valid-token count.
 
         Args:
@@ -240,7 +247,14 @@ class FPDTForCausalLM(nn.Module):
             labels: ``[B, S_local]`` long, the *already shifted* next-token targets in the
                 same layout (``-100`` = ignore); :func:`fpdt.model.prepare_inputs` builds them.
             position_ids: ``[B, S_local]`` long global positions in the same layout; may be
-                omitted only without sequence parallelism (then ``arange(S_local)``).
+                omitted only without sequence parallelism (then ``arange(S_local)``). Positions
+                that restart at 0 mark packed documents (:mod:`fpdt.layout.documents`): no token
+                attends to another document's. Finding them costs one all-gather of the position
+                ids over the SP group and one host read per forward.
+            doc_ids: ``[B, S]`` document ids of the *whole global* window in global order
+                (non-decreasing along each row; the same on every SP rank), as
+                :func:`fpdt.model.prepare_inputs` returns them for ``doc_ids=``/``cu_seqlens=``;
+                they replace the documents the positions mark (which then only feed RoPE).
             return_logits: also return fp32 logits ``[B, S_local, V]`` (small inputs only:
                 this materialises what the chunked loss avoids).
             num_valid_tokens: denominator override (e.g. the valid-token count of a whole
@@ -261,6 +275,7 @@ class FPDTForCausalLM(nn.Module):
         """
         B, S_local = input_ids.shape
         rank, sp = self.sp_rank_size()
+        positions_given = position_ids is not None
         if position_ids is None:
             if sp > 1:
                 raise ValueError(f"position_ids are required with sequence parallelism (sp={sp}): the FPDT "
@@ -273,24 +288,30 @@ class FPDTForCausalLM(nn.Module):
         if self.model.rotary_emb.inv_freq.is_meta:
             raise RuntimeError("the model is still on the meta device: materialise it (to_empty + "
                                "init_weights, or from_pretrained) first")
-        h = self._decoder(input_ids, position_ids)                          # [B, S_local, hidden]
+        if doc_ids is not None:
+            doc_ids = canonical_doc_ids(doc_ids.to(input_ids.device), (B, S_local * sp))
+        elif positions_given:
+            doc_ids = sequence_parallel_doc_ids(position_ids, self.options.num_chunks, group=self.options.group,
+                                                mesh=self.options.mesh)    # [B, S] or None (one document)
+        h = self._decoder(input_ids, position_ids, doc_ids)                 # [B, S_local, hidden]
         loss = None if labels is None else self._loss(h, labels, num_valid_tokens, sp)
         if return_logits:
             return loss, self.lm_head(h).float()
         return loss
 
-    def _decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 doc_ids: torch.Tensor | None) -> torch.Tensor:
         rope = self.model.rotary_emb
         h = self.model.embed_tokens(input_ids)
         checkpoints = self._checkpoints
         checkpoints.start()
         for i, layer in enumerate(self.model.layers):
             if not checkpoints.enabled:
-                h = layer(h, position_ids, rope)
+                h = layer(h, position_ids, rope, doc_ids)
                 continue
             args = checkpoints.arguments(i, h.device)
             branches = (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope,
-                                          saved=args["saved"]),
+                                          doc_ids=doc_ids, saved=args["saved"]),
                         layer.mlp_branch)
             h = checkpointed_residual(branches, h, list(layer.parameters()), **args)
         return self.model.norm(h)

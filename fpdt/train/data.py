@@ -20,7 +20,16 @@ The contract (also in the README):
    sequence, before sharding, so the label of every rank's last token is the first token
    of the next piece (BRIEF pitfall 1). Inputs, labels and position ids then go through
    the same FPDT layout (:mod:`fpdt.layout`).
-4. Sequence ``k`` of the run is drawn by one data-parallel group: optimizer step ``t``,
+4. With ``--pack-documents`` (:class:`PackedWindows`) the stream is first cut into documents:
+   each ``.txt`` file / ``.jsonl`` line is one (with its end-of-text id), and ``.npy``/``.bin``
+   streams end a document after every ``eos_token_id`` (a file's tail without one is a document
+   too). Windows hold ``seq_len`` tokens of whole documents, in order (next fit: a document that
+   does not fit in what is left of a window starts the next one, and the rest is padding, a
+   document of its own whose targets are ``-100``). A document longer than ``seq_len`` is split
+   into ``seq_len``-token pieces, each continuation a document of its own from position 0 (as
+   Transformers' packing does). Positions restart at 0 at each document, the attention is
+   masked at every boundary, and each document's last token predicts nothing (target ``-100``).
+5. Sequence ``k`` of the run is drawn by one data-parallel group: optimizer step ``t``,
    micro step ``m`` (gradient accumulation) and sample ``b`` of the micro batch in DP
    group ``d`` read sequence ``((t * gas + m) * dp + d) * B + b``. All ranks of an SP
    group read the same window; DP groups read distinct ones.
@@ -38,6 +47,7 @@ import torch
 
 from fpdt.comm import SequenceMesh
 from fpdt.layout import local_position_ids, shard
+from fpdt.model.loss import IGNORE_INDEX
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 TOKEN_SUFFIXES = (".npy", ".bin")
@@ -109,15 +119,22 @@ def _decode(raw: bytes, where: str) -> str:
 
 def tokenize_documents(docs: list[str], tokenizer_path: str, eos_id: int | None) -> np.ndarray:
     """Token ids of ``docs`` (each followed by ``eos_id`` when given), as one int64 array."""
+    return tokenize_with_lengths(docs, tokenizer_path, eos_id)[0]
+
+
+def tokenize_with_lengths(docs: list[str], tokenizer_path: str, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`tokenize_documents`, and each document's token count (int64, end-of-text id included)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_path)
     ids: list[int] = []
+    lengths: list[int] = []
     for enc in tok.encode_batch(docs, add_special_tokens=False):
         ids.extend(enc.ids)
         if eos_id is not None:
             ids.append(eos_id)
-    return np.asarray(ids, dtype=np.int64)
+        lengths.append(len(enc.ids) + (eos_id is not None))
+    return np.asarray(ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
 
 
 def bin_dtype_for_vocab(vocab_size: int) -> str:
@@ -160,12 +177,42 @@ def load_tokens(path: str, *, bin_dtype: str = "uint16", tokenizer_path: str | N
                 check_plausible_bin(part, bin_dtype, f)
             parts.append(part)
             continue
-        if tokenizer_path is None or not os.path.isfile(tokenizer_path):
-            raise DataError(f"--data {f} is text but no tokenizer.json was found "
-                            f"(looked for {tokenizer_path}); put tokenizer.json in the model directory "
-                            f"or pass --tokenizer PATH, or pre-tokenize to .npy/.bin")
-        parts.append(tokenize_documents(read_documents(f), tokenizer_path, eos_id))
+        parts.append(tokenize_documents(read_documents(f), _tokenizer(f, tokenizer_path), eos_id))
     return parts[0] if len(parts) == 1 else np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+
+
+def load_documents(path: str, *, bin_dtype: str = "uint16", tokenizer_path: str | None = None,
+                   eos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The stream of :func:`load_tokens` and its documents' lengths (``[documents]`` int64, summing to
+    the stream's length; no empty ones): each text document (with its ``eos_id``), and the pieces of
+    ``.npy``/``.bin`` streams that end with ``eos_id`` (which they need)."""
+    parts: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    for f in list_data_files(path):
+        if f.endswith(TOKEN_SUFFIXES):
+            if eos_id is None:
+                raise DataError(f"--pack-documents splits the token stream {f} into documents at the model config's "
+                                f"eos_token_id, and the config names none: set eos_token_id in config.json, or "
+                                f"train on .jsonl/.txt documents")
+            part = load_tokens(f, bin_dtype=bin_dtype)
+            ends = np.flatnonzero(np.asarray(part) == eos_id) + 1
+            cuts = np.concatenate([[0], ends, [len(part)]])
+            lengths.append(np.diff(cuts))
+        else:
+            part, n = tokenize_with_lengths(read_documents(f), _tokenizer(f, tokenizer_path), eos_id)
+            lengths.append(n)
+        parts.append(np.asarray(part))
+    tokens = parts[0] if len(parts) == 1 else np.concatenate([p.astype(np.int64) for p in parts])
+    lengths = np.concatenate(lengths).astype(np.int64)
+    return tokens, lengths[lengths > 0]
+
+
+def _tokenizer(f: str, tokenizer_path: str | None) -> str:
+    if tokenizer_path is None or not os.path.isfile(tokenizer_path):
+        raise DataError(f"--data {f} is text but no tokenizer.json was found "
+                        f"(looked for {tokenizer_path}); put tokenizer.json in the model directory "
+                        f"or pass --tokenizer PATH, or pre-tokenize to .npy/.bin")
+    return tokenizer_path
 
 
 def check_vocab(tokens: np.ndarray, vocab_size: int, source: str) -> None:
@@ -240,6 +287,104 @@ class Windows:
     def sequences(self, ks: Iterable[int]) -> torch.Tensor:
         """``[B, S + 1]`` int64: the windows of sequences ``ks``."""
         return torch.from_numpy(np.stack([self.window(self.window_of_sequence(k)) for k in ks]))
+
+    def shard(self, ks: Iterable[int], sp: int, num_chunks: int, sp_rank: int,
+              mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
+        """This rank's inputs for sequences ``ks``: :func:`shard_windows` of their windows."""
+        return shard_windows(self.sequences(ks), sp, num_chunks, sp_rank, mesh=mesh)
+
+    def describe(self) -> str:
+        """What the start-up line says about the data."""
+        return f"windows={self.num_windows}"
+
+
+@dataclass
+class PackedWindows:
+    """Windows of ``seq_len`` tokens of whole documents, in order (``--pack-documents``; the
+    module docstring, item 4, states the packing)."""
+
+    tokens: np.ndarray
+    """1-D token ids (may be a memory map)."""
+    doc_lengths: np.ndarray
+    """``[documents]`` int64 token counts, in stream order, summing to ``len(tokens)``."""
+    seq_len: int
+    """S: tokens per training sequence (a window holds exactly S, padding included)."""
+    pad_id: int = 0
+    """Token id of the padding after a window's last whole document (its targets are -100)."""
+    shuffle: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        S, lengths = self.seq_len, np.asarray(self.doc_lengths, dtype=np.int64)
+        if lengths.size == 0 or int(lengths.sum()) != len(self.tokens) or (lengths <= 0).any():
+            raise DataError(f"--data holds {len(self.tokens)} tokens in {lengths.size} documents whose lengths "
+                            f"do not add up to them (or a document is empty)")
+        # pieces: every document cut into S-token pieces (a document of at most S tokens is one piece)
+        count = -(-lengths // S)
+        doc = np.repeat(np.arange(lengths.size), count)
+        k = np.arange(doc.size) - np.repeat(np.cumsum(count) - count, count)
+        self.piece_start = (np.cumsum(lengths) - lengths)[doc] + k * S
+        self.piece_len = np.minimum(S, lengths[doc] - k * S)
+        first, fill = [0], 0                    # next fit: a piece that does not fit opens the next window
+        for i, n in enumerate(self.piece_len.tolist()):
+            if fill + n > S:
+                first.append(i)
+                fill = 0
+            fill += n
+        first.append(doc.size)
+        self.first_piece = np.asarray(first, dtype=np.int64)
+        self.num_documents = int(lengths.size)
+        self.mean_length = float(lengths.mean())
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.first_piece) - 1
+
+    window_of_sequence = Windows.window_of_sequence
+
+    def window(self, w: int) -> dict[str, np.ndarray]:
+        """Window ``w``: ``input_ids``, ``labels`` (next-token targets, -100 at each document's last
+        token and at the padding), ``position_ids`` (restarting per document) and ``doc_ids``
+        (0, 1, ... per piece; the padding one more), each ``[S]`` int64."""
+        S = self.seq_len
+        ids = np.full(S, self.pad_id, dtype=np.int64)
+        labels = np.full(S, IGNORE_INDEX, dtype=np.int64)
+        pos = np.zeros(S, dtype=np.int64)
+        docs = np.zeros(S, dtype=np.int64)
+        at = 0
+        for d, j in enumerate(range(self.first_piece[w], self.first_piece[w + 1])):
+            start, n = int(self.piece_start[j]), int(self.piece_len[j])
+            piece = np.asarray(self.tokens[start:start + n], dtype=np.int64)
+            ids[at:at + n] = piece
+            labels[at:at + n - 1] = piece[1:]
+            pos[at:at + n] = np.arange(n)
+            docs[at:at + n] = d
+            at += n
+        if at < S:                                 # padding: a document of its own that predicts nothing
+            pos[at:] = np.arange(S - at)
+            docs[at:] = docs[at - 1] + 1
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "doc_ids": docs}
+
+    def shard(self, ks: Iterable[int], sp: int, num_chunks: int, sp_rank: int,
+              mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
+        """This rank's ``input_ids``, ``labels``, ``position_ids`` ``[B, S / P]`` (FPDT layout, or
+        ``mesh``'s) for sequences ``ks``, and ``doc_ids`` ``[B, S]`` of the whole windows (global
+        order, not sharded: what the model's attention takes)."""
+        rows = [self.window(self.window_of_sequence(k)) for k in ks]
+        batch = {name: torch.from_numpy(np.stack([r[name] for r in rows])) for name in rows[0]}
+        take = (lambda t: mesh.shard(t, num_chunks)) if mesh is not None else \
+            (lambda t: shard(t, sp, num_chunks, sp_rank, dim=1))
+        out = {name: take(batch[name]) for name in ("input_ids", "labels", "position_ids")}
+        out["doc_ids"] = batch["doc_ids"]
+        return out
+
+    def describe(self) -> str:
+        """What the start-up line says about the data."""
+        used = int(self.piece_len.sum())
+        split = int((self.piece_len.size - self.num_documents))
+        return (f"windows={self.num_windows} packed documents={self.num_documents} "
+                f"mean_len={self.mean_length:.1f} continuations={split} "
+                f"fill={100 * used / (self.num_windows * self.seq_len):.1f}%")
 
 
 def sequence_ids(step: int, micro: int, grad_accum: int, dp_rank: int, dp: int, micro_batch: int) -> list[int]:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from fpdt.offload import runtime_for
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 from fpdt.train.config import RunLayout
-from fpdt.train.data import Windows, sequence_ids, shard_windows
+from fpdt.train.data import PackedWindows, Windows, sequence_ids
 from fpdt.train.metrics import ModelShape, step_rates
 from fpdt.train.parallel import ParallelState
 from fpdt.train.progress import Progress, StepRecord, host_rss_gib
@@ -86,12 +86,13 @@ class CommFailure(RuntimeError):
     """A collective failed or timed out: another rank died or stalls."""
 
 
-def _micro_step(engine, windows: Windows, spec: LoopSpec, step: int, micro: int) -> torch.Tensor:
+def _micro_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: int, micro: int) -> torch.Tensor:
     ps = spec.parallel
     ks = sequence_ids(step, micro, spec.grad_accum, ps.dp_rank, ps.dp, spec.micro_batch)
-    batch = shard_windows(windows.sequences(ks), ps.sp, spec.plan.num_chunks, ps.sp_rank, mesh=ps.mesh)
+    batch = windows.shard(ks, ps.sp, spec.plan.num_chunks, ps.sp_rank, mesh=ps.mesh)
     batch = {k: v.to(ps.device, non_blocking=True) for k, v in batch.items()}  # [B, S_local] each
-    loss = engine(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
+    docs = {"doc_ids": batch["doc_ids"]} if "doc_ids" in batch else {}       # packed: [B, S], global order
+    loss = engine(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"], **docs)
     if spec.skip_nonfinite and not _finite_on_all_ranks(loss, ps.device):
         # Drop the whole step (grad_accum is 1, checked up front): no backward, no update,
         # on every rank alike. DeepSpeed applies non-finite bf16/fp32 updates otherwise.
@@ -123,7 +124,7 @@ def _reduce_stats(loss_sum: torch.Tensor, peaks: MemoryPeaks, spec: LoopSpec) ->
     return mean.item() / ps.world_size, out
 
 
-def train_step(engine, windows: Windows, spec: LoopSpec, step: int) -> StepRecord:
+def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: int) -> StepRecord:
     """Run optimizer step ``step`` (0-based) and describe it."""
     ps = spec.parallel
     lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
@@ -154,7 +155,7 @@ class DeviceOutOfMemory(RuntimeError):
         self.step, self.detail = step, detail
 
 
-def run_steps(engine, windows: Windows, spec: LoopSpec, start: int, stop: int, progress: Progress,
+def run_steps(engine, windows: Windows | PackedWindows, spec: LoopSpec, start: int, stop: int, progress: Progress,
               on_step_end: Callable[[int], None] | None = None) -> list[StepRecord]:
     """Optimizer steps ``start .. stop-1``; ``on_step_end(steps_done)`` after each (saving).
 

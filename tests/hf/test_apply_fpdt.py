@@ -380,12 +380,14 @@ def test_adapters_on_the_chunked_weights_are_refused():
     model(input_ids=ids)          # logits only: the LM head runs as a module
 
 
-def test_packed_positions_and_a_global_mask_are_refused():
+def test_jumping_positions_and_a_global_mask_are_refused():
     model = _patched(num_chunks=2)
     ids, _ = tokens(256, 1, 16)
-    packed = torch.cat([torch.arange(8), torch.arange(8)]).unsqueeze(0)
-    with pytest.raises(fpdt.hf.FPDTHFError, match="restart or do not increase"):
-        fpdt.hf.prepare_inputs(model, ids, position_ids=packed)
+    jumping = torch.cat([torch.arange(8), torch.arange(8) + 3]).unsqueeze(0)   # neither +1 nor a restart at 0
+    with pytest.raises(fpdt.hf.FPDTHFError, match="step from 7 to 3 .*restart at 0"):
+        fpdt.hf.prepare_inputs(model, ids, position_ids=jumping)
+    with pytest.raises(fpdt.hf.FPDTHFError, match="step from 7 to 3 .*restart at 0"):
+        model(input_ids=ids, position_ids=jumping)
     with pytest.raises(fpdt.hf.FPDTHFError, match="mask covers 16 tokens but this rank holds 8"):
         model(input_ids=ids[:, :8], attention_mask=torch.ones(1, 16, dtype=torch.long))
 
@@ -501,8 +503,9 @@ def test_a_config_window_llama_never_uses_is_not_refused():
 
 @pytest.mark.parametrize("chunked_qkv", [True, False])
 def test_settings_changed_after_apply_are_refused_in_forward(chunked_qkv):
-    """What the attention would be asked at call time (dropout switched on later, packed-sequence
-    kwargs) is refused there, on both attention paths."""
+    """What the attention would be asked at call time (dropout switched on later) is refused there, on both
+    attention paths; packed-sequence kwargs that reach the attention itself too (the model's forward takes the
+    collator's cu_seq_lens_q/k as packed documents, tests/hf/test_packed_documents.py)."""
     ids, labels = tokens(256, 1, 16)
     model = _patched(num_chunks=2, chunked_qkv=chunked_qkv).train()
     model.model.layers[1].self_attn.attention_dropout = 0.1
@@ -510,8 +513,11 @@ def test_settings_changed_after_apply_are_refused_in_forward(chunked_qkv):
         model(input_ids=ids, labels=labels)
     model.model.layers[1].self_attn.attention_dropout = 0.0
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    attn = model.model.layers[0].self_attn
+    q = torch.zeros(1, attn.config.num_attention_heads, 16, attn.head_dim)
+    k = torch.zeros(1, attn.config.num_key_value_heads, 16, attn.head_dim)
     with pytest.raises(fpdt.hf.FPDTHFError, match="cu_seq_lens_k, cu_seq_lens_q .*packed sequences"):
-        model(input_ids=ids, labels=labels, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
+        fpdt.hf.attention._refuse_unhonoured(attn, "fpdt", None, 0.0, None, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu))
     model(input_ids=ids, labels=labels).loss.backward()
 
 

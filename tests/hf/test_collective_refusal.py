@@ -1,7 +1,7 @@
 """What the Trainer route refuses, it refuses on every rank of the job (:func:`fpdt.hf.errors.refuse_on_every_rank`).
 
 With data parallelism (world = dp x sp) each sequence-parallel group trains on windows of its
-own. A window one group refuses (packed documents, left padding, a length the layout cannot
+own. A window one group refuses (positions that jump, left padding, a length the layout cannot
 cut) must stop the other groups too: had only the refusing group raised, the others would
 wait forever in their next collective (ZeRO-3's parameter all-gathers). Here every rank runs
 under :func:`tests.distributed.run_distributed`'s timeout and asserts that it raised, so a
@@ -29,8 +29,8 @@ def _window(case: str, S: int = S) -> dict[str, torch.Tensor]:
     positions = torch.arange(S)[None]
     labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].clone()
     mask = torch.ones_like(ids)
-    if case == "packed":                       # two documents, positions restart
-        positions = positions % (S // 2)
+    if case == "jumping":                      # positions neither +1 nor restarting at 0
+        positions = positions * 2
     elif case == "left_padding":
         mask[:, :3] = 0
         labels[:, :3] = -100
@@ -47,7 +47,7 @@ def _slice(window: dict[str, torch.Tensor], sp_rank: int) -> dict[str, torch.Ten
 
 
 REFUSALS = {   # replica 1's case -> what its own ranks say; replica 0's ranks name ranks 2, 3 and say it too
-    "packed": r"restart or do not increase .*one document per window",
+    "jumping": r"step from 0 to 2 .*restart at 0 where a packed document starts",
     "left_padding": r"not right padding .*padding_side='right'",
     "length": r"S=10 is not divisible by sp_size\*num_chunks=2\*2=4; pad or trim",
 }
@@ -82,9 +82,9 @@ def _dp2_sp2(rank, world):
         assert re.search(fix, message), (case, message)
     # both replicas refuse, for different reasons: each rank says its own, then the other's
     with pytest.raises(FPDTHFError) as raised:
-        layout(_window("left_padding" if replica == 0 else "packed"))
-    own, other = (("the attention_mask is not right padding", "ranks 2, 3: position_ids restart") if replica == 0 else
-                  ("position_ids restart", "ranks 0, 1: the attention_mask is not right padding"))
+        layout(_window("left_padding" if replica == 0 else "jumping"))
+    own, other = (("the attention_mask is not right padding", "ranks 2, 3: position_ids step") if replica == 0 else
+                  ("position_ids step", "ranks 0, 1: the attention_mask is not right padding"))
     message = str(raised.value)
     assert message.startswith(own) and "[refused on ranks 0, 1, 2, 3 of 4, every rank stops; " + other in message, \
         message
@@ -92,6 +92,7 @@ def _dp2_sp2(rank, world):
     for case in ("fine", "right_padding"):
         window = _window(case, S=S * (1 + replica))         # the replicas' lengths may differ
         got = layout(window)
+        assert got[3] is None                               # one document: no document ids
         names = ("input_ids", "position_ids", "labels")
         for name, t in zip(names, got):
             want = shard(window[name], SP, CHUNKS, sp_rank, dim=-1)
@@ -126,8 +127,8 @@ def _trainer_route_dp2_sp2(rank, world):
             return model(**x, shift_labels=labels)
 
         with pytest.raises(FPDTHFError, match=("ranks 2, 3 of 4 refused.*" if replica == 0 else "") +
-                           REFUSALS["packed"]):
-            forward("fine" if replica == 0 else "packed")
+                           REFUSALS["jumping"]):
+            forward("fine" if replica == 0 else "jumping")
         assert torch.isfinite(forward("right_padding").loss)      # the next step goes on, on every rank
     finally:
         parallel_state_sp._release_sequence_parallel_groups()
@@ -156,6 +157,8 @@ def _data_parallel_only(rank, world):
 
     with pytest.raises(FPDTHFError, match=("rank 1 of 2 refused.*" if rank == 0 else "") + REFUSALS["left_padding"]):
         forward("fine" if rank == 0 else "left_padding")
+    with pytest.raises(FPDTHFError, match=("rank 1 of 2 refused.*" if rank == 0 else "") + REFUSALS["jumping"]):
+        forward("fine" if rank == 0 else "jumping")
     assert torch.isfinite(forward("right_padding").loss)
 
 

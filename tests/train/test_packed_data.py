@@ -1,0 +1,207 @@
+"""fpdt-train --pack-documents: documents from every source, windows of whole documents in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fpdt.comm import SequenceMesh
+from fpdt.layout import mesh_unshard, unshard
+from fpdt.layout.documents import doc_ids_from_position_ids
+from fpdt.train.data import DataError, PackedWindows, load_documents
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = "examples/tiny-llama/tokenizer.json"
+EOS = 0
+
+
+def _stream(lengths, seed=0):
+    """Documents of ``lengths`` tokens, each ending with EOS, ids in [1, 50)."""
+    rng = np.random.default_rng(seed)
+    docs = [np.append(rng.integers(1, 50, n - 1), EOS) for n in lengths]
+    return np.concatenate(docs), np.asarray(lengths)
+
+
+def test_token_streams_split_at_eos(tmp_path):
+    tokens, lengths = _stream([4, 1, 9, 3])
+    tail = np.array([7, 8])                              # a file's tail without EOS is a document too
+    np.save(tmp_path / "a.npy", np.concatenate([tokens, tail]).astype(np.int32))
+    tokens.astype(np.uint16).tofile(tmp_path / "b.bin")
+    got, n = load_documents(str(tmp_path / "a.npy"), eos_id=EOS)
+    assert n.tolist() == [4, 1, 9, 3, 2] and np.array_equal(got, np.concatenate([tokens, tail]))
+    got, n = load_documents(str(tmp_path), eos_id=EOS)  # the directory: both files, a.npy first
+    assert n.tolist() == [4, 1, 9, 3, 2, 4, 1, 9, 3] and n.sum() == len(got)
+    with pytest.raises(DataError, match="eos_token_id, and the config names none"):
+        load_documents(str(tmp_path / "b.bin"), eos_id=None)
+
+
+def test_text_documents(tmp_path):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(TOKENIZER)
+    (tmp_path / "a.txt").write_text("first document\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "second doc"}) + "\n" + json.dumps("third") + "\n")
+    got, n = load_documents(str(tmp_path), tokenizer_path=TOKENIZER, eos_id=EOS)
+    want = [tok.encode(d, add_special_tokens=False).ids + [EOS] for d in ("first document\n", "second doc", "third")]
+    assert n.tolist() == [len(w) for w in want] and got.tolist() == sum(want, [])
+
+
+def _pieces(windows: PackedWindows, w: int):
+    """Window ``w``'s documents as lists of token ids, and its padding length."""
+    win = windows.window(w)
+    docs, pad = [], 0
+    for d in np.unique(win["doc_ids"]):
+        sel = win["doc_ids"] == d
+        assert win["position_ids"][sel].tolist() == list(range(sel.sum()))          # restart at 0
+        toks = win["input_ids"][sel]
+        labels = win["labels"][sel]
+        if d >= windows.first_piece[w + 1] - windows.first_piece[w]:               # the padding
+            assert (labels == -100).all() and (toks == windows.pad_id).all()
+            pad = int(sel.sum())
+            continue
+        assert labels[:-1].tolist() == toks[1:].tolist() and labels[-1] == -100     # last token predicts nothing
+        docs.append(toks.tolist())
+    return docs, pad
+
+
+def test_windows_of_whole_documents_in_order():
+    S = 16
+    lengths = [5, 3, 8, 1, 40, 7, 16, 2, 9, 9]          # 40: split 16 + 16 + 8; 16 fills a window alone
+    tokens, lengths = _stream(lengths)
+    windows = PackedWindows(tokens, lengths, S, pad_id=3)
+    seen, pads = [], 0
+    for w in range(windows.num_windows):
+        docs, pad = _pieces(windows, w)
+        assert sum(map(len, docs)) + pad == S
+        j = windows.first_piece[w + 1]                                             # next fit: the next piece
+        assert pad == 0 or j == windows.piece_len.size or pad < windows.piece_len[j]   # did not fit
+        seen += docs
+        pads += pad
+    starts = np.cumsum(lengths) - lengths
+    want = []
+    for s, n in zip(starts, lengths):
+        doc = tokens[s:s + n].tolist()
+        want += [doc[i:i + S] for i in range(0, n, S)]   # longer than a window: S-token pieces
+    assert seen == want                                  # every token once, in order
+    assert [len(p) for p in seen] == [5, 3, 8, 1, 16, 16, 8, 7, 16, 2, 9, 9]
+    assert windows.num_documents == 10 and windows.mean_length == pytest.approx(10.0)
+    assert "packed documents=10 mean_len=10.0 continuations=2" in windows.describe()
+
+
+@pytest.mark.parametrize("sp, u, mesh", [(1, 1, None), (2, 2, None), (4, 1, (2, 2))])
+def test_shard_and_doc_ids(sp, u, mesh):
+    S = 32
+    tokens, lengths = _stream([3, 11, 1, 20, 6, 2, 40, 5], seed=1)
+    windows = PackedWindows(tokens, lengths, S, shuffle=True, seed=5)
+    ks = [0, 3, 1]
+    whole = [windows.window(windows.window_of_sequence(k)) for k in ks]
+    for name in ("input_ids", "labels", "position_ids"):
+        if mesh is None:
+            parts = [windows.shard(ks, sp, u, r)[name] for r in range(sp)]
+            got = unshard(parts, u)
+        else:
+            hp, cp = mesh
+            parts = [windows.shard(ks, sp, u, None, mesh=_FakeMesh(hp, cp, c, h))[name]
+                     for c in range(cp) for h in range(hp)]
+            got = mesh_unshard(parts, hp, cp, u)
+        assert torch.equal(got, torch.from_numpy(np.stack([w[name] for w in whole])))
+    batch = windows.shard(ks, sp, u, 0, mesh=_FakeMesh(*mesh, 0, 0) if mesh else None)
+    # doc_ids: the whole windows', the documents the positions mark (the padding a document of its own)
+    assert torch.equal(batch["doc_ids"], doc_ids_from_position_ids(torch.from_numpy(
+        np.stack([w["position_ids"] for w in whole]))))
+
+
+class _FakeMesh(SequenceMesh):
+    """The mesh layout of rank (c, h) without process groups."""
+
+    def __init__(self, hp, cp, c, h):
+        self.hp, self.cp, self.cp_rank, self.hp_rank = hp, cp, c, h
+
+
+def test_order_is_a_function_of_the_run():
+    tokens, lengths = _stream(list(range(1, 30)), seed=2)
+    a = PackedWindows(tokens, lengths, 24, shuffle=True, seed=7)
+    b = PackedWindows(tokens, lengths, 24, shuffle=True, seed=7)
+    order = [a.window_of_sequence(k) for k in range(3 * a.num_windows)]
+    assert order == [b.window_of_sequence(k) for k in range(3 * b.num_windows)]     # a resumed run reads the same
+    assert sorted(order[:a.num_windows]) == list(range(a.num_windows))
+    plain = PackedWindows(tokens, lengths, 24)
+    assert [plain.window_of_sequence(k) for k in range(plain.num_windows + 2)] == \
+        list(range(plain.num_windows)) + [0, 1]
+
+
+def _jargon_paragraphs(path) -> int:
+    """The main job's text (README) as JSONL documents, one per paragraph."""
+    import re
+
+    with open(os.path.join(ROOT, "examples", "data", "jargon-file-4.4.7.txt")) as f:
+        paragraphs = [p for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": p}) + "\n" for p in paragraphs)
+    return len(paragraphs)
+
+
+def _train(tmp, *extra):
+    argv = [sys.executable, "-m", "fpdt.train", "--model-config", "examples/tiny-llama/config.json",
+            "--data", os.path.join(tmp, "jargon.jsonl"), "--seq-len", "256", "--steps", "3",
+            "--deepspeed", "examples/tiny-llama/ds_cpu.json", "--pack-documents", "--no-mem-accounting", *extra]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+def _losses(path):
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+@pytest.mark.slow
+def test_main_job_data_packed_and_resumed_in_order(tmp_path):
+    """The README's main job on its text cut into paragraphs, packed: the start-up line counts the
+    documents, the loss starts near ln(vocab) and falls, and a run resumed at step 2 takes step 3
+    exactly as the uninterrupted run did (same windows, in the same order)."""
+    tmp = str(tmp_path)
+    docs = _jargon_paragraphs(os.path.join(tmp, "jargon.jsonl"))
+    log = os.path.join(tmp, "run.jsonl")
+    err = _train(tmp, "--log-json", log, "--save-dir", os.path.join(tmp, "ckpt"), "--save-every", "2")
+    line = re.search(r"packed documents=(\d+) mean_len=([\d.]+) continuations=(\d+) fill=([\d.]+)%", err)
+    assert line and int(line.group(1)) == docs and 30 < float(line.group(2)) < 200, err[-2000:]
+    losses = _losses(log)
+    assert len(losses) == 3 and losses[0] == pytest.approx(7.6, abs=0.3) and losses[-1] < losses[0]
+    resumed_log = os.path.join(tmp, "resumed.jsonl")
+    err = _train(tmp, "--log-json", resumed_log, "--resume", os.path.join(tmp, "ckpt", "step2"))
+    assert "differs from the saved one" not in err
+    assert _losses(resumed_log) == losses[2:]
+
+
+def _train_sp2(rank, world, tmp, log):
+    from fpdt.cli.train import main
+    from tests.train.helpers import quiet
+
+    quiet()
+    os.chdir(ROOT)
+    assert main(["--model-config", "examples/tiny-llama/config.json", "--data", os.path.join(tmp, "jargon.jsonl"),
+                 "--seq-len", "256", "--steps", "3", "--sp", "2", "--deepspeed", "examples/tiny-llama/ds_cpu.json",
+                 "--pack-documents", "--no-mem-accounting", "--log-json", log]) == 0
+
+
+@pytest.mark.slow
+def test_main_job_data_packed_on_two_ranks_matches_one(tmp_path):
+    """sp=2 (documents across the ranks' chunks, the model given the windows' document ids) trains as
+    one process does: each step's loss within 1e-4."""
+    from tests.distributed import run_distributed
+
+    tmp = str(tmp_path)
+    _jargon_paragraphs(os.path.join(tmp, "jargon.jsonl"))
+    one, two = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "two.jsonl")
+    _train(tmp, "--log-json", one)
+    run_distributed(_train_sp2, 2, args=(tmp, two), timeout=300)
+    for a, b in zip(_losses(one), _losses(two), strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (_losses(one), _losses(two))
