@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-json", metavar="FILE", help="append one JSON object per step to FILE")
     r.add_argument("--mem-accounting", action=argparse.BooleanOptionalAction, default=True,
                    help="on the CPU, count each step's device working set for peak_mem_gib with a dispatch mode "
-                        "(+35-57%% step time on the README's tiny model); --no-mem-accounting skips it and logs "
+                        "(it costs step time: docs/train.md); --no-mem-accounting skips it and logs "
                         "peak_mem_gib as null on the CPU. No effect on CUDA, where the allocator's peaks are read")
     r.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: datasheet / measured)")
     r.add_argument("--save-dir", metavar="DIR", help="write DeepSpeed checkpoints here")

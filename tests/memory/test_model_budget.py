@@ -47,8 +47,8 @@ computes no forward there (:func:`fpdt.model.checkpointing.output_values_unused`
 6 Nd + 2 U before, 6.18 Nd at u = 16).
 
 Budget: ``max(5 + 16.5 / u, 6, 5 + 2 / u)`` Nd: 9.125 at u = 4, 7.06 at u = 8, 6.03 at u = 16
-(the issue asked for 8 at u = 4: the chunk count is the lever). Before the fixes of issue 8 the
-same run held 20 Nd.
+(8 at u = 4 was the target: the chunk count is the lever). Before the chunked MLP, the lean norms
+and the in-place residual gradient the same run held 20 Nd.
 """
 
 import pytest

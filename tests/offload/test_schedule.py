@@ -1,4 +1,4 @@
-"""The FPDT offload schedule, asserted under the simulated runtime (BRIEF §1, FPDT).
+"""The FPDT offload schedule, asserted under the simulated runtime (FPDT, arXiv 2408.16978).
 
 * fetch buffers: at most two per role (the one in use and the one being prefetched),
   allocated on the compute stream that reads them (record_stream only on D2H sources);

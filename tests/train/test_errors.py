@@ -1,6 +1,6 @@
 """Bad inputs to ``fpdt-train`` / ``fpdt-export``: each stops before the expensive part with
 one ``fpdt-train: error: ...`` line that names the file or flag and the fix, no traceback,
-exit status 2 (issue 12). Called in-process: every case fails before any process group."""
+exit status 2 (docs/train.md, "Configuration and errors"). Called in-process: every case fails before any process group."""
 
 from __future__ import annotations
 

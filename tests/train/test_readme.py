@@ -23,7 +23,7 @@ def _section_block(heading: str, lang: str) -> str:
     """The first ```lang block after ``heading``."""
     text = _readme()
     start = text.index(heading)
-    m = re.search(rf"```{lang}\n(.*?)```", text[start:], re.S)
+    m = re.search(rf"```{lang}[^\n]*\n(.*?)```", text[start:], re.S)
     assert m, f"no {lang} block after {heading!r}"
     return m.group(1)
 
