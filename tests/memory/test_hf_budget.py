@@ -137,6 +137,7 @@ def _trainer_route_against_own_loop(rank, world, u, seq):
         parallel_state_sp._release_sequence_parallel_groups()
 
 
+@pytest.mark.slow
 def test_trainer_route_holds_only_the_relaid_inputs_more():
     """Under the Trainer (``group="trainer"``, 2 ranks) a step holds what the user's own loop
     holds, plus at most this rank's copy of the integer inputs in the FPDT layout; the

@@ -96,6 +96,7 @@ def _sp_worker(rank, world):
     run_case("llama_sp4" if world == 4 else "qwen2_tied", rank, world, num_chunks=1, spec=LoraSpec(3, dropout=0.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_against_peft(world):
     run_distributed(_sp_worker, world)
@@ -105,6 +106,7 @@ def _mesh_worker(rank, world):
     run_case("llama_sp4", rank, world, mesh=True, checkpointing="on")
 
 
+@pytest.mark.slow
 def test_mesh_against_peft():
     run_distributed(_mesh_worker, 4)
 

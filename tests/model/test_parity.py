@@ -92,6 +92,7 @@ def _multi_rank(rank, world, cases, weighted_mean_check=False):
                  checkpoint_device_layers=(extra[1:] or [0])[0])
 
 
+@pytest.mark.slow
 def test_two_ranks():
     cases = [("llama_gqa", 1, None, None, False, "off"),
              ("llama_gqa", 2, 3, 5, True, "offload"),

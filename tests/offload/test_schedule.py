@@ -76,6 +76,7 @@ def test_copy_volume_matches_the_formula_on_one_rank():
     _volume_body(0, 1, 5, 4, 2, torch.float32)
 
 
+@pytest.mark.slow
 def test_copy_volume_matches_the_formula_on_two_ranks_with_kv_replication():
     run_distributed(_volume_body, 2, args=(4, 4, 1, torch.bfloat16))  # H_kv=1 < sp: replicated before the all-to-all
 
