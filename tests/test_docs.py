@@ -131,6 +131,7 @@ def _bash(code, tmp_path, timeout):
     proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + code], cwd=_scratch(tmp_path), env=_env(),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "FutureWarning" not in proc.stdout + proc.stderr     # third-party deprecations are filtered
     return proc
 
 
