@@ -6,7 +6,9 @@ A fenced block's info string says how it runs:
 - ```` ```python ````: run in a fresh process from a scratch directory that sees the repository's
   ``examples/``; ```` ```python ranks=N ````: on N gloo ranks of ``tests/distributed.py``.
 - ```` ```bash ````: run as a bash script (``set -e``) from such a directory; ```` ```bash slow ````
-  likewise, among the slow tests (training runs of a minute or more).
+  marks a training run of a minute or more.
+- The README's single-process blocks run in the fast set (the README's own test command checks
+  its quick starts); ``slow`` and ``ranks=N`` blocks and those of the other pages among the slow tests.
 - ```` ```bash gpu ```` / ```` ```python gpu ````: needs a GPU; skipped without one. On the CPU
   the ``fpdt-train`` / ``fpdt-plan`` lines still parse with the tools' own argument parsers and
   every ``examples/`` path they name exists.
@@ -73,7 +75,9 @@ def _ranks(tags) -> int:
     return 1
 
 
-def _blocks(lang, *, slow=False, gpu=False, multi=None):
+def _blocks(lang, *, gpu=False, multi=None):
+    """The blocks of one language; the README's single-process ones are in the fast set (the
+    README's test command checks its own quick starts), the rest among the slow tests."""
     params = []
     for page, line, blang, tags, code in code_blocks():
         if blang != lang or ("gpu" in tags) != gpu or "ci" in tags:
@@ -81,9 +85,8 @@ def _blocks(lang, *, slow=False, gpu=False, multi=None):
         n = _ranks(tags)
         if multi is not None and (n > 1) != multi:
             continue
-        if lang == "bash" and not gpu and ("slow" in tags) != slow:
-            continue
-        params.append(pytest.param(code, n, id=f"{page}:{line}"))
+        slow = not gpu and ("slow" in tags or n > 1 or page != "README.md")
+        params.append(pytest.param(code, n, id=f"{page}:{line}", marks=[pytest.mark.slow] if slow else []))
     return params
 
 
@@ -121,7 +124,6 @@ def _run_block(rank, world_size, code, cwd):
     exec(compile(code, "docs block", "exec"), {"__name__": "__main__"})
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("code, ranks", _blocks("python", multi=True))
 def test_multi_rank_python_block_runs(code, ranks, tmp_path):
     run_distributed(_run_block, world_size=ranks, args=(code, _scratch(tmp_path)), timeout=280)
@@ -137,12 +139,6 @@ def _bash(code, tmp_path, timeout):
 
 @pytest.mark.parametrize("code, ranks", _blocks("bash"))
 def test_bash_block_runs(code, ranks, tmp_path):
-    _bash(code, tmp_path, timeout=280)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("code, ranks", _blocks("bash", slow=True))
-def test_slow_bash_block_runs(code, ranks, tmp_path):
     _bash(code, tmp_path, timeout=900)
 
 
