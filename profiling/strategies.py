@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from fpdt.train.config import FPDTOptions
+from fpdt.train.config import TrainerOptions
 
 STRATEGIES = ("fpdt", "fpdt-no-offload", "hf", "alst")
 
@@ -99,7 +99,7 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-5, foreach=False)
 
 
-LM_HEAD_WGRAD = FPDTOptions().lm_head_wgrad
+LM_HEAD_WGRAD = TrainerOptions().lm_head_wgrad
 """The fpdt strategies' LM-head weight gradient: ``fpdt-train``'s default (``"recompute"``
 since 2026-11-24; results before that ran the model's default, ``"accumulate"``)."""
 

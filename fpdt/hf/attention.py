@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,31 +38,9 @@ from fpdt.hf.adapters import Projections, lean_lora, read_projections
 from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import TrainerGroup, resolve_group
 from fpdt.ops.lora import lora_linear
+from fpdt.options import FPDTOptions
 
 _names = itertools.count()
-
-
-@dataclass(frozen=True)
-class AttentionSettings:
-    """What every call of one registered implementation passes to :func:`fpdt_attention`."""
-
-    group: dist.ProcessGroup | TrainerGroup | None = None
-    """Sequence-parallel group (None: the default group, or a world of 1; a
-    :class:`fpdt.hf.groups.TrainerGroup` is looked up at each call)."""
-    mesh: SequenceMesh | None = None
-    """A 2D hp x cp mesh instead of ``group``."""
-    num_chunks: int = 1
-    """Attention chunks per rank ``u``; the inputs must be sharded with the same ``u``."""
-    offload: bool = False
-    """Keep finished chunks in (pinned) host memory."""
-    backend: str | None = None
-    """Attention kernel (see :mod:`fpdt.attention.kernels`); None = automatic."""
-
-    def __post_init__(self) -> None:
-        if self.num_chunks < 1:
-            raise ValueError(f"num_chunks={self.num_chunks} must be >= 1")
-        if self.mesh is not None and self.group is not None:
-            raise ValueError("pass either group= (plain Ulysses) or mesh= (hp x cp), not both")
 
 
 def _refuse_unhonoured(module: torch.nn.Module, name: str, attention_mask, dropout: float,
@@ -88,7 +65,7 @@ def _refuse_unhonoured(module: torch.nn.Module, name: str, attention_mask, dropo
         raise FPDTHFError(f"{type(module).__name__} is not causal; fpdt attention is causal only")
 
 
-def _attention(settings: AttentionSettings, name: str):
+def _attention(settings: FPDTOptions, name: str):
     def fpdt_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, attention_mask: torch.Tensor | None, *,
                                scaling: float | None = None, dropout: float = 0.0,
@@ -169,7 +146,7 @@ def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[torch.
     return known[type(module)](module), _qk_norm(module), projections
 
 
-def chunked_qkv_attention_forward(settings: AttentionSettings, name: str):
+def chunked_qkv_attention_forward(settings: FPDTOptions, name: str):
     """A forward for a Llama, Mistral, Qwen2 or Qwen3 attention module (:func:`check_chunked_qkv`;
     to bind to it) that runs the q/k/v projections (and Qwen3's q/k norms), RoPE and FPDT
     attention chunk by chunk (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`),
@@ -240,12 +217,14 @@ def register_attention(*, group: dist.ProcessGroup | None = None, mesh: Sequence
     The model's inputs must then be this rank's tokens in the matching layout, with global
     position ids: :func:`fpdt.hf.prepare_inputs` builds them.
     """
-    settings = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
-    return register_settings(settings, name)
+    options = FPDTOptions(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
+    return register_settings(options.validate(), name)
 
 
-def register_settings(settings: AttentionSettings, name: str | None = None) -> str:
-    """:func:`register_attention` with its settings already built."""
+def register_settings(settings: FPDTOptions, name: str | None = None) -> str:
+    """:func:`register_attention` with its options already built (the attention reads ``group``,
+    ``mesh``, ``num_chunks``, ``offload`` and ``backend``; a ``group`` may be a
+    :class:`fpdt.hf.groups.TrainerGroup`, looked up at each call)."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface

@@ -62,13 +62,13 @@ from torch import nn
 
 from fpdt.comm import SequenceMesh
 from fpdt.comm.ulysses import group_rank, group_size
-from fpdt.hf.attention import (AttentionSettings, FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
+from fpdt.hf.attention import (FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
                                plain_linears, register_settings)
 from fpdt.hf.adapters import lean_lora, read_parameters, read_projections
 from fpdt.hf.groups import TrainerGroup, resolve_group
 from fpdt.hf.padding import check_right_padding, whole_window_mask
 from fpdt.hf.trainer import TRAINER_ATTN_NAME, check_increasing_positions, contiguous_to_fpdt_layout
-from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed, checkpointed_residual
+from fpdt.model.checkpointing import checkpointed, checkpointed_residual
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
@@ -77,6 +77,7 @@ from fpdt.model.loss import (IGNORE_INDEX, WGRAD_MODES, default_loss_chunks, seq
 from fpdt.model.mlp import default_mlp_chunks, swiglu_of_linears
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.offload import HostStash
+from fpdt.options import FPDTOptions, OptionsError
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
 RECOMPUTED_ROPE_TYPES = ("dynamic", "longrope")
@@ -97,18 +98,16 @@ def _lean_rmsnorm_classes() -> tuple[type, ...]:
 
 @dataclass(frozen=True)
 class HFSettings:
-    """What :func:`apply_fpdt` set on a model (``model.fpdt``)."""
+    """What :func:`apply_fpdt` set on a model (``model.fpdt``): the options and what it resolved."""
 
     attn_implementation: str
     """The name fpdt's attention is registered under (the model's own, except under the Trainer)."""
-    group: dist.ProcessGroup | TrainerGroup | None
-    mesh: SequenceMesh | None
-    num_chunks: int
-    offload: bool
+    options: FPDTOptions
+    """The FPDT options (``group`` may be a :class:`fpdt.hf.groups.TrainerGroup`)."""
     mlp_chunks: int
+    """The MLP's token chunks (``options.mlp_chunks``, or its default for this model)."""
     loss_chunks: int
-    lm_head_wgrad: str
-    checkpointing: str = "off"
+    """The loss's token chunks (``options.loss_chunks``, or its default for this model)."""
     chunked_qkv: bool = True
     lean_norms: bool = True
 
@@ -117,16 +116,17 @@ class HFSettings:
 
     def rank_size(self) -> tuple[int, int]:
         """``(rank, size)`` in the sequence-parallel group."""
-        return _rank_size(self.group, self.mesh)
+        return _rank_size(self.options.group, self.options.mesh)
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.sp_group if self.mesh is not None else resolve_group(self.group)
+        mesh = self.options.mesh
+        return mesh.sp_group if mesh is not None else resolve_group(self.options.group)
 
     @property
     def under_trainer(self) -> bool:
         """Set up for the Hugging Face Trainer's sequence parallelism (:mod:`fpdt.hf.trainer`)."""
-        return isinstance(self.group, TrainerGroup)
+        return isinstance(self.options.group, TrainerGroup)
 
 
 def _rank_size(group: dist.ProcessGroup | TrainerGroup | None, mesh: SequenceMesh | None) -> tuple[int, int]:
@@ -293,8 +293,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             raise FPDTHFError(f"evaluation under the Trainer's sequence parallelism (sp={sp}): the Trainer gives "
                               f"every rank whole windows of its own, which fpdt cannot split; evaluate with "
                               f"TrainingArguments(eval_strategy='no') or a model without apply_fpdt")
-    if settings.checkpointing != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
-        raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=settings.checkpointing))
+    mode = settings.options.checkpointing
+    if mode != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
+        raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=mode))
     ref = input_ids if input_ids is not None else inputs_embeds
     if ref is not None and torch.is_autocast_enabled(ref.device.type):
         raise FPDTHFError("apply_fpdt's chunked functions do not run under torch.autocast: cast the model to the "
@@ -326,7 +327,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                               "tokens are moved into fpdt's chunk layout by id)")
         input_ids, position_ids, shift_labels = contiguous_to_fpdt_layout(     # every rank of the job agrees
             input_ids, position_ids, shift_labels, attention_mask, group=settings.sp_group, job_group=None, sp=sp,
-            rank=rank, num_chunks=settings.num_chunks)
+            rank=rank, num_chunks=settings.options.num_chunks)
         attention_mask = None                    # all ones over the window, or refused above
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
@@ -375,7 +376,7 @@ def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_id
                              inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
         loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
                                          group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
-                                         wgrad=settings.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
+                                         wgrad=settings.options.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
         out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                      attentions=outputs.attentions)
     return out
@@ -413,14 +414,14 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
         register_external_parameter(model, model.lm_head.weight)
 
 
-def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None, mesh: SequenceMesh | None = None,
-               num_chunks: int = 1, offload: bool = False, backend: str | None = None,
-               mlp_chunks: int | None = None, loss_chunks: int | None = None,
-               lm_head_wgrad: str = "recompute", checkpointing: str = "off",
-               chunked_qkv: bool = True, lean_norms: bool = True) -> nn.Module:
+def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_qkv: bool = True,
+               lean_norms: bool = True, **fields) -> nn.Module:
     """Make a Transformers causal LM sequence-parallel and chunked with FPDT; returns ``model``.
 
     Args:
+        options / **fields: :class:`fpdt.options.FPDTOptions`, or its fields as keywords (both: the
+            fields change the object), with the same defaults as :func:`fpdt.model.from_config`.
+            The ones worth a word here follow.
         model: a ``*ForCausalLM`` whose attention uses Transformers' ``AttentionInterface``
             (Llama, Qwen2, Mistral, ...), built normally or under ``deepspeed.zero.Init``, or
             a PEFT model around one (returned as given); call this before
@@ -475,16 +476,17 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
     outer, model = model, _causal_lm(model)
     if getattr(model, "fpdt", None) is not None:
         raise FPDTHFError("apply_fpdt was already applied to this model")
-    if checkpointing not in CHECKPOINT_MODES:
-        raise FPDTHFError(f"checkpointing={checkpointing!r} must be one of {CHECKPOINT_MODES}")
-    if lm_head_wgrad not in WGRAD_MODES:
-        raise FPDTHFError(f"lm_head_wgrad={lm_head_wgrad!r} must be one of {WGRAD_MODES}")
+    group = fields.get("group", options.group if options is not None else None)
     if group == "trainer":
-        group = TrainerGroup()
+        fields["group"] = TrainerGroup()
     elif isinstance(group, str):
         raise FPDTHFError(f"group={group!r}: pass a torch.distributed process group, None, or 'trainer'")
-    trainer = isinstance(group, TrainerGroup)
-    if trainer and (mesh is not None or not chunked_qkv):
+    try:
+        options = FPDTOptions.build(options, **fields)
+    except OptionsError as e:
+        raise FPDTHFError(str(e)) from None
+    trainer = isinstance(options.group, TrainerGroup)
+    if trainer and (options.mesh is not None or not chunked_qkv):
         raise FPDTHFError("group='trainer' runs Ulysses over the Trainer's group with fpdt's chunked q/k/v "
                           "projections: the model keeps 'sdpa' as its attention name, which DeepSpeed replaces "
                           "with its own Ulysses all-to-all, and Transformers' attention forward would reach it "
@@ -492,18 +494,24 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
                           "chunked_qkv=True")
     layers = _decoder_layers(model)
     cfg = model.config
+    num_chunks, checkpointing = options.num_chunks, options.checkpointing
     mlp_chunks = default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size, num_chunks) \
-        if mlp_chunks is None else int(mlp_chunks)
+        if options.mlp_chunks is None else options.mlp_chunks
     loss_chunks = default_loss_chunks(cfg.vocab_size, cfg.hidden_size, num_chunks) \
-        if loss_chunks is None else int(loss_chunks)
-    if mlp_chunks < 0 or loss_chunks < 0:
-        raise FPDTHFError(f"mlp_chunks={mlp_chunks} and loss_chunks={loss_chunks} must be >= 0")
+        if options.loss_chunks is None else options.loss_chunks
+    if options.checkpoint_device_layers:
+        raise FPDTHFError(f"checkpoint_device_layers={options.checkpoint_device_layers}: fpdt.hf keeps every "
+                          f"checkpointed layer input in one tier; use checkpointing='on' (device) or 'offload' "
+                          f"(host), or fpdt.model, which tiers them")
+    if options.attention_checkpoint != "recompute":
+        raise FPDTHFError(f"attention_checkpoint={options.attention_checkpoint!r} is not available in fpdt.hf yet: "
+                          f"use attention_checkpoint='recompute'")
     _check_config(model, layers, mlp_chunks, loss_chunks)
     if chunked_qkv:
         for layer in layers:
             check_chunked_qkv(layer.self_attn)
     norms = _lean_norms(model, layers) if lean_norms else []
-    attention = AttentionSettings(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
+    attention = options
     name = register_settings(attention)
     if trainer:
         # The name the Trainer's SP setup checks; the chunked attention modules never call the function
@@ -531,10 +539,8 @@ def apply_fpdt(model: nn.Module, *, group: dist.ProcessGroup | str | None = None
             layer._fpdt_checkpoint = (i, checkpointing, state)
             layer.forward = types.MethodType(_checkpointed_layer_forward, layer)
     model.forward = types.MethodType(_causal_lm_forward, model)
-    model.fpdt = HFSettings(attn_implementation=name, group=group, mesh=mesh, num_chunks=num_chunks,
-                            offload=offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
-                            lm_head_wgrad=lm_head_wgrad, checkpointing=checkpointing,
-                            chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
+    model.fpdt = HFSettings(attn_implementation=name, options=options, mlp_chunks=mlp_chunks,
+                            loss_chunks=loss_chunks, chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
     rotary = getattr(model.model, "rotary_emb", None)
     rope_types = getattr(rotary, "rope_type", "default")          # per layer type in some models
     if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
@@ -567,7 +573,7 @@ def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.T
                               f"{tuple(input_ids.shape)}: pass the whole window's, the same on every rank")
         check_right_padding(attention_mask, _shift_labels(labels if labels is not None else input_ids))
     rank, sp = settings.rank_size()
-    inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.num_chunks, labels=labels,
-                             position_ids=position_ids, mesh=settings.mesh)
+    inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.options.num_chunks,
+                             labels=labels, position_ids=position_ids, mesh=settings.options.mesh)
     return {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"],
             "shift_labels": inputs["labels"]}

@@ -11,11 +11,13 @@
 
 from fpdt.model.config import ModelConfig, UnsupportedConfigError
 from fpdt.model.inputs import prepare_inputs, shift_labels
-from fpdt.model.llama import FPDTForCausalLM, FPDTOptions
+from fpdt.model.llama import FPDTForCausalLM
+from fpdt.options import FPDTOptions
 from fpdt.model.lora import LoraSpec, adapter_state_dict, add_lora, load_adapter, save_adapter
 from fpdt.model.loss import chunked_lm_loss, default_loss_chunks
 from fpdt.model.mlp import ChunkedSwiGLU
-from fpdt.model.weights import from_config, from_pretrained, load_hf_state_dict, save_pretrained
+from fpdt.model.build import construct, from_config, from_pretrained
+from fpdt.model.weights import load_hf_state_dict, save_pretrained
 
 __all__ = [
     "ChunkedSwiGLU", "FPDTForCausalLM", "FPDTOptions", "LoraSpec", "ModelConfig", "UnsupportedConfigError",

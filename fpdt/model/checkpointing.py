@@ -55,7 +55,6 @@ import torch
 
 from fpdt.offload import HostStash
 
-CHECKPOINT_MODES = ("off", "on", "offload")
 
 
 class _OpaqueBody:

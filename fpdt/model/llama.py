@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -31,81 +30,16 @@ from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.comm import SequenceMesh
-from fpdt.model.checkpointing import CHECKPOINT_MODES, checkpointed_residual
+from fpdt.model.checkpointing import checkpointed_residual
 from fpdt.model.config import ModelConfig
 from fpdt.model.inputs import prepare_inputs
-from fpdt.model.loss import WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss
+from fpdt.model.loss import default_loss_chunks, sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU, default_mlp_chunks
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
+from fpdt.model.weights import save_pretrained
 from fpdt.offload import HostStash
-
-
-@dataclass(frozen=True)
-class FPDTOptions:
-    """Memory and parallelism options (all may be changed later with ``model.configure``)."""
-
-    num_chunks: int = 1
-    """Attention chunks per rank ``u``: ``S`` must be divisible by ``P * u``, and inputs must be
-    laid out with the same ``u`` (:func:`fpdt.model.prepare_inputs`). The global chunk
-    length is ``S / u`` (the paper's sweet spot is 64K)."""
-    offload: bool = False
-    """Keep attention chunks (k̂, v̂, q̂, o, lse, layer-input chunks) in pinned host memory
-    between forward and backward, double-buffered (FPDT "w. offload")."""
-    mlp_chunks: int | None = None
-    """Token chunks of the SwiGLU MLP; None = ``ceil(2 u I / hidden)`` (each ``[n, I]``
-    intermediate fits the byte budget of :mod:`fpdt.model.chunks`); 0 = the plain,
-    unchunked autograd MLP (keeps its ``[B, S_local, I]`` intermediates)."""
-    loss_chunks: int | None = None
-    """Token chunks of the fused LM head + cross-entropy; None = ``ceil(2 u V / hidden)``
-    (each fp32 logits chunk fits the same budget); 0 = plain full-logits loss
-    (``[B, S_local, V]`` fp32 logits)."""
-    lm_head_wgrad: str = "accumulate"
-    """How the chunked loss forms the LM-head weight gradient (:data:`fpdt.model.loss.WGRAD_MODES`):
-    ``"accumulate"`` sums it over token chunks in an fp32 ``[V, hidden]`` buffer;
-    ``"recompute"`` recomputes the logits in backward, one vocabulary slice at a time, and
-    needs no such buffer (one more LM-head GEMM; see :mod:`fpdt.model.loss`). On an H100 at
-    the Llama-3 heads recompute was also the faster (``fpdt-train``'s default)."""
-    checkpointing: str = "off"
-    """Per-layer activation checkpointing: ``"off"``, ``"on"`` (keep each layer's input,
-    recompute the layer in backward) or ``"offload"`` (as "on", with the layer inputs in
-    pinned host memory, prefetched one layer ahead in backward)."""
-    checkpoint_device_layers: int = 0
-    """With ``checkpointing="offload"``: how many of the last decoder layers keep their
-    input on the device instead (0 = every input on the host, the FPDT design; the number of
-    layers = as ``"on"``). Each such layer moves ``[B, S_local, hidden]`` from host to device
-    memory and saves its two copies; backward needs the last layers' inputs first, so
-    keeping those costs no prefetch. For runs whose host memory, not the GPU's, is the limit."""
-    group: dist.ProcessGroup | None = None
-    """Sequence-parallel process group; None = the default group if torch.distributed is
-    initialised, else a world of 1."""
-    mesh: SequenceMesh | None = None
-    """2D sequence parallelism (:class:`fpdt.comm.SequenceMesh`, hp x cp) instead of
-    ``group``: inputs in the mesh layout (``prepare_inputs`` uses it), ``S`` divisible by
-    ``2 * hp * cp * num_chunks``; reductions (loss token count) run over ``mesh.sp_group``."""
-    backend: str | None = None
-    """Attention kernel backend name for :class:`FPDTAttention` (None = automatic)."""
-
-    def validate(self) -> "FPDTOptions":
-        if self.num_chunks < 1:
-            raise ValueError(f"num_chunks={self.num_chunks} must be >= 1")
-        for name in ("mlp_chunks", "loss_chunks"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name}={value} must be >= 0 (0 = unchunked) or None (default)")
-        if self.mesh is not None and self.group is not None:
-            raise ValueError("set either group= (plain Ulysses) or mesh= (hp x cp), not both")
-        if self.lm_head_wgrad not in WGRAD_MODES:
-            raise ValueError(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {WGRAD_MODES}")
-        if self.checkpointing not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpointing={self.checkpointing!r} must be one of {CHECKPOINT_MODES}")
-        if isinstance(self.checkpoint_device_layers, bool) or not isinstance(self.checkpoint_device_layers, int) \
-                or self.checkpoint_device_layers < 0:
-            raise ValueError(f"checkpoint_device_layers={self.checkpoint_device_layers!r} must be an integer >= 0")
-        if self.checkpoint_device_layers and self.checkpointing != "offload":
-            raise ValueError(f"checkpoint_device_layers={self.checkpoint_device_layers} keeps some offloaded layer "
-                             f"inputs on the device: it needs checkpointing='offload' (now {self.checkpointing!r})")
-        return self
+from fpdt.options import FPDTOptions
 
 
 class RMSNorm(nn.Module):
@@ -192,27 +126,15 @@ class FPDTForCausalLM(nn.Module):
     ``forward(input_ids, labels=..., position_ids=...)`` returns the loss; see there for
     the sequence-parallel gradient convention.
 
-    Options (:class:`FPDTOptions`; change them later with :meth:`configure`):
-
-    * ``num_chunks`` (1): attention chunks per rank; ``S % (sp * num_chunks) == 0``.
-    * ``offload`` (False): attention chunks live in pinned host memory between uses.
-    * ``mlp_chunks`` (``ceil(2 u I / hidden)``): SwiGLU token chunks, recomputed in backward; 0 = plain.
-    * ``loss_chunks`` (``ceil(2 u V / hidden)``): fused LM-head + CE token chunks; 0 = full logits.
-    * ``lm_head_wgrad`` (``"accumulate"``): ``"recompute"`` drops the loss's fp32 ``[V, hidden]``
-      weight-gradient buffer for one more LM-head GEMM in backward.
-    * ``checkpointing`` (``"off"``): ``"on"`` recomputes each decoder layer in backward from
-      its saved input; ``"offload"`` also keeps that input in pinned host memory.
-    * ``checkpoint_device_layers`` (0): with ``"offload"``, the last this many layers keep
-      their inputs on the device.
-    * ``group`` (None): the sequence-parallel process group (None = default group).
-    * ``mesh`` (None): a 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group``.
-    * ``backend`` (None): attention kernel.
+    Options: :class:`fpdt.options.FPDTOptions` (fields and defaults documented there); change
+    them later with :meth:`configure`.
     """
 
     def __init__(self, config: ModelConfig, options: FPDTOptions | None = None):
         super().__init__()
         self.config = config
         self.options = (options or FPDTOptions()).validate()
+        self.options.check_layers(config.num_layers)
         self.model = FPDTModel(config, self.options)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -225,14 +147,9 @@ class FPDTForCausalLM(nn.Module):
     # ------------------------------------------------------------------ options
     def configure(self, **changes) -> "FPDTForCausalLM":
         """Change options (any :class:`FPDTOptions` field) and push them into the layers."""
-        unknown = set(changes) - {f.name for f in fields(FPDTOptions)}
-        if unknown:
-            raise TypeError(f"unknown FPDT options {sorted(unknown)}; valid: {[f.name for f in fields(FPDTOptions)]}")
-        self.options = replace(self.options, **changes).validate()
-        opts = self.options
-        if opts.checkpoint_device_layers > self.config.num_layers:
-            raise ValueError(f"checkpoint_device_layers={opts.checkpoint_device_layers} is more than the model's "
-                             f"{self.config.num_layers} decoder layers")
+        opts = self.options.updated(**changes)
+        opts.check_layers(self.config.num_layers)
+        self.options = opts
         for layer in self.model.layers:
             layer.self_attn.num_chunks = opts.num_chunks
             layer.self_attn.offload = opts.offload
@@ -285,8 +202,6 @@ class FPDTForCausalLM(nn.Module):
     # ------------------------------------------------------------------ weights
     def save_pretrained(self, path, **kwargs) -> None:
         """:func:`fpdt.model.save_pretrained` (a checkpoint ``transformers`` loads)."""
-        from fpdt.model.weights import save_pretrained  # weights imports this module
-
         save_pretrained(self, path, **kwargs)
 
     @torch.no_grad()

@@ -63,9 +63,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fpdt.model.chunks import budget_chunks, chunk_bounds
+from fpdt.options import LM_HEAD_WGRAD_MODES
 
 IGNORE_INDEX = -100
-WGRAD_MODES = ("accumulate", "recompute")
+WGRAD_MODES = LM_HEAD_WGRAD_MODES
 
 
 def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1) -> int:

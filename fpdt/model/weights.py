@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, and construction without a second host copy.
+"""Hugging Face checkpoints in and out (construction is :mod:`fpdt.model.build`).
 
 Checkpoint format (what ``transformers`` reads and writes): a directory with
 ``config.json`` and either ``model.safetensors`` or ``model-0000k-of-0000n.safetensors``
@@ -11,9 +11,9 @@ read from its shard straight to the target device/dtype and *assigned* as the pa
 so host RAM holds at most one shard's tensors on top of the model itself.
 
 Loaders that place tensors differently (``fpdt.train.zero_load`` streams a checkpoint into
-ZeRO-3-partitioned parameters) reuse :func:`construct`, :func:`checkpoint_files`,
+ZeRO-3-partitioned parameters) reuse :func:`fpdt.model.build.construct`, :func:`checkpoint_files`,
 :func:`ignored_tensor`, :func:`check_shape`, :func:`check_unexpected` and
-:func:`check_missing`, so they accept and refuse exactly what :func:`from_pretrained` does.
+:func:`check_missing`, so they accept and refuse exactly what :func:`fpdt.model.build.from_pretrained` does.
 """
 
 from __future__ import annotations
@@ -26,21 +26,12 @@ import torch
 from torch import nn
 
 from fpdt.model.config import ModelConfig
-from fpdt.model.llama import FPDTForCausalLM, FPDTOptions
 from fpdt.model.lora import is_adapter
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 # Keys some older checkpoints carry that hold no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _options(fpdt_options: dict[str, Any]) -> FPDTOptions:
-    valid = list(FPDTOptions.__dataclass_fields__)
-    unknown = sorted(set(fpdt_options) - set(valid))
-    if unknown:
-        raise TypeError(f"unknown FPDT options {unknown}; valid: {valid}")
-    return FPDTOptions(**fpdt_options)
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -50,70 +41,6 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     return value
-
-
-def construct(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any,
-              **fpdt_options) -> FPDTForCausalLM:
-    """The bare module tree for ``config``, built in the caller's device / tensor-creation
-    context with ``torch.nn``'s default initialisation and no dtype or device of its own.
-
-    ``with torch.device("meta"): construct(cfg)`` gives a shape-only model (what
-    :func:`from_config` and :func:`from_pretrained` start from); a context that partitions
-    parameters as they are created (DeepSpeed's ``zero.Init``) gives a partitioned one. The
-    RoPE buffer is whatever that context made of it: call ``model.reset_rope(device)`` after.
-    """
-    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
-    return FPDTForCausalLM(cfg, _options(fpdt_options))
-
-
-def from_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any, *,
-                device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
-                **fpdt_options) -> FPDTForCausalLM:
-    """A randomly initialised model (Transformers' init scheme; seed with ``torch.manual_seed``).
-
-    Args:
-        config: a :class:`ModelConfig`, a ``config.json`` dict or path, or a ``transformers`` config.
-        device: where to put it (default CPU). ``"meta"`` defers initialisation: call
-            ``model.to_empty(device=...)`` then ``model.init_weights()`` (or load weights).
-        dtype: parameter dtype (default fp32).
-        **fpdt_options: :class:`FPDTOptions` fields.
-    """
-    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
-    with torch.device("meta"):
-        model = construct(cfg, **fpdt_options)
-    if dtype is not None:
-        model.to(_resolve_dtype(dtype))
-    device = torch.device(device if device is not None else "cpu")
-    if device.type == "meta":
-        return model
-    model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty keeps the tie, but make it explicit
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.init_weights()
-    return model
-
-
-def from_pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype | str | None = None, **fpdt_options) -> FPDTForCausalLM:
-    """Load a Hugging Face checkpoint directory (``config.json`` + safetensors).
-
-    Args:
-        path: the checkpoint directory (single file or sharded with an index).
-        device: where the parameters go (default CPU); tensors are read straight there.
-        dtype: parameter dtype; default: as stored in the checkpoint.
-        **fpdt_options: :class:`FPDTOptions` fields (chunks, offload, checkpointing, group, ...).
-    """
-    path = os.fspath(path)
-    cfg = ModelConfig.from_hf(path)
-    with torch.device("meta"):
-        model = construct(cfg, **fpdt_options)
-    device = torch.device(device if device is not None else "cpu")
-    loaded: set[str] = set()
-    for file in checkpoint_files(path):
-        loaded |= _load_file(model, file, device, _resolve_dtype(dtype))
-    check_missing(model, loaded)
-    model.reset_rope(device)
-    return model
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -130,7 +57,7 @@ def checkpoint_files(path: str) -> list[str]:
                             f"supported; convert .bin checkpoints with transformers first)")
 
 
-def _load_file(model: FPDTForCausalLM, file: str, device: torch.device, dtype: torch.dtype | None) -> set[str]:
+def _load_file(model: nn.Module, file: str, device: torch.device, dtype: torch.dtype | None) -> set[str]:
     from safetensors import safe_open
 
     # safetensors reads CUDA tensors directly; other devices go through host memory.
@@ -140,7 +67,7 @@ def _load_file(model: FPDTForCausalLM, file: str, device: torch.device, dtype: t
                                   check_complete=False)
 
 
-def load_hf_state_dict(model: FPDTForCausalLM, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+def load_hf_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                        check_complete: bool = True) -> set[str]:
     """Assign Hugging Face-named tensors as the model's parameters; returns the names used.
@@ -196,7 +123,7 @@ def check_unexpected(names: list[str]) -> None:
                          f"{' ...' if len(names) > 10 else ''}")
 
 
-def check_missing(model: FPDTForCausalLM, loaded: set[str]) -> None:
+def check_missing(model: nn.Module, loaded: set[str]) -> None:
     """Raise ``ValueError`` when parameters of ``model`` (by name) are not in ``loaded``."""
     missing = [n for n, _ in model.named_parameters() if n not in loaded and not is_adapter(n)]
     if missing:
@@ -214,7 +141,7 @@ def _parse_size(size: int | str) -> int:
     return int(text)
 
 
-def save_pretrained(model: FPDTForCausalLM, path: str | os.PathLike, *,
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
                     max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None) -> None:
     """Write ``config.json`` and safetensors (sharded above ``max_shard_size``) that
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads unchanged.

@@ -26,7 +26,7 @@ from fpdt.plan.models import load_model_config
 from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
                              Setup, chunk_count_problems, device_layer_problems)
 from fpdt.plan.time_model import estimate_time
-from fpdt.train.config import MLP_CHUNKS_PER_CHUNK, chunk_split, default_chunk_size
+from fpdt.train.config import chunk_split, default_chunk_size
 from fpdt.train.metrics import ModelShape, layer_matmul_flops, step_rates, train_flops_per_token
 
 KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -58,9 +58,8 @@ class Choice:
     dtype: str = "bf16"
     batch: int = 1
     mlp_chunks: int | None = None
-    """Token chunks of the chunked MLP; None: ``fpdt-train``'s default, two per attention
-    chunk (``2 u``; its ``--mlp-chunks``). The model's own default when built directly,
-    ``ceil(2 u I / hidden)``, is ``Setup(mlp_chunks=None)``."""
+    """Token chunks of the chunked MLP; None: the options' default, ``ceil(2 u I / hidden)``
+    (:class:`fpdt.options.FPDTOptions`, the same for every entry point)."""
     loss_chunks: int | None = None
     """Token chunks of the LM-head loss; None: the model's default, as ``fpdt-train`` uses."""
     checkpoint_device_layers: int | None = None
@@ -124,8 +123,7 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
                       zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
                       offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch,
                       lm_head_wgrad=wgrad, reduce_bucket_size=choice.reduce_bucket_size,
-                      mlp_chunks=(choice.mlp_chunks if choice.mlp_chunks is not None
-                                  else MLP_CHUNKS_PER_CHUNK * (seq_len // chunk)),
+                      mlp_chunks=choice.mlp_chunks,
                       loss_chunks=choice.loss_chunks,
                       sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
                       kernel_expands_gqa=expands, lora_rank=choice.lora_rank,

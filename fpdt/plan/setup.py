@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fpdt.model.config import ModelConfig
-from fpdt.model.loss import WGRAD_MODES as LM_HEAD_WGRAD_MODES
+from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions
 from fpdt.train.config import chunk_split
 
-CHECKPOINT_MODES = ("off", "on", "offload")
 ZERO_REDUCE_BUCKET = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): with ``contiguous_gradients`` (also
 its default) ZeRO-2/3 allocate a bucket of that many gradient elements on the device at
@@ -71,11 +70,10 @@ class Setup:
     batch: int = 1
     """Sequences per SP group per micro step."""
     mlp_chunks: int | None = None
-    """None: the model's default (ceil(2 u I / hidden)); the planner's search passes
-    ``fpdt-train``'s (``2 u``) unless told (:class:`fpdt.plan.planner.Choice`)."""
+    """None: the options' default (ceil(2 u I / hidden), :class:`fpdt.options.FPDTOptions`)."""
     loss_chunks: int | None = None
     """None: the model's default (ceil(2 u V / hidden))."""
-    lm_head_wgrad: str = "accumulate"
+    lm_head_wgrad: str = FPDTOptions.lm_head_wgrad
     """The chunked loss's LM-head weight gradient (:mod:`fpdt.model.loss`): an fp32
     ``[V, hidden]`` accumulator, or recomputed logits in backward (one more LM-head GEMM)."""
     reduce_bucket_size: float = ZERO_REDUCE_BUCKET

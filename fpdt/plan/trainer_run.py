@@ -37,7 +37,7 @@ from fpdt.plan.hardware import GPU_PRESETS, Cluster
 from fpdt.plan.memory_model import MemoryEstimate, estimate_memory
 from fpdt.plan.planner import KERNEL_DTYPES, Choice, plan_at
 from fpdt.plan.setup import Setup
-from fpdt.train.config import ConfigError, FPDTOptions, Plan, chunk_split
+from fpdt.train.config import ConfigError, TrainerOptions, RunLayout, chunk_split
 
 GIB = 1024 ** 3
 HOST_CATEGORIES = ("checkpoints_host", "attention_stash_host", "model_states_host")
@@ -56,17 +56,17 @@ def ranks_on_this_node(world_size: int, gpus_on_node: int | None = None) -> int:
     return min(world_size, gpus_on_node) if gpus_on_node else world_size
 
 
-def planned_setup(plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
+def planned_setup(plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str, Any], dtype_name: str,
                   device_type: str, kernel_expands_gqa: bool | None = None, head_dim: int = 128) -> Setup:
     """The :class:`~fpdt.plan.setup.Setup` of this run (ZeRO and precision from the DeepSpeed
     config; an unchunked MLP or loss, ``0`` chunks, is modelled as one chunk).
     ``kernel_expands_gqa``: whether the run's attention kernel repeats the KV heads (not
-    ``AttentionBackend.native_gqa``); None: on CUDA as ``opts.attention_backend``, or the
+    ``AttentionBackend.native_gqa``); None: on CUDA as ``opts.backend``, or the
     automatic choice for this precision and ``head_dim``, does
     (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`); on other devices yes."""
     if kernel_expands_gqa is None:
         kernel_expands_gqa = device_type != "cuda" or expands_gqa_on_gpu(
-            opts.attention_backend, KERNEL_DTYPES[dtype_name], head_dim)
+            opts.backend, KERNEL_DTYPES[dtype_name], head_dim)
     choice = _deepspeed_choice(ds_config, plan.world_size)
     return Setup(
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement,
@@ -91,7 +91,7 @@ def _deepspeed_choice(ds_config: Mapping[str, Any], world_size: int) -> Choice:
     return apply_deepspeed_dict({k: v for k, v in ds_config.items() if k != "fpdt"}, Choice(), world_size)
 
 
-def estimate(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], dtype_name: str,
+def estimate(model: ModelConfig, plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str, Any], dtype_name: str,
              device_type: str, ranks_per_node: int, kernel_expands_gqa: bool | None = None,
              lora_rank: int = 0) -> MemoryEstimate:
     """:class:`~fpdt.plan.memory_model.MemoryEstimate` of this run (``kernel_expands_gqa``: as
@@ -176,7 +176,7 @@ def device_memory_warning(est: MemoryEstimate, capacity_bytes: float,
             f"than its {capacity_bytes / GIB:.1f} GiB (largest: {largest} GiB); {recommend().note}")
 
 
-def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEstimate | None, detail: str,
+def out_of_memory_advice(step: int, plan: RunLayout, opts: TrainerOptions, est: MemoryEstimate | None, detail: str,
                          capacity_bytes: float | None = None, recommendation: Recommendation | None = None,
                          model_path: str = "<config.json>", deepspeed_path: str | None = "<this JSON>",
                          lora_rank: int = 0) -> str:
@@ -215,7 +215,7 @@ def out_of_memory_advice(step: int, plan: Plan, opts: FPDTOptions, est: MemoryEs
     return f"step {step}: out of device memory ({detail}); {has}{predicted}To lower it: {'; '.join(levers)}. {hint}"
 
 
-def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapping[str, Any], ranks_per_node: int,
+def recommend(model: ModelConfig, plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str, Any], ranks_per_node: int,
               capacity_bytes: float, host_bytes: float, lora_rank: int = 0) -> Recommendation:
     """``fpdt-plan``'s settings for this run's model, length, sequence-parallel size, fixed
     FPDT settings (inner ring, MLP and loss chunks) and DeepSpeed settings on GPUs of
@@ -229,7 +229,7 @@ def recommend(model: ModelConfig, plan: Plan, opts: FPDTOptions, ds_config: Mapp
     cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
     choice = replace(_deepspeed_choice(ds_config, plan.world_size), sp=plan.sp, inner_ring=plan.inner_ring,
                      mlp_chunks=_modelled(opts.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
-                     attention_backend=opts.attention_backend, lora_rank=lora_rank)
+                     attention_backend=opts.backend, lora_rank=lora_rank)
     out = plan_at(model, plan.seq_len, cluster, choice)
     if "reason" in out:
         return Recommendation(None, f"fpdt-plan has no setting to suggest for this mesh ({out['reason']})")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from fpdt.attention.kernels import BACKENDS
 from fpdt.plan import trainer_run
 from fpdt.train import checkpoint, lora, preflight, zero, zero_load
-from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, FPDTOptions, Plan, ds_dtype_name, ds_zero_stage, load_ds_config,
+from fpdt.train.config import (LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
 from fpdt.train.data import DataError, Windows, bin_dtype_for_vocab, check_vocab, list_data_files, load_tokens
 from fpdt.train.errors import RunError, debug_enabled, report
@@ -162,7 +162,7 @@ def model_dir(args: argparse.Namespace) -> str:
     return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
 
 
-def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: ParallelState, dtype: torch.dtype,
+def build_model(args: argparse.Namespace, opts: TrainerOptions, plan: RunLayout, ps: ParallelState, dtype: torch.dtype,
                 ds_config: dict[str, Any] | None = None, lora_spec=None):
     """The FPDT model in ``dtype``; with ``lora_spec`` (:func:`fpdt.train.lora.spec_from_args`)
     LoRA adapters attached to it (in ``dtype``, seeded with ``--seed``, or ``--lora-init``'s)
@@ -184,10 +184,9 @@ def build_model(args: argparse.Namespace, opts: FPDTOptions, plan: Plan, ps: Par
     """
     from fpdt import model as fm
 
-    kw = dict(num_chunks=plan.num_chunks, offload=plan.offload, mlp_chunks=plan.mlp_chunks,
-              loss_chunks=opts.loss_chunks, lm_head_wgrad=opts.lm_head_wgrad, checkpointing=plan.checkpoint,
-              backend=opts.attention_backend, checkpoint_device_layers=opts.checkpoint_device_layers)
-    kw.update(mesh=ps.mesh) if ps.mesh is not None else kw.update(group=ps.sp_group)
+    options = opts.model_options(plan, mesh=ps.mesh) if ps.mesh is not None else \
+        opts.model_options(plan, group=ps.sp_group)
+    kw = dict(options=options)
     torch.manual_seed(args.seed)  # same random weights on every rank
     if args.model and ds_config is not None and ds_zero_stage(ds_config) == 3:
         model = zero_load.from_pretrained_zero3(args.model, ds_config, dtype=dtype, device=ps.device, **kw)
@@ -214,7 +213,7 @@ def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> 
     return windows, tokenizer if os.path.isfile(tokenizer) else None
 
 
-def run_info(args: argparse.Namespace, plan: Plan, micro: int, gas: int) -> dict[str, Any]:
+def run_info(args: argparse.Namespace, plan: RunLayout, micro: int, gas: int) -> dict[str, Any]:
     """What decides which windows a step reads (compared on resume)."""
     return {"seq_len": plan.seq_len, "dp": plan.dp, "micro_batch": micro, "grad_accum": gas,
             "shuffle": args.shuffle, "seed": args.seed, "data": os.path.abspath(args.data)}
@@ -236,7 +235,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     dtype_name = ds_dtype_name(ds_config)
     source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec)
     lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed, source.config)
-    kernel = preflight.attention_kernel(opts.attention_backend, device, DTYPES[dtype_name], source.config.head_dim)
+    kernel = preflight.attention_kernel(opts.backend, device, DTYPES[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
 
     # 2. process groups
@@ -333,7 +332,7 @@ def summary(records: list[StepRecord], start: int, wall_s: float, saved: str | N
     return "; ".join(parts)
 
 
-def preflight_checks(args: argparse.Namespace, plan: Plan, ds_config: dict[str, Any], dtype_name: str,
+def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[str, Any], dtype_name: str,
                      device_layers: int = 0, lora_spec=None) -> tuple[preflight.ModelSource, list[str]]:
     """The checks of :mod:`fpdt.train.preflight` and :mod:`fpdt.train.lora` for this run
     (before any process group). Returns the model source and warnings to print."""
@@ -370,7 +369,7 @@ class MemoryCheck:
     """What to print at start-up: the prediction, a device-memory warning, or why there is none."""
 
 
-def check_memory(source: preflight.ModelSource, plan: Plan, opts: FPDTOptions, ds_config: dict[str, Any],
+def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
                  dtype_name: str, device: torch.device, kernel_expands_gqa: bool | None = None,
                  lora_rank: int = 0) -> MemoryCheck:
     """The host check of :mod:`fpdt.plan.trainer_run`, decided once for all ranks on the

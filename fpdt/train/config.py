@@ -6,7 +6,7 @@ Where each setting comes from:
   parameters / optimizer state, clipping, gradient accumulation, micro batch) live in the
   ``--deepspeed`` JSON and are handed to ``deepspeed.initialize`` untouched, minus the
   ``"fpdt"`` key. DeepSpeed validates them.
-* FPDT's settings (:class:`FPDTOptions`) come from command-line flags or from the
+* FPDT's settings (:class:`TrainerOptions`) come from command-line flags or from the
   ``"fpdt"`` section of the same JSON; a flag that is given wins over the JSON, and the
   JSON wins over the defaults. Unknown keys in that section are errors.
 
@@ -26,11 +26,8 @@ from typing import Any, Mapping
 from fpdt.attention.kernels import BACKENDS
 from fpdt.comm import PLACEMENTS
 from fpdt.offload import selected_runtime_name
+from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions  # noqa: F401 (LM_HEAD_WGRAD_MODES: the CLI's choices)
 
-CHECKPOINT_MODES = ("off", "on", "offload")
-LM_HEAD_WGRAD_MODES = ("accumulate", "recompute")   # fpdt.model.loss.WGRAD_MODES (no model import here)
-MLP_CHUNKS_PER_CHUNK = 2
-"""MLP token chunks per attention chunk when ``mlp_chunks`` is not given (fpdt-plan plans the same)."""
 DEFAULT_CHUNK_TOKENS = 65536
 """Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (BRIEF §1),
 where attention hides the chunk copies; see :func:`default_chunk_size`."""
@@ -41,9 +38,18 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class FPDTOptions:
-    """FPDT settings (flags, or the ``"fpdt"`` section of the DeepSpeed JSON)."""
+class TrainerOptions(FPDTOptions):
+    """``fpdt-train``'s FPDT settings: :class:`fpdt.options.FPDTOptions` (its fields and
+    defaults), plus the mesh degrees and the global chunk length from which the trainer derives
+    the model's ``group`` / ``mesh`` and ``num_chunks`` (:meth:`model_options`). From flags,
+    or the ``"fpdt"`` section of the DeepSpeed JSON (:data:`FPDT_KEYS`)."""
 
+    offload: bool | None = None
+    """As :attr:`FPDTOptions.offload`; ``None``: on with CUDA when the sequence has more than one
+    chunk (the FPDT design; one chunk has nothing to pipeline), off on other devices."""
+    checkpointing: str | None = None
+    """As :attr:`FPDTOptions.checkpointing` (flag ``--checkpoint``, JSON key ``"checkpoint"``);
+    ``None``: ``"offload"`` with CUDA (the FPDT design), ``"off"`` on other devices."""
     sp: int = 1
     """Sequence-parallel size P. Must divide the world size; the rest is data parallel.
     Shorthand for ``hp = sp, cp = 1`` (plain Ulysses)."""
@@ -62,41 +68,22 @@ class FPDTOptions:
     attention chunks is ``u = seq_len / chunk_size`` and each rank holds ``C / P`` tokens
     of every chunk. ``None``: :func:`default_chunk_size` (64K, or the whole sequence when
     it is no longer)."""
-    offload: bool | None = None
-    """Keep finished q/k/v/o chunks in pinned host memory and stream them back (CUDA only).
-    ``None``: on with CUDA when the sequence has more than one chunk (the FPDT design; one
-    chunk has nothing to pipeline), off on other devices."""
-    mlp_chunks: int | None = None
-    """Chunks the MLP is run in over the local sequence. ``None``: ``2 * u`` (FPDT
-    paper); ``0``: the plain, unchunked MLP."""
-    loss_chunks: int | None = None
-    """Chunks the LM head + cross-entropy are run in. ``None``: the model's default
-    (``ceil(2 * vocab / hidden)``, FPDT paper); ``0``: plain full-logits loss."""
-    lm_head_wgrad: str = "recompute"
-    """LM-head weight gradient of the chunked loss: ``"recompute"`` (logits recomputed in
-    backward a vocabulary slice at a time: one more LM-head GEMM, no fp32 ``[vocab, hidden]``
-    buffer) or ``"accumulate"`` (that buffer, summed over the loss chunks). Recompute is the
-    default: on an H100 at the Llama-3 1B/8B/70B heads (16K tokens) it took 0.53-0.67x the
-    time and 0.42x the peak (benchmarks/results/nvidia-h100-80gb-hbm3/2026-11-24/lm_head_wgrad.json);
-    on the CPU (bf16) 1.10x the time, 0.38x the peak."""
-    checkpoint_device_layers: int = 0
-    """With ``checkpoint="offload"``: keep the last this many decoder layers' inputs on the
-    GPU instead of the host (0: all on the host). For runs whose host memory, not the GPU's,
-    is the limit: each such layer moves one ``[S_local, hidden]`` input per rank from host
-    to GPU memory (``fpdt-plan`` picks the fewest that fit; its advice names it)."""
-    attention_backend: str | None = None
-    """Attention kernel (:data:`fpdt.attention.kernels.BACKENDS`: ``flash_attn3``,
-    ``flash_attn``, ``cuda_flash``, ``cuda_cudnn``, ``cuda_efficient``, ``cpu``, ``math``).
-    ``None``: automatic, the first that is installed, fits the device, dtype and head size
-    and passes its self-check (:func:`fpdt.attention.kernels.auto_order`: on a GPU where
-    torch's own SDPA runs cuDNN, cuDNN comes before FlashAttention-2)."""
-    checkpoint: str | None = None
-    """Activation checkpointing of the decoder layers: ``"off"``, ``"on"`` (recompute in
-    backward) or ``"offload"`` (also keep the saved layer inputs on the host; CUDA only).
-    ``None``: ``"offload"`` with CUDA (the FPDT design), ``"off"`` on other devices."""
+
+    def model_options(self, run: RunLayout, group=None, mesh=None) -> FPDTOptions:
+        """The model's :class:`FPDTOptions` for the validated ``run`` (its chunk count and the
+        device defaults it resolved) on ``group`` or ``mesh``."""
+        shared = {f.name: getattr(self, f.name) for f in fields(FPDTOptions)}
+        shared.update(num_chunks=run.num_chunks, offload=run.offload, checkpointing=run.checkpoint,
+                      group=group, mesh=mesh)
+        return FPDTOptions(**shared).validate()
 
 
-FPDT_KEYS = tuple(f.name for f in fields(FPDTOptions))
+_DERIVED = ("num_chunks", "group", "mesh")   # the trainer sets these from the run, not from the user
+_KEY_OF_FIELD = {"checkpointing": "checkpoint", "backend": "attention_backend"}
+"""Option fields whose flag and JSON key say it differently (``--checkpoint``, ``--attention-backend``)."""
+FPDT_KEYS = tuple(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(TrainerOptions) if f.name not in _DERIVED)
+"""The keys of the ``"fpdt"`` JSON section (and the names :func:`merge_options` takes flags by)."""
+_FIELD_OF_KEY = {key: field for field, key in _KEY_OF_FIELD.items()}
 
 
 def _unknown_key_error(key: str) -> ConfigError:
@@ -106,10 +93,10 @@ def _unknown_key_error(key: str) -> ConfigError:
                        f"valid keys: {', '.join(FPDT_KEYS)}")
 
 
-def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -> FPDTOptions:
-    """Combine flags > ``"fpdt"`` JSON section > defaults into :class:`FPDTOptions`.
+def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -> TrainerOptions:
+    """Combine flags > ``"fpdt"`` JSON section > defaults into :class:`TrainerOptions`.
 
-    ``flags`` maps option names to values, ``None`` meaning "flag not given".
+    ``flags`` maps :data:`FPDT_KEYS` to values, ``None`` meaning "flag not given".
     """
     section = dict(section or {})
     for key in section:
@@ -118,15 +105,15 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -
     merged: dict[str, Any] = {}
     for key in FPDT_KEYS:
         if flags.get(key) is not None:
-            merged[key] = flags[key]
+            merged[_FIELD_OF_KEY.get(key, key)] = flags[key]
         elif key in section:
-            merged[key] = section[key]
-    opts = replace(FPDTOptions(), **merged)
+            merged[_FIELD_OF_KEY.get(key, key)] = section[key]
+    opts = TrainerOptions(**merged)
     _check_types(opts)
     return opts
 
 
-def _check_types(opts: FPDTOptions) -> None:
+def _check_types(opts: TrainerOptions) -> None:
     for name in ("sp", "hp", "cp", "inner_ring", "chunk_size", "mlp_chunks", "loss_chunks",
                  "checkpoint_device_layers"):
         value = getattr(opts, name)
@@ -137,18 +124,21 @@ def _check_types(opts: FPDTOptions) -> None:
             raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= {least}")
     if opts.offload is not None and not isinstance(opts.offload, bool):
         raise ConfigError(f"fpdt option offload={opts.offload!r} must be true or false")
-    if opts.checkpoint is not None and opts.checkpoint not in CHECKPOINT_MODES:
-        raise ConfigError(f"fpdt option checkpoint={opts.checkpoint!r} must be one of {CHECKPOINT_MODES}")
-    if opts.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
-        raise ConfigError(f"fpdt option lm_head_wgrad={opts.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
-    if opts.attention_backend is not None and opts.attention_backend not in BACKENDS:
-        raise ConfigError(f"fpdt option attention_backend={opts.attention_backend!r} must be one of "
+    if opts.checkpointing is not None and opts.checkpointing not in CHECKPOINT_MODES:
+        raise ConfigError(f"fpdt option checkpoint={opts.checkpointing!r} must be one of {CHECKPOINT_MODES}")
+    if opts.backend is not None and opts.backend not in BACKENDS:
+        raise ConfigError(f"fpdt option attention_backend={opts.backend!r} must be one of "
                           f"{tuple(BACKENDS)}, or left out for automatic selection")
     if opts.placement not in PLACEMENTS:
         raise ConfigError(f"fpdt option placement={opts.placement!r} must be one of {PLACEMENTS}")
+    # the rest as the model checks it, device defaults standing in for what is still automatic
+    resolved = replace(opts, offload=bool(opts.offload), checkpointing=opts.checkpointing or "offload")
+    for problem in FPDTOptions.problems(resolved):
+        if not problem.startswith("checkpoint_device_layers="):   # checked against the run in validate()
+            raise ConfigError(f"fpdt option {problem}")
 
 
-def mesh_degrees(opts: FPDTOptions) -> tuple[int, int]:
+def mesh_degrees(opts: TrainerOptions) -> tuple[int, int]:
     """``(hp, cp)`` from the options: ``--sp N`` alone is ``(N, 1)``."""
     if opts.hp is None and opts.cp is None:
         return opts.sp, 1
@@ -234,8 +224,8 @@ def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------- validation
 
 @dataclass(frozen=True)
-class Plan:
-    """The validated shape of a run: parallel sizes and sequence chunking."""
+class RunLayout:
+    """The validated shape of a run: parallel sizes, sequence chunking and the device defaults resolved."""
 
     world_size: int
     """Number of processes."""
@@ -249,8 +239,8 @@ class Plan:
     """Global tokens per FPDT chunk C."""
     num_chunks: int
     """Attention chunks u = S / C (also the chunks per rank in the FPDT layout)."""
-    mlp_chunks: int
-    """MLP chunks over the local sequence."""
+    mlp_chunks: int | None
+    """MLP chunks over the local sequence (None: the model's rule, ``ceil(2 u I / hidden)``)."""
     hp: int = 1
     """Head-parallel degree (Ulysses all-to-all)."""
     cp: int = 1
@@ -270,9 +260,9 @@ class Plan:
         return self.seq_len // self.sp
 
 
-def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
-             ds_config: Mapping[str, Any]) -> Plan:
-    """Check every setting that can be checked before the run starts; return the :class:`Plan`.
+def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: str,
+             ds_config: Mapping[str, Any]) -> RunLayout:
+    """Check every setting that can be checked before the run starts; return the :class:`RunLayout`.
 
     Raises :class:`ConfigError` naming the values that fail and the fix.
     """
@@ -313,10 +303,9 @@ def validate(opts: FPDTOptions, seq_len: int, world_size: int, device_type: str,
         raise ConfigError(f"--checkpoint-device-layers {opts.checkpoint_device_layers} keeps some offloaded layer "
                           f"inputs on the GPU: it needs --checkpoint offload (the run's checkpointing is "
                           f"{checkpoint!r}); drop it, or use --checkpoint offload")
-    mlp_chunks = opts.mlp_chunks if opts.mlp_chunks is not None else MLP_CHUNKS_PER_CHUNK * num_chunks
-    return Plan(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
-                chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=mlp_chunks, hp=hp, cp=cp,
-                placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
+    return RunLayout(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
+                     chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=opts.mlp_chunks, hp=hp, cp=cp,
+                     placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
 
 
 def chunk_split(sp: int, cp: int) -> int:
@@ -339,14 +328,14 @@ def default_chunk_size(seq_len: int, split: int) -> int:
     return seq_len
 
 
-def device_defaults(opts: FPDTOptions, device_type: str, num_chunks: int = 2) -> tuple[bool, str]:
+def device_defaults(opts: TrainerOptions, device_type: str, num_chunks: int = 2) -> tuple[bool, str]:
     """``(offload, checkpoint)``: the options where given, else the FPDT design on CUDA
     (attention offload when there is more than one chunk to pipeline, offloaded layer-input
     checkpoints) and neither elsewhere (both need pinned memory and copy streams;
     ``FPDT_RUNTIME=sim`` tests them on the CPU when asked)."""
     cuda = device_type == "cuda"
     offload = opts.offload if opts.offload is not None else cuda and num_chunks > 1
-    checkpoint = opts.checkpoint if opts.checkpoint is not None else ("offload" if cuda else "off")
+    checkpoint = opts.checkpointing if opts.checkpointing is not None else ("offload" if cuda else "off")
     return offload, checkpoint
 
 

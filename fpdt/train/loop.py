@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from fpdt.offload import runtime_for
 from fpdt.profiling.memory import MemoryPeaks, RegionMemory
-from fpdt.train.config import Plan
+from fpdt.train.config import RunLayout
 from fpdt.train.data import Windows, sequence_ids, shard_windows
 from fpdt.train.metrics import ModelShape, step_rates
 from fpdt.train.parallel import ParallelState
@@ -55,7 +55,7 @@ from fpdt.train.progress import Progress, StepRecord, host_rss_gib
 class LoopSpec:
     """What the loop needs besides the engine and the data."""
 
-    plan: Plan
+    plan: RunLayout
     """Validated parallel sizes and chunking."""
     parallel: ParallelState
     """This rank's place."""

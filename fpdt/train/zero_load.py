@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from fpdt.model import FPDTForCausalLM, ModelConfig
-from fpdt.model.weights import (check_missing, check_shape, check_unexpected, checkpoint_files, construct,
+from fpdt.model.build import construct
+from fpdt.model.weights import (check_missing, check_shape, check_unexpected, checkpoint_files,
                                 ignored_tensor)
 
 

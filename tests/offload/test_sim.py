@@ -173,8 +173,8 @@ def test_spawned_ranks_inherit_the_environment(monkeypatch):
 
 
 def test_trainer_allows_cpu_offload_only_on_an_explicit_cpu_runtime(monkeypatch):
-    from fpdt.train.config import ConfigError, FPDTOptions, validate
-    opts = FPDTOptions(offload=True, checkpoint="offload")
+    from fpdt.train.config import ConfigError, TrainerOptions, validate
+    opts = TrainerOptions(offload=True, checkpointing="offload")
     monkeypatch.delenv("FPDT_RUNTIME", raising=False)
     with pytest.raises(ConfigError, match="set FPDT_RUNTIME=sim"):
         validate(opts, 64, 1, "cpu", {})

@@ -189,7 +189,7 @@ def test_near_ties_go_to_the_trainers_lm_head_mode():
     tells a run to leave the default for a mode the H100 measured slower."""
     from fpdt.plan import GPU_PRESETS, Choice, Cluster, evaluate, load_model_config, plan
     from fpdt.plan.setup import Setup
-    from fpdt.train.config import FPDTOptions
+    from fpdt.train.config import TrainerOptions
     cfg, cluster = load_model_config("llama-3.2-1b"), Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1)
     seq, chunk = 1 << 20, 1 << 15
     modes = {m: evaluate(cfg, Setup(seq_len=seq, chunk_size=chunk, lm_head_wgrad=m), cluster)
@@ -197,7 +197,7 @@ def test_near_ties_go_to_the_trainers_lm_head_mode():
     assert modes["accumulate"]["device_peak_bytes"] == modes["recompute"]["device_peak_bytes"]   # a tie
     assert abs(modes["accumulate"]["step_time_s"] / modes["recompute"]["step_time_s"] - 1) < 0.01
     out = plan(cfg, cluster, seq_len=seq, choice=Choice(chunk_size=chunk))
-    assert out["recommended"]["lm_head_wgrad"] == FPDTOptions().lm_head_wgrad == "recompute"
+    assert out["recommended"]["lm_head_wgrad"] == TrainerOptions().lm_head_wgrad == "recompute"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -105,17 +105,22 @@ def test_deepspeed_json_fpdt_section_is_planned_and_flags_win(capsys):
 
 
 def test_mlp_chunks_default_is_the_trainers():
-    """fpdt-train passes its own MLP chunk count (2 per attention chunk) to the model; the
-    planner plans that, and takes the count from --mlp-chunks or the JSON's "fpdt" section."""
+    """fpdt-train leaves the MLP chunk count to the options' default (the model's rule,
+    ceil(2 u I / hidden): 56 for Llama-3-8B at u = 8); the planner plans that, and takes the
+    count from --mlp-chunks or the JSON's "fpdt" section."""
+    from fpdt.plan.memory_model import mlp_chunks
+    from fpdt.plan.models import load_model_config as load_model
     from fpdt.plan import Choice, Cluster, GPU_PRESETS, plan
-    from fpdt.train.config import FPDTOptions, validate
+    from fpdt.train.config import TrainerOptions, validate
     cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8)
     out = plan("llama-3-8b", cluster, seq_len=256 * K, choice=Choice(chunk_size=32 * K))
-    trainer = validate(FPDTOptions(sp=8, chunk_size=32 * K, offload=False), 256 * K, 8, "cpu", {})
-    assert out["setup"]["mlp_chunks"] == trainer.mlp_chunks == 16
-    fixed = plan("llama-3-8b", cluster, seq_len=256 * K, choice=Choice(chunk_size=32 * K, mlp_chunks=56))
-    assert fixed["setup"]["mlp_chunks"] == 56
-    assert fixed["step_time_split_s"]["wgrad_accumulation"] > 3 * out["step_time_split_s"]["wgrad_accumulation"]
+    trainer = validate(TrainerOptions(sp=8, chunk_size=32 * K, offload=False), 256 * K, 8, "cpu", {})
+    assert out["setup"]["mlp_chunks"] is trainer.mlp_chunks is None   # default changed from 2 u = 16
+    from fpdt.plan.setup import Setup
+    assert mlp_chunks(load_model("llama-3-8b"), Setup(seq_len=256 * K, chunk_size=32 * K, hp=8)) == 56
+    fixed = plan("llama-3-8b", cluster, seq_len=256 * K, choice=Choice(chunk_size=32 * K, mlp_chunks=16))
+    assert fixed["setup"]["mlp_chunks"] == 16
+    assert out["step_time_split_s"]["wgrad_accumulation"] > 3 * fixed["step_time_split_s"]["wgrad_accumulation"]
 
 
 def test_mlp_and_loss_chunks_from_the_json_and_flags(tmp_path, capsys):

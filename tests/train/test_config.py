@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fpdt.train.cli import build_parser, fpdt_flags, main
-from fpdt.train.config import ConfigError, FPDTOptions, load_ds_config, merge_options, validate
+from fpdt.train.config import ConfigError, TrainerOptions, load_ds_config, merge_options, validate
 from tests.train.helpers import write_fixture, write_json
 
 FP32 = {"train_micro_batch_size_per_gpu": 1}
@@ -14,8 +14,8 @@ FP32 = {"train_micro_batch_size_per_gpu": 1}
 def test_flags_win_over_json_over_defaults():
     opts = merge_options({"sp": 2, "chunk_size": None, "offload": None},
                          {"chunk_size": 64, "sp": 4, "checkpoint": "on"})
-    assert opts == FPDTOptions(sp=2, chunk_size=64, checkpoint="on")
-    assert merge_options({}, None) == FPDTOptions()
+    assert opts == TrainerOptions(sp=2, chunk_size=64, checkpointing="on")
+    assert merge_options({}, None) == TrainerOptions()
 
 
 def test_lm_head_wgrad_reaches_the_model():
@@ -57,13 +57,13 @@ def test_bad_fpdt_section(section, match):
 
 
 @pytest.mark.parametrize("opts, seq_len, world, device, ds, match", [
-    (FPDTOptions(sp=3), 96, 2, "cpu", FP32, r"--sp 3 does not divide the world size 2"),
-    (FPDTOptions(sp=2, chunk_size=45), 90, 2, "cpu", FP32, r"not divisible by sp x chunks = 2 x 2 = 4"),
-    (FPDTOptions(chunk_size=128), 96, 1, "cpu", FP32, r"--chunk-size 128 is larger than the sequence"),
-    (FPDTOptions(chunk_size=40), 96, 1, "cpu", FP32, r"--seq-len 96 is not divisible by --chunk-size 40"),
-    (FPDTOptions(offload=True), 96, 1, "cpu", FP32, r"--offload needs a CUDA device.*--no-offload"),
-    (FPDTOptions(checkpoint="offload"), 96, 1, "cpu", FP32, r"'offload' needs a CUDA device.*--checkpoint on"),
-    (FPDTOptions(), 96, 1, "cpu", {"fp16": {"enabled": True}}, r"fp16 training needs a CUDA device.*bf16"),
+    (TrainerOptions(sp=3), 96, 2, "cpu", FP32, r"--sp 3 does not divide the world size 2"),
+    (TrainerOptions(sp=2, chunk_size=45), 90, 2, "cpu", FP32, r"not divisible by sp x chunks = 2 x 2 = 4"),
+    (TrainerOptions(chunk_size=128), 96, 1, "cpu", FP32, r"--chunk-size 128 is larger than the sequence"),
+    (TrainerOptions(chunk_size=40), 96, 1, "cpu", FP32, r"--seq-len 96 is not divisible by --chunk-size 40"),
+    (TrainerOptions(offload=True), 96, 1, "cpu", FP32, r"--offload needs a CUDA device.*--no-offload"),
+    (TrainerOptions(checkpointing="offload"), 96, 1, "cpu", FP32, r"'offload' needs a CUDA device.*--checkpoint on"),
+    (TrainerOptions(), 96, 1, "cpu", {"fp16": {"enabled": True}}, r"fp16 training needs a CUDA device.*bf16"),
 ])
 def test_validate_errors(opts, seq_len, world, device, ds, match, monkeypatch):
     monkeypatch.delenv("FPDT_RUNTIME", raising=False)  # FPDT_RUNTIME=sim|sync would allow CPU offload
@@ -72,9 +72,9 @@ def test_validate_errors(opts, seq_len, world, device, ds, match, monkeypatch):
 
 
 def test_validate_plan():
-    plan = validate(FPDTOptions(sp=2, chunk_size=32), 128, 4, "cpu", FP32)
-    assert (plan.sp, plan.dp, plan.num_chunks, plan.mlp_chunks, plan.local_seq_len) == (2, 2, 4, 8, 64)
-    assert validate(FPDTOptions(offload=True, checkpoint="offload"), 64, 1, "cuda", {"fp16": {"enabled": True}})
+    plan = validate(TrainerOptions(sp=2, chunk_size=32), 128, 4, "cpu", FP32)
+    assert (plan.sp, plan.dp, plan.num_chunks, plan.mlp_chunks, plan.local_seq_len) == (2, 2, 4, None, 64)  # None: the model's rule (the default made to agree)
+    assert validate(TrainerOptions(offload=True, checkpointing="offload"), 64, 1, "cuda", {"fp16": {"enabled": True}})
 
 
 K = 1024
@@ -102,15 +102,15 @@ def test_defaults_follow_the_fpdt_design_on_cuda_only(monkeypatch):
     """Unset, offload and checkpointing are FPDT's (attention chunks and layer inputs on the
     host) on CUDA and off elsewhere, where they need FPDT_RUNTIME=sim; given values win."""
     monkeypatch.delenv("FPDT_RUNTIME", raising=False)
-    cuda = validate(FPDTOptions(sp=8), 4 * 1024 * K, 8, "cuda", FP32)
+    cuda = validate(TrainerOptions(sp=8), 4 * 1024 * K, 8, "cuda", FP32)
     assert (cuda.offload, cuda.checkpoint, cuda.chunk_size, cuda.num_chunks) == (True, "offload", 64 * K, 64)
-    cpu = validate(FPDTOptions(), 96, 1, "cpu", FP32)
+    cpu = validate(TrainerOptions(), 96, 1, "cpu", FP32)
     assert (cpu.offload, cpu.checkpoint, cpu.chunk_size, cpu.num_chunks) == (False, "off", 96, 1)
-    given = validate(FPDTOptions(offload=False, checkpoint="on", chunk_size=32), 96, 1, "cuda", FP32)
+    given = validate(TrainerOptions(offload=False, checkpointing="on", chunk_size=32), 96, 1, "cuda", FP32)
     assert (given.offload, given.checkpoint, given.num_chunks) == (False, "on", 3)
-    mesh = validate(FPDTOptions(hp=2, cp=2), 96 * K, 4, "cuda", FP32)     # 2D: chunks split into 2 x 2 x 2
+    mesh = validate(TrainerOptions(hp=2, cp=2), 96 * K, 4, "cuda", FP32)     # 2D: chunks split into 2 x 2 x 2
     assert mesh.chunk_size == 48 * K and mesh.chunk_size % 8 == 0
-    one = validate(FPDTOptions(), 32 * K, 1, "cuda", FP32)      # one chunk: nothing to pipeline, nothing offloaded
+    one = validate(TrainerOptions(), 32 * K, 1, "cuda", FP32)      # one chunk: nothing to pipeline, nothing offloaded
     assert (one.num_chunks, one.offload, one.checkpoint) == (1, False, "offload")
 
 
@@ -135,7 +135,7 @@ def test_planner_defaults_are_the_trainers_on_a_gpu():
     cfg = load_model_config("llama-3.2-1b")
     for seq_len in (32 * K, 1024 * K):                  # one chunk, and many
         for s in candidates(cfg, seq_len, choice, 8):
-            assert (s.offload, s.checkpoint) == device_defaults(FPDTOptions(), "cuda", s.num_chunks)
+            assert (s.offload, s.checkpoint) == device_defaults(TrainerOptions(), "cuda", s.num_chunks)
 
 
 @pytest.mark.parametrize("extra, json_section, message", [

@@ -12,7 +12,7 @@ from fpdt.offload import use_runtime
 from fpdt.offload.host_pool import _ALL_POOLS
 from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
-from fpdt.train.config import FPDTOptions, load_ds_config, validate
+from fpdt.train.config import TrainerOptions, load_ds_config, validate
 from tests.train.helpers import write_fixture
 
 HF = dict(model_type="llama", vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
@@ -45,7 +45,7 @@ def test_predicted_host_bytes_match_what_the_host_pool_holds(seq_len, u, dtype, 
         model(**inputs).backward()
         held = _pool_bytes() - before
 
-    opts = FPDTOptions(chunk_size=seq_len // u, offload=offload, checkpoint=checkpoint)
+    opts = TrainerOptions(chunk_size=seq_len // u, offload=offload, checkpointing=checkpoint)
     ds = load_ds_config(None, "cpu")[0]
     plan = validate(opts, seq_len, 1, "cpu", ds)
     est = mp.estimate(model.config, plan, opts, ds, "fp32" if dtype == torch.float32 else "bf16", "cpu", 1)
@@ -57,7 +57,7 @@ def test_predicted_host_bytes_match_what_the_host_pool_holds(seq_len, u, dtype, 
 
 def _estimate(seq_len: int, sp: int, ranks_on_node: int, ds=None):
     from fpdt.plan import load_model_config
-    opts = FPDTOptions(sp=sp)
+    opts = TrainerOptions(sp=sp)
     ds = ds or load_ds_config(None, "cuda")[0]
     plan = validate(opts, seq_len, sp, "cuda", ds)
     return mp.estimate(load_model_config("llama-3-8b"), plan, opts, ds, "bf16", "cuda", ranks_on_node)
@@ -81,16 +81,16 @@ def test_device_layers_move_layer_inputs_from_host_to_gpu():
     """--checkpoint-device-layers K in the trainer's prediction: K layer inputs per rank leave
     the node's host memory and join the GPU's checkpoints (two in flight otherwise)."""
     ds = load_ds_config(None, "cuda")[0]
-    plan = validate(FPDTOptions(sp=8), 4 * 1024 * 1024, 8, "cuda", ds)
+    plan = validate(TrainerOptions(sp=8), 4 * 1024 * 1024, 8, "cuda", ds)
     cfg = load_model_config("llama-3-8b")
     per_rank_layer = 512 * 1024 * 4096 * 2
-    base = mp.estimate(cfg, plan, FPDTOptions(sp=8), ds, "bf16", "cuda", 8)
-    tiered = mp.estimate(cfg, plan, FPDTOptions(sp=8, checkpoint_device_layers=6), ds, "bf16", "cuda", 8)
+    base = mp.estimate(cfg, plan, TrainerOptions(sp=8), ds, "bf16", "cuda", 8)
+    tiered = mp.estimate(cfg, plan, TrainerOptions(sp=8, checkpoint_device_layers=6), ds, "bf16", "cuda", 8)
     assert base.breakdown["checkpoints_host"] - tiered.breakdown["checkpoints_host"] == 6 * 8 * per_rank_layer
     assert tiered.breakdown["checkpoints_device"] - base.breakdown["checkpoints_device"] == (6 - 2) * per_rank_layer
-    advice = mp.out_of_memory_advice(1, plan, FPDTOptions(sp=8, checkpoint_device_layers=6), tiered, "x", 80 * 2 ** 30)
+    advice = mp.out_of_memory_advice(1, plan, TrainerOptions(sp=8, checkpoint_device_layers=6), tiered, "x", 80 * 2 ** 30)
     assert "fewer --checkpoint-device-layers (now 6" in advice
-    assert "--checkpoint-device-layers" not in mp.out_of_memory_advice(1, plan, FPDTOptions(sp=8), base, "x",
+    assert "--checkpoint-device-layers" not in mp.out_of_memory_advice(1, plan, TrainerOptions(sp=8), base, "x",
                                                                        80 * 2 ** 30)
 
 
@@ -131,7 +131,7 @@ def test_device_warning_names_the_largest_parts_and_the_planners_settings():
 def _heavy_run(seq_len, ds, **extra):
     """Llama-3-8B on 8 GPUs set up to need too much: one chunk, layer inputs on the GPU,
     nothing offloaded, the fp32 LM-head accumulator."""
-    opts = FPDTOptions(sp=8, chunk_size=seq_len, checkpoint="on", offload=False, **extra)
+    opts = TrainerOptions(sp=8, chunk_size=seq_len, checkpointing="on", offload=False, **extra)
     return opts, validate(opts, seq_len, 8, "cuda", ds)
 
 
@@ -168,7 +168,7 @@ def test_a_mesh_no_power_of_two_splits_still_gets_settings():
     from fpdt.model import ModelConfig
     cfg = ModelConfig.from_hf(cfg)
     S, ds = 6 * 8 * 65536, load_ds_config(None, "cuda")[0]
-    opts = FPDTOptions(sp=6, chunk_size=S, checkpoint="on", offload=False)
+    opts = TrainerOptions(sp=6, chunk_size=S, checkpointing="on", offload=False)
     plan = validate(opts, S, 6, "cuda", ds)
     rec = mp.recommend(cfg, plan, opts, ds, 6, 80 * 1024 ** 3, 1024 ** 4)
     from fpdt.train.config import default_chunk_size
@@ -233,7 +233,7 @@ def test_cli_refuses_before_building_the_model(tmp_path):
 def test_out_of_memory_advice_lists_only_levers_not_in_use():
     from fpdt.plan import load_model_config
     ds = load_ds_config(None, "cuda")[0]
-    lean = FPDTOptions(sp=8, lm_head_wgrad="recompute")
+    lean = TrainerOptions(sp=8, lm_head_wgrad="recompute")
     plan = validate(lean, 1024 * 1024, 8, "cuda", ds)
     est = mp.estimate(load_model_config("llama-3-8b"), plan, lean, ds, "bf16", "cuda", 8)
     rec = mp.Recommendation("--chunk-size 32768 --hp 8 --cp 1", "fpdt-plan's settings for this GPU: --chunk-size 32768")
@@ -244,7 +244,7 @@ def test_out_of_memory_advice_lists_only_levers_not_in_use():
     assert "--offload" not in line and "--checkpoint offload" not in line and "--lm-head-wgrad" not in line
     assert "a smaller --chunk-size (now 65536, e.g. 32768)" in line and "offload_optimizer" in line
     assert line.endswith(rec.note)
-    bare = FPDTOptions(sp=8, offload=False, checkpoint="on", lm_head_wgrad="accumulate")
+    bare = TrainerOptions(sp=8, offload=False, checkpointing="on", lm_head_wgrad="accumulate")
     plan = validate(bare, 1024 * 1024, 8, "cuda", ds)
     line = mp.out_of_memory_advice(1, plan, bare, est, "x", 80 * 1024 ** 3, rec)
     assert "--offload (attention chunks" in line and "--checkpoint offload" in line and "--lm-head-wgrad recompute" in line
@@ -291,12 +291,12 @@ def test_a_planner_failure_becomes_a_note_not_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(mp, "estimate", broken)
     cfg, _ = write_fixture(str(tmp_path))
     ds = load_ds_config(None, "cpu")[0]
-    plan = validate(FPDTOptions(), 64, 1, "cpu", ds)
-    check = cli.check_memory(preflight.model_source(None, cfg), plan, FPDTOptions(), ds, "fp32", torch.device("cpu"))
+    plan = validate(TrainerOptions(), 64, 1, "cpu", ds)
+    check = cli.check_memory(preflight.model_source(None, cfg), plan, TrainerOptions(), ds, "fp32", torch.device("cpu"))
     assert check.estimate is None and check.lines == (
         "note: fpdt-plan's model cannot describe this run (ValueError: a shape the model does not cover); no memory "
         "prediction or host check",)
-    assert "predicted" not in mp.out_of_memory_advice(1, plan, FPDTOptions(), check.estimate, "x")
+    assert "predicted" not in mp.out_of_memory_advice(1, plan, TrainerOptions(), check.estimate, "x")
 
 
 def _short_node_body(rank, world_size, tmp, cfg, data, short_rank):
@@ -336,21 +336,21 @@ def test_the_prediction_follows_the_kernels_gqa_expansion(tmp_path, monkeypatch)
     cfg, _ = write_fixture(str(tmp_path))
     source = preflight.model_source(None, cfg)
     ds = load_ds_config(None, "cpu")[0]
-    plan = validate(FPDTOptions(), 64, 1, "cpu", ds)
+    plan = validate(TrainerOptions(), 64, 1, "cpu", ds)
     # given; else on CUDA the named kernel's or the automatic one's for the precision; elsewhere yes
     for expands, device_type, dtype, kernel, want in (
             (True, "cuda", "bf16", None, True), (False, "cpu", "fp32", None, False),
             (None, "cpu", "bf16", None, True), (None, "cuda", "bf16", None, False),    # FlashAttention-2 / cuDNN
             (None, "cuda", "fp32", None, True),                                         # the efficient kernel
             (None, "cuda", "bf16", "cuda_efficient", True), (None, "cuda", "bf16", "cuda_cudnn", False)):
-        opts = FPDTOptions(attention_backend=kernel)
+        opts = TrainerOptions(backend=kernel)
         setup = mp.planned_setup(plan, opts, ds, dtype, device_type, expands, source.config.head_dim)
         assert setup.kernel_expands_gqa is want, (expands, device_type, dtype, kernel)
     seen = []
     real = mp.estimate
     monkeypatch.setattr(mp, "estimate", lambda *a: seen.append(a[7]) or real(*a))   # kernel_expands_gqa
     for expands in (True, False):
-        cli.check_memory(source, plan, FPDTOptions(), ds, "fp32", torch.device("cpu"), kernel_expands_gqa=expands)
+        cli.check_memory(source, plan, TrainerOptions(), ds, "fp32", torch.device("cpu"), kernel_expands_gqa=expands)
     assert seen == [True, False]
     kernel = preflight.attention_kernel(None, torch.device("cpu"), torch.float32, source.config.head_dim)
     assert kernel is BACKENDS["cpu"] and not kernel.native_gqa
@@ -360,12 +360,12 @@ def test_the_recommendation_keeps_layer_inputs_on_the_gpu_when_the_host_is_short
     """Llama-3-8B at 4M on 8 x 80 GiB with 1 TiB of host: with every input offloaded the host
     cannot hold it; the planner's settings keep the fewest last layers' inputs on the GPUs."""
     ds = load_ds_config(None, "cuda")[0]
-    plan = validate(FPDTOptions(sp=8), 4 * 1024 * 1024, 8, "cuda", ds)
+    plan = validate(TrainerOptions(sp=8), 4 * 1024 * 1024, 8, "cuda", ds)
     cfg = load_model_config("llama-3-8b")
-    rec = mp.recommend(cfg, plan, FPDTOptions(sp=8), ds, 8, 80 * 2 ** 30, 1024 * 2 ** 30)
+    rec = mp.recommend(cfg, plan, TrainerOptions(sp=8), ds, 8, 80 * 2 ** 30, 1024 * 2 ** 30)
     k = int(rec.flags.split("--checkpoint-device-layers ")[1].split()[0])
     assert 0 < k < cfg.num_layers and "--checkpoint offload" in rec.flags
-    fits = [mp.estimate(cfg, plan, FPDTOptions(sp=8, checkpoint_device_layers=j), ds, "bf16", "cuda", 8)
+    fits = [mp.estimate(cfg, plan, TrainerOptions(sp=8, checkpoint_device_layers=j), ds, "bf16", "cuda", 8)
             for j in (k - 1, k)]
     host = [sum(e.breakdown[c] for c in mp.HOST_CATEGORIES) + e.breakdown["process_host"] for e in fits]
     assert host[0] > 1024 * 2 ** 30 >= host[1]                      # the fewest that fit the host
@@ -386,7 +386,7 @@ def test_a_lora_run_is_checked_as_lora(monkeypatch):
     source = preflight.ModelSource("llama-3-70b", cfg)
     ds = {**load_ds_config(None, "cpu")[0], "bf16": {"enabled": True},
           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    opts = FPDTOptions(sp=8)
+    opts = TrainerOptions(sp=8)
     plan = validate(opts, 128 * 1024, 8, "cpu", ds)
     with pytest.raises(ConfigError, match=r"8 rank\(s\) on rank 0's node would offload 9\d\d\.\d GiB .*\(model states 9"):
         cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cpu"))
@@ -417,7 +417,7 @@ def test_a_lora_runs_memory_advice_is_the_lora_plans(monkeypatch):
     cfg, S = load_model_config("llama-3-70b"), 512 * 1024
     source = preflight.ModelSource("llama-3-70b", cfg)
     ds = load_ds_config(None, "cuda")[0]
-    opts = FPDTOptions(sp=8)
+    opts = TrainerOptions(sp=8)
     plan = validate(opts, S, 8, "cuda", ds)
     full = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
     assert full.recommend().flags is None and "no setting of this length and GPU count that fits" in full.recommend().note

@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 
 from fpdt.train.cli import build_parser, fpdt_flags
-from fpdt.train.config import ConfigError, FPDTOptions, merge_options, mesh_degrees, validate
+from fpdt.train.config import ConfigError, TrainerOptions, merge_options, mesh_degrees, validate
 
 FP32 = {"train_micro_batch_size_per_gpu": 1}
 
 
 def test_sp_is_shorthand_for_hp():
-    assert mesh_degrees(FPDTOptions(sp=4)) == (4, 1)
-    assert mesh_degrees(FPDTOptions(cp=4)) == (1, 4)
-    assert mesh_degrees(FPDTOptions(hp=2, cp=2)) == (2, 2)
-    assert mesh_degrees(FPDTOptions(sp=4, hp=2, cp=2)) == (2, 2)  # consistent: allowed
+    assert mesh_degrees(TrainerOptions(sp=4)) == (4, 1)
+    assert mesh_degrees(TrainerOptions(cp=4)) == (1, 4)
+    assert mesh_degrees(TrainerOptions(hp=2, cp=2)) == (2, 2)
+    assert mesh_degrees(TrainerOptions(sp=4, hp=2, cp=2)) == (2, 2)  # consistent: allowed
     with pytest.raises(ConfigError, match=r"--sp 2 conflicts with --hp 2 --cp 2"):
-        mesh_degrees(FPDTOptions(sp=2, hp=2, cp=2))
+        mesh_degrees(TrainerOptions(sp=2, hp=2, cp=2))
 
 
 def test_flags_and_json_reach_the_plan():
@@ -26,15 +26,15 @@ def test_flags_and_json_reach_the_plan():
     assert (opts.hp, opts.cp, opts.placement, opts.inner_ring) == (2, 2, "context_first", 1)
     plan = validate(opts, 64, 8, "cpu", FP32)
     assert (plan.sp, plan.dp, plan.hp, plan.cp, plan.placement, plan.inner_ring) == (4, 2, 2, 2, "context_first", 1)
-    plan = validate(FPDTOptions(sp=2), 64, 2, "cpu", FP32)  # --sp alone: plain Ulysses, as before
+    plan = validate(TrainerOptions(sp=2), 64, 2, "cpu", FP32)  # --sp alone: plain Ulysses, as before
     assert (plan.hp, plan.cp) == (2, 1)
 
 
 @pytest.mark.parametrize("opts, seq_len, world, match", [
-    (FPDTOptions(hp=2, cp=2, chunk_size=12), 36, 4, r"--seq-len 36 is not divisible by 2 x hp x cp x chunks = "
+    (TrainerOptions(hp=2, cp=2, chunk_size=12), 36, 4, r"--seq-len 36 is not divisible by 2 x hp x cp x chunks = "
                                                     r"2 x 2 x 2 x 3 = 24"),
-    (FPDTOptions(hp=2, cp=3), 48, 4, r"--hp 2 x --cp 3 = 6 does not divide the world size 4"),
-    (FPDTOptions(cp=4, inner_ring=3), 64, 4, r"--inner-ring 3 does not divide --cp 4"),
+    (TrainerOptions(hp=2, cp=3), 48, 4, r"--hp 2 x --cp 3 = 6 does not divide the world size 4"),
+    (TrainerOptions(cp=4, inner_ring=3), 64, 4, r"--inner-ring 3 does not divide --cp 4"),
 ])
 def test_bad_mesh_names_the_fix(opts, seq_len, world, match):
     with pytest.raises(ConfigError, match=match):

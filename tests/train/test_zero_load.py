@@ -150,7 +150,7 @@ def _broken_checkpoints(tmp: str) -> dict[str, str]:
 def test_checkpoint_plan_refuses_what_from_pretrained_refuses(tmp_path):
     """The header-only checks run on every rank before any collective, with the same errors."""
     import fpdt.model as fm
-    from fpdt.model.weights import construct
+    from fpdt.model.build import construct
     from fpdt.train.zero_load import checkpoint_plan
 
     for name, path in _broken_checkpoints(str(tmp_path)).items():

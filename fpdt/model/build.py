@@ -1,0 +1,88 @@
+"""Building an FPDT model: from a config (random init) or a Hugging Face checkpoint, without
+a second host copy.
+
+Models are first built on the ``meta`` device (no storage), then each tensor is read from its
+shard straight to the target device/dtype and *assigned* as the parameter
+(:mod:`fpdt.model.weights`), so host RAM holds at most one shard's tensors on top of the model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+
+from fpdt.model.config import ModelConfig
+from fpdt.model.llama import FPDTForCausalLM
+from fpdt.model.weights import _load_file, _resolve_dtype, check_missing, checkpoint_files
+from fpdt.options import FPDTOptions
+
+
+def _options(fpdt_options: dict[str, Any]) -> FPDTOptions:
+    """``options=`` (an :class:`FPDTOptions`) and/or its fields as keywords, validated."""
+    return FPDTOptions.build(fpdt_options.pop("options", None), **fpdt_options)
+
+
+def construct(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any,
+              **fpdt_options) -> FPDTForCausalLM:
+    """The bare module tree for ``config``, built in the caller's device / tensor-creation
+    context with ``torch.nn``'s default initialisation and no dtype or device of its own.
+
+    ``with torch.device("meta"): construct(cfg)`` gives a shape-only model (what
+    :func:`from_config` and :func:`from_pretrained` start from); a context that partitions
+    parameters as they are created (DeepSpeed's ``zero.Init``) gives a partitioned one. The
+    RoPE buffer is whatever that context made of it: call ``model.reset_rope(device)`` after.
+    """
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    return FPDTForCausalLM(cfg, _options(fpdt_options))
+
+
+def from_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any, *,
+                device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
+                **fpdt_options) -> FPDTForCausalLM:
+    """A randomly initialised model (Transformers' init scheme; seed with ``torch.manual_seed``).
+
+    Args:
+        config: a :class:`ModelConfig`, a ``config.json`` dict or path, or a ``transformers`` config.
+        device: where to put it (default CPU). ``"meta"`` defers initialisation: call
+            ``model.to_empty(device=...)`` then ``model.init_weights()`` (or load weights).
+        dtype: parameter dtype (default fp32).
+        **fpdt_options: :class:`FPDTOptions` fields.
+    """
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    with torch.device("meta"):
+        model = construct(cfg, **fpdt_options)
+    if dtype is not None:
+        model.to(_resolve_dtype(dtype))
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty keeps the tie, but make it explicit
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_weights()
+    return model
+
+
+def from_pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | str | None = None, **fpdt_options) -> FPDTForCausalLM:
+    """Load a Hugging Face checkpoint directory (``config.json`` + safetensors).
+
+    Args:
+        path: the checkpoint directory (single file or sharded with an index).
+        device: where the parameters go (default CPU); tensors are read straight there.
+        dtype: parameter dtype; default: as stored in the checkpoint.
+        **fpdt_options: :class:`FPDTOptions` fields (chunks, offload, checkpointing, group, ...).
+    """
+    path = os.fspath(path)
+    cfg = ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        model = construct(cfg, **fpdt_options)
+    device = torch.device(device if device is not None else "cpu")
+    loaded: set[str] = set()
+    for file in checkpoint_files(path):
+        loaded |= _load_file(model, file, device, _resolve_dtype(dtype))
+    check_missing(model, loaded)
+    model.reset_rope(device)
+    return model

@@ -1,0 +1,160 @@
+"""The FPDT options: one dataclass, one default per field, one validation.
+
+:class:`FPDTOptions` is what every entry point holds or builds:
+
+* :func:`fpdt.model.from_config` / :func:`fpdt.model.from_pretrained` (keyword arguments or
+  ``options=``) and ``model.configure(**changes)``;
+* :func:`fpdt.hf.apply_fpdt` (the same keywords, or ``options=``);
+* ``fpdt-train``: its flags and the ``"fpdt"`` section of the DeepSpeed JSON fill
+  :class:`fpdt.train.config.TrainerOptions`, which adds the mesh degrees and the global chunk
+  length and builds this object for the model (:meth:`TrainerOptions.model_options`);
+* ``fpdt-plan`` models the same fields (:class:`fpdt.plan.setup.Setup`), with these defaults.
+
+The defaults are the measured faster or leaner choice where two exist (``lm_head_wgrad``, see
+``docs/memory.md`` and ``benchmarks/README.md``) and the chunk rules the memory budgets assume
+(:mod:`fpdt.model.chunks`). Allowed values live here only (:data:`CHECKPOINT_MODES`,
+:data:`LM_HEAD_WGRAD_MODES`, :data:`ATTENTION_CHECKPOINT_MODES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch.distributed as dist
+
+from fpdt.attention.kernels import BACKENDS
+from fpdt.comm import SequenceMesh
+
+CHECKPOINT_MODES = ("off", "on", "offload")
+"""Per-layer activation checkpointing: none, layer inputs kept on the device, or on the host."""
+LM_HEAD_WGRAD_MODES = ("accumulate", "recompute")
+"""How the chunked loss forms the LM-head weight gradient (:mod:`fpdt.model.loss`)."""
+ATTENTION_CHECKPOINT_MODES = ("recompute", "save")
+"""What a checkpointed layer keeps of its attention: nothing (the recompute runs the attention
+forward again), or the attention output and its log-sum-exp (the recompute skips the kernel)."""
+
+
+class OptionsError(ValueError):
+    """An option has a value no entry point accepts; the message names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class FPDTOptions:
+    """Memory and parallelism options of an FPDT model (the same for ``fpdt.model``, ``fpdt.hf``
+    and ``fpdt-train``). Change them later with ``model.configure(**changes)``."""
+
+    num_chunks: int = 1
+    """Attention chunks per rank ``u``: ``S`` must be divisible by ``P * u`` (``2 * hp * cp * u``
+    on a 2D mesh), and inputs laid out with the same ``u`` (:func:`fpdt.model.prepare_inputs`).
+    The global chunk is ``S / u`` tokens."""
+    offload: bool = False
+    """Keep attention chunks (k̂, v̂, q̂, o, lse) in pinned host memory between forward and
+    backward, double-buffered (FPDT "w. offload"; CUDA, or the simulated runtime on the CPU)."""
+    checkpointing: str = "off"
+    """Per-layer activation checkpointing (:data:`CHECKPOINT_MODES`): ``"off"``, ``"on"`` (keep
+    each layer's input, recompute the layer in backward) or ``"offload"`` (as ``"on"``, with
+    the layer inputs in pinned host memory, prefetched one layer ahead in backward)."""
+    checkpoint_device_layers: int = 0
+    """With ``checkpointing="offload"``: how many of the last decoder layers keep their input on
+    the device instead (0: every input on the host, the FPDT design). For runs whose host
+    memory, not the device's, is the limit."""
+    attention_checkpoint: str = "recompute"
+    """With layer checkpointing (:data:`ATTENTION_CHECKPOINT_MODES`): ``"recompute"`` runs each
+    layer's attention forward again in backward; ``"save"`` keeps the attention output and its
+    log-sum-exp beside the layer input (same tier: host under ``"offload"``, device otherwise)
+    and the recompute skips the attention kernel (LoongTrain's Selective Checkpoint++,
+    arXiv:2406.18485 §5.2)."""
+    save_attention_layers: int | None = None
+    """With ``attention_checkpoint="save"``: how many layers save (None: every layer); the
+    others recompute. The knob for runs short of host memory."""
+    backend: str | None = None
+    """Attention kernel (:data:`fpdt.attention.kernels.BACKENDS`); None: automatic."""
+    mlp_chunks: int | None = None
+    """Token chunks of the SwiGLU MLP. None: ``ceil(2 u I / hidden)`` (each ``[n, I]``
+    intermediate within the byte budget of :mod:`fpdt.model.chunks`); 0: the plain autograd MLP."""
+    loss_chunks: int | None = None
+    """Token chunks of the fused LM head + cross-entropy. None: ``ceil(2 u V / hidden)`` (each
+    fp32 logits chunk within the same budget); 0: the plain full-logits loss."""
+    lm_head_wgrad: str = "recompute"
+    """LM-head weight gradient of the chunked loss (:data:`LM_HEAD_WGRAD_MODES`): ``"recompute"``
+    recomputes the logits in backward one vocabulary slice at a time (one more LM-head GEMM, no
+    fp32 ``[V, hidden]`` buffer; the faster one measured on an H100, see
+    ``benchmarks/README.md``); ``"accumulate"`` sums the gradient over token chunks in that buffer."""
+    group: dist.ProcessGroup | None = None
+    """Sequence-parallel process group; None: the default group if torch.distributed is
+    initialised, else a world of 1."""
+    mesh: SequenceMesh | None = None
+    """A 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group``: inputs in the mesh
+    layout; reductions (the loss's token count) run over ``mesh.sp_group``."""
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def build(cls, options: FPDTOptions | None = None, **changes: Any) -> FPDTOptions:
+        """``options`` (default: all defaults) with ``changes`` applied, validated: how the
+        public constructors take either an options object or its fields as keywords."""
+        return (options or cls()).updated(**changes)
+
+    def updated(self, **changes: Any) -> FPDTOptions:
+        """A validated copy with ``changes``; an unknown name is a ``TypeError`` listing the valid ones."""
+        names = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise TypeError(f"unknown FPDT options {unknown}; valid: {sorted(names)}")
+        return replace(self, **changes).validate()
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> FPDTOptions:
+        """Raise :class:`OptionsError` for a value no entry point accepts; return ``self``."""
+        for problem in self.problems():
+            raise OptionsError(problem)
+        return self
+
+    def problems(self) -> list[str]:
+        """Every reason these options are invalid (empty when they are valid), each naming the fix."""
+        out = []
+        if not _is_int(self.num_chunks) or self.num_chunks < 1:
+            out.append(f"num_chunks={self.num_chunks!r} must be an integer >= 1")
+        if not isinstance(self.offload, bool):
+            out.append(f"offload={self.offload!r} must be True or False")
+        for name in ("mlp_chunks", "loss_chunks"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                out.append(f"{name}={value!r} must be >= 0 (0 = unchunked) or None (default)")
+        out += _choice("checkpointing", self.checkpointing, CHECKPOINT_MODES)
+        out += _choice("lm_head_wgrad", self.lm_head_wgrad, LM_HEAD_WGRAD_MODES)
+        out += _choice("attention_checkpoint", self.attention_checkpoint, ATTENTION_CHECKPOINT_MODES)
+        if not _is_int(self.checkpoint_device_layers) or self.checkpoint_device_layers < 0:
+            out.append(f"checkpoint_device_layers={self.checkpoint_device_layers!r} must be an integer >= 0")
+        elif self.checkpoint_device_layers and self.checkpointing != "offload":
+            out.append(f"checkpoint_device_layers={self.checkpoint_device_layers} keeps some offloaded layer "
+                       f"inputs on the device: it needs checkpointing='offload' (now {self.checkpointing!r})")
+        if self.save_attention_layers is not None and (not _is_int(self.save_attention_layers)
+                                                       or self.save_attention_layers < 0):
+            out.append(f"save_attention_layers={self.save_attention_layers!r} must be an integer >= 0, "
+                       f"or None (every layer)")
+        if self.backend is not None and self.backend not in BACKENDS:
+            out.append(f"backend={self.backend!r} must be one of {tuple(BACKENDS)}, or None (automatic)")
+        if self.mesh is not None and self.group is not None:
+            out.append("set either group= (plain Ulysses) or mesh= (hp x cp), not both")
+        return out
+
+    def check_layers(self, num_layers: int) -> None:
+        """The layer counts against a model of ``num_layers`` decoder layers."""
+        if self.checkpoint_device_layers > num_layers:
+            raise OptionsError(f"checkpoint_device_layers={self.checkpoint_device_layers} is more than the "
+                               f"model's {num_layers} decoder layers")
+        if self.save_attention_layers is not None and self.save_attention_layers > num_layers:
+            raise OptionsError(f"save_attention_layers={self.save_attention_layers} is more than the model's "
+                               f"{num_layers} decoder layers (None: every layer)")
+
+
+OPTION_NAMES = tuple(f.name for f in fields(FPDTOptions))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> list[str]:
+    return [] if value in allowed else [f"{name}={value!r} must be one of {allowed}"]

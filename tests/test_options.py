@@ -1,0 +1,88 @@
+"""One options object: the three entry points build the same FPDTOptions for the same inputs,
+with one default per field and one validation."""
+
+
+import re
+
+import pytest
+
+import fpdt.hf
+from fpdt import model as fm
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, FPDTOptions, OptionsError
+from fpdt.train.config import FPDT_KEYS, TrainerOptions, merge_options, validate
+from tests.model.helpers import hf_config, hf_model
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+CHOSEN = dict(num_chunks=2, offload=False, checkpointing="on", mlp_chunks=3, loss_chunks=5,
+              lm_head_wgrad="accumulate", backend="math", attention_checkpoint="recompute")
+
+
+def test_defaults_are_the_measured_ones():
+    o = FPDTOptions()
+    assert o.lm_head_wgrad == "recompute"           # faster on the H100 (benchmarks/README.md)
+    assert o.mlp_chunks is None and o.loss_chunks is None   # the budget rules of fpdt.model.chunks
+    assert (o.checkpointing, o.attention_checkpoint, o.save_attention_layers) == ("off", "recompute", None)
+    assert TrainerOptions().lm_head_wgrad == o.lm_head_wgrad and TrainerOptions().mlp_chunks is None
+
+
+def test_three_entry_points_build_the_same_options():
+    cfg = hf_config("llama_gqa").to_dict()
+    direct = fm.from_config(cfg, **CHOSEN).options
+    hf = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), **CHOSEN).fpdt.options
+    flags = {key: None for key in FPDT_KEYS}
+    section = {"chunk_size": 32, "offload": False, "checkpoint": "on", "mlp_chunks": 3, "loss_chunks": 5,
+               "lm_head_wgrad": "accumulate", "attention_backend": "math", "attention_checkpoint": "recompute"}
+    trainer = merge_options(flags, section)
+    run = validate(trainer, 64, 1, "cpu", {})
+    built = trainer.model_options(run)
+    assert direct == hf == built == FPDTOptions(**CHOSEN)
+    # and with nothing given, the same defaults (the trainer resolves its CPU device defaults)
+    plain_trainer = merge_options({}, None)
+    plain = plain_trainer.model_options(validate(plain_trainer, 64, 1, "cpu", {}))
+    assert fm.from_config(cfg).options == fpdt.hf.apply_fpdt(hf_model("llama_gqa")).fpdt.options == plain
+
+
+def test_options_object_or_keywords():
+    cfg = hf_config("llama_gqa").to_dict()
+    opts = FPDTOptions(num_chunks=2, checkpointing="on")
+    assert fm.from_config(cfg, options=opts).options == opts
+    assert fm.from_config(cfg, options=opts, num_chunks=4).options == FPDTOptions(num_chunks=4, checkpointing="on")
+    assert fpdt.hf.apply_fpdt(hf_model("llama_gqa"), opts).fpdt.options == opts
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(checkpointing="sometimes"), f"checkpointing='sometimes' must be one of {CHECKPOINT_MODES}"),
+    (dict(attention_checkpoint="keep"), f"attention_checkpoint='keep' must be one of {ATTENTION_CHECKPOINT_MODES}"),
+    (dict(lm_head_wgrad="sliced"), "lm_head_wgrad='sliced' must be one of"),
+    (dict(num_chunks=0), "num_chunks=0 must be an integer >= 1"),
+    (dict(save_attention_layers=-1), "save_attention_layers=-1 must be an integer >= 0"),
+    (dict(checkpoint_device_layers=2), "needs checkpointing='offload'"),
+    (dict(backend="fast"), "backend='fast' must be one of"),
+])
+def test_one_validation_everywhere(bad, match):
+    match = re.escape(match)
+    with pytest.raises(OptionsError, match=match):
+        FPDTOptions(**bad).validate()
+    with pytest.raises(ValueError, match=match):
+        fm.from_config(hf_config("llama_gqa").to_dict(), **bad)
+    with pytest.raises(fpdt.hf.FPDTHFError, match=match):
+        fpdt.hf.apply_fpdt(hf_model("llama_gqa"), **bad)
+
+
+def test_layer_counts_checked_against_the_model():
+    cfg = hf_config("llama_gqa").to_dict()
+    with pytest.raises(ValueError, match="save_attention_layers=9 is more than the model's"):
+        fm.from_config(cfg, checkpointing="on", save_attention_layers=9)
+
+
+def test_unknown_option_names_the_valid_ones():
+    with pytest.raises(TypeError, match="unknown FPDT options \\['chunks'\\]"):
+        FPDTOptions().updated(chunks=2)
+
+
+def test_trainer_keys_are_the_options_fields():
+    """The JSON section's keys are the options' fields (two spelt as their flags) plus the mesh."""
+    fields = set(FPDTOptions.__dataclass_fields__) - {"num_chunks", "group", "mesh", "checkpointing", "backend"}
+    assert fields | {"checkpoint", "attention_backend", "sp", "hp", "cp", "placement", "inner_ring",
+                     "chunk_size"} == set(FPDT_KEYS)
