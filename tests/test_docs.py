@@ -120,7 +120,9 @@ def test_python_block_runs(code, ranks, tmp_path):
 
 
 def _run_block(rank, world_size, code, cwd):
+    """One rank of a ``ranks=N`` block, with the environment torchrun would give it."""
     os.chdir(cwd)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     exec(compile(code, "docs block", "exec"), {"__name__": "__main__"})
 
 
