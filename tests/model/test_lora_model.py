@@ -77,6 +77,7 @@ def run_case(name, rank, world, *, spec=LoraSpec(4), num_chunks=2, checkpointing
     return compare(loss, grads, ref_loss, ref_grads, f"{name} LoRA rank {rank}/{world} {opts} {spec}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_tied", "llama_bias", "mistral"])
 @pytest.mark.parametrize("checkpointing", ["off", "on", "offload"])
 def test_single_rank_against_peft(name, checkpointing):

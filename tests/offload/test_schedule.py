@@ -40,6 +40,7 @@ def _layer_step(rank, world, *, u, B=1, hidden=32, H=4, H_kv=2, D=8, piece=2, dt
     return S // world
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lazy", "threaded"])
 def test_buffers_run_ahead_and_syncs_are_bounded_independently_of_u(mode):
     seen = {}
