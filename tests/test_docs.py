@@ -142,6 +142,10 @@ def _bash(code, tmp_path, timeout):
 @pytest.mark.parametrize("code, ranks", _blocks("bash"))
 def test_bash_block_runs(code, ranks, tmp_path):
     _bash(code, tmp_path, timeout=900)
+    log = tmp_path / "runs" / "tiny.jsonl"
+    if "--log-json runs/tiny.jsonl" in code:          # the README's main job: "from about 7.6 to about 6.4"
+        losses = [json.loads(line)["loss"] for line in open(log)]
+        assert len(losses) == 60 and abs(losses[0] - 7.6) < 0.3 and abs(losses[-1] - 6.4) < 0.3, losses
 
 
 def _commands(code: str):
