@@ -126,6 +126,7 @@ def _run_block(rank, world_size, code, cwd):
     exec(compile(code, "docs block", "exec"), {"__name__": "__main__"})
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("code, ranks", _blocks("python", multi=True))
 def test_multi_rank_python_block_runs(code, ranks, tmp_path):
     run_distributed(_run_block, world_size=ranks, args=(code, _scratch(tmp_path)), timeout=280)
@@ -139,9 +140,10 @@ def _bash(code, tmp_path, timeout):
     return proc
 
 
+@pytest.mark.timeout(1200)                               # training runs of a minute each, on 2 shared cores
 @pytest.mark.parametrize("code, ranks", _blocks("bash"))
 def test_bash_block_runs(code, ranks, tmp_path):
-    _bash(code, tmp_path, timeout=900)
+    _bash(code, tmp_path, timeout=1100)
     log = tmp_path / "runs" / "tiny.jsonl"
     if "--log-json runs/tiny.jsonl" in code:          # the README's main job: "from about 7.6 to about 6.4"
         losses = [json.loads(line)["loss"] for line in open(log)]
