@@ -13,7 +13,7 @@ GPU (issue targets: time ratio <= 1.05; offload peak <= unchunked / num_chunks +
 Peak memory: device bytes above what was allocated before the call (on CUDA
 ``max_memory_allocated``, with the call's ``max_memory_reserved`` beside it, cache emptied
 first; on the CPU the memory accountant's count), via
-:class:`fpdt.profiling.memory.RegionMemory`.
+:class:`fpdt.memory.accountant.RegionMemory`.
 
 CPU smoke run (what the test suite runs; the overlap column is n/a there)::
 
@@ -32,7 +32,7 @@ import torch
 
 from fpdt.attention import fpdt_attention
 from fpdt.offload import runtime_for
-from fpdt.profiling.memory import MemoryPeaks, RegionMemory
+from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
 import bench_common as bc  # noqa: E402

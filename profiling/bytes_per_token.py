@@ -11,7 +11,7 @@ DeepSpeed's checkpoint offload with its host copies drawn from the host pool),
 ``hf`` (SDPA, gradient checkpointing, full logits) and ``fpdt-no-offload``.
 
 **One trial** = one strategy at one length, in a fresh process: one forward + backward, no
-optimizer step, counted by :class:`fpdt.profiling.memory.MemoryAccountant` on the CPU, the
+optimizer step, counted by :class:`fpdt.memory.accountant.MemoryAccountant` on the CPU, the
 same way for every strategy:
 
 * ``device_peak_bytes``: the most bytes of live tensor storages created during the forward
@@ -108,7 +108,7 @@ class LayerPhases:
 
 def trial(strategy: str, cfg: dict, seq_len: int, chunk_size: int) -> dict:
     """One forward + backward of ``strategy`` at ``seq_len`` tokens, counted (see the module docstring)."""
-    from fpdt.profiling.memory import MemoryAccountant
+    from fpdt.memory.accountant import MemoryAccountant
     device = torch.device("cpu")
     torch.manual_seed(0)
     trainee = st.build(strategy, cfg, seq_len, chunk_size, device, torch.float32)

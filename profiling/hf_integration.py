@@ -17,7 +17,7 @@ does not depend on the strategy), activation checkpointing on in every strategy:
   feature (chunked projections, attention offload, offloaded layer-input checkpoints).
 
 Per trial: the device peak (CUDA: ``max_memory_allocated``; CPU: the memory accountant's
-count of the tensors the step creates, :class:`fpdt.profiling.memory.RegionMemory`), the
+count of the tensors the step creates, :class:`fpdt.memory.accountant.RegionMemory`), the
 host-stash peak and the step time. Per strategy: the least-squares slope of device bytes
 per 1K tokens, and its ratio to ``hf``'s, ``alst``'s and ``fpdt.model``'s. Offload on the CPU runs
 under the simulated runtime (``FPDT_RUNTIME=sim``), so its host tier is counted.
@@ -87,7 +87,7 @@ def build(strategy: str, base, cfg: dict, seq_len: int, chunk: int, device: torc
 
 
 def trial(strategy: str, base, cfg: dict, seq_len: int, chunk: int, device: torch.device) -> dict:
-    from fpdt.profiling.memory import RegionMemory
+    from fpdt.memory.accountant import RegionMemory
 
     step, what = build(strategy, base, cfg, seq_len, chunk, device)
     rec = {"strategy": strategy, "seq_len": seq_len, "setting": what}

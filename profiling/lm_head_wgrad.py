@@ -5,7 +5,7 @@ For each shape (hidden, vocab, local tokens) the fused LM head + cross-entropy
 forward + backward in ``"accumulate"`` mode (fp32 ``[V, hidden]`` accumulator) and in
 ``"recompute"`` mode (logits recomputed in backward a vocabulary slice at a time), in the
 same process, alternating, ``--repeats`` times each. Reported per mode: the median time and
-the device peak beyond the inputs (:class:`~fpdt.profiling.memory.RegionMemory`: CUDA's
+the device peak beyond the inputs (:class:`~fpdt.memory.accountant.RegionMemory`: CUDA's
 ``max_memory_allocated``, the memory accountant on the CPU), and per shape the ratios recompute /
 accumulate. Beside them, the planner's own time for each mode
 (:func:`fpdt.plan.time_model.lm_head_seconds`: the head GEMMs, 4 instead of 3 with recompute;
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modul
 import bench_common as bc  # noqa: E402
 
 from fpdt.model.loss import WGRAD_MODES, chunked_lm_loss, default_loss_chunks
-from fpdt.profiling.memory import RegionMemory
+from fpdt.memory.accountant import RegionMemory
 
 # (hidden, vocab, local tokens): Llama-3.2-1B, Llama-3-8B and Llama-3-70B heads at 16K tokens per GPU
 GPU_SHAPES = [(2048, 128256, 16384), (4096, 128256, 16384), (8192, 128256, 16384)]

@@ -13,9 +13,9 @@ subprocess, and records:
   ``first_step_device_peak_bytes`` (the measured step as it ran). Peaks are on CUDA the
   allocator's ``max_memory_allocated`` per phase (``device_reserved_peak_bytes``:
   ``max_memory_reserved``, null on the CPU), on the CPU the memory accountant's device tier
-  (:class:`fpdt.profiling.memory.MemoryAccountant`: live tensor bytes created in the step)
+  (:class:`fpdt.memory.accountant.MemoryAccountant`: live tensor bytes created in the step)
   plus the parameters, which exist before it; ``counted_device_peak_bytes``: that count on
-  any device (both through :class:`fpdt.profiling.memory.RegionMemory`);
+  any device (both through :class:`fpdt.memory.accountant.RegionMemory`);
 * ``host_peak_bytes``: the host tier (offloaded stash in use, counted at the host pool);
   ``host_rss_peak_bytes``: the process's peak RSS;
 * ``step_s`` (``fwd_bwd_s`` + ``optimizer_s``): the time of a second step, run after the
@@ -138,7 +138,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
 
 def trial(args) -> dict:
     """One training step of ``args.strategy`` at ``args.seq_len`` (run in its own process)."""
-    from fpdt.profiling.memory import RegionMemory, SimulatedOutOfMemoryError
+    from fpdt.memory.accountant import RegionMemory, SimulatedOutOfMemoryError
     device = bc.default_device()
     cfg = load_config(args)
     dtype = DTYPES[args.dtype]

@@ -1,4 +1,4 @@
-"""The device-memory table of docs/memory.md, counted with :class:`fpdt.profiling.memory.MemoryAccountant`.
+"""The device-memory table of docs/memory.md, counted with :class:`fpdt.memory.accountant.MemoryAccountant`.
 
 Rows (device working set only; host-stash buffers from the pool, the caller's inputs and
 weights, and gradients allocated before the step are not counted):
@@ -40,7 +40,7 @@ import bytes_per_token as bpt  # noqa: E402
 
 import fpdt.model as fm
 from fpdt.attention import fpdt_attention
-from fpdt.profiling.memory import MemoryAccountant, chunk_unit, sequence_unit
+from fpdt.memory.accountant import MemoryAccountant, chunk_unit, sequence_unit
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 1, 64
 SMALL_MODEL = {
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**head, "command": command, "rows": None, "bytes_per_token": None}
     parts = [f"# Device memory budget\n\nCommand: `{command}`  \nDevice `{head['device']}`, commit "
              f"{head['commit']}, {head['date_utc']}, torch {head['torch']}. Counted on the CPU by "
-             f"`fpdt.profiling.memory.MemoryAccountant` (live tensor bytes); no GPU figures.\n"]
+             f"`fpdt.memory.accountant.MemoryAccountant` (live tensor bytes); no GPU figures.\n"]
     if not args.skip_table:
         attention_core(256, 2, device=args.device)   # the kernel's first-use self-check, outside every row
         rows = table(args.device)

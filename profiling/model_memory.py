@@ -7,7 +7,7 @@ optimizer's memory does not depend on these features). For each global sequence 
 (32K, 128K, 512K tokens) it reports peak device memory over the measured steps -- on CUDA
 ``max_memory_allocated`` with ``max_memory_reserved`` beside it, on the CPU the memory
 accountant's count of tensors created by the steps (parameters not included; see
-:class:`fpdt.profiling.memory.RegionMemory`) -- and the median step time for:
+:class:`fpdt.memory.accountant.RegionMemory`) -- and the median step time for:
 
 * a ladder that switches the features on one after the other, starting from the plain
   model (unchunked attention, plain MLP, full-logits loss, no checkpointing):
@@ -44,7 +44,7 @@ import torch
 
 import fpdt.model as fm
 from fpdt.offload import runtime_for
-from fpdt.profiling.memory import MemoryPeaks, RegionMemory
+from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES = ("chunked_attention", "offload", "chunked_mlp", "chunked_loss", "checkpoint_offload")

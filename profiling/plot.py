@@ -248,7 +248,7 @@ def _mfu(t: dict) -> str:
 
 def markdown(strats: dict, files: list[dict], rel: str) -> str:
     first = files[0] if files else {}
-    tier = ("Device tier on the CPU = live tensor bytes counted by `fpdt.profiling.memory` plus parameters"
+    tier = ("Device tier on the CPU = live tensor bytes counted by `fpdt.memory.accountant` plus parameters"
             if first.get("device_type", "cpu") == "cpu" else
             "Device memory = the CUDA caching allocator's allocated peaks (`torch.cuda.max_memory_allocated`)")
     mfu_peak = ("a fp32 matmul rate measured in each trial's own run (so CPU rows compare loosely)"

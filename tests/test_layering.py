@@ -19,10 +19,11 @@ ALLOWED = {
     "ops": set(),        # numerical primitives shared by attention and model
     "comm": {"layout"},  # SequenceMesh owns its token layout
     "offload": set(),
-    "profiling": {"offload"},
+    "memory": {"offload"},
+    "profiling": {"memory"},   # the deprecated name of fpdt.memory
     "attention": {"layout", "comm", "offload", "ops"},
     "model": {"layout", "comm", "offload", "attention", "ops"},
-    "train": {"layout", "comm", "offload", "attention", "model", "profiling", "ops"},
+    "train": {"layout", "comm", "offload", "attention", "model", "memory", "ops"},
     "plan": {"attention", "comm", "model", "train"},
     "hf": {"layout", "comm", "offload", "attention", "model", "ops"},   # Transformers integration, beside train
 }

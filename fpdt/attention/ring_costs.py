@@ -14,7 +14,7 @@ Notation::
     Q    = B * L * hidden * e                  one q̂ chunk (C tokens x H/hp heads; hidden = H*D)
     K    = 2 * B * C * (H_kv'/hp) * D * e    one packed K/V block (what crosses the ring), = 2 g Q
     g    = H_kv' / H
-    U    = B * C * hidden * e = hp * Q         the memory unit of :mod:`fpdt.profiling.memory`: one
+    U    = B * C * hidden * e = hp * Q         the memory unit of :mod:`fpdt.memory.accountant`: one
                                                chunk of hidden states with C the post-all-to-all chunk
     Nd   = B * S_l * hidden * e = u * Q        this rank's full-sequence hidden tensor (S_l = S/(hp cp))
     T    = touches: cp * u(u+1)/2 causal, cp * u^2 non-causal (query chunk x block pairs)
@@ -57,7 +57,7 @@ reported in ``U = hp Q``):
 * backward, offload: ring blocks as forward, fp32 dK/dV local sum + incoming + outgoing
   ``3 * 2K``, q side ``2 (3Q + 2Q)``, block gradients ``Q + K``, ``~5Q`` temporaries and the
   finished dq's all-to-all -> ``16Q + 9K`` (``16Q + 11K``);
-* checked on the CPU with the live-bytes accountant of :mod:`fpdt.profiling.memory`
+* checked on the CPU with the live-bytes accountant of :mod:`fpdt.memory.accountant`
   (hp = cp = 2, u = 4, GQA 4:1, bf16, offload, C = 128): forward 8.7 U beyond its output
   (this formula: 8.5 U), backward 10.3 U beyond the dq/dk/dv outputs and one full-sequence
   bf16 gradient buffer (this formula: 10.25 U); the working set does not grow with u;

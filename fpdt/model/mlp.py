@@ -91,6 +91,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         tg, tu, td = lora.split(lora_tensors) if lora is not None else ([], [], [])
         seed = lora.draw_seed() if lora is not None else None
         ctx.num_chunks, ctx.lora, ctx.seed, ctx.norm_eps = num_chunks, lora, seed, norm_eps
+        ctx.input_names = _input_names(norm_eps is not None, len(lora_tensors))
         if norm_w is not None and output_values_unused():
             # a checkpoint's recompute of this branch: only the graph is needed; backward
             # recomputes every chunk (and the norm's rstd, the same per-token numbers). Only
@@ -120,30 +121,31 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         x, w_gate, w_up, w_down, b_gate, b_up, b_down, rstd, *tensors = ctx.saved_tensors
         eps = ctx.norm_eps
         norm_w, lora_tensors = (tensors[0], tensors[1:]) if eps is not None else (None, tensors)
-        need = ctx.needs_input_grad
-        first_lora = 11 if eps is not None else 10                          # index of the first LoRA tensor
+        need = dict(zip(ctx.input_names, ctx.needs_input_grad))             # by input name
         lora, seed = ctx.lora, ctx.seed
         tg, tu, td = lora.split(lora_tensors) if lora is not None else ([], [], [])
-        d_lora = accumulators(lora, lora_tensors, need[first_lora:]) if lora is not None else []
+        d_lora = accumulators(lora, lora_tensors, [need[f"lora{i}"] for i in range(len(lora_tensors))]) \
+            if lora is not None else []
         acc_gate, acc_up, acc_down = lora.split(d_lora) if lora is not None else ([], [], [])
         flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
         gflat = grad_out.reshape(-1, grad_out.shape[-1])                    # [T, hidden]
 
-        def acc(w: torch.Tensor | None, i: int) -> torch.Tensor | None:
-            if w is None or not need[i]:
+        def acc(w: torch.Tensor | None, name: str) -> torch.Tensor | None:
+            if w is None or not need.get(name):
                 return None
             dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
             return torch.zeros(w.shape, dtype=dtype, device=w.device)
 
-        dwg, dwu, dwd = acc(w_gate, 1), acc(w_up, 2), acc(w_down, 3)
-        dbg, dbu, dbd = acc(b_gate, 4), acc(b_up, 5), acc(b_down, 6)
-        dnorm = acc(norm_w, 10)
+        dwg, dwu, dwd = acc(w_gate, "w_gate"), acc(w_up, "w_up"), acc(w_down, "w_down")
+        dbg, dbu, dbd = acc(b_gate, "b_gate"), acc(b_up, "b_up"), acc(b_down, "b_down")
+        dnorm = acc(norm_w, "norm_w")
+        need_dx = need["x"]
         # With the norm inside, the input gradient may go straight into the layer's gradient,
         # which is then grad_out itself: each chunk is read before its own slice is written.
-        into = eps is not None and need[0] and donated_gradient(grad_out, x)
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need[0] and not into else None
+        into = eps is not None and need_dx and donated_gradient(grad_out, x)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx and not into else None
         dx_flat = gflat if into else None if dx is None else dx.view(flat.shape)
-        mlp_dx = need[0] or (dnorm is not None)                             # the MLP input's gradient is needed
+        mlp_dx = need_dx or (dnorm is not None)                             # the MLP input's gradient is needed
         w32 = None if norm_w is None else norm_w.float()
         # At most four [n, I] tensors live at a time (g, u or u*dh, a or du, and one of
         # a*u / dh / dg): products are formed in place wherever the input is dead after.
@@ -199,16 +201,25 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                     dxc.add_(d_lo)
             del dg
             if norm_w is not None and dxc is not None:                     # the norm's backward, as RMSNormFunction's
-                dh = norm_backward(dxc, x_hat, r, w32, x.dtype, dnorm, need[0])   # fp32 [n, hidden]
+                dh = norm_backward(dxc, x_hat, r, w32, x.dtype, dnorm, need_dx)   # fp32 [n, hidden]
                 if into:
                     dx_flat[s:e] += dh.to(x.dtype)                          # the residual's sum, in place
                 elif dh is not None:
                     dx_flat[s:e] = dh
                 del dh, x_hat, dxc
         cast = lambda g, w: None if g is None else g.to(w.dtype)  # noqa: E731
-        return (dx, cast(dwg, w_gate), cast(dwu, w_up), cast(dwd, w_down),
-                cast(dbg, b_gate), cast(dbu, b_up), cast(dbd, b_down), None, None, None,
-                *(() if norm_w is None else (cast(dnorm, norm_w),)), *finish(d_lora, lora_tensors))
+        grads = dict(x=dx, w_gate=cast(dwg, w_gate), w_up=cast(dwu, w_up), w_down=cast(dwd, w_down),
+                     b_gate=cast(dbg, b_gate), b_up=cast(dbu, b_up), b_down=cast(dbd, b_down),
+                     norm_w=cast(dnorm, norm_w))
+        grads.update((f"lora{i}", g) for i, g in enumerate(finish(d_lora, lora_tensors)))
+        return tuple(grads.get(name) for name in ctx.input_names)
+
+
+def _input_names(with_norm: bool, num_lora: int) -> tuple[str, ...]:
+    """The names of :meth:`ChunkedSwiGLUFunction.forward`'s inputs, in order (its backward
+    returns gradients by name, in this order)."""
+    return (("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "num_chunks", "lora", "norm_eps")
+            + (("norm_w",) if with_norm else ()) + tuple(f"lora{i}" for i in range(num_lora)))
 
 
 class ChunkedSwiGLU(nn.Module):

@@ -2,8 +2,8 @@
 
 from fpdt.offload.host_pool import (HostBufferPool, HostPeak, PoolStats, allocating_host_buffer, host_bytes_in_use,
                                     host_pool, unwatch_host_peak, watch_host_peak)
-from fpdt.offload.runtime import (Role, Runtime, RuntimeCounters, StreamHazardError, runtime_for,
-                                  selected_runtime_name, use_runtime)
+from fpdt.offload.runtime import Role, Runtime, RuntimeCounters, StreamHazardError
+from fpdt.offload.select import runtime_for, selected_runtime_name, use_runtime
 from fpdt.offload.stash import HostStash
 from fpdt.offload.streams import CopyStreams, copy_streams
 

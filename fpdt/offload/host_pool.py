@@ -13,7 +13,7 @@ allocates host-side stash memory.
 
 Memory accounting relies on that: while a pool creates a buffer,
 :func:`allocating_host_buffer` is True on that thread (so
-:class:`fpdt.profiling.memory.MemoryAccountant` counts the new storage as host stash,
+:class:`fpdt.memory.accountant.MemoryAccountant` counts the new storage as host stash,
 not device working set), and :func:`host_bytes_in_use` sums the buffers currently
 acquired from every pool; a :class:`HostPeak` records the highest that sum reaches while it
 is open (the trainer's per-step ``host_stash_gib``).
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fpdt.offload.runtime import Runtime, runtime_for
+from fpdt.offload.runtime import Runtime
+from fpdt.offload.select import runtime_for
 
 
 @dataclass

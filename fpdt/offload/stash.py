@@ -38,7 +38,8 @@ from typing import Hashable
 import torch
 
 from fpdt.offload.host_pool import HostBufferPool, host_pool
-from fpdt.offload.runtime import Role, runtime_for
+from fpdt.offload.runtime import Role
+from fpdt.offload.select import runtime_for
 from fpdt.offload.streams import copy_streams
 
 

@@ -79,7 +79,7 @@ from fpdt.plan.hardware import GIB
 from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
 
-# Calibrated on the CPU with fpdt.profiling.memory against this implementation (tests/plan/
+# Calibrated on the CPU with fpdt.memory.accountant against this implementation (tests/plan/
 # test_activation_model.py pins them: a change to the layer's memory must update them).
 NORM_PHASE_ND = 4.0
 """Full-length [T, h] tensors (besides the layer inputs) alive at the RMSNorm backward (the

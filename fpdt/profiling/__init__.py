@@ -1,7 +1,9 @@
-"""Measurement helpers used by tests, profiling scripts and the trainer (device-memory accountant)."""
+"""Deprecated name of :mod:`fpdt.memory` (the device-memory accountant); kept for one release."""
 
-from fpdt.profiling.memory import (MemoryAccountant, MemoryPeaks, PhaseMemory, RegionMemory, SimulatedOutOfMemoryError,
-                                  chunk_unit, sequence_unit)
+import warnings
 
-__all__ = ["MemoryAccountant", "MemoryPeaks", "PhaseMemory", "RegionMemory", "SimulatedOutOfMemoryError", "chunk_unit",
-           "sequence_unit"]
+from fpdt.memory import *  # noqa: F401,F403
+from fpdt.memory import __all__  # noqa: F401
+
+warnings.warn("fpdt.profiling is now fpdt.memory; the old name goes in the next release",
+              DeprecationWarning, stacklevel=2)

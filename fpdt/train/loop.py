@@ -9,7 +9,7 @@ gradient is the mean over data-parallel groups of each sequence's mean-loss grad
 exactly what single-process training on the same windows computes (tested with plain
 SGD, where a wrong scale shows at once).
 
-Memory per step (:class:`fpdt.profiling.memory.RegionMemory` around the step's micro
+Memory per step (:class:`fpdt.memory.accountant.RegionMemory` around the step's micro
 steps, from the first forward to the optimizer update; max over ranks):
 
 * CUDA: the allocator's peak counters are reset at the start of every step, so
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.offload import runtime_for
-from fpdt.profiling.memory import MemoryPeaks, RegionMemory
+from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 from fpdt.train.config import RunLayout
 from fpdt.train.data import Windows, sequence_ids, shard_windows
 from fpdt.train.metrics import ModelShape, step_rates

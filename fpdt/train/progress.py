@@ -8,7 +8,7 @@ Memory fields (GiB, max over ranks; how they are measured: :mod:`fpdt.train.loop
 
 * ``peak_mem_gib``: CUDA: the step's ``torch.cuda.max_memory_allocated`` (reset every
   step; includes weights and optimizer states). CPU: the step's device working set counted
-  by :class:`fpdt.profiling.memory.MemoryAccountant` (tensors created during the step;
+  by :class:`fpdt.memory.accountant.MemoryAccountant` (tensors created during the step;
   what existed before it is not counted). ``null`` only on the CPU with
   ``--no-mem-accounting``.
 * ``peak_reserved_gib``: CUDA: the step's ``torch.cuda.max_memory_reserved`` (what the

@@ -3,7 +3,7 @@
 import torch
 
 from fpdt.attention.merge import OnlineSoftmax, merge, merge_
-from fpdt.profiling.memory import MemoryAccountant
+from fpdt.memory.accountant import MemoryAccountant
 
 
 def _blocks(n, B=2, S=5, H=3, D=8, dtype=torch.bfloat16):

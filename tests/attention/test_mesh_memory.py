@@ -1,4 +1,4 @@
-"""Device-memory budget of the 2D mesh attention path, counted with fpdt.profiling.memory.
+"""Device-memory budget of the 2D mesh attention path, counted with fpdt.memory.accountant.
 
 4 gloo ranks, bf16, GQA 4:1, offload on, chunk length fixed (C = 128 after the all-to-all):
 the attention core's forward working set beyond its output, and its backward working set
@@ -14,7 +14,7 @@ import torch
 from fpdt.attention import fpdt_attention
 from fpdt.attention.ring_costs import attention_costs
 from fpdt.comm import SequenceMesh
-from fpdt.profiling.memory import MemoryAccountant, chunk_unit
+from fpdt.memory.accountant import MemoryAccountant, chunk_unit
 from tests.distributed import run_distributed
 
 H, H_KV, D, C = 8, 2, 64, 128

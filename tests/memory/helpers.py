@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.attention import fpdt_attention
-from fpdt.profiling.memory import MemoryAccountant, chunk_unit
+from fpdt.memory.accountant import MemoryAccountant, chunk_unit
 
 GQA = (4, 1, 64)   # the shape: hidden 256 = 4 q heads x 64, one KV head (4:1)
 MHA = (4, 4, 64)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fpdt.offload import HostBufferPool, HostStash
-import fpdt.profiling.memory as memory_module
-from fpdt.profiling.memory import MemoryAccountant, chunk_unit, sequence_unit
+import fpdt.memory.accountant as memory_module
+from fpdt.memory.accountant import MemoryAccountant, chunk_unit, sequence_unit
 
 
 def test_counts_new_storages_once_and_frees_them():
@@ -81,7 +81,7 @@ def test_cuda_peaks_are_reported_beside_the_count():
 def test_host_buffers_acquired_before_entry_are_baseline():
     """Stash buffers another user still holds are not this measurement's host tier."""
     from fpdt.offload import HostBufferPool
-    from fpdt.profiling.memory import MemoryAccountant
+    from fpdt.memory.accountant import MemoryAccountant
 
     pool = HostBufferPool(pin_memory=False)
     held = pool.acquire((1024,), torch.float32)
@@ -114,7 +114,7 @@ def test_storage_resize_is_counted():
 def test_simulated_capacity_raises_at_the_allocation():
     """With a limit the accountant acts as a device of that size: the op that passes it raises
     an out-of-memory error (forward or backward), what fitted before is untouched."""
-    from fpdt.profiling.memory import SimulatedOutOfMemoryError
+    from fpdt.memory.accountant import SimulatedOutOfMemoryError
     assert issubclass(SimulatedOutOfMemoryError, torch.OutOfMemoryError)
     with MemoryAccountant("cpu", limit_bytes=1000) as acct:
         a = torch.empty(200)                                   # 800 B: fits

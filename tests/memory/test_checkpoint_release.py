@@ -14,7 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding, default_inv_freq, fpdt_attention
-from fpdt.profiling.memory import MemoryAccountant
+from fpdt.memory.accountant import MemoryAccountant
 from tests.memory.helpers import warm_up
 
 B, S, H, H_KV, D, U = 1, 256, 8, 2, 16, 4

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import fpdt.hf
-from fpdt.profiling.memory import MemoryAccountant, sequence_unit
+from fpdt.memory.accountant import MemoryAccountant, sequence_unit
 from tests.memory.test_model_budget import ATTENTION_PHASE_ND, ATTENTION_WS_U, CONFIG, EPS, MLP_WS_U, STEADY
 
 HF_MLP_PHASE_ND = 7.0

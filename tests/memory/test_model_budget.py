@@ -56,7 +56,7 @@ import torch
 
 import fpdt.model as fm
 from fpdt.offload import host_pool
-from fpdt.profiling.memory import MemoryAccountant, sequence_unit
+from fpdt.memory.accountant import MemoryAccountant, sequence_unit
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 256,

@@ -291,7 +291,7 @@ def test_residual_checkpoint_holds_one_gradient_less():
     """Counted: through the layer's backward the residual form holds one ``[T, d]`` gradient
     less than the opaque form, which keeps the incoming gradient beside the engine's sum (the
     first branch is the wide one here, so that its backward is the peak, as attention's is)."""
-    from fpdt.profiling.memory import MemoryAccountant
+    from fpdt.memory.accountant import MemoryAccountant
     torch.manual_seed(0)
     layer = _TwoBranchLayer(64, widths=(4, 1))
     x = torch.randn(4096, 64, requires_grad=True)

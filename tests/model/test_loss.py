@@ -77,7 +77,7 @@ def test_no_logits_kept_for_backward():
 def test_head_backward_allocates_only_the_cast(dtype):
     """The backward scales the saved dh and fp32 dW in place: in fp32 it allocates nothing
     (both are handed to autograd as they are), in bf16 only dW's cast to the weight dtype."""
-    from fpdt.profiling.memory import MemoryAccountant
+    from fpdt.memory.accountant import MemoryAccountant
     h, w, y = _setup(dtype, S=64, V=300)
     h.requires_grad_(), w.requires_grad_()
     loss = chunked_lm_loss(h, w, y, 0.5, 4) * 3.0        # a non-unit incoming gradient
@@ -150,7 +150,7 @@ def test_recompute_budget_forward_and_backward(dtype):
 
     Beside those, per-token temporaries only (masks, indices, row scales: 8 x 4 B per token).
     """
-    from fpdt.profiling.memory import MemoryAccountant
+    from fpdt.memory.accountant import MemoryAccountant
     B, S, hid, V, n = 2, 64, 16, 300, 4
     h, w, y = _setup(dtype, B=B, S=S, hidden=hid, V=V)
     peaks = {}
@@ -176,7 +176,7 @@ def test_accumulate_bf16_partial_is_summed_a_vocabulary_slice_at_a_time(tokens, 
     """Beside ``dh``, the fp32 ``dW`` and the logits chunk with its bf16 cast, the bf16 ``dW``
     partial of a chunk and its fp32 cast (6 B per weight element) stay within 1.5 fp32 logits
     chunks: not ``6 V hidden`` bytes (8 x that when tokens << hidden, as at 64 x 8)."""
-    from fpdt.profiling.memory import MemoryAccountant
+    from fpdt.memory.accountant import MemoryAccountant
     V = 512
     h, w, y = _setup(torch.bfloat16, B=2, S=tokens // 2, hidden=hidden, V=V)
     with MemoryAccountant("cpu") as fwd:

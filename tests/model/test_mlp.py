@@ -151,7 +151,7 @@ def test_donated_gradient_holds_no_input_gradient(monkeypatch):
     full-length input gradient of its own: one ``[T, hidden]`` tensor less at its peak than
     when the function returns that gradient for the checkpoint to add."""
     import fpdt.model.mlp as mlp_module
-    from fpdt.profiling.memory import MemoryAccountant
+    from fpdt.memory.accountant import MemoryAccountant
     torch.manual_seed(0)
     ckpt, _, params = _residual_mlp_layer(hidden=64, inter=64)
     x = torch.randn(1, 4096, 64, requires_grad=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fpdt.model.rmsnorm import RMSNormFunction, rms_norm, rms_norm_reference
-from fpdt.profiling.memory import MemoryAccountant
+from fpdt.memory.accountant import MemoryAccountant
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

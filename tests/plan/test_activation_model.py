@@ -16,7 +16,7 @@ import torch
 import fpdt.model as fm
 from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_model_config
 from fpdt.plan.setup import Setup
-from fpdt.profiling.memory import MemoryAccountant
+from fpdt.memory.accountant import MemoryAccountant
 from tests.distributed import run_distributed
 
 CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fpdt.offload import HostBufferPool, HostPeak
-from fpdt.profiling.memory import GIB, MemoryAccountant, MemoryPeaks, RegionMemory
+from fpdt.memory.accountant import GIB, MemoryAccountant, MemoryPeaks, RegionMemory
 
 MIB = 2 ** 20
 

@@ -26,7 +26,7 @@ def _body(rank: int, world_size: int, tmp: str) -> None:
     quiet()
     os.environ["FPDT_RUNTIME"] = "sync"   # this rank only: offload paths on the CPU
     import fpdt.train.loop as loop
-    from fpdt.profiling.memory import MemoryAccountant
+    from fpdt.memory.accountant import MemoryAccountant
     from fpdt.train.cli import main
 
     seen = []
