@@ -24,6 +24,7 @@ def _pool_bytes() -> int:
     return sum(p.stats.allocated_bytes for p in list(_ALL_POOLS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len, u, dtype, checkpoint, offload", [
     (512, 4, torch.float32, "offload", True),
     (512, 2, torch.bfloat16, "offload", True),
