@@ -70,6 +70,7 @@ def _slope(model, u: int) -> float:
     return (b - a) / (sequence_unit(hi, 256) - sequence_unit(lo, 256))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("u", [4, 8])
 def test_transformers_model_per_token_within_fpdt_model_budget(u):
     slope = _slope(_model(u), u)
@@ -78,6 +79,7 @@ def test_transformers_model_per_token_within_fpdt_model_budget(u):
     assert slope >= budget - 0.1, f"u={u}: {slope:.3f} Nd, well under the derived budget {budget:.3f}: re-derive it"
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_transformers_own_checkpointing_within_the_same_budget():
     """Transformers' checkpointing (``checkpointing="off"`` + ``gradient_checkpointing_enable()``)
@@ -147,6 +149,7 @@ def test_trainer_route_holds_only_the_relaid_inputs_more():
     run_distributed(_trainer_route_against_own_loop, 2, args=(4, 1024), timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_lora_holds_per_token_what_full_fine_tuning_holds(dropout):

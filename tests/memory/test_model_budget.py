@@ -103,6 +103,7 @@ def budget_nd(u: int) -> float:
     return max(ATTENTION_PHASE_ND + ATTENTION_WS_U / u, RECOMPUTE_PHASE_ND, MLP_PHASE_ND + MLP_WS_U / u) + EPS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("u", [4, 8, 16])
 def test_two_layer_model_per_token_within_budget(u):
     model = _model(u=u)
@@ -114,6 +115,7 @@ def test_two_layer_model_per_token_within_budget(u):
     assert slope >= budget_nd(u) - 0.1, f"u={u}: {slope:.3f} Nd, well under the derived budget: re-derive it"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_lora_per_token_within_the_same_budget(dropout):
     """LoRA (:func:`fpdt.model.add_lora`, rank 8 on every decoder linear, fp32 adapters on the
