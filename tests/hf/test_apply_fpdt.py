@@ -141,6 +141,7 @@ def _no_worse_than_transformers_bf16(name, ids, labels, loss, grads, ref_loss, r
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES_1, ids=[f"{c[0]}-u{c[1]}-{'-'.join(c[7]) or 'defaults'}" for c in CASES_1])
 def test_single_process_matches_transformers(case):
     name, u, mlp, loss, offload, ckpt, wgrad, options = case
@@ -417,6 +418,7 @@ QWEN3_CASES = [("qwen3", 1, None, None, False, False, "recompute", {}),
                ("qwen3", 2, None, None, False, "hf", "recompute", HF_QKV)]   # Transformers' projections
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", QWEN3_CASES, ids=[f"u{c[1]}-{'-'.join(c[7]) or 'defaults'}" for c in QWEN3_CASES])
 def test_qwen3_per_head_qk_norms(case):
     """Qwen3 RMS-normalises q and k per head between the projection and RoPE: inside the chunked
@@ -577,6 +579,7 @@ def test_position_dependent_rope_state_follows_one_process_over_steps():
     run_distributed(_rope_state_over_steps, 2)
 
 
+@pytest.mark.slow
 def test_position_dependent_rope_on_one_process():
     for name in ROPE_VARIANTS:
         run_case(name, 0, 1, num_chunks=4, mlp_chunks=None, loss_chunks=None, offload=False, checkpointing=False,

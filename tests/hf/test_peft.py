@@ -105,6 +105,7 @@ def _kwargs(spec):
     return None if spec is None else lora_config(**spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-u{c[1]}-{c[2]}" for c in CASES])
 def test_one_process_matches_peft(case):
     name, u, ckpt, offload, cfg, second = case

@@ -129,6 +129,7 @@ def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool, lora: int =
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,chunks,prompt,sp,grad_accum,lora", [
     (2, 2, True, 2, 2, 0), (2, 2, True, 1, 1, 0), pytest.param(4, 2, True, 2, 1, 0, marks=pytest.mark.slow),
     (2, 2, True, 2, 1, 4)],
