@@ -86,6 +86,7 @@ def test_planned_activation_peak_matches_accountant(case):
         run_distributed(_rank_body, world_size=case[0], args=(case,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("device_layers", [0, 1, 4, 6])
 def test_checkpoint_device_layers_move_checkpoints_between_tiers(offload, device_layers):
