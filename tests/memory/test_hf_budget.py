@@ -94,6 +94,7 @@ def test_transformers_own_checkpointing_within_the_same_budget():
     assert slope <= budget, f"{slope:.3f} Nd per token > {budget:.3f}"
 
 
+@pytest.mark.slow
 def test_transformers_norms_and_projections_cost_what_the_docs_say():
     """With Transformers' own RMSNorm (fp32 copies saved) the slope is far over budget. With its
     own q/k/v projections, at the attention backward: the norm output they save for their weight
