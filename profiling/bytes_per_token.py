@@ -1,4 +1,4 @@
-"""Device bytes per added token: fpdt beside DeepSpeed's ALST and Hugging Face (issue 8).
+"""Device bytes per added token: fpdt beside DeepSpeed's ALST and Hugging Face (docs/memory.md).
 
 **Model** (:data:`MODEL`): Llama, hidden 512, 4 layers, 8 query / 2 KV heads of 64, SwiGLU
 1408, vocabulary 32000, untied, fp32. Random weights (``torch.manual_seed(0)`` before each

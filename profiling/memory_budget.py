@@ -1,4 +1,4 @@
-"""Issue 8's device-memory table, counted with :class:`fpdt.memory.accountant.MemoryAccountant`.
+"""The device-memory table of docs/memory.md, counted with :class:`fpdt.memory.accountant.MemoryAccountant`.
 
 Rows (device working set only; host-stash buffers from the pool, the caller's inputs and
 weights, and gradients allocated before the step are not counted):
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python profiling/memory_budget.py" + "".join(" " + shlex.quote(a) for a in (argv or []))
     head = bc.header("memory_budget.py", args)
     result = {**head, "command": command, "rows": None, "bytes_per_token": None}
-    parts = [f"# Device memory budget (issue 8)\n\nCommand: `{command}`  \nDevice `{head['device']}`, commit "
+    parts = [f"# Device memory budget\n\nCommand: `{command}`  \nDevice `{head['device']}`, commit "
              f"{head['commit']}, {head['date_utc']}, torch {head['torch']}. Counted on the CPU by "
              f"`fpdt.memory.accountant.MemoryAccountant` (live tensor bytes); no GPU figures.\n"]
     if not args.skip_table:

@@ -4,7 +4,7 @@
 #   bash profiling/run_suite.sh                     # on a GPU: op latency, chunk sweep, max length per
 #                                                   # strategy, fixed-length comparison, plots
 #   bash profiling/run_suite.sh --tiny              # CPU smoke sizes (results in .../cpu-smoke/)
-#   bash profiling/run_suite.sh --side-by-side      # the CPU side-by-side of issue 11 section 3
+#   bash profiling/run_suite.sh --side-by-side      # the CPU side-by-side of benchmarks/README.md
 #
 # Options: --budget-min N (minutes per piece, default 10, at most 10), --only REGEX (run only the
 # pieces whose name matches, e.g. --only 'lengths fpdt|plot', so that a session limited to 10
@@ -52,7 +52,7 @@ if [ "$TINY" = 1 ]; then
       --tag "$s" --out-dir "$OUT"
   done
 elif [ "$SIDE" = 1 ]; then
-  # Issue 11 section 3: the same small Llama, fp32, every strategy at 2K..16K; a trial over the
+  # The CPU side-by-side (benchmarks/README.md): the same small Llama, fp32, every strategy at 2K..16K; a trial over the
   # simulated capacity is still measured (slopes use it) and marked out of memory. 4K-token
   # chunks for fpdt; one piece per strategy and length. Then the longest length under the
   # capacity, by bisection at 256-token steps, for the strategies that reach it within these

@@ -17,6 +17,7 @@ All ranks form one sequence-parallel group; each holds ``seq_len / world`` token
 from __future__ import annotations
 
 import argparse
+import warnings
 import json
 import os
 
@@ -55,6 +56,12 @@ def token_windows(args, eos_id):
     if n == 0:
         raise SystemExit(f"{args.data} has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
     return [torch.from_numpy(ids[k * args.seq_len:(k + 1) * args.seq_len]) for k in range(n)]
+
+
+# Deprecation notices of DeepSpeed's, Transformers' and accelerate's own calls (e.g. the
+# torch.distributed collectives ZeRO-3 uses): nothing this script can act on, repeated every step.
+for _module in (r"torch\.distributed", r"deepspeed", r"transformers", r"accelerate"):
+    warnings.filterwarnings("ignore", category=FutureWarning, module=_module)
 
 
 def main(argv=None) -> list[float]:

@@ -26,6 +26,7 @@ the q/k/v and MLP projections inside its chunked functions.
 from __future__ import annotations
 
 import argparse
+import warnings
 import os
 
 import numpy as np
@@ -121,6 +122,12 @@ def with_lora(model, args):
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
                         lora_dropout=args.lora_dropout, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+# Deprecation notices of DeepSpeed's, Transformers' and accelerate's own calls (e.g. the
+# torch.distributed collectives ZeRO-3 uses): nothing this script can act on, repeated every step.
+for _module in (r"torch\.distributed", r"deepspeed", r"transformers", r"accelerate"):
+    warnings.filterwarnings("ignore", category=FutureWarning, module=_module)
 
 
 def main(argv=None) -> list[float]:

@@ -40,36 +40,9 @@ kernel, a mixed one the masked kernels (:mod:`fpdt.attention.kernels.masked`). I
 dô_i's all-to-all and dq_i's accumulator start at chunk i's first touch (outer step 0 without
 documents), and dq_i is final after its last. Every rank of the group makes the same decisions.
 
-Device memory (budgets tested in ``tests/memory/test_attention_budget.py``). ``U`` = one
-chunk of hidden states in the input dtype, ``C * H * D * itemsize``; one rank (P = 1),
-``offload=True``; ``r = H_kv * kv_factor / H`` (a k̂ or v̂ chunk is ``r U``); ``e = 2 / D``
-(one fp32 lse-sized ``[B, H, C]`` tensor). Live at the peaks, beyond what the caller holds:
-
-* forward, during the kernel of a non-diagonal block: the fp32 merge accumulator (2 U,
-  merged in place, :mod:`fpdt.attention.merge`), the block output (1 U), k̂_j/v̂_j being
-  used and the next pair being prefetched (4 r U: double buffering), and on CPU the
-  kernel's GQA expansion of k̂_j/v̂_j to H heads (2 U when r < 1; native-GQA kernels on
-  GPU skip it); q̂_i is a view of the input (P = 1). GQA 4:1 -> **6 U**, MHA -> **7 U**,
-  plus a few e.
-* backward, during the kernel of inner step (j, i), j >= 1: q̂_i, o_i, dô_i in use and
-  the next step's three prefetched (6 U), the fp32 dq_i accumulator fetched for this step
-  (2 U; the next one is fetched only when its step starts, after the current kernel),
-  k̂_j/v̂_j (2 r U), the fp32 dk/dv accumulators (4 r U), the kernel's dq/dk/dv (1 U + 2 U
-  as H heads) and, on CPU, its GQA expansion (2 U) and the folded dk/dv (2 r U). The
-  diagonal step (j, j) runs *last* in outer step j, so the final dq̂_j goes straight to
-  delivery with dk̂_j/dv̂_j instead of being held through the outer step (it was 2 U).
-  GQA 4:1 -> **15 U**, MHA -> **17 U** (+ a few e). With u = 2 the inner loops are one
-  step shorter (12 U / 14 U).
-* ``offload=False``: the stash keeps device references. At P = 1, q̂/k̂/v̂ are views of
-  the inputs (free), but each earlier chunk's o_j + lse_j stays (``(u - 1)(1 + e) U``
-  in forward, on top of 5 U (GQA) / 3 U (MHA) of working set), and in backward the fp32
-  dq accumulators of the chunks still to finish (2 U each) replace the host round trips:
-  ``5 + 2 u`` U, the peak coming at the causal diagonal step of outer step 0, when all
-  ``u - 1`` other accumulators are live (the CPU kernel's causal block holds 1 U more
-  temporaries than a full one).
-* P = 2: head-layout tensors are ``U / P``, but the all-to-all send/receive buffers
-  (chunk i+1's q/k/v in flight during chunk i, the fp32 dk/dv packed for their way back)
-  add their own; the measured per-rank budgets are in the test.
+Device memory: the working set at the forward and backward peaks, derived per tensor, is in
+``docs/memory.md`` ("The attention core, tensor by tensor"); ``tests/memory/test_attention_budget.py``
+holds the budgets.
 """
 
 from __future__ import annotations

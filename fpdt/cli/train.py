@@ -22,6 +22,7 @@ import argparse
 import functools
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -37,7 +38,8 @@ from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import checkpoint, lora, preflight, zero, zero_load
 from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
                                merge_options, validate)
-from fpdt.train.data import PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, load_documents, load_tokens
+from fpdt.train.data import (DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
+                             load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report
 from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
@@ -118,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-json", metavar="FILE", help="append one JSON object per step to FILE")
     r.add_argument("--mem-accounting", action=argparse.BooleanOptionalAction, default=True,
                    help="on the CPU, count each step's device working set for peak_mem_gib with a dispatch mode "
-                        "(+35-57%% step time on the README's tiny model); --no-mem-accounting skips it and logs "
+                        "(it costs step time: docs/train.md); --no-mem-accounting skips it and logs "
                         "peak_mem_gib as null on the CPU. No effect on CUDA, where the allocator's peaks are read")
     r.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: datasheet / measured)")
     r.add_argument("--save-dir", metavar="DIR", help="write DeepSpeed checkpoints here")
@@ -155,6 +157,9 @@ def _check_args(args: argparse.Namespace) -> None:
                         ("--skip-nonfinite", args.skip_nonfinite)):
         if value < 0:
             raise ConfigError(f"{flag} {value} must be >= 0")
+    if args.steps == 0:
+        raise ConfigError("--steps 0 trains nothing; pass the total number of optimizer steps, N >= 1 "
+                          "(a resumed run counts on from its saved step)")
     if not args.dist_timeout_min > 0:
         raise ConfigError(f"--dist-timeout-min {args.dist_timeout_min} must be a positive number of minutes")
     for flag, value in (("--save-every", args.save_every), ("--export-hf", args.export_hf),
@@ -214,6 +219,9 @@ def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> 
     tokenizer = args.tokenizer or os.path.join(model_dir(args), "tokenizer.json")
     eos = hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
+    if args.data_dtype and not any(f.endswith(".bin") for f in list_data_files(args.data)):
+        raise DataError(f"--data-dtype {args.data_dtype} is for raw .bin token files, and --data {args.data} has none "
+                        f"(text is tokenized, .npy files carry their dtype); drop --data-dtype")
     eos = eos if isinstance(eos, int) else None
     source = dict(bin_dtype=args.data_dtype or bin_dtype_for_vocab(vocab_size), tokenizer_path=tokenizer, eos_id=eos)
     if args.pack_documents:
@@ -240,6 +248,7 @@ def run_info(args: argparse.Namespace, plan: RunLayout, micro: int, gas: int) ->
 
 def run(args: argparse.Namespace) -> list[StepRecord]:
     """Everything ``fpdt-train`` does; returns this rank's step records."""
+    started = time.perf_counter()
     # 1. everything that needs no process group: flags, configs, model source, data, checkpoint
     _check_args(args)
     lora_spec = lora.spec_from_args(args)
@@ -329,7 +338,28 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
         saver.save(args.steps)
     if args.export_hf:
         _export_at_end(args, ps)
+    _say(ps, summary(records, start, time.perf_counter() - started, saver.last if args.save_dir else None,
+                     args.export_hf))
     return records
+
+
+def summary(records: list[StepRecord], start: int, wall_s: float, saved: str | None, exported: str | None) -> str:
+    """The run's last line: steps, tokens, wall time, first and last loss, peak memory, what
+    was written where."""
+    if not records:
+        return f"fpdt-train: done: no steps to take (the checkpoint is at step {start}) in {wall_s:.0f} s"
+    tokens = sum(r.tokens for r in records)
+    peaks = [r.peak_mem_gib for r in records if r.peak_mem_gib is not None]
+    stash = max((r.host_stash_gib or 0.0) for r in records)
+    parts = [f"fpdt-train: done: steps {start + 1}-{records[-1].step}, {tokens:,} tokens in {wall_s:.0f} s",
+             f"loss {records[0].loss:.4f} -> {records[-1].loss:.4f}",
+             f"peak device memory {f'{max(peaks):.3g} GiB' if peaks else 'n/a'}"
+             + (f", host stash {stash:.3g} GiB" if stash else "")]
+    if saved:
+        parts.append(f"saved {saved}")
+    if exported:
+        parts.append(f"exported {exported}")
+    return "; ".join(parts)
 
 
 def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[str, Any], dtype_name: str,
@@ -534,6 +564,7 @@ def _export_at_end(args: argparse.Namespace, ps: ParallelState) -> None:
 
     if ps.is_main:
         export_checkpoint(args.save_dir, args.export_hf)
+        print(f"wrote {args.export_hf}", file=sys.stderr, flush=True)
     dist.barrier()
 
 

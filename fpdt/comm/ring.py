@@ -12,7 +12,8 @@ holds the block of ``(r - o, p - t)`` (indices mod ``n`` and ``w``):
   this inner ring *started* the outer step with to ``(r + 1, p)`` and receive the next
   outer step's starting block from ``(r - 1, p)``. It stays in flight for the whole
   inner ring, so the rank keeps two receive buffers (inner and outer), and the outer
-  send carries the starting block, never the last one received (brief pitfall 8).
+  send carries the starting block, never the last one received (Double-Ring-Attention, LoongTrain,
+  arXiv 2406.18485: the outer ring moves each inner ring's own starting block on).
 
 Each block crosses ``cp - 1`` links per pass, whatever ``w``. Gradients of a block (fp32
 dK/dV) travel behind it: after step ``s`` they go to the rank that holds the block at

@@ -5,7 +5,7 @@ Modes (``checkpointing=`` option of the model):
 * ``"off"``: plain autograd; every layer keeps its activations until backward.
 * ``"on"``: each layer runs its forward without autograd and keeps only its input
   ``x`` ``[B, S_local, hidden]``; backward re-runs the layer's forward with autograd
-  (including its all-to-alls, brief §4 pitfall 11) and back-propagates through it.
+  (including its all-to-alls: the recomputed q/k/v exist only after them) and back-propagates through it.
 * ``"offload"``: as ``"on"``, but the kept input goes to host memory through a
   :class:`fpdt.offload.HostStash` (asynchronous device->host copy into a pooled, pinned
   buffer on CUDA, started before the layer's forward so that it overlaps it). The backward of layer ``i`` pops its own input and immediately starts

@@ -8,8 +8,8 @@ Each op takes as many token chunks as it needs for its widest per-chunk tensor t
 
 * SwiGLU MLP, ``[n, I]`` intermediates (bf16 bytes): ``ceil(2 * u * I / hidden)`` chunks
   (four of them are live in its backward: each gets half the budget);
-* LM head + CE, fp32 ``[n, V]`` logits: ``ceil(2 * u * V / hidden)`` (the brief's
-  ``2 V / hidden`` at ``u = 1``);
+* LM head + CE, fp32 ``[n, V]`` logits: ``ceil(2 * u * V / hidden)`` (``2 V / hidden``
+  at ``u = 1``);
 * RMSNorm, fp32 ``[n, hidden]`` temporaries: ``2 * u``.
 
 Explicit counts always win (``mlp_chunks=``, ``loss_chunks=``).

@@ -1,6 +1,6 @@
 """Turn a global token window into one rank's FPDT inputs.
 
-Order matters (brief §4 pitfall 1): labels are shifted on the *global* sequence first
+Order matters: labels are shifted on the *global* sequence first
 (the target of token ``t`` is token ``t + 1``, including across the pieces that end up on
 different ranks), and only then are ids, labels and position ids sharded with one and
 the same layout (:func:`fpdt.layout.shard`).

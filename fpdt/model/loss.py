@@ -46,8 +46,8 @@ bf16 hidden states.
 Normalisation: the function returns ``scale * sum(CE over valid local tokens)``. The
 caller passes ``scale = 1 / (valid tokens of the whole sequence, summed over every
 sequence-parallel rank)``, so each rank returns its share of the *global* token mean and
-the shares add up to it exactly -- not a mean of per-chunk or per-rank means (brief §4
-pitfall 9). Sequence parallelism needs nothing else from this function: tokens are
+the shares add up to it exactly -- not a mean of per-chunk or per-rank means, which would
+weigh the tokens of a chunk or rank with few valid labels more. Sequence parallelism needs nothing else from this function: tokens are
 independent here, and the layout only permutes them.
 
 Tied embeddings: pass the embedding matrix as ``weight``; autograd adds the LM-head
@@ -71,7 +71,7 @@ WGRAD_MODES = LM_HEAD_WGRAD_MODES
 
 def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1) -> int:
     """``ceil(2 * u * V / hidden)``: each fp32 ``[n, V]`` logits chunk fits one local attention
-    chunk of bf16 hidden states (:mod:`fpdt.model.chunks`); the brief's rule at ``u = 1``."""
+    chunk of bf16 hidden states (:mod:`fpdt.model.chunks`): ``2 V / hidden`` at ``u = 1``."""
     return budget_chunks(num_chunks, hidden_size, 4 * vocab_size)
 
 

@@ -14,9 +14,8 @@ and its process group exists, before it builds the model (``check_memory`` in
   figures at once).
 * **Device** (a warning, CUDA only): the planner's predicted peak per GPU against the
   GPU's capacity, with the planner's own settings for the run (:func:`recommend`). The
-  prediction is a model (within ~10% of the CPU accountant's counts; on an H100 its
-  allocated peak came within 6% for fpdt, benchmarks/README.md), so a run it says will not
-  fit still starts.
+  prediction is a model (how close it comes, on the CPU and on a GPU: benchmarks/README.md),
+  so a run it says will not fit still starts.
 * **Out of device memory** in a step: :func:`out_of_memory_advice`.
 
 The prediction is :func:`fpdt.plan.memory_model.estimate_memory` for the run's own

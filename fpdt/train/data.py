@@ -1,6 +1,6 @@
 """Training data: a token stream, cut into windows, sharded into the FPDT layout.
 
-The contract (also in the README):
+The contract (also in docs/train.md, "Data contract"):
 
 1. ``--data PATH`` is a token stream. ``.npy`` files hold token ids (any integer dtype);
    ``.bin`` files hold raw ids (``--data-dtype uint16`` or ``uint32``; default uint16 when
@@ -18,7 +18,7 @@ The contract (also in the README):
    stream starts again from window 0.
 3. Inputs are ``window[:-1]`` and labels ``window[1:]``: the shift happens on the global
    sequence, before sharding, so the label of every rank's last token is the first token
-   of the next piece (BRIEF pitfall 1). Inputs, labels and position ids then go through
+   of the next piece (shifting after sharding would lose those targets). Inputs, labels and position ids then go through
    the same FPDT layout (:mod:`fpdt.layout`).
 4. With ``--pack-documents`` (:class:`PackedWindows`) the stream is first cut into documents:
    each ``.txt`` file / ``.jsonl`` line is one (with its end-of-text id), and ``.npy``/``.bin``

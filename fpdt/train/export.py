@@ -19,6 +19,9 @@ may share (each run's start rewrites the save dir's ``adapter_config.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import logging
 import os
 import shutil
 import sys
@@ -70,9 +73,25 @@ def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
             raise ValueError(f"{os.path.join(tag_dir, name)} is truncated or corrupt; export another checkpoint "
                              f"with --tag (one of {', '.join(_tags(save_dir))})")
     if any(n.endswith("optim_states.pt") and "zero_pp_rank" in n for n in os.listdir(tag_dir)):
-        return get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+        with _quiet_deepspeed():
+            return get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
     state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
     return {k: v.float() for k, v in state["module"].items()}
+
+
+@contextlib.contextmanager
+def _quiet_deepspeed():
+    """Keep DeepSpeed's shard-merging chatter (its logger's INFO lines and prints) off the
+    terminal: the export's own output is one line naming what it wrote."""
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def saved_lora(save_dir: str, tag: str) -> dict | None:

@@ -27,8 +27,7 @@ steps, from the first forward to the optimizer update; max over ranks):
   layer inputs drawn from the host pool) in use during the step.
 
 The CPU accountant is a dispatch mode: a little Python on every aten op, inside the timed
-step (README main job, tiny model on 2 shared CPU cores: +35% to +57% step time,
-median step over 20 steps, interleaved runs with and without).
+step; what that costs on the tiny model is in docs/train.md ("Progress and MFU").
 ``mem_accounting=False`` (``--no-mem-accounting``) skips it: ``peak_mem_gib`` is then None
 on the CPU, while ``host_stash_gib`` (counted at the host pool, no dispatch mode) stays.
 """

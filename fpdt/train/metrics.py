@@ -18,7 +18,7 @@ Forward FLOPs of one token::
 **MFU (full attention)**, e.g. to compare with FPDT or USP tables).
 
 Training FLOPs per token are ``3 * F_fwd`` (backward = 2x forward). Recomputation by
-activation checkpointing is *not* counted in MFU (BRIEF pitfall 12); **HFU** adds the
+activation checkpointing is *not* counted in MFU (it is work the model did not need); **HFU** adds the
 recomputed layer forward, ``l * [...]`` once more, when checkpointing is on.
 
     MFU = 3 * F_fwd(1/2) * tokens_per_second / (n_devices * peak_flops)

@@ -78,27 +78,35 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -
 
 
 def _size(gib: float | None) -> str:
-    """``"1.23G"`` from 1 GiB up, ``"24.7M"`` below, ``"n/a"`` for None."""
+    """``"1.23G"`` from 1 GiB up, ``"24.7M"`` below (three significant digits), ``"n/a"`` for None."""
     if gib is None:
         return "n/a"
-    return f"{gib:.2f}G" if gib >= 1 else f"{gib * 1024:.1f}M"
+    return f"{gib:.3g}G" if gib >= 1 else f"{gib * 1024:.3g}M"
+
+
+def _count(n: float) -> str:
+    """``"950"``, ``"12.3k"``, ``"1.23M"``."""
+    return f"{n:.0f}" if n < 1e3 else f"{n / 1e3:.3g}k" if n < 1e6 else f"{n / 1e6:.3g}M"
+
+
+BAR_FORMAT = "{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+"""The bar without tqdm's rate (the step time is in the log): with :func:`postfix` it leaves the
+bar itself at least 10 columns of a 100-column terminal."""
 
 
 def postfix(rec: StepRecord) -> str:
-    """One-line summary for the progress bar."""
+    """One-line summary for the progress bar: loss, tokens/s, MFU, peak device memory (with
+    the reserved peak where there is a caching allocator) and the host stash when offloading.
+    TGS, step time, host RSS and the rest are in the ``--log-json`` record."""
     parts = [
         f"loss={rec.loss:.4f}",
-        f"tok/s={rec.tokens_per_s:,.0f}",
-        f"TGS={rec.tgs:,.0f}",
+        f"tok/s={_count(rec.tokens_per_s)}",
         f"MFU={_fmt(rec.mfu, '.1f', 100, '%')}",
-        f"step={rec.step_time_s:.2f}s",
-        f"mem={_size(rec.peak_mem_gib)}",
+        f"mem={_size(rec.peak_mem_gib)}" + (f"/{_size(rec.peak_reserved_gib)}" if rec.peak_reserved_gib is not None
+                                            else ""),
     ]
-    if rec.peak_reserved_gib is not None:
-        parts.append(f"res={_size(rec.peak_reserved_gib)}")
     if rec.host_stash_gib:
         parts.append(f"stash={_size(rec.host_stash_gib)}")
-    parts.append(f"rss={rec.host_rss_gib:.2f}G")
     return " ".join(parts)
 
 
@@ -113,7 +121,8 @@ class Progress:
             return
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                         bar_format=BAR_FORMAT)
         if log_json:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
             self._log = open(log_json, "a", buffering=1)

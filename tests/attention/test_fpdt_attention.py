@@ -55,6 +55,7 @@ def _parity_body(rank, world):
         check_case(rank, world, **case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parity_with_reference(world):
     if world == 1:
@@ -68,6 +69,7 @@ def _world1_group_body(rank, world):
     check_case(0, 1, B=1, H=4, H_kv=2, D=8, u=2, offload=True)
 
 
+@pytest.mark.slow
 def test_explicit_default_group_of_one():
     run_distributed(_world1_group_body, 1)
 
@@ -107,5 +109,6 @@ def _heads_not_divisible_body(rank, world):
         fpdt_attention(q, q, q)
 
 
+@pytest.mark.slow
 def test_heads_not_divisible_by_sp():
     run_distributed(_heads_not_divisible_body, 2)

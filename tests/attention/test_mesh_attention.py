@@ -66,6 +66,7 @@ def _world4_body(rank, world):
     check_mesh_case(meshes[3], u=2, H=4, H_kv=2, offload=True, dtype=torch.bfloat16, piece=4)
 
 
+@pytest.mark.slow
 def test_mesh_parity_world4():
     run_distributed(_world4_body, 4, timeout=300)
 
@@ -76,6 +77,7 @@ def _world3_body(rank, world):
         check_mesh_case(mesh, u=u, H=3, H_kv=(3, 1)[n % 2], offload=offload, seed=n)
 
 
+@pytest.mark.slow
 def test_mesh_parity_world3_odd_ring():
     run_distributed(_world3_body, 3, timeout=180)
 
@@ -100,6 +102,7 @@ def _cp1_is_ulysses_body(rank, world):
     check_mesh_case(ring, u=2, H=2, H_kv=2, offload=True)
 
 
+@pytest.mark.slow
 def test_cp1_is_ulysses_and_hp1_is_a_ring():
     run_distributed(_cp1_is_ulysses_body, 2)
 
@@ -180,6 +183,7 @@ def _traffic_body(rank, world):
             assert (h2d, d2h) == (want.h2d_bytes_bwd, want.d2h_bytes_bwd), (kw, h2d, d2h, want)
 
 
+@pytest.mark.slow
 def test_traffic_per_layer_matches_the_cost_model():
     """P2P ops and bytes, all-to-all calls and bytes, host copies: a schedule change fails here."""
     run_distributed(_traffic_body, 4)
@@ -214,6 +218,7 @@ def _errors_body(rank, world):
         fpdt_attention(q3, q3, q3, mesh=mesh)
 
 
+@pytest.mark.slow
 def test_bad_inputs_name_the_fix():
     run_distributed(_errors_body, 4)
 

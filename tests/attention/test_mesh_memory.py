@@ -7,6 +7,8 @@ of :func:`fpdt.attention.ring_costs.attention_costs` (independent of u) plus 1 U
 (lse and index temporaries), at u = 4 and u = 8.
 """
 
+import pytest
+
 import torch
 
 from fpdt.attention import fpdt_attention
@@ -53,5 +55,6 @@ def _body(rank, world):
         # (a tighter step-to-step comparison was flaky by +0.5 U on one rank under load)
 
 
+@pytest.mark.slow
 def test_mesh_attention_memory_budget():
     run_distributed(_body, 4, timeout=300)

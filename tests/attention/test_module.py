@@ -65,6 +65,7 @@ def _body(rank, world):
         check_layer(rank, world, seed=n, **case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_layer_parity(world):
     if world == 1:

@@ -2,6 +2,8 @@
 and computes attention: its out and q/k/v gradients match the float64 reference on the
 snippet's own global tensors (fp32, 1e-5)."""
 
+import pytest
+
 import os
 import re
 
@@ -47,5 +49,6 @@ def test_readme_snippet_one_process():
     _run_and_check(0, 1)
 
 
+@pytest.mark.slow
 def test_readme_snippet_two_ranks():
     run_distributed(_run_and_check, world_size=2)

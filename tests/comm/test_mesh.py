@@ -77,6 +77,7 @@ def _mesh_body(rank, world, explicit_group):
         assert torch.equal(mesh.unshard(local, u), x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("explicit_group", [False, True])
 def test_mesh_groups(explicit_group):
     run_distributed(_mesh_body, 4, args=(explicit_group,))
@@ -99,6 +100,7 @@ def _timeout_body(rank, world):
                (plain.hp_rank, plain.cp_rank, plain.dp_rank, plain.cp_ranks)
 
 
+@pytest.mark.slow
 def test_mesh_groups_take_the_run_timeout():
     """``SequenceMesh(timeout=)`` (the trainer's --dist-timeout-min) builds the same groups
     as the DeviceMesh path, each with that timeout."""

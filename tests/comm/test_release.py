@@ -1,6 +1,8 @@
 """Buffers handed to a gloo collective are released when the caller drops them, not when
 gloo's worker thread next runs (what makes the memory budget tests load-independent)."""
 
+import pytest
+
 import threading
 
 import torch
@@ -40,6 +42,7 @@ def _body(rank, world):
             h.join()
 
 
+@pytest.mark.slow
 def test_collective_buffers_released_at_wait():
     run_distributed(_body, 2)
 

@@ -32,11 +32,13 @@ def _packed_body(rank, world):
         torch.testing.assert_close(back, x, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_roundtrip_and_autograd(world):
     run_distributed(_body, world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_all_to_all_equals_one_per_tensor(world):
     run_distributed(_packed_body, world)

@@ -141,6 +141,7 @@ def _no_worse_than_transformers_bf16(name, ids, labels, loss, grads, ref_loss, r
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES_1, ids=[f"{c[0]}-u{c[1]}-{'-'.join(c[7]) or 'defaults'}" for c in CASES_1])
 def test_single_process_matches_transformers(case):
     name, u, mlp, loss, offload, ckpt, wgrad, options = case
@@ -181,6 +182,7 @@ def _multi_rank(rank, world, cases, mesh_shape=None):
                  checkpointing=ckpt, wgrad=wgrad, options=options, mesh=mesh)
 
 
+@pytest.mark.slow
 def test_two_ranks():
     cases = [("llama_gqa", 1, None, None, False, False, "recompute", {}),
              ("llama_gqa", 2, 3, 5, True, "hf", "accumulate", {}),
@@ -297,6 +299,7 @@ def _num_items_is_the_group_count(rank, world):
     assert not torch.allclose(local_only, default)
 
 
+@pytest.mark.slow
 def test_num_items_in_batch_on_two_ranks():
     run_distributed(_num_items_is_the_group_count, 2)
 
@@ -311,6 +314,7 @@ def _labels_refused_with_sp(rank, world):
         model(input_ids=inputs["input_ids"], shift_labels=inputs["shift_labels"])
 
 
+@pytest.mark.slow
 def test_labels_and_missing_positions_refused_with_sequence_parallelism():
     with warnings.catch_warnings():
         run_distributed(_labels_refused_with_sp, 2)
@@ -416,6 +420,7 @@ QWEN3_CASES = [("qwen3", 1, None, None, False, False, "recompute", {}),
                ("qwen3", 2, None, None, False, "hf", "recompute", HF_QKV)]   # Transformers' projections
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", QWEN3_CASES, ids=[f"u{c[1]}-{'-'.join(c[7]) or 'defaults'}" for c in QWEN3_CASES])
 def test_qwen3_per_head_qk_norms(case):
     """Qwen3 RMS-normalises q and k per head between the projection and RoPE: inside the chunked
@@ -433,6 +438,7 @@ def _qwen3_two_ranks(rank, world):
              checkpointing="hf", wgrad="recompute", S=64, dtype=torch.bfloat16, tol=2e-2, against_fp32=True)
 
 
+@pytest.mark.slow
 def test_qwen3_on_two_ranks_fp32_and_bf16():
     run_distributed(_qwen3_two_ranks, 2, timeout=240)
 
@@ -547,6 +553,7 @@ def _rope_variant(name, seed=0):
     return _seeded(transformers.LlamaForCausalLM, cfg, seed)
 
 
+@pytest.mark.slow
 def test_position_dependent_rope_on_two_ranks_sees_the_whole_window():
     """Each rank's RoPE picks the frequencies one process holding the window would: the largest
     position is the window's (one all-reduce per forward), not the rank's."""
@@ -573,10 +580,12 @@ def _rope_state_over_steps(rank, world):
             assert getattr(ours, "max_seq_len_cached", None) == getattr(theirs, "max_seq_len_cached", None)
 
 
+@pytest.mark.slow
 def test_position_dependent_rope_state_follows_one_process_over_steps():
     run_distributed(_rope_state_over_steps, 2)
 
 
+@pytest.mark.slow
 def test_position_dependent_rope_on_one_process():
     for name in ROPE_VARIANTS:
         run_case(name, 0, 1, num_chunks=4, mlp_chunks=None, loss_chunks=None, offload=False, checkpointing=False,
@@ -608,6 +617,7 @@ def _bf16_two_ranks(rank, world):
                  checkpointing="hf", wgrad="recompute", S=64, dtype=torch.bfloat16, tol=2e-2)
 
 
+@pytest.mark.slow
 def test_bf16_on_two_ranks_close_to_transformers_bf16():
     run_distributed(_bf16_two_ranks, 2, timeout=240)
 
@@ -652,6 +662,7 @@ def _padding_case(rank, world, u, checkpointing):
     compare(loss, grads, ref_loss, ref_grads, f"right padding rank {rank}/{world} u={u} {checkpointing}")
 
 
+@pytest.mark.slow
 def test_right_padding_matches_transformers_with_its_mask():
     """Right padding labelled -100, as padding collators make it: Transformers applies the mask,
     fpdt needs none (real tokens never see the padding); loss and every gradient within 1e-5."""

@@ -99,6 +99,7 @@ def _dp2_sp2(rank, world):
             assert t.dtype == window[name].dtype and torch.equal(t, want), (case, name, rank)
 
 
+@pytest.mark.slow
 def test_a_refusal_on_one_data_parallel_replica_stops_every_rank():
     run_distributed(_dp2_sp2, 4, timeout=120)
 
@@ -134,6 +135,7 @@ def _trainer_route_dp2_sp2(rank, world):
         parallel_state_sp._release_sequence_parallel_groups()
 
 
+@pytest.mark.slow
 def test_trainer_route_refuses_on_every_replica():
     pytest.importorskip("deepspeed")
     run_distributed(_trainer_route_dp2_sp2, 4, timeout=180)
@@ -162,5 +164,6 @@ def _data_parallel_only(rank, world):
     assert torch.isfinite(forward("right_padding").loss)
 
 
+@pytest.mark.slow
 def test_data_parallel_only_refuses_on_every_rank():
     run_distributed(_data_parallel_only, 2, timeout=120)

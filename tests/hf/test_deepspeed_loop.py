@@ -87,6 +87,7 @@ def _reference(tmp: str) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_example_loop_on_two_ranks_matches_single_process_transformers(tmp_path):
     tmp = str(tmp_path)
     _write_config(tmp)

@@ -105,6 +105,7 @@ def _kwargs(spec):
     return None if spec is None else lora_config(**spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-u{c[1]}-{c[2]}" for c in CASES])
 def test_one_process_matches_peft(case):
     name, u, ckpt, offload, cfg, second = case
@@ -119,6 +120,7 @@ def _ranks(rank, world, cases, mesh_shape=None):
                       second=_kwargs(second), mesh=mesh)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_peft():
     run_distributed(_ranks, 2, args=([CASES[1], CASES[3], CASES[4], CASES[5]],), timeout=300)
 
@@ -184,6 +186,7 @@ def _dropout_runs(rank, world):
         compare(*runs[ckpt], *runs[False], f"rank {rank}: dropout under checkpointing={ckpt}", tol=1e-6)
 
 
+@pytest.mark.slow
 def test_dropout_masks_replay_under_every_checkpoint_mode():
     _dropout_runs(0, 1)
     run_distributed(_dropout_runs, 2, timeout=240)

@@ -129,6 +129,7 @@ def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool, lora: int =
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,chunks,prompt,sp,grad_accum,lora", [
     (2, 2, True, 2, 2, 0), (2, 2, True, 1, 1, 0), pytest.param(4, 2, True, 2, 1, 0, marks=pytest.mark.slow),
     (2, 2, True, 2, 1, 4)],
@@ -253,6 +254,7 @@ def _trainer_route(rank, world, sp, cases):
         parallel_state_sp._release_sequence_parallel_groups()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,sp,cases", [
     (2, 2, [("llama_gqa", 1, False, {}), ("llama_gqa", 2, True, {}), ("qwen2_tied", 4, True, {}),
             ("mistral", 2, False, {"loss_chunks": 0}),
@@ -359,5 +361,6 @@ def _refusals_on_two_ranks(rank, world):
         parallel_state_sp._release_sequence_parallel_groups()
 
 
+@pytest.mark.slow
 def test_trainer_group_without_and_with_sequence_parallelism_on_two_ranks():
     run_distributed(_refusals_on_two_ranks, 2, timeout=120)

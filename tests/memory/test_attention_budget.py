@@ -87,5 +87,6 @@ def _sp2_body(rank, world_size, chunk):
     _check(measure_matrix(chunk, cases), BUDGETS_SP2, f"sp=2 rank {rank}")
 
 
+@pytest.mark.slow
 def test_two_rank_budgets_gqa_and_mha():
     run_distributed(_sp2_body, 2, (CHUNK,), timeout=300)

@@ -70,6 +70,7 @@ def _slope(model, u: int) -> float:
     return (b - a) / (sequence_unit(hi, 256) - sequence_unit(lo, 256))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("u", [4, 8])
 def test_transformers_model_per_token_within_fpdt_model_budget(u):
     slope = _slope(_model(u), u)
@@ -78,6 +79,7 @@ def test_transformers_model_per_token_within_fpdt_model_budget(u):
     assert slope >= budget - 0.1, f"u={u}: {slope:.3f} Nd, well under the derived budget {budget:.3f}: re-derive it"
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_transformers_own_checkpointing_within_the_same_budget():
     """Transformers' checkpointing (``checkpointing="off"`` + ``gradient_checkpointing_enable()``)
@@ -92,6 +94,7 @@ def test_transformers_own_checkpointing_within_the_same_budget():
     assert slope <= budget, f"{slope:.3f} Nd per token > {budget:.3f}"
 
 
+@pytest.mark.slow
 def test_transformers_norms_and_projections_cost_what_the_docs_say():
     """With Transformers' own RMSNorm (fp32 copies saved) the slope is far over budget. With its
     own q/k/v projections, at the attention backward: the norm output they save for their weight
@@ -137,6 +140,7 @@ def _trainer_route_against_own_loop(rank, world, u, seq):
         parallel_state_sp._release_sequence_parallel_groups()
 
 
+@pytest.mark.slow
 def test_trainer_route_holds_only_the_relaid_inputs_more():
     """Under the Trainer (``group="trainer"``, 2 ranks) a step holds what the user's own loop
     holds, plus at most this rank's copy of the integer inputs in the FPDT layout; the
@@ -146,6 +150,7 @@ def test_trainer_route_holds_only_the_relaid_inputs_more():
     run_distributed(_trainer_route_against_own_loop, 2, args=(4, 1024), timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_lora_holds_per_token_what_full_fine_tuning_holds(dropout):

@@ -77,6 +77,7 @@ def run_case(name, rank, world, *, spec=LoraSpec(4), num_chunks=2, checkpointing
     return compare(loss, grads, ref_loss, ref_grads, f"{name} LoRA rank {rank}/{world} {opts} {spec}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_tied", "llama_bias", "mistral"])
 @pytest.mark.parametrize("checkpointing", ["off", "on", "offload"])
 def test_single_rank_against_peft(name, checkpointing):
@@ -96,6 +97,7 @@ def _sp_worker(rank, world):
     run_case("llama_sp4" if world == 4 else "qwen2_tied", rank, world, num_chunks=1, spec=LoraSpec(3, dropout=0.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_against_peft(world):
     run_distributed(_sp_worker, world)
@@ -105,6 +107,7 @@ def _mesh_worker(rank, world):
     run_case("llama_sp4", rank, world, mesh=True, checkpointing="on")
 
 
+@pytest.mark.slow
 def test_mesh_against_peft():
     run_distributed(_mesh_worker, 4)
 

@@ -4,6 +4,8 @@
 over the SP ranks (the documented convention), fp32 within 1e-5 relative.
 """
 
+import pytest
+
 import torch.distributed as dist
 
 import fpdt.model as fm
@@ -34,6 +36,7 @@ def _body(rank, world):
         compare(loss, grads, ref_loss, ref_grads, f"rank {rank} {mesh} {name} u={u} offload={offload} ckpt={ckpt}")
 
 
+@pytest.mark.slow
 def test_model_on_a_mesh_matches_transformers():
     run_distributed(_body, 4, timeout=240)
 

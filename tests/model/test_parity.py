@@ -45,6 +45,7 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
     return compare(loss, grads, ref_loss, ref_grads, what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_tied", "llama_bias", "mistral"])
 @pytest.mark.parametrize("checkpointing", ["off", "on", "offload"])
 def test_single_rank(name, checkpointing):
@@ -53,6 +54,7 @@ def test_single_rank(name, checkpointing):
                  offload=offload, checkpointing=checkpointing)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_tied"])
 def test_single_rank_lm_head_wgrad_recompute(name):
     """The recomputed LM-head weight gradient (tied and untied heads) across chunkings."""
@@ -62,6 +64,7 @@ def test_single_rank_lm_head_wgrad_recompute(name):
                      offload=offload, checkpointing="offload", lm_head_wgrad="recompute")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_tied"])
 def test_single_rank_checkpoint_device_layers(name):
     """Offloaded checkpointing with the last layers' inputs kept on the device (1 layer, and
@@ -92,6 +95,7 @@ def _multi_rank(rank, world, cases, weighted_mean_check=False):
                  checkpoint_device_layers=(extra[1:] or [0])[0])
 
 
+@pytest.mark.slow
 def test_two_ranks():
     cases = [("llama_gqa", 1, None, None, False, "off"),
              ("llama_gqa", 2, 3, 5, True, "offload"),
@@ -148,6 +152,7 @@ def test_bf16_close_to_transformers_bf16():
     assert abs(loss.item() - ref_loss.item()) < 1e-3 * ref_loss.item()
 
 
+@pytest.mark.slow
 def test_checkpoint_offload_moves_every_layer_input_to_host():
     ref = hf_model("llama_gqa")
     model = fpdt_from_hf(ref, num_chunks=2, checkpointing="offload")

@@ -51,6 +51,7 @@ def _attention_and_layer(rank, world, runtime):
             _mesh_cases(rank, world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", list(RUNTIMES))
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_attention_offload_parity(world, runtime):
@@ -67,6 +68,7 @@ def _model(rank, world, runtime):
                  checkpointing="offload")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", list(RUNTIMES))
 @pytest.mark.parametrize("world", [1, 2])
 def test_model_checkpoint_offload_parity(world, runtime):
@@ -110,6 +112,7 @@ def _faulty_ranks(rank, world):
             _faulty(rank, world, fault, True, "attention")
 
 
+@pytest.mark.slow
 def test_injected_faults_are_caught_on_two_ranks():
     run_distributed(_faulty_ranks, 2, timeout=120)
 

@@ -1,4 +1,4 @@
-"""The FPDT offload schedule, asserted under the simulated runtime (BRIEF §1, FPDT).
+"""The FPDT offload schedule, asserted under the simulated runtime (FPDT, arXiv 2408.16978).
 
 * fetch buffers: at most two per role (the one in use and the one being prefetched),
   allocated on the compute stream that reads them (record_stream only on D2H sources);
@@ -40,6 +40,7 @@ def _layer_step(rank, world, *, u, B=1, hidden=32, H=4, H_kv=2, D=8, piece=2, dt
     return S // world
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lazy", "threaded"])
 def test_buffers_run_ahead_and_syncs_are_bounded_independently_of_u(mode):
     seen = {}
@@ -76,6 +77,7 @@ def test_copy_volume_matches_the_formula_on_one_rank():
     _volume_body(0, 1, 5, 4, 2, torch.float32)
 
 
+@pytest.mark.slow
 def test_copy_volume_matches_the_formula_on_two_ranks_with_kv_replication():
     run_distributed(_volume_body, 2, args=(4, 4, 1, torch.bfloat16))  # H_kv=1 < sp: replicated before the all-to-all
 

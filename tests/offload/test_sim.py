@@ -158,6 +158,7 @@ def _child_runtime(queue):
     queue.put((rt.name, rt.mode, rt.fault))
 
 
+@pytest.mark.slow
 def test_spawned_ranks_inherit_the_environment(monkeypatch):
     monkeypatch.setenv("FPDT_RUNTIME", "sim")
     monkeypatch.setenv("FPDT_SIM_MODE", "threaded")

@@ -32,6 +32,7 @@ def _body(rank, world_size, tmp, env, chunks):
         assert counters.host_syncs == 2 * STEPS, (chunk, counters.host_syncs)  # the loop's timing syncs only
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", list(ENVS))
 def test_trainer_with_offload_matches_the_reference(runtime, tmp_path):
     tmp = str(tmp_path)

@@ -285,6 +285,7 @@ def _two_ranks(rank, world):
         _attention_case(rank, world, *case)
 
 
+@pytest.mark.slow
 def test_projected_attention_with_lora_on_two_ranks():
     run_distributed(_two_ranks, 2)
 

@@ -76,6 +76,7 @@ def _rank_body(rank, world_size, case):
     assert abs(want - got) <= TOLERANCE * got, f"rank {rank}, {case}: planned {want:.0f} B, measured {got} B"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "sp{}-S{}-u{}-{}-ckpt_{}".format(
     c[0], c[1], c[2], "offload" if c[3] else "device", c[4]) + ("-V{}-{}".format(*c[5:]) if c[5:] else ""))
 def test_planned_activation_peak_matches_accountant(case):
@@ -85,6 +86,7 @@ def test_planned_activation_peak_matches_accountant(case):
         run_distributed(_rank_body, world_size=case[0], args=(case,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("device_layers", [0, 1, 4, 6])
 def test_checkpoint_device_layers_move_checkpoints_between_tiers(offload, device_layers):

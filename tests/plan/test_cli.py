@@ -125,47 +125,76 @@ def test_setup_problems_name_the_fix():
     assert any("multiple of" in p for p in Setup(seq_len=2 ** 20, chunk_size=2 ** 16, hp=3).problems(cfg, 3))
 
 
-def test_readme_worked_example_is_current(capsys):
-    """The README's worked example quotes the planner; a model change must update it."""
+def test_plan_worked_example_is_current(capsys):
+    """docs/plan.md's worked example, the README's summary of it and docs/train.md's 4M launch
+    line quote the planner; a model change must update them."""
     import os
-    out = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
-                   "--host-mem-gib", "1024", "--max-seq-len")
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    assert f"({out['max_seq_len']:,})" in readme and out["limited_by"] is None
-    at_2m = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
-                     "--host-mem-gib", "1024", "--seq-len", str(2 ** 21))
-    assert at_2m["recommended"]["attention_checkpoint"] == at_2m["setup"]["attention_checkpoint"] == "save"
-    saved, kept = at_2m["setup"]["save_attention_layers"], at_2m["setup"]["checkpoint_device_layers"]
-    assert f"**{at_2m['step_time_s']:.0f} s per step, MFU {at_2m['mfu']:.0%}**" in readme
-    assert f"per node for all {saved} layers" in readme and f"keeps the last {kept}\nlayer inputs" in readme
-    assert f"`--checkpoint-device-layers {kept}`, {at_2m['device_peak_bytes'] / 2 ** 30:.0f} GiB per GPU" in readme
-    assert f"{at_2m['step_time_split_s']['attention']:.0f} s of attention" in readme
-    recomputed = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
-                          "--host-mem-gib", "1024", "--seq-len", str(2 ** 21), "--attention-checkpoint", "recompute")
-    assert f"({recomputed['step_time_s']:.0f} s), MFU {recomputed['mfu']:.0%}" in readme
-    assert f"({recomputed['step_time_split_s']['attention']:.0f} s: four attention passes" in readme
-    host_only = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
-                         "--host-mem-gib", "1024", "--seq-len", str(2 ** 21), "--checkpoint-device-layers", "0")
-    assert (f"{host_only['setup']['save_attention_layers']} layers fit their outputs "
-            f"({host_only['step_time_s']:.0f} s, MFU {host_only['mfu']:.0%})") in readme
-    assert out["setup"]["attention_checkpoint"] == "recompute"     # nothing left to save at the longest length
-    assert recomputed["recommended"]["chunk_size"] == 65536 and "picks the paper's\n64K chunks" in readme
-    assert at_2m["recommended"]["chunk_size"] == 131072 and "MFU 49%**, with 128K chunks" in readme
-    assert at_2m["recommended"]["lm_head_wgrad"] == recomputed["recommended"]["lm_head_wgrad"] == "recompute"
-    split = recomputed["step_time_split_s"]
-    assert f"memory-bound ops {split['elementwise']:.1f} s" in readme
-    assert f"weight-gradient accumulation {split['wgrad_accumulation']:.1f} s" in readme
-    assert f"Each GPU peaks at {out['device_peak_bytes'] / 2 ** 30:.0f} GiB" in readme
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+
+    def text(*path):
+        with open(os.path.join(root, *path)) as f:
+            return " ".join(f.read().split())          # line breaks do not matter
+
+    readme, train = text("docs", "plan.md"), text("docs", "train.md")
+    gib = lambda b: b / 2 ** 30                         # noqa: E731
+    node = ("--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8", "--host-mem-gib", "1024")
+    out = run_json(capsys, *node, "--max-seq-len")
+    longest = f"{out['max_seq_len'] / 2 ** 20:.2f}M tokens"      # M = 2^20, as fpdt-plan's K = 1024
+    assert f"**{longest}** ({out['max_seq_len']:,}), in {out['setup']['chunk_size'] // 1024}K chunks" in readme
+    assert f"(here {longest}, host-bound)" in text("README.md") and out["limited_by"] is None
+    b = {k: gib(v) for k, v in out["breakdown"].items()}
+    assert f"the node's 1 TiB holds {gib(out['host_peak_bytes']):.0f} GiB, of which {b['checkpoints_host']:.0f} GiB" in readme
+    assert f"{b['attention_stash_host']:.0f} GiB the attention stash" in readme
+    assert f"{b['process_host']:.0f} GiB process memory" in readme
+    assert f"Each GPU peaks at {gib(out['device_peak_bytes']):.0f} GiB" in readme
+    states = b["parameters"] + b["gradients"] + b["optimizer_state"]
+    assert f"{states:.0f} GiB of ZeRO-3 model states, {b['checkpoints_device']:.1f} GiB of layer-input" in readme
+    assert f"{b['in_flight_layer']:.1f} GiB for the layer in flight" in readme
+    assert f"the MLP's own chunk, {gib(out['working_sets']['mlp_chunk']):.1f} GiB" in readme
+    assert f"{b['communication_buffers']:.1f} GiB of ZeRO gathers" in readme
+    assert f"{b['runtime_reserve']:.1f} GiB of runtime reserve" in readme
     k = out["setup"]["checkpoint_device_layers"]      # the layer inputs kept on the GPUs so that the host fits
     assert k > 0 and f"`--checkpoint-device-layers {k}`" in readme and f"other {k} layers' inputs" in readme
-    untiered = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
-                        "--host-mem-gib", "1024", "--max-seq-len", "--checkpoint-device-layers", "0")
+    untiered = run_json(capsys, *node, "--max-seq-len", "--checkpoint-device-layers", "0")
     assert untiered["max_seq_len"] < out["max_seq_len"]
     assert f"with none it would stop at {untiered['max_seq_len'] / 2 ** 20:.2f}M" in readme
     # what stops it: one granule more does not fit the host
-    longer = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8",
-                      "--host-mem-gib", "1024", "--seq-len", str(out["max_seq_len"] + 2 ** 16))
+    longer = run_json(capsys, *node, "--seq-len", str(out["max_seq_len"] + 2 ** 16))
     assert longer["fits"] is False and longer["limited_by"] == "host" and "the host is what stops it" in readme
+
+    # at 2M: every layer's attention recomputed, then the planner's choice (saved attention outputs)
+    recomputed = run_json(capsys, *node, "--seq-len", str(2 ** 21), "--attention-checkpoint", "recompute")
+    split = recomputed["step_time_split_s"]
+    assert f"about {recomputed['step_time_s'] / 60:.0f} minutes ({recomputed['step_time_s']:.0f} s)" in readme
+    assert f"MFU {recomputed['mfu']:.0%} ({recomputed['mfu_full']:.0%} counting full attention" in readme
+    assert f"attention dominates ({split['attention']:.0f} s: four attention passes" in readme
+    assert f"GEMMs take {split['gemms']:.0f} s" in readme
+    assert f"memory-bound ops {split['elementwise']:.1f} s" in readme
+    assert f"weight-gradient accumulation {split['wgrad_accumulation']:.1f} s" in readme
+    assert recomputed["recommended"]["chunk_size"] == 65536 and "the planner picks the paper's 64K chunks" in readme
+    at_2m = run_json(capsys, *node, "--seq-len", str(2 ** 21))
+    assert at_2m["recommended"]["attention_checkpoint"] == at_2m["setup"]["attention_checkpoint"] == "save"
+    saved, kept = at_2m["setup"]["save_attention_layers"], at_2m["setup"]["checkpoint_device_layers"]
+    assert f"**{at_2m['step_time_s']:.0f} s per step, MFU {at_2m['mfu']:.0%}**" in readme
+    assert f"{at_2m['step_time_split_s']['attention']:.0f} s of attention" in readme
+    assert at_2m["recommended"]["chunk_size"] == 131072 and "MFU 49%**, with 128K chunks" in readme
+    assert f"per node for all {saved} layers" in readme and f"keeps the last {kept} layer inputs" in readme
+    assert f"`--checkpoint-device-layers {kept}`, {gib(at_2m['device_peak_bytes']):.0f} GiB per GPU" in readme
+    host_only = run_json(capsys, *node, "--seq-len", str(2 ** 21), "--checkpoint-device-layers", "0")
+    assert (f"{host_only['setup']['save_attention_layers']} layers fit their outputs "
+            f"({host_only['step_time_s']:.0f} s, MFU {host_only['mfu']:.0%})") in readme
+    assert out["setup"]["attention_checkpoint"] == "recompute"     # nothing left to save at the longest length
+    assert at_2m["recommended"]["lm_head_wgrad"] == recomputed["recommended"]["lm_head_wgrad"] == "recompute"
+
+    # docs/train.md's 4M launch line on 8 GPUs, as its JSON configures the run
+    ds = os.path.join(root, "examples", "llama-3-8b", "ds_zero3_8gpu.json")
+    at_4m = ("--deepspeed", ds, "--seq-len", str(2 ** 22))
+    untiered_4m = run_json(capsys, *node, *at_4m, "--checkpoint-device-layers", "0")
+    assert untiered_4m["limited_by"] == "host"
+    assert f"fpdt-plan puts the host at {gib(untiered_4m['host_peak_bytes']) / 1024:.1f} TiB per node" in train
+    tiered_4m = run_json(capsys, *node, *at_4m)
+    k4 = tiered_4m["setup"]["checkpoint_device_layers"]
+    assert tiered_4m["fits"] and f"with 1 TiB add --checkpoint-device-layers {k4} (the last {k4} layers'" in train
 
 
 def test_near_ties_go_to_the_trainers_lm_head_mode():

@@ -55,6 +55,7 @@ def _case(rng: random.Random):
                 u=rng.choice([1, 2, 4]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,dtype,wgrad,checkpoint", [
     (1, torch.bfloat16, "recompute", "on"),
     (2, torch.bfloat16, "accumulate", "on"),

@@ -16,6 +16,7 @@ from fpdt.plan.time_model import estimate_time
 K, M = 1024, 1024 * 1024
 
 
+@pytest.mark.slow
 def test_adapter_count_is_what_peft_makes():
     """PEFT's trainable parameters for rank 16 on every decoder linear of Llama-3-8B (built on
     the meta device: shapes only)."""
@@ -88,6 +89,7 @@ def test_cli_flag(capsys):
     assert "cannot run: lora_rank=-1 must be >= 0" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(256, 4, 2, 704), (512, 8, 8, 768)], ids=["h256-gqa", "h512-mha"])
 def test_adapter_traffic_bounds_a_count_of_the_ops(shape):
     """The adapters' memory-bound traffic the time model adds (``LORA_ELEMENTWISE_BYTES``, rank 16)

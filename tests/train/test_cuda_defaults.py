@@ -25,6 +25,7 @@ SEQ_LEN = 128 * 1024
 STEPS = 4
 
 
+@pytest.mark.slow
 def test_the_cuda_defaults_train_at_128k(tmp_path):
     cfg, data = write_fixture(str(tmp_path), n_tokens=(STEPS + 1) * (SEQ_LEN + 1))
     log = str(tmp_path / "run.jsonl")

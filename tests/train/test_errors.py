@@ -1,6 +1,6 @@
 """Bad inputs to ``fpdt-train`` / ``fpdt-export``: each stops before the expensive part with
 one ``fpdt-train: error: ...`` line that names the file or flag and the fix, no traceback,
-exit status 2 (issue 12). Called in-process: every case fails before any process group."""
+exit status 2 (docs/train.md, "Configuration and errors"). Called in-process: every case fails before any process group."""
 
 from __future__ import annotations
 
@@ -322,6 +322,7 @@ def _copy(saved_run, tmp_path) -> str:
     return str(dst)
 
 
+@pytest.mark.slow
 def test_resume_with_steps_below_the_saved_step(saved_run, tmp_path, capsys):
     _, cfg, data = saved_run
     ck = _copy(saved_run, tmp_path)
@@ -329,6 +330,7 @@ def test_resume_with_steps_below_the_saved_step(saved_run, tmp_path, capsys):
            "pass --steps 3")
 
 
+@pytest.mark.slow
 def test_resume_with_another_model_config(saved_run, tmp_path, capsys):
     _, _, data = saved_run
     ck = _copy(saved_run, tmp_path)
@@ -337,6 +339,7 @@ def test_resume_with_another_model_config(saved_run, tmp_path, capsys):
            "hidden_size 64 vs 96", "num_layers 2 vs 3", "resume with the model config it was trained with")
 
 
+@pytest.mark.slow
 def test_resume_with_another_precision(saved_run, tmp_path, capsys):
     _, cfg, data = saved_run
     ck = _copy(saved_run, tmp_path)
@@ -345,6 +348,7 @@ def test_resume_with_another_precision(saved_run, tmp_path, capsys):
            "the checkpoint was trained in fp32, this run's DeepSpeed JSON asks for bf16")
 
 
+@pytest.mark.slow
 def test_resume_without_a_json_names_the_default_precision(saved_run, tmp_path):
     """An fp32 checkpoint resumed on CUDA without --deepspeed (whose default is bf16 there):
     the message says where bf16 comes from and how to keep fp32."""
@@ -358,6 +362,7 @@ def test_resume_without_a_json_names_the_default_precision(saved_run, tmp_path):
                                zero_stage=3, default_config=True)
 
 
+@pytest.mark.slow
 def test_resume_with_a_missing_or_truncated_shard(saved_run, tmp_path, capsys):
     _, cfg, data = saved_run
     ck = _copy(saved_run, tmp_path)
@@ -372,6 +377,7 @@ def test_resume_with_a_missing_or_truncated_shard(saved_run, tmp_path, capsys):
            f"checkpoint file {os.path.join(step2, shard)} is missing", "(step1)")
 
 
+@pytest.mark.slow
 def test_resume_with_another_zero_stage(saved_run, tmp_path, capsys):
     _, cfg, data = saved_run
     ck = _copy(saved_run, tmp_path)
@@ -380,6 +386,7 @@ def test_resume_with_another_zero_stage(saved_run, tmp_path, capsys):
            "written with ZeRO stage 3, this run's DeepSpeed JSON asks for stage 1")
 
 
+@pytest.mark.slow
 def test_resume_with_another_world_size(saved_run, tmp_path, capsys, monkeypatch):
     _, cfg, data = saved_run
     ck = _copy(saved_run, tmp_path)
@@ -393,6 +400,7 @@ def test_resume_from_a_missing_dir(fixture, capsys):
     _fails(capsys, _argv(cfg, data, "--resume", str(tmp / "nothing")), f"--resume {tmp / 'nothing'}: no such directory")
 
 
+@pytest.mark.slow
 def test_fpdt_export_with_a_truncated_shard_or_missing_tag(saved_run, tmp_path, capsys):
     from fpdt.train.export import main as export_main
 
@@ -411,6 +419,7 @@ def test_fpdt_export_with_a_truncated_shard_or_missing_tag(saved_run, tmp_path, 
                                                f"checkpoint with --tag (one of step1, step2)")
 
 
+@pytest.mark.slow
 def test_fpdt_export_uses_the_config_its_tag_was_trained_with(saved_run, tmp_path):
     """Each step<N> dir keeps the config.json (and tokenizer) of its run: a later run of another
     model into the same --save-dir rewrites DIR/config.json, and export of the old tag still

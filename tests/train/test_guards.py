@@ -113,6 +113,7 @@ def _skip_body(rank, world_size):
     assert error == "step 2: gradient norm is inf (not finite) and its update was applied"
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_drops_the_step_before_backward():
     run_distributed(_skip_body, world_size=1)
 

@@ -120,6 +120,7 @@ def _initial_adapters(spec: LoraSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in fm.adapter_state_dict(model).items()}
 
 
+@pytest.mark.slow
 def test_sp2_zero3_matches_peft_and_counts_lora_flops(sp2_run):
     from fpdt.train.metrics import ModelShape, train_flops_per_token
     tmp = sp2_run
@@ -136,6 +137,7 @@ def test_sp2_zero3_matches_peft_and_counts_lora_flops(sp2_run):
         assert r["mfu"] * 2 * 1e12 / r["tokens_per_s"] == pytest.approx(flops, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_base_unchanged_and_adapters_trained(sp2_run):
     from safetensors.torch import load_file
     tmp = sp2_run
@@ -152,6 +154,7 @@ def test_base_unchanged_and_adapters_trained(sp2_run):
     assert not unchanged, f"adapters not trained: {unchanged[:3]}"
 
 
+@pytest.mark.slow
 def test_export_hf_is_a_peft_adapter_with_the_trained_loss(sp2_run):
     from safetensors.torch import load_file
     tmp = sp2_run
@@ -187,6 +190,7 @@ def _dp2_body(rank: int, world: int, tmp: str) -> None:
     assert main(argv) == 0
 
 
+@pytest.mark.slow
 def test_dp2_zero2_from_a_peft_adapter_matches_peft(tmp_path):
     """--lora-init from an adapter PEFT saved (lora_B random, so every gradient is live from the
     first step); the spec is read from its adapter_config.json."""
@@ -231,6 +235,7 @@ def resume_run(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_resume_is_exact_and_saves_no_base_weight(resume_run):
     tmp = resume_run
     whole = [r["loss"] for r in _losses(os.path.join(tmp, "whole.jsonl"))]
@@ -245,6 +250,7 @@ def test_resume_is_exact_and_saves_no_base_weight(resume_run):
     assert trainer["lora"]["rank"] == 2 and trainer["lora"]["targets"] == ["q_proj", "o_proj", "up_proj"]
 
 
+@pytest.mark.slow
 def test_fpdt_export_of_a_lora_run_loads_into_peft(resume_run, tmp_path):
     from fpdt.model.lora import read_adapter_config
     from fpdt.train.export import main as export_main
@@ -283,6 +289,7 @@ def _fails(capsys, argv: list[str], *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_spec_full_training_or_base_is_refused(resume_run, tmp_path, capsys,
                                                                       no_process_group, monkeypatch):
     from fpdt.train import lora
@@ -384,6 +391,7 @@ def mixed_run(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_fpdt_export_takes_lora_or_full_from_the_checkpoint_not_the_save_dir(mixed_run, tmp_path):
     """Each tag exports as what it is, whichever kind of run wrote the save dir last: the full
     step1 while the dir's adapter_config.json is the LoRA run's, the LoRA step2 after a full
@@ -427,6 +435,7 @@ def _initial_state(seed: int) -> dict[str, torch.Tensor]:
             if not k.endswith("inv_freq")}
 
 
+@pytest.mark.slow
 def test_a_resumed_lora_run_says_its_adapters_come_from_the_checkpoint(mixed_run):
     with open(os.path.join(mixed_run, "resumed.txt")) as f:
         lines = [line for line in f.read().splitlines() if line.startswith("LoRA: ")]
@@ -434,6 +443,7 @@ def test_a_resumed_lora_run_says_its_adapters_come_from_the_checkpoint(mixed_run
     assert len(lines) == 1 and lines[0].endswith(f"), from checkpoint {step2}"), lines
 
 
+@pytest.mark.slow
 def test_a_resume_onto_a_random_base_from_another_config_is_refused(mixed_run, tmp_path, capsys, no_process_group):
     """Same architecture and seed, another initializer_range: the base drawn would be another
     one, which the seed and the architecture alone did not show."""

@@ -49,6 +49,12 @@ def test_readme_main_job_runs_and_exports(tmp_path):
     assert "before it has started" not in proc.stderr               # DeepSpeed's scheduler warning is silenced
     assert re.search(r"peak=\d\S* TFLOP/s", proc.stderr) and "peak=0.00 " not in proc.stderr
     assert " attention=cpu " in proc.stderr                         # the kernel automatic selection took
+    # a first run that reads well: the export says where it wrote, without DeepSpeed's merge chatter,
+    # and the last line sums the run up
+    assert f"wrote {hf}" in proc.stderr and "Processing zero checkpoint" not in proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fpdt-train: done: steps 1-3, ") and f"exported {hf}" in last, last
+    assert f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}" in last, last
     _check_export(save, hf)
 
 

@@ -24,6 +24,7 @@ def _pool_bytes() -> int:
     return sum(p.stats.allocated_bytes for p in list(_ALL_POOLS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len, u, dtype, checkpoint, offload", [
     (512, 4, torch.float32, "offload", True),
     (512, 2, torch.bfloat16, "offload", True),
@@ -190,6 +191,7 @@ def test_micro_batch_from_train_batch_size_counts():
     assert two.breakdown["checkpoints_host"] == 2 * one.breakdown["checkpoints_host"]
 
 
+@pytest.mark.slow
 def test_a_run_the_planner_cannot_describe_still_trains(tmp_path):
     """S = 63 with one rank and one chunk: fpdt-train runs it (the planner's cost model once
     refused odd lengths)."""
@@ -216,6 +218,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_cli_refuses_before_building_the_model(tmp_path):
     import subprocess
     import sys
@@ -263,6 +266,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_cli_turns_an_out_of_memory_step_into_one_line_with_the_levers(tmp_path):
     """In a process of its own: the run gets as far as its first step (process group,
     DeepSpeed engine) before the allocator fails."""
@@ -312,6 +316,7 @@ def _short_node_body(rank, world_size, tmp, cfg, data, short_rank):
         f.write(str(status))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("short_rank", [0, 1])
 def test_every_rank_stops_together_when_one_node_is_short(tmp_path, short_rank):
     """Two ranks, each on its own "node"; only one node lacks the memory. Both stop at once

@@ -77,8 +77,8 @@ def test_bar_shows_reserved_and_host_stash_where_measured():
     base = dict(step=1, loss=1.0, lr=0.1, tokens=10, step_time_s=1.0, tokens_per_s=10.0, tgs=10.0, mfu=None,
                 mfu_full=None, hfu=None, host_rss_gib=0.5)
     cuda = postfix(StepRecord(**base, peak_mem_gib=12.5, peak_reserved_gib=14.0, host_stash_gib=3.0))
-    assert "mem=12.50G res=14.00G stash=3.00G rss=0.50G" in cuda
+    assert cuda.endswith("mem=12.5G/14G stash=3G")          # allocated / reserved peak, host stash
     cpu = postfix(StepRecord(**base, peak_mem_gib=0.0241, peak_reserved_gib=None, host_stash_gib=0.0))
-    assert "mem=24.7M rss=0.50G" in cpu
+    assert cpu.endswith("mem=24.7M")
     off = postfix(StepRecord(**base, peak_mem_gib=None, host_stash_gib=0.0))
-    assert "mem=n/a rss=0.50G" in off
+    assert off.endswith("mem=n/a")

@@ -30,14 +30,9 @@ Packed documents: blocks that mix documents run :mod:`.masked` (one dense call p
 document segment, one CPU call with a mask for many small ones, or torch's varlen
 FlashAttention-2 on CUDA, :mod:`.varlen`, behind its own self-check).
 
-GQA and its memory cost. ``flash_attn3``, ``flash_attn``, ``cuda_flash`` and (from torch
-2.8) ``cuda_cudnn`` take the ``H_kv`` KV heads natively. ``cuda_efficient``, ``cpu`` and
-``math`` (and ``cuda_cudnn`` on an older torch) expand KV to ``H`` heads per block
-(``G = H / H_kv``): the forward holds two extra
-``[B, C, H, D]`` tensors (k and v expanded; ``2·B·C·H·D`` elements in the kernel dtype
-beyond the ``2·B·C·H_kv·D`` of the block itself), the backward the same two plus the
-expanded dk, dv from the kernel and their fp32 sums ``[B, C, H_kv, D]``. All of it is
-transient, freed when the block returns; nothing is expanded for MHA (``G = 1``).
+GQA: ``flash_attn3``, ``flash_attn``, ``cuda_flash`` and (from torch 2.8) ``cuda_cudnn`` take the
+``H_kv`` KV heads natively; the others expand KV to ``H`` heads per block, transiently (the bytes
+are in ``docs/memory.md``, "Kernels that expand GQA").
 """
 
 from __future__ import annotations
