@@ -29,7 +29,7 @@ from fpdt.offload import selected_runtime_name
 from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions  # noqa: F401 (LM_HEAD_WGRAD_MODES: the CLI's choices)
 
 DEFAULT_CHUNK_TOKENS = 65536
-"""Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (BRIEF §1),
+"""Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (arXiv:2408.16978),
 where attention hides the chunk copies; see :func:`default_chunk_size`."""
 
 
@@ -340,7 +340,7 @@ def default_chunk_size(seq_len: int, split: int) -> int:
     trainer's start-up line shows the chunking; ``--chunk-size`` sets it)."""
     if seq_len <= DEFAULT_CHUNK_TOKENS:
         return seq_len
-    smallest = DEFAULT_CHUNK_TOKENS // 8     # below this the copies outrun attention (BRIEF §1)
+    smallest = DEFAULT_CHUNK_TOKENS // 8     # below this the chunk copies outrun attention (FPDT, arXiv:2408.16978)
     for chunk in range(DEFAULT_CHUNK_TOKENS - DEFAULT_CHUNK_TOKENS % split, smallest - 1, -split):
         if seq_len % chunk == 0:
             return chunk
