@@ -17,8 +17,8 @@ LoRA layers run inside the chunked functions (:mod:`fpdt.hf.adapters`).
 """
 
 from fpdt.hf.attention import FPDTHFError, register_attention
-from fpdt.hf.model import HFSettings, apply_fpdt, prepare_inputs
+from fpdt.hf.model import HFSettings, apply_fpdt, prepare_inputs, remove_fpdt
 from fpdt.hf.trainer import trainer_parallelism_config
 
-__all__ = ["FPDTHFError", "HFSettings", "apply_fpdt", "prepare_inputs", "register_attention",
+__all__ = ["FPDTHFError", "HFSettings", "apply_fpdt", "prepare_inputs", "remove_fpdt", "register_attention",
            "trainer_parallelism_config"]

@@ -36,7 +36,7 @@ from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.comm import SequenceMesh
 from fpdt.hf.adapters import Projections, lean_lora, read_projections
 from fpdt.hf.errors import FPDTHFError
-from fpdt.hf.groups import TrainerGroup, resolve_group
+from fpdt.hf.groups import resolve_group
 from fpdt.ops.lora import lora_linear
 from fpdt.options import FPDTOptions
 

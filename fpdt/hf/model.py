@@ -55,9 +55,7 @@ per-rank loss weights over the group.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
-import types
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +70,7 @@ from fpdt.hf.attention import (FPDTHFError, check_chunked_qkv, chunked_qkv_atten
 from fpdt.hf.adapters import lean_lora, read_parameters, read_projections
 from fpdt.hf.documents import pop_explicit_documents, window_doc_ids
 from fpdt.hf.groups import TrainerGroup, resolve_group
+from fpdt.hf.patches import Patches
 from fpdt.hf.padding import check_right_padding, whole_window_mask
 from fpdt.hf.trainer import TRAINER_ATTN_NAME, contiguous_to_fpdt_layout
 from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
@@ -80,11 +79,10 @@ from fpdt.model.config import uses_sliding_window
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
-from fpdt.model.loss import (IGNORE_INDEX, WGRAD_MODES, default_loss_chunks, sequence_parallel_lm_loss,
+from fpdt.model.loss import (IGNORE_INDEX, default_loss_chunks, sequence_parallel_lm_loss,
                              sum_gradient_over_group, sum_over_group, valid_token_scale)
 from fpdt.model.mlp import default_mlp_chunks, swiglu_of_linears
 from fpdt.model.rmsnorm import rms_norm
-from fpdt.offload import HostStash
 from fpdt.options import FPDTOptions, OptionsError
 
 SWIGLU_ACTIVATIONS = ("silu", "swish")
@@ -411,16 +409,21 @@ def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_i
 
 
 def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool,
-                           qkv_chunked: bool) -> None:
+                           qkv_chunked: bool, patches: Patches) -> None:
     try:
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
     except ImportError:        # no DeepSpeed, no ZeRO-3
         return
 
+    def external(owner: nn.Module, p: torch.nn.Parameter) -> None:
+        if "_external_params" not in patches.changed(owner):   # DeepSpeed's registry, a copy of its own
+            patches.set(owner, "_external_params", dict(owner.__dict__.get("_external_params", {})))
+        register_external_parameter(owner, p)
+
     def register(owner: nn.Module, names: tuple[str, ...]) -> None:
         for sub in filter(None, (getattr(owner, n, None) for n in names)):
             for p in read_parameters(sub):          # with PEFT: the base layer's and the adapters'
-                register_external_parameter(owner, p)
+                external(owner, p)
 
     for layer in layers:
         if qkv_chunked:
@@ -430,7 +433,77 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
         if mlp_chunked:
             register(layer.mlp, ("gate_proj", "up_proj", "down_proj"))
     if loss_chunked:
-        register_external_parameter(model, model.lm_head.weight)
+        external(model, model.lm_head.weight)
+
+
+def _apply_attention(model: nn.Module, layers: list[nn.Module], options: FPDTOptions, trainer: bool,
+                     chunked_qkv: bool, patches: Patches) -> str:
+    """Register fpdt attention under a new name and make it the model's; with ``chunked_qkv``, each
+    attention module runs its projections inside it. Returns the registered name."""
+    name = register_settings(options)
+    if trainer:
+        # The name the Trainer's SP setup checks; the chunked attention modules never call the function
+        # behind it, and the forward switches to `name` (fpdt's mask function) while it runs.
+        model.set_attn_implementation(TRAINER_ATTN_NAME)
+    else:
+        model.set_attn_implementation(name)
+    if not trainer and model.config._attn_implementation != name:
+        raise FPDTHFError(f"{type(model).__name__} did not take attention implementation {name!r}; it does not "
+                          f"use Transformers' AttentionInterface")
+    if chunked_qkv:
+        forward = chunked_qkv_attention_forward(options, name)
+        for layer in layers:
+            patches.bind(layer.self_attn, "forward", forward)
+    return name
+
+
+def _apply_lean_norms(norms: list[nn.Module], num_chunks: int, patches: Patches) -> None:
+    norm_forward = _lean_norm_forward(2 * num_chunks)   # fp32 temporaries within the chunk budget
+    for norm in norms:
+        patches.bind(norm, "forward", norm_forward)
+
+
+def _apply_chunked_mlp(layers: list[nn.Module], mlp_chunks: int, patches: Patches) -> None:
+    if mlp_chunks:
+        mlp_forward = _chunked_mlp_forward(mlp_chunks)
+        for layer in layers:
+            patches.bind(layer.mlp, "forward", mlp_forward)
+
+
+def _apply_checkpointing(layers: list[nn.Module], options: FPDTOptions, patches: Patches) -> None:
+    if options.checkpointing == "off":
+        return
+    checkpoints = LayerCheckpoints(options, len(layers))   # the loop fpdt.model's decoder runs too
+    for i, layer in enumerate(layers):
+        patches.set(layer, "_fpdt_checkpoint", (i, options.checkpointing, checkpoints))
+        patches.bind(layer, "forward", _checkpointed_layer_forward)
+
+
+def _apply_forward(model: nn.Module, settings: HFSettings, patches: Patches) -> None:
+    """The causal LM's forward (sequence-parallel inputs, the chunked loss) and, for RoPE types
+    that depend on the largest position, a rotary embedding that sees the whole window's."""
+    patches.bind(model, "forward", _causal_lm_forward)
+    patches.set(model, "fpdt", settings)
+    rotary = getattr(model.model, "rotary_emb", None)
+    rope_types = getattr(rotary, "rope_type", "default")          # per layer type in some models
+    if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
+        patches.bind(rotary, "forward", _global_rope_forward(settings))
+
+
+def remove_fpdt(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_fpdt` on ``model`` (the object it changed, not a copy): every patched
+    forward and attribute is restored, and the model's attention implementation is the one it had.
+    Returns ``model``."""
+    outer, model = model, _causal_lm(model)
+    if getattr(model, "fpdt", None) is None:
+        raise FPDTHFError("remove_fpdt: apply_fpdt was not applied to this model")
+    patches, original_attention = model.__dict__.get("_fpdt_undo", (None, None))
+    if patches is None or not len(patches):
+        raise FPDTHFError("remove_fpdt: this model is a copy of the one apply_fpdt changed; undo it on the "
+                          "original, or build the model again")
+    patches.undo()
+    model.set_attn_implementation(original_attention)
+    return outer
 
 
 def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_qkv: bool = True,
@@ -504,24 +577,25 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
     if getattr(model, "fpdt", None) is not None:
         raise FPDTHFError("apply_fpdt was already applied to this model")
     group = fields.get("group", options.group if options is not None else None)
+    mesh = fields.get("mesh", options.mesh if options is not None else None)
     if group == "trainer":
-        fields["group"] = TrainerGroup()
+        fields["group"] = group = TrainerGroup()
     elif isinstance(group, str):
         raise FPDTHFError(f"group={group!r}: pass a torch.distributed process group, None, or 'trainer'")
-    try:
-        options = FPDTOptions.build(options, **fields)
-    except OptionsError as e:
-        raise FPDTHFError(str(e)) from None
-    trainer = isinstance(options.group, TrainerGroup)
-    if trainer and (options.mesh is not None or not chunked_qkv):
+    trainer = isinstance(group, TrainerGroup)
+    if trainer and (mesh is not None or not chunked_qkv):
         raise FPDTHFError("group='trainer' runs Ulysses over the Trainer's group with fpdt's chunked q/k/v "
                           "projections: the model keeps 'sdpa' as its attention name, which DeepSpeed replaces "
                           "with its own Ulysses all-to-all, and Transformers' attention forward would reach it "
                           "when a checkpointed layer is recomputed in backward; pass no mesh and keep "
                           "chunked_qkv=True")
+    try:
+        options = FPDTOptions.build(options, **fields)
+    except OptionsError as e:
+        raise FPDTHFError(str(e)) from None
     layers = _decoder_layers(model)
     cfg = model.config
-    num_chunks, checkpointing = options.num_chunks, options.checkpointing
+    num_chunks = options.num_chunks
     mlp_chunks = default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size, num_chunks) \
         if options.mlp_chunks is None else options.mlp_chunks
     loss_chunks = default_loss_chunks(cfg.vocab_size, cfg.hidden_size, num_chunks) \
@@ -539,41 +613,21 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
         for layer in layers:
             check_chunked_qkv(layer.self_attn)
     norms = _lean_norms(model, layers) if lean_norms else []
-    attention = options
-    name = register_settings(attention)
-    if trainer:
-        # The name the Trainer's SP setup checks; the chunked attention modules never call the function
-        # behind it, and the forward switches to `name` (fpdt's mask function) while it runs.
-        model.set_attn_implementation(TRAINER_ATTN_NAME)
-    else:
-        model.set_attn_implementation(name)
-    if not trainer and model.config._attn_implementation != name:
-        raise FPDTHFError(f"{type(model).__name__} did not take attention implementation {name!r}; it does not "
-                          f"use Transformers' AttentionInterface")
-    if chunked_qkv:
-        forward = chunked_qkv_attention_forward(attention, name)
-        for layer in layers:
-            layer.self_attn.forward = types.MethodType(forward, layer.self_attn)
-    norm_forward = _lean_norm_forward(2 * num_chunks)   # fp32 temporaries within the chunk budget
-    for norm in norms:
-        norm.forward = types.MethodType(norm_forward, norm)
-    if mlp_chunks:
-        mlp_forward = _chunked_mlp_forward(mlp_chunks)
-        for layer in layers:
-            layer.mlp.forward = types.MethodType(mlp_forward, layer.mlp)
-    if checkpointing != "off":
-        checkpoints = LayerCheckpoints(options, len(layers))
-        for i, layer in enumerate(layers):
-            layer._fpdt_checkpoint = (i, checkpointing, checkpoints)
-            layer.forward = types.MethodType(_checkpointed_layer_forward, layer)
-    model.forward = types.MethodType(_causal_lm_forward, model)
-    model.fpdt = HFSettings(attn_implementation=name, options=options, mlp_chunks=mlp_chunks,
-                            loss_chunks=loss_chunks, chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
-    rotary = getattr(model.model, "rotary_emb", None)
-    rope_types = getattr(rotary, "rope_type", "default")          # per layer type in some models
-    if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
-        rotary.forward = types.MethodType(_global_rope_forward(model.fpdt), rotary)
-    _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv))
+    # The steps, in this order: attention (the registered name and, with chunked_qkv, each attention
+    # module's forward), lean norms, chunked MLP, layer checkpointing, the model's forward with the
+    # chunked loss (and the global-position RoPE). Every module change goes through `patches`, so
+    # that remove_fpdt can undo it.
+    patches = Patches()
+    original_attention = model.config._attn_implementation
+    name = _apply_attention(model, layers, options, trainer, chunked_qkv, patches)
+    _apply_lean_norms(norms, num_chunks, patches)
+    _apply_chunked_mlp(layers, mlp_chunks, patches)
+    _apply_checkpointing(layers, options, patches)
+    settings = HFSettings(attn_implementation=name, options=options, mlp_chunks=mlp_chunks,
+                          loss_chunks=loss_chunks, chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
+    _apply_forward(model, settings, patches)
+    patches.set(model, "_fpdt_undo", (patches, original_attention))
+    _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv), patches)
     return outer
 
 

@@ -29,6 +29,10 @@ class Patches:
         """Replace the method ``obj.name`` with ``function`` bound to ``obj`` (its first argument)."""
         self.set(obj, name, types.MethodType(function, obj))
 
+    def changed(self, obj: Any) -> set[str]:
+        """The names set on ``obj`` so far."""
+        return {name for o, name, _ in self._done if o is obj}
+
     def undo(self) -> None:
         """Restore every attribute, newest first; the record is then empty."""
         while self._done:

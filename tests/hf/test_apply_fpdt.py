@@ -668,3 +668,30 @@ def test_right_padding_matches_transformers_with_its_mask():
     fpdt needs none (real tokens never see the padding); loss and every gradient within 1e-5."""
     _padding_case(0, 1, 2, "off")
     run_distributed(_padding_case, 2, args=(2, "offload"))
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "on"])
+def test_remove_fpdt_restores_the_model(checkpointing):
+    """remove_fpdt undoes every patch apply_fpdt made (each went through fpdt.hf.patches):
+    no instance attribute is left on any module, the attention name is the model's own again,
+    and the model computes what it did before; it can then be applied again."""
+    model = hf_model("llama_gqa")
+    before = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    attention = model.config._attn_implementation
+    ids = torch.randint(0, model.config.vocab_size, (1, 32))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    fpdt.hf.apply_fpdt(model, num_chunks=2, checkpointing=checkpointing)
+    assert model.config._attn_implementation != attention
+    assert "forward" in model.model.layers[0].mlp.__dict__
+    fpdt.hf.remove_fpdt(model)
+    after = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    assert {n: sorted(d) for n, d in after.items()} == {n: sorted(d) for n, d in before.items()}
+    assert model.config._attn_implementation == attention and getattr(model, "fpdt", None) is None
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref)
+    fpdt.hf.apply_fpdt(model, num_chunks=2)                     # applies again
+    with pytest.raises(fpdt.hf.FPDTHFError, match="apply_fpdt was not applied"):
+        fpdt.hf.remove_fpdt(hf_model("llama_gqa"))
+    with pytest.raises(fpdt.hf.FPDTHFError, match="a copy"):
+        fpdt.hf.remove_fpdt(copy.deepcopy(model))
