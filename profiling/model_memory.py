@@ -44,7 +44,7 @@ import torch
 
 import fpdt.model as fm
 from fpdt.offload import runtime_for
-from fpdt.memory.accountant import MemoryPeaks, RegionMemory
+from fpdt.memory.accountant import RegionMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES = ("chunked_attention", "offload", "chunked_mlp", "chunked_loss", "checkpoint_offload")

@@ -10,7 +10,8 @@ directory and writes, next to them, whichever of these the files allow:
 
 The markdown (``results.md`` beside them, and the same text between the
 ``<!-- plot.py begin -->`` / ``<!-- plot.py end -->`` markers of ``--readme``, default
-``benchmarks/README.md``; GPU results get a block of their own, ``<!-- plot.py begin <device> -->``) has, per strategy: the longest length, the least-squares slope of
+``benchmarks/README.md``; GPU results get a block of their own, ``<!-- plot.py begin <device> -->``)
+has, per strategy: the longest length, the least-squares slope of
 device bytes per 1K tokens, host bytes per 1K tokens, per-length device/host/total/step
 time, fpdt's slope and step-time ratios against ``hf`` and ``alst``, and the planner's
 prediction beside fpdt's measurement.

@@ -38,7 +38,8 @@ import torch
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = sorted(["README.md", "CONTRIBUTING.md", *(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))])
+PAGES = sorted(["README.md", "CONTRIBUTING.md",
+                *(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))])
 LINKED_PAGES = PAGES + ["benchmarks/README.md"]
 FENCE = re.compile(r"^( *)```([^\n`]*)\n(.*?)^\1```[ \t]*$", re.S | re.M)
 LANGS = {"python", "bash", "text"}

@@ -152,7 +152,7 @@ def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_d
     docs = None if doc_ids is None else cached_documents(
         MeshDocuments, doc_ids, seq_len=seq_local * mesh.sp, hp=mesh.hp, cp=mesh.cp, num_chunks=num_chunks,
         causal=causal, cp_rank=mesh.cp_rank)
-    return MeshSpec(docs=docs, 
+    return MeshSpec(docs=docs,
         mesh=mesh, comm=RingComm(mesh.cp_ranks, mesh.cp_group, mesh.cp_outer_group),
         schedule=RingSchedule(mesh.cp, mesh.inner_ring, mesh.cp_rank), num_chunks=num_chunks, causal=causal,
         scale=default_scale(head_dim) if softmax_scale is None else float(softmax_scale),

@@ -36,8 +36,8 @@ from fpdt.attention.kernels import BACKENDS
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import checkpoint, lora, preflight, zero, zero_load
-from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
-                               merge_options, validate)
+from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout,
+                               ds_dtype_name, ds_zero_stage, load_ds_config, merge_options, validate)
 from fpdt.train.data import (DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report

@@ -392,7 +392,8 @@ class MemoryPeaks:
 
     def gib(self) -> dict:
         """``{"peak_mem_gib", "peak_reserved_gib", "host_stash_gib"}`` (None where not measured)."""
-        f = (lambda b: None if b is None else b / GIB)
+        def f(b):
+            return None if b is None else b / GIB
         return {"peak_mem_gib": f(self.allocated), "peak_reserved_gib": f(self.reserved),
                 "host_stash_gib": f(self.host_stash)}
 

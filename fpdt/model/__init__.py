@@ -21,6 +21,6 @@ from fpdt.model.weights import load_hf_state_dict, save_pretrained
 
 __all__ = [
     "ChunkedSwiGLU", "FPDTForCausalLM", "FPDTOptions", "LoraSpec", "ModelConfig", "UnsupportedConfigError",
-    "adapter_state_dict", "add_lora", "chunked_lm_loss", "default_loss_chunks", "from_config", "from_pretrained",
+    "adapter_state_dict", "add_lora", "chunked_lm_loss", "construct", "default_loss_chunks", "from_config", "from_pretrained",
     "load_adapter", "load_hf_state_dict", "prepare_inputs", "save_adapter", "save_pretrained", "shift_labels",
 ]

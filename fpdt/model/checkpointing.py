@@ -8,7 +8,8 @@ Modes (``checkpointing=`` option of the model):
   (including its all-to-alls: the recomputed q/k/v exist only after them) and back-propagates through it.
 * ``"offload"``: as ``"on"``, but the kept input goes to host memory through a
   :class:`fpdt.offload.HostStash` (asynchronous device->host copy into a pooled, pinned
-  buffer on CUDA, started before the layer's forward so that it overlaps it). The backward of layer ``i`` pops its own input and immediately starts
+  buffer on CUDA, started before the layer's forward so that it overlaps it). The backward of layer
+  ``i`` pops its own input and immediately starts
   the host->device copy of layer ``i - 1``'s input, so that copy overlaps layer ``i``'s
   recompute and backward; device memory then holds O(1) layer inputs instead of
   ``num_layers`` of them. ``on_device`` keeps one layer's input on the device within such

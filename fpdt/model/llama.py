@@ -29,7 +29,6 @@ from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
-from fpdt.comm import SequenceMesh
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
 from fpdt.model.checkpointing import checkpointed_residual
 from fpdt.model.config import ModelConfig

@@ -47,7 +47,8 @@ Normalisation: the function returns ``scale * sum(CE over valid local tokens)``.
 caller passes ``scale = 1 / (valid tokens of the whole sequence, summed over every
 sequence-parallel rank)``, so each rank returns its share of the *global* token mean and
 the shares add up to it exactly -- not a mean of per-chunk or per-rank means, which would
-weigh the tokens of a chunk or rank with few valid labels more. Sequence parallelism needs nothing else from this function: tokens are
+weigh the tokens of a chunk or rank with few valid labels more. Sequence parallelism needs nothing else
+from this function: tokens are
 independent here, and the layout only permutes them.
 
 Tied embeddings: pass the embedding matrix as ``weight``; autograd adds the LM-head

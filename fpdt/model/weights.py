@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn

@@ -37,12 +37,9 @@ Contract of the calls (CUDA semantics throughout):
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 

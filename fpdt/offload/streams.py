@@ -1,6 +1,7 @@
 """The offload side streams of one device, and the bound on how far the host runs ahead.
 
-FPDT uses three streams (FPDT, arXiv 2408.16978, the double buffer of its Fig. 7): the compute stream; ``chunks``, which carries the
+FPDT uses three streams (FPDT, arXiv 2408.16978, the double buffer of its Fig. 7): the compute stream;
+``chunks``, which carries the
 attention chunks (q̂/k̂/v̂/o/lse/dô/dq) in both directions; and ``inputs``, which carries
 the layer inputs and the hidden-state chunks ``T_i`` (offload, and the prefetch that the
 projection backward and the next layer's backward consume). They are created once per

@@ -336,7 +336,8 @@ def chunk_split(sp: int, cp: int) -> int:
 def default_chunk_size(seq_len: int, split: int) -> int:
     """The global chunk when none is given: :data:`DEFAULT_CHUNK_TOKENS`, or the whole
     sequence when it is no longer; when 64K does not divide the sequence, the largest chunk
-    below it, down to 8K, that does and that is a multiple of ``split`` (:func:`chunk_split`). With no such chunk: the whole sequence, one chunk (the
+    below it, down to 8K, that does and that is a multiple of ``split`` (:func:`chunk_split`). With no
+    such chunk: the whole sequence, one chunk (the
     trainer's start-up line shows the chunking; ``--chunk-size`` sets it)."""
     if seq_len <= DEFAULT_CHUNK_TOKENS:
         return seq_len

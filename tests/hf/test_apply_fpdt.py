@@ -520,8 +520,6 @@ def test_settings_changed_after_apply_are_refused_in_forward(chunked_qkv):
     model.model.layers[1].self_attn.attention_dropout = 0.0
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     attn = model.model.layers[0].self_attn
-    q = torch.zeros(1, attn.config.num_attention_heads, 16, attn.head_dim)
-    k = torch.zeros(1, attn.config.num_key_value_heads, 16, attn.head_dim)
     with pytest.raises(fpdt.hf.FPDTHFError, match="cu_seq_lens_k, cu_seq_lens_q .*packed sequences"):
         fpdt.hf.attention._refuse_unhonoured(attn, "fpdt", None, 0.0, None, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu))
     model(input_ids=ids, labels=labels).loss.backward()

@@ -6,7 +6,6 @@ documented convention) and compared with the Transformers model's gradients on t
 weights and tokens, within 1e-5 relative (fp32).
 """
 
-import itertools
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """The simulated runtime itself: CUDA ordering semantics, hostile data, hazards, counters, selection."""
 
 import multiprocessing as mp
-import os
 
 import pytest
 import torch

@@ -2,7 +2,8 @@
 
 Hardware (FPDT, arXiv 2408.16978, Table 1): A100 40G / 80G, 4 GPUs per node, 1 TB host per node, PCIe 32 GB/s,
 ZeRO-3, checkpoint offload of every layer input (as FPDT ran: no ``checkpoint_device_layers``),
-attention offload, global chunks of 64K, bf16, one sequence over every GPU. A cell passes when the planner's longest length is within a factor of
+attention offload, global chunks of 64K, bf16, one sequence over every GPU. A cell passes when the
+planner's longest length is within a factor of
 two of the paper's; ``8M+`` cells need >= 4M; ``-`` cells need "does not fit" or < 64K.
 
 Cells the planner does not reproduce are listed in ``DEVIATIONS`` with the reason; they

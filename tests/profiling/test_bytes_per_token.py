@@ -1,5 +1,6 @@
 """CPU smoke test of profiling/memory_budget.py's bytes-per-added-token section
-(profiling/bytes_per_token.py): tiny model, 512 and 1024 tokens (at 256 tokens the tiny fpdt peak is a constant of the first layer forward, larger than at 512), trials in-process."""
+(profiling/bytes_per_token.py): tiny model, 512 and 1024 tokens (at 256 tokens the tiny fpdt peak is a
+constant of the first layer forward, larger than at 512), trials in-process."""
 
 import importlib.util
 import json

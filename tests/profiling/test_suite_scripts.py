@@ -13,7 +13,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "fwd_bwd_s", "optimizer_s", "counted_step_s", "tokens_per_s", "mfu",
+TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "fwd_bwd_s", "optimizer_s", "counted_step_s",
+                "tokens_per_s", "mfu",
                 "device_peak_bytes", "fwd_bwd_peak_bytes", "optimizer_peak_bytes", "optimizer_state_bytes",
                 "first_step_device_peak_bytes", "device_reserved_peak_bytes", "host_peak_bytes", "host_rss_peak_bytes"}
 

@@ -4,11 +4,11 @@ and the default, save for as many layers as the run's own memory check predicts 
 from __future__ import annotations
 
 import math
-import os
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
@@ -121,7 +121,18 @@ def test_default_with_room_for_every_layer_and_none(monkeypatch):
     assert check.attention.mode == "recompute" and "hold no layer's attention output" in check.attention.reason
 
 
-def test_the_start_up_line_prints_the_choice(tmp_path, capsys):
+@pytest.fixture
+def own_process_group(monkeypatch):
+    """main() runs in this process here: it starts a 1-process group and sets the launcher's
+    variables; both are gone after the test, so later tests see no group."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_the_start_up_line_prints_the_choice(tmp_path, capsys, own_process_group):
     from fpdt.cli.train import main
     cfg, data = write_fixture(str(tmp_path))
     base = ["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", "--chunk-size", "32"]

@@ -73,7 +73,7 @@ def test_validate_errors(opts, seq_len, world, device, ds, match, monkeypatch):
 
 def test_validate_plan():
     plan = validate(TrainerOptions(sp=2, chunk_size=32), 128, 4, "cpu", FP32)
-    assert (plan.sp, plan.dp, plan.num_chunks, plan.mlp_chunks, plan.local_seq_len) == (2, 2, 4, None, 64)  # None: the model's rule (the default made to agree)
+    assert (plan.sp, plan.dp, plan.num_chunks, plan.mlp_chunks, plan.local_seq_len) == (2, 2, 4, None, 64)  # the rule
     assert validate(TrainerOptions(offload=True, checkpointing="offload"), 64, 1, "cuda", {"fp16": {"enabled": True}})
 
 

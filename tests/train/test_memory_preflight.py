@@ -148,7 +148,8 @@ def test_the_planners_flags_fit_and_fpdt_train_takes_them():
     heavy, plan = _heavy_run(S, ds, mlp_chunks=48)
     assert _estimate_of(cfg, plan, heavy, ds).device_peak_bytes > 80 * 1024 ** 3
     rec = mp.recommend(cfg, plan, heavy, ds, 8, 80 * 1024 ** 3, 1024 ** 4)
-    assert rec.flags.startswith("--chunk-size ") and " --checkpoint offload --checkpoint-device-layers 0 --offload --lm-head-wgrad " in rec.flags
+    assert rec.flags.startswith("--chunk-size ")
+    assert " --checkpoint offload --checkpoint-device-layers 0 --offload --lm-head-wgrad " in rec.flags
     assert rec.note == f"fpdt-plan's settings for this GPU: {rec.flags}"
     section = {"sp": 8, "hp": 2, "cp": 4, "mlp_chunks": 48}            # the run's JSON: flags win over it
     args = build_parser().parse_args(["--model-config", "c.json", "--data", "d", "--seq-len", str(S), "--steps", "1",
