@@ -99,7 +99,9 @@ def _scratch(tmp_path) -> str:
 
 
 def _env() -> dict:
-    env = dict(os.environ)
+    # a fresh process as a user starts it: no launcher variables another test left in this one
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

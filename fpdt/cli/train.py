@@ -35,7 +35,7 @@ import torch.distributed as dist
 from fpdt.attention.kernels import BACKENDS
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
-from fpdt.train import checkpoint, lora, preflight, zero, zero_load
+from fpdt.train import lora, preflight, saving, zero, zero_load
 from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout,
                                ds_dtype_name, ds_zero_stage, load_ds_config, merge_options, validate)
 from fpdt.train.data import (DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="offload attention chunks to pinned host memory (CUDA only; default: on with CUDA, "
                         "off elsewhere)")
-    f.add_argument("--mlp-chunks", type=int, help="MLP chunks (default 2 x attention chunks; 0 = unchunked)")
+    f.add_argument("--mlp-chunks", type=int, help="MLP chunks (default ceil(2 u intermediate / hidden); 0 = unchunked)")
     f.add_argument("--loss-chunks", type=int, help="loss chunks (default ceil(2 vocab / hidden); 0 = unchunked)")
     f.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
                    help="LM-head weight gradient: recomputed logits in backward, no fp32 [vocab, hidden] "
@@ -284,13 +284,13 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     info = run_info(args, plan, micro, gas)
     start, rng = 0, None
     if args.resume:
-        state = checkpoint.load(engine, args.resume, ps.rank, lora=lora_spec is not None)
+        state = saving.load(engine, args.resume, ps.rank, lora=lora_spec is not None)
         start, rng = state["step"], state["rng"]
-        for diff in checkpoint.check_same_run(state["run"], info):
+        for diff in saving.check_same_run(state["run"], info):
             _say(ps, f"warning: the resumed run differs from the saved one, so its next step is not the "
                      f"one the saved run would have taken ({diff})")
     if args.save_dir and ps.is_main:
-        checkpoint.write_model_files(args.save_dir, hf_config, tokenizer, lora_spec,
+        saving.write_model_files(args.save_dir, hf_config, tokenizer, lora_spec,
                                      os.path.abspath(args.model) if args.model else None)
 
     # 4. train
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     for line in memory.lines + tuple(f"warning: {n}" for n in notes):
         _say(ps, line)
     if lora_spec is not None:
-        resumed = os.path.join(*checkpoint.resolve(args.resume)) if args.resume else None
+        resumed = os.path.join(*saving.resolve(args.resume)) if args.resume else None
         _say(ps, lora.describe(model, lora_spec, args.lora_init, resumed))
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
             saver.save(done)
 
     if rng is not None:
-        checkpoint.set_rng_state(rng)   # last: the set-up above may draw (e.g. the CPU peak's matmuls)
+        saving.set_rng_state(rng)   # last: the set-up above may draw (e.g. the CPU peak's matmuls)
     try:
         records = run_steps(engine, windows, spec, start, args.steps, progress, on_step_end)
     except NonFiniteStep as e:
@@ -524,15 +524,15 @@ class Saver:
         self.last: str | None = None
 
     def save(self, step: int) -> None:
-        tag_dir = checkpoint.save(self.engine, self.args.save_dir, step, self.ps.rank, self.info, self.precision,
+        tag_dir = saving.save(self.engine, self.args.save_dir, step, self.ps.rank, self.info, self.precision,
                                   self.lora_record)
         self.saved.add(step)
         self.last = tag_dir
         if not self.ps.is_main:
             return
-        size = checkpoint.dir_size(tag_dir)
+        size = saving.dir_size(tag_dir)
         line = f"saved step {step} to {tag_dir} ({size / 2 ** 20:.1f} MiB)"
-        removed = checkpoint.prune(self.args.save_dir, self.args.keep_last)
+        removed = saving.prune(self.args.save_dir, self.args.keep_last)
         if removed:
             line += f"; removed {', '.join(removed)} (--keep-last {self.args.keep_last})"
         self._say(line)

@@ -12,7 +12,7 @@ Modules (nothing outside ``fpdt.train`` imports this package or DeepSpeed):
 * :mod:`~fpdt.train.metrics`    -- FLOPs, MFU, TGS
 * :mod:`~fpdt.train.progress`   -- tqdm bar and JSON-lines log
 * :mod:`~fpdt.train.lora`       -- LoRA fine-tuning: flags, checks, adapters, what checkpoints record
-* :mod:`~fpdt.train.checkpoint` -- save / resume
+* :mod:`~fpdt.train.saving` -- save / resume
 * :mod:`~fpdt.train.export`     -- training checkpoint -> Hugging Face checkpoint (PEFT adapter for LoRA)
 * ``fpdt-train`` itself is :mod:`fpdt.cli.train` (above the planner it uses; ``python -m fpdt.train`` runs it)
 """

@@ -29,14 +29,14 @@ import zipfile
 
 import torch
 
-from fpdt.train.checkpoint import TRAINER_FILE, model_file
+from fpdt.train.saving import TRAINER_FILE, model_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _read_tag(save_dir: str, tag: str | None) -> str:
     """The checkpoint to export: ``tag`` or the newest; errors name what exists."""
-    from fpdt.train.checkpoint import available_tags, read_latest
+    from fpdt.train.saving import available_tags, read_latest
 
     if not os.path.exists(save_dir):
         raise FileNotFoundError(f"{save_dir}: no such directory; pass the --save-dir of an fpdt-train run")
@@ -57,7 +57,7 @@ def _read_tag(save_dir: str, tag: str | None) -> str:
 
 
 def _tags(save_dir: str) -> list[str]:
-    from fpdt.train.checkpoint import available_tags
+    from fpdt.train.saving import available_tags
 
     return available_tags(save_dir)
 

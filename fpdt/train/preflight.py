@@ -19,7 +19,7 @@ from fpdt.attention.kernels import AttentionBackend, get_backend
 from fpdt.comm.heads import kv_replication_factor
 from fpdt.model import ModelConfig, UnsupportedConfigError
 from fpdt.model.weights import checkpoint_files
-from fpdt.train import checkpoint
+from fpdt.train import saving
 from fpdt.train.config import ConfigError
 
 # ModelConfig fields that must agree between a checkpoint and the model that resumes it.
@@ -194,13 +194,13 @@ def check_output_file(flag: str, path: str | None) -> None:
 
 
 def check_resume(path: str, *, steps: int, world_size: int, precision: str, model: ModelSource,
-                 zero_stage: int | None = None, default_config: bool = False) -> checkpoint.SavedCheckpoint:
+                 zero_stage: int | None = None, default_config: bool = False) -> saving.SavedCheckpoint:
     """``--resume PATH`` against this run: files whole, same world size, same precision, same
     architecture, and ``--steps`` not below the saved step. ``default_config``: the run has no
     ``--deepspeed`` JSON (its precision is the device's default)."""
     if not os.path.exists(path):
         raise ConfigError(f"--resume {path}: no such directory; pass the --save-dir of a run or one of its step<N> dirs")
-    saved = checkpoint.inspect(path, zero_stage)
+    saved = saving.inspect(path, zero_stage)
     if saved.world_size != world_size:
         raise ConfigError(f"--resume {path}: the checkpoint was written by {saved.world_size} processes, this run has "
                           f"{world_size}; resume with the same number of processes (ZeRO shards are per rank)")

@@ -1,6 +1,6 @@
 """DeepSpeed set-up: communication back end, ZeRO-3 external parameters, the engine.
 
-This is the only place (with :mod:`fpdt.train.checkpoint`, :mod:`fpdt.train.export` and
+This is the only place (with :mod:`fpdt.train.saving`, :mod:`fpdt.train.export` and
 :mod:`fpdt.train.zero_load`) that imports DeepSpeed; nothing below ``fpdt.train`` does.
 """
 

@@ -94,3 +94,14 @@ def doc_ids_from_lengths(lengths_per_row, device=None):
     """``[[len, ...], ...]`` (each row summing to S) -> doc ids ``[B, S]`` (0, 1, ... per row)."""
     return torch.stack([torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls)) for ls in lengths_per_row]
                        ).to(device)
+
+
+def assert_traffic_matches(got, want, phase: str, context) -> None:
+    """``got`` = ``(p2p, all_to_all, h2d, d2h)`` as a traffic counter takes them for one phase
+    (``"fwd"`` or ``"bwd"``), against :func:`fpdt.attention.ring_costs.attention_costs`' ``want``."""
+    p2p, a2a, h2d, d2h = got
+    assert p2p == (getattr(want, f"p2p_sends_{phase}"), getattr(want, f"p2p_bytes_{phase}")), (context, p2p, want)
+    assert a2a == (getattr(want, f"all_to_alls_{phase}"), getattr(want, f"all_to_all_bytes_{phase}")), \
+        (context, a2a, want)
+    assert (h2d, d2h) == (getattr(want, f"h2d_bytes_{phase}"), getattr(want, f"d2h_bytes_{phase}")), \
+        (context, h2d, d2h, want)

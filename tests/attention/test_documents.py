@@ -20,7 +20,7 @@ from fpdt.attention.kernels import masked
 from fpdt.attention.kernels.masked import masked_backward, masked_forward
 from fpdt.layout import shard
 from fpdt.offload import use_runtime
-from tests.attention.reference import assert_rel_close, doc_ids_from_lengths, reference_document_attention
+from tests.attention.reference import assert_traffic_matches, assert_rel_close, doc_ids_from_lengths, reference_document_attention
 from tests.distributed import run_distributed
 
 TOL = 1e-5
@@ -40,13 +40,20 @@ def _inputs(B, S, H, H_kv, D, seed, dtype=torch.float32):
     return [torch.randn(B, S, h, D, generator=g).to(dtype) for h in (H, H_kv, H_kv, H)]
 
 
-def check_case(rank, world, *, lengths, H, H_kv, u, offload, D=8, causal=True, seed=0, backend=None):
+def _reference_case(lengths, H, H_kv, D, seed, causal):
+    """Global inputs for these documents and the float64 per-document reference, back-propagated:
+    ``(doc, (q, k, v, dout), (qr, kr, vr), ref)``."""
     doc = doc_ids_from_lengths(lengths)
-    B, S = doc.shape
-    q, k, v, dout = _inputs(B, S, H, H_kv, D, seed)
+    q, k, v, dout = _inputs(*doc.shape, H, H_kv, D, seed)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref = reference_document_attention(qr, kr, vr, doc, causal=causal)
     ref.backward(dout.double())
+    return doc, (q, k, v, dout), (qr, kr, vr), ref
+
+
+def check_case(rank, world, *, lengths, H, H_kv, u, offload, D=8, causal=True, seed=0, backend=None):
+    doc, (q, k, v, dout), (qr, kr, vr), ref = _reference_case(lengths, H, H_kv, D, seed, causal)
+    B, S = doc.shape
     ql, kl, vl = (shard(t, world, u, rank).requires_grad_() for t in (q, k, v))
     out = fpdt_attention(ql, kl, vl, num_chunks=u, offload=offload, causal=causal, doc_ids=doc, backend=backend)
     out.backward(shard(dout, world, u, rank))
@@ -279,12 +286,8 @@ def test_ranks_parity(world):
 # ----------------------------------------------------------------------------- the 2D mesh
 def check_mesh_case(mesh, *, lengths, u, H, H_kv, offload, D=8, causal=True, seed=0):
     from tests.attention.reference import assert_rel_close as close
-    doc = doc_ids_from_lengths(lengths)
+    doc, (q, k, v, dout), (qr, kr, vr), ref = _reference_case(lengths, H, H_kv, D, seed, causal)
     B, S = doc.shape
-    q, k, v, dout = _inputs(B, S, H, H_kv, D, seed)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference_document_attention(qr, kr, vr, doc, causal=causal)
-    ref.backward(dout.double())
     ql, kl, vl = (mesh.shard(t, u).requires_grad_() for t in (q, k, v))
     out = fpdt_attention(ql, kl, vl, mesh=mesh, num_chunks=u, offload=offload, causal=causal, doc_ids=doc)
     out.backward(mesh.shard(dout, u))
@@ -413,10 +416,7 @@ def _mesh_traffic_body(rank, world):
             traffic.take()
             counts["pairs"] = 0
             out = fpdt_attention(q, k, v, mesh=mesh, num_chunks=u, offload=True, doc_ids=doc, backend="counting")
-            p2p, a2a, h2d, d2h = traffic.take()
-            assert p2p == (want.p2p_sends_fwd, want.p2p_bytes_fwd), (kw, p2p, want)
-            assert a2a == (want.all_to_alls_fwd, want.all_to_all_bytes_fwd), (kw, a2a, want)
-            assert (h2d, d2h) == (want.h2d_bytes_fwd, want.d2h_bytes_fwd), (kw, h2d, d2h, want)
+            assert_traffic_matches(traffic.take(), want, "fwd", kw)
             # the work run: this rank's pairs as counted in the kernels = the cost model's, and over
             # the CP ranks the sum over documents of n (n + 1) / 2
             assert counts["pairs"] == want.attention_pairs, (kw, counts, want.attention_pairs)
@@ -424,10 +424,7 @@ def _mesh_traffic_body(rank, world):
             torch.distributed.all_reduce(total)
             assert total.item() == mesh.hp * sum(n * (n + 1) // 2 for row in lengths for n in row)
             out.backward(dout)
-            p2p, a2a, h2d, d2h = traffic.take()
-            assert p2p == (want.p2p_sends_bwd, want.p2p_bytes_bwd), (kw, p2p, want)
-            assert a2a == (want.all_to_alls_bwd, want.all_to_all_bytes_bwd), (kw, a2a, want)
-            assert (h2d, d2h) == (want.h2d_bytes_bwd, want.d2h_bytes_bwd), (kw, h2d, d2h, want)
+            assert_traffic_matches(traffic.take(), want, "bwd", kw)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fpdt.train import checkpoint
+from fpdt.train import saving
 from tests.distributed import run_distributed
 from tests.train.helpers import SGD_CLIP, ds_config, quiet, write_fixture, write_json
 
@@ -24,10 +24,10 @@ def test_prune_keeps_the_newest_and_what_latest_names(tmp_path):
     for n in (1, 2, 3, 4, 10):
         (tmp_path / f"step{n}").mkdir()
     (tmp_path / "latest").write_text("step2")
-    removed = checkpoint.prune(str(tmp_path), keep_last=2)
+    removed = saving.prune(str(tmp_path), keep_last=2)
     assert sorted(os.path.basename(p) for p in removed) == ["step1", "step3"]
     assert sorted(os.listdir(tmp_path)) == ["latest", "step10", "step2", "step4"]
-    assert checkpoint.prune(str(tmp_path), keep_last=0) == []
+    assert saving.prune(str(tmp_path), keep_last=0) == []
 
 
 # ----------------------------------------------------------------------------- skip logic on a stand-in engine
@@ -159,7 +159,7 @@ def _guards_body(rank, world_size, tmp):
         assert m, lines[0]
         bad = int(m.group(1))
         assert m.group(2) == os.path.join(ck, f"step{bad - 1}")
-        assert checkpoint.read_latest(ck) == f"step{bad - 1}"
+        assert saving.read_latest(ck) == f"step{bad - 1}"
         assert not os.path.exists(os.path.join(ck, f"step{bad}"))
     else:
         assert lines == [], out   # the same error is printed once, by rank 0

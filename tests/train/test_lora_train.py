@@ -468,10 +468,10 @@ def test_a_resume_onto_a_random_base_from_another_config_is_refused(mixed_run, t
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_lora_resume_loads_the_adapters_only(tied):
-    """checkpoint._adapters_only: the module state exclude_frozen_parameters leaves (with tied
+    """saving._adapters_only: the module state exclude_frozen_parameters leaves (with tied
     embeddings it keeps lm_head.weight, a second name of the frozen embedding) loads; a state
     that holds the frozen base too, or lacks an adapter, is refused before anything loads."""
-    from fpdt.train.checkpoint import _adapters_only
+    from fpdt.train.saving import _adapters_only
     from fpdt.train.config import ConfigError
     cfg = {**TINY_CONFIG, "tie_word_embeddings": tied}
     spec = LoraSpec(2, targets=("q_proj", "v_proj"))

@@ -43,7 +43,7 @@ import warnings
 import torch
 
 from fpdt.attention.kernels import flash, torch_cpu, torch_cuda
-from fpdt.attention.kernels.common import HALF, AttentionBackend, on
+from fpdt.attention.kernels.common import HALF, AttentionBackend, check_relative_errors, on
 from fpdt.attention.kernels.reference import math_backward as _math_backward
 from fpdt.attention.kernels.reference import math_forward as _math_forward
 
@@ -141,11 +141,7 @@ def self_check(backend: AttentionBackend, device: torch.device, dtype: torch.dty
             r = _math_backward(dout, q, kb, vb, out, lse, causal, scale)
             b = backend.backward(dout, q, kb, vb, out, lse, causal, scale)
             pairs += list(zip(b, r))
-        for a, b in pairs:
-            a, b = a.double(), b.double()
-            err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
-            if not err <= tol:  # also catches nan
-                raise AssertionError(f"relative error {err:.2e} > {tol:.0e}")
+        check_relative_errors(pairs, tol)
         result = None
     except Exception as e:  # noqa: BLE001 -- any failure disqualifies the kernel
         result = f"{type(e).__name__}: {e}"

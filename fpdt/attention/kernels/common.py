@@ -84,3 +84,13 @@ def pad_head_dim(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """
     pad = -x.shape[-1] % multiple
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def check_relative_errors(pairs, tol: float) -> None:
+    """Raise ``AssertionError`` unless every ``(got, want)`` pair agrees within ``tol``, relative
+    to ``want``'s largest magnitude (a NaN fails too): the kernels' self-checks."""
+    for got, want in pairs:
+        got, want = got.double(), want.double()
+        err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+        if not err <= tol:
+            raise AssertionError(f"relative error {err:.2e} > {tol:.0e}")
