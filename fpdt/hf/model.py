@@ -416,8 +416,9 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
         return
 
     def external(owner: nn.Module, p: torch.nn.Parameter) -> None:
-        if "_external_params" not in patches.changed(owner):   # DeepSpeed's registry, a copy of its own
-            patches.set(owner, "_external_params", dict(owner.__dict__.get("_external_params", {})))
+        if "_external_params" not in patches.changed(owner):   # what DeepSpeed's registry adds to the module
+            for name in ("_external_params", "ds_external_parameters", "all_parameters"):
+                patches.remember(owner, name)
         register_external_parameter(owner, p)
 
     def register(owner: nn.Module, names: tuple[str, ...]) -> None:

@@ -25,6 +25,12 @@ class Patches:
         self._done.append((obj, name, obj.__dict__.get(name, _ABSENT)))
         setattr(obj, name, value)
 
+    def remember(self, obj: Any, name: str) -> None:
+        """Record ``obj.name`` as it is now (a dict as a copy of its items), for a change another
+        library is about to make (DeepSpeed's external-parameter registry)."""
+        before = obj.__dict__.get(name, _ABSENT)
+        self._done.append((obj, name, dict(before) if isinstance(before, dict) else before))
+
     def bind(self, obj: Any, name: str, function: Callable) -> None:
         """Replace the method ``obj.name`` with ``function`` bound to ``obj`` (its first argument)."""
         self.set(obj, name, types.MethodType(function, obj))
