@@ -10,6 +10,9 @@ backward; no optimizer step) with its min and max over the repeats, the time spe
 attention kernels (every call through :data:`fpdt.attention.kernels.BACKENDS` timed), the host
 stash bytes (the peak of host stash bytes in use during the step, and the saved outputs by formula,
 :func:`fpdt.attention.offload_volume.saved_attention_bytes`), and the save / recompute ratios.
+Beside each wall time it records the process's CPU time (step and attention kernels): with
+``--threads 1`` that is the work done, which other processes on a busy machine do not inflate,
+so its ratio is the one to quote when the machine was not quiet.
 
 Default shape: attention-dominated (hidden 256, 4 heads of 64 (MHA), 4 layers, SwiGLU 512,
 vocabulary 512), fp32, ``checkpointing="offload"``, ``offload=True`` (the CPU's ``sync``
@@ -17,6 +20,7 @@ runtime copies into host buffers), 4K-token chunks. Writes ``attention_checkpoin
 ``benchmarks/results/<device>/<date>/`` (or ``--out-dir``).
 
     python profiling/attention_checkpoint.py --lengths 16384 32768 --repeats 3
+    OMP_NUM_THREADS=1 python profiling/attention_checkpoint.py --threads 1   # on a busy machine
 """
 
 from __future__ import annotations
@@ -54,13 +58,14 @@ class KernelTimer:
 
     def __init__(self, name: str, dtype: torch.dtype, head_dim: int):
         self.original = kernels.get_backend(name, torch.device("cpu"), dtype, head_dim)
-        self.seconds, self.forwards, self.backwards = 0.0, 0, 0
+        self.seconds, self.cpu_seconds, self.forwards, self.backwards = 0.0, 0.0, 0, 0
 
         def timed(fn, field):
             def call(*a, **k):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 out = fn(*a, **k)
                 self.seconds += time.perf_counter() - t
+                self.cpu_seconds += time.process_time() - c
                 setattr(self, field, getattr(self, field) + 1)
                 return out
             return call
@@ -69,7 +74,7 @@ class KernelTimer:
                                                      backward=timed(self.original.backward, "backwards"))
 
     def reset(self):
-        self.seconds, self.forwards, self.backwards = 0.0, 0, 0
+        self.seconds, self.cpu_seconds, self.forwards, self.backwards = 0.0, 0.0, 0, 0
 
 
 def main(argv=None) -> dict:
@@ -113,7 +118,8 @@ def main(argv=None) -> dict:
 
         inputs = make_inputs(S)
         warm = make_inputs(max(u, (args.warmup_len // u) * u))
-        rows = {m: {"step_s": [], "attention_s": [], "forwards": None, "backwards": None, "loss": None} for m in MODES}
+        rows = {m: {"step_s": [], "attention_s": [], "step_cpu_s": [], "attention_cpu_s": [], "forwards": None,
+                    "backwards": None, "loss": None} for m in MODES}
         host = {}
         for mode in MODES:                              # warm-up (kernel self-check, host pool) on a short input
             models[mode](**warm).backward()
@@ -123,16 +129,19 @@ def main(argv=None) -> dict:
                 model.zero_grad(set_to_none=True)
                 timer.reset()
                 with HostPeak() as peak:
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     loss = model(**inputs)
                     loss.backward()
-                    dt = time.perf_counter() - t
+                    dt, dc = time.perf_counter() - t, time.process_time() - c
                 if rep == 0:
                     host[mode] = peak.above_start
                     rows[mode].update(forwards=timer.forwards, backwards=timer.backwards, loss=loss.item())
                 rows[mode]["step_s"].append(dt)
                 rows[mode]["attention_s"].append(timer.seconds)
-                print(f"S={S} u={u} {mode:9s} rep {rep + 1}: step {dt:.2f} s, attention {timer.seconds:.2f} s "
+                rows[mode]["step_cpu_s"].append(dc)
+                rows[mode]["attention_cpu_s"].append(timer.cpu_seconds)
+                print(f"S={S} u={u} {mode:9s} rep {rep + 1}: step {dt:.2f} s (CPU {dc:.2f} s), attention "
+                      f"{timer.seconds:.2f} s (CPU {timer.cpu_seconds:.2f} s) "
                       f"({timer.forwards} fwd / {timer.backwards} bwd kernel calls)", flush=True)
         saved = saved_attention_bytes(batch=1, seq_local=S, num_heads=args.heads, head_dim=head_dim, dtype=dtype)
         result = {"seq_len": S, "num_chunks": u}
@@ -143,6 +152,10 @@ def main(argv=None) -> dict:
                 "step_s_max": max(r["step_s"]), "step_s": r["step_s"],
                 "attention_s_median": statistics.median(r["attention_s"]), "attention_s": r["attention_s"],
                 "attention_share": statistics.median(a / s for a, s in zip(r["attention_s"], r["step_s"])),
+                "step_cpu_s_median": statistics.median(r["step_cpu_s"]), "step_cpu_s": r["step_cpu_s"],
+                "attention_cpu_s_median": statistics.median(r["attention_cpu_s"]),
+                "attention_cpu_s": r["attention_cpu_s"],
+                "attention_cpu_share": statistics.median(a / s for a, s in zip(r["attention_cpu_s"], r["step_cpu_s"])),
                 "attention_forward_calls": r["forwards"], "attention_backward_calls": r["backwards"],
                 "loss": r["loss"], "host_peak_bytes": host[mode],
             }
@@ -152,6 +165,11 @@ def main(argv=None) -> dict:
                                                     / result["recompute"]["step_s_median"])
         result["ratio_attention_save_over_recompute"] = (result["save"]["attention_s_median"]
                                                          / result["recompute"]["attention_s_median"])
+        for kind in ("step", "attention"):   # CPU seconds of the process: robust to other load with --threads 1
+            result[f"ratio_{kind}_cpu_save_over_recompute"] = (result["save"][f"{kind}_cpu_s_median"]
+                                                                / result["recompute"][f"{kind}_cpu_s_median"])
+        print(f"S={S}: CPU time save/recompute: step {result['ratio_step_cpu_save_over_recompute']:.3f}, "
+              f"attention {result['ratio_attention_cpu_save_over_recompute']:.3f}", flush=True)
         print(f"S={S}: step save/recompute {result['ratio_step_save_over_recompute']:.3f}, attention "
               f"{result['ratio_attention_save_over_recompute']:.3f}; saved {saved * args.layers / 2**20:.1f} MiB "
               f"on the host", flush=True)
