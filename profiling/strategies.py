@@ -41,7 +41,11 @@ import torch
 
 from fpdt.train.config import TrainerOptions
 
-STRATEGIES = ("fpdt", "fpdt-no-offload", "hf", "alst")
+DEFAULT_STRATEGIES = ("fpdt", "fpdt-no-offload", "hf", "alst")
+"""What the suite's comparisons run by default."""
+STRATEGIES = DEFAULT_STRATEGIES + ("fpdt-save",)
+"""``fpdt-save``: ``fpdt`` with ``attention_checkpoint="save"`` (every layer keeps its attention
+output and lse on the host; the recompute runs no attention kernel)."""
 
 
 @dataclass
@@ -121,12 +125,14 @@ def attention_kernel(strategy: str, cfg: dict, device, dtype, backend: str | Non
 
 
 def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload: bool = True,
-               backend: str | None = None) -> Trainee:
-    """``backend``: the attention kernel (None: automatic selection)."""
+               backend: str | None = None, attention_checkpoint: str = "recompute") -> Trainee:
+    """``backend``: the attention kernel (None: automatic selection); ``attention_checkpoint``:
+    the model option of that name."""
     import fpdt.model as fm
     chunks = max(1, seq_len // min(chunk_size, seq_len))
     model = fm.from_config(cfg, device=device, dtype=dtype, num_chunks=chunks, offload=offload,
-                           checkpointing="offload" if offload else "on", lm_head_wgrad=LM_HEAD_WGRAD, backend=backend)
+                           checkpointing="offload" if offload else "on", lm_head_wgrad=LM_HEAD_WGRAD, backend=backend,
+                           attention_checkpoint=attention_checkpoint)
 
     def forward_backward(inputs, on_backward=None):
         loss = model(**inputs)
@@ -136,7 +142,7 @@ def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload:
         return loss
     return _trainee(model.parameters(), model.prepare_inputs, forward_backward, True,
                     f"num_chunks={chunks}, mlp_chunks={model.mlp_chunks}, loss_chunks={model.loss_chunks}, "
-                    f"lm_head_wgrad={LM_HEAD_WGRAD}",
+                    f"lm_head_wgrad={LM_HEAD_WGRAD}, attention_checkpoint={attention_checkpoint}",
                     model.model.layers)
 
 
@@ -257,6 +263,9 @@ def build(strategy: str, cfg: dict, seq_len: int, chunk_size: int, device, dtype
     strategies' attention kernel (None: automatic; the peers always run torch's SDPA)."""
     if strategy == "fpdt":
         return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=True, backend=backend)
+    if strategy == "fpdt-save":
+        return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=True, backend=backend,
+                          attention_checkpoint="save")
     if strategy == "fpdt-no-offload":
         return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=False, backend=backend)
     if strategy == "hf":
