@@ -1,6 +1,7 @@
 """``fpdt.plan.plan``: will it fit, how fast, which settings, and the longest length.
 
-Choices the caller leaves open (``None``) are searched: global chunk sizes 8K..256K
+Choices the caller leaves open (:class:`Choice`: coordinates left ``None``, model options
+not fixed) are searched: global chunk sizes 8K..256K
 (powers of two dividing ``S``) and ``fpdt-train``'s default chunk for each mesh, every ``hp x cp = sp`` with
 ``hp`` dividing the query heads, both placements when ``cp > 1``, both LM-head weight
 gradient modes (:mod:`fpdt.model.loss`), and for checkpointed setups whether (and how many)
