@@ -16,11 +16,11 @@ import json
 import sys
 
 from fpdt.attention.kernels import BACKENDS
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
 from fpdt.plan.models import PRESETS, load_model_config
 from fpdt.plan.planner import Choice, plan
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
 from fpdt.plan.setup import DTYPES, PLACEMENTS
 from fpdt.train.config import option_field
 

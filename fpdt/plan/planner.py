@@ -225,9 +225,10 @@ def _lora_flops_fraction(m: ModelShape, seq_len: int, causal: bool) -> float:
 
 
 def _with_device_layers(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster) -> tuple[Setup, dict] | None:
-    """Setup ``s`` (``r`` its evaluation) with the fewest more of its last layers' inputs kept on the device that
-    bring its host peak within the host memory, and its evaluation; None when ``s`` is not
-    an offloaded-checkpoint setup over on the host only, or no such count fits the GPU too.
+    """Setup ``s`` (``r`` its evaluation) with the fewest more of its last layers' inputs
+    kept on the device that bring its host peak within the host memory, and its evaluation;
+    None when ``s`` is not an offloaded-checkpoint setup over on the host only, or no such
+    count fits the GPU too.
     Each layer kept moves one layer input per rank from host to device (``checkpoints_host``
     over the offloaded layers)."""
     kept = s.options.checkpoint_device_layers
