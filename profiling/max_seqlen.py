@@ -115,7 +115,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     if kernel_expands_gqa is None:
         from fpdt.attention.kernels import BACKENDS
         kernel_expands_gqa = (not BACKENDS[kernel].native_gqa) if kernel else bc.default_device().type == "cpu"
-    s = Setup(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpoint="offload" if offload else "on",
+    s = Setup.build(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpointing="offload" if offload else "on",
               offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
               lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD,
               attention_checkpoint="save" if strategy == "fpdt-save" else "recompute")
@@ -134,7 +134,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
             "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"],
             "planned_step_s": r["step_time_s"], "planned_step_split_s": r["step_time_split_s"],
             "planned_rates": rates,
-            "planned_setup": {"lm_head_wgrad": s.lm_head_wgrad, "kernel_expands_gqa": kernel_expands_gqa}}
+            "planned_setup": {"lm_head_wgrad": s.options.lm_head_wgrad, "kernel_expands_gqa": kernel_expands_gqa}}
 
 
 def trial(args) -> dict:

@@ -12,16 +12,17 @@ chosen unless given.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
 from fpdt.attention.kernels import BACKENDS
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
 from fpdt.plan.models import PRESETS, load_model_config
 from fpdt.plan.planner import Choice, plan
-from fpdt.plan.setup import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, DTYPES, LM_HEAD_WGRAD_MODES, PLACEMENTS
+from fpdt.plan.setup import DTYPES, PLACEMENTS
+from fpdt.train.config import option_field
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                  "checkpoint_device_layers": args.checkpoint_device_layers, "lora_rank": args.lora_rank,
                  "attention_checkpoint": args.attention_checkpoint,
                  "save_attention_layers": args.save_attention_layers, "doc_len": args.doc_len}
-        choice = dataclasses.replace(choice, **{k: v for k, v in flags.items() if v is not None})   # flags win
+        choice = choice.fix(**{option_field(k): v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:
         print(f"fpdt-plan: error: {exc}", file=sys.stderr)

@@ -6,7 +6,7 @@ device memory (``reduce_bucket_size``, ``sub_group_size``, ``contiguous_gradient
 the precision (``bf16`` / ``fp16`` enabled: 2-byte weights; neither: fp32), the micro
 batch (``train_micro_batch_size_per_gpu``: sequences per SP group, or what DeepSpeed derives
 from ``train_batch_size`` over the GPUs), and the
-``"fpdt"`` section ``fpdt-train`` reads from the same file (:data:`FPDT_KEYS`): what it
+``"fpdt"`` section ``fpdt-train`` reads from the same file (:data:`fpdt.train.config.FPDT_KEYS`): what it
 sets is fixed for the plan, as it will be for the run; what it leaves out the planner
 chooses. ZeRO keys absent from the file keep DeepSpeed's defaults. A value ``"auto"`` (which
 Hugging Face's Trainer fills in from its own arguments) is read as the Trainer fills it where
@@ -18,18 +18,11 @@ afterwards, as ``fpdt-train`` does).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from fpdt.plan.planner import Choice
-from fpdt.train.config import merge_options
+from fpdt.train.config import merge_options, option_field
 from fpdt.train.preflight import micro_batch_size
-
-FPDT_KEYS = ("sp", "hp", "cp", "placement", "inner_ring", "chunk_size", "offload", "checkpoint", "lm_head_wgrad",
-             "mlp_chunks", "loss_chunks", "attention_backend", "checkpoint_device_layers", "attention_checkpoint",
-             "save_attention_layers")
-"""Keys of the JSON's ``"fpdt"`` section that are planner choices (same names as ``fpdt-train``'s)."""
-
 
 AUTO = "auto"
 """Hugging Face's placeholder for a value the Trainer fills in."""
@@ -91,5 +84,5 @@ def apply_deepspeed_dict(cfg: dict, choice: Choice, world_size: int = 1, hidden_
                                             world_size)                          # per SP group, as DeepSpeed does
     section = cfg.get("fpdt", {}) or {}
     merge_options({}, section)      # fpdt-train's checks of the section: unknown keys, types, values
-    changes.update({k: section[k] for k in FPDT_KEYS if section.get(k) is not None})
-    return dataclasses.replace(choice, **changes)
+    changes.update({option_field(k): v for k, v in section.items() if v is not None})
+    return choice.fix(**changes)

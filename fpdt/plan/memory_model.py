@@ -131,14 +131,14 @@ class MemoryEstimate:
 
 def loss_chunks(cfg: ModelConfig, s: Setup) -> int:
     """The model's own default (:func:`fpdt.model.loss.default_loss_chunks`) unless set."""
-    return s.loss_chunks if s.loss_chunks is not None else default_loss_chunks(cfg.vocab_size, cfg.hidden_size,
-                                                                              s.num_chunks)
+    n = s.options.loss_chunks
+    return n if n is not None else default_loss_chunks(cfg.vocab_size, cfg.hidden_size, s.num_chunks)
 
 
 def mlp_chunks(cfg: ModelConfig, s: Setup) -> int:
     """The model's own default (:func:`fpdt.model.mlp.default_mlp_chunks`) unless set."""
-    return s.mlp_chunks if s.mlp_chunks is not None else default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size,
-                                                                            s.num_chunks)
+    n = s.options.mlp_chunks
+    return n if n is not None else default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size, s.num_chunks)
 
 
 def kv_dim(cfg: ModelConfig, s: Setup) -> int:
@@ -169,7 +169,7 @@ def layer_attention_costs(cfg: ModelConfig, s: Setup, causal: bool = True) -> At
     return attention_costs(seq_len=s.seq_len, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                            head_dim=cfg.head_dim, hp=s.hp, cp=s.cp, inner_ring=s.inner_ring,
                            num_chunks=s.num_chunks, hidden=cfg.hidden_size, batch=s.batch,
-                           dtype_bytes=s.elem_bytes, offload=s.offload, causal=causal)
+                           dtype_bytes=s.elem_bytes, offload=s.options.offload, causal=causal)
 
 
 def _dq_nd(cfg: ModelConfig, s: Setup) -> float:
@@ -228,27 +228,27 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     stash_nd = attention_stash_nd(cfg, s)
 
     states = model_states(cfg, s, world)
-    if s.checkpoint == "on":
+    if s.options.checkpointing == "on":
         ckpt_dev, ckpt_host = l * nd, 0.0
-    elif s.checkpoint == "offload":
+    elif s.options.checkpointing == "offload":
         # Two inputs on the device at a time (the layer's own, the next one fetched); with
         # the last k layers' inputs kept there, k at the start of backward, then fewer.
-        k = s.checkpoint_device_layers
+        k = s.options.checkpoint_device_layers
         ckpt_dev, ckpt_host = max(k, min(2, l)) * nd, (l - k) * nd
     else:   # every layer keeps its activations (and its stash, unless offloaded)
-        per_layer = SAVED_PER_LAYER_ND + (0.0 if s.offload else stash_nd)
+        per_layer = SAVED_PER_LAYER_ND + (0.0 if s.options.offload else stash_nd)
         ckpt_dev, ckpt_host = l * per_layer * nd, 0.0
     saved_host_layers, saved_dev_layers = s.saving_layers(l)
     saved_dev = saved_dev_layers * saved_attention_bytes(cfg, s)
     saved_host = saved_host_layers * saved_attention_bytes(cfg, s)
-    stash_resident = 0.0 if s.offload else (stash_nd - _dq_nd(cfg, s)) * nd   # recomputed, kept on device
+    stash_resident = 0.0 if s.options.offload else (stash_nd - _dq_nd(cfg, s)) * nd   # recomputed, kept on device
     costs = layer_attention_costs(cfg, s)       # its peaks include the on-device stash without offload
     if s.cp == 1:   # the Ulysses pipeline, plus the projection-input chunk the layer fetches for dW
         ws_U = max(ulysses_working_set_U(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                          head_dim=cfg.head_dim, sp=s.hp, num_chunks=s.num_chunks,
-                                         offload=s.offload, kernel_expands_gqa=s.kernel_expands_gqa))
+                                         offload=s.options.offload, kernel_expands_gqa=s.kernel_expands_gqa))
         # without offload the stash recomputed in the layer's forward is resident in its backward
-        attn_ws = ws_U * costs.U + (nd / s.num_chunks if s.offload else stash_resident)
+        attn_ws = ws_U * costs.U + (nd / s.num_chunks if s.options.offload else stash_resident)
     else:
         attn_ws = max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
     t_mlp = s.rank_tokens / mlp_chunks(cfg, s)
@@ -257,7 +257,7 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     logits_chunk, vh = t_loss * cfg.vocab_size * 4, cfg.vocab_size * h
     if s.lora_rank:     # a frozen LM head: no weight gradient in either mode
         loss = 2 * nd + LOSS_LOGIT_COPIES * logits_chunk
-    elif s.lm_head_wgrad == "recompute":
+    elif s.options.lm_head_wgrad == "recompute":
         loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk, vh * e + logits_chunk * (1 + e / 4))
     else:
         cast = vh * e if e != 4 else 0.0            # the backward's cast of the fp32 accumulator
@@ -294,8 +294,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
               + FRAGMENTATION * dynamic + RUNTIME_RESERVE_BYTES)
 
     stash_host = 0.0
-    if s.offload:
-        stash_host = (l if s.checkpoint == "off" else 1) * stash_nd * nd
+    if s.options.offload:
+        stash_host = (l if s.options.checkpointing == "off" else 1) * stash_nd * nd
     per_rank_host = ckpt_host + saved_host + stash_host + states["model_states_host"] + HOST_RESERVE_PER_RANK
     ranks = min(gpus_per_node, world)
     breakdown = {

@@ -1,6 +1,7 @@
 """``fpdt.plan.plan``: will it fit, how fast, which settings, and the longest length.
 
-Choices the caller leaves open (``None``) are searched: global chunk sizes 8K..256K
+Choices the caller leaves open (:class:`Choice`: coordinates left ``None``, model options
+not fixed) are searched: global chunk sizes 8K..256K
 (powers of two dividing ``S``) and ``fpdt-train``'s default chunk for each mesh, every ``hp x cp = sp`` with
 ``hp`` dividing the query heads, both placements when ``cp > 1``, both LM-head weight
 gradient modes (:mod:`fpdt.model.loss`), and for checkpointed setups whether (and how many)
@@ -15,20 +16,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Mapping
 
 import torch
 
 from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model.config import ModelConfig
+from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, saved_attention_bytes
 from fpdt.plan.models import load_model_config
-from fpdt.plan.setup import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP,
-                             Setup, chunk_count_problems, device_layer_problems, save_attention_problems)
+from fpdt.plan.setup import (GPU_OPTIONS, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
+                             chunk_count_problems, option_problems, split_options)
 from fpdt.plan.time_model import estimate_time
-from fpdt.train.config import chunk_split, default_chunk_size
+from fpdt.train.config import TrainerOptions, chunk_split, default_chunk_size, device_defaults
 from fpdt.train.metrics import ModelShape, layer_matmul_flops, step_rates, train_flops_per_token
 
 KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -41,7 +44,23 @@ DEFAULT_GRANULE = 2 ** 16
 
 @dataclass(frozen=True)
 class Choice:
-    """What the caller fixed (non-None) and what the planner chooses (None)."""
+    """What the caller fixed and what the planner chooses. Build one with :meth:`fix`, which
+    takes the planner's coordinates and :class:`~fpdt.options.FPDTOptions` fields alike:
+    ``Choice().fix(chunk_size=65536, lm_head_wgrad="accumulate")``.
+
+    Coordinates left None are chosen. Of the model options, those not in :attr:`fixed`
+    are ``fpdt-train``'s on a GPU (:data:`fpdt.plan.setup.GPU_OPTIONS`), except those the
+    planner chooses: attention ``offload`` (``fpdt-train``'s default, on when the sequence
+    has more than one chunk: :func:`fpdt.train.config.device_defaults`), ``lm_head_wgrad``
+    (the faster mode that fits), ``checkpoint_device_layers`` (0, or where the host memory
+    is what does not fit, the fewest that bring the host peak within it while the GPU still
+    fits: :func:`_with_device_layers`) and the saved attention (``attention_checkpoint`` /
+    ``save_attention_layers``: ``"save"`` for as many layers as fit, as ``fpdt-train``'s
+    default does; a fixed ``"save"`` without a layer count chooses the count, fixed
+    ``"recompute"`` saves none). ``checkpointing`` is ``"offload"`` unless fixed; the
+    ``recommended`` answer searches it too. ``backend`` (the kernel; None: automatic) sets
+    the KV heads the memory model counts (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`)
+    and the attention rate."""
 
     chunk_size: int | None = None
     sp: int | None = None
@@ -50,51 +69,50 @@ class Choice:
     cp: int | None = None
     placement: str | None = None
     inner_ring: int | None = None
-    checkpoint: str = "offload"
-    offload: bool | None = None
-    """Attention offload; None: ``fpdt-train``'s GPU default, on when the sequence has more
-    than one chunk (:func:`fpdt.train.config.device_defaults`)."""
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    """The :class:`~fpdt.options.FPDTOptions` fields the caller fixed, by name (never
+    ``num_chunks``, ``group`` or ``mesh``: :data:`fpdt.plan.setup.DERIVED_OPTIONS`)."""
     zero_stage: int = 3
     offload_optimizer: bool = False
     offload_param: bool = False
     dtype: str = "bf16"
     batch: int = 1
-    mlp_chunks: int | None = None
-    """Token chunks of the chunked MLP; None: the options' default, ``ceil(2 u I / hidden)``
-    (:class:`fpdt.options.FPDTOptions`, the same for every entry point)."""
-    loss_chunks: int | None = None
-    """Token chunks of the LM-head loss; None: the model's default, as ``fpdt-train`` uses."""
-    checkpoint_device_layers: int | None = None
-    """With ``checkpoint="offload"``: the last this many layers keep their input on the
-    device. None: 0, or where the host memory is what does not fit, the fewest that bring
-    the host peak within it while the GPU still fits (:func:`_with_device_layers`)."""
-    attention_backend: str | None = None
-    """The attention kernel, as ``fpdt-train --attention-backend`` (None: automatic); the
-    memory model counts the KV heads it repeats (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`)."""
-    lm_head_wgrad: str | None = None
-    """None: the mode the time model finds faster, among those that fit ("recompute" saves
-    the fp32 accumulator's traffic per loss chunk at the price of one more LM-head GEMM)."""
     reduce_bucket_size: float = ZERO_REDUCE_BUCKET
     sub_group_size: float = ZERO_SUB_GROUP
     contiguous_gradients: bool = True
     """DeepSpeed ZeRO settings that allocate device memory (its defaults unless given)."""
     lora_rank: int = 0
     """LoRA fine-tuning (``fpdt.hf`` with PEFT) of this rank on every decoder linear; 0: full."""
-    attention_checkpoint: str | None = None
-    """``"save"`` / ``"recompute"`` (the model's option); None: choose, as ``fpdt-train``'s
-    default does (``"save"`` for as many layers as fit, when any do)."""
     doc_len: int | None = None
     """Packed documents of this mean length (:mod:`fpdt.plan.documents`); None: one per sequence."""
-    save_attention_layers: int | None = None
-    """How many layers save their attention output (implies ``"save"``); None: the most that
-    fit (the host and device memory left by the rest of the setup)."""
+
+    def fix(self, **changes: Any) -> Choice:
+        """A copy with ``changes`` to the coordinates and the fixed options (by their
+        :class:`FPDTOptions` names). An option given as None is left to the planner again (as
+        ``fpdt-train`` reads a flag not given); an unknown name is a ``TypeError``."""
+        own, opts = split_options(changes, _OWN_FIELDS, "Choice")
+        fixed = {**self.fixed, **opts}
+        return replace(self, fixed={k: v for k, v in fixed.items() if v is not None}, **own)
+
+    @property
+    def options(self) -> FPDTOptions:
+        """:data:`fpdt.plan.setup.GPU_OPTIONS` with the fixed options: the base of every setup
+        the planner tries (the fields it chooses replaced there)."""
+        return replace(GPU_OPTIONS, **self.fixed)
+
+    def chooses(self, name: str) -> bool:
+        """Whether the option ``name`` is left to the planner (not fixed)."""
+        return name not in self.fixed
 
     @property
     def fixed_save_layers(self) -> int | None:
         """The saving-layer count the caller fixed: theirs, 0 for ``"recompute"``, else None."""
-        if self.attention_checkpoint == "recompute":
+        if self.fixed.get("attention_checkpoint") == "recompute":
             return 0
-        return self.save_attention_layers
+        return self.fixed.get("save_attention_layers")
+
+
+_OWN_FIELDS = {f.name for f in fields(Choice)} - {"fixed"}
 
 
 def _divisors(n: int) -> list[int]:
@@ -126,27 +144,27 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
     else:
         meshes = [(hp, sp // hp) for hp in _divisors(sp)]
     out = []
-    expands = expands_gqa_on_gpu(choice.attention_backend, KERNEL_DTYPES[choice.dtype], cfg.head_dim)
+    base = choice.options
+    expands = expands_gqa_on_gpu(base.backend, KERNEL_DTYPES[choice.dtype], cfg.head_dim)
     # a frozen LM head (LoRA) forms no weight gradient: both modes are one run (apply_fpdt's default)
-    wgrads = (choice.lm_head_wgrad,) if choice.lm_head_wgrad else (("recompute",) if choice.lora_rank
-                                                                   else LM_HEAD_WGRAD_MODES)
+    wgrads = ((base.lm_head_wgrad,) if not choice.chooses("lm_head_wgrad")
+              else ("recompute",) if choice.lora_rank else LM_HEAD_WGRAD_MODES)
+    saving = choice.fixed_save_layers
     combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
-    for ((hp, cp), chunk), ckpt, wgrad in itertools.product(combos, checkpoints or (choice.checkpoint,), wgrads):
+    for ((hp, cp), chunk), ckpt, wgrad in itertools.product(combos, checkpoints or (base.checkpointing,), wgrads):
+        offload, _ = device_defaults(TrainerOptions(offload=choice.fixed.get("offload")), "cuda", seq_len // chunk)
+        options = replace(base, checkpointing=ckpt, offload=offload, lm_head_wgrad=wgrad,
+                          checkpoint_device_layers=base.checkpoint_device_layers if ckpt == "offload" else 0,
+                          attention_checkpoint="save" if saving else "recompute",
+                          save_attention_layers=saving or None)
         placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
         for placement in placements:
             s = Setup(seq_len=seq_len, chunk_size=chunk, hp=hp, cp=cp, placement=placement,
-                      inner_ring=choice.inner_ring, checkpoint=ckpt,
-                      offload=choice.offload if choice.offload is not None else seq_len // chunk > 1,
-                      zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
-                      offload_param=choice.offload_param, dtype=choice.dtype, batch=choice.batch,
-                      lm_head_wgrad=wgrad, reduce_bucket_size=choice.reduce_bucket_size,
-                      mlp_chunks=choice.mlp_chunks,
-                      loss_chunks=choice.loss_chunks,
+                      inner_ring=choice.inner_ring, options=options, zero_stage=choice.zero_stage,
+                      offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
+                      dtype=choice.dtype, batch=choice.batch, reduce_bucket_size=choice.reduce_bucket_size,
                       sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
-                      kernel_expands_gqa=expands, lora_rank=choice.lora_rank,
-                      checkpoint_device_layers=(choice.checkpoint_device_layers or 0) if ckpt == "offload" else 0,
-                      attention_checkpoint="save" if choice.fixed_save_layers else "recompute",
-                      save_attention_layers=choice.fixed_save_layers or None, doc_len=choice.doc_len)
+                      kernel_expands_gqa=expands, lora_rank=choice.lora_rank, doc_len=choice.doc_len)
             if not s.problems(cfg, world):
                 out.append(s)
     return out
@@ -172,7 +190,7 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     shape = ModelShape.from_config(cfg)
     attended = effective_length(s.seq_len, s.doc_len)     # MFU counts the attention work the mask needs
     rates = step_rates(shape, attended, tokens, times["total"], cluster.world,
-                       cluster.gpu.bf16_flops, recompute=s.checkpoint != "off")
+                       cluster.gpu.bf16_flops, recompute=s.options.checkpointing != "off")
     if s.lora_rank:   # the FLOPs a LoRA step needs: no weight gradients of the frozen linears and head
         rates = dataclasses.replace(rates, mfu=rates.mfu * _lora_flops_fraction(shape, attended, True),
                                     mfu_full=rates.mfu_full * _lora_flops_fraction(shape, attended, False))
@@ -195,7 +213,7 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         "tgs": rates.tgs,
         "mfu": rates.mfu,
         "mfu_full": rates.mfu_full,
-        "setup": asdict(s),
+        "setup": s.as_dict(),
     }
 
 
@@ -206,22 +224,24 @@ def _lora_flops_fraction(m: ModelShape, seq_len: int, causal: bool) -> float:
     return (full - m.num_layers * layer_matmul_flops(m) - 2 * m.hidden_size * m.vocab_size) / full
 
 
-def _with_device_layers(cfg: ModelConfig, r: dict, cluster: Cluster) -> dict | None:
-    """``r``'s setup with the fewest more of its last layers' inputs kept on the device that
-    bring its host peak within the host memory, evaluated; None when ``r`` is not an
-    offloaded-checkpoint setup over on the host only, or no such count fits the GPU too.
+def _with_device_layers(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster) -> tuple[Setup, dict] | None:
+    """Setup ``s`` (``r`` its evaluation) with the fewest more of its last layers' inputs
+    kept on the device that bring its host peak within the host memory, and its evaluation;
+    None when ``s`` is not an offloaded-checkpoint setup over on the host only, or no such
+    count fits the GPU too.
     Each layer kept moves one layer input per rank from host to device (``checkpoints_host``
     over the offloaded layers)."""
-    s = Setup(**r["setup"])
-    offloaded = cfg.num_layers - s.checkpoint_device_layers
-    if r["fits"] or r["limited_by"] != "host" or s.checkpoint != "offload" or offloaded == 0:
+    kept = s.options.checkpoint_device_layers
+    offloaded = cfg.num_layers - kept
+    if r["fits"] or r["limited_by"] != "host" or s.options.checkpointing != "offload" or offloaded == 0:
         return None
     per_layer = r["breakdown"]["checkpoints_host"] / offloaded          # bytes per node
-    k = s.checkpoint_device_layers + math.ceil((r["host_peak_bytes"] - r["host_capacity_bytes"]) / per_layer)
+    k = kept + math.ceil((r["host_peak_bytes"] - r["host_capacity_bytes"]) / per_layer)
     while k <= cfg.num_layers:      # (one more if rounding left the host a few bytes over)
-        tiered = evaluate(cfg, dataclasses.replace(s, checkpoint_device_layers=k), cluster)
-        if tiered["limited_by"] != "host":
-            return tiered if tiered["fits"] else None   # more on the GPU cannot make it fit there
+        tiered = s.updated(checkpoint_device_layers=k)
+        out = evaluate(cfg, tiered, cluster)
+        if out["limited_by"] != "host":
+            return (tiered, out) if out["fits"] else None   # more on the GPU cannot make it fit there
         k += 1
     return None
 
@@ -233,11 +253,11 @@ def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room
     ``device_room`` per GPU (None: not limited). The first ``l - k`` layers' outputs go to the
     host under ``"offload"``, the rest (and all under ``"on"``) to the device, where the
     allocator's slack (:data:`FRAGMENTATION`) is counted on them. 0 without checkpointing."""
-    l = cfg.num_layers
-    if s.checkpoint == "off":
+    l, o = cfg.num_layers, s.options
+    if o.checkpointing == "off":
         return 0
     per = saved_attention_bytes(cfg, s)
-    on_host = l - s.checkpoint_device_layers if s.checkpoint == "offload" else 0
+    on_host = l - o.checkpoint_device_layers if o.checkpointing == "offload" else 0
     n_host = max(0, min(on_host, int(host_room // (ranks_per_node * per))))
     if n_host < on_host:
         return n_host
@@ -246,9 +266,11 @@ def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room
     return on_host + on_device
 
 
-def _with_saved_attention(cfg: ModelConfig, r: dict, cluster: Cluster, tier: bool) -> dict | None:
-    """``r``'s fitting setup with the most layers saving their attention output that still
-    fit, evaluated (None when ``r`` does not fit, does not checkpoint, or not one layer fits).
+def _with_saved_attention(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster,
+                          tier: bool) -> tuple[Setup, dict] | None:
+    """Fitting setup ``s`` (``r`` its evaluation) with the most layers saving their attention
+    output that still fit, and its evaluation (None when ``s`` does not fit, does not
+    checkpoint, or not one layer fits).
 
     The saving layers are the first ``K``; a layer's saved output goes where its input
     checkpoint is (:meth:`fpdt.plan.setup.Setup.saving_layers`), so under ``"offload"`` the
@@ -258,30 +280,29 @@ def _with_saved_attention(cfg: ModelConfig, r: dict, cluster: Cluster, tier: boo
     ``K`` wins. ``K`` comes from the memory ``r`` leaves (both grow linearly in ``K``: on the
     host by the ranks' saved bytes, on the device by those times the allocator's slack, an
     upper bound), then is checked by :func:`evaluate`."""
-    s = Setup(**r["setup"])
-    l = cfg.num_layers
-    if not r["fits"] or s.checkpoint == "off":
+    l, checkpointing = cfg.num_layers, s.options.checkpointing
+    if not r["fits"] or checkpointing == "off":
         return None
     nd = s.rank_tokens * cfg.hidden_size * s.elem_bytes
     ranks = min(cluster.gpus_per_node, cluster.world)
     host_room = r["host_capacity_bytes"] - r["host_peak_bytes"]
     dev_room = r["device_capacity_bytes"] - r["device_peak_bytes"]
-    k0 = s.checkpoint_device_layers
+    k0 = s.options.checkpoint_device_layers
     best = (0, k0)
-    for k in range(k0, l + 1) if tier and s.checkpoint == "offload" else [k0]:
+    for k in range(k0, l + 1) if tier and checkpointing == "offload" else [k0]:
         host_k = host_room + (k - k0) * ranks * nd
         dev_k = dev_room - FRAGMENTATION * nd * (max(k, min(2, l)) - max(k0, min(2, l)))
         if dev_k < 0:
             break
-        n = most_saving_layers(cfg, dataclasses.replace(s, checkpoint_device_layers=k), host_k, dev_k, ranks)
+        n = most_saving_layers(cfg, s.updated(checkpoint_device_layers=k), host_k, dev_k, ranks)
         if n > best[0]:
             best = (n, k)
     n, k = best
     while n > 0:
-        out = evaluate(cfg, dataclasses.replace(s, attention_checkpoint="save", save_attention_layers=n,
-                                                checkpoint_device_layers=k), cluster)
+        saving = s.updated(attention_checkpoint="save", save_attention_layers=n, checkpoint_device_layers=k)
+        out = evaluate(cfg, saving, cluster)
         if out["fits"]:
-            return out
+            return saving, out
         n -= 1
     return None
 
@@ -292,11 +313,13 @@ def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = 
     ``tier``: a setup over on the host only may keep some layer inputs on the device
     (:func:`_with_device_layers`). ``save``: each fitting checkpointed setup is also tried
     with the most layers saving their attention output (:func:`_with_saved_attention`)."""
-    results = [evaluate(cfg, s, cluster) for s in setups]
+    evaluated = [(s, evaluate(cfg, s, cluster)) for s in setups]
     if tier:
-        results += [t for t in (_with_device_layers(cfg, r, cluster) for r in results) if t is not None]
+        evaluated += [t for t in (_with_device_layers(cfg, s, r, cluster) for s, r in evaluated) if t is not None]
     if save:
-        results += [t for t in (_with_saved_attention(cfg, r, cluster, tier) for r in results) if t is not None]
+        evaluated += [t for t in (_with_saved_attention(cfg, s, r, cluster, tier) for s, r in evaluated)
+                      if t is not None]
+    results = [r for _, r in evaluated]
     if not results:
         return None
     fitting = [r for r in results if r["fits"]]
@@ -321,7 +344,7 @@ def _recommended(r: dict | None) -> dict | None:
 
 def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict:
     """The planner's answer at one length (the caller's checkpoint mode; best other choices)."""
-    tier = choice.checkpoint_device_layers is None
+    tier = choice.chooses("checkpoint_device_layers")
     save = choice.fixed_save_layers is None
     best = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster, tier, save)
     if best is None:
@@ -336,13 +359,13 @@ def _why_none(cfg: ModelConfig, seq_len: int, choice: Choice, world: int) -> str
     sp = choice.sp or world
     hp = choice.hp or sp
     s = Setup(seq_len=seq_len, chunk_size=choice.chunk_size or seq_len, hp=hp, cp=choice.cp or sp // max(hp, 1),
-              checkpoint=choice.checkpoint, offload=choice.offload is not False, zero_stage=choice.zero_stage,
-              dtype=choice.dtype, lora_rank=choice.lora_rank)
+              options=replace(choice.options, offload=choice.fixed.get("offload") is not False),
+              zero_stage=choice.zero_stage, dtype=choice.dtype, lora_rank=choice.lora_rank)
     return "; ".join(s.problems(cfg, world)) or f"no chunk size / mesh divides seq_len={seq_len}"
 
 
 def _fits(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict | None:
-    r = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster, choice.checkpoint_device_layers is None)
+    r = _best(cfg, candidates(cfg, seq_len, choice, cluster.world), cluster, choice.chooses("checkpoint_device_layers"))
     return r if r is not None and r["fits"] else None
 
 
@@ -386,18 +409,15 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     """
     cfg = load_model_config(model)
     choice = choice or Choice()
-    cluster = cluster.for_kernel(choice.attention_backend)    # a named kernel's own calibrated rate
-    bad = chunk_count_problems(choice.mlp_chunks, choice.loss_chunks)
-    if choice.checkpoint_device_layers is not None:
-        bad += device_layer_problems(choice.checkpoint_device_layers, choice.checkpoint, cfg.num_layers)
-    bad += save_attention_problems(choice.attention_checkpoint or "save", choice.save_attention_layers,
-                                   cfg.num_layers)
+    options = choice.options
+    cluster = cluster.for_kernel(options.backend)    # a named kernel's own calibrated rate
+    bad = chunk_count_problems(options) + option_problems(options, cfg.num_layers)
     if choice.doc_len is not None and (isinstance(choice.doc_len, bool) or not isinstance(choice.doc_len, int)
                                        or choice.doc_len < 1):
         bad.append(f"--doc-len {choice.doc_len!r} must be a whole number of tokens, at least 1 (the mean "
                    f"document length)")
-    if choice.attention_checkpoint == "recompute" and choice.save_attention_layers:
-        bad.append(f"--save-attention-layers {choice.save_attention_layers} needs --attention-checkpoint save "
+    if choice.fixed.get("attention_checkpoint") == "recompute" and options.save_attention_layers:
+        bad.append(f"--save-attention-layers {options.save_attention_layers} needs --attention-checkpoint save "
                    f"(not recompute)")
     if bad:
         raise ValueError("; ".join(bad))

@@ -10,11 +10,12 @@ Units used throughout :mod:`fpdt.plan` (those of the device-memory issue):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from fpdt.model.config import ModelConfig
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions
-from fpdt.train.config import chunk_split
+from fpdt.options import OPTION_NAMES, FPDTOptions
+from fpdt.train.config import TrainerOptions, chunk_split, device_defaults, option_key
 
 ZERO_REDUCE_BUCKET = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): with ``contiguous_gradients`` (also
@@ -23,70 +24,79 @@ start-up and keep it."""
 ZERO_SUB_GROUP = 1e9
 """DeepSpeed's default ZeRO-3 ``sub_group_size`` (elements per optimizer sub-group)."""
 PLACEMENTS = ("head_first", "context_first")
+DTYPES = {"bf16": 2, "fp32": 4}
+_GPU_OFFLOAD, _GPU_CHECKPOINTING = device_defaults(TrainerOptions(), "cuda")
+GPU_OPTIONS = FPDTOptions(offload=_GPU_OFFLOAD, checkpointing=_GPU_CHECKPOINTING)
+"""The model options ``fpdt-train`` runs with on a GPU when given none
+(:func:`fpdt.train.config.device_defaults`: attention offload, offloaded layer-input
+checkpoints; :class:`fpdt.options.FPDTOptions`' defaults for the rest): a :class:`Setup`'s
+default, and the base of what a :class:`fpdt.plan.planner.Choice` leaves open."""
+DERIVED_OPTIONS = ("num_chunks", "group", "mesh")
+"""Options the planner does not take from a caller: ``num_chunks`` is ``seq_len / chunk_size``;
+a plan has no process group (its mesh is ``hp`` x ``cp``)."""
+LAYER_COUNT_FLAGS = {"checkpoint_device_layers": "--checkpoint-device-layers",
+                     "save_attention_layers": "--save-attention-layers"}
+"""The layer-count options, which the planner checks against the model's layers."""
 
 
-def chunk_count_problems(mlp_chunks: int | None, loss_chunks: int | None) -> list[str]:
-    """Why these MLP / loss chunk counts cannot be planned (None = the default, fine)."""
+def chunk_count_problems(options: FPDTOptions) -> list[str]:
+    """Why the options' MLP / loss chunk counts cannot be planned (None = the default, fine)."""
     return [f"{name}={n}: the planner models the chunked MLP and loss; give at least 1 chunk "
             f"(0, unchunked, is a trainer option the planner does not model)"
-            for name, n in (("mlp_chunks", mlp_chunks), ("loss_chunks", loss_chunks)) if n is not None and n < 1]
-DTYPES = {"bf16": 2, "fp32": 4}
+            for name in ("mlp_chunks", "loss_chunks") if (n := getattr(options, name)) is not None and n < 1]
 
 
-def device_layer_problems(k, checkpoint: str, num_layers: int) -> list[str]:
-    """Why ``k`` last layers' inputs cannot stay on the device under ``checkpoint`` (empty
-    when they can; 0 always can), naming the fix."""
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= num_layers:
-        return [f"--checkpoint-device-layers {k!r} must be an integer from 0 to the model's {num_layers} layers"]
-    if k and checkpoint != "offload":
-        return [f"--checkpoint-device-layers {k} keeps some offloaded layer inputs on the GPU: it needs "
-                f"--checkpoint offload (not {checkpoint})"]
-    return []
+def option_problems(options: FPDTOptions, num_layers: int) -> list[str]:
+    """Why ``options`` cannot be planned for a model of ``num_layers`` decoder layers (empty
+    when they can), each naming the fix: a layer count outside the model's (in ``fpdt-plan``'s
+    flags), then :meth:`FPDTOptions.problems` for every other option."""
+    out, counted = [], set()
+    for name, flag in LAYER_COUNT_FLAGS.items():
+        k = getattr(options, name)
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= num_layers):
+            out.append(f"{flag} {k!r} must be an integer from 0 to the model's {num_layers} layers")
+            counted.add(name)
+    # every FPDTOptions problem starts with the option's name ("name=value ...")
+    return out + [p for p in options.problems() if p.split("=", 1)[0] not in counted]
 
 
-def save_attention_problems(mode: str, layers, num_layers: int) -> list[str]:
-    """Why ``attention_checkpoint=mode`` with ``save_attention_layers=layers`` cannot be
-    planned (empty when it can), naming the fix."""
-    if mode not in ATTENTION_CHECKPOINT_MODES:
-        return [f"--attention-checkpoint {mode!r} must be one of {ATTENTION_CHECKPOINT_MODES}"]
-    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
-                               or not 0 <= layers <= num_layers):
-        return [f"--save-attention-layers {layers!r} must be an integer from 0 to the model's {num_layers} layers"]
-    return []
+def split_options(changes: dict[str, Any], own: set[str], what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``changes`` as ``(own fields, FPDTOptions fields)``; a name that is neither (or one the
+    planner derives, :data:`DERIVED_OPTIONS`) is a ``TypeError`` naming the valid ones."""
+    settable = set(OPTION_NAMES) - set(DERIVED_OPTIONS)
+    unknown = sorted(set(changes) - own - settable)
+    if unknown:
+        raise TypeError(f"unknown {what} settings {unknown}; valid: {sorted(own | settable)}")
+    return ({k: v for k, v in changes.items() if k in own},
+            {k: v for k, v in changes.items() if k not in own})
 
 
 @dataclass(frozen=True)
 class Setup:
-    """A complete training configuration on a cluster (one sequence per SP group)."""
+    """A complete training configuration on a cluster (one sequence per SP group): the
+    planner's coordinates (length, chunk, mesh, ZeRO, precision, batch, ...) and the model's
+    :class:`~fpdt.options.FPDTOptions`. Build one with :meth:`build` (options as keywords)."""
 
     seq_len: int
     """Global sequence length ``S``."""
     chunk_size: int
-    """Global FPDT chunk length ``C``; ``u = S / C`` chunks per rank."""
+    """Global FPDT chunk length ``C``; ``u = S / C`` chunks per rank (``options.num_chunks``)."""
     hp: int = 1
     """Ulysses (head-parallel) degree."""
     cp: int = 1
     """Context-parallel (ring) degree; ``hp * cp`` is the sequence-parallel group."""
     placement: str = "head_first"
     inner_ring: int | None = None
-    checkpoint: str = "offload"
-    checkpoint_device_layers: int = 0
-    """With ``checkpoint="offload"``: the last this many layers keep their input on the
-    device (the model's option of the same name)."""
-    offload: bool = True
+    options: FPDTOptions = GPU_OPTIONS
+    """The model's options (checkpointing and its device layers, attention offload, saved
+    attention, MLP / loss chunks, LM-head mode, kernel); ``num_chunks`` is set from
+    ``seq_len / chunk_size`` and there is no process group. Default: :data:`GPU_OPTIONS`."""
     zero_stage: int = 3
     offload_optimizer: bool = False
     offload_param: bool = False
     dtype: str = "bf16"
     batch: int = 1
     """Sequences per SP group per micro step."""
-    mlp_chunks: int | None = None
-    """None: the options' default (ceil(2 u I / hidden), :class:`fpdt.options.FPDTOptions`)."""
-    loss_chunks: int | None = None
-    """None: the model's default (ceil(2 u V / hidden))."""
-    lm_head_wgrad: str = FPDTOptions.lm_head_wgrad
-    """The chunked loss's LM-head weight gradient (:mod:`fpdt.model.loss`): an fp32
-    ``[V, hidden]`` accumulator, or recomputed logits in backward (one more LM-head GEMM)."""
     reduce_bucket_size: float = ZERO_REDUCE_BUCKET
     sub_group_size: float = ZERO_SUB_GROUP
     contiguous_gradients: bool = True
@@ -94,13 +104,6 @@ class Setup:
     kernel_expands_gqa: bool = False
     """The attention kernel repeats K/V heads (the CPU kernel); False for flash-attn/cuDNN,
     which take GQA natively (the GPU presets)."""
-    attention_checkpoint: str = "recompute"
-    """``"save"``: each saving layer keeps its attention output (head layout, before ``o_proj``)
-    and fp32 log-sum-exp from the forward, so its recompute runs no attention kernel
-    (:func:`fpdt.plan.memory_model.saved_attention_bytes`); ``"recompute"``: today's."""
-    save_attention_layers: int | None = None
-    """With ``"save"``: how many layers save (the first ones, counted from the embedding);
-    None: every layer."""
     doc_len: int | None = None
     """Packed documents of this many tokens (the mean; :mod:`fpdt.plan.documents`), each
     attending within itself; None: one document per sequence."""
@@ -109,18 +112,42 @@ class Setup:
     fp32 adapters, their gradients and AdamW moments; no weight gradients for the base, no
     LM-head gradient); 0 trains every weight."""
 
+    def __post_init__(self):
+        u = self.seq_len // self.chunk_size if isinstance(self.chunk_size, int) and self.chunk_size >= 1 else 1
+        # (a chunk that does not divide the sequence is reported by problems(), not here)
+        object.__setattr__(self, "options", replace(self.options, num_chunks=max(1, u), group=None, mesh=None))
+
+    @classmethod
+    def build(cls, seq_len: int, chunk_size: int, options: FPDTOptions = GPU_OPTIONS, **changes: Any) -> Setup:
+        """A setup from its coordinates and :class:`FPDTOptions` fields as keywords
+        (``checkpointing="on", lm_head_wgrad="accumulate"``), applied over ``options``."""
+        own, opts = split_options(changes, _OWN_FIELDS, "Setup")
+        return cls(seq_len=seq_len, chunk_size=chunk_size, options=replace(options, **opts), **own)
+
+    def updated(self, **changes: Any) -> Setup:
+        """A copy with ``changes`` to its own fields or to its options' (by field name)."""
+        own, opts = split_options(changes, _OWN_FIELDS, "Setup")
+        return replace(self, options=replace(self.options, **opts), **own)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat record ``fpdt-plan`` prints (its ``"setup"``): the coordinates, and the
+        options it plans by their ``fpdt-train`` flag names (``checkpoint``)."""
+        return {option_key(name): getattr(self.options if name in OPTION_NAMES else self, name)
+                for name in _PRINTED}
+
     def saving_layers(self, num_layers: int) -> tuple[int, int]:
         """``(host, device)``: how many layers save their attention output, by where it lives.
         The saving layers are the first ``save_attention_layers`` (all when None); a saved
         output lives where its layer's input checkpoint does: on the host under
-        ``checkpoint="offload"`` except for the last ``checkpoint_device_layers`` layers,
-        on the device under ``"on"``. 0 and 0 with ``"recompute"`` or ``checkpoint="off"``."""
-        if self.attention_checkpoint != "save" or self.checkpoint == "off":
+        ``checkpointing="offload"`` except for the last ``checkpoint_device_layers`` layers,
+        on the device under ``"on"``. 0 and 0 with ``"recompute"`` or ``checkpointing="off"``."""
+        o = self.options
+        if o.attention_checkpoint != "save" or o.checkpointing == "off":
             return 0, 0
-        n = num_layers if self.save_attention_layers is None else min(self.save_attention_layers, num_layers)
-        if self.checkpoint == "on":
+        n = num_layers if o.save_attention_layers is None else min(o.save_attention_layers, num_layers)
+        if o.checkpointing == "on":
             return 0, n
-        on_device = max(0, n - (num_layers - self.checkpoint_device_layers))
+        on_device = max(0, n - (num_layers - o.checkpoint_device_layers))
         return n - on_device, on_device
 
     @property
@@ -129,7 +156,8 @@ class Setup:
 
     @property
     def num_chunks(self) -> int:
-        return self.seq_len // self.chunk_size
+        """``u``: FPDT chunks per rank (``S / C``)."""
+        return self.options.num_chunks
 
     @property
     def local_tokens(self) -> int:
@@ -147,13 +175,7 @@ class Setup:
 
     def problems(self, cfg: ModelConfig, world: int) -> list[str]:
         """Why this setup cannot run at all (empty when it can); each names the fix."""
-        out = []
-        if self.checkpoint not in CHECKPOINT_MODES:
-            out.append(f"checkpoint={self.checkpoint!r} must be one of {CHECKPOINT_MODES}")
-        out += device_layer_problems(self.checkpoint_device_layers, self.checkpoint, cfg.num_layers)
-        out += save_attention_problems(self.attention_checkpoint, self.save_attention_layers, cfg.num_layers)
-        if self.lm_head_wgrad not in LM_HEAD_WGRAD_MODES:
-            out.append(f"lm_head_wgrad={self.lm_head_wgrad!r} must be one of {LM_HEAD_WGRAD_MODES}")
+        out = option_problems(self.options, cfg.num_layers)
         if self.placement not in PLACEMENTS:
             out.append(f"placement={self.placement!r} must be one of {PLACEMENTS}")
         if self.dtype not in DTYPES:
@@ -173,10 +195,19 @@ class Setup:
             out.append(f"hp={self.hp} must divide the {cfg.num_heads} query heads")
         if self.inner_ring is not None and (self.inner_ring < 1 or self.cp % self.inner_ring):
             out.append(f"inner_ring={self.inner_ring} must divide cp={self.cp}")
-        out += chunk_count_problems(self.mlp_chunks, self.loss_chunks)
+        out += chunk_count_problems(self.options)
         if self.chunk_size < 1 or self.seq_len % self.chunk_size:
             out.append(f"chunk_size={self.chunk_size} must divide seq_len={self.seq_len}")
         elif self.chunk_size % chunk_split(self.sp, self.cp):
             out.append(f"chunk_size={self.chunk_size} must be a multiple of {chunk_split(self.sp, self.cp)} "
                        f"(hp x cp{' x 2 for the zigzag ring split' if self.cp > 1 else ''})")
         return out
+
+
+_OWN_FIELDS = {f.name for f in fields(Setup)} - {"options"}
+_PRINTED = ("seq_len", "chunk_size", "hp", "cp", "placement", "inner_ring", "checkpointing",
+            "checkpoint_device_layers", "offload", "zero_stage", "offload_optimizer", "offload_param", "dtype",
+            "batch", "mlp_chunks", "loss_chunks", "lm_head_wgrad", "reduce_bucket_size", "sub_group_size",
+            "contiguous_gradients", "kernel_expands_gqa", "attention_checkpoint", "save_attention_layers",
+            "doc_len", "lora_rank")
+""":meth:`Setup.as_dict`'s keys, in ``fpdt-plan``'s order (``--json`` prints them so)."""

@@ -113,11 +113,11 @@ def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
                  + k["kv"] * cfg.num_kv_heads * cfg.head_dim)
     if s.lora_rank:
         per_token += LORA_ELEMENTWISE_BYTES * lora_param_count(cfg, 1) / cfg.num_layers
-    if s.checkpoint == "off":
+    if s.options.checkpointing == "off":
         per_token *= NO_RECOMPUTE_FACTOR
     merges = ring_touches(s.seq_len, s.doc_len, u, s.cp) - u   # touches after each query chunk's first
     layer = tokens * per_token + k["merge"] * merges * tokens / u * h
-    head_mode = "accumulate" if s.lora_rank else s.lm_head_wgrad     # a frozen head recomputes nothing
+    head_mode = "accumulate" if s.lora_rank else s.options.lm_head_wgrad     # a frozen head recomputes nothing
     return cfg.num_layers * layer + lm_head_elementwise_bytes(tokens, cfg.vocab_size, s.elem_bytes, head_mode)
 
 
@@ -158,7 +158,8 @@ def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
     qkv_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     out = {"mlp": l * chunk_count(tokens, mlp_chunks(cfg, s)) * 3 * cfg.intermediate_size * h * per_weight,
            "qkv": l * s.num_chunks * qkv_weights * per_weight}
-    out["lm_head"] = lm_head_accumulation_bytes(tokens, loss_chunks(cfg, s), cfg.vocab_size, h, e, s.lm_head_wgrad)
+    out["lm_head"] = lm_head_accumulation_bytes(tokens, loss_chunks(cfg, s), cfg.vocab_size, h, e,
+                                                s.options.lm_head_wgrad)
     return out
 
 
@@ -198,7 +199,7 @@ def _document_copies(cfg: ModelConfig, s: Setup, c: AttentionCosts) -> Attention
     ``T``, so it is read off the causal (``T = cp u (u+1)/2``) and the full (``cp u^2``)
     counts at :func:`fpdt.plan.documents.ring_touches`."""
     u = s.num_chunks
-    if s.doc_len is None or u == 1 or not s.offload:
+    if s.doc_len is None or u == 1 or not s.options.offload:
         return c
     full = layer_attention_costs(cfg, s, causal=False)
     t_causal, t_full = s.cp * u * (u + 1) / 2, s.cp * u * u
@@ -214,12 +215,12 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
     rates = cluster.rates()
     m, e, l = ModelShape.from_config(cfg), s.elem_bytes, cfg.num_layers
     tokens = s.rank_tokens
-    recompute = s.checkpoint != "off"
+    recompute = s.options.checkpointing != "off"
     passes = 4 if recompute else 3                          # forward, (recompute), backward = 2 x
     # LoRA: the frozen weights' backward is the input gradient alone, the LM head's too
     gemm_passes = passes - 1 if s.lora_rank else passes
     head_flops = (2 * tokens * cfg.hidden_size * cfg.vocab_size * 2 if s.lora_rank
-                  else lm_head_gemm_flops(tokens, cfg.hidden_size, cfg.vocab_size, s.lm_head_wgrad))
+                  else lm_head_gemm_flops(tokens, cfg.hidden_size, cfg.vocab_size, s.options.lm_head_wgrad))
     # the chunked MLP's backward recomputes each chunk's gate and up projections (fpdt.model.mlp)
     mlp_recompute = 4 * cfg.hidden_size * cfg.intermediate_size
     gemm_flops = tokens * l * (gemm_passes * layer_matmul_flops(m) + mlp_recompute) + head_flops
@@ -248,7 +249,7 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
         p2p_exposed = p2p / ((s.cp - 1) * u) + max(0.0, p2p - t_attn)
 
     h2d_exposed = 0.0
-    if s.offload:   # copies run beside the attention of the same pass; the first fetch of a layer waits
+    if s.options.offload:   # copies run beside the attention of the same pass; the first fetch of a layer waits
         duplex = 2 * min(rates.h2d_bytes_s, rates.d2h_bytes_s)               # both directions at once
         copy_f = (c.h2d_bytes_fwd + c.d2h_bytes_fwd) / duplex                 # per layer and pass
         copy_b = (c.h2d_bytes_bwd + c.d2h_bytes_bwd) / duplex
@@ -262,10 +263,10 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
             fetched = u * q / rates.h2d_bytes_s
             gemm_pass = t_gemm / (l * gemm_passes)
             h2d_exposed += (l - saving) * forward + saving * max(0.0, max(stashed, fetched) - gemm_pass)
-    if s.checkpoint == "offload":   # the layers whose inputs go to the host and come back
+    if s.options.checkpointing == "offload":   # the layers whose inputs go to the host and come back
         layer_compute = (t_gemm + t_attn) / l
         ckpt_copy = tokens * cfg.hidden_size * e / rates.h2d_bytes_s
-        offloaded = l - s.checkpoint_device_layers
+        offloaded = l - s.options.checkpoint_device_layers
         h2d_exposed += offloaded * max(0.0, ckpt_copy - layer_compute) + (ckpt_copy if offloaded else 0.0)
 
     zero_exposed = 0.0

@@ -69,19 +69,15 @@ def planned_setup(plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str,
         kernel_expands_gqa = device_type != "cuda" or expands_gqa_on_gpu(
             opts.backend, KERNEL_DTYPES[dtype_name], head_dim)
     choice = _deepspeed_choice(ds_config, plan.world_size)
+    options = opts.model_options(plan)    # what the model gets; None (to choose) attention_checkpoint: recompute
     return Setup(
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement,
-        inner_ring=plan.inner_ring,
-        checkpoint=plan.checkpoint, offload=plan.offload, zero_stage=choice.zero_stage,
-        checkpoint_device_layers=opts.checkpoint_device_layers if plan.checkpoint == "offload" else 0,
+        inner_ring=plan.inner_ring, zero_stage=choice.zero_stage,
+        options=replace(options, mlp_chunks=_modelled(plan.mlp_chunks), loss_chunks=_modelled(options.loss_chunks)),
         offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
         dtype="fp32" if dtype_name == "fp32" else "bf16", batch=choice.batch,
-        mlp_chunks=_modelled(plan.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
-        lm_head_wgrad=opts.lm_head_wgrad, reduce_bucket_size=choice.reduce_bucket_size,
-        sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
-        kernel_expands_gqa=kernel_expands_gqa,
-        attention_checkpoint=opts.attention_checkpoint or "recompute",      # None (to choose): as recompute
-        save_attention_layers=opts.save_attention_layers)
+        reduce_bucket_size=choice.reduce_bucket_size, sub_group_size=choice.sub_group_size,
+        contiguous_gradients=choice.contiguous_gradients, kernel_expands_gqa=kernel_expands_gqa)
 
 
 def _modelled(chunks: int | None) -> int | None:
@@ -233,9 +229,10 @@ def recommend(model: ModelConfig, plan: RunLayout, opts: TrainerOptions, ds_conf
     gpu = replace(GPU_PRESETS["h100-80g"], name="this GPU", mem_bytes=capacity_bytes)
     ranks = min(ranks_per_node, plan.world_size)
     cluster = Cluster(gpu, gpus_per_node=ranks, nodes=max(1, -(-plan.world_size // ranks)), host_mem_bytes=host_bytes)
-    choice = replace(_deepspeed_choice(ds_config, plan.world_size), sp=plan.sp, inner_ring=plan.inner_ring,
-                     mlp_chunks=_modelled(opts.mlp_chunks), loss_chunks=_modelled(opts.loss_chunks),
-                     attention_backend=opts.backend, lora_rank=lora_rank, attention_checkpoint="recompute")
+    choice = _deepspeed_choice(ds_config, plan.world_size).fix(
+        sp=plan.sp, inner_ring=plan.inner_ring, mlp_chunks=_modelled(opts.mlp_chunks),
+        loss_chunks=_modelled(opts.loss_chunks), backend=opts.backend, lora_rank=lora_rank,
+        attention_checkpoint="recompute")
     out = plan_at(model, plan.seq_len, cluster, choice)
     if "reason" in out:
         return Recommendation(None, f"fpdt-plan has no setting to suggest for this mesh ({out['reason']})")

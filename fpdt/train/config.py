@@ -92,6 +92,16 @@ FPDT_KEYS = tuple(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(TrainerOptio
 _FIELD_OF_KEY = {key: field for field, key in _KEY_OF_FIELD.items()}
 
 
+def option_key(field: str) -> str:
+    """The flag / ``"fpdt"`` JSON key of an options field (``checkpointing``: ``checkpoint``)."""
+    return _KEY_OF_FIELD.get(field, field)
+
+
+def option_field(key: str) -> str:
+    """The options field a flag / ``"fpdt"`` JSON key sets (``checkpoint``: ``checkpointing``)."""
+    return _FIELD_OF_KEY.get(key, key)
+
+
 def _unknown_key_error(key: str) -> ConfigError:
     near = difflib.get_close_matches(key, FPDT_KEYS, n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""

@@ -63,7 +63,7 @@ def measured_peak(seq_len: int, u: int, offload: bool, checkpoint: str, vocab: i
 
 def planned_peak(sp: int, seq_len: int, u: int, offload: bool, checkpoint: str, vocab: int = 256,
                  wgrad: str = "accumulate") -> float:
-    s = Setup(seq_len=seq_len, chunk_size=seq_len // u, hp=sp, checkpoint=checkpoint, offload=offload,
+    s = Setup.build(seq_len=seq_len, chunk_size=seq_len // u, hp=sp, checkpointing=checkpoint, offload=offload,
               zero_stage=0, dtype="bf16", kernel_expands_gqa=True, lm_head_wgrad=wgrad)   # the CPU kernel
     cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=sp)
     return evaluate(load_model_config(_config(vocab)), s, cluster)["activation_peak_bytes"]
@@ -105,7 +105,7 @@ def test_checkpoint_device_layers_move_checkpoints_between_tiers(offload, device
     inputs = model.prepare_inputs(torch.randint(0, 256, (1, 2048)))
     with MemoryAccountant("cpu") as acct:
         model(**inputs).backward()
-    s = Setup(seq_len=2048, chunk_size=1024, checkpoint="offload", checkpoint_device_layers=device_layers,
+    s = Setup.build(seq_len=2048, chunk_size=1024, checkpointing="offload", checkpoint_device_layers=device_layers,
               offload=offload, zero_stage=0, dtype="bf16", kernel_expands_gqa=True)
     r = evaluate(load_model_config(cfg), s, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1))
     host = r["breakdown"]["checkpoints_host"] + r["breakdown"]["attention_stash_host"]

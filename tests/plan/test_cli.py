@@ -96,7 +96,7 @@ def test_more_gpus_longer_sequences():
 def test_offload_and_checkpointing_trade_device_for_host():
     cfg = load_model_config("llama-3.2-1b")
     cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1)
-    runs = {(ck, off): evaluate(cfg, Setup(seq_len=2 ** 18, chunk_size=2 ** 16, checkpoint=ck, offload=off), cluster)
+    runs = {(ck, off): evaluate(cfg, Setup.build(seq_len=2 ** 18, chunk_size=2 ** 16, checkpointing=ck, offload=off), cluster)
             for ck in ("off", "on", "offload") for off in (False, True)}
     dev = {k: r["device_peak_bytes"] for k, r in runs.items()}
     host = {k: r["host_peak_bytes"] for k, r in runs.items()}
@@ -112,7 +112,7 @@ def test_small_chunks_expose_copies():
     leave PCIe copies exposed and long ones hide them."""
     cfg = load_model_config("llama-3-8b")
     cluster = Cluster(GPU_PRESETS["a100-80g"], gpus_per_node=4)
-    split = {c: evaluate(cfg, Setup(seq_len=2 ** 20, chunk_size=c, hp=4), cluster)["step_time_split_s"]
+    split = {c: evaluate(cfg, Setup.build(seq_len=2 ** 20, chunk_size=c, hp=4), cluster)["step_time_split_s"]
              for c in (4096, 65536)}
     assert split[4096]["h2d_d2h"] > 0.1 * split[4096]["attention"]
     assert split[65536]["h2d_d2h"] < 0.01 * split[65536]["attention"]
@@ -120,9 +120,9 @@ def test_small_chunks_expose_copies():
 
 def test_setup_problems_name_the_fix():
     cfg = load_model_config("llama-3-8b")
-    assert any("divide seq_len" in p for p in Setup(seq_len=100_000, chunk_size=65536).problems(cfg, 1))
-    assert any("query heads" in p for p in Setup(seq_len=2 ** 20, chunk_size=2 ** 16, hp=5).problems(cfg, 5))
-    assert any("multiple of" in p for p in Setup(seq_len=2 ** 20, chunk_size=2 ** 16, hp=3).problems(cfg, 3))
+    assert any("divide seq_len" in p for p in Setup.build(seq_len=100_000, chunk_size=65536).problems(cfg, 1))
+    assert any("query heads" in p for p in Setup.build(seq_len=2 ** 20, chunk_size=2 ** 16, hp=5).problems(cfg, 5))
+    assert any("multiple of" in p for p in Setup.build(seq_len=2 ** 20, chunk_size=2 ** 16, hp=3).problems(cfg, 3))
 
 
 def test_plan_worked_example_is_current(capsys):
@@ -206,7 +206,7 @@ def test_near_ties_go_to_the_trainers_lm_head_mode():
     from fpdt.train.config import TrainerOptions
     cfg, cluster = load_model_config("llama-3.2-1b"), Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1)
     seq, chunk = 1 << 20, 1 << 15
-    modes = {m: evaluate(cfg, Setup(seq_len=seq, chunk_size=chunk, lm_head_wgrad=m), cluster)
+    modes = {m: evaluate(cfg, Setup.build(seq_len=seq, chunk_size=chunk, lm_head_wgrad=m), cluster)
              for m in ("accumulate", "recompute")}
     assert modes["accumulate"]["device_peak_bytes"] == modes["recompute"]["device_peak_bytes"]   # a tie
     assert abs(modes["accumulate"]["step_time_s"] / modes["recompute"]["step_time_s"] - 1) < 0.01
@@ -222,7 +222,7 @@ def test_lm_head_seconds_are_the_step_models_head_terms(dtype):
     from fpdt.plan.time_model import estimate_time, lm_head_seconds
     cfg = load_model_config("llama-3-8b")
     cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8)
-    setups = {m: Setup(seq_len=1 << 20, chunk_size=1 << 16, hp=8, dtype=dtype, lm_head_wgrad=m)
+    setups = {m: Setup.build(seq_len=1 << 20, chunk_size=1 << 16, hp=8, dtype=dtype, lm_head_wgrad=m)
               for m in ("accumulate", "recompute")}
     step = {m: estimate_time(cfg, s, cluster)["total"] for m, s in setups.items()}
     s = setups["accumulate"]
@@ -279,7 +279,7 @@ def test_a_named_kernel_is_timed_at_its_own_calibrated_rate(tmp_path, capsys):
 @pytest.mark.parametrize("argv, fix", [
     (["--checkpoint-device-layers", "40"], "--checkpoint-device-layers 40 must be an integer from 0 to the model's 32"),
     (["--checkpoint-device-layers", "-1"], "--checkpoint-device-layers -1 must be an integer from 0"),
-    (["--checkpoint", "on", "--checkpoint-device-layers", "4"], "it needs --checkpoint offload (not on)"),
+    (["--checkpoint", "on", "--checkpoint-device-layers", "4"], "it needs checkpointing='offload' (now 'on')"),
 ])
 def test_bad_device_layers_name_the_fix(capsys, argv, fix):
     assert main(["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", "1048576", *argv]) == 2
@@ -303,9 +303,8 @@ def test_recommended_flags_always_name_the_device_layers(capsys):
 def test_device_layers_copy_no_checkpoint_to_the_host():
     """The layers whose inputs stay on the GPU copy nothing to the host and back: with all of
     them there, offloaded checkpointing costs no checkpoint copy time."""
-    from dataclasses import replace as rep
     cfg, cluster = load_model_config("llama-3-8b"), Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8)
-    s = Setup(seq_len=2 ** 21, chunk_size=2 ** 16, hp=8, checkpoint="offload", offload=False)
-    copy = {k: evaluate(cfg, rep(s, checkpoint_device_layers=k), cluster)["step_time_split_s"]["h2d_d2h"]
+    s = Setup.build(seq_len=2 ** 21, chunk_size=2 ** 16, hp=8, checkpointing="offload", offload=False)
+    copy = {k: evaluate(cfg, s.updated(checkpoint_device_layers=k), cluster)["step_time_split_s"]["h2d_d2h"]
             for k in (0, 16, 32)}
     assert copy[0] >= copy[16] > copy[32] == 0.0     # (hidden behind compute but the first fetch, here)

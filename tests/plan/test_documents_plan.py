@@ -16,7 +16,7 @@ from fpdt.train.metrics import ModelShape, train_flops_per_token
 
 CFG = load_model_config("llama-3-8b")
 NODE = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8, host_mem_bytes=1024 * 2 ** 30)
-BASE = Setup(seq_len=2 ** 20, chunk_size=2 ** 16, hp=8, mlp_chunks=32, lm_head_wgrad="recompute")
+BASE = Setup.build(seq_len=2 ** 20, chunk_size=2 ** 16, hp=8, mlp_chunks=32, lm_head_wgrad="recompute")
 
 
 def doc_ids(lengths):

@@ -78,7 +78,7 @@ def test_elementwise_bytes_within_ten_percent_of_the_count(seed, dtype, wgrad, c
     counter = _ElementwiseTraffic([(c["inter"], h), (h, c["inter"]), (q, h), (kv, h), (c["vocab"], h)])
     with counter:
         model(**inputs).backward()
-    s = Setup(seq_len=c["tokens"], chunk_size=c["tokens"] // c["u"], checkpoint=checkpoint, offload=False,
+    s = Setup.build(seq_len=c["tokens"], chunk_size=c["tokens"] // c["u"], checkpointing=checkpoint, offload=False,
               dtype="bf16" if dtype == torch.bfloat16 else "fp32", lm_head_wgrad=wgrad, mlp_chunks=2 * c["u"])
     planned = elementwise_bytes(load_model_config(cfg), s)
     assert planned == pytest.approx(counter.bytes, rel=0.10), c

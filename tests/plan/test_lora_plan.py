@@ -36,13 +36,13 @@ def test_adapter_count_is_what_peft_makes():
 
 def test_model_states_are_the_frozen_base_and_fp32_adapters():
     cfg, world = load_model_config("llama-3-8b"), 8
-    s = Setup(seq_len=256 * K, chunk_size=64 * K, hp=8, lora_rank=16)
+    s = Setup.build(seq_len=256 * K, chunk_size=64 * K, hp=8, lora_rank=16)
     psi, psi_l = param_counts(cfg).total, lora_param_count(cfg, 16)
     b = estimate_memory(cfg, s, world, 8).breakdown
     assert b["parameters"] == pytest.approx((2 * psi + 4 * psi_l) / world)
     assert b["gradients"] == pytest.approx(4 * psi_l / world)
     assert b["optimizer_state"] == pytest.approx(8 * psi_l / world)
-    full = estimate_memory(cfg, Setup(seq_len=256 * K, chunk_size=64 * K, hp=8), world, 8).breakdown
+    full = estimate_memory(cfg, Setup.build(seq_len=256 * K, chunk_size=64 * K, hp=8), world, 8).breakdown
     assert full["gradients"] == pytest.approx(2 * psi / world)
 
 
@@ -51,8 +51,8 @@ def test_same_layer_activations_no_head_gradient_and_no_weight_gradient_gemms():
     gradient; GEMM time one pass less per layer; no weight-gradient accumulation traffic."""
     cfg, cluster = load_model_config("llama-3-8b"), Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8)
     for wgrad in ("accumulate", "recompute"):
-        full = Setup(seq_len=512 * K, chunk_size=64 * K, hp=8, lm_head_wgrad=wgrad)
-        lora = Setup(seq_len=512 * K, chunk_size=64 * K, hp=8, lm_head_wgrad=wgrad, lora_rank=16)
+        full = Setup.build(seq_len=512 * K, chunk_size=64 * K, hp=8, lm_head_wgrad=wgrad)
+        lora = Setup.build(seq_len=512 * K, chunk_size=64 * K, hp=8, lm_head_wgrad=wgrad, lora_rank=16)
         mf, ml = estimate_memory(cfg, full, 8, 8), estimate_memory(cfg, lora, 8, 8)
         for phase in ("layer_attention_phase", "layer_mlp_phase", "layer_norm_phase", "attention"):
             assert ml.working_sets[phase] == mf.working_sets[phase], phase
@@ -74,7 +74,7 @@ def test_seventy_b_lora_fits_where_full_training_does_not():
     assert lora["setup"]["lora_rank"] == 16 and lora["recommended"]["lora_rank"] == 16
     assert lora["setup"]["checkpoint_device_layers"] > 0     # host-bound: fpdt-train keeps the last inputs on the GPU
     assert 0 < lora["mfu"] < lora["mfu_full"] < 1
-    host_only = plan("llama-3-70b", cluster, search_max=True, choice=Choice(lora_rank=16, checkpoint_device_layers=0))
+    host_only = plan("llama-3-70b", cluster, search_max=True, choice=Choice().fix(lora_rank=16, checkpoint_device_layers=0))
     assert 512 * K <= host_only["max_seq_len"] < lora["max_seq_len"]
 
 
@@ -123,7 +123,7 @@ def test_adapter_traffic_bounds_a_count_of_the_ops(shape):
             model(**fpdt.hf.prepare_inputs(model, ids)).loss.backward()
         counted[lora] = counter.bytes
     plan_cfg = load_model_config(cfg)
-    setups = [Setup(seq_len=T, chunk_size=T // u, checkpoint="on", offload=False, lm_head_wgrad="accumulate",
+    setups = [Setup.build(seq_len=T, chunk_size=T // u, checkpointing="on", offload=False, lm_head_wgrad="accumulate",
                     mlp_chunks=2 * u, lora_rank=r) for r in (0, 16)]
     modelled = elementwise_bytes(plan_cfg, setups[1]) - elementwise_bytes(plan_cfg, setups[0])
     count = counted[True] - counted[False]

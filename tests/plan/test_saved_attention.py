@@ -14,11 +14,11 @@ from fpdt.plan.time_model import estimate_time
 S = 2 ** 21
 CFG = load_model_config("llama-3-8b")
 NODE = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8, host_mem_bytes=1024 * 2 ** 30)
-BASE = Setup(seq_len=S, chunk_size=65536, hp=8, mlp_chunks=64, lm_head_wgrad="recompute")
+BASE = Setup.build(seq_len=S, chunk_size=65536, hp=8, mlp_chunks=64, lm_head_wgrad="recompute")
 
 
 def saving(s: Setup, n: int | None = None, **kw) -> Setup:
-    return dataclasses.replace(s, attention_checkpoint="save", save_attention_layers=n, **kw)
+    return s.updated(attention_checkpoint="save", save_attention_layers=n, **kw)
 
 
 def test_saved_bytes_are_the_output_in_bf16_and_the_lse_in_fp32_per_rank():
@@ -40,8 +40,8 @@ def test_saved_bytes_are_the_output_in_bf16_and_the_lse_in_fp32_per_rank():
     ("off", 0, None, 0, 0),             # no recompute, nothing to save
 ])
 def test_saved_bytes_go_where_the_layer_inputs_are(checkpoint, device_layers, n, host_layers, dev_layers):
-    base = dataclasses.replace(BASE, seq_len=2 ** 20, mlp_chunks=32, checkpoint=checkpoint,
-                               checkpoint_device_layers=device_layers)
+    base = BASE.updated(seq_len=2 ** 20, mlp_chunks=32, checkpointing=checkpoint,
+                        checkpoint_device_layers=device_layers)
     s = saving(base, n)
     assert s.saving_layers(CFG.num_layers) == (host_layers, dev_layers)
     ref, out = evaluate(CFG, base, NODE), evaluate(CFG, s, NODE)
@@ -60,8 +60,8 @@ def test_a_saving_layer_runs_three_attention_passes_and_the_others_four(n):
     assert out["attention"] == pytest.approx(ref["attention"] * (4 * 32 - k) / (4 * 32), rel=1e-12)
     assert out["gemms"] == ref["gemms"] and out["elementwise"] == ref["elementwise"]
     assert out["all_to_all"] == pytest.approx(ref["all_to_all"], rel=1e-12)   # the output crosses once more
-    assert estimate_time(CFG, saving(BASE, n, checkpoint="off"), NODE) == estimate_time(
-        CFG, dataclasses.replace(BASE, checkpoint="off"), NODE)
+    assert estimate_time(CFG, saving(BASE, n, checkpointing="off"), NODE) == estimate_time(
+        CFG, BASE.updated(checkpointing="off"), NODE)
 
 
 def test_all_to_all_of_the_saved_output_is_a_parameter():
@@ -81,18 +81,18 @@ def test_planner_saves_every_layer_at_2m_on_8_h100_moving_4_layer_inputs_to_the_
     assert s["checkpoint_device_layers"] == 4         # the fewest that free the host for all 32 outputs
     rec = out["recommended"]
     assert (rec["attention_checkpoint"], rec["save_attention_layers"]) == ("save", 32)
-    old = plan("llama-3-8b", NODE, seq_len=S, choice=dataclasses.replace(choice, attention_checkpoint="recompute"))
+    old = plan("llama-3-8b", NODE, seq_len=S, choice=choice.fix(attention_checkpoint="recompute"))
     assert old["setup"]["attention_checkpoint"] == "recompute"
     assert out["step_time_s"] < 0.8 * old["step_time_s"] and out["mfu"] > old["mfu"]
     assert out["step_time_split_s"]["attention"] == pytest.approx(0.75 * old["step_time_split_s"]["attention"])
 
 
 def test_with_the_layer_inputs_all_on_the_host_the_planner_saves_as_many_layers_as_the_host_holds():
-    choice = Choice(chunk_size=65536, hp=8, checkpoint_device_layers=0)
+    choice = Choice().fix(chunk_size=65536, hp=8, checkpoint_device_layers=0)
     out = plan("llama-3-8b", NODE, seq_len=S, choice=choice)
     n = out["setup"]["save_attention_layers"]
     assert out["fits"] and out["setup"]["attention_checkpoint"] == "save" and n == 24
-    over = plan("llama-3-8b", NODE, seq_len=S, choice=dataclasses.replace(choice, save_attention_layers=n + 1))
+    over = plan("llama-3-8b", NODE, seq_len=S, choice=choice.fix(save_attention_layers=n + 1))
     assert not over["fits"] and over["limited_by"] == "host"
 
 

@@ -56,7 +56,7 @@ def paper_cluster(gpu: str, n: int) -> Cluster:
 def predicted(model: str, gpu: str, n: int, device_layers: int | None = 0) -> int:
     """The planner's longest length with the paper's settings: every layer input offloaded
     (``device_layers=0``, as FPDT ran); None lets the planner keep some on the GPU."""
-    choice = Choice(chunk_size=64 * K, checkpoint_device_layers=device_layers)
+    choice = Choice().fix(chunk_size=64 * K, checkpoint_device_layers=device_layers)
     return max_seq_len(load_model_config(model), paper_cluster(gpu, n), choice)["max_seq_len"]
 
 
@@ -93,7 +93,7 @@ def test_70b_on_16_gpus_fits_1m_class_lengths_only_with_the_recomputed_head_grad
     best = max_seq_len(cfg, cluster, Choice(chunk_size=64 * K))
     assert best["max_seq_len"] >= 512 * K and best["setup"]["lm_head_wgrad"] == "recompute"
     assert best["recommended"]["lm_head_wgrad"] == "recompute"
-    accumulate = max_seq_len(cfg, cluster, Choice(chunk_size=64 * K, lm_head_wgrad="accumulate"))
+    accumulate = max_seq_len(cfg, cluster, Choice().fix(chunk_size=64 * K, lm_head_wgrad="accumulate"))
     assert accumulate["max_seq_len"] < 512 * K
 
 
@@ -107,7 +107,7 @@ def test_the_faster_lm_head_mode_that_fits_is_chosen(model, seq_len):
     from fpdt.plan import plan
     cluster = paper_cluster("a100-80g", 8)
     out = plan(model, cluster, seq_len=seq_len, choice=Choice(chunk_size=64 * K))
-    modes = {w: plan(model, cluster, seq_len=seq_len, choice=Choice(chunk_size=64 * K, lm_head_wgrad=w))
+    modes = {w: plan(model, cluster, seq_len=seq_len, choice=Choice().fix(chunk_size=64 * K, lm_head_wgrad=w))
              for w in ("accumulate", "recompute")}
     assert all(r["fits"] for r in modes.values())
     fastest = min(r["step_time_s"] for r in modes.values())
@@ -124,7 +124,7 @@ def test_keeping_some_layer_inputs_on_the_gpu_goes_further_where_the_host_stops_
     """Beyond the paper: where 1 TB of host is what stops a cell, keeping the last layers'
     inputs on the GPU (the planner's choice when free) trains longer, never shorter."""
     cluster = paper_cluster(gpu, n)
-    paper = max_seq_len(load_model_config(model), cluster, Choice(chunk_size=64 * K, checkpoint_device_layers=0))
+    paper = max_seq_len(load_model_config(model), cluster, Choice().fix(chunk_size=64 * K, checkpoint_device_layers=0))
     tiered = max_seq_len(load_model_config(model), cluster, Choice(chunk_size=64 * K))
     assert tiered["max_seq_len"] > paper["max_seq_len"] and tiered["setup"]["checkpoint_device_layers"] > 0
     assert tiered["fits"] and tiered["device_peak_bytes"] <= cluster.gpu.mem_bytes

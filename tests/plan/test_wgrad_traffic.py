@@ -67,7 +67,7 @@ def test_planned_accumulation_bytes_match_the_backward(dtype, seq_len, u, wgrad)
     counter = _AccumulationTraffic(_weight_shapes(CFG))
     with counter:
         model(**inputs).backward()
-    s = Setup(seq_len=seq_len, chunk_size=seq_len // u, dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+    s = Setup.build(seq_len=seq_len, chunk_size=seq_len // u, dtype="bf16" if dtype == torch.bfloat16 else "fp32",
               lm_head_wgrad=wgrad)
     planned = wgrad_accumulation_bytes(load_model_config(CFG), s)
     assert sum(planned.values()) == counter.bytes
@@ -84,7 +84,7 @@ def test_accumulation_time_favours_big_chunks_and_the_recomputed_head():
     accumulator's traffic costs more than one more head GEMM (Llama-3's 128K vocabulary)."""
     from fpdt.plan import Choice, Cluster, GPU_PRESETS, evaluate, plan
     cfg, cluster = load_model_config("llama-3-8b"), Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8)
-    t = {c: evaluate(cfg, Setup(seq_len=128 * 1024, chunk_size=c, hp=8), cluster)["step_time_split_s"]
+    t = {c: evaluate(cfg, Setup.build(seq_len=128 * 1024, chunk_size=c, hp=8), cluster)["step_time_split_s"]
          for c in (16 * 1024, 64 * 1024)}
     assert t[16 * 1024]["wgrad_accumulation"] > 3 * t[64 * 1024]["wgrad_accumulation"] > 0
     out = plan(cfg, cluster, seq_len=128 * 1024, choice=Choice(chunk_size=16 * 1024))

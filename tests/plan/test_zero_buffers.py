@@ -50,7 +50,7 @@ def test_planning_with_a_shipped_deepspeed_config_reads_its_zero_settings(path, 
 
 
 def _evaluate(model, seq_len, gpus, zero_stage=3, **kw):
-    s = Setup(seq_len=seq_len, chunk_size=min(seq_len, 64 * K), hp=gpus, zero_stage=zero_stage, **kw)
+    s = Setup.build(seq_len=seq_len, chunk_size=min(seq_len, 64 * K), hp=gpus, zero_stage=zero_stage, **kw)
     return evaluate(load_model_config(model), s, Cluster(GPU_PRESETS["a100-80g"], gpus_per_node=gpus))
 
 
@@ -117,8 +117,8 @@ def test_mlp_chunks_default_is_the_trainers():
     trainer = validate(TrainerOptions(sp=8, chunk_size=32 * K, offload=False), 256 * K, 8, "cpu", {})
     assert out["setup"]["mlp_chunks"] is trainer.mlp_chunks is None   # default changed from 2 u = 16
     from fpdt.plan.setup import Setup
-    assert mlp_chunks(load_model("llama-3-8b"), Setup(seq_len=256 * K, chunk_size=32 * K, hp=8)) == 56
-    fixed = plan("llama-3-8b", cluster, seq_len=256 * K, choice=Choice(chunk_size=32 * K, mlp_chunks=16))
+    assert mlp_chunks(load_model("llama-3-8b"), Setup.build(seq_len=256 * K, chunk_size=32 * K, hp=8)) == 56
+    fixed = plan("llama-3-8b", cluster, seq_len=256 * K, choice=Choice().fix(chunk_size=32 * K, mlp_chunks=16))
     assert fixed["setup"]["mlp_chunks"] == 16
     assert out["step_time_split_s"]["wgrad_accumulation"] > 3 * fixed["step_time_split_s"]["wgrad_accumulation"]
 

@@ -381,7 +381,7 @@ def test_planned_peaks_swap_in_the_trials_own_states(ms):
     cfg = ms.load_config(ms.build_parser().parse_args(["--tiny"]))
     kw = dict(kernel_expands_gqa=False, lm_head_wgrad="recompute")
     own = ms.planned(cfg, "fpdt", 4096, 1024, "bf16", **kw)
-    r = evaluate(load_model_config(cfg), Setup(seq_len=4096, chunk_size=1024, checkpoint="offload", offload=True,
+    r = evaluate(load_model_config(cfg), Setup.build(seq_len=4096, chunk_size=1024, checkpointing="offload", offload=True,
                                                zero_stage=0, dtype="bf16", **kw),
                  Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1))
     assert own["planned_device_peak_bytes"] == r["device_peak_bytes"]

@@ -135,7 +135,7 @@ def test_planner_defaults_are_the_trainers_on_a_gpu():
     cfg = load_model_config("llama-3.2-1b")
     for seq_len in (32 * K, 1024 * K):                  # one chunk, and many
         for s in candidates(cfg, seq_len, choice, 8):
-            assert (s.offload, s.checkpoint) == device_defaults(TrainerOptions(), "cuda", s.num_chunks)
+            assert (s.options.offload, s.options.checkpointing) == device_defaults(TrainerOptions(), "cuda", s.num_chunks)
 
 
 @pytest.mark.parametrize("extra, json_section, message", [
