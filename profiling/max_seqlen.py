@@ -116,9 +116,9 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
         from fpdt.attention.kernels import BACKENDS
         kernel_expands_gqa = (not BACKENDS[kernel].native_gqa) if kernel else bc.default_device().type == "cpu"
     s = Setup.build(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpointing="offload" if offload else "on",
-              offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
-              lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD,
-              attention_checkpoint="save" if strategy == "fpdt-save" else "recompute")
+                    offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
+                    lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD,
+                    attention_checkpoint="save" if strategy == "fpdt-save" else "recompute")
     cluster, rates = bc.planner_cluster(calibration, kernel)
     r = evaluate(load_model_config(cfg), s, cluster)
     b = r["breakdown"]
