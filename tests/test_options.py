@@ -106,3 +106,14 @@ def test_the_runtime_is_the_option_not_the_environment(monkeypatch):
         assert model.options.runtime == runtime and model._stash.runtime is named_runtime(want)
         moved = {name for name, n in before.items() if named_runtime(name).counters.bytes_d2h > n}
         assert moved == {want}, (runtime, moved)   # the attention chunks and layer inputs went through it only
+
+
+def test_a_copied_model_shares_its_runtime_instance():
+    """A Runtime instance is a shared service, not model state: deepcopy keeps the same one."""
+    import copy
+
+    from fpdt.offload import fresh_runtime
+
+    with fresh_runtime("sim", mode="threaded") as rt:
+        model = copy.deepcopy(fm.from_config(hf_config("llama_gqa").to_dict(), offload=True, runtime=rt))
+        assert model.options.runtime is rt and {id(layer.self_attn.runtime) for layer in model.model.layers} == {id(rt)}

@@ -98,6 +98,14 @@ class Runtime:
         self.counters = RuntimeCounters()
         self._lock = threading.Lock()
 
+    def __copy__(self) -> "Runtime":
+        return self
+
+    def __deepcopy__(self, memo) -> "Runtime":
+        # a runtime is a shared service (its streams, events and host pool), not a model's
+        # state: a copied model (or options object) uses the same one
+        return self
+
     # --- streams and events (implemented per runtime) ---------------------------------
     def new_stream(self, device: torch.device, name: str):
         raise NotImplementedError
