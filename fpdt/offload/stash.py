@@ -52,7 +52,8 @@ class HostStash:
         pool: host buffer pool; defaults to the pool of ``device`` on ``runtime``.
         label: appended to role names in errors (e.g. ``"layer 2"``).
         runtime: the device runtime (:attr:`fpdt.options.FPDTOptions.runtime`: a
-            :class:`Runtime`, a name, or None for the automatic one of ``device``).
+            :class:`Runtime`, a name, or None: the ``pool``'s when one is given, else the
+            automatic one of ``device``). The pool's events must be this runtime's.
     """
 
     def __init__(self, device: torch.device | str, enabled: bool = True,
@@ -61,7 +62,13 @@ class HostStash:
         self.device = torch.device(device)
         self.enabled = enabled
         self.label = label
+        if pool is not None and runtime is None:
+            runtime = pool.runtime
         self.runtime = resolve_runtime(runtime, self.device)
+        if pool is not None and pool.runtime is not self.runtime:
+            raise ValueError(f"the host pool runs on the {pool.runtime.name!r} runtime, this stash on "
+                             f"{self.runtime.name!r}: pass a pool of the same runtime (fpdt.offload.host_pool("
+                             f"device, runtime)), or no pool")
         self.pool = pool if pool is not None else host_pool(self.device, self.runtime)
         self._streams = copy_streams(self.device, self.runtime) if enabled else None
         self._host: dict[Hashable, tuple[torch.Tensor, object]] = {}      # key -> (host buf, done event)
