@@ -20,7 +20,7 @@ Per trial: the device peak (CUDA: ``max_memory_allocated``; CPU: the memory acco
 count of the tensors the step creates, :class:`fpdt.memory.accountant.RegionMemory`), the
 host-stash peak and the step time. Per strategy: the least-squares slope of device bytes
 per 1K tokens, and its ratio to ``hf``'s, ``alst``'s and ``fpdt.model``'s. Offload on the CPU runs
-under the simulated runtime (``FPDT_RUNTIME=sim``: this script's ``runtime=`` option), so its host
+under the simulated runtime (``FPDT_RUNTIME=sim``, which this script passes as ``runtime=``), so its host
 tier is counted.
 
     FPDT_RUNTIME=sim python profiling/hf_integration.py                 # CPU, 4K/8K/16K tokens
