@@ -37,6 +37,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.hf.adapters import Projections, lean_lora, read_projections
 from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import resolve_group
+from fpdt.offload import Runtime
 from fpdt.ops.lora import lora_linear
 from fpdt.options import FPDTOptions
 
@@ -210,7 +211,7 @@ def _mask(name: str):
 
 def register_attention(*, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                        num_chunks: int = 1, offload: bool = False, backend: str | None = None,
-                       name: str | None = None, runtime: str | None = None) -> str:
+                       name: str | None = None, runtime: Runtime | str | None = None) -> str:
     """Register FPDT attention with these settings in Transformers and return its name.
 
     Use the name as ``attn_implementation`` (``from_pretrained(..., attn_implementation=name)``

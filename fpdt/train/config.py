@@ -365,9 +365,12 @@ def device_defaults(opts: TrainerOptions, device_type: str, num_chunks: int = 2)
 
 
 def _check_device_options(offload: bool, checkpoint: str, device_type: str, ds_config: Mapping[str, Any],
-                          runtime) -> None:
+                          runtime: Any) -> None:
     if device_type == "cuda":
         return
+    if runtime_name(runtime) == "cuda":
+        raise ConfigError(f"--runtime cuda needs a CUDA device; this run is on {device_type}: use --runtime sim "
+                          f"(simulated copy streams) or sync, or leave it out")
     # Offload on the CPU only makes sense to test the offload paths: allowed when a device
     # runtime was chosen explicitly (--runtime sim simulates the copy streams).
     simulated = runtime_name(runtime) in ("sim", "sync")

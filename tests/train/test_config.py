@@ -64,6 +64,7 @@ def test_bad_fpdt_section(section, match):
     (TrainerOptions(offload=True), 96, 1, "cpu", FP32, r"--offload needs a CUDA device.*--no-offload"),
     (TrainerOptions(checkpointing="offload"), 96, 1, "cpu", FP32, r"'offload' needs a CUDA device.*--checkpoint on"),
     (TrainerOptions(), 96, 1, "cpu", {"fp16": {"enabled": True}}, r"fp16 training needs a CUDA device.*bf16"),
+    (TrainerOptions(runtime="cuda"), 96, 1, "cpu", FP32, r"--runtime cuda needs a CUDA device.*--runtime sim"),
 ])
 def test_validate_errors(opts, seq_len, world, device, ds, match):
     with pytest.raises(ConfigError, match=match):
