@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
 from fpdt.comm import SequenceMesh
+from fpdt.offload.runtime import RUNTIMES, Runtime
 
 CHECKPOINT_MODES = ("off", "on", "offload")
 """Per-layer activation checkpointing: none, layer inputs kept on the device, or on the host."""
@@ -87,6 +88,13 @@ class FPDTOptions:
     mesh: SequenceMesh | None = None
     """A 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group``: inputs in the mesh
     layout; reductions (the loss's token count) run over ``mesh.sp_group``."""
+    runtime: str | Runtime | None = None
+    """Device runtime of the offload copies (:data:`fpdt.offload.runtime.RUNTIMES`): None,
+    automatic (``"cuda"`` on a CUDA device, ``"sync"`` elsewhere); ``"sim"``, the simulated CUDA
+    streams that run the offload paths on the CPU (:mod:`fpdt.offload.sim`); ``"sync"``; ``"cuda"``;
+    or a :class:`fpdt.offload.Runtime` instance. A name is one process-wide instance, which every
+    stash of the model shares (:mod:`fpdt.offload.select`). Not read from the environment:
+    ``FPDT_RUNTIME`` is only the default of ``fpdt-train --runtime``."""
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -135,6 +143,9 @@ class FPDTOptions:
                        f"or None (every layer)")
         if self.backend is not None and self.backend not in BACKENDS:
             out.append(f"backend={self.backend!r} must be one of {tuple(BACKENDS)}, or None (automatic)")
+        if self.runtime is not None and not isinstance(self.runtime, Runtime) and self.runtime not in RUNTIMES:
+            out.append(f"runtime={self.runtime!r} must be one of {RUNTIMES} (\"sim\": simulated CUDA streams on "
+                       f"the CPU), a fpdt.offload.Runtime, or None (automatic: cuda on a CUDA device, else sync)")
         if self.mesh is not None and self.group is not None:
             out.append("set either group= (plain Ulysses) or mesh= (hp x cp), not both")
         return out

@@ -31,15 +31,18 @@ import time
 import torch
 
 from fpdt.attention import fpdt_attention
-from fpdt.offload import runtime_for
+from fpdt.offload import resolve_runtime
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
 import bench_common as bc  # noqa: E402
 
 
+RUNTIME = os.environ.get("FPDT_RUNTIME") or None   # the device runtime: $FPDT_RUNTIME (e.g. sim), else automatic
+
+
 def _sync(device):
-    runtime_for(device).synchronize(device)  # host waits for the device (and, under sim, every copy)
+    resolve_runtime(RUNTIME, device).synchronize(device)  # host waits for the device (and, under sim, every copy)
 
 
 def run_once(q, k, v, num_chunks, offload):
@@ -48,7 +51,7 @@ def run_once(q, k, v, num_chunks, offload):
         t.grad = None
     _sync(q.device)
     start = time.perf_counter()
-    out = fpdt_attention(q, k, v, num_chunks=num_chunks, offload=offload)
+    out = fpdt_attention(q, k, v, num_chunks=num_chunks, offload=offload, runtime=RUNTIME)
     out.backward(torch.ones_like(out))
     _sync(q.device)
     return time.perf_counter() - start

@@ -20,7 +20,8 @@ Per trial: the device peak (CUDA: ``max_memory_allocated``; CPU: the memory acco
 count of the tensors the step creates, :class:`fpdt.memory.accountant.RegionMemory`), the
 host-stash peak and the step time. Per strategy: the least-squares slope of device bytes
 per 1K tokens, and its ratio to ``hf``'s, ``alst``'s and ``fpdt.model``'s. Offload on the CPU runs
-under the simulated runtime (``FPDT_RUNTIME=sim``), so its host tier is counted.
+under the simulated runtime (``FPDT_RUNTIME=sim``, which this script passes as ``runtime=``), so its host
+tier is counted.
 
     FPDT_RUNTIME=sim python profiling/hf_integration.py                 # CPU, 4K/8K/16K tokens
     python profiling/hf_integration.py --seq-lens 32768 65536 131072     # one GPU, bf16
@@ -49,6 +50,7 @@ SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidd
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 20)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+RUNTIME = os.environ.get("FPDT_RUNTIME") or None   # the device runtime: $FPDT_RUNTIME (e.g. sim), else automatic
 
 
 def build(strategy: str, base, cfg: dict, seq_len: int, chunk: int, device: torch.device):
@@ -65,7 +67,7 @@ def build(strategy: str, base, cfg: dict, seq_len: int, chunk: int, device: torc
         inputs = alst.prepare(ids.to(device))
         return (lambda: alst.forward_backward(inputs)), alst.notes
     if strategy == "fpdt.model":
-        model = fm.from_config(base.config, num_chunks=u, offload=True, checkpointing="offload",
+        model = fm.from_config(base.config, num_chunks=u, offload=True, checkpointing="offload", runtime=RUNTIME,
                                lm_head_wgrad="recompute", device=device, dtype=base.dtype)
         fm.load_hf_state_dict(model, base.state_dict())
         inputs = {k: v.to(device) for k, v in model.prepare_inputs(ids).items()}
@@ -73,7 +75,7 @@ def build(strategy: str, base, cfg: dict, seq_len: int, chunk: int, device: torc
     model = copy.deepcopy(base).to(device)
     own_checkpoint = strategy.endswith("ckpt offload")
     if strategy != "hf":
-        fpdt.hf.apply_fpdt(model, num_chunks=u, offload="offload" in strategy,
+        fpdt.hf.apply_fpdt(model, num_chunks=u, offload="offload" in strategy, runtime=RUNTIME,
                            checkpointing="offload" if own_checkpoint else "off")
     model.train()
     if not own_checkpoint:

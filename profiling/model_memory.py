@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 import torch
 
 import fpdt.model as fm
-from fpdt.offload import runtime_for
+from fpdt.offload import resolve_runtime
 from fpdt.memory.accountant import RegionMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,8 +86,11 @@ def options_for(features: frozenset[str], seq_len: int, chunk_size: int) -> dict
     }
 
 
+RUNTIME = os.environ.get("FPDT_RUNTIME") or None   # the device runtime: $FPDT_RUNTIME (e.g. sim), else automatic
+
+
 def _sync(device: torch.device) -> None:
-    runtime_for(device).synchronize(device)  # host waits for the device (and, under sim, every copy)
+    resolve_runtime(RUNTIME, device).synchronize(device)  # host waits for the device (and, under sim, every copy)
 
 
 def _step(model: fm.FPDTForCausalLM, inputs: dict) -> float:
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[int, tuple]]]:
     chunk = args.chunk_size or (32 if args.tiny else 32768)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = fm.from_config(config, device=device, dtype=dtype)
+    model = fm.from_config(config, device=device, dtype=dtype, runtime=RUNTIME)
 
     rows = []
     for label, features in feature_sets():

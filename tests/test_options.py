@@ -59,6 +59,7 @@ def test_options_object_or_keywords():
     (dict(save_attention_layers=-1), "save_attention_layers=-1 must be an integer >= 0"),
     (dict(checkpoint_device_layers=2), "needs checkpointing='offload'"),
     (dict(backend="fast"), "backend='fast' must be one of"),
+    (dict(runtime="gpu"), "runtime='gpu' must be one of ('sim', 'sync', 'cuda')"),
 ])
 def test_one_validation_everywhere(bad, match):
     match = re.escape(match)
@@ -86,3 +87,33 @@ def test_trainer_keys_are_the_options_fields():
     fields = set(FPDTOptions.__dataclass_fields__) - {"num_chunks", "group", "mesh", "checkpointing", "backend"}
     assert fields | {"checkpoint", "attention_backend", "sp", "hp", "cp", "placement", "inner_ring",
                      "chunk_size"} == set(FPDT_KEYS)
+
+
+def test_the_runtime_is_the_option_not_the_environment(monkeypatch):
+    """FPDT_RUNTIME is only fpdt-train's default: a model built without runtime= offloads through
+    the automatic runtime (sync on the CPU); runtime="sim" gives every stash the one sim runtime."""
+    import torch
+
+    from fpdt.offload import named_runtime
+
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+    cfg = hf_config("llama_gqa").to_dict()
+    ids = torch.randint(0, cfg["vocab_size"], (1, 16))
+    for runtime, want in ((None, "sync"), ("sim", "sim")):
+        model = fm.from_config(cfg, num_chunks=2, offload=True, checkpointing="offload", runtime=runtime)
+        before = {name: named_runtime(name).counters.bytes_d2h for name in ("sync", "sim")}
+        model(**model.prepare_inputs(ids, labels=ids)).backward()
+        assert model.options.runtime == runtime and model._stash.runtime is named_runtime(want)
+        moved = {name for name, n in before.items() if named_runtime(name).counters.bytes_d2h > n}
+        assert moved == {want}, (runtime, moved)   # the attention chunks and layer inputs went through it only
+
+
+def test_a_copied_model_shares_its_runtime_instance():
+    """A Runtime instance is a shared service, not model state: deepcopy keeps the same one."""
+    import copy
+
+    from fpdt.offload import fresh_runtime
+
+    with fresh_runtime("sim", mode="threaded") as rt:
+        model = copy.deepcopy(fm.from_config(hf_config("llama_gqa").to_dict(), offload=True, runtime=rt))
+        assert model.options.runtime is rt and {id(layer.self_attn.runtime) for layer in model.model.layers} == {id(rt)}

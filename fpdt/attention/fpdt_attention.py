@@ -26,7 +26,7 @@ from fpdt.attention.pipeline import build_spec
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
-from fpdt.offload import HostStash
+from fpdt.offload import HostStash, Runtime
 
 
 class FPDTAttentionFunction(torch.autograd.Function):
@@ -36,7 +36,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, spec, offload: bool, for_backward: bool):
         u = spec.num_chunks
         L = q.shape[1] // u
-        stash = HostStash(q.device, enabled=offload)
+        stash = HostStash(q.device, enabled=offload, runtime=spec.runtime)
 
         def produce(i):
             sl = slice(i * L, (i + 1) * L)
@@ -84,7 +84,7 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                    num_chunks: int = 1, offload: bool = False, causal: bool = True, softmax_scale: float | None = None,
                    backend: str | None = None, doc_ids: torch.Tensor | None = None,
-                   saved: SavedAttention | None = None) -> torch.Tensor:
+                   saved: SavedAttention | None = None, runtime: Runtime | str | None = None) -> torch.Tensor:
     """FPDT attention of sequence-parallel q, k, v.
 
     Args:
@@ -111,6 +111,8 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         saved: a checkpointed layer's :class:`fpdt.attention.saved_attention.SavedAttention`
             (``attention_checkpoint="save"``): this call's output and lse are recorded in the
             layer's first forward and replayed in its recompute. None: run as usual.
+        runtime: the device runtime of the offload copies (``"sim"`` runs them simulated on the
+            CPU; see :attr:`fpdt.options.FPDTOptions.runtime`); None: automatic.
 
     Returns:
         ``[B, S_local, H, D]`` in the same layout and dtype as ``q``; differentiable in q, k, v.
@@ -133,5 +135,6 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     else:
         spec = build_spec(group=group, **shape)
     spec.saved = saved
+    spec.runtime = runtime
     for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return FPDTAttentionFunction.apply(q, k, v, spec, offload, for_backward)

@@ -96,6 +96,7 @@ class MeshSpec:
     _last_touch: dict | None = None
     stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
     saved: object | None = None     # the call's SavedAttention (attention_checkpoint="save"), taken by the Function
+    runtime: object | None = None   # the stash's device runtime (a Runtime, a name, or None: automatic)
 
     @property
     def hp_group(self):

@@ -10,6 +10,7 @@ from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.attention.rope import RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention, input_from_stash
 from fpdt.comm import SequenceMesh
+from fpdt.offload import Runtime
 from fpdt.ops.lora import attached_adapters, lora_linear
 
 
@@ -36,6 +37,8 @@ class FPDTAttention(nn.Module):
         mesh: a 2D :class:`fpdt.comm.SequenceMesh` (hp x cp) instead of ``group``; inputs
             and position ids are then in the mesh layout (may be reassigned later).
         backend: attention kernel name, None = automatic.
+        runtime: device runtime of the offload copies (:attr:`fpdt.options.FPDTOptions.runtime`;
+            may be reassigned later), None = automatic.
 
     LoRA adapters that :func:`fpdt.model.lora.add_lora` attached to the projections run inside
     the chunked q/k/v projection, and on ``o_proj`` as the lean LoRA linear
@@ -56,7 +59,8 @@ class FPDTAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, *, qkv_bias: bool = False, o_bias: bool = False,
                  num_chunks: int = 1, offload: bool = False, group: dist.ProcessGroup | None = None,
-                 mesh: SequenceMesh | None = None, backend: str | None = None, softmax_scale: float | None = None):
+                 mesh: SequenceMesh | None = None, backend: str | None = None, softmax_scale: float | None = None,
+                 runtime: Runtime | str | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -66,6 +70,7 @@ class FPDTAttention(nn.Module):
         self.group = group
         self.mesh = mesh
         self.backend = backend
+        self.runtime = runtime
         self.softmax_scale = softmax_scale
         self.stash_label: str | None = None  # names this layer's chunks in offload errors, e.g. "layer 2"
         self.o_proj_input_from_stash = False    # see the class docstring
@@ -92,7 +97,7 @@ class FPDTAttention(nn.Module):
             rope=rope, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks, offload=self.offload,
             backend=self.backend, softmax_scale=self.softmax_scale, label=self.stash_label,
             adapters=attached_adapters((self.q_proj, self.k_proj, self.v_proj), self.training), doc_ids=doc_ids,
-            stash_sink=sink, saved=saved)
+            stash_sink=sink, saved=saved, runtime=self.runtime)
         attn = attn.reshape(B, S_local, self.num_heads * self.head_dim)
         o_adapters = attached_adapters((self.o_proj,), self.training)
         with input_from_stash(attn, sink or []):

@@ -48,7 +48,7 @@ from fpdt.attention.rope import RotaryEmbedding, apply_rotary, apply_rotary_back
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
-from fpdt.offload import HostStash
+from fpdt.offload import HostStash, Runtime
 from fpdt.ops.lora import LoraAdapters, accumulators, finish, lora_backward, with_lora
 from fpdt.ops.rmsnorm import norm_backward, normalised, rms_norm_reference
 
@@ -63,7 +63,8 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                              adapters: LoraAdapters | None = None,
                              doc_ids: torch.Tensor | None = None,
-                             stash_sink: list | None = None, saved: SavedAttention | None = None) -> torch.Tensor:
+                             stash_sink: list | None = None, saved: SavedAttention | None = None,
+                             runtime: Runtime | str | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
     FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
     ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
@@ -78,7 +79,8 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     chunks :func:`fpdt.attention.saved_attention.input_from_stash` reads back. ``saved``: the
     checkpointed layer's :class:`fpdt.attention.saved_attention.SavedAttention`
     (``attention_checkpoint="save"``), which records this call's output in the layer's first
-    forward and replays it in the recompute (no attention kernel)."""
+    forward and replays it in the recompute (no attention kernel). ``runtime``: the stash's device
+    runtime (:attr:`fpdt.options.FPDTOptions.runtime`; None: automatic)."""
     if mesh is not None and group is not None:
         raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
     H, H_kv, D = heads
@@ -90,6 +92,7 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     spec.label = label
     spec.stash_sink = stash_sink
     spec.saved = saved
+    spec.runtime = runtime
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
     wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
     lora = () if adapters is None else (adapters.layout, *adapters.tensors)
@@ -119,7 +122,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         H, H_kv, D = heads
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
-        stash = HostStash(hidden.device, enabled=offload, label=spec.label)
+        stash = HostStash(hidden.device, enabled=offload, label=spec.label, runtime=spec.runtime)
         rotation = _rotation(rope, position_ids, cos, sin)
         terms = lora.split(lora_tensors) if lora is not None else [[], [], []]
         seed = lora.draw_seed() if lora is not None else None

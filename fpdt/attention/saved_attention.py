@@ -46,7 +46,7 @@ import contextlib
 import torch
 
 from fpdt.comm import heads_to_seq, replicate_kv, start_seq_to_heads_packed
-from fpdt.offload import HostStash
+from fpdt.offload import HostStash, Runtime
 
 OUT, LSE = "attn out", "attn lse"
 
@@ -57,10 +57,13 @@ class SavedAttention:
         device: the compute device.
         on_host: keep them in pinned host memory (else device references).
         label: names the layer in errors, e.g. ``"layer 2"``.
+        runtime: the stash's device runtime (:attr:`fpdt.options.FPDTOptions.runtime`), the
+            attention's own, so that its host buffers can be handed over.
     """
 
-    def __init__(self, device: torch.device | str, on_host: bool, label: str | None = None):
-        self.stash = HostStash(device, enabled=on_host, label=label)
+    def __init__(self, device: torch.device | str, on_host: bool, label: str | None = None,
+                 runtime: Runtime | str | None = None):
+        self.stash = HostStash(device, enabled=on_host, label=label, runtime=runtime)
         self.label = label
         self.signature: tuple | None = None     # set by the recording call, checked by the replay
         self.replayed = False

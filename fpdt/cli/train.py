@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
+from fpdt.offload.runtime import RUNTIMES
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import lora, preflight, saving, zero, zero_load
@@ -47,6 +48,8 @@ from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_s
 from fpdt.train.progress import Progress, StepRecord
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ENV_RUNTIME = "FPDT_RUNTIME"
+"""The environment variable that sets ``--runtime``'s default (:func:`fpdt_options`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--checkpoint", choices=["off", "on", "offload"],
                    help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
                         "default: offload with CUDA, off elsewhere)")
+    f.add_argument("--runtime", choices=list(RUNTIMES),
+                   help="device runtime of the offload copies: sim runs them on simulated CUDA streams, which "
+                        "allows --offload and --checkpoint offload on the CPU (to test them); sync; cuda "
+                        f"(default: ${ENV_RUNTIME} if set, else cuda on CUDA and sync elsewhere)")
     lora.add_arguments(p)
     r = p.add_argument_group("run")
     r.add_argument("--deepspeed", metavar="JSON",
@@ -149,7 +156,18 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
             "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "lm_head_wgrad": args.lm_head_wgrad,
             "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
             "checkpoint_device_layers": args.checkpoint_device_layers,
-            "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers}
+            "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers,
+            "runtime": args.runtime}
+
+
+def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None) -> TrainerOptions:
+    """The run's FPDT options: flags > the ``"fpdt"`` JSON section > ``$FPDT_RUNTIME`` (the
+    ``runtime`` default, read here only: the library takes the runtime as an option) > defaults."""
+    env = os.environ.get(ENV_RUNTIME, "").strip()
+    if env and env not in RUNTIMES:
+        raise ConfigError(f"{ENV_RUNTIME}={env!r} is not a device runtime: use one of {', '.join(RUNTIMES)}, "
+                          f"or unset it")
+    return merge_options(fpdt_flags(args), section, defaults={"runtime": env or None})
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -254,7 +272,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     lora_spec = lora.spec_from_args(args)
     device = pick_device()
     ds_config, section = load_ds_config(args.deepspeed, device.type)
-    opts = merge_options(fpdt_flags(args), section)
+    opts = fpdt_options(args, section)
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
@@ -310,7 +328,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
-                    mem_accounting=args.mem_accounting, lora=lora_spec)
+                    mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime)
     saver = Saver(args, engine, ps, info, dtype_name, progress, lora_record)
 
     def on_step_end(done: int) -> None:

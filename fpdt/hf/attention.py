@@ -37,6 +37,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.hf.adapters import Projections, lean_lora, read_projections
 from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import resolve_group
+from fpdt.offload import Runtime
 from fpdt.ops.lora import lora_linear
 from fpdt.options import FPDTOptions
 
@@ -79,7 +80,7 @@ def _attention(settings: FPDTOptions, name: str):
                              num_chunks=settings.num_chunks,
                              offload=settings.offload, causal=True, softmax_scale=scaling,
                              backend=settings.backend, doc_ids=kwargs.get("doc_ids"),
-                             saved=kwargs.get("fpdt_saved"))
+                             saved=kwargs.get("fpdt_saved"), runtime=settings.runtime)
         return out, None                                               # [B, S_local, H, D], no weights
 
     return fpdt_attention_forward
@@ -175,7 +176,7 @@ def chunked_qkv_attention_forward(settings: FPDTOptions, name: str):
                                        offload=settings.offload, backend=settings.backend,
                                        softmax_scale=self.scaling, label=f"layer {self.layer_idx}",
                                        qk_norm=qk_norm, adapters=proj.adapters, doc_ids=kwargs.get("doc_ids"),
-                                       saved=kwargs.get("fpdt_saved"))
+                                       saved=kwargs.get("fpdt_saved"), runtime=settings.runtime)
         out = out.reshape(B, S_local, H * self.head_dim)
         lean = lean_lora(self.o_proj, type(self).__name__)
         if lean is None:
@@ -210,22 +211,24 @@ def _mask(name: str):
 
 def register_attention(*, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
                        num_chunks: int = 1, offload: bool = False, backend: str | None = None,
-                       name: str | None = None) -> str:
+                       name: str | None = None, runtime: Runtime | str | None = None) -> str:
     """Register FPDT attention with these settings in Transformers and return its name.
 
     Use the name as ``attn_implementation`` (``from_pretrained(..., attn_implementation=name)``
     or ``model.set_attn_implementation(name)``). Each call registers a new name
     (``fpdt-0``, ``fpdt-1``, ...) unless ``name`` is given, which replaces an earlier one.
     The model's inputs must then be this rank's tokens in the matching layout, with global
-    position ids: :func:`fpdt.hf.prepare_inputs` builds them.
+    position ids: :func:`fpdt.hf.prepare_inputs` builds them. ``runtime``: the device runtime of
+    the offload copies (:attr:`fpdt.options.FPDTOptions.runtime`; ``"sim"`` on the CPU).
     """
-    options = FPDTOptions(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend)
+    options = FPDTOptions(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend,
+                          runtime=runtime)
     return register_settings(options.validate(), name)
 
 
 def register_settings(settings: FPDTOptions, name: str | None = None) -> str:
     """:func:`register_attention` with its options already built (the attention reads ``group``,
-    ``mesh``, ``num_chunks``, ``offload`` and ``backend``; a ``group`` may be a
+    ``mesh``, ``num_chunks``, ``offload``, ``backend`` and ``runtime``; a ``group`` may be a
     :class:`fpdt.hf.groups.TrainerGroup`, looked up at each call)."""
     try:
         from transformers import AttentionInterface

@@ -534,7 +534,9 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
         num_chunks: attention chunks per rank ``u``; inputs must be sharded with the same
             ``u`` (:func:`prepare_inputs`).
         offload: keep finished attention chunks in pinned host memory (needs CUDA, or
-            ``FPDT_RUNTIME=sim`` on the CPU).
+            ``runtime="sim"`` on the CPU).
+        runtime: device runtime of the offload copies (:attr:`fpdt.options.FPDTOptions.runtime`);
+            None: automatic (``"cuda"`` on a CUDA device, ``"sync"`` elsewhere).
         backend: attention kernel (:mod:`fpdt.attention.kernels`); None = automatic.
         mlp_chunks: token chunks of each layer's SwiGLU MLP; default
             ``ceil(2 u I / hidden)`` (as :class:`fpdt.model.FPDTForCausalLM`); 0 leaves it.

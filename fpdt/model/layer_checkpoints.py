@@ -25,6 +25,7 @@ class LayerCheckpoints:
 
     def __init__(self, options: FPDTOptions, num_layers: int):
         self.mode = options.checkpointing
+        self.runtime = options.runtime
         self.num_layers = num_layers
         self.on_host = num_layers - options.checkpoint_device_layers   # layers [on_host, n) keep x on the device
         self.saving = saving_layers(options, num_layers)
@@ -46,7 +47,8 @@ class LayerCheckpoints:
         fid = self._forward
         saved = None
         if i < self.saving and torch.is_grad_enabled():   # no backward, no recompute to serve
-            saved = SavedAttention(device, on_host=stash is not None and i < self.on_host, label=f"layer {i}")
+            saved = SavedAttention(device, on_host=stash is not None and i < self.on_host, label=f"layer {i}",
+                                   runtime=self.runtime)
         return dict(stash=stash, key=("layer input", i, fid),
                     prev_key=("layer input", i - 1, fid) if i > 0 else None,
                     on_device=i >= self.on_host, saved=saved)
@@ -58,7 +60,7 @@ class LayerCheckpoints:
 
     def _stash_for(self, device: torch.device) -> HostStash:
         if self._stash is None or self._stash.device != torch.device(device):
-            self._stash = HostStash(device, enabled=True)
+            self._stash = HostStash(device, enabled=True, runtime=self.runtime)
         return self._stash
 
     def __deepcopy__(self, memo) -> "LayerCheckpoints":

@@ -70,7 +70,7 @@ class FPDTDecoderLayer(nn.Module):
         self.self_attn = FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                        qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, num_chunks=opts.num_chunks,
                                        offload=opts.offload, group=opts.group, mesh=opts.mesh,
-                                       backend=opts.backend)
+                                       backend=opts.backend, runtime=opts.runtime)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
@@ -163,6 +163,7 @@ class FPDTForCausalLM(nn.Module):
             layer.self_attn.group = opts.group
             layer.self_attn.mesh = opts.mesh
             layer.self_attn.backend = opts.backend
+            layer.self_attn.runtime = opts.runtime
             layer.mlp.num_chunks = self.mlp_chunks
         for module in self.modules():
             if isinstance(module, RMSNorm):

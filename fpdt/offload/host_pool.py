@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fpdt.offload.runtime import Runtime
-from fpdt.offload.select import runtime_for
+from fpdt.offload.select import resolve_runtime
 
 
 @dataclass
@@ -110,13 +110,14 @@ class HostBufferPool:
 
     Args:
         pin_memory: allocate page-locked buffers (only meaningful with CUDA present).
-        runtime: the device runtime whose events guard the buffers; defaults to the one
-            selected now for CUDA (pinned) or CPU (pageable) devices.
+        runtime: the device runtime whose events guard the buffers (a :class:`Runtime`, or a
+            name, :func:`fpdt.offload.select.resolve_runtime`); None: the automatic one for
+            CUDA (pinned) or CPU (pageable) devices.
     """
 
-    def __init__(self, pin_memory: bool, runtime: Runtime | None = None):
+    def __init__(self, pin_memory: bool, runtime: Runtime | str | None = None):
         self.pin_memory = pin_memory
-        self.runtime = runtime if runtime is not None else runtime_for("cuda" if pin_memory else "cpu")
+        self.runtime = resolve_runtime(runtime, "cuda" if pin_memory else "cpu")
         self._free: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, object]]] = defaultdict(list)
         self.stats = PoolStats(pinned=pin_memory)
         _ALL_POOLS.add(self)
@@ -175,10 +176,12 @@ class HostBufferPool:
 _POOLS: "weakref.WeakKeyDictionary[Runtime, dict[bool, HostBufferPool]]" = weakref.WeakKeyDictionary()
 
 
-def host_pool(device: torch.device | str) -> HostBufferPool:
-    """The pool serving ``device`` on its current runtime: pinned for CUDA devices, pageable otherwise."""
+def host_pool(device: torch.device | str, runtime: Runtime | str | None = None) -> HostBufferPool:
+    """The pool serving ``device`` on ``runtime`` (a :class:`Runtime`, a name, or None: the
+    automatic one; :func:`fpdt.offload.select.resolve_runtime`), one per runtime: pinned for
+    CUDA devices, pageable otherwise."""
     pinned = torch.device(device).type == "cuda"
-    runtime = runtime_for(device)
+    runtime = resolve_runtime(runtime, device)
     pools = _POOLS.setdefault(runtime, {})
     if pinned not in pools:
         pools[pinned] = HostBufferPool(pin_memory=pinned, runtime=runtime)

@@ -11,9 +11,8 @@ and synchronise call of the offload machinery (and of the training loop) goes th
   (:mod:`fpdt.offload.sim`): copies run as late as CUDA allows, their destinations hold NaN
   until then, and unordered or use-after-free accesses raise :class:`StreamHazardError`.
 
-Selection: ``use_runtime(name)`` (in-process, a context manager) wins; else the
-environment variable ``FPDT_RUNTIME=sim|sync|cuda``, which ranks started by ``torchrun``
-or ``multiprocessing`` spawn inherit; else ``cuda`` for CUDA devices and ``sync`` otherwise.
+Selection: explicit, the ``runtime`` option (:attr:`fpdt.options.FPDTOptions.runtime`, resolved
+by :mod:`fpdt.offload.select`): ``None`` is ``cuda`` for CUDA devices and ``sync`` otherwise.
 ``FPDT_SIM_MODE=lazy|threaded``, ``FPDT_SIM_FAULT=drop_wait|drop_record_stream`` and
 ``FPDT_SIM_SEED`` configure the simulator.
 
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 RUNTIMES = ("sim", "sync", "cuda")
-ENV_RUNTIME = "FPDT_RUNTIME"
+"""The device runtime names (the ``runtime`` option's strings)."""
 
 
 class StreamHazardError(RuntimeError):
@@ -98,6 +97,14 @@ class Runtime:
     def __init__(self) -> None:
         self.counters = RuntimeCounters()
         self._lock = threading.Lock()
+
+    def __copy__(self) -> "Runtime":
+        return self
+
+    def __deepcopy__(self, memo) -> "Runtime":
+        # a runtime is a shared service (its streams, events and host pool), not a model's
+        # state: a copied model (or options object) uses the same one
+        return self
 
     # --- streams and events (implemented per runtime) ---------------------------------
     def new_stream(self, device: torch.device, name: str):

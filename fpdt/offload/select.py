@@ -1,9 +1,19 @@
-"""Which device runtime serves a device: :func:`runtime_for`, :func:`use_runtime`.
+"""Which device runtime serves a device: :func:`resolve_runtime`, :func:`named_runtime`.
 
-The selection, in order: the innermost :func:`use_runtime` context; else the environment
-variable ``FPDT_RUNTIME`` (``sim``, ``sync`` or ``cuda``; meant for the command-line tools and
-tests); else ``cuda`` on a CUDA device and ``sync`` elsewhere. The runtimes themselves live
-in :mod:`fpdt.offload.runtime` (sync, CUDA) and :mod:`fpdt.offload.sim` (the simulator).
+The runtime is an explicit option (:attr:`fpdt.options.FPDTOptions.runtime`), passed to every
+:class:`fpdt.offload.HostStash`, host pool and training loop that needs one:
+
+* ``None``: automatic, ``cuda`` on a CUDA device and ``sync`` elsewhere;
+* a name, ``"sync"``, ``"cuda"`` or ``"sim"``: one process-wide instance per name (so the
+  stashes of one model, and of every model built with the same name, share one runtime and
+  its host pool);
+* a :class:`fpdt.offload.runtime.Runtime` instance, used as it is.
+
+The library reads no environment variable to choose it; ``fpdt-train`` and the profiling
+scripts take ``FPDT_RUNTIME`` as the default of their own option. The simulator's knobs
+``FPDT_SIM_MODE``, ``FPDT_SIM_FAULT`` and ``FPDT_SIM_SEED`` stay environment variables
+(:class:`fpdt.offload.sim.SimRuntime`). The runtimes themselves live in
+:mod:`fpdt.offload.runtime` (sync, CUDA) and :mod:`fpdt.offload.sim` (the simulator).
 """
 
 from __future__ import annotations
@@ -14,11 +24,10 @@ from typing import Iterator
 
 import torch
 
-from fpdt.offload.runtime import ENV_RUNTIME, RUNTIMES, CudaRuntime, Runtime, SyncRuntime
+from fpdt.offload.runtime import RUNTIMES, CudaRuntime, Runtime, SyncRuntime
 from fpdt.offload.sim import SimRuntime
 
-_override: list[Runtime] = []            # stack of use_runtime(...) contexts
-_from_env: dict[tuple, Runtime] = {}     # process-wide instances, by name and the env options they read
+_named: dict[tuple, Runtime] = {}     # process-wide instances, by name (and, for sim, its env options)
 SIM_ENV = ("FPDT_SIM_MODE", "FPDT_SIM_FAULT", "FPDT_SIM_SEED")
 
 
@@ -27,42 +36,45 @@ def _make(name: str, **sim_options) -> Runtime:
         return SyncRuntime()
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"{ENV_RUNTIME}=cuda needs a CUDA device; on the CPU use "
-                               f"{ENV_RUNTIME}=sim (simulated streams) or {ENV_RUNTIME}=sync")
+            raise RuntimeError("runtime='cuda' needs a CUDA device; on the CPU use runtime='sim' (simulated "
+                               "streams) or runtime='sync'")
         return CudaRuntime()
     if name == "sim":
         return SimRuntime(**sim_options)
-    raise ValueError(f"unknown device runtime {name!r}: {ENV_RUNTIME} must be one of {', '.join(RUNTIMES)}")
+    raise ValueError(f"unknown device runtime {name!r}: use one of {', '.join(RUNTIMES)}")
 
 
-def selected_runtime_name(device: torch.device | str) -> tuple[str, bool]:
-    """-> (runtime name for ``device``, whether it was chosen explicitly by use_runtime or the env)."""
-    if _override:
-        return _override[-1].name, True
-    env = os.environ.get(ENV_RUNTIME, "").strip()
-    if env:
-        if env not in RUNTIMES:
-            raise ValueError(f"{ENV_RUNTIME}={env!r} is not a device runtime: use one of {', '.join(RUNTIMES)}")
-        return env, True
-    return ("cuda" if torch.device(device).type == "cuda" else "sync"), False
+def default_runtime_name(device: torch.device | str) -> str:
+    """The automatic choice (``runtime=None``): ``"cuda"`` on a CUDA device, ``"sync"`` elsewhere."""
+    return "cuda" if torch.device(device).type == "cuda" else "sync"
 
 
-def runtime_for(device: torch.device | str) -> Runtime:
-    """The runtime that serves ``device`` now (see the module docstring for the selection)."""
-    if _override:
-        return _override[-1]
-    name, _ = selected_runtime_name(device)
+def named_runtime(name: str) -> Runtime:
+    """The process-wide runtime called ``name`` (``"sim"``, ``"sync"`` or ``"cuda"``)."""
     # keyed by the sim options too: a runtime made while FPDT_SIM_FAULT was set must not
     # serve (and inject its fault into) code that runs after the variable is gone
     key = (name, *(os.environ.get(k, "").strip() for k in SIM_ENV)) if name == "sim" else (name,)
-    if key not in _from_env:
-        _from_env[key] = _make(name)
-    return _from_env[key]
+    if key not in _named:
+        _named[key] = _make(name)
+    return _named[key]
+
+
+def resolve_runtime(runtime: Runtime | str | None, device: torch.device | str) -> Runtime:
+    """The runtime the option value ``runtime`` names for ``device`` (see the module docstring)."""
+    if isinstance(runtime, Runtime):
+        return runtime
+    return named_runtime(default_runtime_name(device) if runtime is None else runtime)
+
+
+def runtime_name(runtime: Runtime | str | None) -> str | None:
+    """The name of an option value (None stays None: automatic)."""
+    return runtime.name if isinstance(runtime, Runtime) else runtime
 
 
 @contextlib.contextmanager
-def use_runtime(name: str, **sim_options) -> Iterator[Runtime]:
-    """Run the enclosed code on a fresh runtime ``name`` (``"sim"``, ``"sync"`` or ``"cuda"``).
+def fresh_runtime(name: str, **sim_options) -> Iterator[Runtime]:
+    """For tests: a fresh runtime ``name`` (``"sim"``, ``"sync"`` or ``"cuda"``) for the block,
+    to pass as ``runtime=`` to the models and stashes built in it; nothing else sees it.
 
     ``sim_options`` (``mode``, ``fault``, ``seed``, ``checks``, ``log``, ``max_delay_s``) go to
     :class:`fpdt.offload.sim.SimRuntime`; unset ones come from the environment. On exit every
@@ -70,7 +82,6 @@ def use_runtime(name: str, **sim_options) -> Iterator[Runtime]:
     ``counters`` the caller can read.
     """
     rt = _make(name, **sim_options) if name == "sim" else _make(name)
-    _override.append(rt)
     failed = False
     try:
         yield rt
@@ -78,7 +89,6 @@ def use_runtime(name: str, **sim_options) -> Iterator[Runtime]:
         failed = True
         raise
     finally:
-        _override.pop()
         try:
             if not failed:
                 rt.drain()

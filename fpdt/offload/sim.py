@@ -1,4 +1,4 @@
-"""The simulated CUDA runtime (``FPDT_RUNTIME=sim``): stream semantics on the CPU, hostile by construction.
+"""The simulated CUDA runtime (``runtime="sim"``): stream semantics on the CPU, hostile by construction.
 
 What it models (CUDA's semantics, with the host thread as the compute stream):
 

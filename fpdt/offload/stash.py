@@ -38,8 +38,8 @@ from typing import Hashable
 import torch
 
 from fpdt.offload.host_pool import HostBufferPool, host_pool
-from fpdt.offload.runtime import Role
-from fpdt.offload.select import runtime_for
+from fpdt.offload.runtime import Role, Runtime
+from fpdt.offload.select import resolve_runtime
 from fpdt.offload.streams import copy_streams
 
 
@@ -49,17 +49,27 @@ class HostStash:
     Args:
         device: the compute device of the tensors that will be stored.
         enabled: False keeps device references instead of copying (no offload).
-        pool: host buffer pool; defaults to the pool of ``device``'s current runtime.
+        pool: host buffer pool; defaults to the pool of ``device`` on ``runtime``.
         label: appended to role names in errors (e.g. ``"layer 2"``).
+        runtime: the device runtime (:attr:`fpdt.options.FPDTOptions.runtime`: a
+            :class:`Runtime`, a name, or None: the ``pool``'s when one is given, else the
+            automatic one of ``device``). The pool's events must be this runtime's.
     """
 
     def __init__(self, device: torch.device | str, enabled: bool = True,
-                 pool: HostBufferPool | None = None, label: str | None = None):
+                 pool: HostBufferPool | None = None, label: str | None = None,
+                 runtime: Runtime | str | None = None):
         self.device = torch.device(device)
         self.enabled = enabled
         self.label = label
-        self.runtime = runtime_for(self.device)
-        self.pool = pool if pool is not None else host_pool(self.device)
+        if pool is not None and runtime is None:
+            runtime = pool.runtime
+        self.runtime = resolve_runtime(runtime, self.device)
+        if pool is not None and pool.runtime is not self.runtime:
+            raise ValueError(f"the host pool runs on the {pool.runtime.name!r} runtime, this stash on "
+                             f"{self.runtime.name!r}: pass a pool of the same runtime (fpdt.offload.host_pool("
+                             f"device, runtime)), or no pool")
+        self.pool = pool if pool is not None else host_pool(self.device, self.runtime)
         self._streams = copy_streams(self.device, self.runtime) if enabled else None
         self._host: dict[Hashable, tuple[torch.Tensor, object]] = {}      # key -> (host buf, done event)
         self._inflight: dict[Hashable, tuple[torch.Tensor, object]] = {}  # key -> (device tensor, ready event)

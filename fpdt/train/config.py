@@ -8,7 +8,8 @@ Where each setting comes from:
   ``"fpdt"`` key. DeepSpeed validates them.
 * FPDT's settings (:class:`TrainerOptions`) come from command-line flags or from the
   ``"fpdt"`` section of the same JSON; a flag that is given wins over the JSON, and the
-  JSON wins over the defaults. Unknown keys in that section are errors.
+  JSON wins over the defaults (``fpdt-train`` takes the ``runtime`` default from
+  ``FPDT_RUNTIME``, :func:`fpdt.cli.train.fpdt_options`). Unknown keys in that section are errors.
 
 Everything that can be checked before any process group exists is checked by
 :func:`validate`, and every error names the fix.
@@ -25,7 +26,7 @@ from typing import Any, Mapping
 
 from fpdt.attention.kernels import BACKENDS
 from fpdt.comm import PLACEMENTS
-from fpdt.offload import selected_runtime_name
+from fpdt.offload import runtime_name
 from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions  # noqa: F401 (LM_HEAD_WGRAD_MODES: the CLI's choices)
 
 DEFAULT_CHUNK_TOKENS = 65536
@@ -109,10 +110,12 @@ def _unknown_key_error(key: str) -> ConfigError:
                        f"valid keys: {', '.join(FPDT_KEYS)}")
 
 
-def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -> TrainerOptions:
-    """Combine flags > ``"fpdt"`` JSON section > defaults into :class:`TrainerOptions`.
+def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
+                  defaults: Mapping[str, Any] | None = None) -> TrainerOptions:
+    """Combine flags > ``"fpdt"`` JSON section > ``defaults`` > the fields' defaults into
+    :class:`TrainerOptions`.
 
-    ``flags`` maps :data:`FPDT_KEYS` to values, ``None`` meaning "flag not given".
+    ``flags`` and ``defaults`` map :data:`FPDT_KEYS` to values, ``None`` meaning "not given".
     """
     section = dict(section or {})
     for key in section:
@@ -124,6 +127,8 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None) -
             merged[_FIELD_OF_KEY.get(key, key)] = flags[key]
         elif key in section:
             merged[_FIELD_OF_KEY.get(key, key)] = section[key]
+        elif (defaults or {}).get(key) is not None:
+            merged[_FIELD_OF_KEY.get(key, key)] = defaults[key]
     opts = TrainerOptions(**merged)
     _check_types(opts)
     return opts
@@ -322,7 +327,7 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
             f"{2 * sp * num_chunks}; each chunk of {chunk} tokens is cut into 2 x cp zigzag pieces split over "
             f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
     offload, checkpoint = device_defaults(opts, device_type, num_chunks)
-    _check_device_options(offload, checkpoint, device_type, ds_config)
+    _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
     if opts.checkpoint_device_layers and checkpoint != "offload":
         raise ConfigError(f"--checkpoint-device-layers {opts.checkpoint_device_layers} keeps some offloaded layer "
                           f"inputs on the GPU: it needs --checkpoint offload (the run's checkpointing is "
@@ -362,27 +367,31 @@ def device_defaults(opts: TrainerOptions, device_type: str, num_chunks: int = 2)
     """``(offload, checkpoint)``: the options where given, else the FPDT design on CUDA
     (attention offload when there is more than one chunk to pipeline, offloaded layer-input
     checkpoints) and neither elsewhere (both need pinned memory and copy streams;
-    ``FPDT_RUNTIME=sim`` tests them on the CPU when asked)."""
+    ``runtime="sim"`` tests them on the CPU when asked)."""
     cuda = device_type == "cuda"
     offload = opts.offload if opts.offload is not None else cuda and num_chunks > 1
     checkpoint = opts.checkpointing if opts.checkpointing is not None else ("offload" if cuda else "off")
     return offload, checkpoint
 
 
-def _check_device_options(offload: bool, checkpoint: str, device_type: str, ds_config: Mapping[str, Any]) -> None:
+def _check_device_options(offload: bool, checkpoint: str, device_type: str, ds_config: Mapping[str, Any],
+                          runtime: Any) -> None:
     if device_type == "cuda":
         return
+    if runtime_name(runtime) == "cuda":
+        raise ConfigError(f"--runtime cuda needs a CUDA device; this run is on {device_type}: use --runtime sim "
+                          f"(simulated copy streams) or sync, or leave it out")
     # Offload on the CPU only makes sense to test the offload paths: allowed when a device
-    # runtime was chosen explicitly (FPDT_RUNTIME=sim simulates the copy streams).
-    runtime, explicit = selected_runtime_name(device_type)
-    simulated = explicit and runtime in ("sim", "sync")
+    # runtime was chosen explicitly (--runtime sim simulates the copy streams).
+    simulated = runtime_name(runtime) in ("sim", "sync")
     if offload and not simulated:
         raise ConfigError(f"--offload needs a CUDA device (pinned host memory and copy streams); "
                           f"this run is on {device_type}: pass --no-offload or set \"offload\": false "
-                          f"(to test the offload paths on the CPU, set FPDT_RUNTIME=sim)")
+                          f"(to test the offload paths on the CPU, pass --runtime sim or set FPDT_RUNTIME=sim)")
     if checkpoint == "offload" and not simulated:
         raise ConfigError(f"checkpoint mode 'offload' needs a CUDA device; this run is on "
-                          f"{device_type}: use --checkpoint on (or off), or set FPDT_RUNTIME=sim to test it on the CPU")
+                          f"{device_type}: use --checkpoint on (or off), or pass --runtime sim (or set "
+                          f"FPDT_RUNTIME=sim) to test it on the CPU")
     if ds_dtype_name(ds_config) == "fp16":
         raise ConfigError(f"fp16 training needs a CUDA device (loss scaling kernels); this run is on "
                           f"{device_type}: use \"bf16\": {{\"enabled\": true}} or fp32 in the DeepSpeed JSON")

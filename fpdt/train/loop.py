@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fpdt.offload import runtime_for
+from fpdt.offload import resolve_runtime
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 from fpdt.train.config import RunLayout
 from fpdt.train.data import PackedWindows, Windows, sequence_ids
@@ -75,6 +75,9 @@ class LoopSpec:
     """Count the step's device working set on the CPU (see the module docstring); no effect on CUDA."""
     lora: Any = None
     """A LoRA run's :class:`fpdt.model.LoraSpec` (its FLOPs are counted as such, :mod:`fpdt.train.metrics`)."""
+    runtime: Any = None
+    """The model's device runtime option (:attr:`fpdt.options.FPDTOptions.runtime`), whose
+    ``synchronize`` brackets each step's wall time; None: automatic."""
 
 
 class NonFiniteStep(RuntimeError):
@@ -127,7 +130,7 @@ def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: i
     """Run optimizer step ``step`` (0-based) and describe it."""
     ps = spec.parallel
     lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
-    runtime = runtime_for(ps.device)
+    runtime = resolve_runtime(spec.runtime, ps.device)
     runtime.synchronize(ps.device)          # host-device sync: the step's wall time starts here
     t0 = time.perf_counter()
     with RegionMemory(ps.device, count=spec.mem_accounting) as region:

@@ -19,7 +19,7 @@ from fpdt.attention.kernels import BACKENDS, get_backend
 from fpdt.attention.kernels import masked
 from fpdt.attention.kernels.masked import masked_backward, masked_forward
 from fpdt.layout import shard
-from fpdt.offload import use_runtime
+from fpdt.offload import fresh_runtime
 from tests.attention.reference import assert_traffic_matches, assert_rel_close, doc_ids_from_lengths, reference_document_attention
 from tests.distributed import run_distributed
 
@@ -51,11 +51,12 @@ def _reference_case(lengths, H, H_kv, D, seed, causal):
     return doc, (q, k, v, dout), (qr, kr, vr), ref
 
 
-def check_case(rank, world, *, lengths, H, H_kv, u, offload, D=8, causal=True, seed=0, backend=None):
+def check_case(rank, world, *, lengths, H, H_kv, u, offload, D=8, causal=True, seed=0, backend=None, runtime=None):
     doc, (q, k, v, dout), (qr, kr, vr), ref = _reference_case(lengths, H, H_kv, D, seed, causal)
     B, S = doc.shape
     ql, kl, vl = (shard(t, world, u, rank).requires_grad_() for t in (q, k, v))
-    out = fpdt_attention(ql, kl, vl, num_chunks=u, offload=offload, causal=causal, doc_ids=doc, backend=backend)
+    out = fpdt_attention(ql, kl, vl, num_chunks=u, offload=offload, causal=causal, doc_ids=doc, backend=backend,
+                         runtime=runtime)
     out.backward(shard(dout, world, u, rank))
     what = f"rank {rank}/{world} docs={lengths} H={H} H_kv={H_kv} u={u} offload={offload} causal={causal}"
     for name, a, b in (("out", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad), ("dv", vl.grad, vr.grad)):
@@ -181,8 +182,8 @@ def test_non_causal_and_hundred_tiny_documents():
 
 
 def test_simulated_cuda_runtime():
-    with use_runtime("sim"):
-        check_case(0, 1, lengths=LAYOUTS["mixed"], H=4, H_kv=2, u=4, offload=True, seed=7)
+    with fresh_runtime("sim") as rt:
+        check_case(0, 1, lengths=LAYOUTS["mixed"], H=4, H_kv=2, u=4, offload=True, seed=7, runtime=rt)
 
 
 def test_float64_math_backend_is_exact():
@@ -239,8 +240,8 @@ def test_skipped_blocks_make_no_kernel_call_and_no_fetch(monkeypatch):
     doc = doc_ids_from_lengths(lengths)
     q, k, v, dout = _inputs(1, 48, 4, 2, 8, seed=2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with use_runtime("sim", log=True) as rt:
-        out = fpdt_attention(q, k, v, num_chunks=4, offload=True, doc_ids=doc, backend="counting")
+    with fresh_runtime("sim", log=True) as rt:
+        out = fpdt_attention(q, k, v, num_chunks=4, offload=True, doc_ids=doc, backend="counting", runtime=rt)
         fetched_fwd = [role for _, _, role in rt.log if role.startswith(("k ", "v "))]
         out.backward(dout)
     # only the 4 diagonal blocks are seen: 4 kernel calls each way, and no K/V fetch in forward
@@ -273,8 +274,8 @@ def _ranks_body(rank, world):
         if 48 % (world * u):
             continue
         check_case(rank, world, lengths=LAYOUTS[layout], H=4, H_kv=H_kv, u=u, offload=offload, seed=n)
-    with use_runtime("sim"):
-        check_case(rank, world, lengths=LAYOUTS["mixed"], H=4, H_kv=2, u=2, offload=True, seed=9)
+    with fresh_runtime("sim") as rt:
+        check_case(rank, world, lengths=LAYOUTS["mixed"], H=4, H_kv=2, u=2, offload=True, seed=9, runtime=rt)
 
 
 @pytest.mark.slow
@@ -284,12 +285,13 @@ def test_ranks_parity(world):
 
 
 # ----------------------------------------------------------------------------- the 2D mesh
-def check_mesh_case(mesh, *, lengths, u, H, H_kv, offload, D=8, causal=True, seed=0):
+def check_mesh_case(mesh, *, lengths, u, H, H_kv, offload, D=8, causal=True, seed=0, runtime=None):
     from tests.attention.reference import assert_rel_close as close
     doc, (q, k, v, dout), (qr, kr, vr), ref = _reference_case(lengths, H, H_kv, D, seed, causal)
     B, S = doc.shape
     ql, kl, vl = (mesh.shard(t, u).requires_grad_() for t in (q, k, v))
-    out = fpdt_attention(ql, kl, vl, mesh=mesh, num_chunks=u, offload=offload, causal=causal, doc_ids=doc)
+    out = fpdt_attention(ql, kl, vl, mesh=mesh, num_chunks=u, offload=offload, causal=causal, doc_ids=doc,
+                         runtime=runtime)
     out.backward(mesh.shard(dout, u))
     what = f"{mesh} docs={lengths} u={u} H={H} H_kv={H_kv} offload={offload} causal={causal}"
     for name, a, b in (("out", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad), ("dv", vl.grad, vr.grad)):
@@ -306,8 +308,8 @@ def _mesh_body(rank, world):
                 u = 1
             check_mesh_case(mesh, lengths=LAYOUTS[layout], u=u, H=4, H_kv=H_kv, offload=offload, seed=10 * m + n)
     check_mesh_case(meshes[0], lengths=LAYOUTS["mixed"], u=2, H=4, H_kv=2, offload=True, causal=False)
-    with use_runtime("sim"):
-        check_mesh_case(meshes[1], lengths=LAYOUTS["mixed"], u=2, H=4, H_kv=2, offload=True, seed=99)
+    with fresh_runtime("sim") as rt:
+        check_mesh_case(meshes[1], lengths=LAYOUTS["mixed"], u=2, H=4, H_kv=2, offload=True, seed=99, runtime=rt)
     # one document: the mesh path without documents, bit for bit
     q, k, v, dout = _inputs(2, 48, 4, 2, 8, seed=5)
     results = []
@@ -361,10 +363,10 @@ def _layer_volume_body(rank, world, lengths, u):
     doc = doc_ids_from_lengths(lengths)
     B, S = doc.shape
     torch.manual_seed(0)
-    layer = FPDTAttention(32, 4, 2, 8, num_chunks=u, offload=True)
-    x = torch.randn(B, S // world, 32, requires_grad=True)
-    pos = shard(torch.arange(S).expand(B, S), world, u, rank)
-    with use_runtime("sim") as rt:
+    with fresh_runtime("sim") as rt:
+        layer = FPDTAttention(32, 4, 2, 8, num_chunks=u, offload=True, runtime=rt)
+        x = torch.randn(B, S // world, 32, requires_grad=True)
+        pos = shard(torch.arange(S).expand(B, S), world, u, rank)
         out = layer(x, pos, None, doc_ids=doc)
         out.backward(torch.randn_like(out))
         got = (rt.counters.bytes_d2h, rt.counters.bytes_h2d)

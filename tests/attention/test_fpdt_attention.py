@@ -16,7 +16,8 @@ from tests.distributed import run_distributed
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def check_case(rank, world, *, B, H, H_kv, D, u, offload, dtype=torch.float32, causal=True, piece=3, seed=0):
+def check_case(rank, world, *, B, H, H_kv, D, u, offload, dtype=torch.float32, causal=True, piece=3, seed=0,
+               runtime=None):
     g = torch.Generator().manual_seed(seed)
     S = world * u * piece
     q, k, v, dout = (torch.randn(B, S, h, D, generator=g).to(dtype) for h in (H, H_kv, H_kv, H))
@@ -25,7 +26,7 @@ def check_case(rank, world, *, B, H, H_kv, D, u, offload, dtype=torch.float32, c
     ref.backward(dout.double())
 
     ql, kl, vl = (shard(t, world, u, rank).requires_grad_() for t in (q, k, v))
-    out = fpdt_attention(ql, kl, vl, num_chunks=u, offload=offload, causal=causal)
+    out = fpdt_attention(ql, kl, vl, num_chunks=u, offload=offload, causal=causal, runtime=runtime)
     assert out.dtype == dtype and out.shape == ql.shape
     out.backward(shard(dout, world, u, rank))
     what = f"rank {rank}/{world} B={B} H={H} H_kv={H_kv} D={D} u={u} offload={offload} {dtype} causal={causal}"

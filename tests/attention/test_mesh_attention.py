@@ -28,14 +28,15 @@ def _inputs(S, H, H_kv, D, seed, B=1):
     return [torch.randn(B, S, h, D, generator=g) for h in (H, H_kv, H_kv, H)]
 
 
-def check_mesh_case(mesh, *, u, H, H_kv, D=8, offload, causal=True, piece=2, seed=0, dtype=torch.float32):
+def check_mesh_case(mesh, *, u, H, H_kv, D=8, offload, causal=True, piece=2, seed=0, dtype=torch.float32,
+                    runtime=None):
     S = 2 * mesh.hp * mesh.cp * u * piece
     q, k, v, dout = (t.to(dtype) for t in _inputs(S, H, H_kv, D, seed))
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, causal=causal)
     ref.backward(dout.double())
     ql, kl, vl = (mesh.shard(t, u).requires_grad_() for t in (q, k, v))
-    out = fpdt_attention(ql, kl, vl, mesh=mesh, num_chunks=u, offload=offload, causal=causal)
+    out = fpdt_attention(ql, kl, vl, mesh=mesh, num_chunks=u, offload=offload, causal=causal, runtime=runtime)
     out.backward(mesh.shard(dout, u))
     assert out.dtype == dtype
     what = f"{mesh} u={u} H={H} H_kv={H_kv} offload={offload} causal={causal} {dtype}"

@@ -18,10 +18,10 @@ NAMES = {"wq": "q_proj.weight", "bq": "q_proj.bias", "wk": "k_proj.weight", "bk"
          "wv": "v_proj.weight", "bv": "v_proj.bias", "wo": "o_proj.weight"}
 
 
-def check_layer(rank, world, *, B, hidden, H, H_kv, D, u, offload, bias, dtype=torch.float32, seed=0):
+def check_layer(rank, world, *, B, hidden, H, H_kv, D, u, offload, bias, dtype=torch.float32, seed=0, runtime=None):
     torch.manual_seed(seed)
     S = world * u * 2
-    layer = FPDTAttention(hidden, H, H_kv, D, qkv_bias=bias, num_chunks=u, offload=offload).to(dtype)
+    layer = FPDTAttention(hidden, H, H_kv, D, qkv_bias=bias, num_chunks=u, offload=offload, runtime=runtime).to(dtype)
     rope = RotaryEmbedding(default_inv_freq(D))
     x = torch.randn(B, S, hidden).to(dtype)
     dout = torch.randn(B, S, hidden).to(dtype)

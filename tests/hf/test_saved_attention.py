@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import fpdt.hf
-from fpdt.offload import use_runtime
+from fpdt.offload import fresh_runtime
 from tests.distributed import run_distributed
 from tests.hf.test_apply_fpdt import _qwen3
 from tests.model.helpers import compare, hf_model, tokens
@@ -34,11 +34,11 @@ def _base(name):
 
 
 def _run(base, ids, labels, counter, world, offload, **options):
-    model = fpdt.hf.apply_fpdt(copy.deepcopy(base), backend="cpu", offload=offload, **options)
-    model.train()
-    counter.forward = counter.backward = 0
-    torch.manual_seed(11)          # LoRA dropout masks
-    with use_runtime("sim", mode="threaded") if offload else contextlib.nullcontext():
+    with fresh_runtime("sim", mode="threaded") if offload else contextlib.nullcontext() as rt:
+        model = fpdt.hf.apply_fpdt(copy.deepcopy(base), backend="cpu", offload=offload, runtime=rt, **options)
+        model.train()
+        counter.forward = counter.backward = 0
+        torch.manual_seed(11)          # LoRA dropout masks
         loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -21,7 +21,7 @@ CHUNKINGS = [(1, None, None, False), (2, 3, 5, True), (4, 0, 0, False), (2, 1, 1
 
 
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing,
-             B=2, S=None, ignore=True, lm_head_wgrad="accumulate", checkpoint_device_layers=0):
+             B=2, S=None, ignore=True, lm_head_wgrad="accumulate", checkpoint_device_layers=0, runtime=None):
     """Build both models, run one step, assert parity; returns the relative errors."""
     ref = hf_model(name)
     S = S or 4 * world * num_chunks
@@ -29,7 +29,7 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
     ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
     model = fpdt_from_hf(ref, num_chunks=num_chunks, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
                          offload=offload, checkpointing=checkpointing, lm_head_wgrad=lm_head_wgrad,
-                         checkpoint_device_layers=checkpoint_device_layers)
+                         checkpoint_device_layers=checkpoint_device_layers, runtime=runtime)
     inputs = fm.prepare_inputs(ids, labels=labels, sp_size=world, rank=rank, num_chunks=num_chunks)
     loss = model(**inputs)
     if checkpointing == "offload":   # the first layers' inputs on the host, the last ones' on the device

@@ -15,6 +15,7 @@ Cases: sp 1/2/4 (Ulysses), a 2 x 2 mesh (ring and double ring), u 1-4, checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -25,7 +26,7 @@ import fpdt.model as fm
 from fpdt.attention import kernels
 from fpdt.comm import SequenceMesh
 from fpdt.model.lora import LoraSpec
-from fpdt.offload import use_runtime
+from fpdt.offload import fresh_runtime
 from tests.distributed import run_distributed
 from tests.model.helpers import compare, fpdt_from_hf, hf_model, tokens
 
@@ -63,18 +64,16 @@ def _step(model, ids, labels):
 
 
 def _run(name, counter, ids, labels, *, lora=None, runtime=None, **options):
-    torch.manual_seed(5)
-    model = fpdt_from_hf(hf_model(name), **options)
-    if lora is not None:
-        model = fm.add_lora(model, lora)
-        model.train()
-    counter.forward = counter.backward = 0
-    torch.manual_seed(7)         # the LoRA dropout masks' seeds come from here
-    if runtime is None:
+    """``runtime``: the simulated runtime's mode (None: the automatic runtime)."""
+    with fresh_runtime("sim", mode=runtime) if runtime is not None else contextlib.nullcontext() as rt:
+        torch.manual_seed(5)
+        model = fpdt_from_hf(hf_model(name), runtime=rt, **options)
+        if lora is not None:
+            model = fm.add_lora(model, lora)
+            model.train()
+        counter.forward = counter.backward = 0
+        torch.manual_seed(7)         # the LoRA dropout masks' seeds come from here
         out = _step(model, ids, labels)
-    else:
-        with use_runtime("sim", mode=runtime):
-            out = _step(model, ids, labels)
     return out, (counter.forward, counter.backward)
 
 
@@ -181,20 +180,21 @@ def test_o_proj_input_is_read_back_from_the_stash_without_a_checkpoint(lora):
     ids, labels = tokens(256, 2, 24)
     results = {}
     for from_stash in (False, True):
-        torch.manual_seed(5)
-        model = fpdt_from_hf(hf_model("llama_gqa"), num_chunks=3, offload=True)
-        if lora is not None:
-            model = fm.add_lora(model, lora)
-            model.train()
-        for layer in model.model.layers:
-            assert layer.self_attn.o_proj_input_from_stash        # the model's setting without a checkpoint
-            layer.self_attn.o_proj_input_from_stash = from_stash
-        inputs = model.prepare_inputs(ids, labels=labels)
-        torch.manual_seed(7)
-        with use_runtime("sim", mode="threaded"), MemoryAccountant("cpu") as acct:
-            loss = model(**inputs)
-            after_forward = acct.device_live
-            loss.backward()
+        with fresh_runtime("sim", mode="threaded") as rt:
+            torch.manual_seed(5)
+            model = fpdt_from_hf(hf_model("llama_gqa"), num_chunks=3, offload=True, runtime=rt)
+            if lora is not None:
+                model = fm.add_lora(model, lora)
+                model.train()
+            for layer in model.model.layers:
+                assert layer.self_attn.o_proj_input_from_stash        # the model's setting without a checkpoint
+                layer.self_attn.o_proj_input_from_stash = from_stash
+            inputs = model.prepare_inputs(ids, labels=labels)
+            torch.manual_seed(7)
+            with MemoryAccountant("cpu") as acct:
+                loss = model(**inputs)
+                after_forward = acct.device_live
+                loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         results[from_stash] = (loss.detach(), grads, after_forward)
     compare(results[True][0], results[True][1], results[False][0], results[False][1], "o_proj from stash", tol=EXACT)

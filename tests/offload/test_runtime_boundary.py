@@ -66,7 +66,7 @@ SOURCES = list(_sources())
 def test_stream_api_only_in_the_runtime(path):
     with open(path) as f:
         found = violations(f.read(), path)
-    assert not found, "call these through fpdt.offload.runtime_for(device):\n" + "\n".join(found)
+    assert not found, "call these through the device runtime (fpdt.offload.resolve_runtime):\n" + "\n".join(found)
 
 
 def test_the_check_catches_direct_calls():

@@ -3,7 +3,7 @@
 Re-runs a focused subset of the offloading cases of the attention (sp 1/2/4), layer
 (sp 1/2/4), 2D mesh (4 ranks) and model (``checkpointing="offload"``, sp 1/2) parity tests
 with unchanged tolerances (the trainer runs are in test_trainer_runtimes.py),
-each inside ``use_runtime(...)`` on every rank (or ``FPDT_RUNTIME`` for the trainer, as a
+each with a fresh ``runtime=`` on every rank (``FPDT_RUNTIME`` for the trainer, as a
 user would run it). Under ``sim`` the copies run late (or on worker threads after random
 delays) into NaN-filled destinations, so a missing wait shows as wrong numbers or a
 StreamHazardError. The fault tests show that each injected fault is caught.
@@ -12,7 +12,7 @@ StreamHazardError. The fault tests show that each injected fault is caught.
 import pytest
 import torch
 
-from fpdt.offload import StreamHazardError, use_runtime
+from fpdt.offload import StreamHazardError, fresh_runtime
 from tests.attention import test_fpdt_attention as attention_tests
 from tests.attention import test_module as layer_tests
 from tests.distributed import run_distributed
@@ -42,13 +42,13 @@ def _layer_cases(world):
 
 def _attention_and_layer(rank, world, runtime):
     name, opts = RUNTIMES[runtime]
-    with use_runtime(name, **opts):
+    with fresh_runtime(name, **opts) as rt:
         for case in _attention_cases(world):
-            attention_tests.check_case(rank, world, offload=True, **case)
+            attention_tests.check_case(rank, world, offload=True, runtime=rt, **case)
         for case in _layer_cases(world):
-            layer_tests.check_layer(rank, world, offload=True, **case)
+            layer_tests.check_layer(rank, world, offload=True, runtime=rt, **case)
         if world == 4:
-            _mesh_cases(rank, world)
+            _mesh_cases(rank, world, rt)
 
 
 @pytest.mark.slow
@@ -63,9 +63,9 @@ def test_attention_offload_parity(world, runtime):
 
 def _model(rank, world, runtime):
     name, opts = RUNTIMES[runtime]
-    with use_runtime(name, **opts):
+    with fresh_runtime(name, **opts) as rt:
         run_case("llama_gqa", rank, world, num_chunks=2, mlp_chunks=3, loss_chunks=5, offload=True,
-                 checkpointing="offload")
+                 checkpointing="offload", runtime=rt)
 
 
 @pytest.mark.slow
@@ -81,14 +81,15 @@ def test_model_checkpoint_offload_parity(world, runtime):
 # --- each fault is caught by the parity tests ------------------------------------------
 
 def _faulty(rank, world, fault, checks, what):
-    with use_runtime("sim", fault=fault, checks=checks):
+    with fresh_runtime("sim", fault=fault, checks=checks) as rt:
         if what == "attention":
-            attention_tests.check_case(rank, world, B=2, H=6, H_kv=2, D=8, u=4, offload=True)
+            attention_tests.check_case(rank, world, B=2, H=6, H_kv=2, D=8, u=4, offload=True, runtime=rt)
         elif what == "layer":
-            layer_tests.check_layer(rank, world, B=2, hidden=24, H=6, H_kv=2, D=8, u=4, offload=True, bias=True)
+            layer_tests.check_layer(rank, world, B=2, hidden=24, H=6, H_kv=2, D=8, u=4, offload=True, bias=True,
+                                    runtime=rt)
         else:
             run_case("llama_gqa", rank, world, num_chunks=2, mlp_chunks=3, loss_chunks=5, offload=True,
-                     checkpointing="offload")
+                     checkpointing="offload", runtime=rt)
 
 
 @pytest.mark.parametrize("what", ["attention", "layer", "model"])
@@ -117,12 +118,12 @@ def test_injected_faults_are_caught_on_two_ranks():
     run_distributed(_faulty_ranks, 2, timeout=120)
 
 
-def _mesh_cases(rank, world):
+def _mesh_cases(rank, world, runtime):
     """The 2D (hp x cp) mesh pipeline's offloading cases on 4 ranks."""
     from fpdt.comm import SequenceMesh
     from tests.attention import test_mesh_attention as mesh_tests
     meshes = [SequenceMesh(**kw) for kw in mesh_tests.MESHES_4[:4]]   # cp=4 ring, inner ring, hp x cp both placements
     for m, case in mesh_tests._cases_4(len(meshes)):
         if case["offload"] and case["u"] > 1:
-            mesh_tests.check_mesh_case(meshes[m], **case)
-    mesh_tests.check_mesh_case(meshes[2], u=2, H=4, H_kv=2, offload=True, causal=False)
+            mesh_tests.check_mesh_case(meshes[m], runtime=runtime, **case)
+    mesh_tests.check_mesh_case(meshes[2], u=2, H=4, H_kv=2, offload=True, causal=False, runtime=runtime)

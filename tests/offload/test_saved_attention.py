@@ -18,24 +18,24 @@ from fpdt.attention.offload_volume import checkpointed_attention_copy_bytes, sav
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.layout import local_position_ids
 from fpdt.model.checkpointing import checkpointed
-from fpdt.offload import StreamHazardError, use_runtime
+from fpdt.offload import StreamHazardError, fresh_runtime
 from tests.distributed import run_distributed
 
 SHAPE = dict(hidden=32, H=4, H_kv=2, D=8)
 
 
-def _step(rank, world, *, u, offload, saved_on_host, save, dtype=torch.float32, piece=2, B=1):
+def _step(rank, world, *, u, offload, saved_on_host, save, runtime, dtype=torch.float32, piece=2, B=1):
     """One checkpointed FPDTAttention layer (input kept on the device), forward + backward;
     returns the saved host bytes after forward and the local sequence length."""
     hidden, H, H_kv, D = SHAPE["hidden"], SHAPE["H"], SHAPE["H_kv"], SHAPE["D"]
     torch.manual_seed(0)
     S = world * u * piece
-    layer = FPDTAttention(hidden, H, H_kv, D, num_chunks=u, offload=offload).to(dtype)
+    layer = FPDTAttention(hidden, H, H_kv, D, num_chunks=u, offload=offload, runtime=runtime).to(dtype)
     layer.stash_label = "layer 0"
     x = torch.randn(B, S // world, hidden, dtype=dtype, requires_grad=True)
     pos = local_position_ids(S, world, u, rank, B)
     rope = RotaryEmbedding(default_inv_freq(D))
-    saved = SavedAttention(x.device, on_host=saved_on_host, label="layer 0") if save else None
+    saved = SavedAttention(x.device, on_host=saved_on_host, label="layer 0", runtime=runtime) if save else None
     out = checkpointed(lambda h: layer(h, pos, rope, saved=saved), x, list(layer.parameters()), saved=saved)
     held = 0 if saved is None else sum(h.numel() * h.element_size() for h, _ in saved.stash._host.values())
     out.backward(torch.randn_like(out))
@@ -45,8 +45,9 @@ def _step(rank, world, *, u, offload, saved_on_host, save, dtype=torch.float32, 
 
 def _volume(rank, world, u, dtype, mode):
     for save in (False, True):
-        with use_runtime("sim", mode=mode) as rt:
-            held, s_local = _step(rank, world, u=u, offload=True, saved_on_host=True, save=save, dtype=dtype)
+        with fresh_runtime("sim", mode=mode) as rt:
+            held, s_local = _step(rank, world, u=u, offload=True, saved_on_host=True, save=save, dtype=dtype,
+                                  runtime=rt)
             got = (rt.counters.bytes_d2h, rt.counters.bytes_h2d)
         want = checkpointed_attention_copy_bytes(batch=1, seq_local=s_local, hidden=SHAPE["hidden"],
                                                  num_heads=SHAPE["H"], num_kv_heads=SHAPE["H_kv"],
@@ -73,8 +74,8 @@ def test_host_bytes_and_copy_volume_on_two_ranks():
 
 
 def test_device_saved_outputs_move_nothing_through_the_host():
-    with use_runtime("sim") as rt:
-        held, _ = _step(0, 1, u=3, offload=False, saved_on_host=False, save=True)
+    with fresh_runtime("sim") as rt:
+        held, _ = _step(0, 1, u=3, offload=False, saved_on_host=False, save=True, runtime=rt)
     assert held == 0 and rt.counters.bytes_d2h == rt.counters.bytes_h2d == 0
 
 
@@ -84,15 +85,15 @@ def test_injected_faults_are_caught_on_the_saved_outputs(mode, fault):
     """The saved outputs are the only host traffic here (attention chunks and layer input on
     the device), so the hazard names them."""
     with pytest.raises(StreamHazardError, match=r"attn (out|lse) chunk \d+, layer 0"):
-        with use_runtime("sim", mode=mode, fault=fault, checks=True, seed=3):
-            _step(0, 1, u=3, offload=False, saved_on_host=True, save=True)
+        with fresh_runtime("sim", mode=mode, fault=fault, checks=True, seed=3) as rt:
+            _step(0, 1, u=3, offload=False, saved_on_host=True, save=True, runtime=rt)
     # and without the fault, the same run is clean
-    with use_runtime("sim", mode=mode, checks=True, seed=3):
-        _step(0, 1, u=3, offload=False, saved_on_host=True, save=True)
+    with fresh_runtime("sim", mode=mode, checks=True, seed=3) as rt:
+        _step(0, 1, u=3, offload=False, saved_on_host=True, save=True, runtime=rt)
 
 
 @pytest.mark.parametrize("fault", ["drop_wait", "drop_record_stream"])
 def test_injected_faults_are_caught_when_saved_buffers_move_into_the_attention_stash(fault):
     with pytest.raises(StreamHazardError, match=r"chunk \d+, layer 0"):
-        with use_runtime("sim", fault=fault, checks=True):
-            _step(0, 1, u=3, offload=True, saved_on_host=True, save=True)
+        with fresh_runtime("sim", fault=fault, checks=True) as rt:
+            _step(0, 1, u=3, offload=True, saved_on_host=True, save=True, runtime=rt)

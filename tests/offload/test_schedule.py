@@ -17,7 +17,7 @@ import torch
 from fpdt.attention import FPDTAttention, RotaryEmbedding, default_inv_freq
 from fpdt.attention.offload_volume import attention_layer_copy_bytes
 from fpdt.layout import local_position_ids
-from fpdt.offload import use_runtime
+from fpdt.offload import fresh_runtime
 from fpdt.offload.streams import D2H_RUN_AHEAD
 from tests.distributed import run_distributed
 from tests.model.helpers import fpdt_from_hf, hf_model, tokens
@@ -29,11 +29,11 @@ import fpdt.model as fm
 PENDING_BOUND = D2H_RUN_AHEAD + 8
 
 
-def _layer_step(rank, world, *, u, B=1, hidden=32, H=4, H_kv=2, D=8, piece=2, dtype=torch.float32):
+def _layer_step(rank, world, *, u, runtime, B=1, hidden=32, H=4, H_kv=2, D=8, piece=2, dtype=torch.float32):
     """Forward and backward of one offloaded FPDTAttention layer on this rank's shard."""
     torch.manual_seed(0)
     S = world * u * piece
-    layer = FPDTAttention(hidden, H, H_kv, D, num_chunks=u, offload=True).to(dtype)
+    layer = FPDTAttention(hidden, H, H_kv, D, num_chunks=u, offload=True, runtime=runtime).to(dtype)
     x = torch.randn(B, S // world, hidden, dtype=dtype, requires_grad=True)
     out = layer(x, local_position_ids(S, world, u, rank, B), RotaryEmbedding(default_inv_freq(D)))
     out.backward(torch.randn_like(out))
@@ -45,11 +45,11 @@ def _layer_step(rank, world, *, u, B=1, hidden=32, H=4, H_kv=2, D=8, piece=2, dt
 def test_buffers_run_ahead_and_syncs_are_bounded_independently_of_u(mode):
     seen = {}
     for u in (4, 8, 16):
-        with use_runtime("sim", mode=mode, log=True) as rt:
+        with fresh_runtime("sim", mode=mode, log=True) as rt:
             recorded = []
             record_stream = rt.record_stream
             rt.record_stream = lambda t, s: (recorded.append(s), record_stream(t, s))[1]
-            _layer_step(0, 1, u=u)
+            _layer_step(0, 1, u=u, runtime=rt)
             c = rt.counters
             # record_stream only on device->host sources; fetch buffers belong to compute (no hand-over)
             assert len(recorded) == c.copies_d2h, (len(recorded), c.copies_d2h)
@@ -65,8 +65,8 @@ def test_buffers_run_ahead_and_syncs_are_bounded_independently_of_u(mode):
 
 
 def _volume_body(rank, world, u, H, H_kv, dtype):
-    with use_runtime("sim") as rt:
-        s_local = _layer_step(rank, world, u=u, H=H, H_kv=H_kv, dtype=dtype)
+    with fresh_runtime("sim") as rt:
+        s_local = _layer_step(rank, world, u=u, H=H, H_kv=H_kv, dtype=dtype, runtime=rt)
         want = attention_layer_copy_bytes(batch=1, seq_local=s_local, hidden=32, num_heads=H, num_kv_heads=H_kv,
                                           head_dim=8, sp=world, num_chunks=u, dtype=dtype)
         got = (rt.counters.bytes_d2h, rt.counters.bytes_h2d)
@@ -87,8 +87,8 @@ def test_layer_inputs_offload_before_compute_and_prefetch_in_backward():
     layers = ref.config.num_hidden_layers
     assert layers >= 2
     ids, labels = tokens(ref.config.vocab_size, 1, 8, ignore=False)
-    model = fpdt_from_hf(ref, num_chunks=2, offload=True, checkpointing="offload")
-    with use_runtime("sim", log=True) as rt:
+    with fresh_runtime("sim", log=True) as rt:
+        model = fpdt_from_hf(ref, num_chunks=2, offload=True, checkpointing="offload", runtime=rt)
         model(**fm.prepare_inputs(ids, labels=labels, sp_size=1, rank=0, num_chunks=2)).backward()
         c = rt.counters
     assert c.host_syncs == 0 and max(c.peak_fetch_buffers.values()) <= 2, c

@@ -5,7 +5,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from fpdt.offload import Role, StreamHazardError, runtime_for, selected_runtime_name, use_runtime
+from fpdt.offload import Role, StreamHazardError, fresh_runtime, named_runtime, resolve_runtime
 
 K = Role("k", "k chunk 3, layer 2")
 DEV = torch.device("cpu")
@@ -20,7 +20,7 @@ def _d2h(rt, stream, src, host):
 
 
 def test_lazy_copy_runs_only_when_waited_and_reads_its_source_then():
-    with use_runtime("sim", mode="lazy") as rt:
+    with fresh_runtime("sim", mode="lazy") as rt:
         s = rt.new_stream(DEV, "copy")
         src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
         done = _d2h(rt, s, src, host)
@@ -35,7 +35,7 @@ def test_lazy_copy_runs_only_when_waited_and_reads_its_source_then():
 
 def test_waits_order_copies_across_streams():
     """h2d waits on the d2h event: forcing the h2d copy first runs the d2h copy it depends on."""
-    with use_runtime("sim", mode="lazy") as rt:
+    with fresh_runtime("sim", mode="lazy") as rt:
         d2h, h2d = rt.new_stream(DEV, "d2h"), rt.new_stream(DEV, "h2d")
         src, host = torch.arange(6.0), rt.host_empty(6, torch.float32, True)
         done = _d2h(rt, d2h, src, host)
@@ -54,7 +54,7 @@ def test_waits_order_copies_across_streams():
 
 
 def test_threaded_mode_gives_the_same_data():
-    with use_runtime("sim", mode="threaded", seed=3) as rt:
+    with fresh_runtime("sim", mode="threaded", seed=3) as rt:
         s = rt.new_stream(DEV, "copy")
         hosts = [rt.host_empty(8, torch.float32, True) for _ in range(5)]
         srcs = [torch.full((8,), float(i)) for i in range(5)]
@@ -66,7 +66,7 @@ def test_threaded_mode_gives_the_same_data():
 
 def test_free_without_record_stream_is_a_hazard_naming_the_role():
     with pytest.raises(StreamHazardError, match=r"'k chunk 3, layer 2' was freed while the d2h copy"):
-        with use_runtime("sim") as rt:
+        with fresh_runtime("sim") as rt:
             s = rt.new_stream(DEV, "copy")
             src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
             rt.wait_event(s, rt.record_event(rt.current_stream(DEV)))
@@ -76,7 +76,7 @@ def test_free_without_record_stream_is_a_hazard_naming_the_role():
 
 
 def test_free_with_record_stream_is_fine():
-    with use_runtime("sim") as rt:
+    with fresh_runtime("sim") as rt:
         s = rt.new_stream(DEV, "copy")
         src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
         done = _d2h(rt, s, src, host)
@@ -87,7 +87,7 @@ def test_free_with_record_stream_is_fine():
 
 def test_unordered_side_streams_are_a_hazard():
     with pytest.raises(StreamHazardError, match="nothing orders the two"):
-        with use_runtime("sim") as rt:
+        with fresh_runtime("sim") as rt:
             d2h, h2d = rt.new_stream(DEV, "d2h"), rt.new_stream(DEV, "h2d")
             src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
             _d2h(rt, d2h, src, host)
@@ -98,7 +98,7 @@ def test_unordered_side_streams_are_a_hazard():
 
 def test_copy_not_ordered_after_compute_is_a_hazard():
     with pytest.raises(StreamHazardError, match="without waiting for the compute stream"):
-        with use_runtime("sim") as rt:
+        with fresh_runtime("sim") as rt:
             s = rt.new_stream(DEV, "copy")
             rt.record_event(rt.current_stream(DEV))
             rt.copy(rt.host_empty(4, torch.float32, True), torch.ones(4), s, K, "d2h")
@@ -108,13 +108,13 @@ def test_copy_not_ordered_after_compute_is_a_hazard():
 def test_faults_break_the_basic_pattern(fault):
     """Each fault alone turns the correct put/get pattern into wrong data or a hazard."""
     with pytest.raises(StreamHazardError):
-        with use_runtime("sim", fault=fault) as rt:
+        with fresh_runtime("sim", fault=fault) as rt:
             s = rt.new_stream(DEV, "copy")
             src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
             _d2h(rt, s, src, host)
             del src
             rt.record_event(s)
-    with use_runtime("sim", fault=fault, checks=False) as rt:  # without checks: the data shows it
+    with fresh_runtime("sim", fault=fault, checks=False) as rt:  # without checks: the data shows it
         s = rt.new_stream(DEV, "copy")
         src, host = torch.ones(4), rt.host_empty(4, torch.float32, True)
         done = _d2h(rt, s, src, host)
@@ -124,7 +124,7 @@ def test_faults_break_the_basic_pattern(fault):
 
 
 def test_synchronize_counts_host_syncs_and_runs_everything():
-    with use_runtime("sim") as rt:
+    with fresh_runtime("sim") as rt:
         s = rt.new_stream(DEV, "copy")
         host = rt.host_empty(4, torch.float32, True)
         src = torch.ones(4)
@@ -134,32 +134,29 @@ def test_synchronize_counts_host_syncs_and_runs_everything():
 
 
 def test_selection_and_bad_names(monkeypatch):
-    monkeypatch.delenv("FPDT_RUNTIME", raising=False)
-    assert selected_runtime_name("cpu") == ("sync", False)
-    monkeypatch.setenv("FPDT_RUNTIME", "sim")
-    assert selected_runtime_name("cpu") == ("sim", True)
-    with use_runtime("sync") as rt:
-        assert runtime_for("cpu") is rt and selected_runtime_name("cpu") == ("sync", True)
-    monkeypatch.setenv("FPDT_RUNTIME", "gpu")
-    with pytest.raises(ValueError, match="FPDT_RUNTIME='gpu' is not a device runtime: use one of sim, sync, cuda"):
-        runtime_for("cpu")
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")     # the library does not read it: the option chooses
+    assert resolve_runtime(None, "cpu") is named_runtime("sync") and named_runtime("sync").name == "sync"
+    assert resolve_runtime("sim", "cpu") is named_runtime("sim") and named_runtime("sim").name == "sim"
+    with fresh_runtime("sync") as rt:
+        assert resolve_runtime(rt, "cpu") is rt and rt is not named_runtime("sync")
+    with pytest.raises(ValueError, match="unknown device runtime 'gpu': use one of sim, sync, cuda"):
+        named_runtime("gpu")
     with pytest.raises(ValueError, match="FPDT_SIM_MODE='eager' must be one of lazy, threaded"):
-        with use_runtime("sim", mode="eager"):
+        with fresh_runtime("sim", mode="eager"):
             pass
     with pytest.raises(ValueError, match="FPDT_SIM_FAULT='drop_all' must be one of drop_wait, drop_record_stream"):
-        with use_runtime("sim", fault="drop_all"):
+        with fresh_runtime("sim", fault="drop_all"):
             pass
 
 
 def _child_runtime(queue):
-    from fpdt.offload import runtime_for
-    rt = runtime_for("cpu")
+    from fpdt.offload import named_runtime
+    rt = named_runtime("sim")
     queue.put((rt.name, rt.mode, rt.fault))
 
 
 @pytest.mark.slow
-def test_spawned_ranks_inherit_the_environment(monkeypatch):
-    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+def test_spawned_ranks_inherit_the_simulator_options(monkeypatch):
     monkeypatch.setenv("FPDT_SIM_MODE", "threaded")
     monkeypatch.setenv("FPDT_SIM_FAULT", "drop_wait")
     ctx = mp.get_context("spawn")
@@ -172,25 +169,22 @@ def test_spawned_ranks_inherit_the_environment(monkeypatch):
         p.join(timeout=30)
 
 
-def test_trainer_allows_cpu_offload_only_on_an_explicit_cpu_runtime(monkeypatch):
+def test_trainer_allows_cpu_offload_only_on_an_explicit_cpu_runtime():
     from fpdt.train.config import ConfigError, TrainerOptions, validate
     opts = TrainerOptions(offload=True, checkpointing="offload")
-    monkeypatch.delenv("FPDT_RUNTIME", raising=False)
     with pytest.raises(ConfigError, match="set FPDT_RUNTIME=sim"):
         validate(opts, 64, 1, "cpu", {})
     for name in ("sim", "sync"):
-        monkeypatch.setenv("FPDT_RUNTIME", name)
-        assert validate(opts, 64, 1, "cpu", {}).num_chunks == 1
+        assert validate(TrainerOptions(offload=True, checkpointing="offload", runtime=name),
+                        64, 1, "cpu", {}).num_chunks == 1
 
 
-def test_the_runtime_chosen_by_the_environment_follows_its_sim_options(monkeypatch):
-    """A sim runtime made under FPDT_SIM_FAULT does not outlive the variable: runtime_for
+def test_the_named_sim_runtime_follows_its_sim_options(monkeypatch):
+    """A sim runtime made under FPDT_SIM_FAULT does not outlive the variable: named_runtime
     gives a clean one once it is unset, and the same instance while the options stay."""
-    from fpdt.offload import runtime_for
-    monkeypatch.setenv("FPDT_RUNTIME", "sim")
     monkeypatch.setenv("FPDT_SIM_FAULT", "drop_record_stream")
-    faulty = runtime_for("cpu")
-    assert faulty.fault == "drop_record_stream" and runtime_for("cpu") is faulty
+    faulty = named_runtime("sim")
+    assert faulty.fault == "drop_record_stream" and named_runtime("sim") is faulty
     monkeypatch.delenv("FPDT_SIM_FAULT")
-    clean = runtime_for("cpu")
-    assert clean.fault is None and clean is not faulty and runtime_for("cpu") is clean
+    clean = named_runtime("sim")
+    assert clean.fault is None and clean is not faulty and named_runtime("sim") is clean

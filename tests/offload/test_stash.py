@@ -1,7 +1,8 @@
+import pytest
 import torch
 
 from fpdt.attention import fpdt_attention
-from fpdt.offload import HostBufferPool, HostStash, host_pool
+from fpdt.offload import HostBufferPool, HostStash, fresh_runtime, host_pool, named_runtime
 
 
 def test_stash_roundtrip_copies_to_separate_host_memory():
@@ -54,3 +55,15 @@ def test_no_grad_pass_leaves_nothing_in_host_memory():
     finally:
         stash_mod.HostStash.put = original
     assert out.shape == q.shape and set(seen) == {"k", "v"}
+
+
+def test_stash_and_pool_share_the_runtime_given():
+    """runtime= picks the stash's runtime and its pool (one pool per runtime); a given pool
+    brings its own runtime, and a pool of another runtime is refused."""
+    with fresh_runtime("sim") as rt:
+        pool = host_pool("cpu", rt)
+        assert pool is not host_pool("cpu") and host_pool("cpu") is host_pool("cpu", "sync")
+        assert HostStash("cpu", runtime=rt).pool is pool and HostStash("cpu", pool=pool).runtime is rt
+        assert HostStash("cpu").runtime is named_runtime("sync")          # the automatic one on the CPU
+        with pytest.raises(ValueError, match="the host pool runs on the 'sim' runtime, this stash on 'sync'"):
+            HostStash("cpu", pool=pool, runtime="sync")

@@ -1,6 +1,6 @@
 """fpdt-train with attention offload and offloaded activation checkpoints, on 2 gloo ranks
 (sp=2, ZeRO-3), under ``FPDT_RUNTIME=sync``, ``sim`` (lazy) and ``sim`` (threaded) --
-selected through the environment, as a user would. Each step's loss must match the
+selected through the environment (``--runtime``'s default), as a user would. Each step's loss must match the
 single-process fp32 reference within the trainer parity tolerance (1e-4 relative), and
 the run does exactly the loop's two host syncs per step, whatever the chunk count."""
 
@@ -23,8 +23,8 @@ ENVS = {"sync": {"FPDT_RUNTIME": "sync"},
 def _body(rank, world_size, tmp, env, chunks):
     quiet()
     os.environ.update(env)  # this rank only: forked from the fork server, not from pytest
-    from fpdt.offload import runtime_for
-    counters = runtime_for("cpu").counters
+    from fpdt.offload import named_runtime
+    counters = named_runtime(env["FPDT_RUNTIME"]).counters   # the instance fpdt-train's --runtime default names
     for chunk in chunks:
         counters.reset()
         _train(rank, tmp, f"sgd_{chunk}", sp=2, chunk=chunk, extra=["--offload", "--checkpoint", "offload"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fpdt.cli.train import build_parser, fpdt_flags, main
+from fpdt.cli.train import build_parser, fpdt_flags, fpdt_options, main
 from fpdt.train.config import ConfigError, TrainerOptions, load_ds_config, merge_options, validate
 from tests.train.helpers import write_fixture, write_json
 
@@ -64,9 +64,9 @@ def test_bad_fpdt_section(section, match):
     (TrainerOptions(offload=True), 96, 1, "cpu", FP32, r"--offload needs a CUDA device.*--no-offload"),
     (TrainerOptions(checkpointing="offload"), 96, 1, "cpu", FP32, r"'offload' needs a CUDA device.*--checkpoint on"),
     (TrainerOptions(), 96, 1, "cpu", {"fp16": {"enabled": True}}, r"fp16 training needs a CUDA device.*bf16"),
+    (TrainerOptions(runtime="cuda"), 96, 1, "cpu", FP32, r"--runtime cuda needs a CUDA device.*--runtime sim"),
 ])
-def test_validate_errors(opts, seq_len, world, device, ds, match, monkeypatch):
-    monkeypatch.delenv("FPDT_RUNTIME", raising=False)  # FPDT_RUNTIME=sim|sync would allow CPU offload
+def test_validate_errors(opts, seq_len, world, device, ds, match):
     with pytest.raises(ConfigError, match=match):
         validate(opts, seq_len, world, device, ds)
 
@@ -98,10 +98,9 @@ def test_default_chunk_size(seq_len, split, chunk):
     assert got == chunk and seq_len % got == 0 and (got == seq_len or got % split == 0)
 
 
-def test_defaults_follow_the_fpdt_design_on_cuda_only(monkeypatch):
+def test_defaults_follow_the_fpdt_design_on_cuda_only():
     """Unset, offload and checkpointing are FPDT's (attention chunks and layer inputs on the
-    host) on CUDA and off elsewhere, where they need FPDT_RUNTIME=sim; given values win."""
-    monkeypatch.delenv("FPDT_RUNTIME", raising=False)
+    host) on CUDA and off elsewhere, where they need runtime="sim"; given values win."""
     cuda = validate(TrainerOptions(sp=8), 4 * 1024 * K, 8, "cuda", FP32)
     assert (cuda.offload, cuda.checkpoint, cuda.chunk_size, cuda.num_chunks) == (True, "offload", 64 * K, 64)
     cpu = validate(TrainerOptions(), 96, 1, "cpu", FP32)
@@ -173,16 +172,16 @@ def test_attention_backend_reaches_every_layer(tmp_path):
         assert [layer.self_attn.backend for layer in model.model.layers] == [want] * len(model.model.layers)
 
 
-def test_checkpoint_device_layers_reach_the_model(tmp_path, monkeypatch):
+def test_checkpoint_device_layers_reach_the_model(tmp_path):
     """--checkpoint-device-layers (or the JSON key) is the model's option of the same name."""
     from types import SimpleNamespace
 
     import torch
 
     from fpdt.cli import train as cli
-    monkeypatch.setenv("FPDT_RUNTIME", "sim")      # offloaded checkpointing on the CPU
     cfg, _ = write_fixture(str(tmp_path))
-    argv = ["--model-config", cfg, "--steps", "1", "--data", "x.npy", "--seq-len", "64", "--checkpoint", "offload"]
+    argv = ["--model-config", cfg, "--steps", "1", "--data", "x.npy", "--seq-len", "64", "--checkpoint", "offload",
+            "--runtime", "sim"]                    # offloaded checkpointing on the CPU
     for extra, section, want in ((["--checkpoint-device-layers", "1"], {"checkpoint_device_layers": 2}, 1),
                                  ([], {"checkpoint_device_layers": 2}, 2), ([], {}, 0)):
         args = build_parser().parse_args(argv + extra)
@@ -190,3 +189,32 @@ def test_checkpoint_device_layers_reach_the_model(tmp_path, monkeypatch):
         plan = validate(opts, 64, 1, "cpu", FP32)
         model = cli.build_model(args, opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
         assert model.options.checkpoint_device_layers == want
+
+
+def test_runtime_flag_json_and_its_environment_default(tmp_path, monkeypatch):
+    """fpdt-train's runtime: --runtime > the "runtime" JSON key > FPDT_RUNTIME > automatic (None),
+    and it reaches the model it builds."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fpdt.cli import train as cli
+    cfg, _ = write_fixture(str(tmp_path))
+    argv = ["--model-config", cfg, "--steps", "1", "--data", "x.npy", "--seq-len", "64", "--offload",
+            "--chunk-size", "32"]
+    parse = build_parser().parse_args
+    monkeypatch.delenv("FPDT_RUNTIME", raising=False)
+    assert fpdt_options(parse(argv), {}).runtime is None
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+    opts = fpdt_options(parse(argv), {})
+    assert opts.runtime == "sim"                                                        # the default
+    assert fpdt_options(parse(argv), {"runtime": "sync"}).runtime == "sync"              # JSON wins over it
+    assert fpdt_options(parse(argv + ["--runtime", "sync"]), {"runtime": "sim"}).runtime == "sync"  # the flag wins
+    plan = validate(opts, 64, 1, "cpu", FP32)          # CPU offload: allowed on the simulated runtime
+    model = cli.build_model(parse(argv), opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
+    assert model.options.runtime == "sim" and {layer.self_attn.runtime for layer in model.model.layers} == {"sim"}
+    monkeypatch.setenv("FPDT_RUNTIME", "gpu")
+    with pytest.raises(ConfigError, match="FPDT_RUNTIME='gpu' is not a device runtime: use one of sim, sync, cuda"):
+        fpdt_options(parse(argv), {})
+    with pytest.raises(ConfigError, match=r"runtime='gpu' must be one of \('sim', 'sync', 'cuda'\)"):
+        merge_options({}, {"runtime": "gpu"})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fpdt.model as fm
-from fpdt.offload import use_runtime
+from fpdt.offload import fresh_runtime
 from fpdt.offload.host_pool import _ALL_POOLS
 from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
@@ -32,21 +32,21 @@ def _pool_bytes() -> int:
     (512, 4, torch.float32, "on", True),
     (1024, 8, torch.bfloat16, "offload", True),
 ])
-def test_predicted_host_bytes_match_what_the_host_pool_holds(seq_len, u, dtype, checkpoint, offload, monkeypatch):
+def test_predicted_host_bytes_match_what_the_host_pool_holds(seq_len, u, dtype, checkpoint, offload):
     """The estimate the trainer gates on, against the host memory the pool actually holds
     after a forward + backward (buffers in use and cached for reuse: what the node's RAM
     holds), within 10%. The layer-input checkpoints, the term that grows with layers x
     tokens, are exact."""
-    monkeypatch.setenv("FPDT_RUNTIME", "sim")     # validate() below allows CPU offload on it
-    with use_runtime("sim"):                      # a fresh runtime (and host pool), drained at exit
+    with fresh_runtime("sim") as rt:              # a fresh runtime (and host pool), drained at exit
         torch.manual_seed(0)
-        model = fm.from_config(HF, dtype=dtype, num_chunks=u, offload=offload, checkpointing=checkpoint)
+        model = fm.from_config(HF, dtype=dtype, num_chunks=u, offload=offload, checkpointing=checkpoint, runtime=rt)
         inputs = model.prepare_inputs(torch.randint(0, HF["vocab_size"], (1, seq_len)))
         before = _pool_bytes()
         model(**inputs).backward()
         held = _pool_bytes() - before
 
-    opts = TrainerOptions(chunk_size=seq_len // u, offload=offload, checkpointing=checkpoint)
+    # runtime="sim": validate() allows CPU offload on it
+    opts = TrainerOptions(chunk_size=seq_len // u, offload=offload, checkpointing=checkpoint, runtime="sim")
     ds = load_ds_config(None, "cpu")[0]
     plan = validate(opts, seq_len, 1, "cpu", ds)
     est = mp.estimate(model.config, plan, opts, ds, "fp32" if dtype == torch.float32 else "bf16", "cpu", 1)
