@@ -16,6 +16,9 @@ it); beyond its start it holds, at its peak:
   chunk back to sequence layout adds its receive buffer and the sequence-layout copy (2 X
   more, while the weight-gradient temporaries are not live).
 
+With LoRA (base frozen, fp32 adapters) the weight-gradient temporaries give way to the terms'
+fp32 temporaries of half a chunk (:func:`_lora_budget`).
+
 Never the full-length input: before, the backward rebuilt it (``dx`` + 1 full-length + 2 X),
 and before that every layer kept it from forward to backward. The same bytes at u = 4 and
 u = 32 (at the same chunk size).
@@ -28,6 +31,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding, default_inv_freq
 from fpdt.attention.output_projection import OutputProjectionFunction
@@ -39,15 +43,23 @@ H, H_KV, D = 4, 1, 64
 HIDDEN = H * D
 CHUNK = 64          # local chunk L, tokens
 DETAIL = False
+RANK = 8
 
 
-def o_proj_backward_bytes(u: int, from_stash: bool = True, chunk: int = CHUNK) -> dict:
+def o_proj_backward_bytes(u: int, from_stash: bool = True, chunk: int = CHUNK, lora: float | None = None) -> dict:
     """One layer's forward + backward; returns the o_proj backward phase's ``peak_above_start``,
     the bytes of ``dx``, ``X`` and the device bytes live after the forward."""
     P = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     layer = FPDTAttention(HIDDEN, H, H_KV, D, num_chunks=u, offload=True).to(torch.bfloat16)
+    if lora is not None:        # as fpdt.model.add_lora: the base frozen, fp32 rank-8 adapters, dropout ``lora``
+        layer.requires_grad_(False)
+        for linear in (layer.q_proj, layer.o_proj):
+            linear.lora_A = nn.Linear(linear.in_features, RANK, bias=False)
+            linear.lora_B = nn.Linear(RANK, linear.out_features, bias=False)
+            linear.lora_scaling, linear.lora_dropout = 2.0, lora
+        layer.train()
     layer.o_proj_input_from_stash = from_stash
     S_local = chunk * u
     x = torch.randn(1, S_local, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
@@ -90,6 +102,24 @@ def _budget(r: dict, P: int) -> int:
 def test_o_proj_backward_holds_two_chunks_not_its_input(u):
     r = o_proj_backward_bytes(u)
     assert r["peak"] == _budget(r, 1), (u, r["peak"], _budget(r, 1), r)
+
+
+def _lora_budget(r: dict, dropout: float) -> int:
+    """LoRA (the base frozen: no weight gradient), fp32 rank-``RANK`` adapters, in bytes: the
+    chunk in use and the next (2 X); on one of the chunk's two pieces (``n = L / 2`` tokens), its
+    input and its output gradient in fp32 (2 n H D * 4 = 2 X at H D = hidden), ``z = x A^T``
+    (n r * 4) and with dropout the piece's bool mask (n H D); the fp32 accumulators of A and B
+    (2 r H D * 4) and ``g^T z`` (hidden r * 4)."""
+    n = CHUNK // 2
+    piece = 2 * n * H * D * 4 + n * RANK * 4 + (n * H * D if dropout else 0)
+    return r["dx"] + 2 * r["X"] + piece + 2 * RANK * H * D * 4 + HIDDEN * RANK * 4
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("u", [4, 32])
+def test_lora_o_proj_backward_holds_two_chunks_and_a_piece(u, dropout):
+    r = o_proj_backward_bytes(u, lora=dropout)
+    assert r["peak"] == _lora_budget(r, dropout), (u, dropout, r["peak"], _lora_budget(r, dropout), r)
 
 
 def test_the_input_is_not_held_from_forward_to_backward():
