@@ -27,8 +27,9 @@ its backward runs over the ``u`` chunks:
 ``dx = g W`` and ``db = sum(g)`` need no input and are computed over the whole sequence
 (``dx`` is the attention backward's incoming gradient, full-length in any case). Device bytes
 of the backward beyond ``g``, ``dx`` and the parameter-sized accumulators: the chunk in use
-and the next one in flight (plus, with P > 1, the all-to-all's send, receive and
-sequence-layout buffers of one chunk), never a full-length ``x``
+and the next one in flight (plus, with P > 1, the all-to-all's receive buffer and
+sequence-layout copy of one chunk; the send buffer is released when the collective completes)
+and the weight gradient's parameter-sized temporaries, never a full-length ``x``
 (``tests/memory/test_output_projection_budget.py``). The price: every ``o_i`` crosses
 host -> device once more (``u o`` bytes, :func:`fpdt.attention.offload_volume.attention_layer_copy_bytes`
 with ``o_proj_from_stash``) and goes through one more all-to-all (with P > 1), linear in
