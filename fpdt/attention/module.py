@@ -6,12 +6,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fpdt.attention.output_projection import StashedInput, output_projection
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.attention.rope import RotaryEmbedding
-from fpdt.attention.saved_attention import SavedAttention, input_from_stash
+from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import SequenceMesh
 from fpdt.offload import Runtime
-from fpdt.ops.lora import attached_adapters, lora_linear
+from fpdt.ops.lora import attached_adapters
 
 
 class FPDTAttention(nn.Module):
@@ -41,19 +42,21 @@ class FPDTAttention(nn.Module):
             may be reassigned later), None = automatic.
 
     LoRA adapters that :func:`fpdt.model.lora.add_lora` attached to the projections run inside
-    the chunked q/k/v projection, and on ``o_proj`` as the lean LoRA linear
-    (:func:`fpdt.ops.lora.lora_linear`, which saves only its input); dropout follows
+    the chunked q/k/v projection, and on ``o_proj`` inside the chunked output projection
+    (:mod:`fpdt.attention.output_projection`, which saves at most its input); dropout follows
     ``self.training``.
 
     ``o_proj_input_from_stash`` (False; the model sets it under ``checkpointing="off"``): with
-    ``offload``, ``o_proj`` does not keep its full-length input on the device for backward; its
-    backward rebuilds it from the attention's ``o`` chunks in the host stash
-    (:func:`fpdt.attention.saved_attention.input_from_stash`).
+    ``offload``, ``o_proj`` keeps no copy of its input for backward; its backward reads it a
+    chunk at a time from the attention's ``o`` chunks in the host stash (one chunk and the
+    next on the device, never the full-length input; the price is one more host -> device
+    copy and, with P > 1, one more all-to-all of each ``o`` chunk:
+    :mod:`fpdt.attention.output_projection`).
 
-    Note for ZeRO-3: the q/k/v weights (and ``o_proj``'s when it has an adapter) and the
-    adapters are read inside custom autograd Functions rather than through the ``nn.Linear``
-    modules' forward, so a ZeRO-3 wrapper must register them as external parameters of this
-    module (the trainer does).
+    Note for ZeRO-3: the q/k/v weights (and ``o_proj``'s when it has an adapter or reads its
+    input from the stash) and the adapters are read inside custom autograd Functions rather
+    than through the ``nn.Linear`` modules' forward, so a ZeRO-3 wrapper must register them as
+    external parameters of this module (the trainer does).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
@@ -100,7 +103,7 @@ class FPDTAttention(nn.Module):
             stash_sink=sink, saved=saved, runtime=self.runtime)
         attn = attn.reshape(B, S_local, self.num_heads * self.head_dim)
         o_adapters = attached_adapters((self.o_proj,), self.training)
-        with input_from_stash(attn, sink or []):
-            if o_adapters is None:
-                return self.o_proj(attn)
-            return lora_linear(attn, self.o_proj.weight, self.o_proj.bias, o_adapters, 2 * self.num_chunks)
+        source = StashedInput(*sink[0]) if sink else None    # empty: the call kept nothing for backward
+        if o_adapters is None and source is None:
+            return self.o_proj(attn)
+        return output_projection(attn, self.o_proj.weight, self.o_proj.bias, o_adapters, self.num_chunks, source)

@@ -26,7 +26,10 @@ Packed documents (``doc_ids``): blocks whose queries see none of their keys are 
     D2H = u (T + 2k + q + o + lse) + m dô + (V - u) dq
     H2D = u T + V (2k + q + o + lse) + (V - u) (dô + dq)
 
-and the no-grad forward's ``H2D = (V - u) · 2k``. Layer inputs offloaded by activation checkpointing add
+and the no-grad forward's ``H2D = (V - u) · 2k``. When the output projection reads its input back
+from the stash (``o_proj_input_from_stash``, :mod:`fpdt.attention.output_projection`: no layer
+checkpoint), its backward fetches every ``o_i`` once more: ``H2D`` grows by ``u o`` (and ``D2H``
+not at all). Layer inputs offloaded by activation checkpointing add
 ``B S_local hidden e`` each way per layer. ``tests/offload/test_schedule.py`` checks these
 against the bytes the runtime counts.
 
@@ -61,10 +64,12 @@ class CopyVolume:
 
 def attention_layer_copy_bytes(*, batch: int, seq_local: int, hidden: int, num_heads: int, num_kv_heads: int,
                                head_dim: int, sp: int, num_chunks: int, dtype: torch.dtype,
-                               for_backward: bool = True, doc_ids: torch.Tensor | None = None) -> CopyVolume:
+                               for_backward: bool = True, doc_ids: torch.Tensor | None = None,
+                               o_proj_from_stash: bool = False) -> CopyVolume:
     """The formula of the module docstring for one offloaded, causal FPDT attention layer
     (forward with ``for_backward``, plus its backward; or a no-grad forward); ``doc_ids``
-    ``[B, S]``: packed documents of the global sequence (None: one)."""
+    ``[B, S]``: packed documents of the global sequence (None: one); ``o_proj_from_stash``: the
+    output projection's backward reads its input back from the stash (``u o`` more H2D)."""
     u, P = num_chunks, sp
     L = seq_local // u
     C = P * L
@@ -87,7 +92,7 @@ def attention_layer_copy_bytes(*, batch: int, seq_local: int, hidden: int, num_h
     if not for_backward:
         return CopyVolume(d2h=u * 2 * k, h2d=pairs_below * 2 * k)
     d2h = u * (T + 2 * k + 2 * q + lse) + multi * q + pairs_below * dq
-    h2d = u * T + pairs * (2 * k + 2 * q + lse) + pairs_below * (q + dq)
+    h2d = u * T + pairs * (2 * k + 2 * q + lse) + pairs_below * (q + dq) + (u * q if o_proj_from_stash else 0)
     return CopyVolume(d2h=d2h, h2d=h2d)
 
 

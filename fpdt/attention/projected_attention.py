@@ -76,7 +76,7 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     documents, ``[B, S]`` over the global sequence in global order (see
     :func:`fpdt.attention.fpdt_attention`); None = one document. ``stash_sink``: a
     list that gets the call's :class:`HostStash` (with the spec and chunk length), whose ``o``
-    chunks :func:`fpdt.attention.saved_attention.input_from_stash` reads back. ``saved``: the
+    chunks the output projection's backward reads back (:mod:`fpdt.attention.output_projection`). ``saved``: the
     checkpointed layer's :class:`fpdt.attention.saved_attention.SavedAttention`
     (``attention_checkpoint="save"``), which records this call's output in the layer's first
     forward and replays it in the recompute (no attention kernel). ``runtime``: the stash's device

@@ -41,8 +41,6 @@ layer's backward. One attention call per layer.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from fpdt.comm import heads_to_seq, replicate_kv, start_seq_to_heads_packed
@@ -150,60 +148,3 @@ def replay_forward(spec, produce, emit, stash: HostStash, saved: SavedAttention)
         o = saved.take(i, u, stash)
         emit(i, heads_to_seq(o, group))
         del o
-
-
-class _FromStash:
-    """What o_proj's graph saves in place of its input (:func:`input_from_stash`)."""
-
-    def __init__(self, stash: HostStash, spec, L: int, meta: tuple, view: torch.Tensor):
-        self.stash, self.spec, self.L = stash, spec, L
-        self.full_meta = meta
-        self.view_meta = (view.shape, view.stride(), view.storage_offset())
-
-    def rebuild(self) -> torch.Tensor:
-        shape, dtype, device = self.full_meta
-        full = torch.empty(shape, dtype=dtype, device=device)
-        group = self.spec.hp_group if hasattr(self.spec, "hp_group") else self.spec.group
-        u, L = self.spec.num_chunks, self.L
-        if ("o", u - 1) not in self.stash:
-            raise RuntimeError("fpdt attention's saved chunks were consumed by an earlier backward through this "
-                               "graph: backward twice (retain_graph=True) is not supported; run the forward again")
-        self.stash.prefetch(("o", 0))
-        for i in range(u):
-            o = self.stash.get(("o", i))            # get, not pop: the attention backward reads it next
-            if i + 1 < u:
-                self.stash.prefetch(("o", i + 1))
-            full[:, i * L:(i + 1) * L] = heads_to_seq(o, group).reshape(shape[0], L, -1)
-            del o
-        size, stride, offset = self.view_meta
-        return full.as_strided(size, stride, offset)
-
-
-def input_from_stash(attn: torch.Tensor, sink: list):
-    """A ``saved_tensors_hooks`` context for the output projection of ``attn`` ``[B, S_local, H D]``
-    (the projected attention's output, whose call put its stash in ``sink``): a saved tensor
-    that is ``attn`` (or a view of all of it) is not kept; its backward rebuilds it from the
-    attention stash's ``o`` chunks (head layout, on the host under ``offload=True``: fetched
-    one chunk ahead, each all-to-all'd back to sequence layout). Without it, every layer holds
-    its full-length ``attn`` on the device from forward to backward under
-    ``checkpointing="off"``; with it, one layer's, transiently, during its o_proj backward.
-    The rebuilt values are the emitted ones (the same chunks, the same all-to-all), so the
-    gradients are unchanged. A call that saved no stash (no-grad) leaves ``sink`` empty: no hooks."""
-    if not sink:
-        return contextlib.nullcontext()
-    stash, spec, L = sink[0]
-    # metadata only: autograd keeps the hooks with what they saved, and a closure over ``attn``
-    # would keep it alive as surely as saving it
-    ptr, meta = attn.untyped_storage().data_ptr(), (attn.shape, attn.dtype, attn.device)
-    numel = attn.numel()
-
-    def pack(t: torch.Tensor):
-        if (t.device == meta[2] and t.dtype == meta[1] and t.numel() == numel
-                and t.untyped_storage().data_ptr() == ptr):
-            return _FromStash(stash, spec, L, meta, t)
-        return t
-
-    def unpack(saved):
-        return saved.rebuild() if isinstance(saved, _FromStash) else saved
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

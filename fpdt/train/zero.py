@@ -76,7 +76,8 @@ def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, t
     inside a fused autograd Function instead of calling the submodule that owns it:
 
     * :class:`fpdt.attention.FPDTAttention` -- its ``q_proj``/``k_proj``/``v_proj`` weights and biases,
-      and ``o_proj``'s when it has a LoRA adapter (the lean LoRA linear reads it);
+      and ``o_proj``'s when it has a LoRA adapter or reads its input back from the attention's stash
+      (``o_proj_input_from_stash``; the chunked output projection reads it);
     * :class:`fpdt.model.ChunkedSwiGLU` -- its ``gate_proj``/``up_proj``/``down_proj`` weights and biases,
       and the decoder layer's ``post_attention_layernorm`` weight (the norm runs inside the MLP);
     * the root :class:`fpdt.model.FPDTForCausalLM` -- ``lm_head.weight`` (the chunked loss);
@@ -95,7 +96,8 @@ def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, t
         for cls, names in owners:
             if not isinstance(module, cls):
                 continue
-            if cls is FPDTAttention and getattr(module.o_proj, "lora_A", None) is not None:
+            if cls is FPDTAttention and (getattr(module.o_proj, "lora_A", None) is not None
+                                         or module.o_proj_input_from_stash):
                 names = names + ("o_proj",)
             for name in names:
                 child = getattr(module, name, None)

@@ -102,7 +102,8 @@ def test_two_ranks():
              ("llama_bias", 4, 0, 3, True, "offload"),
              ("mistral", 1, 2, None, False, "on"),
              ("qwen2_tied", 2, None, 3, True, "offload", "recompute"),
-             ("llama_gqa", 2, 3, 5, True, "offload", "accumulate", 1)]
+             ("llama_gqa", 2, 3, 5, True, "offload", "accumulate", 1),
+             ("llama_bias", 2, 3, 5, True, "off")]     # o_proj reads its input back from the stash
     run_distributed(_multi_rank, 2, args=(cases, True), timeout=240)
 
 

@@ -29,11 +29,14 @@ import fpdt.model as fm
 PENDING_BOUND = D2H_RUN_AHEAD + 8
 
 
-def _layer_step(rank, world, *, u, runtime, B=1, hidden=32, H=4, H_kv=2, D=8, piece=2, dtype=torch.float32):
-    """Forward and backward of one offloaded FPDTAttention layer on this rank's shard."""
+def _layer_step(rank, world, *, u, runtime, B=1, hidden=32, H=4, H_kv=2, D=8, piece=2, dtype=torch.float32,
+                from_stash=False):
+    """Forward and backward of one offloaded FPDTAttention layer on this rank's shard
+    (``from_stash``: o_proj reads its input back from the attention's stash)."""
     torch.manual_seed(0)
     S = world * u * piece
     layer = FPDTAttention(hidden, H, H_kv, D, num_chunks=u, offload=True, runtime=runtime).to(dtype)
+    layer.o_proj_input_from_stash = from_stash
     x = torch.randn(B, S // world, hidden, dtype=dtype, requires_grad=True)
     out = layer(x, local_position_ids(S, world, u, rank, B), RotaryEmbedding(default_inv_freq(D)))
     out.backward(torch.randn_like(out))
@@ -65,15 +68,18 @@ def test_buffers_run_ahead_and_syncs_are_bounded_independently_of_u(mode):
 
 
 def _volume_body(rank, world, u, H, H_kv, dtype):
-    with fresh_runtime("sim") as rt:
-        s_local = _layer_step(rank, world, u=u, H=H, H_kv=H_kv, dtype=dtype, runtime=rt)
-        want = attention_layer_copy_bytes(batch=1, seq_local=s_local, hidden=32, num_heads=H, num_kv_heads=H_kv,
-                                          head_dim=8, sp=world, num_chunks=u, dtype=dtype)
-        got = (rt.counters.bytes_d2h, rt.counters.bytes_h2d)
-        assert got == (want.d2h, want.h2d), (got, want)
+    for from_stash in (False, True):
+        with fresh_runtime("sim") as rt:
+            s_local = _layer_step(rank, world, u=u, H=H, H_kv=H_kv, dtype=dtype, runtime=rt, from_stash=from_stash)
+            want = attention_layer_copy_bytes(batch=1, seq_local=s_local, hidden=32, num_heads=H, num_kv_heads=H_kv,
+                                              head_dim=8, sp=world, num_chunks=u, dtype=dtype,
+                                              o_proj_from_stash=from_stash)
+            got = (rt.counters.bytes_d2h, rt.counters.bytes_h2d)
+            assert got == (want.d2h, want.h2d), (from_stash, got, want)
 
 
 def test_copy_volume_matches_the_formula_on_one_rank():
+    """Also with o_proj reading its input back from the stash: ``u o`` more host -> device."""
     _volume_body(0, 1, 5, 4, 2, torch.float32)
 
 
