@@ -19,8 +19,8 @@ vocabulary 512), fp32, ``checkpointing="offload"``, ``offload=True`` (the CPU's 
 runtime copies into host buffers), 4K-token chunks. Writes ``attention_checkpoint.json`` under
 ``benchmarks/results/<device>/<date>/`` (or ``--out-dir``).
 
-    python profiling/attention_checkpoint.py --lengths 16384 32768 --repeats 3
-    OMP_NUM_THREADS=1 python profiling/attention_checkpoint.py --threads 1   # on a busy machine
+    python -m profiling.attention_checkpoint --lengths 16384 32768 --repeats 3
+    OMP_NUM_THREADS=1 python -m profiling.attention_checkpoint --threads 1   # on a busy machine
 """
 
 from __future__ import annotations
@@ -29,18 +29,15 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fpdt.model as fm  # noqa: E402
-from fpdt.attention import kernels  # noqa: E402
-from fpdt.attention.offload_volume import saved_attention_bytes  # noqa: E402
-from fpdt.offload import HostPeak  # noqa: E402
-from profiling.bench_common import header, results_dir, write_json  # noqa: E402
+import fpdt.model as fm
+from fpdt.attention import kernels
+from fpdt.attention.offload_volume import saved_attention_bytes
+from fpdt.offload import HostPeak
+from profiling.bench_common import header, results_dir, write_json
 
 MODES = ("recompute", "save")
 

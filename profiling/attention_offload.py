@@ -8,7 +8,7 @@ compute kernels (from a ``torch.profiler`` trace).
 
 GPU (issue targets: time ratio <= 1.05; offload peak <= unchunked / num_chunks + small)::
 
-    python profiling/attention_offload.py                       # S=256K, H=32, H_kv=8, D=128, chunks 32K and 64K
+    python -m profiling.attention_offload                       # S=256K, H=32, H_kv=8, D=128, chunks 32K and 64K
 
 Peak memory: device bytes above what was allocated before the call (on CUDA
 ``max_memory_allocated``, with the call's ``max_memory_reserved`` beside it, cache emptied
@@ -17,7 +17,7 @@ first; on the CPU the memory accountant's count), via
 
 CPU smoke run (what the test suite runs; the overlap column is n/a there)::
 
-    python profiling/attention_offload.py --tiny
+    python -m profiling.attention_offload --tiny
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ import torch
 from fpdt.attention import fpdt_attention
 from fpdt.offload import resolve_runtime
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
-import bench_common as bc  # noqa: E402
+from profiling import bench_common as bc
 
 
 RUNTIME = os.environ.get("FPDT_RUNTIME") or None   # the device runtime: $FPDT_RUNTIME (e.g. sim), else automatic

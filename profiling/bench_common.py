@@ -101,12 +101,13 @@ def write_json(path: str, obj: dict) -> str:
     return path
 
 
-def run_trial(script: str, argv: list[str], timeout_s: float) -> dict:
-    """Run ``python script --trial argv...`` in a fresh process; its last stdout line is JSON.
+def run_trial(module: str, argv: list[str], timeout_s: float) -> dict:
+    """Run ``python -m module --trial argv...`` (``module`` e.g. ``"profiling.max_seqlen"``) in a
+    fresh process, with the repository root on its path; its last stdout line is JSON.
 
     Returns that dict, or ``{"status": "timeout"}`` / ``{"status": "error", "error": ...}``.
     """
-    cmd = [sys.executable, script, "--trial", *argv]
+    cmd = [sys.executable, "-m", module, "--trial", *argv]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)

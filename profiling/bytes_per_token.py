@@ -33,9 +33,9 @@ same way for every strategy:
 **Per added token**: ``(peak(L2) - peak(L1)) / (L2 - L1)`` bytes for the two lengths
 (default 8K and 16K); KB = 1000 bytes, the issue's unit.
 
-    python profiling/bytes_per_token.py                                  # 8K, 16K; minutes on a CPU
-    python profiling/bytes_per_token.py --strategies fpdt --reuse results.json   # re-run fpdt only
-    python profiling/bytes_per_token.py --tiny --lengths 512 1024 --in-process   # smoke run
+    python -m profiling.bytes_per_token                                  # 8K, 16K; minutes on a CPU
+    python -m profiling.bytes_per_token --strategies fpdt --reuse results.json   # re-run fpdt only
+    python -m profiling.bytes_per_token --tiny --lengths 512 1024 --in-process   # smoke run
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
-import bench_common as bc  # noqa: E402
-import strategies as st  # noqa: E402
+from profiling import bench_common as bc
+from profiling import strategies as st
 
 MODEL = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 512,
@@ -206,7 +205,7 @@ def measure(strategies=DEFAULT_STRATEGIES, lengths=(8192, 16384), chunk_size: in
             else:
                 argv = ["--strategy", s, "--seq-len", str(n), "--chunk-size", str(chunk_size)] + \
                     (["--tiny"] if tiny else [])
-                r = bc.run_trial(os.path.abspath(__file__), argv, timeout_s)
+                r = bc.run_trial("profiling.bytes_per_token", argv, timeout_s)
                 r.setdefault("strategy", s)
                 r.setdefault("seq_len", n)
             trials.append(r)

@@ -13,8 +13,8 @@ without offload, for the offload on/off time ratio) and records:
 * copy time not hidden by compute, from a ``torch.profiler`` trace (CUDA only; null on
   the CPU, where the copies are synchronous memcpys).
 
-    python profiling/chunk_sweep.py --seq-len 262144            # Llama-3.2-1B shape, 1 GPU
-    python profiling/chunk_sweep.py --tiny                       # CPU smoke run
+    python -m profiling.chunk_sweep --seq-len 262144            # Llama-3.2-1B shape, 1 GPU
+    python -m profiling.chunk_sweep --tiny                       # CPU smoke run
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
-import bench_common as bc  # noqa: E402
-import max_seqlen as ms  # noqa: E402
+from profiling import bench_common as bc
+from profiling import max_seqlen as ms
 
 
 def build_parser() -> argparse.ArgumentParser:

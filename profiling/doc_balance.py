@@ -30,7 +30,7 @@ a varlen GPU kernel rounds each segment to its 128-token tiles on top.
 * ``mesh_hpXcp`` (``hp x cp = P``, zigzag over ``cp``): a CP rank's queries' work split over its
   ``hp`` head ranks.
 
-    python profiling/doc_balance.py --out benchmarks/results/cpu-amd-epyc/2026-11-27/doc_balance.json
+    python -m profiling.doc_balance --out benchmarks/results/cpu-amd-epyc/2026-11-27/doc_balance.json
 """
 
 from __future__ import annotations

@@ -60,6 +60,6 @@ if [ "${1:-}" = "suite" ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
 python3 -m pytest -q -s -m cuda tests 2>&1 | tee "$logs/cuda_tests.log"
-python3 profiling/attention_offload.py 2>&1 | tee "$logs/attention_offload.log"
-python3 profiling/model_memory.py 2>&1 | tee "$logs/model_memory.log"
+python3 -m profiling.attention_offload 2>&1 | tee "$logs/attention_offload.log"
+python3 -m profiling.model_memory 2>&1 | tee "$logs/model_memory.log"
 cp benchmarks/results/*.md "$logs/" 2>/dev/null || true

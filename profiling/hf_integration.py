@@ -23,9 +23,9 @@ per 1K tokens, and its ratio to ``hf``'s, ``alst``'s and ``fpdt.model``'s. Offlo
 under the simulated runtime (``FPDT_RUNTIME=sim``, which this script passes as ``runtime=``), so its host
 tier is counted.
 
-    FPDT_RUNTIME=sim python profiling/hf_integration.py                 # CPU, 4K/8K/16K tokens
-    python profiling/hf_integration.py --seq-lens 32768 65536 131072     # one GPU, bf16
-    python profiling/hf_integration.py --tiny                            # the suite's smoke run
+    FPDT_RUNTIME=sim python -m profiling.hf_integration                 # CPU, 4K/8K/16K tokens
+    python -m profiling.hf_integration --seq-lens 32768 65536 131072     # one GPU, bf16
+    python -m profiling.hf_integration --tiny                            # the suite's smoke run
 """
 
 from __future__ import annotations
@@ -34,16 +34,13 @@ import argparse
 import copy
 import gc
 import os
-import sys
 import time
 import warnings
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from profiling.bench_common import default_device, header, results_dir, write_json  # noqa: E402
+from profiling.bench_common import default_device, header, results_dir, write_json
 
 STRATEGIES = ("hf", "alst", "hf+fpdt", "hf+fpdt offload", "hf+fpdt offload, ckpt offload", "fpdt.model")
 SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,

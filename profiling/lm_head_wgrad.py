@@ -13,8 +13,8 @@ the softmax's elementwise traffic; accumulate's fp32 weight-gradient adds) from
 ``--calibration``'s rates (``op_latency.py``, this machine), else the H100 preset's datasheet
 rates: ``planner_time_ratio``. ``gemm_ratio_model`` is the GEMM count's 4/3 alone.
 
-    python profiling/lm_head_wgrad.py                      # Llama-3 heads on a GPU
-    python profiling/lm_head_wgrad.py --tiny               # seconds, on the CPU
+    python -m profiling.lm_head_wgrad                      # Llama-3 heads on a GPU
+    python -m profiling.lm_head_wgrad --tiny               # seconds, on the CPU
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
-import bench_common as bc  # noqa: E402
-
 from fpdt.model.loss import WGRAD_MODES, chunked_lm_loss, default_loss_chunks
 from fpdt.memory.accountant import RegionMemory
+from profiling import bench_common as bc
 
 # (hidden, vocab, local tokens): Llama-3.2-1B, Llama-3-8B and Llama-3-70B heads at 16K tokens per GPU
 GPU_SHAPES = [(2048, 128256, 16384), (4096, 128256, 16384), (8192, 128256, 16384)]

@@ -42,9 +42,9 @@ failing trial costs only the time up to that point); in ``--lengths`` mode it ru
 end, is measured (the slopes use it) and is marked out of memory. A strategy whose
 packages are missing is reported as skipped, with the reason.
 
-    python profiling/max_seqlen.py --strategies fpdt hf --device-mem-gib 80
-    python profiling/max_seqlen.py --lengths 65536 131072 262144 524288 --trial-timeout-s 280
-    python profiling/max_seqlen.py --tiny          # CPU smoke run (benchmarks/results/<cpu>/cpu-smoke/)
+    python -m profiling.max_seqlen --strategies fpdt hf --device-mem-gib 80
+    python -m profiling.max_seqlen --lengths 65536 131072 262144 524288 --trial-timeout-s 280
+    python -m profiling.max_seqlen --tiny          # CPU smoke run (benchmarks/results/<cpu>/cpu-smoke/)
 """
 
 from __future__ import annotations
@@ -58,9 +58,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
-import bench_common as bc  # noqa: E402
-import strategies as st  # noqa: E402
+from profiling import bench_common as bc
+from profiling import strategies as st
 
 DEFAULT_CONFIG = os.path.join(bc.ROOT, "examples", "llama-3.2-1b", "config.json")
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
@@ -316,7 +315,7 @@ def run_one(args, strategy: str, seq_len: int, log: list, on_trial=None) -> dict
     if args.in_process:
         r = trial(build_parser().parse_args(["--trial", *argv]))
     else:
-        r = bc.run_trial(os.path.abspath(__file__), argv, args.trial_timeout_s)
+        r = bc.run_trial("profiling.max_seqlen", argv, args.trial_timeout_s)
     r.setdefault("strategy", strategy)
     r.setdefault("seq_len", seq_len)
     log.append(r)

@@ -20,7 +20,7 @@ weights, and gradients allocated before the step are not counted):
 The markdown goes to ``benchmarks/results/<device>/<UTC date>/memory_budget.md`` (the whole
 result, every trial, to ``memory_budget.json`` beside it), headed by the exact command.
 
-    python profiling/memory_budget.py [--skip-large] [--out-dir DIR]
+    python -m profiling.memory_budget [--skip-large] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -34,13 +34,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
-import bench_common as bc  # noqa: E402
-import bytes_per_token as bpt  # noqa: E402
-
 import fpdt.model as fm
 from fpdt.attention import fpdt_attention
 from fpdt.memory.accountant import MemoryAccountant, chunk_unit, sequence_unit
+from profiling import bench_common as bc
+from profiling import bytes_per_token as bpt
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 1, 64
 SMALL_MODEL = {
@@ -131,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trial-timeout-s", type=float, default=1800.0)
     p.add_argument("--out-dir", default=None, help="default: benchmarks/results/<device>/<UTC date>")
     args = p.parse_args(argv)
-    command = "python profiling/memory_budget.py" + "".join(" " + shlex.quote(a) for a in (argv or []))
+    command = "python -m profiling.memory_budget" + "".join(" " + shlex.quote(a) for a in (argv or []))
     head = bc.header("memory_budget.py", args)
     result = {**head, "command": command, "rows": None, "bytes_per_token": None}
     parts = [f"# Device memory budget\n\nCommand: `{command}`  \nDevice `{head['device']}`, commit "

@@ -22,12 +22,12 @@ Runs that run out of memory are reported as ``OOM``. The table is written as mar
 CPU ``--tiny`` run (tiny model, short sequences, counted memory) has been executed.
 Run it on one GPU and commit the resulting table::
 
-    python profiling/model_memory.py                      # 32K, 128K, 512K; chunk size 32K
-    python profiling/model_memory.py --seq-lens 32768 131072 --chunk-size 65536
+    python -m profiling.model_memory                      # 32K, 128K, 512K; chunk size 32K
+    python -m profiling.model_memory --seq-lens 32768 131072 --chunk-size 65536
 
 CPU smoke run (what the test suite runs)::
 
-    python profiling/model_memory.py --tiny
+    python -m profiling.model_memory --tiny
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ default Llama-3-8B: 32 query / 8 KV heads of 128) it times, median of ``--iters`
 * the device->host and host->device copies of one chunk's q/k/v, pinned and pageable
   (on the CPU: a host-to-host copy, reported as such);
 * the Ulysses all-to-all of one chunk's q/k/v when launched on several ranks
-  (``torchrun --nproc_per_node N profiling/op_latency.py``), else skipped;
+  (``torchrun --nproc_per_node N -m profiling.op_latency``), else skipped;
 * copy bandwidth against transfer size, pinned vs pageable (FPDT Fig. 10).
 
 It writes ``op_latency.json`` and ``calibration.json`` (``fpdt-plan --calibration``):
@@ -24,8 +24,8 @@ forward + backward FLOPs per second at the largest chunk), ``h2d_bytes_s`` /
 in-place fp32 add, as the weight-gradient accumulators do) and ``intra_node_bytes_s``
 (all-to-all, when measured).
 
-    python profiling/op_latency.py                       # 8K..256K chunks on the GPU
-    python profiling/op_latency.py --tiny                # CPU smoke sizes
+    python -m profiling.op_latency                       # 8K..256K chunks on the GPU
+    python -m profiling.op_latency --tiny                # CPU smoke sizes
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
-import bench_common as bc  # noqa: E402
+from profiling import bench_common as bc
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -9,7 +9,7 @@ RoPE, all-to-alls, merges and kernels, forward and backward; ``o_proj`` excluded
 attention blocks run and skipped, and the (query, key) pairs computed. Before timing, checks
 that the masked model's loss equals the token-weighted mean of each document's loss run alone.
 
-    OMP_NUM_THREADS=2 python profiling/packed_documents.py --seq-len 32768 --doc-len 2048
+    OMP_NUM_THREADS=2 python -m profiling.packed_documents --seq-len 32768 --doc-len 2048
 
 Writes ``packed_documents-<seq>-<doc>.json`` under ``benchmarks/results/<device>/<date>/``.
 """
@@ -20,17 +20,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fpdt.attention.pipeline as pipeline  # noqa: E402
-import fpdt.attention.projected_attention as projected  # noqa: E402
-from fpdt.model import from_config  # noqa: E402
-from profiling.bench_common import cpu_name, results_dir  # noqa: E402
+import fpdt.attention.pipeline as pipeline
+import fpdt.attention.projected_attention as projected
+from fpdt.model import from_config
+from profiling.bench_common import cpu_name, results_dir
 
 MODEL = {  # a small Llama: attention is a large part of a 32K-token step, a step fits minutes on 2 cores
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8192, "hidden_size": 256,

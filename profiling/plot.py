@@ -16,7 +16,7 @@ device bytes per 1K tokens, host bytes per 1K tokens, per-length device/host/tot
 time, fpdt's slope and step-time ratios against ``hf`` and ``alst``, and the planner's
 prediction beside fpdt's measurement.
 
-    python profiling/plot.py benchmarks/results/<device>/<date>
+    python -m profiling.plot benchmarks/results/<device>/<date>
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ import argparse
 import glob
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sibling modules when run as a script
-import bench_common as bc  # noqa: E402
+from profiling import bench_common as bc
 
 BEGIN, END = "<!-- plot.py begin -->", "<!-- plot.py end -->"
 MIB, GIB = 2 ** 20, 2 ** 30
@@ -209,7 +207,7 @@ def plot_memory_vs_length(strats: dict, out: str, cap_gib: float | None = None) 
 
 
 def _slope(trials, key):
-    import max_seqlen as ms
+    from profiling import max_seqlen as ms
     return ms.slope_per_1k(trials, key)
 
 
@@ -223,7 +221,7 @@ def _growing_peak(t: dict) -> int:
 
 def _fit(trials, value=_growing_peak) -> tuple[float, float] | None:
     """Least-squares ``(slope per token, intercept)`` of ``value`` against the length."""
-    import max_seqlen as ms
+    from profiling import max_seqlen as ms
     return ms.least_squares([(t["seq_len"], value(t)) for t in _ok(trials)])
 
 

@@ -1,13 +1,12 @@
 import os
-import sys
 
 import pytest
 import torch
 
-# Make `tests.distributed` importable from test modules and from spawned workers.
+# pytest puts the repository root on sys.path (tests/ is a package), so `tests.distributed` and
+# the `profiling` scripts import here and in spawned workers (which copy sys.path); processes
+# started with a fresh interpreter find them through PYTHONPATH.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 os.environ.setdefault("PYTHONPATH", ROOT)
 
 

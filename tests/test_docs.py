@@ -188,6 +188,9 @@ def test_gpu_block(code, ranks, tmp_path):
         for arg in argv:
             if arg.startswith("examples/") or arg.startswith("profiling/"):
                 assert os.path.exists(os.path.join(ROOT, arg)), arg
+        for flag, module in zip(argv, argv[1:]):          # python -m profiling.NAME
+            if flag == "-m" and module.startswith("profiling."):
+                assert os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"), module
         tool, args = _tool_argv(argv)
         if tool:
             (train_parser if tool == "fpdt-train" else plan_parser)().parse_args(args)

@@ -9,7 +9,8 @@ package may import only the packages listed for it in :data:`ALLOWED`, and the i
 above its package; no module may import one.
 
 Also: nothing outside ``fpdt.train``, ``fpdt.hf`` and ``fpdt.cli`` imports DeepSpeed, and nothing
-in ``fpdt`` imports the tests. Checked statically from the source, so a violation fails here
+in ``fpdt`` imports the tests or the measurement scripts (``profiling``, a package of the
+repository that the installed ``fpdt`` does not ship). Checked statically from the source, so a violation fails here
 rather than in a user's import graph.
 """
 
@@ -106,6 +107,7 @@ def test_imports_point_down(unit, name, path):
             assert parts[1] in ALLOWED[unit], f"{name} imports {target}: {unit} may not import {parts[1]}"
     for imported in _imports(path):
         assert imported.split(".")[0] != "tests", f"{name} imports the tests ({imported})"
+        assert imported.split(".")[0] != "profiling", f"{name} imports the measurement scripts ({imported})"
         if unit not in DEEPSPEED_USERS:
             assert imported.split(".")[0] != "deepspeed", f"{name} imports DeepSpeed; only {sorted(DEEPSPEED_USERS)} may"
 

@@ -1,16 +1,9 @@
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from profiling import attention_offload
 
 
 def test_attention_offload_script_runs_tiny(tmp_path):
-    spec = importlib.util.spec_from_file_location("attention_offload", os.path.join(ROOT, "profiling",
-                                                                                     "attention_offload.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     out = tmp_path / "r.md"
-    rows = mod.main(["--tiny", "--out", str(out)])
+    rows = attention_offload.main(["--tiny", "--out", str(out)])
     assert [r[1] for r in rows] == [4, 2]            # 512 tokens in chunks of 128 and 256
     assert all(r[2] > 0 and r[3] > 0 for r in rows)
     for _, _, _, _, plain, offload, _ in rows:      # CPU: the accountant's count, never n/a

@@ -4,20 +4,10 @@ constant of the first layer forward, larger than at 512), trials in-process."""
 
 import importlib.util
 import json
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "profiling", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)
-    return sys.modules[name]
+from profiling import memory_budget as mb
 
 
 def _has(*packages):
@@ -29,7 +19,6 @@ STRATEGIES = ["fpdt"] + (["alst"] if _has("deepspeed", "transformers") else [])
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    mb = _load("memory_budget")
     out = tmp_path_factory.mktemp("memory_budget")
     argv = ["--skip-table", "--tiny", "--strategies", *STRATEGIES, "--lengths", "512", "1024",
             "--chunk-size", "256", "--out-dir", str(out)]
@@ -58,7 +47,7 @@ def test_fields_are_derived_and_positive(run):
 def test_markdown_and_json_written(run):
     out, argv, result = run
     text = (out / "memory_budget.md").read_text()
-    assert "python profiling/memory_budget.py " + " ".join(argv) in text
+    assert "python -m profiling.memory_budget " + " ".join(argv) in text
     for s in STRATEGIES:
         kb = result["bytes_per_token"]["per_token"][s]["device"] / 1000
         assert f"| {s} | " in text and f"**{kb:.1f}**" in text
@@ -72,7 +61,6 @@ def test_reuse_keeps_rows_not_rerun(run, tmp_path):
     out, _, first = run
     if "alst" not in STRATEGIES:
         pytest.skip("needs deepspeed and transformers for a second strategy")
-    mb = sys.modules["memory_budget"]
     again = mb.main(["--skip-table", "--tiny", "--strategies", "fpdt", "--lengths", "512", "1024", "--chunk-size",
                      "256", "--reuse", str(out / "memory_budget.json"), "--out-dir", str(tmp_path)])
     r = again["bytes_per_token"]

@@ -1,62 +1,49 @@
 """profiling/doc_balance.py: per-rank attention work of packed documents, counted."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
 from fpdt.layout import global_token_index, mesh_token_index
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("doc_balance", os.path.join(ROOT, "profiling", "doc_balance.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from profiling import doc_balance
 
 
 def test_packing_splits_documents_at_the_window_and_restarts_the_continuation():
-    mod = load()
-    windows = mod.pack_windows(iter([5, 9, 3, 20, 2, 100]), 8, 4)
+    windows = doc_balance.pack_windows(iter([5, 9, 3, 20, 2, 100]), 8, 4)
     assert windows == [[5, 3], [6, 2], [1, 7], [8]]
-    assert mod.keys_seen([3, 2]).tolist() == [1, 2, 3, 1, 2]
+    assert doc_balance.keys_seen([3, 2]).tolist() == [1, 2, 3, 1, 2]
 
 
 @pytest.mark.parametrize("docs,ranks,chunks", [([40, 3, 21, 64], 4, 2), ([128], 4, 4), ([1] * 64 + [64], 2, 4)])
 def test_rank_work_is_the_pairs_each_rank_computes(docs, ranks, chunks):
-    mod = load()
     s = sum(docs)
     ids = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
-    lays = mod.layouts(s, ranks, chunks)
-    work = mod.keys_seen(docs)
+    lays = doc_balance.layouts(s, ranks, chunks)
+    work = doc_balance.keys_seen(docs)
 
     def brute(queries):   # keys of the same document at or before each query
         return sum(int(((ids == ids[q]) & (torch.arange(s) <= q)).sum()) for q in queries.tolist())
 
     total = sum(n * (n + 1) // 2 for n in docs)
     for name, layout in lays.items():
-        per_rank = mod.rank_work(work, layout)
+        per_rank = doc_balance.rank_work(work, layout)
         assert sum(per_rank) == pytest.approx(total), name
         if name == "fpdt_ring":
             assert per_rank == [brute(global_token_index(s, ranks, chunks, r)) for r in range(ranks)]
         if name == "zigzag":
             assert per_rank == [brute(mesh_token_index(s, 1, ranks, chunks, c, 0)) for c in range(ranks)]
-    assert mod.imbalance(mod.rank_work(work, lays["ulysses"])) == pytest.approx(1.0)
+    assert doc_balance.imbalance(doc_balance.rank_work(work, lays["ulysses"])) == pytest.approx(1.0)
 
 
 def test_one_document_is_balanced_exactly_by_the_zigzag(tmp_path):
-    mod = load()
     s = 2 ** 10
-    lays = mod.layouts(s, 8, 4)
+    lays = doc_balance.layouts(s, 8, 4)
     dense = torch.arange(1, s + 1)
-    assert mod.imbalance(mod.rank_work(dense, lays["zigzag"])) == 1.0
-    assert mod.imbalance(mod.rank_work(dense, lays["fpdt_ring"])) > 1.0
+    assert doc_balance.imbalance(doc_balance.rank_work(dense, lays["zigzag"])) == 1.0
+    assert doc_balance.imbalance(doc_balance.rank_work(dense, lays["fpdt_ring"])) > 1.0
     out = tmp_path / "b.json"
-    assert mod.main(["--lengths", "4096", "--chunks", "1024", "--windows", "2", "--median", "64", "--max-doc", "1024",
+    assert doc_balance.main(["--lengths", "4096", "--chunks", "1024", "--windows", "2", "--median", "64", "--max-doc", "1024",
                      "--out", str(out)]) == 0
     row = json.loads(out.read_text())["results"][0]
     assert row["num_chunks"] == 4 and row["imbalance"]["ulysses"]["max"] == pytest.approx(1.0)

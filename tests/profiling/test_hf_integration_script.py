@@ -1,26 +1,21 @@
 """CPU smoke run of ``profiling/hf_integration.py``: every strategy measured, the JSON's fields,
 and the ordering its counts must show (exact on the CPU, so deterministic)."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from profiling import hf_integration
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 
 def test_hf_integration_script_runs_tiny(tmp_path):
-    spec = importlib.util.spec_from_file_location("hf_integration", os.path.join(ROOT, "profiling", "hf_integration.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    path = mod.main(["--tiny", "--out-dir", str(tmp_path)])
+    path = hf_integration.main(["--tiny", "--out-dir", str(tmp_path)])
     with open(path) as f:
         res = json.load(f)
     assert res["script"] == "hf_integration.py" and res["software"]["transformers"]
-    assert {t["strategy"] for t in res["trials"]} == set(mod.STRATEGIES)
+    assert {t["strategy"] for t in res["trials"]} == set(hf_integration.STRATEGIES)
     for t in res["trials"]:
         assert t["status"] == "ok" and t["device_peak_bytes"] > 0 and t["step_s"] > 0, t
         assert (t["host_stash_peak_bytes"] > 0) == (t["strategy"] in ("alst", "hf+fpdt offload", "hf+fpdt offload, ckpt offload",
@@ -29,7 +24,7 @@ def test_hf_integration_script_runs_tiny(tmp_path):
     assert per_1k["hf+fpdt offload"] < per_1k["hf+fpdt"] < per_1k["alst"] < per_1k["hf"]
     # with fpdt.model's settings, fpdt.hf holds exactly what fpdt.model does plus Transformers'
     # RoPE tables (cos and sin, head_dim values each per token, fp32 here)
-    rope_tables = 2 * mod.TINY["hidden_size"] // mod.TINY["num_attention_heads"] * 4 * 1024
+    rope_tables = 2 * hf_integration.TINY["hidden_size"] // hf_integration.TINY["num_attention_heads"] * 4 * 1024
     assert per_1k["hf+fpdt offload, ckpt offload"] - per_1k["fpdt.model"] == pytest.approx(rope_tables, rel=1e-6)
     host = {(t["strategy"], t["seq_len"]): t["host_stash_peak_bytes"] for t in res["trials"]}
     for (s, n), b in host.items():   # fpdt's checkpoint puts the layer inputs on the host too

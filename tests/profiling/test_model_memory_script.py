@@ -1,23 +1,12 @@
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("model_memory", os.path.join(ROOT, "profiling", "model_memory.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from profiling import model_memory
 
 
 def test_model_memory_script_runs_tiny(tmp_path):
-    mod = _load()
     out = tmp_path / "r.md"
-    rows = mod.main(["--tiny", "--seq-lens", "64", "--warmup", "0", "--iters", "1", "--out", str(out)])
+    rows = model_memory.main(["--tiny", "--seq-lens", "64", "--warmup", "0", "--iters", "1", "--out", str(out)])
     labels = [label for label, _ in rows]
-    assert labels[0] == "plain (all off)" and "all on" in labels and len(rows) == 1 + 2 * len(mod.FEATURES)
-    for (label, results), (_, features) in zip(rows, mod.feature_sets()):
+    assert labels[0] == "plain (all off)" and "all on" in labels and len(rows) == 1 + 2 * len(model_memory.FEATURES)
+    for (label, results), (_, features) in zip(rows, model_memory.feature_sets()):
         offload = bool({"offload", "checkpoint_offload"} & features)
         for peaks, secs in results.values():   # CPU: the accountant's count, never an empty cell
             assert peaks.source == "accountant" and peaks.allocated > 0 and secs > 0, label
@@ -28,9 +17,8 @@ def test_model_memory_script_runs_tiny(tmp_path):
 
 
 def test_feature_options():
-    mod = _load()
-    plain = mod.options_for(frozenset(), 131072, 32768)
+    plain = model_memory.options_for(frozenset(), 131072, 32768)
     assert plain == {"num_chunks": 1, "offload": False, "mlp_chunks": 0, "loss_chunks": 0, "checkpointing": "off"}
-    full = mod.options_for(frozenset(mod.FEATURES), 131072, 32768)
+    full = model_memory.options_for(frozenset(model_memory.FEATURES), 131072, 32768)
     assert full == {"num_chunks": 4, "offload": True, "mlp_chunks": None, "loss_chunks": None,
                     "checkpointing": "offload"}

@@ -4,13 +4,19 @@ Trials run in-process here (``--in-process``) to keep the suite fast; one test r
 trial in a fresh subprocess, the way the scripts do by default.
 """
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
+
+from profiling import bench_common as bc
+from profiling import chunk_sweep as cs
+from profiling import lm_head_wgrad as lw
+from profiling import max_seqlen as ms
+from profiling import op_latency as ol
+from profiling import plot
+from profiling import strategies as st
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "fwd_bwd_s", "optimizer_s", "counted_step_s",
@@ -19,22 +25,8 @@ TRIAL_FIELDS = {"status", "measured", "strategy", "seq_len", "step_s", "fwd_bwd_
                 "first_step_device_peak_bytes", "device_reserved_peak_bytes", "host_peak_bytes", "host_rss_peak_bytes"}
 
 
-def _load(name):
-    path = os.path.join(ROOT, "profiling", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
-def ms():
-    return _load("max_seqlen")
-
-
-@pytest.fixture(scope="module")
-def lengths_run(ms, tmp_path_factory):
+def lengths_run(tmp_path_factory):
     """Every strategy at 64 and 128 tokens, in one results directory (shared by the plot test)."""
     out_dir = tmp_path_factory.mktemp("results")
     return out_dir, ms.main(["--tiny", "--in-process", "--lengths", "64", "128", "--out-dir", str(out_dir)])
@@ -80,7 +72,7 @@ def test_max_seqlen_every_strategy(lengths_run):
     assert by["fpdt"]["planned_setup"]["kernel_expands_gqa"] is True      # the CPU kernel repeats KV heads
 
 
-def test_named_attention_backend(ms, tmp_path):
+def test_named_attention_backend(tmp_path):
     """--attention-backend reaches the fpdt trials (also in a fresh process) and the planner's
     GQA expansion follows that kernel; a kernel that cannot run here stops before any trial."""
     out = ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--attention-backend", "math",
@@ -89,7 +81,6 @@ def test_named_attention_backend(ms, tmp_path):
     assert t["status"] == "ok" and t["attention_kernel"] == "math" and t["planned_setup"]["kernel_expands_gqa"]
     args = ms.build_parser().parse_args(["--tiny", "--chunk-size", "64", "--dtype", "fp32", "--attention-backend", "math"])
     assert ms.trial_argv(args, "fpdt", 64)[-3:-1] == ["--attention-backend", "math"]
-    plot = _load("plot")
     plot.main([str(tmp_path), "--readme", ""])
     table = (tmp_path / "results.md").read_text()     # a named kernel's trials are rows of their own
     assert "| fpdt [math] | 64 |" in table and "- attention kernel: fpdt [math] `math`" in table
@@ -100,7 +91,6 @@ def test_named_attention_backend(ms, tmp_path):
 
 
 def test_alst_cpu_hook_restores_deepspeed():
-    st = _load("strategies")
     from deepspeed.runtime.activation_checkpointing import offload_activations as oa
     before = dict(vars(oa._ActivationOffloadEngine))
     with st.cpu_offload_hooks(oa._ActivationOffloadEngine):
@@ -108,7 +98,7 @@ def test_alst_cpu_hook_restores_deepspeed():
     assert all(vars(oa._ActivationOffloadEngine)[k] is before[k] for k in before)
 
 
-def test_bisection_and_simulated_capacity(ms, tmp_path):
+def test_bisection_and_simulated_capacity(tmp_path):
     out = ms.main(["--tiny", "--in-process", "--strategies", "hf", "--out-dir", str(tmp_path), "--max-len", "256"])
     entry = out["strategies"]["hf"]
     assert entry["max_seq_len"] == 256 and [t["seq_len"] for t in entry["trials"]] == [64, 128, 256]
@@ -130,7 +120,7 @@ def test_bisection_and_simulated_capacity(ms, tmp_path):
     assert t["status"] == "oom" and t["measured"] and t["device_peak_bytes"] == entry["trials"][0]["device_peak_bytes"]
 
 
-def test_trial_runs_in_a_fresh_process(ms, tmp_path):
+def test_trial_runs_in_a_fresh_process(tmp_path):
     args = ms.build_parser().parse_args(["--tiny", "--chunk-size", "64", "--dtype", "fp32"])
     r = ms.run_one(args, "fpdt", 64, [])
     assert r["status"] == "ok" and TRIAL_FIELDS <= set(r)
@@ -139,7 +129,7 @@ def test_trial_runs_in_a_fresh_process(ms, tmp_path):
     assert r["status"] == "ok" and not r["timed_step"] and r["step_s"] == r["counted_step_s"]
 
 
-def test_slope_is_least_squares(ms):
+def test_slope_is_least_squares():
     trials = [{"status": "ok", "measured": True, "seq_len": s, "device_peak_bytes": 1000 + 3 * s}
               for s in (1024, 2048, 4096)]
     trials.append({"status": "oom", "seq_len": 8192})
@@ -149,7 +139,6 @@ def test_slope_is_least_squares(ms):
 
 def test_chunk_sweep_op_latency_and_plots(lengths_run):
     tmp_path = lengths_run[0]
-    cs, ol, plot = _load("chunk_sweep"), _load("op_latency"), _load("plot")
     sweep = cs.main(["--tiny", "--in-process", "--chunks", "64", "128", "--out-dir", str(tmp_path)])
     assert [r["chunk_size"] for r in sweep["rows"]] == [64, 128]
     for r in sweep["rows"]:
@@ -176,7 +165,7 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     # the automatic kernel's attention rate, and every kernel timed with --backends
     assert cal["attention_backend"] == "cpu" and set(cal["attention_flops_by_kernel"]) == {"cpu", "sdpa"}
     assert cal["attention_flops"] == cal["attention_flops_by_kernel"]["cpu"]
-    ms = _load("max_seqlen")         # the planner's step time from this machine's rates
+    # the planner's step time from this machine's rates
     run = ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--out-dir",
                    str(tmp_path / "calibrated"), "--calibration", str(tmp_path / "calibration.json")])
     t = run["strategies"]["fpdt"]["trials"][0]
@@ -199,7 +188,6 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
 def test_extrapolation_uses_the_growing_peak():
     """The optimizer step's constant peak does not hide the activations' growth: the line is
     fitted to the forward+backward peak with the optimizer state beside it."""
-    plot = _load("plot")
     mib = 2 ** 20
     trials = [{"status": "ok", "measured": True, "seq_len": s, "device_peak_bytes": 100 * mib,
                "fwd_bwd_peak_bytes": 10 * mib + 1024 * s, "optimizer_state_bytes": 20 * mib,
@@ -212,6 +200,7 @@ def test_extrapolation_uses_the_growing_peak():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(960)      # its two runs' own limits (600 s + 300 s): ~3 CPU-minutes, 7 on 2 busy cores
 def test_run_suite_tiny_end_to_end(tmp_path):
     """The one command of the suite, at CPU smoke sizes: every piece runs (each trial in its own
     process, as on a GPU), the JSON of every script and the plots land in --out-dir, and the
@@ -238,7 +227,7 @@ def test_run_suite_tiny_end_to_end(tmp_path):
     assert only.returncode == 0 and "== plot" in only.stdout and "== op_latency" not in only.stdout, only.stdout
 
 
-def test_step_must_be_whole_fpdt_chunks(ms, tmp_path):
+def test_step_must_be_whole_fpdt_chunks(tmp_path):
     with pytest.raises(SystemExit, match="multiple of --chunk-size"):
         ms.main(["--tiny", "--in-process", "--strategies", "fpdt", "--chunk-size", "64", "--step", "96",
                  "--out-dir", str(tmp_path)])
@@ -247,7 +236,6 @@ def test_step_must_be_whole_fpdt_chunks(ms, tmp_path):
 def test_markdown_with_two_capacities(tmp_path):
     """Fixed lengths at one capacity and a bisection at another: one measured-longest column
     per capacity; slopes and the extrapolation come from the fixed-length trials only."""
-    plot = _load("plot")
     mib = 2 ** 20
 
     def trial(n, ok, fb):
@@ -270,7 +258,6 @@ def test_markdown_with_two_capacities(tmp_path):
 def test_markdown_sets_only_calibrated_step_times_beside_measured():
     """The planner's step time from datasheet rates (a run without --calibration) is another
     machine's: the table leaves it out rather than print a meaningless ratio."""
-    plot = _load("plot")
     mib = 2 ** 20
 
     def trial(n, rates):
@@ -287,7 +274,6 @@ def test_markdown_sets_only_calibrated_step_times_beside_measured():
 def test_markdown_compares_allocated_with_allocated():
     """Beside the measured allocated peak the table sets the planner's allocated peak (states +
     activations), not its fits-in-the-GPU figure with the runtime reserve; and the MFU."""
-    plot = _load("plot")
     mib = 2 ** 20
     t = {"status": "ok", "measured": True, "seq_len": 1024, "step_s": 10.0, "device_peak_bytes": 200 * mib,
          "fwd_bwd_peak_bytes": 100 * mib, "host_peak_bytes": 0, "planned_device_peak_bytes": 2800 * mib,
@@ -307,7 +293,7 @@ def test_markdown_compares_allocated_with_allocated():
     (10, 8, 12, 10, [8, 12, 10, 11]),                      # ... and bisected below it when it fails
     (5, 8, 16, 5, [8, 4, 6, 5]),                           # below --min-len
 ])
-def test_bisection_order(ms, monkeypatch, limit, lo, hi, want, tried):
+def test_bisection_order(monkeypatch, limit, lo, hi, want, tried):
     import types
     seen = []
 
@@ -322,10 +308,6 @@ def test_bisection_order(ms, monkeypatch, limit, lo, hi, want, tried):
 def test_lm_head_wgrad_script_fields(tmp_path):
     """Both modes measured on the same inputs; the fp32 run's peaks are equal-sized
     (recompute's [V, hidden] gradient is fp32 too), the bf16 run's recompute peak is lower."""
-    import importlib
-    import sys
-    sys.path.insert(0, os.path.join(ROOT, "profiling"))
-    lw = importlib.import_module("lm_head_wgrad")
     assert lw.main(["--shape", "32", "1000", "64", "--dtype", "bf16", "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "lm_head_wgrad.json").read_text())
     (row,) = data["rows"]
@@ -342,7 +324,6 @@ def test_pieces_stopped_by_their_budget_keep_what_they_measured(tmp_path, monkey
     """op_latency.py and chunk_sweep.py write their files after each chunk size (on the H100 a
     piece killed by its budget part-way had left nothing, and the next piece's --calibration
     pointed at a missing file); max_seqlen.py refuses a missing --calibration before any trial."""
-    ol, cs, ms = _load("op_latency"), _load("chunk_sweep"), _load("max_seqlen")
     real = ol.attention_latency
 
     def dies_at_128(c, *a, **k):
@@ -373,7 +354,7 @@ def test_pieces_stopped_by_their_budget_keep_what_they_measured(tmp_path, monkey
                  "--calibration", str(tmp_path / "missing.json")])
 
 
-def test_planned_peaks_swap_in_the_trials_own_states(ms):
+def test_planned_peaks_swap_in_the_trials_own_states():
     """planned(): the allocated figure is the fits figure less the planner's reserve and
     fragmentation, and both hold the trial's own model states in place of the planner's."""
     from fpdt.plan import GPU_PRESETS, Cluster, evaluate, load_model_config
@@ -394,7 +375,7 @@ def test_planned_peaks_swap_in_the_trials_own_states(ms):
         assert mine[key] == pytest.approx(own[key] - states / 2)
 
 
-def test_a_first_step_whose_steady_state_passes_the_device_is_out_of_memory(ms):
+def test_a_first_step_whose_steady_state_passes_the_device_is_out_of_memory():
     gib = 2 ** 30
     assert ms.over_capacity(10 * gib, 12 * gib, None) is None
     assert ms.over_capacity(10 * gib, None, None) is None                       # CPU without a capacity
@@ -407,7 +388,6 @@ def test_a_first_step_whose_steady_state_passes_the_device_is_out_of_memory(ms):
 def test_planner_rates_follow_the_trials_kernel(tmp_path):
     """A trial on a named kernel is planned with that kernel's calibrated attention rate; when
     the file lacks it, the rates label says whose rate stands in (and plot.py shows no ratio)."""
-    bc = _load("bench_common")
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"gemm_flops": 1e14, "attention_flops": 2e14, "attention_backend": "cuda_cudnn",
                                 "attention_flops_by_kernel": {"cuda_cudnn": 2e14, "cuda_flash": 1e14}}))
@@ -421,7 +401,6 @@ def test_planner_rates_follow_the_trials_kernel(tmp_path):
 def test_results_table_names_the_cuda_stack():
     """A GPU results table says which torch, CUDA and cuDNN it ran on (torch's SDPA choice, and
     so the peers' attention kernel, depends on the runtime cuDNN); a CPU one has none to say."""
-    plot = _load("plot")
     gpu = {"device": "nvidia-h100", "device_type": "cuda", "commit": "abc", "date_utc": "2026-11-24",
            "software": {"torch": "2.11.0+cu130", "cuda": "13.0", "cudnn": 91501}}
     assert "abc, 2026-11-24, torch 2.11.0+cu130, CUDA 13.0, cuDNN 91501)" in plot.markdown({}, [gpu], "r")
@@ -436,7 +415,6 @@ def test_exposed_copy_time_from_a_trace():
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
-    bc = _load("bench_common")
 
     def ev(name, start, end, device=DeviceType.CUDA):
         return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
