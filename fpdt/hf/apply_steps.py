@@ -55,12 +55,10 @@ def _chunked_mlp_forward(num_chunks: int):
     return forward
 
 
-
 def _lean_norm_forward(num_chunks: int):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, num_chunks)
     return forward
-
 
 
 def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
@@ -73,7 +71,6 @@ def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
                           f"{type(norm).__module__}.{type(norm).__name__}, which may compute something else: "
                           f"apply_fpdt(..., lean_norms=False)")
     return [m for m in model.modules() if type(m) in known]
-
 
 
 def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
@@ -110,7 +107,6 @@ def _residual_branches(layer: nn.Module, kwargs: dict):
     def mlp(h):
         return layer.mlp(layer.post_attention_layernorm(h))
     return attention, mlp
-
 
 
 class TransformersAdapter(DecoderAdapter):

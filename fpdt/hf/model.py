@@ -118,7 +118,6 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 
 
-
 def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool,
                            qkv_chunked: bool, patches: Patches) -> None:
     try:
@@ -146,7 +145,6 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
             register(layer.mlp, ("gate_proj", "up_proj", "down_proj"))
     if loss_chunked:
         external(model, model.lm_head.weight)
-
 
 
 def remove_fpdt(model: nn.Module) -> nn.Module:
