@@ -50,96 +50,37 @@ every SP rank; parameter gradients **summed** over the SP group are those of the
 mean. DeepSpeed averages over all ranks, so back-propagate ``loss * sp``. Not so with
 ``group="trainer"`` (:mod:`fpdt.hf.trainer`): there the backward already sums the Trainer's
 per-rank loss weights over the group.
+
+How: the steps of :mod:`fpdt.model.apply` (the ones :class:`fpdt.model.FPDTForCausalLM` runs), in
+their order, through :class:`fpdt.hf.apply_steps.TransformersAdapter`, which binds the forwards
+(:mod:`fpdt.hf.forward` for the model's) through :class:`fpdt.hf.patches.Patches`; then the ZeRO-3
+registration. :func:`remove_fpdt` undoes every one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from fpdt.comm import SequenceMesh
-from fpdt.comm.ulysses import group_rank, group_size
-from fpdt.hf.attention import (FPDTHFError, check_chunked_qkv, chunked_qkv_attention_forward,
-                               plain_linears, register_settings)
-from fpdt.hf.adapters import lean_lora, read_parameters, read_projections
-from fpdt.hf.documents import pop_explicit_documents, window_doc_ids
-from fpdt.hf.groups import TrainerGroup, resolve_group
+from fpdt.hf.adapters import lean_lora, read_parameters
+from fpdt.hf.apply_steps import TransformersAdapter
+from fpdt.hf.attention import FPDTHFError, check_chunked_qkv
+from fpdt.hf.groups import TrainerGroup
+from fpdt.hf.padding import check_right_padding
 from fpdt.hf.patches import Patches
-from fpdt.hf.padding import check_right_padding, whole_window_mask
-from fpdt.hf.trainer import TRAINER_ATTN_NAME, contiguous_to_fpdt_layout
-from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
-from fpdt.model.checkpointing import checkpointed, checkpointed_residual
+from fpdt.hf.settings import HFSettings
+from fpdt.layout.documents import DocumentError
+from fpdt.model.apply import apply_all, loss_chunks_for, mlp_chunks_for
 from fpdt.model.config import uses_sliding_window
-from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
-from fpdt.model.loss import (IGNORE_INDEX, default_loss_chunks, sequence_parallel_lm_loss,
-                             sum_gradient_over_group, sum_over_group, valid_token_scale)
-from fpdt.model.mlp import default_mlp_chunks, swiglu_of_linears
-from fpdt.model.rmsnorm import rms_norm
 from fpdt.options import FPDTOptions, OptionsError
 
+__all__ = ["HFSettings", "apply_fpdt", "prepare_inputs", "remove_fpdt"]
+
 SWIGLU_ACTIVATIONS = ("silu", "swish")
-RECOMPUTED_ROPE_TYPES = ("dynamic", "longrope")
-"""RoPE types whose frequencies depend on the largest position of the forward (Transformers'
-``dynamic_rope_update``): under SP each rank must see the window's (:func:`_global_rope_forward`)."""
-
-
-def _lean_rmsnorm_classes() -> tuple[type, ...]:
-    """Transformers RMSNorm classes whose forward is exactly :func:`fpdt.model.rmsnorm.rms_norm`'s
-    (fp32 normalisation, cast to the input dtype, then the weight multiply); matched by class."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-
-    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm
-
-
-@dataclass(frozen=True)
-class HFSettings:
-    """What :func:`apply_fpdt` set on a model (``model.fpdt``): the options and what it resolved."""
-
-    attn_implementation: str
-    """The name fpdt's attention is registered under (the model's own, except under the Trainer)."""
-    options: FPDTOptions
-    """The FPDT options (``group`` may be a :class:`fpdt.hf.groups.TrainerGroup`)."""
-    mlp_chunks: int
-    """The MLP's token chunks (``options.mlp_chunks``, or its default for this model)."""
-    loss_chunks: int
-    """The loss's token chunks (``options.loss_chunks``, or its default for this model)."""
-    chunked_qkv: bool = True
-    lean_norms: bool = True
-
-    def __deepcopy__(self, memo) -> "HFSettings":
-        return self     # immutable, and a copied model stays in the same process group
-
-    def rank_size(self) -> tuple[int, int]:
-        """``(rank, size)`` in the sequence-parallel group."""
-        return _rank_size(self.options.group, self.options.mesh)
-
-    @property
-    def sp_group(self) -> dist.ProcessGroup | None:
-        mesh = self.options.mesh
-        return mesh.sp_group if mesh is not None else resolve_group(self.options.group)
-
-    @property
-    def under_trainer(self) -> bool:
-        """Set up for the Hugging Face Trainer's sequence parallelism (:mod:`fpdt.hf.trainer`)."""
-        return isinstance(self.options.group, TrainerGroup)
-
-
-def _rank_size(group: dist.ProcessGroup | TrainerGroup | None, mesh: SequenceMesh | None) -> tuple[int, int]:
-    if mesh is not None:
-        return mesh.sp_rank, mesh.sp
-    group = resolve_group(group)
-    return group_rank(group), group_size(group)
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -177,237 +118,6 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 
 
-def _global_rope_forward(settings: "HFSettings"):
-    """A forward for the model's rotary embedding whose position-dependent RoPE (``dynamic``,
-    ``longrope``: frequencies picked from the largest position a forward sees) sees the
-    largest position of the whole window, as one process holding it would: each SP rank
-    holds other positions. One all-reduce of one integer per model forward (RoPE's tables are
-    computed once per forward); the window's largest position rides along as one extra
-    position, so Transformers' own update picks the frequencies (whatever its version)."""
-    def forward(self, x, position_ids, *args, **kwargs):
-        _, sp = settings.rank_size()
-        if sp == 1:
-            return type(self).forward(self, x, position_ids, *args, **kwargs)
-        top = position_ids.max().reshape(1, 1).to(torch.int64)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=settings.sp_group)
-        top = top.to(position_ids.dtype).expand(*position_ids.shape[:-1], 1)
-        cos, sin = type(self).forward(self, x, torch.cat([position_ids, top], dim=-1), *args, **kwargs)
-        return cos[..., :-1, :], sin[..., :-1, :]
-    return forward
-
-
-def _chunked_mlp_forward(num_chunks: int):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        proj = read_projections({n: getattr(self, n) for n in ("gate_proj", "up_proj", "down_proj")},
-                                type(self).__name__, "apply_fpdt(..., mlp_chunks=0)")
-        return swiglu_of_linears(x, *proj.bases, num_chunks, adapters=proj.adapters)
-    return forward
-
-
-def _lean_norm_forward(num_chunks: int):
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, num_chunks)
-    return forward
-
-
-def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
-    """The model's RMSNorms, refused (naming the fix) unless their class is a known one."""
-    known = _lean_rmsnorm_classes()
-    norm = getattr(layers[0], "input_layernorm", None)
-    if type(norm) not in known:
-        names = ", ".join(c.__name__ for c in known)
-        raise FPDTHFError(f"lean_norms replaces Transformers' {names}; this model's layer norm is "
-                          f"{type(norm).__module__}.{type(norm).__name__}, which may compute something else: "
-                          f"apply_fpdt(..., lean_norms=False)")
-    return [m for m in model.modules() if type(m) in known]
-
-
-def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
-    """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
-    ``_fpdt_checkpoint`` holds ``(index, mode, the model's LayerCheckpoints)`` (copied with the model)."""
-    i, mode, checkpoints = self._fpdt_checkpoint
-    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
-        raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=mode))
-    if i == 0:
-        checkpoints.start()                       # stash keys unique per forward call
-    keys = checkpoints.arguments(i, hidden_states.device)
-    if keys["saved"] is not None:                 # the layer's attention call records / replays its output
-        kwargs = dict(kwargs, fpdt_saved=keys["saved"])
-    if not args and type(self).__name__ in _PRE_NORM_LAYERS:
-        return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
-    run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
-    # the decoder layer ends with a residual add, which saves nothing: its output may be freed
-    return checkpointed(lambda x: run(self, x, *args, **kwargs), hidden_states, list(self.parameters()),
-                        free_output=True, **keys)
-
-
-_PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
-"""Transformers decoder layers whose forward is exactly ``h = x + self_attn(input_layernorm(x), **kwargs)[0]``,
-then ``h + mlp(post_attention_layernorm(h))`` (one shared source in Transformers 5; the parity tests
-against Transformers hold fpdt's split of it to that)."""
-
-
-def _residual_branches(layer: nn.Module, kwargs: dict):
-    """``layer``'s two residual branches (:func:`fpdt.model.checkpointing.checkpointed_residual`),
-    called with the keyword arguments the model passed to the layer, as its forward calls them."""
-    def attention(x):
-        return layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)[0]
-
-    def mlp(h):
-        return layer.mlp(layer.post_attention_layernorm(h))
-    return attention, mlp
-
-
-_BOTH_CHECKPOINTS = ("apply_fpdt(checkpointing={mode!r}) checkpoints the decoder layers itself: call "
-                     "model.activation_checkpointing_disable() (gradient_checkpointing_disable(), its older "
-                     "name), or apply_fpdt with checkpointing='off' to keep Transformers' checkpointing")
-
-
-def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, shift_labels=None,
-                       num_items_in_batch=None, **kwargs):
-    """The causal LM's forward after :func:`apply_fpdt` (bound to the model)."""
-    settings: HFSettings = self.fpdt
-    original = type(self).forward               # Transformers' forward, called with this (maybe copied) model
-    rank, sp = settings.rank_size()
-    trainer = settings.under_trainer
-    if trainer:
-        if labels is not None and labels is shift_labels:   # the Trainer's SP loss passes shift_labels as labels
-            labels = None
-            if sp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
-                raise FPDTHFError("these inputs are DeepSpeed's sequence-parallel slices (the Trainer's SP loss), "
-                                  "but no DeepSpeed sequence-parallel group exists: train through the Trainer "
-                                  "with parallelism_config=fpdt.hf.trainer_parallelism_config(sp_size)")
-        if sp > 1 and not self.training:
-            raise FPDTHFError(f"evaluation under the Trainer's sequence parallelism (sp={sp}): the Trainer gives "
-                              f"every rank whole windows of its own, which fpdt cannot split; evaluate with "
-                              f"TrainingArguments(eval_strategy='no') or a model without apply_fpdt")
-    mode = settings.options.checkpointing
-    if mode != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
-        raise FPDTHFError(_BOTH_CHECKPOINTS.format(mode=mode))
-    ref = input_ids if input_ids is not None else inputs_embeds
-    if ref is not None and torch.is_autocast_enabled(ref.device.type):
-        raise FPDTHFError("apply_fpdt's chunked functions do not run under torch.autocast: cast the model to the "
-                          "training dtype instead (model.to(torch.bfloat16), or DeepSpeed's bf16 mode) and call it "
-                          "outside autocast")
-    if use_cache or past_key_values is not None:
-        raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
-                          "past_key_values (generate with a model that has not been through apply_fpdt)")
-    if labels is not None:
-        if shift_labels is not None:
-            raise FPDTHFError("pass labels= or shift_labels=, not both")
-        if sp > 1 and trainer:
-            raise FPDTHFError(f"labels= without shift_labels= under the Trainer's sequence parallelism (sp={sp}): "
-                              f"DeepSpeed's data adapter gives shift_labels; whole windows with labels (the "
-                              f"Trainer's evaluation) cannot be split by fpdt: use TrainingArguments("
-                              f"eval_strategy='no') or a model without apply_fpdt")
-        if sp > 1:
-            raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
-                              f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
-        shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
-    explicit_docs, cu_seqlens = pop_explicit_documents(kwargs)     # packed documents: fpdt.hf.documents
-    doc_ids = None
-    if sp == 1:
-        refusal = None
-        try:
-            if ref is not None:
-                doc_ids = window_doc_ids(ref.shape[:2], ref.device, position_ids=position_ids, doc_ids=explicit_docs,
-                                         cu_seqlens=cu_seqlens)
-        except FPDTHFError as e:
-            refusal = e
-        attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and self.training, refusal)
-    if position_ids is None and sp > 1:
-        raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
-                          f"are not contiguous; use fpdt.hf.prepare_inputs")
-    if trainer and sp > 1:                      # DeepSpeed's data adapter slices the window contiguously
-        if input_ids is None:
-            raise FPDTHFError("under the Trainer's sequence parallelism pass input_ids, not inputs_embeds (the "
-                              "tokens are moved into fpdt's chunk layout by id)")
-        if explicit_docs is not None or cu_seqlens is not None:
-            raise FPDTHFError("under the Trainer's sequence parallelism packed documents are marked by position_ids "
-                              "that restart at 0 (DataCollatorWithFlattening's default), not by doc_ids or "
-                              "cu_seq_lens_q/k, which DeepSpeed's data adapter cannot slice")
-        input_ids, position_ids, shift_labels, doc_ids = contiguous_to_fpdt_layout(   # every rank of the job agrees
-            input_ids, position_ids, shift_labels, attention_mask, group=settings.sp_group, job_group=None, sp=sp,
-            rank=rank, num_chunks=settings.options.num_chunks)
-        attention_mask = None                    # all ones over the window, or refused above
-    elif sp > 1:
-        if cu_seqlens is not None:
-            raise FPDTHFError(f"cu_seq_lens_q/k with sequence parallelism (sp={sp}): pass the window's cu_seqlens "
-                              f"to fpdt.hf.prepare_inputs, whose doc_ids the model then takes")
-        B, S_local = ref.shape[:2]
-        try:
-            doc_ids = window_doc_ids((B, S_local * sp), ref.device, doc_ids=explicit_docs) \
-                if explicit_docs is not None else \
-                sequence_parallel_doc_ids(position_ids, settings.options.num_chunks,
-                                          group=resolve_group(settings.options.group),
-                                          mesh=settings.options.mesh)        # one all-gather of the positions
-        except DocumentError as e:
-            raise FPDTHFError(str(e)) from e
-    if doc_ids is not None:
-        kwargs["doc_ids"] = doc_ids              # [B, S] global: to every attention call (recompute included)
-    return_dict = kwargs.pop("return_dict", None)
-    if return_dict is None:
-        return_dict = getattr(self.config, "return_dict", True)
-    with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext():
-        out = _decoder_and_loss(self, original, settings, sp, input_ids=input_ids, attention_mask=attention_mask,
-                                position_ids=position_ids, inputs_embeds=inputs_embeds, shift_labels=shift_labels,
-                                logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
-    if trainer and out.loss is not None:
-        out.loss = sum_gradient_over_group(out.loss, group=settings.sp_group, sp=sp)
-    return out if return_dict else out.to_tuple()
-
-
-@contextlib.contextmanager
-def _attention_implementation(config, name: str):
-    """The model runs fpdt's attention and mask functions (``name``) while keeping the implementation
-    name the Trainer's sequence-parallel setup checked (``sdpa``, ...) outside its forward."""
-    kept = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = kept
-
-
-def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_ids, attention_mask, position_ids,
-                      inputs_embeds, shift_labels, logits_to_keep, num_items_in_batch, kwargs):
-    """The decoder and the loss (chunked, or from full logits) of :func:`_causal_lm_forward`."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    if shift_labels is None or settings.loss_chunks == 0:
-        out = original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
-                       return_dict=True, **kwargs)
-        if shift_labels is not None:   # full logits (loss_chunks=0), the same reduction as the chunked loss
-            loss = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
-            out = CausalLMOutputWithPast(loss=loss, logits=out.logits, hidden_states=out.hidden_states,
-                                         attentions=out.attentions)
-    else:
-        if not plain_linears(self.lm_head):
-            raise FPDTHFError(f"the chunked loss reads lm_head.weight directly, and lm_head is "
-                              f"{type(self.lm_head).__module__}.{type(self.lm_head).__name__} (an adapter or "
-                              f"quantised layer), whose extra "
-                              f"computation it would skip: apply_fpdt(..., loss_chunks=0)")
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
-        loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
-                                         group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
-                                         wgrad=settings.options.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
-        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                     attentions=outputs.attentions)
-    return out
-
-
-def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_items_in_batch):
-    """What :func:`sequence_parallel_lm_loss` gives, from materialised logits (``loss_chunks=0``)."""
-    group = settings.sp_group
-    scale = valid_token_scale(shift_labels, group=group, sp=sp, num_valid_tokens=num_items_in_batch)
-    local = F.cross_entropy(logits.float().flatten(0, -2), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
-                            reduction="sum") * scale.to(logits.device)
-    return sum_over_group(local, group=group, sp=sp)
-
-
 def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool,
                            qkv_chunked: bool, patches: Patches) -> None:
     try:
@@ -435,60 +145,6 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
             register(layer.mlp, ("gate_proj", "up_proj", "down_proj"))
     if loss_chunked:
         external(model, model.lm_head.weight)
-
-
-def _apply_attention(model: nn.Module, layers: list[nn.Module], options: FPDTOptions, trainer: bool,
-                     chunked_qkv: bool, patches: Patches) -> str:
-    """Register fpdt attention under a new name and make it the model's; with ``chunked_qkv``, each
-    attention module runs its projections inside it. Returns the registered name."""
-    name = register_settings(options)
-    if trainer:
-        # The name the Trainer's SP setup checks; the chunked attention modules never call the function
-        # behind it, and the forward switches to `name` (fpdt's mask function) while it runs.
-        model.set_attn_implementation(TRAINER_ATTN_NAME)
-    else:
-        model.set_attn_implementation(name)
-    if not trainer and model.config._attn_implementation != name:
-        raise FPDTHFError(f"{type(model).__name__} did not take attention implementation {name!r}; it does not "
-                          f"use Transformers' AttentionInterface")
-    if chunked_qkv:
-        forward = chunked_qkv_attention_forward(options, name)
-        for layer in layers:
-            patches.bind(layer.self_attn, "forward", forward)
-    return name
-
-
-def _apply_lean_norms(norms: list[nn.Module], num_chunks: int, patches: Patches) -> None:
-    norm_forward = _lean_norm_forward(2 * num_chunks)   # fp32 temporaries within the chunk budget
-    for norm in norms:
-        patches.bind(norm, "forward", norm_forward)
-
-
-def _apply_chunked_mlp(layers: list[nn.Module], mlp_chunks: int, patches: Patches) -> None:
-    if mlp_chunks:
-        mlp_forward = _chunked_mlp_forward(mlp_chunks)
-        for layer in layers:
-            patches.bind(layer.mlp, "forward", mlp_forward)
-
-
-def _apply_checkpointing(layers: list[nn.Module], options: FPDTOptions, patches: Patches) -> None:
-    if options.checkpointing == "off":
-        return
-    checkpoints = LayerCheckpoints(options, len(layers))   # the loop fpdt.model's decoder runs too
-    for i, layer in enumerate(layers):
-        patches.set(layer, "_fpdt_checkpoint", (i, options.checkpointing, checkpoints))
-        patches.bind(layer, "forward", _checkpointed_layer_forward)
-
-
-def _apply_forward(model: nn.Module, settings: HFSettings, patches: Patches) -> None:
-    """The causal LM's forward (sequence-parallel inputs, the chunked loss) and, for RoPE types
-    that depend on the largest position, a rotary embedding that sees the whole window's."""
-    patches.bind(model, "forward", _causal_lm_forward)
-    patches.set(model, "fpdt", settings)
-    rotary = getattr(model.model, "rotary_emb", None)
-    rope_types = getattr(rotary, "rope_type", "default")          # per layer type in some models
-    if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
-        patches.bind(rotary, "forward", _global_rope_forward(settings))
 
 
 def remove_fpdt(model: nn.Module) -> nn.Module:
@@ -597,12 +253,7 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
     except OptionsError as e:
         raise FPDTHFError(str(e)) from None
     layers = _decoder_layers(model)
-    cfg = model.config
-    num_chunks = options.num_chunks
-    mlp_chunks = default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size, num_chunks) \
-        if options.mlp_chunks is None else options.mlp_chunks
-    loss_chunks = default_loss_chunks(cfg.vocab_size, cfg.hidden_size, num_chunks) \
-        if options.loss_chunks is None else options.loss_chunks
+    mlp_chunks, loss_chunks = mlp_chunks_for(options, model.config), loss_chunks_for(options, model.config)
     if options.checkpoint_device_layers:
         raise FPDTHFError(f"checkpoint_device_layers={options.checkpoint_device_layers}: fpdt.hf keeps every "
                           f"checkpointed layer input in one tier; use checkpointing='on' (device) or 'offload' "
@@ -615,20 +266,14 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
     if chunked_qkv:
         for layer in layers:
             check_chunked_qkv(layer.self_attn)
-    norms = _lean_norms(model, layers) if lean_norms else []
-    # The steps, in this order: attention (the registered name and, with chunked_qkv, each attention
-    # module's forward), lean norms, chunked MLP, layer checkpointing, the model's forward with the
-    # chunked loss (and the global-position RoPE). Every module change goes through `patches`, so
-    # that remove_fpdt can undo it.
+    # The steps of fpdt.model.apply, in their order (attention, lean norms, chunked MLP, layer
+    # checkpointing, the chunked loss with the model's forward), as fpdt.model runs them; every module
+    # change goes through `patches` (fpdt.hf.apply_steps), so that remove_fpdt can undo it.
     patches = Patches()
     original_attention = model.config._attn_implementation
-    name = _apply_attention(model, layers, options, trainer, chunked_qkv, patches)
-    _apply_lean_norms(norms, num_chunks, patches)
-    _apply_chunked_mlp(layers, mlp_chunks, patches)
-    _apply_checkpointing(layers, options, patches)
-    settings = HFSettings(attn_implementation=name, options=options, mlp_chunks=mlp_chunks,
-                          loss_chunks=loss_chunks, chunked_qkv=bool(chunked_qkv), lean_norms=bool(lean_norms))
-    _apply_forward(model, settings, patches)
+    adapter = TransformersAdapter(model, layers, patches, trainer=trainer, chunked_qkv=chunked_qkv,
+                                  lean_norms=lean_norms)     # refuses unknown norm classes, before any change
+    apply_all(adapter, options)
     patches.set(model, "_fpdt_undo", (patches, original_attention))
     _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv), patches)
     return outer

@@ -30,12 +30,13 @@ from torch import nn
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
+from fpdt.model.apply import ATTENTION_FIELDS, DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
 from fpdt.model.checkpointing import checkpointed_residual
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs
-from fpdt.model.loss import default_loss_chunks, sequence_parallel_lm_loss
-from fpdt.model.mlp import ChunkedSwiGLU, default_mlp_chunks
+from fpdt.model.loss import sequence_parallel_lm_loss
+from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
 from fpdt.model.weights import save_pretrained
@@ -49,7 +50,7 @@ class RMSNorm(nn.Module):
 
     Runs :class:`fpdt.model.rmsnorm.RMSNormFunction`: saves the input and an fp32 ``rstd``
     per token only, with fp32 temporaries for one of ``num_chunks`` token chunks at a time
-    (set by the model: ``2 * u``, see :mod:`fpdt.model.chunks`)."""
+    (set by the model: ``2 * u``, :func:`fpdt.model.apply.apply_lean_norms`)."""
 
     def __init__(self, hidden_size: int, eps: float, num_chunks: int = 1):
         super().__init__()
@@ -62,15 +63,14 @@ class RMSNorm(nn.Module):
 
 
 class FPDTDecoderLayer(nn.Module):
-    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``. Built without the
+    parallelism and chunking options, which :func:`fpdt.model.apply.apply_all` sets."""
 
-    def __init__(self, cfg: ModelConfig, opts: FPDTOptions):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                       qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, num_chunks=opts.num_chunks,
-                                       offload=opts.offload, group=opts.group, mesh=opts.mesh,
-                                       backend=opts.backend, runtime=opts.runtime)
+                                       qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
@@ -97,12 +97,12 @@ class FPDTDecoderLayer(nn.Module):
 class FPDTModel(nn.Module):
     """Embedding, decoder layers and final norm (HF ``LlamaModel``'s names)."""
 
-    def __init__(self, cfg: ModelConfig, opts: FPDTOptions):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
         # padding_idx as in Transformers: the pad row gets no gradient.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
-        self.layers = nn.ModuleList(FPDTDecoderLayer(cfg, opts) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(FPDTDecoderLayer(cfg) for _ in range(cfg.num_layers))
         for i, layer in enumerate(self.layers):
             layer.self_attn.stash_label = f"layer {i}"
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -141,7 +141,7 @@ class FPDTForCausalLM(nn.Module):
         self.config = config
         self.options = (options or FPDTOptions()).validate()
         self.options.check_layers(config.num_layers)
-        self.model = FPDTModel(config, self.options)
+        self.model = FPDTModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -150,39 +150,21 @@ class FPDTForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ options
     def configure(self, **changes) -> "FPDTForCausalLM":
-        """Change options (any :class:`FPDTOptions` field) and push them into the layers."""
+        """Change options (any :class:`FPDTOptions` field) and put them into the layers: the
+        apply steps of :mod:`fpdt.model.apply`, in their order, through :class:`FPDTAdapter`."""
         opts = self.options.updated(**changes)
         opts.check_layers(self.config.num_layers)
         self.options = opts
-        self._checkpoints = LayerCheckpoints(opts, self.config.num_layers)
-        for layer in self.model.layers:
-            layer.self_attn.num_chunks = opts.num_chunks
-            layer.self_attn.offload = opts.offload
-            # without a layer checkpoint every layer would keep o_proj's input to backward
-            layer.self_attn.o_proj_input_from_stash = opts.checkpointing == "off"
-            layer.self_attn.group = opts.group
-            layer.self_attn.mesh = opts.mesh
-            layer.self_attn.backend = opts.backend
-            layer.self_attn.runtime = opts.runtime
-            layer.mlp.num_chunks = self.mlp_chunks
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.num_chunks = 2 * opts.num_chunks   # fp32 temporaries within the chunk budget
+        apply_all(FPDTAdapter(self), opts)
         return self
 
     @property
     def mlp_chunks(self) -> int:
-        o = self.options
-        if o.mlp_chunks is not None:
-            return o.mlp_chunks
-        return default_mlp_chunks(self.config.hidden_size, self.config.intermediate_size, o.num_chunks)
+        return mlp_chunks_for(self.options, self.config)
 
     @property
     def loss_chunks(self) -> int:
-        o = self.options
-        if o.loss_chunks is not None:
-            return o.loss_chunks
-        return default_loss_chunks(self.config.vocab_size, self.config.hidden_size, o.num_chunks)
+        return loss_chunks_for(self.options, self.config)
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
@@ -339,3 +321,34 @@ class FPDTForCausalLM(nn.Module):
                 + (f", checkpoint_device_layers={o.checkpoint_device_layers}" if o.checkpoint_device_layers else "")
                 + (f", attention_checkpoint='save', saving_layers={self.saving_layers}"
                    if o.attention_checkpoint == "save" else ""))
+
+
+class FPDTAdapter(DecoderAdapter):
+    """:class:`FPDTForCausalLM` for the apply steps (:mod:`fpdt.model.apply`): its modules take the
+    options as attributes, set again on every :meth:`FPDTForCausalLM.configure`."""
+
+    def __init__(self, model: FPDTForCausalLM):
+        self.model = model
+        self.config = model.config
+        self.layers = list(model.model.layers)
+
+    def norms(self) -> list[nn.Module]:
+        return [m for m in self.model.modules() if isinstance(m, RMSNorm)]
+
+    def set_attention(self, attention: nn.Module, options: FPDTOptions) -> None:
+        for name in ATTENTION_FIELDS:
+            setattr(attention, name, getattr(options, name))
+        # without a layer checkpoint every layer would keep o_proj's input to backward
+        attention.o_proj_input_from_stash = options.checkpointing == "off"
+
+    def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
+        norm.num_chunks = num_chunks
+
+    def set_mlp_chunks(self, mlp: nn.Module, num_chunks: int) -> None:
+        mlp.num_chunks = num_chunks
+
+    def set_layer_checkpoints(self, checkpoints: LayerCheckpoints) -> None:
+        self.model._checkpoints = checkpoints      # the decoder loop of FPDTForCausalLM._decoder
+
+    def set_loss_chunks(self, num_chunks: int) -> None:
+        pass        # the forward reads FPDTForCausalLM.loss_chunks, the same count (loss_chunks_for)

@@ -80,8 +80,7 @@ from dataclasses import dataclass
 from fpdt.attention.ring_costs import AttentionCosts, attention_costs, ulysses_working_set_U
 from fpdt.comm.heads import kv_replication_factor
 from fpdt.model.config import ModelConfig
-from fpdt.model.loss import default_loss_chunks
-from fpdt.model.mlp import default_mlp_chunks
+from fpdt.model.apply import loss_chunks_for, mlp_chunks_for
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
@@ -130,15 +129,13 @@ class MemoryEstimate:
 
 
 def loss_chunks(cfg: ModelConfig, s: Setup) -> int:
-    """The model's own default (:func:`fpdt.model.loss.default_loss_chunks`) unless set."""
-    n = s.options.loss_chunks
-    return n if n is not None else default_loss_chunks(cfg.vocab_size, cfg.hidden_size, s.num_chunks)
+    """The model's own count (:func:`fpdt.model.apply.loss_chunks_for`: its default unless set)."""
+    return loss_chunks_for(s.options, cfg)
 
 
 def mlp_chunks(cfg: ModelConfig, s: Setup) -> int:
-    """The model's own default (:func:`fpdt.model.mlp.default_mlp_chunks`) unless set."""
-    n = s.options.mlp_chunks
-    return n if n is not None else default_mlp_chunks(cfg.hidden_size, cfg.intermediate_size, s.num_chunks)
+    """The model's own count (:func:`fpdt.model.apply.mlp_chunks_for`: its default unless set)."""
+    return mlp_chunks_for(s.options, cfg)
 
 
 def kv_dim(cfg: ModelConfig, s: Setup) -> int:

@@ -20,7 +20,7 @@ import transformers
 
 import fpdt.hf
 import fpdt.hf.attention
-import fpdt.hf.model
+import fpdt.hf.apply_steps
 import fpdt.model.mlp
 from fpdt.comm import SequenceMesh
 from tests.distributed import run_distributed
@@ -97,7 +97,7 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
     with count_calls(fpdt.hf.attention, "fpdt_attention") as interface_calls, \
             count_calls(fpdt.hf.attention, "projected_fpdt_attention") as projected_calls, \
             count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls, \
-            count_calls(fpdt.hf.model, "rms_norm") as norm_calls:
+            count_calls(fpdt.hf.apply_steps, "rms_norm") as norm_calls:
         out = model(**inputs)
         assert out.logits is None if loss_chunks != 0 else out.logits.shape[:2] == (B, S // world)
         stash = checkpoint_stash(model) if checkpointing == "offload" else None

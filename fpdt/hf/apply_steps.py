@@ -1,0 +1,183 @@
+"""The apply steps of :mod:`fpdt.model.apply` on a Transformers causal LM.
+
+:class:`TransformersAdapter` makes each step's change by binding a forward to the model's
+modules through :class:`fpdt.hf.patches.Patches` (so :func:`fpdt.hf.remove_fpdt` undoes it):
+
+* attention: fpdt's attention registered under a new name and made the model's; with
+  ``chunked_qkv`` each attention module's forward runs its projections inside it
+  (:func:`fpdt.hf.attention.chunked_qkv_attention_forward`);
+* lean norms: the RMSNorms (Llama, Mistral, Qwen2, Qwen3 classes) run
+  :func:`fpdt.model.rmsnorm.rms_norm`;
+* chunked MLP: each SwiGLU MLP runs :func:`fpdt.model.mlp.swiglu_of_linears` (PEFT LoRA layers
+  read by :mod:`fpdt.hf.adapters`);
+* layer checkpointing: each decoder layer's forward under the model's one
+  :class:`fpdt.model.layer_checkpoints.LayerCheckpoints`;
+* chunked loss: the causal LM's forward (:func:`fpdt.hf.forward.causal_lm_forward`) with the
+  model's :class:`fpdt.hf.settings.HFSettings`, and for position-dependent RoPE the rotary
+  embedding's (:func:`fpdt.hf.forward.global_rope_forward`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fpdt.hf.adapters import read_projections
+from fpdt.hf.attention import FPDTHFError, chunked_qkv_attention_forward, register_settings
+from fpdt.hf.forward import BOTH_CHECKPOINTS, RECOMPUTED_ROPE_TYPES, causal_lm_forward, global_rope_forward
+from fpdt.hf.patches import Patches
+from fpdt.hf.settings import HFSettings
+from fpdt.hf.trainer import TRAINER_ATTN_NAME
+from fpdt.model.apply import DecoderAdapter
+from fpdt.model.checkpointing import checkpointed, checkpointed_residual
+from fpdt.model.layer_checkpoints import LayerCheckpoints
+from fpdt.model.mlp import swiglu_of_linears
+from fpdt.model.rmsnorm import rms_norm
+from fpdt.options import FPDTOptions
+
+
+def _lean_rmsnorm_classes() -> tuple[type, ...]:
+    """Transformers RMSNorm classes whose forward is exactly :func:`fpdt.model.rmsnorm.rms_norm`'s
+    (fp32 normalisation, cast to the input dtype, then the weight multiply); matched by class."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm
+
+
+def _chunked_mlp_forward(num_chunks: int):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        proj = read_projections({n: getattr(self, n) for n in ("gate_proj", "up_proj", "down_proj")},
+                                type(self).__name__, "apply_fpdt(..., mlp_chunks=0)")
+        return swiglu_of_linears(x, *proj.bases, num_chunks, adapters=proj.adapters)
+    return forward
+
+
+def _lean_norm_forward(num_chunks: int):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, num_chunks)
+    return forward
+
+
+def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The model's RMSNorms, refused (naming the fix) unless their class is a known one."""
+    known = _lean_rmsnorm_classes()
+    norm = getattr(layers[0], "input_layernorm", None)
+    if type(norm) not in known:
+        names = ", ".join(c.__name__ for c in known)
+        raise FPDTHFError(f"lean_norms replaces Transformers' {names}; this model's layer norm is "
+                          f"{type(norm).__module__}.{type(norm).__name__}, which may compute something else: "
+                          f"apply_fpdt(..., lean_norms=False)")
+    return [m for m in model.modules() if type(m) in known]
+
+
+def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
+    """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
+    ``_fpdt_checkpoint`` holds ``(index, mode, the model's LayerCheckpoints)`` (copied with the model)."""
+    i, mode, checkpoints = self._fpdt_checkpoint
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+        raise FPDTHFError(BOTH_CHECKPOINTS.format(mode=mode))
+    if i == 0:
+        checkpoints.start()                       # stash keys unique per forward call
+    keys = checkpoints.arguments(i, hidden_states.device)
+    if keys["saved"] is not None:                 # the layer's attention call records / replays its output
+        kwargs = dict(kwargs, fpdt_saved=keys["saved"])
+    if not args and type(self).__name__ in _PRE_NORM_LAYERS:
+        return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
+    run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
+    # the decoder layer ends with a residual add, which saves nothing: its output may be freed
+    return checkpointed(lambda x: run(self, x, *args, **kwargs), hidden_states, list(self.parameters()),
+                        free_output=True, **keys)
+
+
+_PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+"""Transformers decoder layers whose forward is exactly ``h = x + self_attn(input_layernorm(x), **kwargs)[0]``,
+then ``h + mlp(post_attention_layernorm(h))`` (one shared source in Transformers 5; the parity tests
+against Transformers hold fpdt's split of it to that)."""
+
+
+def _residual_branches(layer: nn.Module, kwargs: dict):
+    """``layer``'s two residual branches (:func:`fpdt.model.checkpointing.checkpointed_residual`),
+    called with the keyword arguments the model passed to the layer, as its forward calls them."""
+    def attention(x):
+        return layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)[0]
+
+    def mlp(h):
+        return layer.mlp(layer.post_attention_layernorm(h))
+    return attention, mlp
+
+
+class TransformersAdapter(DecoderAdapter):
+    """A Transformers ``*ForCausalLM`` (``model``, its decoder ``layers``) for the apply steps;
+    every change goes through ``patches``. ``trainer``: under the Hugging Face Trainer's sequence
+    parallelism (:mod:`fpdt.hf.trainer`). ``chunked_qkv`` / ``lean_norms``: as
+    :func:`fpdt.hf.apply_fpdt`'s; the norms are refused here, naming the fix, unless of a known
+    class. The adapter records what the steps decided, for the model's :class:`HFSettings`."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], patches: Patches, *, trainer: bool,
+                 chunked_qkv: bool, lean_norms: bool):
+        self.model, self.config, self.layers, self.patches = model, model.config, layers, patches
+        self.trainer, self.chunked_qkv, self.lean_norms = trainer, bool(chunked_qkv), bool(lean_norms)
+        self._norms = _lean_norms(model, layers) if lean_norms else []
+        self.options: FPDTOptions | None = None
+        self.attn_implementation: str | None = None
+        self.mlp_chunks = 0
+        self._attention_forward = None
+
+    def norms(self) -> list[nn.Module]:
+        return self._norms
+
+    def start_attention(self, options: FPDTOptions) -> None:
+        """Register fpdt attention under a new name and make it the model's (under the Trainer,
+        the name its SP setup checks; the forward switches to fpdt's while it runs)."""
+        self.options = options
+        name = self.attn_implementation = register_settings(options)
+        if self.trainer:
+            # The name the Trainer's SP setup checks; the chunked attention modules never call the function
+            # behind it, and the forward switches to `name` (fpdt's mask function) while it runs.
+            self.model.set_attn_implementation(TRAINER_ATTN_NAME)
+        else:
+            self.model.set_attn_implementation(name)
+        if not self.trainer and self.model.config._attn_implementation != name:
+            raise FPDTHFError(f"{type(self.model).__name__} did not take attention implementation {name!r}; it "
+                              f"does not use Transformers' AttentionInterface")
+        if self.chunked_qkv:
+            self._attention_forward = chunked_qkv_attention_forward(options, name)
+
+    def set_attention(self, attention: nn.Module, options: FPDTOptions) -> None:
+        """With ``chunked_qkv``, the module runs its projections inside fpdt's attention; else its
+        own forward calls the registered implementation."""
+        if self._attention_forward is not None:
+            self.patches.bind(attention, "forward", self._attention_forward)
+
+    def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
+        self.patches.bind(norm, "forward", _lean_norm_forward(num_chunks))
+
+    def set_mlp_chunks(self, mlp: nn.Module, num_chunks: int) -> None:
+        self.mlp_chunks = num_chunks
+        if num_chunks:                # 0: Transformers' own MLP
+            self.patches.bind(mlp, "forward", _chunked_mlp_forward(num_chunks))
+
+    def set_layer_checkpoints(self, checkpoints: LayerCheckpoints) -> None:
+        if not checkpoints.enabled:   # Transformers' own checkpointing may be used instead
+            return
+        for i, layer in enumerate(self.layers):
+            self.patches.set(layer, "_fpdt_checkpoint", (i, checkpoints.mode, checkpoints))
+            self.patches.bind(layer, "forward", _checkpointed_layer_forward)
+
+    def set_loss_chunks(self, num_chunks: int) -> None:
+        """The causal LM's forward (sequence-parallel inputs, the loss over ``num_chunks``) with the
+        model's :class:`HFSettings` as ``model.fpdt``, and for RoPE types that depend on the largest
+        position a rotary embedding that sees the whole window's."""
+        model = self.model
+        settings = HFSettings(attn_implementation=self.attn_implementation, options=self.options,
+                              mlp_chunks=self.mlp_chunks, loss_chunks=num_chunks, chunked_qkv=self.chunked_qkv,
+                              lean_norms=self.lean_norms)
+        self.patches.bind(model, "forward", causal_lm_forward)
+        self.patches.set(model, "fpdt", settings)
+        rotary = getattr(model.model, "rotary_emb", None)
+        rope_types = getattr(rotary, "rope_type", "default")          # per layer type in some models
+        if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
+            self.patches.bind(rotary, "forward", global_rope_forward(settings))

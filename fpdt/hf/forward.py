@@ -1,0 +1,199 @@
+"""The forwards :func:`fpdt.hf.apply_fpdt` binds to the causal LM and its rotary embedding.
+
+:func:`causal_lm_forward` takes this rank's sequence-parallel inputs (or, under the Trainer,
+DeepSpeed's contiguous slices), finds the window's packed documents, runs the decoder and the
+loss: chunked (:func:`fpdt.model.loss.sequence_parallel_lm_loss`) or from full logits, the same
+reduction. :func:`global_rope_forward` lets position-dependent RoPE see the whole window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fpdt.hf.attention import FPDTHFError, plain_linears
+from fpdt.hf.documents import pop_explicit_documents, window_doc_ids
+from fpdt.hf.groups import resolve_group
+from fpdt.hf.padding import whole_window_mask
+from fpdt.hf.settings import HFSettings
+from fpdt.hf.trainer import contiguous_to_fpdt_layout
+from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
+from fpdt.model.inputs import shift_labels as _shift_labels
+from fpdt.model.loss import (IGNORE_INDEX, sequence_parallel_lm_loss, sum_gradient_over_group, sum_over_group,
+                             valid_token_scale)
+
+RECOMPUTED_ROPE_TYPES = ("dynamic", "longrope")
+"""RoPE types whose frequencies depend on the largest position of the forward (Transformers'
+``dynamic_rope_update``): under SP each rank must see the window's (:func:`global_rope_forward`)."""
+
+BOTH_CHECKPOINTS = ("apply_fpdt(checkpointing={mode!r}) checkpoints the decoder layers itself: call "
+                    "model.activation_checkpointing_disable() (gradient_checkpointing_disable(), its older "
+                    "name), or apply_fpdt with checkpointing='off' to keep Transformers' checkpointing")
+
+
+def global_rope_forward(settings: HFSettings):
+    """A forward for the model's rotary embedding whose position-dependent RoPE (``dynamic``,
+    ``longrope``: frequencies picked from the largest position a forward sees) sees the
+    largest position of the whole window, as one process holding it would: each SP rank
+    holds other positions. One all-reduce of one integer per model forward (RoPE's tables are
+    computed once per forward); the window's largest position rides along as one extra
+    position, so Transformers' own update picks the frequencies (whatever its version)."""
+    def forward(self, x, position_ids, *args, **kwargs):
+        _, sp = settings.rank_size()
+        if sp == 1:
+            return type(self).forward(self, x, position_ids, *args, **kwargs)
+        top = position_ids.max().reshape(1, 1).to(torch.int64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=settings.sp_group)
+        top = top.to(position_ids.dtype).expand(*position_ids.shape[:-1], 1)
+        cos, sin = type(self).forward(self, x, torch.cat([position_ids, top], dim=-1), *args, **kwargs)
+        return cos[..., :-1, :], sin[..., :-1, :]
+    return forward
+
+
+def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, shift_labels=None,
+                      num_items_in_batch=None, **kwargs):
+    """The causal LM's forward after :func:`fpdt.hf.apply_fpdt` (bound to the model)."""
+    settings: HFSettings = self.fpdt
+    original = type(self).forward               # Transformers' forward, called with this (maybe copied) model
+    rank, sp = settings.rank_size()
+    trainer = settings.under_trainer
+    if trainer:
+        if labels is not None and labels is shift_labels:   # the Trainer's SP loss passes shift_labels as labels
+            labels = None
+            if sp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
+                raise FPDTHFError("these inputs are DeepSpeed's sequence-parallel slices (the Trainer's SP loss), "
+                                  "but no DeepSpeed sequence-parallel group exists: train through the Trainer "
+                                  "with parallelism_config=fpdt.hf.trainer_parallelism_config(sp_size)")
+        if sp > 1 and not self.training:
+            raise FPDTHFError(f"evaluation under the Trainer's sequence parallelism (sp={sp}): the Trainer gives "
+                              f"every rank whole windows of its own, which fpdt cannot split; evaluate with "
+                              f"TrainingArguments(eval_strategy='no') or a model without apply_fpdt")
+    mode = settings.options.checkpointing
+    if mode != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
+        raise FPDTHFError(BOTH_CHECKPOINTS.format(mode=mode))
+    ref = input_ids if input_ids is not None else inputs_embeds
+    if ref is not None and torch.is_autocast_enabled(ref.device.type):
+        raise FPDTHFError("apply_fpdt's chunked functions do not run under torch.autocast: cast the model to the "
+                          "training dtype instead (model.to(torch.bfloat16), or DeepSpeed's bf16 mode) and call it "
+                          "outside autocast")
+    if use_cache or past_key_values is not None:
+        raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
+                          "past_key_values (generate with a model that has not been through apply_fpdt)")
+    if labels is not None:
+        if shift_labels is not None:
+            raise FPDTHFError("pass labels= or shift_labels=, not both")
+        if sp > 1 and trainer:
+            raise FPDTHFError(f"labels= without shift_labels= under the Trainer's sequence parallelism (sp={sp}): "
+                              f"DeepSpeed's data adapter gives shift_labels; whole windows with labels (the "
+                              f"Trainer's evaluation) cannot be split by fpdt: use TrainingArguments("
+                              f"eval_strategy='no') or a model without apply_fpdt")
+        if sp > 1:
+            raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
+                              f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
+        shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
+    explicit_docs, cu_seqlens = pop_explicit_documents(kwargs)     # packed documents: fpdt.hf.documents
+    doc_ids = None
+    if sp == 1:
+        refusal = None
+        try:
+            if ref is not None:
+                doc_ids = window_doc_ids(ref.shape[:2], ref.device, position_ids=position_ids, doc_ids=explicit_docs,
+                                         cu_seqlens=cu_seqlens)
+        except FPDTHFError as e:
+            refusal = e
+        attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and self.training, refusal)
+    if position_ids is None and sp > 1:
+        raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
+                          f"are not contiguous; use fpdt.hf.prepare_inputs")
+    if trainer and sp > 1:                      # DeepSpeed's data adapter slices the window contiguously
+        if input_ids is None:
+            raise FPDTHFError("under the Trainer's sequence parallelism pass input_ids, not inputs_embeds (the "
+                              "tokens are moved into fpdt's chunk layout by id)")
+        if explicit_docs is not None or cu_seqlens is not None:
+            raise FPDTHFError("under the Trainer's sequence parallelism packed documents are marked by position_ids "
+                              "that restart at 0 (DataCollatorWithFlattening's default), not by doc_ids or "
+                              "cu_seq_lens_q/k, which DeepSpeed's data adapter cannot slice")
+        input_ids, position_ids, shift_labels, doc_ids = contiguous_to_fpdt_layout(   # every rank of the job agrees
+            input_ids, position_ids, shift_labels, attention_mask, group=settings.sp_group, job_group=None, sp=sp,
+            rank=rank, num_chunks=settings.options.num_chunks)
+        attention_mask = None                    # all ones over the window, or refused above
+    elif sp > 1:
+        if cu_seqlens is not None:
+            raise FPDTHFError(f"cu_seq_lens_q/k with sequence parallelism (sp={sp}): pass the window's cu_seqlens "
+                              f"to fpdt.hf.prepare_inputs, whose doc_ids the model then takes")
+        B, S_local = ref.shape[:2]
+        try:
+            doc_ids = window_doc_ids((B, S_local * sp), ref.device, doc_ids=explicit_docs) \
+                if explicit_docs is not None else \
+                sequence_parallel_doc_ids(position_ids, settings.options.num_chunks,
+                                          group=resolve_group(settings.options.group),
+                                          mesh=settings.options.mesh)        # one all-gather of the positions
+        except DocumentError as e:
+            raise FPDTHFError(str(e)) from e
+    if doc_ids is not None:
+        kwargs["doc_ids"] = doc_ids              # [B, S] global: to every attention call (recompute included)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext():
+        out = _decoder_and_loss(self, original, settings, sp, input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds, shift_labels=shift_labels,
+                                logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
+    if trainer and out.loss is not None:
+        out.loss = sum_gradient_over_group(out.loss, group=settings.sp_group, sp=sp)
+    return out if return_dict else out.to_tuple()
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str):
+    """The model runs fpdt's attention and mask functions (``name``) while keeping the implementation
+    name the Trainer's sequence-parallel setup checked (``sdpa``, ...) outside its forward."""
+    kept = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = kept
+
+
+def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_ids, attention_mask, position_ids,
+                      inputs_embeds, shift_labels, logits_to_keep, num_items_in_batch, kwargs):
+    """The decoder and the loss (chunked, or from full logits) of :func:`causal_lm_forward`."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if shift_labels is None or settings.loss_chunks == 0:
+        out = original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
+                       return_dict=True, **kwargs)
+        if shift_labels is not None:   # full logits (loss_chunks=0), the same reduction as the chunked loss
+            loss = _full_logits_loss(out.logits, shift_labels, settings, sp, num_items_in_batch)
+            out = CausalLMOutputWithPast(loss=loss, logits=out.logits, hidden_states=out.hidden_states,
+                                         attentions=out.attentions)
+    else:
+        if not plain_linears(self.lm_head):
+            raise FPDTHFError(f"the chunked loss reads lm_head.weight directly, and lm_head is "
+                              f"{type(self.lm_head).__module__}.{type(self.lm_head).__name__} (an adapter or "
+                              f"quantised layer), whose extra "
+                              f"computation it would skip: apply_fpdt(..., loss_chunks=0)")
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
+        loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
+                                         group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
+                                         wgrad=settings.options.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions)
+    return out
+
+
+def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_items_in_batch):
+    """What :func:`sequence_parallel_lm_loss` gives, from materialised logits (``loss_chunks=0``)."""
+    group = settings.sp_group
+    scale = valid_token_scale(shift_labels, group=group, sp=sp, num_valid_tokens=num_items_in_batch)
+    local = F.cross_entropy(logits.float().flatten(0, -2), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="sum") * scale.to(logits.device)
+    return sum_over_group(local, group=group, sp=sp)
+

@@ -1,0 +1,53 @@
+"""What :func:`fpdt.hf.apply_fpdt` set on a model, kept as ``model.fpdt``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from fpdt.comm import SequenceMesh
+from fpdt.comm.ulysses import group_rank, group_size
+from fpdt.hf.groups import TrainerGroup, resolve_group
+from fpdt.options import FPDTOptions
+
+
+@dataclass(frozen=True)
+class HFSettings:
+    """What :func:`fpdt.hf.apply_fpdt` set on a model (``model.fpdt``): the options and what it resolved."""
+
+    attn_implementation: str
+    """The name fpdt's attention is registered under (the model's own, except under the Trainer)."""
+    options: FPDTOptions
+    """The FPDT options (``group`` may be a :class:`fpdt.hf.groups.TrainerGroup`)."""
+    mlp_chunks: int
+    """The MLP's token chunks (:func:`fpdt.model.apply.mlp_chunks_for`)."""
+    loss_chunks: int
+    """The loss's token chunks (:func:`fpdt.model.apply.loss_chunks_for`)."""
+    chunked_qkv: bool = True
+    lean_norms: bool = True
+
+    def __deepcopy__(self, memo) -> "HFSettings":
+        return self     # immutable, and a copied model stays in the same process group
+
+    def rank_size(self) -> tuple[int, int]:
+        """``(rank, size)`` in the sequence-parallel group."""
+        return _rank_size(self.options.group, self.options.mesh)
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        mesh = self.options.mesh
+        return mesh.sp_group if mesh is not None else resolve_group(self.options.group)
+
+    @property
+    def under_trainer(self) -> bool:
+        """Set up for the Hugging Face Trainer's sequence parallelism (:mod:`fpdt.hf.trainer`)."""
+        return isinstance(self.options.group, TrainerGroup)
+
+
+def _rank_size(group: dist.ProcessGroup | TrainerGroup | None, mesh: SequenceMesh | None) -> tuple[int, int]:
+    if mesh is not None:
+        return mesh.sp_rank, mesh.sp
+    group = resolve_group(group)
+    return group_rank(group), group_size(group)
+
