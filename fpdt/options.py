@@ -8,7 +8,8 @@
 * ``fpdt-train``: its flags and the ``"fpdt"`` section of the DeepSpeed JSON fill
   :class:`fpdt.train.config.TrainerOptions`, which adds the mesh degrees and the global chunk
   length and builds this object for the model (:meth:`TrainerOptions.model_options`);
-* ``fpdt-plan`` models the same fields (:class:`fpdt.plan.setup.Setup`), with these defaults.
+* ``fpdt-plan``: each :class:`fpdt.plan.setup.Setup` it evaluates holds one (``setup.options``);
+  what a caller fixes is named by these fields (:class:`fpdt.plan.planner.Choice`).
 
 The defaults are the measured faster or leaner choice where two exist (``lm_head_wgrad``, see
 ``docs/memory.md`` and ``benchmarks/README.md``) and the chunk rules the memory budgets assume
