@@ -95,6 +95,7 @@ def test_transformers_own_checkpointing_within_the_same_budget():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_transformers_norms_and_projections_cost_what_the_docs_say():
     """With Transformers' own RMSNorm (fp32 copies saved) the slope is far over budget. With its
     own q/k/v projections, at the attention backward: the norm output they save for their weight
@@ -152,7 +153,7 @@ def test_trainer_route_holds_only_the_relaid_inputs_more():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.long), 0.1])
 def test_lora_holds_per_token_what_full_fine_tuning_holds(dropout):
     """PEFT LoRA on every decoder linear (fp32 adapters on the bf16 model): the chunked functions
     compute the q/k/v and MLP adapters, fpdt's lean LoRA linear the o_proj's, and the per-token

@@ -106,7 +106,8 @@ def budget_nd(u: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)   # u = 16 runs 32 chunks under the accountant: past the 300 s default on 2 loaded cores
-@pytest.mark.parametrize("u,attention_checkpoint", [(4, "recompute"), (8, "recompute"), (16, "recompute"),
+@pytest.mark.parametrize("u,attention_checkpoint", [(4, "recompute"), (8, "recompute"),
+                                                    pytest.param(16, "recompute", marks=pytest.mark.long),
                                                     (4, "save")])
 def test_two_layer_model_per_token_within_budget(u, attention_checkpoint):
     """Also with ``attention_checkpoint="save"``: the saved outputs are on the host, the
@@ -122,7 +123,7 @@ def test_two_layer_model_per_token_within_budget(u, attention_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dropout", [0.0, pytest.param(0.1, marks=pytest.mark.long)])
 def test_lora_per_token_within_the_same_budget(dropout):
     """LoRA (:func:`fpdt.model.add_lora`, rank 8 on every decoder linear, fp32 adapters on the
     bf16 model, the base frozen) holds per token what full training holds: its terms run a chunk

@@ -200,6 +200,7 @@ def test_extrapolation_uses_the_growing_peak():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(960)      # its two runs' own limits (600 s + 300 s): ~3 CPU-minutes, 7 on 2 busy cores
 def test_run_suite_tiny_end_to_end(tmp_path):
     """The one command of the suite, at CPU smoke sizes: every piece runs (each trial in its own
