@@ -40,8 +40,11 @@ def test_set_up_is_two_commands_that_pick_the_cpu_torch_build():
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = [l.strip() for l in f if not l.lstrip().startswith("#")]
     assert any(f"torch=={version}" in l for l in ci), "the README and .ci/run pin different torch versions"
-    # CI runs the README's command, then the rest: every test runs somewhere
-    assert ci.index(test_command) < ci.index("python3 -m pytest -q -m slow")
+    # CI runs the README's command, then the slow set but its long tier, which CONTRIBUTING.md
+    # tells how and when to run: every test runs somewhere
+    assert ci.index(test_command) < ci.index('python3 -m pytest -q -m "slow and not long"')
+    with open(os.path.join(ROOT, "CONTRIBUTING.md")) as f:
+        assert "`python3 -m pytest -q -m long`" in f.read()
 
 
 @pytest.mark.parametrize("config", ["examples/tiny-llama/ds_cpu.json", "examples/llama-3.2-1b/ds_1gpu.json",
