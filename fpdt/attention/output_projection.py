@@ -68,9 +68,10 @@ class StashedInput:
     spec: object
     L: int
 
-    @property
-    def group(self):
-        return self.spec.hp_group if hasattr(self.spec, "hp_group") else self.spec.group
+
+def _all_to_all_group(spec):
+    """The group ``o`` chunks go back through: the mesh's head-parallel group, or Ulysses'."""
+    return spec.hp_group if hasattr(spec, "hp_group") else spec.group
 
 
 def lora_pieces(seq_local: int, num_chunks: int) -> list[list[tuple[int, int, int]]]:
@@ -160,7 +161,7 @@ def _chunk_reader(kept: torch.Tensor, source: tuple | None, B: int, u: int):
         return lambda i: kept[:, i * L:(i + 1) * L]
     spec, L = source
     stash = stash_of(kept)
-    group = StashedInput(stash, spec, L).group
+    group = _all_to_all_group(spec)
     if ("o", u - 1) not in stash:
         raise RuntimeError("fpdt attention's saved chunks were consumed by an earlier backward through this "
                            "graph: backward twice (retain_graph=True) is not supported; run the forward again")

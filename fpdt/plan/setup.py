@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from fpdt.model.config import ModelConfig
+from fpdt.model.layer_checkpoints import saving_layers
 from fpdt.options import OPTION_NAMES, FPDTOptions
 from fpdt.train.config import TrainerOptions, chunk_split, device_defaults, option_key
 
@@ -142,10 +143,8 @@ class Setup:
         ``checkpointing="offload"`` except for the last ``checkpoint_device_layers`` layers,
         on the device under ``"on"``. 0 and 0 with ``"recompute"`` or ``checkpointing="off"``."""
         o = self.options
-        if o.attention_checkpoint != "save" or o.checkpointing == "off":
-            return 0, 0
-        n = num_layers if o.save_attention_layers is None else min(o.save_attention_layers, num_layers)
-        if o.checkpointing == "on":
+        n = saving_layers(o, num_layers)            # the model's own count (0 without saving)
+        if o.checkpointing != "offload":
             return 0, n
         on_device = max(0, n - (num_layers - o.checkpoint_device_layers))
         return n - on_device, on_device
