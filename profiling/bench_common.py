@@ -61,6 +61,10 @@ def results_dir(tiny: bool, out_dir: str | None = None, device: torch.device | N
 
 
 def git_commit() -> str | None:
+    """The checkout's short commit; ``FPDT_GIT_COMMIT`` when set (a copy of the tree without
+    ``.git``, as the device tool may send)."""
+    if os.environ.get("FPDT_GIT_COMMIT"):
+        return os.environ["FPDT_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or None
@@ -135,6 +139,54 @@ def planner_cluster(calibration: str | None, kernel: str | None = None):
             and cal.get("attention_backend") not in (None, kernel):
         label = f"calibration, attention rate of {cal['attention_backend']}"
     return Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, calibration=cal).for_kernel(kernel), label
+
+
+def kernel_class(name: str) -> str:
+    """A CUDA kernel's coarse class by its name: ``attention`` (flash, cuDNN, memory-efficient
+    or Triton attention), ``gemm``, ``copy_h2d_d2h``, ``copy_device`` (device-to-device copies
+    and memsets), ``collective`` (NCCL) or ``other`` (elementwise, reductions, norms, ...)."""
+    n = name.lower()
+    if "memcpy" in n and ("htod" in n or "dtoh" in n):
+        return "copy_h2d_d2h"
+    if "memcpy" in n or "memset" in n:
+        return "copy_device"
+    if "nccl" in n:
+        return "collective"
+    if any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn", "cudnn_generated")):
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma")):
+        return "gemm"
+    return "other"
+
+
+def step_kernels(prof, top: int = 20) -> dict:
+    """From a ``torch.profiler`` trace of one step on CUDA: the device's busy time (the union of
+    every kernel's and copy's span, ``gpu_busy_s``) and the trace's span (``traced_s``, first
+    start to last end), the summed time per :func:`kernel_class` (``kernel_class_s``), and the
+    ``top`` kernels by summed time (``kernels_by_time``: name, seconds, calls). Busy time well
+    under the span means the GPU waited on the host."""
+    from torch.autograd import DeviceType
+    spans, by_name, calls, by_class = [], {}, {}, {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        a, b = e.time_range.start, e.time_range.end
+        spans.append((a, b))
+        by_name[e.name] = by_name.get(e.name, 0.0) + (b - a)
+        calls[e.name] = calls.get(e.name, 0) + 1
+        c = kernel_class(e.name)
+        by_class[c] = by_class.get(c, 0.0) + (b - a)
+    busy, end = 0.0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"gpu_busy_s": busy * 1e-6,
+            "traced_s": (max(b for _, b in spans) - min(a for a, _ in spans)) * 1e-6 if spans else 0.0,
+            "kernel_class_s": {c: t * 1e-6 for c, t in sorted(by_class.items(), key=lambda kv: -kv[1])},
+            "kernels_by_time": [{"name": n[:160], "s": t * 1e-6, "calls": calls[n]} for n, t in ranked]}
 
 
 def exposed_copy_seconds(prof) -> dict:

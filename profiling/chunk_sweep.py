@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     trial_args = ms.build_parser().parse_args([])
     trial_args.tiny, trial_args.model_config, trial_args.dtype = args.tiny, args.model_config, args.dtype
     trial_args.device_mem_gib, trial_args.trial_timeout_s = None, args.trial_timeout_s
-    trial_args.in_process, trial_args.profile_copies = args.in_process, True
+    trial_args.in_process, trial_args.profile_step = args.in_process, True
     trial_args.attention_backend = args.attention_backend
     ms.check_attention_backend(args.attention_backend, ms.load_config(trial_args), args.dtype)
     strategies = ["fpdt"] + (["fpdt-no-offload"] if args.no_offload_too else [])

@@ -5,6 +5,9 @@
 #                                              #    FPDTAttention, the model), 2. profiling/attention_offload.py
 #                                              #    at S=256K, 3. profiling/model_memory.py (Llama-3.2-1B shape)
 #   bash profiling/gpu_session.sh install      # only the packages from .gpu-wheels/ (then run steps by hand)
+#   bash profiling/gpu_session.sh evidence     # one ~9-minute call: CUDA tests, every kernel's latency, fpdt
+#                                              # against alst at 128K with traced steps, saved attention
+#                                              # outputs against recompute (profiling/gpu_evidence.sh)
 #   bash profiling/gpu_session.sh sanitizer    # the CUDA attention tests under TORCH_CUDA_SANITIZER
 #   bash profiling/gpu_session.sh suite REGEX  # pieces of the measurement suite (profiling/run_suite.sh
 #                                              # --only REGEX), each within 10 minutes, e.g. 'op_latency',
@@ -49,6 +52,10 @@ done
 # The device tool returns only what lands in $OUT: pack the results folder there on every exit.
 if [ -n "${OUT:-}" ]; then trap 'tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null' EXIT; fi
 if [ "${1:-}" = "install" ]; then exit 0; fi
+if [ "${1:-}" = "evidence" ]; then        # one ~9-minute call: profiling/gpu_evidence.sh's header
+  bash profiling/gpu_evidence.sh "${@:2}"
+  exit 0
+fi
 if [ "${1:-}" = "sanitizer" ]; then
   TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -s -m cuda tests/attention/test_cuda.py 2>&1 | tee "$logs/sanitizer.log"
   exit 0

@@ -159,7 +159,7 @@ def trial(args) -> dict:
         # which kernel runs attention (for fpdt this is also the kernel's first-use self-check,
         # kept outside the measured step)
         out["attention_kernel"] = st.attention_kernel(args.strategy, cfg, device, dtype, args.attention_backend)
-        profile = args.profile_copies and device.type == "cuda"
+        profile = args.profile_step and device.type == "cuda"
         if profile:                                # warm-up step, so the trace holds a steady step
             trainee.step(ids)
         opt_before = trainee.optimizer_state_bytes()
@@ -188,6 +188,7 @@ def trial(args) -> dict:
         peaks = region.peaks
         if profile:
             out.update(bc.exposed_copy_seconds(prof))
+            out["profile"] = bc.step_kernels(prof)
         timed = _timed_step(trainee, ids, device) if args.timed_step else None
     except torch.OutOfMemoryError as exc:          # CUDA's, or the accountant's simulated capacity
         msg = str(exc).splitlines()[0]
@@ -297,8 +298,8 @@ def trial_argv(args, strategy: str, seq_len: int) -> list[str]:
         argv += ["--model-config", args.model_config]
     if args.device_mem_gib:
         argv += ["--device-mem-gib", str(args.device_mem_gib)]
-    if getattr(args, "profile_copies", False):
-        argv.append("--profile-copies")
+    if getattr(args, "profile_step", False):
+        argv.append("--profile-step")
     if getattr(args, "calibration", None):
         argv += ["--calibration", os.path.abspath(args.calibration)]
     if getattr(args, "attention_backend", None):
@@ -394,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--in-process", action="store_true",
                    help="run trials in this process (tests only: no fresh process per trial)")
-    p.add_argument("--profile-copies", action="store_true", help="CUDA: trace the step, report exposed copy time")
+    p.add_argument("--profile-step", action="store_true",
+                   help="CUDA: trace the counted step (after a warm-up step): exposed copy time, GPU busy time, "
+                        "time per kernel class and the kernels by total time")
     p.add_argument("--calibration", help="op_latency.py's calibration.json: the planner's step time uses its rates")
     p.add_argument("--attention-backend", metavar="KERNEL",
                    help="the fpdt strategies' attention kernel (fpdt.attention.kernels.BACKENDS; default: automatic). "

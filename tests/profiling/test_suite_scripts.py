@@ -426,3 +426,29 @@ def test_exposed_copy_time_from_a_trace():
               ev("Memset (Device)", 60, 70), ev("cudaMemcpyAsync", 100, 200, DeviceType.CPU)]
     out = bc.exposed_copy_seconds(SimpleNamespace(events=lambda: events))
     assert out["copy_s"] == pytest.approx(27e-6) and out["exposed_copy_s"] == pytest.approx(10e-6)
+
+
+def test_step_kernels_from_a_trace():
+    """A traced step's kernels: busy time is the union of device spans (overlaps counted once,
+    gaps not at all), classes and the ranking sum each kernel's own spans, host events count
+    for nothing."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    events = [ev("sm90_xmma_gemm_bf16bf16", 0, 10), ev("flash_fwd_kernel", 5, 20),
+              ev("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 40, 70),
+              ev("vectorized_elementwise_kernel", 80, 85), ev("vectorized_elementwise_kernel", 90, 95),
+              ev("Memcpy DtoH (Device -> Pinned)", 15, 30), ev("Memset (Device)", 100, 101),
+              ev("aten::mm", 0, 500, DeviceType.CPU)]
+    out = bc.step_kernels(SimpleNamespace(events=lambda: events), top=3)
+    assert out["gpu_busy_s"] == pytest.approx((30 + 30 + 5 + 5 + 1) * 1e-6)
+    assert out["traced_s"] == pytest.approx(101e-6)
+    assert out["kernel_class_s"] == pytest.approx({"attention": 45e-6, "copy_h2d_d2h": 15e-6, "gemm": 10e-6,
+                                                   "other": 10e-6, "copy_device": 1e-6})
+    assert [(k["name"], k["calls"]) for k in out["kernels_by_time"]] == [
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 1), ("flash_fwd_kernel", 1),
+        ("Memcpy DtoH (Device -> Pinned)", 1)]
+    assert out["kernels_by_time"][0]["s"] == pytest.approx(30e-6)

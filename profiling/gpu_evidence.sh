@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU evidence of one device-tool call (about 9 minutes): is fpdt's step as fast as ALST's at
+# equal length, on which kernels, and what do saved attention outputs buy. Pieces in order of
+# value; each runs only when the time left covers its estimate (H100 step times of 2026-11-24),
+# and the results are packed into $OUT/results.tgz after every piece, so a call stopped at the
+# device tool's limit still returns what finished.
+#
+#   1. the CUDA tests (pytest -m cuda)
+#   2. op_latency --backends all at the Llama-3.2-1B head shape (32 query / 8 KV heads of 64),
+#      one 64K chunk: forward and backward of every kernel and of torch's SDPA, with the kernel
+#      each ran; its calibration.json gives the planner's predictions below measured rates
+#   3. fpdt (automatic kernel, attention_checkpoint=recompute) and alst at 128K: one timed step
+#      each, the counted step before it traced (--profile-step: kernels by time, GPU busy time)
+#   4. fpdt-save (attention_checkpoint=save) at 128K, traced likewise
+#   5. fpdt-save at 256K, one counted step, if time remains
+#
+#   FPDT_GIT_COMMIT=$(git rev-parse --short HEAD) bash profiling/gpu_session.sh evidence   # device tool
+#   bash profiling/gpu_evidence.sh --tiny                  # dry run on the CPU (tiny model, cpu-smoke/)
+#
+# Options: --budget-s N (seconds for all pieces, default 530), --tiny.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+TINY=0; BUDGET=530
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tiny) TINY=1; shift;;
+    --budget-s) BUDGET="$2"; shift 2;;
+    *) echo "gpu_evidence.sh: unknown option $1 (see the header of this file)" >&2; exit 2;;
+  esac
+done
+DEADLINE=$(( $(date +%s) + BUDGET ))
+DIR=$(python3 -c "from profiling import bench_common as bc; print(bc.results_dir($TINY == 1))")
+LOG="$DIR/evidence.log"
+pack() { if [ -n "${OUT:-}" ]; then tar czf "$OUT/results.tgz" "$DIR" 2>/dev/null; cp "$LOG" "$OUT/" 2>/dev/null; fi; }
+piece() {   # piece NAME NEED CAP CMD...: run CMD if the time left covers NEED seconds, for at most CAP
+  local name="$1" need="$2" cap="$3"; shift 3
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -lt "$need" ]; then
+    echo "-- $name skipped: ${left}s left, it needs about ${need}s" | tee -a "$LOG"; return 0
+  fi
+  [ "$cap" -lt $(( left - 5 )) ] || cap=$(( left - 5 ))
+  echo "== $name ($(date -u +%H:%M:%S), ${left}s left, at most ${cap}s)" | tee -a "$LOG"
+  timeout --kill-after=5 "$cap" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || echo "!! $name stopped (exit $rc)" | tee -a "$LOG"
+  pack
+}
+
+if [ "$TINY" = 1 ]; then
+  SIZES=(--tiny); L1=128; L2=256; OPL=(--tiny)
+else
+  SIZES=(); L1=131072; L2=262144
+  OPL=(--heads 32 --kv-heads 8 --head-dim 64 --backends all --chunks 65536)
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+  python3 -c "from profiling import bench_common as bc; print(bc.software())"; } | tee "$DIR/gpu.txt" | tee -a "$LOG"
+piece "cuda tests" 60 150 python3 -m pytest -q -m cuda tests -p no:cacheprovider
+piece "op_latency" 45 120 python3 -m profiling.op_latency "${OPL[@]}" --out-dir "$DIR"
+CAL=()
+[ -f "$DIR/calibration.json" ] && CAL=(--calibration "$DIR/calibration.json")
+# NEED and CAP per strategy at 128K: start-up (~20 s) + warm-up, traced and timed steps (H100:
+# fpdt 22 s, alst 17 s a step); a trial's own limit sits 10 s inside the piece's.
+for spec in "fpdt 100 200" "alst 80 170" "fpdt-save 90 180"; do
+  set -- $spec
+  piece "$1 $L1" "$2" "$3" python3 -m profiling.max_seqlen "${SIZES[@]}" --strategies "$1" --lengths "$L1" \
+    --profile-step --trial-timeout-s $(( $3 - 10 )) --tag "evidence-$1" --out-dir "$DIR" "${CAL[@]}"
+done
+LONG=$(( DEADLINE - $(date +%s) - 15 ))
+piece "fpdt-save $L2" 100 "$LONG" python3 -m profiling.max_seqlen "${SIZES[@]}" --strategies fpdt-save --lengths "$L2" \
+  --no-timed-step --trial-timeout-s $(( LONG - 10 )) --tag "evidence-fpdt-save-long" --out-dir "$DIR" "${CAL[@]}"
+echo "== done ($(date -u +%H:%M:%S)): results in $DIR" | tee -a "$LOG"
+pack
