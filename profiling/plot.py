@@ -328,9 +328,60 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
                for name, s in strats.items() if not s["skipped"]}
     if any(kernels.values()):
         ratios.append("attention kernel: " + "; ".join(f"{n} `{'`, `'.join(k)}`" for n, k in kernels.items() if k))
+    same = sorted(n for n, t in times.items() if "fpdt" in t and "fpdt-save" in t)
+    if same:
+        ratios.append("fpdt-save / fpdt (saved attention outputs / recompute) step time: " + ", ".join(
+            f"{n}: {times[n]['fpdt-save'] / times[n]['fpdt']:.2f}" for n in same))
     if ratios:
         lines += [""] + [f"- {r}" for r in ratios]
+    lines += profile_table(strats)
     return "\n".join(lines) + "\n"
+
+
+PROFILE_CLASSES = ("attention", "gemm", "copy_h2d_d2h", "copy_device", "collective", "other")
+
+
+def profile_table(strats: dict) -> list[str]:
+    """Markdown lines: where each traced step's time went (``max_seqlen --profile-step``): the
+    traced span, the GPU's busy time within it, the summed kernel time per class
+    (:func:`profiling.bench_common.kernel_class`; classes overlap in time across streams) and the
+    exposed host<->device copy time, then the kernels that took longest. Empty without a trace."""
+    traced = [(name, t) for name, s in strats.items() for t in _ok(s["trials"]) if t.get("profile")]
+    if not traced:
+        return []
+    lines = ["", "Traced steps (`--profile-step`: the counted step, after a warm-up step; seconds of kernel time "
+             "per class, summed over streams):", "",
+             "| strategy | length | traced s | GPU busy s | " + " | ".join(PROFILE_CLASSES) + " | exposed copy s |",
+             "|---|---|---|---|" + "---|" * len(PROFILE_CLASSES) + "---|"]
+    for name, t in traced:
+        p = t["profile"]
+        classes = " | ".join(f"{p['kernel_class_s'].get(c, 0.0):.2f}" for c in PROFILE_CLASSES)
+        lines.append(f"| {name} | {t['seq_len']} | {p['traced_s']:.2f} | {p['gpu_busy_s']:.2f} | {classes} | "
+                     f"{t.get('exposed_copy_s', 0.0):.2f} |")
+    for name, t in traced:
+        top = t["profile"]["kernels_by_time"][:8]
+        lines += ["", f"{name} at {t['seq_len']}, kernels by time:", "", "| kernel | s | calls |", "|---|---|---|"]
+        lines += [f"| `{k['name'][:100]}` | {k['s']:.3f} | {k['calls']} |" for k in top]
+    return lines
+
+
+def kernel_table(op_latency: dict) -> list[str]:
+    """Markdown lines: forward and backward milliseconds of every attention kernel op_latency.py
+    timed at its largest chunk (the automatic choice first, then ``--backends``), with the
+    kernel each ran."""
+    row = op_latency["chunks"][-1]
+    timed = {"automatic": row, **(row.get("kernels") or {})}
+    lines = [f"Attention kernels at one {row['chunk']}-token chunk ({op_latency.get('args', {}).get('heads')} query / "
+             f"{op_latency.get('args', {}).get('kv_heads')} KV heads of {op_latency.get('args', {}).get('head_dim')}), "
+             "milliseconds:", "",
+             "| asked for | ran | causal fwd | causal bwd | full fwd | full bwd |", "|---|---|---|---|---|---|"]
+    for asked, lat in timed.items():
+        if "error" in lat:
+            lines.append(f"| {asked} | failed: {lat['error'][:80]} | | | | |")
+            continue
+        lines.append(f"| {asked} | `{lat['backend']}` | " + " | ".join(
+            f"{lat[k] * 1e3:.1f}" for k in ("diag_fwd_s", "diag_bwd_s", "full_fwd_s", "full_bwd_s")) + " |")
+    return lines
 
 
 def markers(files: list[dict]) -> tuple[str, str]:
@@ -373,6 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
         written += [x for x in (plot_max_seqlen(strats, out), plot_memory_vs_length(strats, out, cap)) if x]
         rel = os.path.relpath(os.path.abspath(out), bc.ROOT)
         md = markdown(strats, files, rel)
+        if os.path.exists(os.path.join(out, "op_latency.json")):
+            md += "\n" + "\n".join(kernel_table(_load(os.path.join(out, "op_latency.json")))) + "\n"
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(md)
         written.append(os.path.join(out, "results.md"))

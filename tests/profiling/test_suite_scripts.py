@@ -452,3 +452,28 @@ def test_step_kernels_from_a_trace():
         ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 1), ("flash_fwd_kernel", 1),
         ("Memcpy DtoH (Device -> Pinned)", 1)]
     assert out["kernels_by_time"][0]["s"] == pytest.approx(30e-6)
+
+
+def test_results_name_the_traced_time_and_every_kernel():
+    """results.md: the save / recompute step ratio, a traced step's time per kernel class with its
+    top kernels, and op_latency's kernels (asked for, ran, four timings; a failed one says so)."""
+    prof = {"gpu_busy_s": 9.5, "traced_s": 10.0, "kernels_by_time": [{"name": "flash_bwd", "s": 4.0, "calls": 32}],
+            "kernel_class_s": {"attention": 6.0, "gemm": 3.0, "copy_h2d_d2h": 1.5}}
+    trial = {"status": "ok", "measured": True, "seq_len": 131072, "device_peak_bytes": 1, "host_peak_bytes": 0, "mode": "lengths",
+             "cap": None}
+    strats = {"fpdt": {"skipped": None, "caps": {None: {"best": 131072, "open_ended": True}},
+                       "trials": [{**trial, "step_s": 20.0, "profile": prof, "exposed_copy_s": 0.25}]},
+              "fpdt-save": {"skipped": None, "caps": {None: {"best": 131072, "open_ended": True}},
+                            "trials": [{**trial, "step_s": 15.0}]}}
+    md = plot.markdown(strats, [{"device": "nvidia-h200", "device_type": "cuda"}], "r")
+    assert "fpdt-save / fpdt (saved attention outputs / recompute) step time: 131072: 0.75" in md
+    assert "| fpdt | 131072 | 10.00 | 9.50 | 6.00 | 3.00 | 1.50 | 0.00 | 0.00 | 0.00 | 0.25 |" in md
+    assert "| `flash_bwd` | 4.000 | 32 |" in md
+    lat = {"diag_fwd_s": 0.001, "diag_bwd_s": 0.002, "full_fwd_s": 0.003, "full_bwd_s": 0.004}
+    op = {"args": {"heads": 32, "kv_heads": 8, "head_dim": 64},
+          "chunks": [{"chunk": 65536, "backend": "cuda_cudnn", **lat,
+                      "kernels": {"sdpa": {"backend": "sdpa:cudnn", **lat}, "triton": {"error": "ImportError: no"}}}]}
+    table = "\n".join(plot.kernel_table(op))
+    assert "one 65536-token chunk (32 query / 8 KV heads of 64)" in table
+    assert "| automatic | `cuda_cudnn` | 1.0 | 2.0 | 3.0 | 4.0 |" in table
+    assert "| sdpa | `sdpa:cudnn` | 1.0 | 2.0 | 3.0 | 4.0 |" in table and "| triton | failed: ImportError: no |" in table
