@@ -23,7 +23,8 @@ Activations (per rank), the phase with the larger sum sets the peak:
 * **layer-input checkpoints**: ``"on"`` keeps ``l * Nd`` on the device; ``"offload"`` keeps
   them on the host and two on the device (the layer being recomputed and the next one,
   prefetched); ``"off"`` keeps every layer's saved activations on the device
-  (:data:`SAVED_PER_LAYER_ND` each, plus the attention stash when not offloaded).
+  (:func:`saved_per_layer_nd` each: with the attention stash and the output projection's input
+  when not offloaded).
 * **in-flight layer**: full-length tensors alive in one layer's backward, in the sub-phase
   that peaks: the RMSNorm backward (:data:`NORM_PHASE_ND` ``* Nd``; the lean RMSNorm's
   fp32 temporaries are chunk-sized; without offload the recomputed attention stash is
@@ -96,13 +97,19 @@ ATTENTION_PHASE_ND = 3.0
 """Full-length tensors beside the attention core's working set in its backward (the layer's
 gradient, the attention output's and the projection input's gradients; the checkpoint adds
 the residual branches' gradients into the incoming one in place)."""
+ATTENTION_PHASE_OFF_ND = 2.0
+""":data:`ATTENTION_PHASE_ND` without layer checkpointing (``checkpointing="off"``): the
+output projection's input gradient and the projection input's gradient; the layer's incoming
+gradient is no separate full-length tensor there (measured: ``tests/plan/test_activation_model.py``)."""
 MLP_PHASE_ND = 2.0
 """Full-length tensors beside the chunked MLP's working set in its backward (the attention
 output saved for ``o_proj``, the residual the MLP saves, the layer's gradient it adds into:
 the post-attention norm runs inside the MLP, whose input gradient is never full-length)."""
-SAVED_PER_LAYER_ND = 5.0
-"""Full-length tensors one layer saves for backward without checkpointing (norm inputs,
-normed projection input, attention output, residual, MLP input), attention stash aside."""
+SAVED_PER_LAYER_ND = 2.0
+"""Full-length tensors one layer saves for backward without checkpointing, beside its fp32
+norm statistics, the attention stash and the output projection's input
+(:func:`saved_per_layer_nd`): the two lean norms' inputs (the layer input, and the residual the
+chunked MLP runs on); the projection input is in the stash."""
 ATTENTION_WS_U = 16.0
 """Chunk-sized buffers of the attention pipeline at its backward peak (device-memory
 issue's budget)."""
@@ -181,6 +188,20 @@ def attention_stash_nd(cfg: ModelConfig, s: Setup) -> float:
     return (2 * qd + 2 * kvd) / h + lse + dq + 1.0
 
 
+def saved_per_layer_nd(cfg: ModelConfig, s: Setup) -> float:
+    """What one layer keeps from forward to backward under ``checkpointing="off"``, in Nd:
+    :data:`SAVED_PER_LAYER_ND`, the two norms' fp32 ``1/rms`` per token, and without offload
+    the output projection's input (``H D`` wide) and the attention stash less its fp32 ``dq``
+    (allocated in backward). With offload the stash is on the host and the output projection
+    reads its input back from it (:mod:`fpdt.attention.output_projection`). Counted by the
+    accountant on the CPU: ``tests/plan/test_activation_model.py``."""
+    h, e = cfg.hidden_size, s.elem_bytes
+    own = SAVED_PER_LAYER_ND + 2 * 4 / (h * e)
+    if s.options.offload:
+        return own
+    return own + cfg.num_heads * cfg.head_dim / h + attention_stash_nd(cfg, s) - _dq_nd(cfg, s)
+
+
 def saved_attention_bytes(cfg: ModelConfig, s: Setup) -> int:
     """Bytes per rank one saving layer keeps (``attention_checkpoint="save"``): its attention
     output in the training dtype and its fp32 log-sum-exp, ``B (S / P) H (D e + 4)`` with
@@ -233,12 +254,14 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         k = s.options.checkpoint_device_layers
         ckpt_dev, ckpt_host = max(k, min(2, l)) * nd, (l - k) * nd
     else:   # every layer keeps its activations (and its stash, unless offloaded)
-        per_layer = SAVED_PER_LAYER_ND + (0.0 if s.options.offload else stash_nd)
-        ckpt_dev, ckpt_host = l * per_layer * nd, 0.0
+        ckpt_dev, ckpt_host = l * saved_per_layer_nd(cfg, s) * nd, 0.0
     saved_host_layers, saved_dev_layers = s.saving_layers(l)
     saved_dev = saved_dev_layers * saved_attention_bytes(cfg, s)
     saved_host = saved_host_layers * saved_attention_bytes(cfg, s)
-    stash_resident = 0.0 if s.options.offload else (stash_nd - _dq_nd(cfg, s)) * nd   # recomputed, kept on device
+    # without offload a checkpointed layer's stash, recomputed in backward, stays on the device
+    # through that layer's backward (under "off" every layer's is in ckpt_dev already)
+    recomputed = s.options.checkpointing != "off"
+    stash_resident = (stash_nd - _dq_nd(cfg, s)) * nd if recomputed and not s.options.offload else 0.0
     costs = layer_attention_costs(cfg, s)       # its peaks include the on-device stash without offload
     if s.cp == 1:   # the Ulysses pipeline, plus the projection-input chunk the layer fetches for dW
         ws_U = max(ulysses_working_set_U(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
@@ -267,7 +290,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
                "mlp_chunk": 0.0, "loss_chunk": 0.0}
     phases = {   # sub-phase -> (full-length tensors of the in-flight layer, working-set category, bytes)
         "norm": (NORM_PHASE_ND * nd + stash_resident, None, 0.0),
-        "attention": (ATTENTION_PHASE_ND * nd, "attention_working_set", attn_ws),
+        "attention": ((ATTENTION_PHASE_ND if recomputed else ATTENTION_PHASE_OFF_ND) * nd, "attention_working_set",
+                      attn_ws),
         "mlp": (MLP_PHASE_ND * nd + stash_resident, "mlp_chunk", mlp_ws),
     }
     in_flight, ws_key, ws = max(phases.values(), key=lambda p: p[0] + p[2])

@@ -279,6 +279,11 @@ class Windows:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
         return int(order[pos])
 
+    def attended_length(self, k: int) -> float:
+        """The length the FLOPs formula's attention term takes for sequence ``k``
+        (:func:`fpdt.train.metrics.step_rates`): ``S``, one causal sequence."""
+        return float(self.seq_len)
+
     def window(self, w: int) -> np.ndarray:
         """Window ``w``: ``S + 1`` int64 ids."""
         start = w * (self.seq_len + 1)
@@ -341,6 +346,17 @@ class PackedWindows:
         return len(self.first_piece) - 1
 
     window_of_sequence = Windows.window_of_sequence
+
+    def attended_length(self, k: int) -> float:
+        """The length the FLOPs formula's attention term takes for sequence ``k``
+        (:func:`fpdt.train.metrics.step_rates`, ``S / 2`` keys per token when causal):
+        ``sum n_d^2 / S`` over the window's documents, the padding after the last one counted
+        as one more (the model attends over it as such), so that the count is the work the
+        document mask leaves, as ``fpdt-plan --doc-len`` counts it; ``S`` for one document."""
+        w = self.window_of_sequence(k)
+        n = self.piece_len[self.first_piece[w]:self.first_piece[w + 1]].astype(np.float64)
+        pad = self.seq_len - n.sum()
+        return float((n * n).sum() + pad * pad) / self.seq_len
 
     def window(self, w: int) -> dict[str, np.ndarray]:
         """Window ``w``: ``input_ids``, ``labels`` (next-token targets, -100 at each document's last

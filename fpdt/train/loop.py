@@ -126,6 +126,16 @@ def _reduce_stats(loss_sum: torch.Tensor, peaks: MemoryPeaks, spec: LoopSpec) ->
     return mean.item() / ps.world_size, out
 
 
+def step_attended_length(windows: Windows | PackedWindows, spec: LoopSpec, step: int) -> float:
+    """The mean attended length (``attended_length``) over every sequence optimizer step ``step``
+    trains, on all DP groups and micro steps: each holds ``S`` tokens, so the mean puts the step's
+    attention FLOPs into :func:`step_rates`. Computed alike on every rank, without communication."""
+    ps = spec.parallel
+    ks = [k for micro in range(spec.grad_accum) for dp_rank in range(ps.dp)
+          for k in sequence_ids(step, micro, spec.grad_accum, dp_rank, ps.dp, spec.micro_batch)]
+    return sum(windows.attended_length(k) for k in ks) / len(ks)
+
+
 def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: int) -> StepRecord:
     """Run optimizer step ``step`` (0-based) and describe it."""
     ps = spec.parallel
@@ -141,7 +151,7 @@ def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: i
     seconds = time.perf_counter() - t0
     loss, mem = _reduce_stats(loss_sum, region.peaks, spec)
     tokens = spec.plan.seq_len * spec.micro_batch * spec.grad_accum * ps.dp
-    rates = step_rates(spec.shape, spec.plan.seq_len, tokens, seconds, ps.world_size,
+    rates = step_rates(spec.shape, step_attended_length(windows, spec, step), tokens, seconds, ps.world_size,
                        spec.peak_flops, spec.recompute, lora=spec.lora)
     norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
     return StepRecord(step=step + 1, loss=loss, lr=lr, tokens=tokens, step_time_s=seconds,

@@ -17,6 +17,11 @@ Forward FLOPs of one token::
 **MFU**) and ``c = 1`` for the full-attention count other papers use (reported as
 **MFU (full attention)**, e.g. to compare with FPDT or USP tables).
 
+**Packed documents**: attention runs only within each document, so the attention term takes
+``S_att = sum n_d^2 / S`` over the window's ``n_d``-token documents in place of ``S``
+(``attended_length`` of :class:`fpdt.train.data.PackedWindows`; the planner's
+:func:`fpdt.plan.documents.effective_length` alike); ``S`` for one document.
+
 Training FLOPs per token are ``3 * F_fwd`` (backward = 2x forward). Recomputation by
 activation checkpointing is *not* counted in MFU (it is work the model did not need); **HFU** adds the
 recomputed layer forward, ``l * [...]`` once more, when checkpointing is on.
@@ -202,7 +207,8 @@ class StepRates:
 def step_rates(m: ModelShape, seq_len: int, tokens: int, seconds: float, n_devices: int,
                peak_flops: float | None, recompute: bool, lora=None) -> StepRates:
     """Rates for a step that trained ``tokens`` tokens of ``seq_len``-token sequences in
-    ``seconds`` (``lora``: a :class:`fpdt.model.LoraSpec` for a LoRA step's FLOPs)."""
+    ``seconds`` (``seq_len``: the attended length with packed documents, module docstring;
+    ``lora``: a :class:`fpdt.model.LoraSpec` for a LoRA step's FLOPs)."""
     tps = tokens / seconds
     if not peak_flops:
         return StepRates(tps, tps / n_devices, None, None, None)

@@ -5,7 +5,7 @@ Same tiny model and inputs: a bf16 Llama (hidden 64, GQA 4:1... 4 query / 2 KV h
 step (so, as in the device-memory issue, only what the step creates is counted). The
 planner's ``activation_peak_bytes`` (everything beyond model states, communication
 buffers and the runtime reserve) must be within 10% of the accountant's device peak, on
-every rank, for sp 1 and 2, u 2/4/8, offload on/off, checkpointing on/offload. A
+every rank, for sp 1 and 2, u 2/4/8, offload on/off, checkpointing on/offload/off. A
 vocabulary of 32,000 puts the peak at the loss instead, for both LM-head weight-gradient
 modes (there "recompute" measures 2.5x less than "accumulate").
 """
@@ -38,6 +38,14 @@ CASES = [
     (1, 2048, 8, True, "offload", 32000, "recompute"),
     (1, 512, 2, True, "offload", 32000, "recompute"),
     (2, 2048, 4, True, "offload", 32000, "recompute"),
+    # no layer checkpointing: every layer's saved tensors (the output projection reading its
+    # input from the stash under offload)
+    (1, 2048, 2, True, "off"),
+    (1, 2048, 8, True, "off"),
+    (1, 2048, 4, False, "off"),
+    (2, 2048, 4, True, "off"),
+    (2, 2048, 2, False, "off"),
+    (1, 2048, 4, True, "off", 32000, "recompute"),
 ]
 
 

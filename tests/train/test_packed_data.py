@@ -95,6 +95,33 @@ def test_windows_of_whole_documents_in_order():
     assert "packed documents=10 mean_len=10.0 continuations=2" in windows.describe()
 
 
+def test_attended_length_is_the_masked_attention_work():
+    """A window's attended length is sum n^2 / S over its documents, the padding one more: the
+    attention term of the FLOPs formula then counts the query-key work the document mask leaves,
+    i.e. what the doc_ids the model gets describe (S for a window holding one document)."""
+    from fpdt.train.data import Windows
+    from fpdt.train.loop import step_attended_length
+
+    S = 16
+    tokens, lengths = _stream([5, 3, 8, 1, 40, 7, 16, 2, 9, 9])
+    windows = PackedWindows(tokens, lengths, S)
+    for w in range(windows.num_windows):
+        doc_ids = windows.window(w)["doc_ids"]
+        want = sum(int(c) ** 2 for c in np.bincount(doc_ids)) / S
+        assert windows.attended_length(w) == pytest.approx(want)
+    assert windows.attended_length(3) == S                       # [16]: one document
+    assert windows.attended_length(0) == pytest.approx((25 + 9 + 64) / S)
+    assert windows.attended_length(windows.num_windows) == windows.attended_length(0)   # next epoch
+    # a step's mean covers every DP group and micro step: step 1 of 2 x 2 x 2 reads sequences 8..15
+    spec = type("Spec", (), {"grad_accum": 2, "micro_batch": 2, "parallel": type("P", (), {"dp": 2})})
+    mean = step_attended_length(windows, spec, 1)
+    assert mean == pytest.approx(sum(windows.attended_length(k) for k in range(8, 16)) / 8)
+    assert step_attended_length(Windows(np.arange(100), 9), spec, 0) == 9
+    from fpdt.plan.documents import effective_length      # the planner's count, for equal documents
+    even = PackedWindows(*_stream([4] * 8), S)
+    assert even.attended_length(0) == effective_length(S, 4) == 4
+
+
 @pytest.mark.parametrize("sp, u, mesh", [(1, 1, None), (2, 2, None), (4, 1, (2, 2))])
 def test_shard_and_doc_ids(sp, u, mesh):
     S = 32
