@@ -159,7 +159,7 @@ def trial(args) -> dict:
         # which kernel runs attention (for fpdt this is also the kernel's first-use self-check,
         # kept outside the measured step)
         out["attention_kernel"] = st.attention_kernel(args.strategy, cfg, device, dtype, args.attention_backend)
-        profile = args.profile_step and device.type == "cuda"
+        profile = args.profile_step           # also on the CPU, where it records nothing: dry runs
         if profile:                                # warm-up step, so the trace holds a steady step
             trainee.step(ids)
         opt_before = trainee.optimizer_state_bytes()
@@ -170,7 +170,7 @@ def trial(args) -> dict:
         simulate = args.device_mem_gib and args.stop_at_capacity and device.type == "cpu"
         cap = int(args.device_mem_gib * GIB) if simulate else None
         moments = 2 * param_bytes if opt_before == 0 else 0
-        with RegionMemory(device, count_cuda=True) as region, _maybe_profiler(profile) as prof:
+        with RegionMemory(device, count_cuda=True) as region, _maybe_profiler(profile, device) as prof:
             acct = region.accountant
             if cap is not None:
                 acct.set_limit(cap - param_bytes - opt_before - moments)
@@ -186,7 +186,7 @@ def trial(args) -> dict:
                 _sync(device)
             seconds, fwd_bwd_s = time.perf_counter() - t0, t1 - t0
         peaks = region.peaks
-        if profile:
+        if profile and device.type == "cuda":    # the CPU trace has no device events to count
             out.update(bc.exposed_copy_seconds(prof))
             out["profile"] = bc.step_kernels(prof)
         timed = _timed_step(trainee, ids, device) if args.timed_step else None
@@ -279,12 +279,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _maybe_profiler(on: bool):
+def _maybe_profiler(on: bool, device: torch.device):
     import contextlib
     if not on:
         return contextlib.nullcontext()
     from torch.profiler import ProfilerActivity, profile
-    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
 
 
 # ----------------------------------------------------------------------------- drivers
