@@ -23,7 +23,9 @@ Activations (per rank), the phase with the larger sum sets the peak:
 * **layer-input checkpoints**: ``"on"`` keeps ``l * Nd`` on the device; ``"offload"`` keeps
   them on the host and two on the device (the layer being recomputed and the next one,
   prefetched); ``"off"`` keeps every layer's saved activations on the device
-  (:data:`SAVED_PER_LAYER_ND` each, plus the attention stash when not offloaded).
+  (:data:`SAVED_PER_LAYER_ND` each, plus the attention stash when not offloaded; offloaded,
+  less :data:`O_PROJ_INPUT_ND`, which ``o_proj`` reads back from the stash, in ``fpdt.model``
+  and ``fpdt.hf`` alike).
 * **in-flight layer**: full-length tensors alive in one layer's backward, in the sub-phase
   that peaks: the RMSNorm backward (:data:`NORM_PHASE_ND` ``* Nd``; the lean RMSNorm's
   fp32 temporaries are chunk-sized; without offload the recomputed attention stash is
@@ -103,6 +105,10 @@ the post-attention norm runs inside the MLP, whose input gradient is never full-
 SAVED_PER_LAYER_ND = 5.0
 """Full-length tensors one layer saves for backward without checkpointing (norm inputs,
 normed projection input, attention output, residual, MLP input), attention stash aside."""
+O_PROJ_INPUT_ND = 1.0
+"""The attention output among :data:`SAVED_PER_LAYER_ND`: with offload, ``o_proj`` keeps no copy
+of it and reads it back from the attention's host stash (:mod:`fpdt.attention.output_projection`;
+counted for ``fpdt.hf`` in ``tests/memory/test_hf_budget.py``)."""
 ATTENTION_WS_U = 16.0
 """Chunk-sized buffers of the attention pipeline at its backward peak (device-memory
 issue's budget)."""
@@ -232,8 +238,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         # the last k layers' inputs kept there, k at the start of backward, then fewer.
         k = s.options.checkpoint_device_layers
         ckpt_dev, ckpt_host = max(k, min(2, l)) * nd, (l - k) * nd
-    else:   # every layer keeps its activations (and its stash, unless offloaded)
-        per_layer = SAVED_PER_LAYER_ND + (0.0 if s.options.offload else stash_nd)
+    else:   # every layer keeps its activations (and its stash, unless offloaded: o_proj then reads from it)
+        per_layer = SAVED_PER_LAYER_ND + (-O_PROJ_INPUT_ND if s.options.offload else stash_nd)
         ckpt_dev, ckpt_host = l * per_layer * nd, 0.0
     saved_host_layers, saved_dev_layers = s.saving_layers(l)
     saved_dev = saved_dev_layers * saved_attention_bytes(cfg, s)

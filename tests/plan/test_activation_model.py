@@ -116,3 +116,17 @@ def test_checkpoint_device_layers_move_checkpoints_between_tiers(offload, device
         assert acct.host_peak <= host <= acct.host_peak + 2 * nd
     else:
         assert host == acct.host_peak == (6 - device_layers) * nd
+
+
+def test_without_a_checkpoint_offload_keeps_no_o_proj_input():
+    """``checkpointing="off"`` keeps every layer's saved tensors on the device; with offload, one
+    full-length tensor fewer per layer: ``o_proj`` reads the attention output back from the host
+    stash (``fpdt.model`` and ``fpdt.hf``; counted in ``tests/memory/test_hf_budget.py``)."""
+    from fpdt.plan.memory_model import O_PROJ_INPUT_ND, SAVED_PER_LAYER_ND
+
+    cfg = load_model_config("llama-3-8b")
+    node = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8, host_mem_bytes=1024 * 2 ** 30)
+    s = Setup.build(seq_len=2 ** 17, chunk_size=16384, hp=8, checkpointing="off", offload=True)
+    nd = s.rank_tokens * cfg.hidden_size * s.elem_bytes
+    kept = evaluate(cfg, s, node)["breakdown"]["checkpoints_device"]
+    assert kept == cfg.num_layers * (SAVED_PER_LAYER_ND - O_PROJ_INPUT_ND) * nd
