@@ -115,9 +115,9 @@ def _peft_forward_hooks(module: nn.Module) -> bool:
 
 def lean_lora(module: nn.Module, owner: str) -> Projections | None:
     """``module`` as a base linear and its LoRA terms if it is a PEFT LoRA layer whose terms
-    fpdt computes (then the caller computes it with :func:`fpdt.ops.lora.lora_linear`, which
-    keeps less for backward than PEFT's forward); None for anything else, which the caller
-    runs as a module (its own forward)."""
+    fpdt computes (then the caller computes it with
+    :func:`fpdt.attention.output_projection.output_projection`, which keeps less for backward than
+    PEFT's forward); None for anything else, which the caller runs as a module (its own forward)."""
     lora_linear = _peft_lora_linear()
     if lora_linear is None or type(module) is not lora_linear:
         return None

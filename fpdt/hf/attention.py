@@ -20,7 +20,9 @@ a KV cache) is refused with the fix rather than ignored.
 Qwen3 attention modules: it replaces the module's forward, so that the q/k/v projections and
 RoPE run inside FPDT attention chunk by chunk
 (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), as in
-:class:`fpdt.model.FPDTForCausalLM`.
+:class:`fpdt.model.FPDTForCausalLM`; and, for the layers :func:`o_proj_stash_layers` names (no
+layer checkpoint, ``offload=True``), ``o_proj`` keeps no copy of its input for backward
+(:mod:`fpdt.attention.output_projection`).
 """
 
 from __future__ import annotations
@@ -32,16 +34,20 @@ import torch
 import torch.distributed as dist
 
 from fpdt.attention import fpdt_attention
+from fpdt.attention.output_projection import StashedInput, output_projection
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.comm import SequenceMesh
 from fpdt.hf.adapters import Projections, lean_lora, read_projections
 from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import resolve_group
 from fpdt.offload import Runtime
-from fpdt.ops.lora import lora_linear
 from fpdt.options import FPDTOptions
 
 _names = itertools.count()
+
+O_PROJ_FROM_STASH = "fpdt_o_proj_from_stash"
+"""The keyword argument :func:`fpdt.hf.forward.causal_lm_forward` passes to every attention call
+with :func:`o_proj_stash_layers`' answer (absent: no layer's ``o_proj`` reads from the stash)."""
 
 
 def _refuse_unhonoured(module: torch.nn.Module, name: str, attention_mask, dropout: float,
@@ -148,12 +154,33 @@ def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[torch.
     return known[type(module)](module), _qk_norm(module), projections
 
 
+def o_proj_stash_layers(layers: list[torch.nn.Module], options: FPDTOptions) -> frozenset[int]:
+    """The ``layer_idx`` of the decoder ``layers`` whose ``o_proj`` reads its input back from the
+    attention's stash in this forward (:func:`chunked_qkv_attention_forward`): with ``offload`` and
+    no layer checkpoint, neither fpdt's (``checkpointing="off"``) nor Transformers' own on that layer
+    (its ``gradient_checkpointing`` in training), where every such layer would otherwise keep the
+    full-length attention output on the device from forward to backward, beside the copy of it the
+    attention's host stash already holds (as :class:`fpdt.model.FPDTForCausalLM` under
+    ``checkpointing="off"``). Under a checkpoint the layer keeps nothing to backward anyway, and
+    ``o_proj`` is unchanged."""
+    if not (options.offload and options.checkpointing == "off" and torch.is_grad_enabled()):
+        return frozenset()
+    return frozenset(layer.self_attn.layer_idx for layer in layers
+                     if not (getattr(layer, "gradient_checkpointing", False) and layer.training))
+
+
 def chunked_qkv_attention_forward(settings: FPDTOptions, name: str):
     """A forward for a Llama, Mistral, Qwen2 or Qwen3 attention module (:func:`check_chunked_qkv`;
     to bind to it) that runs the q/k/v projections (and Qwen3's q/k norms), RoPE and FPDT
     attention chunk by chunk (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`),
     so the layer's full-length local q/k/v never exist; then ``o_proj``. RoPE uses the model's own
-    ``position_embeddings`` (whatever its RoPE scaling computed), sliced per chunk."""
+    ``position_embeddings`` (whatever its RoPE scaling computed), sliced per chunk.
+
+    ``o_proj``: a plain ``nn.Linear`` runs as itself, unless the call's :data:`O_PROJ_FROM_STASH`
+    names this layer; then it, like a PEFT LoRA ``o_proj`` always, runs
+    :func:`fpdt.attention.output_projection.output_projection`, whose backward reads its input
+    ``[B, S_local, H D]`` back a chunk at a time from this call's host stash instead of keeping it
+    (a LoRA ``o_proj`` not so named keeps it); anything else runs as itself."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -169,6 +196,8 @@ def chunked_qkv_attention_forward(settings: FPDTOptions, name: str):
         cos, sin = position_embeddings
         B, S_local, _ = hidden_states.shape
         H, H_kv = self.config.num_attention_heads, self.config.num_key_value_heads
+        from_stash = torch.is_grad_enabled() and self.layer_idx in kwargs.get(O_PROJ_FROM_STASH, ())
+        sink = [] if from_stash else None       # gets the call's stash, for o_proj's backward
         out = projected_fpdt_attention(hidden_states, *proj.bases,
                                        heads=(H, H_kv, self.head_dim), cos=cos, sin=sin,
                                        group=resolve_group(settings.group),
@@ -176,14 +205,20 @@ def chunked_qkv_attention_forward(settings: FPDTOptions, name: str):
                                        offload=settings.offload, backend=settings.backend,
                                        softmax_scale=self.scaling, label=f"layer {self.layer_idx}",
                                        qk_norm=qk_norm, adapters=proj.adapters, doc_ids=kwargs.get("doc_ids"),
-                                       saved=kwargs.get("fpdt_saved"), runtime=settings.runtime)
-        out = out.reshape(B, S_local, H * self.head_dim)
+                                       saved=kwargs.get("fpdt_saved"), stash_sink=sink,
+                                       runtime=settings.runtime)
+        out = out.reshape(B, S_local, H * self.head_dim)                       # [B, S_local, H D]
+        source = StashedInput(*sink[0]) if sink else None    # empty: the call kept nothing for backward
         lean = lean_lora(self.o_proj, type(self).__name__)
-        if lean is None:
-            return self.o_proj(out), None
-        # a PEFT LoRA o_proj: its terms over 2u token chunks, saving only the attention output
-        base = lean.bases[0]
-        return lora_linear(out, base.weight, base.bias, lean.adapters, 2 * settings.num_chunks), None
+        if lean is not None:
+            # a PEFT LoRA o_proj: its terms over 2u token pieces, saving the attention output or, from
+            # the stash, nothing; the same Function in every mode, so dropout masks agree between them
+            base = lean.bases[0]
+            return output_projection(out, base.weight, base.bias, lean.adapters, settings.num_chunks, source), None
+        if source is not None and plain_linears(self.o_proj):
+            return output_projection(out, self.o_proj.weight, self.o_proj.bias, None, settings.num_chunks,
+                                     source), None
+        return self.o_proj(out), None
 
     return forward
 

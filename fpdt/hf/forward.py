@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fpdt.hf.attention import FPDTHFError, plain_linears
+from fpdt.hf.attention import O_PROJ_FROM_STASH, FPDTHFError, o_proj_stash_layers, plain_linears
 from fpdt.hf.documents import pop_explicit_documents, window_doc_ids
 from fpdt.hf.groups import resolve_group
 from fpdt.hf.padding import whole_window_mask
@@ -136,6 +136,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
             raise FPDTHFError(str(e)) from e
     if doc_ids is not None:
         kwargs["doc_ids"] = doc_ids              # [B, S] global: to every attention call (recompute included)
+    kwargs.update(_o_proj_from_stash(self, settings))
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
@@ -146,6 +147,13 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     if trainer and out.loss is not None:
         out.loss = sum_gradient_over_group(out.loss, group=settings.sp_group, sp=sp)
     return out if return_dict else out.to_tuple()
+
+
+def _o_proj_from_stash(model, settings: HFSettings) -> dict:
+    """The attention calls' keyword argument naming the layers whose ``o_proj`` reads its input
+    from the attention's stash (:func:`fpdt.hf.attention.o_proj_stash_layers`), or none."""
+    layers = o_proj_stash_layers(list(model.model.layers), settings.options) if settings.chunked_qkv else None
+    return {O_PROJ_FROM_STASH: layers} if layers else {}
 
 
 @contextlib.contextmanager

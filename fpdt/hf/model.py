@@ -41,9 +41,16 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
   window's documents once (under SP one all-gather of the positions) and hands their ids to every
   attention call.
 
+* **o_proj** (``offload=True`` without a layer checkpoint: ``checkpointing="off"`` and not
+  Transformers' own on that layer; ``chunked_qkv``): the output projection keeps no copy of its
+  input, the full-length attention output; its backward reads it back a chunk at a time from the
+  attention's host stash (:mod:`fpdt.attention.output_projection`, as
+  :class:`fpdt.model.FPDTForCausalLM` under ``checkpointing="off"``).
+
 What stays Transformers': embeddings, RoPE's tables (``(cos, sin)`` of every local token,
 ``2 D / hidden`` of a hidden-state tensor, which :class:`fpdt.model.FPDTForCausalLM` does not
-hold) and the output projection (and the q/k/v projections with ``chunked_qkv=False``).
+hold) and the output projection under a layer checkpoint or without offload (and the q/k/v
+projections with ``chunked_qkv=False``).
 
 Gradient convention, as :class:`fpdt.model.FPDTForCausalLM`: the loss value is the same on
 every SP rank; parameter gradients **summed** over the SP group are those of the global
@@ -119,7 +126,7 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
 
 
 def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool,
-                           qkv_chunked: bool, patches: Patches) -> None:
+                           qkv_chunked: bool, o_proj_from_stash: bool, patches: Patches) -> None:
     try:
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
     except ImportError:        # no DeepSpeed, no ZeRO-3
@@ -139,7 +146,9 @@ def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunke
     for layer in layers:
         if qkv_chunked:
             register(layer.self_attn, ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))   # q/k norms: Qwen3
-            if lean_lora(layer.self_attn.o_proj, "") is not None:   # read directly too (a PEFT LoRA o_proj)
+            # read directly too: a PEFT LoRA o_proj, or (offload, no fpdt checkpoint) one that reads its input
+            # from the stash (fpdt.hf.attention.o_proj_stash_layers, decided per forward)
+            if o_proj_from_stash or lean_lora(layer.self_attn.o_proj, "") is not None:
                 register(layer.self_attn, ("o_proj",))
         if mlp_chunked:
             register(layer.mlp, ("gate_proj", "up_proj", "down_proj"))
@@ -275,7 +284,8 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
                                   lean_norms=lean_norms)     # refuses unknown norm classes, before any change
     apply_all(adapter, options)
     patches.set(model, "_fpdt_undo", (patches, original_attention))
-    _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv), patches)
+    _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv),
+                           options.offload and options.checkpointing == "off", patches)
     return outer
 
 

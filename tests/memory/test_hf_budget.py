@@ -15,6 +15,8 @@ per forward and passed to every layer, ``2 * head_dim / hidden`` Nd (0.5 here; 1
 Llama-3-8B).
 """
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -156,7 +158,7 @@ def test_trainer_route_holds_only_the_relaid_inputs_more():
 @pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.long), 0.1])
 def test_lora_holds_per_token_what_full_fine_tuning_holds(dropout):
     """PEFT LoRA on every decoder linear (fp32 adapters on the bf16 model): the chunked functions
-    compute the q/k/v and MLP adapters, fpdt's lean LoRA linear the o_proj's, and the per-token
+    compute the q/k/v and MLP adapters, fpdt's chunked output projection the o_proj's, and the per-token
     slope is full fine-tuning's budget (PEFT's own o_proj forward keeps an fp32 copy of the
     attention output, and with dropout the dropped copy too: 1.9 / 5.9 Nd more here). The frozen
     base weights get no weight-sized gradient accumulators: the short-length peak is lower."""
@@ -167,3 +169,68 @@ def test_lora_holds_per_token_what_full_fine_tuning_holds(dropout):
     budget = budget_nd(u) + ROPE_TABLES_ND
     assert budget - 0.1 <= slope <= budget, f"LoRA, dropout {dropout}: {slope:.3f} Nd per token, budget {budget:.3f}"
     assert _peak(lora, 1024) < _peak(_model(u), 1024)
+
+
+def _held_after_forward(u: int, seq: int, keep_input: bool, lora_dropout: float | None = None) -> dict:
+    """Device bytes live after the forward (the loss computed, before backward) and the step's peak,
+    with ``offload=True`` and no layer checkpoint; ``keep_input``: the HF path before the change
+    (no layer's ``o_proj`` told to read its input from the stash: it keeps it)."""
+    import fpdt.hf.forward
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if lora_dropout is not None:
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=lora_dropout,
+                                                           target_modules=["q_proj", "o_proj"]))
+    fpdt.hf.apply_fpdt(model, num_chunks=u, offload=True, checkpointing="off")
+    model.train()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
+    inputs = fpdt.hf.prepare_inputs(model, ids)
+    model(**inputs).loss.backward()                        # kernel self-check outside the count
+    with contextlib.ExitStack() as undo:
+        if keep_input:
+            undo.enter_context(_patched(fpdt.hf.forward, "_o_proj_from_stash", lambda model, settings: {}))
+        with MemoryAccountant("cpu") as acct:
+            loss = model(**inputs).loss
+            after_forward = acct.device_live
+            loss.backward()
+            del loss
+    return {"after_forward": after_forward, "peak": acct.device_peak}
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    """``owner.name = value`` for the block (added if absent, as on the code before the change)."""
+    old = owner.__dict__.get(name, _patched)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if old is _patched:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, old)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("u,lora_dropout", [(4, None), (8, None), (4, 0.1)])
+def test_no_layer_keeps_o_proj_input_without_a_checkpoint(u, lora_dropout):
+    """``offload=True`` and ``checkpointing="off"`` (no Transformers checkpoint either): each layer's
+    ``o_proj`` (plain, or PEFT LoRA with dropout) keeps no copy of its input, the attention output
+    ``[1, S, H D]`` in bf16, from forward to backward; its backward reads it back from the
+    attention's host stash. Counted exactly: the device bytes held after the forward are one such
+    tensor per layer fewer than when ``o_proj`` keeps it (the HF path before)."""
+    if lora_dropout is not None:
+        pytest.importorskip("peft")
+    seq = 1024
+    new = _held_after_forward(u, seq, keep_input=False, lora_dropout=lora_dropout)
+    old = _held_after_forward(u, seq, keep_input=True, lora_dropout=lora_dropout)
+    layers, HD = CONFIG["num_hidden_layers"], CONFIG["num_attention_heads"] * CONFIG["head_dim"]
+    saved = layers * seq * HD * 2
+    assert old["after_forward"] - new["after_forward"] == saved, (u, lora_dropout, old, new, saved)
+    assert new["peak"] < old["peak"], (u, lora_dropout, old, new)
