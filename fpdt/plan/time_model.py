@@ -28,7 +28,10 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
   K/V chunks fetched per block in forward; q̂, o, dô, lse and the fp32 dq round trip per
   block in backward). Copies in both directions run beside the attention of the same pass;
   what attention cannot cover is exposed, plus the first fetch of each layer and the
-  layer-input checkpoint copies not covered by one layer's compute.
+  layer-input checkpoint copies not covered by one layer's compute. Without a layer checkpoint,
+  ``o_proj``'s backward fetches the attention output again, chunk by chunk
+  (:mod:`fpdt.attention.output_projection`): its first chunk is exposed, the rest where it
+  exceeds ``o_proj``'s weight-gradient GEMM; with ``hp > 1`` it adds one ``o``-sized all-to-all.
 * **zero_collectives**: ZeRO-3 parameter all-gathers (forward, recompute, backward) and
   gradient reduce-scatter, exposed only where they exceed the step's compute (DeepSpeed
   prefetches the next layer).
@@ -208,6 +211,22 @@ def _document_copies(cfg: ModelConfig, s: Setup, c: AttentionCosts) -> Attention
     return dataclasses.replace(c, **{f: getattr(c, f) + x * (getattr(full, f) - getattr(c, f)) for f in fields})
 
 
+def o_proj_refetch(cfg: ModelConfig, s: Setup, rates) -> tuple[float, float]:
+    """Per layer, what reading ``o_proj``'s input back from the attention stash adds to the
+    backward (``checkpointing="off"`` with offload, :mod:`fpdt.attention.output_projection`;
+    else ``(0, 0)``): the exposed seconds of fetching the ``u`` chunks of ``o`` (the first in
+    full, each next one where it exceeds its chunk of ``o_proj``'s weight-gradient GEMM, beside
+    which it is prefetched) and the bytes of the one more all-to-all that sends them back to
+    sequence layout (``hp > 1``), counted as the attention's all-to-alls are."""
+    if s.options.checkpointing != "off" or not s.options.offload:
+        return 0.0, 0.0
+    u, qd = s.num_chunks, cfg.num_heads * cfg.head_dim
+    fetch = s.batch * s.local_tokens * qd * s.elem_bytes / rates.h2d_bytes_s
+    wgrad = 2 * s.rank_tokens * qd * cfg.hidden_size / rates.gemm_flops
+    a2a = s.batch * s.local_tokens * qd * s.elem_bytes * (s.hp - 1) // s.hp
+    return fetch / u + max(0.0, fetch - wgrad) * (u - 1) / u, float(a2a)
+
+
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
                   saved_output_all_to_alls: int = SAVED_OUTPUT_ALL_TO_ALLS) -> dict:
     """Seconds per optimizer step, per component (exposed time) plus ``"total"``
@@ -233,11 +252,13 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
     # Per-layer communication and copy volumes of the attention schedule (fpdt.attention.ring_costs).
     c = _document_copies(cfg, s, layer_attention_costs(cfg, s))
     fwd_passes = 2 if recompute else 1
+    o_fetch_s, o_a2a_bytes = o_proj_refetch(cfg, s, rates)
     a2a = 0.0
     if s.hp > 1:
         a2a_bytes = l * (fwd_passes * c.all_to_all_bytes_fwd + c.all_to_all_bytes_bwd)
         o_bytes = s.batch * s.local_tokens * cfg.num_heads * cfg.head_dim * e * (s.hp - 1) // s.hp
         a2a_bytes -= saving * (1 - saved_output_all_to_alls) * o_bytes
+        a2a_bytes += l * o_a2a_bytes
         a2a = a2a_bytes / _link(cluster, s.hp, s.placement == "head_first", rates)
     a2a_exposed = a2a / u + max(0.0, a2a * (u - 1) / u - t_attn * (u - 1) / u)
 
@@ -263,6 +284,7 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
             fetched = u * q / rates.h2d_bytes_s
             gemm_pass = t_gemm / (l * gemm_passes)
             h2d_exposed += (l - saving) * forward + saving * max(0.0, max(stashed, fetched) - gemm_pass)
+    h2d_exposed += l * o_fetch_s
     if s.options.checkpointing == "offload":   # the layers whose inputs go to the host and come back
         layer_compute = (t_gemm + t_attn) / l
         ckpt_copy = tokens * cfg.hidden_size * e / rates.h2d_bytes_s
