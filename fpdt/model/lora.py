@@ -11,8 +11,9 @@ and the floats ``lora_scaling`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLo
 read its weight (:mod:`fpdt.attention.module`, :mod:`fpdt.model.mlp`) read the adapters too
 (:func:`fpdt.ops.lora.attached_adapters`) and add ``lora_B(lora_A(dropout(x))) * scaling``
 to the base projection a chunk of tokens at a time, as PEFT's ``Linear.forward`` would (the
-input cast to the adapters' dtype, the sum cast back); an ``o_proj`` with an adapter runs as
-the lean LoRA linear. Every other parameter gets ``requires_grad=False``: no weight-gradient
+input cast to the adapters' dtype, the sum cast back); an ``o_proj`` with an adapter runs in
+:func:`fpdt.attention.output_projection.output_projection`, its terms over ``2 u`` token pieces.
+Every other parameter gets ``requires_grad=False``: no weight-gradient
 GEMM, no accumulator, no optimizer state for it.
 
 Parameter names are then PEFT's, less its ``base_model.model.`` prefix and adapter name:

@@ -127,7 +127,7 @@ def test_two_layer_model_per_token_within_budget(u, attention_checkpoint):
 def test_lora_per_token_within_the_same_budget(dropout):
     """LoRA (:func:`fpdt.model.add_lora`, rank 8 on every decoder linear, fp32 adapters on the
     bf16 model, the base frozen) holds per token what full training holds: its terms run a chunk
-    at a time inside the chunked functions and the o_proj's in the lean LoRA linear, and the
+    at a time inside the chunked functions and the o_proj's in its output-projection Function, and the
     dropout masks are regenerated, not kept. The frozen weights get no weight-sized gradient
     accumulators, so at a short length the peak is lower than full training's."""
     u = 4
