@@ -39,7 +39,7 @@ from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import lora, preflight, saving, zero, zero_load
 from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout,
                                ds_dtype_name, ds_zero_stage, load_ds_config, merge_options, validate)
-from fpdt.train.data import (DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
+from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report
 from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, run_steps
@@ -69,11 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "else uint32)")
     d.add_argument("--seq-len", type=int, required=True, help="global tokens per training sequence")
     d.add_argument("--shuffle", action="store_true", help="visit windows in a seeded random order")
-    d.add_argument("--pack-documents", action="store_true",
-                   help="windows of whole documents (each .txt file, each .jsonl line; .npy/.bin streams split "
-                        "after every eos_token_id), in order: positions restart and attention is masked at each "
-                        "document, whose last token predicts nothing; a document longer than --seq-len is split, "
-                        "each continuation from position 0")
+    d.add_argument("--pack-documents", nargs="?", const="in-order", choices=PACKINGS, metavar="PACKING",
+                   help="windows of documents (each .txt file, each .jsonl line; .npy/.bin streams split after "
+                        "every eos_token_id): positions restart and attention is masked at each document, whose "
+                        "last token predicts nothing; a document longer than --seq-len is split, each "
+                        "continuation from position 0. PACKING: in-order (default: whole documents in order, "
+                        "next fit), best-fit (whole documents, each window filled from a buffer of the next "
+                        "1024: less padding) or split (full windows, a document crossing a window's end "
+                        "continues in the next)")
     f = p.add_argument_group("FPDT (flags win over the \"fpdt\" section of the DeepSpeed JSON)")
     f.add_argument("--sp", type=int, help="sequence-parallel size (divides the world size; default 1); "
                                          "shorthand for --hp SP --cp 1")
@@ -247,7 +250,8 @@ def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> 
         check_vocab(tokens, vocab_size, args.data)
         pad = hf_config.get("pad_token_id")
         pad = pad if isinstance(pad, int) and 0 <= pad < vocab_size else (eos if eos is not None else 0)
-        windows = PackedWindows(tokens, lengths, args.seq_len, pad_id=pad, shuffle=args.shuffle, seed=args.seed)
+        windows = PackedWindows(tokens, lengths, args.seq_len, pad_id=pad, shuffle=args.shuffle, seed=args.seed,
+                                packing=args.pack_documents)
         return windows, tokenizer if os.path.isfile(tokenizer) else None
     tokens = load_tokens(args.data, **source)
     check_vocab(tokens, vocab_size, args.data)
@@ -259,7 +263,9 @@ def run_info(args: argparse.Namespace, plan: RunLayout, micro: int, gas: int) ->
     """What decides which windows a step reads (compared on resume)."""
     return {"seq_len": plan.seq_len, "dp": plan.dp, "micro_batch": micro, "grad_accum": gas,
             "shuffle": args.shuffle, "seed": args.seed, "data": os.path.abspath(args.data),
-            "pack_documents": True if args.pack_documents else None}   # None: as runs before it
+            # None: unpacked, as runs before packing; True: in order, as runs before the other packings
+            "pack_documents": None if not args.pack_documents else
+            True if args.pack_documents == "in-order" else args.pack_documents}
 
 
 # ----------------------------------------------------------------------------- the run

@@ -25,9 +25,11 @@ The contract (also in docs/train.md, "Data contract"):
    streams end a document after every ``eos_token_id`` (a file's tail without one is a document
    too). Windows hold ``seq_len`` tokens of whole documents, in order (next fit: a document that
    does not fit in what is left of a window starts the next one, and the rest is padding, a
-   document of its own whose targets are ``-100``). A document longer than ``seq_len`` is split
-   into ``seq_len``-token pieces, each continuation a document of its own from position 0 (as
-   Transformers' packing does). Positions restart at 0 at each document, the attention is
+   document of its own whose targets are ``-100``); ``--pack-documents best-fit`` fills each
+   window from a buffer of the next documents instead, and ``split`` fills every window,
+   splitting the document that crosses its end (:class:`PackedWindows`). A document longer
+   than ``seq_len`` is split into ``seq_len``-token pieces, each continuation a document of its
+   own from position 0 (as Transformers' packing does). Positions restart at 0 at each document, the attention is
    masked at every boundary, and each document's last token predicts nothing (target ``-100``).
 5. Sequence ``k`` of the run is drawn by one data-parallel group: optimizer step ``t``,
    micro step ``m`` (gradient accumulation) and sample ``b`` of the micro batch in DP
@@ -37,6 +39,7 @@ The contract (also in docs/train.md, "Data contract"):
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import dataclass
@@ -303,10 +306,28 @@ class Windows:
         return f"windows={self.num_windows}"
 
 
+PACKINGS = ("in-order", "best-fit", "split")
+"""How :class:`PackedWindows` fills its windows (``fpdt-train --pack-documents PACKING``)."""
+
+
 @dataclass
 class PackedWindows:
-    """Windows of ``seq_len`` tokens of whole documents, in order (``--pack-documents``; the
-    module docstring, item 4, states the packing)."""
+    """Windows of ``seq_len`` tokens of documents (``--pack-documents``; the module docstring,
+    item 4, states the packing). ``packing`` (:data:`PACKINGS`):
+
+    * ``"in-order"``: whole documents in stream order, next fit (a document that does not fit
+      in what is left opens the next window; the rest is padding);
+    * ``"best-fit"``: whole documents, each window opened by the earliest piece of a buffer of
+      the next ``lookahead`` pieces and filled from it greedily, largest that fits first, then
+      written in stream order: far less padding on long-tailed lengths, and no piece waits for
+      more than ``lookahead`` windows;
+    * ``"split"``: the stream cut into full windows; a document crossing a window's end is
+      split there and continues at position 0 in the next one (no padding but the last
+      window's).
+
+    In every mode a document longer than ``seq_len`` is cut into ``seq_len``-token pieces, and
+    each piece is a document of its own (positions from 0, its last token predicting nothing).
+    Window ``w`` holds pieces ``order[first_piece[w]:first_piece[w + 1]]``."""
 
     tokens: np.ndarray
     """1-D token ids (may be a memory map)."""
@@ -318,26 +339,35 @@ class PackedWindows:
     """Token id of the padding after a window's last whole document (its targets are -100)."""
     shuffle: bool = False
     seed: int = 0
+    packing: str = "in-order"
+    lookahead: int = 1024
+    """``"best-fit"``: how many pieces the buffer holds."""
 
     def __post_init__(self) -> None:
         S, lengths = self.seq_len, np.asarray(self.doc_lengths, dtype=np.int64)
         if lengths.size == 0 or int(lengths.sum()) != len(self.tokens) or (lengths <= 0).any():
             raise DataError(f"--data holds {len(self.tokens)} tokens in {lengths.size} documents whose lengths "
                             f"do not add up to them (or a document is empty)")
-        # pieces: every document cut into S-token pieces (a document of at most S tokens is one piece)
-        count = -(-lengths // S)
-        doc = np.repeat(np.arange(lengths.size), count)
-        k = np.arange(doc.size) - np.repeat(np.cumsum(count) - count, count)
-        self.piece_start = (np.cumsum(lengths) - lengths)[doc] + k * S
-        self.piece_len = np.minimum(S, lengths[doc] - k * S)
-        first, fill = [0], 0                    # next fit: a piece that does not fit opens the next window
-        for i, n in enumerate(self.piece_len.tolist()):
-            if fill + n > S:
-                first.append(i)
-                fill = 0
-            fill += n
-        first.append(doc.size)
-        self.first_piece = np.asarray(first, dtype=np.int64)
+        if self.packing not in PACKINGS:
+            raise DataError(f"--pack-documents {self.packing!r}: choose one of {', '.join(PACKINGS)}")
+        if self.lookahead < 1:
+            raise DataError(f"the best-fit lookahead must be at least 1 piece, got {self.lookahead}")
+        starts = np.cumsum(lengths) - lengths
+        if self.packing == "split":   # cut at every document start and every multiple of S
+            total = int(lengths.sum())
+            self.piece_start = np.union1d(starts, np.arange(0, total, S))
+            self.piece_len = np.diff(np.append(self.piece_start, total))
+            self.order = np.arange(self.piece_start.size)
+            self.first_piece = np.append(np.searchsorted(self.piece_start, np.arange(0, total, S)),
+                                         self.piece_start.size)
+        else:   # every document cut into S-token pieces (a document of at most S tokens is one piece)
+            count = -(-lengths // S)
+            doc = np.repeat(np.arange(lengths.size), count)
+            k = np.arange(doc.size) - np.repeat(np.cumsum(count) - count, count)
+            self.piece_start = starts[doc] + k * S
+            self.piece_len = np.minimum(S, lengths[doc] - k * S)
+            pack = _next_fit if self.packing == "in-order" else _best_fit
+            self.order, self.first_piece = pack(self.piece_len.tolist(), S, self.lookahead)
         self.num_documents = int(lengths.size)
         self.mean_length = float(lengths.mean())
 
@@ -354,7 +384,7 @@ class PackedWindows:
         as one more (the model attends over it as such), so that the count is the work the
         document mask leaves, as ``fpdt-plan --doc-len`` counts it; ``S`` for one document."""
         w = self.window_of_sequence(k)
-        n = self.piece_len[self.first_piece[w]:self.first_piece[w + 1]].astype(np.float64)
+        n = self.piece_len[self.order[self.first_piece[w]:self.first_piece[w + 1]]].astype(np.float64)
         pad = self.seq_len - n.sum()
         return float((n * n).sum() + pad * pad) / self.seq_len
 
@@ -368,7 +398,7 @@ class PackedWindows:
         pos = np.zeros(S, dtype=np.int64)
         docs = np.zeros(S, dtype=np.int64)
         at = 0
-        for d, j in enumerate(range(self.first_piece[w], self.first_piece[w + 1])):
+        for d, j in enumerate(self.order[self.first_piece[w]:self.first_piece[w + 1]].tolist()):
             start, n = int(self.piece_start[j]), int(self.piece_len[j])
             piece = np.asarray(self.tokens[start:start + n], dtype=np.int64)
             ids[at:at + n] = piece
@@ -400,7 +430,52 @@ class PackedWindows:
         split = int((self.piece_len.size - self.num_documents))
         return (f"windows={self.num_windows} packed documents={self.num_documents} "
                 f"mean_len={self.mean_length:.1f} continuations={split} "
-                f"fill={100 * used / (self.num_windows * self.seq_len):.1f}%")
+                f"fill={100 * used / (self.num_windows * self.seq_len):.1f}% packing={self.packing}")
+
+
+def _next_fit(piece_len: list[int], seq_len: int, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, first)`` of in-order next-fit windows (``lookahead`` unused)."""
+    first, fill = [0], 0
+    for i, n in enumerate(piece_len):
+        if fill + n > seq_len:
+            first.append(i)
+            fill = 0
+        fill += n
+    first.append(len(piece_len))
+    return np.arange(len(piece_len)), np.asarray(first, dtype=np.int64)
+
+
+def _best_fit(piece_len: list[int], seq_len: int, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, first)`` of windows filled from a buffer of the next ``lookahead`` pieces: the
+    earliest piece in the buffer opens the window (so none waits for more than ``lookahead``
+    windows), then the largest piece that fits what is left (the earliest of equal lengths)
+    until none does; each window's pieces then in stream order. Deterministic: a function of
+    the lengths alone."""
+    buffer: list[tuple[int, int]] = []       # (length, -index), sorted
+    nxt, order, first = 0, [], [0]
+    while nxt < len(piece_len) or buffer:
+        while len(buffer) < lookahead and nxt < len(piece_len):
+            bisect.insort(buffer, (piece_len[nxt], -nxt))
+            nxt += 1
+        oldest = max(range(len(buffer)), key=lambda i: buffer[i][1])   # the earliest piece opens the window
+        n, neg = buffer.pop(oldest)
+        room, members = seq_len - n, [-neg]
+        if nxt < len(piece_len):
+            bisect.insort(buffer, (piece_len[nxt], -nxt))
+            nxt += 1
+        while buffer:
+            at = bisect.bisect_right(buffer, (room, 1)) - 1       # the largest length <= room
+            if at < 0:
+                break
+            n, neg = buffer.pop(at)
+            members.append(-neg)
+            room -= n
+            if nxt < len(piece_len):                              # keep the buffer full
+                bisect.insort(buffer, (piece_len[nxt], -nxt))
+                nxt += 1
+        order += sorted(members)
+        first.append(len(order))
+    return np.asarray(order, dtype=np.int64), np.asarray(first, dtype=np.int64)
 
 
 def sequence_ids(step: int, micro: int, grad_accum: int, dp_rank: int, dp: int, micro_batch: int) -> list[int]:

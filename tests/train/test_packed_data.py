@@ -95,6 +95,71 @@ def test_windows_of_whole_documents_in_order():
     assert "packed documents=10 mean_len=10.0 continuations=2" in windows.describe()
 
 
+def _all_pieces(windows: PackedWindows) -> list[list[int]]:
+    out = []
+    for w in range(windows.num_windows):
+        docs, pad = _pieces(windows, w)
+        assert sum(map(len, docs)) + pad == windows.seq_len
+        out += docs
+    return out
+
+
+def test_best_fit_keeps_whole_documents_and_fills_more():
+    """best-fit: the same pieces as in-order (every document whole unless longer than S), each
+    once, a window's pieces in stream order, no window over S; deterministic; on long-tailed
+    lengths it leaves far less padding; each window opens with the earliest piece left."""
+    from profiling.doc_balance import document_stream
+    import itertools
+
+    S = 16
+    tokens, lengths = _stream([5, 3, 8, 1, 40, 7, 16, 2, 9, 9, 12, 4, 4, 15, 1])
+    plain = PackedWindows(tokens, lengths, S)
+    best = PackedWindows(tokens, lengths, S, packing="best-fit", lookahead=4)
+    got = _all_pieces(best)
+    assert sorted(got) == sorted(_all_pieces(plain))
+    for w in range(best.num_windows):
+        members = best.order[best.first_piece[w]:best.first_piece[w + 1]]
+        assert list(members) == sorted(members)
+    assert best.num_windows < plain.num_windows
+    again = PackedWindows(tokens, lengths, S, packing="best-fit", lookahead=4)
+    assert np.array_equal(again.order, best.order) and np.array_equal(again.first_piece, best.first_piece)
+    # with one piece of lookahead there is no choice: in-order next fit
+    one = PackedWindows(tokens, lengths, S, packing="best-fit", lookahead=1)
+    assert np.array_equal(one.first_piece, plain.first_piece)
+    # log-normal lengths (median 2K, tail to 128K) in 256K windows
+    L = np.array(list(itertools.islice(document_stream(0, 2048, 1.5, 131072), 3000)))
+    toks = np.zeros(int(L.sum()), dtype=np.int64)
+    fills = {p: PackedWindows(toks, L, 262144, packing=p) for p in ("in-order", "best-fit")}
+    used = int(L.sum())
+    assert used / (fills["in-order"].num_windows * 262144) < 0.95
+    assert used / (fills["best-fit"].num_windows * 262144) > 0.99
+    # each window opens with the earliest piece not yet placed: with `lookahead` pieces in the
+    # buffer, none waits for more than `lookahead` windows
+    for b in (best, fills["best-fit"]):
+        placed = np.zeros(b.order.size, dtype=bool)
+        for w in range(b.num_windows):
+            members = b.order[b.first_piece[w]:b.first_piece[w + 1]]
+            assert members[0] == np.flatnonzero(~placed)[0]
+            placed[members] = True
+        assert placed.all()
+
+
+def test_split_fills_every_window():
+    """split: every window full but the last, documents crossing a window's end continuing in the
+    next from position 0, every token once in stream order."""
+    S = 16
+    tokens, lengths = _stream([5, 3, 9, 1, 40, 7])
+    split = PackedWindows(tokens, lengths, S, packing="split")
+    assert split.num_windows == -(-int(lengths.sum()) // S) == 5
+    got = _all_pieces(split)
+    assert sum(got, []) == tokens.tolist()
+    assert [len(p) for p in got] == [5, 3, 8, 1, 1, 14, 16, 10, 6, 1]
+    assert "continuations=4" in split.describe() and "packing=split" in split.describe()
+    assert split.attended_length(0) == pytest.approx((25 + 9 + 64) / S)
+    with pytest.raises(DataError, match="choose one of in-order, best-fit, split"):
+        PackedWindows(tokens, lengths, S, packing="first-fit")
+
+
 def test_attended_length_is_the_masked_attention_work():
     """A window's attended length is sum n^2 / S over its documents, the padding one more: the
     attention term of the FLOPs formula then counts the query-key work the document mask leaves,
@@ -232,3 +297,21 @@ def test_main_job_data_packed_on_two_ranks_matches_one(tmp_path):
     run_distributed(_train_sp2, 2, args=(tmp, two), timeout=300)
     for a, b in zip(_losses(one), _losses(two), strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (_losses(one), _losses(two))
+
+
+@pytest.mark.slow
+def test_main_job_best_fit_packing_fills_more_and_resume_names_a_change(tmp_path):
+    """--pack-documents best-fit on the main job's paragraphs: the start-up line names the packing
+    and a fill above in-order's; a run resumed with another packing is told its data differs."""
+    tmp = str(tmp_path)
+    _jargon_paragraphs(os.path.join(tmp, "jargon.jsonl"))
+    fills = {}
+    for packing in ("in-order", "best-fit"):
+        err = _train(tmp, "--pack-documents", packing, "--steps", "2", "--save-dir", os.path.join(tmp, packing),
+                     "--save-every", "2")
+        line = re.search(r"fill=([\d.]+)% packing=(\S+)", err)
+        assert line and line.group(2) == packing, err[-2000:]
+        fills[packing] = float(line.group(1))
+    assert fills["best-fit"] > fills["in-order"] + 10, fills
+    err = _train(tmp, "--pack-documents", "split", "--resume", os.path.join(tmp, "best-fit", "step2"))
+    assert "differs from the saved one" in err and "pack_documents" in err, err[-2000:]
