@@ -10,7 +10,7 @@
 #      one 64K chunk: forward and backward of every kernel and of torch's SDPA, with the kernel
 #      each ran; its calibration.json gives the planner's predictions below measured rates
 #   3. fpdt (automatic kernel, attention_checkpoint=recompute) and alst at 128K: one timed step
-#      each, the counted step before it traced (--profile-step: kernels by time, GPU busy time)
+#      each, and one more step traced between them (--profile-step: kernels by time, GPU busy time)
 #   4. fpdt-save (attention_checkpoint=save) at 128K, traced likewise
 #   5. fpdt-save at 256K, one counted step, if time remains
 #
@@ -59,7 +59,7 @@ piece "cuda tests" 60 150 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 piece "op_latency" 45 120 python3 -m profiling.op_latency "${OPL[@]}" --out-dir "$DIR"
 CAL=()
 [ -f "$DIR/calibration.json" ] && CAL=(--calibration "$DIR/calibration.json")
-# NEED and CAP per strategy at 128K: start-up (~20 s) + warm-up, traced and timed steps (H100:
+# NEED and CAP per strategy at 128K: start-up (~20 s) + counted, traced and timed steps (H100:
 # fpdt 22 s, alst 17 s a step); a trial's own limit sits 10 s inside the piece's.
 for spec in "fpdt 100 200" "alst 80 170" "fpdt-save 90 180"; do
   set -- $spec

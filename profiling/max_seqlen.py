@@ -159,9 +159,6 @@ def trial(args) -> dict:
         # which kernel runs attention (for fpdt this is also the kernel's first-use self-check,
         # kept outside the measured step)
         out["attention_kernel"] = st.attention_kernel(args.strategy, cfg, device, dtype, args.attention_backend)
-        profile = args.profile_step           # also on the CPU, where it records nothing: dry runs
-        if profile:                                # warm-up step, so the trace holds a steady step
-            trainee.step(ids)
         opt_before = trainee.optimizer_state_bytes()
         # Simulated capacity on the CPU, enforced as the step runs (the allocation that passes
         # it fails, as on a GPU): forward+backward must leave room for AdamW's two moments,
@@ -170,7 +167,7 @@ def trial(args) -> dict:
         simulate = args.device_mem_gib and args.stop_at_capacity and device.type == "cpu"
         cap = int(args.device_mem_gib * GIB) if simulate else None
         moments = 2 * param_bytes if opt_before == 0 else 0
-        with RegionMemory(device, count_cuda=True) as region, _maybe_profiler(profile, device) as prof:
+        with RegionMemory(device, count_cuda=True) as region:
             acct = region.accountant
             if cap is not None:
                 acct.set_limit(cap - param_bytes - opt_before - moments)
@@ -186,9 +183,8 @@ def trial(args) -> dict:
                 _sync(device)
             seconds, fwd_bwd_s = time.perf_counter() - t0, t1 - t0
         peaks = region.peaks
-        if profile and device.type == "cuda":    # the CPU trace has no device events to count
-            out.update(bc.exposed_copy_seconds(prof))
-            out["profile"] = bc.step_kernels(prof)
+        if args.profile_step:                     # also on the CPU, where it records nothing: dry runs
+            out.update(_profiled_step(trainee, ids, device))
         timed = _timed_step(trainee, ids, device) if args.timed_step else None
     except torch.OutOfMemoryError as exc:          # CUDA's, or the accountant's simulated capacity
         msg = str(exc).splitlines()[0]
@@ -279,12 +275,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _maybe_profiler(on: bool, device: torch.device):
-    import contextlib
-    if not on:
-        return contextlib.nullcontext()
+def _profiled_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) -> dict:
+    """One more training step under ``torch.profiler`` (``--profile-step``): after the counted
+    step, so its optimizer state is in place, and without the memory accountant, whose
+    per-op Python would show as device idle time. ``profiled_step_s`` (the profiler's own
+    overhead included), and on CUDA the exposed copy time and :func:`bench_common.step_kernels`
+    (``profile``)."""
     from torch.profiler import ProfilerActivity, profile
-    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        trainee.forward_backward(trainee.prepare(ids))
+        trainee.optimizer_step()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    out = {"profiled_step_s": seconds}
+    if device.type == "cuda":                     # the CPU trace has no device events to count
+        out.update(bc.exposed_copy_seconds(prof))
+        out["profile"] = bc.step_kernels(prof)
+    return out
 
 
 # ----------------------------------------------------------------------------- drivers
@@ -396,8 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="run trials in this process (tests only: no fresh process per trial)")
     p.add_argument("--profile-step", action="store_true",
-                   help="CUDA: trace the counted step (after a warm-up step): exposed copy time, GPU busy time, "
-                        "time per kernel class and the kernels by total time")
+                   help="trace one more step after the counted one (CUDA: exposed copy time, GPU busy time, "
+                        "time per kernel class and the kernels by total time; the CPU records nothing)")
     p.add_argument("--calibration", help="op_latency.py's calibration.json: the planner's step time uses its rates")
     p.add_argument("--attention-backend", metavar="KERNEL",
                    help="the fpdt strategies' attention kernel (fpdt.attention.kernels.BACKENDS; default: automatic). "

@@ -349,8 +349,8 @@ def profile_table(strats: dict) -> list[str]:
     traced = [(name, t) for name, s in strats.items() for t in _ok(s["trials"]) if t.get("profile")]
     if not traced:
         return []
-    lines = ["", "Traced steps (`--profile-step`: the counted step, after a warm-up step; seconds of kernel time "
-             "per class, summed over streams):", "",
+    lines = ["", "Traced steps (`--profile-step`: one step after the counted one, without the memory accountant; "
+             "seconds of kernel time per class, summed over streams):", "",
              "| strategy | length | traced s | GPU busy s | " + " | ".join(PROFILE_CLASSES) + " | exposed copy s |",
              "|---|---|---|---|" + "---|" * len(PROFILE_CLASSES) + "---|"]
     for name, t in traced:
