@@ -28,7 +28,9 @@ a varlen GPU kernel rounds each segment to its 128-token tiles on top.
 * ``zigzag`` (``cp = P``, :func:`fpdt.layout.mesh_token_index` with ``hp = 1``): rank ``c``
   holds pieces ``c`` and ``2P - 1 - c`` of every span, the ring's causal load balance;
 * ``mesh_hpXcp`` (``hp x cp = P``, zigzag over ``cp``): a CP rank's queries' work split over its
-  ``hp`` head ranks.
+  ``hp`` head ranks;
+* ``zigzag_arranged`` (``--arrange``): the zigzag ring with each window's documents in the order
+  ``fpdt-train --pack-documents`` writes them on a ring (:meth:`fpdt.train.data.PackedWindows.arrangement`).
 
     python -m profiling.doc_balance --out benchmarks/results/cpu-amd-epyc/2026-11-27/doc_balance.json
 """
@@ -41,6 +43,7 @@ import math
 import platform
 import statistics
 
+import numpy as np
 import torch
 
 from fpdt.layout import global_token_index, mesh_token_index
@@ -92,6 +95,17 @@ def layouts(seq_len: int, ranks: int, chunks: int) -> dict[str, list[tuple[torch
     return out
 
 
+def arranged_windows(windows: list[list[int]], seq_len: int, ranks: int, chunks: int):
+    """``w -> keys_seen`` of window ``w``'s documents in the order ``fpdt-train`` writes them on
+    a ring of ``ranks`` CP ranks (:meth:`fpdt.train.data.PackedWindows.arrangement`; the windows
+    are already cut at their ends, so ``split`` packing reproduces them piece for piece)."""
+    from fpdt.train.data import PackedWindows
+    lengths = np.asarray([n for docs in windows for n in docs], dtype=np.int64)
+    packed = PackedWindows(np.zeros(int(lengths.sum()), dtype=np.int64), lengths, seq_len, packing="split",
+                           balance_cp=ranks, balance_chunks=chunks)
+    return lambda w: keys_seen(packed.piece_len[packed.arrangement(w)].tolist())
+
+
 def rank_work(work: torch.Tensor, layout: list[tuple[torch.Tensor, float]]) -> list[float]:
     return [float(work[idx].sum()) * share for idx, share in layout]
 
@@ -110,12 +124,17 @@ def run(args) -> dict:
             windows = pack_windows(stream, seq_len, args.windows)
             per_layout = {name: [] for name in lays}
             docs_per_window, needed, causal_full = [], [], seq_len * (seq_len + 1) / 2
-            for docs in windows:
+            arranged = arranged_windows(windows, seq_len, args.ranks, chunks) if args.arrange else None
+            if arranged is not None:
+                per_layout["zigzag_arranged"] = []
+            for w, docs in enumerate(windows):
                 work = keys_seen(docs)
                 docs_per_window.append(len(docs))
                 needed.append(float(work.sum()))
                 for name, layout in lays.items():
                     per_layout[name].append(imbalance(rank_work(work, layout)))
+                if arranged is not None:
+                    per_layout["zigzag_arranged"].append(imbalance(rank_work(arranged(w), lays["zigzag"])))
             dense = torch.arange(1, seq_len + 1, dtype=torch.int64)     # one document: the causal reference
             row = {"seq_len": seq_len, "chunk": seq_len // chunks, "num_chunks": chunks, "ranks": args.ranks,
                    "windows": len(windows), "docs_per_window_mean": statistics.fmean(docs_per_window),
@@ -148,6 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--sigma", type=float, default=1.5)
     p.add_argument("--max-doc", type=int, default=2 ** 17)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arrange", action="store_true",
+                   help="also the zigzag ring with each window's documents arranged as fpdt-train does on a ring "
+                        "(zigzag_arranged)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     out = run(args)

@@ -236,7 +236,8 @@ def build_model(args: argparse.Namespace, opts: TrainerOptions, plan: RunLayout,
     return model
 
 
-def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> tuple[Windows | PackedWindows, str | None]:
+def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int,
+                 plan: RunLayout) -> tuple[Windows | PackedWindows, str | None]:
     tokenizer = args.tokenizer or os.path.join(model_dir(args), "tokenizer.json")
     eos = hf_config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
@@ -250,8 +251,9 @@ def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> 
         check_vocab(tokens, vocab_size, args.data)
         pad = hf_config.get("pad_token_id")
         pad = pad if isinstance(pad, int) and 0 <= pad < vocab_size else (eos if eos is not None else 0)
+        # with a ring, each window's documents in the order that evens out the CP ranks' attention work
         windows = PackedWindows(tokens, lengths, args.seq_len, pad_id=pad, shuffle=args.shuffle, seed=args.seed,
-                                packing=args.pack_documents)
+                                packing=args.pack_documents, balance_cp=plan.cp, balance_chunks=plan.num_chunks)
         return windows, tokenizer if os.path.isfile(tokenizer) else None
     tokens = load_tokens(args.data, **source)
     check_vocab(tokens, vocab_size, args.data)
@@ -260,12 +262,14 @@ def load_windows(args: argparse.Namespace, hf_config: dict, vocab_size: int) -> 
 
 
 def run_info(args: argparse.Namespace, plan: RunLayout, micro: int, gas: int) -> dict[str, Any]:
-    """What decides which windows a step reads (compared on resume)."""
+    """What decides which windows a step reads, and in what order (compared on resume)."""
     return {"seq_len": plan.seq_len, "dp": plan.dp, "micro_batch": micro, "grad_accum": gas,
             "shuffle": args.shuffle, "seed": args.seed, "data": os.path.abspath(args.data),
             # None: unpacked, as runs before packing; True: in order, as runs before the other packings
             "pack_documents": None if not args.pack_documents else
-            True if args.pack_documents == "in-order" else args.pack_documents}
+            True if args.pack_documents == "in-order" else args.pack_documents,
+            # packed windows are arranged for the ring (PackedWindows.arrangement); None: not arranged
+            "balanced_cp": plan.cp if args.pack_documents and plan.cp > 1 else None}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -286,7 +290,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                                      opts.save_attention_layers)
     lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed, source.config)
     kernel = preflight.attention_kernel(opts.backend, device, DTYPES[dtype_name], source.config.head_dim)
-    windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size)
+    windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size, plan)
 
     # 2. process groups
     timeout = timedelta(minutes=args.dist_timeout_min)

@@ -48,3 +48,17 @@ def test_one_document_is_balanced_exactly_by_the_zigzag(tmp_path):
     row = json.loads(out.read_text())["results"][0]
     assert row["num_chunks"] == 4 and row["imbalance"]["ulysses"]["max"] == pytest.approx(1.0)
     assert row["imbalance_one_document"]["zigzag"] == 1.0 and 0 < row["needed_over_causal"] < 1
+
+
+def test_arranged_windows_are_the_trainers_and_never_busier(tmp_path):
+    """--arrange: each window's documents in fpdt-train's ring order (the same pieces, so the
+    same total work), its zigzag imbalance never above stream order's."""
+    out = tmp_path / "a.json"
+    assert doc_balance.main(["--lengths", "4096", "--chunks", "1024", "--windows", "6", "--median", "64",
+                             "--max-doc", "1024", "--arrange", "--out", str(out)]) == 0
+    imb = json.loads(out.read_text())["results"][0]["imbalance"]
+    assert imb["zigzag_arranged"]["mean"] <= imb["zigzag"]["mean"] and imb["zigzag_arranged"]["max"] <= imb["zigzag"]["max"]
+    windows = doc_balance.pack_windows(doc_balance.document_stream(0, 64, 1.5, 1024), 4096, 6)
+    arranged = doc_balance.arranged_windows(windows, 4096, 8, 4)
+    for w, docs in enumerate(windows):
+        assert int(arranged(w).sum()) == sum(n * (n + 1) // 2 for n in docs)

@@ -160,6 +160,39 @@ def test_split_fills_every_window():
         PackedWindows(tokens, lengths, S, packing="first-fit")
 
 
+def test_ring_arrangement_evens_out_the_cp_ranks_work():
+    """With a ring (cp > 1) a window's pieces are written in the order, of 32 candidates, whose
+    busiest CP rank has the least attention work: the same pieces (a permutation, the padding
+    last), never more work on the busiest rank than stream order, the same on every call; on
+    log-normal documents (median 2K, tail to 128K) in 128K windows, cp 8, two chunks per rank, the
+    mean max/mean over ranks drops from about 1.5 to under 1.25 (profiling/doc_balance.py's
+    count)."""
+    from profiling.doc_balance import document_stream
+    import itertools
+
+    S, cp, u = 1 << 17, 8, 2
+    L = np.array(list(itertools.islice(document_stream(0, 2048, 1.5, 1 << 17), 600)))
+    toks = np.arange(int(L.sum()), dtype=np.int64) % 50 + 1
+    plain = PackedWindows(toks, L, S)
+    ring = PackedWindows(toks, L, S, balance_cp=cp, balance_chunks=u)
+    assert "balanced for cp=8" in ring.describe() and "balanced" not in plain.describe()
+    owner = ring._cp_owner()
+    assert np.bincount(owner).tolist() == [S // cp] * cp
+    before, after = [], []
+    for w in range(min(24, ring.num_windows)):
+        stream, arranged = plain.arrangement(w), ring.arrangement(w)
+        assert sorted(arranged.tolist()) == stream.tolist()
+        assert np.array_equal(ring.arrangement(w), arranged)              # deterministic
+        busy = [ring._busiest(x, owner) for x in (stream, arranged)]
+        assert busy[1] <= busy[0]
+        mean = sum(n * (n + 1) / 2 for n in ring.piece_len[stream].tolist() + [S - ring.piece_len[stream].sum()]) / cp
+        before.append(busy[0] / mean)
+        after.append(busy[1] / mean)
+        docs, pad = _pieces(ring, w)
+        assert sorted(docs) == sorted(_pieces(plain, w)[0]) and pad == _pieces(plain, w)[1]
+    assert np.mean(before) > 1.4 and np.mean(after) < 1.25, (np.mean(before), np.mean(after))
+
+
 def test_attended_length_is_the_masked_attention_work():
     """A window's attended length is sum n^2 / S over its documents, the padding one more: the
     attention term of the FLOPs formula then counts the query-key work the document mask leaves,
@@ -315,3 +348,38 @@ def test_main_job_best_fit_packing_fills_more_and_resume_names_a_change(tmp_path
     assert fills["best-fit"] > fills["in-order"] + 10, fills
     err = _train(tmp, "--pack-documents", "split", "--resume", os.path.join(tmp, "best-fit", "step2"))
     assert "differs from the saved one" in err and "pack_documents" in err, err[-2000:]
+
+
+def _train_cp2(rank, world, tmp, log):
+    from fpdt.cli.train import main
+    from tests.train.helpers import quiet
+
+    quiet()
+    os.chdir(ROOT)
+    assert main(["--model-config", "examples/tiny-llama/config.json", "--data", os.path.join(tmp, "jargon.jsonl"),
+                 "--seq-len", "256", "--steps", "3", "--cp", "2", "--deepspeed", "examples/tiny-llama/ds_cpu.json",
+                 "--pack-documents", "--no-mem-accounting", "--shuffle", "--seed", "0", "--log-json", log]) == 0
+
+
+@pytest.mark.slow
+def test_main_job_packed_on_a_ring_trains_what_one_process_does(tmp_path):
+    """cp=2 (the ring): each window's documents arranged for the CP ranks' work
+    (PackedWindows.arrangement), which changes where they sit, not what is trained: each step's
+    loss within 1e-4 of one process's, in stream order."""
+    from tests.distributed import run_distributed
+
+    tmp = str(tmp_path)
+    path = os.path.join(tmp, "jargon.jsonl")
+    _jargon_paragraphs(path)
+    # the windows these 3 steps read (shuffled, seed 0), one of them rearranged (tiny-llama: 128-token chunks)
+    tokens, lengths = load_documents(path, tokenizer_path=TOKENIZER, eos_id=EOS)
+    ring_windows = PackedWindows(tokens, lengths, 256, shuffle=True, seed=0, balance_cp=2, balance_chunks=2)
+    read = [ring_windows.window_of_sequence(k) for k in range(3)]
+    assert any(not np.array_equal(ring_windows.arrangement(w),
+                                  ring_windows.order[ring_windows.first_piece[w]:ring_windows.first_piece[w + 1]])
+               for w in read)
+    one, ring = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "ring.jsonl")
+    _train(tmp, "--log-json", one, "--shuffle", "--seed", "0")
+    run_distributed(_train_cp2, 2, args=(tmp, ring), timeout=300)
+    for a, b in zip(_losses(one), _losses(ring), strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (_losses(one), _losses(ring))
