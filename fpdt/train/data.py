@@ -282,50 +282,6 @@ class Windows:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
         return int(order[pos])
 
-    def arrangement(self, w: int) -> np.ndarray:
-        """Window ``w``'s pieces in the order they are written (padding after them).
-
-        Without a ring (``balance_cp == 1``): stream order. With one, the ring's CP rank ``c``
-        holds zigzag pieces ``c`` and ``2 cp - 1 - c`` of each of the ``balance_chunks`` spans
-        (:func:`fpdt.layout.mesh_token_index`), and its attention work is the sum, over its query
-        tokens, of the keys each sees under the document mask (position in its document + 1),
-        which depends on where the documents fall: of stream order and ``arrangements - 1``
-        permutations drawn from ``(seed, w)``, the one whose busiest rank has the least work
-        (the first of equals). Documents are independent under the mask, so the order changes
-        which rank computes what, not what is trained. Deterministic: every rank, and a resumed
-        run, arranges a window alike."""
-        pieces = self.order[self.first_piece[w]:self.first_piece[w + 1]]
-        if self.balance_cp == 1 or pieces.size < 2:
-            return pieces
-        owner = self._cp_owner()
-        rng = np.random.default_rng([self.seed, w])
-        best, best_load = pieces, self._busiest(pieces, owner)
-        for _ in range(self.arrangements - 1):
-            cand = rng.permutation(pieces)
-            load = self._busiest(cand, owner)
-            if load < best_load:
-                best, best_load = cand, load
-        return best
-
-    def _cp_owner(self) -> np.ndarray:
-        """``[S]``: the CP rank holding each global token of a window."""
-        if self._owner is None:
-            from fpdt.layout import mesh_token_index
-            cp, S = self.balance_cp, self.seq_len
-            owner = np.empty(S, dtype=np.int64)
-            for c in range(cp):
-                owner[mesh_token_index(S, 1, cp, self.balance_chunks, c, 0).numpy()] = c
-            self._owner = owner
-        return self._owner
-
-    def _busiest(self, pieces: np.ndarray, owner: np.ndarray) -> float:
-        """The most attention work (query-key pairs) any CP rank runs for this order of ``pieces``."""
-        n = self.piece_len[pieces]
-        pad = self.seq_len - int(n.sum())
-        n = np.append(n, pad) if pad else n
-        keys = np.arange(self.seq_len) - np.repeat(np.cumsum(n) - n, n) + 1
-        return float(np.bincount(owner, weights=keys, minlength=self.balance_cp).max())
-
     def attended_length(self, k: int) -> float:
         """The length the FLOPs formula's attention term takes for sequence ``k``
         (:func:`fpdt.train.metrics.step_rates`): ``S``, one causal sequence."""
