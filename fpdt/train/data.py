@@ -372,8 +372,9 @@ class PackedWindows:
             k = np.arange(doc.size) - np.repeat(np.cumsum(count) - count, count)
             self.piece_start = starts[doc] + k * S
             self.piece_len = np.minimum(S, lengths[doc] - k * S)
-            pack = _next_fit if self.packing == "in-order" else _best_fit
-            self.order, self.first_piece = pack(self.piece_len.tolist(), S, self.lookahead)
+            # in order is best fit with a buffer of one piece: next fit
+            buffer = 1 if self.packing == "in-order" else self.lookahead
+            self.order, self.first_piece = _best_fit(self.piece_len.tolist(), S, buffer)
         self.num_documents = int(lengths.size)
         self.mean_length = float(lengths.mean())
         self._owner: np.ndarray | None = None
@@ -420,11 +421,16 @@ class PackedWindows:
             self._owner = owner
         return self._owner
 
-    def _busiest(self, pieces: np.ndarray, owner: np.ndarray) -> float:
-        """The most attention work (query-key pairs) any CP rank runs for this order of ``pieces``."""
+    def _segments(self, pieces: np.ndarray) -> np.ndarray:
+        """The lengths of the documents a window of ``pieces`` (in this order) holds, as the
+        model attends them: each piece, then the padding after them, if any, as one more."""
         n = self.piece_len[pieces]
         pad = self.seq_len - int(n.sum())
-        n = np.append(n, pad) if pad else n
+        return np.append(n, pad) if pad else n
+
+    def _busiest(self, pieces: np.ndarray, owner: np.ndarray) -> float:
+        """The most attention work (query-key pairs) any CP rank runs for this order of ``pieces``."""
+        n = self._segments(pieces)
         keys = np.arange(self.seq_len) - np.repeat(np.cumsum(n) - n, n) + 1
         return float(np.bincount(owner, weights=keys, minlength=self.balance_cp).max())
 
@@ -435,9 +441,8 @@ class PackedWindows:
         as one more (the model attends over it as such), so that the count is the work the
         document mask leaves, as ``fpdt-plan --doc-len`` counts it; ``S`` for one document."""
         w = self.window_of_sequence(k)
-        n = self.piece_len[self.order[self.first_piece[w]:self.first_piece[w + 1]]].astype(np.float64)
-        pad = self.seq_len - n.sum()
-        return float((n * n).sum() + pad * pad) / self.seq_len
+        n = self._segments(self.order[self.first_piece[w]:self.first_piece[w + 1]]).astype(np.float64)
+        return float((n * n).sum()) / self.seq_len
 
     def window(self, w: int) -> dict[str, np.ndarray]:
         """Window ``w``: ``input_ids``, ``labels`` (next-token targets, -100 at each document's last
@@ -485,24 +490,12 @@ class PackedWindows:
                 f"fill={100 * used / (self.num_windows * self.seq_len):.1f}% packing={self.packing}{balance}")
 
 
-def _next_fit(piece_len: list[int], seq_len: int, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(order, first)`` of in-order next-fit windows (``lookahead`` unused)."""
-    first, fill = [0], 0
-    for i, n in enumerate(piece_len):
-        if fill + n > seq_len:
-            first.append(i)
-            fill = 0
-        fill += n
-    first.append(len(piece_len))
-    return np.arange(len(piece_len)), np.asarray(first, dtype=np.int64)
-
-
 def _best_fit(piece_len: list[int], seq_len: int, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
     """``(order, first)`` of windows filled from a buffer of the next ``lookahead`` pieces: the
     earliest piece in the buffer opens the window (so none waits for more than ``lookahead``
     windows), then the largest piece that fits what is left (the earliest of equal lengths)
     until none does; each window's pieces then in stream order. Deterministic: a function of
-    the lengths alone."""
+    the lengths alone. With ``lookahead=1`` there is no choice: in-order next fit."""
     buffer: list[tuple[int, int]] = []       # (length, -index), sorted
     nxt, order, first = 0, [], [0]
     while nxt < len(piece_len) or buffer:
