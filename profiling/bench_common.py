@@ -159,6 +159,17 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
+def _union(spans: list[tuple[float, float]]) -> list[list[float]]:
+    """The disjoint ``[start, end]`` intervals covering ``spans``, in order."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
 def step_kernels(prof, top: int = 20) -> dict:
     """From a ``torch.profiler`` trace of one step on CUDA: the device's busy time (the union of
     every kernel's and copy's span, ``gpu_busy_s``) and the trace's span (``traced_s``, first
@@ -176,12 +187,7 @@ def step_kernels(prof, top: int = 20) -> dict:
         calls[e.name] = calls.get(e.name, 0) + 1
         c = kernel_class(e.name)
         by_class[c] = by_class.get(c, 0.0) + (b - a)
-    busy, end = 0.0, None
-    for a, b in sorted(spans):
-        if end is None or a > end:
-            busy, end = busy + (b - a), b
-        elif b > end:
-            busy, end = busy + (b - end), b
+    busy = sum(b - a for a, b in _union(spans))
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {"gpu_busy_s": busy * 1e-6,
             "traced_s": (max(b for _, b in spans) - min(a for a, _ in spans)) * 1e-6 if spans else 0.0,
@@ -197,18 +203,12 @@ def exposed_copy_seconds(prof) -> dict:
     for e in prof.events():
         if e.device_type != DeviceType.CUDA:
             continue
-        span = (e.time_range.start, e.time_range.end)
-        name = e.name.lower()
-        if "memcpy" in name and ("htod" in name or "dtoh" in name):
+        span, c = (e.time_range.start, e.time_range.end), kernel_class(e.name)
+        if c == "copy_h2d_d2h":
             copies.append(span)
-        elif "memcpy" not in name and "memset" not in name:
+        elif c != "copy_device":
             kernels.append(span)
-    merged = []
-    for s, t in sorted(kernels):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], t)
-        else:
-            merged.append([s, t])
+    merged = _union(kernels)
     total = exposed = 0.0
     for s, t in copies:
         total += t - s

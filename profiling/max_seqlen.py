@@ -284,11 +284,7 @@ def _profiled_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device)
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        trainee.forward_backward(trainee.prepare(ids))
-        trainee.optimizer_step()
-        _sync(device)
-        seconds = time.perf_counter() - t0
+        seconds, _, _ = _timed_step(trainee, ids, device)
     out = {"profiled_step_s": seconds}
     if device.type == "cuda":                     # the CPU trace has no device events to count
         out.update(bc.exposed_copy_seconds(prof))

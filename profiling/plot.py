@@ -318,24 +318,24 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
     for other in ("hf", "alst"):
         if slopes.get("fpdt") is not None and slopes.get(other):
             ratios.append(f"fpdt / {other} fwd+bwd device slope: **{slopes['fpdt'] / slopes[other]:.3f}**")
-        same = sorted(n for n, t in times.items() if "fpdt" in t and other in t)
-        if same:
-            ratios.append(f"fpdt / {other} step time: " + ", ".join(
-                f"{n}: {times[n]['fpdt'] / times[n][other]:.2f}" for n in same))
+        ratios += _step_time_ratio(times, "fpdt", other, f"fpdt / {other}")
     # the attention kernel each strategy ran (recorded from 2026-11-24 on): step times of
     # strategies on different kernels compare the kernels as much as the methods
     kernels = {name: sorted({t["attention_kernel"] for t in _ok(s["trials"]) if t.get("attention_kernel")})
                for name, s in strats.items() if not s["skipped"]}
     if any(kernels.values()):
         ratios.append("attention kernel: " + "; ".join(f"{n} `{'`, `'.join(k)}`" for n, k in kernels.items() if k))
-    same = sorted(n for n, t in times.items() if "fpdt" in t and "fpdt-save" in t)
-    if same:
-        ratios.append("fpdt-save / fpdt (saved attention outputs / recompute) step time: " + ", ".join(
-            f"{n}: {times[n]['fpdt-save'] / times[n]['fpdt']:.2f}" for n in same))
+    ratios += _step_time_ratio(times, "fpdt-save", "fpdt", "fpdt-save / fpdt (saved attention outputs / recompute)")
     if ratios:
         lines += [""] + [f"- {r}" for r in ratios]
     lines += profile_table(strats)
     return "\n".join(lines) + "\n"
+
+
+def _step_time_ratio(times: dict, a: str, b: str, label: str) -> list[str]:
+    """``["<label> step time: <length>: <a / b>, ..."]`` over the lengths where both ran, or []."""
+    same = sorted(n for n, t in times.items() if a in t and b in t)
+    return [f"{label} step time: " + ", ".join(f"{n}: {times[n][a] / times[n][b]:.2f}" for n in same)] if same else []
 
 
 PROFILE_CLASSES = ("attention", "gemm", "copy_h2d_d2h", "copy_device", "collective", "other")
@@ -414,8 +414,10 @@ def main(argv: list[str] | None = None) -> dict:
     out, written = args.results, []
     if os.path.exists(os.path.join(out, "chunk_sweep.json")):
         written.append(plot_chunk_sweep(_load(os.path.join(out, "chunk_sweep.json")), out))
-    if os.path.exists(os.path.join(out, "op_latency.json")):
-        written.append(plot_op_latency(_load(os.path.join(out, "op_latency.json")), out))
+    op_latency = _load(os.path.join(out, "op_latency.json")) if os.path.exists(os.path.join(out, "op_latency.json")) \
+        else None
+    if op_latency:
+        written.append(plot_op_latency(op_latency, out))
     files = [_load(f) for f in sorted(glob.glob(os.path.join(out, "max_seqlen*.json")))]
     md = None
     if files:
@@ -424,8 +426,8 @@ def main(argv: list[str] | None = None) -> dict:
         written += [x for x in (plot_max_seqlen(strats, out), plot_memory_vs_length(strats, out, cap)) if x]
         rel = os.path.relpath(os.path.abspath(out), bc.ROOT)
         md = markdown(strats, files, rel)
-        if os.path.exists(os.path.join(out, "op_latency.json")):
-            md += "\n" + "\n".join(kernel_table(_load(os.path.join(out, "op_latency.json")))) + "\n"
+        if op_latency:
+            md += "\n" + "\n".join(kernel_table(op_latency)) + "\n"
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(md)
         written.append(os.path.join(out, "results.md"))

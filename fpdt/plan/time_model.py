@@ -220,11 +220,20 @@ def o_proj_refetch(cfg: ModelConfig, s: Setup, rates) -> tuple[float, float]:
     sequence layout (``hp > 1``), counted as the attention's all-to-alls are."""
     if s.options.checkpointing != "off" or not s.options.offload:
         return 0.0, 0.0
-    u, qd = s.num_chunks, cfg.num_heads * cfg.head_dim
-    fetch = s.batch * s.local_tokens * qd * s.elem_bytes / rates.h2d_bytes_s
-    wgrad = 2 * s.rank_tokens * qd * cfg.hidden_size / rates.gemm_flops
-    a2a = s.batch * s.local_tokens * qd * s.elem_bytes * (s.hp - 1) // s.hp
-    return fetch / u + max(0.0, fetch - wgrad) * (u - 1) / u, float(a2a)
+    u = s.num_chunks
+    fetch = _output_bytes(cfg, s) / rates.h2d_bytes_s
+    wgrad = 2 * s.rank_tokens * cfg.num_heads * cfg.head_dim * cfg.hidden_size / rates.gemm_flops
+    return fetch / u + max(0.0, fetch - wgrad) * (u - 1) / u, float(_output_all_to_all_bytes(cfg, s))
+
+
+def _output_bytes(cfg: ModelConfig, s: Setup) -> int:
+    """One layer's attention output on one rank, ``B (S / P) H D e`` bytes."""
+    return s.batch * s.local_tokens * cfg.num_heads * cfg.head_dim * s.elem_bytes
+
+
+def _output_all_to_all_bytes(cfg: ModelConfig, s: Setup) -> int:
+    """The bytes of one layer's attention output that leave the rank in one all-to-all."""
+    return _output_bytes(cfg, s) * (s.hp - 1) // s.hp
 
 
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
@@ -256,8 +265,7 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
     a2a = 0.0
     if s.hp > 1:
         a2a_bytes = l * (fwd_passes * c.all_to_all_bytes_fwd + c.all_to_all_bytes_bwd)
-        o_bytes = s.batch * s.local_tokens * cfg.num_heads * cfg.head_dim * e * (s.hp - 1) // s.hp
-        a2a_bytes -= saving * (1 - saved_output_all_to_alls) * o_bytes
+        a2a_bytes -= saving * (1 - saved_output_all_to_alls) * _output_all_to_all_bytes(cfg, s)
         a2a_bytes += l * o_a2a_bytes
         a2a = a2a_bytes / _link(cluster, s.hp, s.placement == "head_first", rates)
     a2a_exposed = a2a / u + max(0.0, a2a * (u - 1) / u - t_attn * (u - 1) / u)
