@@ -105,6 +105,89 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                                                 cos, sin, wqn, wkn, eps, *lora)
 
 
+class QKVChunks:
+    """The q/k/v projections of hidden chunks ``T`` ``[B, L, hidden]`` and their backward, a chunk
+    at a time: what :class:`ProjectedFPDTAttentionFunction` and the streamed decoder layer
+    (:mod:`fpdt.model.streaming`) run per chunk. ``weights``/``biases``: ``(q, k, v)``;
+    ``rotation``: :func:`rotation_of` or None; ``qk_norm``: ``(q_weight, k_weight, eps)`` or None;
+    ``lora``/``lora_tensors``/``seed``: the LoRA terms of the three projections.
+
+    Backward: :meth:`start_backward` makes fp32 accumulators for the inputs whose gradient is
+    needed, :meth:`backward` takes one chunk's ``dq, dk, dv`` (sequence layout, fp32) and returns
+    ``dT`` (or None), :meth:`finish` casts the accumulated gradients to their tensors' dtypes."""
+
+    def __init__(self, weights, biases, heads: tuple[int, int, int], L: int, rotation=None, qk_norm=None,
+                 lora=None, lora_tensors=(), seed=None):
+        self.weights, self.biases, self.heads, self.L = tuple(weights), tuple(biases), heads, L
+        self.rotation = rotation
+        self.norms = (qk_norm[0], qk_norm[1]) if qk_norm is not None else (None, None)
+        self.norm_eps = qk_norm[2] if qk_norm is not None else 0.0
+        self.lora, self.lora_tensors, self.seed = lora, tuple(lora_tensors), seed
+        self.terms = lora.split(self.lora_tensors) if lora is not None else [[], [], []]
+
+    def _pre(self, n: int, T: torch.Tensor, i: int, heads: int) -> torch.Tensor:
+        B = T.shape[0]
+        return with_lora(F.linear(T, self.weights[n], self.biases[n]), T, self.terms[n], self.seed, i) \
+            .view(B, self.L, heads, self.heads[2])
+
+    def forward(self, i: int, T: torch.Tensor):
+        """Chunk ``i``'s ``(q [B, L, H, D], k, v [B, L, H_kv, D])``, RoPE applied."""
+        H, H_kv, _ = self.heads
+        q, k, v = self._pre(0, T, i, H), self._pre(1, T, i, H_kv), self._pre(2, T, i, H_kv)
+        if self.norms[0] is not None:
+            q, k = rms_norm_reference(q, self.norms[0], self.norm_eps), rms_norm_reference(k, self.norms[1], self.norm_eps)
+        if self.rotation is not None:
+            c, s = self.rotation(slice(i * self.L, (i + 1) * self.L), q.dtype)
+            q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
+        return q, k, v
+
+    def start_backward(self, acc: torch.dtype, need_w, need_b, need_norms, need_lora, need_hidden: bool) -> None:
+        """fp32 (``acc``) accumulators for the weights, biases, q/k norms and LoRA tensors whose
+        ``need_*`` flag is set (each a sequence of three, two, or one per LoRA tensor)."""
+        def zeros(t, need):
+            return None if t is None or not need else torch.zeros(t.shape, dtype=acc, device=t.device)
+        self.acc, self.need_hidden = acc, need_hidden
+        self.d_w = [zeros(w, n) for w, n in zip(self.weights, need_w)]
+        self.d_b = [zeros(b, n) for b, n in zip(self.biases, need_b)]
+        self.d_n = [zeros(w, n) for w, n in zip(self.norms, need_norms)]
+        self.d_lora = accumulators(self.lora, self.lora_tensors, need_lora) if self.lora is not None else []
+        self.d_terms = self.lora.split(self.d_lora) if self.lora is not None else [[], [], []]
+
+    def backward(self, j: int, T: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+        """Chunk ``j``'s projection backward (``dq``/``dk``/``dv`` are overwritten): accumulates the
+        parameter gradients, returns ``dT`` ``[B, L, hidden]`` in ``T.dtype`` (None if not needed)."""
+        H, H_kv, _ = self.heads
+        B, L, dtype = T.shape[0], self.L, T.dtype
+        if self.rotation is not None:
+            c, s = self.rotation(slice(j * L, (j + 1) * L), self.acc)
+            dq, dk = apply_rotary_backward_(dq, c, s), apply_rotary_backward_(dk, c, s)  # ours to overwrite
+        if self.norms[0] is not None:   # through the per-head RMSNorm, from the recomputed pre-norm q/k
+            dq = _head_rms_norm_backward(dq, self._pre(0, T, j, H), self.norms[0], self.norm_eps, self.d_n[0])
+            dk = _head_rms_norm_backward(dk, self._pre(1, T, j, H_kv), self.norms[1], self.norm_eps, self.d_n[1])
+        T2 = T.reshape(B * L, -1)
+        d_T = None
+        for n, g in enumerate((dq, dk, dv)):
+            g2 = g.reshape(B * L, -1)
+            g_c = g2.to(dtype)
+            if self.d_w[n] is not None:
+                self.d_w[n] += (g_c.t() @ T2).to(self.acc)
+            if self.d_b[n] is not None:
+                self.d_b[n] += g2.sum(0)
+            if self.need_hidden:
+                part = g_c @ self.weights[n]
+                d_T = part if d_T is None else d_T + part
+            if self.terms[n]:
+                d_lo = lora_backward(T2, g2, self.terms[n], self.d_terms[n], self.seed, j, self.need_hidden)
+                if d_lo is not None:
+                    d_T.add_(d_lo)          # d_T: this step's own sum
+        return None if d_T is None else d_T.view(B, L, -1)
+
+    def finish(self):
+        """``(d_weights (q, k, v), d_biases, d_norms (q, k), d_lora)`` in their tensors' dtypes."""
+        return (finish(self.d_w, self.weights), finish(self.d_b, self.biases), finish(self.d_n, self.norms),
+                finish(self.d_lora, self.lora_tensors))
+
+
 class ProjectedFPDTAttentionFunction(torch.autograd.Function):
     """hidden ``[B, S_local, hidden]`` -> attention output ``[B, S_local, H, D]`` (before o_proj).
 
@@ -123,24 +206,16 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
         stash = HostStash(hidden.device, enabled=offload, label=spec.label, runtime=spec.runtime)
-        rotation = _rotation(rope, position_ids, cos, sin)
-        terms = lora.split(lora_tensors) if lora is not None else [[], [], []]
         seed = lora.draw_seed() if lora is not None else None
+        qk_norm = (q_norm, k_norm, norm_eps) if q_norm is not None else None
+        chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), heads, L, rotation_of(rope, position_ids, cos, sin), qk_norm,
+                           lora, lora_tensors, seed)
 
         def produce(i):
-            sl = slice(i * L, (i + 1) * L)
-            T = hidden[:, sl]
+            T = hidden[:, i * L:(i + 1) * L]
             if for_backward:
                 stash.put(("T", i), T)
-            q = with_lora(F.linear(T, wq, bq), T, terms[0], seed, i).view(B, L, H, D)
-            k = with_lora(F.linear(T, wk, bk), T, terms[1], seed, i).view(B, L, H_kv, D)
-            v = with_lora(F.linear(T, wv, bv), T, terms[2], seed, i).view(B, L, H_kv, D)
-            if q_norm is not None:
-                q, k = rms_norm_reference(q, q_norm, norm_eps), rms_norm_reference(k, k_norm, norm_eps)
-            if rotation is not None:
-                c, s = rotation(sl, q.dtype)
-                q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
-            return q, k, v
+            return chunks.forward(i, T)
 
         out = torch.empty(B, S_local, H, D, dtype=hidden.dtype, device=hidden.device)
 
@@ -167,73 +242,34 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, token, *lora_tensors = ctx.saved_tensors
         need = ctx.needs_input_grad
-        H, H_kv, D = ctx.heads
         L, spec = ctx.L, ctx.spec
-        rotation = _rotation(ctx.rope, position_ids, cos, sin)
         stash = stash_of(token)
         shape, dtype = ctx.hidden_meta
-        B = shape[0]
-        acc = spec.acc_dtype
         grad_out = grad_out.to(dtype)
+        qk_norm = (q_norm, k_norm, ctx.norm_eps) if q_norm is not None else None
+        chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), ctx.heads, L, rotation_of(ctx.rope, position_ids, cos, sin),
+                           qk_norm, ctx.lora, lora_tensors, ctx.seed)
+        chunks.start_backward(spec.acc_dtype, (need[1], need[3], need[5]), (need[2], need[4], need[6]),
+                              (need[15], need[16]), need[19:], need[0])
         d_hidden = torch.empty(shape, dtype=dtype, device=grad_out.device) if need[0] else None
-        weights = (wq, wk, wv)
-        biases = (bq, bk, bv)
-
-        def zeros(t, i):     # an accumulator for input i, or None (absent, or frozen)
-            return None if t is None or not need[i] else torch.zeros(t.shape, dtype=acc, device=t.device)
-        # fp32 accumulators for the weight and bias gradients, summed over chunks
-        d_w = [zeros(w, i) for w, i in zip(weights, (1, 3, 5))]
-        d_b = [zeros(b, i) for b, i in zip(biases, (2, 4, 6))]
-        norms = (q_norm, k_norm)
-        d_n = [zeros(w, i) for w, i in zip(norms, (15, 16))]
-        lora = ctx.lora
-        terms = lora.split(lora_tensors) if lora is not None else [[], [], []]
-        d_lora = accumulators(lora, lora_tensors, need[19:]) if lora is not None else []
-        d_terms = lora.split(d_lora) if lora is not None else [[], [], []]
         stash.prefetch(("T", 0))
 
         def grad_out_chunk(i):
             return grad_out[:, i * L:(i + 1) * L]
 
         def deliver(j, dq, dk, dv):
-            sl = slice(j * L, (j + 1) * L)
             T = stash.pop(("T", j))
             if j + 1 < spec.num_chunks:
                 stash.prefetch(("T", j + 1))  # copies in during the next outer step
-            if rotation is not None:
-                c, s = rotation(sl, acc)
-                dq, dk = apply_rotary_backward_(dq, c, s), apply_rotary_backward_(dk, c, s)  # ours to overwrite
-            if q_norm is not None:   # through the per-head RMSNorm, from the recomputed pre-norm q/k
-                pre = (with_lora(F.linear(T, wq, bq), T, terms[0], ctx.seed, j).view(B, L, H, D),
-                       with_lora(F.linear(T, wk, bk), T, terms[1], ctx.seed, j).view(B, L, H_kv, D))
-                dq = _head_rms_norm_backward(dq, pre[0], q_norm, ctx.norm_eps, d_n[0])
-                dk = _head_rms_norm_backward(dk, pre[1], k_norm, ctx.norm_eps, d_n[1])
-            T2 = T.reshape(B * L, -1)
-            d_T = None
-            for n, g in enumerate((dq, dk, dv)):
-                g2 = g.reshape(B * L, -1)
-                g_c = g2.to(dtype)
-                if d_w[n] is not None:
-                    d_w[n] += (g_c.t() @ T2).to(acc)
-                if d_b[n] is not None:
-                    d_b[n] += g2.sum(0)
-                if d_hidden is not None:
-                    part = g_c @ weights[n]
-                    d_T = part if d_T is None else d_T + part
-                if terms[n]:
-                    d_lo = lora_backward(T2, g2, terms[n], d_terms[n], ctx.seed, j, d_hidden is not None)
-                    if d_lo is not None:
-                        d_T.add_(d_lo)          # d_T: this step's own sum
+            d_T = chunks.backward(j, T, dq, dk, dv)
             if d_hidden is not None:
-                d_hidden[:, sl] = d_T.view(B, L, -1)
+                d_hidden[:, j * L:(j + 1) * L] = d_T
 
         run_backward(spec, grad_out_chunk, deliver, stash)
-        out_w = finish(d_w, weights)
-        out_b = finish(d_b, biases)
-        out_n = finish(d_n, norms)
+        out_w, out_b, out_n, out_lora = chunks.finish()
         return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2],
                 None, None, None, None, None, None, None, None, out_n[0], out_n[1], None,
-                None, *finish(d_lora, lora_tensors))
+                None, *out_lora)
 
 
 def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -245,7 +281,7 @@ def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     return norm_backward(dy, x_hat, rstd, weight.float(), x.dtype, d_weight)
 
 
-def _rotation(rope: RotaryEmbedding | None, position_ids, cos, sin):
+def rotation_of(rope: RotaryEmbedding | None, position_ids, cos, sin):
     """``(slice, dtype) -> (cos, sin)`` of a chunk, or None without RoPE."""
     if cos is not None:
         if rope is not None:
