@@ -61,6 +61,11 @@ class FPDTOptions:
     """With ``checkpointing="offload"``: how many of the last decoder layers keep their input on
     the device instead (0: every input on the host, the FPDT design). For runs whose host
     memory, not the device's, is the limit."""
+    stream_layers: bool = False
+    """Run every decoder layer as passes over its chunks, with the residual stream between layers
+    in host memory a chunk at a time (:mod:`fpdt.model.streaming`): no ``[B, S_local, hidden]``
+    tensor on the device, so device memory stays flat in the sequence length. The layer inputs in
+    host memory are the checkpoints: needs ``checkpointing="offload"`` and ``offload=True``."""
     attention_checkpoint: str = "recompute"
     """With layer checkpointing (:data:`ATTENTION_CHECKPOINT_MODES`): ``"recompute"`` runs each
     layer's attention forward again in backward; ``"save"`` keeps the attention output and its
@@ -138,6 +143,10 @@ class FPDTOptions:
         elif self.checkpoint_device_layers and self.checkpointing != "offload":
             out.append(f"checkpoint_device_layers={self.checkpoint_device_layers} keeps some offloaded layer "
                        f"inputs on the device: it needs checkpointing='offload' (now {self.checkpointing!r})")
+        if not isinstance(self.stream_layers, bool):
+            out.append(f"stream_layers={self.stream_layers!r} must be True or False")
+        elif self.stream_layers:
+            out += _streaming_problems(self)
         if self.save_attention_layers is not None and (not _is_int(self.save_attention_layers)
                                                        or self.save_attention_layers < 0):
             out.append(f"save_attention_layers={self.save_attention_layers!r} must be an integer >= 0, "
@@ -162,6 +171,21 @@ class FPDTOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(FPDTOptions))
+
+
+def _streaming_problems(o: FPDTOptions) -> list[str]:
+    """What ``stream_layers=True`` refuses: the layer inputs on the host are its checkpoints, and
+    every chunk it does not compute on lives on the host, the attention's included."""
+    out = []
+    if o.checkpointing != "offload":
+        out.append(f"stream_layers=True keeps each layer's input in host memory as its checkpoint: set "
+                   f"checkpointing='offload' (now {o.checkpointing!r})")
+    if o.offload is not True:
+        out.append("stream_layers=True keeps the attention's chunks in host memory too: set offload=True")
+    if _is_int(o.checkpoint_device_layers) and o.checkpoint_device_layers:
+        out.append(f"stream_layers=True keeps no layer input on the device: set checkpoint_device_layers=0 "
+                   f"(now {o.checkpoint_device_layers})")
+    return out
 
 
 def _is_int(value: Any) -> bool:

@@ -81,18 +81,11 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     (``attention_checkpoint="save"``), which records this call's output in the layer's first
     forward and replays it in the recompute (no attention kernel). ``runtime``: the stash's device
     runtime (:attr:`fpdt.options.FPDTOptions.runtime`; None: automatic)."""
-    if mesh is not None and group is not None:
-        raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
-    H, H_kv, D = heads
-    check_batch(doc_ids, hidden.shape[0])
-    shape = dict(seq_local=hidden.shape[1], num_heads=H, num_kv_heads=H_kv, head_dim=D, dtype=hidden.dtype,
-                 device=hidden.device, num_chunks=num_chunks, causal=True, softmax_scale=softmax_scale,
-                 backend=backend, doc_ids=doc_ids)
-    spec = build_mesh_spec(mesh=mesh, **shape) if mesh is not None else build_spec(group=group, **shape)
-    spec.label = label
+    spec = attention_spec(hidden.shape, hidden.dtype, hidden.device, heads, group=group, mesh=mesh,
+                          num_chunks=num_chunks, backend=backend, softmax_scale=softmax_scale, doc_ids=doc_ids,
+                          label=label, runtime=runtime)
     spec.stash_sink = stash_sink
     spec.saved = saved
-    spec.runtime = runtime
     inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
     wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
     lora = () if adapters is None else (adapters.layout, *adapters.tensors)
@@ -103,6 +96,23 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                                                    for t in (*inputs, wqn, wkn, *lora[1:]))
     return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, offload, heads, for_backward,
                                                 cos, sin, wqn, wkn, eps, *lora)
+
+
+def attention_spec(shape: torch.Size, dtype: torch.dtype, device: torch.device, heads: tuple[int, int, int], *,
+                   group: dist.ProcessGroup | None, mesh: SequenceMesh | None, num_chunks: int, backend: str | None,
+                   softmax_scale: float | None, doc_ids: torch.Tensor | None, label: str | None = None,
+                   runtime: Runtime | str | None = None):
+    """The causal pipeline spec (Ulysses over ``group``, or the 2D ``mesh``) of hidden states of
+    ``shape`` ``[B, S_local, hidden]``; ``heads`` = ``(H, H_kv, D)``."""
+    if mesh is not None and group is not None:
+        raise ValueError("projected FPDT attention got both group= (plain Ulysses) and mesh= (hp x cp); set one")
+    H, H_kv, D = heads
+    check_batch(doc_ids, shape[0])
+    kw = dict(seq_local=shape[1], num_heads=H, num_kv_heads=H_kv, head_dim=D, dtype=dtype, device=device,
+              num_chunks=num_chunks, causal=True, softmax_scale=softmax_scale, backend=backend, doc_ids=doc_ids)
+    spec = build_mesh_spec(mesh=mesh, **kw) if mesh is not None else build_spec(group=group, **kw)
+    spec.label, spec.runtime = label, runtime
+    return spec
 
 
 class QKVChunks:

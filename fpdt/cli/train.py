@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--checkpoint-device-layers", type=int, metavar="K",
                    help="with --checkpoint offload, keep the last K decoder layers' inputs on the GPU instead of "
                         "the host (default 0), for runs whose host memory is the limit; fpdt-plan suggests K")
+    f.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every layer a chunk at a time with the residual stream in host memory: device memory "
+                        "flat in the sequence length (implies --offload and --checkpoint offload). Default: on when "
+                        "the run's memory check predicts the device does not hold it otherwise")
     f.add_argument("--attention-checkpoint", choices=list(ATTENTION_CHECKPOINT_MODES),
                    help="with checkpointing, whether a layer's recompute runs the attention forward again "
                         "(recompute) or reads the attention output and lse its forward kept beside the layer input "
@@ -160,7 +164,7 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
             "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
             "checkpoint_device_layers": args.checkpoint_device_layers,
             "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers,
-            "runtime": args.runtime}
+            "runtime": args.runtime, "stream_layers": args.stream_layers}
 
 
 def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None) -> TrainerOptions:

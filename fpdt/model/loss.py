@@ -78,12 +78,14 @@ def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1) 
 
 def lm_loss_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                       scale: torch.Tensor | float) -> torch.Tensor:
-    """Unchunked form: ``scale * sum CE(hidden W^T, labels)`` with full fp32 logits.
+    """Unchunked form: ``scale * sum CE(hidden W^T, labels)`` with full fp32 logits (float64 for
+    float64 inputs).
 
     ``hidden`` ``[..., hidden]``, ``weight`` ``[V, hidden]``, ``labels`` ``[...]`` long
     (-100 ignored) -> fp32 scalar. Autograd-tracked; keeps ``[T, V]`` fp32 logits.
     """
-    logits = F.linear(hidden, weight).float()
+    logits = F.linear(hidden, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                          ignore_index=IGNORE_INDEX, reduction="sum")
     return ce * scale

@@ -27,7 +27,9 @@ each naming the role of the data (e.g. ``k chunk 3, layer 2``):
 
 Faults (``fault=``, or ``FPDT_SIM_FAULT``): ``drop_wait`` ignores every cross-stream wait,
 ``drop_record_stream`` ignores every ``record_stream``. The offload tests must fail under
-each (wrong numbers or a hazard error).
+each (wrong numbers or a hazard error). ``fault_kinds`` (a set of role kinds, e.g.
+``{"residual"}``) narrows a fault to the data of those kinds: the waits on events recorded after
+a copy of such data, and the ``record_stream`` that follows such a copy.
 
 Counters (``runtime.counters``): bytes per direction, host-blocking syncs, peak copies
 issued but not run (host run-ahead), peak fetch buffers per role kind.
@@ -66,6 +68,7 @@ class SimStream:
 
     def __init__(self, index: int, name: str):
         self.index, self.name = index, name
+        self.last_kind: str | None = None          # role kind of the last copy issued here
         self.vc: dict[int, int] = {index: 0}
         self.issued = 0
         self.done = 0
@@ -79,6 +82,7 @@ class SimStream:
 class SimEvent:
     stream: SimStream
     vc: dict
+    kind: str | None = None     # role kind of the stream's last copy when recorded
 
     @property
     def target(self) -> int:
@@ -150,7 +154,8 @@ class SimRuntime(Runtime):
     name = "sim"
 
     def __init__(self, mode: str | None = None, fault: str | None = None, seed: int | None = None,
-                 checks: bool = True, log: bool = False, max_delay_s: float = 0.002):
+                 checks: bool = True, log: bool = False, max_delay_s: float = 0.002,
+                 fault_kinds: frozenset | set | None = None):
         super().__init__()
         self.mode = mode or os.environ.get("FPDT_SIM_MODE", "").strip() or "lazy"
         self.fault = fault or os.environ.get("FPDT_SIM_FAULT", "").strip() or None
@@ -160,6 +165,7 @@ class SimRuntime(Runtime):
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"FPDT_SIM_FAULT={self.fault!r} must be one of {', '.join(FAULTS)} (or unset)")
         self.checks, self.max_delay_s = checks, max_delay_s
+        self.fault_kinds = None if fault_kinds is None else frozenset(fault_kinds)
         self.log: list[tuple[str, str, str]] | None = [] if log else None
         self._cond = threading.Condition(threading.RLock())
         self._compute = SimStream(COMPUTE, "compute")
@@ -191,14 +197,14 @@ class SimRuntime(Runtime):
             if stream is self._compute:
                 self._epoch += 1
                 stream.vc[COMPUTE] = self._epoch
-            return SimEvent(stream, dict(stream.vc))
+            return SimEvent(stream, dict(stream.vc), stream.last_kind)
 
     def wait_event(self, stream, event) -> None:
         with self._cond:
             self._check()
             if event.stream is stream:
                 return  # same-stream order is FIFO already
-            if self.fault == "drop_wait":
+            if self.fault == "drop_wait" and self._faulty(event.kind):
                 return
             if stream is self._compute:
                 self.counters.compute_waits += 1
@@ -222,7 +228,7 @@ class SimRuntime(Runtime):
             self._run_all()
 
     def record_stream(self, tensor, stream) -> None:
-        if self.fault == "drop_record_stream" or stream is self._compute:
+        if (self.fault == "drop_record_stream" and self._faulty(stream.last_kind)) or stream is self._compute:
             return
         with self._cond:
             self._info_of(tensor.untyped_storage()).recorded.add(stream.index)
@@ -258,6 +264,7 @@ class SimRuntime(Runtime):
         with self._cond:
             self._check()
             stream.issued += 1
+            stream.last_kind = role.kind
             stream.vc[stream.index] = stream.issued
             op = _Op(stream, stream.issued, dict(stream.vc), _View.of(dst), _View.of(src), role, direction)
             if self.checks:
@@ -278,6 +285,9 @@ class SimRuntime(Runtime):
             self._cond.notify_all()
 
     # --- internals (all called with self._cond held) -------------------------------------
+    def _faulty(self, kind: str | None) -> bool:
+        return self.fault_kinds is None or kind in self.fault_kinds
+
     def _info_of(self, storage) -> _Info:
         key = id(storage)
         info = self._info.get(key)

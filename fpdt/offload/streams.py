@@ -25,7 +25,8 @@ import torch
 from fpdt.offload.runtime import Runtime
 
 D2H_RUN_AHEAD = 6           # device->host copies in flight before compute waits (one chunk's put of T, k, v, q, o, lse)
-INPUT_KINDS = frozenset({"T", "layer input"})   # role kinds carried by the ``inputs`` stream
+# role kinds carried by the ``inputs`` stream: hidden-state chunks (the streamed residual, fpdt.model.streaming)
+INPUT_KINDS = frozenset({"T", "layer input", "residual", "residual grad", "branch grad"})
 
 
 class CopyStreams:

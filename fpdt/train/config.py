@@ -51,6 +51,10 @@ class TrainerOptions(FPDTOptions):
     checkpointing: str | None = None
     """As :attr:`FPDTOptions.checkpointing` (flag ``--checkpoint``, JSON key ``"checkpoint"``);
     ``None``: ``"offload"`` with CUDA (the FPDT design), ``"off"`` on other devices."""
+    stream_layers: bool | None = None
+    """As :attr:`FPDTOptions.stream_layers`; ``None``: on when the run's memory check predicts that the
+    device does not hold it otherwise (:func:`fpdt.plan.trainer_run.stream_layers`). On, ``offload``
+    and ``checkpoint`` default to on and ``"offload"``."""
     attention_checkpoint: str | None = None
     """As :attr:`FPDTOptions.attention_checkpoint`; ``None``: ``"save"`` for as many layers as
     the run's own memory check predicts the host and device hold, else ``"recompute"``
@@ -81,7 +85,8 @@ class TrainerOptions(FPDTOptions):
         check before it builds the model (:func:`fpdt.cli.train.check_memory`)."""
         shared = {f.name: getattr(self, f.name) for f in fields(FPDTOptions)}
         shared.update(num_chunks=run.num_chunks, offload=run.offload, checkpointing=run.checkpoint,
-                      group=group, mesh=mesh, attention_checkpoint=self.attention_checkpoint or "recompute")
+                      group=group, mesh=mesh, attention_checkpoint=self.attention_checkpoint or "recompute",
+                      stream_layers=bool(self.stream_layers))
         return FPDTOptions(**shared).validate()
 
 
@@ -144,8 +149,9 @@ def _check_types(opts: TrainerOptions) -> None:
                               "save_attention_layers") else 1  # 0 = unchunked / none
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= {least}")
-    if opts.offload is not None and not isinstance(opts.offload, bool):
-        raise ConfigError(f"fpdt option offload={opts.offload!r} must be true or false")
+    for name in ("offload", "stream_layers"):
+        if getattr(opts, name) is not None and not isinstance(getattr(opts, name), bool):
+            raise ConfigError(f"fpdt option {name}={getattr(opts, name)!r} must be true or false")
     if opts.checkpointing is not None and opts.checkpointing not in CHECKPOINT_MODES:
         raise ConfigError(f"fpdt option checkpoint={opts.checkpointing!r} must be one of {CHECKPOINT_MODES}")
     if opts.backend is not None and opts.backend not in BACKENDS:
@@ -160,7 +166,9 @@ def _check_types(opts: TrainerOptions) -> None:
     if opts.attention_checkpoint == "recompute" and opts.save_attention_layers:
         raise ConfigError(f"--save-attention-layers {opts.save_attention_layers} needs --attention-checkpoint save "
                           f"(it is recompute): drop one of them")
-    resolved = replace(opts, offload=bool(opts.offload), checkpointing=opts.checkpointing or "offload",
+    streaming = bool(opts.stream_layers)
+    resolved = replace(opts, offload=opts.offload if opts.offload is not None else streaming,
+                       checkpointing=opts.checkpointing or "offload", stream_layers=streaming,
                        attention_checkpoint=opts.attention_checkpoint or "recompute")
     for problem in FPDTOptions.problems(resolved):
         if not problem.startswith("checkpoint_device_layers="):   # checked against the run in validate()
@@ -368,9 +376,9 @@ def device_defaults(opts: TrainerOptions, device_type: str, num_chunks: int = 2)
     (attention offload when there is more than one chunk to pipeline, offloaded layer-input
     checkpoints) and neither elsewhere (both need pinned memory and copy streams;
     ``runtime="sim"`` tests them on the CPU when asked)."""
-    cuda = device_type == "cuda"
-    offload = opts.offload if opts.offload is not None else cuda and num_chunks > 1
-    checkpoint = opts.checkpointing if opts.checkpointing is not None else ("offload" if cuda else "off")
+    cuda, streaming = device_type == "cuda", bool(opts.stream_layers)
+    offload = opts.offload if opts.offload is not None else streaming or (cuda and num_chunks > 1)
+    checkpoint = opts.checkpointing if opts.checkpointing is not None else ("offload" if cuda or streaming else "off")
     return offload, checkpoint
 
 

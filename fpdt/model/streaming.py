@@ -1,0 +1,321 @@
+"""Streamed decoder layers (``stream_layers=True``): the residual stream lives in host memory.
+
+Every op of a decoder layer but attention acts on each token alone, and FPDT's pipeline already
+streams attention from a host stash. So the embedding, every layer and the loss run as passes
+over the ``u`` chunks ``[B, L, hidden]`` (``L = S_local / u``) of the sequence, whose values and
+gradients wait in pinned host memory between passes (one :class:`fpdt.offload.HostStash` per layer
+boundary; ``stash k`` holds layer ``k``'s input, the last one the final hidden states). No
+``[B, S_local, hidden]`` tensor exists on the device; the integer inputs (ids, labels, positions,
+8 bytes a token each) stay there whole.
+
+One layer, forward (no autograd; the input chunks on the host are the layer's checkpoint):
+
+1. ``produce(i)``: ``x_i`` from the host, input norm, q/k/v, RoPE (the attention pipeline then
+   all-to-alls and stashes them, :mod:`fpdt.attention.pipeline`);
+2. ``emit(i, o_i)``: ``h_i = x_i + o_proj(o_i)``, ``y_i = h_i + mlp(norm(h_i))``, ``y_i`` to the host.
+
+Backward, from the output's gradient chunks ``g_i`` on the host:
+
+1. the attention forward again (or its saved outputs, ``attention_checkpoint="save"``), and in
+   each ``emit(i, o_i)`` the recompute and backward of ``o_proj`` and the MLP: ``dh_i`` and
+   ``do_i`` to the host;
+2. the attention backward over its stash, reading ``do_i``; in each ``deliver(j, ...)`` the q/k/v
+   and input-norm backward and ``dx_j = dh_j + dnorm_j`` to the host.
+
+Parameter gradients accumulate in fp32 over the chunks and reach autograd once per layer. The
+head (final norm and chunked loss) computes its gradients in its forward, as the chunked loss
+does, and scales them by the loss's incoming gradient in backward. The memory this holds, in
+chunk units, and its host bytes per token are derived in ``docs/memory.md`` ("Streamed layers").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fpdt.attention.mesh_pipeline import run_backward, run_forward
+from fpdt.attention.output_projection import output_projection
+from fpdt.attention.projected_attention import QKVChunks, attention_spec, rotation_of
+from fpdt.attention.saved_attention import SavedAttention
+from fpdt.model.checkpointing import _replayed_rng, _rng_state
+from fpdt.model.loss import chunked_lm_loss, sum_over_group, valid_token_scale
+from fpdt.offload import HostStash
+from fpdt.ops.lora import attached_adapters
+
+RESIDUAL, RESIDUAL_GRAD = "residual", "residual grad"     # a layer's input chunk, and its gradient
+O_GRAD, BRANCH_GRAD = "o grad", "branch grad"           # d(attention output), d(x + o_proj(o)) chunks
+
+
+class StreamedRun:
+    """One forward call of a streamed model: the host stashes of its residual stream and what
+    every pass reads. ``model`` is a :class:`fpdt.model.FPDTForCausalLM`; ``input_ids`` and
+    ``position_ids`` ``[B, S_local]``; ``doc_ids`` ``[B, S]`` or None; ``saving``: how many of
+    the first layers keep their attention output (``attention_checkpoint="save"``)."""
+
+    def __init__(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids, saving: int):
+        opts = model.options
+        self.model, self.layers = model, list(model.model.layers)
+        self.opts, self.device = opts, input_ids.device
+        self.ids, self.position_ids, self.doc_ids = input_ids, position_ids, doc_ids
+        self.B, S_local = input_ids.shape
+        self.u = opts.num_chunks
+        self.L = S_local // self.u
+        self.for_backward = torch.is_grad_enabled()
+        n = len(self.layers)
+        self.stashes = [HostStash(self.device, enabled=True, label=f"layer {k}" if k < n else "final norm",
+                                  runtime=opts.runtime) for k in range(n + 1)]
+        self.saved = [SavedAttention(self.device, on_host=True, label=f"layer {k}", runtime=opts.runtime)
+                      if k < saving and self.for_backward else None for k in range(n)]
+        self.rng: list = [None] * n
+        self.grad_scale: torch.Tensor | None = None    # the loss's incoming gradient (head backward)
+
+    # ------------------------------------------------------------------ chunks
+    def rows(self, i: int) -> slice:
+        return slice(i * self.L, (i + 1) * self.L)
+
+    def fetch(self, stash: HostStash, kind: str, i: int, keep: bool) -> torch.Tensor:
+        """Chunk ``i`` of ``kind`` on the device, the next one's copy started."""
+        value = stash.get((kind, i)) if keep else stash.pop((kind, i))
+        if i + 1 < self.u and (kind, i + 1) in stash:
+            stash.prefetch((kind, i + 1))
+        return value
+
+    # ------------------------------------------------------------------ embedding
+    def embed_forward(self) -> None:
+        embed = self.model.model.embed_tokens
+        for i in range(self.u):
+            self.stashes[0].put((RESIDUAL, i), embed(self.ids[:, self.rows(i)]))
+
+    def embed_backward(self, weight: torch.Tensor) -> torch.Tensor:
+        """The embedding's weight gradient, summed over the chunks in fp32."""
+        embed = self.model.model.embed_tokens
+        acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device)
+        for i in range(self.u):
+            g = self.fetch(self.stashes[0], RESIDUAL_GRAD, i, keep=False)
+            acc.index_add_(0, self.ids[:, self.rows(i)].reshape(-1), g.reshape(-1, g.shape[-1]).to(acc.dtype))
+        if embed.padding_idx is not None:
+            acc[embed.padding_idx] = 0
+        return acc.to(weight.dtype)
+
+    # ------------------------------------------------------------------ a layer
+    def _attention(self, k: int):
+        """Layer ``k``'s pipeline spec, a fresh attention stash and its :class:`QKVChunks`."""
+        attn = self.layers[k].self_attn
+        heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        shape = (self.B, self.L * self.u, attn.q_proj.in_features)
+        spec = attention_spec(shape, attn.q_proj.weight.dtype, self.device, heads, group=attn.group, mesh=attn.mesh,
+                              num_chunks=self.u, backend=attn.backend, softmax_scale=attn.softmax_scale,
+                              doc_ids=self.doc_ids, label=f"layer {k}", runtime=attn.runtime)
+        adapters = attached_adapters((attn.q_proj, attn.k_proj, attn.v_proj), attn.training)
+        lora, tensors = (None, ()) if adapters is None else (adapters.layout, adapters.tensors)
+        rope = self.model.model.rotary_emb
+        qkv = QKVChunks((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+                        (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias), heads, self.L,
+                        rotation_of(rope, self.position_ids, None, None), None, lora, tensors,
+                        lora.draw_seed() if lora is not None else None)
+        stash = HostStash(self.device, enabled=True, label=f"layer {k}", runtime=self.opts.runtime)
+        return spec, stash, qkv
+
+    def _claim(self, k: int, for_backward: bool):
+        saved = self.saved[k]
+        return None if saved is None else saved.claim(for_backward, ("streamed", self.u, self.B, self.L))
+
+    def _branch(self, k: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """``y = h + mlp(norm(h))`` with ``h = x + o_proj(o)``, one chunk."""
+        layer = self.layers[k]
+        o_proj = layer.self_attn.o_proj
+        adapters = attached_adapters((o_proj,), layer.self_attn.training)
+        a = o_proj(o) if adapters is None else output_projection(o, o_proj.weight, o_proj.bias, adapters, 1)
+        h = x + a
+        return h + layer.mlp_branch(h)
+
+    def layer_forward(self, k: int) -> None:
+        """Layer ``k``: stash ``k``'s input chunks -> stash ``k + 1``'s (module docstring)."""
+        src, dst = self.stashes[k], self.stashes[k + 1]
+        self.rng[k] = _rng_state(self.device)
+        spec, stash, qkv = self._attention(k)
+        norm = self.layers[k].input_layernorm
+
+        def produce(i):
+            return qkv.forward(i, norm(self.fetch(src, RESIDUAL, i, keep=True)))
+
+        def emit(i, o_i):
+            x = src.get((RESIDUAL, i)) if self.for_backward else src.pop((RESIDUAL, i))
+            dst.put((RESIDUAL, i), self._branch(k, x, o_i.reshape(self.B, self.L, -1)))
+
+        run_forward(spec, produce, emit, stash, False, self._claim(k, False))
+
+    def layer_backward(self, k: int, params: list[torch.Tensor], needs) -> list[torch.Tensor | None]:
+        """Layer ``k``'s backward (module docstring): stash ``k + 1``'s gradient chunks -> stash
+        ``k``'s; returns the gradients of ``params`` (None where not ``needs``)."""
+        layer, src, dst = self.layers[k], self.stashes[k], self.stashes[k + 1]
+        wanted = {id(p) for p, need in zip(params, needs) if need}
+        acc: dict[int, torch.Tensor] = {}
+        scale = self.grad_scale if k + 1 == len(self.layers) else None
+        if self.saved[k] is not None:
+            self.saved[k].begin_backward()
+        with _replayed_rng(self.rng[k], self.device):
+            spec, stash, qkv = self._attention(k)
+            attn = layer.self_attn
+            qkv.start_backward(spec.acc_dtype, [id(w) in wanted for w in qkv.weights],
+                               [b is not None and id(b) in wanted for b in qkv.biases], (False, False),
+                               [t is not None and id(t) in wanted for t in qkv.lora_tensors], True)
+            branch_params = _params_in(wanted, attn.o_proj, layer.post_attention_layernorm, layer.mlp)
+            norm_params = _params_in(wanted, layer.input_layernorm)
+            dst.prefetch((RESIDUAL_GRAD, 0))
+
+            def produce(i):
+                return qkv.forward(i, layer.input_layernorm(self.fetch(src, RESIDUAL, i, keep=True)))
+
+            def emit(i, o_i):
+                x = src.get((RESIDUAL, i)).detach().requires_grad_()
+                o = o_i.detach().reshape(self.B, self.L, -1).requires_grad_()
+                g = self.fetch(dst, RESIDUAL_GRAD, i, keep=False)
+                with torch.enable_grad():
+                    y = self._branch(k, x, o)
+                grads = torch.autograd.grad(y, [x, o, *branch_params], g if scale is None else g * scale)
+                _accumulate(acc, branch_params, grads[2:])
+                src.put((BRANCH_GRAD, i), grads[0])
+                src.put((O_GRAD, i), grads[1])
+
+            run_forward(spec, produce, emit, stash, True, self._claim(k, True))
+
+            def grad_out_chunk(i):
+                return self.fetch(src, O_GRAD, i, keep=False).view(self.B, self.L, attn.num_heads, attn.head_dim)
+
+            def deliver(j, dq, dk, dv):
+                x = self.fetch(src, RESIDUAL, j, keep=False).detach().requires_grad_()   # its last use
+                with torch.enable_grad():
+                    t = layer.input_layernorm(x)
+                d_t = qkv.backward(j, t.detach(), dq, dk, dv)
+                grads = torch.autograd.grad(t, [x, *norm_params], d_t)
+                _accumulate(acc, norm_params, grads[1:])
+                src.put((RESIDUAL_GRAD, j), grads[0] + src.pop((BRANCH_GRAD, j)))
+
+            run_backward(spec, grad_out_chunk, deliver, stash)
+        if self.saved[k] is not None:
+            self.saved[k].end_backward()
+        d_w, d_b, _, d_lora = qkv.finish()
+        for t, d in zip((*qkv.weights, *qkv.biases, *qkv.lora_tensors), (*d_w, *d_b, *d_lora)):
+            if t is not None and d is not None:
+                acc[id(t)] = d
+        missing = [i for i, p in enumerate(params) if id(p) in wanted and id(p) not in acc]
+        if missing:
+            raise RuntimeError(f"stream_layers: layer {k} has parameters its streamed pass does not use "
+                               f"(indices {missing} of layer.parameters()); it streams Llama-family layers only")
+        return [acc[id(p)].to(p.dtype) if id(p) in wanted else None for p in params]
+
+    # ------------------------------------------------------------------ head
+    def head_forward(self, labels: torch.Tensor, num_valid_tokens, sp: int, group) -> tuple[torch.Tensor, list]:
+        """This rank's term of the loss (fp32 scalar), and when training the fp32 gradients of the
+        final norm's and LM head's weights (their input's gradient chunks go to the last stash)."""
+        model, last = self.model, self.stashes[-1]
+        norm, weight = model.model.norm, model.lm_head.weight
+        scale = valid_token_scale(labels, group=group, sp=sp, num_valid_tokens=num_valid_tokens).to(self.device)
+        params = [p for p in (norm.weight, weight) if self.for_backward and p.requires_grad]
+        acc: dict[int, torch.Tensor] = {}
+        chunks = -(-model.loss_chunks // self.u) if model.loss_chunks else 0
+        total = None
+        for i in range(self.u):
+            h = self.fetch(last, RESIDUAL, i, keep=False).detach().requires_grad_(self.for_backward)
+            with torch.enable_grad() if self.for_backward else torch.no_grad():
+                loss = chunked_lm_loss(norm(h), weight, labels[:, self.rows(i)], scale, chunks,
+                                       wgrad=self.opts.lm_head_wgrad)
+            if self.for_backward:
+                grads = torch.autograd.grad(loss, [h, *params])
+                last.put((RESIDUAL_GRAD, i), grads[0])
+                _accumulate(acc, params, grads[1:])
+            total = loss.detach() if total is None else total + loss.detach()
+        return total, [acc.get(id(p)) for p in (norm.weight, weight)]
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _params_in(wanted: set, *modules) -> list[torch.Tensor]:
+    """The parameters of ``modules`` whose gradient is wanted, in module order."""
+    return [p for m in modules for p in m.parameters() if id(p) in wanted]
+
+
+def _accumulate(acc: dict, params, grads) -> None:
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if id(p) in acc:
+            acc[id(p)] += g.to(acc[id(p)].dtype)
+        else:
+            acc[id(p)] = g.to(_acc_dtype(p), copy=True)
+
+
+class StreamedEmbeddingFunction(torch.autograd.Function):
+    """``anchor`` (an empty leaf that requires grad), the embedding ``weight`` -> an empty token
+    that carries the chain; the embedded chunks go to ``run``'s first stash."""
+
+    @staticmethod
+    def forward(ctx, anchor, weight, run: StreamedRun):
+        run.embed_forward()
+        ctx.run = run
+        ctx.save_for_backward(weight)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        (weight,) = ctx.saved_tensors
+        d_w = ctx.run.embed_backward(weight) if ctx.needs_input_grad[1] else None
+        return torch.empty(0, device=weight.device), d_w, None
+
+
+class StreamedLayerFunction(torch.autograd.Function):
+    """Token in -> token out for decoder layer ``k`` of ``run``; ``params``: the layer's
+    parameters, whose gradients its backward returns (nothing else is saved)."""
+
+    @staticmethod
+    def forward(ctx, token, run: StreamedRun, k: int, *params):
+        run.layer_forward(k)
+        ctx.run, ctx.k, ctx.params = run, k, params
+        return token.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        grads = ctx.run.layer_backward(ctx.k, list(ctx.params), ctx.needs_input_grad[3:])
+        return (torch.empty(0, device=ctx.run.device), None, None, *grads)
+
+
+class StreamedHeadFunction(torch.autograd.Function):
+    """Token, labels ``[B, S_local]``, the final norm's and LM head's weights -> this rank's
+    loss term; backward scales the gradients its forward computed by the incoming one."""
+
+    @staticmethod
+    def forward(ctx, token, run: StreamedRun, labels, num_valid_tokens, sp: int, group, norm_w, lm_w):
+        loss, grads = run.head_forward(labels, num_valid_tokens, sp, group)
+        ctx.run, ctx.grads = run, grads
+        ctx.dtypes = (norm_w.dtype, lm_w.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.run.grad_scale = grad
+        d = [None if g is None else (g * grad).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes)]
+        return (torch.empty(0, device=grad.device), None, None, None, None, None, *d)
+
+
+def streamed_loss(model, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor,
+                  doc_ids: torch.Tensor | None, num_valid_tokens, sp: int,
+                  group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """:meth:`fpdt.model.FPDTForCausalLM.forward` with ``stream_layers``: the embedding, every layer
+    and the loss streamed through host memory (module docstring). Returns the global token-mean
+    loss (the convention of :func:`fpdt.model.loss.sequence_parallel_lm_loss`), None without labels."""
+    run = StreamedRun(model, input_ids, position_ids, doc_ids, model.saving_layers)
+    anchor = torch.empty(0, device=input_ids.device, requires_grad=run.for_backward)
+    token = StreamedEmbeddingFunction.apply(anchor, model.model.embed_tokens.weight, run)
+    for layer in run.layers:
+        token = layer(token, position_ids, model.model.rotary_emb, doc_ids, stream=run)
+    if labels is None:
+        for stash in run.stashes:
+            stash.clear()
+        return None
+    local = StreamedHeadFunction.apply(token, run, labels, num_valid_tokens, sp, group, model.model.norm.weight,
+                                       model.lm_head.weight)
+    return sum_over_group(local, group=group, sp=sp)
+
