@@ -86,16 +86,16 @@ class StreamedRun:
         for i in range(self.u):
             self.stashes[0].put((RESIDUAL, i), embed(self.ids[:, self.rows(i)]))
 
-    def embed_backward(self, weight: torch.Tensor) -> torch.Tensor:
-        """The embedding's weight gradient, summed over the chunks in fp32."""
+    def embed_backward(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The embedding's weight gradient (``shape``, ``dtype``), summed over the chunks in fp32."""
         embed = self.model.model.embed_tokens
-        acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device)
+        acc = torch.zeros(shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device)
         for i in range(self.u):
             g = self.fetch(self.stashes[0], RESIDUAL_GRAD, i, keep=False)
             acc.index_add_(0, self.ids[:, self.rows(i)].reshape(-1), g.reshape(-1, g.shape[-1]).to(acc.dtype))
         if embed.padding_idx is not None:
             acc[embed.padding_idx] = 0
-        return acc.to(weight.dtype)
+        return acc.to(dtype)
 
     # ------------------------------------------------------------------ a layer
     def _attention(self, k: int):
@@ -255,15 +255,13 @@ class StreamedEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, weight, run: StreamedRun):
         run.embed_forward()
-        ctx.run = run
-        ctx.save_for_backward(weight)
+        ctx.run, ctx.meta = run, (weight.shape, weight.dtype, weight.device)   # ZeRO-3 may release it
         return anchor.new_empty(0)
 
     @staticmethod
     def backward(ctx, _):
-        (weight,) = ctx.saved_tensors
-        d_w = ctx.run.embed_backward(weight) if ctx.needs_input_grad[1] else None
-        return torch.empty(0, device=weight.device), d_w, None
+        d_w = ctx.run.embed_backward(*ctx.meta) if ctx.needs_input_grad[1] else None
+        return torch.empty(0, device=ctx.run.device), d_w, None
 
 
 class StreamedLayerFunction(torch.autograd.Function):

@@ -90,6 +90,10 @@ def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, t
     owners = ((FPDTAttention, ("q_proj", "k_proj", "v_proj")),
               (ChunkedSwiGLU, ("gate_proj", "up_proj", "down_proj")),
               (FPDTForCausalLM, ("lm_head",)))
+    if getattr(getattr(model, "options", None), "stream_layers", False):
+        # the streamed embedding and head (fpdt.model.streaming) read these inside the root's forward
+        yield model, model.model.embed_tokens.weight
+        yield model, model.model.norm.weight
     for module in model.modules():
         if isinstance(module, FPDTDecoderLayer):
             yield module.mlp, module.post_attention_layernorm.weight
@@ -133,6 +137,12 @@ def build_engine(model: torch.nn.Module, ds_config: Mapping[str, Any]):
     cfg = dict(ds_config)
     if int((cfg.get("zero_optimization") or {}).get("stage", 0)) == 3:
         register_external_params(model)
+        if getattr(getattr(model, "options", None), "stream_layers", False):
+            # a streamed layer runs its submodules in its own Functions, backward included: ZeRO-3
+            # gathers the whole layer around it (one layer's parameters at a time)
+            from fpdt.model.llama import FPDTDecoderLayer
+
+            deepspeed.utils.set_z3_leaf_modules(model, [FPDTDecoderLayer])
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
