@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer state (and grads) on the host")
     p.add_argument("--offload-param", action="store_true", default=None, help="ZeRO-3 parameters on the host")
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, help="default offload")
+    p.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="layers streamed through host memory a chunk at a time (default: choose, only when the "
+                        "run does not fit otherwise)")
     p.add_argument("--checkpoint-device-layers", type=int, metavar="K",
                    help="with --checkpoint offload, the last K layers' inputs stay on the GPU (default: 0, or the "
                         "fewest that make the host memory fit when it is what does not)")
@@ -125,7 +128,7 @@ def render(out: dict) -> str:
         f"seq_len          {out['seq_len']} ({_tokens(out['seq_len'])})",
         f"fits             {out['fits']}" + (f" (over on {out['limited_by']})" if out["limited_by"] else ""),
         f"setup            chunk {_tokens(s['chunk_size'])}, hp {s['hp']} x cp {s['cp']} ({s['placement']}), "
-        f"checkpoint {s['checkpoint']}"
+        f"checkpoint {s['checkpoint']}" + (", streamed layers" if s.get('stream_layers') else "")
         + (f" (last {s['checkpoint_device_layers']} layer inputs on the GPU)" if s["checkpoint_device_layers"] else "")
         + f", attention {_attention_checkpoint(s)}"
         + f", offload {s['offload']}, MLP chunks {s['mlp_chunks']}, "
@@ -148,6 +151,7 @@ def render(out: dict) -> str:
         f"--checkpoint {r['checkpoint']} --checkpoint-device-layers {r['checkpoint_device_layers']} "
         f"{'--offload' if r['offload'] else '--no-offload'} "
         f"--lm-head-wgrad {r['lm_head_wgrad']} --attention-checkpoint {r['attention_checkpoint']}"
+        + (" --stream-layers" if r.get("stream_layers") else "")
         + (f" --save-attention-layers {r['save_attention_layers']}" if r["attention_checkpoint"] == "save" else "")
         + (f" --lora-rank {r['lora_rank']}" if r.get("lora_rank") else "") if r
         else "nothing fits at this length"))
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                  "loss_chunks": args.loss_chunks, "attention_backend": args.attention_backend,
                  "checkpoint_device_layers": args.checkpoint_device_layers, "lora_rank": args.lora_rank,
                  "attention_checkpoint": args.attention_checkpoint,
-                 "save_attention_layers": args.save_attention_layers, "doc_len": args.doc_len}
+                 "save_attention_layers": args.save_attention_layers, "doc_len": args.doc_len,
+                 "stream_layers": args.stream_layers}
         choice = choice.fix(**{option_field(k): v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:

@@ -113,6 +113,13 @@ chunked MLP runs on); the projection input is in the stash."""
 ATTENTION_WS_U = 16.0
 """Chunk-sized buffers of the attention pipeline at its backward peak (device-memory
 issue's budget)."""
+STREAM_LAYER_U = 2.0
+"""With ``stream_layers``: chunk-sized tensors of the layer in flight beside the attention core's
+working set (the layer-input chunk and its gradient chunk being formed); measured 17.6 ``U`` for a
+whole step against the pipeline's 16.5 (``docs/memory.md``, "Streamed layers")."""
+STREAM_GRADIENTS_HOST_ND = 3.0
+"""With ``stream_layers``: full-length gradients on the host during a layer's backward (its
+output's, its input's being formed, the residual branch's), beside the attention output's."""
 LOSS_LOGIT_COPIES = 3.0
 RUNTIME_RESERVE_BYTES = 2.5 * GIB
 FRAGMENTATION = 1.10
@@ -246,7 +253,10 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     stash_nd = attention_stash_nd(cfg, s)
 
     states = model_states(cfg, s, world)
-    if s.options.checkpointing == "on":
+    streamed = s.options.stream_layers
+    if streamed:     # every layer input on the host (and the final hidden state), none on the device
+        ckpt_dev, ckpt_host = 0.0, (l + 1) * nd
+    elif s.options.checkpointing == "on":
         ckpt_dev, ckpt_host = l * nd, 0.0
     elif s.options.checkpointing == "offload":
         # Two inputs on the device at a time (the layer's own, the next one fetched); with
@@ -294,6 +304,11 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
                       attn_ws),
         "mlp": (MLP_PHASE_ND * nd + stash_resident, "mlp_chunk", mlp_ws),
     }
+    if streamed:    # the layer in flight holds chunks only (fpdt.model.streaming)
+        chunk = nd / s.num_chunks
+        phases = {"attention": (STREAM_LAYER_U * chunk, "attention_working_set", attn_ws),
+                  "mlp": (STREAM_LAYER_U * chunk, "mlp_chunk", mlp_ws / s.num_chunks)}
+        loss += 2 * chunk - 2 * nd
     in_flight, ws_key, ws = max(phases.values(), key=lambda p: p[0] + p[2])
     layer_phase = ckpt_dev + saved_dev + in_flight + ws
     loss_phase = ckpt_dev + saved_dev + loss
@@ -317,6 +332,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     stash_host = 0.0
     if s.options.offload:
         stash_host = (l if s.options.checkpointing == "off" else 1) * stash_nd * nd
+    if streamed:
+        stash_host += (STREAM_GRADIENTS_HOST_ND + cfg.num_heads * cfg.head_dim / h) * nd
     per_rank_host = ckpt_host + saved_host + stash_host + states["model_states_host"] + HOST_RESERVE_PER_RANK
     ranks = min(gpus_per_node, world)
     breakdown = {

@@ -151,9 +151,16 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
               else ("recompute",) if choice.lora_rank else LM_HEAD_WGRAD_MODES)
     saving = choice.fixed_save_layers
     combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
-    for ((hp, cp), chunk), ckpt, wgrad in itertools.product(combos, checkpoints or (base.checkpointing,), wgrads):
-        offload, _ = device_defaults(TrainerOptions(offload=choice.fixed.get("offload")), "cuda", seq_len // chunk)
-        options = replace(base, checkpointing=ckpt, offload=offload, lm_head_wgrad=wgrad,
+    # streamed layers: tried beside the unstreamed setups unless fixed (_best prefers unstreamed when both fit)
+    streams = (base.stream_layers,) if not choice.chooses("stream_layers") else (False, True)
+    for ((hp, cp), chunk), ckpt, wgrad, stream in itertools.product(combos, checkpoints or (base.checkpointing,),
+                                                                     wgrads, streams):
+        if stream and (ckpt != "offload" or choice.fixed.get("offload") is False
+                       or base.checkpoint_device_layers):
+            continue
+        offload, _ = device_defaults(TrainerOptions(offload=choice.fixed.get("offload"), stream_layers=stream),
+                                     "cuda", seq_len // chunk)
+        options = replace(base, checkpointing=ckpt, offload=offload, lm_head_wgrad=wgrad, stream_layers=stream,
                           checkpoint_device_layers=base.checkpoint_device_layers if ckpt == "offload" else 0,
                           attention_checkpoint="save" if saving else "recompute",
                           save_attention_layers=saving or None)
@@ -327,7 +334,7 @@ def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = 
         # fpdt-train's LM-head mode (recompute: measured faster on an H100 than this model says)
         fastest = min(r["step_time_s"] for r in fitting)
         close = [r for r in fitting if r["step_time_s"] <= 1.01 * fastest]
-        return min(close, key=lambda r: (r["device_peak_bytes"], r["setup"]["cp"],
+        return min(close, key=lambda r: (r["setup"]["stream_layers"], r["device_peak_bytes"], r["setup"]["cp"],
                                          r["setup"]["lm_head_wgrad"] != "recompute"))
     return min(results, key=lambda r: (r["device_peak_bytes"] / r["device_capacity_bytes"]
                                        + r["host_peak_bytes"] / r["host_capacity_bytes"]))
@@ -339,7 +346,7 @@ def _recommended(r: dict | None) -> dict | None:
     s = r["setup"]
     return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint",
                               "checkpoint_device_layers", "offload", "lm_head_wgrad", "lora_rank",
-                              "attention_checkpoint", "save_attention_layers")}
+                              "attention_checkpoint", "save_attention_layers", "stream_layers")}
 
 
 def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict:

@@ -236,6 +236,13 @@ def _output_all_to_all_bytes(cfg: ModelConfig, s: Setup) -> int:
     return _output_bytes(cfg, s) * (s.hp - 1) // s.hp
 
 
+STREAM_COPIES_ND = 12.0
+"""Full-length ``[T, h]`` copies per layer and step with ``stream_layers`` (both directions): the
+forward fetches the input twice and writes the output; the backward fetches the input three times,
+the output's gradient, ``do`` and the branch gradient once each and writes ``dx``, ``do`` and the
+branch gradient (``do`` counted as ``h`` wide)."""
+
+
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
                   saved_output_all_to_alls: int = SAVED_OUTPUT_ALL_TO_ALLS) -> dict:
     """Seconds per optimizer step, per component (exposed time) plus ``"total"``
@@ -293,7 +300,11 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
             gemm_pass = t_gemm / (l * gemm_passes)
             h2d_exposed += (l - saving) * forward + saving * max(0.0, max(stashed, fetched) - gemm_pass)
     h2d_exposed += l * o_fetch_s
-    if s.options.checkpointing == "offload":   # the layers whose inputs go to the host and come back
+    if s.options.stream_layers:    # every layer's chunks to the host and back, beside its compute
+        layer_compute = (t_gemm + t_attn) / l
+        stream_copy = STREAM_COPIES_ND * tokens * cfg.hidden_size * e / (2 * min(rates.h2d_bytes_s, rates.d2h_bytes_s))
+        h2d_exposed += l * (max(0.0, stream_copy - layer_compute) + stream_copy / (STREAM_COPIES_ND * u))
+    elif s.options.checkpointing == "offload":   # the layers whose inputs go to the host and come back
         layer_compute = (t_gemm + t_attn) / l
         ckpt_copy = tokens * cfg.hidden_size * e / rates.h2d_bytes_s
         offloaded = l - s.options.checkpoint_device_layers
