@@ -336,7 +336,8 @@ def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = 
         close = [r for r in fitting if r["step_time_s"] <= 1.01 * fastest]
         return min(close, key=lambda r: (r["setup"]["stream_layers"], r["device_peak_bytes"], r["setup"]["cp"],
                                          r["setup"]["lm_head_wgrad"] != "recompute"))
-    return min(results, key=lambda r: (r["device_peak_bytes"] / r["device_capacity_bytes"]
+    return min(results, key=lambda r: (r["setup"]["stream_layers"],      # streaming only when it makes a run fit
+                                       r["device_peak_bytes"] / r["device_capacity_bytes"]
                                        + r["host_peak_bytes"] / r["host_capacity_bytes"]))
 
 

@@ -204,9 +204,9 @@ class Setup:
 
 
 _OWN_FIELDS = {f.name for f in fields(Setup)} - {"options"}
-_PRINTED = ("seq_len", "chunk_size", "hp", "cp", "placement", "inner_ring", "checkpointing", "stream_layers",
+_PRINTED = ("seq_len", "chunk_size", "hp", "cp", "placement", "inner_ring", "checkpointing",
             "checkpoint_device_layers", "offload", "zero_stage", "offload_optimizer", "offload_param", "dtype",
             "batch", "mlp_chunks", "loss_chunks", "lm_head_wgrad", "reduce_bucket_size", "sub_group_size",
             "contiguous_gradients", "kernel_expands_gqa", "attention_checkpoint", "save_attention_layers",
-            "doc_len", "lora_rank")
+            "doc_len", "lora_rank", "stream_layers")
 """:meth:`Setup.as_dict`'s keys, in ``fpdt-plan``'s order (``--json`` prints them so)."""

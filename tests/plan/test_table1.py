@@ -56,7 +56,8 @@ def paper_cluster(gpu: str, n: int) -> Cluster:
 def predicted(model: str, gpu: str, n: int, device_layers: int | None = 0) -> int:
     """The planner's longest length with the paper's settings: every layer input offloaded
     (``device_layers=0``, as FPDT ran); None lets the planner keep some on the GPU."""
-    choice = Choice().fix(chunk_size=64 * K, checkpoint_device_layers=device_layers)
+    # the paper's schedule: layers not streamed (fpdt.model.streaming goes further)
+    choice = Choice().fix(chunk_size=64 * K, checkpoint_device_layers=device_layers, stream_layers=False)
     return max_seq_len(load_model_config(model), paper_cluster(gpu, n), choice)["max_seq_len"]
 
 

@@ -134,7 +134,8 @@ def test_planner_defaults_are_the_trainers_on_a_gpu():
     cfg = load_model_config("llama-3.2-1b")
     for seq_len in (32 * K, 1024 * K):                  # one chunk, and many
         for s in candidates(cfg, seq_len, choice, 8):
-            assert (s.options.offload, s.options.checkpointing) == device_defaults(TrainerOptions(), "cuda", s.num_chunks)
+            trainer = TrainerOptions(stream_layers=s.options.stream_layers)      # planned streaming, as fpdt-train
+            assert (s.options.offload, s.options.checkpointing) == device_defaults(trainer, "cuda", s.num_chunks)
 
 
 @pytest.mark.parametrize("extra, json_section, message", [
