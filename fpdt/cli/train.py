@@ -299,8 +299,12 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     # 2. process groups
     timeout = timedelta(minutes=args.dist_timeout_min)
     init_distributed(device, timeout)
+    opts, plan, streaming = _choose_streaming(source, plan, opts, ds_config, dtype_name, device, world,
+                                              not kernel.native_gqa, lora_spec.rank if lora_spec else 0)
     memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
                           lora_rank=lora_spec.rank if lora_spec else 0)
+    if streaming:
+        memory = replace(memory, lines=(f"fpdt-train: {streaming}", *memory.lines))
     if memory.attention is not None:     # the choice the memory check made (or the one given)
         opts = replace(opts, attention_checkpoint=memory.attention.mode,
                        save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
@@ -434,6 +438,30 @@ class MemoryCheck:
     attention: trainer_run.AttentionCheckpoint | None = None
     """The run's ``attention_checkpoint`` / ``save_attention_layers``: as given, or chosen here
     from the predicted memory (:func:`fpdt.plan.trainer_run.attention_checkpoint`)."""
+
+
+def _choose_streaming(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
+                      dtype_name: str, device: torch.device, world: int, expands_gqa: bool,
+                      lora_rank: int) -> tuple[TrainerOptions, RunLayout, str | None]:
+    """The run with ``stream_layers`` as given, or on CUDA chosen by the predicted device peak
+    (:func:`fpdt.plan.trainer_run.stream_layers`); the line that says why when it was chosen."""
+    if opts.stream_layers is not None or device.type != "cuda":
+        return opts, plan, None
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    ranks = trainer_run.ranks_on_this_node(plan.world_size, torch.cuda.device_count())
+
+    def estimate(o: TrainerOptions, p: RunLayout):
+        return trainer_run.estimate(source.config, p, o, ds_config, dtype_name, device.type, ranks, expands_gqa,
+                                    lora_rank)
+
+    streamed_opts = replace(opts, stream_layers=True)
+    try:
+        unstreamed = estimate(opts, plan)
+        streamed_plan = validate(streamed_opts, plan.seq_len, world, device.type, ds_config)
+    except Exception:  # noqa: BLE001 -- a run the planner's model cannot describe, or not streamable: as given
+        return opts, plan, None
+    chosen, why = trainer_run.stream_layers(None, unstreamed, lambda: estimate(streamed_opts, streamed_plan), capacity)
+    return (streamed_opts, streamed_plan, why) if chosen else (opts, plan, None)
 
 
 def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],

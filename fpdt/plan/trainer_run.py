@@ -308,3 +308,19 @@ def attention_checkpoint(requested: str | None, layers: int | None, checkpoint: 
                                               f"attention output{size}: every layer recomputes")
     return AttentionCheckpoint("recompute", None, f"default: the predicted host and device memory hold no layer's "
                                                   f"attention output{size}")
+
+
+def stream_layers(requested: bool | None, unstreamed: MemoryEstimate, streamed: Callable[[], MemoryEstimate | None],
+                  capacity: float | None) -> tuple[bool, str | None]:
+    """Whether ``fpdt-train`` streams its layers, and the start-up line that says why when it
+    chose to. ``requested``: ``--stream-layers`` (None: choose); ``streamed()``: the estimate with
+    streaming (None when that run is not valid). It streams only when the device, ``capacity``
+    bytes (None: unknown, as on the CPU), does not hold the run otherwise and does with it."""
+    if requested is not None or capacity is None or unstreamed.device_peak_bytes <= capacity:
+        return bool(requested), None
+    est = streamed()
+    if est is None or est.device_peak_bytes > capacity:
+        return False, None
+    return True, (f"stream_layers on: the predicted device peak is {unstreamed.device_peak_bytes / GIB:.1f} GiB "
+                  f"without it, {est.device_peak_bytes / GIB:.1f} GiB with it, of {capacity / GIB:.1f} GiB "
+                  f"(--no-stream-layers to refuse)")
