@@ -187,3 +187,24 @@ def _ranks(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_parity(world):
     run_distributed(_ranks, world, timeout=600)
+
+
+# ---------------------------------------------------------------------- device memory, counted
+STREAM_CHUNK_U = 18.0
+"""Chunk units ``U`` (one bf16 ``[L, hidden]`` chunk) a streamed step holds per unit of chunk length:
+the attention pipeline's backward working set (16.5 U, ``docs/memory.md``) and the layer-input chunk
+and its gradient chunk beside it; measured 17.6 between 2K- and 4K-token chunks."""
+
+
+def _streamed_peak(seq: int, chunk: int) -> int:
+    from profiling.streamed_peak import measure
+    return measure(seq, chunk, stream=True)["device_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_device_peak_is_flat_in_the_sequence_and_within_the_chunk_budget():
+    from fpdt.memory.accountant import chunk_unit
+    peaks = [_streamed_peak(seq, 256) for seq in (1024, 2048, 4096)]
+    assert max(peaks) <= 1.10 * min(peaks), f"streamed peaks {peaks} grow with the sequence"
+    slope = (_streamed_peak(4 * 1024, 1024) - _streamed_peak(4 * 512, 512)) / (chunk_unit(1024, 256) - chunk_unit(512, 256))
+    assert slope <= STREAM_CHUNK_U, f"{slope:.2f} U per chunk unit > {STREAM_CHUNK_U}"

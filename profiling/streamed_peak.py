@@ -1,0 +1,92 @@
+"""Device peak of one whole training step against the sequence length, streamed and not.
+
+The small Llama of ``tests/memory/test_model_budget.py`` (2 layers, hidden 256, bf16), one
+rank, ``offload=True``, ``checkpointing="offload"``, fixed token chunk ``--chunk`` (so ``u``
+grows with ``S``); the device bytes counted exactly by :class:`fpdt.memory.MemoryAccountant`
+(parameters and their pre-allocated gradients are the baseline). Prints one JSON line per
+length and mode; ``--plot`` writes the figure.
+
+    python -m profiling.streamed_peak --lengths 4096,8192,16384 --chunk 1024 --out benchmarks/results/cpu/streamed_peak.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+import fpdt.model as fm
+from fpdt.memory.accountant import MemoryAccountant, chunk_unit
+from fpdt.offload import HostPeak
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 256,
+    "intermediate_size": 704, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 1 << 20,
+    "tie_word_embeddings": False, "rope_theta": 10000.0,
+}
+
+
+def measure(seq: int, chunk: int, stream: bool) -> dict:
+    u = seq // chunk
+    torch.manual_seed(0)
+    model = fm.from_config(CONFIG, dtype=torch.bfloat16, num_chunks=u, offload=True, checkpointing="offload",
+                           stream_layers=stream)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(seq))
+    inputs = model.prepare_inputs(ids[:, :-1], labels=ids[:, 1:], shift=False)
+    model(**inputs).backward()          # first-use kernel checks outside the count
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    with MemoryAccountant("cpu") as acct, HostPeak() as host:
+        loss = model(**inputs)
+        loss.backward()
+        del loss
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"seq_len": seq, "chunk": chunk, "u": u, "stream_layers": stream, "device_peak_bytes": acct.device_peak,
+            "device_peak_U": acct.device_peak / chunk_unit(chunk, CONFIG["hidden_size"]),
+            "host_peak_bytes": host.above_start, "wall_s": wall, "cpu_s": cpu}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for stream, label in ((False, "not streamed"), (True, "stream_layers")):
+        pts = sorted((r["seq_len"], r["device_peak_bytes"] / 2 ** 20) for r in rows if r["stream_layers"] is stream)
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xlabel("tokens (1K-token chunks)")
+    ax.set_ylabel("device peak of a step (MiB, counted)")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="4096,8192,16384")
+    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--out", help="append the JSON lines here too")
+    p.add_argument("--plot", help="write the figure here (PNG)")
+    args = p.parse_args()
+    rows = []
+    for seq in (int(x) for x in args.lengths.split(",")):
+        for stream in (False, True):         # interleaved
+            rows.append(measure(seq, args.chunk, stream))
+            line = json.dumps(rows[-1])
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
