@@ -263,6 +263,10 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
         raise FPDTHFError(str(e)) from None
     layers = _decoder_layers(model)
     mlp_chunks, loss_chunks = mlp_chunks_for(options, model.config), loss_chunks_for(options, model.config)
+    if options.stream_layers:
+        raise FPDTHFError("stream_layers=True: fpdt.hf does not stream its layers yet (it runs Transformers' decoder "
+                          "loop); load the checkpoint with fpdt.model.from_pretrained, or use fpdt-train --model DIR, "
+                          "which streams")
     if options.checkpoint_device_layers:
         raise FPDTHFError(f"checkpoint_device_layers={options.checkpoint_device_layers}: fpdt.hf keeps every "
                           f"checkpointed layer input in one tier; use checkpointing='on' (device) or 'offload' "
