@@ -37,8 +37,10 @@ from fpdt.offload.runtime import RUNTIMES
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import lora, preflight, saving, zero, zero_load
-from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout,
-                               ds_dtype_name, ds_zero_stage, load_ds_config, merge_options, validate)
+from fpdt.comm import PLACEMENTS
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
+from fpdt.train.config import (ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
+                               merge_options, validate)
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "shorthand for --hp SP --cp 1")
     f.add_argument("--hp", type=int, help="2D mesh: head-parallel (Ulysses) degree (default: 1 with --cp)")
     f.add_argument("--cp", type=int, help="2D mesh: context-parallel (ring attention) degree (default 1)")
-    f.add_argument("--placement", choices=["head_first", "context_first"],
+    f.add_argument("--placement", choices=PLACEMENTS,
                    help="2D mesh placement: HP ranks adjacent (head_first, default) or CP ranks adjacent")
     f.add_argument("--inner-ring", type=int, help="double-ring inner size (divides --cp; default: one ring)")
     f.add_argument("--chunk-size", type=int,
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the first in that "
                         f"order that is installed, fits the device, dtype and head size and passes its "
                         f"self-check; cuDNN ahead of FlashAttention-2 where torch's own SDPA prefers it)")
-    f.add_argument("--checkpoint", choices=["off", "on", "offload"],
+    f.add_argument("--checkpoint", choices=CHECKPOINT_MODES,
                    help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
                         "default: offload with CUDA, off elsewhere)")
     f.add_argument("--runtime", choices=list(RUNTIMES),

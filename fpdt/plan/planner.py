@@ -23,7 +23,7 @@ import torch
 
 from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model.config import ModelConfig
-from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions
+from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, attention_checkpoint_given, device_defaults
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, saved_attention_bytes
@@ -31,7 +31,7 @@ from fpdt.plan.models import load_model_config
 from fpdt.plan.setup import (GPU_OPTIONS, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
                              chunk_count_problems, option_problems, split_options)
 from fpdt.plan.time_model import estimate_time
-from fpdt.train.config import TrainerOptions, chunk_split, default_chunk_size, device_defaults
+from fpdt.train.config import chunk_split, default_chunk_size
 from fpdt.train.metrics import ModelShape, layer_matmul_flops, step_rates, train_flops_per_token
 
 KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,7 +51,7 @@ class Choice:
     Coordinates left None are chosen. Of the model options, those not in :attr:`fixed`
     are ``fpdt-train``'s on a GPU (:data:`fpdt.plan.setup.GPU_OPTIONS`), except those the
     planner chooses: attention ``offload`` (``fpdt-train``'s default, on when the sequence
-    has more than one chunk: :func:`fpdt.train.config.device_defaults`), ``lm_head_wgrad``
+    has more than one chunk: :func:`fpdt.options.device_defaults`), ``lm_head_wgrad``
     (the faster mode that fits), ``checkpoint_device_layers`` (0, or where the host memory
     is what does not fit, the fewest that bring the host peak within it while the GPU still
     fits: :func:`_with_device_layers`) and the saved attention (``attention_checkpoint`` /
@@ -98,7 +98,10 @@ class Choice:
     def options(self) -> FPDTOptions:
         """:data:`fpdt.plan.setup.GPU_OPTIONS` with the fixed options: the base of every setup
         the planner tries (the fields it chooses replaced there)."""
-        return replace(GPU_OPTIONS, **self.fixed)
+        fixed = dict(self.fixed)
+        fixed["attention_checkpoint"] = attention_checkpoint_given(fixed.get("attention_checkpoint"),
+                                                                   fixed.get("save_attention_layers"))
+        return replace(GPU_OPTIONS, **fixed)
 
     def chooses(self, name: str) -> bool:
         """Whether the option ``name`` is left to the planner (not fixed)."""
@@ -152,11 +155,12 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
     saving = choice.fixed_save_layers
     combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
     for ((hp, cp), chunk), ckpt, wgrad in itertools.product(combos, checkpoints or (base.checkpointing,), wgrads):
-        offload, _ = device_defaults(TrainerOptions(offload=choice.fixed.get("offload")), "cuda", seq_len // chunk)
+        offload, _ = device_defaults("cuda", seq_len // chunk, choice.fixed.get("offload"))
+        saves = bool(saving) and ckpt != "off"        # a layer count saves nothing without checkpointing
         options = replace(base, checkpointing=ckpt, offload=offload, lm_head_wgrad=wgrad,
                           checkpoint_device_layers=base.checkpoint_device_layers if ckpt == "offload" else 0,
-                          attention_checkpoint="save" if saving else "recompute",
-                          save_attention_layers=saving or None)
+                          attention_checkpoint="save" if saves else "recompute",
+                          save_attention_layers=saving if saves else None)
         placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
         for placement in placements:
             s = Setup(seq_len=seq_len, chunk_size=chunk, hp=hp, cp=cp, placement=placement,
@@ -416,9 +420,6 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
                                        or choice.doc_len < 1):
         bad.append(f"--doc-len {choice.doc_len!r} must be a whole number of tokens, at least 1 (the mean "
                    f"document length)")
-    if choice.fixed.get("attention_checkpoint") == "recompute" and options.save_attention_layers:
-        bad.append(f"--save-attention-layers {options.save_attention_layers} needs --attention-checkpoint save "
-                   f"(not recompute)")
     if bad:
         raise ValueError("; ".join(bad))
     if search_max:

@@ -24,10 +24,9 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-from fpdt.attention.kernels import BACKENDS
 from fpdt.comm import PLACEMENTS
 from fpdt.offload import runtime_name
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions  # noqa: F401 (LM_HEAD_WGRAD_MODES: the CLI's choices)
+from fpdt.options import DERIVED_OPTIONS, FPDTOptions, attention_checkpoint_given, device_defaults
 
 DEFAULT_CHUNK_TOKENS = 65536
 """Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (arXiv:2408.16978),
@@ -79,16 +78,13 @@ class TrainerOptions(FPDTOptions):
         device defaults it resolved) on ``group`` or ``mesh``. An ``attention_checkpoint`` still
         to be chosen (None) is ``"recompute"`` here: ``fpdt-train`` chooses it from its memory
         check before it builds the model (:func:`fpdt.cli.train.check_memory`)."""
-        shared = {f.name: getattr(self, f.name) for f in fields(FPDTOptions)}
-        shared.update(num_chunks=run.num_chunks, offload=run.offload, checkpointing=run.checkpoint,
-                      group=group, mesh=mesh, attention_checkpoint=self.attention_checkpoint or "recompute")
-        return FPDTOptions(**shared).validate()
+        return replace(_resolved(self, run.offload, run.checkpoint), num_chunks=run.num_chunks, group=group,
+                       mesh=mesh).validate()
 
 
-_DERIVED = ("num_chunks", "group", "mesh")   # the trainer sets these from the run, not from the user
 _KEY_OF_FIELD = {"checkpointing": "checkpoint", "backend": "attention_backend"}
 """Option fields whose flag and JSON key say it differently (``--checkpoint``, ``--attention-backend``)."""
-FPDT_KEYS = tuple(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(TrainerOptions) if f.name not in _DERIVED)
+FPDT_KEYS = tuple(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(TrainerOptions) if f.name not in DERIVED_OPTIONS)
 """The keys of the ``"fpdt"`` JSON section (and the names :func:`merge_options` takes flags by)."""
 _FIELD_OF_KEY = {key: field for field, key in _KEY_OF_FIELD.items()}
 
@@ -135,36 +131,33 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
 
 
 def _check_types(opts: TrainerOptions) -> None:
-    for name in ("sp", "hp", "cp", "inner_ring", "chunk_size", "mlp_chunks", "loss_chunks",
-                 "checkpoint_device_layers", "save_attention_layers"):
+    """The trainer's own fields, then :meth:`FPDTOptions.problems` with what is still to be
+    chosen standing in (checkpointing: ``"offload"``, checked again against the device default
+    in :func:`validate`)."""
+    for name in ("sp", "hp", "cp", "inner_ring", "chunk_size"):
         value = getattr(opts, name)
-        if value is None and name != "sp":
-            continue
-        least = 0 if name in ("mlp_chunks", "loss_chunks", "checkpoint_device_layers",
-                              "save_attention_layers") else 1  # 0 = unchunked / none
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= {least}")
-    if opts.offload is not None and not isinstance(opts.offload, bool):
-        raise ConfigError(f"fpdt option offload={opts.offload!r} must be true or false")
-    if opts.checkpointing is not None and opts.checkpointing not in CHECKPOINT_MODES:
-        raise ConfigError(f"fpdt option checkpoint={opts.checkpointing!r} must be one of {CHECKPOINT_MODES}")
-    if opts.backend is not None and opts.backend not in BACKENDS:
-        raise ConfigError(f"fpdt option attention_backend={opts.backend!r} must be one of "
-                          f"{tuple(BACKENDS)}, or left out for automatic selection")
+        if (value is not None or name == "sp") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= 1")
     if opts.placement not in PLACEMENTS:
         raise ConfigError(f"fpdt option placement={opts.placement!r} must be one of {PLACEMENTS}")
-    # the rest as the model checks it, device defaults standing in for what is still automatic
-    if opts.attention_checkpoint is not None and opts.attention_checkpoint not in ATTENTION_CHECKPOINT_MODES:
-        raise ConfigError(f"fpdt option attention_checkpoint={opts.attention_checkpoint!r} must be one of "
-                          f"{ATTENTION_CHECKPOINT_MODES}, or left out to save as many layers as fit")
-    if opts.attention_checkpoint == "recompute" and opts.save_attention_layers:
-        raise ConfigError(f"--save-attention-layers {opts.save_attention_layers} needs --attention-checkpoint save "
-                          f"(it is recompute): drop one of them")
-    resolved = replace(opts, offload=bool(opts.offload), checkpointing=opts.checkpointing or "offload",
-                       attention_checkpoint=opts.attention_checkpoint or "recompute")
-    for problem in FPDTOptions.problems(resolved):
-        if not problem.startswith("checkpoint_device_layers="):   # checked against the run in validate()
-            raise ConfigError(f"fpdt option {problem}")
+    for problem in _resolved(opts, False if opts.offload is None else opts.offload,
+                             opts.checkpointing or "offload").problems():
+        raise ConfigError(f"fpdt option {_as_key(problem)}")
+
+
+def _as_key(problem: str) -> str:
+    """An :meth:`FPDTOptions.problems` line with its leading field named as the flag / JSON key."""
+    name, sep, rest = problem.partition("=")
+    return option_key(name) + sep + rest
+
+
+def _resolved(opts: TrainerOptions, offload: Any, checkpointing: Any) -> FPDTOptions:
+    """The model's options with the run's ``offload`` / ``checkpointing`` and the attention
+    checkpoint as given (:func:`fpdt.options.attention_checkpoint_given`), not validated."""
+    shared = {f.name: getattr(opts, f.name) for f in fields(FPDTOptions)}
+    shared.update(offload=offload, checkpointing=checkpointing,
+                  attention_checkpoint=attention_checkpoint_given(opts.attention_checkpoint, opts.save_attention_layers))
+    return FPDTOptions(**shared)
 
 
 def mesh_degrees(opts: TrainerOptions) -> tuple[int, int]:
@@ -326,17 +319,12 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
             f"--seq-len {seq_len} is not divisible by 2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks} = "
             f"{2 * sp * num_chunks}; each chunk of {chunk} tokens is cut into 2 x cp zigzag pieces split over "
             f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
-    offload, checkpoint = device_defaults(opts, device_type, num_chunks)
+    offload, checkpoint = device_defaults(device_type, num_chunks, opts.offload, opts.checkpointing)
     _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
-    if opts.checkpoint_device_layers and checkpoint != "offload":
-        raise ConfigError(f"--checkpoint-device-layers {opts.checkpoint_device_layers} keeps some offloaded layer "
-                          f"inputs on the GPU: it needs --checkpoint offload (the run's checkpointing is "
-                          f"{checkpoint!r}); drop it, or use --checkpoint offload")
-    saving = opts.attention_checkpoint == "save" or opts.save_attention_layers is not None
-    if saving and checkpoint == "off":
-        raise ConfigError("--attention-checkpoint save keeps each checkpointed layer's attention output for its "
-                          "recompute, but the run's checkpointing is 'off' (nothing is recomputed): use "
-                          "--checkpoint on or offload, or drop it")
+    for problem in _resolved(opts, offload, checkpoint).problems():
+        default = "" if opts.checkpointing is not None else \
+            f" (checkpointing={checkpoint!r} is fpdt-train's default on {device_type}; --checkpoint sets it)"
+        raise ConfigError(f"fpdt option {_as_key(problem)}{default}")
     return RunLayout(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
                      chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=opts.mlp_chunks, hp=hp, cp=cp,
                      placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
@@ -361,17 +349,6 @@ def default_chunk_size(seq_len: int, split: int) -> int:
         if seq_len % chunk == 0:
             return chunk
     return seq_len
-
-
-def device_defaults(opts: TrainerOptions, device_type: str, num_chunks: int = 2) -> tuple[bool, str]:
-    """``(offload, checkpoint)``: the options where given, else the FPDT design on CUDA
-    (attention offload when there is more than one chunk to pipeline, offloaded layer-input
-    checkpoints) and neither elsewhere (both need pinned memory and copy streams;
-    ``runtime="sim"`` tests them on the CPU when asked)."""
-    cuda = device_type == "cuda"
-    offload = opts.offload if opts.offload is not None else cuda and num_chunks > 1
-    checkpoint = opts.checkpointing if opts.checkpointing is not None else ("offload" if cuda else "off")
-    return offload, checkpoint
 
 
 def _check_device_options(offload: bool, checkpoint: str, device_type: str, ds_config: Mapping[str, Any],
