@@ -30,7 +30,7 @@ ALLOWED = {
     "comm": {"layout"},  # SequenceMesh owns its token layout
     "attention": BASE,
     "options": BASE | {"attention"},
-    "memory": {"offload"},
+    "memory": {"layout", "offload"},
     "profiling": {"memory"},   # the deprecated name of fpdt.memory
     "model": BASE | {"attention", "options"},
     "hf": BASE | {"attention", "options", "model"},

@@ -21,7 +21,8 @@ from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
 from fpdt.plan.models import PRESETS, load_model_config
 from fpdt.plan.planner import Choice, plan
-from fpdt.plan.setup import DTYPES, PLACEMENTS
+from fpdt.comm import PLACEMENTS
+from fpdt.plan.setup import DTYPES
 from fpdt.train.config import option_field
 
 

@@ -19,8 +19,6 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
-import torch
-
 from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model.config import ModelConfig
 from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, attention_checkpoint_given, device_defaults
@@ -28,14 +26,14 @@ from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, saved_attention_bytes
 from fpdt.plan.models import load_model_config
-from fpdt.plan.setup import (GPU_OPTIONS, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
+from fpdt.comm import PLACEMENTS
+from fpdt.plan.setup import (GPU_OPTIONS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
                              chunk_count_problems, option_problems, split_options)
 from fpdt.plan.time_model import estimate_time
-from fpdt.train.config import chunk_split, default_chunk_size
+from fpdt.layout import chunk_split, hidden_bytes
+from fpdt.train.config import PRECISIONS, default_chunk_size
 from fpdt.train.metrics import ModelShape, layer_matmul_flops, step_rates, train_flops_per_token
 
-KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""Training precisions (the planner's and ``fpdt-train``'s) as the attention kernels' dtypes."""
 
 CHUNK_CANDIDATES = tuple(2 ** k for k in range(13, 19))    # 8K .. 256K global tokens
 MAX_SEARCH_LEN = 2 ** 31
@@ -148,7 +146,7 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
         meshes = [(hp, sp // hp) for hp in _divisors(sp)]
     out = []
     base = choice.options
-    expands = expands_gqa_on_gpu(base.backend, KERNEL_DTYPES[choice.dtype], cfg.head_dim)
+    expands = expands_gqa_on_gpu(base.backend, PRECISIONS[choice.dtype], cfg.head_dim)
     # a frozen LM head (LoRA) forms no weight gradient: both modes are one run (apply_fpdt's default)
     wgrads = ((base.lm_head_wgrad,) if not choice.chooses("lm_head_wgrad")
               else ("recompute",) if choice.lora_rank else LM_HEAD_WGRAD_MODES)
@@ -181,7 +179,7 @@ def _chunk_candidates(seq_len: int, choice: Choice, hp: int, cp: int) -> list[in
     if choice.chunk_size:
         return [choice.chunk_size]
     chunks = [c for c in CHUNK_CANDIDATES if c <= seq_len and seq_len % c == 0]
-    default = default_chunk_size(seq_len, chunk_split(hp * cp, cp))
+    default = default_chunk_size(seq_len, chunk_split(hp * cp, zigzag=cp > 1))
     return sorted(set(chunks) | {default})
 
 
@@ -287,7 +285,7 @@ def _with_saved_attention(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster,
     l, checkpointing = cfg.num_layers, s.options.checkpointing
     if not r["fits"] or checkpointing == "off":
         return None
-    nd = s.rank_tokens * cfg.hidden_size * s.elem_bytes
+    nd = hidden_bytes(s.rank_tokens, cfg.hidden_size, s.elem_bytes)
     ranks = min(cluster.gpus_per_node, cluster.world)
     host_room = r["host_capacity_bytes"] - r["host_peak_bytes"]
     dev_room = r["device_capacity_bytes"] - r["device_peak_bytes"]

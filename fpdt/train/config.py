@@ -24,7 +24,10 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
+import torch
+
 from fpdt.comm import PLACEMENTS
+from fpdt.layout import chunk_split
 from fpdt.offload import runtime_name
 from fpdt.options import DERIVED_OPTIONS, FPDTOptions, attention_checkpoint_given, device_defaults
 
@@ -234,6 +237,11 @@ def ds_zero_stage(cfg: Mapping[str, Any]) -> int:
     return int((cfg.get("zero_optimization") or {}).get("stage", 0))
 
 
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The training precisions :func:`ds_dtype_name` names, as torch dtypes (``fpdt-train``'s and
+``fpdt-plan``'s)."""
+
+
 def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
     """``"bf16"``, ``"fp16"`` or ``"fp32"``: the training precision the JSON asks for."""
     if (cfg.get("bf16") or {}).get("enabled", False):
@@ -301,7 +309,8 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
     if opts.inner_ring is not None and cp % opts.inner_ring:
         raise ConfigError(f"--inner-ring {opts.inner_ring} does not divide --cp {cp}; use a divisor of {cp} "
                           f"(ranks per inner ring, e.g. NICs per node)")
-    chunk = default_chunk_size(seq_len, chunk_split(sp, cp)) if opts.chunk_size is None else opts.chunk_size
+    split = chunk_split(sp, zigzag=cp > 1)
+    chunk = default_chunk_size(seq_len, split) if opts.chunk_size is None else opts.chunk_size
     if chunk > seq_len:
         raise ConfigError(f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); "
                           f"use a chunk size <= {seq_len} that divides it")
@@ -309,16 +318,11 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
         raise ConfigError(f"--seq-len {seq_len} is not divisible by --chunk-size {chunk}; "
                           f"pick a chunk size that divides the sequence length")
     num_chunks = seq_len // chunk
-    if cp == 1 and seq_len % (sp * num_chunks) != 0:
-        raise ConfigError(
-            f"--seq-len {seq_len} is not divisible by sp x chunks = {sp} x {num_chunks} = "
-            f"{sp * num_chunks}; each chunk of {chunk} tokens must split evenly over "
-            f"{sp} ranks: use a chunk size that is a multiple of {sp}")
-    if cp > 1 and seq_len % (2 * sp * num_chunks) != 0:
-        raise ConfigError(
-            f"--seq-len {seq_len} is not divisible by 2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks} = "
-            f"{2 * sp * num_chunks}; each chunk of {chunk} tokens is cut into 2 x cp zigzag pieces split over "
-            f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
+    if seq_len % (split * num_chunks):
+        how = (f"sp x chunks = {sp} x {num_chunks}", f"must split evenly over {sp} ranks") if cp == 1 else \
+            (f"2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks}", "is cut into 2 x cp zigzag pieces split over hp ranks")
+        raise ConfigError(f"--seq-len {seq_len} is not divisible by {how[0]} = {split * num_chunks}; each chunk of "
+                          f"{chunk} tokens {how[1]}: use a chunk size that is a multiple of {split}")
     offload, checkpoint = device_defaults(device_type, num_chunks, opts.offload, opts.checkpointing)
     _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
     for problem in _resolved(opts, offload, checkpoint).problems():
@@ -330,16 +334,10 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
                      placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
 
 
-def chunk_split(sp: int, cp: int) -> int:
-    """Equal pieces every global chunk is cut into over the SP group: ``sp`` ranks, or on a
-    2D mesh (``cp > 1``) ``2 x hp x cp`` zigzag pieces; a chunk must be a multiple of it."""
-    return sp if cp == 1 else 2 * sp
-
-
 def default_chunk_size(seq_len: int, split: int) -> int:
     """The global chunk when none is given: :data:`DEFAULT_CHUNK_TOKENS`, or the whole
     sequence when it is no longer; when 64K does not divide the sequence, the largest chunk
-    below it, down to 8K, that does and that is a multiple of ``split`` (:func:`chunk_split`). With no
+    below it, down to 8K, that does and that is a multiple of ``split`` (:func:`fpdt.layout.chunk_split`). With no
     such chunk: the whole sequence, one chunk (the
     trainer's start-up line shows the chunking; ``--chunk-size`` sets it)."""
     if seq_len <= DEFAULT_CHUNK_TOKENS:
