@@ -31,7 +31,6 @@ ALLOWED = {
     "attention": BASE,
     "options": BASE | {"attention"},
     "memory": {"layout", "offload"},
-    "profiling": {"memory"},   # the deprecated name of fpdt.memory
     "model": BASE | {"attention", "options"},
     "hf": BASE | {"attention", "options", "model"},
     "train": BASE | {"attention", "options", "memory", "model"},
