@@ -52,7 +52,9 @@ class FPDTOptions:
     The global chunk is ``S / u`` tokens."""
     offload: bool = False
     """Keep attention chunks (k̂, v̂, q̂, o, lse) in pinned host memory between forward and
-    backward, double-buffered (FPDT "w. offload"; CUDA, or the simulated runtime on the CPU)."""
+    backward, double-buffered (FPDT "w. offload"; CUDA, or the simulated runtime on the CPU).
+    Off on every device here; ``fpdt-train`` and ``fpdt-plan`` turn it and ``checkpointing``
+    on for CUDA (:func:`device_defaults`, which says why the two defaults differ)."""
     checkpointing: str = "off"
     """Per-layer activation checkpointing (:data:`CHECKPOINT_MODES`): ``"off"``, ``"on"`` (keep
     each layer's input, recompute the layer in backward) or ``"offload"`` (as ``"on"``, with
@@ -67,14 +69,15 @@ class FPDTOptions:
     tensor on the device, so device memory stays flat in the sequence length. The layer inputs in
     host memory are the checkpoints: needs ``checkpointing="offload"`` and ``offload=True``."""
     attention_checkpoint: str = "recompute"
-    """With layer checkpointing (:data:`ATTENTION_CHECKPOINT_MODES`): ``"recompute"`` runs each
+    """With layer checkpointing (:data:`ATTENTION_CHECKPOINT_MODES`; ``"save"`` is refused with
+    ``checkpointing="off"``, which has no recompute to skip): ``"recompute"`` runs each
     layer's attention forward again in backward; ``"save"`` keeps the attention output and its
     log-sum-exp beside the layer input (same tier: host under ``"offload"``, device otherwise)
     and the recompute skips the attention kernel (LoongTrain's Selective Checkpoint++,
     arXiv:2406.18485 §5.2)."""
     save_attention_layers: int | None = None
-    """With ``attention_checkpoint="save"``: how many layers save (None: every layer); the
-    others recompute. The knob for runs short of host memory."""
+    """With ``attention_checkpoint="save"`` (a count with ``"recompute"`` is refused): how many
+    layers save (None: every layer); the others recompute. The knob for runs short of host memory."""
     backend: str | None = None
     """Attention kernel (:data:`fpdt.attention.kernels.BACKENDS`); None: automatic."""
     mlp_chunks: int | None = None
@@ -151,6 +154,7 @@ class FPDTOptions:
                                                        or self.save_attention_layers < 0):
             out.append(f"save_attention_layers={self.save_attention_layers!r} must be an integer >= 0, "
                        f"or None (every layer)")
+        out += self._saving_problems()
         if self.backend is not None and self.backend not in BACKENDS:
             out.append(f"backend={self.backend!r} must be one of {tuple(BACKENDS)}, or None (automatic)")
         if self.runtime is not None and not isinstance(self.runtime, Runtime) and self.runtime not in RUNTIMES:
@@ -159,6 +163,21 @@ class FPDTOptions:
         if self.mesh is not None and self.group is not None:
             out.append("set either group= (plain Ulysses) or mesh= (hp x cp), not both")
         return out
+
+    def _saving_problems(self) -> list[str]:
+        """Saving attention outputs needs a layer recompute to skip, and a layer count needs saving."""
+        if self.checkpointing not in CHECKPOINT_MODES or self.attention_checkpoint not in ATTENTION_CHECKPOINT_MODES:
+            return []     # reported above
+        counted = _is_int(self.save_attention_layers) and self.save_attention_layers >= 0
+        if counted and self.attention_checkpoint != "save":
+            return [f"save_attention_layers={self.save_attention_layers!r} counts the layers that save their "
+                    f"attention output: it needs attention_checkpoint='save' (now {self.attention_checkpoint!r}); "
+                    f"set attention_checkpoint='save', or drop save_attention_layers"]
+        if self.attention_checkpoint == "save" and self.checkpointing == "off":
+            return ["attention_checkpoint='save' keeps each checkpointed layer's attention output for its "
+                    "recompute, and checkpointing='off' recomputes nothing: set checkpointing='on' or 'offload', "
+                    "or attention_checkpoint='recompute'"]
+        return []
 
     def check_layers(self, num_layers: int) -> None:
         """The layer counts against a model of ``num_layers`` decoder layers."""
@@ -171,6 +190,35 @@ class FPDTOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(FPDTOptions))
+DERIVED_OPTIONS = ("num_chunks", "group", "mesh")
+"""Options ``fpdt-train`` and ``fpdt-plan`` derive instead of taking them from a caller:
+``num_chunks`` is ``seq_len / chunk_size``, the group or mesh is built from the mesh degrees."""
+
+
+def device_defaults(device_type: str, num_chunks: int = 2, offload: bool | None = None,
+                    checkpointing: str | None = None, stream_layers: bool = False) -> tuple[bool, str]:
+    """``(offload, checkpointing)`` of a run on ``device_type``: the given values, else the FPDT
+    design on CUDA (attention offload when there is more than one chunk to pipeline, layer inputs
+    checkpointed to the host) and neither elsewhere (both need pinned memory and copy streams).
+
+    ``fpdt-train`` and ``fpdt-plan`` use this: they know the run's device. :class:`FPDTOptions`'
+    own defaults stay ``(False, "off")`` on every device: ``fpdt.model`` and ``fpdt.hf`` take
+    the options before the model is moved to its device, and a library user's model does not
+    change its memory and speed with where it happens to be built. Pass
+    ``dict(zip(("offload", "checkpointing"), device_defaults("cuda", u)))`` to get the trainer's.
+    With ``stream_layers`` both default to what streaming needs (on, ``"offload"``) on any device."""
+    cuda = device_type == "cuda"
+    return (offload if offload is not None else stream_layers or (cuda and num_chunks > 1),
+            checkpointing if checkpointing is not None else ("offload" if cuda or stream_layers else "off"))
+
+
+def attention_checkpoint_given(mode: str | None, save_layers: int | None) -> str:
+    """The ``attention_checkpoint`` of an entry point that may leave it open (``fpdt-train``,
+    ``fpdt-plan``: None): as given, else ``"save"`` when a saving-layer count is given, else
+    ``"recompute"`` (what the options are validated with before the entry point chooses)."""
+    if mode is not None:
+        return mode
+    return "save" if save_layers is not None else "recompute"
 
 
 def _streaming_problems(o: FPDTOptions) -> list[str]:

@@ -2,6 +2,7 @@
 :mod:`fpdt.model.apply`, in the same order, with the same decisions, each through its own adapter."""
 
 import pytest
+import torch
 
 import fpdt.hf
 from fpdt import model as fm
@@ -13,7 +14,7 @@ from fpdt.model.llama import FPDTAdapter, RMSNorm
 from fpdt.model.loss import default_loss_chunks
 from fpdt.model.mlp import default_mlp_chunks
 from fpdt.options import FPDTOptions
-from tests.model.helpers import hf_config, hf_model
+from tests.model.helpers import compare, fpdt_from_hf, hf_config, hf_model, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -52,16 +53,46 @@ def recorded(monkeypatch):
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=["defaults", "offload", "save"])
-def test_both_entry_points_run_the_same_steps(recorded, options):
+def test_both_entry_points_compute_the_same_step(recorded, options, monkeypatch):
+    """The same weights through fpdt.model and through apply_fpdt: the chunk counts the chunked
+    MLP and RMSNorm functions are called with while the models run (what each adapter did with
+    the step it was given, not only that it was asked), and what the two models compute (loss and
+    every gradient, fp32 within 1e-5) agree with each other and with the options."""
+    import fpdt.hf.apply_steps
+    import fpdt.model.llama
+    import fpdt.model.mlp
+
+    seen = []
+    for module, name, what in ((fpdt.model.mlp, "swiglu_of_linears", "mlp"), (fpdt.hf.apply_steps, "swiglu_of_linears", "mlp"),
+                               (fpdt.model.llama, "rms_norm", "norm"), (fpdt.hf.apply_steps, "rms_norm", "norm")):
+        def spy(*args, _original=getattr(module, name), _what=what, _at=4 if what == "mlp" else 3, **kwargs):
+            if args[_at]:                    # 0: unchunked (fpdt.model's plain path, Transformers' own MLP)
+                seen[-1].add((_what, args[_at]))
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
     cfg = hf_config("llama_gqa")
-    fm.from_config(cfg.to_dict(), **options)
-    fpdt.hf.apply_fpdt(hf_model("llama_gqa"), **options)
-    ours, theirs = recorded[FPDTAdapter], recorded[TransformersAdapter]
-    assert ours == theirs and ours
+    hf = hf_model("llama_gqa")
+    ours = fpdt_from_hf(hf, **options)
+    fpdt.hf.apply_fpdt(hf, **options)
+    steps = recorded[FPDTAdapter]
+    assert steps == recorded[TransformersAdapter]
     layers = cfg.num_hidden_layers
-    assert [row[0] for row in ours] == (["start_attention"] + ["set_attention"] * layers
-                                        + ["set_norm_chunks"] * (2 * layers + 1) + ["set_mlp_chunks"] * layers
-                                        + ["set_layer_checkpoints", "set_loss_chunks"])
+    assert [row[0] for row in steps] == (["start_attention"] + ["set_attention"] * layers
+                                         + ["set_norm_chunks"] * (2 * layers + 1) + ["set_mlp_chunks"] * layers
+                                         + ["set_layer_checkpoints", "set_loss_chunks"])
+    ids, labels = tokens(cfg.vocab_size, 2, 32)
+    results = []
+    for model, prepare in ((ours, ours.prepare_inputs), (hf, lambda i, labels: fpdt.hf.prepare_inputs(hf, i, labels=labels))):
+        seen.append(set())
+        loss = model(**prepare(ids, labels=labels))
+        loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (ref_loss, ref_grads) = results
+    compare(loss, grads, ref_loss, ref_grads, f"fpdt.model vs apply_fpdt {options}")
+    opts = FPDTOptions(**options)
+    mlp = mlp_chunks_for(opts, cfg)
+    assert seen[0] == seen[1] == {("norm", 2 * opts.num_chunks)} | ({("mlp", mlp)} if mlp else set()), seen
 
 
 def test_configure_runs_the_steps_again(recorded):

@@ -30,8 +30,7 @@ ALLOWED = {
     "comm": {"layout"},  # SequenceMesh owns its token layout
     "attention": BASE,
     "options": BASE | {"attention"},
-    "memory": {"offload"},
-    "profiling": {"memory"},   # the deprecated name of fpdt.memory
+    "memory": {"layout", "offload"},
     "model": BASE | {"attention", "options"},
     "hf": BASE | {"attention", "options", "model"},
     "train": BASE | {"attention", "options", "memory", "model"},

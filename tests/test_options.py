@@ -74,7 +74,7 @@ def test_one_validation_everywhere(bad, match):
 def test_layer_counts_checked_against_the_model():
     cfg = hf_config("llama_gqa").to_dict()
     with pytest.raises(ValueError, match="save_attention_layers=9 is more than the model's"):
-        fm.from_config(cfg, checkpointing="on", save_attention_layers=9)
+        fm.from_config(cfg, checkpointing="on", attention_checkpoint="save", save_attention_layers=9)
 
 
 def test_unknown_option_names_the_valid_ones():

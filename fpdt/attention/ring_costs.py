@@ -81,6 +81,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fpdt.comm.heads import kv_replication_factor
+from fpdt.layout import hidden_bytes, sequence_multiple
 
 
 @dataclass(frozen=True)
@@ -140,17 +141,16 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
     w = cp if inner_ring is None else inner_ring
     if w < 1 or cp % w:
         raise ValueError(f"inner_ring={inner_ring} must divide cp={cp}")
-    if cp > 1 and seq_len % (2 * hp * cp * u):      # the ring's zigzag halves every chunk
-        raise ValueError(f"S={seq_len} is not divisible by 2*hp*cp*num_chunks={2 * hp * cp * u}")
-    if seq_len % (hp * u):
-        raise ValueError(f"S={seq_len} is not divisible by hp*num_chunks={hp * u}")
+    multiple = sequence_multiple(hp * cp, u, zigzag=cp > 1)     # the ring's zigzag halves every chunk
+    if seq_len % multiple:
+        raise ValueError(f"S={seq_len} is not divisible by {'2*hp*cp' if cp > 1 else 'hp'}*num_chunks={multiple}")
     f = kv_replication_factor(H, num_kv_heads, hp)
     Hkv = f * num_kv_heads
     n = cp // w
     L = seq_len // (hp * cp * u)
     C = hp * L
     K = 2 * batch * C * (Hkv // hp) * D * e
-    Q = batch * L * hidden * e
+    Q = hidden_bytes(batch * L, hidden, e)
     U = hp * Q
     acc = Q * 4 // e                   # one fp32 accumulator chunk (o in forward, dq in backward)
     lse = batch * C * (H // hp) * 4    # one fp32 lse chunk

@@ -37,8 +37,10 @@ from fpdt.offload.runtime import RUNTIMES
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import lora, preflight, saving, zero, zero_load
-from fpdt.train.config import (ATTENTION_CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, ConfigError, TrainerOptions, RunLayout,
-                               ds_dtype_name, ds_zero_stage, load_ds_config, merge_options, validate)
+from fpdt.comm import PLACEMENTS
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
+from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
+                               merge_options, validate)
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report
@@ -47,7 +49,6 @@ from fpdt.train.metrics import ModelShape, resolve_peak_flops
 from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
 from fpdt.train.progress import Progress, StepRecord
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ENV_RUNTIME = "FPDT_RUNTIME"
 """The environment variable that sets ``--runtime``'s default (:func:`fpdt_options`)."""
 
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "shorthand for --hp SP --cp 1")
     f.add_argument("--hp", type=int, help="2D mesh: head-parallel (Ulysses) degree (default: 1 with --cp)")
     f.add_argument("--cp", type=int, help="2D mesh: context-parallel (ring attention) degree (default 1)")
-    f.add_argument("--placement", choices=["head_first", "context_first"],
+    f.add_argument("--placement", choices=PLACEMENTS,
                    help="2D mesh placement: HP ranks adjacent (head_first, default) or CP ranks adjacent")
     f.add_argument("--inner-ring", type=int, help="double-ring inner size (divides --cp; default: one ring)")
     f.add_argument("--chunk-size", type=int,
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the first in that "
                         f"order that is installed, fits the device, dtype and head size and passes its "
                         f"self-check; cuDNN ahead of FlashAttention-2 where torch's own SDPA prefers it)")
-    f.add_argument("--checkpoint", choices=["off", "on", "offload"],
+    f.add_argument("--checkpoint", choices=CHECKPOINT_MODES,
                    help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
                         "default: offload with CUDA, off elsewhere)")
     f.add_argument("--runtime", choices=list(RUNTIMES),
@@ -293,7 +294,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec,
                                      opts.save_attention_layers)
     lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed, source.config)
-    kernel = preflight.attention_kernel(opts.backend, device, DTYPES[dtype_name], source.config.head_dim)
+    kernel = preflight.attention_kernel(opts.backend, device, PRECISIONS[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size, plan)
 
     # 2. process groups
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                               timeout=timeout)
 
     # 3. model, engine, resume
-    model = build_model(args, opts, plan, ps, DTYPES[dtype_name], ds_config, lora_spec)
+    model = build_model(args, opts, plan, ps, PRECISIONS[dtype_name], ds_config, lora_spec)
     hf_config = model.config.to_hf()
     engine = zero.build_engine(model, ds_config)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()

@@ -7,8 +7,6 @@ training loop) rather than rebuild it as :class:`fpdt.model.FPDTForCausalLM`:
   chunked SwiGLU MLP and the chunked sequence-parallel loss, applied to a ``*ForCausalLM``
   in place (:mod:`fpdt.hf.model`);
 * :func:`prepare_inputs` -- one rank's ``input_ids``, ``position_ids`` and ``shift_labels``;
-* :func:`register_attention` -- only the attention, as a named Transformers attention
-  implementation (:mod:`fpdt.hf.attention`);
 * :func:`trainer_parallelism_config` -- with ``apply_fpdt(model, group="trainer")``, training
   under Hugging Face's ``Trainer`` and its sequence parallelism (:mod:`fpdt.hf.trainer`).
 
@@ -16,9 +14,8 @@ PEFT LoRA models go through :func:`apply_fpdt` as they are (after ``get_peft_mod
 LoRA layers run inside the chunked functions (:mod:`fpdt.hf.adapters`).
 """
 
-from fpdt.hf.attention import FPDTHFError, register_attention
+from fpdt.hf.attention import FPDTHFError
 from fpdt.hf.model import HFSettings, apply_fpdt, prepare_inputs, remove_fpdt
 from fpdt.hf.trainer import trainer_parallelism_config
 
-__all__ = ["FPDTHFError", "HFSettings", "apply_fpdt", "prepare_inputs", "remove_fpdt", "register_attention",
-           "trainer_parallelism_config"]
+__all__ = ["FPDTHFError", "HFSettings", "apply_fpdt", "prepare_inputs", "remove_fpdt", "trainer_parallelism_config"]

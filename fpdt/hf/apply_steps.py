@@ -19,6 +19,8 @@ modules through :class:`fpdt.hf.patches.Patches` (so :func:`fpdt.hf.remove_fpdt`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -84,7 +86,7 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     keys = checkpoints.arguments(i, hidden_states.device)
     if keys["saved"] is not None:                 # the layer's attention call records / replays its output
         kwargs = dict(kwargs, fpdt_saved=keys["saved"])
-    if not args and type(self).__name__ in _PRE_NORM_LAYERS:
+    if not args and type(self) in _pre_norm_layer_classes():
         return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
     run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
     # the decoder layer ends with a residual add, which saves nothing: its output may be freed
@@ -92,10 +94,17 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
                         free_output=True, **keys)
 
 
-_PRE_NORM_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
-"""Transformers decoder layers whose forward is exactly ``h = x + self_attn(input_layernorm(x), **kwargs)[0]``,
-then ``h + mlp(post_attention_layernorm(h))`` (one shared source in Transformers 5; the parity tests
-against Transformers hold fpdt's split of it to that)."""
+@functools.cache
+def _pre_norm_layer_classes() -> tuple[type, ...]:
+    """Transformers decoder layers whose forward is exactly ``h = x + self_attn(input_layernorm(x), **kwargs)[0]``,
+    then ``h + mlp(post_attention_layernorm(h))`` (one shared source in Transformers 5; the parity tests
+    against Transformers hold fpdt's split of it to that); matched by class."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    return LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer
 
 
 def _residual_branches(layer: nn.Module, kwargs: dict):
@@ -133,7 +142,7 @@ class TransformersAdapter(DecoderAdapter):
         """Register fpdt attention under a new name and make it the model's (under the Trainer,
         the name its SP setup checks; the forward switches to fpdt's while it runs)."""
         self.options = options
-        name = self.attn_implementation = register_settings(options)
+        name = self.attn_implementation = register_settings(options, self.patches)
         if self.trainer:
             # The name the Trainer's SP setup checks; the chunked attention modules never call the function
             # behind it, and the forward switches to `name` (fpdt's mask function) while it runs.

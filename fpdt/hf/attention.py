@@ -8,7 +8,7 @@ call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with
   with the position ids the caller passed: global positions in the FPDT layout), and
 * ``attention_mask``: what ``ALL_MASK_ATTENTION_FUNCTIONS[...]`` built for the same name.
 
-:func:`register_attention` registers, under one name, an attention function that runs
+:func:`register_settings` registers, under one name, an attention function that runs
 :func:`fpdt.attention.fpdt_attention` (Ulysses all-to-all, chunked online-softmax
 attention, optional host offload; or the 2D mesh) and returns ``[B, S_local, H, D]``, and a
 mask function that builds no mask (the attention is causal over the whole global window)
@@ -31,16 +31,14 @@ import itertools
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from fpdt.attention import fpdt_attention
 from fpdt.attention.output_projection import StashedInput, output_projection
 from fpdt.attention.projected_attention import projected_fpdt_attention
-from fpdt.comm import SequenceMesh
 from fpdt.hf.adapters import Projections, lean_lora, read_projections
 from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import resolve_group
-from fpdt.offload import Runtime
+from fpdt.hf.patches import Patches
 from fpdt.options import FPDTOptions
 
 _names = itertools.count()
@@ -244,34 +242,19 @@ def _mask(name: str):
     return fpdt_mask
 
 
-def register_attention(*, group: dist.ProcessGroup | None = None, mesh: SequenceMesh | None = None,
-                       num_chunks: int = 1, offload: bool = False, backend: str | None = None,
-                       name: str | None = None, runtime: Runtime | str | None = None) -> str:
-    """Register FPDT attention with these settings in Transformers and return its name.
-
-    Use the name as ``attn_implementation`` (``from_pretrained(..., attn_implementation=name)``
-    or ``model.set_attn_implementation(name)``). Each call registers a new name
-    (``fpdt-0``, ``fpdt-1``, ...) unless ``name`` is given, which replaces an earlier one.
-    The model's inputs must then be this rank's tokens in the matching layout, with global
-    position ids: :func:`fpdt.hf.prepare_inputs` builds them. ``runtime``: the device runtime of
-    the offload copies (:attr:`fpdt.options.FPDTOptions.runtime`; ``"sim"`` on the CPU).
-    """
-    options = FPDTOptions(group=group, mesh=mesh, num_chunks=num_chunks, offload=offload, backend=backend,
-                          runtime=runtime)
-    return register_settings(options.validate(), name)
-
-
-def register_settings(settings: FPDTOptions, name: str | None = None) -> str:
-    """:func:`register_attention` with its options already built (the attention reads ``group``,
-    ``mesh``, ``num_chunks``, ``offload``, ``backend`` and ``runtime``; a ``group`` may be a
-    :class:`fpdt.hf.groups.TrainerGroup`, looked up at each call)."""
+def register_settings(settings: FPDTOptions, patches: Patches) -> str:
+    """Register fpdt attention and its mask function in Transformers under a new name
+    (``fpdt-0``, ``fpdt-1``, ...) and return it; ``patches`` records both entries, so that
+    :func:`fpdt.hf.remove_fpdt` takes them out. The attention reads ``group``, ``mesh``,
+    ``num_chunks``, ``offload``, ``backend`` and ``runtime`` of ``settings``; a ``group`` may be
+    a :class:`fpdt.hf.groups.TrainerGroup`, looked up at each call."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
         raise ImportError(f"fpdt.hf needs transformers with AttentionInterface and AttentionMaskInterface "
                           f"(tested with 5.23; pip install -U transformers): {e}") from e
-    name = name or f"fpdt-{next(_names)}"
-    AttentionInterface.register(name, _attention(settings, name))
-    AttentionMaskInterface.register(name, _mask(name))
+    name = f"fpdt-{next(_names)}"
+    patches.register(AttentionInterface, name, _attention(settings, name))
+    patches.register(AttentionMaskInterface, name, _mask(name))
     return name

@@ -219,10 +219,10 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
             forward again) or ``"save"``: each checkpointed layer keeps its attention output and
             lse from the first forward (on the host under ``"offload"``, else on the device) and
             its recompute runs no attention kernel (:mod:`fpdt.attention.saved_attention`);
-            only with fpdt's checkpoint (``checkpointing`` ``"on"`` or ``"offload"``; with
-            ``"off"`` there is no recompute and it changes nothing).
-        save_attention_layers: with ``"save"``, only the first this many decoder layers save
-            (None: every layer).
+            only with fpdt's checkpoint (``checkpointing`` ``"on"`` or ``"offload"``; refused
+            with ``"off"``, which has no recompute to skip).
+        save_attention_layers: with ``"save"`` (refused with ``"recompute"``), only the first
+            this many decoder layers save (None: every layer).
         chunked_qkv: run each layer's q/k/v projections and RoPE chunk by chunk inside the
             FPDT attention, as :class:`fpdt.model.FPDTForCausalLM` does, so the layer's
             full-length local q/k/v never exist (Llama, Mistral, Qwen2, Qwen3 attention, with

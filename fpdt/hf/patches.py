@@ -19,6 +19,7 @@ class Patches:
 
     def __init__(self):
         self._done: list[tuple[Any, str, Any]] = []
+        self._registered: list[tuple[Any, str, Any]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         """``obj.name = value``, remembering the instance's previous value (or its absence)."""
@@ -31,6 +32,12 @@ class Patches:
         before = obj.__dict__.get(name, _ABSENT)
         self._done.append((obj, name, dict(before) if isinstance(before, dict) else before))
 
+    def register(self, interface: Any, key: str, value: Callable) -> None:
+        """``interface.register(key, value)`` in one of Transformers' process-wide registries
+        (``AttentionInterface``, ``AttentionMaskInterface``), remembering what ``key`` held."""
+        self._registered.append((interface, key, interface._global_mapping.get(key, _ABSENT)))
+        interface.register(key, value)
+
     def bind(self, obj: Any, name: str, function: Callable) -> None:
         """Replace the method ``obj.name`` with ``function`` bound to ``obj`` (its first argument)."""
         self.set(obj, name, types.MethodType(function, obj))
@@ -40,16 +47,22 @@ class Patches:
         return {name for o, name, _ in self._done if o is obj}
 
     def undo(self) -> None:
-        """Restore every attribute, newest first; the record is then empty."""
+        """Restore every attribute, newest first, then every registry entry; the record is then empty."""
         while self._done:
             obj, name, before = self._done.pop()
             if before is _ABSENT:
                 obj.__dict__.pop(name, None)
             else:
                 setattr(obj, name, before)
+        while self._registered:
+            interface, key, before = self._registered.pop()
+            if before is _ABSENT:
+                interface._global_mapping.pop(key, None)
+            else:
+                interface.register(key, before)
 
     def __len__(self) -> int:
-        return len(self._done)
+        return len(self._done) + len(self._registered)
 
     def __deepcopy__(self, memo) -> "Patches":
         # A copied model carries its own patched attributes (deep-copied with it) but cannot be

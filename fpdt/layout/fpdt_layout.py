@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from fpdt.layout.split import sequence_multiple
+
 
 def check_layout(seq_len: int, sp_size: int, num_chunks: int) -> int:
     """Validate ``(S, P, u)`` and return the piece length ``L = S / (P * u)``.
@@ -26,7 +28,7 @@ def check_layout(seq_len: int, sp_size: int, num_chunks: int) -> int:
     """
     if sp_size < 1 or num_chunks < 1:
         raise ValueError(f"sp_size={sp_size} and num_chunks={num_chunks} must both be >= 1")
-    denom = sp_size * num_chunks
+    denom = sequence_multiple(sp_size, num_chunks, zigzag=False)
     if seq_len % denom != 0:
         raise ValueError(
             f"sequence length S={seq_len} is not divisible by sp_size*num_chunks="

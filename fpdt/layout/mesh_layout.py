@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from fpdt.layout.split import sequence_multiple
+
 
 def check_mesh_layout(seq_len: int, hp: int, cp: int, num_chunks: int) -> int:
     """Validate ``(S, hp, cp, u)`` and return the local chunk length ``L = S / (hp*cp*u)``.
@@ -43,7 +45,7 @@ def check_mesh_layout(seq_len: int, hp: int, cp: int, num_chunks: int) -> int:
     """
     if min(hp, cp, num_chunks) < 1:
         raise ValueError(f"hp={hp}, cp={cp} and num_chunks={num_chunks} must all be >= 1")
-    multiple = 2 * hp * cp * num_chunks
+    multiple = sequence_multiple(hp * cp, num_chunks, zigzag=True)
     if seq_len <= 0 or seq_len % multiple:
         raise ValueError(
             f"sequence length S={seq_len} is not divisible by 2*hp*cp*num_chunks=2*{hp}*{cp}*{num_chunks}="

@@ -65,17 +65,18 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fpdt.layout import hidden_bytes
 from fpdt.offload import HostPeak, allocating_host_buffer, host_bytes_in_use, unwatch_host_peak, watch_host_peak
 
 
 def chunk_unit(chunk_tokens: int, hidden: int, itemsize: int = 2) -> int:
     """``U``: bytes of one chunk of ``chunk_tokens`` hidden states (bf16 by default)."""
-    return chunk_tokens * hidden * itemsize
+    return hidden_bytes(chunk_tokens, hidden, itemsize)
 
 
 def sequence_unit(seq_tokens: int, hidden: int, itemsize: int = 2) -> int:
     """``Nd``: bytes of one full-sequence hidden tensor of ``seq_tokens`` tokens (bf16 by default)."""
-    return seq_tokens * hidden * itemsize
+    return hidden_bytes(seq_tokens, hidden, itemsize)
 
 
 class SimulatedOutOfMemoryError(torch.OutOfMemoryError):

@@ -3,7 +3,7 @@
     fpdt-plan --model llama-3-8b --gpu h100-80g --gpus-per-node 8 --host-mem-gib 1024 --seq-len 4194304
     fpdt-plan --model path/to/config.json --gpu a100-80g --gpus-per-node 4 --nodes 2 --max-seq-len --json
 
-Defaults follow ``fpdt-train``'s on a GPU (:func:`fpdt.train.config.device_defaults`): ZeRO-3,
+Defaults follow ``fpdt-train``'s on a GPU (:func:`fpdt.options.device_defaults`): ZeRO-3,
 ``--checkpoint offload``, attention ``--offload``,
 bf16. Chunk size, ``hp``/``cp``, placement and the LM-head weight-gradient mode are
 chosen unless given.
@@ -21,7 +21,8 @@ from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
 from fpdt.plan.models import PRESETS, load_model_config
 from fpdt.plan.planner import Choice, plan
-from fpdt.plan.setup import DTYPES, PLACEMENTS
+from fpdt.comm import PLACEMENTS
+from fpdt.plan.setup import DTYPES
 from fpdt.train.config import option_field
 
 

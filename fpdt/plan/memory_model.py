@@ -78,13 +78,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fpdt.attention.offload_volume import saved_attention_bytes as attention_saved_bytes
 from fpdt.attention.ring_costs import AttentionCosts, attention_costs, ulysses_working_set_U
 from fpdt.comm.heads import kv_replication_factor
+from fpdt.layout import hidden_bytes
 from fpdt.model.config import ModelConfig
 from fpdt.model.apply import loss_chunks_for, mlp_chunks_for
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
+from fpdt.train.config import PRECISIONS
 
 # Calibrated on the CPU with fpdt.memory.accountant against this implementation (tests/plan/
 # test_activation_model.py pins them: a change to the layer's memory must update them).
@@ -210,12 +213,14 @@ def saved_per_layer_nd(cfg: ModelConfig, s: Setup) -> float:
 
 
 def saved_attention_bytes(cfg: ModelConfig, s: Setup) -> int:
-    """Bytes per rank one saving layer keeps (``attention_checkpoint="save"``): its attention
-    output in the training dtype and its fp32 log-sum-exp, ``B (S / P) H (D e + 4)`` with
+    """Bytes per rank one saving layer keeps (``attention_checkpoint="save"``): the attention's
+    own count (:func:`fpdt.attention.offload_volume.saved_attention_bytes`) for the setup, its
+    attention output in the training dtype and its fp32 log-sum-exp, ``B (S / P) H (D e + 4)`` with
     ``P = hp * cp``; ``(2 S H D + 4 S H) / P`` in bf16 (LoongTrain, arXiv:2406.18485, section 5.2).
     The same whether it is kept in head layout (``S / cp`` tokens of ``H / hp`` heads) or in
     sequence layout (``S / P`` tokens of ``H`` heads)."""
-    return s.batch * s.local_tokens * cfg.num_heads * (cfg.head_dim * s.elem_bytes + 4)
+    return attention_saved_bytes(batch=s.batch, seq_local=s.local_tokens, num_heads=cfg.num_heads,
+                                 head_dim=cfg.head_dim, dtype=PRECISIONS[s.dtype])
 
 
 def communication(cfg: ModelConfig, s: Setup) -> float:
@@ -249,7 +254,7 @@ def optimizer_step_transient(cfg: ModelConfig, s: Setup, world: int) -> float:
 def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
     """Per-category bytes of ``s`` (see the module docstring for the accounting)."""
     e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
-    nd = s.rank_tokens * h * e
+    nd = hidden_bytes(s.rank_tokens, h, e)
     stash_nd = attention_stash_nd(cfg, s)
 
     states = model_states(cfg, s, world)

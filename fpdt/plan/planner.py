@@ -19,23 +19,21 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
-import torch
-
 from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model.config import ModelConfig
-from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions
+from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, attention_checkpoint_given, device_defaults
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, saved_attention_bytes
 from fpdt.plan.models import load_model_config
-from fpdt.plan.setup import (GPU_OPTIONS, PLACEMENTS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
+from fpdt.comm import PLACEMENTS
+from fpdt.plan.setup import (GPU_OPTIONS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
                              chunk_count_problems, option_problems, split_options)
 from fpdt.plan.time_model import estimate_time
-from fpdt.train.config import TrainerOptions, chunk_split, default_chunk_size, device_defaults
+from fpdt.layout import chunk_split, hidden_bytes
+from fpdt.train.config import PRECISIONS, default_chunk_size
 from fpdt.train.metrics import ModelShape, layer_matmul_flops, step_rates, train_flops_per_token
 
-KERNEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""Training precisions (the planner's and ``fpdt-train``'s) as the attention kernels' dtypes."""
 
 CHUNK_CANDIDATES = tuple(2 ** k for k in range(13, 19))    # 8K .. 256K global tokens
 MAX_SEARCH_LEN = 2 ** 31
@@ -51,7 +49,7 @@ class Choice:
     Coordinates left None are chosen. Of the model options, those not in :attr:`fixed`
     are ``fpdt-train``'s on a GPU (:data:`fpdt.plan.setup.GPU_OPTIONS`), except those the
     planner chooses: attention ``offload`` (``fpdt-train``'s default, on when the sequence
-    has more than one chunk: :func:`fpdt.train.config.device_defaults`), ``lm_head_wgrad``
+    has more than one chunk: :func:`fpdt.options.device_defaults`), ``lm_head_wgrad``
     (the faster mode that fits), ``checkpoint_device_layers`` (0, or where the host memory
     is what does not fit, the fewest that bring the host peak within it while the GPU still
     fits: :func:`_with_device_layers`) and the saved attention (``attention_checkpoint`` /
@@ -98,7 +96,10 @@ class Choice:
     def options(self) -> FPDTOptions:
         """:data:`fpdt.plan.setup.GPU_OPTIONS` with the fixed options: the base of every setup
         the planner tries (the fields it chooses replaced there)."""
-        return replace(GPU_OPTIONS, **self.fixed)
+        fixed = dict(self.fixed)
+        fixed["attention_checkpoint"] = attention_checkpoint_given(fixed.get("attention_checkpoint"),
+                                                                   fixed.get("save_attention_layers"))
+        return replace(GPU_OPTIONS, **fixed)
 
     def chooses(self, name: str) -> bool:
         """Whether the option ``name`` is left to the planner (not fixed)."""
@@ -145,7 +146,7 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
         meshes = [(hp, sp // hp) for hp in _divisors(sp)]
     out = []
     base = choice.options
-    expands = expands_gqa_on_gpu(base.backend, KERNEL_DTYPES[choice.dtype], cfg.head_dim)
+    expands = expands_gqa_on_gpu(base.backend, PRECISIONS[choice.dtype], cfg.head_dim)
     # a frozen LM head (LoRA) forms no weight gradient: both modes are one run (apply_fpdt's default)
     wgrads = ((base.lm_head_wgrad,) if not choice.chooses("lm_head_wgrad")
               else ("recompute",) if choice.lora_rank else LM_HEAD_WGRAD_MODES)
@@ -158,12 +159,12 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
         if stream and (ckpt != "offload" or choice.fixed.get("offload") is False
                        or base.checkpoint_device_layers):
             continue
-        offload, _ = device_defaults(TrainerOptions(offload=choice.fixed.get("offload"), stream_layers=stream),
-                                     "cuda", seq_len // chunk)
+        offload, _ = device_defaults("cuda", seq_len // chunk, choice.fixed.get("offload"), stream_layers=stream)
+        saves = bool(saving) and ckpt != "off"        # a layer count saves nothing without checkpointing
         options = replace(base, checkpointing=ckpt, offload=offload, lm_head_wgrad=wgrad, stream_layers=stream,
                           checkpoint_device_layers=base.checkpoint_device_layers if ckpt == "offload" else 0,
-                          attention_checkpoint="save" if saving else "recompute",
-                          save_attention_layers=saving or None)
+                          attention_checkpoint="save" if saves else "recompute",
+                          save_attention_layers=saving if saves else None)
         placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
         for placement in placements:
             s = Setup(seq_len=seq_len, chunk_size=chunk, hp=hp, cp=cp, placement=placement,
@@ -184,7 +185,7 @@ def _chunk_candidates(seq_len: int, choice: Choice, hp: int, cp: int) -> list[in
     if choice.chunk_size:
         return [choice.chunk_size]
     chunks = [c for c in CHUNK_CANDIDATES if c <= seq_len and seq_len % c == 0]
-    default = default_chunk_size(seq_len, chunk_split(hp * cp, cp))
+    default = default_chunk_size(seq_len, chunk_split(hp * cp, zigzag=cp > 1))
     return sorted(set(chunks) | {default})
 
 
@@ -290,7 +291,7 @@ def _with_saved_attention(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster,
     l, checkpointing = cfg.num_layers, s.options.checkpointing
     if not r["fits"] or checkpointing == "off":
         return None
-    nd = s.rank_tokens * cfg.hidden_size * s.elem_bytes
+    nd = hidden_bytes(s.rank_tokens, cfg.hidden_size, s.elem_bytes)
     ranks = min(cluster.gpus_per_node, cluster.world)
     host_room = r["host_capacity_bytes"] - r["host_peak_bytes"]
     dev_room = r["device_capacity_bytes"] - r["device_peak_bytes"]
@@ -424,9 +425,6 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
                                        or choice.doc_len < 1):
         bad.append(f"--doc-len {choice.doc_len!r} must be a whole number of tokens, at least 1 (the mean "
                    f"document length)")
-    if choice.fixed.get("attention_checkpoint") == "recompute" and options.save_attention_layers:
-        bad.append(f"--save-attention-layers {options.save_attention_layers} needs --attention-checkpoint save "
-                   f"(not recompute)")
     if bad:
         raise ValueError("; ".join(bad))
     if search_max:

@@ -15,8 +15,10 @@ from typing import Any
 
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import saving_layers
-from fpdt.options import OPTION_NAMES, FPDTOptions
-from fpdt.train.config import TrainerOptions, chunk_split, device_defaults, option_key
+from fpdt.options import DERIVED_OPTIONS, OPTION_NAMES, FPDTOptions, device_defaults
+from fpdt.comm import PLACEMENTS
+from fpdt.layout import chunk_split
+from fpdt.train.config import PRECISIONS, option_key
 
 ZERO_REDUCE_BUCKET = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): with ``contiguous_gradients`` (also
@@ -24,17 +26,14 @@ its default) ZeRO-2/3 allocate a bucket of that many gradient elements on the de
 start-up and keep it."""
 ZERO_SUB_GROUP = 1e9
 """DeepSpeed's default ZeRO-3 ``sub_group_size`` (elements per optimizer sub-group)."""
-PLACEMENTS = ("head_first", "context_first")
-DTYPES = {"bf16": 2, "fp32": 4}
-_GPU_OFFLOAD, _GPU_CHECKPOINTING = device_defaults(TrainerOptions(), "cuda")
+DTYPES = {name: PRECISIONS[name].itemsize for name in ("bf16", "fp32")}
+"""The precisions the planner plans, and their bytes per element."""
+_GPU_OFFLOAD, _GPU_CHECKPOINTING = device_defaults("cuda")
 GPU_OPTIONS = FPDTOptions(offload=_GPU_OFFLOAD, checkpointing=_GPU_CHECKPOINTING)
 """The model options ``fpdt-train`` runs with on a GPU when given none
-(:func:`fpdt.train.config.device_defaults`: attention offload, offloaded layer-input
+(:func:`fpdt.options.device_defaults`: attention offload, offloaded layer-input
 checkpoints; :class:`fpdt.options.FPDTOptions`' defaults for the rest): a :class:`Setup`'s
 default, and the base of what a :class:`fpdt.plan.planner.Choice` leaves open."""
-DERIVED_OPTIONS = ("num_chunks", "group", "mesh")
-"""Options the planner does not take from a caller: ``num_chunks`` is ``seq_len / chunk_size``;
-a plan has no process group (its mesh is ``hp`` x ``cp``)."""
 LAYER_COUNT_FLAGS = {"checkpoint_device_layers": "--checkpoint-device-layers",
                      "save_attention_layers": "--save-attention-layers"}
 """The layer-count options, which the planner checks against the model's layers."""
@@ -197,8 +196,8 @@ class Setup:
         out += chunk_count_problems(self.options)
         if self.chunk_size < 1 or self.seq_len % self.chunk_size:
             out.append(f"chunk_size={self.chunk_size} must divide seq_len={self.seq_len}")
-        elif self.chunk_size % chunk_split(self.sp, self.cp):
-            out.append(f"chunk_size={self.chunk_size} must be a multiple of {chunk_split(self.sp, self.cp)} "
+        elif self.chunk_size % chunk_split(self.sp, zigzag=self.cp > 1):
+            out.append(f"chunk_size={self.chunk_size} must be a multiple of {chunk_split(self.sp, zigzag=self.cp > 1)} "
                        f"(hp x cp{' x 2 for the zigzag ring split' if self.cp > 1 else ''})")
         return out
 

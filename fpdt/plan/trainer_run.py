@@ -35,9 +35,10 @@ from fpdt.model import ModelConfig
 from fpdt.plan.deepspeed_config import apply_deepspeed_dict
 from fpdt.plan.hardware import GPU_PRESETS, Cluster
 from fpdt.plan.memory_model import MemoryEstimate, estimate_memory
-from fpdt.plan.planner import KERNEL_DTYPES, Choice, plan_at
+from fpdt.plan.planner import Choice, plan_at
 from fpdt.plan.setup import Setup
-from fpdt.train.config import ConfigError, TrainerOptions, RunLayout, chunk_split
+from fpdt.layout import chunk_split
+from fpdt.train.config import PRECISIONS, ConfigError, TrainerOptions, RunLayout
 
 GIB = 1024 ** 3
 HOST_CATEGORIES = ("checkpoints_host", "attention_saved_host", "attention_stash_host", "model_states_host")
@@ -67,7 +68,7 @@ def planned_setup(plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str,
     (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`); on other devices yes."""
     if kernel_expands_gqa is None:
         kernel_expands_gqa = device_type != "cuda" or expands_gqa_on_gpu(
-            opts.backend, KERNEL_DTYPES[dtype_name], head_dim)
+            opts.backend, PRECISIONS[dtype_name], head_dim)
     choice = _deepspeed_choice(ds_config, plan.world_size)
     options = opts.model_options(plan)    # what the model gets; None (to choose) attention_checkpoint: recompute
     return Setup(
@@ -200,7 +201,7 @@ def out_of_memory_advice(step: int, plan: RunLayout, opts: TrainerOptions, est: 
     if not cuda and plan.checkpoint == "off":
         levers.append("--checkpoint on (recompute each layer in backward)")
     half = plan.chunk_size // 2
-    split = chunk_split(plan.sp, plan.cp)
+    split = chunk_split(plan.sp, zigzag=plan.cp > 1)
     if half >= split and plan.chunk_size % 2 == 0 and half % split == 0:
         levers.append(f"a smaller --chunk-size (now {plan.chunk_size}, e.g. {half})")
     if opts.lm_head_wgrad == "accumulate":

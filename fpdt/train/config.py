@@ -24,10 +24,12 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-from fpdt.attention.kernels import BACKENDS
+import torch
+
 from fpdt.comm import PLACEMENTS
+from fpdt.layout import chunk_split
 from fpdt.offload import runtime_name
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions  # noqa: F401 (LM_HEAD_WGRAD_MODES: the CLI's choices)
+from fpdt.options import DERIVED_OPTIONS, FPDTOptions, attention_checkpoint_given, device_defaults
 
 DEFAULT_CHUNK_TOKENS = 65536
 """Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (arXiv:2408.16978),
@@ -83,17 +85,13 @@ class TrainerOptions(FPDTOptions):
         device defaults it resolved) on ``group`` or ``mesh``. An ``attention_checkpoint`` still
         to be chosen (None) is ``"recompute"`` here: ``fpdt-train`` chooses it from its memory
         check before it builds the model (:func:`fpdt.cli.train.check_memory`)."""
-        shared = {f.name: getattr(self, f.name) for f in fields(FPDTOptions)}
-        shared.update(num_chunks=run.num_chunks, offload=run.offload, checkpointing=run.checkpoint,
-                      group=group, mesh=mesh, attention_checkpoint=self.attention_checkpoint or "recompute",
-                      stream_layers=bool(self.stream_layers))
-        return FPDTOptions(**shared).validate()
+        return replace(_resolved(self, run.offload, run.checkpoint), num_chunks=run.num_chunks, group=group,
+                       mesh=mesh).validate()
 
 
-_DERIVED = ("num_chunks", "group", "mesh")   # the trainer sets these from the run, not from the user
 _KEY_OF_FIELD = {"checkpointing": "checkpoint", "backend": "attention_backend"}
 """Option fields whose flag and JSON key say it differently (``--checkpoint``, ``--attention-backend``)."""
-FPDT_KEYS = tuple(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(TrainerOptions) if f.name not in _DERIVED)
+FPDT_KEYS = tuple(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(TrainerOptions) if f.name not in DERIVED_OPTIONS)
 """The keys of the ``"fpdt"`` JSON section (and the names :func:`merge_options` takes flags by)."""
 _FIELD_OF_KEY = {key: field for field, key in _KEY_OF_FIELD.items()}
 
@@ -140,39 +138,33 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
 
 
 def _check_types(opts: TrainerOptions) -> None:
-    for name in ("sp", "hp", "cp", "inner_ring", "chunk_size", "mlp_chunks", "loss_chunks",
-                 "checkpoint_device_layers", "save_attention_layers"):
+    """The trainer's own fields, then :meth:`FPDTOptions.problems` with what is still to be
+    chosen standing in (checkpointing: ``"offload"``, checked again against the device default
+    in :func:`validate`)."""
+    for name in ("sp", "hp", "cp", "inner_ring", "chunk_size"):
         value = getattr(opts, name)
-        if value is None and name != "sp":
-            continue
-        least = 0 if name in ("mlp_chunks", "loss_chunks", "checkpoint_device_layers",
-                              "save_attention_layers") else 1  # 0 = unchunked / none
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= {least}")
-    for name in ("offload", "stream_layers"):
-        if getattr(opts, name) is not None and not isinstance(getattr(opts, name), bool):
-            raise ConfigError(f"fpdt option {name}={getattr(opts, name)!r} must be true or false")
-    if opts.checkpointing is not None and opts.checkpointing not in CHECKPOINT_MODES:
-        raise ConfigError(f"fpdt option checkpoint={opts.checkpointing!r} must be one of {CHECKPOINT_MODES}")
-    if opts.backend is not None and opts.backend not in BACKENDS:
-        raise ConfigError(f"fpdt option attention_backend={opts.backend!r} must be one of "
-                          f"{tuple(BACKENDS)}, or left out for automatic selection")
+        if (value is not None or name == "sp") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= 1")
     if opts.placement not in PLACEMENTS:
         raise ConfigError(f"fpdt option placement={opts.placement!r} must be one of {PLACEMENTS}")
-    # the rest as the model checks it, device defaults standing in for what is still automatic
-    if opts.attention_checkpoint is not None and opts.attention_checkpoint not in ATTENTION_CHECKPOINT_MODES:
-        raise ConfigError(f"fpdt option attention_checkpoint={opts.attention_checkpoint!r} must be one of "
-                          f"{ATTENTION_CHECKPOINT_MODES}, or left out to save as many layers as fit")
-    if opts.attention_checkpoint == "recompute" and opts.save_attention_layers:
-        raise ConfigError(f"--save-attention-layers {opts.save_attention_layers} needs --attention-checkpoint save "
-                          f"(it is recompute): drop one of them")
-    streaming = bool(opts.stream_layers)
-    resolved = replace(opts, offload=opts.offload if opts.offload is not None else streaming,
-                       checkpointing=opts.checkpointing or "offload", stream_layers=streaming,
-                       attention_checkpoint=opts.attention_checkpoint or "recompute")
-    for problem in FPDTOptions.problems(resolved):
-        if not problem.startswith("checkpoint_device_layers="):   # checked against the run in validate()
-            raise ConfigError(f"fpdt option {problem}")
+    for problem in _resolved(opts, bool(opts.stream_layers) if opts.offload is None else opts.offload,
+                             opts.checkpointing or "offload").problems():
+        raise ConfigError(f"fpdt option {_as_key(problem)}")
+
+
+def _as_key(problem: str) -> str:
+    """An :meth:`FPDTOptions.problems` line with its leading field named as the flag / JSON key."""
+    name, sep, rest = problem.partition("=")
+    return option_key(name) + sep + rest
+
+
+def _resolved(opts: TrainerOptions, offload: Any, checkpointing: Any) -> FPDTOptions:
+    """The model's options with the run's ``offload`` / ``checkpointing`` and the attention
+    checkpoint as given (:func:`fpdt.options.attention_checkpoint_given`), not validated."""
+    shared = {f.name: getattr(opts, f.name) for f in fields(FPDTOptions)}
+    shared.update(offload=offload, checkpointing=checkpointing, stream_layers=bool(opts.stream_layers),
+                  attention_checkpoint=attention_checkpoint_given(opts.attention_checkpoint, opts.save_attention_layers))
+    return FPDTOptions(**shared)
 
 
 def mesh_degrees(opts: TrainerOptions) -> tuple[int, int]:
@@ -249,6 +241,11 @@ def ds_zero_stage(cfg: Mapping[str, Any]) -> int:
     return int((cfg.get("zero_optimization") or {}).get("stage", 0))
 
 
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The training precisions :func:`ds_dtype_name` names, as torch dtypes (``fpdt-train``'s and
+``fpdt-plan``'s)."""
+
+
 def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
     """``"bf16"``, ``"fp16"`` or ``"fp32"``: the training precision the JSON asks for."""
     if (cfg.get("bf16") or {}).get("enabled", False):
@@ -316,7 +313,8 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
     if opts.inner_ring is not None and cp % opts.inner_ring:
         raise ConfigError(f"--inner-ring {opts.inner_ring} does not divide --cp {cp}; use a divisor of {cp} "
                           f"(ranks per inner ring, e.g. NICs per node)")
-    chunk = default_chunk_size(seq_len, chunk_split(sp, cp)) if opts.chunk_size is None else opts.chunk_size
+    split = chunk_split(sp, zigzag=cp > 1)
+    chunk = default_chunk_size(seq_len, split) if opts.chunk_size is None else opts.chunk_size
     if chunk > seq_len:
         raise ConfigError(f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); "
                           f"use a chunk size <= {seq_len} that divides it")
@@ -324,42 +322,27 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
         raise ConfigError(f"--seq-len {seq_len} is not divisible by --chunk-size {chunk}; "
                           f"pick a chunk size that divides the sequence length")
     num_chunks = seq_len // chunk
-    if cp == 1 and seq_len % (sp * num_chunks) != 0:
-        raise ConfigError(
-            f"--seq-len {seq_len} is not divisible by sp x chunks = {sp} x {num_chunks} = "
-            f"{sp * num_chunks}; each chunk of {chunk} tokens must split evenly over "
-            f"{sp} ranks: use a chunk size that is a multiple of {sp}")
-    if cp > 1 and seq_len % (2 * sp * num_chunks) != 0:
-        raise ConfigError(
-            f"--seq-len {seq_len} is not divisible by 2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks} = "
-            f"{2 * sp * num_chunks}; each chunk of {chunk} tokens is cut into 2 x cp zigzag pieces split over "
-            f"hp ranks: use a chunk size that is a multiple of {2 * sp}")
-    offload, checkpoint = device_defaults(opts, device_type, num_chunks)
+    if seq_len % (split * num_chunks):
+        how = (f"sp x chunks = {sp} x {num_chunks}", f"must split evenly over {sp} ranks") if cp == 1 else \
+            (f"2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks}", "is cut into 2 x cp zigzag pieces split over hp ranks")
+        raise ConfigError(f"--seq-len {seq_len} is not divisible by {how[0]} = {split * num_chunks}; each chunk of "
+                          f"{chunk} tokens {how[1]}: use a chunk size that is a multiple of {split}")
+    offload, checkpoint = device_defaults(device_type, num_chunks, opts.offload, opts.checkpointing,
+                                          bool(opts.stream_layers))
     _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
-    if opts.checkpoint_device_layers and checkpoint != "offload":
-        raise ConfigError(f"--checkpoint-device-layers {opts.checkpoint_device_layers} keeps some offloaded layer "
-                          f"inputs on the GPU: it needs --checkpoint offload (the run's checkpointing is "
-                          f"{checkpoint!r}); drop it, or use --checkpoint offload")
-    saving = opts.attention_checkpoint == "save" or opts.save_attention_layers is not None
-    if saving and checkpoint == "off":
-        raise ConfigError("--attention-checkpoint save keeps each checkpointed layer's attention output for its "
-                          "recompute, but the run's checkpointing is 'off' (nothing is recomputed): use "
-                          "--checkpoint on or offload, or drop it")
+    for problem in _resolved(opts, offload, checkpoint).problems():
+        default = "" if opts.checkpointing is not None else \
+            f" (checkpointing={checkpoint!r} is fpdt-train's default on {device_type}; --checkpoint sets it)"
+        raise ConfigError(f"fpdt option {_as_key(problem)}{default}")
     return RunLayout(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
                      chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=opts.mlp_chunks, hp=hp, cp=cp,
                      placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
 
 
-def chunk_split(sp: int, cp: int) -> int:
-    """Equal pieces every global chunk is cut into over the SP group: ``sp`` ranks, or on a
-    2D mesh (``cp > 1``) ``2 x hp x cp`` zigzag pieces; a chunk must be a multiple of it."""
-    return sp if cp == 1 else 2 * sp
-
-
 def default_chunk_size(seq_len: int, split: int) -> int:
     """The global chunk when none is given: :data:`DEFAULT_CHUNK_TOKENS`, or the whole
     sequence when it is no longer; when 64K does not divide the sequence, the largest chunk
-    below it, down to 8K, that does and that is a multiple of ``split`` (:func:`chunk_split`). With no
+    below it, down to 8K, that does and that is a multiple of ``split`` (:func:`fpdt.layout.chunk_split`). With no
     such chunk: the whole sequence, one chunk (the
     trainer's start-up line shows the chunking; ``--chunk-size`` sets it)."""
     if seq_len <= DEFAULT_CHUNK_TOKENS:
@@ -369,17 +352,6 @@ def default_chunk_size(seq_len: int, split: int) -> int:
         if seq_len % chunk == 0:
             return chunk
     return seq_len
-
-
-def device_defaults(opts: TrainerOptions, device_type: str, num_chunks: int = 2) -> tuple[bool, str]:
-    """``(offload, checkpoint)``: the options where given, else the FPDT design on CUDA
-    (attention offload when there is more than one chunk to pipeline, offloaded layer-input
-    checkpoints) and neither elsewhere (both need pinned memory and copy streams;
-    ``runtime="sim"`` tests them on the CPU when asked)."""
-    cuda, streaming = device_type == "cuda", bool(opts.stream_layers)
-    offload = opts.offload if opts.offload is not None else streaming or (cuda and num_chunks > 1)
-    checkpoint = opts.checkpointing if opts.checkpointing is not None else ("offload" if cuda or streaming else "off")
-    return offload, checkpoint
 
 
 def _check_device_options(offload: bool, checkpoint: str, device_type: str, ds_config: Mapping[str, Any],

@@ -237,14 +237,21 @@ def test_kv_cache_is_refused():
 
 
 def test_only_attention_registered_refuses_a_cache_too():
-    """``register_attention`` alone (no forward patch): generation with a cache is refused by the mask."""
-    model = hf_model("llama_gqa")
-    model.set_attn_implementation(fpdt.hf.register_attention(num_chunks=1))
+    """The registered attention alone (no forward patch): generation with a cache is refused by its mask."""
+    from fpdt.hf.attention import register_settings
+    from fpdt.hf.patches import Patches
+    from fpdt.options import FPDTOptions
+
+    model, patches = hf_model("llama_gqa"), Patches()
+    model.set_attn_implementation(register_settings(FPDTOptions(num_chunks=1), patches))
     ids, _ = tokens(256, 1, 16)
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        with pytest.raises(fpdt.hf.FPDTHFError, match="KV cache"):
-            model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+            with pytest.raises(fpdt.hf.FPDTHFError, match="KV cache"):
+                model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+    finally:
+        patches.undo()
 
 
 def test_unsupported_configs_are_refused():
@@ -672,22 +679,38 @@ def test_right_padding_matches_transformers_with_its_mask():
 def test_remove_fpdt_restores_the_model(checkpointing):
     """remove_fpdt undoes every patch apply_fpdt made (each went through fpdt.hf.patches):
     no instance attribute is left on any module, the attention name is the model's own again,
-    and the model computes what it did before; it can then be applied again."""
+    Transformers' attention and mask registries hold the entries they held, and the model
+    computes the same logits, loss and gradients, bit for bit; it can then be applied again."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def registries():
+        return {cls.__name__: dict(cls._global_mapping) for cls in (AttentionInterface, AttentionMaskInterface)}
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), out.loss.detach(), [p.grad.clone() for p in model.parameters()]
+
     model = hf_model("llama_gqa")
     before = {name: dict(m.__dict__) for name, m in model.named_modules()}
-    attention = model.config._attn_implementation
+    attention, registered = model.config._attn_implementation, registries()
     ids = torch.randint(0, model.config.vocab_size, (1, 32))
-    with torch.no_grad():
-        ref = model(input_ids=ids).logits
+    ref = run()
     fpdt.hf.apply_fpdt(model, num_chunks=2, checkpointing=checkpointing)
     assert model.config._attn_implementation != attention
     assert "forward" in model.model.layers[0].mlp.__dict__
+    assert {n: set(r) - set(registered[n]) for n, r in registries().items()} == \
+        {n: {model.config._attn_implementation} for n in registered}
     fpdt.hf.remove_fpdt(model)
     after = {name: dict(m.__dict__) for name, m in model.named_modules()}
     assert {n: sorted(d) for n, d in after.items()} == {n: sorted(d) for n, d in before.items()}
     assert model.config._attn_implementation == attention and getattr(model, "fpdt", None) is None
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, ref)
+    assert registries() == registered
+    logits, loss, grads = run()
+    assert torch.equal(logits, ref[0]) and torch.equal(loss, ref[1])
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref[2]))
     fpdt.hf.apply_fpdt(model, num_chunks=2)                     # applies again
     with pytest.raises(fpdt.hf.FPDTHFError, match="apply_fpdt was not applied"):
         fpdt.hf.remove_fpdt(hf_model("llama_gqa"))

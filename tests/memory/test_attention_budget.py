@@ -7,7 +7,7 @@ per-tensor accounting behind every number is in the docstring of
 :mod:`fpdt.attention.pipeline`; ``EPS`` covers the lse-sized ``[B, H, C]`` fp32
 temporaries of the merge (each ``2 / D`` U) and nothing else.
 
-The issue-8 table (GQA 4:1, bf16, offload, one rank): fwd <= 9 U (6 U), bwd <= 16 U
+The targets (GQA 4:1, bf16, offload, one rank), with the counts in brackets: fwd <= 9 U (6 U), bwd <= 16 U
 (15.5 U), bytes(u=8) / bytes(u=4) <= 0.6 at equal S (0.5). Budgets per case are the
 derived counts, so one extra chunk-sized buffer anywhere fails a test.
 """

@@ -99,6 +99,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+BF16_SLACK = 1.25
+"""A bf16 result may be this much further from float64 than the plain bf16 computation is
+(the criterion of ``tests/ops/test_lora.py``)."""
+
+
+def assert_no_worse_than_bf16(got: torch.Tensor, plain: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """``got`` (a bf16 path) is within :data:`BF16_SLACK` times the error of ``plain`` (the plain
+    autograd computation in bf16) against ``exact`` (float64), both by :func:`rel_err`."""
+    mine, yard = rel_err(got, exact), rel_err(plain, exact)
+    assert mine <= BF16_SLACK * yard, f"{what}: {mine:.3g} from float64, plain bf16 {yard:.3g}"
+
+
 def compare(loss, grads: dict, ref_loss, ref_grads: dict, what: str, tol: float = TOL) -> dict:
     """Assert loss and every gradient are within ``tol``; return the errors."""
     errs = {"loss": rel_err(loss, ref_loss)}

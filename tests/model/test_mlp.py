@@ -1,12 +1,14 @@
 """Chunked SwiGLU == plain SwiGLU (output and all gradients), with O(chunk) saved state."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fpdt.model.mlp import ChunkedSwiGLU, ChunkedSwiGLUFunction, swiglu_reference
 from fpdt.ops.rmsnorm import rms_norm_reference
-from tests.model.helpers import rel_err
+from tests.model.helpers import assert_no_worse_than_bf16, rel_err
 
 
 def _setup(bias, dtype, T=(2, 13), hidden=24, inter=40, seed=0):
@@ -42,12 +44,17 @@ def test_matches_unchunked_fp32(bias, num_chunks):
 
 
 def test_matches_unchunked_bf16():
+    """Within 2e-2 of plain bf16 autograd, and no further from float64 than it is."""
     mlp, x, dy = _setup(True, torch.bfloat16)
     y0, dx0, g0 = _run(mlp, x, dy, 0)
     y, dx, g = _run(mlp, x, dy, 4)
+    exact = _run(copy.deepcopy(mlp).double(), x.double(), dy.double(), 0)
     assert rel_err(y, y0) < 2e-2 and rel_err(dx, dx0) < 2e-2
+    assert_no_worse_than_bf16(y, y0, exact[0], "y")
+    assert_no_worse_than_bf16(dx, dx0, exact[1], "dx")
     for n in g0:
         assert g[n].dtype == torch.bfloat16 and rel_err(g[n], g0[n]) < 2e-2, n
+        assert_no_worse_than_bf16(g[n], g0[n], exact[2][n], n)
 
 
 def test_gradcheck_float64():

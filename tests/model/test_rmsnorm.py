@@ -5,6 +5,7 @@ import torch
 
 from fpdt.model.rmsnorm import RMSNormFunction, rms_norm, rms_norm_reference
 from fpdt.memory.accountant import MemoryAccountant
+from tests.model.helpers import assert_no_worse_than_bf16
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -29,6 +30,12 @@ def test_parity_forward_and_backward(dtype, wdtype, num_chunks):
     tol = TOL[dtype]
     assert _rel(out, ref) <= tol and _rel(dx, dx_ref) <= tol and _rel(dw, dw_ref) <= tol, \
         (_rel(out, ref), _rel(dx, dx_ref), _rel(dw, dw_ref))
+    if dtype == torch.bfloat16:      # and no further from float64 than the plain bf16 computation
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+        for name, a, b, e in zip(("out", "dx", "dw"), (out, dx, dw), (ref, dx_ref, dw_ref),
+                                 (exact, *torch.autograd.grad(exact, (x64, w64), g.double()))):
+            assert_no_worse_than_bf16(a, b, e, name)
 
 
 def test_float64_inputs_match_the_reference_convention():

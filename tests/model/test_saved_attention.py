@@ -131,7 +131,8 @@ def test_options_are_validated():
         model.configure(attention_checkpoint="save", save_attention_layers=3)
     assert model.configure(attention_checkpoint="save", save_attention_layers=1).saving_layers == 1
     assert model.configure(save_attention_layers=None).saving_layers == 2
-    assert model.configure(checkpointing="off").saving_layers == 0          # nothing to recompute
+    with pytest.raises(ValueError, match="checkpointing='off' recomputes nothing"):
+        model.configure(checkpointing="off")                                 # nothing to recompute
     assert model.configure(checkpointing="on", attention_checkpoint="recompute").saving_layers == 0
 
 

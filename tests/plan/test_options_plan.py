@@ -9,7 +9,8 @@ from fpdt.plan.deepspeed_config import apply_deepspeed_dict
 from fpdt.plan.planner import candidates
 from fpdt.plan.setup import GPU_OPTIONS
 from fpdt.plan.trainer_run import planned_setup
-from fpdt.train.config import TrainerOptions, device_defaults, merge_options, validate
+from fpdt.options import device_defaults
+from fpdt.train.config import merge_options, validate
 from tests.model.helpers import hf_config
 
 SECTION = {"chunk_size": 32, "offload": False, "checkpoint": "on", "mlp_chunks": 3, "loss_chunks": 5,
@@ -30,7 +31,7 @@ def test_planner_and_trainer_build_the_models_options():
 
 def test_setup_options_default_to_fpdt_trains_on_a_gpu_with_the_chunk_count_derived():
     s = Setup(seq_len=2 ** 20, chunk_size=2 ** 16)
-    assert (s.options.offload, s.options.checkpointing) == device_defaults(TrainerOptions(), "cuda")
+    assert (s.options.offload, s.options.checkpointing) == device_defaults("cuda")
     assert s.options == GPU_OPTIONS.updated(num_chunks=16) and s.num_chunks == 16
     assert Setup.build(seq_len=2 ** 20, chunk_size=2 ** 18, lm_head_wgrad="accumulate").options == \
         GPU_OPTIONS.updated(num_chunks=4, lm_head_wgrad="accumulate")

@@ -37,13 +37,13 @@ def test_flags_and_json_keys():
         merge_options(_args(), {"attention_checkpoint": "maybe"})
     with pytest.raises(ConfigError, match="save_attention_layers=-1 must be an integer >= 0"):
         merge_options(_args(), {"save_attention_layers": -1})
-    with pytest.raises(ConfigError, match="needs --attention-checkpoint save"):
+    with pytest.raises(ConfigError, match="needs attention_checkpoint='save' \\(now 'recompute'\\)"):
         merge_options(_args("--attention-checkpoint", "recompute", "--save-attention-layers", "1"), {})
 
 
 def test_save_needs_a_recompute_to_skip():
     ds = load_ds_config(None, "cpu")[0]
-    with pytest.raises(ConfigError, match="use --checkpoint on or offload"):
+    with pytest.raises(ConfigError, match="set checkpointing='on' or 'offload'.*fpdt-train's default on cpu"):
         validate(TrainerOptions(attention_checkpoint="save"), 64, 1, "cpu", ds)      # the CPU default is off
     assert validate(TrainerOptions(attention_checkpoint="save", checkpointing="on"), 64, 1, "cpu", ds).checkpoint == "on"
 

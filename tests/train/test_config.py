@@ -21,7 +21,7 @@ def test_flags_win_over_json_over_defaults():
 def test_lm_head_wgrad_reaches_the_model():
     """The flag (or JSON key) is one of the model's modes and is handed to it."""
     from fpdt.model.loss import WGRAD_MODES
-    from fpdt.train.config import LM_HEAD_WGRAD_MODES
+    from fpdt.options import LM_HEAD_WGRAD_MODES
     assert LM_HEAD_WGRAD_MODES == WGRAD_MODES
     args = build_parser().parse_args(["--model-config", "c.json", "--steps", "1", "--data", "x.npy", "--seq-len", "8",
                                      "--lm-head-wgrad", "recompute"])
@@ -48,7 +48,7 @@ def test_fpdt_key_is_stripped_and_rest_passed_untouched(tmp_path):
     ({"chunk_sise": 4}, r"unknown key 'chunk_sise'.*did you mean 'chunk_size'"),
     ({"sp": 0}, r"sp=0 must be an integer >= 1"),
     ({"checkpoint": "full"}, r"checkpoint='full' must be one of"),
-    ({"offload": "yes"}, r"offload='yes' must be true or false"),
+    ({"offload": "yes"}, r"offload='yes' must be True or False"),
     ({"lm_head_wgrad": "sliced"}, r"lm_head_wgrad='sliced' must be one of \('accumulate', 'recompute'\)"),
 ])
 def test_bad_fpdt_section(section, match):
@@ -125,7 +125,8 @@ def test_default_precision_is_bf16_on_cuda_only(tmp_path):
 def test_planner_defaults_are_the_trainers_on_a_gpu():
     """fpdt-plan plans a GPU run; its defaults are what fpdt-train does there without flags."""
     from fpdt.plan import Choice
-    from fpdt.train.config import device_defaults, ds_dtype_name, ds_zero_stage
+    from fpdt.options import device_defaults
+    from fpdt.train.config import ds_dtype_name, ds_zero_stage
     from fpdt.plan.planner import candidates
     from fpdt.plan import load_model_config
     ds = load_ds_config(None, "cuda")[0]
@@ -134,8 +135,8 @@ def test_planner_defaults_are_the_trainers_on_a_gpu():
     cfg = load_model_config("llama-3.2-1b")
     for seq_len in (32 * K, 1024 * K):                  # one chunk, and many
         for s in candidates(cfg, seq_len, choice, 8):
-            trainer = TrainerOptions(stream_layers=s.options.stream_layers)      # planned streaming, as fpdt-train
-            assert (s.options.offload, s.options.checkpointing) == device_defaults(trainer, "cuda", s.num_chunks)
+            assert (s.options.offload, s.options.checkpointing) == device_defaults(
+                "cuda", s.num_chunks, stream_layers=s.options.stream_layers)      # planned streaming, as fpdt-train
 
 
 @pytest.mark.parametrize("extra, json_section, message", [

@@ -255,8 +255,9 @@ def test_a_kernel_failure_names_the_kernel_and_the_flag(capsys):
     (["--attention-backend", "cuda_flash"], None, "--attention-backend cuda_flash: attention backend 'cuda_flash' is not "
                                                   "available here (needs a CUDA build of torch and a GPU)"),
     ([], {"fpdt": {"attention_backend": "flash3"}}, "attention_backend='flash3' must be one of ('flash_attn3'"),
-    (["--checkpoint-device-layers", "1"], None, "--checkpoint-device-layers 1 keeps some offloaded layer inputs on "
-                                               "the GPU: it needs --checkpoint offload (the run's checkpointing is 'off')"),
+    (["--checkpoint-device-layers", "1"], None, "checkpoint_device_layers=1 keeps some offloaded layer inputs on "
+                                               "the device: it needs checkpointing='offload' (now 'off') "
+                                               "(checkpointing='off' is fpdt-train's default on cpu; --checkpoint sets it)"),
     (["--checkpoint-device-layers", "-1"], None, "checkpoint_device_layers=-1 must be an integer >= 0"),
 ])
 def test_config_errors(fixture, capsys, extra, ds, needle, monkeypatch):

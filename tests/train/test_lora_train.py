@@ -3,7 +3,7 @@
 * sp=2 with ZeRO-3 and ``--model`` (the base streamed into ``zero.Init`` parameters, the
   adapters converted by ``deepspeed.initialize``), fresh adapters drawn from ``--seed``, plain
   SGD (a wrong gradient scale shows at once): each step's loss against PEFT training the same
-  adapters on the same base, within 1e-4 relative (fp32); the base unchanged and the adapters
+  adapters on the same base, within 1e-5 relative (fp32); the base unchanged and the adapters
   changed afterwards; ``--export-hf`` a PEFT adapter directory that loads with
   ``PeftModel.from_pretrained`` and gives the trained model's loss; the MFU of a LoRA step.
 * sp=1 / dp=2 with ZeRO-2 and ``--model``, started with ``--lora-init`` from an adapter PEFT
@@ -36,7 +36,7 @@ peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::DeprecationWarning")
 
 SEQ_LEN = 64
-RTOL = 1e-4
+RTOL = 1e-5    # fp32; measured at most 3.9e-7 (test_parity), 1.7e-7 (test_zero_load), 8.8e-8 (LoRA) on the CPU
 
 
 def _losses(path: str) -> list[dict]:

@@ -2,7 +2,7 @@
 
 For each layout (sp=2 with ZeRO-3, and sp=1 / dp=2 with ZeRO-3) and each optimizer
 (plain SGD, where a wrong gradient scale shows at once, and AdamW) the loss of each of
-3 steps must match the reference within 1e-4 relative (fp32). The sp=2 run also checks
+3 steps must match the reference within 1e-5 relative (fp32). The sp=2 run also checks
 that resuming from a checkpoint gives a bit-identical next step.
 """
 
@@ -19,7 +19,7 @@ from tests.train.helpers import (ADAMW, ADAMW_CLIP, SGD, SGD_CLIP, check_memory_
 
 SEQ_LEN = 64
 STEPS = 3
-RTOL = 1e-4
+RTOL = 1e-5    # fp32; measured at most 3.9e-7 (test_parity), 1.7e-7 (test_zero_load), 8.8e-8 (LoRA) on the CPU
 
 
 def _losses(path: str) -> list[float]:
