@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -43,7 +44,7 @@ from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayou
                                merge_options, validate)
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
-from fpdt.train.errors import RunError, debug_enabled, report
+from fpdt.train.errors import RunError, debug_enabled, report, this_rank
 from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
 from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
@@ -411,6 +412,7 @@ def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[
     preflight.check_save_layers(source.config, save_layers, source.config_path)
     preflight.check_batch_size(ds_config, plan.world_size)
     preflight.check_save_dir(args.save_dir)
+    preflight.check_output_dir("--export-hf", args.export_hf)
     preflight.check_output_file("--log-json", args.log_json)
     preflight.check_skip_nonfinite(args.skip_nonfinite, ds_config, plan.world_size)
     notes = []
@@ -629,10 +631,46 @@ def _export_at_end(args: argparse.Namespace, ps: ParallelState) -> None:
     dist.barrier()
 
 
+INTERRUPTED = 130
+"""The exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
+def interrupted_line(args: argparse.Namespace, argv: list[str], world_size: int | None = None) -> str:
+    """The one line ``fpdt-train`` prints after Ctrl-C: the newest complete checkpoint (every
+    rank's files there and whole, :func:`fpdt.train.saving.last_complete`, for ``world_size``
+    ranks, default this run's; one being written when the run stopped is skipped) and the command
+    that resumes from it, or that none was saved."""
+    head = "fpdt-train: interrupted (Ctrl-C)"
+    world = this_rank()[1] if world_size is None else world_size
+    found = saving.last_complete(args.save_dir, world) if args.save_dir else None
+    if found is None and args.resume:
+        try:
+            found = saving.inspect(args.resume)
+        except Exception:  # noqa: BLE001 -- only a hint
+            found = None
+    if found is None:
+        if args.save_dir:
+            return (f"{head} before any checkpoint in {args.save_dir} was complete: nothing to resume from "
+                    f"(--save-every N saves every N steps)")
+        return f"{head}: nothing was saved (pass --save-dir DIR --save-every N to keep checkpoints to --resume from)"
+    kept, skip = [], False
+    for a in argv:                  # the same command, with --resume naming the checkpoint
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif not a.startswith("--resume="):
+            kept.append(a)
+    command = " ".join(shlex.quote(a) for a in ["fpdt-train", *kept, "--resume", found.tag_dir])
+    return (f"{head}; the last complete checkpoint is {found.tag_dir} (step {found.step}); resume with: {command}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status: 0, 2 for a bad input (flags, configs,
-    data, checkpoint), 1 for a run that had to stop. Errors are one line on stderr (see
-    :mod:`fpdt.train.errors`); ``--debug`` or ``FPDT_DEBUG=1`` shows the traceback instead."""
+    data, checkpoint), 1 for a run that had to stop, 130 after Ctrl-C (one line naming the last
+    complete checkpoint and the command that resumes from it, :func:`interrupted_line`). Errors
+    are one line on stderr (see :mod:`fpdt.train.errors`); ``--debug`` or ``FPDT_DEBUG=1`` shows
+    the traceback instead."""
     args = build_parser().parse_args(argv)
     # DeepSpeed's ZeRO-3 still calls collectives that torch >= 2.13 marks deprecated; the
     # warning would repeat inside the progress bar on every step.
@@ -640,6 +678,16 @@ def main(argv: list[str] | None = None) -> int:
     zero.quiet_deepspeed_warnings()
     try:
         run(args)
+    except KeyboardInterrupt:
+        if debug_enabled(args.debug):
+            raise
+        if this_rank()[0] == 0:
+            print(interrupted_line(args, sys.argv[1:] if argv is None else argv), file=sys.stderr, flush=True)
+        if dist.is_initialized():  # no teardown: a process group torn down mid-collective can hang or abort
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(INTERRUPTED)
+        return INTERRUPTED
     except Exception as e:  # noqa: BLE001 -- every error becomes one line (see fpdt.train.errors)
         if debug_enabled(args.debug):
             raise

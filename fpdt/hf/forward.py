@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fpdt.hf.attention import O_PROJ_FROM_STASH, FPDTHFError, o_proj_stash_layers, plain_linears
+from fpdt.hf.collator import check_window_length
 from fpdt.hf.documents import pop_explicit_documents, window_doc_ids
 from fpdt.hf.groups import resolve_group
 from fpdt.hf.padding import whole_window_mask
@@ -103,6 +104,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
             if ref is not None:
                 doc_ids = window_doc_ids(ref.shape[:2], ref.device, position_ids=position_ids, doc_ids=explicit_docs,
                                          cu_seqlens=cu_seqlens)
+                check_window_length(ref.shape[1], 1, settings.options.num_chunks)
         except FPDTHFError as e:
             refusal = e
         attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and self.training, refusal)

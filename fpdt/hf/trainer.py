@@ -43,10 +43,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from fpdt.hf.collator import check_window_length
 from fpdt.hf.documents import window_doc_ids
 from fpdt.hf.errors import FPDTHFError, refuse_on_every_rank
 from fpdt.hf.padding import check_right_padding
-from fpdt.layout.fpdt_layout import check_layout, shard
+from fpdt.layout.fpdt_layout import shard
 
 TRAINER_ATTN_NAME = "sdpa"
 """The attention implementation name a model under ``group="trainer"`` keeps: one the Trainer's
@@ -117,7 +118,7 @@ def _check_slices(tensors: list[torch.Tensor], sp: int, num_chunks: int) -> None
     if any(t.shape != shape for t in tensors):
         raise FPDTHFError(f"input_ids, position_ids and labels of shapes {[tuple(t.shape) for t in tensors]} are not "
                           f"slices of one window")
-    check_layout(shape[-1] * sp, sp, num_chunks)
+    check_window_length(shape[-1] * sp, sp, num_chunks)
 
 
 def trainer_parallelism_config(sp_size: int, **kwargs):
@@ -131,7 +132,7 @@ def trainer_parallelism_config(sp_size: int, **kwargs):
     torch.distributed, else ``$WORLD_SIZE``) over ``sp_size``, which DeepSpeed's batch-size
     check needs. Other ``kwargs`` go to ``ParallelismConfig``. The sequence length may change
     from batch to batch; every window's length must be divisible by ``sp_size`` times the
-    model's ``num_chunks``.
+    model's ``num_chunks`` (packed batches: :class:`fpdt.hf.FlatteningCollator` pads them to it).
     """
     if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
         raise FPDTHFError(f"sp_size={sp_size!r}: trainer_parallelism_config takes the sequence-parallel degree, "

@@ -11,6 +11,11 @@ What it models (CUDA's semantics, with the host thread as the compute stream):
 * A copy's destination holds NaN (integers: the dtype's max) from the moment the copy is
   issued until it runs, and its source is read when it runs: a reader that skipped its
   wait, or a source overwritten too early, gives wrong numbers.
+* A copy keeps its source and destination alive until the host has seen it complete (a
+  wait on the compute stream, an event or device synchronisation covering it), in both
+  modes: the worker threads never drop the last reference to a tensor, so when a storage
+  is freed (what :class:`fpdt.memory.MemoryAccountant` counts) depends on the host program
+  alone, never on how far a worker has got (the two modes count the same bytes).
 
 Hazards it raises as :class:`~fpdt.offload.runtime.StreamHazardError` (``checks=True``),
 each naming the role of the data (e.g. ``k chunk 3, layer 2``):
@@ -73,6 +78,7 @@ class SimStream:
         self.issued = 0
         self.done = 0
         self.queue: deque[_Op] = deque()
+        self.retired: deque[_Op] = deque()   # threaded: run, but the host has not seen them complete
 
     def __repr__(self) -> str:
         return f"<sim stream {self.name}>"
@@ -351,6 +357,8 @@ class SimRuntime(Runtime):
             self._info_of(v.storage).pending -= 1
         op.stream.done += 1
         op.stream.queue.popleft()
+        if self.mode == "threaded":  # the host drops it (_release): a worker never frees memory
+            op.stream.retired.append(op)
         self.counters.copies_pending -= 1
         self._cond.notify_all()
 
@@ -359,7 +367,7 @@ class SimRuntime(Runtime):
 
     def _complete(self, stream: SimStream, target: int) -> None:
         """Block the host until ``stream`` has run its first ``target`` ops."""
-        if stream is self._compute or stream.done >= target:
+        if stream is self._compute:
             return
         if self.mode == "lazy":
             while stream.done < target:
@@ -377,6 +385,16 @@ class SimRuntime(Runtime):
                 raise StreamHazardError(f"sim: stream '{stream.name}' did not reach op {target} within "
                                         f"{WAIT_TIMEOUT_S:.0f}s (a wait that can never complete?)")
             self._cond.wait(timeout=min(left, 1.0))
+        self._release(stream, target)
+
+    def _release(self, stream: SimStream, target: int) -> None:
+        """Threaded mode: drop the run ops the host now knows complete (the first ``target`` of
+        ``stream`` and what they waited on), where the lazy mode would have run and dropped them."""
+        while stream.retired and stream.retired[0].n <= target:
+            op = stream.retired.popleft()
+            for s, k in op.vc.items():
+                if s not in (COMPUTE, stream.index):
+                    self._release(self._streams[s], k)
 
     def _run_all(self) -> None:
         self._check()

@@ -132,7 +132,7 @@ def render(out: dict) -> str:
         f"checkpoint {s['checkpoint']}" + (", streamed layers" if s.get('stream_layers') else "")
         + (f" (last {s['checkpoint_device_layers']} layer inputs on the GPU)" if s["checkpoint_device_layers"] else "")
         + f", attention {_attention_checkpoint(s)}"
-        + f", offload {s['offload']}, MLP chunks {s['mlp_chunks']}, "
+        + f", offload {s['offload']}, MLP chunks {out.get('mlp_chunks', s['mlp_chunks'])}, "
         f"LM-head wgrad {s['lm_head_wgrad']}, "
         f"{'KV heads repeated by the kernel' if s['kernel_expands_gqa'] else 'native GQA kernel'}, "
         f"ZeRO-{s['zero_stage']}, {s['dtype']}"
@@ -154,7 +154,8 @@ def render(out: dict) -> str:
         f"--lm-head-wgrad {r['lm_head_wgrad']} --attention-checkpoint {r['attention_checkpoint']}"
         + (" --stream-layers" if r.get("stream_layers") else "")
         + (f" --save-attention-layers {r['save_attention_layers']}" if r["attention_checkpoint"] == "save" else "")
-        + (f" --lora-rank {r['lora_rank']}" if r.get("lora_rank") else "") if r
+        + (f" --lora-rank {r['lora_rank']}" if r.get("lora_rank") else "")
+        + (f" --pack-documents {r['pack_documents']}" if r.get("pack_documents") else "") if r
         else "nothing fits at this length"))
     return "\n".join(lines)
 

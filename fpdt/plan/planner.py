@@ -24,7 +24,7 @@ from fpdt.model.config import ModelConfig
 from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, attention_checkpoint_given, device_defaults
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
-from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, saved_attention_bytes
+from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, mlp_chunks, saved_attention_bytes
 from fpdt.plan.models import load_model_config
 from fpdt.comm import PLACEMENTS
 from fpdt.plan.setup import (GPU_OPTIONS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
@@ -222,6 +222,7 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         "mfu": rates.mfu,
         "mfu_full": rates.mfu_full,
         "setup": s.as_dict(),
+        "mlp_chunks": mlp_chunks(cfg, s),    # the count the model runs (setup's mlp_chunks: None = its default)
     }
 
 
@@ -346,9 +347,17 @@ def _recommended(r: dict | None) -> dict | None:
     if r is None or not r["fits"]:
         return None
     s = r["setup"]
-    return {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint",
-                              "checkpoint_device_layers", "offload", "lm_head_wgrad", "lora_rank",
-                              "attention_checkpoint", "save_attention_layers", "stream_layers")}
+    out = {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint",
+                             "checkpoint_device_layers", "offload", "lm_head_wgrad", "lora_rank",
+                             "attention_checkpoint", "save_attention_layers", "stream_layers")}
+    if s.get("doc_len"):    # the plan counts packed documents' work: fpdt-train packs them with this
+        out["pack_documents"] = PACK_DOCUMENTS
+    return out
+
+
+PACK_DOCUMENTS = "best-fit"
+"""The ``--pack-documents`` mode ``recommended`` names with ``--doc-len``: whole documents filling
+each window (99.8-100% in docs/train.md's figures), as the plan's documents end to end do."""
 
 
 def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) -> dict:

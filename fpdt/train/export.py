@@ -111,6 +111,9 @@ def export_checkpoint(save_dir: str, out_dir: str, tag: str | None = None, dtype
     trainer file says so); returns ``out_dir``."""
     from fpdt.model import from_config, load_hf_state_dict, save_pretrained
 
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} is a file, not a directory; pass a directory path for the export (it is "
+                         f"created if missing)")
     tag = _read_tag(save_dir, tag)
     config = model_file(save_dir, tag, "config.json")
     if not os.path.isfile(config):

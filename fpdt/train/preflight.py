@@ -173,18 +173,24 @@ def check_skip_nonfinite(skip: int, ds_config: Mapping[str, Any], world_size: in
 
 def check_save_dir(save_dir: str | None) -> None:
     """``--save-dir`` must be a directory or creatable as one."""
-    if save_dir is None:
+    check_output_dir("--save-dir", save_dir)
+
+
+def check_output_dir(flag: str, path: str | None) -> None:
+    """A directory the run writes (``--save-dir``, ``--export-hf``) must be one or be creatable as
+    one, checked before training starts (not after the run, when the export is written)."""
+    if path is None:
         return
-    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
-        raise ConfigError(f"--save-dir {save_dir} is a file, not a directory; pass a directory path "
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file, not a directory; pass a directory path "
                           f"(it is created if missing)")
-    parent = os.path.abspath(save_dir)
+    parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ConfigError(f"--save-dir {save_dir}: {parent} is a file, so the directory cannot be created")
+        raise ConfigError(f"{flag} {path}: {parent} is a file, so the directory cannot be created")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--save-dir {save_dir}: {parent} is not writable; pick a directory you can write to")
+        raise ConfigError(f"{flag} {path}: {parent} is not writable; pick a directory you can write to")
 
 
 def check_output_file(flag: str, path: str | None) -> None:

@@ -285,6 +285,19 @@ def _others(save_dir: str, tag: str) -> str:
     return f"another checkpoint ({', '.join(others)})" if others else "an earlier save (none is left in this directory)"
 
 
+def last_complete(save_dir: str, world_size: int) -> SavedCheckpoint | None:
+    """The newest checkpoint of ``save_dir`` whose files are all there and whole (:func:`inspect`)
+    for ``world_size`` ranks, skipping one a stopped run left half-written; None if there is none."""
+    for tag in reversed(available_tags(save_dir)):
+        try:
+            saved = inspect(os.path.join(save_dir, tag))
+        except Exception:  # noqa: BLE001 -- incomplete (a missing or truncated file): try the one before
+            continue
+        if saved.world_size == world_size:
+            return saved
+    return None
+
+
 def available_tags(save_dir: str) -> list[str]:
     """The ``step<N>`` directories of ``save_dir``, oldest first."""
     if not os.path.isdir(save_dir):

@@ -288,7 +288,8 @@ def test_sequence_not_divisible_names_the_fix():
     ids, _ = tokens(256, 1, 16)
     with pytest.raises(ValueError, match="divisible"):
         fpdt.hf.prepare_inputs(model, ids)
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match=r"16 tokens is not a multiple of sp\*num_chunks=1\*3=3: .*"
+                                         r"fpdt.hf.FlatteningCollator\(model\)"):
         model(input_ids=ids)
 
 

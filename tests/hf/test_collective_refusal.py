@@ -49,7 +49,7 @@ def _slice(window: dict[str, torch.Tensor], sp_rank: int) -> dict[str, torch.Ten
 REFUSALS = {   # replica 1's case -> what its own ranks say; replica 0's ranks name ranks 2, 3 and say it too
     "jumping": r"step from 0 to 2 .*restart at 0 where a packed document starts",
     "left_padding": r"not right padding .*padding_side='right'",
-    "length": r"S=10 is not divisible by sp_size\*num_chunks=2\*2=4; pad or trim",
+    "length": r"a window of 10 tokens is not a multiple of sp\*num_chunks=2\*2=4: .*FlatteningCollator",
 }
 
 

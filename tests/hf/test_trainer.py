@@ -352,7 +352,7 @@ def _refusals_on_two_ranks(rank, world):
             model(**inputs, attention_mask=mask)
         with pytest.raises(FPDTHFError, match="positions must increase by one, or restart at 0"):
             model(**{**inputs, "position_ids": inputs["position_ids"] * 2})
-        with pytest.raises(ValueError, match="sp_size\\*num_chunks"):
+        with pytest.raises(FPDTHFError, match="10 tokens is not a multiple of sp\\*num_chunks=2\\*2=4"):
             model(**_adapter_slices(ids[:, :10], labels[:, :10], rank, world))   # 10 = 2 x 5, not 2 x 2 x k
         out = model(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]))   # a full mask is fine
         assert torch.isfinite(out.loss)

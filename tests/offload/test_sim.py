@@ -64,6 +64,35 @@ def test_threaded_mode_gives_the_same_data():
             assert torch.equal(h, torch.full((8,), float(i)))
 
 
+@pytest.mark.parametrize("mode", ["lazy", "threaded"])
+def test_a_copy_frees_its_dropped_source_only_when_the_host_sees_it_complete(mode):
+    """Both modes free a copied tensor the program dropped at the same point of the host
+    program: the host's wait on the copy's event, never when a worker thread gets to it (that
+    made the memory accountant's live bytes depend on thread timing)."""
+    import gc
+    import time
+    import weakref
+
+    from fpdt.memory import MemoryAccountant
+
+    with fresh_runtime("sim", mode=mode, max_delay_s=0.0) as rt:
+        s = rt.new_stream(DEV, "copy")
+        host = rt.host_empty(96, torch.float32, True)
+        with MemoryAccountant("cpu") as acct:
+            src = torch.ones(96)
+            alive = weakref.ref(src.untyped_storage())
+            done = _d2h(rt, s, src, host)
+            del src
+            deadline = time.monotonic() + 10
+            while mode == "threaded" and s.done < 1 and time.monotonic() < deadline:
+                time.sleep(0.001)                           # the worker has run the copy ...
+            gc.collect()
+            assert alive() is not None and acct.device_live == 384    # ... but the host has not seen it
+            rt.wait_event(rt.current_stream(DEV), done)
+            assert alive() is None and acct.device_live == 0
+        assert torch.equal(host, torch.ones(96))
+
+
 def test_free_without_record_stream_is_a_hazard_naming_the_role():
     with pytest.raises(StreamHazardError, match=r"'k chunk 3, layer 2' was freed while the d2h copy"):
         with fresh_runtime("sim") as rt:

@@ -308,3 +308,23 @@ def test_device_layers_copy_no_checkpoint_to_the_host():
     copy = {k: evaluate(cfg, s.updated(checkpoint_device_layers=k), cluster)["step_time_split_s"]["h2d_d2h"]
             for k in (0, 16, 32)}
     assert copy[0] >= copy[16] > copy[32] == 0.0     # (hidden behind compute but the first fetch, here)
+
+
+def test_the_table_prints_the_mlp_chunks_the_model_runs_and_doc_len_packs(capsys):
+    """``MLP chunks`` is the resolved count (the setup's option is None: the model's default), and
+    with ``--doc-len`` the recommended fpdt-train flags pack the documents the plan counted."""
+    from fpdt.plan.memory_model import mlp_chunks
+
+    argv = ["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", str(2 ** 21)]
+    out = run_json(capsys, *argv, "--doc-len", "8192")
+    cfg = load_model_config("llama-3-8b")
+    s = out["setup"]
+    setup = Setup.build(seq_len=s["seq_len"], chunk_size=s["chunk_size"], hp=s["hp"], cp=s["cp"])
+    assert s["mlp_chunks"] is None and out["mlp_chunks"] == mlp_chunks(cfg, setup) > 1
+    assert out["recommended"]["pack_documents"] == "best-fit"
+    assert main([*argv, "--doc-len", "8192"]) == 0
+    text = capsys.readouterr().out
+    assert f"MLP chunks {out['mlp_chunks']}, " in text and "MLP chunks None" not in text
+    assert text.splitlines()[-1].endswith(" --pack-documents best-fit")
+    assert main(argv) == 0
+    assert "--pack-documents" not in capsys.readouterr().out

@@ -114,6 +114,16 @@ def test_save_dir_is_a_file(fixture, capsys):
     _fails(capsys, _argv(cfg, data, "--save-dir", path), f"--save-dir {path} is a file")
 
 
+def test_export_hf_into_a_file_is_refused_before_training(fixture, capsys):
+    tmp, cfg, data = fixture
+    path = str(tmp / "afile")
+    open(path, "w").close()
+    _fails(capsys, _argv(cfg, data, "--save-dir", str(tmp / "ck"), "--export-hf", path),
+           f"--export-hf {path} is a file, not a directory")
+    _fails(capsys, _argv(cfg, data, "--save-dir", str(tmp / "ck"), "--export-hf", os.path.join(path, "hf")),
+           f"--export-hf {os.path.join(path, 'hf')}: {path} is a file, so the directory cannot be created")
+
+
 def test_model_dir_without_safetensors(fixture, capsys):
     tmp, cfg, data = fixture
     d = tmp / "model"
@@ -141,6 +151,10 @@ def test_fpdt_export_missing_source(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert export_main([str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
     assert "has no 'latest' file and no step<N> checkpoints" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert export_main([str(tmp_path / "empty"), str(tmp_path / "afile")]) == 2
+    assert capsys.readouterr().err.strip() == (f"fpdt-export: error: {tmp_path / 'afile'} is a file, not a directory; "
+                                               f"pass a directory path for the export (it is created if missing)")
 
 
 # ----------------------------------------------------------------------------- 3. one clean line per error
@@ -329,6 +343,20 @@ def test_resume_with_steps_below_the_saved_step(saved_run, tmp_path, capsys):
     ck = _copy(saved_run, tmp_path)
     _fails(capsys, _argv(cfg, data, "--resume", ck), "--steps 1 is below the step of the checkpoint (2,",
            "pass --steps 3")
+
+
+@pytest.mark.slow
+def test_resume_with_another_seq_len_warns_and_trains(saved_run, tmp_path):
+    """docs/train.md: what the next steps read may change on resume (a curriculum, a context
+    extension): one warning line per difference, and the run goes on."""
+    _, cfg, data = saved_run
+    ck = _copy(saved_run, tmp_path)
+    cmd = [sys.executable, "-m", "fpdt.train", *_argv(cfg, data, seq_len=32), "--steps", "3", "--resume", ck]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings_ = [l for l in proc.stderr.splitlines() if l.startswith("warning: the resumed run differs")]
+    assert len(warnings_) == 1 and warnings_[0].endswith("(seq_len: saved 64, now 32)"), proc.stderr[-3000:]
+    assert "steps 2->3" in proc.stderr
 
 
 @pytest.mark.slow
