@@ -110,14 +110,15 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     """
     from fpdt.plan import evaluate, load_model_config
     from fpdt.plan.setup import Setup
-    offload = strategy in ("fpdt", "fpdt-save")
+    offload = strategy in ("fpdt", "fpdt-save", "fpdt-stream")
     if kernel_expands_gqa is None:
         from fpdt.attention.kernels import BACKENDS
         kernel_expands_gqa = (not BACKENDS[kernel].native_gqa) if kernel else bc.default_device().type == "cpu"
     s = Setup.build(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpointing="offload" if offload else "on",
                     offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
                     lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD,
-                    attention_checkpoint="save" if strategy == "fpdt-save" else "recompute")
+                    attention_checkpoint="save" if strategy == "fpdt-save" else "recompute",
+                    stream_layers=strategy == "fpdt-stream")
     cluster, rates = bc.planner_cluster(calibration, kernel)
     r = evaluate(load_model_config(cfg), s, cluster)
     b = r["breakdown"]

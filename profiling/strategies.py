@@ -43,9 +43,10 @@ from fpdt.train.config import TrainerOptions
 
 DEFAULT_STRATEGIES = ("fpdt", "fpdt-no-offload", "hf", "alst")
 """What the suite's comparisons run by default."""
-STRATEGIES = DEFAULT_STRATEGIES + ("fpdt-save",)
+STRATEGIES = DEFAULT_STRATEGIES + ("fpdt-save", "fpdt-stream")
 """``fpdt-save``: ``fpdt`` with ``attention_checkpoint="save"`` (every layer keeps its attention
-output and lse on the host; the recompute runs no attention kernel)."""
+output and lse on the host; the recompute runs no attention kernel). ``fpdt-stream``: ``fpdt`` with
+``stream_layers=True`` (every layer a chunk at a time, the residual stream on the host)."""
 
 
 @dataclass
@@ -125,14 +126,15 @@ def attention_kernel(strategy: str, cfg: dict, device, dtype, backend: str | Non
 
 
 def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload: bool = True,
-               backend: str | None = None, attention_checkpoint: str = "recompute") -> Trainee:
-    """``backend``: the attention kernel (None: automatic selection); ``attention_checkpoint``:
-    the model option of that name."""
+               backend: str | None = None, attention_checkpoint: str = "recompute",
+               stream_layers: bool = False) -> Trainee:
+    """``backend``: the attention kernel (None: automatic selection); ``attention_checkpoint``,
+    ``stream_layers``: the model options of those names."""
     import fpdt.model as fm
     chunks = max(1, seq_len // min(chunk_size, seq_len))
     model = fm.from_config(cfg, device=device, dtype=dtype, num_chunks=chunks, offload=offload,
                            checkpointing="offload" if offload else "on", lm_head_wgrad=LM_HEAD_WGRAD, backend=backend,
-                           attention_checkpoint=attention_checkpoint)
+                           attention_checkpoint=attention_checkpoint, stream_layers=stream_layers)
 
     def forward_backward(inputs, on_backward=None):
         loss = model(**inputs)
@@ -266,6 +268,8 @@ def build(strategy: str, cfg: dict, seq_len: int, chunk_size: int, device, dtype
     if strategy == "fpdt-save":
         return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=True, backend=backend,
                           attention_checkpoint="save")
+    if strategy == "fpdt-stream":
+        return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=True, backend=backend, stream_layers=True)
     if strategy == "fpdt-no-offload":
         return build_fpdt(cfg, seq_len, chunk_size, device, dtype, offload=False, backend=backend)
     if strategy == "hf":

@@ -10,8 +10,6 @@ while compute runs, and no host synchronisation.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,8 +27,8 @@ STREAMED = dict(offload=True, checkpointing="offload")
 
 def _pair(name: str, **options):
     """(unstreamed, streamed) models with the same weights."""
-    base = fpdt_from_hf(hf_model(name), **STREAMED, **options)
-    return base, copy.deepcopy(base).configure(stream_layers=True)
+    ref = hf_model(name)        # built twice, not copied: a mesh's process groups do not deep-copy
+    return fpdt_from_hf(ref, **STREAMED, **options), fpdt_from_hf(ref, **STREAMED, stream_layers=True, **options)
 
 
 def _step(model, inputs, scale: torch.Tensor, group=None):
