@@ -142,6 +142,31 @@ def test_fpdt_hf_refuses_streaming_naming_the_way_that_streams():
         fpdt.hf.apply_fpdt(hf("llama_gqa"), num_chunks=2, stream_layers=True, **STREAMED)
 
 
+@pytest.mark.parametrize("save", ["recompute", "save"])
+def test_host_bytes_between_the_passes_follow_the_formula(save):
+    """From the end of the forward to the start of the backward the host holds exactly every
+    layer's input and the final hidden state's gradient, ``(l + 1) B S_local hidden e``, plus each
+    saving layer's output and lse (``saved_attention_bytes``); nothing is left after the backward."""
+    from fpdt.attention.offload_volume import saved_attention_bytes
+    from fpdt.offload import host_bytes_in_use
+    with fresh_runtime("sim", checks=True) as rt:
+        _, model = _pair("llama_gqa", num_chunks=3, runtime=rt, attention_checkpoint=save)
+        cfg = model.config
+        B, S = 2, 24
+        ids, labels = tokens(cfg.vocab_size, B, S)
+        inputs = model.prepare_inputs(ids, labels=labels)
+        before = host_bytes_in_use()
+        loss = model(**inputs)
+        held = host_bytes_in_use() - before
+        want = (cfg.num_layers + 1) * B * S * cfg.hidden_size * 4
+        if save == "save":
+            want += cfg.num_layers * saved_attention_bytes(batch=B, seq_local=S, num_heads=cfg.num_heads,
+                                                           head_dim=cfg.head_dim, dtype=torch.float32)
+        assert held == want, (held, want)
+        loss.backward()
+        assert host_bytes_in_use() == before
+
+
 # ---------------------------------------------------------------------- the simulated streams
 def _sim_step(**sim):
     with fresh_runtime("sim", **sim) as rt:
