@@ -36,6 +36,9 @@ CONFIGS = {
     "mistral": (transformers.MistralConfig, dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4, sliding_window=None,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # MQA: one KV head for 4 query heads (replicated under sequence parallelism).
+    "llama_mqa": (transformers.LlamaConfig, dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1)),
     # Shapes that divide by 4 ranks after GQA replication: 8 heads of 12, 2 kv heads.
     "llama_sp4": (transformers.LlamaConfig, dict(
         hidden_size=96, intermediate_size=160, num_attention_heads=8, num_key_value_heads=2)),

@@ -71,6 +71,7 @@ def check_parity(name: str, S: int, what: str, B: int = 2, docs: bool = False, l
     ("qwen2_tied", 2, "save", "sync"),
     ("llama_bias", 1, "recompute", "sim"),
     ("mistral", 4, "save", "sim"),
+    ("llama_mqa", 2, "recompute", "sync"),
 ])
 def test_single_rank_parity(name, u, save, runtime):
     check_parity(name, 8 * u, f"{name} u={u} {save} {runtime}", num_chunks=u, attention_checkpoint=save,
@@ -206,6 +207,7 @@ def _ranks(rank, world):
         check_parity("llama_gqa", 16, "sp=2 u=2 recompute", num_chunks=2, runtime="sim")
         check_parity("llama_gqa", 24, "sp=2 u=3 save, packed", docs=True, num_chunks=3, attention_checkpoint="save",
                      runtime="sync")
+        check_parity("llama_mqa", 16, "sp=2 MQA, LoRA", lora=fm.LoraSpec(2), num_chunks=2, runtime="sim")
     else:
         check_parity("llama_sp4", 16, "sp=4 u=2 save", num_chunks=2, attention_checkpoint="save", runtime="sim")
         for kw in (dict(hp=2, cp=2), dict(hp=1, cp=4, inner_ring=2)):
