@@ -62,21 +62,42 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     original = type(self).forward               # Transformers' forward, called with this (maybe copied) model
     rank, sp = settings.rank_size()
     trainer = settings.under_trainer
-    if trainer:
+    ref = input_ids if input_ids is not None else inputs_embeds
+    labels = _checked_labels(self, settings, sp, ref, labels, shift_labels, use_cache, past_key_values)
+    if labels is not None:
+        shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
+    input_ids, position_ids, shift_labels, attention_mask = _fpdt_inputs(
+        self, settings, rank, sp, ref, input_ids, position_ids, shift_labels, attention_mask, kwargs)
+    kwargs.update(_o_proj_from_stash(self, settings))
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext():
+        out = _decoder_and_loss(self, original, settings, sp, input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds, shift_labels=shift_labels,
+                                logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
+    if trainer and out.loss is not None:
+        out.loss = sum_gradient_over_group(out.loss, group=settings.sp_group, sp=sp)
+    return out if return_dict else out.to_tuple()
+
+
+def _checked_labels(model, settings: HFSettings, sp: int, ref, labels, shift_labels, use_cache, past_key_values):
+    """Refuse what the forward cannot run (each naming the fix); return the unshifted ``labels``
+    to shift on this rank (None when there are none, or when they are the Trainer's shift_labels)."""
+    if settings.under_trainer:
         if labels is not None and labels is shift_labels:   # the Trainer's SP loss passes shift_labels as labels
             labels = None
             if sp == 1 and dist.is_initialized() and dist.get_world_size() > 1:
                 raise FPDTHFError("these inputs are DeepSpeed's sequence-parallel slices (the Trainer's SP loss), "
                                   "but no DeepSpeed sequence-parallel group exists: train through the Trainer "
                                   "with parallelism_config=fpdt.hf.trainer_parallelism_config(sp_size)")
-        if sp > 1 and not self.training:
+        if sp > 1 and not model.training:
             raise FPDTHFError(f"evaluation under the Trainer's sequence parallelism (sp={sp}): the Trainer gives "
                               f"every rank whole windows of its own, which fpdt cannot split; evaluate with "
                               f"TrainingArguments(eval_strategy='no') or a model without apply_fpdt")
     mode = settings.options.checkpointing
-    if mode != "off" and self.training and getattr(self.model, "gradient_checkpointing", False):
+    if mode != "off" and model.training and getattr(model.model, "gradient_checkpointing", False):
         raise FPDTHFError(BOTH_CHECKPOINTS.format(mode=mode))
-    ref = input_ids if input_ids is not None else inputs_embeds
     if ref is not None and torch.is_autocast_enabled(ref.device.type):
         raise FPDTHFError("apply_fpdt's chunked functions do not run under torch.autocast: cast the model to the "
                           "training dtype instead (model.to(torch.bfloat16), or DeepSpeed's bf16 mode) and call it "
@@ -87,7 +108,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     if labels is not None:
         if shift_labels is not None:
             raise FPDTHFError("pass labels= or shift_labels=, not both")
-        if sp > 1 and trainer:
+        if sp > 1 and settings.under_trainer:
             raise FPDTHFError(f"labels= without shift_labels= under the Trainer's sequence parallelism (sp={sp}): "
                               f"DeepSpeed's data adapter gives shift_labels; whole windows with labels (the "
                               f"Trainer's evaluation) cannot be split by fpdt: use TrainingArguments("
@@ -95,7 +116,15 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
         if sp > 1:
             raise FPDTHFError(f"labels= would be shifted inside this rank's slice of the sequence (sp={sp}); "
                               f"pass the global-shifted shift_labels= from fpdt.hf.prepare_inputs")
-        shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
+    return labels
+
+
+def _fpdt_inputs(model, settings: HFSettings, rank: int, sp: int, ref, input_ids, position_ids, shift_labels,
+                 attention_mask, kwargs: dict):
+    """``(input_ids, position_ids, shift_labels, attention_mask)`` as the decoder takes them, with
+    the packed documents' ``doc_ids`` ``[B, S]`` (global) put into ``kwargs`` for every attention
+    call (recompute included)."""
+    trainer = settings.under_trainer
     explicit_docs, cu_seqlens = pop_explicit_documents(kwargs)     # packed documents: fpdt.hf.documents
     doc_ids = None
     if sp == 1:
@@ -107,7 +136,7 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
                 check_window_length(ref.shape[1], 1, settings.options.num_chunks)
         except FPDTHFError as e:
             refusal = e
-        attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and self.training, refusal)
+        attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and model.training, refusal)
     if position_ids is None and sp > 1:
         raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
                           f"are not contiguous; use fpdt.hf.prepare_inputs")
@@ -124,31 +153,26 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
             rank=rank, num_chunks=settings.options.num_chunks)
         attention_mask = None                    # all ones over the window, or refused above
     elif sp > 1:
-        if cu_seqlens is not None:
-            raise FPDTHFError(f"cu_seq_lens_q/k with sequence parallelism (sp={sp}): pass the window's cu_seqlens "
-                              f"to fpdt.hf.prepare_inputs, whose doc_ids the model then takes")
-        B, S_local = ref.shape[:2]
-        try:
-            doc_ids = window_doc_ids((B, S_local * sp), ref.device, doc_ids=explicit_docs) \
-                if explicit_docs is not None else \
-                sequence_parallel_doc_ids(position_ids, settings.options.num_chunks,
-                                          group=resolve_group(settings.options.group),
-                                          mesh=settings.options.mesh)        # one all-gather of the positions
-        except DocumentError as e:
-            raise FPDTHFError(str(e)) from e
+        doc_ids = _sequence_parallel_doc_ids(settings, sp, ref, position_ids, explicit_docs, cu_seqlens)
     if doc_ids is not None:
         kwargs["doc_ids"] = doc_ids              # [B, S] global: to every attention call (recompute included)
-    kwargs.update(_o_proj_from_stash(self, settings))
-    return_dict = kwargs.pop("return_dict", None)
-    if return_dict is None:
-        return_dict = getattr(self.config, "return_dict", True)
-    with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext():
-        out = _decoder_and_loss(self, original, settings, sp, input_ids=input_ids, attention_mask=attention_mask,
-                                position_ids=position_ids, inputs_embeds=inputs_embeds, shift_labels=shift_labels,
-                                logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
-    if trainer and out.loss is not None:
-        out.loss = sum_gradient_over_group(out.loss, group=settings.sp_group, sp=sp)
-    return out if return_dict else out.to_tuple()
+    return input_ids, position_ids, shift_labels, attention_mask
+
+
+def _sequence_parallel_doc_ids(settings: HFSettings, sp: int, ref, position_ids, explicit_docs, cu_seqlens):
+    """The window's ``doc_ids`` ``[B, S]`` from this rank's slice under fpdt's own sequence parallelism."""
+    if cu_seqlens is not None:
+        raise FPDTHFError(f"cu_seq_lens_q/k with sequence parallelism (sp={sp}): pass the window's cu_seqlens "
+                          f"to fpdt.hf.prepare_inputs, whose doc_ids the model then takes")
+    B, S_local = ref.shape[:2]
+    try:
+        return window_doc_ids((B, S_local * sp), ref.device, doc_ids=explicit_docs) \
+            if explicit_docs is not None else \
+            sequence_parallel_doc_ids(position_ids, settings.options.num_chunks,
+                                      group=resolve_group(settings.options.group),
+                                      mesh=settings.options.mesh)        # one all-gather of the positions
+    except DocumentError as e:
+        raise FPDTHFError(str(e)) from e
 
 
 def _o_proj_from_stash(model, settings: HFSettings) -> dict:

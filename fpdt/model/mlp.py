@@ -129,16 +129,9 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
         acc_gate, acc_up, acc_down = lora.split(d_lora) if lora is not None else ([], [], [])
         flat = x.reshape(-1, x.shape[-1])                                   # [T, hidden]
         gflat = grad_out.reshape(-1, grad_out.shape[-1])                    # [T, hidden]
-
-        def acc(w: torch.Tensor | None, name: str) -> torch.Tensor | None:
-            if w is None or not need.get(name):
-                return None
-            dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
-            return torch.zeros(w.shape, dtype=dtype, device=w.device)
-
-        dwg, dwu, dwd = acc(w_gate, "w_gate"), acc(w_up, "w_up"), acc(w_down, "w_down")
-        dbg, dbu, dbd = acc(b_gate, "b_gate"), acc(b_up, "b_up"), acc(b_down, "b_down")
-        dnorm = acc(norm_w, "norm_w")
+        dwg, dwu, dwd = (_grad_buffer(w, need.get(n)) for w, n in ((w_gate, "w_gate"), (w_up, "w_up"), (w_down, "w_down")))
+        dbg, dbu, dbd = (_grad_buffer(b, need.get(n)) for b, n in ((b_gate, "b_gate"), (b_up, "b_up"), (b_down, "b_down")))
+        dnorm = _grad_buffer(norm_w, need.get("norm_w"))
         need_dx = need["x"]
         # With the norm inside, the input gradient may go straight into the layer's gradient,
         # which is then grad_out itself: each chunk is read before its own slice is written.
@@ -161,25 +154,11 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
             g = with_lora(F.linear(xc, w_gate, b_gate), xc, tg, seed, k)   # [n, I]
             u = with_lora(F.linear(xc, w_up, b_up), xc, tu, seed, k)
             a = F.silu(g)
-            if dwd is not None or td:
-                au = a * u                                                  # h
-                if dwd is not None:
-                    dwd += (dy.t() @ au).to(dwd.dtype)                      # [hidden, I]
-                d_lo = lora_backward(au, dy, td, acc_down, seed, k, True) if td else None
-                del au
-            if dbd is not None:
-                dbd += dy.sum(0, dtype=dbd.dtype)
-            dh = dy @ w_down                                                # [n, I]
-            if td:
-                dh.add_(d_lo)
-                del d_lo
+            dh = _down_backward(dy, a, u, w_down, dwd, dbd, td, acc_down, seed, k)   # [n, I]
             u.mul_(dh)                                                      # dL/da = dh * u
             du = a.mul_(dh)                                                 # dL/du = dh * silu(g)
             del a, dh
-            if dwu is not None:
-                dwu += (du.t() @ xc).to(dwu.dtype)
-            if dbu is not None:
-                dbu += du.sum(0, dtype=dbu.dtype)
+            _accumulate(dwu, dbu, du, xc)
             if dxc is not None:
                 dxc[...] = du @ w_up                                        # cast to the input's dtype (autocast)
             if tu:
@@ -189,10 +168,7 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
             del du
             dg = torch.ops.aten.silu_backward(u, g)                         # dL/dg, fused
             del u, g
-            if dwg is not None:
-                dwg += (dg.t() @ xc).to(dwg.dtype)
-            if dbg is not None:
-                dbg += dg.sum(0, dtype=dbg.dtype)
+            _accumulate(dwg, dbg, dg, xc)
             if dxc is not None:
                 dxc += dg @ w_gate
             if tg:
@@ -213,6 +189,41 @@ class ChunkedSwiGLUFunction(torch.autograd.Function):
                      norm_w=cast(dnorm, norm_w))
         grads.update((f"lora{i}", g) for i, g in enumerate(finish(d_lora, lora_tensors)))
         return tuple(grads.get(name) for name in ctx.input_names)
+
+
+def _grad_buffer(w: torch.Tensor | None, needed: bool | None) -> torch.Tensor | None:
+    """A zeroed gradient accumulator for ``w`` (fp32 for 16-bit weights), or None when not needed."""
+    if w is None or not needed:
+        return None
+    dtype = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
+    return torch.zeros(w.shape, dtype=dtype, device=w.device)
+
+
+def _accumulate(dw: torch.Tensor | None, db: torch.Tensor | None, d: torch.Tensor, xc: torch.Tensor) -> None:
+    """Add one chunk's weight and bias gradients of a projection ``d = xc @ w.T + b`` (``d``
+    the output gradient ``[n, out]``, ``xc`` the input ``[n, in]``) into the accumulators."""
+    if dw is not None:
+        dw += (d.t() @ xc).to(dw.dtype)
+    if db is not None:
+        db += d.sum(0, dtype=db.dtype)
+
+
+def _down_backward(dy, a, u, w_down, dwd, dbd, td, acc_down, seed, k) -> torch.Tensor:
+    """``down_proj``'s backward for one chunk: its weight, bias and LoRA gradients accumulated
+    (from ``h = a * u``, formed only when needed and freed here), and the gradient of ``h``,
+    ``dy @ w_down`` ``[n, I]`` (plus the LoRA term's)."""
+    if dwd is not None or td:
+        au = a * u                                                          # h
+        if dwd is not None:
+            dwd += (dy.t() @ au).to(dwd.dtype)                              # [hidden, I]
+        d_lo = lora_backward(au, dy, td, acc_down, seed, k, True) if td else None
+        del au
+    if dbd is not None:
+        dbd += dy.sum(0, dtype=dbd.dtype)
+    dh = dy @ w_down                                                        # [n, I]
+    if td:
+        dh.add_(d_lo)
+    return dh
 
 
 def _input_names(with_norm: bool, num_lora: int) -> tuple[str, ...]:

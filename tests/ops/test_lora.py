@@ -154,6 +154,33 @@ def test_layout_checks_its_tensor_count():
         LoraAdapters(layout, (torch.zeros(1), torch.zeros(1)))
 
 
+def _global_keep_scales(term, B: int, S: int, hidden: int, world: int, u: int):
+    """The dropout keep-scales ``[B, S, hidden]`` of ``term`` over the whole sequence: every rank's
+    masks (each from its own seed) put at its tokens' global positions; None without dropout."""
+    if not term.dropout:
+        return None
+    L = S // world // u
+    full = torch.empty(B, S, hidden, dtype=torch.float64)
+    for r in range(world):
+        index, seed = global_token_index(S, world, u, r), _seed_drawn(SEED, r)
+        for i in range(u):
+            full[:, index[i * L:(i + 1) * L]] = keep_scale(torch.Size([B, L, hidden]), torch.float64,
+                                                           torch.device("cpu"), term.dropout, seed, term.stream, i)
+    return full
+
+
+def _check_against(got_t, want_t, yard_t, what: str, tol: float) -> None:
+    """``got_t`` against the float64 ``want_t``: within ``tol``, or (bf16, ``yard_t`` the plain bf16
+    computation) within ``tol`` or no worse than 1.25x the plain computation's own error."""
+    if yard_t is None:
+        _close(got_t, want_t, tol, what)
+        return
+    err = lambda t: ((t.double() - want_t.double()).norm() / want_t.double().norm()).item()  # noqa: E731
+    assert (got_t is None) == (want_t is None), what
+    if got_t is not None:
+        assert err(got_t) <= max(tol, 1.25 * err(yard_t)), f"{what}: {err(got_t):.3g} vs bf16's {err(yard_t):.3g}"
+
+
 def _attention_case(rank, world, dtype, u, p, heads, frozen):
     gen = torch.Generator().manual_seed(5)
     H, H_kv, D = heads
@@ -182,20 +209,8 @@ def _attention_case(rank, world, dtype, u, p, heads, frozen):
             if g is not None:
                 dist.all_reduce(g)
 
-    # the reference: the whole sequence, every rank's masks put at its tokens' global positions
-    L = S // world // u
-
     def scales(term):
-        if not term.dropout:
-            return None
-        full = torch.empty(B, S, hidden, dtype=torch.float64)
-        for r in range(world):          # each rank's masks, from its own seed
-            index, seed = global_token_index(S, world, u, r), _seed_drawn(SEED, r)
-            for i in range(u):
-                full[:, index[i * L:(i + 1) * L]] = keep_scale(torch.Size([B, L, hidden]), torch.float64,
-                                                               torch.device("cpu"), term.dropout, seed,
-                                                               term.stream, i)
-        return full
+        return _global_keep_scales(term, B, S, hidden, world, u)
 
     def reference(exact: bool):
         """float64 throughout, or (``exact=False``, the bf16 yardstick) the plain computation in the
@@ -240,13 +255,7 @@ def _attention_case(rank, world, dtype, u, p, heads, frozen):
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
 
     def check(got_t, want_t, yard_t, what):
-        if yard_t is None:
-            return _close(got_t, want_t, tol, what)
-        # bf16: within tol, or no worse than 1.25x the plain bf16 computation's own error
-        err = lambda t: ((t.double() - want_t.double()).norm() / want_t.double().norm()).item()  # noqa: E731
-        assert (got_t is None) == (want_t is None), what
-        if got_t is not None:
-            assert err(got_t) <= max(tol, 1.25 * err(yard_t)), f"{what}: {err(got_t):.3g} vs bf16's {err(yard_t):.3g}"
+        _check_against(got_t, want_t, yard_t, what, tol)
 
     yard = yard or [None] * len(want)
     check(out, shard(o, world, u, rank), None if o_bf16 is None else shard(o_bf16, world, u, rank),
