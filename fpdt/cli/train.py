@@ -305,8 +305,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                                               not kernel.native_gqa, lora_spec.rank if lora_spec else 0)
     memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
                           lora_rank=lora_spec.rank if lora_spec else 0)
-    if streaming:
-        memory = replace(memory, lines=(f"fpdt-train: {streaming}", *memory.lines))
+    memory = replace(memory, lines=(*streaming, *memory.lines))
     if memory.attention is not None:     # the choice the memory check made (or the one given)
         opts = replace(opts, attention_checkpoint=memory.attention.mode,
                        save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
@@ -445,11 +444,11 @@ class MemoryCheck:
 
 def _choose_streaming(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
                       dtype_name: str, device: torch.device, world: int, expands_gqa: bool,
-                      lora_rank: int) -> tuple[TrainerOptions, RunLayout, str | None]:
+                      lora_rank: int) -> tuple[TrainerOptions, RunLayout, tuple[str, ...]]:
     """The run with ``stream_layers`` as given, or on CUDA chosen by the predicted device peak
-    (:func:`fpdt.plan.trainer_run.stream_layers`); the line that says why when it was chosen."""
+    (:func:`fpdt.plan.trainer_run.stream_layers`); the start-up line that says why when it was chosen."""
     if opts.stream_layers is not None or device.type != "cuda":
-        return opts, plan, None
+        return opts, plan, ()
     capacity = torch.cuda.get_device_properties(device).total_memory
     ranks = trainer_run.ranks_on_this_node(plan.world_size, torch.cuda.device_count())
 
@@ -462,9 +461,9 @@ def _choose_streaming(source: preflight.ModelSource, plan: RunLayout, opts: Trai
         unstreamed = estimate(opts, plan)
         streamed_plan = validate(streamed_opts, plan.seq_len, world, device.type, ds_config)
     except Exception:  # noqa: BLE001 -- a run the planner's model cannot describe, or not streamable: as given
-        return opts, plan, None
+        return opts, plan, ()
     chosen, why = trainer_run.stream_layers(None, unstreamed, lambda: estimate(streamed_opts, streamed_plan), capacity)
-    return (streamed_opts, streamed_plan, why) if chosen else (opts, plan, None)
+    return (streamed_opts, streamed_plan, (f"fpdt-train: {why}",)) if chosen else (opts, plan, ())
 
 
 def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],

@@ -251,6 +251,21 @@ def optimizer_step_transient(cfg: ModelConfig, s: Setup, world: int) -> float:
     return n * (4 + (s.elem_bytes if s.elem_bytes != 4 else 0))
 
 
+def _checkpoint_bytes(cfg: ModelConfig, s: Setup, nd: float) -> tuple[float, float]:
+    """``(device, host)`` bytes of the layer-input checkpoints (module docstring)."""
+    l = cfg.num_layers
+    if s.options.stream_layers:     # every layer input on the host (and the final hidden state), none on the device
+        return 0.0, (l + 1) * nd
+    if s.options.checkpointing == "on":
+        return l * nd, 0.0
+    if s.options.checkpointing == "offload":
+        # Two inputs on the device at a time (the layer's own, the next one fetched); with
+        # the last k layers' inputs kept there, k at the start of backward, then fewer.
+        k = s.options.checkpoint_device_layers
+        return max(k, min(2, l)) * nd, (l - k) * nd
+    return l * saved_per_layer_nd(cfg, s) * nd, 0.0   # every layer keeps its activations (and its stash)
+
+
 def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
     """Per-category bytes of ``s`` (see the module docstring for the accounting)."""
     e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
@@ -259,17 +274,7 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
 
     states = model_states(cfg, s, world)
     streamed = s.options.stream_layers
-    if streamed:     # every layer input on the host (and the final hidden state), none on the device
-        ckpt_dev, ckpt_host = 0.0, (l + 1) * nd
-    elif s.options.checkpointing == "on":
-        ckpt_dev, ckpt_host = l * nd, 0.0
-    elif s.options.checkpointing == "offload":
-        # Two inputs on the device at a time (the layer's own, the next one fetched); with
-        # the last k layers' inputs kept there, k at the start of backward, then fewer.
-        k = s.options.checkpoint_device_layers
-        ckpt_dev, ckpt_host = max(k, min(2, l)) * nd, (l - k) * nd
-    else:   # every layer keeps its activations (and its stash, unless offloaded)
-        ckpt_dev, ckpt_host = l * saved_per_layer_nd(cfg, s) * nd, 0.0
+    ckpt_dev, ckpt_host = _checkpoint_bytes(cfg, s, nd)
     saved_host_layers, saved_dev_layers = s.saving_layers(l)
     saved_dev = saved_dev_layers * saved_attention_bytes(cfg, s)
     saved_host = saved_host_layers * saved_attention_bytes(cfg, s)
