@@ -163,8 +163,11 @@ def apply_all(adapter: DecoderAdapter, options: FPDTOptions) -> Applied:
     mlp_chunks = mlp_chunks_for(options, adapter.config)
     loss_chunks = loss_chunks_for(options, adapter.config)
     apply_attention(adapter, options)
-    norms = apply_lean_norms(adapter, options.num_chunks)
-    apply_chunked_mlp(adapter, mlp_chunks)
+    # a streamed layer (fpdt.model.streaming) calls its norms and MLP once per attention chunk: the
+    # same token chunks as one call over the whole sequence, split over u calls
+    calls = options.num_chunks if options.stream_layers else 1
+    norms = apply_lean_norms(adapter, options.num_chunks // calls)
+    apply_chunked_mlp(adapter, -(-mlp_chunks // calls))
     checkpoints = apply_layer_checkpointing(adapter, options)
     apply_chunked_loss(adapter, loss_chunks)
     return Applied(mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, norm_chunks=norms, checkpoints=checkpoints)
