@@ -151,6 +151,10 @@ def test_bash_block_runs(code, ranks, tmp_path):
     if "--log-json runs/tiny.jsonl" in code:          # the README's main job: "from about 7.6 to about 6.4"
         losses = [json.loads(line)["loss"] for line in open(log)]
         assert len(losses) == 60 and abs(losses[0] - 7.6) < 0.3 and abs(losses[-1] - 6.4) < 0.3, losses
+    log = tmp_path / "runs" / "sp2.jsonl"
+    if "--log-json runs/sp2.jsonl" in code:           # the README's 2-rank quick start: "from about 7.6 to about 6.5"
+        losses = [json.loads(line)["loss"] for line in open(log)]
+        assert len(losses) == 18 and abs(losses[0] - 7.6) < 0.3 and abs(losses[-1] - 6.5) < 0.3, losses
 
 
 def _commands(code: str):

@@ -383,3 +383,25 @@ def test_main_job_packed_on_a_ring_trains_what_one_process_does(tmp_path):
     run_distributed(_train_cp2, 2, args=(tmp, ring), timeout=300)
     for a, b in zip(_losses(one), _losses(ring), strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (_losses(one), _losses(ring))
+
+
+def test_the_shipped_paragraphs_are_the_text_split_at_blank_lines_and_pack():
+    """examples/data/jargon-file-paragraphs.jsonl is what examples/data/README.md's one-liner makes
+    from the shipped text, and it gives docs/train.md's fill figures: 1623 documents in 256-token
+    windows, 78.3% in order, 99.9% best-fit (the whole text is one document, which packing cannot help)."""
+    from fpdt.train.data import PackedWindows, load_documents
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+    with open(os.path.join(here, "data", "jargon-file-4.4.7.txt")) as f:
+        text = f.read()
+    path = os.path.join(here, "data", "jargon-file-paragraphs.jsonl")
+    with open(path) as f:
+        shipped = f.read()
+    assert shipped == "".join(json.dumps({"text": p.strip()}) + "\n" for p in text.split("\n\n") if p.strip())
+    tokens, lengths = load_documents(path, tokenizer_path=os.path.join(here, "tiny-llama", "tokenizer.json"), eos_id=0)
+    fills = {}
+    for packing in ("in-order", "best-fit"):
+        line = PackedWindows(tokens, lengths, 256, pad_id=0, packing=packing).describe()
+        assert "packed documents=1623 " in line, line
+        fills[packing] = line.split("fill=")[1].split("%")[0]
+    assert fills == {"in-order": "78.3", "best-fit": "99.9"}
