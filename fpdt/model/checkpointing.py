@@ -257,7 +257,7 @@ class _LayerCheckpoint(torch.autograd.Function):
         ctx.saved_attention = saved
         ctx.x_requires_grad = x.requires_grad
         ctx.autocast = _autocast_state(x.device.type)
-        ctx.rng = _rng_state(x.device)
+        ctx.rng = rng_state(x.device)
         if stash is None or on_device:
             ctx.save_for_backward(x)
         else:
@@ -279,7 +279,7 @@ class _LayerCheckpoint(torch.autograd.Function):
             saved.begin_backward()
         try:
             with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled), \
-                    _replayed_rng(ctx.rng, x.device):
+                    replayed_rng(ctx.rng, x.device):
                 dx = ctx.body.backward(x, ctx.x_requires_grad, grad_y, owned)
         finally:
             if saved is not None:
@@ -306,14 +306,14 @@ class _StashEntry:
             pass
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The default CPU generator's state, and the device's on CUDA (host-side: no sync)."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
 @contextlib.contextmanager
-def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device):
-    """Run with the random state of :func:`_rng_state`, and put the current one back after."""
+def replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device):
+    """Run with the random state of :func:`rng_state`, and put the current one back after."""
     cpu, dev = state
     with torch.random.fork_rng(devices=[device] if dev is not None else [], device_type="cuda"):
         torch.set_rng_state(cpu)

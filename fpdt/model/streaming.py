@@ -37,7 +37,7 @@ from fpdt.attention.mesh_pipeline import run_backward, run_forward
 from fpdt.attention.output_projection import output_projection
 from fpdt.attention.projected_attention import QKVChunks, attention_spec, rotation_of
 from fpdt.attention.saved_attention import SavedAttention
-from fpdt.model.checkpointing import _replayed_rng, _rng_state
+from fpdt.model.checkpointing import replayed_rng, rng_state
 from fpdt.model.loss import chunked_lm_loss, sum_over_group, valid_token_scale
 from fpdt.offload import HostStash
 from fpdt.ops.lora import attached_adapters
@@ -132,7 +132,7 @@ class StreamedRun:
     def layer_forward(self, k: int) -> None:
         """Layer ``k``: stash ``k``'s input chunks -> stash ``k + 1``'s (module docstring)."""
         src, dst = self.stashes[k], self.stashes[k + 1]
-        self.rng[k] = _rng_state(self.device)
+        self.rng[k] = rng_state(self.device)
         spec, stash, qkv = self._attention(k)
         norm = self.layers[k].input_layernorm
 
@@ -154,7 +154,7 @@ class StreamedRun:
         scale = self.grad_scale if k + 1 == len(self.layers) else None
         if self.saved[k] is not None:
             self.saved[k].begin_backward()
-        with _replayed_rng(self.rng[k], self.device):
+        with replayed_rng(self.rng[k], self.device):
             spec, stash, qkv = self._attention(k)
             attn = layer.self_attn
             qkv.start_backward(spec.acc_dtype, [id(w) in wanted for w in qkv.weights],
