@@ -190,7 +190,7 @@ class StreamedRun:
                 d_t = qkv.backward(j, t.detach(), dq, dk, dv)
                 grads = torch.autograd.grad(t, [x, *norm_params], d_t)
                 _accumulate(acc, norm_params, grads[1:])
-                src.put((RESIDUAL_GRAD, j), grads[0] + src.pop((BRANCH_GRAD, j)))
+                src.put((RESIDUAL_GRAD, j), grads[0] + self.fetch(src, BRANCH_GRAD, j, keep=False))
 
             run_backward(spec, grad_out_chunk, deliver, stash)
         if self.saved[k] is not None:

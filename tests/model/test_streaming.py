@@ -188,6 +188,27 @@ def test_clean_runs_have_no_hazard_overlap_and_no_host_sync(mode):
     assert c.peak_copies_pending >= 2, "no copy was ever in flight beside another: nothing overlapped compute"
 
 
+def test_the_next_chunk_is_in_flight_while_a_chunk_computes(monkeypatch):
+    """Every streamed fetch of chunk ``i`` returns with chunk ``i + 1``'s copy already issued
+    (when it exists): its host->device copy runs beside chunk ``i``'s compute."""
+    from fpdt.model import streaming
+    fetched, overlapped = [], []
+    fetch = streaming.StreamedRun.fetch
+
+    def watched(self, stash, kind, i, keep):
+        value = fetch(self, stash, kind, i, keep)
+        fetched.append((kind, i))
+        if (kind, i + 1) in stash:
+            overlapped.append((kind, i + 1) in stash._inflight)
+        return value
+
+    monkeypatch.setattr(streaming.StreamedRun, "fetch", watched)
+    _sim_step(mode="lazy", checks=True)
+    kinds = {k for k, _ in fetched}
+    assert kinds == {"residual", "residual grad", "o grad", "branch grad"}, kinds
+    assert overlapped and all(overlapped), f"{overlapped.count(False)} of {len(overlapped)} fetches had no next copy"
+
+
 @pytest.mark.parametrize("kind", ["residual", "residual grad", "o grad", "branch grad"])
 @pytest.mark.parametrize("fault", ["drop_wait", "drop_record_stream"])
 def test_each_streamed_role_catches_each_fault(kind, fault):
