@@ -84,7 +84,10 @@ def main() -> None:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(line + "\n")
-    if args.plot:
+    if args.plot:   # every row of --out (earlier runs' too), else this run's
+        if args.out:
+            with open(args.out) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
         plot(rows, args.plot)
 
 
