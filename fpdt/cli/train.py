@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--checkpoint-device-layers", type=int, metavar="K",
                    help="with --checkpoint offload, keep the last K decoder layers' inputs on the GPU instead of "
                         "the host (default 0), for runs whose host memory is the limit; fpdt-plan suggests K")
+    f.add_argument("--nvme-path", metavar="DIR",
+                   help="with --checkpoint offload, a directory on a local NVMe drive for the layer checkpoints "
+                        "(the NVMe tier, docs/nvme.md); each rank writes under DIR/rank{R}/ and removes its files "
+                        "at exit. Default: off (host memory)")
     f.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="run every layer a chunk at a time with the residual stream in host memory: device memory "
                         "flat in the sequence length (implies --offload and --checkpoint offload). Default: on when "
@@ -166,7 +170,7 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
             "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
             "checkpoint_device_layers": args.checkpoint_device_layers,
             "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers,
-            "runtime": args.runtime, "stream_layers": args.stream_layers}
+            "runtime": args.runtime, "stream_layers": args.stream_layers, "nvme_path": args.nvme_path}
 
 
 def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None) -> TrainerOptions:
