@@ -258,6 +258,9 @@ def reclaim(rank_dir):
     except (OSError, ValueError):
         info = {}
     pid, host = info.get("pid"), info.get("host")
+    if any(store.dir == rank_dir for store in list(_LIVE)):
+        raise NVMeError(f"nvme_path: {rank_dir} is in use by another NVMeStore of this process; "
+                        "share that store (shared_store) or give each its own nvme_path")
     if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
         raise NVMeError(f"nvme_path: {rank_dir} is in use by running process {pid} on {host}; "
                         "give each run its own nvme_path")
@@ -411,6 +414,29 @@ class NVMeStore:
     def __del__(self):
         if not getattr(self, "_closed", True):
             self.close(raise_errors=False)
+
+
+_SHARED = {}
+
+
+def shared_store(nvme_path, rank=0):
+    """The process's one open store of ``(nvme_path, rank)``, opened on first use with the
+    backend of :func:`use_backend` (the portable one unless a caller above chose). Callers
+    that share it keep their keys apart (each prefixes its own)."""
+    key = (os.path.realpath(os.fspath(nvme_path)), int(rank))
+    store = _SHARED.get(key)
+    if store is None or store._closed:
+        store = _SHARED[key] = NVMeStore(nvme_path, rank, backend=_BACKEND["factory"]())
+    return store
+
+
+_BACKEND = {"factory": PortableBackend}
+
+
+def use_backend(factory):
+    """Make :func:`shared_store` open new stores with ``factory()`` (e.g. DeepSpeed's aio from
+    :mod:`fpdt.train.nvme_aio`, which this package may not import); None: the portable backend."""
+    _BACKEND["factory"] = factory or PortableBackend
 
 
 def _unlink(path):

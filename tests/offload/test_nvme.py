@@ -295,3 +295,19 @@ keep = [s]
 """
     subprocess.run([sys.executable, "-c", code], check=True)
     assert os.listdir(tmp_path) == []
+
+
+def test_second_store_on_the_same_directory_in_one_process(tmp_path):
+    """A second store of the same (path, rank) in this process is refused, never reclaimed over
+    the first one's files; shared_store hands out the one store."""
+    from fpdt.offload.nvme import shared_store
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = shared_store(tmp_path, 0)
+        assert shared_store(str(tmp_path), 0) is first
+        first.write("a", torch.ones(10)).wait()
+        with pytest.raises(NVMeError, match="in use by another NVMeStore of this process"):
+            NVMeStore(tmp_path, rank=0)
+    assert "a" in first
+    first.close()
+    assert os.listdir(tmp_path) == []
