@@ -313,6 +313,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     if memory.attention is not None:     # the choice the memory check made (or the one given)
         opts = replace(opts, attention_checkpoint=memory.attention.mode,
                        save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
+    memory = replace(memory, lines=(*memory.lines, *_nvme_tier(opts, plan, source.config, dtype_name)))
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
                               timeout=timeout)
@@ -618,6 +619,19 @@ class Saver:
                     "rate or pass --skip-nonfinite N to skip such steps")
         return (f"Last good checkpoint: {last} (resume with --resume {last}, e.g. with a lower learning rate), "
                 f"or pass --skip-nonfinite N to skip such steps")
+
+
+def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[str, ...]:
+    """The NVMe tier's start-up line (backend, bytes per step) after its preflight, or nothing."""
+    if opts.nvme_path is None:
+        return ()
+    from fpdt.offload.nvme import NVMeError
+    from fpdt.train.nvme_aio import setup_tier
+    try:
+        return (setup_tier(opts.nvme_path, config.num_layers, plan.seq_len // plan.sp, config.hidden_size,
+                           PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers),)
+    except NVMeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _say(ps: ParallelState, message: str) -> None:

@@ -127,3 +127,26 @@ class AioBackend:
 
     def close(self):
         self._drain()
+
+
+def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, device_layers=0):
+    """``fpdt-train``'s NVMe tier before step 1: the backend for the model's stores (DeepSpeed's
+    aio where it builds), the free-space preflight, and the start-up line naming the backend and
+    the bytes written per step and rank (SSDs have finite write endurance). ``tokens_per_rank``
+    is the micro-batch's local tokens; the figure is per micro-batch. Returns the line; raises
+    NVMeError (one line: directory, bytes needed, bytes free) when the drive cannot hold a step."""
+    import os
+
+    from fpdt.offload.nvme import NVMeError, check_space, use_backend, warn_if_ram_backed
+    if not os.path.isdir(nvme_path):
+        raise NVMeError(f"nvme_path {nvme_path} is not an existing directory; create it (on a local NVMe drive) "
+                        "or unset nvme_path")
+    per_layer = aligned(tokens_per_rank * hidden * dtype_bytes)
+    need = max(0, num_layers - device_layers) * per_layer
+    check_space(nvme_path, need)
+    warn_if_ram_backed(nvme_path)
+    backend, note = default_backend()
+    first = [backend]
+    use_backend(lambda: first.pop() if first else default_backend()[0])
+    return (f"{note}; nvme_path {nvme_path}: layer inputs written {need / 2 ** 30:.3g} GiB per micro-batch and rank "
+            f"({num_layers - device_layers} layers x {per_layer:,} bytes)")

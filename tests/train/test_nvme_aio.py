@@ -99,3 +99,34 @@ def test_aio_read_after_unwaited_write_and_close_cleans(tmp_path, backend_factor
     s.write("j", t)                       # in flight at close
     s.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_trainer_setup_line_and_preflight(tmp_path, monkeypatch):
+    """fpdt-train's tier set-up: the start-up line names the backend and the bytes per step; too
+    little space, or no directory, is one ConfigError line before step 1."""
+    from types import SimpleNamespace
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    import fpdt.offload.nvme as nvme
+    from fpdt.cli.train import _nvme_tier
+    from fpdt.train.config import ConfigError
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)   # no JIT build here
+    monkeypatch.setitem(nvme._BACKEND, "factory", nvme.PortableBackend)
+    plan = SimpleNamespace(seq_len=4096, sp=2)
+    config = SimpleNamespace(num_layers=5, hidden_size=64)
+    opts = SimpleNamespace(nvme_path=str(tmp_path), checkpoint_device_layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (line,) = _nvme_tier(opts, plan, config, "bf16")
+    per_layer = 2048 * 64 * 2
+    assert line.startswith("NVMe backend: portable") and f"4 layers x {per_layer:,} bytes" in line, line
+    store = nvme.shared_store(tmp_path, 0)
+    assert isinstance(store.backend, PortableBackend)
+    store.close()
+    assert _nvme_tier(SimpleNamespace(nvme_path=None), plan, config, "bf16") == ()
+    huge = SimpleNamespace(seq_len=2 ** 50, sp=1)
+    with pytest.raises(ConfigError, match=f"nvme_path {tmp_path}: needs .* bytes, .* free"):
+        _nvme_tier(opts, huge, config, "bf16")
+    with pytest.raises(ConfigError, match="not an existing directory"):
+        _nvme_tier(SimpleNamespace(nvme_path=str(tmp_path / "nope"), checkpoint_device_layers=0), plan, config, "bf16")
