@@ -79,3 +79,26 @@ def test_flush_leaves_no_entry_on_the_host(nvme_dir):
         stash.flush()
         stash.discard(("layer input", 9))
     assert sorted(os.listdir(store.dir)) == [MARKER]
+
+
+@pytest.mark.slow
+def test_bit_identical_through_deepspeed_aio(nvme_dir, monkeypatch):
+    """The same, with the model's store on DeepSpeed's aio (O_DIRECT) where it builds (its first
+    use JIT-builds the op, hence slow; FPDT_REQUIRE_AIO=1 turns the skip into a failure)."""
+    import fpdt.offload.nvme as nvme
+    from fpdt.train.nvme_aio import AioBackend, aio_backend, aio_unavailable
+    if aio_backend() is None:
+        if os.environ.get("FPDT_REQUIRE_AIO") == "1":
+            pytest.fail(f"FPDT_REQUIRE_AIO=1 but {aio_unavailable()}")
+        pytest.skip(aio_unavailable())
+    monkeypatch.setitem(nvme._BACKEND, "factory", aio_backend)
+    ids, labels = tokens(hf_config("llama_gqa").vocab_size, 2, 24)
+    ref_loss, ref_grads, _ = _step("llama_gqa", 6, None, ids, labels, num_chunks=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, grads, model = _step("llama_gqa", 6, nvme_dir, ids, labels, num_chunks=2)
+    assert isinstance(model._checkpoints.stash.store.backend, AioBackend)
+    assert model._checkpoints.stash.store.bytes_read > 0
+    assert torch.equal(loss, ref_loss)
+    for n, g in grads.items():
+        assert torch.equal(g, ref_grads[n]), n
