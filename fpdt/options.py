@@ -63,6 +63,11 @@ class FPDTOptions:
     """With ``checkpointing="offload"``: how many of the last decoder layers keep their input on
     the device instead (0: every input on the host, the FPDT design). For runs whose host
     memory, not the device's, is the limit."""
+    nvme_path: str | None = None
+    """With ``checkpointing="offload"``: a directory on a local drive for the NVMe tier
+    (DeepSpeed's own name for its NVMe directory; ``docs/nvme.md``). Each rank writes files under
+    ``{nvme_path}/rank{R}/`` (:class:`fpdt.offload.nvme.NVMeStore`) and removes them at exit.
+    None: off, everything offloaded stays in host memory."""
     stream_layers: bool = False
     """Run every decoder layer as passes over its chunks, with the residual stream between layers
     in host memory a chunk at a time (:mod:`fpdt.model.streaming`): no ``[B, S_local, hidden]``
@@ -146,6 +151,7 @@ class FPDTOptions:
         elif self.checkpoint_device_layers and self.checkpointing != "offload":
             out.append(f"checkpoint_device_layers={self.checkpoint_device_layers} keeps some offloaded layer "
                        f"inputs on the device: it needs checkpointing='offload' (now {self.checkpointing!r})")
+        out += _nvme_problems(self)
         if not isinstance(self.stream_layers, bool):
             out.append(f"stream_layers={self.stream_layers!r} must be True or False")
         elif self.stream_layers:
@@ -234,6 +240,18 @@ def _streaming_problems(o: FPDTOptions) -> list[str]:
         out.append(f"stream_layers=True keeps no layer input on the device: set checkpoint_device_layers=0 "
                    f"(now {o.checkpoint_device_layers})")
     return out
+
+
+def _nvme_problems(o: FPDTOptions) -> list[str]:
+    """``nvme_path`` is a directory path, and only the host-offloaded checkpoints go there."""
+    if o.nvme_path is None:
+        return []
+    if not isinstance(o.nvme_path, str) or not o.nvme_path.strip():
+        return [f"nvme_path={o.nvme_path!r} must be a directory path (a non-empty string), or None (off)"]
+    if o.checkpointing != "offload":
+        return [f"nvme_path={o.nvme_path!r} holds the host-offloaded layer checkpoints: it needs "
+                f"checkpointing='offload' (now {o.checkpointing!r}); set checkpointing='offload', or drop nvme_path"]
+    return []
 
 
 def _is_int(value: Any) -> bool:

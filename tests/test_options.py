@@ -58,6 +58,10 @@ def test_options_object_or_keywords():
     (dict(num_chunks=0), "num_chunks=0 must be an integer >= 1"),
     (dict(save_attention_layers=-1), "save_attention_layers=-1 must be an integer >= 0"),
     (dict(checkpoint_device_layers=2), "needs checkpointing='offload'"),
+    (dict(nvme_path="/mnt/nvme"), "nvme_path='/mnt/nvme' holds the host-offloaded layer checkpoints: it needs "
+                                  "checkpointing='offload' (now 'off')"),
+    (dict(nvme_path=3, checkpointing="offload"), "nvme_path=3 must be a directory path"),
+    (dict(nvme_path="", checkpointing="offload"), "nvme_path='' must be a directory path"),
     (dict(backend="fast"), "backend='fast' must be one of"),
     (dict(runtime="gpu"), "runtime='gpu' must be one of ('sim', 'sync', 'cuda')"),
 ])

@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--checkpoint-device-layers", type=int, metavar="K",
                    help="with --checkpoint offload, keep the last K decoder layers' inputs on the GPU instead of "
                         "the host (default 0), for runs whose host memory is the limit; fpdt-plan suggests K")
+    f.add_argument("--nvme-path", metavar="DIR",
+                   help="with --checkpoint offload, a directory on a local NVMe drive for the layer checkpoints "
+                        "(the NVMe tier, docs/nvme.md); each rank writes under DIR/rank{R}/ and removes its files "
+                        "at exit. Default: off (host memory)")
     f.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="run every layer a chunk at a time with the residual stream in host memory: device memory "
                         "flat in the sequence length (implies --offload and --checkpoint offload). Default: on when "
@@ -166,7 +170,7 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
             "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
             "checkpoint_device_layers": args.checkpoint_device_layers,
             "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers,
-            "runtime": args.runtime, "stream_layers": args.stream_layers}
+            "runtime": args.runtime, "stream_layers": args.stream_layers, "nvme_path": args.nvme_path}
 
 
 def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None) -> TrainerOptions:
@@ -309,6 +313,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     if memory.attention is not None:     # the choice the memory check made (or the one given)
         opts = replace(opts, attention_checkpoint=memory.attention.mode,
                        save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
+    memory = replace(memory, lines=(*memory.lines, *_nvme_tier(opts, plan, source.config, dtype_name)))
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
                               timeout=timeout)
@@ -614,6 +619,19 @@ class Saver:
                     "rate or pass --skip-nonfinite N to skip such steps")
         return (f"Last good checkpoint: {last} (resume with --resume {last}, e.g. with a lower learning rate), "
                 f"or pass --skip-nonfinite N to skip such steps")
+
+
+def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[str, ...]:
+    """The NVMe tier's start-up line (backend, bytes per step) after its preflight, or nothing."""
+    if opts.nvme_path is None:
+        return ()
+    from fpdt.offload.nvme import NVMeError
+    from fpdt.train.nvme_aio import setup_tier
+    try:
+        return (setup_tier(opts.nvme_path, config.num_layers, plan.seq_len // plan.sp, config.hidden_size,
+                           PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers),)
+    except NVMeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _say(ps: ParallelState, message: str) -> None:

@@ -17,6 +17,8 @@ import torch
 
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.offload import HostStash
+from fpdt.offload.nvme import shared_store
+from fpdt.offload.nvme_stash import NVMeStash
 from fpdt.options import FPDTOptions
 
 
@@ -26,6 +28,7 @@ class LayerCheckpoints:
     def __init__(self, options: FPDTOptions, num_layers: int):
         self.mode = options.checkpointing
         self.runtime = options.runtime
+        self.nvme_path = options.nvme_path
         self.num_layers = num_layers
         self.on_host = num_layers - options.checkpoint_device_layers   # layers [on_host, n) keep x on the device
         self.saving = saving_layers(options, num_layers)
@@ -60,13 +63,27 @@ class LayerCheckpoints:
 
     def _stash_for(self, device: torch.device) -> HostStash:
         if self._stash is None or self._stash.device != torch.device(device):
-            self._stash = HostStash(device, enabled=True, runtime=self.runtime)
+            if self.nvme_path is not None:      # the NVMe tier: the inputs go on to files (docs/nvme.md)
+                self._stash = NVMeStash(device, shared_store(self.nvme_path, _rank()), runtime=self.runtime,
+                                        read_ahead=_previous_layer_input)
+            else:
+                self._stash = HostStash(device, enabled=True, runtime=self.runtime)
         return self._stash
 
     def __deepcopy__(self, memo) -> "LayerCheckpoints":
         copy = LayerCheckpoints.__new__(LayerCheckpoints)   # a copied model gets a stash of its own
         copy.__dict__.update(self.__dict__, _stash=None, _ids=itertools.count())
         return copy
+
+
+def _previous_layer_input(key):
+    """The stash key backward fetches after ``key`` (``("layer input", i, fid)``): layer ``i - 1``'s."""
+    kind, i, fid = key
+    return (kind, i - 1, fid) if i > 0 else None
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
 
 
 def saving_layers(options: FPDTOptions, num_layers: int) -> int:

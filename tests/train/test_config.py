@@ -193,6 +193,32 @@ def test_checkpoint_device_layers_reach_the_model(tmp_path):
         assert model.options.checkpoint_device_layers == want
 
 
+def test_nvme_path_flag_and_json_key_reach_the_model(tmp_path):
+    """--nvme-path (or the "nvme_path" JSON key, DeepSpeed's own name) is the model's option; without
+    offloaded checkpointing it is refused with one line naming the fix, also when the CPU default chose."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fpdt.cli import train as cli
+    cfg, _ = write_fixture(str(tmp_path))
+    argv = ["--model-config", cfg, "--steps", "1", "--data", "x.npy", "--seq-len", "64", "--runtime", "sim"]
+    for extra, section, want in ((["--nvme-path", "/a"], {"nvme_path": "/b"}, "/a"), ([], {"nvme_path": "/b"}, "/b"),
+                                 ([], {}, None)):
+        args = build_parser().parse_args(argv + ["--checkpoint", "offload"] + extra)
+        opts = merge_options(fpdt_flags(args), section)
+        plan = validate(opts, 64, 1, "cpu", FP32)
+        model = cli.build_model(args, opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
+        assert model.options.nvme_path == want
+    with pytest.raises(ConfigError, match="fpdt option nvme_path='/a' .* needs checkpointing='offload' \\(now 'on'\\)"):
+        merge_options(fpdt_flags(build_parser().parse_args(argv + ["--checkpoint", "on", "--nvme-path", "/a"])), None)
+    opts = merge_options(fpdt_flags(build_parser().parse_args(argv + ["--nvme-path", "/a"])), None)
+    with pytest.raises(ConfigError, match="needs checkpointing='offload' \\(now 'off'\\).*fpdt-train's default on cpu"):
+        validate(opts, 64, 1, "cpu", FP32)
+    with pytest.raises(ConfigError, match="nvme_path=5 must be a directory path"):
+        merge_options({}, {"nvme_path": 5, "checkpoint": "offload"})
+
+
 def test_runtime_flag_json_and_its_environment_default(tmp_path, monkeypatch):
     """fpdt-train's runtime: --runtime > the "runtime" JSON key > FPDT_RUNTIME > automatic (None),
     and it reaches the model it builds."""

@@ -1,0 +1,152 @@
+"""DeepSpeed's async I/O (DeepNVMe) as a backend of :class:`fpdt.offload.nvme.NVMeStore`.
+
+``aio_backend()`` returns an :class:`AioBackend`, or None with the reason (``aio_unavailable()``
+says why) when DeepSpeed's ``AsyncIOBuilder`` is not compatible here, which in practice means
+libaio is missing: ``apt-get install -y libaio-dev`` (as root). The first ``load()`` JIT-builds
+the op (about 2 minutes on 2 cores; cached in ``~/.cache/torch_extensions``). It lives in
+``fpdt.train`` because only the trainer's layers may import DeepSpeed (CONTRIBUTING.md, "The
+layering rule"); the store below takes it as its ``backend``.
+
+DeepSpeed opens the files ``O_DIRECT``: sizes must be multiples of the alignment (4096). The
+store pads file sizes; a buffer whose byte count is not a multiple goes through a padded staging
+copy here. Unpinned CPU buffers go through DeepSpeed's own page-locked bounce buffer.
+
+One ``aio_handle`` serves every transfer, and its ``wait()`` completes all of those in flight,
+so waiting on one transfer completes the earlier ones too. ``wait()`` returns how many
+completed; fewer than were submitted (or a failed submit) is reported as ``EIO`` to each of them.
+"""
+
+import errno
+
+import torch
+
+from fpdt.offload.nvme import ALIGN, PortableBackend, aligned
+
+_REASON = {}
+
+
+def aio_unavailable():
+    """Why :func:`aio_backend` returned None (empty when it did not, or was not called)."""
+    return _REASON.get("why", "")
+
+
+def aio_backend(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1):
+    """DeepSpeed's aio as an NVMeStore backend, or None when it cannot build here
+    (``aio_unavailable()`` then names the reason and the fix)."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError as e:          # deepspeed is a dependency; an op_builder without aio is not
+        _REASON["why"] = f"deepspeed's AsyncIOBuilder is not importable ({e})"
+        return None
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        _REASON["why"] = ("DeepSpeed's async I/O cannot build here: libaio is missing "
+                          "(apt-get install -y libaio-dev, as root)")
+        return None
+    _REASON.pop("why", None)
+    handle = builder.load(verbose=False).aio_handle(block_size=block_size, queue_depth=queue_depth,
+                                                    single_submit=False, overlap_events=True,
+                                                    intra_op_parallelism=intra_op_parallelism)
+    return AioBackend(handle)
+
+
+def default_backend():
+    """``(backend, note)``: DeepSpeed's aio where it builds, else the portable thread pool, with
+    the start-up note that names the one in use (and, for the portable one, why)."""
+    aio = aio_backend()
+    if aio is not None:
+        return aio, "NVMe backend: deepspeed-aio"
+    return PortableBackend(), f"NVMe backend: portable (os.pwrite/os.pread threads): {aio_unavailable()}"
+
+
+class _AioOp:
+    """A transfer submitted to the shared handle: ``result()`` waits (raising OSError on failure)."""
+
+    def __init__(self, backend, seq, finish=None, error=None):
+        self._backend, self.seq, self._finish = backend, seq, finish
+        self.error, self.completed = error, error is not None
+
+    def result(self):
+        if not self.completed:
+            self._backend._drain()
+        if self.error is not None:
+            raise self.error
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+class AioBackend:
+    """Moves bytes with one DeepSpeed ``aio_handle`` (``async_pwrite`` / ``async_pread``)."""
+
+    name = "deepspeed-aio"
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.alignment = max(ALIGN, int(handle.get_alignment()))
+        self._outstanding = []
+        self._seq = 0
+
+    def _submit(self, fn, path, buffer, finish=None):
+        self._seq += 1
+        rc = fn(buffer, path, 0)
+        if rc != 0:
+            op = _AioOp(self, self._seq, error=OSError(errno.EIO, f"DeepSpeed aio refused the transfer (rc {rc})"))
+            return op
+        op = _AioOp(self, self._seq, finish=finish)
+        op._buffer = buffer                  # alive until complete
+        self._outstanding.append(op)
+        return op
+
+    def _drain(self):
+        ops, self._outstanding = self._outstanding, []
+        if not ops:
+            return
+        done = self.handle.wait()
+        for op in ops:
+            op.completed, op._buffer = True, None
+            if done != len(ops):
+                op.error = OSError(errno.EIO, f"DeepSpeed aio completed {done} of {len(ops)} transfers")
+
+    def _padded(self, view):
+        n = view.numel()
+        if n % self.alignment == 0:
+            return view
+        return torch.zeros(aligned(n, self.alignment), dtype=torch.uint8)
+
+    def write(self, path, view, padded):
+        buffer = self._padded(view)
+        if buffer is not view:
+            buffer[:view.numel()].copy_(view)
+        return self._submit(self.handle.async_pwrite, path, buffer)
+
+    def read(self, path, view):
+        buffer = self._padded(view)
+        finish = None if buffer is view else (lambda: view.copy_(buffer[:view.numel()]))
+        return self._submit(self.handle.async_pread, path, buffer, finish)
+
+    def close(self):
+        self._drain()
+
+
+def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, device_layers=0):
+    """``fpdt-train``'s NVMe tier before step 1: the backend for the model's stores (DeepSpeed's
+    aio where it builds), the free-space preflight, and the start-up line naming the backend and
+    the bytes written per step and rank (SSDs have finite write endurance). ``tokens_per_rank``
+    is the micro-batch's local tokens; the figure is per micro-batch. Returns the line; raises
+    NVMeError (one line: directory, bytes needed, bytes free) when the drive cannot hold a step."""
+    import os
+
+    from fpdt.offload.nvme import NVMeError, check_space, use_backend, warn_if_ram_backed
+    if not os.path.isdir(nvme_path):
+        raise NVMeError(f"nvme_path {nvme_path} is not an existing directory; create it (on a local NVMe drive) "
+                        "or unset nvme_path")
+    per_layer = aligned(tokens_per_rank * hidden * dtype_bytes)
+    need = max(0, num_layers - device_layers) * per_layer
+    check_space(nvme_path, need)
+    warn_if_ram_backed(nvme_path)
+    backend, note = default_backend()
+    first = [backend]
+    use_backend(lambda: first.pop() if first else default_backend()[0])
+    return (f"{note}; nvme_path {nvme_path}: layer inputs written {need / 2 ** 30:.3g} GiB per micro-batch and rank "
+            f"({num_layers - device_layers} layers x {per_layer:,} bytes)")

@@ -1,0 +1,132 @@
+"""NVMeStore through DeepSpeed's async I/O (fpdt/train/nvme_aio.py).
+
+Skipped, with the reason, only where DeepSpeed's aio cannot build (libaio missing); with
+``FPDT_REQUIRE_AIO=1`` (set by ``.ci/run`` where it installed libaio) that is a failure instead.
+The first use JIT-builds the op (minutes; cached in ~/.cache/torch_extensions), hence ``slow``."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from fpdt.offload.nvme import ALIGN, NVMeStore, PortableBackend, aligned
+from fpdt.train.nvme_aio import AioBackend, aio_backend, aio_unavailable, default_backend
+
+
+def test_without_libaio_none_with_the_reason(monkeypatch):
+    """Where the op cannot build: None and the fix named; the default falls back to the portable backend."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    assert aio_backend() is None
+    assert "libaio is missing (apt-get install -y libaio-dev, as root)" in aio_unavailable()
+    backend, note = default_backend()
+    try:
+        assert isinstance(backend, PortableBackend) and note.startswith("NVMe backend: portable") and "libaio" in note
+    finally:
+        backend.close()
+
+
+@pytest.fixture(scope="module")
+def backend_factory():
+    """DeepSpeed's aio (its first load JIT-builds the op, minutes, hence the tests' ``slow`` mark)."""
+    first = aio_backend()
+    if first is None:
+        if os.environ.get("FPDT_REQUIRE_AIO") == "1":
+            pytest.fail(f"FPDT_REQUIRE_AIO=1 but {aio_unavailable()}")
+        pytest.skip(aio_unavailable())
+    made = [first]
+
+    def make():
+        return made.pop() if made else aio_backend()
+    return make
+
+
+@pytest.fixture
+def store(tmp_path, backend_factory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = NVMeStore(tmp_path, rank=0, backend=backend_factory())
+    assert s.backend.name == "deepspeed-aio" and isinstance(s.backend, AioBackend)
+    yield s
+    s.close()
+
+
+def _tensor(dtype, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int64:
+        return torch.randint(-2**62, 2**62, (n,), generator=g, dtype=torch.int64)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("n", [1, 7, 1024, 4097, 300_003])
+def test_aio_roundtrip_bit_exact(store, dtype, n):
+    t = _tensor(dtype, n)
+    store.write(("x", n), t).wait()
+    out = torch.empty_like(t)
+    store.read(("x", n), out).wait()
+    assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+    assert os.path.getsize(store._files[("x", n)]) == aligned(t.numel() * t.element_size()) != 0
+    assert os.path.getsize(store._files[("x", n)]) % ALIGN == 0
+
+
+@pytest.mark.slow
+def test_aio_many_keys_in_flight(store):
+    ts = {("layer", i, j): _tensor(torch.bfloat16, 5000 + 4096 * i + j, seed=10 * i + j) for i in range(6) for j in range(3)}
+    handles = [store.write(k, t) for k, t in ts.items()]
+    for h in reversed(handles):
+        h.wait()
+    outs = {k: torch.empty_like(t) for k, t in ts.items()}
+    reads = [store.read(k, outs[k]) for k in ts]
+    for h in reads:
+        h.wait()
+    for k, t in ts.items():
+        assert torch.equal(outs[k].view(torch.int16), t.view(torch.int16)), k
+
+
+@pytest.mark.slow
+def test_aio_read_after_unwaited_write_and_close_cleans(tmp_path, backend_factory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = NVMeStore(tmp_path, rank=5, backend=backend_factory())
+    t = _tensor(torch.float32, 123_457)
+    s.write("k", t)
+    out = torch.empty_like(t)
+    s.read("k", out).wait()
+    assert torch.equal(out, t)
+    s.write("j", t)                       # in flight at close
+    s.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_trainer_setup_line_and_preflight(tmp_path, monkeypatch):
+    """fpdt-train's tier set-up: the start-up line names the backend and the bytes per step; too
+    little space, or no directory, is one ConfigError line before step 1."""
+    from types import SimpleNamespace
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    import fpdt.offload.nvme as nvme
+    from fpdt.cli.train import _nvme_tier
+    from fpdt.train.config import ConfigError
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)   # no JIT build here
+    monkeypatch.setitem(nvme._BACKEND, "factory", nvme.PortableBackend)
+    plan = SimpleNamespace(seq_len=4096, sp=2)
+    config = SimpleNamespace(num_layers=5, hidden_size=64)
+    opts = SimpleNamespace(nvme_path=str(tmp_path), checkpoint_device_layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (line,) = _nvme_tier(opts, plan, config, "bf16")
+    per_layer = 2048 * 64 * 2
+    assert line.startswith("NVMe backend: portable") and f"4 layers x {per_layer:,} bytes" in line, line
+    store = nvme.shared_store(tmp_path, 0)
+    assert isinstance(store.backend, PortableBackend)
+    store.close()
+    assert _nvme_tier(SimpleNamespace(nvme_path=None), plan, config, "bf16") == ()
+    huge = SimpleNamespace(seq_len=2 ** 50, sp=1)
+    with pytest.raises(ConfigError, match=f"nvme_path {tmp_path}: needs .* bytes, .* free"):
+        _nvme_tier(opts, huge, config, "bf16")
+    with pytest.raises(ConfigError, match="not an existing directory"):
+        _nvme_tier(SimpleNamespace(nvme_path=str(tmp_path / "nope"), checkpoint_device_layers=0), plan, config, "bf16")
