@@ -1,6 +1,6 @@
 """NVMeStore: keyed, asynchronous storage of host tensors in files under a user's ``nvme_path``.
 
-The third memory tier (issue 37): what is written once and read once per step (layer-input
+The third memory tier: what is written once and read once per step (layer-input
 checkpoints, saved attention outputs) can leave host memory for a local drive. This module is
 the storage alone; what goes there is the caller's choice.
 

@@ -1,5 +1,5 @@
 """NVMeStash: a :class:`~fpdt.offload.stash.HostStash` whose entries leave host memory for an
-:class:`~fpdt.offload.nvme.NVMeStore` (the NVMe tier, issue 37; ``docs/nvme.md``).
+:class:`~fpdt.offload.nvme.NVMeStore` (the NVMe tier, ``docs/nvme.md``).
 
 Life of an entry:
 
