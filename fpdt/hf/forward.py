@@ -23,6 +23,7 @@ from fpdt.hf.settings import HFSettings
 from fpdt.hf.trainer import contiguous_to_fpdt_layout
 from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
 from fpdt.model.inputs import shift_labels as _shift_labels
+from fpdt.ops.projections import ProjectionError
 from fpdt.model.loss import (IGNORE_INDEX, sequence_parallel_lm_loss, sum_gradient_over_group, sum_over_group,
                              valid_token_scale)
 
@@ -72,7 +73,8 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext():
+    with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext(), \
+            _as_hf_error():
         out = _decoder_and_loss(self, original, settings, sp, input_ids=input_ids, attention_mask=attention_mask,
                                 position_ids=position_ids, inputs_embeds=inputs_embeds, shift_labels=shift_labels,
                                 logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
@@ -180,6 +182,15 @@ def _o_proj_from_stash(model, settings: HFSettings) -> dict:
     from the attention's stash (:func:`fpdt.hf.attention.o_proj_stash_layers`), or none."""
     layers = o_proj_stash_layers(list(model.model.layers), settings.options) if settings.chunked_qkv else None
     return {O_PROJ_FROM_STASH: layers} if layers else {}
+
+
+@contextlib.contextmanager
+def _as_hf_error():
+    """A projection fpdt's modules refuse (:mod:`fpdt.ops.projections`) as ``fpdt.hf``'s error."""
+    try:
+        yield
+    except ProjectionError as e:
+        raise FPDTHFError(str(e)) from None
 
 
 @contextlib.contextmanager

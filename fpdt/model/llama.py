@@ -30,7 +30,7 @@ from torch import nn
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
-from fpdt.model.apply import ATTENTION_FIELDS, DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
+from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
 from fpdt.model.checkpointing import checkpointed_residual
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
@@ -58,6 +58,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.num_chunks = num_chunks
+
+    @classmethod
+    def from_weight(cls, weight: nn.Parameter, eps: float, num_chunks: int = 1) -> "RMSNorm":
+        """A norm holding an existing ``weight`` parameter (``fpdt.hf`` adopts a Transformers model's)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.weight, self.eps, self.num_chunks = weight, float(eps), num_chunks
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.num_chunks)
@@ -344,18 +352,6 @@ class FPDTAdapter(DecoderAdapter):
 
     def norms(self) -> list[nn.Module]:
         return [m for m in self.model.modules() if isinstance(m, RMSNorm)]
-
-    def set_attention(self, attention: nn.Module, options: FPDTOptions) -> None:
-        for name in ATTENTION_FIELDS:
-            setattr(attention, name, getattr(options, name))
-        # without a layer checkpoint every layer would keep o_proj's input to backward
-        attention.o_proj_input_from_stash = options.checkpointing == "off"
-
-    def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
-        norm.num_chunks = num_chunks
-
-    def set_mlp_chunks(self, mlp: nn.Module, num_chunks: int) -> None:
-        mlp.num_chunks = num_chunks
 
     def set_layer_checkpoints(self, checkpoints: LayerCheckpoints) -> None:
         self.model._checkpoints = checkpoints      # the decoder loop of FPDTForCausalLM._decoder

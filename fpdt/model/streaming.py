@@ -40,7 +40,7 @@ from fpdt.attention.saved_attention import SavedAttention
 from fpdt.model.checkpointing import replayed_rng, rng_state
 from fpdt.model.loss import chunked_lm_loss, sum_over_group, valid_token_scale
 from fpdt.offload import HostStash
-from fpdt.ops.lora import attached_adapters
+from fpdt.ops.projections import read_output_projection, read_projections
 
 RESIDUAL, RESIDUAL_GRAD = "residual", "residual grad"     # a layer's input chunk, and its gradient
 O_GRAD, BRANCH_GRAD = "o grad", "branch grad"           # d(attention output), d(x + o_proj(o)) chunks
@@ -106,11 +106,12 @@ class StreamedRun:
         spec = attention_spec(shape, attn.q_proj.weight.dtype, self.device, heads, group=attn.group, mesh=attn.mesh,
                               num_chunks=self.u, backend=attn.backend, softmax_scale=attn.softmax_scale,
                               doc_ids=self.doc_ids, label=f"layer {k}", runtime=attn.runtime)
-        adapters = attached_adapters((attn.q_proj, attn.k_proj, attn.v_proj), attn.training)
+        proj = read_projections({"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj},
+                                type(attn).__name__, attn.projection_fix, attn.training)
+        adapters, (q, k_, v) = proj.adapters, proj.bases
         lora, tensors = (None, ()) if adapters is None else (adapters.layout, adapters.tensors)
         rope = self.model.model.rotary_emb
-        qkv = QKVChunks((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
-                        (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias), heads, self.L,
+        qkv = QKVChunks((q.weight, k_.weight, v.weight), (q.bias, k_.bias, v.bias), heads, self.L,
                         rotation_of(rope, self.position_ids, None, None), None, lora, tensors,
                         lora.draw_seed() if lora is not None else None)
         stash = HostStash(self.device, enabled=True, label=f"layer {k}", runtime=self.opts.runtime)
@@ -124,8 +125,11 @@ class StreamedRun:
         """``y = h + mlp(norm(h))`` with ``h = x + o_proj(o)``, one chunk."""
         layer = self.layers[k]
         o_proj = layer.self_attn.o_proj
-        adapters = attached_adapters((o_proj,), layer.self_attn.training)
-        a = o_proj(o) if adapters is None else output_projection(o, o_proj.weight, o_proj.bias, adapters, 1)
+        read = read_output_projection(o_proj, type(layer.self_attn).__name__, layer.self_attn.training)
+        if read is None or read.adapters is None:
+            a = o_proj(o)
+        else:
+            a = output_projection(o, read.bases[0].weight, read.bases[0].bias, read.adapters, 1)
         h = x + a
         return h + layer.mlp_branch(h)
 

@@ -22,7 +22,10 @@ import fpdt.hf
 import fpdt.hf.attention
 import fpdt.hf.apply_steps
 import fpdt.model.mlp
+from fpdt.attention import FPDTAttention
 from fpdt.comm import SequenceMesh
+from fpdt.model.llama import RMSNorm
+from fpdt.model.mlp import ChunkedSwiGLU
 from tests.distributed import run_distributed
 from tests.model.helpers import compare, hf_config, hf_loss_and_grads, hf_model, rel_err, tokens
 
@@ -95,9 +98,9 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
         model.gradient_checkpointing_enable()    # Transformers' default: non-reentrant
     inputs = fpdt.hf.prepare_inputs(model, ids, labels=labels)
     with count_calls(fpdt.hf.attention, "fpdt_attention") as interface_calls, \
-            count_calls(fpdt.hf.attention, "projected_fpdt_attention") as projected_calls, \
+            count_calls(fpdt.attention.module, "projected_fpdt_attention") as projected_calls, \
             count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls, \
-            count_calls(fpdt.hf.apply_steps, "rms_norm") as norm_calls:
+            count_calls(fpdt.model.llama, "rms_norm") as norm_calls:
         out = model(**inputs)
         assert out.logits is None if loss_chunks != 0 else out.logits.shape[:2] == (B, S // world)
         stash = checkpoint_stash(model) if checkpointing == "offload" else None
@@ -678,8 +681,10 @@ def test_right_padding_matches_transformers_with_its_mask():
 
 @pytest.mark.parametrize("checkpointing", ["off", "on"])
 def test_remove_fpdt_restores_the_model(checkpointing):
-    """remove_fpdt undoes every patch apply_fpdt made (each went through fpdt.hf.patches):
-    no instance attribute is left on any module, the attention name is the model's own again,
+    """apply_fpdt puts fpdt.model's own modules in place (FPDTAttention, ChunkedSwiGLU, RMSNorm) holding
+    the model's parameters under the same names; remove_fpdt undoes every patch apply_fpdt made (each
+    went through fpdt.hf.patches): the original modules are back, no instance attribute is left on
+    any module, the attention name is the model's own again,
     Transformers' attention and mask registries hold the entries they held, and the model
     computes the same logits, loss and gradients, bit for bit; it can then be applied again."""
     from transformers import AttentionInterface
@@ -696,15 +701,22 @@ def test_remove_fpdt_restores_the_model(checkpointing):
 
     model = hf_model("llama_gqa")
     before = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    modules = dict(model.named_modules())
     attention, registered = model.config._attn_implementation, registries()
     ids = torch.randint(0, model.config.vocab_size, (1, 32))
     ref = run()
+    keys = {k: v.data_ptr() for k, v in model.state_dict().items()}
     fpdt.hf.apply_fpdt(model, num_chunks=2, checkpointing=checkpointing)
     assert model.config._attn_implementation != attention
-    assert "forward" in model.model.layers[0].mlp.__dict__
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == keys    # the same tensors, the same names
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn, FPDTAttention) and type(layer.mlp) is ChunkedSwiGLU
+        assert type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+    assert type(model.model.norm) is RMSNorm
     assert {n: set(r) - set(registered[n]) for n, r in registries().items()} == \
         {n: {model.config._attn_implementation} for n in registered}
     fpdt.hf.remove_fpdt(model)
+    assert all(modules[n] is m for n, m in model.named_modules()) and len(modules) == len(dict(model.named_modules()))
     after = {name: dict(m.__dict__) for name, m in model.named_modules()}
     assert {n: sorted(d) for n, d in after.items()} == {n: sorted(d) for n, d in before.items()}
     assert model.config._attn_implementation == attention and getattr(model, "fpdt", None) is None
