@@ -49,7 +49,8 @@ class FPDTAttention(nn.Module):
     :meth:`from_projections` builds one around existing projection modules (``fpdt.hf`` does,
     keeping a Transformers model's parameter names).
 
-    ``o_proj_input_from_stash`` (False; the model sets it under ``checkpointing="off"``): with
+    ``o_proj_input_from_stash`` (True; a model sets it False under a layer checkpoint, whose
+    recompute holds one layer's tensors anyway): with
     ``offload``, ``o_proj`` keeps no copy of its input for backward; its backward reads it a
     chunk at a time from the attention's ``o`` chunks in the host stash (one chunk and the
     next on the device, never the full-length input; the price is one more host -> device
@@ -82,7 +83,7 @@ class FPDTAttention(nn.Module):
         self.runtime = runtime
         self.softmax_scale = softmax_scale
         self.stash_label: str | None = None  # names this layer's chunks in offload errors, e.g. "layer 2"
-        self.o_proj_input_from_stash = False    # see the class docstring
+        self.o_proj_input_from_stash = True    # see the class docstring
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -99,7 +100,7 @@ class FPDTAttention(nn.Module):
         nn.Module.__init__(self)
         for name, value in dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_chunks=1,
                                 offload=False, group=None, mesh=None, backend=None, runtime=None,
-                                softmax_scale=softmax_scale, stash_label=None, o_proj_input_from_stash=False).items():
+                                softmax_scale=softmax_scale, stash_label=None, o_proj_input_from_stash=True).items():
             setattr(self, name, value)
         self.q_norm = self.k_norm = None
         for name, module in projections.items():
