@@ -34,6 +34,7 @@ from fpdt.model.checkpointing import checkpointed, checkpointed_residual
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.llama import RMSNorm
 from fpdt.model.mlp import ChunkedSwiGLU
+from fpdt.model.streaming import streamed_layer
 from fpdt.ops.projections import ProjectionError, read_projections
 from fpdt.options import FPDTOptions
 
@@ -65,6 +66,8 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
     ``_fpdt_checkpoint`` holds ``(index, mode, the model's LayerCheckpoints)`` (copied with the model)."""
     i, mode, checkpoints = self._fpdt_checkpoint
+    if "fpdt_stream" in kwargs:                   # stream_layers: the layer is one streamed pass
+        return streamed_layer(self, hidden_states, kwargs["fpdt_stream"])
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         raise FPDTHFError(BOTH_CHECKPOINTS.format(mode=mode))
     if i == 0:

@@ -73,6 +73,7 @@ from torch import nn
 
 from fpdt.hf.apply_steps import TransformersAdapter
 from fpdt.hf.attention import FPDTHFError, check_chunked_qkv
+from fpdt.hf.forward import RECOMPUTED_ROPE_TYPES
 from fpdt.hf.groups import TrainerGroup
 from fpdt.hf.padding import check_right_padding
 from fpdt.hf.patches import Patches
@@ -125,13 +126,34 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 
 
-def _register_zero3_params(model: nn.Module, loss_chunked: bool, patches: Patches) -> None:
-    """ZeRO-3's external parameters (:mod:`fpdt.model.external_params`, as ``fpdt-train``), recorded in ``patches``."""
+def _check_streaming(model: nn.Module, chunked_qkv: bool, trainer: bool) -> None:
+    """Refuse, naming the fix, what ``stream_layers`` cannot run on this model."""
+    if not chunked_qkv:
+        raise FPDTHFError("stream_layers runs fpdt's own attention a chunk at a time: keep chunked_qkv=True")
+    if trainer:
+        raise FPDTHFError("stream_layers under group='trainer' is not supported: train with fpdt's own sequence "
+                          "parallelism (fpdt.hf.prepare_inputs) or with stream_layers=False")
+    rope_types = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
+    if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
+        raise FPDTHFError(f"stream_layers computes RoPE a chunk at a time, and {rope_types!r} RoPE picks its "
+                          f"frequencies from the largest position of the whole forward: use stream_layers=False")
+
+
+def _register_zero3_params(model: nn.Module, loss_chunked: bool, streamed: bool, layers: list[nn.Module],
+                           patches: Patches) -> None:
+    """ZeRO-3's external parameters (:mod:`fpdt.model.external_params`, as ``fpdt-train``), and with
+    ``streamed`` the decoder layers as ZeRO-3 leaf modules (a streamed layer runs its submodules inside
+    its own Functions: ZeRO-3 gathers the whole layer around it); recorded in ``patches``."""
     try:
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+        from deepspeed.utils import set_z3_leaf_modules
     except ImportError:        # no DeepSpeed, no ZeRO-3
         return
-    for owner, p in directly_read(model, lm_head=loss_chunked):
+    if streamed:
+        for layer in layers:
+            patches.remember(layer, "_z3_leaf")
+        set_z3_leaf_modules(model, [type(layers[0])])
+    for owner, p in directly_read(model, lm_head=loss_chunked, streamed=streamed):
         if "_external_params" not in patches.changed(owner):   # what DeepSpeed's registry adds to the module
             for name in ("_external_params", "ds_external_parameters", "all_parameters"):
                 patches.remember(owner, name)
@@ -246,9 +268,7 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
     layers = _decoder_layers(model)
     mlp_chunks, loss_chunks = mlp_chunks_for(options, model.config), loss_chunks_for(options, model.config)
     if options.stream_layers:
-        raise FPDTHFError("stream_layers=True: fpdt.hf does not stream its layers yet (it runs Transformers' decoder "
-                          "loop); load the checkpoint with fpdt.model.from_pretrained, or use fpdt-train --model DIR, "
-                          "which streams")
+        _check_streaming(model, chunked_qkv, trainer)
     if options.checkpoint_device_layers:
         raise FPDTHFError(f"checkpoint_device_layers={options.checkpoint_device_layers}: fpdt.hf keeps every "
                           f"checkpointed layer input in one tier; use checkpointing='on' (device) or 'offload' "
@@ -270,7 +290,7 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
                                   lean_norms=lean_norms)     # refuses unknown norm classes, before any change
     apply_all(adapter, options)
     patches.set(model, "_fpdt_undo", (patches, original_attention))
-    _register_zero3_params(model, bool(loss_chunks), patches)
+    _register_zero3_params(model, bool(loss_chunks), options.stream_layers, layers, patches)
     return outer
 
 

@@ -39,7 +39,7 @@ from fpdt.model.loss import sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
-from fpdt.model.streaming import StreamedLayerFunction, StreamedRun, streamed_loss
+from fpdt.model.streaming import StreamedModel, StreamedRun, streamed_layer, streamed_loss
 from fpdt.model.weights import save_pretrained
 from fpdt.offload import HostStash
 from fpdt.options import FPDTOptions
@@ -83,14 +83,15 @@ class FPDTDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
-                doc_ids: torch.Tensor | None = None, stream: StreamedRun | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None, rope: RotaryEmbedding | None = None,
+                doc_ids: torch.Tensor | None = None,
+                fpdt_stream: tuple[StreamedRun, int] | None = None) -> torch.Tensor:
         """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``;
-        ``doc_ids`` ``[B, S]``: the global window's packed documents (None: one). With ``stream``
-        (``stream_layers``), ``h`` is the empty token of :mod:`fpdt.model.streaming` and the layer's
-        input and output are chunks in ``stream``'s host stashes."""
-        if stream is not None:
-            return StreamedLayerFunction.apply(h, stream, stream.layers.index(self), *self.parameters())
+        ``doc_ids`` ``[B, S]``: the global window's packed documents (None: one). With ``fpdt_stream``
+        (``stream_layers``: the run and this layer's index), ``h`` is the empty token of
+        :mod:`fpdt.model.streaming` and the layer's input and output are chunks in its host stashes."""
+        if fpdt_stream is not None:
+            return streamed_layer(self, h, fpdt_stream)
         h = h + self.attention_branch(h, position_ids, rope, doc_ids)
         return h + self.mlp_branch(h)
 
@@ -292,7 +293,9 @@ class FPDTForCausalLM(nn.Module):
             if return_logits:
                 raise ValueError("return_logits materialises [B, S_local, V] logits, and stream_layers keeps every "
                                  "full-length tensor off the device: call with stream_layers=False to get logits")
-            return streamed_loss(self, input_ids, labels, position_ids, doc_ids, num_valid_tokens, sp, self.sp_group)
+            spec = StreamedModel(self.options, self.loss_chunks, self.saving_layers, self.model.rotary_emb.cos_sin)
+            return streamed_loss(self, spec, input_ids, labels, position_ids, doc_ids, num_valid_tokens, sp,
+                                 self.sp_group)
         h = self._decoder(input_ids, position_ids, doc_ids)                 # [B, S_local, hidden]
         loss = None if labels is None else self._loss(h, labels, num_valid_tokens, sp)
         if return_logits:
