@@ -29,6 +29,7 @@ from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
+from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
 from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
 from fpdt.model.checkpointing import checkpointed_residual
@@ -182,18 +183,11 @@ class FPDTForCausalLM(nn.Module):
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        mesh = self.options.mesh
-        return mesh.sp_group if mesh is not None else self.options.group
+        return sp_group_of(self.options.group, self.options.mesh)
 
     def sp_rank_size(self) -> tuple[int, int]:
-        """``(rank, size)`` of this process in the sequence-parallel group (``(0, 1)`` without one);
-        with a mesh, ``(mesh.sp_rank, hp * cp)``."""
-        mesh = self.options.mesh
-        if mesh is not None:
-            return mesh.sp_rank, mesh.sp
-        if not dist.is_available() or not dist.is_initialized():
-            return 0, 1
-        return dist.get_rank(self.sp_group), dist.get_world_size(self.sp_group)
+        """``(rank, size)`` in the sequence-parallel group (:func:`fpdt.comm.sp_rank_size`)."""
+        return sp_rank_size(self.options.group, self.options.mesh)
 
     def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                        position_ids: torch.Tensor | None = None, shift: bool = True, *,
