@@ -27,7 +27,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.model.llama import RMSNorm
 from fpdt.model.mlp import ChunkedSwiGLU
 from tests.distributed import run_distributed
-from tests.model.helpers import compare, compare_bf16, hf_config, hf_loss_and_grads, hf_model, rel_err, tokens
+from tests.model.helpers import compare, compare_bf16, hf_config, hf_loss_and_grads, hf_model, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
