@@ -30,7 +30,7 @@ from fpdt.hf.patches import Patches
 from fpdt.hf.settings import HFSettings
 from fpdt.hf.trainer import TRAINER_ATTN_NAME
 from fpdt.model.apply import DecoderAdapter
-from fpdt.model.checkpointing import checkpointed, checkpointed_residual
+from fpdt.model.checkpointing import checkpointed
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.llama import RMSNorm
 from fpdt.model.mlp import ChunkedSwiGLU
@@ -70,13 +70,15 @@ def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
         return streamed_layer(self, hidden_states, kwargs["fpdt_stream"])
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         raise FPDTHFError(BOTH_CHECKPOINTS.format(mode=mode))
+    if not args and type(self) in _pre_norm_layer_classes():
+        def branches(saved):                      # the layer's attention call records / replays its output
+            return _residual_branches(self, kwargs if saved is None else dict(kwargs, fpdt_saved=saved))
+        return checkpoints.checkpointed_layer(i, hidden_states, branches, list(self.parameters()))
     if i == 0:
         checkpoints.start()                       # stash keys unique per forward call
     keys = checkpoints.arguments(i, hidden_states.device)
-    if keys["saved"] is not None:                 # the layer's attention call records / replays its output
+    if keys["saved"] is not None:
         kwargs = dict(kwargs, fpdt_saved=keys["saved"])
-    if not args and type(self) in _pre_norm_layer_classes():
-        return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
     run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
     # the decoder layer ends with a residual add, which saves nothing: its output may be freed
     return checkpointed(lambda x: run(self, x, *args, **kwargs), hidden_states, list(self.parameters()),

@@ -32,7 +32,6 @@ from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
 from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
-from fpdt.model.checkpointing import checkpointed_residual
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs
@@ -301,16 +300,15 @@ class FPDTForCausalLM(nn.Module):
         rope = self.model.rotary_emb
         h = self.model.embed_tokens(input_ids)
         checkpoints = self._checkpoints
-        checkpoints.start()
         for i, layer in enumerate(self.model.layers):
             if not checkpoints.enabled:
                 h = layer(h, position_ids, rope, doc_ids)
                 continue
-            args = checkpoints.arguments(i, h.device)
-            branches = (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope,
-                                          doc_ids=doc_ids, saved=args["saved"]),
-                        layer.mlp_branch)
-            h = checkpointed_residual(branches, h, list(layer.parameters()), **args)
+
+            def branches(saved, layer=layer):
+                return (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope,
+                                          doc_ids=doc_ids, saved=saved), layer.mlp_branch)
+            h = checkpoints.checkpointed_layer(i, h, branches, list(layer.parameters()))
         return self.model.norm(h)
 
     @property
