@@ -126,13 +126,10 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 
 
-def _check_streaming(model: nn.Module, chunked_qkv: bool, trainer: bool) -> None:
+def _check_streaming(model: nn.Module, chunked_qkv: bool) -> None:
     """Refuse, naming the fix, what ``stream_layers`` cannot run on this model."""
     if not chunked_qkv:
         raise FPDTHFError("stream_layers runs fpdt's own attention a chunk at a time: keep chunked_qkv=True")
-    if trainer:
-        raise FPDTHFError("stream_layers under group='trainer' is not supported: train with fpdt's own sequence "
-                          "parallelism (fpdt.hf.prepare_inputs) or with stream_layers=False")
     rope_types = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
     if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
         raise FPDTHFError(f"stream_layers computes RoPE a chunk at a time, and {rope_types!r} RoPE picks its "
@@ -268,7 +265,7 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
     layers = _decoder_layers(model)
     mlp_chunks, loss_chunks = mlp_chunks_for(options, model.config), loss_chunks_for(options, model.config)
     if options.stream_layers:
-        _check_streaming(model, chunked_qkv, trainer)
+        _check_streaming(model, chunked_qkv)
     if options.checkpoint_device_layers:
         raise FPDTHFError(f"checkpoint_device_layers={options.checkpoint_device_layers}: fpdt.hf keeps every "
                           f"checkpointed layer input in one tier; use checkpointing='on' (device) or 'offload' "
