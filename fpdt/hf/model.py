@@ -1,67 +1,13 @@
-"""Put FPDT's sequence-parallel, chunked pieces into an existing Transformers causal LM.
+"""Put FPDT into an existing Transformers causal LM, in place: :func:`apply_fpdt` and :func:`remove_fpdt`.
 
-:func:`apply_fpdt` changes a ``*ForCausalLM`` instance in place (its class and weights stay
-Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as before):
+The model's decoder layers get ``fpdt.model``'s own modules holding its parameters under their
+names (attention, MLP, RMSNorms), its layers run under fpdt's layer checkpoint or streamed, and its
+forward computes the sequence-parallel chunked loss; the class, ``state_dict`` and
+``save_pretrained`` stay Transformers'. What each option does and what is refused: ``docs/hf.md``.
 
-* **attention**: the model's attention implementation becomes FPDT attention
-  (:mod:`fpdt.hf.attention`): Ulysses all-to-all over the SP group (or the 2D mesh),
-  chunked online-softmax attention, finished chunks offloaded to host with ``offload``;
-* **MLP** (``mlp_chunks``): each decoder layer's SwiGLU runs over token chunks with the
-  intermediates recomputed in backward (:class:`fpdt.model.mlp.ChunkedSwiGLUFunction`);
-* **loss** (``loss_chunks``): with ``shift_labels``, the forward returns the global
-  token-mean cross-entropy from the final hidden states a chunk of logits at a time
-  (:func:`fpdt.model.loss.sequence_parallel_lm_loss`) and no logits;
-* **checkpointing** (``"on"`` / ``"offload"``): each decoder layer under fpdt's own
-  activation checkpoint (:mod:`fpdt.model.checkpointing`), with ``"offload"`` the layer
-  inputs in host memory, fetched one layer ahead in backward. Or leave it ``"off"`` and use
-  Transformers' ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable()``,
-  its older name), which works with FPDT attention:
-  the attention's saved chunks are freed with the checkpointed region
-  (:mod:`fpdt.attention.saved_stash`).
-* **ZeRO-3**: when DeepSpeed is installed, the weights those chunked functions read
-  without calling their ``nn.Linear`` (and the LoRA adapters' weights) are registered as
-  external parameters of the module that reads them, so ZeRO-3 gathers them there;
-* **LoRA** (PEFT): LoRA layers on the q/k/v and MLP projections are computed inside the
-  chunked functions (:mod:`fpdt.ops.projections`, :mod:`fpdt.ops.lora`); the frozen base weights
-  get no gradient computation at all;
-* **RMSNorm** (``lean_norms``): the models' RMSNorms run :func:`fpdt.model.rmsnorm.rms_norm`
-  (same numerics; saves the input and one fp32 scale per token instead of Transformers'
-  fp32 copy of the input and copy of the normalised output);
-* **q/k/v projections** (``chunked_qkv``): each layer's q/k/v projections (Qwen3: and its
-  per-head q/k norms) and RoPE run
-  chunk by chunk inside the FPDT attention (as in :class:`fpdt.model.FPDTForCausalLM`), so
-  the layer's full-length local q/k/v never exist; RoPE is the model's own
-  ``position_embeddings``, sliced per chunk;
-* **RoPE** (``dynamic``, ``longrope``): these pick their frequencies from the largest position
-  a forward sees; the rotary embedding's forward is replaced so that, under sequence
-  parallelism, every rank sees the window's largest position (one all-reduce per forward).
-* **packed documents** (:mod:`fpdt.hf.documents`): position ids that restart at 0, as
-  ``DataCollatorWithFlattening`` makes them (or its ``cu_seq_lens_q/k``, or ``doc_ids`` from
-  :func:`prepare_inputs`), mask the attention at every document boundary; the forward finds the
-  window's documents once (under SP one all-gather of the positions) and hands their ids to every
-  attention call.
-
-* **o_proj** (``offload=True`` without a layer checkpoint: ``checkpointing="off"`` and not
-  Transformers' own on that layer; ``chunked_qkv``): the output projection keeps no copy of its
-  input, the full-length attention output; its backward reads it back a chunk at a time from the
-  attention's host stash (:mod:`fpdt.attention.output_projection`, as
-  :class:`fpdt.model.FPDTForCausalLM` under ``checkpointing="off"``).
-
-What stays Transformers': embeddings, RoPE's tables (``(cos, sin)`` of every local token,
-``2 D / hidden`` of a hidden-state tensor, which :class:`fpdt.model.FPDTForCausalLM` does not
-hold) and the output projection under a layer checkpoint or without offload (and the q/k/v
-projections with ``chunked_qkv=False``).
-
-Gradient convention, as :class:`fpdt.model.FPDTForCausalLM`: the loss value is the same on
-every SP rank; parameter gradients **summed** over the SP group are those of the global
-mean. DeepSpeed averages over all ranks, so back-propagate ``loss * sp``. Not so with
-``group="trainer"`` (:mod:`fpdt.hf.trainer`): there the backward already sums the Trainer's
-per-rank loss weights over the group.
-
-How: the steps of :mod:`fpdt.model.apply` (the ones :class:`fpdt.model.FPDTForCausalLM` runs), in
-their order, through :class:`fpdt.hf.apply_steps.TransformersAdapter`, which binds the forwards
-(:mod:`fpdt.hf.forward` for the model's) through :class:`fpdt.hf.patches.Patches`; then the ZeRO-3
-registration. :func:`remove_fpdt` undoes every one.
+Gradient convention, as :class:`fpdt.model.FPDTForCausalLM`: the loss is the same on every SP
+rank, and parameter gradients **summed** over the SP group are those of the global mean (under
+DeepSpeed, back-propagate ``loss * sp``; not with ``group="trainer"``, :mod:`fpdt.hf.trainer`).
 """
 
 from __future__ import annotations
@@ -177,71 +123,20 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
                lean_norms: bool = True, **fields) -> nn.Module:
     """Make a Transformers causal LM sequence-parallel and chunked with FPDT; returns ``model``.
 
-    Args:
-        options / **fields: :class:`fpdt.options.FPDTOptions`, or its fields as keywords (both: the
-            fields change the object), with the same defaults as :func:`fpdt.model.from_config`.
-            The ones worth a word here follow.
-        model: a ``*ForCausalLM`` whose attention uses Transformers' ``AttentionInterface``
-            (Llama, Qwen2, Mistral, ...), built normally or under ``deepspeed.zero.Init``, or
-            a PEFT model around one (returned as given); call this before
-            ``deepspeed.initialize`` and after ``peft.get_peft_model`` (so that ZeRO-3 gathers
-            the adapters where the chunked functions read them). PEFT's plain LoRA layers on
-            the q/k/v and MLP projections run inside the chunked functions
-            (:mod:`fpdt.ops.projections`; dropout masks are fpdt's); other adapters (DoRA, ...)
-            or quantised layers there need ``chunked_qkv=False`` / ``mlp_chunks=0``, and any
-            adapter on the LM head ``loss_chunks=0`` (each refused with its fix).
-        group / mesh: the sequence-parallel group (None: the default group, or no
-            parallelism without torch.distributed), or a 2D :class:`fpdt.comm.SequenceMesh`.
-            ``group="trainer"``: for Hugging Face's ``Trainer`` with sequence parallelism
-            (:mod:`fpdt.hf.trainer`; the group is the one DeepSpeed creates when the Trainer
-            prepares the model, the inputs arrive in its contiguous slices and the loss follows
-            its convention; needs ``chunked_qkv``; build ``TrainingArguments(parallelism_config=``
-            :func:`fpdt.hf.trainer_parallelism_config` ``(sp_size))``).
-        num_chunks: attention chunks per rank ``u``; inputs must be sharded with the same
-            ``u`` (:func:`prepare_inputs`).
-        offload: keep finished attention chunks in pinned host memory (needs CUDA, or
-            ``runtime="sim"`` on the CPU).
-        runtime: device runtime of the offload copies (:attr:`fpdt.options.FPDTOptions.runtime`);
-            None: automatic (``"cuda"`` on a CUDA device, ``"sync"`` elsewhere).
-        backend: attention kernel (:mod:`fpdt.attention.kernels`); None = automatic.
-        mlp_chunks: token chunks of each layer's SwiGLU MLP; default
-            ``ceil(2 u I / hidden)`` (as :class:`fpdt.model.FPDTForCausalLM`); 0 leaves it.
-        loss_chunks: token chunks of the LM head + loss; default ``ceil(2 u V / hidden)``;
-            0 computes full logits (and the same sequence-parallel loss from them).
-        lm_head_wgrad: ``"recompute"`` or ``"accumulate"`` (:mod:`fpdt.model.loss`).
-        checkpointing: ``"off"`` leaves activation checkpointing to Transformers
-            (``model.activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``,
-            works with everything above); ``"on"``
-            checkpoints each decoder layer with fpdt's own checkpoint
-            (:mod:`fpdt.model.checkpointing`: the layer input is kept, the layer recomputed in
-            backward); ``"offload"`` keeps the layer inputs in (pinned) host memory instead,
-            fetched one layer ahead in backward, as FPDT does. Not together with Transformers'.
-        attention_checkpoint: ``"recompute"`` (the checkpoint's recompute runs the attention
-            forward again) or ``"save"``: each checkpointed layer keeps its attention output and
-            lse from the first forward (on the host under ``"offload"``, else on the device) and
-            its recompute runs no attention kernel (:mod:`fpdt.attention.saved_attention`);
-            only with fpdt's checkpoint (``checkpointing`` ``"on"`` or ``"offload"``; refused
-            with ``"off"``, which has no recompute to skip).
-        save_attention_layers: with ``"save"`` (refused with ``"recompute"``), only the first
-            this many decoder layers save (None: every layer).
-        chunked_qkv: run each layer's q/k/v projections and RoPE chunk by chunk inside the
-            FPDT attention, as :class:`fpdt.model.FPDTForCausalLM` does, so the layer's
-            full-length local q/k/v never exist (Llama, Mistral, Qwen2, Qwen3 attention, with
-            plain or PEFT LoRA projections; other adapters, quantised q/k/v projections and other
-            attention classes need ``chunked_qkv=False``, which keeps Transformers' projections
-            and calls FPDT attention on their output).
-        lean_norms: run the RMSNorms (Llama, Mistral, Qwen2, Qwen3 classes) with fpdt's
-            RMSNorm (:mod:`fpdt.model.rmsnorm`), which saves the input and an fp32 scale per
-            token instead of Transformers' fp32 copies, over ``2 u`` token chunks; same
-            numerics. Other norm classes need ``lean_norms=False``.
+    ``model``: a ``*ForCausalLM`` using Transformers' ``AttentionInterface`` (Llama, Qwen2,
+    Mistral, Qwen3, ...), or a PEFT model around one; call this after ``peft.get_peft_model`` and
+    before ``deepspeed.initialize``. ``options`` / ``**fields``: :class:`fpdt.options.FPDTOptions`
+    or its fields (both: the fields change the object); ``group="trainer"`` for Hugging Face's
+    Trainer (:mod:`fpdt.hf.trainer`). ``chunked_qkv``: put :class:`fpdt.hf.attention.TransformersAttention`
+    in place of each attention module (False keeps Transformers' projections and calls FPDT
+    attention on their output, for other attention classes). ``lean_norms``: put fpdt's RMSNorm in
+    place of the Llama / Mistral / Qwen2 / Qwen3 RMSNorms.
 
-    After this, call ``model(input_ids=..., position_ids=..., shift_labels=...)`` with this
-    rank's inputs from :func:`prepare_inputs`: ``.loss`` is the global token-mean
-    cross-entropy (the same on every SP rank; ``num_items_in_batch=`` overrides its
-    denominator with a count over the SP group, e.g. of a gradient-accumulation window),
-    ``.logits`` is None. Without labels the model returns logits of this rank's tokens.
-    Without sequence parallelism ``labels=`` (unshifted, as in Transformers) works too.
+    Then call ``model(**prepare_inputs(model, window))``: ``.loss`` is the global token-mean
+    cross-entropy, ``.logits`` None (logits without labels, or with ``loss_chunks=0``). Everything
+    it cannot honour is refused with :class:`FPDTHFError` naming the fix (``docs/hf.md``).
     """
+
     outer, model = model, _causal_lm(model)
     if getattr(model, "fpdt", None) is not None:
         raise FPDTHFError("apply_fpdt was already applied to this model")
