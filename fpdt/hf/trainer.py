@@ -1,39 +1,14 @@
-"""FPDT under Hugging Face's ``Trainer``, through its own sequence-parallel route.
+"""FPDT under Hugging Face's ``Trainer`` through its own sequence-parallel route
+(``ParallelismConfig(sp_backend="deepspeed", sp_size=P)``, DeepSpeed's ALST setup).
 
-The Trainer runs sequence parallelism with accelerate's ``ParallelismConfig(sp_backend=
-"deepspeed", sp_size=P)``, the setup of DeepSpeed's ALST: while it prepares the model,
-DeepSpeed creates the sequence-parallel group, its data-loader adapter gives every rank of
-a group a contiguous slice (``S / P`` tokens) of the same window with global ``position_ids``
-and ``shift_labels``, and the Trainer aggregates the ranks' losses weighted by their valid
-tokens. A model under ``apply_fpdt(model, group="trainer")`` fits that route:
-
-* its group is DeepSpeed's, looked up at each forward (:class:`fpdt.hf.groups.TrainerGroup`);
-* its forward moves the token ids, positions and labels from the adapter's contiguous slices
-  into FPDT's chunk layout (:func:`contiguous_to_fpdt_layout`: one all-gather of the integer
-  inputs as int32, ``12 S`` bytes per rank for a window of ``S`` tokens (16 with a mask), twice
-  while it is assembled, once per forward and freed before the first layer). Position ids that
-  restart at 0 mark packed documents (``DataCollatorWithFlattening``'s batches): the document ids
-  of the whole window come from the same gathered positions and go to every attention call
-  (:mod:`fpdt.hf.documents`). What it refuses (positions that jump, padding other than right
-  padding, a length the layout cannot cut) it
-  refuses on every rank of the job, every data-parallel replica included, after one all-reduce
-  of a refusal flag per step (:func:`refuse_on_every_rank`): a replica whose batch was fine
-  raises too, naming the refusing ranks and the fix, rather than waiting for them forever;
-* its loss is the global token mean on every rank, and its backward sums the Trainer's
-  per-rank weights over the group (:func:`fpdt.model.loss.sum_gradient_over_group`), so the
-  gradients are the global mean's whichever ranks hold the valid tokens;
-* DeepSpeed's Ulysses wrapper of the attention is never called: the attention modules run
-  FPDT's chunked q/k/v projections and attention (``chunked_qkv=True`` is required: the model
-  keeps ``sdpa`` as its attention name, the one the Trainer's setup checks and DeepSpeed
-  replaces with its wrapper, and Transformers' attention forward would look it up when a
-  checkpointed layer is recomputed in backward, outside the forward that switches the name).
-
-Without sequence parallelism (``sp_size=1``, data parallelism only) each rank runs FPDT's
-chunked layers over its own windows in a group of its own; a padding mask it refuses is
-refused on every rank alike in training, as above.
-
-:func:`trainer_parallelism_config` builds the ``ParallelismConfig``; it needs no model, so
-``TrainingArguments`` can come first and ZeRO-3 partition the weights as they load.
+With ``apply_fpdt(model, group="trainer")``: the group is DeepSpeed's, looked up per forward;
+the forward moves the adapter's contiguous slices of ids, positions and labels into FPDT's chunk
+layout (:func:`contiguous_to_fpdt_layout`, one all-gather of the integer inputs), and what it
+refuses it refuses on every rank of the job (:func:`fpdt.hf.errors.refuse_on_every_rank`); the
+loss is the global token mean on every rank and its backward sums the Trainer's per-rank weights
+over the group. ``chunked_qkv`` is required (DeepSpeed's Ulysses wrapper is never called).
+:func:`trainer_parallelism_config` builds the ``ParallelismConfig``. Details: ``docs/hf.md``
+("Under Hugging Face's Trainer").
 """
 
 from __future__ import annotations

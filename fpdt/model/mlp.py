@@ -1,42 +1,11 @@
-"""Chunked SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` over sequence chunks.
+"""Chunked SwiGLU MLP, ``down(silu(gate(x)) * up(x))``, over token chunks (:class:`ChunkedSwiGLUFunction`).
 
-Flow (one ``autograd.Function``, :class:`ChunkedSwiGLUFunction`):
-
-* forward, without autograd: for each of ``N`` token chunks ``x_c`` ``[n, hidden]``,
-  compute ``g = x_c Wg^T``, ``u = x_c Wu^T`` (``[n, I]``), ``h = silu(g) * u`` and
-  ``y_c = h Wd^T``, writing ``y_c`` into the output. Nothing per-chunk is kept.
-* backward: for each chunk again, recompute ``g``, ``u`` and ``h`` from ``x_c``, then
-  ``dh = dy_c Wd``, ``du = dh * silu(g)``, ``dg = dh * u * silu'(g)``;
-  ``dx_c = dg Wg + du Wu``; weight gradients accumulate over chunks.
-
-Saved for backward: ``x`` (the MLP input, ``[B, S_local, hidden]``) and references to
-the weights -- nothing else. The plain MLP keeps ``g``, ``u``, ``silu(g)`` and ``h``
-(four ``[B, S_local, I]`` tensors, ``I`` ~ 3.5 x hidden) alive from forward to backward;
-here the peak extra memory is a handful of ``[S_local / N, I]`` tensors, i.e. O(chunk).
-The price is one recomputation of the gate/up projections in backward.
-
-Nothing is written in place into a tensor autograd saved: the output and ``dx`` are
-fresh tensors, and in-place updates only touch this function's own temporaries.
-Weight-gradient accumulators are fp32 when the weights are lower precision (summing N
-chunk partials in bf16 would add N roundings), then cast back. A frozen weight gets none.
-
-LoRA adapters on the three projections (:mod:`fpdt.ops.lora`) run chunk by chunk with them:
-the down projection's adapters read the chunk's recomputed ``h``; nothing more is saved.
-
-The pre-MLP RMSNorm may run inside too (``norm``): the input is then the residual stream
-``h`` and each chunk is normalised on the fly (``weight * cast(x_hat)``, the Llama
-convention of :mod:`fpdt.ops.rmsnorm`), so the normed input is never stored whole (saved:
-``h`` and one fp32 ``rstd`` per token) and the gradient leaves as ``dL/dh``, one chunk at a
-time. Inside :func:`fpdt.model.checkpointing.checkpointed_residual`, whose layer gradient the
-MLP's own gradient is summed into, each chunk's ``dL/dh`` is added into that gradient in place
-(:func:`fpdt.model.checkpointing.donated_gradient`) instead of into a full-length tensor of its
-own. Same numbers either way: the norm's gradient is computed from the MLP's input gradient
-chunk in the dtype the unfused pair passes between them.
-
-ZeRO-3: the function reads the ``gate_proj/up_proj/down_proj`` weights directly instead
-of calling those modules. DeepSpeed's engine notices such reads during forward and
-registers the weights as external parameters of this module (or the trainer registers
-them explicitly); the model itself knows nothing of DeepSpeed.
+Saved for backward: the input ``x`` ``[B, S_local, hidden]`` (and with the fused pre-MLP RMSNorm
+one fp32 ``rstd`` per token) and references to the weights; the gate/up/down intermediates are
+recomputed per chunk in backward. Weight gradients accumulate in fp32; a frozen weight gets
+none. LoRA terms (:mod:`fpdt.ops.lora`) run inside. The weights are read directly: under ZeRO-3
+they are external parameters of this module (:mod:`fpdt.model.external_params`). The flow and
+its memory: ``docs/memory.md`` ("The chunked MLP").
 """
 
 from __future__ import annotations
