@@ -16,51 +16,20 @@ from fpdt.ops.projections import read_output_projection, read_projections
 
 
 class FPDTAttention(nn.Module):
-    """Llama-family self-attention over a sequence-parallel, chunked, offloadable sequence.
+    """Llama-family self-attention over a sequence-parallel, chunked, offloadable sequence, with
+    Hugging Face's parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``; Qwen3's
+    ``q_norm`` / ``k_norm``, else None).
 
-    Parameters match Hugging Face's ``LlamaAttention`` (``q_proj``, ``k_proj``, ``v_proj``,
-    ``o_proj``), so checkpoints map one to one.
-
-    Per chunk of the local sequence: q/k/v projections, RoPE at the tokens' global
-    positions, Ulysses all-to-all, chunked attention with the online-softmax merge, and
-    the all-to-all back; then ``o_proj`` over the local sequence. See
-    :mod:`fpdt.attention.projected_attention` for what is saved for backward.
-
-    Args:
-        hidden_size, num_heads, num_kv_heads, head_dim: model shape (``head_dim`` defaults
-            to ``hidden_size // num_heads``).
-        qkv_bias, o_bias: biases on the q/k/v and output projections.
-        num_chunks: chunks per rank ``u`` (may be reassigned later); ``S`` must be divisible
-            by ``sp * u``.
-        offload: keep chunks in (pinned) host memory between forward and backward.
-        group: sequence-parallel process group; None = default group (world of 1 if
-            torch.distributed is not initialised).
-        mesh: a 2D :class:`fpdt.comm.SequenceMesh` (hp x cp) instead of ``group``; inputs
-            and position ids are then in the mesh layout (may be reassigned later).
-        backend: attention kernel name, None = automatic.
-        runtime: device runtime of the offload copies (:attr:`fpdt.options.FPDTOptions.runtime`;
-            may be reassigned later), None = automatic.
-
-    The projections may be plain ``nn.Linear`` with the LoRA adapters :func:`fpdt.model.lora.add_lora`
-    attached, or PEFT LoRA layers (:mod:`fpdt.ops.projections`): their terms run inside the chunked
-    q/k/v projection, and on ``o_proj`` inside the chunked output projection
-    (:mod:`fpdt.attention.output_projection`, which saves at most its input). ``q_norm`` /
-    ``k_norm`` (Qwen3; None elsewhere): per-head RMSNorms of q and k before RoPE, read directly.
-    :meth:`from_projections` builds one around existing projection modules (``fpdt.hf`` does,
-    keeping a Transformers model's parameter names).
-
-    ``o_proj_input_from_stash`` (True; a model sets it False under a layer checkpoint, whose
-    recompute holds one layer's tensors anyway): with
-    ``offload``, ``o_proj`` keeps no copy of its input for backward; its backward reads it a
-    chunk at a time from the attention's ``o`` chunks in the host stash (one chunk and the
-    next on the device, never the full-length input; the price is one more host -> device
-    copy and, with P > 1, one more all-to-all of each ``o`` chunk:
-    :mod:`fpdt.attention.output_projection`).
-
-    Note for ZeRO-3: the q/k/v weights (and ``o_proj``'s when it has an adapter or reads its
-    input from the stash) and the adapters are read inside custom autograd Functions rather
-    than through the ``nn.Linear`` modules' forward, so a ZeRO-3 wrapper must register them as
-    external parameters of this module (the trainer does).
+    Per chunk: q/k/v projections, RoPE, Ulysses all-to-all (or the 2D ``mesh``), chunked attention
+    (:mod:`fpdt.attention.projected_attention` says what is saved), all-to-all back; then ``o_proj``.
+    ``num_chunks`` (``u``; ``S`` divisible by ``sp * u``), ``offload``, ``group``, ``mesh``,
+    ``backend`` and ``runtime`` are attributes the apply steps set (:mod:`fpdt.model.apply`).
+    Projections may carry fpdt's or PEFT's LoRA (:mod:`fpdt.ops.projections`), computed inside the
+    chunked functions. ``o_proj_input_from_stash`` (True; False under a layer checkpoint): with
+    ``offload``, ``o_proj``'s backward reads its input back from the stash a chunk at a time
+    instead of keeping it (:mod:`fpdt.attention.output_projection`). The weights read directly are
+    ZeRO-3 external parameters of this module (:mod:`fpdt.model.external_params`).
+    :meth:`from_projections` builds one around existing modules (``fpdt.hf`` does).
     """
 
     projection_fix = "use plain nn.Linear or PEFT LoRA projections"
