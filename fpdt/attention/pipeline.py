@@ -1,48 +1,18 @@
 """The FPDT chunk pipeline: chunked Ulysses attention with host-resident chunks.
 
-This module is the mechanism shared by :func:`fpdt.attention.fpdt_attention` (inputs are
-q/k/v) and :class:`fpdt.attention.FPDTAttention` (inputs are hidden states that are
-projected chunk by chunk). Callers supply two callbacks:
+Shared by :func:`fpdt.attention.fpdt_attention` (q/k/v in) and :class:`fpdt.attention.FPDTAttention`
+(hidden states projected chunk by chunk). Callers supply:
 
-* ``produce(i) -> (q_i, k_i, v_i)``: local chunk ``i`` in sequence layout, q
-  ``[B, L, H, D]``, k/v ``[B, L, H_kv, D]`` (RoPE already applied);
+* ``produce(i) -> (q_i, k_i, v_i)``: local chunk ``i`` in sequence layout, q ``[B, L, H, D]``,
+  k/v ``[B, L, H_kv, D]`` (RoPE already applied);
 * ``emit(i, out_i)``: output chunk ``i`` in sequence layout ``[B, L, H, D]``;
-* ``deliver(j, dq_j, dk_j, dv_j)``: the final gradients of local chunk ``j`` in sequence
-  layout, fp32, k/v already summed over GQA replicas; handed over (the callee may
-  overwrite them in place).
+* ``deliver(j, dq_j, dk_j, dv_j)``: the final gradients of local chunk ``j`` in sequence layout,
+  fp32, k/v already summed over GQA replicas (the callee may overwrite them in place).
 
-Notation: ``u`` chunks, ``P`` ranks, ``C = P * L`` tokens per chunk after the
-all-to-all, ``x̂`` = head layout ``[B, C, H/P, D]``.
-
-Forward, for i = 0..u-1: produce chunk i, all-to-all to q̂_i, k̂_i, v̂_i (with P > 1, chunk
-i+1's all-to-all is started before chunk i's attention, so the two overlap; with one rank
-there is nothing to overlap and chunk i+1 is produced only when its turn comes); stash k̂_i, v̂_i;
-attend q̂_i to k̂_i (causal) and then to k̂_j, v̂_j for j < i (full), fetched from the stash
-one at a time with the next one prefetched, merging online in fp32; stash q̂_i, o_i,
-lse_i; all-to-all o_i back.
-
-Backward: outer loop over KV chunks j, inner loop over query chunks i >= j. dô_i (the
-all-to-all of grad-out chunk i) is made on first use (the next one's all-to-all overlaps
-the current block's backward) and stashed. dq_i accumulates in
-fp32 across outer steps (stashed between them, i.e. host-resident when offloading);
-dk_j/dv_j accumulate in fp32 on the device over the inner loop. dq̂_j is final after the
-first inner step of outer step j and goes back through the all-to-all at once; dk̂_j and
-dv̂_j follow after the inner loop, and ``deliver`` gets the three while the next outer
-step's chunks are already being prefetched.
-
-Non-causal attention runs the same loops over all (i, j) pairs; its forward first
-produces every KV chunk, and its backward delivers once every gradient is final.
-
-Packed documents (``spec.docs``, :mod:`fpdt.attention.documents`): the loops run only the
-blocks (i, j) whose queries see some of their keys; a skipped block makes no kernel call and
-fetches nothing (the diagonal is never skipped). A block inside one document runs the dense
-kernel, a mixed one the masked kernels (:mod:`fpdt.attention.kernels.masked`). In backward,
-dô_i's all-to-all and dq_i's accumulator start at chunk i's first touch (outer step 0 without
-documents), and dq_i is final after its last. Every rank of the group makes the same decisions.
-
-Device memory: the working set at the forward and backward peaks, derived per tensor, is in
-``docs/memory.md`` ("The attention core, tensor by tensor"); ``tests/memory/test_attention_budget.py``
-holds the budgets.
+Saved for backward, per chunk, in head layout ``[B, C, H/P, D]`` (``C = P L``): q̂, k̂, v̂, o and
+the fp32 lse, in the stash (host-resident with offload). Loop order, overlap and packed-document
+skipping: ``docs/attention.md`` (The chunk pipeline); the working set, tensor by tensor:
+``docs/memory.md``; budgets: ``tests/memory/test_attention_budget.py``.
 """
 
 from __future__ import annotations
