@@ -1,57 +1,16 @@
 """Device-memory accountant: live tensor bytes, split into device working set and host stash.
 
-Use it as a context manager around the work to measure, with named phases inside::
-
-    from fpdt.memory.accountant import MemoryAccountant, chunk_unit
+::
 
     with MemoryAccountant() as acct:               # device: cuda if available, else cpu
         with acct.phase("attn_fwd"):
             out = fpdt_attention(q, k, v, num_chunks=4, offload=True)
-        with acct.phase("attn_bwd"):
-            out.backward(grad)
-    fwd = acct.phases["attn_fwd"]
-    print(fwd.peak_above_start / chunk_unit(C, hidden))      # working set in U
+    print(acct.phases["attn_fwd"].peak_above_start / chunk_unit(C, hidden))   # working set in U
 
-What is counted (``counted_*`` fields, exact on any device):
-
-* Every tensor storage **created inside the context** (a ``TorchDispatchMode`` sees the
-  outputs of every aten op; a storage is keyed by identity, so views and in-place results
-  are not counted twice, and a ``weakref.finalize`` on the storage takes its bytes off
-  when it is freed). Tensors that existed before ``__enter__`` -- inputs, weights,
-  gradients allocated before the step -- are the baseline and are never counted, so every
-  figure is "beyond the baseline".
-* Storages are **host stash** when :meth:`fpdt.offload.HostBufferPool.acquire` created
-  them (the one place that allocates host-side stash memory; while it does,
-  :func:`fpdt.offload.allocating_host_buffer` is True), **device** otherwise. Host
-  stash in use is read from :func:`fpdt.offload.host_bytes_in_use` (buffers acquired
-  and not released, whether created inside the context or reused from the pool), less
-  what was already in use when the accountant was first entered (the baseline).
-* Storage resizes: ``UntypedStorage.resize_`` is not an aten op, so the accountant wraps
-  it while active. A storage created inside the context and shrunk (e.g. a recomputed
-  layer output resized to 0 bytes once only its graph is needed) counts its new size.
-* Not seen: scratch memory a single kernel allocates and frees internally (e.g. a flash
-  kernel's workspace), and memory of threads other than the one that entered.
-
-**Simulated capacity.** ``limit_bytes`` (or :meth:`MemoryAccountant.set_limit`) makes the
-accountant behave like a device of that size: the op whose output takes the counted device
-bytes past the limit raises :class:`SimulatedOutOfMemoryError` (a ``torch.OutOfMemoryError``),
-as the CUDA allocator would at that allocation, so a run that cannot fit stops there instead
-of finishing first.
-
-On CUDA the phases also carry ``torch.cuda.max_memory_allocated`` and
-``max_memory_reserved`` (absolute bytes, folded so nested phases each see their own
-peak; the accountant resets the CUDA peak counters as it goes).
-
-For one figure per region (a training step, a benchmark trial) use :class:`RegionMemory`:
-on CUDA the allocator's allocated and reserved peaks (no dispatch mode, no overhead), on the
-CPU this accountant's device peak; on both the host-stash peak (:class:`fpdt.offload.HostPeak`).
-
-Units used by the budgets (:mod:`tests.memory`):
-
-* ``U`` = one bf16 chunk of hidden states, ``C * hidden * 2`` bytes, with ``C`` the
-  tokens of one chunk *after* the all-to-all (global chunk, ``P * L``): :func:`chunk_unit`.
-* ``Nd`` = one full-sequence bf16 hidden tensor, ``S * hidden * 2`` bytes (``S`` the
-  tokens this rank holds outside attention, ``S_local``): :func:`sequence_unit`.
+Counts every storage created inside the context (earlier tensors are the baseline), host stash
+apart from device; ``limit_bytes`` raises :class:`SimulatedOutOfMemoryError` past a simulated
+capacity. What is and is not seen, and the units ``U`` / ``Nd``: ``docs/memory.md`` (What the
+accountant counts).
 """
 
 from __future__ import annotations

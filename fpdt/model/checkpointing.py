@@ -1,55 +1,12 @@
 """Per-decoder-layer activation checkpointing, optionally offloading the layer input.
 
-Modes (``checkpointing=`` option of the model):
-
-* ``"off"``: plain autograd; every layer keeps its activations until backward.
-* ``"on"``: each layer runs its forward without autograd and keeps only its input
-  ``x`` ``[B, S_local, hidden]``; backward re-runs the layer's forward with autograd
-  (including its all-to-alls: the recomputed q/k/v exist only after them) and back-propagates through it.
-* ``"offload"``: as ``"on"``, but the kept input goes to host memory through a
-  :class:`fpdt.offload.HostStash` (asynchronous device->host copy into a pooled, pinned
-  buffer on CUDA, started before the layer's forward so that it overlaps it). The backward of layer
-  ``i`` pops its own input and immediately starts
-  the host->device copy of layer ``i - 1``'s input, so that copy overlaps layer ``i``'s
-  recompute and backward; device memory then holds O(1) layer inputs instead of
-  ``num_layers`` of them. ``on_device`` keeps one layer's input on the device within such
-  a stack (the model's ``checkpoint_device_layers``: the last layers, whose inputs backward
-  needs first), trading device memory for host memory; backward still starts the fetch of
-  the previous layer's offloaded input early.
-
-The function is "reentrant" (backward runs ``torch.autograd.backward`` on the recomputed
-layer): parameter gradients accumulate into ``.grad`` exactly as without checkpointing, and
-the first forward runs without autograd, so nothing is saved or offloaded for it (the
-attention's chunks go to the host in the recompute only). The layer comes in two forms:
-
-* an opaque function ``run_fn(x)`` (:func:`checkpointed`): backward recomputes ``y`` and
-  back-propagates the layer's incoming gradient through it. The caller's engine holds that
-  gradient while the recompute's engine builds the residual's sum beside it: two
-  full-length gradients live through the layer's backward.
-* pre-norm residual branches ``x_{k+1} = x_k + f_k(x_k)`` (:func:`checkpointed_residual`):
-  backward runs the branches' backward last to first and adds each branch's input gradient
-  into the incoming gradient **in place**, when that gradient is provably this node's alone
-  (:func:`_exclusively_owned`; otherwise into a sum of its own, as the opaque form does).
-  One full-length gradient then lives through the layer's backward, as under a
-  non-reentrant checkpoint. A Function that computes a whole branch may go further:
-  add its input gradient into the layer's gradient itself, a chunk at a time
-  (:func:`donated_gradient`), and, in the recompute of the last branch, whose output is
-  only a backward root, skip its forward (:func:`output_values_unused`); fpdt's chunked
-  MLP does both.
-
-When ``x`` does not require grad (e.g. frozen embeddings) an empty leaf that does is passed
-along, so the output requires grad; the parameters themselves never are (ZeRO-3 has them
-partitioned at that point). Autocast state is captured in forward and restored for the
-recompute, and so is the random state (the default CPU generator, and the device's on
-CUDA): fpdt's own models have no dropout, but LoRA adapters do (:mod:`fpdt.ops.lora` draws
-its masks' seed from the CPU generator), and the recompute must draw the masks the forward
-drew.
-
-With a :class:`fpdt.attention.saved_attention.SavedAttention` (the model's
-``attention_checkpoint="save"``), the first forward also keeps the layer's attention output
-and lse (where the layer input lives: on the host under ``"offload"``, else on the device),
-and the recompute runs no attention-kernel forward (LoongTrain's Selective Checkpoint++,
-arXiv 2406.18485 §5.2).
+``"on"`` keeps only each layer's input ``x`` ``[B, S_local, hidden]`` and recomputes the layer in
+backward (reentrant: gradients accumulate into ``.grad`` as without checkpointing); ``"offload"``
+keeps it in a :class:`fpdt.offload.HostStash` and fetches the previous layer's input during this
+layer's backward. :func:`checkpointed` takes an opaque layer (two full-length gradients live
+through its backward), :func:`checkpointed_residual` pre-norm residual branches (one). Autocast and
+RNG state are restored for the recompute; with a ``SavedAttention`` the recompute runs no
+attention kernel. Modes and mechanics: ``docs/model.md`` (Layer checkpointing).
 """
 
 from __future__ import annotations
@@ -85,7 +42,7 @@ class _OpaqueBody:
 
 class _ResidualBody:
     """``x_{k+1} = x_k + f_k(x_k)`` over the branches; backward accumulates the input
-    gradient into the incoming one in place (see the module docstring).
+    gradient into the incoming one in place (``docs/model.md``, Layer checkpointing).
 
     The branches' outputs must not be saved by their own graphs (a linear or fpdt's chunked
     MLP ends each of them): backward frees their values once their sum is formed
@@ -375,7 +332,7 @@ def checkpointed_residual(branches: Sequence[Callable[[torch.Tensor], torch.Tens
     """Run the residual stack ``x <- x + f(x)`` for ``f`` in ``branches`` (a pre-norm decoder
     layer: attention, then MLP; ``[B, S_local, hidden]`` -> same) under activation
     checkpointing, holding one full-length gradient through the layer's backward instead of
-    :func:`checkpointed`'s two (module docstring).
+    :func:`checkpointed`'s two.
 
     Arguments as :func:`checkpointed`. Each branch's output must not be saved by its own graph
     (its values are freed in backward once used; a graph that saved them fails loudly).
