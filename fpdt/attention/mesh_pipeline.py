@@ -2,45 +2,13 @@
 
 Same callbacks as :mod:`fpdt.attention.pipeline` (``produce``, ``emit``, ``deliver``), same
 stash semantics (``offload`` = pinned host memory). Tokens are in the mesh layout of
-:mod:`fpdt.layout.mesh_layout`: after the HP all-to-all of local chunk ``i``, rank ``c``
-of the CP group holds its CP chunk ``i`` = zigzag pieces ``c`` and ``2cp-1-c`` of span
-``i`` (``C`` tokens, ``H/hp`` heads); ``x̂`` below is that head layout ``[B, C, H/hp, D]``.
-K/V travel packed as one block ``[2, B, C, H_kv'/hp, D]`` (``H_kv'`` after GQA replication,
-which happens before the all-to-all, so only replicated heads the HP rank needs cross the
-ring).
-
-Loop order (what makes ring traffic independent of ``u``): **KV chunk j -> ring step s
--> query chunk i**. Each K/V block crosses the ring once per pass; the query side
-(q̂_i, the fp32 output accumulator and lse in forward; q̂_i, o_i, lse_i, dô_i and the fp32
-dq accumulator in backward) goes through the stash, fetched just before its touch with
-the next touch's state prefetched (double buffering).
-
-Block kinds for query chunk ``i`` of rank ``me`` against KV chunk ``j`` of rank ``src``
-(causal; ``half = C/2`` = one zigzag piece):
-
-* ``j < i``: full; ``j > i``: skipped;
-* ``j == i, src == me``: the causal diagonal (the two pieces in order are causal as one);
-* ``j == i, src < me``: every query row vs the first half of the keys (full);
-* ``j == i, src > me``: the second half of the query rows vs every key (full).
-
-Every rank does the same work at every step (the zigzag load balance). Non-causal
-attention makes every pair full.
-
-Packed documents (``spec.docs``): a touch whose queries see none of the block's keys is
-skipped (no kernel call, no fetch of its query side; the block still travels the ring), a
-touch inside one document runs the dense kernel, a mixed one the masked kernels; a query
-chunk is final after its last touch that runs.
-
-Forward: produce and all-to-all every chunk (chunk i+1's all-to-all overlaps chunk i's
-stash copy), stash q̂_i and the K/V block; then for each j circulate the block, merging
-online in fp32; o_i is final after pass ``j = i`` (causal) and goes back through the
-all-to-all at once. Backward: dô_i all-to-all'd up front and stashed; for each j circulate
-the block again, accumulating dq_i (fp32, stashed between touches) and this rank's
-dK/dV contribution; the fp32 dK/dV of a block travel behind it and reach its owner after
-the last step (:mod:`fpdt.comm.ring`). Ring transfers overlap the current block's compute.
-
-With ``cp = 1`` the mesh is plain Ulysses: :func:`build_mesh_spec` returns the FPDT
-pipeline's own spec over the HP group. Costs: :mod:`fpdt.attention.ring_costs`.
+:mod:`fpdt.layout.mesh_layout`; after the HP all-to-all rank ``c`` of the CP group holds CP chunk
+``i`` = zigzag pieces ``c`` and ``2cp-1-c`` of span ``i``, head layout ``[B, C, H/hp, D]``. K/V
+travel packed as one block ``[2, B, C, H_kv'/hp, D]`` (``H_kv'`` after GQA replication, done
+before the all-to-all). Stashed: q̂, the K/V blocks, o, lse, dô and the fp32 dq accumulators;
+the fp32 dK/dV travel behind their block to its owner. With ``cp = 1`` :func:`build_mesh_spec`
+returns the FPDT pipeline's own spec over the HP group. Loop order, block kinds and overlap:
+``docs/attention.md`` (The mesh pipeline); costs: :mod:`fpdt.attention.ring_costs`.
 """
 
 from __future__ import annotations
@@ -111,7 +79,7 @@ class MeshSpec:
         return list(range(j, self.num_chunks)) if self.causal else list(range(self.num_chunks))
 
     def kind(self, i: int, j: int, src: int) -> str | None:
-        """How query chunk i of this rank meets KV chunk j of CP rank ``src`` (module docstring)."""
+        """How query chunk i of this rank meets KV chunk j of CP rank ``src`` (``docs/attention.md``)."""
         return touch_kind(i, j, src, self.mesh.cp_rank, self.causal)
 
     def last_pass(self, i: int) -> int:

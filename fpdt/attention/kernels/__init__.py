@@ -10,29 +10,10 @@ Contract of every backend (layout ``[B, S, H, D]``, the flash-attn layout):
 * ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` where ``out``
   and ``lse`` are the final values after merging every block of the row; then the
   result is exactly this block's contribution to the gradients. dk/dv are
-  ``[B, Sk, H_kv, D]``. Gradients may come back in any float dtype; callers accumulate
-  them in fp32.
+  ``[B, Sk, H_kv, D]``, in any float dtype; callers accumulate them in fp32.
 
-Backends (one module per family): ``flash_attn3`` and ``flash_attn`` (the optional
-packages, :mod:`.flash`), ``cuda_flash``, ``cuda_cudnn`` and ``cuda_efficient`` (torch's
-own CUDA kernels, :mod:`.torch_cuda`), ``cpu`` (torch's CPU flash kernel,
-:mod:`.torch_cpu`) and ``math`` (a float64 reference for tests, any device,
-:mod:`.reference`). Automatic selection (:func:`auto_order`) tries them in that order and
-takes the first that is installed, supports the device/dtype/head_dim and passes
-:func:`self_check`, with one exception: where torch's own SDPA dispatcher would run cuDNN
-(:func:`.torch_cuda.sdpa_choice`; in recent torch, Hopper and Blackwell with a new enough
-runtime cuDNN), ``cuda_cudnn`` moves ahead of the FlashAttention-2 kernels (``flash_attn``,
-``cuda_flash``), behind ``flash_attn3`` only. That is the kernel a Hugging Face model with
-SDPA attention runs on the same machine, so comparisons with such peers compare the
-method, not the kernel.
-
-Packed documents: blocks that mix documents run :mod:`.masked` (one dense call per
-document segment, one CPU call with a mask for many small ones, or torch's varlen
-FlashAttention-2 on CUDA, :mod:`.varlen`, behind its own self-check).
-
-GQA: ``flash_attn3``, ``flash_attn``, ``cuda_flash`` and (from torch 2.8) ``cuda_cudnn`` take the
-``H_kv`` KV heads natively; the others expand KV to ``H`` heads per block, transiently (the bytes
-are in ``docs/memory.md``, "Kernels that expand GQA").
+Backends, automatic selection (:func:`auto_order`, each candidate behind :func:`self_check`),
+native GQA and the masked kernels for packed documents: ``docs/attention.md`` (Kernels).
 """
 
 from __future__ import annotations
@@ -77,7 +58,7 @@ _AUTO_ORDER = ("flash_attn3", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_ef
 
 def auto_order(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int = 8,
                num_kv_heads: int = 2) -> tuple[str, ...]:
-    """The candidates automatic selection tries, best first (see the module docstring).
+    """The candidates automatic selection tries, best first (``docs/attention.md``, Kernels).
 
     :data:`_AUTO_ORDER`, except that on a CUDA device where torch's SDPA would dispatch a
     ``num_heads``/``num_kv_heads`` self-attention call to cuDNN, ``cuda_cudnn`` comes right
