@@ -1,40 +1,14 @@
 """Training data: a token stream, cut into windows, sharded into the FPDT layout.
 
-The contract (also in docs/train.md, "Data contract"):
-
-1. ``--data PATH`` is a token stream. ``.npy`` files hold token ids (any integer dtype);
-   ``.bin`` files hold raw ids (``--data-dtype uint16`` or ``uint32``; default uint16 when
-   the vocabulary fits in it, else uint32; a stream that is implausible for its type is
-   refused, see :func:`check_plausible_bin`); ``.txt`` files
-   (one document each) and ``.jsonl`` files (one document per line: an object with a
-   ``"text"`` field, or a bare string) are tokenized with the model's ``tokenizer.json``
-   and every document is followed by the end-of-text id when the model config names one
-   (``eos_token_id``). A directory means every such file under it, in sorted path order,
-   concatenated.
-2. The stream is cut into consecutive, non-overlapping windows of ``seq_len + 1``
-   tokens in file order; a short tail is dropped. Window ``k`` is the ``k``-th sequence.
-   With ``--shuffle`` the windows of each pass over the data are visited in a random
-   order drawn from ``(seed, epoch)``; without it, in order. Past the last window the
-   stream starts again from window 0.
-3. Inputs are ``window[:-1]`` and labels ``window[1:]``: the shift happens on the global
-   sequence, before sharding, so the label of every rank's last token is the first token
-   of the next piece (shifting after sharding would lose those targets). Inputs, labels and position ids then go through
-   the same FPDT layout (:mod:`fpdt.layout`).
-4. With ``--pack-documents`` (:class:`PackedWindows`) the stream is first cut into documents:
-   each ``.txt`` file / ``.jsonl`` line is one (with its end-of-text id), and ``.npy``/``.bin``
-   streams end a document after every ``eos_token_id`` (a file's tail without one is a document
-   too). Windows hold ``seq_len`` tokens of whole documents, in order (next fit: a document that
-   does not fit in what is left of a window starts the next one, and the rest is padding, a
-   document of its own whose targets are ``-100``); ``--pack-documents best-fit`` fills each
-   window from a buffer of the next documents instead, and ``split`` fills every window,
-   splitting the document that crosses its end (:class:`PackedWindows`). A document longer
-   than ``seq_len`` is split into ``seq_len``-token pieces, each continuation a document of its
-   own from position 0 (as Transformers' packing does). Positions restart at 0 at each document, the attention is
-   masked at every boundary, and each document's last token predicts nothing (target ``-100``).
-5. Sequence ``k`` of the run is drawn by one data-parallel group: optimizer step ``t``,
-   micro step ``m`` (gradient accumulation) and sample ``b`` of the micro batch in DP
-   group ``d`` read sequence ``((t * gas + m) * dp + d) * B + b``. All ranks of an SP
-   group read the same window; DP groups read distinct ones.
+``--data`` is ``.npy`` / ``.bin`` token ids (an implausible ``.bin`` is refused,
+:func:`check_plausible_bin`) or ``.txt`` / ``.jsonl`` text tokenized with ``tokenizer.json``
+(each document followed by ``eos_token_id``), or a directory of them in sorted path order. The
+stream is cut into consecutive windows of ``seq_len + 1`` tokens (a short tail dropped; optional
+shuffle per pass from ``(seed, epoch)``); inputs ``window[:-1]`` and labels ``window[1:]`` are
+shifted on the global sequence, then sharded with position ids into the FPDT layout. Sequence
+``((t * gas + m) * dp + d) * B + b`` goes to step ``t``, micro step ``m``, DP group ``d``, sample
+``b``; the ranks of an SP group share a window. :class:`PackedWindows` packs whole documents
+(``--pack-documents``). The contract in full: ``docs/train.md`` (Data contract, Packed documents).
 """
 
 from __future__ import annotations
