@@ -1,9 +1,7 @@
 """torch's own CUDA attention kernels: ``cuda_flash``, ``cuda_cudnn``, ``cuda_efficient``.
 
-Each backward must get the lse in the layout and padding its forward produced, and the
-RNG arguments in the dtype and shape its forward returned (unused without dropout, but
-type-checked). Both are read from torch's meta kernel of the forward op
-(:func:`forward_output_specs`), so they follow the installed torch:
+Each backward gets the lse and RNG outputs in the layout its forward produced, read from torch's
+meta kernel of the forward op (:func:`forward_output_specs`), so they follow the installed torch:
 
 =============== ================================ ============================ ==========
 backend         forward lse (what backward gets) RNG outputs -> backward       GQA
@@ -16,17 +14,9 @@ cuda_efficient  ``[B, H, align(Sq, 32)]``        philox seed, offset          ex
                 padded back with +inf)
 =============== ================================ ============================ ==========
 
-``cuda_flash`` is FlashAttention-2 inside torch; it takes ``H_kv`` KV heads and sums the
-replica gradients in the kernel. cuDNN's op does the same from torch 2.8 on (its
-dispatcher accepts ``enable_gqa`` for dense inputs and the backward returns dk/dv with
-the key's head count); before that, and always for the efficient kernel, which checks
-equal head counts, KV is expanded here and the replica gradients summed in fp32. The CPU
-tests run these adapters on meta tensors (``tests/attention/test_kernels_torch_cuda.py``).
-
-:func:`sdpa_choice` says which of these kernels torch's own ``scaled_dot_product_attention``
-would run for a shape, so automatic selection can follow torch's dispatch priority (which
-in recent torch puts cuDNN first on Hopper and Blackwell when the runtime cuDNN is new
-enough) and run the kernel a Hugging Face model with SDPA runs on the same machine.
+Where GQA is not native, KV is expanded here and the replica gradients summed in fp32.
+:func:`sdpa_choice` says which kernel torch's own SDPA would run for a shape, so automatic
+selection can follow it (``docs/attention.md``, Kernels).
 """
 
 from __future__ import annotations
