@@ -1,27 +1,14 @@
 """LoRA fine-tuning of fpdt's own model: adapters on the decoder's linear projections, the rest
 frozen, saved and loaded in PEFT's adapter format.
 
-:func:`add_lora` attaches to each targeted projection ``nn.Linear`` (of every decoder layer)
-
-    lora_A  nn.Linear(in, r, bias=False)     kaiming-uniform, as PEFT initialises it
-    lora_B  nn.Linear(r, out, bias=False)    zeros, so the model starts as the base
-
-and the floats ``lora_scaling`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) and
-``lora_dropout``. The projection's own forward is never called: the chunked functions that
-read its weight (:mod:`fpdt.attention.module`, :mod:`fpdt.model.mlp`) read the adapters too
-(:func:`fpdt.ops.lora.attached_adapters`) and add ``lora_B(lora_A(dropout(x))) * scaling``
-to the base projection a chunk of tokens at a time, as PEFT's ``Linear.forward`` would (the
-input cast to the adapters' dtype, the sum cast back); an ``o_proj`` with an adapter runs in
-:func:`fpdt.attention.output_projection.output_projection`, its terms over ``2 u`` token pieces.
-Every other parameter gets ``requires_grad=False``: no weight-gradient
-GEMM, no accumulator, no optimizer state for it.
-
-Parameter names are then PEFT's, less its ``base_model.model.`` prefix and adapter name:
-``model.layers.0.self_attn.q_proj.lora_A.weight``. :func:`save_adapter` writes
-``adapter_model.safetensors`` and ``adapter_config.json`` that ``peft.PeftModel.from_pretrained``
-loads onto the Transformers base model; :func:`load_adapter` reads such a directory (PEFT's
-or ours) back. The dropout masks are fpdt's (:mod:`fpdt.ops.lora`), not the ones PEFT would
-draw; without dropout the numbers are PEFT's.
+:func:`add_lora` gives each targeted ``nn.Linear`` ``lora_A`` ``nn.Linear(in, r)`` (kaiming-uniform,
+as PEFT) and ``lora_B`` ``nn.Linear(r, out)`` (zeros), ``lora_scaling`` (``alpha / r``, or
+``alpha / sqrt(r)`` with rsLoRA) and ``lora_dropout``, and freezes every other parameter. The
+chunked functions that read the projection's weight add ``lora_B(lora_A(dropout(x))) * scaling`` a
+chunk at a time (:func:`fpdt.ops.lora.attached_adapters`). Parameter names are PEFT's less its
+``base_model.model.`` prefix and adapter name (``model.layers.0.self_attn.q_proj.lora_A.weight``);
+:func:`save_adapter` / :func:`load_adapter` write and read PEFT adapter directories. Dropout masks
+are fpdt's own; without dropout the numbers are PEFT's (``docs/model.md``, LoRA).
 """
 
 from __future__ import annotations

@@ -4,28 +4,17 @@ Layout of ``--save-dir DIR``::
 
     DIR/latest                       tag of the newest checkpoint (written by DeepSpeed)
     DIR/config.json                  the model's HF config (for fpdt-export)
-    DIR/adapter_config.json          the PEFT adapter config of the newest run, when it trained
-                                     LoRA (for reading only: fpdt-export takes the kind and
-                                     spec of each checkpoint from its own trainer file)
+    DIR/adapter_config.json          the newest run's PEFT adapter config, when it trained LoRA
+                                     (read-only: export takes each checkpoint's own trainer file)
     DIR/tokenizer.json               copied from the model directory, when there is one
-    DIR/step<N>/                     DeepSpeed's files for optimizer step N (ZeRO shards,
-                                     optimizer and scheduler state, fp32 master weights)
-    DIR/step<N>/fpdt_trainer_rank<r>.pt   per rank: steps done, run shape, RNG states, the LoRA
-                                     record (None for full training)
-    DIR/step<N>/config.json, tokenizer.json   DIR's at the time of the save: export reads
-                                     these (another model's run into DIR rewrites DIR's)
+    DIR/step<N>/                     DeepSpeed's files for optimizer step N
+    DIR/step<N>/fpdt_trainer_rank<r>.pt   per rank: steps done, run shape, RNG states, LoRA spec
+    DIR/step<N>/config.json, tokenizer.json   DIR's at the time of the save (export reads these)
 
-Resuming restores the model, optimizer and scheduler through ``engine.load_checkpoint``
-and, right before the first step, the RNG states from the trainer file. The data position needs no state: the windows
-of step ``t`` are a pure function of ``t`` and the run shape (:mod:`fpdt.train.data`), so
-the next step sees exactly the windows it would have seen without the interruption.
-
-A LoRA run (:mod:`fpdt.train.lora`) saves with ``exclude_frozen_parameters``: the adapters,
-their optimizer state and fp32 master copies, not the frozen base, which the resumed run
-reads again from ``--model`` or draws again from ``--seed``. Its resume loads the module
-state non-strictly, and :func:`_adapters_only` checks that exactly the frozen parameters
-were left out (none missing but those, none of those present). The trainer file records the
-LoRA spec (``"lora"``; None for full training).
+Resuming restores model, optimizer and scheduler (``engine.load_checkpoint``) and the RNG
+states; the data position needs none (a step's windows are a function of the step and the run
+shape). A LoRA run saves with ``exclude_frozen_parameters`` and resumes non-strictly;
+:func:`_adapters_only` checks that exactly the frozen parameters were left out.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Load a Hugging Face checkpoint straight into ZeRO-3-partitioned parameters.
 
-:func:`fpdt.model.from_pretrained` materialises the whole model on every rank, and
-``deepspeed.initialize`` only partitions it afterwards: 16 GB of host memory per rank for
-an 8B model in bf16, more than a host has for 70B on 8 ranks. Under ZeRO-3 the trainer
-uses :func:`from_pretrained_zero3` instead:
-
-1. every rank reads ``config.json`` and the safetensors *headers* (names, shapes; no
-   tensor data) and checks them against a shape-only (meta) model, so a checkpoint that
-   does not fit the model fails on all ranks alike, before any collective;
-2. the model is built inside ``deepspeed.zero.Init``: each module's parameters are
-   partitioned over the ranks as soon as that module's ``__init__`` returns (its default
-   random init is thrown away by step 3);
-3. for each checkpoint tensor, one parameter is gathered
-   (``deepspeed.zero.GatheredParameters([p], modifier_rank=0)``), rank 0 reads the tensor
-   and copies it in (converting to the training dtype), and on leaving the context
-   DeepSpeed broadcasts it from rank 0 and re-partitions it. Other ranks never read
-   tensor data.
-
-Host memory per rank is its shards plus, for a moment, one full tensor (on rank 0 also
-the tensor as read from the file); during step 2 the largest single module is full for a
-moment. Names are handled exactly as :func:`fpdt.model.from_pretrained` handles them
-(tied ``lm_head.weight`` and ``rotary_emb.inv_freq`` are skipped; unknown names, missing
-names and shape mismatches raise the same ``ValueError``), and the RoPE buffer is
-recomputed in fp32 after construction (``zero.Init`` rounds every floating tensor created
-inside it to the training dtype).
+:func:`from_pretrained_zero3`: every rank checks ``config.json`` and the safetensors headers
+against a meta model (a mismatch fails on all ranks before any collective); the model is built
+inside ``deepspeed.zero.Init``; then each tensor is gathered in turn, rank 0 reads and copies it
+in, and DeepSpeed broadcasts and re-partitions it. Host memory per rank: its shards plus one full
+tensor for a moment (never the whole model, as :func:`fpdt.model.from_pretrained` followed by
+``deepspeed.initialize`` would need). Names are checked as :func:`fpdt.model.from_pretrained`
+checks them (same ``ValueError``), and the RoPE buffer is recomputed in fp32 after construction
+(``zero.Init`` rounds floating tensors to the training dtype).
 """
 
 from __future__ import annotations
