@@ -7,8 +7,8 @@ visits every rank in ``cp`` steps: inner transfers to the next position; outer t
 step with to the next ring, in flight for the whole inner ring (two receive buffers). Each block
 crosses ``cp - 1`` links per pass; its fp32 dK/dV travel behind it and reach its owner after step
 ``cp - 1``. :class:`RingComm` issues batched ``isend/irecv`` (overlapping compute) and counts
-operations and bytes for the tests and the cost model. Step-by-step: ``docs/attention.md``
-(2D attention).
+operations and bytes for the tests and the cost model. Step by step: ``docs/attention.md``
+(The mesh pipeline).
 """
 
 from __future__ import annotations
