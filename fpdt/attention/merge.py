@@ -1,20 +1,11 @@
 """Online-softmax merge of partial attention results, in fp32.
 
-Each key block ``j`` gives, for the same queries, ``(o_j, lse_j)``: the softmax-weighted
-average over that block and the log of its normaliser. Merging two results::
-
-    lse = logaddexp(lse_a, lse_b)
-    o   = exp(lse_a - lse) * o_a + exp(lse_b - lse) * o_b
-
-``logaddexp`` is computed as ``max + log1p(exp(-|a - b|))``, which stays finite when one
-side is ``-inf`` (a fully masked row) and returns ``-inf`` only when both are; the
-weights are then forced to 0 instead of ``exp(-inf - -inf) = nan``.
-
-Memory: :class:`OnlineSoftmax` merges **in place** (:func:`merge_`): the fp32 running
-output is the only ``[B, S, H, D]`` fp32 tensor it holds (2 U for a bf16 chunk of ``U``
-bytes); a block's output is folded in with ``addcmul_`` straight from its input dtype, so
-no fp32 copy of the block and no weighted products exist. Temporaries are ``[B, H, S]``
-(lse-sized, ``1/D`` of the output).
+Block ``j`` gives ``(o_j, lse_j)`` for the same queries; two merge as ``lse = logaddexp(lse_a,
+lse_b)``, ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``, with ``logaddexp`` as ``max +
+log1p(exp(-|a - b|))`` so a fully masked side (``-inf``) gets weight 0, never nan.
+:class:`OnlineSoftmax` merges **in place** (:func:`merge_`): the fp32 running output ``[B, S, H,
+D]`` is its only full-size fp32 tensor (2 U for a bf16 chunk of U bytes), blocks are folded in
+with ``addcmul_`` from their own dtype, and temporaries are lse-sized ``[B, H, S]``.
 """
 
 from __future__ import annotations

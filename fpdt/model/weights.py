@@ -1,19 +1,12 @@
 """Hugging Face checkpoints in and out (construction is :mod:`fpdt.model.build`).
 
-Checkpoint format (what ``transformers`` reads and writes): a directory with
-``config.json`` and either ``model.safetensors`` or ``model-0000k-of-0000n.safetensors``
-shards plus ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
-"weight_map": {tensor name: shard file}}``). Tensor names are the model's own parameter
-names (see :mod:`fpdt.model.llama`); with tied embeddings ``lm_head.weight`` is not stored.
-
-Memory: models are first built on the ``meta`` device (no storage), then each tensor is
-read from its shard straight to the target device/dtype and *assigned* as the parameter,
-so host RAM holds at most one shard's tensors on top of the model itself.
-
-Loaders that place tensors differently (``fpdt.train.zero_load`` streams a checkpoint into
-ZeRO-3-partitioned parameters) reuse :func:`fpdt.model.build.construct`, :func:`checkpoint_files`,
-:func:`ignored_tensor`, :func:`check_shape`, :func:`check_unexpected` and
-:func:`check_missing`, so they accept and refuse exactly what :func:`fpdt.model.build.from_pretrained` does.
+Format: ``config.json`` and ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` shards
+with ``model.safetensors.index.json``; tensor names are the model's parameter names (tied
+embeddings: no ``lm_head.weight``). Tensors are read from their shard straight to the target
+device and dtype into a ``meta``-built model, so host RAM holds at most one shard's tensors
+beyond the model. Other loaders (``fpdt.train.zero_load``) reuse :func:`checkpoint_files`,
+:func:`ignored_tensor`, :func:`check_shape`, :func:`check_unexpected` and :func:`check_missing`,
+so they accept and refuse what :func:`fpdt.model.build.from_pretrained` does.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """LoRA fine-tuning in ``fpdt-train``: the flags, the checks made before any process group,
 the adapters on the built model, and what a checkpoint records of them.
 
-``--lora-rank R`` attaches :func:`fpdt.model.add_lora` adapters to the decoder projections
-(``--lora-targets``, all seven by default) after the model is built, on every rank alike
-(``lora_A`` drawn from ``--seed``, ``lora_B`` zero), in the training dtype (``zero.Init``
-parameters are not cast by ``deepspeed.initialize``, so fp32 adapters on a bf16 ZeRO-3 model
-would stay fp32; DeepSpeed keeps fp32 master copies of the bf16 ones). Every other parameter
-is frozen and never reaches the optimizer (:func:`fpdt.train.zero.build_engine`).
-
-``--lora-init DIR`` starts from a PEFT adapter directory instead of a fresh draw. The spec is
-then the directory's ``adapter_config.json``: the other ``--lora-*`` flags may be left out,
-and any that is given must agree with it (a contradiction is refused, naming both values).
-
-Checkpoints of a LoRA run hold the adapters, their optimizer state and the RNG states, not the
-frozen base (``exclude_frozen_parameters``); on ``--resume`` the base is read again from
-``--model`` or drawn again from ``--seed``. The trainer file records :func:`record` (the spec
-and where the base came from: for a random base the seed and every field of the parsed model
-config), and :func:`check_resume` refuses a resume whose spec, or whose LoRA-or-full choice,
-differs from the checkpoint's, or whose random base would be another.
+``--lora-rank R`` attaches :func:`fpdt.model.add_lora` adapters (``--lora-targets``, all seven by
+default) after the model is built, alike on every rank (``lora_A`` from ``--seed``), in the
+training dtype; every other parameter is frozen and never reaches the optimizer.
+``--lora-init DIR`` starts from a PEFT adapter directory, whose ``adapter_config.json`` is then
+the spec (a contradicting ``--lora-*`` flag is refused, naming both values). The trainer file
+records :func:`record` (the spec and where the base came from), and :func:`check_resume` refuses
+a resume whose spec, LoRA-or-full choice or random base differs from the checkpoint's.
 """
 
 from __future__ import annotations
