@@ -1,17 +1,10 @@
 """The FPDT token layout ("rank-ordinal scattering").
 
-With ``P`` sequence-parallel ranks and ``u`` chunks per rank, the global sequence of
-``S`` tokens is cut into ``u * P`` pieces of ``L = S / (P * u)`` tokens. Rank ``r``
-holds, in this order, the global pieces ``r, r + P, r + 2P, ...``: its local chunk ``i``
-is global piece ``i * P + r``, i.e. global tokens ``[(i*P + r) * L, (i*P + r + 1) * L)``.
-
-Why: when every rank all-to-alls its local chunk ``i`` (Ulysses: sequence -> heads),
-each rank receives the contiguous global span ``[i * P * L, (i + 1) * P * L)``, so the
-causal mask stays "diagonal inside the current chunk, full for earlier chunks" and the
-all-to-all traffic is balanced.
-
-Token ids, labels, loss masks and position ids must all go through the same layout
-(labels shifted on the *global* sequence first).
+``P`` ranks, ``u`` chunks per rank, ``L = S / (P * u)``: rank ``r``'s local chunk ``i`` is global
+tokens ``[(i*P + r) * L, (i*P + r + 1) * L)``, so the all-to-all of chunk ``i`` gives every rank
+the contiguous span ``[i P L, (i + 1) P L)`` (the causal mask stays block-diagonal, the traffic
+balanced). Ids, labels, masks and position ids all go through it, labels shifted on the *global*
+sequence first.
 """
 
 from __future__ import annotations

@@ -381,18 +381,10 @@ class RegionMemory:
             step()
         rm.peaks.allocated, rm.peaks.reserved, rm.peaks.host_stash
 
-    * CUDA: resets the allocator's peak counters on entry and reads ``max_memory_allocated``
-      and ``max_memory_reserved`` on exit (host-side counters: no synchronisation). Do not
-      nest two on CUDA (the inner one's reset hides the outer one's earlier peak).
-      ``fresh_cache=True`` first returns cached blocks (``empty_cache``), so that reserved
-      memory left by earlier work does not show as this region's.
-    * CPU: a :class:`MemoryAccountant` runs over the region (a dispatch mode: every aten op
-      pays a little Python), so ``allocated`` is the most bytes of storages created inside
-      the region live at once; ``count=False`` skips it (``allocated`` is then None).
-      ``count_cuda=True`` runs it on CUDA too (:attr:`MemoryPeaks.counted`).
-    * Any device: the host-stash peak from the host pool (:class:`fpdt.offload.HostPeak`).
-
-    :attr:`accountant` is the accountant where it ran, else None.
+    CUDA: the allocator's peak counters, reset on entry (do not nest two; ``fresh_cache=True``
+    empties the cache first). CPU: a :class:`MemoryAccountant` over the region (``count=False``
+    skips it: ``allocated`` None; ``count_cuda=True`` runs it on CUDA too). Any device: the
+    host-stash peak. :attr:`accountant` is the accountant where it ran, else None.
     """
 
     def __init__(self, device: torch.device | str, count: bool = True, count_cuda: bool = False,

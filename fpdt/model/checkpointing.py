@@ -302,25 +302,16 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     """Run ``run_fn(x)`` (``[B, S_local, hidden]`` -> same) under activation checkpointing.
 
     Args:
-        run_fn: the layer's forward as a function of its input only.
-        x: the layer input.
-        params: the parameters ``run_fn`` uses.
-        stash: when given, ``x`` is offloaded to host under ``key`` instead of kept on
-            the device; ``prev_key`` names the previous layer's stashed input, whose
-            fetch is started early in backward.
-        free_output: the recomputed output's values are not saved by its own graph (e.g.
-            ``run_fn`` ends with a residual add), so backward frees them before
-            back-propagating (one ``[B, S_local, hidden]`` tensor less at the layer's peak).
-            A graph that did save them fails in backward (their version is bumped), it does
-            not read freed memory.
-        on_device: keep ``x`` on the device although a ``stash`` is given (a layer whose
-            input stays on the GPU in a partly offloaded stack); the stash still serves the
-            early fetch of ``prev_key``.
-        saved: a :class:`fpdt.attention.saved_attention.SavedAttention` (``attention_checkpoint="save"``)
-            that ``run_fn`` / the branches pass to the layer's one attention call: it keeps its
-            output and lse in the first forward, and the recompute runs no attention kernel;
-            the checkpoint starts its prefetch and releases it around the layer's backward.
-            None: the recompute recomputes the attention.
+        run_fn: the layer's forward as a function of its input only; ``params``: its parameters.
+        stash: when given, ``x`` is offloaded under ``key`` instead of kept on the device, and
+            backward starts the fetch of ``prev_key`` (the previous layer's input) early.
+        free_output: the recomputed output's values are not saved by its own graph (e.g. it ends
+            with a residual add), so backward frees them first (one ``[B, S_local, hidden]`` less);
+            a graph that did save them raises (version bump) rather than reading freed memory.
+        on_device: keep ``x`` on the device although a ``stash`` is given (it still serves the
+            early fetch of ``prev_key``).
+        saved: a :class:`fpdt.attention.saved_attention.SavedAttention` passed to the layer's one
+            attention call: the recompute then runs no attention kernel. None: it recomputes.
     """
     return _apply(_OpaqueBody(run_fn, free_output), x, params, stash, key, prev_key, on_device, saved)
 

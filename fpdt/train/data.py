@@ -286,22 +286,19 @@ PACKINGS = ("in-order", "best-fit", "split")
 
 @dataclass
 class PackedWindows:
-    """Windows of ``seq_len`` tokens of documents (``--pack-documents``; the module docstring,
-    item 4, states the packing). ``packing`` (:data:`PACKINGS`):
+    """Windows of ``seq_len`` tokens of whole documents (``--pack-documents``). ``packing``
+    (:data:`PACKINGS`):
 
-    * ``"in-order"``: whole documents in stream order, next fit (a document that does not fit
-      in what is left opens the next window; the rest is padding);
-    * ``"best-fit"``: whole documents, each window opened by the earliest piece of a buffer of
-      the next ``lookahead`` pieces and filled from it greedily, largest that fits first, then
-      written in stream order: far less padding on long-tailed lengths, and no piece waits for
-      more than ``lookahead`` windows;
-    * ``"split"``: the stream cut into full windows; a document crossing a window's end is
-      split there and continues at position 0 in the next one (no padding but the last
-      window's).
+    * ``"in-order"``: stream order, next fit (a document that does not fit opens the next window;
+      the rest is padding, targets ``-100``);
+    * ``"best-fit"``: each window opened by the earliest piece of a buffer of the next ``lookahead``
+      pieces and filled greedily, largest that fits first (no piece waits more than ``lookahead``
+      windows);
+    * ``"split"``: full windows; the document crossing a window's end continues at position 0.
 
-    In every mode a document longer than ``seq_len`` is cut into ``seq_len``-token pieces, and
-    each piece is a document of its own (positions from 0, its last token predicting nothing).
-    Window ``w`` holds pieces ``order[first_piece[w]:first_piece[w + 1]]``."""
+    A document longer than ``seq_len`` is cut into ``seq_len``-token pieces, each a document of its
+    own. Window ``w`` holds pieces ``order[first_piece[w]:first_piece[w + 1]]``.
+    """
 
     tokens: np.ndarray
     """1-D token ids (may be a memory map)."""
