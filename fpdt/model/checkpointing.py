@@ -129,13 +129,11 @@ def _branch_call(branch_input: torch.Tensor) -> BranchCall | None:
 
 
 def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor | None = None) -> bool:
-    """For a Function that computes a whole residual branch of :func:`checkpointed_residual`
-    from ``branch_input`` (its output is the branch's output): True in the recompute of the
-    layer's last branch, whose output serves only as the root of its backward. Such a Function
-    may then skip its forward computation and return a placeholder of the output's shape and
-    dtype (its backward must recompute what it needs anyway, as the chunked MLP does), saving
-    the output's memory and its forward FLOPs. It passes that placeholder here; the checkpoint
-    raises if the branch's output is not it (a later op would have read its values)."""
+    """For a Function that computes a whole residual branch of :func:`checkpointed_residual` from
+    ``branch_input``: True in the recompute of the layer's last branch, whose output is only a
+    backward root. The Function may then skip its forward and return a placeholder of the output's
+    shape and dtype, passed here; the checkpoint raises if the branch's output is not it.
+    """
     call = _branch_call(branch_input)
     if call is None or not call.values_unused:
         return False
@@ -145,15 +143,12 @@ def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor |
 
 
 def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool:
-    """For a Function computing a whole residual branch ``f(x)`` of
-    :func:`checkpointed_residual`: whether its backward may add its input gradient ``dL/dx``
-    into ``grad_out`` in place (and return ``None`` for ``x``) instead of returning it.
+    """For a Function computing a whole residual branch ``f(x)`` of :func:`checkpointed_residual`:
+    whether its backward may add ``dL/dx`` into ``grad_out`` in place (and return ``None`` for ``x``).
 
-    True only inside such a branch's backward, when the layer's gradient is this layer's
-    alone (:func:`_exclusively_owned`), ``grad_out`` is that gradient itself (the Function's
-    output is the branch's output, nothing but identities after it) and ``branch_input`` is
-    the branch's input. That sum is exactly what the checkpoint would form from the returned
-    gradient; done chunk by chunk, no full-length input gradient exists."""
+    True only inside such a branch's backward when the layer's gradient is this layer's alone
+    (:func:`_exclusively_owned`), ``grad_out`` is that gradient and ``branch_input`` the branch's input.
+    """
     call = _branch_call(branch_input)
     grad = None if call is None else call.donation
     if grad is None:
@@ -245,12 +240,9 @@ class _LayerCheckpoint(torch.autograd.Function):
 
 
 class _StashEntry:
-    """Discards a layer input's stash entry when the graph that owns it is freed.
-
-    The model's stash lives across steps; if a forward's backward never runs (an exception,
-    a skipped step, evaluation with grad enabled), its layer inputs would stay on the host
-    for good. Backward pops the entry first, and the token keeps a later ``put`` under the
-    same key safe, so this only acts on abandoned entries.
+    """Discards a layer input's stash entry when the graph that owns it is freed, unpopped (an
+    exception, a skipped step, evaluation with grad enabled); the token keeps a later ``put`` under the
+    same key safe.
     """
 
     def __init__(self, stash: HostStash, key: Hashable):

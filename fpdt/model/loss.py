@@ -215,13 +215,10 @@ class _SumGradientOverGroup(torch.autograd.Function):
 
 
 def sum_gradient_over_group(loss: torch.Tensor, *, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
-    """``loss`` unchanged in value; in backward, each rank receives the *sum* over the group of
-    the gradients every rank's copy of it received.
-
-    For a caller that back-propagates every rank's copy of a :func:`sum_over_group` loss with a
-    weight of its own (Hugging Face Trainer's sequence-parallel loss aggregation weighs each
-    rank's loss by its valid-token count): the weights add up to the gradient of the one global
-    loss, whichever ranks hold the valid tokens."""
+    """``loss`` unchanged in value; in backward each rank receives the *sum* over the group of the
+    gradients every rank's copy received (for a caller that weighs each rank's copy of a
+    :func:`sum_over_group` loss, as Hugging Face Trainer's SP loss aggregation does).
+    """
     if sp == 1:
         return loss
     return _SumGradientOverGroup.apply(loss, group)

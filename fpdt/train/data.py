@@ -207,13 +207,9 @@ PLAUSIBILITY_SAMPLE = 1 << 20
 
 
 def check_plausible_bin(tokens: np.ndarray, bin_dtype: str, source: str) -> None:
-    """Refuse a ``.bin`` stream that is almost surely read with the wrong element type.
-
-    A little-endian ``uint32`` file read as ``uint16`` yields every id followed by its
-    high half, which is 0 for any vocabulary below 65536: so when every odd-position id
-    of the first :data:`PLAUSIBILITY_SAMPLE` is 0 (and the even ones are not all 0), the
-    file is uint32. (The other mix-up, uint16 read as uint32, gives ids >= 65536, which
-    :func:`check_vocab` refuses.)
+    """Refuse a ``.bin`` stream that is almost surely read with the wrong element type: every
+    odd-position id of the first :data:`PLAUSIBILITY_SAMPLE` 0 (and not every even one) is uint32
+    read as uint16 (the other mix-up gives ids >= 65536, which :func:`check_vocab` refuses).
     """
     if bin_dtype != "uint16" or tokens.size < 16:
         return
@@ -359,15 +355,11 @@ class PackedWindows:
     def arrangement(self, w: int) -> np.ndarray:
         """Window ``w``'s pieces in the order they are written (padding after them).
 
-        Without a ring (``balance_cp == 1``): stream order. With one, the ring's CP rank ``c``
-        holds zigzag pieces ``c`` and ``2 cp - 1 - c`` of each of the ``balance_chunks`` spans
-        (:func:`fpdt.layout.mesh_token_index`), and its attention work is the sum, over its query
-        tokens, of the keys each sees under the document mask (position in its document + 1),
-        which depends on where the documents fall: of stream order and ``arrangements - 1``
-        permutations drawn from ``(seed, w)``, the one whose busiest rank has the least work
-        (the first of equals). Documents are independent under the mask, so the order changes
-        which rank computes what, not what is trained. Deterministic: every rank, and a resumed
-        run, arranges a window alike."""
+        Without a ring (``balance_cp == 1``): stream order. With one: of stream order and
+        ``arrangements - 1`` permutations drawn from ``(seed, w)``, the one whose busiest CP rank (zigzag
+        pieces over ``balance_chunks`` spans) has the least attention work under the document mask (the
+        first of equals). It changes which rank computes what, not what is trained; deterministic.
+        """
         pieces = self.order[self.first_piece[w]:self.first_piece[w + 1]]
         if self.balance_cp == 1 or pieces.size < 2:
             return pieces
@@ -406,11 +398,10 @@ class PackedWindows:
         return float(np.bincount(owner, weights=keys, minlength=self.balance_cp).max())
 
     def attended_length(self, k: int) -> float:
-        """The length the FLOPs formula's attention term takes for sequence ``k``
-        (:func:`fpdt.train.metrics.step_rates`, ``S / 2`` keys per token when causal):
-        ``sum n_d^2 / S`` over the window's documents, the padding after the last one counted
-        as one more (the model attends over it as such), so that the count is the work the
-        document mask leaves, as ``fpdt-plan --doc-len`` counts it; ``S`` for one document."""
+        """The length the FLOPs formula's attention term takes for sequence ``k``: ``sum n_d^2 / S`` over
+        the window's documents, the padding after the last counted as one more (as ``fpdt-plan
+        --doc-len`` counts it); ``S`` for one document.
+        """
         w = self.window_of_sequence(k)
         n = self._segments(self.order[self.first_piece[w]:self.first_piece[w + 1]]).astype(np.float64)
         return float((n * n).sum()) / self.seq_len
@@ -463,10 +454,10 @@ class PackedWindows:
 
 def _best_fit(piece_len: list[int], seq_len: int, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
     """``(order, first)`` of windows filled from a buffer of the next ``lookahead`` pieces: the
-    earliest piece in the buffer opens the window (so none waits for more than ``lookahead``
-    windows), then the largest piece that fits what is left (the earliest of equal lengths)
-    until none does; each window's pieces then in stream order. Deterministic: a function of
-    the lengths alone. With ``lookahead=1`` there is no choice: in-order next fit."""
+    earliest piece opens the window, then the largest that fits (earliest of equals) until none
+    does; each window's pieces in stream order. A function of the lengths alone; ``lookahead=1``
+    is in-order next fit.
+    """
     buffer: list[tuple[int, int]] = []       # (length, -index), sorted
     nxt, order, first = 0, [], [0]
     while nxt < len(piece_len) or buffer:

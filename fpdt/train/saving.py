@@ -152,14 +152,12 @@ def load(engine, path: str, rank: int, lora: bool = False) -> dict[str, Any]:
 
 
 def _adapters_only(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
-    """DeepSpeed's module load for a checkpoint saved without its frozen parameters: a
-    non-strict ``load_state_dict`` that refuses, before loading anything, a checkpoint that
-    holds a frozen parameter (the resumed run's base is the one it read from ``--model`` or
-    drew from ``--seed``, never the checkpoint's), and any missing key that is not a frozen
-    parameter or unexpected key. The frozen parameters are those ``named_parameters()``
-    names, which is what ``exclude_frozen_parameters`` drops: the second name of a tied
-    weight (``lm_head.weight`` with ``tie_word_embeddings``) stays in every such checkpoint
-    and is loaded as saved, the frozen value it was trained with."""
+    """DeepSpeed's module load for a checkpoint saved without its frozen parameters: a non-strict
+    ``load_state_dict`` that refuses, before loading anything, a checkpoint holding a frozen
+    parameter (the base comes from ``--model`` or ``--seed``) or missing a key that is not frozen, or
+    with unexpected keys. The second name of a tied weight (``lm_head.weight``) stays in such a
+    checkpoint and is loaded as saved.
+    """
     frozen = {n for n, p in dst.named_parameters() if not p.requires_grad}
     held = sorted(frozen & set(src))
     if held:
