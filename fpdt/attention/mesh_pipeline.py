@@ -133,10 +133,9 @@ def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_d
 def single_rank_mesh_spec(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           device: torch.device, num_chunks: int, causal: bool = True,
                           backend: str | None = None) -> MeshSpec:
-    """A :class:`MeshSpec` for one rank (hp = cp = 1, no process group): the mesh pipeline's
-    loop order, stash traffic and merges without communication, for single-device checks
-    (a single GPU cannot form a ring; ``fpdt_attention(mesh=...)`` with cp = 1 takes the
-    Ulysses pipeline instead)."""
+    """A :class:`MeshSpec` for one rank (hp = cp = 1, no process group): the mesh pipeline's loops,
+    stash traffic and merges without communication, for single-device checks.
+    """
     if group_size(None) > 1:
         raise ValueError("single_rank_mesh_spec is for a world of one process; build a SequenceMesh for more")
     mesh = SequenceMesh(hp=1, cp=1)
@@ -148,12 +147,9 @@ def single_rank_mesh_spec(*, num_heads: int, num_kv_heads: int, head_dim: int, d
 
 # ----------------------------------------------------------------------------- the ring
 def ring_pass(spec: MeshSpec, block: torch.Tensor, visit: Callable[[int, int, torch.Tensor], None]) -> None:
-    """Circulate this rank's ``block`` over the CP group (double ring when ``w < cp``).
-
-    ``visit(step, src, blk)`` runs once per step with the block of CP rank ``src``, while
-    the next block is in flight. Two receive buffers: the inner ring's, and the outer
-    ring's, which carries the block this rank *started* the outer step with; the outer
-    transfer runs in its own communicator (``mesh.cp_outer_group``) for the whole inner ring.
+    """Circulate this rank's ``block`` over the CP group (double ring when ``w < cp``);
+    ``visit(step, src, blk)`` runs once per step with CP rank ``src``'s block while the next is in
+    flight (the outer transfer on ``mesh.cp_outer_group``).
     """
     sched, comm = spec.schedule, spec.comm
     cur, outer = block, None

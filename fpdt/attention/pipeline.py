@@ -68,11 +68,9 @@ class PipelineSpec:
         return blocks if self.docs is None else [j for j in blocks if self.docs.visible(i, j)]
 
     def q_blocks(self, j: int) -> list[int]:
-        """Query chunks that attend to KV chunk j, in the backward's inner-loop order.
-
-        Causal: the diagonal chunk j comes *last*. Its dq is final at that step (no later
-        KV chunk touches query chunk j), so it goes straight to delivery with dk_j/dv_j
-        instead of being held on the device through the whole outer step."""
+        """Query chunks that attend to KV chunk j, in the backward's inner-loop order; causal: the
+        diagonal chunk j *last*, so its final dq goes straight to delivery with dk_j/dv_j.
+        """
         blocks = list(range(j + 1, self.num_chunks)) + [j] if self.causal else list(range(self.num_chunks))
         return blocks if self.docs is None else [i for i in blocks if self.docs.visible(i, j)]
 
@@ -128,14 +126,11 @@ def _start_to_heads(spec: PipelineSpec, produce: Produce, i: int) -> PendingAllT
 def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: HostStash,
                      for_backward: bool = True, keep: Keep | None = None) -> None:
     """Run the forward; ``emit(i, out_i)`` receives each output chunk in sequence layout
-    ``[B, L, H, D]`` (callers write it into a preallocated output, so no list of chunks
-    and no concatenated copy exist side by side).
+    ``[B, L, H, D]`` (callers write it into a preallocated output).
 
-    With ``for_backward`` it leaves ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk in
-    ``stash``, as backward needs; without (a no-grad pass, e.g. the first pass of an
-    activation-checkpointed layer) only the KV chunks go through the stash and it is
-    emptied at the end. ``keep(i, o_i, lse_i)``, when given, gets each chunk's final output
-    (head layout) and lse (:mod:`fpdt.attention.saved_attention`).
+    With ``for_backward`` it leaves ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk in ``stash``;
+    without (a no-grad pass) only the KV chunks go through the stash, emptied at the end.
+    ``keep(i, o_i, lse_i)``, when given, gets each chunk's final output (head layout) and lse.
     """
     u = spec.num_chunks
     pending = None

@@ -83,10 +83,7 @@ class PendingAllToAll:
 def start_seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
                               group: dist.ProcessGroup | None) -> PendingAllToAll:
     """Start :func:`seq_to_heads` of several ``[B, n, H_i, D]`` tensors as one asynchronous
-    all-to-all, so it can overlap other work; ``.wait()`` gives ``[B, P*n, H_i/P, D]`` views.
-
-    Each rank's head slice of every tensor travels in the same message (one collective
-    instead of one per tensor).
+    all-to-all (one message per rank); ``.wait()`` gives ``[B, P*n, H_i/P, D]`` views.
     """
     P = group_size(group)
     if P == 1:

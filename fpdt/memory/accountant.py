@@ -112,18 +112,16 @@ def _storage_key(t: torch.Tensor):
 
 
 class MemoryAccountant:
-    """Count live tensor bytes created inside the ``with`` block; see the module docstring.
+    """Count live tensor bytes created inside the ``with`` block.
 
     Args:
-        device: the compute device whose working set is measured (default: cuda if
-            available, else cpu). Storages on other devices that are not host-stash
-            buffers (e.g. small CPU tensors next to a GPU run) are not counted.
-        detail: remember which op created each storage and list the live ones at every
-            phase's peak (:attr:`PhaseMemory.peak_tensors`); slower, for explaining budgets.
+        device: the device whose working set is measured (default: cuda if available, else cpu);
+            storages elsewhere that are not host-stash buffers are not counted.
+        detail: record each storage's creating op and list the live ones at every phase's peak
+            (:attr:`PhaseMemory.peak_tensors`); slower.
 
-    Live figures (bytes): :attr:`device_live`, :attr:`device_peak`, :attr:`host_live`,
-    :attr:`host_peak`; per phase: :attr:`phases`. :meth:`summary` gives all of them as a
-    dict (plus the CUDA peaks on CUDA).
+    Bytes: :attr:`device_live`, :attr:`device_peak`, :attr:`host_live`, :attr:`host_peak`,
+    :attr:`phases`; :meth:`summary` as a dict.
     """
 
     def __init__(self, device: torch.device | str | None = None, detail: bool = False,

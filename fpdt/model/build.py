@@ -26,13 +26,9 @@ def _options(fpdt_options: dict[str, Any]) -> FPDTOptions:
 
 def construct(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any,
               **fpdt_options) -> FPDTForCausalLM:
-    """The bare module tree for ``config``, built in the caller's device / tensor-creation
-    context with ``torch.nn``'s default initialisation and no dtype or device of its own.
-
-    ``with torch.device("meta"): construct(cfg)`` gives a shape-only model (what
-    :func:`from_config` and :func:`from_pretrained` start from); a context that partitions
-    parameters as they are created (DeepSpeed's ``zero.Init``) gives a partitioned one. The
-    RoPE buffer is whatever that context made of it: call ``model.reset_rope(device)`` after.
+    """The bare module tree for ``config``, in the caller's device / tensor-creation context (``meta``:
+    shape-only; ``zero.Init``: partitioned), with ``torch.nn``'s default initialisation. Call
+    ``model.reset_rope(device)`` after: the RoPE buffer is whatever that context made of it.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
     return FPDTForCausalLM(cfg, _options(fpdt_options))

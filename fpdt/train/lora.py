@@ -204,10 +204,10 @@ def record(spec: LoraSpec | None, model: str | None, model_config: str | None, s
 
 
 def drawn_config(cfg: ModelConfig) -> dict[str, Any]:
-    """Every field of a parsed model config but the original dict: what
-    :func:`fpdt.model.from_config` draws the random base from with the seed (sizes,
-    ``initializer_range``, the zeroed padding row, tied embeddings) and what decides how that
-    base computes (norm epsilon, RoPE), so another value of any is another base."""
+    """Every field of a parsed model config but the original dict: what :func:`fpdt.model.from_config`
+    draws the random base from with the seed and what decides how it computes, so another value of
+    any is another base.
+    """
     out = {}
     for f in dataclasses.fields(cfg):
         if f.name != "hf_config":

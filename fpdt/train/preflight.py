@@ -233,10 +233,10 @@ def check_resume(path: str, *, steps: int, world_size: int, precision: str, mode
 
 
 def attention_kernel(name: str | None, device, dtype, head_dim: int) -> AttentionBackend:
-    """The attention kernel the run will use: ``name`` (``--attention-backend``), or the
-    automatic choice when None. A named kernel that is not installed, does not fit the
-    device, dtype or head size, or fails its self-check is a :class:`ConfigError` that says
-    so, before any process group or model exists (not at the first forward)."""
+    """The attention kernel the run will use: ``name`` (``--attention-backend``) or the automatic
+    choice; one that is not installed, does not fit, or fails its self-check is a
+    :class:`ConfigError` before any process group or model exists.
+    """
     try:
         return get_backend(name, device, dtype, head_dim)
     except (RuntimeError, ValueError) as e:

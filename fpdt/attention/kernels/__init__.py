@@ -72,11 +72,10 @@ def auto_order(device: torch.device, dtype: torch.dtype, head_dim: int, num_head
 
 
 def expands_gqa_on_gpu(name: str | None, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether attention on a CUDA GPU repeats the KV heads per block (for the memory model,
-    on any machine): the named backend's ``not native_gqa``, or for automatic selection that
-    of the first of torch's CUDA kernels that takes ``dtype`` and ``head_dim`` (in bf16/fp16
-    FlashAttention-2 or cuDNN, both native; in fp32 the efficient kernel, which expands).
-    The optional flash-attn packages are native too, so they do not change the answer."""
+    """Whether attention on a CUDA GPU repeats the KV heads per block (for the memory model, on any
+    machine): the named backend's ``not native_gqa``, or for automatic selection that of the first of
+    torch's CUDA kernels taking ``dtype`` and ``head_dim`` (bf16/fp16: native; fp32: expands).
+    """
     if name is not None:
         return not BACKENDS[name].native_gqa
     cuda = torch.device("cuda")
@@ -91,13 +90,10 @@ _CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-10}  # half precisions: 5e-
 
 
 def self_check(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Check ``backend`` once per (device, dtype, head_dim) against the float64 math kernel.
-
-    Runs a GQA query block against a diagonal (causal) and an earlier (full) KV block,
-    forward and the backward with the *merged* (out, lse), on random inputs. Catches
-    kernels that fail on this build or GPU, and kernels whose lse is fake or whose
-    backward ignores the lse it is given (both silently break the merge). Returns None
-    when it passes, else what went wrong.
+    """Check ``backend`` once per (device, dtype, head_dim) against the float64 math kernel: a GQA
+    query block against a diagonal and an earlier KV block, forward and the backward from the
+    *merged* (out, lse). Returns None when it passes, else what went wrong (a kernel that fails, a
+    fake lse, a backward that ignores the lse).
     """
     key = (backend.name, str(device), dtype, head_dim)
     if key in _SELF_CHECKS:
@@ -134,12 +130,9 @@ def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head
                 check: bool = True) -> AttentionBackend:
     """The backend called ``name``, or the best one for ``(device, dtype, head_dim)`` if None.
 
-    Every backend passes :func:`self_check` before first use: automatic selection warns
-    and moves on to the next candidate; a named backend that fails raises.
-    Raises ``ValueError`` for an unknown name and ``RuntimeError`` when the named backend
-    is not installed, cannot run on this device/dtype, or fails its self-check.
-    ``check=False`` skips a named backend's self-check (no device work: a process that only
-    validates a name, e.g. before starting the processes that will run it).
+    Every backend passes :func:`self_check` before first use (automatic selection warns and moves
+    on; ``check=False`` skips a named one's). Raises ``ValueError`` for an unknown name and
+    ``RuntimeError`` when the named backend is not installed, cannot run here, or fails its check.
     """
     device = torch.device(device)
     if name is None:
