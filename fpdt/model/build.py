@@ -1,9 +1,6 @@
 """Building an FPDT model: from a config (random init) or a Hugging Face checkpoint, without
-a second host copy.
-
-Models are first built on the ``meta`` device (no storage), then each tensor is read from its
-shard straight to the target device/dtype and *assigned* as the parameter
-(:mod:`fpdt.model.weights`), so host RAM holds at most one shard's tensors on top of the model.
+a second host copy (built on ``meta``, then each tensor read straight to its device and dtype,
+:mod:`fpdt.model.weights`).
 """
 
 from __future__ import annotations

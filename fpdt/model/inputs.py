@@ -1,13 +1,8 @@
 """Turn a global token window into one rank's FPDT inputs.
 
-Order matters: labels are shifted on the *global* sequence first
-(the target of token ``t`` is token ``t + 1``, including across the pieces that end up on
-different ranks), and only then are ids, labels and position ids sharded with one and
-the same layout (:func:`fpdt.layout.shard`).
-
-Packed documents (:mod:`fpdt.layout.documents`): position ids that restart at 0 mark where each
-document starts; ``doc_ids=`` or ``cu_seqlens=`` name the documents instead. Either way each
-document's last token gets the target ``-100`` (it would predict the next document's first token).
+Labels are shifted on the *global* sequence first, then ids, labels and position ids are sharded
+with one layout (:func:`fpdt.layout.shard`). Packed documents (position ids restarting at 0, or
+``doc_ids=`` / ``cu_seqlens=``): each document's last token gets the target ``-100``.
 """
 
 from __future__ import annotations

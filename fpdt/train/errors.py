@@ -1,17 +1,13 @@
 """How ``fpdt-train`` reports a failure: one line, no traceback, non-zero exit.
 
-* Errors of the user's making (:data:`USER_ERRORS`: bad flags, configs, data, checkpoints)
-  are found identically on every rank, so only rank 0 prints them:
+* :data:`USER_ERRORS` (bad flags, configs, data, checkpoints; alike on every rank): rank 0 prints
   ``fpdt-train: error: <what, naming the file (and line)>; <the fix>``. Exit status 2.
-* :class:`RunError`: the run started and had to stop. One that every rank meets alike (a
-  non-finite loss) is printed by rank 0; one a rank meets on its own (another rank died
-  or stalled) by that rank, prefixed with its rank. Exit status 1.
-* Anything else is a bug or an environment problem: one line with the exception's type
-  and message, and how to see the traceback; when it was raised inside an attention kernel
-  adapter (:mod:`fpdt.attention.kernels`), the line names it and ``--attention-backend``,
-  which runs another kernel. Exit status 1.
+* :class:`RunError` (the run had to stop): printed by rank 0 when every rank meets it, else by
+  the rank that did, prefixed with its rank. Exit status 1.
+* Anything else: the exception's type and message and how to see the traceback (naming the
+  attention kernel and ``--attention-backend`` when raised inside one). Exit status 1.
 
-``--debug`` or ``FPDT_DEBUG=1`` re-raises instead, so the full traceback shows.
+``--debug`` or ``FPDT_DEBUG=1`` re-raises instead.
 """
 
 from __future__ import annotations

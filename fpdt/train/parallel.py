@@ -1,14 +1,9 @@
 """Processes, devices and the sequence-parallel / data-parallel groups.
 
-Ranks are laid out SP-innermost: with SP size P, ranks ``[g*P, (g+1)*P)`` form SP group
-``g`` and train one sequence together; ``g`` is also the data-parallel index of those
-ranks (``dp = world_size / P`` groups read distinct windows). Innermost SP keeps the
-all-to-alls inside a node when P divides the GPUs per node.
-
-DeepSpeed sees every rank as a data-parallel rank: ZeRO-3 shards parameters, gradients
-and optimizer state over all ``dp * P`` ranks (the SP group counts as DP, as in the FPDT
-paper) and averages gradients over all of them. See :mod:`fpdt.train.loop` for the loss
-scaling that makes that average right.
+SP-innermost: with SP size P, ranks ``[g*P, (g+1)*P)`` form SP group ``g``, which is also their
+data-parallel index (``dp = world_size / P`` groups read distinct windows); the all-to-alls stay
+inside a node when P divides its GPUs. DeepSpeed sees every rank as data-parallel: ZeRO-3 shards
+over and averages gradients over all ``dp * P`` ranks (loss scaling: :mod:`fpdt.train.loop`).
 """
 
 from __future__ import annotations

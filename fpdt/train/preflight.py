@@ -1,11 +1,7 @@
-"""Checks that need files but no process group: run before the model is built and
-DeepSpeed starts, so that a bad input costs seconds, not the hours a long-context run
-spends before its first step.
-
-Every check raises :class:`~fpdt.train.config.ConfigError` with one line that names the
-file or flag at fault and the fix. What :func:`fpdt.train.config.validate` checks (sizes,
-chunks, device options) is not repeated here; this module adds what needs the model's
-``config.json``, the DeepSpeed batch settings, the checkpoint directory or the file system.
+"""Checks that need files but no process group, run before the model is built and DeepSpeed
+starts: the model's ``config.json``, the DeepSpeed batch settings, the checkpoint directory and
+the file system (:func:`fpdt.train.config.validate` checks the rest). Each raises
+:class:`~fpdt.train.config.ConfigError` with one line naming the file or flag and the fix.
 """
 
 from __future__ import annotations
