@@ -14,12 +14,10 @@ import torch
 
 
 class OnlineSoftmax:
-    """Running ``(out, lse)`` accumulator for one query chunk.
-
-    ``out`` is kept ``[B, S, H, D]`` and ``lse`` ``[B, H, S]``, both in ``acc_dtype``
-    (fp32, or float64 when the inputs are float64). The first block is converted (not
-    copied when it already has ``acc_dtype``: the accumulator takes it over, so callers
-    hand over block results they do not use again); later blocks are merged in place.
+    """Running ``(out, lse)`` accumulator for one query chunk: ``out`` ``[B, S, H, D]`` and ``lse``
+    ``[B, H, S]`` in ``acc_dtype`` (fp32, float64 for float64 inputs). The first block is taken over
+    (not copied when already ``acc_dtype``: callers hand over results they do not reuse); later
+    blocks are merged in place.
     """
 
     def __init__(self, acc_dtype: torch.dtype = torch.float32):

@@ -163,16 +163,11 @@ def document_work(doc_ids, *, seq_len: int, hp: int = 1, cp: int = 1, num_chunks
 def ulysses_working_set_U(*, num_heads: int, num_kv_heads: int, head_dim: int, sp: int = 1,
                           num_chunks: int, offload: bool = True,
                           kernel_expands_gqa: bool = False) -> tuple[float, float]:
-    """``(forward, backward)`` working set of the Ulysses FPDT pipeline (``cp = 1``) per
-    rank, in ``U`` (one global chunk of bf16 hidden states), beyond its output / input
-    gradients; the per-tensor accounting is in ``docs/memory.md``.
-
-    ``r = H_kv' / H`` (KV heads after the replication ``sp`` needs). ``kernel_expands_gqa``:
-    the block kernel repeats K/V to ``H`` heads and folds dK/dV back in fp32 (the CPU
-    kernel; flash-attn and cuDNN take GQA natively). ``e = 2 / D``: one fp32 lse chunk.
-    With ``sp > 1`` head-layout tensors are ``1/sp`` of these and the all-to-all send and
-    receive buffers add ``(2 (1 + 2r) + 2) / sp`` (forward: chunk i+1's q/k/v and o) and
-    ``(2 + 8 r) / sp`` (backward: dô of the next step, the packed fp32 dk/dv).
+    """``(forward, backward)`` working set of the Ulysses FPDT pipeline (``cp = 1``) per rank, in
+    ``U``, beyond its output / input gradients (per tensor: ``docs/memory.md``). ``r = H_kv' / H``;
+    ``kernel_expands_gqa``: the kernel repeats K/V to ``H`` heads (the CPU kernel); ``e = 2 / D``, one
+    fp32 lse chunk. With ``sp > 1`` head-layout tensors are ``1/sp`` of these, and the all-to-all
+    buffers add ``(2 (1 + 2r) + 2) / sp`` forward and ``(2 + 8 r) / sp`` backward.
     """
     H, u, P = num_heads, num_chunks, sp
     r = kv_replication_factor(H, num_kv_heads, P) * num_kv_heads / H

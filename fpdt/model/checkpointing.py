@@ -107,15 +107,10 @@ class _ResidualBody:
 
 
 class BranchCall:
-    """What the checkpoint tells one residual branch while it recomputes and back-propagates it.
-
-    Carried on the branch's input, the leaf the recompute creates (attribute ``_fpdt_branch``),
-    so that a Function computing the whole branch reads it from its own input: no module state.
-
-    * ``values_unused``: this is the layer's last branch, whose output is only a backward root
-      (:func:`output_values_unused`); ``placeholders`` collects what such Functions returned.
-    * ``donation``: during the branch's backward, the layer's incoming gradient when it is this
-      layer's alone and may be added into in place (:func:`donated_gradient`), else None.
+    """What the checkpoint tells one residual branch while it recomputes and back-propagates it,
+    carried on the branch's input leaf (attribute ``_fpdt_branch``): ``values_unused`` (the last
+    branch, :func:`output_values_unused`; ``placeholders`` collects what its Functions returned) and
+    ``donation`` (the layer's gradient when it may be added into in place, :func:`donated_gradient`).
     """
 
     def __init__(self, values_unused: bool):
@@ -174,11 +169,10 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _exclusively_owned(grad: torch.Tensor) -> bool:
-    """Whether the incoming gradient of a Function's backward is held by that call alone
-    (the engine's buffer and this frame) and no other tensor shares its memory, so it may be
-    accumulated into in place. False when another node receives the same tensor (an add hands
-    one gradient to both inputs), when the caller passed a tensor it keeps
-    (``y.backward(g)``), under double backward, or where torch cannot tell."""
+    """Whether a Function's incoming gradient is held by that backward call alone (no other node,
+    caller or tensor shares its memory), so it may be accumulated into in place; False under double
+    backward or where torch cannot tell.
+    """
     try:
         impl_refs = grad._use_count()
         storage_refs = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
@@ -192,15 +186,12 @@ def _exclusively_owned(grad: torch.Tensor) -> bool:
 class _LayerCheckpoint(torch.autograd.Function):
     """``body.forward(x)`` with recompute in backward.
 
-    Inputs: ``body`` (:class:`_OpaqueBody` or :class:`_ResidualBody`), ``stash`` (HostStash
-    or None), ``key`` and ``prev_key`` (stash keys of this layer's and the previous layer's
-    input), ``on_device`` (keep ``x`` on the device even with a stash), ``saved`` (a
-    :class:`fpdt.attention.saved_attention.SavedAttention`, or None: the layer's attention
-    output and lse, recorded in forward and replayed in the recompute), ``x``
-    ``[B, S_local, hidden]``, then, when ``x`` does not require grad, an empty leaf that does
-    (graph connectivity only; it gets no gradient).
-    Saved: ``x`` -- in ``ctx`` when ``stash`` is None or ``on_device``, else offloaded to
-    host under ``key``. With a stash, backward starts the fetch of ``prev_key`` either way.
+    Inputs: ``body`` (:class:`_OpaqueBody` / :class:`_ResidualBody`), ``stash``, ``key`` /
+    ``prev_key`` (stash keys of this and the previous layer's input), ``on_device``, ``saved``
+    (``SavedAttention`` or None), ``x`` ``[B, S_local, hidden]``, then, when ``x`` does not require
+    grad, an empty leaf that does (graph connectivity only). Saved: ``x``, in ``ctx`` when
+    ``stash`` is None or ``on_device``, else offloaded under ``key``; with a stash, backward starts
+    the fetch of ``prev_key`` either way.
     """
 
     @staticmethod

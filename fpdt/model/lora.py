@@ -74,11 +74,9 @@ def _projections(model: nn.Module, targets: tuple[str, ...]):
 def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
     """Attach LoRA adapters to ``model`` (a :class:`fpdt.model.FPDTForCausalLM`), freeze the rest.
 
-    ``lora_A`` is drawn from a CPU generator seeded with ``seed``, one projection after another
-    in layer order, so every rank draws the same adapters (as ZeRO-3 needs; the draws do not
-    depend on the world size). ``dtype``: the adapters' (default fp32, as PEFT keeps them on a
-    16-bit model; DeepSpeed's mixed precision casts them to the training dtype and keeps fp32
-    master copies). Returns ``model``, with ``model.lora`` set to ``spec``.
+    ``lora_A`` is drawn from a CPU generator seeded with ``seed`` in layer order, the same on every
+    rank whatever the world size. ``dtype``: the adapters' (default fp32, as PEFT). Returns
+    ``model``, with ``model.lora`` set to ``spec``.
     """
     if getattr(model, "lora", None) is not None:
         raise ValueError("the model already has LoRA adapters")

@@ -48,17 +48,13 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
     """``scale * sum CE`` over ``num_chunks`` token chunks (``docs/model.md``, The chunked loss).
 
     Inputs: ``hidden`` ``[B, S, hidden]`` (after the final norm), ``weight`` ``[V, hidden]``,
-    ``labels`` ``[B, S]`` long (-100 = ignore), ``scale`` fp32 0-dim tensor,
-    ``num_chunks`` int, ``compute_grad`` bool (False under ``no_grad``: loss only),
-    ``wgrad`` (:data:`WGRAD_MODES`).
-    Output: fp32 0-dim tensor.
-    Saved: ``dh`` ``[B, S, hidden]`` (hidden dtype), already computed in forward; with
-    ``"accumulate"`` also ``dW`` ``[V, hidden]`` (fp32); with ``"recompute"`` instead
-    ``hidden``, ``weight``, ``labels``, ``scale`` and the fp32 ``lse`` ``[B * S]``. Nothing
-    offloaded. Backward scales ``dh`` (and the accumulated ``dW``) by the incoming gradient
-    *in place* (no second ``[V, hidden]`` fp32 or ``[B, S, hidden]`` tensor at the head's
-    backward), so it can run once per forward: a second backward through the same forward
-    (``retain_graph=True``) raises instead of scaling twice.
+    ``labels`` ``[B, S]`` long (-100 = ignore), ``scale`` fp32 0-dim, ``num_chunks``,
+    ``compute_grad`` (False under ``no_grad``: loss only), ``wgrad`` (:data:`WGRAD_MODES`).
+    Output: fp32 0-dim. Saved: ``dh`` ``[B, S, hidden]`` (hidden dtype, computed in forward); with
+    ``"accumulate"`` also ``dW`` ``[V, hidden]`` fp32; with ``"recompute"`` instead ``hidden``,
+    ``weight``, ``labels``, ``scale`` and the fp32 ``lse`` ``[B * S]``. Nothing offloaded. Backward
+    scales ``dh`` (and ``dW``) *in place*, so a second backward through the same forward
+    (``retain_graph=True``) raises.
     """
 
     @staticmethod

@@ -67,12 +67,9 @@ def _free_port() -> int:
 
 
 def init_distributed(device: torch.device, timeout: timedelta | None = None) -> None:
-    """Initialise the default process group unless a launcher or a test already did.
-
-    Without a launcher (no ``RANK`` in the environment) this becomes a 1-process group on
-    a free local port, so a single process runs through exactly the same code.
-    ``timeout``: how long a collective waits for the other ranks before it raises
-    (``--dist-timeout-min``; ``None``: torch's default).
+    """Initialise the default process group unless a launcher or a test already did (without
+    ``RANK`` in the environment: a 1-process group on a free local port). ``timeout``: how long a
+    collective waits (``--dist-timeout-min``; None: torch's default).
     """
     if dist.is_initialized():
         # A caller-made group (e.g. the test harness) may lack the launcher's variables,
@@ -91,13 +88,9 @@ def init_distributed(device: torch.device, timeout: timedelta | None = None) -> 
 
 def build_parallel_state(sp: int, device: torch.device, *, cp: int = 1, placement: str = "head_first",
                          inner_ring: int | None = None, timeout: timedelta | None = None) -> ParallelState:
-    """Create the SP groups (every rank creates all of them, in the same order).
-
-    With ``cp > 1`` the SP ranks form a 2D :class:`fpdt.comm.SequenceMesh` of
-    ``hp = sp / cp`` x ``cp`` (SP-innermost as well: replica ``g`` is ranks
-    ``[g*sp, (g+1)*sp)``, arranged inside by ``placement``). ``timeout``: that of the SP
-    groups and of the mesh's groups (a group made without one would wait torch's default,
-    not the run's).
+    """Create the SP groups (every rank creates all of them, in the same order). With ``cp > 1``
+    the SP ranks form a 2D :class:`fpdt.comm.SequenceMesh` of ``hp = sp / cp`` x ``cp`` (replica
+    ``g`` is ranks ``[g*sp, (g+1)*sp)``, arranged by ``placement``). ``timeout``: of every group made.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % sp != 0:  # validated earlier from the environment; re-check the real group

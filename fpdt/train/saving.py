@@ -80,12 +80,9 @@ def write_model_files(save_dir: str, hf_config: dict, tokenizer_path: str | None
 
 def save(engine, save_dir: str, step: int, rank: int, run_info: dict[str, Any], precision: str | None = None,
          lora: dict[str, Any] | None = None) -> str:
-    """Save optimizer step ``step`` (collective: every rank calls it). Returns the tag dir.
-
-    ``precision`` (``"bf16"``/``"fp16"``/``"fp32"``) and the world size are stored in the
-    trainer file so that a resume with another precision or process count is refused
-    before DeepSpeed starts (:func:`inspect`). ``lora``: a LoRA run's record
-    (:func:`fpdt.train.lora.record`); the frozen parameters are then not saved.
+    """Save optimizer step ``step`` (collective). Returns the tag dir. ``precision`` and the world
+    size go into the trainer file, so :func:`inspect` refuses a resume that changes them; ``lora``: a
+    LoRA run's record (:func:`fpdt.train.lora.record`), the frozen parameters then not saved.
     """
     tag = tag_for(step)
     engine.save_checkpoint(save_dir, tag=tag, client_state={"fpdt_step": step, "fpdt_lora": lora},
@@ -133,10 +130,10 @@ def resolve(path: str) -> tuple[str, str]:
 
 def load(engine, path: str, rank: int, lora: bool = False) -> dict[str, Any]:
     """Restore the engine from ``--resume PATH``; returns the trainer state (``{"step", "run",
-    "rng", "lora", ...}``). The caller restores ``state["rng"]`` (:func:`set_rng_state`) right
-    before the first step, after any set-up that draws random numbers (LoRA dropout draws its
-    masks' seeds from the default generator, so the next step's masks depend on it).
-    ``lora``: the checkpoint left the frozen parameters out (the engine's model has them)."""
+    "rng", "lora", ...}``). The caller restores ``state["rng"]`` (:func:`set_rng_state`) right before
+    the first step, after any set-up that draws random numbers. ``lora``: the checkpoint left the
+    frozen parameters out.
+    """
     save_dir, tag = resolve(path)
     trainer_file = os.path.join(save_dir, tag, TRAINER_FILE.format(rank=rank))
     if not os.path.isfile(trainer_file):

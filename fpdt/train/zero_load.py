@@ -64,20 +64,17 @@ def checkpoint_plan(path: str | os.PathLike, model: FPDTForCausalLM) -> list[tup
 
 def from_pretrained_zero3(path: str | os.PathLike, ds_config: Mapping[str, Any], *, dtype: torch.dtype,
                           device: torch.device, **fpdt_options) -> FPDTForCausalLM:
-    """The checkpoint at ``path`` as a ZeRO-3-partitioned model (see the module docstring).
+    """The checkpoint at ``path`` as a ZeRO-3-partitioned model.
 
     Args:
         path: Hugging Face checkpoint directory (``config.json`` + safetensors).
-        ds_config: the DeepSpeed config dict without the ``"fpdt"`` key (the one later given
-            to ``deepspeed.initialize``; ``zero.Init`` reads offload and persistence settings
-            from it).
-        dtype: the training dtype (parameters are created and loaded in it); it must be the
-            one ``ds_config`` asks for (``zero.Init`` reads it from there).
+        ds_config: the DeepSpeed config dict without ``"fpdt"`` (the one later given to
+            ``deepspeed.initialize``; ``zero.Init`` reads its offload and persistence settings).
+        dtype: the training dtype, the one ``ds_config`` asks for.
         device: this rank's compute device (where the RoPE buffer goes).
         **fpdt_options: :class:`fpdt.model.FPDTOptions` fields.
 
-    Collective: every rank of the default process group must call it. The parameters are
-    partitioned over the whole world, as ``deepspeed.initialize`` partitions them.
+    Collective over the default group; parameters are partitioned over the whole world.
     """
     import deepspeed
     from safetensors import safe_open

@@ -81,17 +81,11 @@ _SDPA_CHOICES: dict[tuple, str] = {}
 
 def sdpa_choice(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                 causal: bool = True) -> str | None:
-    """The kernel torch's ``scaled_dot_product_attention`` dispatches a self-attention call to on
-    ``device`` (``"flash"``, ``"cudnn"``, ``"efficient"``, ``"math"``; None if torch cannot say),
-    for queries with ``num_heads`` heads and keys with ``num_kv_heads`` (``enable_gqa`` when they
-    differ, as Hugging Face's SDPA attention calls it) that require grad, without a mask.
-
-    Asks torch's dispatcher (``torch._fused_sdp_choice``) on a small probe (two 128-token
-    tensors on ``device``), so it follows the installed torch, cuDNN, GPU and the
-    ``TORCH_CUDNN_SDPA_*`` environment, as SDPA itself does (on some builds the cuDNN
-    preference also depends on the runtime cuDNN version). The probe runs with grad enabled
-    (a training call). An answer is cached per argument tuple, for the process (a later
-    ``sdpa_kernel`` context does not change it); a failure is not cached.
+    """The kernel torch's ``scaled_dot_product_attention`` dispatches a maskless, grad-requiring
+    self-attention call to on ``device`` (``"flash"``, ``"cudnn"``, ``"efficient"``, ``"math"``; None if
+    torch cannot say), ``enable_gqa`` when ``num_kv_heads`` differs from ``num_heads``. Asks
+    ``torch._fused_sdp_choice`` on a small probe, so it follows the installed torch, cuDNN, GPU and
+    ``TORCH_CUDNN_SDPA_*``; answers (not failures) are cached per argument tuple for the process.
     """
     key = (str(device), dtype, num_heads, num_kv_heads, head_dim, causal)
     if key in _SDPA_CHOICES:
