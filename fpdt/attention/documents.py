@@ -191,9 +191,9 @@ _CACHE: dict[tuple, tuple] = {}     # (class, geometry) -> (weakref to doc_ids, 
 
 
 def cached_documents(cls, doc_ids: torch.Tensor, **geometry):
-    """``cls(doc_ids, **geometry)``, reused while the same ``doc_ids`` tensor (unmodified) comes
-    back with the same geometry: every layer of a model call sees the same documents, so the
-    host copy and the classification happen once per step, not once per layer."""
+    """``cls(doc_ids, **geometry)``, reused while the same unmodified ``doc_ids`` tensor comes back
+    with the same geometry (every layer of a step), so classification runs once per step.
+    """
     key = (cls, tuple(sorted(geometry.items())))
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is doc_ids and hit[1] == doc_ids._version:

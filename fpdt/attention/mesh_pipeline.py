@@ -294,10 +294,8 @@ def _block_backward(spec: MeshSpec, kind: str, do, q, kv, o, lse, blk: Block | N
 
 def mesh_backward(spec: MeshSpec, grad_out_chunk: Callable[[int], torch.Tensor], deliver: Deliver,
                   stash: HostStash) -> None:
-    """Backward over what :func:`mesh_forward` left in ``stash``; empties it.
-
-    ``deliver(j, dq_j, dk_j, dv_j)`` gets chunk j's final gradients in sequence layout
-    (fp32; dk/dv summed over GQA replicas) as soon as they are final.
+    """Backward over what :func:`mesh_forward` left in ``stash`` (emptied); ``deliver(j, dq_j, dk_j,
+    dv_j)`` gets chunk j's final fp32 gradients in sequence layout (dk/dv summed over GQA replicas).
     """
     u = spec.num_chunks
     pending = start_seq_to_heads_packed((grad_out_chunk(0),), spec.hp_group)

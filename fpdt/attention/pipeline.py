@@ -57,9 +57,9 @@ class PipelineSpec:
 
     @property
     def overlap_all_to_all(self) -> bool:
-        """Start chunk i+1's all-to-all during chunk i's attention. Only with P > 1: with
-        one rank there is no collective to hide, and producing chunk i+1 early would only
-        hold its q/k/v (1.5 U for GQA 4:1, 3 U for MHA) through chunk i's attention."""
+        """Start chunk i+1's all-to-all during chunk i's attention; only with P > 1 (with one rank,
+        producing chunk i+1 early would only hold its q/k/v through chunk i's attention).
+        """
         return self.sp_size > 1
 
     def kv_blocks(self, i: int) -> list[int]:
@@ -199,10 +199,8 @@ def _attend(spec: PipelineSpec, i: int, q_h: torch.Tensor, current: dict, stash:
 
 def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor],
                       deliver: Deliver, stash: HostStash) -> None:
-    """Run the backward over the chunks left in ``stash`` by :func:`pipeline_forward`.
-
-    ``grad_out_chunk(i)`` returns the output gradient of local chunk ``i`` in sequence
-    layout ``[B, L, H, D]``. Empties ``stash``.
+    """Run the backward over the chunks :func:`pipeline_forward` left in ``stash`` (emptied);
+    ``grad_out_chunk(i)`` returns local chunk ``i``'s output gradient ``[B, L, H, D]``.
     """
     u = spec.num_chunks
     final_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -288,9 +286,9 @@ def _ready_chunks(spec: PipelineSpec, j: int) -> list[int]:
 
 
 def _prefetch_q_side(stash: HostStash, i: int) -> None:
-    """Start fetching what the backward kernel of query chunk i reads (dô_i once it exists).
-    Its dq_i accumulator is fetched later, when step i starts: it is only needed after the
-    kernel, so only one fp32 dq is on the device at a time."""
+    """Start fetching what the backward kernel of query chunk i reads (dô_i once it exists); its
+    fp32 dq_i comes later, when step i starts, so one dq is on the device at a time.
+    """
     for name in ("q", "o", "lse", "do"):
         if (name, i) in stash:
             stash.prefetch((name, i))

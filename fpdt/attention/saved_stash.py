@@ -25,10 +25,8 @@ def stash_token(stash: HostStash) -> torch.Tensor:
 
 
 def stash_of(token: torch.Tensor) -> HostStash:
-    """The stash a saved token carries, for its one backward (after ``ctx.saved_tensors``).
-
-    Backward consumes the stash (its chunks are popped), so a second backward through the
-    same graph (``retain_graph=True``) is refused here rather than failing on a missing chunk.
+    """The stash a saved token carries, for its one backward (after ``ctx.saved_tensors``); a second
+    backward through the same graph (``retain_graph=True``) is refused here.
     """
     if getattr(token, _USED, False):
         raise RuntimeError("fpdt attention's saved chunks were consumed by an earlier backward through this "

@@ -13,9 +13,8 @@ import torch
 
 
 def kv_replication_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
-    """How many times each KV head must be repeated for an sp degree of ``sp_size``.
-
-    Raises ``ValueError`` naming the fix when the heads cannot be split.
+    """How many times each KV head is repeated for an sp degree of ``sp_size``; ``ValueError``
+    naming the fix when the heads cannot be split.
     """
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")

@@ -15,10 +15,7 @@ from fpdt.layout.split import sequence_multiple
 
 
 def check_layout(seq_len: int, sp_size: int, num_chunks: int) -> int:
-    """Validate ``(S, P, u)`` and return the piece length ``L = S / (P * u)``.
-
-    Raises ``ValueError`` naming the fix when ``S`` is not divisible by ``P * u``.
-    """
+    """Validate ``(S, P, u)`` and return ``L = S / (P * u)``; ``ValueError`` naming the fix otherwise."""
     if sp_size < 1 or num_chunks < 1:
         raise ValueError(f"sp_size={sp_size} and num_chunks={num_chunks} must both be >= 1")
     denom = sequence_multiple(sp_size, num_chunks, zigzag=False)
@@ -35,11 +32,7 @@ def check_layout(seq_len: int, sp_size: int, num_chunks: int) -> int:
 
 def global_token_index(seq_len: int, sp_size: int, num_chunks: int, rank: int,
                        device: torch.device | str | None = None) -> torch.Tensor:
-    """Global token positions held by ``rank``, in its local order.
-
-    Returns a ``LongTensor`` of shape ``[S / P]``; entry ``t`` is the global index of the
-    rank's ``t``-th local token.
-    """
+    """Global token positions held by ``rank``, in its local order: a ``LongTensor`` ``[S / P]``."""
     if not 0 <= rank < sp_size:
         raise ValueError(f"rank={rank} outside [0, sp_size={sp_size})")
     piece = check_layout(seq_len, sp_size, num_chunks)
@@ -62,9 +55,8 @@ def shard(x: torch.Tensor, sp_size: int, num_chunks: int, rank: int, dim: int = 
 
 def unshard(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], num_chunks: int,
             dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`shard`: rebuild the global tensor from every rank's slice.
-
-    ``shards[r]`` is rank ``r``'s local tensor (``S / P`` along ``dim``).
+    """Inverse of :func:`shard`: the global tensor from every rank's slice ``shards[r]`` (``S / P``
+    along ``dim``).
     """
     sp_size = len(shards)
     if sp_size == 0:

@@ -20,9 +20,8 @@ from fpdt.layout.split import sequence_multiple
 
 
 def check_mesh_layout(seq_len: int, hp: int, cp: int, num_chunks: int) -> int:
-    """Validate ``(S, hp, cp, u)`` and return the local chunk length ``L = S / (hp*cp*u)``.
-
-    Raises ``ValueError`` naming the required multiple ``2 * hp * cp * u``.
+    """Validate ``(S, hp, cp, u)`` and return ``L = S / (hp*cp*u)``; ``ValueError`` naming the
+    required multiple ``2 * hp * cp * u`` otherwise.
     """
     if min(hp, cp, num_chunks) < 1:
         raise ValueError(f"hp={hp}, cp={cp} and num_chunks={num_chunks} must all be >= 1")

@@ -154,10 +154,9 @@ def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool
 
 
 def _free_values(t: torch.Tensor) -> None:
-    """Give ``t``'s memory back while its ``grad_fn`` stays usable as a backward root. Its
-    version is bumped first, so that a graph which saved ``t`` raises instead of reading freed
-    memory -- except for a view (autograd forbids modifying a view a custom Function returned,
-    e.g. the chunked MLP's reshaped output)."""
+    """Give ``t``'s memory back while its ``grad_fn`` stays usable as a backward root; its version is
+    bumped first (except for a view), so a graph that saved ``t`` raises instead of reading freed memory.
+    """
     if t._base is None:
         torch.autograd.graph.increment_version(t)
     t.untyped_storage().resize_(0)

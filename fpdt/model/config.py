@@ -30,10 +30,9 @@ class UnsupportedConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family causal LM (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral).
-
-    Build it with :meth:`from_hf` from a ``config.json`` dict; the original dict is kept
-    in ``hf_config`` so that saving writes back a config ``transformers`` loads unchanged.
+    """Architecture of a Llama-family causal LM (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral), built with
+    :meth:`from_hf`; the original dict is kept in ``hf_config`` so saving writes back a config
+    ``transformers`` loads unchanged.
     """
 
     model_type: str

@@ -154,10 +154,8 @@ def _weight_grad_by_vocab_slices(hidden, weight, labels, scale, lse, num_slices:
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                     scale: torch.Tensor | float, num_chunks: int, wgrad: str = "accumulate") -> torch.Tensor:
-    """``scale * sum CE(hidden W^T, labels)`` (fp32 scalar) with logits one chunk at a time.
-
-    ``num_chunks == 0`` runs :func:`lm_loss_reference` instead (full logits; for comparison).
-    ``wgrad`` picks how the weight gradient is formed (:data:`WGRAD_MODES`).
+    """``scale * sum CE(hidden W^T, labels)`` (fp32 scalar) with logits one chunk at a time;
+    ``num_chunks == 0`` runs :func:`lm_loss_reference` (full logits). ``wgrad``: :data:`WGRAD_MODES`.
     """
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"wgrad={wgrad!r} must be one of {WGRAD_MODES}")
@@ -184,10 +182,9 @@ def valid_token_scale(labels: torch.Tensor, *, group: dist.ProcessGroup | None, 
 
 
 def sum_over_group(local: torch.Tensor, *, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
-    """A scalar share ``local`` -> the group's sum as value, ``local``'s gradient only.
-
-    Every rank then reports the same loss, while each rank's backward carries only its own
-    term, so parameter gradients *summed* over the group are those of the sum."""
+    """A scalar share ``local`` -> the group's sum as value, ``local``'s gradient only: every rank
+    reports the same loss, and parameter gradients *summed* over the group are those of the sum.
+    """
     if sp == 1:
         return local
     total = local.detach().clone()

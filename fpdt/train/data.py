@@ -55,10 +55,8 @@ def list_data_files(path: str) -> list[str]:
 
 
 def read_documents(path: str) -> list[str]:
-    """The documents of one text file: the whole ``.txt``, or each line of a ``.jsonl``.
-
-    Raises :class:`DataError` naming the file (and line) for text that is not UTF-8 and
-    for ``.jsonl`` lines that are not a JSON string or an object with a ``"text"`` string.
+    """The documents of one text file: the whole ``.txt``, or each line of a ``.jsonl``. Raises
+    :class:`DataError` naming the file (and line) for non-UTF-8 text and malformed ``.jsonl`` lines.
     """
     with open(path, "rb") as f:
         if path.endswith(".txt"):

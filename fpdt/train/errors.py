@@ -22,9 +22,7 @@ from fpdt.train.data import DataError
 
 class RunError(RuntimeError):
     """A started run had to stop; the message names the step and what to do next.
-
-    ``same_on_every_rank``: every rank stops with this same error (e.g. a non-finite
-    loss, which is all-reduced), so only rank 0 prints it.
+    ``same_on_every_rank`` (e.g. a non-finite loss, all-reduced): only rank 0 prints it.
     """
 
     def __init__(self, message: str, same_on_every_rank: bool = False) -> None:

@@ -190,10 +190,9 @@ def describe(model, spec: LoraSpec, init: str | None, resumed: str | None = None
 
 def record(spec: LoraSpec | None, model: str | None, model_config: str | None, seed: int,
            config: ModelConfig | None = None) -> dict[str, Any] | None:
-    """What the trainer file keeps of a LoRA run (None for full training): the spec, and
-    where the frozen base, which the checkpoint leaves out, comes from. A random base
-    (``--model-config``) is decided by ``--seed`` and the parsed ``config``
-    (:func:`drawn_config`; the precision, which also decides it, is checked for every resume)."""
+    """What the trainer file keeps of a LoRA run (None for full training): the spec, and where the
+    frozen base comes from (a random base: ``--seed`` and :func:`drawn_config`).
+    """
     if spec is None:
         return None
     return {"rank": spec.rank, "alpha": spec.lora_alpha, "dropout": spec.dropout, "targets": list(spec.targets),
@@ -228,10 +227,9 @@ def _spec_text(rec: dict[str, Any]) -> str:
 
 
 def check_resume(path: str, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
-    """Refuse a resume whose LoRA spec (or LoRA vs full training) differs from the checkpoint's,
-    or whose random base is drawn from another seed or another model config
-    (:func:`drawn_config`); returns warnings (a ``--model`` at another path, a checkpoint that
-    does not record its random base's config)."""
+    """Refuse a resume whose LoRA spec (or LoRA vs full training), seed or drawn model config differs
+    from the checkpoint's; returns warnings (a ``--model`` at another path, an unrecorded config).
+    """
     if saved is None and current is None:
         return []
     if saved is None:

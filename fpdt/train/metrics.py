@@ -106,10 +106,7 @@ def gpu_peak_flops(device_name: str, dtype_name: str) -> float | None:
 
 
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
-    """Measured square-matmul FLOP/s on the CPU: the best of ``repeats`` runs.
-
-    Used as the MFU denominator on CPU, where there is no datasheet figure.
-    """
+    """Measured square-matmul FLOP/s on the CPU (the MFU denominator there): the best of ``repeats`` runs."""
     gen = torch.Generator().manual_seed(0)      # not the default generator: a resumed run's RNG stays as saved
     a = torch.randn(n, n, dtype=dtype, generator=gen)
     b = torch.randn(n, n, dtype=dtype, generator=gen)
@@ -134,10 +131,9 @@ def resolve_peak_flops(device: torch.device, dtype_name: str, override_tflops: f
 
 
 def cpu_peak_flops(dtype_name: str) -> tuple[float, str]:
-    """Measured CPU peak for a run in ``dtype_name``: the matmul rate in that dtype, and
-    for bf16 / fp16 at least the fp32 rate, because CPU kernels without native half
-    support compute in fp32 (a half-precision rate far below the fp32 one is then not
-    the ceiling the run works under, and MFU against it exceeded 100%)."""
+    """Measured CPU peak for a run in ``dtype_name``: the matmul rate in that dtype, and for bf16 / fp16
+    at least the fp32 rate (CPU kernels without native half support compute in fp32).
+    """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name, torch.float32)
     rate = measure_matmul_flops(dtype)
     if dtype == torch.float32:

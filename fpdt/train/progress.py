@@ -85,9 +85,9 @@ bar itself at least 10 columns of a 100-column terminal."""
 
 
 def postfix(rec: StepRecord) -> str:
-    """One-line summary for the progress bar: loss, tokens/s, MFU, peak device memory (with
-    the reserved peak where there is a caching allocator) and the host stash when offloading.
-    TGS, step time, host RSS and the rest are in the ``--log-json`` record."""
+    """One-line summary for the progress bar: loss, tokens/s, MFU, peak device memory (and reserved
+    on CUDA) and the host stash when offloading; the rest is in the ``--log-json`` record.
+    """
     parts = [
         f"loss={rec.loss:.4f}",
         f"tok/s={_count(rec.tokens_per_s)}",

@@ -57,10 +57,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def write_model_files(save_dir: str, hf_config: dict, tokenizer_path: str | None, lora=None,
                       base_model: str | None = None) -> None:
-    """Rank 0: the model config (and tokenizer) next to the checkpoints, for export. A LoRA
-    run (``lora``: its :class:`fpdt.model.LoraSpec`) adds PEFT's ``adapter_config.json``
-    (``base_model_name_or_path``: ``base_model``); a full run removes one left by an earlier
-    LoRA run in the same directory."""
+    """Rank 0: the model config (and tokenizer) next to the checkpoints, for export; a LoRA run
+    adds PEFT's ``adapter_config.json`` (``base_model_name_or_path``: ``base_model``), a full run
+    removes an earlier one.
+    """
     import json
 
     from fpdt.model.lora import ADAPTER_CONFIG, peft_adapter_config
