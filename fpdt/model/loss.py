@@ -31,11 +31,8 @@ def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1) 
 
 def lm_loss_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                       scale: torch.Tensor | float) -> torch.Tensor:
-    """Unchunked form: ``scale * sum CE(hidden W^T, labels)`` with full fp32 logits (float64 for
-    float64 inputs).
-
-    ``hidden`` ``[..., hidden]``, ``weight`` ``[V, hidden]``, ``labels`` ``[...]`` long
-    (-100 ignored) -> fp32 scalar. Autograd-tracked; keeps ``[T, V]`` fp32 logits.
+    """Unchunked form: ``scale * sum CE(hidden W^T, labels)`` with full fp32 logits ``[T, V]``
+    (float64 for float64 inputs); ``labels`` -100 ignored; autograd-tracked.
     """
     logits = F.linear(hidden, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -127,13 +124,10 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
 
 
 def _weight_grad_by_vocab_slices(hidden, weight, labels, scale, lse, num_slices: int) -> torch.Tensor:
-    """``dW = ((softmax - onehot) * valid * scale)^T h`` for every local token, one vocabulary
-    slice at a time (the ``"recompute"`` mode).
-
-    ``hidden`` ``[..., hidden]``, ``weight`` ``[V, hidden]``, ``labels`` ``[...]``, ``scale``
-    fp32 0-dim (incoming gradient folded in), ``lse`` fp32 ``[T]`` from the forward ->
-    ``[V, hidden]`` in the weight dtype. Live beside the result: one fp32 ``[T, V / num_slices]``
-    logits slice (turned into its gradient in place) and its cast to the weight dtype.
+    """``dW = ((softmax - onehot) * valid * scale)^T h`` over every local token, one vocabulary
+    slice at a time (``"recompute"``): ``scale`` fp32 0-dim (incoming gradient folded in), ``lse``
+    fp32 ``[T]`` from the forward -> ``[V, hidden]`` in the weight dtype. Live beside the result: one
+    fp32 ``[T, V / num_slices]`` slice (its gradient formed in place) and its cast.
     """
     flat_h = hidden.reshape(-1, hidden.shape[-1])                     # [T, hidden]
     flat_y = labels.reshape(-1)
@@ -224,19 +218,16 @@ def sequence_parallel_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels
     """Global token-mean cross-entropy of a sequence split over ``sp`` ranks.
 
     Args:
-        hidden: ``[B, S_local, hidden]`` final hidden states of this rank's tokens.
-        weight: ``[V, hidden]`` LM-head weight (the embedding when tied).
-        labels: ``[B, S_local]`` next-token targets, already shifted on the global sequence
-            (``-100`` = ignore).
-        group, sp: the sequence-parallel group and its size (``sp == 1``: no communication).
-        num_chunks, wgrad: as :func:`chunked_lm_loss`.
+        hidden: ``[B, S_local, hidden]`` final hidden states; ``weight``: ``[V, hidden]`` (the
+            embedding when tied); ``labels``: ``[B, S_local]`` targets shifted on the global
+            sequence (``-100`` = ignore).
+        group, sp: the SP group and its size; ``num_chunks``, ``wgrad``: as :func:`chunked_lm_loss`.
         num_valid_tokens: the denominator; default: valid labels summed over the group.
 
     Returns:
-        fp32 scalar, the same value on every rank of the group: ``sum of CE over the
-        group's valid tokens / N_valid``. Its gradient on this rank is only this rank's
-        term (``local CE sum / N_valid``), so parameter gradients **summed** over the group
-        are those of the global mean (:func:`sum_over_group`).
+        fp32 scalar, the same on every rank: ``sum of CE over the group's valid tokens / N_valid``;
+        its gradient on this rank is this rank's term only, so parameter gradients **summed** over
+        the group are those of the global mean.
     """
     scale = valid_token_scale(labels, group=group, sp=sp, num_valid_tokens=num_valid_tokens)
     local = chunked_lm_loss(hidden, weight, labels, scale.to(hidden.device), num_chunks, wgrad=wgrad)
