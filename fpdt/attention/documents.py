@@ -1,14 +1,11 @@
 """Packed documents: which (query, key) blocks of an attention call can see each other.
 
-Input: ``doc_ids`` ``[B, S]``, the document index of every token of the *global* sequence in
-global token order, non-decreasing along ``S`` (rows may differ). A query attends to the keys of
-its own document (up to its own position when causal). Each side of a block (a head-layout chunk,
-or a zigzag half on the mesh) lists its tokens in increasing global order (:func:`chunk_index`),
-so each document is one contiguous run per side. A :class:`Block` is ``skip`` (no query sees any
-key: no kernel call, no fetch under offload), ``dense`` (one document per row on both sides: the
-dense kernel) or ``masked`` (``segments`` lists, per row, the (query run, key run) pairs of the
-shared documents; rows in no segment get lse ``-inf``, out 0). Classification runs on a host copy
-of ``doc_ids`` once per call, so the loops need no device sync and every rank decides alike.
+``doc_ids`` ``[B, S]``: document index of every *global* token, non-decreasing along ``S``; a
+query attends to the keys of its own document (causally). A :class:`Block` is ``skip`` (no query
+sees any key: no kernel call, no fetch), ``dense`` (one document per row on both sides) or
+``masked`` (``segments``: per row, the (query run, key run) pairs of shared documents; rows in no
+segment get lse ``-inf``, out 0). Classification runs on one host copy of ``doc_ids`` per call,
+so the loops need no device sync and every rank decides alike.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """``fpdt_attention``: FPDT attention over q, k, v that are already projected.
 
-One autograd.Function, :class:`FPDTAttentionFunction`. Everything backward needs lives
-in a :class:`HostStash`, carried by the one (storage-less) tensor it saves through
-``ctx.save_for_backward`` (:mod:`fpdt.attention.saved_stash`, so that activation
-checkpointing frees it with the rest of a region's saved tensors):
-
-* ``k̂_i, v̂_i, q̂_i`` (head layout, input dtype), ``o_i`` (head layout, input dtype)
-  and ``lse_i`` (fp32) for every chunk -- in pinned host memory when ``offload=True``,
-  on the device otherwise.
-
-Under a layer checkpoint with ``attention_checkpoint="save"`` the first (no-grad) forward
-keeps each chunk's ``o_i``/``lse_i`` and the recompute runs no attention kernel
-(:mod:`fpdt.attention.saved_attention`).
+One autograd.Function, :class:`FPDTAttentionFunction`. Saved for backward, per chunk, in a
+:class:`HostStash` carried by one storage-less saved token (:mod:`fpdt.attention.saved_stash`):
+``k̂_i, v̂_i, q̂_i, o_i`` (head layout, input dtype) and ``lse_i`` (fp32), in pinned host memory
+with ``offload=True``, on the device otherwise. With ``attention_checkpoint="save"`` the recompute
+runs no attention kernel (:mod:`fpdt.attention.saved_attention`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """2D attention pipeline: Ulysses over HP x load-balanced (double) ring over CP x FPDT chunks.
 
-Same callbacks as :mod:`fpdt.attention.pipeline` (``produce``, ``emit``, ``deliver``), same
-stash semantics (``offload`` = pinned host memory). Tokens are in the mesh layout of
-:mod:`fpdt.layout.mesh_layout`; after the HP all-to-all rank ``c`` of the CP group holds CP chunk
-``i`` = zigzag pieces ``c`` and ``2cp-1-c`` of span ``i``, head layout ``[B, C, H/hp, D]``. K/V
-travel packed as one block ``[2, B, C, H_kv'/hp, D]`` (``H_kv'`` after GQA replication, done
-before the all-to-all). Stashed: q̂, the K/V blocks, o, lse, dô and the fp32 dq accumulators;
-the fp32 dK/dV travel behind their block to its owner. With ``cp = 1`` :func:`build_mesh_spec`
-returns the FPDT pipeline's own spec over the HP group. Loop order, block kinds and overlap:
-``docs/attention.md`` (The mesh pipeline); costs: :mod:`fpdt.attention.ring_costs`.
+Same callbacks and stash as :mod:`fpdt.attention.pipeline`, tokens in the mesh layout
+(:mod:`fpdt.layout.mesh_layout`): after the HP all-to-all, CP rank ``c`` holds zigzag pieces ``c``
+and ``2cp-1-c`` of each span, head layout ``[B, C, H/hp, D]``. K/V travel packed as ``[2, B, C,
+H_kv'/hp, D]`` (GQA replication before the all-to-all). Stashed: q̂, the K/V blocks, o, lse, dô
+and the fp32 dq accumulators. With ``cp = 1`` :func:`build_mesh_spec` returns the FPDT pipeline's
+spec. Loop order and block kinds: ``docs/attention.md`` (The mesh pipeline).
 """
 
 from __future__ import annotations

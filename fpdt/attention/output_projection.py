@@ -1,19 +1,13 @@
 """``o_proj`` of :class:`fpdt.attention.FPDTAttention` as one autograd.Function whose backward
 reads its input a chunk at a time.
 
-The input ``x`` ``[B, S_local, H D]`` is the attention output, which the attention's
-:class:`fpdt.offload.HostStash` already holds as ``o_i`` ``[B, C, H/P, D]`` (head layout, keys
-``("o", i)``; mesh: ``H/hp``). With that stash (``offload=True``, no layer checkpoint) the
-Function saves no copy of ``x``: only the weight, the bias, the LoRA tensors and a storage-less
-token carrying the stash (:mod:`fpdt.attention.saved_stash`). Backward fetches ``o_i`` (``get``,
-not ``pop``) with ``o_{i+1}`` prefetched, all-to-alls it back to ``x_i`` ``[B, L, H D]``, and
-accumulates ``dW += g_i^T x_i`` in fp32 (float64 for float64 parameters) and the LoRA terms on
-the chunk's two pieces; ``dx = g W`` and ``db`` need no input. Device peak: two chunks of ``x``
-and the weight gradient's temporaries, never a full-length ``x`` (``docs/memory.md``).
-
-Without the stash the Function saves ``x`` and slices it (used only for a LoRA ``o_proj``). LoRA
-terms run over ``2 u`` token pieces (:func:`lora_pieces`), each with its own dropout mask from the
-call's seed; with ``B = 1`` they are those of :func:`fpdt.ops.lora.lora_linear` over ``2 u`` chunks.
+Its input ``x`` ``[B, S_local, H D]`` is the attention output, which the attention's stash
+already holds as ``o_i`` ``[B, C, H/P, D]`` (keys ``("o", i)``). With that stash (``offload=True``,
+no layer checkpoint) the Function saves no copy of ``x`` (weight, bias, LoRA tensors and a
+storage-less token, :mod:`fpdt.attention.saved_stash`); backward fetches each ``o_i`` (``get``),
+all-to-alls it back and accumulates ``dW`` in fp32 chunk by chunk, never holding a full-length
+``x`` (``docs/memory.md``). Without it ``x`` is saved (a LoRA ``o_proj`` only). LoRA terms run
+over ``2 u`` token pieces (:func:`lora_pieces`), each with its own dropout mask.
 """
 
 from __future__ import annotations

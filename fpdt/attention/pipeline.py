@@ -1,18 +1,15 @@
-"""The FPDT chunk pipeline: chunked Ulysses attention with host-resident chunks.
-
-Shared by :func:`fpdt.attention.fpdt_attention` (q/k/v in) and :class:`fpdt.attention.FPDTAttention`
-(hidden states projected chunk by chunk). Callers supply:
+"""The FPDT chunk pipeline: chunked Ulysses attention with host-resident chunks, shared by
+:func:`fpdt.attention.fpdt_attention` and :class:`fpdt.attention.FPDTAttention`. Callers supply:
 
 * ``produce(i) -> (q_i, k_i, v_i)``: local chunk ``i`` in sequence layout, q ``[B, L, H, D]``,
-  k/v ``[B, L, H_kv, D]`` (RoPE already applied);
+  k/v ``[B, L, H_kv, D]`` (RoPE applied);
 * ``emit(i, out_i)``: output chunk ``i`` in sequence layout ``[B, L, H, D]``;
-* ``deliver(j, dq_j, dk_j, dv_j)``: the final gradients of local chunk ``j`` in sequence layout,
-  fp32, k/v already summed over GQA replicas (the callee may overwrite them in place).
+* ``deliver(j, dq_j, dk_j, dv_j)``: chunk ``j``'s final gradients in sequence layout, fp32, k/v
+  summed over GQA replicas (the callee may overwrite them).
 
-Saved for backward, per chunk, in head layout ``[B, C, H/P, D]`` (``C = P L``): q̂, k̂, v̂, o and
-the fp32 lse, in the stash (host-resident with offload). Loop order, overlap and packed-document
-skipping: ``docs/attention.md`` (The chunk pipeline); the working set, tensor by tensor:
-``docs/memory.md``; budgets: ``tests/memory/test_attention_budget.py``.
+Saved per chunk in the stash (host with offload), head layout ``[B, C, H/P, D]``: q̂, k̂, v̂, o and
+the fp32 lse. Loop order and overlap: ``docs/attention.md`` (The chunk pipeline); working set:
+``docs/memory.md``.
 """
 
 from __future__ import annotations

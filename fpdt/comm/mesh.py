@@ -1,14 +1,11 @@
 """``SequenceMesh``: the dp x hp x cp process groups of 2D (Ulysses x ring) attention.
 
-The SP degree ``hp * cp`` splits into ``hp`` (Ulysses all-to-all inside an HP group) times ``cp``
-(ring attention inside a CP group); the parent group's ``W`` ranks form ``dp = W / (hp * cp)``
-replicas. With ``base = dp_rank * hp * cp`` and coordinates ``(c, h)``: ``placement="head_first"``
-puts rank ``base + c * hp + h`` there (HP groups adjacent: all-to-all inside a node),
-``"context_first"`` rank ``base + h * cp + c`` (CP groups adjacent). ``inner_ring=w`` splits each CP
-group into double-ring inner rings of ``w`` (e.g. NICs per node). With ``group=None`` the groups
-come from a torch ``DeviceMesh`` (``("dp", "cp", "hp")``); with a ``group`` only this rank's HP
-and CP groups are made. Every member of the parent group must build the mesh with the same
-arguments. The token layout is :mod:`fpdt.layout.mesh_layout`.
+The parent group's ``W`` ranks form ``dp = W / (hp * cp)`` replicas; with ``base = dp_rank * hp *
+cp`` and coordinates ``(c, h)``, ``placement="head_first"`` puts rank ``base + c * hp + h`` there
+(HP groups adjacent: all-to-all inside a node), ``"context_first"`` rank ``base + h * cp + c``.
+``inner_ring=w`` splits each CP group into double-ring inner rings of ``w``. Every member of the
+parent group must build the mesh with the same arguments; the token layout is
+:mod:`fpdt.layout.mesh_layout`.
 """
 
 from __future__ import annotations

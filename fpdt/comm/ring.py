@@ -1,14 +1,11 @@
 """Ring and double-ring point-to-point exchange over a CP group.
 
-A CP group of ``cp`` ranks is split into ``n = cp / w`` inner rings of ``w`` consecutive CP
-ranks (CP rank ``c``: ring ``c // w``, position ``c % w``). A block (one rank's packed K/V chunk)
-visits every rank in ``cp`` steps: inner transfers to the next position; outer transfers
-(LoongTrain's double ring, arXiv 2406.18485) carry the block each inner ring *started* its outer
-step with to the next ring, in flight for the whole inner ring (two receive buffers). Each block
-crosses ``cp - 1`` links per pass; its fp32 dK/dV travel behind it and reach its owner after step
-``cp - 1``. :class:`RingComm` issues batched ``isend/irecv`` (overlapping compute) and counts
-operations and bytes for the tests and the cost model. Step by step: ``docs/attention.md``
-(The mesh pipeline).
+``n = cp / w`` inner rings of ``w`` consecutive CP ranks. A block (one rank's packed K/V chunk)
+visits every rank in ``cp`` steps, crossing ``cp - 1`` links; outer transfers (LoongTrain's double
+ring, arXiv 2406.18485) carry each inner ring's starting block on, in flight for the whole inner
+ring. A block's fp32 dK/dV travel behind it to its owner. :class:`RingComm` issues batched
+``isend/irecv`` and counts operations and bytes. Step by step: ``docs/attention.md`` (The mesh
+pipeline).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Packed documents: which document each token of a window belongs to.
 
-Convention (Transformers' ``DataCollatorWithFlattening``): along each row of the *global* window
-``[B, S]``, token ``t > 0`` starts a document exactly when ``position_ids[t] != position_ids[t-1] +
-1``, and must then have position 0; other jumps and negative positions are refused. The first
-document may start at any position ``>= 0``.
-
-* **Document ids** ``[B, S]`` int64: 0 for a row's first document, +1 at each start; what the
-  attention takes (``doc_ids=``), the same on every SP rank. ``None``: one document per row.
-* **cu_seqlens** ``[n + 1]``: cumulative document lengths over the flattened ``B * S`` tokens,
-  0 first, ``B * S`` last, strictly increasing, no document crossing a row.
-
-:func:`sequence_parallel_doc_ids` all-gathers a rank's position ids over the SP group, undoes the
-layout and derives the ids. Every function reads the device once (one small ``tolist``).
+Along each row of the *global* window ``[B, S]``, token ``t > 0`` starts a document exactly when
+``position_ids[t] != position_ids[t-1] + 1``, and must then have position 0 (other jumps and
+negative positions are refused; Transformers' ``DataCollatorWithFlattening`` convention).
+**Document ids** ``[B, S]`` int64: 0 for a row's first document, +1 at each start (what the
+attention takes; ``None``: one document per row). **cu_seqlens** ``[n + 1]``: cumulative lengths
+over the flattened ``B * S`` tokens, no document crossing a row. Each function reads the device
+once (one small ``tolist``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Device-memory accountant: live tensor bytes, split into device working set and host stash.
 
-::
-
-    with MemoryAccountant() as acct:               # device: cuda if available, else cpu
-        with acct.phase("attn_fwd"):
-            out = fpdt_attention(q, k, v, num_chunks=4, offload=True)
-    print(acct.phases["attn_fwd"].peak_above_start / chunk_unit(C, hidden))   # working set in U
-
-Counts every storage created inside the context (earlier tensors are the baseline), host stash
-apart from device; ``limit_bytes`` raises :class:`SimulatedOutOfMemoryError` past a simulated
-capacity. What is and is not seen, and the units ``U`` / ``Nd``: ``docs/memory.md`` (What the
-accountant counts).
+``with MemoryAccountant() as acct: with acct.phase("fwd"): ...``, then
+``acct.phases["fwd"].peak_above_start`` is the working set in bytes. Counts every storage created
+inside the context (earlier tensors are the baseline), host stash apart from device;
+``limit_bytes`` raises :class:`SimulatedOutOfMemoryError` past a simulated capacity. What is and
+is not seen: ``docs/memory.md`` (What the accountant counts).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """LoRA fine-tuning of fpdt's own model: adapters on the decoder's linear projections, the rest
 frozen, saved and loaded in PEFT's adapter format.
 
-:func:`add_lora` gives each targeted ``nn.Linear`` ``lora_A`` ``nn.Linear(in, r)`` (kaiming-uniform,
-as PEFT) and ``lora_B`` ``nn.Linear(r, out)`` (zeros), ``lora_scaling`` (``alpha / r``, or
-``alpha / sqrt(r)`` with rsLoRA) and ``lora_dropout``, and freezes every other parameter. The
-chunked functions that read the projection's weight add ``lora_B(lora_A(dropout(x))) * scaling`` a
-chunk at a time (:func:`fpdt.ops.lora.attached_adapters`). Parameter names are PEFT's less its
-``base_model.model.`` prefix and adapter name (``model.layers.0.self_attn.q_proj.lora_A.weight``);
-:func:`save_adapter` / :func:`load_adapter` write and read PEFT adapter directories. Dropout masks
-are fpdt's own; without dropout the numbers are PEFT's (``docs/model.md``, LoRA).
+:func:`add_lora` gives each targeted ``nn.Linear`` ``lora_A`` (kaiming-uniform) and ``lora_B``
+(zeros), ``lora_scaling`` (``alpha / r``, or ``alpha / sqrt(r)``) and ``lora_dropout``, computed
+inside the chunked functions that read the projection's weight. Parameter names are PEFT's less
+its ``base_model.model.`` prefix and adapter name; :func:`save_adapter` / :func:`load_adapter`
+write and read PEFT adapter directories. Dropout masks are fpdt's own (``docs/model.md``, LoRA).
 """
 
 from __future__ import annotations

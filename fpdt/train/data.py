@@ -1,14 +1,12 @@
 """Training data: a token stream, cut into windows, sharded into the FPDT layout.
 
-``--data`` is ``.npy`` / ``.bin`` token ids (an implausible ``.bin`` is refused,
-:func:`check_plausible_bin`) or ``.txt`` / ``.jsonl`` text tokenized with ``tokenizer.json``
-(each document followed by ``eos_token_id``), or a directory of them in sorted path order. The
-stream is cut into consecutive windows of ``seq_len + 1`` tokens (a short tail dropped; optional
-shuffle per pass from ``(seed, epoch)``); inputs ``window[:-1]`` and labels ``window[1:]`` are
-shifted on the global sequence, then sharded with position ids into the FPDT layout. Sequence
-``((t * gas + m) * dp + d) * B + b`` goes to step ``t``, micro step ``m``, DP group ``d``, sample
-``b``; the ranks of an SP group share a window. :class:`PackedWindows` packs whole documents
-(``--pack-documents``). The contract in full: ``docs/train.md`` (Data contract, Packed documents).
+``--data``: ``.npy`` / ``.bin`` ids (an implausible ``.bin`` is refused) or ``.txt`` / ``.jsonl``
+text tokenized with ``tokenizer.json`` (each document followed by ``eos_token_id``), or a
+directory of them in sorted order. Consecutive windows of ``seq_len + 1`` tokens (optionally
+shuffled per pass from ``(seed, epoch)``) give inputs ``window[:-1]`` and labels ``window[1:]``,
+shifted on the global sequence and then sharded. Step ``t``, micro step ``m``, DP group ``d``,
+sample ``b`` read sequence ``((t * gas + m) * dp + d) * B + b``. :class:`PackedWindows` packs whole
+documents. The contract in full: ``docs/train.md`` (Data contract, Packed documents).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Document-masked block attention: a :class:`~fpdt.attention.documents.Block` of kind ``masked``.
 
-* ``masked_forward(backend, q, k, v, block, scale) -> (out, lse)``: q ``[B, Sq, H, D]``,
-  k/v ``[B, Sk, H_kv, D]``; each segment ``(row, q0, q1, k0, k1)`` attends queries ``q0:q1`` of
-  that row to keys ``k0:k1`` (causally on a diagonal block). Rows in no segment: **out 0, lse
-  -inf**. out in q's dtype, lse ``[B, H, Sq]`` fp32 (float64 for float64 inputs).
-* ``masked_backward(backend, dout, q, k, v, out, lse, block, scale) -> (dq, dk, dv)`` with the
+* ``masked_forward(backend, q, k, v, block, scale) -> (out, lse)``: as the dense kernels, each
+  segment ``(row, q0, q1, k0, k1)`` attending queries ``q0:q1`` to keys ``k0:k1`` (causally on a
+  diagonal block); rows in no segment get **out 0, lse -inf**.
+* ``masked_backward(backend, dout, q, k, v, out, lse, block, scale) -> (dq, dk, dv)`` from the
   *final merged* out and lse: this block's contribution, zero outside the segments, fp32.
 
-Implementations, all exact: **segments** (the dense kernel once per distinct segment, on views),
-**mask** (the ``cpu`` backend's flash op once with an additive ``[B, 1, Sq, Sk]`` mask, for more
-than :data:`MASK_MIN_CALLS` segments and at most :data:`MASK_MAX_ELEMENTS`), **varlen** (CUDA,
-fp16/bf16: torch's varlen FlashAttention-2, :mod:`fpdt.attention.kernels.varlen`, once it passes
-its self-check).
+Exact implementations: one dense call per distinct segment; the ``cpu`` flash op once with an
+additive mask (many small segments, :data:`MASK_MIN_CALLS`, :data:`MASK_MAX_ELEMENTS`); or torch's
+varlen FlashAttention-2 on CUDA (:mod:`fpdt.attention.kernels.varlen`).
 """
 
 from __future__ import annotations

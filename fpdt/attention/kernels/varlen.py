@@ -1,14 +1,11 @@
 """Masked blocks on CUDA: torch's variable-length FlashAttention-2 (``aten._flash_attention_forward``
 / ``_flash_attention_backward`` with cumulative sequence lengths).
 
-Each segment ``(row, q0, q1, k0, k1)`` of a masked block is one sequence of the call, gathered
-into packed ``[total, H, D]`` tensors (a view when the segments cover every token in order) with
-int32 ``cum_seq_q`` / ``cum_seq_k``; causal segments are square, so the kernel's bottom-right
-alignment is the plain lower triangle. KV heads native; head_dim zero-padded to a multiple of 8.
-Forward returns out ``[Nq, H, D]`` and lse ``[H, Nq]`` fp32 (rows in no segment: out 0, lse
--inf); the RNG outputs' specs come from the meta kernel (:func:`_rng_specs`). Used when
-:func:`varlen_for` says so (CUDA, fp16/bf16, head_dim <= 256, :func:`varlen_self_check` passed);
-the CPU tests run it against stand-ins (``tests/attention/varlen_standins.py``).
+Each segment of a masked block is one sequence of the call, gathered into packed ``[total, H, D]``
+tensors (a view when the segments cover every token in order) with int32 ``cum_seq_q`` /
+``cum_seq_k``. Returns out ``[Nq, H, D]`` and lse ``[H, Nq]`` fp32 (rows in no segment: out 0,
+lse -inf); KV heads native; head_dim zero-padded to a multiple of 8. Used when
+:func:`varlen_for` says so (CUDA, fp16/bf16, head_dim <= 256, :func:`varlen_self_check` passed).
 """
 
 from __future__ import annotations
