@@ -7,5 +7,5 @@ Reading order: :mod:`~fpdt.train.config` (options, DeepSpeed JSON, validation),
 :mod:`~fpdt.train.loop` (steps, loss scaling), :mod:`~fpdt.train.metrics` and
 :mod:`~fpdt.train.progress` (MFU, bar, JSON log), :mod:`~fpdt.train.lora`,
 :mod:`~fpdt.train.saving` and :mod:`~fpdt.train.export`. The command line itself is
-:mod:`fpdt.cli.train` (``python -m fpdt.train`` runs it).
+:mod:`fpdt.cli.train`.
 """
