@@ -1,13 +1,12 @@
 """``o_proj`` of :class:`fpdt.attention.FPDTAttention` as one autograd.Function whose backward
 reads its input a chunk at a time.
 
-Its input ``x`` ``[B, S_local, H D]`` is the attention output, which the attention's stash
-already holds as ``o_i`` ``[B, C, H/P, D]`` (keys ``("o", i)``). With that stash (``offload=True``,
-no layer checkpoint) the Function saves no copy of ``x`` (weight, bias, LoRA tensors and a
-storage-less token, :mod:`fpdt.attention.saved_stash`); backward fetches each ``o_i`` (``get``),
-all-to-alls it back and accumulates ``dW`` in fp32 chunk by chunk, never holding a full-length
-``x`` (``docs/memory.md``). Without it ``x`` is saved (a LoRA ``o_proj`` only). LoRA terms run
-over ``2 u`` token pieces (:func:`lora_pieces`), each with its own dropout mask.
+Its input ``x`` ``[B, S_local, H D]`` is the attention output, which the attention's stash holds
+as ``o_i`` ``[B, C, H/P, D]`` (keys ``("o", i)``). With that stash the Function saves no copy of
+``x`` (weight, bias, LoRA tensors and a storage-less token, :mod:`fpdt.attention.saved_stash`):
+backward fetches each ``o_i``, all-to-alls it back and accumulates ``dW`` in fp32, never holding a
+full-length ``x`` (``docs/memory.md``). Without it ``x`` is saved. LoRA terms run over ``2 u``
+token pieces (:func:`lora_pieces`), each with its own dropout mask.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The 2D (head-parallel x context-parallel) token layout: FPDT chunk order x zigzag.
 
-``S`` global tokens, ``u`` chunks per rank, ``hp`` x ``cp`` ranks; rank ``(c, h)`` (SP rank
-``c * hp + h``, the order :func:`mesh_unshard` takes) holds ``S / (hp * cp)`` tokens, chunk-major.
-The sequence is cut into ``u`` spans; span ``i`` into ``2 * cp`` pieces of ``p = S / (2 cp u)``
-tokens, CP rank ``c`` taking pieces ``c`` and ``2cp - 1 - c`` (its CP chunk ``i``, ``2p`` tokens);
-that is cut into ``hp`` contiguous slices of ``L = 2p / hp``, HP rank ``h`` holding slice ``h`` as
-local chunk ``i``. After the Ulysses all-to-all every HP member holds the whole CP chunk.
-
-Global token of local position ``t = i * L + r`` on rank ``(c, h)``, with ``k = h * L + r``:
-``i * S/u + c * p + k`` if ``k < p`` else ``i * S/u + (2*cp - 1 - c) * p + (k - p)``.
-``S`` must be divisible by ``2 * hp * cp * u``; ``cp = 1`` is the FPDT layout with ``P = hp``.
+Rank ``(c, h)`` (SP rank ``c * hp + h``, the order :func:`mesh_unshard` takes) holds ``S / (hp cp)``
+tokens, chunk-major. Span ``i`` of ``u`` is cut into ``2 cp`` pieces of ``p = S / (2 cp u)``; CP
+rank ``c`` takes pieces ``c`` and ``2cp - 1 - c`` (its CP chunk ``i``), cut into ``hp`` slices of
+``L = 2p / hp``, HP rank ``h`` holding slice ``h``. Local position ``t = i L + r``, ``k = h L + r``:
+global ``i S/u + c p + k`` if ``k < p``, else ``i S/u + (2cp - 1 - c) p + (k - p)``. ``S`` must
+be divisible by ``2 hp cp u``; ``cp = 1`` is the FPDT layout with ``P = hp``.
 """
 
 from __future__ import annotations

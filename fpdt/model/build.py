@@ -36,12 +36,9 @@ def from_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | An
                 **fpdt_options) -> FPDTForCausalLM:
     """A randomly initialised model (Transformers' init scheme; seed with ``torch.manual_seed``).
 
-    Args:
-        config: a :class:`ModelConfig`, a ``config.json`` dict or path, or a ``transformers`` config.
-        device: where to put it (default CPU). ``"meta"`` defers initialisation: call
-            ``model.to_empty(device=...)`` then ``model.init_weights()`` (or load weights).
-        dtype: parameter dtype (default fp32).
-        **fpdt_options: :class:`FPDTOptions` fields.
+    ``config``: a :class:`ModelConfig`, a ``config.json`` dict or path, or a ``transformers`` config;
+    ``device`` (default CPU; ``"meta"`` defers initialisation to ``to_empty`` + ``init_weights()``);
+    ``dtype`` (default fp32); ``**fpdt_options``: :class:`FPDTOptions` fields.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
     with torch.device("meta"):

@@ -1,11 +1,8 @@
-"""Token chunking shared by the chunked MLP, the chunked loss and RMSNorm, and the byte
-budget that picks their default chunk counts.
-
-One budget: the bytes of one local attention chunk of bf16 hidden states, ``L * hidden * 2``
-(``L = S_local / u``); each op takes as many token chunks as its widest per-chunk tensor needs to
-fit: SwiGLU ``ceil(2 u I / hidden)`` (bf16 ``[n, I]``, four live in backward, half the budget
-each), LM head + CE ``ceil(2 u V / hidden)`` (fp32 ``[n, V]``), RMSNorm ``2 u`` (fp32
-``[n, hidden]``). Explicit counts (``mlp_chunks=``, ``loss_chunks=``) win.
+"""Token chunking shared by the chunked MLP, loss and RMSNorm, and the byte budget behind their
+default counts: one local attention chunk of bf16 hidden states, ``L * hidden * 2``, for each op's
+widest per-chunk tensor. SwiGLU ``ceil(2 u I / hidden)`` (four bf16 ``[n, I]`` live in backward,
+half the budget each), LM head + CE ``ceil(2 u V / hidden)`` (fp32 ``[n, V]``), RMSNorm ``2 u``
+(fp32 ``[n, hidden]``). Explicit counts (``mlp_chunks=``, ``loss_chunks=``) win.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Hugging Face checkpoints in and out (construction is :mod:`fpdt.model.build`).
 
-Format: ``config.json`` and ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` shards
-with ``model.safetensors.index.json``; tensor names are the model's parameter names (tied
-embeddings: no ``lm_head.weight``). Tensors are read from their shard straight to the target
-device and dtype into a ``meta``-built model, so host RAM holds at most one shard's tensors
-beyond the model. Other loaders (``fpdt.train.zero_load``) reuse :func:`checkpoint_files`,
-:func:`ignored_tensor`, :func:`check_shape`, :func:`check_unexpected` and :func:`check_missing`,
-so they accept and refuse what :func:`fpdt.model.build.from_pretrained` does.
+``config.json`` plus ``model.safetensors`` or index-sharded safetensors, tensor names the model's
+own (tied embeddings: no ``lm_head.weight``), read shard by shard straight to the target device
+and dtype. :func:`checkpoint_files`, :func:`ignored_tensor` and the ``check_*`` functions are
+shared with ``fpdt.train.zero_load``, so both accept and refuse the same checkpoints.
 """
 
 from __future__ import annotations

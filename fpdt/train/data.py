@@ -278,18 +278,12 @@ PACKINGS = ("in-order", "best-fit", "split")
 
 @dataclass
 class PackedWindows:
-    """Windows of ``seq_len`` tokens of whole documents (``--pack-documents``). ``packing``
-    (:data:`PACKINGS`):
-
-    * ``"in-order"``: stream order, next fit (a document that does not fit opens the next window;
-      the rest is padding, targets ``-100``);
-    * ``"best-fit"``: each window opened by the earliest piece of a buffer of the next ``lookahead``
-      pieces and filled greedily, largest that fits first (no piece waits more than ``lookahead``
-      windows);
-    * ``"split"``: full windows; the document crossing a window's end continues at position 0.
-
-    A document longer than ``seq_len`` is cut into ``seq_len``-token pieces, each a document of its
-    own. Window ``w`` holds pieces ``order[first_piece[w]:first_piece[w + 1]]``.
+    """Windows of ``seq_len`` tokens of whole documents (``--pack-documents``), ``packing`` one of
+    :data:`PACKINGS`: ``"in-order"`` (next fit; the rest of a window is padding, targets ``-100``),
+    ``"best-fit"`` (each window filled greedily, largest first, from a buffer of the next
+    ``lookahead`` pieces) or ``"split"`` (full windows, a crossing document continuing at position 0).
+    Documents longer than ``seq_len`` are cut into pieces, each a document of its own; window ``w``
+    holds pieces ``order[first_piece[w]:first_piece[w + 1]]``.
     """
 
     tokens: np.ndarray
@@ -491,14 +485,9 @@ def sequence_ids(step: int, micro: int, grad_accum: int, dp_rank: int, dp: int, 
 
 def shard_windows(windows: torch.Tensor, sp: int, num_chunks: int, sp_rank: int,
                   mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
-    """Shift on the global sequence, then take rank ``sp_rank``'s FPDT-layout slice (or,
-    with a 2D ``mesh``, this rank's slice in the mesh layout; ``sp``/``sp_rank`` unused).
-
-    Args:
-        windows: ``[B, S + 1]`` int64 token ids.
-    Returns:
-        ``input_ids``, ``labels``, ``position_ids``: each ``[B, S / P]`` int64, in the
-        FPDT layout (local chunk ``i`` of rank ``r`` is global piece ``i * P + r``).
+    """Shift ``windows`` ``[B, S + 1]`` int64 on the global sequence, then take rank ``sp_rank``'s
+    slice in the FPDT layout (or this rank's in ``mesh``'s; ``sp``/``sp_rank`` then unused): returns
+    ``input_ids``, ``labels``, ``position_ids``, each ``[B, S / P]`` int64.
     """
     batch, seq_len = windows.shape[0], windows.shape[1] - 1
     inputs, labels = windows[:, :-1], windows[:, 1:]

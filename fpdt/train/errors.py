@@ -1,12 +1,9 @@
 """How ``fpdt-train`` reports a failure: one line, no traceback, non-zero exit.
 
-* :data:`USER_ERRORS` (bad flags, configs, data, checkpoints; alike on every rank): rank 0 prints
-  ``fpdt-train: error: <what, naming the file (and line)>; <the fix>``. Exit status 2.
-* :class:`RunError` (the run had to stop): printed by rank 0 when every rank meets it, else by
-  the rank that did, prefixed with its rank. Exit status 1.
-* Anything else: the exception's type and message and how to see the traceback (naming the
-  attention kernel and ``--attention-backend`` when raised inside one). Exit status 1.
-
+:data:`USER_ERRORS` (flags, configs, data, checkpoints; alike on every rank): rank 0 prints
+``fpdt-train: error: <what, naming the file (and line)>; <the fix>``, exit status 2.
+:class:`RunError` (the run had to stop): rank 0, or the rank that met it alone, exit status 1.
+Anything else: its type and message, the attention kernel when raised inside one, exit status 1.
 ``--debug`` or ``FPDT_DEBUG=1`` re-raises instead.
 """
 

@@ -1,13 +1,11 @@
 """The training loop: one optimizer step at a time, on a DeepSpeed engine.
 
-The model's backward leaves on each SP rank only its share of the gradient of the global mean
-loss, and DeepSpeed averages over all ``dp * sp`` ranks, so the loop back-propagates
-``sp * loss``: the result is the mean over DP groups of each sequence's mean-loss gradient, as
-single-process training on the same windows computes (``docs/model.md``, Gradient convention).
-Memory per step (:class:`fpdt.memory.accountant.RegionMemory`, max over ranks): on CUDA the
-step's ``max_memory_allocated`` / ``max_memory_reserved`` (absolute); on the CPU the step's
-working set of tensors created during it (``mem_accounting=False`` skips that count); on any
-device the host-stash peak. Fields and their cost: ``docs/train.md`` (Progress and MFU).
+It back-propagates ``sp * loss``: each SP rank's backward carries only its share of the global
+mean loss's gradient and DeepSpeed averages over all ``dp * sp`` ranks, so the result is the mean
+over DP groups of each sequence's mean-loss gradient (``docs/model.md``, Gradient convention).
+Memory per step (:class:`fpdt.memory.accountant.RegionMemory`, max over ranks): CUDA allocator
+peaks, the CPU working set (``mem_accounting=False`` skips it) and the host-stash peak
+(``docs/train.md``, Progress and MFU).
 """
 
 from __future__ import annotations

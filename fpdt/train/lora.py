@@ -1,13 +1,10 @@
-"""LoRA fine-tuning in ``fpdt-train``: the flags, the checks made before any process group,
-the adapters on the built model, and what a checkpoint records of them.
+"""LoRA fine-tuning in ``fpdt-train``: flags, checks made before any process group, the adapters
+on the built model, and what a checkpoint records of them.
 
-``--lora-rank R`` attaches :func:`fpdt.model.add_lora` adapters (``--lora-targets``, all seven by
-default) after the model is built, alike on every rank (``lora_A`` from ``--seed``), in the
-training dtype; every other parameter is frozen and never reaches the optimizer.
-``--lora-init DIR`` starts from a PEFT adapter directory, whose ``adapter_config.json`` is then
-the spec (a contradicting ``--lora-*`` flag is refused, naming both values). The trainer file
-records :func:`record` (the spec and where the base came from), and :func:`check_resume` refuses
-a resume whose spec, LoRA-or-full choice or random base differs from the checkpoint's.
+``--lora-rank R`` attaches :func:`fpdt.model.add_lora` adapters (``--lora-targets``) alike on every
+rank, in the training dtype, and freezes the rest; ``--lora-init DIR`` starts from a PEFT adapter
+directory, whose config is then the spec (contradicting flags are refused). :func:`record` goes
+into the trainer file; :func:`check_resume` refuses a resume with another spec or base.
 """
 
 from __future__ import annotations

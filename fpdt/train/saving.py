@@ -1,20 +1,11 @@
 """Training checkpoints: DeepSpeed's, plus what the trainer needs to continue exactly.
 
-Layout of ``--save-dir DIR``::
-
-    DIR/latest                       tag of the newest checkpoint (written by DeepSpeed)
-    DIR/config.json                  the model's HF config (for fpdt-export)
-    DIR/adapter_config.json          the newest run's PEFT adapter config, when it trained LoRA
-                                     (read-only: export takes each checkpoint's own trainer file)
-    DIR/tokenizer.json               copied from the model directory, when there is one
-    DIR/step<N>/                     DeepSpeed's files for optimizer step N
-    DIR/step<N>/fpdt_trainer_rank<r>.pt   per rank: steps done, run shape, RNG states, LoRA spec
-    DIR/step<N>/config.json, tokenizer.json   DIR's at the time of the save (export reads these)
-
-Resuming restores model, optimizer and scheduler (``engine.load_checkpoint``) and the RNG
-states; the data position needs none (a step's windows are a function of the step and the run
-shape). A LoRA run saves with ``exclude_frozen_parameters`` and resumes non-strictly;
-:func:`_adapters_only` checks that exactly the frozen parameters were left out.
+``--save-dir DIR`` holds ``latest`` (DeepSpeed's tag of the newest), ``config.json`` and
+``tokenizer.json`` (for export), ``adapter_config.json`` after a LoRA run (read-only), and per
+optimizer step ``step<N>/``: DeepSpeed's files, ``fpdt_trainer_rank<r>.pt`` per rank (steps done,
+run shape, RNG states, LoRA spec) and the ``config.json`` / ``tokenizer.json`` export reads.
+Resuming restores model, optimizer, scheduler and RNG states; the data position needs none. A
+LoRA run saves with ``exclude_frozen_parameters`` and resumes non-strictly (:func:`_adapters_only`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Load a Hugging Face checkpoint straight into ZeRO-3-partitioned parameters.
 
-:func:`from_pretrained_zero3`: every rank checks ``config.json`` and the safetensors headers
-against a meta model (a mismatch fails on all ranks before any collective); the model is built
-inside ``deepspeed.zero.Init``; then each tensor is gathered in turn, rank 0 reads and copies it
-in, and DeepSpeed broadcasts and re-partitions it. Host memory per rank: its shards plus one full
-tensor for a moment (never the whole model, as :func:`fpdt.model.from_pretrained` followed by
-``deepspeed.initialize`` would need). Names are checked as :func:`fpdt.model.from_pretrained`
-checks them (same ``ValueError``), and the RoPE buffer is recomputed in fp32 after construction
-(``zero.Init`` rounds floating tensors to the training dtype).
+:func:`from_pretrained_zero3` checks ``config.json`` and the safetensors headers on every rank
+against a meta model (before any collective), builds the model inside ``deepspeed.zero.Init``,
+then gathers each parameter in turn for rank 0 to read and copy in before DeepSpeed broadcasts and
+re-partitions it: host memory per rank is its shards plus one full tensor for a moment. Names are
+checked as :func:`fpdt.model.from_pretrained` checks them; the RoPE buffer is recomputed in fp32.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Block attention kernels that return ``(out, lse)`` and a backward that takes the
-*final merged* ``(out, lse)``.
+*final merged* ``(out, lse)``. Contract of every backend, layout ``[B, S, H, D]``:
 
-Contract of every backend (layout ``[B, S, H, D]``, the flash-attn layout):
+* ``forward(q, k, v, causal, scale) -> (out, lse)``: q ``[B, Sq, H, D]``, k/v ``[B, Sk, H_kv, D]``
+  (``H % H_kv == 0``); out ``[B, Sq, H, D]`` in q's dtype, lse ``[B, H, Sq]`` fp32 (float64 for
+  float64 inputs). ``causal`` only on diagonal blocks (``Sq == Sk``, plain lower triangle).
+* ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` with the final merged
+  ``out``/``lse``: exactly this block's contribution; dk/dv ``[B, Sk, H_kv, D]``, any float dtype.
 
-* ``forward(q, k, v, causal, scale) -> (out, lse)``: q ``[B, Sq, H, D]``, k/v
-  ``[B, Sk, H_kv, D]`` with ``H % H_kv == 0`` (GQA); out ``[B, Sq, H, D]`` in q's dtype,
-  lse ``[B, H, Sq]`` in fp32 (float64 for float64 inputs). ``causal`` is only used for
-  diagonal blocks, where ``Sq == Sk`` and the mask is the plain lower triangle.
-* ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` where ``out``
-  and ``lse`` are the final values after merging every block of the row; then the
-  result is exactly this block's contribution to the gradients. dk/dv are
-  ``[B, Sk, H_kv, D]``, in any float dtype; callers accumulate them in fp32.
-
-Backends, automatic selection (:func:`auto_order`, each candidate behind :func:`self_check`),
-native GQA and the masked kernels for packed documents: ``docs/attention.md`` (Kernels).
+Backends, automatic selection (:func:`auto_order`, :func:`self_check`) and GQA:
+``docs/attention.md`` (Kernels).
 """
 
 from __future__ import annotations

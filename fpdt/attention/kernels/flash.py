@@ -1,13 +1,10 @@
 """``flash_attn`` (flash-attn 2.5 and newer) and ``flash_attn3`` (FlashAttention-3's ``flash_attn_interface``).
 
 Both take ``H_kv`` KV heads natively and return lse ``[B, H, Sq]`` fp32, which their backward
-takes as it is; head dims that are not a multiple of 8 are zero-padded here and sliced back
-(exact, :func:`~fpdt.attention.kernels.common.pad_head_dim`). The adapter calls the private
-forward/backward (the public ``flash_attn_func`` has no backward from a given merged
-``(out, lse)``), dispatching on the installed version parsed to integers: 2.5, 2.6 (``softcap``),
-2.7+ (custom ops, ``window_size_left/right``) and FlashAttention-3; releases before 2.5 are
-refused with a message naming the upgrade. The signatures of each are those of the stand-in
-modules in ``tests/attention/test_kernels_flash_attn.py``.
+takes as it is; head dims not a multiple of 8 are zero-padded and sliced back (exact). The adapter
+calls the private forward/backward (the public API has no backward from a merged ``(out, lse)``),
+dispatching on the installed version: 2.5, 2.6, 2.7+ and FA3, whose signatures are those of the
+stand-ins in ``tests/attention/test_kernels_flash_attn.py``; releases before 2.5 are refused.
 """
 
 from __future__ import annotations

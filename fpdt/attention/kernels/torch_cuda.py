@@ -1,22 +1,12 @@
 """torch's own CUDA attention kernels: ``cuda_flash``, ``cuda_cudnn``, ``cuda_efficient``.
 
 Each backward gets the lse and RNG outputs in the layout its forward produced, read from torch's
-meta kernel of the forward op (:func:`forward_output_specs`), so they follow the installed torch:
-
-=============== ================================ ============================ ==========
-backend         forward lse (what backward gets) RNG outputs -> backward       GQA
-=============== ================================ ============================ ==========
-cuda_flash      ``[B, H, Sq]``                   rng_state, unused            native
-cuda_cudnn      ``[B, H, Sq, 1]`` (squeezed for  philox seed, offset          native from
-                the merge, unsqueezed back)                                   torch 2.8
-cuda_efficient  ``[B, H, align(Sq, 32)]``        philox seed, offset          expanded
-                (sliced to Sq for the merge,
-                padded back with +inf)
-=============== ================================ ============================ ==========
-
-Where GQA is not native, KV is expanded here and the replica gradients summed in fp32.
-:func:`sdpa_choice` says which kernel torch's own SDPA would run for a shape, so automatic
-selection can follow it (``docs/attention.md``, Kernels).
+meta kernel of the forward op (:func:`forward_output_specs`): ``cuda_flash`` lse ``[B, H, Sq]``
+(rng_state unused), native GQA; ``cuda_cudnn`` lse ``[B, H, Sq, 1]`` (squeezed for the merge,
+unsqueezed back), philox seed and offset, native GQA from torch 2.8; ``cuda_efficient`` lse
+``[B, H, align(Sq, 32)]`` (sliced to Sq for the merge, padded back with +inf), philox seed and
+offset, KV expanded here and the replica gradients summed in fp32. :func:`sdpa_choice` says which
+kernel torch's own SDPA would run, so automatic selection can follow it.
 """
 
 from __future__ import annotations
