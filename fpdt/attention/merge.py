@@ -58,9 +58,7 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: tor
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial results (out ``[B, S, H, D]``, lse ``[B, H, S]``, same float dtype) into new
-    tensors.
-    """
+    """Merge two partial results (out ``[B, S, H, D]``, lse ``[B, H, S]``) into new tensors."""
     lse, w_a, w_b = _weights(lse_a, lse_b)
     out = out_a * w_a.transpose(1, 2).unsqueeze(-1) + out_b * w_b.transpose(1, 2).unsqueeze(-1)
     return out, lse

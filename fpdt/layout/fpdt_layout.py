@@ -55,9 +55,7 @@ def shard(x: torch.Tensor, sp_size: int, num_chunks: int, rank: int, dim: int = 
 
 def unshard(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], num_chunks: int,
             dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`shard`: the global tensor from every rank's slice ``shards[r]`` (``S / P``
-    along ``dim``).
-    """
+    """Inverse of :func:`shard`: the global tensor from every rank's slice ``shards[r]``."""
     sp_size = len(shards)
     if sp_size == 0:
         raise ValueError("unshard needs at least one shard")
