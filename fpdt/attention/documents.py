@@ -1,32 +1,11 @@
 """Packed documents: which (query, key) blocks of an attention call can see each other.
 
-Input: ``doc_ids`` ``[B, S]``, the document index of every token of the *global* sequence
-in global token order, non-decreasing along ``S`` (documents are contiguous and in order;
-rows of the batch may differ). A query attends to the keys of its own document (at
-positions up to its own when causal).
-
-The pipelines cut attention into blocks: the query tokens of one head-layout chunk (or a
-zigzag half of one, on the 2D mesh) against the key tokens of another. The tokens of
-each side, listed in the block's local order, have increasing global indices (:func:`chunk_index`
-maps them with :mod:`fpdt.layout`), so each document is one contiguous *run* on each
-side. A :class:`Block` is one of:
-
-* ``skip``: no query sees any key (no shared document in any row): no kernel call and,
-  under offload, no fetch of the chunk;
-* ``dense``: in every row both sides lie in one document: the dense kernel, causal on a
-  diagonal block, as without documents;
-* ``masked``: anything else; ``segments`` lists, per row, the (query run, key run) pairs of
-  the shared documents, and the masked kernels (:mod:`fpdt.attention.kernels.masked`)
-  attend within them. Query rows in no segment see no key of the block: lse ``-inf``, out 0.
-
-Two kinds of block occur: a *diagonal* block, whose two sides are the same tokens
-(causal: each run attends causally to itself), and a block whose keys all precede its
-queries in the global order (causal attention), or any pair (``causal=False``); there a
-segment attends in full.
-
-Classification runs on a host copy of ``doc_ids`` (one copy per attention call, before the
-chunk loops), so the loops decide with no device synchronisation; every rank of a group
-derives the same decisions for the same blocks.
+``doc_ids`` ``[B, S]``: document index of every *global* token, non-decreasing along ``S``; a
+query attends to the keys of its own document (causally). A :class:`Block` is ``skip`` (no query
+sees any key: no kernel call, no fetch), ``dense`` (one document per row on both sides) or
+``masked`` (``segments``: per row, the (query run, key run) pairs of shared documents; rows in no
+segment get lse ``-inf``, out 0). Classification runs on one host copy of ``doc_ids`` per call,
+so the loops need no device sync and every rank decides alike.
 """
 
 from __future__ import annotations
@@ -45,7 +24,7 @@ Segment = tuple[int, int, int, int, int]   # (row, q0, q1, k0, k1): local query 
 
 @dataclass(frozen=True)
 class Block:
-    """How one (query side, key side) block is computed; see the module docstring."""
+    """How one (query side, key side) block is computed: ``skip``, ``dense`` or ``masked``."""
 
     kind: str                           # SKIP, DENSE or MASKED
     causal: bool                        # a causal diagonal block (each segment causal to itself)
@@ -209,9 +188,9 @@ _CACHE: dict[tuple, tuple] = {}     # (class, geometry) -> (weakref to doc_ids, 
 
 
 def cached_documents(cls, doc_ids: torch.Tensor, **geometry):
-    """``cls(doc_ids, **geometry)``, reused while the same ``doc_ids`` tensor (unmodified) comes
-    back with the same geometry: every layer of a model call sees the same documents, so the
-    host copy and the classification happen once per step, not once per layer."""
+    """``cls(doc_ids, **geometry)``, reused while the same unmodified ``doc_ids`` tensor comes back
+    with the same geometry (every layer of a step), so classification runs once per step.
+    """
     key = (cls, tuple(sorted(geometry.items())))
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is doc_ids and hit[1] == doc_ids._version:

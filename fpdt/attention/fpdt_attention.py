@@ -1,17 +1,10 @@
 """``fpdt_attention``: FPDT attention over q, k, v that are already projected.
 
-One autograd.Function, :class:`FPDTAttentionFunction`. Everything backward needs lives
-in a :class:`HostStash`, carried by the one (storage-less) tensor it saves through
-``ctx.save_for_backward`` (:mod:`fpdt.attention.saved_stash`, so that activation
-checkpointing frees it with the rest of a region's saved tensors):
-
-* ``k̂_i, v̂_i, q̂_i`` (head layout, input dtype), ``o_i`` (head layout, input dtype)
-  and ``lse_i`` (fp32) for every chunk -- in pinned host memory when ``offload=True``,
-  on the device otherwise.
-
-Under a layer checkpoint with ``attention_checkpoint="save"`` the first (no-grad) forward
-keeps each chunk's ``o_i``/``lse_i`` and the recompute runs no attention kernel
-(:mod:`fpdt.attention.saved_attention`).
+One autograd.Function, :class:`FPDTAttentionFunction`. Saved for backward, per chunk, in a
+:class:`HostStash` carried by one storage-less saved token (:mod:`fpdt.attention.saved_stash`):
+``k̂_i, v̂_i, q̂_i, o_i`` (head layout, input dtype) and ``lse_i`` (fp32), in pinned host memory
+with ``offload=True``, on the device otherwise. With ``attention_checkpoint="save"`` the recompute
+runs no attention kernel (:mod:`fpdt.attention.saved_attention`).
 """
 
 from __future__ import annotations
@@ -88,34 +81,23 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """FPDT attention of sequence-parallel q, k, v.
 
     Args:
-        q: ``[B, S_local, H, D]``, this rank's tokens in the FPDT layout (:mod:`fpdt.layout`)
-            with ``u = num_chunks``.
-        k, v: ``[B, S_local, H_kv, D]``; ``H_kv`` divides ``H`` (GQA/MQA). KV heads are
-            replicated when the sp size exceeds ``H_kv``.
-        group: the sequence-parallel process group; ``None`` = the default group (or a
-            world of 1 when torch.distributed is not initialised).
-        mesh: a 2D :class:`fpdt.comm.SequenceMesh` (Ulysses over ``hp`` x ring attention over
-            ``cp``, see :mod:`fpdt.attention.mesh_pipeline`) instead of ``group``; tokens are then
-            in the mesh layout (``mesh.shard`` / ``mesh.global_token_index``) and ``S`` must be
-            divisible by ``2 * hp * cp * u``.
-        num_chunks: chunks per rank ``u``; the global sequence ``S = P * S_local`` must be
-            divisible by ``P * u``.
-        offload: keep finished chunks in host memory (pinned, double-buffered on CUDA).
-        causal: causal mask over the *global* sequence.
-        softmax_scale: defaults to ``1/sqrt(D)``.
-        backend: attention kernel name (see :mod:`fpdt.attention.kernels`); None = auto.
-        doc_ids: packed documents: ``[B, S]`` document index of every token of the *global*
-            sequence in global token order (non-decreasing; the same on every rank). Each
-            query attends to the keys of its own document only; blocks that no query sees
-            are skipped (:mod:`fpdt.attention.documents`). None = one document.
-        saved: a checkpointed layer's :class:`fpdt.attention.saved_attention.SavedAttention`
-            (``attention_checkpoint="save"``): this call's output and lse are recorded in the
-            layer's first forward and replayed in its recompute. None: run as usual.
-        runtime: the device runtime of the offload copies (``"sim"`` runs them simulated on the
-            CPU; see :attr:`fpdt.options.FPDTOptions.runtime`); None: automatic.
+        q: ``[B, S_local, H, D]``, this rank's tokens in the FPDT layout (:mod:`fpdt.layout`),
+            ``u = num_chunks``; ``S = P * S_local`` must be divisible by ``P * u``.
+        k, v: ``[B, S_local, H_kv, D]``; ``H_kv`` divides ``H`` (replicated when P exceeds it).
+        group: the sequence-parallel group; ``None`` = the default group (or a world of 1).
+        mesh: a 2D :class:`fpdt.comm.SequenceMesh` (hp x cp) instead of ``group``; tokens are then
+            in the mesh layout (``mesh.shard``) and ``S`` divisible by ``2 * hp * cp * u``.
+        offload: keep finished chunks in pinned host memory (double-buffered on CUDA).
+        causal: causal mask over the *global* sequence; ``softmax_scale`` defaults to ``1/sqrt(D)``.
+        backend: kernel name (:mod:`fpdt.attention.kernels`); None = automatic.
+        doc_ids: ``[B, S]`` document index of every *global* token (non-decreasing, the same on
+            every rank); each query attends to its own document only. None = one document.
+        saved: a checkpointed layer's :class:`~fpdt.attention.saved_attention.SavedAttention`:
+            output and lse recorded in the first forward, replayed in the recompute.
+        runtime: the offload copies' device runtime (:attr:`fpdt.options.FPDTOptions.runtime`).
 
     Returns:
-        ``[B, S_local, H, D]`` in the same layout and dtype as ``q``; differentiable in q, k, v.
+        ``[B, S_local, H, D]`` in the layout and dtype of ``q``; differentiable in q, k, v.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, S_local, heads, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "

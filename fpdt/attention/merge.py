@@ -1,20 +1,11 @@
 """Online-softmax merge of partial attention results, in fp32.
 
-Each key block ``j`` gives, for the same queries, ``(o_j, lse_j)``: the softmax-weighted
-average over that block and the log of its normaliser. Merging two results::
-
-    lse = logaddexp(lse_a, lse_b)
-    o   = exp(lse_a - lse) * o_a + exp(lse_b - lse) * o_b
-
-``logaddexp`` is computed as ``max + log1p(exp(-|a - b|))``, which stays finite when one
-side is ``-inf`` (a fully masked row) and returns ``-inf`` only when both are; the
-weights are then forced to 0 instead of ``exp(-inf - -inf) = nan``.
-
-Memory: :class:`OnlineSoftmax` merges **in place** (:func:`merge_`): the fp32 running
-output is the only ``[B, S, H, D]`` fp32 tensor it holds (2 U for a bf16 chunk of ``U``
-bytes); a block's output is folded in with ``addcmul_`` straight from its input dtype, so
-no fp32 copy of the block and no weighted products exist. Temporaries are ``[B, H, S]``
-(lse-sized, ``1/D`` of the output).
+Block ``j`` gives ``(o_j, lse_j)`` for the same queries; two merge as ``lse = logaddexp(lse_a,
+lse_b)``, ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``, with ``logaddexp`` as ``max +
+log1p(exp(-|a - b|))`` so a fully masked side (``-inf``) gets weight 0, never nan.
+:class:`OnlineSoftmax` merges **in place** (:func:`merge_`): the fp32 running output ``[B, S, H,
+D]`` is its only full-size fp32 tensor (2 U for a bf16 chunk of U bytes), blocks are folded in
+with ``addcmul_`` from their own dtype, and temporaries are lse-sized ``[B, H, S]``.
 """
 
 from __future__ import annotations
@@ -23,12 +14,10 @@ import torch
 
 
 class OnlineSoftmax:
-    """Running ``(out, lse)`` accumulator for one query chunk.
-
-    ``out`` is kept ``[B, S, H, D]`` and ``lse`` ``[B, H, S]``, both in ``acc_dtype``
-    (fp32, or float64 when the inputs are float64). The first block is converted (not
-    copied when it already has ``acc_dtype``: the accumulator takes it over, so callers
-    hand over block results they do not use again); later blocks are merged in place.
+    """Running ``(out, lse)`` accumulator for one query chunk: ``out`` ``[B, S, H, D]`` and ``lse``
+    ``[B, H, S]`` in ``acc_dtype`` (fp32, float64 for float64 inputs). The first block is taken over
+    (not copied when already ``acc_dtype``: callers hand over results they do not reuse); later
+    blocks are merged in place.
     """
 
     def __init__(self, acc_dtype: torch.dtype = torch.float32):
@@ -69,10 +58,7 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: tor
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial results (out ``[B, S, H, D]``, lse ``[B, H, S]``, same float dtype).
-
-    Returns new tensors; never writes into its inputs.
-    """
+    """Merge two partial results (out ``[B, S, H, D]``, lse ``[B, H, S]``) into new tensors."""
     lse, w_a, w_b = _weights(lse_a, lse_b)
     out = out_a * w_a.transpose(1, 2).unsqueeze(-1) + out_b * w_b.transpose(1, 2).unsqueeze(-1)
     return out, lse

@@ -1,46 +1,11 @@
 """2D attention pipeline: Ulysses over HP x load-balanced (double) ring over CP x FPDT chunks.
 
-Same callbacks as :mod:`fpdt.attention.pipeline` (``produce``, ``emit``, ``deliver``), same
-stash semantics (``offload`` = pinned host memory). Tokens are in the mesh layout of
-:mod:`fpdt.layout.mesh_layout`: after the HP all-to-all of local chunk ``i``, rank ``c``
-of the CP group holds its CP chunk ``i`` = zigzag pieces ``c`` and ``2cp-1-c`` of span
-``i`` (``C`` tokens, ``H/hp`` heads); ``x̂`` below is that head layout ``[B, C, H/hp, D]``.
-K/V travel packed as one block ``[2, B, C, H_kv'/hp, D]`` (``H_kv'`` after GQA replication,
-which happens before the all-to-all, so only replicated heads the HP rank needs cross the
-ring).
-
-Loop order (what makes ring traffic independent of ``u``): **KV chunk j -> ring step s
--> query chunk i**. Each K/V block crosses the ring once per pass; the query side
-(q̂_i, the fp32 output accumulator and lse in forward; q̂_i, o_i, lse_i, dô_i and the fp32
-dq accumulator in backward) goes through the stash, fetched just before its touch with
-the next touch's state prefetched (double buffering).
-
-Block kinds for query chunk ``i`` of rank ``me`` against KV chunk ``j`` of rank ``src``
-(causal; ``half = C/2`` = one zigzag piece):
-
-* ``j < i``: full; ``j > i``: skipped;
-* ``j == i, src == me``: the causal diagonal (the two pieces in order are causal as one);
-* ``j == i, src < me``: every query row vs the first half of the keys (full);
-* ``j == i, src > me``: the second half of the query rows vs every key (full).
-
-Every rank does the same work at every step (the zigzag load balance). Non-causal
-attention makes every pair full.
-
-Packed documents (``spec.docs``): a touch whose queries see none of the block's keys is
-skipped (no kernel call, no fetch of its query side; the block still travels the ring), a
-touch inside one document runs the dense kernel, a mixed one the masked kernels; a query
-chunk is final after its last touch that runs.
-
-Forward: produce and all-to-all every chunk (chunk i+1's all-to-all overlaps chunk i's
-stash copy), stash q̂_i and the K/V block; then for each j circulate the block, merging
-online in fp32; o_i is final after pass ``j = i`` (causal) and goes back through the
-all-to-all at once. Backward: dô_i all-to-all'd up front and stashed; for each j circulate
-the block again, accumulating dq_i (fp32, stashed between touches) and this rank's
-dK/dV contribution; the fp32 dK/dV of a block travel behind it and reach its owner after
-the last step (:mod:`fpdt.comm.ring`). Ring transfers overlap the current block's compute.
-
-With ``cp = 1`` the mesh is plain Ulysses: :func:`build_mesh_spec` returns the FPDT
-pipeline's own spec over the HP group. Costs: :mod:`fpdt.attention.ring_costs`.
+Same callbacks and stash as :mod:`fpdt.attention.pipeline`, tokens in the mesh layout
+(:mod:`fpdt.layout.mesh_layout`): after the HP all-to-all, CP rank ``c`` holds zigzag pieces ``c``
+and ``2cp-1-c`` of each span, head layout ``[B, C, H/hp, D]``. K/V travel packed as ``[2, B, C,
+H_kv'/hp, D]`` (GQA replication before the all-to-all). Stashed: q̂, the K/V blocks, o, lse, dô
+and the fp32 dq accumulators. With ``cp = 1`` :func:`build_mesh_spec` returns the FPDT pipeline's
+spec. Loop order and block kinds: ``docs/attention.md`` (The mesh pipeline).
 """
 
 from __future__ import annotations
@@ -111,7 +76,7 @@ class MeshSpec:
         return list(range(j, self.num_chunks)) if self.causal else list(range(self.num_chunks))
 
     def kind(self, i: int, j: int, src: int) -> str | None:
-        """How query chunk i of this rank meets KV chunk j of CP rank ``src`` (module docstring)."""
+        """How query chunk i of this rank meets KV chunk j of CP rank ``src`` (``docs/attention.md``)."""
         return touch_kind(i, j, src, self.mesh.cp_rank, self.causal)
 
     def last_pass(self, i: int) -> int:
@@ -165,10 +130,9 @@ def build_mesh_spec(*, seq_local: int, num_heads: int, num_kv_heads: int, head_d
 def single_rank_mesh_spec(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           device: torch.device, num_chunks: int, causal: bool = True,
                           backend: str | None = None) -> MeshSpec:
-    """A :class:`MeshSpec` for one rank (hp = cp = 1, no process group): the mesh pipeline's
-    loop order, stash traffic and merges without communication, for single-device checks
-    (a single GPU cannot form a ring; ``fpdt_attention(mesh=...)`` with cp = 1 takes the
-    Ulysses pipeline instead)."""
+    """A :class:`MeshSpec` for one rank (hp = cp = 1, no process group): the mesh pipeline's loops,
+    stash traffic and merges without communication, for single-device checks.
+    """
     if group_size(None) > 1:
         raise ValueError("single_rank_mesh_spec is for a world of one process; build a SequenceMesh for more")
     mesh = SequenceMesh(hp=1, cp=1)
@@ -180,12 +144,9 @@ def single_rank_mesh_spec(*, num_heads: int, num_kv_heads: int, head_dim: int, d
 
 # ----------------------------------------------------------------------------- the ring
 def ring_pass(spec: MeshSpec, block: torch.Tensor, visit: Callable[[int, int, torch.Tensor], None]) -> None:
-    """Circulate this rank's ``block`` over the CP group (double ring when ``w < cp``).
-
-    ``visit(step, src, blk)`` runs once per step with the block of CP rank ``src``, while
-    the next block is in flight. Two receive buffers: the inner ring's, and the outer
-    ring's, which carries the block this rank *started* the outer step with; the outer
-    transfer runs in its own communicator (``mesh.cp_outer_group``) for the whole inner ring.
+    """Circulate this rank's ``block`` over the CP group (double ring when ``w < cp``);
+    ``visit(step, src, blk)`` runs once per step with CP rank ``src``'s block while the next is in
+    flight (the outer transfer on ``mesh.cp_outer_group``).
     """
     sched, comm = spec.schedule, spec.comm
     cur, outer = block, None
@@ -330,10 +291,8 @@ def _block_backward(spec: MeshSpec, kind: str, do, q, kv, o, lse, blk: Block | N
 
 def mesh_backward(spec: MeshSpec, grad_out_chunk: Callable[[int], torch.Tensor], deliver: Deliver,
                   stash: HostStash) -> None:
-    """Backward over what :func:`mesh_forward` left in ``stash``; empties it.
-
-    ``deliver(j, dq_j, dk_j, dv_j)`` gets chunk j's final gradients in sequence layout
-    (fp32; dk/dv summed over GQA replicas) as soon as they are final.
+    """Backward over what :func:`mesh_forward` left in ``stash`` (emptied); ``deliver(j, dq_j, dk_j,
+    dv_j)`` gets chunk j's final fp32 gradients in sequence layout (dk/dv summed over GQA replicas).
     """
     u = spec.num_chunks
     pending = start_seq_to_heads_packed((grad_out_chunk(0),), spec.hp_group)

@@ -1,47 +1,12 @@
 """``o_proj`` of :class:`fpdt.attention.FPDTAttention` as one autograd.Function whose backward
 reads its input a chunk at a time.
 
-The output projection's input ``x`` ``[B, S_local, H D]`` is the attention's output, which
-the attention Function already keeps for its own backward, chunk by chunk, in its
-:class:`fpdt.offload.HostStash`: ``o_i`` ``[B, C, H/P, D]`` in head layout (``C = P L``; mesh:
-``H/hp``), keys ``("o", i)``, pinned host memory under ``offload=True``. In the FPDT layout
-local chunk ``i`` of the sequence (tokens ``[i L, (i + 1) L)``) is exactly the all-to-all back
-of ``o_i``, which is how the forward emitted it.
-
-So under ``checkpointing="off"`` (no layer checkpoint, where every layer would otherwise keep
-``x`` on the device from forward to backward) the Function saves **no** copy of ``x``:
-through ``ctx.save_for_backward`` it saves the weight, the bias, the LoRA tensors and a
-storage-less token carrying the attention's stash (:mod:`fpdt.attention.saved_stash`), and
-its backward runs over the ``u`` chunks:
-
-* ``o_i`` is fetched from the stash (``get``, not ``pop``: the attention backward reads it
-  next), ``o_{i+1}`` is prefetched at once, on the runtime's copy stream (the stash orders the
-  copy after the compute stream and the compute stream after the copy by events; nothing
-  blocks the host), and ``o_i`` goes back through the all-to-all to sequence layout
-  ``x_i`` ``[B, L, H D]``;
-* ``dW += g_i^T x_i`` in fp32 (float64 for float64 parameters), cast to the weight's dtype
-  at the end; the LoRA terms' backward (:func:`fpdt.ops.lora.lora_backward`) runs on the
-  chunk's two token pieces, accumulating the adapters' gradients (fp32 for 16-bit adapters)
-  and adding the terms' share of ``dx_i``.
-
-``dx = g W`` and ``db = sum(g)`` need no input and are computed over the whole sequence
-(``dx`` is the attention backward's incoming gradient, full-length in any case). Device bytes
-of the backward beyond ``g``, ``dx`` and the parameter-sized accumulators: the chunk in use
-and the next one in flight (plus, with P > 1, the all-to-all's receive buffer and
-sequence-layout copy of one chunk; the send buffer is released when the collective completes)
-and the weight gradient's parameter-sized temporaries, never a full-length ``x``
-(``tests/memory/test_output_projection_budget.py``). The price: every ``o_i`` crosses
-host -> device once more (``u o`` bytes, :func:`fpdt.attention.offload_volume.attention_layer_copy_bytes`
-with ``o_proj_from_stash``) and goes through one more all-to-all (with P > 1), linear in
-``S`` and small beside the attention backward's ``u (u + 1) / 2`` fetches of ``o``.
-
-Without the stash (``offload=False``, or a layer checkpoint) the Function saves ``x`` and
-slices its chunks; it is then used only for a LoRA ``o_proj`` (a plain ``o_proj`` is the
-``nn.Linear``). LoRA: the terms run over ``2 u`` token pieces along the sequence, two per
-attention chunk (:func:`lora_pieces`), each with its own dropout mask drawn from the call's
-seed (:mod:`fpdt.ops.lora`); with one sequence (``B = 1``) the pieces and masks are those of
-:func:`fpdt.ops.lora.lora_linear` over ``2 u`` chunks, and the fp32 temporaries of the terms
-are half an attention chunk's.
+Its input ``x`` ``[B, S_local, H D]`` is the attention output, which the attention's stash holds
+as ``o_i`` ``[B, C, H/P, D]`` (keys ``("o", i)``). With that stash the Function saves no copy of
+``x`` (weight, bias, LoRA tensors and a storage-less token, :mod:`fpdt.attention.saved_stash`):
+backward fetches each ``o_i``, all-to-alls it back and accumulates ``dW`` in fp32, never holding a
+full-length ``x`` (``docs/memory.md``). Without it ``x`` is saved. LoRA terms run over ``2 u``
+token pieces (:func:`lora_pieces`), each with its own dropout mask.
 """
 
 from __future__ import annotations

@@ -1,48 +1,15 @@
-"""The FPDT chunk pipeline: chunked Ulysses attention with host-resident chunks.
+"""The FPDT chunk pipeline: chunked Ulysses attention with host-resident chunks, shared by
+:func:`fpdt.attention.fpdt_attention` and :class:`fpdt.attention.FPDTAttention`. Callers supply:
 
-This module is the mechanism shared by :func:`fpdt.attention.fpdt_attention` (inputs are
-q/k/v) and :class:`fpdt.attention.FPDTAttention` (inputs are hidden states that are
-projected chunk by chunk). Callers supply two callbacks:
-
-* ``produce(i) -> (q_i, k_i, v_i)``: local chunk ``i`` in sequence layout, q
-  ``[B, L, H, D]``, k/v ``[B, L, H_kv, D]`` (RoPE already applied);
+* ``produce(i) -> (q_i, k_i, v_i)``: local chunk ``i`` in sequence layout, q ``[B, L, H, D]``,
+  k/v ``[B, L, H_kv, D]`` (RoPE applied);
 * ``emit(i, out_i)``: output chunk ``i`` in sequence layout ``[B, L, H, D]``;
-* ``deliver(j, dq_j, dk_j, dv_j)``: the final gradients of local chunk ``j`` in sequence
-  layout, fp32, k/v already summed over GQA replicas; handed over (the callee may
-  overwrite them in place).
+* ``deliver(j, dq_j, dk_j, dv_j)``: chunk ``j``'s final gradients in sequence layout, fp32, k/v
+  summed over GQA replicas (the callee may overwrite them).
 
-Notation: ``u`` chunks, ``P`` ranks, ``C = P * L`` tokens per chunk after the
-all-to-all, ``x̂`` = head layout ``[B, C, H/P, D]``.
-
-Forward, for i = 0..u-1: produce chunk i, all-to-all to q̂_i, k̂_i, v̂_i (with P > 1, chunk
-i+1's all-to-all is started before chunk i's attention, so the two overlap; with one rank
-there is nothing to overlap and chunk i+1 is produced only when its turn comes); stash k̂_i, v̂_i;
-attend q̂_i to k̂_i (causal) and then to k̂_j, v̂_j for j < i (full), fetched from the stash
-one at a time with the next one prefetched, merging online in fp32; stash q̂_i, o_i,
-lse_i; all-to-all o_i back.
-
-Backward: outer loop over KV chunks j, inner loop over query chunks i >= j. dô_i (the
-all-to-all of grad-out chunk i) is made on first use (the next one's all-to-all overlaps
-the current block's backward) and stashed. dq_i accumulates in
-fp32 across outer steps (stashed between them, i.e. host-resident when offloading);
-dk_j/dv_j accumulate in fp32 on the device over the inner loop. dq̂_j is final after the
-first inner step of outer step j and goes back through the all-to-all at once; dk̂_j and
-dv̂_j follow after the inner loop, and ``deliver`` gets the three while the next outer
-step's chunks are already being prefetched.
-
-Non-causal attention runs the same loops over all (i, j) pairs; its forward first
-produces every KV chunk, and its backward delivers once every gradient is final.
-
-Packed documents (``spec.docs``, :mod:`fpdt.attention.documents`): the loops run only the
-blocks (i, j) whose queries see some of their keys; a skipped block makes no kernel call and
-fetches nothing (the diagonal is never skipped). A block inside one document runs the dense
-kernel, a mixed one the masked kernels (:mod:`fpdt.attention.kernels.masked`). In backward,
-dô_i's all-to-all and dq_i's accumulator start at chunk i's first touch (outer step 0 without
-documents), and dq_i is final after its last. Every rank of the group makes the same decisions.
-
-Device memory: the working set at the forward and backward peaks, derived per tensor, is in
-``docs/memory.md`` ("The attention core, tensor by tensor"); ``tests/memory/test_attention_budget.py``
-holds the budgets.
+Saved per chunk in the stash (host with offload), head layout ``[B, C, H/P, D]``: q̂, k̂, v̂, o and
+the fp32 lse. Loop order and overlap: ``docs/attention.md`` (The chunk pipeline); working set:
+``docs/memory.md``.
 """
 
 from __future__ import annotations
@@ -87,9 +54,9 @@ class PipelineSpec:
 
     @property
     def overlap_all_to_all(self) -> bool:
-        """Start chunk i+1's all-to-all during chunk i's attention. Only with P > 1: with
-        one rank there is no collective to hide, and producing chunk i+1 early would only
-        hold its q/k/v (1.5 U for GQA 4:1, 3 U for MHA) through chunk i's attention."""
+        """Start chunk i+1's all-to-all during chunk i's attention; only with P > 1 (with one rank,
+        producing chunk i+1 early would only hold its q/k/v through chunk i's attention).
+        """
         return self.sp_size > 1
 
     def kv_blocks(self, i: int) -> list[int]:
@@ -98,11 +65,9 @@ class PipelineSpec:
         return blocks if self.docs is None else [j for j in blocks if self.docs.visible(i, j)]
 
     def q_blocks(self, j: int) -> list[int]:
-        """Query chunks that attend to KV chunk j, in the backward's inner-loop order.
-
-        Causal: the diagonal chunk j comes *last*. Its dq is final at that step (no later
-        KV chunk touches query chunk j), so it goes straight to delivery with dk_j/dv_j
-        instead of being held on the device through the whole outer step."""
+        """Query chunks that attend to KV chunk j, in the backward's inner-loop order; causal: the
+        diagonal chunk j *last*, so its final dq goes straight to delivery with dk_j/dv_j.
+        """
         blocks = list(range(j + 1, self.num_chunks)) + [j] if self.causal else list(range(self.num_chunks))
         return blocks if self.docs is None else [i for i in blocks if self.docs.visible(i, j)]
 
@@ -158,14 +123,11 @@ def _start_to_heads(spec: PipelineSpec, produce: Produce, i: int) -> PendingAllT
 def pipeline_forward(spec: PipelineSpec, produce: Produce, emit: Emit, stash: HostStash,
                      for_backward: bool = True, keep: Keep | None = None) -> None:
     """Run the forward; ``emit(i, out_i)`` receives each output chunk in sequence layout
-    ``[B, L, H, D]`` (callers write it into a preallocated output, so no list of chunks
-    and no concatenated copy exist side by side).
+    ``[B, L, H, D]`` (callers write it into a preallocated output).
 
-    With ``for_backward`` it leaves ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk in
-    ``stash``, as backward needs; without (a no-grad pass, e.g. the first pass of an
-    activation-checkpointed layer) only the KV chunks go through the stash and it is
-    emptied at the end. ``keep(i, o_i, lse_i)``, when given, gets each chunk's final output
-    (head layout) and lse (:mod:`fpdt.attention.saved_attention`).
+    With ``for_backward`` it leaves ``("k"|"v"|"q"|"o"|"lse", i)`` for every chunk in ``stash``;
+    without (a no-grad pass) only the KV chunks go through the stash, emptied at the end.
+    ``keep(i, o_i, lse_i)``, when given, gets each chunk's final output (head layout) and lse.
     """
     u = spec.num_chunks
     pending = None
@@ -234,10 +196,8 @@ def _attend(spec: PipelineSpec, i: int, q_h: torch.Tensor, current: dict, stash:
 
 def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.Tensor],
                       deliver: Deliver, stash: HostStash) -> None:
-    """Run the backward over the chunks left in ``stash`` by :func:`pipeline_forward`.
-
-    ``grad_out_chunk(i)`` returns the output gradient of local chunk ``i`` in sequence
-    layout ``[B, L, H, D]``. Empties ``stash``.
+    """Run the backward over the chunks :func:`pipeline_forward` left in ``stash`` (emptied);
+    ``grad_out_chunk(i)`` returns local chunk ``i``'s output gradient ``[B, L, H, D]``.
     """
     u = spec.num_chunks
     final_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -323,9 +283,9 @@ def _ready_chunks(spec: PipelineSpec, j: int) -> list[int]:
 
 
 def _prefetch_q_side(stash: HostStash, i: int) -> None:
-    """Start fetching what the backward kernel of query chunk i reads (dô_i once it exists).
-    Its dq_i accumulator is fetched later, when step i starts: it is only needed after the
-    kernel, so only one fp32 dq is on the device at a time."""
+    """Start fetching what the backward kernel of query chunk i reads (dô_i once it exists); its
+    fp32 dq_i comes later, when step i starts, so one dq is on the device at a time.
+    """
     for name in ("q", "o", "lse", "do"):
         if (name, i) in stash:
             stash.prefetch((name, i))

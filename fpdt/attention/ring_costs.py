@@ -1,79 +1,9 @@
 """Costs of one attention layer on the 2D mesh (hp x cp, inner ring w) with FPDT chunking (u).
 
-The planner calls :func:`attention_costs`; the tests check the P2P and all-to-all counts
-against what :mod:`fpdt.attention.mesh_pipeline` actually sends. All figures are per
-rank and per layer, batch ``B``, element size ``e`` (2 for bf16); fp32 = 4 bytes.
-
-Notation::
-
-    f    = KV replication factor (kv_replication_factor(H, H_kv, hp): 1 unless hp does
-           not divide H_kv), H_kv' = f * H_kv
-    n    = cp / w inner rings per CP group
-    L    = S / (hp * cp * u)   local chunk (tokens per rank per chunk)
-    C    = hp * L = S / (cp*u) CP chunk (tokens after the Ulysses all-to-all)
-    Q    = B * L * hidden * e                  one q̂ chunk (C tokens x H/hp heads; hidden = H*D)
-    K    = 2 * B * C * (H_kv'/hp) * D * e    one packed K/V block (what crosses the ring), = 2 g Q
-    g    = H_kv' / H
-    U    = B * C * hidden * e = hp * Q         the memory unit of :mod:`fpdt.memory.accountant`: one
-                                               chunk of hidden states with C the post-all-to-all chunk
-    Nd   = B * S_l * hidden * e = u * Q        this rank's full-sequence hidden tensor (S_l = S/(hp cp))
-    T    = touches: cp * u(u+1)/2 causal, cp * u^2 non-causal (query chunk x block pairs)
-
-**P2P (ring).** Every K/V block crosses ``cp - 1`` links per pass, once per pass and not
-once per query chunk (the loop order is KV chunk j -> ring step -> query chunk i):
-
-* forward:  ``u (cp-1)`` sends of ``K``            -> ``(cp-1) * 2 B (S/cp) (H_kv'/hp) D e``
-* backward: the same K/V sends again, plus ``u cp`` fp32 dK/dV sends (``4K/e`` bytes each,
-  ``2K`` in bf16: gradients travel behind their block and end at its owner).
-* of the ``cp - 1`` links, ``n (w-1)`` are inner-ring and ``n - 1`` outer-ring.
-
-**All-to-all (Ulysses, inside the HP group).** Bytes this rank sends to the other
-``hp - 1`` members (``(hp-1)/hp`` of each buffer); ``S_l = S/(hp cp)``:
-
-* forward:  q, k, v in and o out: ``B S_l D (H + 2 H_kv' + H) e (hp-1)/hp``
-* backward: dô in (``H e``), dq and dk, dv out in fp32: ``B S_l D (H e + 4 (H + 2 H_kv')) (hp-1)/hp``
-
-**Host <-> device (offload=True; 0 without offload).** Query-side state is staged through
-the stash and fetched for each touch: q̂ ``Q``, an fp32 accumulator ``A = 4Q/e`` (``2Q``
-in bf16), an lse ``l = B C (H/hp) 4``:
-
-* forward  h2d: ``u K + T Q + (T - u)(A + l)``;
-  d2h: ``u (Q + K) + (T - u)(A + l) + u (Q + l)`` (final o and lse kept for backward)
-* backward h2d: ``u K + T (3Q + l) + (T - u) A`` (q̂, o, dô, lse per touch; fp32 dq);
-  d2h: ``u Q + (T - u) A`` (dô once, dq accumulators between touches)
-* ``cp = 1`` is the Ulysses pipeline (K/V fetched per block, ``T1 = u(u+1)/2``): forward
-  h2d ``(T1 - u) K``, d2h ``u (K + 2Q + l)``; backward h2d ``u K + T1 (2Q + l) + (T1 - u)(Q + A)``,
-  d2h ``(T1 - u) A + m Q`` (``m = u - 1`` chunks whose dô is kept between touches).
-
-**Packed documents** (``doc_ids``): blocks whose queries see none of their keys are skipped
-(:mod:`fpdt.attention.documents`), so ``T`` (``T1``) counts only the touches that run, per
-rank (:func:`document_work`; the costs are those of the rank with the most touches), ``m``
-the chunks touched more than once; every formula above holds with those counts. Ring
-transfers and all-to-alls do not change (every block still travels). ``attention_pairs``:
-the (query, key) pairs the rank's kernels compute per head, ``B S (S+1) / 2`` summed over
-ranks without documents, the sum over documents of ``n (n+1) / 2`` with them.
-
-**Peak device memory of the attention core** (beyond its full-sequence output and input
-gradient; an estimate from the buffers live at the peak, bf16, counted in ``Q`` and
-reported in ``U = hp Q``):
-
-* forward, offload: ring blocks ``2K`` (current + inner receive; ``4K`` with an outer
-  ring: its receive and the starting block still being sent), q side of the current and
-  the prefetched touch ``2 (Q + 2Q)``, merge temporaries ``~10Q`` (block output, its fp32
-  copy, two weighted products and their fp32 sum, lse temporaries) -> ``16Q + 2K``
-  (``16Q + 4K``);
-* backward, offload: ring blocks as forward, fp32 dK/dV local sum + incoming + outgoing
-  ``3 * 2K``, q side ``2 (3Q + 2Q)``, block gradients ``Q + K``, ``~5Q`` temporaries and the
-  finished dq's all-to-all -> ``16Q + 9K`` (``16Q + 11K``);
-* checked on the CPU with the live-bytes accountant of :mod:`fpdt.memory.accountant`
-  (hp = cp = 2, u = 4, GQA 4:1, bf16, offload, C = 128): forward 8.7 U beyond its output
-  (this formula: 8.5 U), backward 10.3 U beyond the dq/dk/dv outputs and one full-sequence
-  bf16 gradient buffer (this formula: 10.25 U); the working set does not grow with u;
-* without offload the stash keeps everything on the device: add ``Nd (1 + 2g)`` (q̂, K/V),
-  plus ``2 Nd`` of fp32 o accumulators in forward, or ``Nd (2 + 2)`` (o, dô, fp32 dq) in backward;
-* ``cp = 1`` runs the Ulysses pipeline; the same estimate is reported for it (its measured
-  forward working set was 16.3 U at sp = 1 before the memory issue's fixes, whose target is
-  9 U), so the planner compares the two paths on one scale.
+:func:`attention_costs` (what the planner calls) gives, per rank and per layer, the P2P,
+all-to-all and host <-> device bytes and the peak device working set of the attention core; the
+tests check the counts against what :mod:`fpdt.attention.mesh_pipeline` sends. Notation and
+formulas: ``docs/attention.md`` (Costs of one layer).
 """
 
 from __future__ import annotations
@@ -125,7 +55,7 @@ def attention_costs(*, seq_len: int, num_heads: int, num_kv_heads: int, head_dim
                     inner_ring: int | None = None, num_chunks: int = 1, hidden: int | None = None,
                     batch: int = 1, dtype_bytes: int = 2, offload: bool = True,
                     causal: bool = True, doc_ids=None, cp_rank: int | None = None) -> AttentionCosts:
-    """Costs of one attention layer per rank (see the module docstring for every formula).
+    """Costs of one attention layer per rank (formulas: ``docs/attention.md``).
 
     ``doc_ids``: packed documents ``[B, S]`` (global order; ``batch`` is then its ``B``): only
     the blocks that run are counted, for CP rank ``cp_rank`` (None: the rank with the most).
@@ -233,16 +163,11 @@ def document_work(doc_ids, *, seq_len: int, hp: int = 1, cp: int = 1, num_chunks
 def ulysses_working_set_U(*, num_heads: int, num_kv_heads: int, head_dim: int, sp: int = 1,
                           num_chunks: int, offload: bool = True,
                           kernel_expands_gqa: bool = False) -> tuple[float, float]:
-    """``(forward, backward)`` working set of the Ulysses FPDT pipeline (``cp = 1``) per
-    rank, in ``U`` (one global chunk of bf16 hidden states), beyond its output / input
-    gradients; the per-tensor accounting is in :mod:`fpdt.attention.pipeline`.
-
-    ``r = H_kv' / H`` (KV heads after the replication ``sp`` needs). ``kernel_expands_gqa``:
-    the block kernel repeats K/V to ``H`` heads and folds dK/dV back in fp32 (the CPU
-    kernel; flash-attn and cuDNN take GQA natively). ``e = 2 / D``: one fp32 lse chunk.
-    With ``sp > 1`` head-layout tensors are ``1/sp`` of these and the all-to-all send and
-    receive buffers add ``(2 (1 + 2r) + 2) / sp`` (forward: chunk i+1's q/k/v and o) and
-    ``(2 + 8 r) / sp`` (backward: dô of the next step, the packed fp32 dk/dv).
+    """``(forward, backward)`` working set of the Ulysses FPDT pipeline (``cp = 1``) per rank, in
+    ``U``, beyond its output / input gradients (per tensor: ``docs/memory.md``). ``r = H_kv' / H``;
+    ``kernel_expands_gqa``: the kernel repeats K/V to ``H`` heads (the CPU kernel); ``e = 2 / D``, one
+    fp32 lse chunk. With ``sp > 1`` head-layout tensors are ``1/sp`` of these, and the all-to-all
+    buffers add ``(2 (1 + 2r) + 2) / sp`` forward and ``(2 + 8 r) / sp`` backward.
     """
     H, u, P = num_heads, num_chunks, sp
     r = kv_replication_factor(H, num_kv_heads, P) * num_kv_heads / H

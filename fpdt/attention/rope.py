@@ -36,10 +36,8 @@ class RotaryEmbedding(nn.Module):
         return 2 * self.inv_freq.numel()
 
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``position_ids`` ``[B, n]`` -> ``(cos, sin)``, each ``[B, n, D]`` in ``dtype``.
-
-        Angles are computed in fp32 (positions beyond 2**24 would lose precision in
-        bf16/fp16, and long contexts get there).
+        """``position_ids`` ``[B, n]`` -> ``(cos, sin)``, each ``[B, n, D]`` in ``dtype``; angles in fp32
+        (positions beyond 2**24 would lose precision in bf16/fp16).
         """
         inv = self.inv_freq.to(position_ids.device)
         freqs = position_ids.to(torch.float32)[..., None] * inv  # [B, n, D/2]
@@ -62,10 +60,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Gradient of :func:`apply_rotary` w.r.t. ``x`` (the transposed rotation).
-
-    ``y = x*c + R(x)*s`` with ``R`` the linear map ``rotate_half``, whose transpose is
-    ``-R``; so ``dx = g*c - R(g*s)``.
+    """Gradient of :func:`apply_rotary` w.r.t. ``x``: ``dx = g*c - R(g*s)`` (``R`` =
+    ``rotate_half``, whose transpose is ``-R``).
     """
     cos = cos.unsqueeze(2)
     sin = sin.unsqueeze(2)

@@ -1,17 +1,10 @@
 """Tie a chunk stash's lifetime to autograd's saved tensors, so checkpointing can drop it.
 
-The FPDT autograd Functions keep what backward needs in a :class:`fpdt.offload.HostStash`
-(host or device chunks), not in ``ctx.save_for_backward``. Held by ``ctx`` itself, the
-stash would live as long as the graph node, which breaks non-reentrant activation
-checkpointing (``torch.utils.checkpoint(use_reentrant=False)``, Transformers' default):
-the checkpoint discards a region's *saved tensors* after the forward and recomputes them
-in backward, but the first forward's ``ctx`` -- and with it a whole layer's stash -- would
-stay alive until backward, for every layer.
-
-So the stash hangs off a storage-less token tensor that goes through
-``ctx.save_for_backward``: plain autograd keeps the token (and the stash) until backward;
-a checkpoint drops the first forward's token at once (freeing its stash) and hands
-backward the token of the recomputed forward, which carries that forward's stash.
+The FPDT Functions keep what backward needs in a :class:`fpdt.offload.HostStash`. Held by
+``ctx`` itself it would outlive a non-reentrant checkpoint's discarded first forward (a whole
+layer's stash per layer until backward), so it hangs off a storage-less token tensor passed
+through ``ctx.save_for_backward``: plain autograd keeps it until backward; a checkpoint drops the
+first forward's token (freeing its stash) and hands backward the recompute's.
 """
 
 from __future__ import annotations
@@ -32,10 +25,8 @@ def stash_token(stash: HostStash) -> torch.Tensor:
 
 
 def stash_of(token: torch.Tensor) -> HostStash:
-    """The stash a saved token carries, for its one backward (after ``ctx.saved_tensors``).
-
-    Backward consumes the stash (its chunks are popped), so a second backward through the
-    same graph (``retain_graph=True``) is refused here rather than failing on a missing chunk.
+    """The stash a saved token carries, for its one backward (after ``ctx.saved_tensors``); a second
+    backward through the same graph (``retain_graph=True``) is refused here.
     """
     if getattr(token, _USED, False):
         raise RuntimeError("fpdt attention's saved chunks were consumed by an earlier backward through this "

@@ -1,10 +1,8 @@
 """Head bookkeeping for Ulysses: how heads split over ranks, and GQA/MQA KV replication.
 
-Ulysses scatters heads, so the sp degree ``P`` must divide the query heads ``H``. KV
-heads: if ``P`` divides ``H_kv`` they scatter as they are. Otherwise each KV head is
-replicated ``f = P / gcd(H_kv, P)`` times with ``repeat_interleave`` (never tiling), so
-that after the scatter each rank's query heads meet copies of their own KV head; the
-replicas' gradients are summed in backward.
+The sp degree ``P`` must divide the query heads ``H``. If ``P`` divides ``H_kv`` the KV heads
+scatter as they are; otherwise each is replicated ``f = P / gcd(H_kv, P)`` times with
+``repeat_interleave`` (never tiling), and the replicas' gradients are summed in backward.
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ import torch
 
 
 def kv_replication_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
-    """How many times each KV head must be repeated for an sp degree of ``sp_size``.
-
-    Raises ``ValueError`` naming the fix when the heads cannot be split.
+    """How many times each KV head is repeated for an sp degree of ``sp_size``; ``ValueError``
+    naming the fix when the heads cannot be split.
     """
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")

@@ -1,28 +1,11 @@
 """``SequenceMesh``: the dp x hp x cp process groups of 2D (Ulysses x ring) attention.
 
-The sequence-parallel degree ``hp * cp`` splits into ``hp`` (head parallel: Ulysses
-all-to-all inside an HP group) times ``cp`` (context parallel: ring attention inside a
-CP group). The ranks of the parent group (default: the world) form ``dp = W / (hp*cp)``
-data-parallel replicas of ``hp * cp`` ranks each. Inside a replica, with ``base = dp_rank
-* hp * cp`` and mesh coordinates ``(c, h)``:
-
-* ``placement="head_first"``: rank ``base + c * hp + h`` -- HP groups are adjacent ranks,
-  so the all-to-all stays inside a node and the ring traffic crosses nodes;
-* ``placement="context_first"``: rank ``base + h * cp + c`` -- CP groups are adjacent,
-  so the P2P traffic stays inside a node and the all-to-all crosses nodes.
-
-Double ring: ``inner_ring=w`` splits each CP group into ``cp / w`` inner rings of ``w``
-consecutive CP ranks (CP rank ``c`` sits in ring ``c // w`` at position ``c % w``); choose
-``w`` = NICs per node (LoongTrain). ``None`` means one ring of ``cp``.
-
-Group construction: with ``group=None`` the world is arranged as a torch
-``DeviceMesh`` (dims ``("dp", "cp", "hp")``) and its per-dim groups are used; with an
-explicit ``group`` only this rank's HP and CP groups are created (locally synchronised,
-so only the parent group's members need to build the mesh). Every member of the parent
-group must construct the mesh with the same arguments.
-
-The token layout belongs to the mesh: :meth:`global_token_index`, :meth:`shard` and
-:meth:`unshard` implement :mod:`fpdt.layout.mesh_layout` (FPDT chunk order x zigzag).
+The parent group's ``W`` ranks form ``dp = W / (hp * cp)`` replicas; with ``base = dp_rank * hp *
+cp`` and coordinates ``(c, h)``, ``placement="head_first"`` puts rank ``base + c * hp + h`` there
+(HP groups adjacent: all-to-all inside a node), ``"context_first"`` rank ``base + h * cp + c``.
+``inner_ring=w`` splits each CP group into double-ring inner rings of ``w``. Every member of the
+parent group must build the mesh with the same arguments; the token layout is
+:mod:`fpdt.layout.mesh_layout`.
 """
 
 from __future__ import annotations
@@ -66,24 +49,15 @@ class SequenceMesh:
     """The 2D sequence-parallel mesh of one rank.
 
     Args:
-        hp: head-parallel (Ulysses) degree; must divide the query heads.
-        cp: context-parallel (ring) degree.
-        placement: ``"head_first"`` or ``"context_first"`` (module docstring).
-        inner_ring: double-ring inner size ``w`` (divides ``cp``); None = a single ring.
-        group: parent group of ``dp * hp * cp`` ranks; None = the default group (or a
-            world of 1 when torch.distributed is not initialised, which needs hp = cp = 1).
-        timeout: how long a collective of the mesh's groups waits for the other ranks
-            (the trainer's ``--dist-timeout-min``); None = torch's default for new groups.
-            With a timeout the groups are made with ``new_group`` directly (``DeviceMesh``
-            takes no timeout for the groups it creates).
+        hp: head-parallel (Ulysses) degree, dividing the query heads; ``cp``: the ring degree.
+        placement: ``"head_first"`` or ``"context_first"``; ``inner_ring``: double-ring inner size
+            ``w`` (divides ``cp``; None = a single ring).
+        group: parent group of ``dp * hp * cp`` ranks; None = the default group (or a world of 1,
+            which needs hp = cp = 1). ``timeout``: of the mesh's groups (None: torch's default).
 
-    Attributes: ``hp, cp, dp, inner_ring`` (``w``), ``placement``, ``hp_rank, cp_rank,
-    dp_rank``, ``hp_group, cp_group`` and ``sp_group`` (all ``hp * cp`` ranks of this replica,
-    for reductions such as the loss's token count; None without torch.distributed),
-    ``cp_outer_group`` (the same ranks as ``cp_group`` in a communicator of its own when
-    ``inner_ring < cp``, so outer-ring transfers run concurrently with the inner ring's;
-    on NCCL each communicator has its own stream), ``cp_ranks``
-    (global ranks of this CP group in CP order), ``device_mesh`` (or None).
+    Attributes: ``hp, cp, dp, inner_ring, placement``, ``hp_rank, cp_rank, dp_rank``, ``hp_group,
+    cp_group, sp_group`` (the replica's ``hp * cp`` ranks), ``cp_outer_group`` (a second
+    communicator for outer-ring transfers when ``inner_ring < cp``), ``cp_ranks``, ``device_mesh``.
     """
 
     def __init__(self, hp: int = 1, cp: int = 1, placement: str = "head_first", inner_ring: int | None = None,

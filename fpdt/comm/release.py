@@ -1,15 +1,10 @@
 """Deterministic buffer release after an asynchronous collective on gloo.
 
-A gloo collective's work object holds references to its send and receive tensors, and
-gloo's worker thread holds that work object until it leaves its loop -- a moment *after*
-``work.wait()`` has returned. A buffer the caller drops right after ``wait()`` is then
-freed whenever that thread gets scheduled, which makes live-byte counts (and so the
-memory budget tests) depend on machine load. :func:`finish` waits for the works, drops
-them, and then waits (briefly, bounded) until the backend no longer references the
-buffers, so they are freed exactly when the caller drops them, as on NCCL where the
-caching allocator's stream semantics decide reuse.
-
-Only CPU tensors are polled; CUDA tensors return right after ``wait()``.
+gloo's worker thread holds a collective's work object (and its tensors) until a moment *after*
+``work.wait()`` returns, so a buffer dropped right after ``wait()`` is freed whenever that thread
+runs, and live-byte counts would depend on machine load. :func:`finish` waits for the works, drops
+them and waits (bounded) until the backend no longer references the buffers, so they are freed
+when the caller drops them, as on NCCL. Only CPU tensors are polled.
 """
 
 from __future__ import annotations

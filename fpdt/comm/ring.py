@@ -1,28 +1,11 @@
 """Ring and double-ring point-to-point exchange over a CP group.
 
-A CP group of ``cp`` ranks is split into ``n = cp / w`` inner rings of ``w`` consecutive
-CP ranks; CP rank ``c`` is ring ``r = c // w``, position ``p = c % w`` (``w = cp``: one
-plain ring). A *block* (one rank's packed K/V chunk) is visited in ``cp`` steps
-``s = o * w + t`` (outer step ``o``, inner step ``t``). At step ``s`` rank ``(r, p)``
-holds the block of ``(r - o, p - t)`` (indices mod ``n`` and ``w``):
-
-* inner transfer (``t + 1 < w``): send the current block to ``(r, p + 1)``, receive the
-  next from ``(r, p - 1)``;
-* outer transfer (``t == 0`` and ``o + 1 < n``, LoongTrain's double ring): send the block
-  this inner ring *started* the outer step with to ``(r + 1, p)`` and receive the next
-  outer step's starting block from ``(r - 1, p)``. It stays in flight for the whole
-  inner ring, so the rank keeps two receive buffers (inner and outer), and the outer
-  send carries the starting block, never the last one received (Double-Ring-Attention, LoongTrain,
-  arXiv 2406.18485: the outer ring moves each inner ring's own starting block on).
-
-Each block crosses ``cp - 1`` links per pass, whatever ``w``. Gradients of a block (fp32
-dK/dV) travel behind it: after step ``s`` they go to the rank that holds the block at
-step ``s + 1`` -- ``(r, p + 1)`` inside an inner ring, ``(r + 1, p + 1)`` after the last
-inner step -- and after step ``cp - 1`` that rank is the block's owner: ``cp`` transfers.
-
-:class:`RingComm` issues the transfers as batched ``isend/irecv`` (NCCL runs them on
-its own stream, so they overlap compute on the current stream; gloo runs them on its
-threads) and counts operations and bytes, which the tests and the cost model check.
+``n = cp / w`` inner rings of ``w`` consecutive CP ranks. A block (one rank's packed K/V chunk)
+visits every rank in ``cp`` steps, crossing ``cp - 1`` links; outer transfers (LoongTrain's double
+ring, arXiv 2406.18485) carry each inner ring's starting block on, in flight for the whole inner
+ring. A block's fp32 dK/dV travel behind it to its owner. :class:`RingComm` issues batched
+``isend/irecv`` and counts operations and bytes. Step by step: ``docs/attention.md`` (The mesh
+pipeline).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Ulysses all-to-all: swap a sequence shard for a head shard, and back.
 
-Layouts (``P`` = size of ``group``, ``n`` = local tokens, ``H`` = heads):
-
-* sequence layout: ``[B, n, H, D]`` -- this rank's ``n`` tokens, all heads;
-* head layout:     ``[B, P*n, H/P, D]`` -- the ``n``-token pieces of all ranks,
-  concatenated in rank order, for this rank's contiguous block of ``H/P`` heads.
-
-With the FPDT layout, all-to-alling local chunk ``i`` yields the contiguous global span
-of chunk ``i`` (see :mod:`fpdt.layout`).
-
-The plain functions are the mechanism (the FPDT pipeline calls them directly inside its
-own autograd.Function); :class:`SeqToHeads` / :class:`HeadsToSeq` wrap them as autograd
-operations (each one's backward is the other) for code that composes them with autograd.
+``P`` = size of ``group``: sequence layout ``[B, n, H, D]`` (this rank's ``n`` tokens, all heads)
+<-> head layout ``[B, P*n, H/P, D]`` (every rank's ``n`` tokens in rank order, this rank's
+contiguous ``H/P`` heads). The plain functions are the mechanism (the pipelines call them inside
+their own autograd Functions); :class:`SeqToHeads` / :class:`HeadsToSeq` wrap them for autograd.
 """
 
 from __future__ import annotations
@@ -83,10 +75,7 @@ class PendingAllToAll:
 def start_seq_to_heads_packed(xs: list[torch.Tensor] | tuple[torch.Tensor, ...],
                               group: dist.ProcessGroup | None) -> PendingAllToAll:
     """Start :func:`seq_to_heads` of several ``[B, n, H_i, D]`` tensors as one asynchronous
-    all-to-all, so it can overlap other work; ``.wait()`` gives ``[B, P*n, H_i/P, D]`` views.
-
-    Each rank's head slice of every tensor travels in the same message (one collective
-    instead of one per tensor).
+    all-to-all (one message per rank); ``.wait()`` gives ``[B, P*n, H_i/P, D]`` views.
     """
     P = group_size(group)
     if P == 1:

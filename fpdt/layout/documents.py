@@ -1,29 +1,12 @@
 """Packed documents: which document each token of a window belongs to.
 
-A window may hold several documents one after another ("packing"). fpdt marks them the way
-Transformers' ``DataCollatorWithFlattening`` does, by ``position_ids`` that restart:
-
-* **Convention.** Along each row of the *global* window (``[B, S]``, global token order), token
-  ``t > 0`` starts a new document exactly when ``position_ids[t] != position_ids[t - 1] + 1``;
-  such a token must have position 0 (a restart). Anything else (a jump to another position, a
-  negative position) is refused, naming the fix. The first document may start at any position
-  ``>= 0`` (a window that begins inside a longer document). On valid input this is both of
-  Transformers' rules: its FlashAttention varlen path starts a sequence at every position equal
-  to the minimum (0), its mask path wherever the step is not +1 (``find_packed_sequence_indices``).
-* **Document ids** ``[B, S]`` int64: per row, 0 for the first document, then +1 at each start
-  (non-decreasing, steps of 0 or 1). This is what the attention takes (``doc_ids=``), for the
-  whole global window in global order, the same on every sequence-parallel rank. ``None`` means
-  one document per row: the plain causal path, unchanged.
-* **cu_seqlens** (FlashAttention's varlen form) ``[n + 1]``: cumulative document lengths over the
-  flattened ``B * S`` tokens, 0 first, ``B * S`` last, strictly increasing, and no document
-  crossing a row (every multiple of ``S`` is in it).
-
-A model's forward holds only its rank's position ids, in the FPDT or the 2D mesh layout
-(:mod:`fpdt.layout.fpdt_layout`, :mod:`fpdt.layout.mesh_layout`): :func:`sequence_parallel_doc_ids`
-all-gathers them over the sequence-parallel group, undoes the layout and derives the ids.
-
-Every function here reads the device once (one small ``tolist``) to validate and to decide
-between ``None`` and ids.
+Along each row of the *global* window ``[B, S]``, token ``t > 0`` starts a document exactly when
+``position_ids[t] != position_ids[t-1] + 1``, and must then have position 0 (other jumps and
+negative positions are refused; Transformers' ``DataCollatorWithFlattening`` convention).
+**Document ids** ``[B, S]`` int64: 0 for a row's first document, +1 at each start (what the
+attention takes; ``None``: one document per row). **cu_seqlens** ``[n + 1]``: cumulative lengths
+over the flattened ``B * S`` tokens, no document crossing a row. Each function reads the device
+once (one small ``tolist``).
 """
 
 from __future__ import annotations

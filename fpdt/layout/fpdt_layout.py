@@ -1,17 +1,10 @@
 """The FPDT token layout ("rank-ordinal scattering").
 
-With ``P`` sequence-parallel ranks and ``u`` chunks per rank, the global sequence of
-``S`` tokens is cut into ``u * P`` pieces of ``L = S / (P * u)`` tokens. Rank ``r``
-holds, in this order, the global pieces ``r, r + P, r + 2P, ...``: its local chunk ``i``
-is global piece ``i * P + r``, i.e. global tokens ``[(i*P + r) * L, (i*P + r + 1) * L)``.
-
-Why: when every rank all-to-alls its local chunk ``i`` (Ulysses: sequence -> heads),
-each rank receives the contiguous global span ``[i * P * L, (i + 1) * P * L)``, so the
-causal mask stays "diagonal inside the current chunk, full for earlier chunks" and the
-all-to-all traffic is balanced.
-
-Token ids, labels, loss masks and position ids must all go through the same layout
-(labels shifted on the *global* sequence first).
+``P`` ranks, ``u`` chunks per rank, ``L = S / (P * u)``: rank ``r``'s local chunk ``i`` is global
+tokens ``[(i*P + r) * L, (i*P + r + 1) * L)``, so the all-to-all of chunk ``i`` gives every rank
+the contiguous span ``[i P L, (i + 1) P L)`` (the causal mask stays block-diagonal, the traffic
+balanced). Ids, labels, masks and position ids all go through it, labels shifted on the *global*
+sequence first.
 """
 
 from __future__ import annotations
@@ -22,10 +15,7 @@ from fpdt.layout.split import sequence_multiple
 
 
 def check_layout(seq_len: int, sp_size: int, num_chunks: int) -> int:
-    """Validate ``(S, P, u)`` and return the piece length ``L = S / (P * u)``.
-
-    Raises ``ValueError`` naming the fix when ``S`` is not divisible by ``P * u``.
-    """
+    """Validate ``(S, P, u)`` and return ``L = S / (P * u)``; ``ValueError`` naming the fix otherwise."""
     if sp_size < 1 or num_chunks < 1:
         raise ValueError(f"sp_size={sp_size} and num_chunks={num_chunks} must both be >= 1")
     denom = sequence_multiple(sp_size, num_chunks, zigzag=False)
@@ -42,11 +32,7 @@ def check_layout(seq_len: int, sp_size: int, num_chunks: int) -> int:
 
 def global_token_index(seq_len: int, sp_size: int, num_chunks: int, rank: int,
                        device: torch.device | str | None = None) -> torch.Tensor:
-    """Global token positions held by ``rank``, in its local order.
-
-    Returns a ``LongTensor`` of shape ``[S / P]``; entry ``t`` is the global index of the
-    rank's ``t``-th local token.
-    """
+    """Global token positions held by ``rank``, in its local order: a ``LongTensor`` ``[S / P]``."""
     if not 0 <= rank < sp_size:
         raise ValueError(f"rank={rank} outside [0, sp_size={sp_size})")
     piece = check_layout(seq_len, sp_size, num_chunks)
@@ -69,10 +55,7 @@ def shard(x: torch.Tensor, sp_size: int, num_chunks: int, rank: int, dim: int = 
 
 def unshard(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], num_chunks: int,
             dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`shard`: rebuild the global tensor from every rank's slice.
-
-    ``shards[r]`` is rank ``r``'s local tensor (``S / P`` along ``dim``).
-    """
+    """Inverse of :func:`shard`: the global tensor from every rank's slice ``shards[r]``."""
     sp_size = len(shards)
     if sp_size == 0:
         raise ValueError("unshard needs at least one shard")

@@ -1,34 +1,11 @@
 """The 2D (head-parallel x context-parallel) token layout: FPDT chunk order x zigzag.
 
-Notation: ``S`` global tokens, ``u`` FPDT chunks per rank, ``hp`` ranks in a head-parallel
-(Ulysses) group, ``cp`` ranks in a context-parallel (ring) group; a rank has mesh
-coordinates ``(c, h)`` (CP rank ``c``, HP rank ``h``) and holds ``S / (hp * cp)`` tokens.
-
-The layout, from the outside in:
-
-1. **Spans (FPDT chunk order).** The sequence is cut into ``u`` global spans of
-   ``S / u`` tokens. Local chunk ``i`` of every rank comes from span ``i``.
-2. **Zigzag over CP (causal load balance).** Span ``i`` is cut into ``2 * cp`` pieces of
-   ``p = S / (2 * cp * u)`` tokens; CP rank ``c`` takes pieces ``c`` and ``2*cp - 1 - c``,
-   concatenated in that order: its *CP chunk* ``i`` of ``2p`` tokens.
-3. **Ulysses split over HP.** CP chunk ``i`` is cut into ``hp`` contiguous slices of
-   ``L = 2p / hp`` tokens; HP rank ``h`` holds slice ``h`` as its local chunk ``i``.
-
-So after the Ulysses all-to-all of local chunk ``i`` (sequence -> heads) inside an HP
-group, every member holds the whole CP chunk ``i`` (both zigzag pieces, in order) for its
-heads, which is what ring attention runs on. Local order is chunk-major:
-``[chunk 0 | chunk 1 | ... | chunk u-1]``, each ``L`` tokens.
-
-Global token of local position ``t = i * L + r`` (``0 <= r < L``) on rank ``(c, h)``:
-``k = h * L + r`` (position inside CP chunk ``i``), then
-``i * S/u + c * p + k`` if ``k < p`` else ``i * S/u + (2*cp - 1 - c) * p + (k - p)``.
-
-With ``cp = 1`` the two pieces are adjacent and this is exactly the FPDT layout of
-:mod:`fpdt.layout.fpdt_layout` with ``P = hp`` (local chunk ``i`` of rank ``h`` = global
-piece ``i * hp + h``). ``S`` must be divisible by ``2 * hp * cp * u``.
-
-The *SP rank* of ``(c, h)`` is ``c * hp + h``; :func:`mesh_unshard` takes the shards in
-that order.
+Rank ``(c, h)`` (SP rank ``c * hp + h``, the order :func:`mesh_unshard` takes) holds ``S / (hp cp)``
+tokens, chunk-major. Span ``i`` of ``u`` is cut into ``2 cp`` pieces of ``p = S / (2 cp u)``; CP
+rank ``c`` takes pieces ``c`` and ``2cp - 1 - c`` (its CP chunk ``i``), cut into ``hp`` slices of
+``L = 2p / hp``, HP rank ``h`` holding slice ``h``. Local position ``t = i L + r``, ``k = h L + r``:
+global ``i S/u + c p + k`` if ``k < p``, else ``i S/u + (2cp - 1 - c) p + (k - p)``. ``S`` must
+be divisible by ``2 hp cp u``; ``cp = 1`` is the FPDT layout with ``P = hp``.
 """
 
 from __future__ import annotations
@@ -39,9 +16,8 @@ from fpdt.layout.split import sequence_multiple
 
 
 def check_mesh_layout(seq_len: int, hp: int, cp: int, num_chunks: int) -> int:
-    """Validate ``(S, hp, cp, u)`` and return the local chunk length ``L = S / (hp*cp*u)``.
-
-    Raises ``ValueError`` naming the required multiple ``2 * hp * cp * u``.
+    """Validate ``(S, hp, cp, u)`` and return ``L = S / (hp*cp*u)``; ``ValueError`` naming the
+    required multiple ``2 * hp * cp * u`` otherwise.
     """
     if min(hp, cp, num_chunks) < 1:
         raise ValueError(f"hp={hp}, cp={cp} and num_chunks={num_chunks} must all be >= 1")

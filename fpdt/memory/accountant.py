@@ -1,57 +1,10 @@
 """Device-memory accountant: live tensor bytes, split into device working set and host stash.
 
-Use it as a context manager around the work to measure, with named phases inside::
-
-    from fpdt.memory.accountant import MemoryAccountant, chunk_unit
-
-    with MemoryAccountant() as acct:               # device: cuda if available, else cpu
-        with acct.phase("attn_fwd"):
-            out = fpdt_attention(q, k, v, num_chunks=4, offload=True)
-        with acct.phase("attn_bwd"):
-            out.backward(grad)
-    fwd = acct.phases["attn_fwd"]
-    print(fwd.peak_above_start / chunk_unit(C, hidden))      # working set in U
-
-What is counted (``counted_*`` fields, exact on any device):
-
-* Every tensor storage **created inside the context** (a ``TorchDispatchMode`` sees the
-  outputs of every aten op; a storage is keyed by identity, so views and in-place results
-  are not counted twice, and a ``weakref.finalize`` on the storage takes its bytes off
-  when it is freed). Tensors that existed before ``__enter__`` -- inputs, weights,
-  gradients allocated before the step -- are the baseline and are never counted, so every
-  figure is "beyond the baseline".
-* Storages are **host stash** when :meth:`fpdt.offload.HostBufferPool.acquire` created
-  them (the one place that allocates host-side stash memory; while it does,
-  :func:`fpdt.offload.allocating_host_buffer` is True), **device** otherwise. Host
-  stash in use is read from :func:`fpdt.offload.host_bytes_in_use` (buffers acquired
-  and not released, whether created inside the context or reused from the pool), less
-  what was already in use when the accountant was first entered (the baseline).
-* Storage resizes: ``UntypedStorage.resize_`` is not an aten op, so the accountant wraps
-  it while active. A storage created inside the context and shrunk (e.g. a recomputed
-  layer output resized to 0 bytes once only its graph is needed) counts its new size.
-* Not seen: scratch memory a single kernel allocates and frees internally (e.g. a flash
-  kernel's workspace), and memory of threads other than the one that entered.
-
-**Simulated capacity.** ``limit_bytes`` (or :meth:`MemoryAccountant.set_limit`) makes the
-accountant behave like a device of that size: the op whose output takes the counted device
-bytes past the limit raises :class:`SimulatedOutOfMemoryError` (a ``torch.OutOfMemoryError``),
-as the CUDA allocator would at that allocation, so a run that cannot fit stops there instead
-of finishing first.
-
-On CUDA the phases also carry ``torch.cuda.max_memory_allocated`` and
-``max_memory_reserved`` (absolute bytes, folded so nested phases each see their own
-peak; the accountant resets the CUDA peak counters as it goes).
-
-For one figure per region (a training step, a benchmark trial) use :class:`RegionMemory`:
-on CUDA the allocator's allocated and reserved peaks (no dispatch mode, no overhead), on the
-CPU this accountant's device peak; on both the host-stash peak (:class:`fpdt.offload.HostPeak`).
-
-Units used by the budgets (:mod:`tests.memory`):
-
-* ``U`` = one bf16 chunk of hidden states, ``C * hidden * 2`` bytes, with ``C`` the
-  tokens of one chunk *after* the all-to-all (global chunk, ``P * L``): :func:`chunk_unit`.
-* ``Nd`` = one full-sequence bf16 hidden tensor, ``S * hidden * 2`` bytes (``S`` the
-  tokens this rank holds outside attention, ``S_local``): :func:`sequence_unit`.
+``with MemoryAccountant() as acct: with acct.phase("fwd"): ...``, then
+``acct.phases["fwd"].peak_above_start`` is the working set in bytes. Counts every storage created
+inside the context (earlier tensors are the baseline), host stash apart from device;
+``limit_bytes`` raises :class:`SimulatedOutOfMemoryError` past a simulated capacity. What is and
+is not seen: ``docs/memory.md`` (What the accountant counts).
 """
 
 from __future__ import annotations
@@ -153,18 +106,16 @@ def _storage_key(t: torch.Tensor):
 
 
 class MemoryAccountant:
-    """Count live tensor bytes created inside the ``with`` block; see the module docstring.
+    """Count live tensor bytes created inside the ``with`` block.
 
     Args:
-        device: the compute device whose working set is measured (default: cuda if
-            available, else cpu). Storages on other devices that are not host-stash
-            buffers (e.g. small CPU tensors next to a GPU run) are not counted.
-        detail: remember which op created each storage and list the live ones at every
-            phase's peak (:attr:`PhaseMemory.peak_tensors`); slower, for explaining budgets.
+        device: the device whose working set is measured (default: cuda if available, else cpu);
+            storages elsewhere that are not host-stash buffers are not counted.
+        detail: record each storage's creating op and list the live ones at every phase's peak
+            (:attr:`PhaseMemory.peak_tensors`); slower.
 
-    Live figures (bytes): :attr:`device_live`, :attr:`device_peak`, :attr:`host_live`,
-    :attr:`host_peak`; per phase: :attr:`phases`. :meth:`summary` gives all of them as a
-    dict (plus the CUDA peaks on CUDA).
+    Bytes: :attr:`device_live`, :attr:`device_peak`, :attr:`host_live`, :attr:`host_peak`,
+    :attr:`phases`; :meth:`summary` as a dict.
     """
 
     def __init__(self, device: torch.device | str | None = None, detail: bool = False,
@@ -422,18 +373,10 @@ class RegionMemory:
             step()
         rm.peaks.allocated, rm.peaks.reserved, rm.peaks.host_stash
 
-    * CUDA: resets the allocator's peak counters on entry and reads ``max_memory_allocated``
-      and ``max_memory_reserved`` on exit (host-side counters: no synchronisation). Do not
-      nest two on CUDA (the inner one's reset hides the outer one's earlier peak).
-      ``fresh_cache=True`` first returns cached blocks (``empty_cache``), so that reserved
-      memory left by earlier work does not show as this region's.
-    * CPU: a :class:`MemoryAccountant` runs over the region (a dispatch mode: every aten op
-      pays a little Python), so ``allocated`` is the most bytes of storages created inside
-      the region live at once; ``count=False`` skips it (``allocated`` is then None).
-      ``count_cuda=True`` runs it on CUDA too (:attr:`MemoryPeaks.counted`).
-    * Any device: the host-stash peak from the host pool (:class:`fpdt.offload.HostPeak`).
-
-    :attr:`accountant` is the accountant where it ran, else None.
+    CUDA: the allocator's peak counters, reset on entry (do not nest two; ``fresh_cache=True``
+    empties the cache first). CPU: a :class:`MemoryAccountant` over the region (``count=False``
+    skips it: ``allocated`` None; ``count_cuda=True`` runs it on CUDA too). Any device: the
+    host-stash peak. :attr:`accountant` is the accountant where it ran, else None.
     """
 
     def __init__(self, device: torch.device | str, count: bool = True, count_cuda: bool = False,

@@ -1,9 +1,6 @@
 """Building an FPDT model: from a config (random init) or a Hugging Face checkpoint, without
-a second host copy.
-
-Models are first built on the ``meta`` device (no storage), then each tensor is read from its
-shard straight to the target device/dtype and *assigned* as the parameter
-(:mod:`fpdt.model.weights`), so host RAM holds at most one shard's tensors on top of the model.
+a second host copy (built on ``meta``, then each tensor read straight to its device and dtype,
+:mod:`fpdt.model.weights`).
 """
 
 from __future__ import annotations
@@ -26,13 +23,9 @@ def _options(fpdt_options: dict[str, Any]) -> FPDTOptions:
 
 def construct(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | Any,
               **fpdt_options) -> FPDTForCausalLM:
-    """The bare module tree for ``config``, built in the caller's device / tensor-creation
-    context with ``torch.nn``'s default initialisation and no dtype or device of its own.
-
-    ``with torch.device("meta"): construct(cfg)`` gives a shape-only model (what
-    :func:`from_config` and :func:`from_pretrained` start from); a context that partitions
-    parameters as they are created (DeepSpeed's ``zero.Init``) gives a partitioned one. The
-    RoPE buffer is whatever that context made of it: call ``model.reset_rope(device)`` after.
+    """The bare module tree for ``config``, in the caller's device / tensor-creation context (``meta``:
+    shape-only; ``zero.Init``: partitioned), with ``torch.nn``'s default initialisation. Call
+    ``model.reset_rope(device)`` after: the RoPE buffer is whatever that context made of it.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
     return FPDTForCausalLM(cfg, _options(fpdt_options))
@@ -43,12 +36,9 @@ def from_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike | An
                 **fpdt_options) -> FPDTForCausalLM:
     """A randomly initialised model (Transformers' init scheme; seed with ``torch.manual_seed``).
 
-    Args:
-        config: a :class:`ModelConfig`, a ``config.json`` dict or path, or a ``transformers`` config.
-        device: where to put it (default CPU). ``"meta"`` defers initialisation: call
-            ``model.to_empty(device=...)`` then ``model.init_weights()`` (or load weights).
-        dtype: parameter dtype (default fp32).
-        **fpdt_options: :class:`FPDTOptions` fields.
+    ``config``: a :class:`ModelConfig`, a ``config.json`` dict or path, or a ``transformers`` config;
+    ``device`` (default CPU; ``"meta"`` defers initialisation to ``to_empty`` + ``init_weights()``);
+    ``dtype`` (default fp32); ``**fpdt_options``: :class:`FPDTOptions` fields.
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
     with torch.device("meta"):

@@ -1,55 +1,12 @@
 """Per-decoder-layer activation checkpointing, optionally offloading the layer input.
 
-Modes (``checkpointing=`` option of the model):
-
-* ``"off"``: plain autograd; every layer keeps its activations until backward.
-* ``"on"``: each layer runs its forward without autograd and keeps only its input
-  ``x`` ``[B, S_local, hidden]``; backward re-runs the layer's forward with autograd
-  (including its all-to-alls: the recomputed q/k/v exist only after them) and back-propagates through it.
-* ``"offload"``: as ``"on"``, but the kept input goes to host memory through a
-  :class:`fpdt.offload.HostStash` (asynchronous device->host copy into a pooled, pinned
-  buffer on CUDA, started before the layer's forward so that it overlaps it). The backward of layer
-  ``i`` pops its own input and immediately starts
-  the host->device copy of layer ``i - 1``'s input, so that copy overlaps layer ``i``'s
-  recompute and backward; device memory then holds O(1) layer inputs instead of
-  ``num_layers`` of them. ``on_device`` keeps one layer's input on the device within such
-  a stack (the model's ``checkpoint_device_layers``: the last layers, whose inputs backward
-  needs first), trading device memory for host memory; backward still starts the fetch of
-  the previous layer's offloaded input early.
-
-The function is "reentrant" (backward runs ``torch.autograd.backward`` on the recomputed
-layer): parameter gradients accumulate into ``.grad`` exactly as without checkpointing, and
-the first forward runs without autograd, so nothing is saved or offloaded for it (the
-attention's chunks go to the host in the recompute only). The layer comes in two forms:
-
-* an opaque function ``run_fn(x)`` (:func:`checkpointed`): backward recomputes ``y`` and
-  back-propagates the layer's incoming gradient through it. The caller's engine holds that
-  gradient while the recompute's engine builds the residual's sum beside it: two
-  full-length gradients live through the layer's backward.
-* pre-norm residual branches ``x_{k+1} = x_k + f_k(x_k)`` (:func:`checkpointed_residual`):
-  backward runs the branches' backward last to first and adds each branch's input gradient
-  into the incoming gradient **in place**, when that gradient is provably this node's alone
-  (:func:`_exclusively_owned`; otherwise into a sum of its own, as the opaque form does).
-  One full-length gradient then lives through the layer's backward, as under a
-  non-reentrant checkpoint. A Function that computes a whole branch may go further:
-  add its input gradient into the layer's gradient itself, a chunk at a time
-  (:func:`donated_gradient`), and, in the recompute of the last branch, whose output is
-  only a backward root, skip its forward (:func:`output_values_unused`); fpdt's chunked
-  MLP does both.
-
-When ``x`` does not require grad (e.g. frozen embeddings) an empty leaf that does is passed
-along, so the output requires grad; the parameters themselves never are (ZeRO-3 has them
-partitioned at that point). Autocast state is captured in forward and restored for the
-recompute, and so is the random state (the default CPU generator, and the device's on
-CUDA): fpdt's own models have no dropout, but LoRA adapters do (:mod:`fpdt.ops.lora` draws
-its masks' seed from the CPU generator), and the recompute must draw the masks the forward
-drew.
-
-With a :class:`fpdt.attention.saved_attention.SavedAttention` (the model's
-``attention_checkpoint="save"``), the first forward also keeps the layer's attention output
-and lse (where the layer input lives: on the host under ``"offload"``, else on the device),
-and the recompute runs no attention-kernel forward (LoongTrain's Selective Checkpoint++,
-arXiv 2406.18485 §5.2).
+``"on"`` keeps only each layer's input ``x`` ``[B, S_local, hidden]`` and recomputes the layer in
+backward (reentrant: gradients accumulate into ``.grad`` as without checkpointing); ``"offload"``
+keeps it in a :class:`fpdt.offload.HostStash` and fetches the previous layer's input during this
+layer's backward. :func:`checkpointed` takes an opaque layer (two full-length gradients live
+through its backward), :func:`checkpointed_residual` pre-norm residual branches (one). Autocast and
+RNG state are restored for the recompute; with a ``SavedAttention`` the recompute runs no
+attention kernel. Modes and mechanics: ``docs/model.md`` (Layer checkpointing).
 """
 
 from __future__ import annotations
@@ -85,7 +42,7 @@ class _OpaqueBody:
 
 class _ResidualBody:
     """``x_{k+1} = x_k + f_k(x_k)`` over the branches; backward accumulates the input
-    gradient into the incoming one in place (see the module docstring).
+    gradient into the incoming one in place (``docs/model.md``, Layer checkpointing).
 
     The branches' outputs must not be saved by their own graphs (a linear or fpdt's chunked
     MLP ends each of them): backward frees their values once their sum is formed
@@ -150,15 +107,10 @@ class _ResidualBody:
 
 
 class BranchCall:
-    """What the checkpoint tells one residual branch while it recomputes and back-propagates it.
-
-    Carried on the branch's input, the leaf the recompute creates (attribute ``_fpdt_branch``),
-    so that a Function computing the whole branch reads it from its own input: no module state.
-
-    * ``values_unused``: this is the layer's last branch, whose output is only a backward root
-      (:func:`output_values_unused`); ``placeholders`` collects what such Functions returned.
-    * ``donation``: during the branch's backward, the layer's incoming gradient when it is this
-      layer's alone and may be added into in place (:func:`donated_gradient`), else None.
+    """What the checkpoint tells one residual branch while it recomputes and back-propagates it,
+    carried on the branch's input leaf (attribute ``_fpdt_branch``): ``values_unused`` (the last
+    branch, :func:`output_values_unused`; ``placeholders`` collects what its Functions returned) and
+    ``donation`` (the layer's gradient when it may be added into in place, :func:`donated_gradient`).
     """
 
     def __init__(self, values_unused: bool):
@@ -172,13 +124,11 @@ def _branch_call(branch_input: torch.Tensor) -> BranchCall | None:
 
 
 def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor | None = None) -> bool:
-    """For a Function that computes a whole residual branch of :func:`checkpointed_residual`
-    from ``branch_input`` (its output is the branch's output): True in the recompute of the
-    layer's last branch, whose output serves only as the root of its backward. Such a Function
-    may then skip its forward computation and return a placeholder of the output's shape and
-    dtype (its backward must recompute what it needs anyway, as the chunked MLP does), saving
-    the output's memory and its forward FLOPs. It passes that placeholder here; the checkpoint
-    raises if the branch's output is not it (a later op would have read its values)."""
+    """For a Function that computes a whole residual branch of :func:`checkpointed_residual` from
+    ``branch_input``: True in the recompute of the layer's last branch, whose output is only a
+    backward root. The Function may then skip its forward and return a placeholder of the output's
+    shape and dtype, passed here; the checkpoint raises if the branch's output is not it.
+    """
     call = _branch_call(branch_input)
     if call is None or not call.values_unused:
         return False
@@ -188,15 +138,12 @@ def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor |
 
 
 def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool:
-    """For a Function computing a whole residual branch ``f(x)`` of
-    :func:`checkpointed_residual`: whether its backward may add its input gradient ``dL/dx``
-    into ``grad_out`` in place (and return ``None`` for ``x``) instead of returning it.
+    """For a Function computing a whole residual branch ``f(x)`` of :func:`checkpointed_residual`:
+    whether its backward may add ``dL/dx`` into ``grad_out`` in place (and return ``None`` for ``x``).
 
-    True only inside such a branch's backward, when the layer's gradient is this layer's
-    alone (:func:`_exclusively_owned`), ``grad_out`` is that gradient itself (the Function's
-    output is the branch's output, nothing but identities after it) and ``branch_input`` is
-    the branch's input. That sum is exactly what the checkpoint would form from the returned
-    gradient; done chunk by chunk, no full-length input gradient exists."""
+    True only inside such a branch's backward when the layer's gradient is this layer's alone
+    (:func:`_exclusively_owned`), ``grad_out`` is that gradient and ``branch_input`` the branch's input.
+    """
     call = _branch_call(branch_input)
     grad = None if call is None else call.donation
     if grad is None:
@@ -207,10 +154,9 @@ def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool
 
 
 def _free_values(t: torch.Tensor) -> None:
-    """Give ``t``'s memory back while its ``grad_fn`` stays usable as a backward root. Its
-    version is bumped first, so that a graph which saved ``t`` raises instead of reading freed
-    memory -- except for a view (autograd forbids modifying a view a custom Function returned,
-    e.g. the chunked MLP's reshaped output)."""
+    """Give ``t``'s memory back while its ``grad_fn`` stays usable as a backward root; its version is
+    bumped first (except for a view), so a graph that saved ``t`` raises instead of reading freed memory.
+    """
     if t._base is None:
         torch.autograd.graph.increment_version(t)
     t.untyped_storage().resize_(0)
@@ -222,11 +168,10 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _exclusively_owned(grad: torch.Tensor) -> bool:
-    """Whether the incoming gradient of a Function's backward is held by that call alone
-    (the engine's buffer and this frame) and no other tensor shares its memory, so it may be
-    accumulated into in place. False when another node receives the same tensor (an add hands
-    one gradient to both inputs), when the caller passed a tensor it keeps
-    (``y.backward(g)``), under double backward, or where torch cannot tell."""
+    """Whether a Function's incoming gradient is held by that backward call alone (no other node,
+    caller or tensor shares its memory), so it may be accumulated into in place; False under double
+    backward or where torch cannot tell.
+    """
     try:
         impl_refs = grad._use_count()
         storage_refs = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
@@ -240,15 +185,12 @@ def _exclusively_owned(grad: torch.Tensor) -> bool:
 class _LayerCheckpoint(torch.autograd.Function):
     """``body.forward(x)`` with recompute in backward.
 
-    Inputs: ``body`` (:class:`_OpaqueBody` or :class:`_ResidualBody`), ``stash`` (HostStash
-    or None), ``key`` and ``prev_key`` (stash keys of this layer's and the previous layer's
-    input), ``on_device`` (keep ``x`` on the device even with a stash), ``saved`` (a
-    :class:`fpdt.attention.saved_attention.SavedAttention`, or None: the layer's attention
-    output and lse, recorded in forward and replayed in the recompute), ``x``
-    ``[B, S_local, hidden]``, then, when ``x`` does not require grad, an empty leaf that does
-    (graph connectivity only; it gets no gradient).
-    Saved: ``x`` -- in ``ctx`` when ``stash`` is None or ``on_device``, else offloaded to
-    host under ``key``. With a stash, backward starts the fetch of ``prev_key`` either way.
+    Inputs: ``body`` (:class:`_OpaqueBody` / :class:`_ResidualBody`), ``stash``, ``key`` /
+    ``prev_key`` (stash keys of this and the previous layer's input), ``on_device``, ``saved``
+    (``SavedAttention`` or None), ``x`` ``[B, S_local, hidden]``, then, when ``x`` does not require
+    grad, an empty leaf that does (graph connectivity only). Saved: ``x``, in ``ctx`` when
+    ``stash`` is None or ``on_device``, else offloaded under ``key``; with a stash, backward starts
+    the fetch of ``prev_key`` either way.
     """
 
     @staticmethod
@@ -288,12 +230,9 @@ class _LayerCheckpoint(torch.autograd.Function):
 
 
 class _StashEntry:
-    """Discards a layer input's stash entry when the graph that owns it is freed.
-
-    The model's stash lives across steps; if a forward's backward never runs (an exception,
-    a skipped step, evaluation with grad enabled), its layer inputs would stay on the host
-    for good. Backward pops the entry first, and the token keeps a later ``put`` under the
-    same key safe, so this only acts on abandoned entries.
+    """Discards a layer input's stash entry when the graph that owns it is freed, unpopped (an
+    exception, a skipped step, evaluation with grad enabled); the token keeps a later ``put`` under the
+    same key safe.
     """
 
     def __init__(self, stash: HostStash, key: Hashable):
@@ -345,25 +284,16 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     """Run ``run_fn(x)`` (``[B, S_local, hidden]`` -> same) under activation checkpointing.
 
     Args:
-        run_fn: the layer's forward as a function of its input only.
-        x: the layer input.
-        params: the parameters ``run_fn`` uses.
-        stash: when given, ``x`` is offloaded to host under ``key`` instead of kept on
-            the device; ``prev_key`` names the previous layer's stashed input, whose
-            fetch is started early in backward.
-        free_output: the recomputed output's values are not saved by its own graph (e.g.
-            ``run_fn`` ends with a residual add), so backward frees them before
-            back-propagating (one ``[B, S_local, hidden]`` tensor less at the layer's peak).
-            A graph that did save them fails in backward (their version is bumped), it does
-            not read freed memory.
-        on_device: keep ``x`` on the device although a ``stash`` is given (a layer whose
-            input stays on the GPU in a partly offloaded stack); the stash still serves the
-            early fetch of ``prev_key``.
-        saved: a :class:`fpdt.attention.saved_attention.SavedAttention` (``attention_checkpoint="save"``)
-            that ``run_fn`` / the branches pass to the layer's one attention call: it keeps its
-            output and lse in the first forward, and the recompute runs no attention kernel;
-            the checkpoint starts its prefetch and releases it around the layer's backward.
-            None: the recompute recomputes the attention.
+        run_fn: the layer's forward as a function of its input only; ``params``: its parameters.
+        stash: when given, ``x`` is offloaded under ``key`` instead of kept on the device, and
+            backward starts the fetch of ``prev_key`` (the previous layer's input) early.
+        free_output: the recomputed output's values are not saved by its own graph (e.g. it ends
+            with a residual add), so backward frees them first (one ``[B, S_local, hidden]`` less);
+            a graph that did save them raises (version bump) rather than reading freed memory.
+        on_device: keep ``x`` on the device although a ``stash`` is given (it still serves the
+            early fetch of ``prev_key``).
+        saved: a :class:`fpdt.attention.saved_attention.SavedAttention` passed to the layer's one
+            attention call: the recompute then runs no attention kernel. None: it recomputes.
     """
     return _apply(_OpaqueBody(run_fn, free_output), x, params, stash, key, prev_key, on_device, saved)
 
@@ -375,7 +305,7 @@ def checkpointed_residual(branches: Sequence[Callable[[torch.Tensor], torch.Tens
     """Run the residual stack ``x <- x + f(x)`` for ``f`` in ``branches`` (a pre-norm decoder
     layer: attention, then MLP; ``[B, S_local, hidden]`` -> same) under activation
     checkpointing, holding one full-length gradient through the layer's backward instead of
-    :func:`checkpointed`'s two (module docstring).
+    :func:`checkpointed`'s two.
 
     Arguments as :func:`checkpointed`. Each branch's output must not be saved by its own graph
     (its values are freed in backward once used; a graph that saved them fails loudly).

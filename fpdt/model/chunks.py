@@ -1,18 +1,8 @@
-"""Token chunking shared by the chunked MLP, the chunked loss and RMSNorm, and the byte
-budget that picks their default chunk counts.
-
-**The default rule.** One budget for every chunked op: the bytes of one local attention
-chunk of bf16 hidden states, ``B = L * hidden * 2`` with ``L = S_local / u`` (``U / P``).
-Each op takes as many token chunks as it needs for its widest per-chunk tensor to fit in
-``B``; counted per token, that is independent of ``S``:
-
-* SwiGLU MLP, ``[n, I]`` intermediates (bf16 bytes): ``ceil(2 * u * I / hidden)`` chunks
-  (four of them are live in its backward: each gets half the budget);
-* LM head + CE, fp32 ``[n, V]`` logits: ``ceil(2 * u * V / hidden)`` (``2 V / hidden``
-  at ``u = 1``);
-* RMSNorm, fp32 ``[n, hidden]`` temporaries: ``2 * u``.
-
-Explicit counts always win (``mlp_chunks=``, ``loss_chunks=``).
+"""Token chunking shared by the chunked MLP, loss and RMSNorm, and the byte budget behind their
+default counts: one local attention chunk of bf16 hidden states, ``L * hidden * 2``, for each op's
+widest per-chunk tensor. SwiGLU ``ceil(2 u I / hidden)`` (four bf16 ``[n, I]`` live in backward,
+half the budget each), LM head + CE ``ceil(2 u V / hidden)`` (fp32 ``[n, V]``), RMSNorm ``2 u``
+(fp32 ``[n, hidden]``). Explicit counts (``mlp_chunks=``, ``loss_chunks=``) win.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The model configuration, parsed from a Hugging Face ``config.json`` and validated.
 
-Only what the FPDT model implements exactly is accepted. Everything else a config can
-ask for (sliding windows, unknown RoPE scaling, non-SiLU activations, attention dropout,
-partial rotary embeddings, ...) raises :class:`UnsupportedConfigError` naming the key,
-instead of being silently ignored: a model that trains with different maths from the
-checkpoint it was loaded from is worse than one that refuses to load.
-
-Both the Transformers 4.x layout (``rope_theta`` + ``rope_scaling``) and the 5.x layout
-(``rope_parameters``) are understood.
+Only what the FPDT model implements exactly is accepted; anything else (sliding windows, unknown
+RoPE scaling, non-SiLU activations, attention dropout, partial rotary, ...) raises
+:class:`UnsupportedConfigError` naming the key. Both the Transformers 4.x (``rope_theta`` +
+``rope_scaling``) and 5.x (``rope_parameters``) layouts are understood.
 """
 
 from __future__ import annotations
@@ -34,10 +30,9 @@ class UnsupportedConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family causal LM (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral).
-
-    Build it with :meth:`from_hf` from a ``config.json`` dict; the original dict is kept
-    in ``hf_config`` so that saving writes back a config ``transformers`` loads unchanged.
+    """Architecture of a Llama-family causal LM (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral), built with
+    :meth:`from_hf`; the original dict is kept in ``hf_config`` so saving writes back a config
+    ``transformers`` loads unchanged.
     """
 
     model_type: str

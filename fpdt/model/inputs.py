@@ -1,13 +1,8 @@
 """Turn a global token window into one rank's FPDT inputs.
 
-Order matters: labels are shifted on the *global* sequence first
-(the target of token ``t`` is token ``t + 1``, including across the pieces that end up on
-different ranks), and only then are ids, labels and position ids sharded with one and
-the same layout (:func:`fpdt.layout.shard`).
-
-Packed documents (:mod:`fpdt.layout.documents`): position ids that restart at 0 mark where each
-document starts; ``doc_ids=`` or ``cu_seqlens=`` name the documents instead. Either way each
-document's last token gets the target ``-100`` (it would predict the next document's first token).
+Labels are shifted on the *global* sequence first, then ids, labels and position ids are sharded
+with one layout (:func:`fpdt.layout.shard`). Packed documents (position ids restarting at 0, or
+``doc_ids=`` / ``cu_seqlens=``): each document's last token gets the target ``-100``.
 """
 
 from __future__ import annotations
@@ -36,29 +31,23 @@ def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chun
 
     Args:
         input_ids: ``[B, S]`` long, the global window (identical on every SP rank).
-        sp_size, rank: the sequence-parallel group size ``P`` and this rank in it.
-        num_chunks: attention chunks per rank ``u`` -- must equal the model's
-            ``num_chunks`` option, since the layout and the attention pipeline agree on it.
-        labels: ``[B, S]`` long targets aligned with ``input_ids`` as in Transformers
-            (``-100`` = ignore); default: ``input_ids``.
-        position_ids: ``[B, S]`` global positions; default ``arange(S)`` (with ``doc_ids`` or
-            ``cu_seqlens``: restarting at 0 at each document). Positions that restart at 0 mark
-            packed documents (:mod:`fpdt.layout.documents`); other jumps are refused.
-        shift: shift ``labels`` to next-token targets (set False if they already are); the
-            target of each packed document's last token becomes ``-100``.
-        mesh: a 2D :class:`fpdt.comm.SequenceMesh`: use its layout (FPDT chunk order x zigzag,
-            :mod:`fpdt.layout.mesh_layout`) instead of the FPDT layout; ``sp_size``/``rank``
-            are then ignored and ``S`` must be divisible by ``2 * hp * cp * num_chunks``.
-        doc_ids: ``[B, S]`` integer document of each token, non-decreasing along each row; or
-        cu_seqlens: ``[n + 1]`` FlashAttention-style cumulative document lengths over the
-            flattened ``B * S`` tokens. Either one names the packed documents instead of the
-            positions (which then only feed RoPE).
+        sp_size, rank: the SP group size ``P`` and this rank in it.
+        num_chunks: chunks per rank ``u``; must equal the model's ``num_chunks``.
+        labels: ``[B, S]`` long, aligned with ``input_ids`` as in Transformers (``-100`` = ignore);
+            default: ``input_ids``.
+        position_ids: ``[B, S]`` global positions; default ``arange(S)`` (restarting per document
+            with ``doc_ids`` / ``cu_seqlens``). Restarts at 0 mark packed documents
+            (:mod:`fpdt.layout.documents`); other jumps are refused.
+        shift: shift ``labels`` to next-token targets (False if they already are); each packed
+            document's last target becomes ``-100``.
+        mesh: a 2D :class:`fpdt.comm.SequenceMesh`: its layout instead of FPDT's; ``sp_size`` /
+            ``rank`` are ignored and ``S`` must be divisible by ``2 * hp * cp * num_chunks``.
+        doc_ids / cu_seqlens: ``[B, S]`` non-decreasing document ids, or ``[n + 1]`` cumulative
+            lengths over the flattened ``B * S`` tokens, naming the documents instead of the positions.
 
     Returns:
-        ``{"input_ids", "labels", "position_ids"}``, each ``[B, S / P]``, ready for
-        ``model(**inputs)``; with ``doc_ids`` or ``cu_seqlens`` also ``"doc_ids"``, the canonical
-        ids ``[B, S]`` of the *whole* window (0, 1, ... per row; not sharded), which the model's
-        forward takes as they are.
+        ``{"input_ids", "labels", "position_ids"}``, each ``[B, S / P]``; with documents also
+        ``"doc_ids"``, the canonical ids ``[B, S]`` of the *whole* window (not sharded).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")

@@ -1,27 +1,11 @@
 """LoRA fine-tuning of fpdt's own model: adapters on the decoder's linear projections, the rest
 frozen, saved and loaded in PEFT's adapter format.
 
-:func:`add_lora` attaches to each targeted projection ``nn.Linear`` (of every decoder layer)
-
-    lora_A  nn.Linear(in, r, bias=False)     kaiming-uniform, as PEFT initialises it
-    lora_B  nn.Linear(r, out, bias=False)    zeros, so the model starts as the base
-
-and the floats ``lora_scaling`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) and
-``lora_dropout``. The projection's own forward is never called: the chunked functions that
-read its weight (:mod:`fpdt.attention.module`, :mod:`fpdt.model.mlp`) read the adapters too
-(:func:`fpdt.ops.lora.attached_adapters`) and add ``lora_B(lora_A(dropout(x))) * scaling``
-to the base projection a chunk of tokens at a time, as PEFT's ``Linear.forward`` would (the
-input cast to the adapters' dtype, the sum cast back); an ``o_proj`` with an adapter runs in
-:func:`fpdt.attention.output_projection.output_projection`, its terms over ``2 u`` token pieces.
-Every other parameter gets ``requires_grad=False``: no weight-gradient
-GEMM, no accumulator, no optimizer state for it.
-
-Parameter names are then PEFT's, less its ``base_model.model.`` prefix and adapter name:
-``model.layers.0.self_attn.q_proj.lora_A.weight``. :func:`save_adapter` writes
-``adapter_model.safetensors`` and ``adapter_config.json`` that ``peft.PeftModel.from_pretrained``
-loads onto the Transformers base model; :func:`load_adapter` reads such a directory (PEFT's
-or ours) back. The dropout masks are fpdt's (:mod:`fpdt.ops.lora`), not the ones PEFT would
-draw; without dropout the numbers are PEFT's.
+:func:`add_lora` gives each targeted ``nn.Linear`` ``lora_A`` (kaiming-uniform) and ``lora_B``
+(zeros), ``lora_scaling`` (``alpha / r``, or ``alpha / sqrt(r)``) and ``lora_dropout``, computed
+inside the chunked functions that read the projection's weight. Parameter names are PEFT's less
+its ``base_model.model.`` prefix and adapter name; :func:`save_adapter` / :func:`load_adapter`
+write and read PEFT adapter directories. Dropout masks are fpdt's own (``docs/model.md``, LoRA).
 """
 
 from __future__ import annotations
@@ -87,11 +71,9 @@ def _projections(model: nn.Module, targets: tuple[str, ...]):
 def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
     """Attach LoRA adapters to ``model`` (a :class:`fpdt.model.FPDTForCausalLM`), freeze the rest.
 
-    ``lora_A`` is drawn from a CPU generator seeded with ``seed``, one projection after another
-    in layer order, so every rank draws the same adapters (as ZeRO-3 needs; the draws do not
-    depend on the world size). ``dtype``: the adapters' (default fp32, as PEFT keeps them on a
-    16-bit model; DeepSpeed's mixed precision casts them to the training dtype and keeps fp32
-    master copies). Returns ``model``, with ``model.lora`` set to ``spec``.
+    ``lora_A`` is drawn from a CPU generator seeded with ``seed`` in layer order, the same on every
+    rank whatever the world size. ``dtype``: the adapters' (default fp32, as PEFT). Returns
+    ``model``, with ``model.lora`` set to ``spec``.
     """
     if getattr(model, "lora", None) is not None:
         raise ValueError("the model already has LoRA adapters")

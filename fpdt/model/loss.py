@@ -1,60 +1,13 @@
-"""Chunked fused LM head + cross-entropy.
+"""Chunked fused LM head + cross-entropy: the ``T x V`` logits are never materialised.
 
-The LM head of a Llama-3 model turns ``T`` tokens into ``T x V`` logits (V = 128,256).
-In fp32 that is 512 KB per token -- 16 GB at 32K tokens, more than the whole model's
-activations under FPDT. This module never materialises them.
-
-Flow (:class:`ChunkedLMHeadLossFunction`, one ``autograd.Function``):
-
-1. The final hidden states ``[B, S_local, hidden]`` are flattened to ``T`` tokens and
-   cut into ``N`` chunks of ``T / N`` tokens.
-2. Per chunk: ``logits = h_c W^T`` (matmul in the weight dtype, then upcast: fp32
-   ``[T/N, V]``), ``lse = logsumexp(logits)``, ``loss_c = sum over valid tokens of
-   (lse - logit[label])``; labels ``== -100`` contribute nothing.
-3. Still per chunk, while the logits are live, the gradient is formed too ("backward
-   inside forward"): ``dlogits = (softmax - onehot(label)) * valid * scale``, then
-   ``dh_c = dlogits W`` and ``dW += dlogits^T h_c`` (fp32 accumulator). The logits are
-   then dropped. This saves recomputing the ``T x hidden x V`` logits matmul in backward.
-4. ``backward`` only multiplies the stored ``dh`` ``[B, S_local, hidden]`` and ``dW``
-   ``[V, hidden]`` by the incoming scalar gradient.
-
-The weight gradient has two modes (``wgrad``, :data:`WGRAD_MODES`):
-
-* ``"accumulate"`` (default, step 3 above): ``dW`` is summed over the token chunks in an
-  fp32 ``[V, hidden]`` accumulator that lives from the loss forward to its backward.
-  The logits are computed once, but every chunk's ``dW`` partial is cast and added into the
-  accumulator: on an H100 at the Llama-3 heads that traffic cost more than recompute's
-  extra GEMM (benchmarks/README.md).
-* ``"recompute"``: the forward keeps only the fp32 ``lse`` per token (and ``dh``). The
-  backward cuts the vocabulary into ``N`` slices and, per slice, recomputes the logits of
-  *every* local token (``[T, V/N]`` fp32, the size of one forward chunk), forms that
-  slice's ``dlogits`` and gets ``dW[slice] = dlogits^T h`` in one GEMM over all ``T``
-  tokens: the GEMM's own fp32 accumulation replaces the ``[V, hidden]`` fp32 buffer, and
-  the result is rounded to the weight dtype once. Costs one more ``T x hidden x V``
-  GEMM (the logits again) and saves ``4 V hidden`` bytes at the loss peak: 4.2 GB for
-  Llama-3-70B, which is what decides its longest sequence on 16 GPUs
-  (``fpdt-plan`` recommends it when it is needed to fit). Needs the weight in backward
-  (ZeRO-3 gathers it there, as it does for the fused attention and MLP).
-
-Memory: the fp32 logits (plus softmax/CE temporaries) go from ``T x V`` to ``T/N x V``.
-What stays alive from forward to backward is ``dh`` (the size of the hidden states, which
-autograd would otherwise keep anyway) and ``dW`` (the size of the LM-head gradient,
-which backward allocates in any case). With the default ``N = ceil(2 u V / hidden)``
-(:func:`default_loss_chunks`) an fp32 logits chunk is at most one local attention chunk of
-bf16 hidden states.
-
-Normalisation: the function returns ``scale * sum(CE over valid local tokens)``. The
-caller passes ``scale = 1 / (valid tokens of the whole sequence, summed over every
-sequence-parallel rank)``, so each rank returns its share of the *global* token mean and
-the shares add up to it exactly -- not a mean of per-chunk or per-rank means, which would
-weigh the tokens of a chunk or rank with few valid labels more. Sequence parallelism needs nothing else
-from this function: tokens are
-independent here, and the layout only permutes them.
-
-Tied embeddings: pass the embedding matrix as ``weight``; autograd adds the LM-head
-gradient to the embedding gradient. ZeRO-3: the weight is read directly by the model's
-forward (DeepSpeed's engine registers it as an external parameter of the root module);
-the gradient is complete when ``backward`` returns it, so nothing needs the weight then.
+:class:`ChunkedLMHeadLossFunction` cuts the final hidden states ``[B, S_local, hidden]`` into
+``N`` token chunks; each chunk's fp32 logits ``[T/N, V]`` live only while its loss and its input
+gradient ``dh`` are formed, in forward. ``wgrad`` (:data:`WGRAD_MODES`): ``"accumulate"`` sums
+``dW`` in an fp32 ``[V, hidden]`` buffer over the chunks; ``"recompute"`` keeps the fp32 lse and
+recomputes the logits in backward a vocabulary slice at a time. The loss is ``scale * sum(CE over
+valid local tokens)`` (labels ``-100`` ignored), ``scale`` = 1 / valid tokens of the whole
+sequence, so the SP ranks' shares add up to the global token mean. Flow, memory and the two
+modes: ``docs/model.md`` (The chunked loss).
 """
 
 from __future__ import annotations
@@ -78,11 +31,8 @@ def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1) 
 
 def lm_loss_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                       scale: torch.Tensor | float) -> torch.Tensor:
-    """Unchunked form: ``scale * sum CE(hidden W^T, labels)`` with full fp32 logits (float64 for
-    float64 inputs).
-
-    ``hidden`` ``[..., hidden]``, ``weight`` ``[V, hidden]``, ``labels`` ``[...]`` long
-    (-100 ignored) -> fp32 scalar. Autograd-tracked; keeps ``[T, V]`` fp32 logits.
+    """Unchunked form: ``scale * sum CE(hidden W^T, labels)`` with full fp32 logits ``[T, V]``
+    (float64 for float64 inputs); ``labels`` -100 ignored; autograd-tracked.
     """
     logits = F.linear(hidden, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -92,20 +42,16 @@ def lm_loss_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 
 
 class ChunkedLMHeadLossFunction(torch.autograd.Function):
-    """``scale * sum CE`` over ``num_chunks`` token chunks; see the module docstring.
+    """``scale * sum CE`` over ``num_chunks`` token chunks (``docs/model.md``, The chunked loss).
 
     Inputs: ``hidden`` ``[B, S, hidden]`` (after the final norm), ``weight`` ``[V, hidden]``,
-    ``labels`` ``[B, S]`` long (-100 = ignore), ``scale`` fp32 0-dim tensor,
-    ``num_chunks`` int, ``compute_grad`` bool (False under ``no_grad``: loss only),
-    ``wgrad`` (:data:`WGRAD_MODES`).
-    Output: fp32 0-dim tensor.
-    Saved: ``dh`` ``[B, S, hidden]`` (hidden dtype), already computed in forward; with
-    ``"accumulate"`` also ``dW`` ``[V, hidden]`` (fp32); with ``"recompute"`` instead
-    ``hidden``, ``weight``, ``labels``, ``scale`` and the fp32 ``lse`` ``[B * S]``. Nothing
-    offloaded. Backward scales ``dh`` (and the accumulated ``dW``) by the incoming gradient
-    *in place* (no second ``[V, hidden]`` fp32 or ``[B, S, hidden]`` tensor at the head's
-    backward), so it can run once per forward: a second backward through the same forward
-    (``retain_graph=True``) raises instead of scaling twice.
+    ``labels`` ``[B, S]`` long (-100 = ignore), ``scale`` fp32 0-dim, ``num_chunks``,
+    ``compute_grad`` (False under ``no_grad``: loss only), ``wgrad`` (:data:`WGRAD_MODES`).
+    Output: fp32 0-dim. Saved: ``dh`` ``[B, S, hidden]`` (hidden dtype, computed in forward); with
+    ``"accumulate"`` also ``dW`` ``[V, hidden]`` fp32; with ``"recompute"`` instead ``hidden``,
+    ``weight``, ``labels``, ``scale`` and the fp32 ``lse`` ``[B * S]``. Nothing offloaded. Backward
+    scales ``dh`` (and ``dW``) *in place*, so a second backward through the same forward
+    (``retain_graph=True``) raises.
     """
 
     @staticmethod
@@ -178,13 +124,10 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
 
 
 def _weight_grad_by_vocab_slices(hidden, weight, labels, scale, lse, num_slices: int) -> torch.Tensor:
-    """``dW = ((softmax - onehot) * valid * scale)^T h`` for every local token, one vocabulary
-    slice at a time (the ``"recompute"`` mode of the module docstring).
-
-    ``hidden`` ``[..., hidden]``, ``weight`` ``[V, hidden]``, ``labels`` ``[...]``, ``scale``
-    fp32 0-dim (incoming gradient folded in), ``lse`` fp32 ``[T]`` from the forward ->
-    ``[V, hidden]`` in the weight dtype. Live beside the result: one fp32 ``[T, V / num_slices]``
-    logits slice (turned into its gradient in place) and its cast to the weight dtype.
+    """``dW = ((softmax - onehot) * valid * scale)^T h`` over every local token, one vocabulary
+    slice at a time (``"recompute"``): ``scale`` fp32 0-dim (incoming gradient folded in), ``lse``
+    fp32 ``[T]`` from the forward -> ``[V, hidden]`` in the weight dtype. Live beside the result: one
+    fp32 ``[T, V / num_slices]`` slice (its gradient formed in place) and its cast.
     """
     flat_h = hidden.reshape(-1, hidden.shape[-1])                     # [T, hidden]
     flat_y = labels.reshape(-1)
@@ -205,10 +148,8 @@ def _weight_grad_by_vocab_slices(hidden, weight, labels, scale, lse, num_slices:
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                     scale: torch.Tensor | float, num_chunks: int, wgrad: str = "accumulate") -> torch.Tensor:
-    """``scale * sum CE(hidden W^T, labels)`` (fp32 scalar) with logits one chunk at a time.
-
-    ``num_chunks == 0`` runs :func:`lm_loss_reference` instead (full logits; for comparison).
-    ``wgrad`` picks how the weight gradient is formed (:data:`WGRAD_MODES`, module docstring).
+    """``scale * sum CE(hidden W^T, labels)`` (fp32 scalar) with logits one chunk at a time;
+    ``num_chunks == 0`` runs :func:`lm_loss_reference` (full logits). ``wgrad``: :data:`WGRAD_MODES`.
     """
     if wgrad not in WGRAD_MODES:
         raise ValueError(f"wgrad={wgrad!r} must be one of {WGRAD_MODES}")
@@ -235,10 +176,9 @@ def valid_token_scale(labels: torch.Tensor, *, group: dist.ProcessGroup | None, 
 
 
 def sum_over_group(local: torch.Tensor, *, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
-    """A scalar share ``local`` -> the group's sum as value, ``local``'s gradient only.
-
-    Every rank then reports the same loss, while each rank's backward carries only its own
-    term, so parameter gradients *summed* over the group are those of the sum."""
+    """A scalar share ``local`` -> the group's sum as value, ``local``'s gradient only: every rank
+    reports the same loss, and parameter gradients *summed* over the group are those of the sum.
+    """
     if sp == 1:
         return local
     total = local.detach().clone()
@@ -262,13 +202,10 @@ class _SumGradientOverGroup(torch.autograd.Function):
 
 
 def sum_gradient_over_group(loss: torch.Tensor, *, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
-    """``loss`` unchanged in value; in backward, each rank receives the *sum* over the group of
-    the gradients every rank's copy of it received.
-
-    For a caller that back-propagates every rank's copy of a :func:`sum_over_group` loss with a
-    weight of its own (Hugging Face Trainer's sequence-parallel loss aggregation weighs each
-    rank's loss by its valid-token count): the weights add up to the gradient of the one global
-    loss, whichever ranks hold the valid tokens."""
+    """``loss`` unchanged in value; in backward each rank receives the *sum* over the group of the
+    gradients every rank's copy received (for a caller that weighs each rank's copy of a
+    :func:`sum_over_group` loss, as Hugging Face Trainer's SP loss aggregation does).
+    """
     if sp == 1:
         return loss
     return _SumGradientOverGroup.apply(loss, group)
@@ -281,19 +218,16 @@ def sequence_parallel_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels
     """Global token-mean cross-entropy of a sequence split over ``sp`` ranks.
 
     Args:
-        hidden: ``[B, S_local, hidden]`` final hidden states of this rank's tokens.
-        weight: ``[V, hidden]`` LM-head weight (the embedding when tied).
-        labels: ``[B, S_local]`` next-token targets, already shifted on the global sequence
-            (``-100`` = ignore).
-        group, sp: the sequence-parallel group and its size (``sp == 1``: no communication).
-        num_chunks, wgrad: as :func:`chunked_lm_loss`.
+        hidden: ``[B, S_local, hidden]`` final hidden states; ``weight``: ``[V, hidden]`` (the
+            embedding when tied); ``labels``: ``[B, S_local]`` targets shifted on the global
+            sequence (``-100`` = ignore).
+        group, sp: the SP group and its size; ``num_chunks``, ``wgrad``: as :func:`chunked_lm_loss`.
         num_valid_tokens: the denominator; default: valid labels summed over the group.
 
     Returns:
-        fp32 scalar, the same value on every rank of the group: ``sum of CE over the
-        group's valid tokens / N_valid``. Its gradient on this rank is only this rank's
-        term (``local CE sum / N_valid``), so parameter gradients **summed** over the group
-        are those of the global mean (:func:`sum_over_group`).
+        fp32 scalar, the same on every rank: ``sum of CE over the group's valid tokens / N_valid``;
+        its gradient on this rank is this rank's term only, so parameter gradients **summed** over
+        the group are those of the global mean.
     """
     scale = valid_token_scale(labels, group=group, sp=sp, num_valid_tokens=num_valid_tokens)
     local = chunked_lm_loss(hidden, weight, labels, scale.to(hidden.device), num_chunks, wgrad=wgrad)

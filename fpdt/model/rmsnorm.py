@@ -1,17 +1,10 @@
 """Lean RMSNorm: ``weight * cast(x * rstd)`` with ``rstd = 1 / sqrt(mean(x^2) + eps)`` in fp32.
 
-The Llama convention: normalise in fp32, cast back to the input dtype, then multiply by
-the weight (the output dtype is ``promote(weight, x)``). Plain autograd keeps the fp32
-copy of ``x``, the fp32 normalised ``x`` and the cast result: three full-sequence
-tensors, 5x the bf16 input. :class:`RMSNormFunction` saves only
-
-* ``x`` (the input itself, which the residual stream keeps anyway; no copy),
-* ``rstd`` fp32 ``[..., 1]`` (one float per token) and the weight,
-
-and works over ``num_chunks`` token chunks in forward and backward, so fp32 temporaries
-exist for one chunk at a time (``[T / num_chunks, hidden]``), never for the full sequence.
-Backward recomputes ``x_hat = x * rstd`` per chunk and applies the gradient formulas of
-:mod:`fpdt.ops.rmsnorm` (the weight's in an fp32 accumulator, cast at the end).
+The Llama convention (output dtype ``promote(weight, x)``). :class:`RMSNormFunction` saves only
+``x`` (no copy), ``rstd`` fp32 ``[..., 1]`` and the weight, and runs over ``num_chunks`` token
+chunks both ways, so fp32 temporaries exist for one chunk at a time (plain autograd keeps three
+full-length tensors, 5x the bf16 input). Backward recomputes ``x * rstd`` per chunk with the
+formulas of :mod:`fpdt.ops.rmsnorm`, the weight gradient in an fp32 accumulator.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""RoPE inverse frequencies for the scaling types the model supports.
-
-* ``default``: ``theta ** (-2i / D)``.
-* ``linear``: the default frequencies divided by ``factor`` (position interpolation).
-* ``llama3`` (Llama 3.1 / 3.2): frequencies whose wavelength is shorter than
-  ``original_max_position_embeddings / high_freq_factor`` are kept, those longer than
-  ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and
-  the band in between is blended linearly in ``original / wavelength``.
-
-All return fp32 ``[D / 2]`` and an attention scaling of 1.0 (none of these types scales
-cos/sin). Other types (``dynamic``, ``yarn``, ``longrope``, ...) are refused by
-:mod:`fpdt.model.config` before reaching here.
+"""RoPE inverse frequencies, fp32 ``[D / 2]``, for ``default`` (``theta ** (-2i / D)``),
+``linear`` (divided by ``factor``) and ``llama3`` (wavelengths below ``original / high_freq_factor``
+kept, above ``original / low_freq_factor`` divided by ``factor``, blended linearly in between), with
+an attention scaling of 1.0. Other types are refused by :mod:`fpdt.model.config`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Hugging Face checkpoints in and out (construction is :mod:`fpdt.model.build`).
 
-Checkpoint format (what ``transformers`` reads and writes): a directory with
-``config.json`` and either ``model.safetensors`` or ``model-0000k-of-0000n.safetensors``
-shards plus ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
-"weight_map": {tensor name: shard file}}``). Tensor names are the model's own parameter
-names (see :mod:`fpdt.model.llama`); with tied embeddings ``lm_head.weight`` is not stored.
-
-Memory: models are first built on the ``meta`` device (no storage), then each tensor is
-read from its shard straight to the target device/dtype and *assigned* as the parameter,
-so host RAM holds at most one shard's tensors on top of the model itself.
-
-Loaders that place tensors differently (``fpdt.train.zero_load`` streams a checkpoint into
-ZeRO-3-partitioned parameters) reuse :func:`fpdt.model.build.construct`, :func:`checkpoint_files`,
-:func:`ignored_tensor`, :func:`check_shape`, :func:`check_unexpected` and
-:func:`check_missing`, so they accept and refuse exactly what :func:`fpdt.model.build.from_pretrained` does.
+``config.json`` plus ``model.safetensors`` or index-sharded safetensors, tensor names the model's
+own (tied embeddings: no ``lm_head.weight``), read shard by shard straight to the target device
+and dtype. :func:`checkpoint_files`, :func:`ignored_tensor` and the ``check_*`` functions are
+shared with ``fpdt.train.zero_load``, so both accept and refuse the same checkpoints.
 """
 
 from __future__ import annotations

@@ -1,40 +1,12 @@
 """Training data: a token stream, cut into windows, sharded into the FPDT layout.
 
-The contract (also in docs/train.md, "Data contract"):
-
-1. ``--data PATH`` is a token stream. ``.npy`` files hold token ids (any integer dtype);
-   ``.bin`` files hold raw ids (``--data-dtype uint16`` or ``uint32``; default uint16 when
-   the vocabulary fits in it, else uint32; a stream that is implausible for its type is
-   refused, see :func:`check_plausible_bin`); ``.txt`` files
-   (one document each) and ``.jsonl`` files (one document per line: an object with a
-   ``"text"`` field, or a bare string) are tokenized with the model's ``tokenizer.json``
-   and every document is followed by the end-of-text id when the model config names one
-   (``eos_token_id``). A directory means every such file under it, in sorted path order,
-   concatenated.
-2. The stream is cut into consecutive, non-overlapping windows of ``seq_len + 1``
-   tokens in file order; a short tail is dropped. Window ``k`` is the ``k``-th sequence.
-   With ``--shuffle`` the windows of each pass over the data are visited in a random
-   order drawn from ``(seed, epoch)``; without it, in order. Past the last window the
-   stream starts again from window 0.
-3. Inputs are ``window[:-1]`` and labels ``window[1:]``: the shift happens on the global
-   sequence, before sharding, so the label of every rank's last token is the first token
-   of the next piece (shifting after sharding would lose those targets). Inputs, labels and position ids then go through
-   the same FPDT layout (:mod:`fpdt.layout`).
-4. With ``--pack-documents`` (:class:`PackedWindows`) the stream is first cut into documents:
-   each ``.txt`` file / ``.jsonl`` line is one (with its end-of-text id), and ``.npy``/``.bin``
-   streams end a document after every ``eos_token_id`` (a file's tail without one is a document
-   too). Windows hold ``seq_len`` tokens of whole documents, in order (next fit: a document that
-   does not fit in what is left of a window starts the next one, and the rest is padding, a
-   document of its own whose targets are ``-100``); ``--pack-documents best-fit`` fills each
-   window from a buffer of the next documents instead, and ``split`` fills every window,
-   splitting the document that crosses its end (:class:`PackedWindows`). A document longer
-   than ``seq_len`` is split into ``seq_len``-token pieces, each continuation a document of its
-   own from position 0 (as Transformers' packing does). Positions restart at 0 at each document, the attention is
-   masked at every boundary, and each document's last token predicts nothing (target ``-100``).
-5. Sequence ``k`` of the run is drawn by one data-parallel group: optimizer step ``t``,
-   micro step ``m`` (gradient accumulation) and sample ``b`` of the micro batch in DP
-   group ``d`` read sequence ``((t * gas + m) * dp + d) * B + b``. All ranks of an SP
-   group read the same window; DP groups read distinct ones.
+``--data``: ``.npy`` / ``.bin`` ids (an implausible ``.bin`` is refused) or ``.txt`` / ``.jsonl``
+text tokenized with ``tokenizer.json`` (each document followed by ``eos_token_id``), or a
+directory of them in sorted order. Consecutive windows of ``seq_len + 1`` tokens (optionally
+shuffled per pass from ``(seed, epoch)``) give inputs ``window[:-1]`` and labels ``window[1:]``,
+shifted on the global sequence and then sharded. Step ``t``, micro step ``m``, DP group ``d``,
+sample ``b`` read sequence ``((t * gas + m) * dp + d) * B + b``. :class:`PackedWindows` packs whole
+documents. The contract in full: ``docs/train.md`` (Data contract, Packed documents).
 """
 
 from __future__ import annotations
@@ -81,10 +53,8 @@ def list_data_files(path: str) -> list[str]:
 
 
 def read_documents(path: str) -> list[str]:
-    """The documents of one text file: the whole ``.txt``, or each line of a ``.jsonl``.
-
-    Raises :class:`DataError` naming the file (and line) for text that is not UTF-8 and
-    for ``.jsonl`` lines that are not a JSON string or an object with a ``"text"`` string.
+    """The documents of one text file: the whole ``.txt``, or each line of a ``.jsonl``. Raises
+    :class:`DataError` naming the file (and line) for non-UTF-8 text and malformed ``.jsonl`` lines.
     """
     with open(path, "rb") as f:
         if path.endswith(".txt"):
@@ -233,13 +203,9 @@ PLAUSIBILITY_SAMPLE = 1 << 20
 
 
 def check_plausible_bin(tokens: np.ndarray, bin_dtype: str, source: str) -> None:
-    """Refuse a ``.bin`` stream that is almost surely read with the wrong element type.
-
-    A little-endian ``uint32`` file read as ``uint16`` yields every id followed by its
-    high half, which is 0 for any vocabulary below 65536: so when every odd-position id
-    of the first :data:`PLAUSIBILITY_SAMPLE` is 0 (and the even ones are not all 0), the
-    file is uint32. (The other mix-up, uint16 read as uint32, gives ids >= 65536, which
-    :func:`check_vocab` refuses.)
+    """Refuse a ``.bin`` stream that is almost surely read with the wrong element type: every
+    odd-position id of the first :data:`PLAUSIBILITY_SAMPLE` 0 (and not every even one) is uint32
+    read as uint16 (the other mix-up gives ids >= 65536, which :func:`check_vocab` refuses).
     """
     if bin_dtype != "uint16" or tokens.size < 16:
         return
@@ -312,22 +278,13 @@ PACKINGS = ("in-order", "best-fit", "split")
 
 @dataclass
 class PackedWindows:
-    """Windows of ``seq_len`` tokens of documents (``--pack-documents``; the module docstring,
-    item 4, states the packing). ``packing`` (:data:`PACKINGS`):
-
-    * ``"in-order"``: whole documents in stream order, next fit (a document that does not fit
-      in what is left opens the next window; the rest is padding);
-    * ``"best-fit"``: whole documents, each window opened by the earliest piece of a buffer of
-      the next ``lookahead`` pieces and filled from it greedily, largest that fits first, then
-      written in stream order: far less padding on long-tailed lengths, and no piece waits for
-      more than ``lookahead`` windows;
-    * ``"split"``: the stream cut into full windows; a document crossing a window's end is
-      split there and continues at position 0 in the next one (no padding but the last
-      window's).
-
-    In every mode a document longer than ``seq_len`` is cut into ``seq_len``-token pieces, and
-    each piece is a document of its own (positions from 0, its last token predicting nothing).
-    Window ``w`` holds pieces ``order[first_piece[w]:first_piece[w + 1]]``."""
+    """Windows of ``seq_len`` tokens of whole documents (``--pack-documents``), ``packing`` one of
+    :data:`PACKINGS`: ``"in-order"`` (next fit; the rest of a window is padding, targets ``-100``),
+    ``"best-fit"`` (each window filled greedily, largest first, from a buffer of the next
+    ``lookahead`` pieces) or ``"split"`` (full windows, a crossing document continuing at position 0).
+    Documents longer than ``seq_len`` are cut into pieces, each a document of its own; window ``w``
+    holds pieces ``order[first_piece[w]:first_piece[w + 1]]``.
+    """
 
     tokens: np.ndarray
     """1-D token ids (may be a memory map)."""
@@ -388,15 +345,11 @@ class PackedWindows:
     def arrangement(self, w: int) -> np.ndarray:
         """Window ``w``'s pieces in the order they are written (padding after them).
 
-        Without a ring (``balance_cp == 1``): stream order. With one, the ring's CP rank ``c``
-        holds zigzag pieces ``c`` and ``2 cp - 1 - c`` of each of the ``balance_chunks`` spans
-        (:func:`fpdt.layout.mesh_token_index`), and its attention work is the sum, over its query
-        tokens, of the keys each sees under the document mask (position in its document + 1),
-        which depends on where the documents fall: of stream order and ``arrangements - 1``
-        permutations drawn from ``(seed, w)``, the one whose busiest rank has the least work
-        (the first of equals). Documents are independent under the mask, so the order changes
-        which rank computes what, not what is trained. Deterministic: every rank, and a resumed
-        run, arranges a window alike."""
+        Without a ring (``balance_cp == 1``): stream order. With one: of stream order and
+        ``arrangements - 1`` permutations drawn from ``(seed, w)``, the one whose busiest CP rank (zigzag
+        pieces over ``balance_chunks`` spans) has the least attention work under the document mask (the
+        first of equals). It changes which rank computes what, not what is trained; deterministic.
+        """
         pieces = self.order[self.first_piece[w]:self.first_piece[w + 1]]
         if self.balance_cp == 1 or pieces.size < 2:
             return pieces
@@ -435,11 +388,10 @@ class PackedWindows:
         return float(np.bincount(owner, weights=keys, minlength=self.balance_cp).max())
 
     def attended_length(self, k: int) -> float:
-        """The length the FLOPs formula's attention term takes for sequence ``k``
-        (:func:`fpdt.train.metrics.step_rates`, ``S / 2`` keys per token when causal):
-        ``sum n_d^2 / S`` over the window's documents, the padding after the last one counted
-        as one more (the model attends over it as such), so that the count is the work the
-        document mask leaves, as ``fpdt-plan --doc-len`` counts it; ``S`` for one document."""
+        """The length the FLOPs formula's attention term takes for sequence ``k``: ``sum n_d^2 / S`` over
+        the window's documents, the padding after the last counted as one more (as ``fpdt-plan
+        --doc-len`` counts it); ``S`` for one document.
+        """
         w = self.window_of_sequence(k)
         n = self._segments(self.order[self.first_piece[w]:self.first_piece[w + 1]]).astype(np.float64)
         return float((n * n).sum()) / self.seq_len
@@ -492,10 +444,10 @@ class PackedWindows:
 
 def _best_fit(piece_len: list[int], seq_len: int, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
     """``(order, first)`` of windows filled from a buffer of the next ``lookahead`` pieces: the
-    earliest piece in the buffer opens the window (so none waits for more than ``lookahead``
-    windows), then the largest piece that fits what is left (the earliest of equal lengths)
-    until none does; each window's pieces then in stream order. Deterministic: a function of
-    the lengths alone. With ``lookahead=1`` there is no choice: in-order next fit."""
+    earliest piece opens the window, then the largest that fits (earliest of equals) until none
+    does; each window's pieces in stream order. A function of the lengths alone; ``lookahead=1``
+    is in-order next fit.
+    """
     buffer: list[tuple[int, int]] = []       # (length, -index), sorted
     nxt, order, first = 0, [], [0]
     while nxt < len(piece_len) or buffer:
@@ -533,14 +485,9 @@ def sequence_ids(step: int, micro: int, grad_accum: int, dp_rank: int, dp: int, 
 
 def shard_windows(windows: torch.Tensor, sp: int, num_chunks: int, sp_rank: int,
                   mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
-    """Shift on the global sequence, then take rank ``sp_rank``'s FPDT-layout slice (or,
-    with a 2D ``mesh``, this rank's slice in the mesh layout; ``sp``/``sp_rank`` unused).
-
-    Args:
-        windows: ``[B, S + 1]`` int64 token ids.
-    Returns:
-        ``input_ids``, ``labels``, ``position_ids``: each ``[B, S / P]`` int64, in the
-        FPDT layout (local chunk ``i`` of rank ``r`` is global piece ``i * P + r``).
+    """Shift ``windows`` ``[B, S + 1]`` int64 on the global sequence, then take rank ``sp_rank``'s
+    slice in the FPDT layout (or this rank's in ``mesh``'s; ``sp``/``sp_rank`` then unused): returns
+    ``input_ids``, ``labels``, ``position_ids``, each ``[B, S / P]`` int64.
     """
     batch, seq_len = windows.shape[0], windows.shape[1] - 1
     inputs, labels = windows[:, :-1], windows[:, 1:]

@@ -1,17 +1,10 @@
 """How ``fpdt-train`` reports a failure: one line, no traceback, non-zero exit.
 
-* Errors of the user's making (:data:`USER_ERRORS`: bad flags, configs, data, checkpoints)
-  are found identically on every rank, so only rank 0 prints them:
-  ``fpdt-train: error: <what, naming the file (and line)>; <the fix>``. Exit status 2.
-* :class:`RunError`: the run started and had to stop. One that every rank meets alike (a
-  non-finite loss) is printed by rank 0; one a rank meets on its own (another rank died
-  or stalled) by that rank, prefixed with its rank. Exit status 1.
-* Anything else is a bug or an environment problem: one line with the exception's type
-  and message, and how to see the traceback; when it was raised inside an attention kernel
-  adapter (:mod:`fpdt.attention.kernels`), the line names it and ``--attention-backend``,
-  which runs another kernel. Exit status 1.
-
-``--debug`` or ``FPDT_DEBUG=1`` re-raises instead, so the full traceback shows.
+:data:`USER_ERRORS` (flags, configs, data, checkpoints; alike on every rank): rank 0 prints
+``fpdt-train: error: <what, naming the file (and line)>; <the fix>``, exit status 2.
+:class:`RunError` (the run had to stop): rank 0, or the rank that met it alone, exit status 1.
+Anything else: its type and message, the attention kernel when raised inside one, exit status 1.
+``--debug`` or ``FPDT_DEBUG=1`` re-raises instead.
 """
 
 from __future__ import annotations
@@ -26,9 +19,7 @@ from fpdt.train.data import DataError
 
 class RunError(RuntimeError):
     """A started run had to stop; the message names the step and what to do next.
-
-    ``same_on_every_rank``: every rank stops with this same error (e.g. a non-finite
-    loss, which is all-reduced), so only rank 0 prints it.
+    ``same_on_every_rank`` (e.g. a non-finite loss, all-reduced): only rank 0 prints it.
     """
 
     def __init__(self, message: str, same_on_every_rank: bool = False) -> None:

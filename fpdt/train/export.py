@@ -2,18 +2,11 @@
 
     fpdt-export SAVE_DIR OUT_DIR [--tag step<N>] [--dtype bf16]
 
-Reads the fp32 master weights of a ``fpdt-train --save-dir`` checkpoint (any ZeRO stage;
-the shards are merged on the host, no GPU or process group needed), and writes
-``config.json`` + safetensors that ``transformers`` loads, plus the tokenizer files found
-next to the checkpoint.
-
-A LoRA run's checkpoints hold the adapters only; the export of one is a PEFT adapter
-directory (``adapter_config.json`` + ``adapter_model.safetensors``) that
-``peft.PeftModel.from_pretrained(base, OUT_DIR)`` loads onto the Transformers base model
-(``base_model_name_or_path``: the run's ``--model``). Whether a checkpoint is of LoRA or of
-full training, and its LoRA spec, are read from that checkpoint's own trainer file
-(``"lora"``, :func:`fpdt.train.lora.record`), not from the save dir, which runs of either kind
-may share (each run's start rewrites the save dir's ``adapter_config.json``).
+Merges the fp32 master weights of a ``fpdt-train --save-dir`` checkpoint on the host (any ZeRO
+stage, no GPU or process group) into ``config.json`` + safetensors, plus the tokenizer files. A
+LoRA checkpoint exports as a PEFT adapter directory (``base_model_name_or_path``: the run's
+``--model``); LoRA or full, and the spec, are read from the checkpoint's own trainer file
+(:func:`fpdt.train.lora.record`), not the save dir's ``adapter_config.json``.
 """
 
 from __future__ import annotations

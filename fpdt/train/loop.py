@@ -1,35 +1,11 @@
 """The training loop: one optimizer step at a time, on a DeepSpeed engine.
 
-Loss scaling across sequence parallelism: the model returns the global mean loss of a
-sequence on every SP rank, and its backward leaves on each rank only that rank's share
-of the gradient; the *sum* over the SP group is the gradient of the mean loss. DeepSpeed
-averages gradients over all ``dp * sp`` ranks, i.e. it divides that sum by ``sp`` too
-many. The loop therefore back-propagates ``sp * loss``: after DeepSpeed's average the
-gradient is the mean over data-parallel groups of each sequence's mean-loss gradient --
-exactly what single-process training on the same windows computes (tested with plain
-SGD, where a wrong scale shows at once).
-
-Memory per step (:class:`fpdt.memory.accountant.RegionMemory` around the step's micro
-steps, from the first forward to the optimizer update; max over ranks):
-
-* CUDA: the allocator's peak counters are reset at the start of every step, so
-  ``peak_mem_gib`` / ``peak_reserved_gib`` are that step's ``max_memory_allocated`` /
-  ``max_memory_reserved``: absolute, i.e. parameters, ZeRO partitions, gradients and
-  optimizer states allocated before the step are included.
-* CPU: the accountant is entered at the start of every step, so ``peak_mem_gib`` is the
-  step's *working set*: the most bytes of tensors created during the step live at once
-  (ZeRO-3's gathered parameters, activations, gradients, temporaries). Everything that
-  existed when the step began -- parameters, ZeRO partitions, gradient buffers, and
-  optimizer states created by earlier steps -- is not counted; the first step therefore
-  also counts what the engine creates lazily then (e.g. optimizer states, gradient
-  buffers) and is usually the largest. ``peak_reserved_gib`` is None (no caching allocator).
-* Any device: ``host_stash_gib`` is the most host-stash bytes (offloaded chunks and
-  layer inputs drawn from the host pool) in use during the step.
-
-The CPU accountant is a dispatch mode: a little Python on every aten op, inside the timed
-step; what that costs on the tiny model is in docs/train.md ("Progress and MFU").
-``mem_accounting=False`` (``--no-mem-accounting``) skips it: ``peak_mem_gib`` is then None
-on the CPU, while ``host_stash_gib`` (counted at the host pool, no dispatch mode) stays.
+It back-propagates ``sp * loss``: each SP rank's backward carries only its share of the global
+mean loss's gradient and DeepSpeed averages over all ``dp * sp`` ranks, so the result is the mean
+over DP groups of each sequence's mean-loss gradient (``docs/model.md``, Gradient convention).
+Memory per step (:class:`fpdt.memory.accountant.RegionMemory`, max over ranks): CUDA allocator
+peaks, the CPU working set (``mem_accounting=False`` skips it) and the host-stash peak
+(``docs/train.md``, Progress and MFU).
 """
 
 from __future__ import annotations

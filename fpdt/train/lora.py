@@ -1,23 +1,10 @@
-"""LoRA fine-tuning in ``fpdt-train``: the flags, the checks made before any process group,
-the adapters on the built model, and what a checkpoint records of them.
+"""LoRA fine-tuning in ``fpdt-train``: flags, checks made before any process group, the adapters
+on the built model, and what a checkpoint records of them.
 
-``--lora-rank R`` attaches :func:`fpdt.model.add_lora` adapters to the decoder projections
-(``--lora-targets``, all seven by default) after the model is built, on every rank alike
-(``lora_A`` drawn from ``--seed``, ``lora_B`` zero), in the training dtype (``zero.Init``
-parameters are not cast by ``deepspeed.initialize``, so fp32 adapters on a bf16 ZeRO-3 model
-would stay fp32; DeepSpeed keeps fp32 master copies of the bf16 ones). Every other parameter
-is frozen and never reaches the optimizer (:func:`fpdt.train.zero.build_engine`).
-
-``--lora-init DIR`` starts from a PEFT adapter directory instead of a fresh draw. The spec is
-then the directory's ``adapter_config.json``: the other ``--lora-*`` flags may be left out,
-and any that is given must agree with it (a contradiction is refused, naming both values).
-
-Checkpoints of a LoRA run hold the adapters, their optimizer state and the RNG states, not the
-frozen base (``exclude_frozen_parameters``); on ``--resume`` the base is read again from
-``--model`` or drawn again from ``--seed``. The trainer file records :func:`record` (the spec
-and where the base came from: for a random base the seed and every field of the parsed model
-config), and :func:`check_resume` refuses a resume whose spec, or whose LoRA-or-full choice,
-differs from the checkpoint's, or whose random base would be another.
+``--lora-rank R`` attaches :func:`fpdt.model.add_lora` adapters (``--lora-targets``) alike on every
+rank, in the training dtype, and freezes the rest; ``--lora-init DIR`` starts from a PEFT adapter
+directory, whose config is then the spec (contradicting flags are refused). :func:`record` goes
+into the trainer file; :func:`check_resume` refuses a resume with another spec or base.
 """
 
 from __future__ import annotations
@@ -200,10 +187,9 @@ def describe(model, spec: LoraSpec, init: str | None, resumed: str | None = None
 
 def record(spec: LoraSpec | None, model: str | None, model_config: str | None, seed: int,
            config: ModelConfig | None = None) -> dict[str, Any] | None:
-    """What the trainer file keeps of a LoRA run (None for full training): the spec, and
-    where the frozen base, which the checkpoint leaves out, comes from. A random base
-    (``--model-config``) is decided by ``--seed`` and the parsed ``config``
-    (:func:`drawn_config`; the precision, which also decides it, is checked for every resume)."""
+    """What the trainer file keeps of a LoRA run (None for full training): the spec, and where the
+    frozen base comes from (a random base: ``--seed`` and :func:`drawn_config`).
+    """
     if spec is None:
         return None
     return {"rank": spec.rank, "alpha": spec.lora_alpha, "dropout": spec.dropout, "targets": list(spec.targets),
@@ -214,10 +200,10 @@ def record(spec: LoraSpec | None, model: str | None, model_config: str | None, s
 
 
 def drawn_config(cfg: ModelConfig) -> dict[str, Any]:
-    """Every field of a parsed model config but the original dict: what
-    :func:`fpdt.model.from_config` draws the random base from with the seed (sizes,
-    ``initializer_range``, the zeroed padding row, tied embeddings) and what decides how that
-    base computes (norm epsilon, RoPE), so another value of any is another base."""
+    """Every field of a parsed model config but the original dict: what :func:`fpdt.model.from_config`
+    draws the random base from with the seed and what decides how it computes, so another value of
+    any is another base.
+    """
     out = {}
     for f in dataclasses.fields(cfg):
         if f.name != "hf_config":
@@ -238,10 +224,9 @@ def _spec_text(rec: dict[str, Any]) -> str:
 
 
 def check_resume(path: str, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
-    """Refuse a resume whose LoRA spec (or LoRA vs full training) differs from the checkpoint's,
-    or whose random base is drawn from another seed or another model config
-    (:func:`drawn_config`); returns warnings (a ``--model`` at another path, a checkpoint that
-    does not record its random base's config)."""
+    """Refuse a resume whose LoRA spec (or LoRA vs full training), seed or drawn model config differs
+    from the checkpoint's; returns warnings (a ``--model`` at another path, an unrecorded config).
+    """
     if saved is None and current is None:
         return []
     if saved is None:

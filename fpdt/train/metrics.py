@@ -1,50 +1,12 @@
 """Model FLOPs, MFU and tokens per GPU per second.
 
-FLOPs are counted per token for a Llama-family decoder (GQA, SwiGLU, untied or tied
-LM head), multiply-add = 2 FLOPs, with
-
-    l = layers, h = hidden size, H = query heads, H_kv = key/value heads, D = head dim,
-    I = MLP inner size, V = vocabulary, S = global sequence length.
-
-Forward FLOPs of one token::
-
-    F_fwd(c) = l * [ 2h(H*D + 2*H_kv*D) + 2*H*D*h      # q, k, v and o projections
-                     + 6*h*I                            # SwiGLU gate, up, down
-                     + c * 4*H*D*S ]                    # q.k^T and p.v over S keys
-               + 2*h*V                                  # LM head
-
-``c = 1/2`` for causal attention (a token sees S/2 keys on average; the default
-**MFU**) and ``c = 1`` for the full-attention count other papers use (reported as
-**MFU (full attention)**, e.g. to compare with FPDT or USP tables).
-
-**Packed documents**: attention runs only within each document, so the attention term takes
-``S_att = sum n_d^2 / S`` over the window's ``n_d``-token documents in place of ``S``
-(``attended_length`` of :class:`fpdt.train.data.PackedWindows`; the planner's
-:func:`fpdt.plan.documents.effective_length` alike); ``S`` for one document.
-
-Training FLOPs per token are ``3 * F_fwd`` (backward = 2x forward). Recomputation by
-activation checkpointing is *not* counted in MFU (it is work the model did not need); **HFU** adds the
-recomputed layer forward, ``l * [...]`` once more, when checkpointing is on.
-
-    MFU = 3 * F_fwd(1/2) * tokens_per_second / (n_devices * peak_flops)
-    TGS = tokens_per_second / n_devices       (tokens per GPU per second)
-
-``tokens_per_second`` counts every token of every sequence trained in the step
-(``B * S * dp * grad_accum`` per optimizer step); the SP ranks of a group share a
-sequence, so a sequence's tokens are counted once.
-
-**LoRA** (``lora=``, a :class:`fpdt.model.LoraSpec`): the frozen projections and LM head
-get no weight gradient, so their weight-gradient GEMMs (one forward's worth each) are not
-counted; their input gradients, the attention's backward and the adapters' own work are.
-An adapter of rank r on a projection ``in -> out`` costs ``A(r) = 2 r (in + out)`` forward
-FLOPs per token and three times that in training (forward, input and weight gradients)::
-
-    F_train_lora = 3 * F_fwd - l * [q, k, v, o, gate, up, down terms above] - 2*h*V
-                   + 3 * l * sum over targeted projections of A(r)
-
-(the same count as ``fpdt-plan``'s LoRA MFU, which leaves out the adapters' small term).
-HFU adds the recomputed layer forward with its adapters, ``l * ([...] + sum A(r))``.
-Elementwise work (dropout, the scaling) is not counted, as the norms and SwiGLU are not.
+FLOPs per token of a Llama-family decoder (GQA, SwiGLU, tied or untied LM head), multiply-add
+= 2 FLOPs; attention counted causal (``c = 1/2``, MFU) and full (``c = 1``, ``mfu_full``), over
+``S_att = sum n_d^2 / S`` with packed documents. Training = 3 x forward; the checkpoint's
+recompute only in HFU; LoRA leaves out the frozen weights' gradient GEMMs and adds the adapters'.
+``MFU = 3 * F_fwd(1/2) * tokens_per_second / (n_devices * peak_flops)``, ``TGS = tokens_per_second /
+n_devices``, counting each sequence's tokens once per step. Formulas: ``docs/train.md`` (Progress
+and MFU).
 """
 
 from __future__ import annotations
@@ -144,10 +106,7 @@ def gpu_peak_flops(device_name: str, dtype_name: str) -> float | None:
 
 
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
-    """Measured square-matmul FLOP/s on the CPU: the best of ``repeats`` runs.
-
-    Used as the MFU denominator on CPU, where there is no datasheet figure.
-    """
+    """Measured square-matmul FLOP/s on the CPU (the MFU denominator there): the best of ``repeats`` runs."""
     gen = torch.Generator().manual_seed(0)      # not the default generator: a resumed run's RNG stays as saved
     a = torch.randn(n, n, dtype=dtype, generator=gen)
     b = torch.randn(n, n, dtype=dtype, generator=gen)
@@ -172,10 +131,9 @@ def resolve_peak_flops(device: torch.device, dtype_name: str, override_tflops: f
 
 
 def cpu_peak_flops(dtype_name: str) -> tuple[float, str]:
-    """Measured CPU peak for a run in ``dtype_name``: the matmul rate in that dtype, and
-    for bf16 / fp16 at least the fp32 rate, because CPU kernels without native half
-    support compute in fp32 (a half-precision rate far below the fp32 one is then not
-    the ceiling the run works under, and MFU against it exceeded 100%)."""
+    """Measured CPU peak for a run in ``dtype_name``: the matmul rate in that dtype, and for bf16 / fp16
+    at least the fp32 rate (CPU kernels without native half support compute in fp32).
+    """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype_name, torch.float32)
     rate = measure_matmul_flops(dtype)
     if dtype == torch.float32:

@@ -1,14 +1,9 @@
 """Processes, devices and the sequence-parallel / data-parallel groups.
 
-Ranks are laid out SP-innermost: with SP size P, ranks ``[g*P, (g+1)*P)`` form SP group
-``g`` and train one sequence together; ``g`` is also the data-parallel index of those
-ranks (``dp = world_size / P`` groups read distinct windows). Innermost SP keeps the
-all-to-alls inside a node when P divides the GPUs per node.
-
-DeepSpeed sees every rank as a data-parallel rank: ZeRO-3 shards parameters, gradients
-and optimizer state over all ``dp * P`` ranks (the SP group counts as DP, as in the FPDT
-paper) and averages gradients over all of them. See :mod:`fpdt.train.loop` for the loss
-scaling that makes that average right.
+SP-innermost: with SP size P, ranks ``[g*P, (g+1)*P)`` form SP group ``g``, which is also their
+data-parallel index (``dp = world_size / P`` groups read distinct windows); the all-to-alls stay
+inside a node when P divides its GPUs. DeepSpeed sees every rank as data-parallel: ZeRO-3 shards
+over and averages gradients over all ``dp * P`` ranks (loss scaling: :mod:`fpdt.train.loop`).
 """
 
 from __future__ import annotations
@@ -72,12 +67,9 @@ def _free_port() -> int:
 
 
 def init_distributed(device: torch.device, timeout: timedelta | None = None) -> None:
-    """Initialise the default process group unless a launcher or a test already did.
-
-    Without a launcher (no ``RANK`` in the environment) this becomes a 1-process group on
-    a free local port, so a single process runs through exactly the same code.
-    ``timeout``: how long a collective waits for the other ranks before it raises
-    (``--dist-timeout-min``; ``None``: torch's default).
+    """Initialise the default process group unless a launcher or a test already did (without
+    ``RANK`` in the environment: a 1-process group on a free local port). ``timeout``: how long a
+    collective waits (``--dist-timeout-min``; None: torch's default).
     """
     if dist.is_initialized():
         # A caller-made group (e.g. the test harness) may lack the launcher's variables,
@@ -96,13 +88,9 @@ def init_distributed(device: torch.device, timeout: timedelta | None = None) -> 
 
 def build_parallel_state(sp: int, device: torch.device, *, cp: int = 1, placement: str = "head_first",
                          inner_ring: int | None = None, timeout: timedelta | None = None) -> ParallelState:
-    """Create the SP groups (every rank creates all of them, in the same order).
-
-    With ``cp > 1`` the SP ranks form a 2D :class:`fpdt.comm.SequenceMesh` of
-    ``hp = sp / cp`` x ``cp`` (SP-innermost as well: replica ``g`` is ranks
-    ``[g*sp, (g+1)*sp)``, arranged inside by ``placement``). ``timeout``: that of the SP
-    groups and of the mesh's groups (a group made without one would wait torch's default,
-    not the run's).
+    """Create the SP groups (every rank creates all of them, in the same order). With ``cp > 1``
+    the SP ranks form a 2D :class:`fpdt.comm.SequenceMesh` of ``hp = sp / cp`` x ``cp`` (replica
+    ``g`` is ranks ``[g*sp, (g+1)*sp)``, arranged by ``placement``). ``timeout``: of every group made.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % sp != 0:  # validated earlier from the environment; re-check the real group

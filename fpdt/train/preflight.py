@@ -1,11 +1,7 @@
-"""Checks that need files but no process group: run before the model is built and
-DeepSpeed starts, so that a bad input costs seconds, not the hours a long-context run
-spends before its first step.
-
-Every check raises :class:`~fpdt.train.config.ConfigError` with one line that names the
-file or flag at fault and the fix. What :func:`fpdt.train.config.validate` checks (sizes,
-chunks, device options) is not repeated here; this module adds what needs the model's
-``config.json``, the DeepSpeed batch settings, the checkpoint directory or the file system.
+"""Checks that need files but no process group, run before the model is built and DeepSpeed
+starts: the model's ``config.json``, the DeepSpeed batch settings, the checkpoint directory and
+the file system (:func:`fpdt.train.config.validate` checks the rest). Each raises
+:class:`~fpdt.train.config.ConfigError` with one line naming the file or flag and the fix.
 """
 
 from __future__ import annotations
@@ -233,10 +229,10 @@ def check_resume(path: str, *, steps: int, world_size: int, precision: str, mode
 
 
 def attention_kernel(name: str | None, device, dtype, head_dim: int) -> AttentionBackend:
-    """The attention kernel the run will use: ``name`` (``--attention-backend``), or the
-    automatic choice when None. A named kernel that is not installed, does not fit the
-    device, dtype or head size, or fails its self-check is a :class:`ConfigError` that says
-    so, before any process group or model exists (not at the first forward)."""
+    """The attention kernel the run will use: ``name`` (``--attention-backend``) or the automatic
+    choice; one that is not installed, does not fit, or fails its self-check is a
+    :class:`ConfigError` before any process group or model exists.
+    """
     try:
         return get_backend(name, device, dtype, head_dim)
     except (RuntimeError, ValueError) as e:

@@ -1,21 +1,11 @@
 """Per-step feedback: a tqdm bar on rank 0 and a JSON-lines log.
 
-Every optimizer step produces one :class:`StepRecord`. Rank 0 shows it in the bar's
-postfix and, with ``--log-json FILE``, appends it to ``FILE`` as one JSON object per line
-(keys as in :class:`StepRecord`; ``null`` where a figure is not available).
-
-Memory fields (GiB, max over ranks; how they are measured: :mod:`fpdt.train.loop`):
-
-* ``peak_mem_gib``: CUDA: the step's ``torch.cuda.max_memory_allocated`` (reset every
-  step; includes weights and optimizer states). CPU: the step's device working set counted
-  by :class:`fpdt.memory.accountant.MemoryAccountant` (tensors created during the step;
-  what existed before it is not counted). ``null`` only on the CPU with
-  ``--no-mem-accounting``.
-* ``peak_reserved_gib``: CUDA: the step's ``torch.cuda.max_memory_reserved`` (what the
-  caching allocator holds, >= allocated). ``null`` on the CPU.
-* ``host_stash_gib``: the most host-stash bytes (offloaded attention chunks and layer
-  inputs from the host pool) in use during the step; 0 without offload.
-* ``host_rss_gib``: resident host memory of the process at the end of the step.
+Every optimizer step produces one :class:`StepRecord`; rank 0 shows it in the bar and, with
+``--log-json FILE``, appends it as one JSON object per line (``null`` where a figure is not
+available). Memory fields (GiB, max over ranks): ``peak_mem_gib`` (CUDA ``max_memory_allocated``;
+CPU the accountant's working set, ``null`` with ``--no-mem-accounting``), ``peak_reserved_gib``
+(CUDA only), ``host_stash_gib`` (0 without offload), ``host_rss_gib`` (at the step's end); what
+each measures: ``docs/train.md`` (Progress and MFU).
 """
 
 from __future__ import annotations
@@ -95,9 +85,9 @@ bar itself at least 10 columns of a 100-column terminal."""
 
 
 def postfix(rec: StepRecord) -> str:
-    """One-line summary for the progress bar: loss, tokens/s, MFU, peak device memory (with
-    the reserved peak where there is a caching allocator) and the host stash when offloading.
-    TGS, step time, host RSS and the rest are in the ``--log-json`` record."""
+    """One-line summary for the progress bar: loss, tokens/s, MFU, peak device memory (and reserved
+    on CUDA) and the host stash when offloading; the rest is in the ``--log-json`` record.
+    """
     parts = [
         f"loss={rec.loss:.4f}",
         f"tok/s={_count(rec.tokens_per_s)}",

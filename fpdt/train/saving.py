@@ -1,31 +1,11 @@
 """Training checkpoints: DeepSpeed's, plus what the trainer needs to continue exactly.
 
-Layout of ``--save-dir DIR``::
-
-    DIR/latest                       tag of the newest checkpoint (written by DeepSpeed)
-    DIR/config.json                  the model's HF config (for fpdt-export)
-    DIR/adapter_config.json          the PEFT adapter config of the newest run, when it trained
-                                     LoRA (for reading only: fpdt-export takes the kind and
-                                     spec of each checkpoint from its own trainer file)
-    DIR/tokenizer.json               copied from the model directory, when there is one
-    DIR/step<N>/                     DeepSpeed's files for optimizer step N (ZeRO shards,
-                                     optimizer and scheduler state, fp32 master weights)
-    DIR/step<N>/fpdt_trainer_rank<r>.pt   per rank: steps done, run shape, RNG states, the LoRA
-                                     record (None for full training)
-    DIR/step<N>/config.json, tokenizer.json   DIR's at the time of the save: export reads
-                                     these (another model's run into DIR rewrites DIR's)
-
-Resuming restores the model, optimizer and scheduler through ``engine.load_checkpoint``
-and, right before the first step, the RNG states from the trainer file. The data position needs no state: the windows
-of step ``t`` are a pure function of ``t`` and the run shape (:mod:`fpdt.train.data`), so
-the next step sees exactly the windows it would have seen without the interruption.
-
-A LoRA run (:mod:`fpdt.train.lora`) saves with ``exclude_frozen_parameters``: the adapters,
-their optimizer state and fp32 master copies, not the frozen base, which the resumed run
-reads again from ``--model`` or draws again from ``--seed``. Its resume loads the module
-state non-strictly, and :func:`_adapters_only` checks that exactly the frozen parameters
-were left out (none missing but those, none of those present). The trainer file records the
-LoRA spec (``"lora"``; None for full training).
+``--save-dir DIR`` holds ``latest`` (DeepSpeed's tag of the newest), ``config.json`` and
+``tokenizer.json`` (for export), ``adapter_config.json`` after a LoRA run (read-only), and per
+optimizer step ``step<N>/``: DeepSpeed's files, ``fpdt_trainer_rank<r>.pt`` per rank (steps done,
+run shape, RNG states, LoRA spec) and the ``config.json`` / ``tokenizer.json`` export reads.
+Resuming restores model, optimizer, scheduler and RNG states; the data position needs none. A
+LoRA run saves with ``exclude_frozen_parameters`` and resumes non-strictly (:func:`_adapters_only`).
 """
 
 from __future__ import annotations
@@ -68,10 +48,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def write_model_files(save_dir: str, hf_config: dict, tokenizer_path: str | None, lora=None,
                       base_model: str | None = None) -> None:
-    """Rank 0: the model config (and tokenizer) next to the checkpoints, for export. A LoRA
-    run (``lora``: its :class:`fpdt.model.LoraSpec`) adds PEFT's ``adapter_config.json``
-    (``base_model_name_or_path``: ``base_model``); a full run removes one left by an earlier
-    LoRA run in the same directory."""
+    """Rank 0: the model config (and tokenizer) next to the checkpoints, for export; a LoRA run
+    adds PEFT's ``adapter_config.json`` (``base_model_name_or_path``: ``base_model``), a full run
+    removes an earlier one.
+    """
     import json
 
     from fpdt.model.lora import ADAPTER_CONFIG, peft_adapter_config
@@ -91,12 +71,9 @@ def write_model_files(save_dir: str, hf_config: dict, tokenizer_path: str | None
 
 def save(engine, save_dir: str, step: int, rank: int, run_info: dict[str, Any], precision: str | None = None,
          lora: dict[str, Any] | None = None) -> str:
-    """Save optimizer step ``step`` (collective: every rank calls it). Returns the tag dir.
-
-    ``precision`` (``"bf16"``/``"fp16"``/``"fp32"``) and the world size are stored in the
-    trainer file so that a resume with another precision or process count is refused
-    before DeepSpeed starts (:func:`inspect`). ``lora``: a LoRA run's record
-    (:func:`fpdt.train.lora.record`); the frozen parameters are then not saved.
+    """Save optimizer step ``step`` (collective). Returns the tag dir. ``precision`` and the world
+    size go into the trainer file, so :func:`inspect` refuses a resume that changes them; ``lora``: a
+    LoRA run's record (:func:`fpdt.train.lora.record`), the frozen parameters then not saved.
     """
     tag = tag_for(step)
     engine.save_checkpoint(save_dir, tag=tag, client_state={"fpdt_step": step, "fpdt_lora": lora},
@@ -144,10 +121,10 @@ def resolve(path: str) -> tuple[str, str]:
 
 def load(engine, path: str, rank: int, lora: bool = False) -> dict[str, Any]:
     """Restore the engine from ``--resume PATH``; returns the trainer state (``{"step", "run",
-    "rng", "lora", ...}``). The caller restores ``state["rng"]`` (:func:`set_rng_state`) right
-    before the first step, after any set-up that draws random numbers (LoRA dropout draws its
-    masks' seeds from the default generator, so the next step's masks depend on it).
-    ``lora``: the checkpoint left the frozen parameters out (the engine's model has them)."""
+    "rng", "lora", ...}``). The caller restores ``state["rng"]`` (:func:`set_rng_state`) right before
+    the first step, after any set-up that draws random numbers. ``lora``: the checkpoint left the
+    frozen parameters out.
+    """
     save_dir, tag = resolve(path)
     trainer_file = os.path.join(save_dir, tag, TRAINER_FILE.format(rank=rank))
     if not os.path.isfile(trainer_file):
@@ -163,14 +140,12 @@ def load(engine, path: str, rank: int, lora: bool = False) -> dict[str, Any]:
 
 
 def _adapters_only(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
-    """DeepSpeed's module load for a checkpoint saved without its frozen parameters: a
-    non-strict ``load_state_dict`` that refuses, before loading anything, a checkpoint that
-    holds a frozen parameter (the resumed run's base is the one it read from ``--model`` or
-    drew from ``--seed``, never the checkpoint's), and any missing key that is not a frozen
-    parameter or unexpected key. The frozen parameters are those ``named_parameters()``
-    names, which is what ``exclude_frozen_parameters`` drops: the second name of a tied
-    weight (``lm_head.weight`` with ``tie_word_embeddings``) stays in every such checkpoint
-    and is loaded as saved, the frozen value it was trained with."""
+    """DeepSpeed's module load for a checkpoint saved without its frozen parameters: a non-strict
+    ``load_state_dict`` that refuses, before loading anything, a checkpoint holding a frozen
+    parameter (the base comes from ``--model`` or ``--seed``) or missing a key that is not frozen, or
+    with unexpected keys. The second name of a tied weight (``lm_head.weight``) stays in such a
+    checkpoint and is loaded as saved.
+    """
     frozen = {n for n, p in dst.named_parameters() if not p.requires_grad}
     held = sorted(frozen & set(src))
     if held:

@@ -1,29 +1,10 @@
 """Load a Hugging Face checkpoint straight into ZeRO-3-partitioned parameters.
 
-:func:`fpdt.model.from_pretrained` materialises the whole model on every rank, and
-``deepspeed.initialize`` only partitions it afterwards: 16 GB of host memory per rank for
-an 8B model in bf16, more than a host has for 70B on 8 ranks. Under ZeRO-3 the trainer
-uses :func:`from_pretrained_zero3` instead:
-
-1. every rank reads ``config.json`` and the safetensors *headers* (names, shapes; no
-   tensor data) and checks them against a shape-only (meta) model, so a checkpoint that
-   does not fit the model fails on all ranks alike, before any collective;
-2. the model is built inside ``deepspeed.zero.Init``: each module's parameters are
-   partitioned over the ranks as soon as that module's ``__init__`` returns (its default
-   random init is thrown away by step 3);
-3. for each checkpoint tensor, one parameter is gathered
-   (``deepspeed.zero.GatheredParameters([p], modifier_rank=0)``), rank 0 reads the tensor
-   and copies it in (converting to the training dtype), and on leaving the context
-   DeepSpeed broadcasts it from rank 0 and re-partitions it. Other ranks never read
-   tensor data.
-
-Host memory per rank is its shards plus, for a moment, one full tensor (on rank 0 also
-the tensor as read from the file); during step 2 the largest single module is full for a
-moment. Names are handled exactly as :func:`fpdt.model.from_pretrained` handles them
-(tied ``lm_head.weight`` and ``rotary_emb.inv_freq`` are skipped; unknown names, missing
-names and shape mismatches raise the same ``ValueError``), and the RoPE buffer is
-recomputed in fp32 after construction (``zero.Init`` rounds every floating tensor created
-inside it to the training dtype).
+:func:`from_pretrained_zero3` checks ``config.json`` and the safetensors headers on every rank
+against a meta model (before any collective), builds the model inside ``deepspeed.zero.Init``,
+then gathers each parameter in turn for rank 0 to read and copy in before DeepSpeed broadcasts and
+re-partitions it: host memory per rank is its shards plus one full tensor for a moment. Names are
+checked as :func:`fpdt.model.from_pretrained` checks them; the RoPE buffer is recomputed in fp32.
 """
 
 from __future__ import annotations
@@ -80,20 +61,17 @@ def checkpoint_plan(path: str | os.PathLike, model: FPDTForCausalLM) -> list[tup
 
 def from_pretrained_zero3(path: str | os.PathLike, ds_config: Mapping[str, Any], *, dtype: torch.dtype,
                           device: torch.device, **fpdt_options) -> FPDTForCausalLM:
-    """The checkpoint at ``path`` as a ZeRO-3-partitioned model (see the module docstring).
+    """The checkpoint at ``path`` as a ZeRO-3-partitioned model.
 
     Args:
         path: Hugging Face checkpoint directory (``config.json`` + safetensors).
-        ds_config: the DeepSpeed config dict without the ``"fpdt"`` key (the one later given
-            to ``deepspeed.initialize``; ``zero.Init`` reads offload and persistence settings
-            from it).
-        dtype: the training dtype (parameters are created and loaded in it); it must be the
-            one ``ds_config`` asks for (``zero.Init`` reads it from there).
+        ds_config: the DeepSpeed config dict without ``"fpdt"`` (the one later given to
+            ``deepspeed.initialize``; ``zero.Init`` reads its offload and persistence settings).
+        dtype: the training dtype, the one ``ds_config`` asks for.
         device: this rank's compute device (where the RoPE buffer goes).
         **fpdt_options: :class:`fpdt.model.FPDTOptions` fields.
 
-    Collective: every rank of the default process group must call it. The parameters are
-    partitioned over the whole world, as ``deepspeed.initialize`` partitions them.
+    Collective over the default group; parameters are partitioned over the whole world.
     """
     import deepspeed
     from safetensors import safe_open

@@ -3,8 +3,8 @@
 Units: ``U`` = one bf16 chunk of hidden states (``C * H * D * 2`` bytes, ``C`` the global
 chunk). ``fwd`` = forward peak beyond the full-sequence output; ``bwd`` = backward peak
 beyond its start and the input gradients (see :mod:`tests.memory.helpers`). The
-per-tensor accounting behind every number is in the docstring of
-:mod:`fpdt.attention.pipeline`; ``EPS`` covers the lse-sized ``[B, H, C]`` fp32
+per-tensor accounting behind every number is in ``docs/memory.md`` (The attention core,
+tensor by tensor); ``EPS`` covers the lse-sized ``[B, H, C]`` fp32
 temporaries of the merge (each ``2 / D`` U) and nothing else.
 
 The targets (GQA 4:1, bf16, offload, one rank), with the counts in brackets: fwd <= 9 U (6 U), bwd <= 16 U

@@ -91,7 +91,7 @@ W = HIDDEN * H * D                          # elements of o_proj's weight
 
 
 def _budget(r: dict, P: int) -> int:
-    """The derived peak of the module docstring, in bytes."""
+    """The derived peak (``docs/memory.md``), in bytes."""
     # the fp32 accumulator (4 W), g_i^T x_i in bf16 (2 W) and its fp32 copy (4 W), the chunk in
     # use and the next one in flight (2 X)
     weight_grad = 10 * W + 2 * r["X"]

@@ -1,38 +1,14 @@
 """Block attention kernels that return ``(out, lse)`` and a backward that takes the
-*final merged* ``(out, lse)``.
+*final merged* ``(out, lse)``. Contract of every backend, layout ``[B, S, H, D]``:
 
-Contract of every backend (layout ``[B, S, H, D]``, the flash-attn layout):
+* ``forward(q, k, v, causal, scale) -> (out, lse)``: q ``[B, Sq, H, D]``, k/v ``[B, Sk, H_kv, D]``
+  (``H % H_kv == 0``); out ``[B, Sq, H, D]`` in q's dtype, lse ``[B, H, Sq]`` fp32 (float64 for
+  float64 inputs). ``causal`` only on diagonal blocks (``Sq == Sk``, plain lower triangle).
+* ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` with the final merged
+  ``out``/``lse``: exactly this block's contribution; dk/dv ``[B, Sk, H_kv, D]``, any float dtype.
 
-* ``forward(q, k, v, causal, scale) -> (out, lse)``: q ``[B, Sq, H, D]``, k/v
-  ``[B, Sk, H_kv, D]`` with ``H % H_kv == 0`` (GQA); out ``[B, Sq, H, D]`` in q's dtype,
-  lse ``[B, H, Sq]`` in fp32 (float64 for float64 inputs). ``causal`` is only used for
-  diagonal blocks, where ``Sq == Sk`` and the mask is the plain lower triangle.
-* ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` where ``out``
-  and ``lse`` are the final values after merging every block of the row; then the
-  result is exactly this block's contribution to the gradients. dk/dv are
-  ``[B, Sk, H_kv, D]``. Gradients may come back in any float dtype; callers accumulate
-  them in fp32.
-
-Backends (one module per family): ``flash_attn3`` and ``flash_attn`` (the optional
-packages, :mod:`.flash`), ``cuda_flash``, ``cuda_cudnn`` and ``cuda_efficient`` (torch's
-own CUDA kernels, :mod:`.torch_cuda`), ``cpu`` (torch's CPU flash kernel,
-:mod:`.torch_cpu`) and ``math`` (a float64 reference for tests, any device,
-:mod:`.reference`). Automatic selection (:func:`auto_order`) tries them in that order and
-takes the first that is installed, supports the device/dtype/head_dim and passes
-:func:`self_check`, with one exception: where torch's own SDPA dispatcher would run cuDNN
-(:func:`.torch_cuda.sdpa_choice`; in recent torch, Hopper and Blackwell with a new enough
-runtime cuDNN), ``cuda_cudnn`` moves ahead of the FlashAttention-2 kernels (``flash_attn``,
-``cuda_flash``), behind ``flash_attn3`` only. That is the kernel a Hugging Face model with
-SDPA attention runs on the same machine, so comparisons with such peers compare the
-method, not the kernel.
-
-Packed documents: blocks that mix documents run :mod:`.masked` (one dense call per
-document segment, one CPU call with a mask for many small ones, or torch's varlen
-FlashAttention-2 on CUDA, :mod:`.varlen`, behind its own self-check).
-
-GQA: ``flash_attn3``, ``flash_attn``, ``cuda_flash`` and (from torch 2.8) ``cuda_cudnn`` take the
-``H_kv`` KV heads natively; the others expand KV to ``H`` heads per block, transiently (the bytes
-are in ``docs/memory.md``, "Kernels that expand GQA").
+Backends, automatic selection (:func:`auto_order`, :func:`self_check`) and GQA:
+``docs/attention.md`` (Kernels).
 """
 
 from __future__ import annotations
@@ -77,7 +53,7 @@ _AUTO_ORDER = ("flash_attn3", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_ef
 
 def auto_order(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int = 8,
                num_kv_heads: int = 2) -> tuple[str, ...]:
-    """The candidates automatic selection tries, best first (see the module docstring).
+    """The candidates automatic selection tries, best first (``docs/attention.md``, Kernels).
 
     :data:`_AUTO_ORDER`, except that on a CUDA device where torch's SDPA would dispatch a
     ``num_heads``/``num_kv_heads`` self-attention call to cuDNN, ``cuda_cudnn`` comes right
@@ -91,11 +67,10 @@ def auto_order(device: torch.device, dtype: torch.dtype, head_dim: int, num_head
 
 
 def expands_gqa_on_gpu(name: str | None, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether attention on a CUDA GPU repeats the KV heads per block (for the memory model,
-    on any machine): the named backend's ``not native_gqa``, or for automatic selection that
-    of the first of torch's CUDA kernels that takes ``dtype`` and ``head_dim`` (in bf16/fp16
-    FlashAttention-2 or cuDNN, both native; in fp32 the efficient kernel, which expands).
-    The optional flash-attn packages are native too, so they do not change the answer."""
+    """Whether attention on a CUDA GPU repeats the KV heads per block (for the memory model, on any
+    machine): the named backend's ``not native_gqa``, or for automatic selection that of the first of
+    torch's CUDA kernels taking ``dtype`` and ``head_dim`` (bf16/fp16: native; fp32: expands).
+    """
     if name is not None:
         return not BACKENDS[name].native_gqa
     cuda = torch.device("cuda")
@@ -110,13 +85,10 @@ _CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-10}  # half precisions: 5e-
 
 
 def self_check(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Check ``backend`` once per (device, dtype, head_dim) against the float64 math kernel.
-
-    Runs a GQA query block against a diagonal (causal) and an earlier (full) KV block,
-    forward and the backward with the *merged* (out, lse), on random inputs. Catches
-    kernels that fail on this build or GPU, and kernels whose lse is fake or whose
-    backward ignores the lse it is given (both silently break the merge). Returns None
-    when it passes, else what went wrong.
+    """Check ``backend`` once per (device, dtype, head_dim) against the float64 math kernel: a GQA
+    query block against a diagonal and an earlier KV block, forward and the backward from the
+    *merged* (out, lse). Returns None when it passes, else what went wrong (a kernel that fails, a
+    fake lse, a backward that ignores the lse).
     """
     key = (backend.name, str(device), dtype, head_dim)
     if key in _SELF_CHECKS:
@@ -153,12 +125,9 @@ def get_backend(name: str | None, device: torch.device, dtype: torch.dtype, head
                 check: bool = True) -> AttentionBackend:
     """The backend called ``name``, or the best one for ``(device, dtype, head_dim)`` if None.
 
-    Every backend passes :func:`self_check` before first use: automatic selection warns
-    and moves on to the next candidate; a named backend that fails raises.
-    Raises ``ValueError`` for an unknown name and ``RuntimeError`` when the named backend
-    is not installed, cannot run on this device/dtype, or fails its self-check.
-    ``check=False`` skips a named backend's self-check (no device work: a process that only
-    validates a name, e.g. before starting the processes that will run it).
+    Every backend passes :func:`self_check` before first use (automatic selection warns and moves
+    on; ``check=False`` skips a named one's). Raises ``ValueError`` for an unknown name and
+    ``RuntimeError`` when the named backend is not installed, cannot run here, or fails its check.
     """
     device = torch.device(device)
     if name is None:

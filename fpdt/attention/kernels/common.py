@@ -52,10 +52,8 @@ def bhsd(x: torch.Tensor) -> torch.Tensor:
 
 
 def expand_kv(k: torch.Tensor, v: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Repeat KV heads to ``num_heads`` for kernels without native GQA; also returns the group size.
-
-    Query head ``h`` reads KV head ``h // group`` (``repeat_interleave``, flash-attn's
-    convention). Costs two ``[B, S, H, D]`` copies where ``H_kv`` heads would do.
+    """Repeat KV heads to ``num_heads`` (``repeat_interleave``: query head ``h`` reads KV head
+    ``h // group``) for kernels without native GQA; also returns the group size.
     """
     group = num_heads // k.shape[2]
     if group == 1:
@@ -64,10 +62,8 @@ def expand_kv(k: torch.Tensor, v: torch.Tensor, num_heads: int) -> tuple[torch.T
 
 
 def fold_kv_grad(g: torch.Tensor, group: int) -> torch.Tensor:
-    """Backward of :func:`expand_kv` for one of dk/dv: ``[B, S, H, D]`` -> ``[B, S, H_kv, D]``.
-
-    The ``group`` replica gradients are summed in fp32 (float64 for float64 input) and
-    returned in that dtype, so no rounding to a half type happens between replicas.
+    """Backward of :func:`expand_kv` for one of dk/dv: ``[B, S, H, D]`` -> ``[B, S, H_kv, D]``, the
+    replica gradients summed and returned in fp32 (float64 for float64 input).
     """
     if group == 1:
         return g
@@ -77,10 +73,8 @@ def fold_kv_grad(g: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def pad_head_dim(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad the last dim to a multiple of ``multiple`` (no copy when it already is one).
-
-    Zero columns leave ``q·k`` and ``dout·out`` unchanged and give zero output columns,
-    so slicing the result back is exact.
+    """Zero-pad the last dim to a multiple of ``multiple`` (no copy when it already is one); zero
+    columns change no dot product, so slicing the result back is exact.
     """
     pad = -x.shape[-1] % multiple
     return torch.nn.functional.pad(x, (0, pad)) if pad else x

@@ -1,32 +1,10 @@
 """``flash_attn`` (flash-attn 2.5 and newer) and ``flash_attn3`` (FlashAttention-3's ``flash_attn_interface``).
 
-Both take ``H_kv`` KV heads natively (the kernels sum the replica gradients) and return
-lse ``[B, H, Sq]`` fp32; their backward takes that lse as it is. Both need head_dim a
-multiple of 8: other head dims are zero-padded here and sliced back (exact, see
-:func:`~fpdt.attention.kernels.common.pad_head_dim`).
-
-We call the private forward/backward (the public ``flash_attn_func`` has no backward
-from a given merged ``(out, lse)``), whose signatures changed between releases. The
-adapter dispatches on the installed version, parsed to integers:
-
-* 2.5.x: ``_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size,
-  alibi_slopes, return_softmax)`` -> ``(out, q, k, v, out_padded, softmax_lse, S_dmask,
-  rng_state)``; ``_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv,
-  dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, rng_state=None)``.
-* 2.6.x: as 2.5 with ``softcap`` after ``window_size`` in both.
-* 2.7 and newer: ``torch.library.custom_op`` s (``inspect.signature`` shows only
-  ``*args, **kwargs``): ``window_size`` is split into ``window_size_left,
-  window_size_right``, and the forward returns ``(out_padded, softmax_lse, S_dmask,
-  rng_state)``.
-* FlashAttention-3 (``hopper/flash_attn_interface.py``; custom ops with keyword
-  defaults): ``_flash_attn_forward(q, k, v, ..., softmax_scale=, causal=, ...)`` ->
-  ``(out, softmax_lse, out_accum, softmax_lse_accum)``; ``_flash_attn_backward(dout, q,
-  k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-  max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, ...)``.
-
-Releases before 2.5 are refused with a message naming the upgrade. The tests run this
-adapter against stand-in modules with these exact signatures
-(``tests/attention/test_kernels_flash_attn.py``).
+Both take ``H_kv`` KV heads natively and return lse ``[B, H, Sq]`` fp32, which their backward
+takes as it is; head dims not a multiple of 8 are zero-padded and sliced back (exact). The adapter
+calls the private forward/backward (the public API has no backward from a merged ``(out, lse)``),
+dispatching on the installed version: 2.5, 2.6, 2.7+ and FA3, whose signatures are those of the
+stand-ins in ``tests/attention/test_kernels_flash_attn.py``; releases before 2.5 are refused.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Document-masked block attention: a :class:`~fpdt.attention.documents.Block` of kind ``masked``.
 
-Contract (as the dense kernels', :mod:`fpdt.attention.kernels`, plus the block):
+* ``masked_forward(backend, q, k, v, block, scale) -> (out, lse)``: as the dense kernels, each
+  segment ``(row, q0, q1, k0, k1)`` attending queries ``q0:q1`` to keys ``k0:k1`` (causally on a
+  diagonal block); rows in no segment get **out 0, lse -inf**.
+* ``masked_backward(backend, dout, q, k, v, out, lse, block, scale) -> (dq, dk, dv)`` from the
+  *final merged* out and lse: this block's contribution, zero outside the segments, fp32.
 
-* ``masked_forward(backend, q, k, v, block, scale) -> (out, lse)``: q ``[B, Sq, H, D]``,
-  k/v ``[B, Sk, H_kv, D]``; each segment ``(row, q0, q1, k0, k1)`` of ``block`` attends
-  queries ``q0:q1`` of that row to keys ``k0:k1`` (causally on a diagonal block). Query
-  rows in no segment see no key: **out 0 and lse -inf** (the merge gives them no weight).
-  out in q's dtype, lse ``[B, H, Sq]`` fp32 (float64 for float64 inputs).
-* ``masked_backward(backend, dout, q, k, v, out, lse, block, scale) -> (dq, dk, dv)``
-  with the *final merged* out and lse: this block's contribution, zero outside the
-  segments, in fp32 (float64 for float64 inputs).
-
-Implementations, all exact:
-
-* **segments** (any backend): the backend's dense kernel once per distinct segment (rows
-  with the same segment go in one call), on views of q/k/v: the work is the documents'
-  own, nothing outside them is computed;
-* **mask** (the ``cpu`` backend, for blocks of many small documents, where one call per
-  segment would cost more in calls than it saves: more than :data:`MASK_MIN_CALLS` calls
-  and a mask of at most :data:`MASK_MAX_ELEMENTS`): torch's CPU flash op once, with an
-  additive ``[B, 1, Sq, Sk]`` mask of the segments;
-* **varlen** (CUDA, fp16/bf16, any dense backend): one call of torch's variable-length
-  FlashAttention-2 over the packed segments (:mod:`fpdt.attention.kernels.varlen`), once
-  it passed its self-check (:func:`~fpdt.attention.kernels.varlen.varlen_for`).
+Exact implementations: one dense call per distinct segment; the ``cpu`` flash op once with an
+additive mask (many small segments, :data:`MASK_MIN_CALLS`, :data:`MASK_MAX_ELEMENTS`); or torch's
+varlen FlashAttention-2 on CUDA (:mod:`fpdt.attention.kernels.varlen`).
 """
 
 from __future__ import annotations

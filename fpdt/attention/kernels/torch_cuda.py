@@ -1,32 +1,12 @@
 """torch's own CUDA attention kernels: ``cuda_flash``, ``cuda_cudnn``, ``cuda_efficient``.
 
-Each backward must get the lse in the layout and padding its forward produced, and the
-RNG arguments in the dtype and shape its forward returned (unused without dropout, but
-type-checked). Both are read from torch's meta kernel of the forward op
-(:func:`forward_output_specs`), so they follow the installed torch:
-
-=============== ================================ ============================ ==========
-backend         forward lse (what backward gets) RNG outputs -> backward       GQA
-=============== ================================ ============================ ==========
-cuda_flash      ``[B, H, Sq]``                   rng_state, unused            native
-cuda_cudnn      ``[B, H, Sq, 1]`` (squeezed for  philox seed, offset          native from
-                the merge, unsqueezed back)                                   torch 2.8
-cuda_efficient  ``[B, H, align(Sq, 32)]``        philox seed, offset          expanded
-                (sliced to Sq for the merge,
-                padded back with +inf)
-=============== ================================ ============================ ==========
-
-``cuda_flash`` is FlashAttention-2 inside torch; it takes ``H_kv`` KV heads and sums the
-replica gradients in the kernel. cuDNN's op does the same from torch 2.8 on (its
-dispatcher accepts ``enable_gqa`` for dense inputs and the backward returns dk/dv with
-the key's head count); before that, and always for the efficient kernel, which checks
-equal head counts, KV is expanded here and the replica gradients summed in fp32. The CPU
-tests run these adapters on meta tensors (``tests/attention/test_kernels_torch_cuda.py``).
-
-:func:`sdpa_choice` says which of these kernels torch's own ``scaled_dot_product_attention``
-would run for a shape, so automatic selection can follow torch's dispatch priority (which
-in recent torch puts cuDNN first on Hopper and Blackwell when the runtime cuDNN is new
-enough) and run the kernel a Hugging Face model with SDPA runs on the same machine.
+Each backward gets the lse and RNG outputs in the layout its forward produced, read from torch's
+meta kernel of the forward op (:func:`forward_output_specs`): ``cuda_flash`` lse ``[B, H, Sq]``
+(rng_state unused), native GQA; ``cuda_cudnn`` lse ``[B, H, Sq, 1]`` (squeezed for the merge,
+unsqueezed back), philox seed and offset, native GQA from torch 2.8; ``cuda_efficient`` lse
+``[B, H, align(Sq, 32)]`` (sliced to Sq for the merge, padded back with +inf), philox seed and
+offset, KV expanded here and the replica gradients summed in fp32. :func:`sdpa_choice` says which
+kernel torch's own SDPA would run, so automatic selection can follow it.
 """
 
 from __future__ import annotations
@@ -91,17 +71,11 @@ _SDPA_CHOICES: dict[tuple, str] = {}
 
 def sdpa_choice(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                 causal: bool = True) -> str | None:
-    """The kernel torch's ``scaled_dot_product_attention`` dispatches a self-attention call to on
-    ``device`` (``"flash"``, ``"cudnn"``, ``"efficient"``, ``"math"``; None if torch cannot say),
-    for queries with ``num_heads`` heads and keys with ``num_kv_heads`` (``enable_gqa`` when they
-    differ, as Hugging Face's SDPA attention calls it) that require grad, without a mask.
-
-    Asks torch's dispatcher (``torch._fused_sdp_choice``) on a small probe (two 128-token
-    tensors on ``device``), so it follows the installed torch, cuDNN, GPU and the
-    ``TORCH_CUDNN_SDPA_*`` environment, as SDPA itself does (on some builds the cuDNN
-    preference also depends on the runtime cuDNN version). The probe runs with grad enabled
-    (a training call). An answer is cached per argument tuple, for the process (a later
-    ``sdpa_kernel`` context does not change it); a failure is not cached.
+    """The kernel torch's ``scaled_dot_product_attention`` dispatches a maskless, grad-requiring
+    self-attention call to on ``device`` (``"flash"``, ``"cudnn"``, ``"efficient"``, ``"math"``; None if
+    torch cannot say), ``enable_gqa`` when ``num_kv_heads`` differs from ``num_heads``. Asks
+    ``torch._fused_sdp_choice`` on a small probe, so it follows the installed torch, cuDNN, GPU and
+    ``TORCH_CUDNN_SDPA_*``; answers (not failures) are cached per argument tuple for the process.
     """
     key = (str(device), dtype, num_heads, num_kv_heads, head_dim, causal)
     if key in _SDPA_CHOICES:

@@ -1,23 +1,11 @@
 """Masked blocks on CUDA: torch's variable-length FlashAttention-2 (``aten._flash_attention_forward``
 / ``_flash_attention_backward`` with cumulative sequence lengths).
 
-A masked :class:`~fpdt.attention.documents.Block` is a set of segments ``(row, q0, q1, k0, k1)``;
-each is one "sequence" of the varlen call: its queries and keys are gathered into packed
-``[total, H, D]`` tensors (a view, no copy, when the segments cover every token in order,
-as on a diagonal block), with ``cum_seq_q``/``cum_seq_k`` int32 offsets. Causal segments
-have equal query and key lengths, so the kernel's bottom-right causal alignment is the
-plain lower triangle. The kernel takes ``H_kv`` KV heads natively.
-
-Layouts (torch 2.13 schemas; the meta kernel gives the same): forward returns ``(out
-[Nq, H, D], lse [H, Nq] fp32, rng_state, unused, debug)``; backward takes that lse
-layout. Query rows in no segment: out 0, lse -inf. The RNG outputs are unused without
-dropout but type-checked by the backward; their shapes and dtypes come from the meta
-kernel (:func:`_rng_specs`). head_dim is zero-padded to a multiple of 8 (exact).
-
-Used when :func:`varlen_for` says so: a CUDA device, fp16/bf16, head_dim <= 256, and
-:func:`varlen_self_check` passed (against the segment path on the float64 math kernel);
-otherwise masked blocks take the segment path. The CPU tests run this adapter against
-stand-ins of the two ops (``tests/attention/varlen_standins.py``).
+Each segment of a masked block is one sequence of the call, gathered into packed ``[total, H, D]``
+tensors (a view when the segments cover every token in order) with int32 ``cum_seq_q`` /
+``cum_seq_k``. Returns out ``[Nq, H, D]`` and lse ``[H, Nq]`` fp32 (rows in no segment: out 0,
+lse -inf); KV heads native; head_dim zero-padded to a multiple of 8. Used when
+:func:`varlen_for` says so (CUDA, fp16/bf16, head_dim <= 256, :func:`varlen_self_check` passed).
 """
 
 from __future__ import annotations
