@@ -35,7 +35,7 @@ GPU_OPTIONS = FPDTOptions(offload=_GPU_OFFLOAD, checkpointing=_GPU_CHECKPOINTING
 checkpoints; :class:`fpdt.options.FPDTOptions`' defaults for the rest): a :class:`Setup`'s
 default, and the base of what a :class:`fpdt.plan.planner.Choice` leaves open."""
 LAYER_COUNT_FLAGS = {"checkpoint_device_layers": "--checkpoint-device-layers",
-                     "save_attention_layers": "--save-attention-layers"}
+                     "save_attention_layers": "--save-attention-layers", "nvme_layers": "--nvme-layers"}
 """The layer-count options, which the planner checks against the model's layers."""
 
 
