@@ -207,5 +207,5 @@ _PRINTED = ("seq_len", "chunk_size", "hp", "cp", "placement", "inner_ring", "che
             "checkpoint_device_layers", "offload", "zero_stage", "offload_optimizer", "offload_param", "dtype",
             "batch", "mlp_chunks", "loss_chunks", "lm_head_wgrad", "reduce_bucket_size", "sub_group_size",
             "contiguous_gradients", "kernel_expands_gqa", "attention_checkpoint", "save_attention_layers",
-            "doc_len", "lora_rank", "stream_layers")
+            "doc_len", "lora_rank", "stream_layers", "nvme_path", "nvme_layers")
 """:meth:`Setup.as_dict`'s keys, in ``fpdt-plan``'s order (``--json`` prints them so)."""
