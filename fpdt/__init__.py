@@ -18,7 +18,7 @@ with ``memory`` beside ``offload`` and ``hf`` beside ``train``.
 * ``fpdt.hf``        -- apply_fpdt / remove_fpdt on a Transformers causal LM
 * ``fpdt.train``     -- the trainer's configuration, data, DeepSpeed set-up, loop, saving, export
 * ``fpdt.plan``      -- ``fpdt-plan``: memory and time model, the settings search
-* ``fpdt.cli``       -- ``fpdt-train``'s command line (``python -m fpdt.train``)
+* ``fpdt.cli``       -- ``fpdt-train``'s command line (``python -m fpdt.cli``)
 """
 
 __version__ = "0.1.0"

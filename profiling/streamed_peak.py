@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 
 import torch
@@ -52,13 +53,33 @@ def measure(seq: int, chunk: int, stream: bool) -> dict:
             "host_peak_bytes": host.above_start, "wall_s": wall, "cpu_s": cpu}
 
 
+def _emit(row: dict, out: str | None) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def summary(rows: list[dict]) -> dict:
+    """Medians of one length's interleaved steps per mode, and streamed / unstreamed ratios."""
+    med = {}
+    for stream in (False, True):
+        mine = [r for r in rows if r["stream_layers"] is stream]
+        med[stream] = {k: statistics.median(r[k] for r in mine) for k in ("wall_s", "cpu_s", "device_peak_bytes")}
+    return {"summary": True, "seq_len": rows[0]["seq_len"], "chunk": rows[0]["chunk"], "repeats": len(rows) // 2,
+            "median": {"unstreamed": med[False], "streamed": med[True]},
+            "ratio_streamed_over_unstreamed": {k: med[True][k] / med[False][k] for k in med[True]}}
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for stream, label in ((False, "not streamed"), (True, "stream_layers")):
-        pts = sorted((r["seq_len"], r["device_peak_bytes"] / 2 ** 20) for r in rows if r["stream_layers"] is stream)
+        pts = sorted({(r["seq_len"], r["device_peak_bytes"] / 2 ** 20) for r in rows
+                      if not r.get("summary") and r["stream_layers"] is stream})
         ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xlabel("tokens (1K-token chunks)")
     ax.set_ylabel("device peak of a step (MiB, counted)")
@@ -74,16 +95,17 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--out", help="append the JSON lines here too")
     p.add_argument("--plot", help="write the figure here (PNG)")
+    p.add_argument("--repeats", type=int, default=1, help="steps per length and mode, interleaved; with more than "
+                   "one, a last line per length gives the medians and the streamed / unstreamed ratios")
     args = p.parse_args()
     rows = []
     for seq in (int(x) for x in args.lengths.split(",")):
-        for stream in (False, True):         # interleaved
-            rows.append(measure(seq, args.chunk, stream))
-            line = json.dumps(rows[-1])
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+        for _ in range(args.repeats):
+            for stream in (False, True):         # interleaved
+                rows.append(measure(seq, args.chunk, stream))
+                _emit(rows[-1], args.out)
+        if args.repeats > 1:
+            _emit(summary([r for r in rows if r["seq_len"] == seq]), args.out)
     if args.plot:   # every row of --out (earlier runs' too), else this run's
         if args.out:
             with open(args.out) as f:

@@ -58,13 +58,12 @@ def test_both_entry_points_compute_the_same_step(recorded, options, monkeypatch)
     MLP and RMSNorm functions are called with while the models run (what each adapter did with
     the step it was given, not only that it was asked), and what the two models compute (loss and
     every gradient, fp32 within 1e-5) agree with each other and with the options."""
-    import fpdt.hf.apply_steps
     import fpdt.model.llama
     import fpdt.model.mlp
 
     seen = []
-    for module, name, what in ((fpdt.model.mlp, "swiglu_of_linears", "mlp"), (fpdt.hf.apply_steps, "swiglu_of_linears", "mlp"),
-                               (fpdt.model.llama, "rms_norm", "norm"), (fpdt.hf.apply_steps, "rms_norm", "norm")):
+    # one MLP and one norm function for both models: apply_fpdt puts fpdt.model's modules in place
+    for module, name, what in ((fpdt.model.mlp, "swiglu_of_linears", "mlp"), (fpdt.model.llama, "rms_norm", "norm")):
         def spy(*args, _original=getattr(module, name), _what=what, _at=4 if what == "mlp" else 3, **kwargs):
             if args[_at]:                    # 0: unchunked (fpdt.model's plain path, Transformers' own MLP)
                 seen[-1].add((_what, args[_at]))
@@ -133,26 +132,20 @@ class _Recorder(DecoderAdapter):
         self.layers = ["layer 0", "layer 1"]
         self.calls = []
 
-    def attention(self, layer):
-        return f"{layer} attention"
-
-    def mlp(self, layer):
-        return f"{layer} mlp"
-
     def norms(self):
         return ["norm a", "norm b"]
 
     def start_attention(self, options):
         self.calls.append(("start_attention",))
 
-    def set_attention(self, attention, options):
-        self.calls.append(("set_attention", attention))
+    def set_attention(self, layer, options):
+        self.calls.append(("set_attention", layer))
 
     def set_norm_chunks(self, norm, num_chunks):
         self.calls.append(("set_norm_chunks", norm, num_chunks))
 
-    def set_mlp_chunks(self, mlp, num_chunks):
-        self.calls.append(("set_mlp_chunks", mlp, num_chunks))
+    def set_mlp_chunks(self, layer, num_chunks):
+        self.calls.append(("set_mlp_chunks", layer, num_chunks))
 
     def set_layer_checkpoints(self, checkpoints):
         self.calls.append(("set_layer_checkpoints", checkpoints.mode))
@@ -167,9 +160,9 @@ def test_apply_all_runs_the_steps_in_the_documented_order():
     applied = apply_all(adapter, options)
     mlp = mlp_chunks_for(options, adapter.config)
     assert adapter.calls == [
-        ("start_attention",), ("set_attention", "layer 0 attention"), ("set_attention", "layer 1 attention"),
+        ("start_attention",), ("set_attention", "layer 0"), ("set_attention", "layer 1"),
         ("set_norm_chunks", "norm a", 6), ("set_norm_chunks", "norm b", 6),
-        ("set_mlp_chunks", "layer 0 mlp", mlp), ("set_mlp_chunks", "layer 1 mlp", mlp),
+        ("set_mlp_chunks", "layer 0", mlp), ("set_mlp_chunks", "layer 1", mlp),
         ("set_layer_checkpoints", "on"), ("set_loss_chunks", 7)]
     assert (applied.mlp_chunks, applied.loss_chunks, applied.norm_chunks) == (mlp, 7, 6)
     assert isinstance(applied.checkpoints, LayerCheckpoints) and applied.checkpoints.num_layers == 2

@@ -168,7 +168,7 @@ def _tool_argv(argv):
     for tool in ("fpdt-train", "fpdt-plan"):
         if argv[0] == tool:
             return tool, argv[1:]
-    for module, tool in (("fpdt.train", "fpdt-train"), ("fpdt.plan", "fpdt-plan")):
+    for module, tool in (("fpdt.cli", "fpdt-train"), ("fpdt.plan", "fpdt-plan")):
         for flag in ("-m", "--module"):
             for i in range(len(argv) - 1):
                 if argv[i] == flag and argv[i + 1] == module:

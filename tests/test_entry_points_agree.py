@@ -41,6 +41,10 @@ CASES = [  # (options over BASE, None: accepted / a phrase of the one refusal)
     (dict(SIM, nvme_path="/nvme"), None),
     (dict(SIM, attention_checkpoint="save", nvme_path="/nvme", nvme_layers=1), None),
     (dict(SIM, nvme_path="/nvme", nvme_layers=0), None),
+    (dict(SIM, stream_layers=True), None),
+    (dict(SIM, attention_checkpoint="save", stream_layers=True), None),
+    (dict(ON, stream_layers=True), "checkpointing='offload'"),
+    (dict(SIM, stream_layers=True, checkpoint_device_layers=1), "checkpoint_device_layers=0"),
     # the two the entry points used to disagree on (fpdt.model / fpdt.hf accepted them)
     (dict(attention_checkpoint="save"), "checkpointing='off' recomputes nothing"),
     (dict(ON, save_attention_layers=1), "needs attention_checkpoint='save' (now 'recompute')"),
@@ -90,10 +94,10 @@ def _flags(opts):
     out = []
     for name, value in opts.items():
         flag = "--" + option_key(name).replace("_", "-")
-        if name == "offload":
+        if name in ("offload", "stream_layers"):
             if not isinstance(value, bool):
                 return None                     # --offload / --no-offload: a flag cannot say "yes"
-            out.append(flag if value else "--no-offload")
+            out.append(flag if value else flag.replace("--", "--no-"))
         else:
             out += [flag, str(value)]
     return out

@@ -188,3 +188,18 @@ class SequenceMesh:
         dist.all_gather(gathered, hp_block, group=self.cp_group)         # [cp][hp, ...]
         shards = [gathered[c][h] for c in range(self.cp) for h in range(self.hp)]
         return mesh_unshard(shards, self.hp, self.cp, num_chunks, dim=dim)
+
+
+def sp_group_of(group: dist.ProcessGroup | None, mesh: SequenceMesh | None) -> dist.ProcessGroup | None:
+    """The sequence-parallel group of a model set up with ``group`` or ``mesh`` (the mesh's ``sp_group``)."""
+    return mesh.sp_group if mesh is not None else group
+
+
+def sp_rank_size(group: dist.ProcessGroup | None, mesh: SequenceMesh | None) -> tuple[int, int]:
+    """``(rank, size)`` of this process in the sequence-parallel group of ``group`` or ``mesh``;
+    ``(0, 1)`` without torch.distributed; with a mesh ``(mesh.sp_rank, hp * cp)``."""
+    if mesh is not None:
+        return mesh.sp_rank, mesh.sp
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)

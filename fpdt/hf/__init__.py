@@ -13,7 +13,7 @@ training loop) rather than rebuild it as :class:`fpdt.model.FPDTForCausalLM`:
   its batches padded by one padding document to a length fpdt's layout cuts (:mod:`fpdt.hf.collator`).
 
 PEFT LoRA models go through :func:`apply_fpdt` as they are (after ``get_peft_model``): their
-LoRA layers run inside the chunked functions (:mod:`fpdt.hf.adapters`).
+LoRA layers run inside the chunked functions (:mod:`fpdt.ops.projections`).
 """
 
 from fpdt.hf.attention import FPDTHFError

@@ -4,12 +4,12 @@
 modules through :class:`fpdt.hf.patches.Patches` (so :func:`fpdt.hf.remove_fpdt` undoes it):
 
 * attention: fpdt's attention registered under a new name and made the model's; with
-  ``chunked_qkv`` each attention module's forward runs its projections inside it
-  (:func:`fpdt.hf.attention.chunked_qkv_attention_forward`);
-* lean norms: the RMSNorms (Llama, Mistral, Qwen2, Qwen3 classes) run
-  :func:`fpdt.model.rmsnorm.rms_norm`;
-* chunked MLP: each SwiGLU MLP runs :func:`fpdt.model.mlp.swiglu_of_linears` (PEFT LoRA layers
-  read by :mod:`fpdt.hf.adapters`);
+  ``chunked_qkv`` each attention module is replaced by
+  :class:`fpdt.hf.attention.TransformersAttention`, fpdt's own attention holding its projections;
+* lean norms: the RMSNorms (Llama, Mistral, Qwen2, Qwen3 classes) are replaced by fpdt's
+  :class:`fpdt.model.llama.RMSNorm` holding their weights;
+* chunked MLP: each SwiGLU MLP is replaced by :class:`fpdt.model.ChunkedSwiGLU` holding its
+  projections (PEFT LoRA layers read by :mod:`fpdt.ops.projections`);
 * layer checkpointing: each decoder layer's forward under the model's one
   :class:`fpdt.model.layer_checkpoints.LayerCheckpoints`;
 * chunked loss: the causal LM's forward (:func:`fpdt.hf.forward.causal_lm_forward`) with the
@@ -24,17 +24,18 @@ import functools
 import torch
 from torch import nn
 
-from fpdt.hf.adapters import read_projections
-from fpdt.hf.attention import FPDTHFError, chunked_qkv_attention_forward, register_settings
+from fpdt.hf.attention import FPDTHFError, TransformersAttention, register_settings
 from fpdt.hf.forward import BOTH_CHECKPOINTS, RECOMPUTED_ROPE_TYPES, causal_lm_forward, global_rope_forward
 from fpdt.hf.patches import Patches
 from fpdt.hf.settings import HFSettings
 from fpdt.hf.trainer import TRAINER_ATTN_NAME
 from fpdt.model.apply import DecoderAdapter
-from fpdt.model.checkpointing import checkpointed, checkpointed_residual
+from fpdt.model.checkpointing import checkpointed
 from fpdt.model.layer_checkpoints import LayerCheckpoints
-from fpdt.model.mlp import swiglu_of_linears
-from fpdt.model.rmsnorm import rms_norm
+from fpdt.model.llama import RMSNorm
+from fpdt.model.mlp import ChunkedSwiGLU
+from fpdt.model.streaming import streamed_layer
+from fpdt.ops.projections import ProjectionError, read_projections
 from fpdt.options import FPDTOptions
 
 
@@ -49,22 +50,8 @@ def _lean_rmsnorm_classes() -> tuple[type, ...]:
     return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm
 
 
-def _chunked_mlp_forward(num_chunks: int):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        proj = read_projections({n: getattr(self, n) for n in ("gate_proj", "up_proj", "down_proj")},
-                                type(self).__name__, "apply_fpdt(..., mlp_chunks=0)")
-        return swiglu_of_linears(x, *proj.bases, num_chunks, adapters=proj.adapters)
-    return forward
-
-
-def _lean_norm_forward(num_chunks: int):
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, num_chunks)
-    return forward
-
-
-def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
-    """The model's RMSNorms, refused (naming the fix) unless their class is a known one."""
+def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """The model's RMSNorms as ``(parent, name)``, refused (naming the fix) unless their class is a known one."""
     known = _lean_rmsnorm_classes()
     norm = getattr(layers[0], "input_layernorm", None)
     if type(norm) not in known:
@@ -72,22 +59,26 @@ def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
         raise FPDTHFError(f"lean_norms replaces Transformers' {names}; this model's layer norm is "
                           f"{type(norm).__module__}.{type(norm).__name__}, which may compute something else: "
                           f"apply_fpdt(..., lean_norms=False)")
-    return [m for m in model.modules() if type(m) in known]
+    return [(parent, name) for parent in model.modules() for name, m in parent.named_children() if type(m) in known]
 
 
 def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
     ``_fpdt_checkpoint`` holds ``(index, mode, the model's LayerCheckpoints)`` (copied with the model)."""
     i, mode, checkpoints = self._fpdt_checkpoint
+    if "fpdt_stream" in kwargs:                   # stream_layers: the layer is one streamed pass
+        return streamed_layer(self, hidden_states, kwargs["fpdt_stream"])
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
         raise FPDTHFError(BOTH_CHECKPOINTS.format(mode=mode))
+    if not args and type(self) in _pre_norm_layer_classes():
+        def branches(saved):                      # the layer's attention call records / replays its output
+            return _residual_branches(self, kwargs if saved is None else dict(kwargs, fpdt_saved=saved))
+        return checkpoints.checkpointed_layer(i, hidden_states, branches, list(self.parameters()))
     if i == 0:
         checkpoints.start()                       # stash keys unique per forward call
     keys = checkpoints.arguments(i, hidden_states.device)
-    if keys["saved"] is not None:                 # the layer's attention call records / replays its output
+    if keys["saved"] is not None:
         kwargs = dict(kwargs, fpdt_saved=keys["saved"])
-    if not args and type(self) in _pre_norm_layer_classes():
-        return checkpointed_residual(_residual_branches(self, kwargs), hidden_states, list(self.parameters()), **keys)
     run = type(self).forward                      # Transformers' own forward (its checkpoint wrapper is off)
     # the decoder layer ends with a residual add, which saves nothing: its output may be freed
     return checkpointed(lambda x: run(self, x, *args, **kwargs), hidden_states, list(self.parameters()),
@@ -133,14 +124,16 @@ class TransformersAdapter(DecoderAdapter):
         self.options: FPDTOptions | None = None
         self.attn_implementation: str | None = None
         self.mlp_chunks = 0
-        self._attention_forward = None
 
     def norms(self) -> list[nn.Module]:
-        return self._norms
+        # found again here: the attention step has put the q/k norms (Qwen3) under new parents
+        self._norms = _lean_norms(self.model, self.layers) if self.lean_norms else []
+        return [getattr(parent, name) for parent, name in self._norms]
 
     def start_attention(self, options: FPDTOptions) -> None:
         """Register fpdt attention under a new name and make it the model's (under the Trainer,
-        the name its SP setup checks; the forward switches to fpdt's while it runs)."""
+        the name its SP setup checks; the forward switches to fpdt's while it runs); with
+        ``chunked_qkv``, every layer's attention module becomes a :class:`TransformersAttention`."""
         self.options = options
         name = self.attn_implementation = register_settings(options, self.patches)
         if self.trainer:
@@ -153,21 +146,35 @@ class TransformersAdapter(DecoderAdapter):
             raise FPDTHFError(f"{type(self.model).__name__} did not take attention implementation {name!r}; it "
                               f"does not use Transformers' AttentionInterface")
         if self.chunked_qkv:
-            self._attention_forward = chunked_qkv_attention_forward(options, name)
+            for layer in self.layers:
+                self.patches.replace(layer, "self_attn", TransformersAttention.adopt(layer.self_attn, name))
 
-    def set_attention(self, attention: nn.Module, options: FPDTOptions) -> None:
-        """With ``chunked_qkv``, the module runs its projections inside fpdt's attention; else its
-        own forward calls the registered implementation."""
-        if self._attention_forward is not None:
-            self.patches.bind(attention, "forward", self._attention_forward)
+    def set_attention(self, layer: nn.Module, options: FPDTOptions) -> None:
+        """With ``chunked_qkv``, the layer's :class:`TransformersAttention` reads the options; else
+        the module's own forward calls the registered implementation, which reads them."""
+        if self.chunked_qkv:
+            super().set_attention(layer, options)
 
     def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
-        self.patches.bind(norm, "forward", _lean_norm_forward(num_chunks))
+        for parent, name in self._norms:
+            if getattr(parent, name) is norm:
+                self.patches.replace(parent, name, RMSNorm.from_weight(norm.weight, norm.variance_epsilon,
+                                                                       num_chunks).train(norm.training))
 
-    def set_mlp_chunks(self, mlp: nn.Module, num_chunks: int) -> None:
+    def set_mlp_chunks(self, layer: nn.Module, num_chunks: int) -> None:
         self.mlp_chunks = num_chunks
-        if num_chunks:                # 0: Transformers' own MLP
-            self.patches.bind(mlp, "forward", _chunked_mlp_forward(num_chunks))
+        if not num_chunks:                # 0: Transformers' own MLP
+            return
+        mlp = layer.mlp
+        names = ("gate_proj", "up_proj", "down_proj")
+        try:
+            read_projections({n: getattr(mlp, n) for n in names}, type(mlp).__name__, "apply_fpdt(..., mlp_chunks=0)",
+                             mlp.training)
+        except ProjectionError as e:
+            raise FPDTHFError(str(e)) from None
+        chunked = ChunkedSwiGLU.from_projections(*(getattr(mlp, n) for n in names), num_chunks).train(mlp.training)
+        chunked.projection_fix = "apply_fpdt(..., mlp_chunks=0)"
+        self.patches.replace(layer, "mlp", chunked)
 
     def set_layer_checkpoints(self, checkpoints: LayerCheckpoints) -> None:
         if not checkpoints.enabled:   # Transformers' own checkpointing may be used instead

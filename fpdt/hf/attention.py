@@ -16,13 +16,10 @@ and refuses a padding mask that hides any token, which fpdt cannot honour. Anyth
 the model passes that would change the result (dropout during training, a sliding window,
 a KV cache) is refused with the fix rather than ignored.
 
-:func:`chunked_qkv_attention_forward` goes one step further for Llama, Mistral, Qwen2 and
-Qwen3 attention modules: it replaces the module's forward, so that the q/k/v projections and
-RoPE run inside FPDT attention chunk by chunk
-(:func:`fpdt.attention.projected_attention.projected_fpdt_attention`), as in
-:class:`fpdt.model.FPDTForCausalLM`; and, for the layers :func:`o_proj_stash_layers` names (no
-layer checkpoint, ``offload=True``), ``o_proj`` keeps no copy of its input for backward
-(:mod:`fpdt.attention.output_projection`).
+With ``chunked_qkv`` (the default), Llama, Mistral, Qwen2 and Qwen3 attention modules are replaced
+by :class:`TransformersAttention`: fpdt's own :class:`fpdt.attention.FPDTAttention` (the one
+:class:`fpdt.model.FPDTForCausalLM` runs) holding the module's projections under their names,
+called as Transformers calls its attention.
 """
 
 from __future__ import annotations
@@ -32,13 +29,11 @@ from collections.abc import Callable
 
 import torch
 
-from fpdt.attention import fpdt_attention
-from fpdt.attention.output_projection import StashedInput, output_projection
-from fpdt.attention.projected_attention import projected_fpdt_attention
-from fpdt.hf.adapters import Projections, lean_lora, read_projections
+from fpdt.attention import FPDTAttention, fpdt_attention
 from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import resolve_group
 from fpdt.hf.patches import Patches
+from fpdt.ops.projections import ProjectionError, read_projections
 from fpdt.options import FPDTOptions
 
 _names = itertools.count()
@@ -118,107 +113,97 @@ def _chunked_qkv_classes() -> dict[type, Callable[[torch.nn.Module], int | None]
             Qwen3Attention: lambda m: m.sliding_window}
 
 
-def _qk_norm(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """Qwen3's per-head q/k RMSNorms as ``(q weight, k weight, eps)`` (read directly: refused
-    unless Transformers' own class, with one epsilon); None for other classes."""
+def _qk_norm(module: torch.nn.Module) -> tuple[str, ...]:
+    """The names of Qwen3's per-head q/k RMSNorms (read directly: refused unless Transformers' own
+    class, with one epsilon); none for other classes."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
 
     if type(module) is not Qwen3Attention:
-        return None
+        return ()
     q, k = module.q_norm, module.k_norm
     if not (type(q) is Qwen3RMSNorm and type(k) is Qwen3RMSNorm):
         raise FPDTHFError(f"the chunked q/k/v projection reads Qwen3Attention's q_norm/k_norm weights directly, and "
                           f"they are {type(q).__name__}, {type(k).__name__}: apply_fpdt(..., chunked_qkv=False)")
     if q.variance_epsilon != k.variance_epsilon:
         raise FPDTHFError("q_norm and k_norm have different epsilons: apply_fpdt(..., chunked_qkv=False)")
-    return q.weight, k.weight, q.variance_epsilon
+    return "q_norm", "k_norm"
 
 
-def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[torch.Tensor, torch.Tensor, float] | None,
-                                                      Projections]:
-    """Refuse, naming the fix, an attention module whose forward the chunked one would change;
-    else return what that forward needs: the sliding window the module's own forward would
-    pass, Qwen3's q/k norm (:func:`_qk_norm`), and the q/k/v projections (plain linears, or
-    PEFT LoRA layers: :mod:`fpdt.hf.adapters`)."""
+def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[str, ...]]:
+    """Refuse, naming the fix, an attention module that :class:`TransformersAttention` would
+    compute differently; else return the sliding window its own forward would pass and the names
+    of Qwen3's q/k norms (:func:`_qk_norm`)."""
     kind = type(module).__name__
     known = _chunked_qkv_classes()
     if type(module) not in known:
         names = ", ".join(f"{c.__module__}.{c.__name__}" for c in known)
-        raise FPDTHFError(f"the chunked q/k/v projection replaces the attention forward of {names} only; "
+        raise FPDTHFError(f"the chunked q/k/v projection replaces the attention of {names} only; "
                           f"{type(module).__module__}.{kind} may compute something else around it (q/k norms, "
                           f"fused projections, ...): apply_fpdt(..., chunked_qkv=False)")
-    projections = read_projections({n: getattr(module, n) for n in ("q_proj", "k_proj", "v_proj")}, kind,
-                                   "apply_fpdt(..., chunked_qkv=False)")
-    return known[type(module)](module), _qk_norm(module), projections
+    try:
+        read_projections({n: getattr(module, n) for n in ("q_proj", "k_proj", "v_proj")}, kind,
+                         TransformersAttention.projection_fix, module.training)
+    except ProjectionError as e:
+        raise FPDTHFError(str(e)) from None
+    return known[type(module)](module), _qk_norm(module)
 
 
 def o_proj_stash_layers(layers: list[torch.nn.Module], options: FPDTOptions) -> frozenset[int]:
     """The ``layer_idx`` of the decoder ``layers`` whose ``o_proj`` reads its input back from the
-    attention's stash in this forward (:func:`chunked_qkv_attention_forward`): with ``offload`` and
-    no layer checkpoint, neither fpdt's (``checkpointing="off"``) nor Transformers' own on that layer
-    (its ``gradient_checkpointing`` in training), where every such layer would otherwise keep the
-    full-length attention output on the device from forward to backward, beside the copy of it the
-    attention's host stash already holds (as :class:`fpdt.model.FPDTForCausalLM` under
-    ``checkpointing="off"``). Under a checkpoint the layer keeps nothing to backward anyway, and
-    ``o_proj`` is unchanged."""
+    attention's stash in this forward: with ``offload`` and no layer checkpoint, neither fpdt's
+    (``checkpointing="off"``) nor Transformers' own on that layer (its ``gradient_checkpointing`` in
+    training). Under a checkpoint the layer keeps nothing to backward anyway."""
     if not (options.offload and options.checkpointing == "off" and torch.is_grad_enabled()):
         return frozenset()
     return frozenset(layer.self_attn.layer_idx for layer in layers
                      if not (getattr(layer, "gradient_checkpointing", False) and layer.training))
 
 
-def chunked_qkv_attention_forward(settings: FPDTOptions, name: str):
-    """A forward for a Llama, Mistral, Qwen2 or Qwen3 attention module (:func:`check_chunked_qkv`;
-    to bind to it) that runs the q/k/v projections (and Qwen3's q/k norms), RoPE and FPDT
-    attention chunk by chunk (:func:`fpdt.attention.projected_attention.projected_fpdt_attention`),
-    so the layer's full-length local q/k/v never exist; then ``o_proj``. RoPE uses the model's own
-    ``position_embeddings`` (whatever its RoPE scaling computed), sliced per chunk.
+class TransformersAttention(FPDTAttention):
+    """:class:`fpdt.attention.FPDTAttention` holding a Transformers attention module's projections
+    (and Qwen3's q/k norms) under their names, so ``state_dict`` keys do not change; called as a
+    Transformers decoder layer calls its attention, ``(hidden_states, position_embeddings=(cos, sin),
+    **kwargs) -> (output, None)``. RoPE is the model's own tables, sliced per chunk. The call's
+    ``doc_ids``, ``fpdt_saved`` and :data:`O_PROJ_FROM_STASH` keyword arguments come from
+    :func:`fpdt.hf.forward.causal_lm_forward` and the layer checkpoint; whatever else would change
+    the result is refused. ``group`` may be a :class:`fpdt.hf.groups.TrainerGroup`, resolved per call."""
 
-    ``o_proj``: a plain ``nn.Linear`` runs as itself, unless the call's :data:`O_PROJ_FROM_STASH`
-    names this layer; then it, like a PEFT LoRA ``o_proj`` always, runs
-    :func:`fpdt.attention.output_projection.output_projection`, whose backward reads its input
-    ``[B, S_local, H D]`` back a chunk at a time from this call's host stash instead of keeping it
-    (a LoRA ``o_proj`` not so named keeps it); anything else runs as itself."""
+    projection_fix = "apply_fpdt(..., chunked_qkv=False)"
+
+    @classmethod
+    def adopt(cls, module: torch.nn.Module, implementation: str) -> "TransformersAttention":
+        """The replacement of ``module`` (refused by :func:`check_chunked_qkv`, naming the fix)."""
+        window, norms = check_chunked_qkv(module)
+        cfg = module.config
+        self = cls.from_projections({n: getattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj") + norms},
+                                    cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim, module.scaling)
+        self.layer_idx, self.config, self.is_causal = module.layer_idx, cfg, getattr(module, "is_causal", True)
+        self.attention_dropout, self.sliding_window = module.attention_dropout, window
+        self.implementation, self.stash_label = implementation, f"layer {module.layer_idx}"
+        return self.train(module.training)
+
+    @property
+    def group(self):
+        return resolve_group(self._group)
+
+    @group.setter
+    def group(self, group) -> None:
+        self._group = group
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
-        window, qk_norm, proj = check_chunked_qkv(self)     # again: an adapter may have been added since
         if past_key_values is not None:
             raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
                               "past_key_values")
         dropout = self.attention_dropout if self.training else 0.0
-        _refuse_unhonoured(self, name, attention_mask, dropout, window, kwargs)
+        _refuse_unhonoured(self, self.implementation, attention_mask, dropout, self.sliding_window, kwargs)
         if position_embeddings is None:
             raise FPDTHFError(f"{type(self).__name__} was called without position_embeddings (cos, sin); the "
                               f"chunked q/k/v projection applies the model's RoPE from them")
-        cos, sin = position_embeddings
-        B, S_local, _ = hidden_states.shape
-        H, H_kv = self.config.num_attention_heads, self.config.num_key_value_heads
-        from_stash = torch.is_grad_enabled() and self.layer_idx in kwargs.get(O_PROJ_FROM_STASH, ())
-        sink = [] if from_stash else None       # gets the call's stash, for o_proj's backward
-        out = projected_fpdt_attention(hidden_states, *proj.bases,
-                                       heads=(H, H_kv, self.head_dim), cos=cos, sin=sin,
-                                       group=resolve_group(settings.group),
-                                       mesh=settings.mesh, num_chunks=settings.num_chunks,
-                                       offload=settings.offload, backend=settings.backend,
-                                       softmax_scale=self.scaling, label=f"layer {self.layer_idx}",
-                                       qk_norm=qk_norm, adapters=proj.adapters, doc_ids=kwargs.get("doc_ids"),
-                                       saved=kwargs.get("fpdt_saved"), stash_sink=sink,
-                                       runtime=settings.runtime)
-        out = out.reshape(B, S_local, H * self.head_dim)                       # [B, S_local, H D]
-        source = StashedInput(*sink[0]) if sink else None    # empty: the call kept nothing for backward
-        lean = lean_lora(self.o_proj, type(self).__name__)
-        if lean is not None:
-            # a PEFT LoRA o_proj: its terms over 2u token pieces, saving the attention output or, from
-            # the stash, nothing; the same Function in every mode, so dropout masks agree between them
-            base = lean.bases[0]
-            return output_projection(out, base.weight, base.bias, lean.adapters, settings.num_chunks, source), None
-        if source is not None and plain_linears(self.o_proj):
-            return output_projection(out, self.o_proj.weight, self.o_proj.bias, None, settings.num_chunks,
-                                     source), None
-        return self.o_proj(out), None
-
-    return forward
+        from_stash = self.layer_idx in kwargs.get(O_PROJ_FROM_STASH, ())
+        out = super().forward(hidden_states, doc_ids=kwargs.get("doc_ids"), saved=kwargs.get("fpdt_saved"),
+                              cos_sin=position_embeddings, o_proj_from_stash=from_stash)
+        return out, None
 
 
 def _mask(name: str):

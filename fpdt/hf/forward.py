@@ -23,6 +23,8 @@ from fpdt.hf.settings import HFSettings
 from fpdt.hf.trainer import contiguous_to_fpdt_layout
 from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
 from fpdt.model.inputs import shift_labels as _shift_labels
+from fpdt.model.streaming import StreamedModel, streamed_loss
+from fpdt.ops.projections import ProjectionError
 from fpdt.model.loss import (IGNORE_INDEX, sequence_parallel_lm_loss, sum_gradient_over_group, sum_over_group,
                              valid_token_scale)
 
@@ -72,10 +74,17 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    with _attention_implementation(self.config, settings.attn_implementation) if trainer else contextlib.nullcontext():
-        out = _decoder_and_loss(self, original, settings, sp, input_ids=input_ids, attention_mask=attention_mask,
-                                position_ids=position_ids, inputs_embeds=inputs_embeds, shift_labels=shift_labels,
-                                logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
+    if settings.options.stream_layers:
+        with _as_hf_error():
+            out = _streamed(self, settings, sp, input_ids, position_ids, shift_labels, attention_mask, inputs_embeds,
+                            num_items_in_batch, kwargs)
+    else:
+        with _attention_implementation(self.config, settings.attn_implementation) if trainer \
+                else contextlib.nullcontext(), _as_hf_error():
+            out = _decoder_and_loss(self, original, settings, sp, input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids, inputs_embeds=inputs_embeds, shift_labels=shift_labels,
+                                    logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch,
+                                    kwargs=kwargs)
     if trainer and out.loss is not None:
         out.loss = sum_gradient_over_group(out.loss, group=settings.sp_group, sp=sp)
     return out if return_dict else out.to_tuple()
@@ -183,6 +192,15 @@ def _o_proj_from_stash(model, settings: HFSettings) -> dict:
 
 
 @contextlib.contextmanager
+def _as_hf_error():
+    """A projection fpdt's modules refuse (:mod:`fpdt.ops.projections`) as ``fpdt.hf``'s error."""
+    try:
+        yield
+    except ProjectionError as e:
+        raise FPDTHFError(str(e)) from None
+
+
+@contextlib.contextmanager
 def _attention_implementation(config, name: str):
     """The model runs fpdt's attention and mask functions (``name``) while keeping the implementation
     name the Trainer's sequence-parallel setup checked (``sdpa``, ...) outside its forward."""
@@ -221,6 +239,32 @@ def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_id
         out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                      attentions=outputs.attentions)
     return out
+
+
+def _streamed(self, settings: HFSettings, sp: int, input_ids, position_ids, shift_labels, attention_mask,
+              inputs_embeds, num_items_in_batch, kwargs):
+    """The loss with ``stream_layers`` (:func:`fpdt.model.streaming.streamed_loss`, the run
+    :class:`fpdt.model.FPDTForCausalLM` makes): no logits, RoPE from the model's rotary embedding a
+    chunk of positions at a time."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if shift_labels is None or input_ids is None or inputs_embeds is not None or attention_mask is not None:
+        raise FPDTHFError("stream_layers computes the loss from input_ids and labels (or shift_labels) only, with no "
+                          "attention_mask, inputs_embeds or logits: pass them so, or apply_fpdt with "
+                          "stream_layers=False")
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    rotary, dtype = self.model.rotary_emb, self.model.embed_tokens.weight.dtype
+
+    def rope(positions: torch.Tensor, want: torch.dtype):
+        cos, sin = rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
+        return cos.to(want), sin.to(want)
+
+    checkpoints = self.model.layers[0]._fpdt_checkpoint[2]
+    spec = StreamedModel(settings.options, settings.loss_chunks, checkpoints.saving, rope)
+    loss = streamed_loss(self, spec, input_ids, shift_labels, position_ids, kwargs.get("doc_ids"),
+                         num_items_in_batch, sp, settings.sp_group)
+    return CausalLMOutputWithPast(loss=loss, logits=None)
 
 
 def _full_logits_loss(logits, shift_labels, settings: HFSettings, sp: int, num_items_in_batch):

@@ -22,7 +22,7 @@ Transformers', so its checkpoints, ``save_pretrained`` and DeepSpeed work as bef
   without calling their ``nn.Linear`` (and the LoRA adapters' weights) are registered as
   external parameters of the module that reads them, so ZeRO-3 gathers them there;
 * **LoRA** (PEFT): LoRA layers on the q/k/v and MLP projections are computed inside the
-  chunked functions (:mod:`fpdt.hf.adapters`, :mod:`fpdt.ops.lora`); the frozen base weights
+  chunked functions (:mod:`fpdt.ops.projections`, :mod:`fpdt.ops.lora`); the frozen base weights
   get no gradient computation at all;
 * **RMSNorm** (``lean_norms``): the models' RMSNorms run :func:`fpdt.model.rmsnorm.rms_norm`
   (same numerics; saves the input and one fp32 scale per token instead of Transformers'
@@ -71,9 +71,9 @@ import sys
 import torch
 from torch import nn
 
-from fpdt.hf.adapters import lean_lora, read_parameters
 from fpdt.hf.apply_steps import TransformersAdapter
 from fpdt.hf.attention import FPDTHFError, check_chunked_qkv
+from fpdt.hf.forward import RECOMPUTED_ROPE_TYPES
 from fpdt.hf.groups import TrainerGroup
 from fpdt.hf.padding import check_right_padding
 from fpdt.hf.patches import Patches
@@ -81,6 +81,7 @@ from fpdt.hf.settings import HFSettings
 from fpdt.layout.documents import DocumentError
 from fpdt.model.apply import apply_all, loss_chunks_for, mlp_chunks_for
 from fpdt.model.config import uses_sliding_window
+from fpdt.model.external_params import directly_read
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
 from fpdt.model.inputs import shift_labels as _shift_labels
 from fpdt.options import FPDTOptions, OptionsError
@@ -125,35 +126,35 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 
 
-def _register_zero3_params(model: nn.Module, layers: list[nn.Module], mlp_chunked: bool, loss_chunked: bool,
-                           qkv_chunked: bool, o_proj_from_stash: bool, patches: Patches) -> None:
+def _check_streaming(model: nn.Module, chunked_qkv: bool) -> None:
+    """Refuse, naming the fix, what ``stream_layers`` cannot run on this model."""
+    if not chunked_qkv:
+        raise FPDTHFError("stream_layers runs fpdt's own attention a chunk at a time: keep chunked_qkv=True")
+    rope_types = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
+    if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
+        raise FPDTHFError(f"stream_layers computes RoPE a chunk at a time, and {rope_types!r} RoPE picks its "
+                          f"frequencies from the largest position of the whole forward: use stream_layers=False")
+
+
+def _register_zero3_params(model: nn.Module, loss_chunked: bool, streamed: bool, layers: list[nn.Module],
+                           patches: Patches) -> None:
+    """ZeRO-3's external parameters (:mod:`fpdt.model.external_params`, as ``fpdt-train``), and with
+    ``streamed`` the decoder layers as ZeRO-3 leaf modules (a streamed layer runs its submodules inside
+    its own Functions: ZeRO-3 gathers the whole layer around it); recorded in ``patches``."""
     try:
         from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+        from deepspeed.utils import set_z3_leaf_modules
     except ImportError:        # no DeepSpeed, no ZeRO-3
         return
-
-    def external(owner: nn.Module, p: torch.nn.Parameter) -> None:
+    if streamed:
+        for layer in layers:
+            patches.remember(layer, "_z3_leaf")
+        set_z3_leaf_modules(model, [type(layers[0])])
+    for owner, p in directly_read(model, lm_head=loss_chunked, streamed=streamed):
         if "_external_params" not in patches.changed(owner):   # what DeepSpeed's registry adds to the module
             for name in ("_external_params", "ds_external_parameters", "all_parameters"):
                 patches.remember(owner, name)
         register_external_parameter(owner, p)
-
-    def register(owner: nn.Module, names: tuple[str, ...]) -> None:
-        for sub in filter(None, (getattr(owner, n, None) for n in names)):
-            for p in read_parameters(sub):          # with PEFT: the base layer's and the adapters'
-                external(owner, p)
-
-    for layer in layers:
-        if qkv_chunked:
-            register(layer.self_attn, ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))   # q/k norms: Qwen3
-            # read directly too: a PEFT LoRA o_proj, or (offload, no fpdt checkpoint) one that reads its input
-            # from the stash (fpdt.hf.attention.o_proj_stash_layers, decided per forward)
-            if o_proj_from_stash or lean_lora(layer.self_attn.o_proj, "") is not None:
-                register(layer.self_attn, ("o_proj",))
-        if mlp_chunked:
-            register(layer.mlp, ("gate_proj", "up_proj", "down_proj"))
-    if loss_chunked:
-        external(model, model.lm_head.weight)
 
 
 def remove_fpdt(model: nn.Module) -> nn.Module:
@@ -186,7 +187,7 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
             ``deepspeed.initialize`` and after ``peft.get_peft_model`` (so that ZeRO-3 gathers
             the adapters where the chunked functions read them). PEFT's plain LoRA layers on
             the q/k/v and MLP projections run inside the chunked functions
-            (:mod:`fpdt.hf.adapters`; dropout masks are fpdt's); other adapters (DoRA, ...)
+            (:mod:`fpdt.ops.projections`; dropout masks are fpdt's); other adapters (DoRA, ...)
             or quantised layers there need ``chunked_qkv=False`` / ``mlp_chunks=0``, and any
             adapter on the LM head ``loss_chunks=0`` (each refused with its fix).
         group / mesh: the sequence-parallel group (None: the default group, or no
@@ -264,9 +265,7 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
     layers = _decoder_layers(model)
     mlp_chunks, loss_chunks = mlp_chunks_for(options, model.config), loss_chunks_for(options, model.config)
     if options.stream_layers:
-        raise FPDTHFError("stream_layers=True: fpdt.hf does not stream its layers yet (it runs Transformers' decoder "
-                          "loop); load the checkpoint with fpdt.model.from_pretrained, or use fpdt-train --model DIR, "
-                          "which streams")
+        _check_streaming(model, chunked_qkv)
     if options.checkpoint_device_layers:
         raise FPDTHFError(f"checkpoint_device_layers={options.checkpoint_device_layers}: fpdt.hf keeps every "
                           f"checkpointed layer input in one tier; use checkpointing='on' (device) or 'offload' "
@@ -288,8 +287,7 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
                                   lean_norms=lean_norms)     # refuses unknown norm classes, before any change
     apply_all(adapter, options)
     patches.set(model, "_fpdt_undo", (patches, original_attention))
-    _register_zero3_params(model, layers, bool(mlp_chunks), bool(loss_chunks), bool(chunked_qkv),
-                           options.offload and options.checkpointing == "off", patches)
+    _register_zero3_params(model, bool(loss_chunks), options.stream_layers, layers, patches)
     return outer
 
 

@@ -3,7 +3,8 @@
 
 :class:`Patches` is the one way ``fpdt.hf`` modifies a module: :meth:`Patches.set` replaces an
 instance attribute (a bound ``forward``, a bookkeeping attribute) and remembers what was there,
-or that nothing was (the class's own attribute then shows through again after :meth:`undo`).
+or that nothing was (the class's own attribute then shows through again after :meth:`undo`);
+:meth:`Patches.replace` puts another module in place of a child module.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ class Patches:
         """``obj.name = value``, remembering the instance's previous value (or its absence)."""
         self._done.append((obj, name, obj.__dict__.get(name, _ABSENT)))
         setattr(obj, name, value)
+
+    def replace(self, parent: Any, name: str, module: Any) -> None:
+        """Put ``module`` in place of ``parent``'s child module ``name``, remembering the child."""
+        self._done.append((parent, name, getattr(parent, name)))
+        setattr(parent, name, module)
 
     def remember(self, obj: Any, name: str) -> None:
         """Record ``obj.name`` as it is now (a dict as a copy of its items), for a change another

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fpdt.comm import SequenceMesh
-from fpdt.comm.ulysses import group_rank, group_size
+from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.hf.groups import TrainerGroup, resolve_group
 from fpdt.options import FPDTOptions
 
@@ -32,22 +31,13 @@ class HFSettings:
 
     def rank_size(self) -> tuple[int, int]:
         """``(rank, size)`` in the sequence-parallel group."""
-        return _rank_size(self.options.group, self.options.mesh)
+        return sp_rank_size(resolve_group(self.options.group), self.options.mesh)
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        mesh = self.options.mesh
-        return mesh.sp_group if mesh is not None else resolve_group(self.options.group)
+        return sp_group_of(resolve_group(self.options.group), self.options.mesh)
 
     @property
     def under_trainer(self) -> bool:
         """Set up for the Hugging Face Trainer's sequence parallelism (:mod:`fpdt.hf.trainer`)."""
         return isinstance(self.options.group, TrainerGroup)
-
-
-def _rank_size(group: dist.ProcessGroup | TrainerGroup | None, mesh: SequenceMesh | None) -> tuple[int, int]:
-    if mesh is not None:
-        return mesh.sp_rank, mesh.sp
-    group = resolve_group(group)
-    return group_rank(group), group_size(group)
-

@@ -8,9 +8,10 @@ what changes (which options reach the attention, how many token chunks each op t
 
 * ``fpdt.model``: :class:`fpdt.model.llama.FPDTAdapter` sets attributes on its own modules
   (``FPDTForCausalLM.configure`` runs the steps again after every change of options);
-* ``fpdt.hf``: :class:`fpdt.hf.apply_steps.TransformersAdapter` binds forwards to a
-  Transformers model's modules through :class:`fpdt.hf.patches.Patches`, so that
-  :func:`fpdt.hf.remove_fpdt` undoes each one.
+* ``fpdt.hf``: :class:`fpdt.hf.apply_steps.TransformersAdapter` first puts the same modules
+  (:class:`fpdt.attention.FPDTAttention`, :class:`fpdt.model.ChunkedSwiGLU`, fpdt's ``RMSNorm``)
+  in place of a Transformers model's, holding its parameters, through
+  :class:`fpdt.hf.patches.Patches`, so that :func:`fpdt.hf.remove_fpdt` undoes each change.
 
 The order (:func:`apply_all`):
 
@@ -71,17 +72,11 @@ class DecoderAdapter:
     its RMSNorms, and the module-specific change each step makes.
 
     ``config`` has ``hidden_size``, ``intermediate_size`` and ``vocab_size``; ``layers`` lists the
-    decoder layers in order. A subclass implements the ``set_*`` methods (and may override
-    the access methods, which read ``layer.self_attn`` and ``layer.mlp``)."""
+    decoder layers in order, each with ``self_attn`` and ``mlp``. A subclass implements
+    :meth:`norms`, :meth:`set_layer_checkpoints` and :meth:`set_loss_chunks`."""
 
     config: Any
     layers: list[nn.Module]
-
-    def attention(self, layer: nn.Module) -> nn.Module:
-        return layer.self_attn
-
-    def mlp(self, layer: nn.Module) -> nn.Module:
-        return layer.mlp
 
     def norms(self) -> list[nn.Module]:
         """The RMSNorms the lean-norm step changes (those of the layers and the final one)."""
@@ -90,16 +85,20 @@ class DecoderAdapter:
     def start_attention(self, options: FPDTOptions) -> None:
         """The model-wide part of the attention step, before the layers' (nothing by default)."""
 
-    def set_attention(self, attention: nn.Module, options: FPDTOptions) -> None:
-        """Make one layer's ``attention`` FPDT's, reading :data:`ATTENTION_FIELDS` of ``options``."""
-        raise NotImplementedError
+    def set_attention(self, layer: nn.Module, options: FPDTOptions) -> None:
+        """Make ``layer.self_attn``, an :class:`fpdt.attention.FPDTAttention`, read
+        :data:`ATTENTION_FIELDS` of ``options``; without a layer checkpoint its ``o_proj`` reads
+        its input from the attention's stash (else every layer would keep it to backward)."""
+        for name in ATTENTION_FIELDS:
+            setattr(layer.self_attn, name, getattr(options, name))
+        layer.self_attn.o_proj_input_from_stash = options.checkpointing == "off"
 
     def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
-        raise NotImplementedError
+        norm.num_chunks = num_chunks
 
-    def set_mlp_chunks(self, mlp: nn.Module, num_chunks: int) -> None:
-        """``num_chunks`` token chunks for one layer's MLP; 0: the plain MLP."""
-        raise NotImplementedError
+    def set_mlp_chunks(self, layer: nn.Module, num_chunks: int) -> None:
+        """``num_chunks`` token chunks for ``layer.mlp``, a :class:`fpdt.model.ChunkedSwiGLU`."""
+        layer.mlp.num_chunks = num_chunks
 
     def set_layer_checkpoints(self, checkpoints: LayerCheckpoints) -> None:
         """The decoder layers run under ``checkpoints`` (nothing to do when it is not enabled)."""
@@ -125,7 +124,7 @@ def apply_attention(adapter: DecoderAdapter, options: FPDTOptions) -> None:
     with ``offload``), with the options in :data:`ATTENTION_FIELDS`."""
     adapter.start_attention(options)
     for layer in adapter.layers:
-        adapter.set_attention(adapter.attention(layer), options)
+        adapter.set_attention(layer, options)
 
 
 def apply_lean_norms(adapter: DecoderAdapter, num_chunks: int) -> int:
@@ -141,7 +140,7 @@ def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int) -> None:
     """Every decoder layer's SwiGLU MLP runs over ``mlp_chunks`` token chunks
     (:class:`fpdt.model.mlp.ChunkedSwiGLUFunction`, intermediates recomputed in backward)."""
     for layer in adapter.layers:
-        adapter.set_mlp_chunks(adapter.mlp(layer), mlp_chunks)
+        adapter.set_mlp_chunks(layer, mlp_chunks)
 
 
 def apply_layer_checkpointing(adapter: DecoderAdapter, options: FPDTOptions) -> LayerCheckpoints:

@@ -5,9 +5,8 @@ does one layer): the host stash of the offloaded layer inputs, keys unique per f
 which layers keep their input on the device (the last ``checkpoint_device_layers``), and
 which layers keep their attention output for the recompute (the first
 ``save_attention_layers`` under ``attention_checkpoint="save"``), and which offloaded layers keep
-both on disk instead (the first ``nvme_layers`` under ``nvme_path``, ``docs/nvme.md``). The model's forward calls
-:meth:`start` once, then :meth:`arguments` for each layer and passes them to
-:func:`fpdt.model.checkpointing.checkpointed_residual` (or ``checkpointed``).
+both on disk instead (the first ``nvme_layers`` under ``nvme_path``, ``docs/nvme.md``). Both
+models' decoder loops run each layer through :meth:`checkpointed_layer`.
 """
 
 from __future__ import annotations
@@ -63,6 +62,18 @@ class LayerCheckpoints:
         return dict(stash=stash, key=("layer input", i, fid),
                     prev_key=("layer input", i - 1, fid) if i > 0 else None,
                     on_device=i >= self.on_host, saved=saved)
+
+    def checkpointed_layer(self, i: int, h: torch.Tensor, branches, params: list) -> torch.Tensor:
+        """Decoder layer ``i`` of the current forward call under its checkpoint (layer 0 starts the
+        call): ``h + attn(h)``, then ``+ mlp``, by
+        :func:`fpdt.model.checkpointing.checkpointed_residual` with ``branches(saved)``, the layer's two
+        residual branches given its saved attention outputs (None: not saving)."""
+        from fpdt.model.checkpointing import checkpointed_residual
+
+        if i == 0:
+            self.start()
+        args = self.arguments(i, h.device)
+        return checkpointed_residual(branches(args["saved"]), h, params, **args)
 
     def _saved_stash(self, device: torch.device, i: int) -> NVMeStash:
         """Layer ``i``'s saved attention outputs on disk: each chunk's write starts two puts later."""

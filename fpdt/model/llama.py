@@ -29,9 +29,9 @@ from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
+from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
-from fpdt.model.apply import ATTENTION_FIELDS, DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
-from fpdt.model.checkpointing import checkpointed_residual
+from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs
@@ -39,7 +39,7 @@ from fpdt.model.loss import sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
-from fpdt.model.streaming import StreamedLayerFunction, StreamedRun, streamed_loss
+from fpdt.model.streaming import StreamedModel, StreamedRun, streamed_layer, streamed_loss
 from fpdt.model.weights import save_pretrained
 from fpdt.offload import HostStash
 from fpdt.options import FPDTOptions
@@ -59,6 +59,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.num_chunks = num_chunks
 
+    @classmethod
+    def from_weight(cls, weight: nn.Parameter, eps: float, num_chunks: int = 1) -> "RMSNorm":
+        """A norm holding an existing ``weight`` parameter (``fpdt.hf`` adopts a Transformers model's)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.weight, self.eps, self.num_chunks = weight, float(eps), num_chunks
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.num_chunks)
 
@@ -75,14 +83,15 @@ class FPDTDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
-                doc_ids: torch.Tensor | None = None, stream: StreamedRun | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None, rope: RotaryEmbedding | None = None,
+                doc_ids: torch.Tensor | None = None,
+                fpdt_stream: tuple[StreamedRun, int] | None = None) -> torch.Tensor:
         """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``;
-        ``doc_ids`` ``[B, S]``: the global window's packed documents (None: one). With ``stream``
-        (``stream_layers``), ``h`` is the empty token of :mod:`fpdt.model.streaming` and the layer's
-        input and output are chunks in ``stream``'s host stashes."""
-        if stream is not None:
-            return StreamedLayerFunction.apply(h, stream, stream.layers.index(self), *self.parameters())
+        ``doc_ids`` ``[B, S]``: the global window's packed documents (None: one). With ``fpdt_stream``
+        (``stream_layers``: the run and this layer's index), ``h`` is the empty token of
+        :mod:`fpdt.model.streaming` and the layer's input and output are chunks in its host stashes."""
+        if fpdt_stream is not None:
+            return streamed_layer(self, h, fpdt_stream)
         h = h + self.attention_branch(h, position_ids, rope, doc_ids)
         return h + self.mlp_branch(h)
 
@@ -173,18 +182,11 @@ class FPDTForCausalLM(nn.Module):
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        mesh = self.options.mesh
-        return mesh.sp_group if mesh is not None else self.options.group
+        return sp_group_of(self.options.group, self.options.mesh)
 
     def sp_rank_size(self) -> tuple[int, int]:
-        """``(rank, size)`` of this process in the sequence-parallel group (``(0, 1)`` without one);
-        with a mesh, ``(mesh.sp_rank, hp * cp)``."""
-        mesh = self.options.mesh
-        if mesh is not None:
-            return mesh.sp_rank, mesh.sp
-        if not dist.is_available() or not dist.is_initialized():
-            return 0, 1
-        return dist.get_rank(self.sp_group), dist.get_world_size(self.sp_group)
+        """``(rank, size)`` in the sequence-parallel group (:func:`fpdt.comm.sp_rank_size`)."""
+        return sp_rank_size(self.options.group, self.options.mesh)
 
     def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                        position_ids: torch.Tensor | None = None, shift: bool = True, *,
@@ -284,7 +286,9 @@ class FPDTForCausalLM(nn.Module):
             if return_logits:
                 raise ValueError("return_logits materialises [B, S_local, V] logits, and stream_layers keeps every "
                                  "full-length tensor off the device: call with stream_layers=False to get logits")
-            return streamed_loss(self, input_ids, labels, position_ids, doc_ids, num_valid_tokens, sp, self.sp_group)
+            spec = StreamedModel(self.options, self.loss_chunks, self.saving_layers, self.model.rotary_emb.cos_sin)
+            return streamed_loss(self, spec, input_ids, labels, position_ids, doc_ids, num_valid_tokens, sp,
+                                 self.sp_group)
         h = self._decoder(input_ids, position_ids, doc_ids)                 # [B, S_local, hidden]
         loss = None if labels is None else self._loss(h, labels, num_valid_tokens, sp)
         if return_logits:
@@ -296,16 +300,15 @@ class FPDTForCausalLM(nn.Module):
         rope = self.model.rotary_emb
         h = self.model.embed_tokens(input_ids)
         checkpoints = self._checkpoints
-        checkpoints.start()
         for i, layer in enumerate(self.model.layers):
             if not checkpoints.enabled:
                 h = layer(h, position_ids, rope, doc_ids)
                 continue
-            args = checkpoints.arguments(i, h.device)
-            branches = (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope,
-                                          doc_ids=doc_ids, saved=args["saved"]),
-                        layer.mlp_branch)
-            h = checkpointed_residual(branches, h, list(layer.parameters()), **args)
+
+            def branches(saved, layer=layer):
+                return (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope,
+                                          doc_ids=doc_ids, saved=saved), layer.mlp_branch)
+            h = checkpoints.checkpointed_layer(i, h, branches, list(layer.parameters()))
         return self.model.norm(h)
 
     @property
@@ -344,18 +347,6 @@ class FPDTAdapter(DecoderAdapter):
 
     def norms(self) -> list[nn.Module]:
         return [m for m in self.model.modules() if isinstance(m, RMSNorm)]
-
-    def set_attention(self, attention: nn.Module, options: FPDTOptions) -> None:
-        for name in ATTENTION_FIELDS:
-            setattr(attention, name, getattr(options, name))
-        # without a layer checkpoint every layer would keep o_proj's input to backward
-        attention.o_proj_input_from_stash = options.checkpointing == "off"
-
-    def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
-        norm.num_chunks = num_chunks
-
-    def set_mlp_chunks(self, mlp: nn.Module, num_chunks: int) -> None:
-        mlp.num_chunks = num_chunks
 
     def set_layer_checkpoints(self, checkpoints: LayerCheckpoints) -> None:
         self.model._checkpoints = checkpoints      # the decoder loop of FPDTForCausalLM._decoder

@@ -48,7 +48,8 @@ from torch import nn
 from fpdt.model.checkpointing import donated_gradient, output_values_unused
 from fpdt.model.chunks import budget_chunks, chunk_bounds
 from fpdt.ops.rmsnorm import norm_backward, normalised
-from fpdt.ops.lora import LoraAdapters, accumulators, attached_adapters, finish, lora_backward, with_lora
+from fpdt.ops.lora import LoraAdapters, accumulators, finish, lora_backward, with_lora
+from fpdt.ops.projections import read_projections
 
 
 def default_mlp_chunks(hidden_size: int, intermediate_size: int, num_chunks: int = 1) -> int:
@@ -243,8 +244,9 @@ class ChunkedSwiGLU(nn.Module):
             autograd MLP (keeps ``[B, S_local, I]`` intermediates; for comparisons).
             May be reassigned after construction.
 
-    LoRA adapters attached by :func:`fpdt.model.lora.add_lora` run inside the chunked function
-    (dropout follows ``self.training``).
+    The projections may be plain ``nn.Linear`` with the LoRA adapters :func:`fpdt.model.lora.add_lora`
+    attached, or PEFT LoRA layers (:mod:`fpdt.ops.projections`); their terms run inside the chunked
+    function. :meth:`from_projections` builds one around existing modules (``fpdt.hf`` does).
 
     ``forward(x [B, S_local, hidden]) -> [B, S_local, hidden]``.
     """
@@ -256,11 +258,27 @@ class ChunkedSwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.num_chunks = num_chunks
 
+    projection_fix = "use plain nn.Linear or PEFT LoRA projections"
+    """The fix a refused projection's error names (:mod:`fpdt.ops.projections`)."""
+
+    @classmethod
+    def from_projections(cls, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
+                         num_chunks: int = 1) -> "ChunkedSwiGLU":
+        """A chunked MLP over existing projection modules, which become its children."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.gate_proj, self.up_proj, self.down_proj, self.num_chunks = gate_proj, up_proj, down_proj, num_chunks
+        return self
+
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """``norm``: an RMSNorm (``weight``, ``eps``) to apply to ``x`` first; chunked, it runs
         inside the chunked function (module docstring)."""
-        adapters = attached_adapters((self.gate_proj, self.up_proj, self.down_proj), self.training)
-        return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, self.num_chunks, adapters, norm)
+        if self.num_chunks == 0 and not any(hasattr(m, "lora_A") for m in (self.gate_proj, self.up_proj,
+                                                                              self.down_proj)):
+            return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, 0, None, norm)
+        proj = read_projections({"gate_proj": self.gate_proj, "up_proj": self.up_proj, "down_proj": self.down_proj},
+                                type(self).__name__, self.projection_fix, self.training)
+        return swiglu_of_linears(x, *proj.bases, self.num_chunks, proj.adapters, norm)
 
     def extra_repr(self) -> str:
         return f"num_chunks={self.num_chunks}"

@@ -35,33 +35,54 @@ layer ``k``'s backward reads layer ``k - 1``'s back. Gradient chunks stay on the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
+from fpdt.attention.module import norm_eps
 from fpdt.attention.mesh_pipeline import run_backward, run_forward
 from fpdt.attention.output_projection import output_projection
-from fpdt.attention.projected_attention import QKVChunks, attention_spec, rotation_of
+from fpdt.attention.projected_attention import QKVChunks, attention_spec
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.model.checkpointing import replayed_rng, rng_state
 from fpdt.model.layer_checkpoints import global_rank, nvme_layer_count
+from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.loss import chunked_lm_loss, sum_over_group, valid_token_scale
 from fpdt.offload import HostStash
 from fpdt.offload.nvme import shared_store
 from fpdt.offload.nvme_stash import NVMeStash
-from fpdt.ops.lora import attached_adapters
+from fpdt.options import FPDTOptions
+from fpdt.ops.projections import read_output_projection, read_projections
 
 RESIDUAL, RESIDUAL_GRAD = "residual", "residual grad"     # a layer's input chunk, and its gradient
 O_GRAD, BRANCH_GRAD = "o grad", "branch grad"           # d(attention output), d(x + o_proj(o)) chunks
 
 
+@dataclass(frozen=True)
+class StreamedModel:
+    """What a streamed run reads of a causal LM besides its modules (``model.model.embed_tokens``,
+    ``.layers``, ``.norm``, ``model.lm_head``; each layer's ``input_layernorm``, ``self_attn`` (an
+    :class:`fpdt.attention.FPDTAttention`), ``post_attention_layernorm`` (fpdt's RMSNorm) and ``mlp``
+    (a :class:`fpdt.model.ChunkedSwiGLU`)): the options, the loss's token chunks, how many of the
+    first layers save their attention output, and ``rope(position_ids, dtype) -> (cos, sin)`` of a
+    chunk's positions."""
+
+    options: FPDTOptions
+    loss_chunks: int
+    saving: int
+    rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
 class StreamedRun:
     """One forward call of a streamed model: the host stashes of its residual stream and what
-    every pass reads. ``model`` is a :class:`fpdt.model.FPDTForCausalLM`; ``input_ids`` and
-    ``position_ids`` ``[B, S_local]``; ``doc_ids`` ``[B, S]`` or None; ``saving``: how many of
-    the first layers keep their attention output (``attention_checkpoint="save"``)."""
+    every pass reads. ``model``: a causal LM as :class:`StreamedModel` says, ``spec`` what else;
+    ``input_ids`` and ``position_ids`` ``[B, S_local]``; ``doc_ids`` ``[B, S]`` or None."""
 
-    def __init__(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids, saving: int):
-        opts = model.options
+    def __init__(self, model, spec: StreamedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids):
+        opts, saving = spec.options, spec.saving
+        self.spec = spec
         self.model, self.layers = model, list(model.model.layers)
         self.opts, self.device = opts, input_ids.device
         self.ids, self.position_ids, self.doc_ids = input_ids, position_ids, doc_ids
@@ -120,12 +141,14 @@ class StreamedRun:
         spec = attention_spec(shape, attn.q_proj.weight.dtype, self.device, heads, group=attn.group, mesh=attn.mesh,
                               num_chunks=self.u, backend=attn.backend, softmax_scale=attn.softmax_scale,
                               doc_ids=self.doc_ids, label=f"layer {k}", runtime=attn.runtime)
-        adapters = attached_adapters((attn.q_proj, attn.k_proj, attn.v_proj), attn.training)
+        proj = read_projections({"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj},
+                                type(attn).__name__, attn.projection_fix, attn.training)
+        adapters, (q, k_, v) = proj.adapters, proj.bases
         lora, tensors = (None, ()) if adapters is None else (adapters.layout, adapters.tensors)
-        rope = self.model.model.rotary_emb
-        qkv = QKVChunks((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
-                        (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias), heads, self.L,
-                        rotation_of(rope, self.position_ids, None, None), None, lora, tensors,
+        rope, positions = self.spec.rope, self.position_ids
+        qk_norm = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight, norm_eps(attn.q_norm))
+        qkv = QKVChunks((q.weight, k_.weight, v.weight), (q.bias, k_.bias, v.bias), heads, self.L,
+                        lambda sl, dtype: rope(positions[:, sl], dtype), qk_norm, lora, tensors,
                         lora.draw_seed() if lora is not None else None)
         stash = HostStash(self.device, enabled=True, label=f"layer {k}", runtime=self.opts.runtime)
         return spec, stash, qkv
@@ -138,10 +161,14 @@ class StreamedRun:
         """``y = h + mlp(norm(h))`` with ``h = x + o_proj(o)``, one chunk."""
         layer = self.layers[k]
         o_proj = layer.self_attn.o_proj
-        adapters = attached_adapters((o_proj,), layer.self_attn.training)
-        a = o_proj(o) if adapters is None else output_projection(o, o_proj.weight, o_proj.bias, adapters, 1)
+        read = read_output_projection(o_proj, type(layer.self_attn).__name__, layer.self_attn.training)
+        if read is None or read.adapters is None:
+            a = o_proj(o)
+        else:
+            a = output_projection(o, read.bases[0].weight, read.bases[0].bias, read.adapters, 1)
         h = x + a
-        return h + layer.mlp_branch(h)
+        mlp, norm = layer.mlp, layer.post_attention_layernorm
+        return h + (mlp(h, norm=norm) if isinstance(mlp, ChunkedSwiGLU) else mlp(norm(h)))
 
     def layer_forward(self, k: int) -> None:
         """Layer ``k``: stash ``k``'s input chunks -> stash ``k + 1``'s (module docstring)."""
@@ -192,7 +219,8 @@ class StreamedRun:
             spec, stash, qkv = self._attention(k)
             attn = layer.self_attn
             qkv.start_backward(spec.acc_dtype, [id(w) in wanted for w in qkv.weights],
-                               [b is not None and id(b) in wanted for b in qkv.biases], (False, False),
+                               [b is not None and id(b) in wanted for b in qkv.biases],
+                               [w is not None and id(w) in wanted for w in qkv.norms],
                                [t is not None and id(t) in wanted for t in qkv.lora_tensors], True)
             branch_params = _params_in(wanted, attn.o_proj, layer.post_attention_layernorm, layer.mlp)
             norm_params = _params_in(wanted, layer.input_layernorm)
@@ -229,8 +257,8 @@ class StreamedRun:
             run_backward(spec, grad_out_chunk, deliver, stash)
         if self.saved[k] is not None:
             self.saved[k].end_backward()
-        d_w, d_b, _, d_lora = qkv.finish()
-        for t, d in zip((*qkv.weights, *qkv.biases, *qkv.lora_tensors), (*d_w, *d_b, *d_lora)):
+        d_w, d_b, d_n, d_lora = qkv.finish()
+        for t, d in zip((*qkv.weights, *qkv.biases, *qkv.norms, *qkv.lora_tensors), (*d_w, *d_b, *d_n, *d_lora)):
             if t is not None and d is not None:
                 acc[id(t)] = d
         missing = [i for i, p in enumerate(params) if id(p) in wanted and id(p) not in acc]
@@ -248,7 +276,7 @@ class StreamedRun:
         scale = valid_token_scale(labels, group=group, sp=sp, num_valid_tokens=num_valid_tokens).to(self.device)
         params = [p for p in (norm.weight, weight) if self.for_backward and p.requires_grad]
         acc: dict[int, torch.Tensor] = {}
-        chunks = -(-model.loss_chunks // self.u) if model.loss_chunks else 0
+        chunks = -(-self.spec.loss_chunks // self.u) if self.spec.loss_chunks else 0
         total = None
         for i in range(self.u):
             h = self.fetch(last, RESIDUAL, i, keep=False).detach().requires_grad_(self.for_backward)
@@ -332,17 +360,26 @@ class StreamedHeadFunction(torch.autograd.Function):
         return (torch.empty(0, device=grad.device), None, None, None, None, None, *d)
 
 
-def streamed_loss(model, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor,
-                  doc_ids: torch.Tensor | None, num_valid_tokens, sp: int,
+def streamed_layer(layer, token: torch.Tensor, stream: tuple[StreamedRun, int]) -> torch.Tensor:
+    """A decoder layer's forward under ``stream = (run, k)``: layer ``k`` of ``run`` (the layer
+    module's forward calls this, so ZeRO-3's hooks on the layer gather its parameters)."""
+    run, k = stream
+    return StreamedLayerFunction.apply(token, run, k, *layer.parameters())
+
+
+def streamed_loss(model, spec: StreamedModel, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                  position_ids: torch.Tensor, doc_ids: torch.Tensor | None, num_valid_tokens, sp: int,
                   group: dist.ProcessGroup | None) -> torch.Tensor | None:
-    """:meth:`fpdt.model.FPDTForCausalLM.forward` with ``stream_layers``: the embedding, every layer
-    and the loss streamed through host memory (module docstring). Returns the global token-mean
-    loss (the convention of :func:`fpdt.model.loss.sequence_parallel_lm_loss`), None without labels."""
-    run = StreamedRun(model, input_ids, position_ids, doc_ids, model.saving_layers)
+    """The forward of a causal LM (:class:`StreamedModel`) with ``stream_layers``: the embedding,
+    every layer and the loss streamed through host memory (module docstring). Each decoder layer is
+    called as ``layer(token, fpdt_stream=(run, k))``, whose forward returns :func:`streamed_layer`.
+    Returns the global token-mean loss (the convention of
+    :func:`fpdt.model.loss.sequence_parallel_lm_loss`), None without labels."""
+    run = StreamedRun(model, spec, input_ids, position_ids, doc_ids)
     anchor = torch.empty(0, device=input_ids.device, requires_grad=run.for_backward)
     token = StreamedEmbeddingFunction.apply(anchor, model.model.embed_tokens.weight, run)
-    for layer in run.layers:
-        token = layer(token, position_ids, model.model.rotary_emb, doc_ids, stream=run)
+    for k, layer in enumerate(run.layers):
+        token = layer(token, fpdt_stream=(run, k))
     if labels is None:
         for stash in run.stashes:
             stash.clear()

@@ -35,7 +35,6 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 TENSORS_PER_TERM = 3     # A, B, B's bias (or None)
 
@@ -243,21 +242,3 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if len(adapters.layout.terms) != 1:
         raise ValueError(f"lora_linear takes one projection's adapters, got {len(adapters.layout.terms)}")
     return LoraLinearFunction.apply(x, weight, bias, num_chunks, adapters.layout, *adapters.tensors)
-
-
-def attached_adapters(linears: Sequence[nn.Module], training: bool) -> LoraAdapters | None:
-    """The adapters :func:`fpdt.model.lora.add_lora` attached to fpdt's own projections
-    (``linear.lora_A`` ``[r, in]``, ``linear.lora_B`` ``[out, r]``, ``linear.lora_scaling`` and
-    ``linear.lora_dropout``), as the layout and tensors of one chunked function over
-    ``linears`` (in its projection order); None when none of them has one. Dropout counts
-    only while ``training``."""
-    terms, tensors = [], []
-    for linear in linears:
-        a = getattr(linear, "lora_A", None)
-        if a is None:
-            terms.append(())
-            continue
-        p = float(linear.lora_dropout) if training else 0.0
-        terms.append((LoraTerm(scaling=float(linear.lora_scaling), dropout=p, stream=len(tensors) // 3),))
-        tensors += [a.weight, linear.lora_B.weight, None]
-    return LoraAdapters(LoraLayout(tuple(terms)), tuple(tensors)) if tensors else None

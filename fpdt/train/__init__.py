@@ -16,5 +16,5 @@ Modules (the planner reads :mod:`~fpdt.train.config`, :mod:`~fpdt.train.metrics`
 * :mod:`~fpdt.train.lora`       -- LoRA fine-tuning: flags, checks, adapters, what checkpoints record
 * :mod:`~fpdt.train.saving`     -- save / resume
 * :mod:`~fpdt.train.export`     -- training checkpoint -> Hugging Face checkpoint (PEFT adapter for LoRA)
-* ``fpdt-train`` itself is :mod:`fpdt.cli.train` (above the planner it uses; ``python -m fpdt.train`` runs it)
+* ``fpdt-train`` itself is :mod:`fpdt.cli.train` (above the planner it uses; ``python -m fpdt.cli`` runs it)
 """

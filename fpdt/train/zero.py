@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -71,57 +71,21 @@ def quiet_deepspeed_warnings() -> None:
         logger.addFilter(_DropMessages("get learning rate from scheduler before it has started"))
 
 
-def external_params(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, torch.nn.Parameter]]:
-    """``(module, parameter)`` for every parameter a module of the FPDT model reads directly
-    inside a fused autograd Function instead of calling the submodule that owns it:
-
-    * :class:`fpdt.attention.FPDTAttention` -- its ``q_proj``/``k_proj``/``v_proj`` weights and biases,
-      and ``o_proj``'s when it has a LoRA adapter or reads its input back from the attention's stash
-      (``o_proj_input_from_stash``; the chunked output projection reads it);
-    * :class:`fpdt.model.ChunkedSwiGLU` -- its ``gate_proj``/``up_proj``/``down_proj`` weights and biases,
-      and the decoder layer's ``post_attention_layernorm`` weight (the norm runs inside the MLP);
-    * the root :class:`fpdt.model.FPDTForCausalLM` -- ``lm_head.weight`` (the chunked loss);
-    * with LoRA (:func:`fpdt.model.add_lora`), the adapters of each of those projections.
-    """
-    from fpdt.attention.module import FPDTAttention
-    from fpdt.model import ChunkedSwiGLU, FPDTForCausalLM
-    from fpdt.model.llama import FPDTDecoderLayer
-
-    owners = ((FPDTAttention, ("q_proj", "k_proj", "v_proj")),
-              (ChunkedSwiGLU, ("gate_proj", "up_proj", "down_proj")),
-              (FPDTForCausalLM, ("lm_head",)))
-    if getattr(getattr(model, "options", None), "stream_layers", False):
-        # the streamed embedding and head (fpdt.model.streaming) read these inside the root's forward
-        yield model, model.model.embed_tokens.weight
-        yield model, model.model.norm.weight
-    for module in model.modules():
-        if isinstance(module, FPDTDecoderLayer):
-            yield module.mlp, module.post_attention_layernorm.weight
-        for cls, names in owners:
-            if not isinstance(module, cls):
-                continue
-            if cls is FPDTAttention and (getattr(module.o_proj, "lora_A", None) is not None
-                                         or module.o_proj_input_from_stash):
-                names = names + ("o_proj",)
-            for name in names:
-                child = getattr(module, name, None)
-                if child is not None:
-                    for p in child.parameters():        # with LoRA, its lora_A / lora_B too
-                        yield module, p
-
-
 def register_external_params(model: torch.nn.Module) -> int:
     """Tell ZeRO-3 which modules use parameters of submodules they never call.
 
     ZeRO-3 gathers a module's own parameters around its forward and re-partitions them
     afterwards. The fused FPDT Functions read their projections' weights without calling
-    those ``nn.Linear`` modules, so without this the weights could still be partitioned
-    (empty) when read. Returns how many parameters were registered.
+    those ``nn.Linear`` modules (:mod:`fpdt.model.external_params`), so without this the weights
+    could still be partitioned (empty) when read. Returns how many parameters were registered.
     """
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
+    from fpdt.model.external_params import directly_read
+
     n = 0
-    for module, p in external_params(model):
+    streamed = getattr(getattr(model, "options", None), "stream_layers", False)
+    for module, p in directly_read(model, lm_head=True, streamed=streamed):
         register_external_parameter(module, p)
         n += 1
     return n

@@ -22,9 +22,12 @@ import fpdt.hf
 import fpdt.hf.attention
 import fpdt.hf.apply_steps
 import fpdt.model.mlp
+from fpdt.attention import FPDTAttention
 from fpdt.comm import SequenceMesh
+from fpdt.model.llama import RMSNorm
+from fpdt.model.mlp import ChunkedSwiGLU
 from tests.distributed import run_distributed
-from tests.model.helpers import compare, hf_config, hf_loss_and_grads, hf_model, rel_err, tokens
+from tests.model.helpers import compare, compare_bf16, hf_config, hf_loss_and_grads, hf_model, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -79,7 +82,7 @@ def _reference_model(name):
 
 def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload, checkpointing, wgrad,
              options=None, mesh=None, B=2, S=None, dtype=torch.float32, tol=1e-5, device="cpu",
-             against_fp32=False):
+             against_float64=None):
     ref = _reference_model(name).to(device, dtype)
     # at least 16 tokens: with 4, only position 0 has a label (tokens() masks spans from 2 on), whose
     # attention is over itself alone, so q and k would get no gradient at all
@@ -95,9 +98,9 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
         model.gradient_checkpointing_enable()    # Transformers' default: non-reentrant
     inputs = fpdt.hf.prepare_inputs(model, ids, labels=labels)
     with count_calls(fpdt.hf.attention, "fpdt_attention") as interface_calls, \
-            count_calls(fpdt.hf.attention, "projected_fpdt_attention") as projected_calls, \
+            count_calls(fpdt.attention.module, "projected_fpdt_attention") as projected_calls, \
             count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls, \
-            count_calls(fpdt.hf.apply_steps, "rms_norm") as norm_calls:
+            count_calls(fpdt.model.llama, "rms_norm") as norm_calls:
         out = model(**inputs)
         assert out.logits is None if loss_chunks != 0 else out.logits.shape[:2] == (B, S // world)
         stash = checkpoint_stash(model) if checkpointing == "offload" else None
@@ -123,22 +126,17 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
             dist.all_reduce(g)
     what = (f"{name} rank {rank}/{world} u={num_chunks} mlp={mlp_chunks} loss={loss_chunks} offload={offload} "
             f"ckpt={checkpointing} wgrad={wgrad} {options} mesh={mesh and (mesh.hp, mesh.cp)} {dtype}")
-    if against_fp32:
-        return _no_worse_than_transformers_bf16(name, ids, labels, out.loss, grads, ref_loss, ref_grads, what, tol)
+    if against_float64 or (against_float64 is None and dtype == torch.bfloat16):
+        return _no_worse_than_transformers_bf16(name, ids, labels, out.loss, grads, ref_loss, ref_grads, what)
     return compare(out.loss, grads, ref_loss, ref_grads, what, tol=tol)
 
 
-def _no_worse_than_transformers_bf16(name, ids, labels, loss, grads, ref_loss, ref_grads, what, tol):
-    """bf16 against the fp32 truth, with Transformers' own bf16 error as the yardstick: each
-    error within ``tol`` or within 1.25x Transformers' (where its own bf16 is further than
-    ``tol`` from fp32, as with Qwen3's per-head norms over a small head dim)."""
-    truth = _reference_model(name).to(ids.device)
+def _no_worse_than_transformers_bf16(name, ids, labels, loss, grads, ref_loss, ref_grads, what):
+    """bf16 against the float64 truth, with Transformers' own bf16 error as the yardstick
+    (:func:`tests.model.helpers.compare_bf16`)."""
+    truth = _reference_model(name).to(ids.device, torch.float64)
     truth_loss, truth_grads = hf_loss_and_grads(truth, ids, labels)
-    errors = {"loss": (rel_err(loss, truth_loss), rel_err(ref_loss, truth_loss))}
-    errors.update({n: (rel_err(g, truth_grads[n]), rel_err(ref_grads[n], truth_grads[n])) for n, g in grads.items()})
-    bad = {n: e for n, e in errors.items() if not e[0] <= max(tol, 1.25 * e[1])}
-    assert not bad, f"{what}: (ours, Transformers bf16) errors against fp32 beyond the yardstick: {bad}"
-    return errors
+    return compare_bf16(loss, grads, ref_loss, ref_grads, truth_loss, truth_grads, what)
 
 
 @pytest.mark.slow
@@ -172,7 +170,7 @@ def test_logits_without_labels():
 
 def test_bf16_close_to_transformers_bf16():
     run_case("llama_gqa", 0, 1, num_chunks=2, mlp_chunks=None, loss_chunks=None, offload=True, checkpointing="offload",
-             wgrad="recompute", S=64, dtype=torch.bfloat16, tol=2e-2)
+             wgrad="recompute", S=64, dtype=torch.bfloat16)
 
 
 def _multi_rank(rank, world, cases, mesh_shape=None):
@@ -443,7 +441,7 @@ def _qwen3_two_ranks(rank, world):
     run_case("qwen3", rank, world, num_chunks=2, mlp_chunks=None, loss_chunks=None, offload=True,
              checkpointing="offload", wgrad="recompute")
     run_case("qwen3", rank, world, num_chunks=2, mlp_chunks=None, loss_chunks=None, offload=True,
-             checkpointing="hf", wgrad="recompute", S=64, dtype=torch.bfloat16, tol=2e-2, against_fp32=True)
+             checkpointing="hf", wgrad="recompute", S=64, dtype=torch.bfloat16)
 
 
 @pytest.mark.slow
@@ -620,7 +618,7 @@ def test_zero3_external_parameters_registered():
 def _bf16_two_ranks(rank, world):
     for name, u in (("llama_gqa", 2), ("qwen2_tied", 1)):
         run_case(name, rank, world, num_chunks=u, mlp_chunks=None, loss_chunks=None, offload=True,
-                 checkpointing="hf", wgrad="recompute", S=64, dtype=torch.bfloat16, tol=2e-2)
+                 checkpointing="hf", wgrad="recompute", S=64, dtype=torch.bfloat16)
 
 
 @pytest.mark.slow
@@ -634,7 +632,7 @@ def test_cuda_bf16_with_offload_close_to_transformers(checkpointing):
     """On a GPU: real CUDA streams and pinned host buffers for the attention chunks (and, with
     fpdt's checkpoint, the layer inputs), against the unchanged model on the same GPU."""
     run_case("llama_gqa", 0, 1, num_chunks=4, mlp_chunks=None, loss_chunks=None, offload=True,
-             checkpointing=checkpointing, wgrad="recompute", S=256, dtype=torch.bfloat16, tol=2e-2, device="cuda")
+             checkpointing=checkpointing, wgrad="recompute", S=256, dtype=torch.bfloat16, device="cuda")
 
 
 def _right_padded(vocab, S):
@@ -678,8 +676,10 @@ def test_right_padding_matches_transformers_with_its_mask():
 
 @pytest.mark.parametrize("checkpointing", ["off", "on"])
 def test_remove_fpdt_restores_the_model(checkpointing):
-    """remove_fpdt undoes every patch apply_fpdt made (each went through fpdt.hf.patches):
-    no instance attribute is left on any module, the attention name is the model's own again,
+    """apply_fpdt puts fpdt.model's own modules in place (FPDTAttention, ChunkedSwiGLU, RMSNorm) holding
+    the model's parameters under the same names; remove_fpdt undoes every patch apply_fpdt made (each
+    went through fpdt.hf.patches): the original modules are back, no instance attribute is left on
+    any module, the attention name is the model's own again,
     Transformers' attention and mask registries hold the entries they held, and the model
     computes the same logits, loss and gradients, bit for bit; it can then be applied again."""
     from transformers import AttentionInterface
@@ -696,15 +696,22 @@ def test_remove_fpdt_restores_the_model(checkpointing):
 
     model = hf_model("llama_gqa")
     before = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    modules = dict(model.named_modules())
     attention, registered = model.config._attn_implementation, registries()
     ids = torch.randint(0, model.config.vocab_size, (1, 32))
     ref = run()
+    keys = {k: v.data_ptr() for k, v in model.state_dict().items()}
     fpdt.hf.apply_fpdt(model, num_chunks=2, checkpointing=checkpointing)
     assert model.config._attn_implementation != attention
-    assert "forward" in model.model.layers[0].mlp.__dict__
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == keys    # the same tensors, the same names
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn, FPDTAttention) and type(layer.mlp) is ChunkedSwiGLU
+        assert type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+    assert type(model.model.norm) is RMSNorm
     assert {n: set(r) - set(registered[n]) for n, r in registries().items()} == \
         {n: {model.config._attn_implementation} for n in registered}
     fpdt.hf.remove_fpdt(model)
+    assert all(modules[n] is m for n, m in model.named_modules()) and len(modules) == len(dict(model.named_modules()))
     after = {name: dict(m.__dict__) for name, m in model.named_modules()}
     assert {n: sorted(d) for n, d in after.items()} == {n: sorted(d) for n, d in before.items()}
     assert model.config._attn_implementation == attention and getattr(model, "fpdt", None) is None

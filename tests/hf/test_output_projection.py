@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import fpdt.hf
+import fpdt.attention.module
 import fpdt.hf.attention
 from fpdt.comm import SequenceMesh
 from fpdt.ops.lora import lora_linear
@@ -38,34 +39,34 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 def o_proj_sources():
     """Record each call of the chunked output projection from the HF attention: True when it
     reads its input from the attention's stash, False when it saves it."""
-    calls, original = [], fpdt.hf.attention.output_projection
+    calls, original = [], fpdt.attention.module.output_projection
 
     def spy(x, weight, bias, adapters, num_chunks, source=None):
         calls.append(source is not None)
         return original(x, weight, bias, adapters, num_chunks, source)
 
-    fpdt.hf.attention.output_projection = spy
+    fpdt.attention.module.output_projection = spy
     try:
         yield calls
     finally:
-        fpdt.hf.attention.output_projection = original
+        fpdt.attention.module.output_projection = original
 
 
 @contextlib.contextmanager
 def before_the_change():
     """The HF attention's ``o_proj`` as it was: the module's own ``F.linear``, or a LoRA ``o_proj``
     through ``lora_linear`` over ``2 u`` token chunks, saving the attention output."""
-    original = fpdt.hf.attention.output_projection
+    original = fpdt.attention.module.output_projection
 
     def old(x, weight, bias, adapters, num_chunks, source=None):
         return F.linear(x, weight, bias) if adapters is None else lora_linear(x, weight, bias, adapters,
                                                                               2 * num_chunks)
 
-    fpdt.hf.attention.output_projection = old
+    fpdt.attention.module.output_projection = old
     try:
         yield
     finally:
-        fpdt.hf.attention.output_projection = original
+        fpdt.attention.module.output_projection = original
 
 
 # (model, u, lora): llama_gqa is GQA 6:2, llama_bias MHA with biases (o_proj's bias read directly)

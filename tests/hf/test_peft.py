@@ -1,7 +1,7 @@
 """PEFT LoRA models through ``fpdt.hf.apply_fpdt``, against the same PEFT models unchanged.
 
 The chunked q/k/v projection and the chunked MLP compute PEFT's LoRA layers themselves
-(``fpdt.hf.adapters``). A single-process PEFT model (eager attention, Transformers' loss)
+(``fpdt.ops.projections``). A single-process PEFT model (eager attention, Transformers' loss)
 gives the loss and the adapters' gradients; the patched copy runs on 1, 2 and 4 gloo ranks
 (and the 2 x 2 mesh) with its per-rank gradients summed over the SP group. fp32 within 1e-5.
 Adapters start with random ``B`` (``init_lora_weights=False``) so every gradient is nonzero.
@@ -73,7 +73,7 @@ def run_lora_case(name, rank, world, *, num_chunks, checkpointing=False, offload
     if checkpointing == "hf":
         model.gradient_checkpointing_enable()
     inputs = fpdt.hf.prepare_inputs(model, ids, labels=labels)
-    with count_calls(fpdt.hf.attention, "projected_fpdt_attention") as attention_calls, \
+    with count_calls(fpdt.attention.module, "projected_fpdt_attention") as attention_calls, \
             count_calls(fpdt.model.mlp.ChunkedSwiGLUFunction, "apply") as mlp_calls, \
             count_calls(OutputProjectionFunction, "apply") as o_proj_calls:
         loss = model(**inputs).loss
@@ -199,9 +199,8 @@ def test_refusals_name_the_fix():
     with pytest.raises(fpdt.hf.FPDTHFError, match="LoRA variant.*DoRA.*chunked_qkv=False"):
         fpdt.hf.apply_fpdt(dora)
     dora_mlp = peft_model("llama_gqa", lora_config(targets=["gate_proj"], use_dora=True))
-    model = fpdt.hf.apply_fpdt(dora_mlp, num_chunks=2)
     with pytest.raises(fpdt.hf.FPDTHFError, match="LoRA variant.*mlp_chunks=0"):
-        model(input_ids=ids, labels=labels)
+        fpdt.hf.apply_fpdt(dora_mlp, num_chunks=2)
     fpdt.hf.apply_fpdt(peft_model("llama_gqa", lora_config(targets=["gate_proj"], use_dora=True)), num_chunks=2,
                        mlp_chunks=0)(input_ids=ids, labels=labels)        # the fix works
     head = fpdt.hf.apply_fpdt(peft_model("llama_gqa", lora_config(targets=["q_proj", "lm_head"])), num_chunks=2)
@@ -227,7 +226,7 @@ def test_zero3_registers_the_adapters_with_the_module_that_reads_them():
 
 def test_every_adapter_draws_its_own_dropout_masks():
     """As PEFT's separate dropout modules do: one mask stream per (projection, adapter) of a function."""
-    from fpdt.hf.adapters import read_projections
+    from fpdt.ops.projections import read_projections
 
     model = peft_model("llama_gqa", lora_config(dropout=0.1), second=lora_config(targets=["q_proj"], dropout=0.2))
     attn = model.base_model.model.model.layers[0].self_attn

@@ -259,6 +259,8 @@ def _trainer_route(rank, world, sp, cases):
     (2, 2, [("llama_gqa", 1, False, {}), ("llama_gqa", 2, True, {}), ("qwen2_tied", 4, True, {}),
             ("mistral", 2, False, {"loss_chunks": 0}),
             ("llama_gqa", 2, True, {"offload": True, "checkpointing": "offload"}),
+            ("llama_gqa", 2, True, {"offload": True, "checkpointing": "offload", "runtime": "sim",
+                                    "stream_layers": True}),
             ("llama_bias", 2, True, {"hf_checkpointing": True}),
             ("llama_gqa", 2, False, {"right_padding": True, "offload": True, "checkpointing": "offload"})]),
     (4, 4, [("llama_sp4", 2, True, {})]),      # KV heads replicated: 2 < 4
@@ -288,6 +290,13 @@ def test_one_process_needs_no_trainer_group_and_matches_transformers():
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
     compare(out.loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "group='trainer', 1 rank")
+    streamed = fpdt.hf.apply_fpdt(copy.deepcopy(ref), group="trainer", num_chunks=2, offload=True, runtime="sim",
+                                  checkpointing="offload", stream_layers=True)
+    streamed.zero_grad(set_to_none=True)
+    out = streamed(input_ids=ids, labels=labels)
+    out.loss.backward()
+    compare(out.loss, {n: p.grad for n, p in streamed.named_parameters()}, ref_loss, ref_grads,
+            "group='trainer', 1 rank, stream_layers")
 
 
 def test_trainer_settings_refused_with_the_fix():

@@ -60,7 +60,9 @@ def o_proj_backward_bytes(u: int, from_stash: bool = True, chunk: int = CHUNK, l
             linear.lora_B = nn.Linear(RANK, linear.out_features, bias=False)
             linear.lora_scaling, linear.lora_dropout = 2.0, lora
         layer.train()
-    layer.o_proj_input_from_stash = from_stash
+    if from_stash is not None:          # None: the module's default
+        layer.o_proj_input_from_stash = from_stash
+    from_stash = layer.o_proj_input_from_stash
     S_local = chunk * u
     x = torch.randn(1, S_local, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     pos = local_position_ids(S_local * P, P, u, rank, 1)
@@ -71,7 +73,8 @@ def o_proj_backward_bytes(u: int, from_stash: bool = True, chunk: int = CHUNK, l
         p.grad = None if p.grad is None else torch.zeros_like(p.grad)   # pre-allocated: the baseline
     phase = contextlib.ExitStack()
     with MemoryAccountant("cpu", detail=DETAIL) as acct:
-        out = layer(x, pos, rope)
+        with acct.phase("forward"):
+            out = layer(x, pos, rope)
         after_forward = acct.device_live
         node = out.grad_fn
         assert from_stash == (node.name() == f"{OutputProjectionFunction.__name__}Backward"), node.name()
@@ -80,7 +83,8 @@ def o_proj_backward_bytes(u: int, from_stash: bool = True, chunk: int = CHUNK, l
         out.backward(dout)
     X = 1 * chunk * H * D * 2
     return {"peak": acct.phases["o_proj"].peak_above_start if from_stash else None,
-            "dx": S_local * H * D * 2, "X": X, "after_forward": after_forward}
+            "dx": S_local * H * D * 2, "X": X, "after_forward": after_forward,
+            "forward_peak": acct.phases["forward"].peak_above_start}
 
 
 W = HIDDEN * H * D                          # elements of o_proj's weight
@@ -126,6 +130,17 @@ def test_the_input_is_not_held_from_forward_to_backward():
     held = o_proj_backward_bytes(4, from_stash=False)["after_forward"]
     r = o_proj_backward_bytes(4)
     assert held - r["after_forward"] == r["dx"], (held, r["after_forward"], r["dx"])
+
+
+@pytest.mark.parametrize("u", [4, 32])
+def test_the_standalone_module_keeps_no_full_length_tensor_by_default(u):
+    """``FPDTAttention(..., offload=True)`` as built keeps nothing for backward: after its forward only
+    its output is live (o_proj's input is read back from the stash). While o_proj runs, its input (the
+    attention output) and its output are full-length; beyond them the forward's peak is at most 4
+    chunks (the pipeline's, u = 4; none left by u = 32)."""
+    r = o_proj_backward_bytes(u, from_stash=None)
+    assert r["after_forward"] == r["dx"], r
+    assert r["forward_peak"] - 2 * r["dx"] <= 4 * r["X"], (u, (r["forward_peak"] - 2 * r["dx"]) / r["X"])
 
 
 def _sp2_body(rank, world):

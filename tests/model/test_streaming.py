@@ -136,13 +136,6 @@ def test_refusals_name_the_fix():
         streamed(**streamed.prepare_inputs(ids, labels=labels), return_logits=True)
 
 
-def test_fpdt_hf_refuses_streaming_naming_the_way_that_streams():
-    import fpdt.hf
-    from tests.model.helpers import hf_model as hf
-    with pytest.raises(fpdt.hf.FPDTHFError, match="fpdt.model.from_pretrained"):
-        fpdt.hf.apply_fpdt(hf("llama_gqa"), num_chunks=2, stream_layers=True, **STREAMED)
-
-
 @pytest.mark.parametrize("save", ["recompute", "save"])
 def test_host_bytes_between_the_passes_follow_the_formula(save):
     """From the end of the forward to the start of the backward the host holds exactly every

@@ -31,7 +31,7 @@ def test_the_cuda_defaults_train_at_128k(tmp_path):
     log = str(tmp_path / "run.jsonl")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
                                                              "FPDT_RUNTIME")}
-    proc = subprocess.run([sys.executable, "-m", "fpdt.train", "--model-config", cfg, "--data", data,
+    proc = subprocess.run([sys.executable, "-m", "fpdt.cli", "--model-config", cfg, "--data", data,
                            "--seq-len", str(SEQ_LEN), "--steps", str(STEPS), "--log-json", log],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -46,7 +46,7 @@ def test_dead_or_stalled_rank_stops_the_other_with_a_clear_message(tmp_path, sig
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        cmd = [sys.executable, "-m", "fpdt.train", "--model-config", cfg, "--data", data, "--seq-len", "64",
+        cmd = [sys.executable, "-m", "fpdt.cli", "--model-config", cfg, "--data", data, "--seq-len", "64",
                "--steps", "100000", "--sp", "2", "--log-json", log, "--dist-timeout-min", str(timeout_min)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))

@@ -322,7 +322,7 @@ def saved_run(tmp_path_factory):
     """A 2-step tiny run saved at steps 1 and 2 (one subprocess, so no process group here)."""
     tmp = tmp_path_factory.mktemp("saved")
     cfg, data = write_fixture(str(tmp))
-    cmd = [sys.executable, "-m", "fpdt.train", *_argv(cfg, data), "--steps", "2", "--save-dir", str(tmp / "ckpt"),
+    cmd = [sys.executable, "-m", "fpdt.cli", *_argv(cfg, data), "--steps", "2", "--save-dir", str(tmp / "ckpt"),
            "--save-every", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -351,7 +351,7 @@ def test_resume_with_another_seq_len_warns_and_trains(saved_run, tmp_path):
     extension): one warning line per difference, and the run goes on."""
     _, cfg, data = saved_run
     ck = _copy(saved_run, tmp_path)
-    cmd = [sys.executable, "-m", "fpdt.train", *_argv(cfg, data, seq_len=32), "--steps", "3", "--resume", ck]
+    cmd = [sys.executable, "-m", "fpdt.cli", *_argv(cfg, data, seq_len=32), "--steps", "3", "--resume", ck]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings_ = [l for l in proc.stderr.splitlines() if l.startswith("warning: the resumed run differs")]

@@ -67,7 +67,7 @@ def test_ctrl_c_during_a_run(tmp_path):
     ck = str(tmp_path / "ck")
     argv = ["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "500", "--save-dir", ck,
             "--save-every", "2"]
-    proc = subprocess.Popen([sys.executable, "-m", "fpdt.train", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "fpdt.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as in a terminal
     try:

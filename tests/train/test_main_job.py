@@ -33,7 +33,7 @@ def test_readme_main_job_runs_and_exports(tmp_path):
     log = str(tmp_path / "tiny.jsonl")
     argv[argv.index("--log-json") + 1] = log
     save, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    cmd = [sys.executable, "-m", "fpdt.train", *argv, "--save-dir", save, "--export-hf", hf]
+    cmd = [sys.executable, "-m", "fpdt.cli", *argv, "--save-dir", save, "--export-hf", hf]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(log) as f:

@@ -199,7 +199,7 @@ def test_a_run_the_planner_cannot_describe_still_trains(tmp_path):
     import subprocess
     import sys
     cfg, data = write_fixture(str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "fpdt.train", "--model-config", cfg, "--data", data, "--seq-len", "63",
+    proc = subprocess.run([sys.executable, "-m", "fpdt.cli", "--model-config", cfg, "--data", data, "--seq-len", "63",
                            "--steps", "1", "--no-mem-accounting"], capture_output=True, text=True, env=_clean_env(),
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]

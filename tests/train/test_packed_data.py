@@ -274,7 +274,7 @@ def _jargon_paragraphs(path) -> int:
 
 
 def _train(tmp, *extra):
-    argv = [sys.executable, "-m", "fpdt.train", "--model-config", "examples/tiny-llama/config.json",
+    argv = [sys.executable, "-m", "fpdt.cli", "--model-config", "examples/tiny-llama/config.json",
             "--data", os.path.join(tmp, "jargon.jsonl"), "--seq-len", "256", "--steps", "3",
             "--deepspeed", "examples/tiny-llama/ds_cpu.json", "--pack-documents", "--no-mem-accounting", *extra]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
