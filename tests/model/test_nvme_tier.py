@@ -199,6 +199,7 @@ def _two_ranks(rank, world, path, backend, stream, attention, docs):
         dist.barrier()
         assert sorted(os.listdir(path)) == ["rank0", "rank1"]   # each rank its own directory
         _store_is_empty(path, rank)
+        dist.barrier()                                           # both have looked before either closes
         store.close()
     finally:
         import fpdt.offload.nvme as nvme
