@@ -68,6 +68,12 @@ class FPDTOptions:
     (DeepSpeed's own name for its NVMe directory; ``docs/nvme.md``). Each rank writes files under
     ``{nvme_path}/rank{R}/`` (:class:`fpdt.offload.nvme.NVMeStore`) and removes them at exit.
     None: off, everything offloaded stays in host memory."""
+    nvme_layers: int | None = None
+    """With ``nvme_path``: how many of the *first* decoder layers keep their offloaded input and
+    saved attention output on disk (None: every offloaded layer); the others stay in host memory.
+    The first, because a layer's checkpoint waits from its forward to its backward, longest for
+    layer 0: its I/O has the most compute to hide under, and the last layers, read back first,
+    never make the round trip (``docs/nvme.md``)."""
     stream_layers: bool = False
     """Run every decoder layer as passes over its chunks, with the residual stream between layers
     in host memory a chunk at a time (:mod:`fpdt.model.streaming`): no ``[B, S_local, hidden]``
@@ -193,6 +199,9 @@ class FPDTOptions:
         if self.save_attention_layers is not None and self.save_attention_layers > num_layers:
             raise OptionsError(f"save_attention_layers={self.save_attention_layers} is more than the model's "
                                f"{num_layers} decoder layers (None: every layer)")
+        if self.nvme_layers is not None and self.nvme_layers > num_layers:
+            raise OptionsError(f"nvme_layers={self.nvme_layers} is more than the model's {num_layers} decoder "
+                               f"layers (None: every offloaded layer)")
 
 
 OPTION_NAMES = tuple(f.name for f in fields(FPDTOptions))
@@ -243,7 +252,13 @@ def _streaming_problems(o: FPDTOptions) -> list[str]:
 
 
 def _nvme_problems(o: FPDTOptions) -> list[str]:
-    """``nvme_path`` is a directory path, and only the host-offloaded checkpoints go there."""
+    """``nvme_path`` is a directory path, and only the host-offloaded checkpoints go there;
+    ``nvme_layers`` counts layers of that tier."""
+    if o.nvme_layers is not None and (not _is_int(o.nvme_layers) or o.nvme_layers < 0):
+        return [f"nvme_layers={o.nvme_layers!r} must be an integer >= 0, or None (every offloaded layer)"]
+    if o.nvme_layers is not None and o.nvme_path is None:
+        return [f"nvme_layers={o.nvme_layers} counts the layers whose checkpoints go to the NVMe tier: it needs "
+                f"nvme_path (a directory on a local drive); set nvme_path, or drop nvme_layers"]
     if o.nvme_path is None:
         return []
     if not isinstance(o.nvme_path, str) or not o.nvme_path.strip():

@@ -38,6 +38,9 @@ CASES = [  # (options over BASE, None: accepted / a phrase of the one refusal)
     (dict(SAVE, save_attention_layers=0), None),
     (dict(SIM, attention_checkpoint="save", save_attention_layers=2), None),
     (dict(lm_head_wgrad="accumulate", backend="math", mlp_chunks=2, loss_chunks=3), None),
+    (dict(SIM, nvme_path="/nvme"), None),
+    (dict(SIM, attention_checkpoint="save", nvme_path="/nvme", nvme_layers=1), None),
+    (dict(SIM, nvme_path="/nvme", nvme_layers=0), None),
     (dict(SIM, stream_layers=True), None),
     (dict(SIM, attention_checkpoint="save", stream_layers=True), None),
     (dict(ON, stream_layers=True), "checkpointing='offload'"),
@@ -49,6 +52,10 @@ CASES = [  # (options over BASE, None: accepted / a phrase of the one refusal)
     (dict(SAVE, save_attention_layers=3), "the model's 2"),
     (dict(SAVE, save_attention_layers=-1), "must be an integer"),
     (dict(ON, checkpoint_device_layers=1), "needs checkpointing='offload' (now 'on')"),
+    (dict(ON, nvme_path="/nvme"), "needs checkpointing='offload' (now 'on')"),
+    (dict(SIM, nvme_layers=1), "it needs nvme_path"),
+    (dict(SIM, nvme_path="/nvme", nvme_layers=3), "the model's 2"),
+    (dict(SIM, nvme_path="/nvme", nvme_layers=-1), "must be an integer"),
     (dict(checkpointing="sometimes"), "checkpoint"),
     (dict(attention_checkpoint="keep"), "attention_checkpoint='keep' must be one of"),
     (dict(lm_head_wgrad="sliced"), "lm_head_wgrad='sliced' must be one of"),
@@ -102,6 +109,7 @@ def _trainer(argv, section):
     cfg = preflight.model_source(None, _CONFIG_PATH[0]).config
     preflight.check_device_layers(cfg, o.checkpoint_device_layers, "config.json")
     preflight.check_save_layers(cfg, o.save_attention_layers, "config.json")
+    preflight.check_nvme_layers(cfg, o.nvme_layers, "config.json")
     o.model_options(run)
 
 

@@ -57,11 +57,16 @@ class SavedAttention:
         label: names the layer in errors, e.g. ``"layer 2"``.
         runtime: the stash's device runtime (:attr:`fpdt.options.FPDTOptions.runtime`), the
             attention's own, so that its host buffers can be handed over.
+        stash: keep them there instead (the NVMe tier's :class:`fpdt.offload.nvme_stash.NVMeStash`,
+            ``docs/nvme.md``; ``on_host`` is then unused). Its :meth:`begin_backward` starts
+            reading this layer's chunks back, and those of :attr:`ahead`, the layer backward
+            reaches next (set by the caller).
     """
 
     def __init__(self, device: torch.device | str, on_host: bool, label: str | None = None,
-                 runtime: Runtime | str | None = None):
-        self.stash = HostStash(device, enabled=on_host, label=label, runtime=runtime)
+                 runtime: Runtime | str | None = None, stash: HostStash | None = None):
+        self.stash = stash if stash is not None else HostStash(device, enabled=on_host, label=label, runtime=runtime)
+        self.ahead: SavedAttention | None = None
         self.label = label
         self.signature: tuple | None = None     # set by the recording call, checked by the replay
         self.replayed = False
@@ -71,7 +76,12 @@ class SavedAttention:
         return self.signature is not None
 
     def begin_backward(self) -> None:
-        """The layer's backward starts (before its recompute): fetch chunk 0 ahead."""
+        """The layer's backward starts (before its recompute): fetch chunk 0 ahead (from disk:
+        read this layer's chunks and the next layer's back)."""
+        for saved in (self, self.ahead):
+            if saved is not None and hasattr(saved.stash, "read_all"):
+                saved.stash.read_all()
+        self.ahead = None
         if self.recorded and (OUT, 0) in self.stash:
             self.stash.prefetch((OUT, 0))   # overlaps the recompute's norm and chunk 0's projections
 

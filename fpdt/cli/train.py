@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --checkpoint offload, a directory on a local NVMe drive for the layer checkpoints "
                         "(the NVMe tier, docs/nvme.md); each rank writes under DIR/rank{R}/ and removes its files "
                         "at exit. Default: off (host memory)")
+    f.add_argument("--nvme-layers", type=int, metavar="K",
+                   help="with --nvme-path, only the first K decoder layers' checkpoints (input, saved attention "
+                        "output) go to disk, the rest stay in host memory (default: every offloaded layer); "
+                        "fpdt-plan suggests K")
     f.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="run every layer a chunk at a time with the residual stream in host memory: device memory "
                         "flat in the sequence length (implies --offload and --checkpoint offload). Default: on when "
@@ -170,7 +174,8 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
             "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
             "checkpoint_device_layers": args.checkpoint_device_layers,
             "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers,
-            "runtime": args.runtime, "stream_layers": args.stream_layers, "nvme_path": args.nvme_path}
+            "runtime": args.runtime, "stream_layers": args.stream_layers, "nvme_path": args.nvme_path,
+            "nvme_layers": args.nvme_layers}
 
 
 def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None) -> TrainerOptions:
@@ -297,7 +302,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
     source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec,
-                                     opts.save_attention_layers)
+                                     opts.save_attention_layers, opts.nvme_layers)
     lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed, source.config)
     kernel = preflight.attention_kernel(opts.backend, device, PRECISIONS[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size, plan)
@@ -406,7 +411,8 @@ def summary(records: list[StepRecord], start: int, wall_s: float, saved: str | N
 
 def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[str, Any], dtype_name: str,
                      device_layers: int = 0, lora_spec=None,
-                     save_layers: int | None = None) -> tuple[preflight.ModelSource, list[str]]:
+                     save_layers: int | None = None,
+                     nvme_layers: int | None = None) -> tuple[preflight.ModelSource, list[str]]:
     """The checks of :mod:`fpdt.train.preflight` and :mod:`fpdt.train.lora` for this run
     (before any process group). Returns the model source and warnings to print."""
     source = preflight.model_source(args.model, args.model_config)
@@ -414,6 +420,7 @@ def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[
     preflight.check_heads(source.config, plan.hp, source.config_path, "--sp" if plan.cp == 1 else "--hp")
     preflight.check_device_layers(source.config, device_layers, source.config_path)
     preflight.check_save_layers(source.config, save_layers, source.config_path)
+    preflight.check_nvme_layers(source.config, nvme_layers, source.config_path)
     preflight.check_batch_size(ds_config, plan.world_size)
     preflight.check_save_dir(args.save_dir)
     preflight.check_output_dir("--export-hf", args.export_hf)
@@ -627,9 +634,16 @@ def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[str, ...
         return ()
     from fpdt.offload.nvme import NVMeError
     from fpdt.train.nvme_aio import setup_tier
+    tokens = plan.seq_len // plan.sp
+    saving = 0
+    if getattr(opts, "attention_checkpoint", None) == "save":
+        saving = config.num_layers if opts.save_attention_layers is None else opts.save_attention_layers
+    saved = tokens * config.num_heads * (config.head_dim * PRECISIONS[dtype_name].itemsize + 4) if saving else 0
     try:
-        return (setup_tier(opts.nvme_path, config.num_layers, plan.seq_len // plan.sp, config.hidden_size,
-                           PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers),)
+        return (setup_tier(opts.nvme_path, config.num_layers, tokens, config.hidden_size,
+                           PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers,
+                           nvme_layers=getattr(opts, "nvme_layers", None), saved_layers=saving, saved_bytes=saved,
+                           num_chunks=getattr(plan, "num_chunks", 1)),)
     except NVMeError as e:
         raise ConfigError(str(e)) from None
 

@@ -4,13 +4,15 @@
 does one layer): the host stash of the offloaded layer inputs, keys unique per forward call,
 which layers keep their input on the device (the last ``checkpoint_device_layers``), and
 which layers keep their attention output for the recompute (the first
-``save_attention_layers`` under ``attention_checkpoint="save"``). Both models' decoder
-loops run each layer through :meth:`checkpointed_layer`.
+``save_attention_layers`` under ``attention_checkpoint="save"``), and which offloaded layers keep
+both on disk instead (the first ``nvme_layers`` under ``nvme_path``, ``docs/nvme.md``). Both
+models' decoder loops run each layer through :meth:`checkpointed_layer`.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 
@@ -31,6 +33,8 @@ class LayerCheckpoints:
         self.num_layers = num_layers
         self.on_host = num_layers - options.checkpoint_device_layers   # layers [on_host, n) keep x on the device
         self.saving = saving_layers(options, num_layers)
+        self.on_nvme = nvme_layer_count(options, num_layers)            # layers [0, on_nvme) go to disk
+        self._recent: list = []      # weak references to the last three layers' NVMe SavedAttention
         self._stash: HostStash | None = None
         self._ids = itertools.count()
         self._forward = 0
@@ -42,6 +46,7 @@ class LayerCheckpoints:
     def start(self) -> None:
         """A new forward call: fresh stash keys (an earlier call's entries may still be held)."""
         self._forward = next(self._ids)
+        self._recent = []
 
     def arguments(self, i: int, device: torch.device) -> dict:
         """The keyword arguments of layer ``i``'s checkpoint in the current forward call."""
@@ -49,8 +54,11 @@ class LayerCheckpoints:
         fid = self._forward
         saved = None
         if i < self.saving and torch.is_grad_enabled():   # no backward, no recompute to serve
+            on_disk = stash is not None and i < self.on_nvme
             saved = SavedAttention(device, on_host=stash is not None and i < self.on_host, label=f"layer {i}",
-                                   runtime=self.runtime)
+                                   runtime=self.runtime, stash=self._saved_stash(device, i) if on_disk else None)
+        if stash is not None and self.on_nvme and torch.is_grad_enabled():
+            self._chain(saved)
         return dict(stash=stash, key=("layer input", i, fid),
                     prev_key=("layer input", i - 1, fid) if i > 0 else None,
                     on_device=i >= self.on_host, saved=saved)
@@ -67,6 +75,25 @@ class LayerCheckpoints:
         args = self.arguments(i, h.device)
         return checkpointed_residual(branches(args["saved"]), h, params, **args)
 
+    def _saved_stash(self, device: torch.device, i: int) -> NVMeStash:
+        """Layer ``i``'s saved attention outputs on disk: each chunk's write starts two puts later."""
+        return NVMeStash(device, shared_store(self.nvme_path, global_rank()), runtime=self.runtime, label=f"layer {i}")
+
+    def _chain(self, saved: SavedAttention | None) -> None:
+        """Called for every layer ``i``: saved outputs on disk go there as they come (two chunks
+        staged, two writes in flight); here the last chunks of layer ``i - 2`` (whose copies have
+        long landed) start their writes and layer ``i - 3`` waits for its own, so that host memory
+        holds a few chunks of the last three layers, whatever the depth. Backward reads the
+        previous layer's outputs ahead (:attr:`SavedAttention.ahead`)."""
+        live = [ref() if ref is not None else None for ref in self._recent]
+        if saved is not None and live and live[-1] is not None:
+            saved.ahead = live[-1]
+        for back, finish in ((2, False), (3, True)):
+            earlier = live[-back] if len(live) >= back else None
+            if earlier is not None and isinstance(earlier.stash, NVMeStash):
+                earlier.stash.flush() if finish else earlier.stash.start_flush()
+        self._recent = self._recent[-2:] + [weakref.ref(saved) if saved is not None else None]
+
     @property
     def stash(self) -> HostStash | None:
         """The host stash of the offloaded layer inputs (None until an offloading forward made it)."""
@@ -75,15 +102,16 @@ class LayerCheckpoints:
     def _stash_for(self, device: torch.device) -> HostStash:
         if self._stash is None or self._stash.device != torch.device(device):
             if self.nvme_path is not None:      # the NVMe tier: the inputs go on to files (docs/nvme.md)
-                self._stash = NVMeStash(device, shared_store(self.nvme_path, _rank()), runtime=self.runtime,
-                                        read_ahead=_previous_layer_input)
+                self._stash = NVMeStash(device, shared_store(self.nvme_path, global_rank()), runtime=self.runtime,
+                                        read_ahead=_previous_layer_input,
+                                        to_disk=lambda key, n=self.on_nvme: key[1] < n)
             else:
                 self._stash = HostStash(device, enabled=True, runtime=self.runtime)
         return self._stash
 
     def __deepcopy__(self, memo) -> "LayerCheckpoints":
         copy = LayerCheckpoints.__new__(LayerCheckpoints)   # a copied model gets a stash of its own
-        copy.__dict__.update(self.__dict__, _stash=None, _ids=itertools.count())
+        copy.__dict__.update(self.__dict__, _stash=None, _ids=itertools.count(), _recent=[])
         return copy
 
 
@@ -93,7 +121,7 @@ def _previous_layer_input(key):
     return (kind, i - 1, fid) if i > 0 else None
 
 
-def _rank() -> int:
+def global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
 
 
@@ -103,3 +131,12 @@ def saving_layers(options: FPDTOptions, num_layers: int) -> int:
     if options.attention_checkpoint != "save" or options.checkpointing == "off":
         return 0
     return num_layers if options.save_attention_layers is None else min(options.save_attention_layers, num_layers)
+
+
+def nvme_layer_count(options: FPDTOptions, num_layers: int) -> int:
+    """How many decoder layers (the first ones) keep their checkpoints on disk: ``nvme_layers``
+    (None: every offloaded layer) of the layers whose input is offloaded; 0 without ``nvme_path``."""
+    if options.nvme_path is None or options.checkpointing != "offload":
+        return 0
+    offloaded = num_layers - options.checkpoint_device_layers
+    return offloaded if options.nvme_layers is None else min(options.nvme_layers, offloaded)

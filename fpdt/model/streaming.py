@@ -26,6 +26,11 @@ Parameter gradients accumulate in fp32 over the chunks and reach autograd once p
 head (final norm and chunked loss) computes its gradients in its forward, as the chunked loss
 does, and scales them by the loss's incoming gradient in backward. The memory this holds, in
 chunk units, and its host bytes per token are derived in ``docs/memory.md`` ("Streamed layers").
+
+With the NVMe tier (``nvme_path``; ``docs/nvme.md``), the input chunks of the first ``nvme_layers``
+layers (but the last) and their saved attention outputs leave host memory once read:
+at the end of layer ``k``'s forward its input's writes start and layer ``k - 1``'s are waited for;
+layer ``k``'s backward reads layer ``k - 1``'s back. Gradient chunks stay on the host.
 """
 
 from __future__ import annotations
@@ -42,9 +47,12 @@ from fpdt.attention.output_projection import output_projection
 from fpdt.attention.projected_attention import QKVChunks, attention_spec
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.model.checkpointing import replayed_rng, rng_state
+from fpdt.model.layer_checkpoints import global_rank, nvme_layer_count
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.loss import chunked_lm_loss, sum_over_group, valid_token_scale
 from fpdt.offload import HostStash
+from fpdt.offload.nvme import shared_store
+from fpdt.offload.nvme_stash import NVMeStash
 from fpdt.options import FPDTOptions
 from fpdt.ops.projections import read_output_projection, read_projections
 
@@ -83,9 +91,15 @@ class StreamedRun:
         self.L = S_local // self.u
         self.for_backward = torch.is_grad_enabled()
         n = len(self.layers)
-        self.stashes = [HostStash(self.device, enabled=True, label=f"layer {k}" if k < n else "final norm",
+        self.on_nvme = min(nvme_layer_count(opts, n), n - 1) if self.for_backward else 0   # the last: read first
+        store = shared_store(opts.nvme_path, global_rank()) if self.on_nvme else None
+        self.stashes = [NVMeStash(self.device, store, runtime=opts.runtime, label=f"layer {k}", staging=None,
+                                  to_disk=lambda key: key[0] == RESIDUAL) if k < self.on_nvme else
+                        HostStash(self.device, enabled=True, label=f"layer {k}" if k < n else "final norm",
                                   runtime=opts.runtime) for k in range(n + 1)]
-        self.saved = [SavedAttention(self.device, on_host=True, label=f"layer {k}", runtime=opts.runtime)
+        self.saved = [SavedAttention(self.device, on_host=True, label=f"layer {k}", runtime=opts.runtime,
+                                     stash=NVMeStash(self.device, store, runtime=opts.runtime, label=f"layer {k}",
+                                                     staging=None) if k < self.on_nvme else None)
                       if k < saving and self.for_backward else None for k in range(n)]
         self.rng: list = [None] * n
         self.grad_scale: torch.Tensor | None = None    # the loss's incoming gradient (head backward)
@@ -171,6 +185,25 @@ class StreamedRun:
             dst.put((RESIDUAL, i), self._branch(k, x, o_i.reshape(self.B, self.L, -1)))
 
         run_forward(spec, produce, emit, stash, False, self._claim(k, False))
+        self._to_disk(k)
+
+    def _to_disk(self, k: int) -> None:
+        """After layer ``k``'s forward: its input and saved outputs start their writes, layer ``k - 1``'s
+        finish (host memory: three layers' residual chunks at most, whatever the depth)."""
+        for j, wait in ((k, False), (k - 1, True)):
+            if 0 <= j < self.on_nvme:
+                for stash in (self.stashes[j], self.saved[j].stash if self.saved[j] is not None else None):
+                    if stash is not None:
+                        stash.flush() if wait else stash.start_flush()
+
+    def _read_back(self, k: int) -> None:
+        """Before layer ``k``'s backward: its input and saved outputs, and layer ``k - 1``'s, on their
+        way back from disk (layer ``k``'s reads started one layer earlier)."""
+        for j in (k, k - 1):
+            if 0 <= j < self.on_nvme:
+                self.stashes[j].read_all()
+                if self.saved[j] is not None:
+                    self.saved[j].stash.read_all()
 
     def layer_backward(self, k: int, params: list[torch.Tensor], needs) -> list[torch.Tensor | None]:
         """Layer ``k``'s backward (module docstring): stash ``k + 1``'s gradient chunks -> stash
@@ -179,6 +212,7 @@ class StreamedRun:
         wanted = {id(p) for p, need in zip(params, needs) if need}
         acc: dict[int, torch.Tensor] = {}
         scale = self.grad_scale if k + 1 == len(self.layers) else None
+        self._read_back(k)
         if self.saved[k] is not None:
             self.saved[k].begin_backward()
         with replayed_rng(self.rng[k], self.device):

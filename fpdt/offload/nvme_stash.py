@@ -16,6 +16,12 @@ Life of an entry:
   next, starts.
 * ``pop``, ``discard``, ``clear``: the entry's file is removed too.
 
+Two knobs serve callers that know more than the FIFO: ``to_disk(key)`` names the entries that
+may leave the host (the others behave as in :class:`HostStash`), and ``staging=None`` turns the
+automatic spill off, for a caller that still reads what it put (the streamed residual stream)
+and calls :meth:`start_flush` / :meth:`flush` once it is done with it, then :meth:`read_all`
+one layer before backward needs the entries again.
+
 The bytes are the ones the device->host copy produced, so results are bit-identical to the
 host-only stash. A failed write or read raises :class:`~fpdt.offload.nvme.NVMeError` from the
 call that waits for it (``put``'s retirement of the oldest write, or ``prefetch``).
@@ -41,13 +47,18 @@ class NVMeStash(HostStash):
         device, runtime, label, pool: as :class:`HostStash` (always offloading).
         store: the :class:`NVMeStore` the entries go to (shared stores are fine: keys are prefixed).
         read_ahead: ``key -> key`` or None, the entry backward fetches after ``key``.
-        staging: entries kept landing (and writes kept in flight) before the host waits.
+        staging: entries kept landing (and writes kept in flight) before the host waits; None:
+            no automatic spill, only :meth:`start_flush` / :meth:`flush` send entries to disk.
+        to_disk: ``key -> bool`` or None (every entry), the entries that go to disk.
     """
 
     def __init__(self, device: torch.device | str, store: NVMeStore, runtime=None, label: str | None = None,
-                 read_ahead: Callable[[Hashable], Hashable | None] | None = None, staging: int = 2, pool=None):
+                 read_ahead: Callable[[Hashable], Hashable | None] | None = None, staging: int | None = 2, pool=None,
+                 to_disk: Callable[[Hashable], bool] | None = None):
         super().__init__(device, enabled=True, pool=pool, label=label, runtime=runtime)
-        self.store, self.read_ahead, self.staging = store, read_ahead, max(0, int(staging))
+        self.store, self.read_ahead = store, read_ahead
+        self.staging = None if staging is None else max(0, int(staging))
+        self.to_disk = to_disk
         self._prefix = ("stash", next(_STASH_IDS))
         self._tokens: dict[Hashable, object] = {}
         self._landing: list[Hashable] = []            # put, not yet confirmed on the host (FIFO)
@@ -67,16 +78,20 @@ class NVMeStash(HostStash):
         super().put(key, tensor)
         self._tokens[key] = object()
         self._landing.append(key)
-        self._spill(self.staging)
+        if self.staging is not None:
+            self._spill(self.staging)
 
-    def _spill(self, keep: int) -> None:
+    def _start_writes(self, keep: int) -> None:
         while len(self._landing) > keep:
             key = self._landing.pop(0)
-            if key not in self._host:
-                continue
+            if key not in self._host or (self.to_disk is not None and not self.to_disk(key)):
+                continue                                    # popped already, or kept on the host
             host, done = self._host.pop(key)
             self.runtime.event_synchronize(done)              # the device->host copy has landed
             self._writing[key] = (host, done, self.store.write(self._skey(key), host))
+
+    def _spill(self, keep: int) -> None:
+        self._start_writes(keep)
         while len(self._writing) > keep:
             self._retire(next(iter(self._writing)))
 
@@ -92,10 +107,20 @@ class NVMeStash(HostStash):
         self._disk[key] = (host.shape, host.dtype)
         self.pool.release(host, after=done)
 
+    def start_flush(self) -> None:
+        """Start the writes of every entry still landing, without waiting for them."""
+        self._start_writes(0)
+
     def flush(self) -> None:
         """Send every entry still on the host to disk and wait for the writes (the host peak
         then holds no entry of this stash)."""
         self._spill(0)
+
+    def read_all(self) -> None:
+        """Start reading every entry on disk back to the host (backward's read-ahead of a whole
+        layer: the reads run while the caller computes; :meth:`prefetch` waits for each)."""
+        for key in list(self._disk):
+            self._start_read(key)
 
     # -- backward: disk, then host, then device
 

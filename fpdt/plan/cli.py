@@ -18,7 +18,7 @@ import sys
 from fpdt.attention.kernels import BACKENDS
 from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
-from fpdt.plan.hardware import GIB, GPU_PRESETS, Cluster, gpu_from_args, load_calibration
+from fpdt.plan.hardware import GIB, GPU_PRESETS, NVME_PRESETS, Cluster, gpu_from_args, load_calibration, nvme_from_args
 from fpdt.plan.models import PRESETS, load_model_config
 from fpdt.plan.planner import Choice, plan
 from fpdt.comm import PLACEMENTS
@@ -40,7 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--host-mem-gib", type=float, default=1024.0, help="host memory per node (default 1024)")
-    p.add_argument("--calibration", help="rates measured by profiling/op_latency.py (JSON)")
+    p.add_argument("--nvme", metavar="PRESET",
+                   help=f"the node's local drives for the NVMe tier (docs/nvme.md): {', '.join(NVME_PRESETS)}; with "
+                        f"any of --nvme/--nvme-gib/--nvme-gbps the plan moves the first layers' checkpoints there "
+                        f"when the host does not hold them (default: no NVMe tier)")
+    p.add_argument("--nvme-gib", type=float, help="NVMe capacity per node in GiB (overrides the preset's)")
+    p.add_argument("--nvme-gbps", metavar="READ[,WRITE]",
+                   help="NVMe sequential GB/s per node, read and write (overrides the preset's; "
+                        "profiling/nvme_bandwidth.py measures them)")
+    p.add_argument("--nvme-layers", type=int, metavar="K",
+                   help="with the NVMe tier, put the first K layers' checkpoints there (default: the fewest that "
+                        "make the host memory fit)")
+    p.add_argument("--calibration", help="rates measured by profiling/op_latency.py or profiling/nvme_bandwidth.py "
+                                         "(JSON)")
     p.add_argument("--deepspeed", metavar="JSON",
                    help="the DeepSpeed config the run will use: its ZeRO stage, offload, bucket sizes, precision and "
                         "\"fpdt\" section (chunk size, mesh, offload, checkpoint) are planned; flags given here win")
@@ -114,6 +126,15 @@ def _attention_checkpoint(s: dict) -> str:
     return "saved" + (f" by the first {n} layers" if n is not None else " by every layer")
 
 
+def _nvme_line(n: dict) -> str:
+    """The NVMe tier: what it holds, and whether its I/O hides under the compute."""
+    cap = f" of {_gib(n['capacity_bytes']).strip()}" if n.get("capacity_bytes") else ""
+    verdict = "hidden under compute" if n["hidden"] else f"exposed {n['exposed_s']:.1f} s"
+    return (f"nvme             {_gib(n['bytes_per_node'])}{cap} per node, the first {n['layers']} layers; "
+            f"writes {n['write_s']:.1f} s in forward {n['forward_s']:.1f} s, reads {n['read_s']:.1f} s in "
+            f"backward {n['backward_s']:.1f} s: {verdict}")
+
+
 def render(out: dict) -> str:
     """The readable table."""
     c = out["cluster"]
@@ -140,6 +161,10 @@ def render(out: dict) -> str:
         + (f", packed documents of {_tokens(s['doc_len'])} tokens" if s.get("doc_len") else ""),
         f"device peak      {_gib(out['device_peak_bytes'])} of {_gib(out['device_capacity_bytes'])} per GPU",
         f"host peak        {_gib(out['host_peak_bytes'])} of {_gib(out['host_capacity_bytes'])} per node",
+    ]
+    if "nvme" in out:
+        lines.append(_nvme_line(out["nvme"]))
+    lines += [
         "breakdown:",
     ]
     lines += [f"  {k:<24}{_gib(v)}" for k, v in out["breakdown"].items()]
@@ -154,6 +179,7 @@ def render(out: dict) -> str:
         f"--lm-head-wgrad {r['lm_head_wgrad']} --attention-checkpoint {r['attention_checkpoint']}"
         + (" --stream-layers" if r.get("stream_layers") else "")
         + (f" --save-attention-layers {r['save_attention_layers']}" if r["attention_checkpoint"] == "save" else "")
+        + (f" --nvme-path NVME_DIR --nvme-layers {r['nvme_layers']}" if r.get("nvme_layers") else "")
         + (f" --lora-rank {r['lora_rank']}" if r.get("lora_rank") else "")
         + (f" --pack-documents {r['pack_documents']}" if r.get("pack_documents") else "") if r
         else "nothing fits at this length"))
@@ -166,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu = gpu_from_args(args.gpu, args.gpu_mem_gib, args.gpu_tflops, args.pcie_gbps)
         cal = load_calibration(args.calibration) if args.calibration else None
         cluster = Cluster(gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
-                          host_mem_bytes=args.host_mem_gib * GIB, calibration=cal)
+                          host_mem_bytes=args.host_mem_gib * GIB, calibration=cal,
+                          nvme=nvme_from_args(args.nvme, args.nvme_gib, args.nvme_gbps))
         choice = apply_deepspeed_config(args.deepspeed, Choice(), cluster.world,
                                         hidden_size=load_model_config(args.model).hidden_size) \
             if args.deepspeed else Choice()
@@ -179,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                  "checkpoint_device_layers": args.checkpoint_device_layers, "lora_rank": args.lora_rank,
                  "attention_checkpoint": args.attention_checkpoint,
                  "save_attention_layers": args.save_attention_layers, "doc_len": args.doc_len,
-                 "stream_layers": args.stream_layers}
+                 "stream_layers": args.stream_layers, "nvme_layers": args.nvme_layers}
         choice = choice.fix(**{option_field(k): v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:

@@ -71,6 +71,55 @@ GPU_PRESETS = {
 
 
 @dataclass(frozen=True)
+class NVMeSpec:
+    """A node's local drives for the NVMe tier (``docs/nvme.md``): capacity and sustained
+    sequential rates, bytes and bytes/s per node (all drives together; the node's ranks share them)."""
+
+    name: str
+    capacity_bytes: float
+    read_bytes_s: float
+    write_bytes_s: float
+
+
+TB = 1e12
+# "gen4": one 7.68 TB PCIe Gen4 datacenter drive at its datasheet sequential rates (Samsung PM9A3
+# class: 6.9 GB/s read, 4.1 GB/s write). "gen5-x8": eight 3.84 TB drives (a DGX H100's 30.72 TB) at
+# the rates DeepSpeed's DeepNVMe measured on 8 Gen5 drives (48 GB/s read, 26 GB/s write;
+# deepspeed.ai/tutorials/deepnvme). Sustained figures: no efficiency factor applies.
+NVME_PRESETS = {
+    "gen4": NVMeSpec("gen4", 7.68 * TB, 6.9 * GB, 4.1 * GB),
+    "gen5-x8": NVMeSpec("gen5-x8", 8 * 3.84 * TB, 48 * GB, 26 * GB),
+}
+DEFAULT_NVME = "gen4"
+"""The rates a plan uses for a fixed ``nvme_path`` without ``--nvme`` / ``--nvme-gbps``."""
+
+
+def nvme_from_args(preset: str | None, gib: float | None = None, gbps: str | None = None) -> NVMeSpec | None:
+    """The node's drives from ``fpdt-plan``'s ``--nvme PRESET``, ``--nvme-gib`` and ``--nvme-gbps
+    READ[,WRITE]`` (None when none is given: no NVMe tier offered)."""
+    if preset is None and gib is None and gbps is None:
+        return None
+    if preset is not None and preset.lower() not in NVME_PRESETS:
+        raise ValueError(f"unknown NVMe preset {preset!r}; choose one of {sorted(NVME_PRESETS)} "
+                         f"or give --nvme-gib and --nvme-gbps")
+    spec = NVME_PRESETS[(preset or DEFAULT_NVME).lower()]
+    if gib is not None:
+        if not gib > 0:
+            raise ValueError(f"--nvme-gib {gib} must be > 0 (the node's NVMe capacity in GiB)")
+        spec = replace(spec, capacity_bytes=gib * GIB)
+    if gbps is not None:
+        try:
+            rw = [float(x) for x in str(gbps).split(",")]
+        except ValueError:
+            rw = []
+        if len(rw) not in (1, 2) or min(rw) <= 0:
+            raise ValueError(f"--nvme-gbps {gbps!r} must be READ or READ,WRITE in GB/s per node, each > 0 "
+                             f"(e.g. 48,26)")
+        spec = replace(spec, read_bytes_s=rw[0] * GB, write_bytes_s=rw[-1] * GB)
+    return replace(spec, name=spec.name if preset is not None and gib is None and gbps is None else "custom")
+
+
+@dataclass(frozen=True)
 class Rates:
     """Sustained rates the time model divides by (FLOP/s and bytes/s, per GPU)."""
 
@@ -84,6 +133,9 @@ class Rates:
     """Device memory traffic (bytes read + written) of streaming elementwise kernels."""
     source: str
     """``"datasheet x efficiency"`` or the calibration file's path."""
+    nvme_read_bytes_s: float = NVME_PRESETS[DEFAULT_NVME].read_bytes_s
+    nvme_write_bytes_s: float = NVME_PRESETS[DEFAULT_NVME].write_bytes_s
+    """The node's NVMe tier, sequential (``profiling/nvme_bandwidth.py`` measures them)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +149,8 @@ class Cluster:
     efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     calibration: dict | None = None
     """Parsed calibration file (:func:`load_calibration`), or None for datasheet rates."""
+    nvme: NVMeSpec | None = None
+    """The node's drives: the planner offers the NVMe tier (``docs/nvme.md``) when given."""
 
     def __post_init__(self):
         if self.gpus_per_node < 1 or self.nodes < 1:
@@ -128,6 +182,8 @@ class Cluster:
             memory_bytes_s=g.hbm_bytes_s * eff["hbm"],
             source="datasheet x efficiency",
         )
+        if self.nvme is not None:
+            rates = replace(rates, nvme_read_bytes_s=self.nvme.read_bytes_s, nvme_write_bytes_s=self.nvme.write_bytes_s)
         measured = {k: cal[k] for k in _CALIBRATED_RATES if cal.get(k)}
         if measured:
             rates = replace(rates, source=str(cal.get("path", "calibration")), **measured)
@@ -136,7 +192,8 @@ class Cluster:
 
 # Keys of a calibration file that replace a Rates field (same names).
 _CALIBRATED_RATES = ("gemm_flops", "attention_flops", "h2d_bytes_s", "d2h_bytes_s",
-                     "intra_node_bytes_s", "inter_node_bytes_s", "memory_bytes_s")
+                     "intra_node_bytes_s", "inter_node_bytes_s", "memory_bytes_s",
+                     "nvme_read_bytes_s", "nvme_write_bytes_s")
 
 
 def gpu_from_args(preset: str | None, mem_gib: float | None = None, tflops: float | None = None,
@@ -178,7 +235,8 @@ def load_calibration(path: str | os.PathLike) -> dict:
     ``gemm_flops``, ``attention_flops`` (forward + backward, causal FLOPs counted),
     ``h2d_bytes_s``, ``d2h_bytes_s`` (pinned), ``intra_node_bytes_s`` (all-to-all),
     ``inter_node_bytes_s``, ``memory_bytes_s`` (device memory, read + written, by an
-    elementwise add); plus ``device`` (the name it was measured on).
+    elementwise add), ``nvme_read_bytes_s``, ``nvme_write_bytes_s`` (per node, from
+    ``profiling/nvme_bandwidth.py``); plus ``device`` (the name it was measured on).
     """
     with open(path) as f:
         cal = json.load(f)

@@ -67,6 +67,9 @@ Activations (per rank), the phase with the larger sum sets the peak:
   backward, so live at every peak; on the device for the saving layers whose input
   checkpoint is there (:meth:`fpdt.plan.setup.Setup.saving_layers`), on the host for the others.
 
+With the NVMe tier (``nvme_path``), the first ``nvme_layers`` layers' inputs and saved outputs
+leave the host for disk but for a few staging buffers (:func:`nvme_tier_bytes`).
+
 Host (per node = ``gpus_per_node`` ranks): offloaded checkpoints ``l * Nd``, the saved
 attention outputs of the offloaded saving layers (the layer in flight's are also counted
 in its stash: an over-count of one layer's output and lse), the
@@ -84,6 +87,7 @@ from fpdt.comm.heads import kv_replication_factor
 from fpdt.layout import hidden_bytes
 from fpdt.model.config import ModelConfig
 from fpdt.model.apply import loss_chunks_for, mlp_chunks_for
+from fpdt.model.layer_checkpoints import nvme_layer_count
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
@@ -143,6 +147,8 @@ class MemoryEstimate:
     (what the CPU accountant measures)."""
     host_peak_bytes: float
     """Per node."""
+    nvme_bytes: float = 0.0
+    """Per node: what the NVMe tier holds at the end of forward (:func:`nvme_tier_bytes`)."""
 
 
 def loss_chunks(cfg: ModelConfig, s: Setup) -> int:
@@ -221,6 +227,40 @@ def saved_attention_bytes(cfg: ModelConfig, s: Setup) -> int:
     sequence layout (``S / P`` tokens of ``H`` heads)."""
     return attention_saved_bytes(batch=s.batch, seq_local=s.local_tokens, num_heads=cfg.num_heads,
                                  head_dim=cfg.head_dim, dtype=PRECISIONS[s.dtype])
+
+
+NVME_STAGED_INPUTS = 4
+"""Layer inputs of the NVMe tier that hold host buffers at once, unstreamed: two landing, two
+being written (:class:`fpdt.offload.nvme_stash.NVMeStash`); the read-ahead in backward holds one."""
+NVME_STAGED_STREAMED = 3
+"""Layer boundaries of the streamed residual stream on the host at once with the tier: the
+one being written, the layer's input, its output being formed (:mod:`fpdt.model.streaming`)."""
+NVME_STAGED_SAVED = 2
+"""Layers' saved attention outputs on the host at once with the tier, in backward: the layer's
+own, being handed over, and the next one's, read ahead."""
+
+
+def nvme_layers_on_disk(cfg: ModelConfig, s: Setup) -> int:
+    """Decoder layers whose checkpoints the NVMe tier holds (the first ones; streamed, never the last)."""
+    n = nvme_layer_count(s.options, cfg.num_layers)
+    return min(n, cfg.num_layers - 1) if s.options.stream_layers else n
+
+
+def nvme_tier_bytes(cfg: ModelConfig, s: Setup) -> tuple[float, float]:
+    """``(disk, host freed)`` bytes per rank of the NVMe tier (``docs/nvme.md``): the first
+    :func:`nvme_layers_on_disk` layers' inputs and, of those that save, their attention outputs go
+    to disk (written once, read once per step); the host keeps staging buffers for a few of them
+    (:data:`NVME_STAGED_INPUTS` / :data:`NVME_STAGED_STREAMED`, :data:`NVME_STAGED_SAVED`)."""
+    n = nvme_layers_on_disk(cfg, s)
+    if n == 0:
+        return 0.0, 0.0
+    nd = hidden_bytes(s.rank_tokens, cfg.hidden_size, s.elem_bytes)
+    saving = min(n, s.saving_layers(cfg.num_layers)[0])
+    per_saved = saved_attention_bytes(cfg, s)
+    disk = n * nd + saving * per_saved
+    staged = min(n, NVME_STAGED_STREAMED if s.options.stream_layers else NVME_STAGED_INPUTS) * nd \
+        + min(saving, NVME_STAGED_SAVED) * per_saved
+    return disk, max(0.0, disk - staged)
 
 
 def communication(cfg: ModelConfig, s: Setup) -> float:
@@ -344,6 +384,10 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         stash_host = (l if s.options.checkpointing == "off" else 1) * stash_nd * nd
     if streamed:
         stash_host += (STREAM_GRADIENTS_HOST_ND + cfg.num_heads * cfg.head_dim / h) * nd
+    disk, freed = nvme_tier_bytes(cfg, s)
+    ckpt_freed = min(freed, ckpt_host)          # the inputs first, then the saved outputs
+    ckpt_host -= ckpt_freed
+    saved_host -= freed - ckpt_freed
     per_rank_host = ckpt_host + saved_host + stash_host + states["model_states_host"] + HOST_RESERVE_PER_RANK
     ranks = min(gpus_per_node, world)
     breakdown = {
@@ -362,4 +406,4 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     }
     working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, "loss": loss, "optimizer_step": step_phase,
                     **{f"layer_{k}_phase": v[0] + v[2] for k, v in phases.items()}}
-    return MemoryEstimate(breakdown, working_sets, device, activation_peak, ranks * per_rank_host)
+    return MemoryEstimate(breakdown, working_sets, device, activation_peak, ranks * per_rank_host, ranks * disk)

@@ -24,12 +24,12 @@ from fpdt.model.config import ModelConfig
 from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, attention_checkpoint_given, device_defaults
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
-from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, mlp_chunks, saved_attention_bytes
+from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, mlp_chunks, nvme_layers_on_disk, saved_attention_bytes
 from fpdt.plan.models import load_model_config
 from fpdt.comm import PLACEMENTS
 from fpdt.plan.setup import (GPU_OPTIONS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
                              chunk_count_problems, option_problems, split_options)
-from fpdt.plan.time_model import estimate_time
+from fpdt.plan.time_model import estimate_time, nvme_io
 from fpdt.layout import chunk_split, hidden_bytes
 from fpdt.train.config import PRECISIONS, default_chunk_size
 from fpdt.train.metrics import ModelShape, layer_matmul_flops, step_rates, train_flops_per_token
@@ -161,7 +161,9 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
             continue
         offload, _ = device_defaults("cuda", seq_len // chunk, choice.fixed.get("offload"), stream_layers=stream)
         saves = bool(saving) and ckpt != "off"        # a layer count saves nothing without checkpointing
+        tier = ckpt == "offload"           # the NVMe tier holds offloaded checkpoints only
         options = replace(base, checkpointing=ckpt, offload=offload, lm_head_wgrad=wgrad, stream_layers=stream,
+                          nvme_path=base.nvme_path if tier else None, nvme_layers=base.nvme_layers if tier else None,
                           checkpoint_device_layers=base.checkpoint_device_layers if ckpt == "offload" else 0,
                           attention_checkpoint="save" if saves else "recompute",
                           save_attention_layers=saving if saves else None)
@@ -204,9 +206,11 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
                                     mfu_full=rates.mfu_full * _lora_flops_fraction(shape, attended, False))
     fits_device = mem.device_peak_bytes <= cluster.gpu.mem_bytes
     fits_host = mem.host_peak_bytes <= cluster.host_mem_bytes
-    return {
-        "fits": fits_device and fits_host,
-        "limited_by": None if fits_device and fits_host else ("device" if not fits_device else "host"),
+    fits_nvme = cluster.nvme is None or mem.nvme_bytes <= cluster.nvme.capacity_bytes
+    limited = [name for name, ok in (("device", fits_device), ("host", fits_host), ("nvme", fits_nvme)) if not ok]
+    out = {
+        "fits": not limited,
+        "limited_by": limited[0] if limited else None,
         "seq_len": s.seq_len,
         "device_peak_bytes": mem.device_peak_bytes,
         "activation_peak_bytes": mem.activation_peak_bytes,
@@ -224,6 +228,12 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         "setup": s.as_dict(),
         "mlp_chunks": mlp_chunks(cfg, s),    # the count the model runs (setup's mlp_chunks: None = its default)
     }
+    if mem.nvme_bytes:
+        recompute = s.options.checkpointing != "off"
+        io = nvme_io(cfg, s, cluster, times["gemms"] + times["attention"], 4 if recompute else 3)
+        out["nvme"] = {"layers": nvme_layers_on_disk(cfg, s), "bytes_per_node": mem.nvme_bytes,
+                       "capacity_bytes": cluster.nvme.capacity_bytes if cluster.nvme else None, **io}
+    return out
 
 
 def _lora_flops_fraction(m: ModelShape, seq_len: int, causal: bool) -> float:
@@ -253,6 +263,29 @@ def _with_device_layers(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster) -
             return (tiered, out) if out["fits"] else None   # more on the GPU cannot make it fit there
         k += 1
     return None
+
+
+def _with_nvme_layers(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster) -> tuple[Setup, dict] | None:
+    """Setup ``s`` (``r`` its evaluation, over on the host only) with the fewest of its first
+    layers' checkpoints on the NVMe tier that bring its host peak within the host memory, and its
+    evaluation; None without the tier, when ``nvme_layers`` is fixed, or when no count fits (the
+    drive full, or the device over). Each layer on disk frees its input and saved output but
+    for the staging buffers (:func:`fpdt.plan.memory_model.nvme_tier_bytes`)."""
+    o = s.options
+    if r["fits"] or r["limited_by"] != "host" or o.nvme_path is None or o.nvme_layers != 0:
+        return None
+    offloaded = cfg.num_layers - o.checkpoint_device_layers
+    lo, hi = 1, offloaded            # the smallest count whose host fits (the host peak falls with it)
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        tiered = s.updated(nvme_layers=mid)
+        out = evaluate(cfg, tiered, cluster)
+        if out["limited_by"] == "host":
+            lo = mid + 1
+        else:
+            best, hi = (tiered, out), mid - 1
+    return best if best is not None and best[1]["fits"] else None
 
 
 def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room: float | None,
@@ -325,6 +358,7 @@ def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = 
     evaluated = [(s, evaluate(cfg, s, cluster)) for s in setups]
     if tier:
         evaluated += [t for t in (_with_device_layers(cfg, s, r, cluster) for s, r in evaluated) if t is not None]
+    evaluated += [t for t in (_with_nvme_layers(cfg, s, r, cluster) for s, r in evaluated) if t is not None]
     if save:
         evaluated += [t for t in (_with_saved_attention(cfg, s, r, cluster, tier) for s, r in evaluated)
                       if t is not None]
@@ -349,11 +383,15 @@ def _recommended(r: dict | None) -> dict | None:
     s = r["setup"]
     out = {k: s[k] for k in ("chunk_size", "hp", "cp", "placement", "inner_ring", "checkpoint",
                              "checkpoint_device_layers", "offload", "lm_head_wgrad", "lora_rank",
-                             "attention_checkpoint", "save_attention_layers", "stream_layers")}
+                             "attention_checkpoint", "save_attention_layers", "stream_layers", "nvme_layers")}
     if s.get("doc_len"):    # the plan counts packed documents' work: fpdt-train packs them with this
         out["pack_documents"] = PACK_DOCUMENTS
     return out
 
+
+NVME_PATH = "NVME_DIR"
+"""The ``nvme_path`` a plan's setups carry when the cluster has drives (``--nvme``, ``--nvme-gib``):
+``recommended`` then names ``--nvme-path NVME_DIR --nvme-layers K``."""
 
 PACK_DOCUMENTS = "best-fit"
 """The ``--pack-documents`` mode ``recommended`` names with ``--doc-len``: whole documents filling
@@ -427,6 +465,8 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     """
     cfg = load_model_config(model)
     choice = choice or Choice()
+    if cluster.nvme is not None and choice.chooses("nvme_path"):   # the tier offered: no layer on it unless needed
+        choice = choice.fix(nvme_path=NVME_PATH, nvme_layers=choice.fixed.get("nvme_layers", 0))
     options = choice.options
     cluster = cluster.for_kernel(options.backend)    # a named kernel's own calibrated rate
     bad = chunk_count_problems(options) + option_problems(options, cfg.num_layers)

@@ -35,7 +35,7 @@ GPU_OPTIONS = FPDTOptions(offload=_GPU_OFFLOAD, checkpointing=_GPU_CHECKPOINTING
 checkpoints; :class:`fpdt.options.FPDTOptions`' defaults for the rest): a :class:`Setup`'s
 default, and the base of what a :class:`fpdt.plan.planner.Choice` leaves open."""
 LAYER_COUNT_FLAGS = {"checkpoint_device_layers": "--checkpoint-device-layers",
-                     "save_attention_layers": "--save-attention-layers"}
+                     "save_attention_layers": "--save-attention-layers", "nvme_layers": "--nvme-layers"}
 """The layer-count options, which the planner checks against the model's layers."""
 
 
@@ -207,5 +207,5 @@ _PRINTED = ("seq_len", "chunk_size", "hp", "cp", "placement", "inner_ring", "che
             "checkpoint_device_layers", "offload", "zero_stage", "offload_optimizer", "offload_param", "dtype",
             "batch", "mlp_chunks", "loss_chunks", "lm_head_wgrad", "reduce_bucket_size", "sub_group_size",
             "contiguous_gradients", "kernel_expands_gqa", "attention_checkpoint", "save_attention_layers",
-            "doc_len", "lora_rank", "stream_layers")
+            "doc_len", "lora_rank", "stream_layers", "nvme_path", "nvme_layers")
 """:meth:`Setup.as_dict`'s keys, in ``fpdt-plan``'s order (``--json`` prints them so)."""

@@ -35,6 +35,9 @@ Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
 * **zero_collectives**: ZeRO-3 parameter all-gathers (forward, recompute, backward) and
   gradient reduce-scatter, exposed only where they exceed the step's compute (DeepSpeed
   prefetches the next layer).
+* **nvme_io**: the NVMe tier's writes (in forward) and reads (in backward, one layer ahead)
+  where the compute of those passes does not cover them, plus the first layer's read
+  (:func:`nvme_io`).
 * **elementwise**: the memory-bound ops around the GEMMs and attention kernels (norms,
   RoPE, SwiGLU's activation, residual adds, dtype casts, chunk copies, the online-softmax
   merges, the loss's softmax over the vocabulary), as device bytes per token
@@ -62,7 +65,7 @@ from fpdt.attention.ring_costs import AttentionCosts
 from fpdt.model.chunks import chunk_count
 from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster, Rates
-from fpdt.plan.memory_model import kv_dim, layer_attention_costs, loss_chunks, mlp_chunks
+from fpdt.plan.memory_model import kv_dim, layer_attention_costs, loss_chunks, mlp_chunks, nvme_layers_on_disk, nvme_tier_bytes
 from fpdt.plan.documents import ring_touches, work_fraction
 from fpdt.plan.models import lora_param_count, param_counts
 from fpdt.plan.setup import Setup
@@ -243,6 +246,25 @@ the output's gradient, ``do`` and the branch gradient once each and writes ``dx`
 branch gradient (``do`` counted as ``h`` wide)."""
 
 
+def nvme_io(cfg: ModelConfig, s: Setup, cluster: Cluster, compute_s: float, passes: int) -> dict:
+    """The NVMe tier's I/O per step (``docs/nvme.md``), seconds: ``write_s`` (the node's ranks'
+    disk bytes at the node's write rate) against ``forward_s`` (one of the ``passes`` compute
+    passes, when the writes run), ``read_s`` against ``backward_s`` (the rest, when the reads run,
+    one layer ahead), ``exposed_s`` (what they do not cover, plus the first layer's read) and
+    ``hidden`` (both covered). All zero without the tier."""
+    disk, _ = nvme_tier_bytes(cfg, s)
+    if disk == 0:
+        return {"write_s": 0.0, "read_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "exposed_s": 0.0, "hidden": True}
+    rates = cluster.rates()
+    node = min(cluster.gpus_per_node, cluster.world) * disk
+    write, read = node / rates.nvme_write_bytes_s, node / rates.nvme_read_bytes_s
+    forward = compute_s / passes
+    backward = compute_s - forward
+    exposed = max(0.0, write - forward) + max(0.0, read - backward) + read / nvme_layers_on_disk(cfg, s)
+    return {"write_s": write, "read_s": read, "forward_s": forward, "backward_s": backward, "exposed_s": exposed,
+            "hidden": write <= forward and read <= backward}
+
+
 def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
                   saved_output_all_to_alls: int = SAVED_OUTPUT_ALL_TO_ALLS) -> dict:
     """Seconds per optimizer step, per component (exposed time) plus ``"total"``
@@ -324,6 +346,6 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
 
     parts = {"gemms": t_gemm, "attention": t_attn, "all_to_all": a2a_exposed, "p2p": p2p_exposed,
              "h2d_d2h": h2d_exposed, "zero_collectives": zero_exposed, "elementwise": elementwise,
-             "wgrad_accumulation": wgrad}
+             "wgrad_accumulation": wgrad, "nvme_io": nvme_io(cfg, s, cluster, t_gemm + t_attn, passes)["exposed_s"]}
     parts["total"] = sum(parts.values())
     return parts

@@ -105,6 +105,13 @@ def check_save_layers(cfg: ModelConfig, layers: int | None, config_path: str) ->
                           f"layers ({config_path}); use at most {cfg.num_layers}, or leave it out (every layer)")
 
 
+def check_nvme_layers(cfg: ModelConfig, layers: int | None, config_path: str) -> None:
+    """``--nvme-layers`` cannot name more layers than the model has."""
+    if layers is not None and layers > cfg.num_layers:
+        raise ConfigError(f"--nvme-layers {layers} is more than the model's {cfg.num_layers} decoder "
+                          f"layers ({config_path}); use at most {cfg.num_layers}, or leave it out (every offloaded layer)")
+
+
 def check_batch_size(ds_config: Mapping[str, Any], world_size: int) -> None:
     """DeepSpeed's ``train_batch_size = micro x grad_accum x world size`` (every rank,
     SP ranks included, counts as a data-parallel rank), checked with a message that says so."""

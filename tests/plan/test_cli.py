@@ -12,7 +12,7 @@ from fpdt.plan.setup import Setup
 BREAKDOWN = {"parameters", "gradients", "optimizer_state", "checkpoints_device", "checkpoints_host",
              "in_flight_layer", "attention_working_set", "loss_chunk", "communication_buffers"}
 TIME_SPLIT = {"gemms", "attention", "all_to_all", "p2p", "h2d_d2h", "zero_collectives", "elementwise",
-              "wgrad_accumulation"}
+              "wgrad_accumulation", "nvme_io"}
 RECOMMENDED = {"chunk_size", "hp", "cp", "placement", "checkpoint"}
 
 

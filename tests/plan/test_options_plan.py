@@ -45,7 +45,7 @@ def test_printed_setup_keeps_fpdt_plans_keys_and_order():
             "checkpoint_device_layers", "offload", "zero_stage", "offload_optimizer", "offload_param", "dtype",
             "batch", "mlp_chunks", "loss_chunks", "lm_head_wgrad", "reduce_bucket_size", "sub_group_size",
             "contiguous_gradients", "kernel_expands_gqa", "attention_checkpoint", "save_attention_layers",
-            "doc_len", "lora_rank", "stream_layers"]
+            "doc_len", "lora_rank", "stream_layers", "nvme_path", "nvme_layers"]
     d = Setup.build(seq_len=2 ** 20, chunk_size=2 ** 16, checkpointing="on").as_dict()
     assert list(d) == keys and d["checkpoint"] == "on"
 

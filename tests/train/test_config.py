@@ -217,6 +217,15 @@ def test_nvme_path_flag_and_json_key_reach_the_model(tmp_path):
         validate(opts, 64, 1, "cpu", FP32)
     with pytest.raises(ConfigError, match="nvme_path=5 must be a directory path"):
         merge_options({}, {"nvme_path": 5, "checkpoint": "offload"})
+    # --nvme-layers (JSON "nvme_layers"): the first K layers on disk; it needs --nvme-path
+    for extra, section, want in ((["--nvme-layers", "1"], {"nvme_layers": 2}, 1), ([], {"nvme_layers": 2}, 2)):
+        args = build_parser().parse_args(argv + ["--checkpoint", "offload", "--nvme-path", "/a"] + extra)
+        opts = merge_options(fpdt_flags(args), section)
+        plan = validate(opts, 64, 1, "cpu", FP32)
+        model = cli.build_model(args, opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
+        assert model.options.nvme_layers == want
+    with pytest.raises(ConfigError, match="fpdt option nvme_layers=1 counts the layers .* it needs nvme_path"):
+        merge_options({}, {"nvme_layers": 1, "checkpoint": "offload"})
 
 
 def test_runtime_flag_json_and_its_environment_default(tmp_path, monkeypatch):

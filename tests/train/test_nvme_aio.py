@@ -125,6 +125,17 @@ def test_trainer_setup_line_and_preflight(tmp_path, monkeypatch):
     assert isinstance(store.backend, PortableBackend)
     store.close()
     assert _nvme_tier(SimpleNamespace(nvme_path=None), plan, config, "bf16") == ()
+    # nvme_layers=2 of the 4 offloaded, saving the first 3 layers' attention outputs (2 files per chunk)
+    config = SimpleNamespace(num_layers=5, hidden_size=64, num_heads=4, head_dim=16)
+    plan2 = SimpleNamespace(seq_len=4096, sp=2, num_chunks=2)
+    saving = SimpleNamespace(nvme_path=str(tmp_path), checkpoint_device_layers=1, nvme_layers=2,
+                             attention_checkpoint="save", save_attention_layers=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (line,) = _nvme_tier(saving, plan2, config, "bf16")
+    per_saved = 2048 * 4 * (16 * 2 + 4) + 2 * 2 * 4096
+    assert f"(2 layers x {per_layer:,} bytes + 2 saved attention outputs x {per_saved:,} bytes)" in line, line
+    nvme.shared_store(tmp_path, 0).close()
     huge = SimpleNamespace(seq_len=2 ** 50, sp=1)
     with pytest.raises(ConfigError, match=f"nvme_path {tmp_path}: needs .* bytes, .* free"):
         _nvme_tier(opts, huge, config, "bf16")
