@@ -163,3 +163,30 @@ def test_device_peak_is_flat_in_the_sequence():
     integer inputs, 8 bytes a token each, are all that may grow: within 1%)."""
     short, long = _device_peak(1024, 256), _device_peak(2048, 256)
     assert long <= 1.01 * short, (short, long)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_nvme_tier_is_bit_identical(tmp_path, stream):
+    """``nvme_path`` through apply_fpdt (the layer inputs, saved attention outputs and, streamed, the
+    residual stream on disk): loss and every gradient equal to the host-only run's, bit for bit."""
+    import warnings
+
+    ids, labels = tokens(256, 2, 24)
+    runs = []
+    for nvme in (None, str(tmp_path)):
+        model = hf_model("llama_gqa")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")           # tmp_path may be on tmpfs
+            fpdt.hf.apply_fpdt(model, **STREAMED, num_chunks=3, attention_checkpoint="save", stream_layers=stream,
+                               nvme_path=nvme)
+            model.train()
+            loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
+            loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss, grads), (ref_loss, ref_grads) = runs[1], runs[0]
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    from fpdt.offload.nvme import shared_store
+    assert shared_store(str(tmp_path), 0).bytes_written > 0          # the tier was used
+    assert not [f for f in tmp_path.rglob("*") if f.is_file() and not f.name.startswith(".")], \
+        list(tmp_path.rglob("*"))
