@@ -707,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     # warning would repeat inside the progress bar on every step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     zero.quiet_deepspeed_warnings()
+    owns_group = not (dist.is_available() and dist.is_initialized())   # else the caller's, left as it is
     try:
         run(args)
     except KeyboardInterrupt:
@@ -731,4 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(status)
         return status
+    if owns_group and dist.is_initialized():   # an orderly teardown, every rank together, not gloo's at exit
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
