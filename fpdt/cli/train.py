@@ -732,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(status)
         return status
-    if owns_group and dist.is_initialized():   # an orderly teardown, every rank together, not gloo's at exit
-        dist.barrier()
+    if owns_group and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()                  # an orderly teardown, every rank together, not gloo's at exit
         dist.destroy_process_group()
     return 0
