@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
-from fpdt.comm import SequenceMesh
+from fpdt.comm import PLACEMENTS, SequenceMesh
 from fpdt.offload.runtime import RUNTIMES, Runtime
 
 CHECKPOINT_MODES = ("off", "on", "offload")
@@ -202,6 +202,64 @@ class FPDTOptions:
         if self.nvme_layers is not None and self.nvme_layers > num_layers:
             raise OptionsError(f"nvme_layers={self.nvme_layers} is more than the model's {num_layers} decoder "
                                f"layers (None: every offloaded layer)")
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """How a sequence is cut over ranks and chunks: the sequence-parallel mesh (Ulysses ``hp`` x
+    ring ``cp``) and the global chunk length. Data only, and defined here once: ``fpdt-train``'s
+    options and its resolved :class:`fpdt.train.config.RunLayout`, and the planner's
+    :class:`fpdt.plan.planner.Choice` and :class:`fpdt.plan.setup.Setup` are each one of these
+    plus their own fields. A field left None is chosen by whoever resolves it (``fpdt-train``:
+    :meth:`degrees` and its default chunk; ``fpdt-plan``: its search)."""
+
+    sp: int | None = None
+    """Sequence-parallel size ``P = hp * cp``; given alone, shorthand for ``hp = sp, cp = 1``."""
+    hp: int | None = None
+    """Head-parallel (Ulysses all-to-all) degree."""
+    cp: int | None = None
+    """Context-parallel (ring attention) degree; with ``cp > 1`` the sequence is cut into
+    ``2 * cp`` zigzag pieces, so ``S`` must be a multiple of ``2 * hp * cp * u``."""
+    placement: str | None = None
+    """2D mesh placement (:data:`fpdt.comm.PLACEMENTS`): ``"head_first"`` (the default: HP ranks
+    adjacent, the all-to-all inside a node) or ``"context_first"`` (ring traffic inside a node)."""
+    inner_ring: int | None = None
+    """Double-ring inner size (divides ``cp``; e.g. NICs per node); None: one ring."""
+    chunk_size: int | None = None
+    """Global tokens per FPDT chunk ``C`` (the post-all-to-all chunk): ``u = S / C`` chunks,
+    each rank holding ``C / P`` tokens of every chunk."""
+
+    def degrees(self) -> tuple[int, int]:
+        """``(hp, cp)``: as given; ``sp`` alone is ``(sp, 1)``; one of ``hp`` / ``cp`` with ``sp``
+        makes the other ``sp`` divided by it; otherwise a degree not given is 1."""
+        hp, cp = self.hp, self.cp
+        if hp is None and cp is None:
+            return (1 if self.sp is None else self.sp), 1
+        if hp is not None and cp is not None:
+            return hp, cp
+        given = hp if hp is not None else cp
+        other = 1
+        if _is_int(self.sp) and _is_int(given) and given >= 1 and self.sp % given == 0:
+            other = self.sp // given
+        return (given, other) if hp is not None else (other, given)
+
+    def layout_problems(self) -> list[str]:
+        """Every reason these values are invalid whatever the run (empty when valid), each
+        naming the fix; what depends on the sequence or the world is checked where they are known."""
+        out = [f"{name}={value!r} must be an integer >= 1" for name in ("sp", "hp", "cp", "inner_ring", "chunk_size")
+               if (value := getattr(self, name)) is not None and (not _is_int(value) or value < 1)]
+        if self.placement is not None and self.placement not in PLACEMENTS:
+            out.append(f"placement={self.placement!r} must be one of {PLACEMENTS}")
+        if out:
+            return out
+        hp, cp = self.degrees()
+        if self.sp is not None and self.sp != hp * cp:
+            out.append(f"sp={self.sp} does not match hp={hp} x cp={cp} = {hp * cp}: sp is hp x cp (give sp alone "
+                       f"for plain Ulysses, or hp and cp; one of them with sp makes the other sp divided by it)")
+        if self.inner_ring is not None and cp % self.inner_ring:
+            out.append(f"inner_ring={self.inner_ring} must divide cp={cp}: it is the ranks of one inner ring "
+                       f"(e.g. NICs per node)")
+        return out
 
 
 OPTION_NAMES = tuple(f.name for f in fields(FPDTOptions))

@@ -194,3 +194,61 @@ def test_one_device_default_rule():
         assert (run.offload, run.checkpoint) == device_defaults(device, run.num_chunks)
     s = Setup(seq_len=SEQ, chunk_size=CHUNK).options
     assert (s.offload, s.checkpointing) == device_defaults("cuda", SEQ // CHUNK)
+
+
+LAYOUT_CASES = [  # (layout over chunk CHUNK, None: accepted / a phrase of the one refusal), on 4 ranks
+    ({}, None),
+    (dict(sp=2), None),
+    (dict(cp=4), None),
+    (dict(hp=2, cp=2), None),
+    (dict(sp=4, hp=2, cp=2), None),
+    (dict(sp=4, hp=2), None),                      # cp = sp / hp
+    (dict(cp=2, inner_ring=2, placement="context_first"), None),
+    (dict(sp=2, hp=2, cp=2), "sp=2 does not match hp=2 x cp=2 = 4"),
+    (dict(sp=4, hp=3), "sp=4 does not match hp=3 x cp=1 = 3"),
+    (dict(cp=4, inner_ring=3), "inner_ring=3 must divide cp=4"),
+    (dict(cp=0), "cp=0 must be an integer >= 1"),
+    (dict(chunk_size=0), "chunk_size=0 must be an integer >= 1"),
+    (dict(placement="rows"), "placement='rows' must be one of"),
+]
+WORLD = 4
+
+
+def _layout_trainer(argv, section):
+    validate(fpdt_options(build_parser().parse_args(ARGV[:-2] + argv), section), SEQ, WORLD, "cpu", {})
+
+
+LAYOUT_ENTRIES = {
+    "train_flags": lambda lay: _layout_trainer(
+        [a for k, v in {"chunk_size": CHUNK, **lay}.items() for a in ("--" + k.replace("_", "-"), str(v))], None),
+    "train_json": lambda lay: _layout_trainer([], {"chunk_size": CHUNK, **lay}),
+    "plan_setup": lambda lay: _raise(Setup.build(seq_len=SEQ, **{"chunk_size": CHUNK, **lay}, **BASE)
+                                     .problems(PLAN_CFG, WORLD)),
+    "plan_choice": lambda lay: plan(PLAN_CFG, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=WORLD), seq_len=SEQ,
+                                    choice=Choice().fix(**{"chunk_size": CHUNK, **lay}, **BASE)),
+}
+
+
+def _raise(problems):
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+@pytest.mark.parametrize("entry", list(LAYOUT_ENTRIES))
+@pytest.mark.parametrize("layout, refusal", LAYOUT_CASES, ids=[str(i) for i in range(len(LAYOUT_CASES))])
+def test_trainer_and_planner_take_the_same_layouts(entry, layout, refusal, capsys):
+    """The mesh degrees and the chunk (:class:`fpdt.options.LayoutOptions`) are read and refused
+    once, by ``fpdt-train`` (flags, JSON) and ``fpdt-plan`` (:class:`Setup`, :class:`Choice`) alike."""
+    try:
+        LAYOUT_ENTRIES[entry](layout)
+        got = None
+    except SystemExit as e:
+        got = f"argparse refused it (exit {e.code})"
+    except (ValueError, TypeError) as e:
+        got = str(e)
+    if refusal is None:
+        assert got is None, f"{entry} refused {layout}: {got}"
+    elif got is not None and got.startswith("argparse refused"):
+        assert "invalid choice" in capsys.readouterr().err
+    else:
+        assert got is not None and refusal in got, (entry, got)

@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 from fpdt.attention.kernels import expands_gqa_on_gpu
 from fpdt.model.config import ModelConfig
-from fpdt.options import CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, attention_checkpoint_given, device_defaults
+from fpdt.options import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, LayoutOptions, attention_checkpoint_given,
+                          device_defaults)
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, mlp_chunks, nvme_layers_on_disk, saved_attention_bytes
@@ -41,12 +42,13 @@ DEFAULT_GRANULE = 2 ** 16
 
 
 @dataclass(frozen=True)
-class Choice:
+class Choice(LayoutOptions):
     """What the caller fixed and what the planner chooses. Build one with :meth:`fix`, which
-    takes the planner's coordinates and :class:`~fpdt.options.FPDTOptions` fields alike:
+    takes the layout (:class:`~fpdt.options.LayoutOptions`), the cluster settings and
+    :class:`~fpdt.options.FPDTOptions` fields alike:
     ``Choice().fix(chunk_size=65536, lm_head_wgrad="accumulate")``.
 
-    Coordinates left None are chosen. Of the model options, those not in :attr:`fixed`
+    Layout fields left None are chosen (``sp``: every GPU). Of the model options, those not in :attr:`fixed`
     are ``fpdt-train``'s on a GPU (:data:`fpdt.plan.setup.GPU_OPTIONS`), except those the
     planner chooses: attention ``offload`` (``fpdt-train``'s default, on when the sequence
     has more than one chunk: :func:`fpdt.options.device_defaults`), ``lm_head_wgrad``
@@ -60,13 +62,6 @@ class Choice:
     the KV heads the memory model counts (:func:`fpdt.attention.kernels.expands_gqa_on_gpu`)
     and the attention rate."""
 
-    chunk_size: int | None = None
-    sp: int | None = None
-    """Sequence-parallel group size; None = every GPU."""
-    hp: int | None = None
-    cp: int | None = None
-    placement: str | None = None
-    inner_ring: int | None = None
     fixed: Mapping[str, Any] = field(default_factory=dict)
     """The :class:`~fpdt.options.FPDTOptions` fields the caller fixed, by name (never
     ``num_chunks``, ``group`` or ``mesh``: :data:`fpdt.plan.setup.DERIVED_OPTIONS`)."""
@@ -469,7 +464,7 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
         choice = choice.fix(nvme_path=NVME_PATH, nvme_layers=choice.fixed.get("nvme_layers", 0))
     options = choice.options
     cluster = cluster.for_kernel(options.backend)    # a named kernel's own calibrated rate
-    bad = chunk_count_problems(options) + option_problems(options, cfg.num_layers)
+    bad = choice.layout_problems() + chunk_count_problems(options) + option_problems(options, cfg.num_layers)
     if choice.doc_len is not None and (isinstance(choice.doc_len, bool) or not isinstance(choice.doc_len, int)
                                        or choice.doc_len < 1):
         bad.append(f"--doc-len {choice.doc_len!r} must be a whole number of tokens, at least 1 (the mean "

@@ -15,8 +15,7 @@ from typing import Any
 
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import saving_layers
-from fpdt.options import DERIVED_OPTIONS, OPTION_NAMES, FPDTOptions, device_defaults
-from fpdt.comm import PLACEMENTS
+from fpdt.options import DERIVED_OPTIONS, OPTION_NAMES, FPDTOptions, LayoutOptions, device_defaults
 from fpdt.layout import chunk_split
 from fpdt.train.config import PRECISIONS, option_key
 
@@ -71,22 +70,16 @@ def split_options(changes: dict[str, Any], own: set[str], what: str) -> tuple[di
             {k: v for k, v in changes.items() if k not in own})
 
 
-@dataclass(frozen=True)
-class Setup:
+@dataclass(frozen=True, kw_only=True)
+class Setup(LayoutOptions):
     """A complete training configuration on a cluster (one sequence per SP group): the
-    planner's coordinates (length, chunk, mesh, ZeRO, precision, batch, ...) and the model's
+    layout (:class:`~fpdt.options.LayoutOptions`, resolved: ``hp`` and ``cp`` from ``sp`` as
+    ``fpdt-train`` reads them, ``sp = hp * cp``, placement ``"head_first"`` unless given), the
+    sequence length, ZeRO, precision and batch, and the model's
     :class:`~fpdt.options.FPDTOptions`. Build one with :meth:`build` (options as keywords)."""
 
     seq_len: int
-    """Global sequence length ``S``."""
-    chunk_size: int
-    """Global FPDT chunk length ``C``; ``u = S / C`` chunks per rank (``options.num_chunks``)."""
-    hp: int = 1
-    """Ulysses (head-parallel) degree."""
-    cp: int = 1
-    """Context-parallel (ring) degree; ``hp * cp`` is the sequence-parallel group."""
-    placement: str = "head_first"
-    inner_ring: int | None = None
+    """Global sequence length ``S``; ``u = S / chunk_size`` chunks per rank (``options.num_chunks``)."""
     options: FPDTOptions = GPU_OPTIONS
     """The model's options (checkpointing and its device layers, attention offload, saved
     attention, MLP / loss chunks, LM-head mode, kernel); ``num_chunks`` is set from
@@ -113,6 +106,12 @@ class Setup:
     LM-head gradient); 0 trains every weight."""
 
     def __post_init__(self):
+        if self.chunk_size is None:
+            raise TypeError("Setup needs chunk_size (the global FPDT chunk length)")
+        hp, cp = self.degrees()
+        sp = hp * cp if self.sp is None else self.sp        # a given sp that conflicts: problems() says so
+        for name, value in (("hp", hp), ("cp", cp), ("sp", sp), ("placement", self.placement or "head_first")):
+            object.__setattr__(self, name, value)
         u = self.seq_len // self.chunk_size if isinstance(self.chunk_size, int) and self.chunk_size >= 1 else 1
         # (a chunk that does not divide the sequence is reported by problems(), not here)
         object.__setattr__(self, "options", replace(self.options, num_chunks=max(1, u), group=None, mesh=None))
@@ -125,8 +124,11 @@ class Setup:
         return cls(seq_len=seq_len, chunk_size=chunk_size, options=replace(options, **opts), **own)
 
     def updated(self, **changes: Any) -> Setup:
-        """A copy with ``changes`` to its own fields or to its options' (by field name)."""
+        """A copy with ``changes`` to its own fields or to its options' (by field name); a new
+        ``hp`` or ``cp`` without ``sp`` makes ``sp`` their product again."""
         own, opts = split_options(changes, _OWN_FIELDS, "Setup")
+        if {"hp", "cp"} & set(own) and "sp" not in own:
+            own["sp"] = None
         return replace(self, options=replace(self.options, **opts), **own)
 
     def as_dict(self) -> dict[str, Any]:
@@ -149,10 +151,6 @@ class Setup:
         return n - on_device, on_device
 
     @property
-    def sp(self) -> int:
-        return self.hp * self.cp
-
-    @property
     def num_chunks(self) -> int:
         """``u``: FPDT chunks per rank (``S / C``)."""
         return self.options.num_chunks
@@ -173,9 +171,7 @@ class Setup:
 
     def problems(self, cfg: ModelConfig, world: int) -> list[str]:
         """Why this setup cannot run at all (empty when it can); each names the fix."""
-        out = option_problems(self.options, cfg.num_layers)
-        if self.placement not in PLACEMENTS:
-            out.append(f"placement={self.placement!r} must be one of {PLACEMENTS}")
+        out = option_problems(self.options, cfg.num_layers) + self.layout_problems()
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         if self.doc_len is not None and (isinstance(self.doc_len, bool) or not isinstance(self.doc_len, int)
@@ -187,19 +183,23 @@ class Setup:
             out.append(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         if self.offload_param and self.zero_stage != 3:
             out.append("parameter offload needs ZeRO stage 3")
-        if self.hp < 1 or self.cp < 1 or world % self.sp:
+        if not _positive(self.hp, self.cp, self.chunk_size):
+            return out      # reported by layout_problems()
+        if world % self.sp:
             out.append(f"hp x cp = {self.hp} x {self.cp} must divide the {world} GPUs")
         elif cfg.num_heads % self.hp:
             out.append(f"hp={self.hp} must divide the {cfg.num_heads} query heads")
-        if self.inner_ring is not None and (self.inner_ring < 1 or self.cp % self.inner_ring):
-            out.append(f"inner_ring={self.inner_ring} must divide cp={self.cp}")
         out += chunk_count_problems(self.options)
-        if self.chunk_size < 1 or self.seq_len % self.chunk_size:
+        if self.seq_len % self.chunk_size:
             out.append(f"chunk_size={self.chunk_size} must divide seq_len={self.seq_len}")
         elif self.chunk_size % chunk_split(self.sp, zigzag=self.cp > 1):
             out.append(f"chunk_size={self.chunk_size} must be a multiple of {chunk_split(self.sp, zigzag=self.cp > 1)} "
                        f"(hp x cp{' x 2 for the zigzag ring split' if self.cp > 1 else ''})")
         return out
+
+
+def _positive(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)
 
 
 _OWN_FIELDS = {f.name for f in fields(Setup)} - {"options"}

@@ -26,10 +26,9 @@ from typing import Any, Mapping
 
 import torch
 
-from fpdt.comm import PLACEMENTS
 from fpdt.layout import chunk_split
 from fpdt.offload import runtime_name
-from fpdt.options import DERIVED_OPTIONS, FPDTOptions, attention_checkpoint_given, device_defaults
+from fpdt.options import DERIVED_OPTIONS, FPDTOptions, LayoutOptions, attention_checkpoint_given, device_defaults
 
 DEFAULT_CHUNK_TOKENS = 65536
 """Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (arXiv:2408.16978),
@@ -41,11 +40,13 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class TrainerOptions(FPDTOptions):
-    """``fpdt-train``'s FPDT settings: :class:`fpdt.options.FPDTOptions` (its fields and
-    defaults), plus the mesh degrees and the global chunk length from which the trainer derives
-    the model's ``group`` / ``mesh`` and ``num_chunks`` (:meth:`model_options`). From flags,
-    or the ``"fpdt"`` section of the DeepSpeed JSON (:data:`FPDT_KEYS`)."""
+class TrainerOptions(FPDTOptions, LayoutOptions):
+    """``fpdt-train``'s FPDT settings: :class:`fpdt.options.FPDTOptions` and
+    :class:`fpdt.options.LayoutOptions` (the mesh degrees and the global chunk length, from which
+    the trainer derives the model's ``group`` / ``mesh`` and ``num_chunks``: :func:`validate`,
+    :meth:`model_options`). From flags, or the ``"fpdt"`` section of the DeepSpeed JSON
+    (:data:`FPDT_KEYS`). A layout field not given: ``sp`` 1 (or ``hp * cp``), ``placement``
+    ``"head_first"``, ``chunk_size`` :func:`default_chunk_size`."""
 
     offload: bool | None = None
     """As :attr:`FPDTOptions.offload`; ``None``: on with CUDA when the sequence has more than one
@@ -61,25 +62,6 @@ class TrainerOptions(FPDTOptions):
     """As :attr:`FPDTOptions.attention_checkpoint`; ``None``: ``"save"`` for as many layers as
     the run's own memory check predicts the host and device hold, else ``"recompute"``
     (:func:`fpdt.plan.trainer_run.attention_checkpoint`; the start-up line says which and why)."""
-    sp: int = 1
-    """Sequence-parallel size P. Must divide the world size; the rest is data parallel.
-    Shorthand for ``hp = sp, cp = 1`` (plain Ulysses)."""
-    hp: int | None = None
-    """Head-parallel (Ulysses) degree of a 2D mesh; ``None``: ``sp`` (or 1 when ``cp`` is given)."""
-    cp: int | None = None
-    """Context-parallel (ring attention) degree of a 2D mesh; ``None``: 1. The SP size is
-    ``hp * cp``; with ``cp > 1`` the sequence length must be a multiple of ``2 * hp * cp * u``."""
-    placement: str = "head_first"
-    """2D mesh placement: ``"head_first"`` (HP ranks adjacent: all-to-all inside a node) or
-    ``"context_first"`` (CP ranks adjacent: ring traffic inside a node)."""
-    inner_ring: int | None = None
-    """Double-ring inner size w (divides cp; choose NICs per node); ``None``: one ring."""
-    chunk_size: int | None = None
-    """Global tokens per FPDT chunk (the post-all-to-all chunk length C). The number of
-    attention chunks is ``u = seq_len / chunk_size`` and each rank holds ``C / P`` tokens
-    of every chunk. ``None``: :func:`default_chunk_size` (64K, or the whole sequence when
-    it is no longer)."""
-
     def model_options(self, run: RunLayout, group=None, mesh=None) -> FPDTOptions:
         """The model's :class:`FPDTOptions` for the validated ``run`` (its chunk count and the
         device defaults it resolved) on ``group`` or ``mesh``. An ``attention_checkpoint`` still
@@ -141,12 +123,8 @@ def _check_types(opts: TrainerOptions) -> None:
     """The trainer's own fields, then :meth:`FPDTOptions.problems` with what is still to be
     chosen standing in (checkpointing: ``"offload"``, checked again against the device default
     in :func:`validate`)."""
-    for name in ("sp", "hp", "cp", "inner_ring", "chunk_size"):
-        value = getattr(opts, name)
-        if (value is not None or name == "sp") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"fpdt option {name}={value!r} must be an integer >= 1")
-    if opts.placement not in PLACEMENTS:
-        raise ConfigError(f"fpdt option placement={opts.placement!r} must be one of {PLACEMENTS}")
+    for problem in opts.layout_problems():
+        raise ConfigError(f"fpdt option {_as_key(problem)}")
     for problem in _resolved(opts, bool(opts.stream_layers) if opts.offload is None else opts.offload,
                              opts.checkpointing or "offload").problems():
         raise ConfigError(f"fpdt option {_as_key(problem)}")
@@ -165,17 +143,6 @@ def _resolved(opts: TrainerOptions, offload: Any, checkpointing: Any) -> FPDTOpt
     shared.update(offload=offload, checkpointing=checkpointing, stream_layers=bool(opts.stream_layers),
                   attention_checkpoint=attention_checkpoint_given(opts.attention_checkpoint, opts.save_attention_layers))
     return FPDTOptions(**shared)
-
-
-def mesh_degrees(opts: TrainerOptions) -> tuple[int, int]:
-    """``(hp, cp)`` from the options: ``--sp N`` alone is ``(N, 1)``."""
-    if opts.hp is None and opts.cp is None:
-        return opts.sp, 1
-    hp, cp = opts.hp or 1, opts.cp or 1
-    if opts.sp not in (1, hp * cp):
-        raise ConfigError(f"--sp {opts.sp} conflicts with --hp {hp} --cp {cp} (sp = hp x cp = {hp * cp}); "
-                          f"--sp N is shorthand for --hp N --cp 1: give one or the other")
-    return hp, cp
 
 
 # ----------------------------------------------------------------------------- DeepSpeed JSON
@@ -257,32 +224,21 @@ def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- validation
 
-@dataclass(frozen=True)
-class RunLayout:
-    """The validated shape of a run: parallel sizes, sequence chunking and the device defaults resolved."""
+@dataclass(frozen=True, kw_only=True)
+class RunLayout(LayoutOptions):
+    """The validated shape of a run: the layout resolved (every :class:`LayoutOptions` field
+    set but ``inner_ring``), the data-parallel size, the sequence chunking and the device defaults."""
 
     world_size: int
     """Number of processes."""
-    sp: int
-    """Sequence-parallel size P = hp x cp."""
     dp: int
     """Data-parallel size: ``world_size / sp`` groups, each training distinct windows."""
     seq_len: int
     """Global tokens per sequence S (one window is S + 1 tokens)."""
-    chunk_size: int
-    """Global tokens per FPDT chunk C."""
     num_chunks: int
     """Attention chunks u = S / C (also the chunks per rank in the FPDT layout)."""
     mlp_chunks: int | None
     """MLP chunks over the local sequence (None: the model's rule, ``ceil(2 u I / hidden)``)."""
-    hp: int = 1
-    """Head-parallel degree (Ulysses all-to-all)."""
-    cp: int = 1
-    """Context-parallel degree (ring attention); 1 = plain Ulysses over sp ranks."""
-    placement: str = "head_first"
-    """2D mesh placement (only used with cp > 1)."""
-    inner_ring: int | None = None
-    """Double-ring inner size (only used with cp > 1; None = one ring)."""
     offload: bool = False
     """Attention chunks in pinned host memory (the option, or its device default)."""
     checkpoint: str = "off"
@@ -302,7 +258,9 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
     """
     if seq_len < 1:
         raise ConfigError(f"--seq-len {seq_len} must be a positive number of tokens")
-    hp, cp = mesh_degrees(opts)
+    for problem in opts.layout_problems():
+        raise ConfigError(f"fpdt option {_as_key(problem)}")
+    hp, cp = opts.degrees()
     sp = hp * cp
     if world_size % sp != 0:
         what = f"--sp {sp}" if cp == 1 else f"--hp {hp} x --cp {cp} = {sp}"
@@ -310,9 +268,6 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
             f"{what} does not divide the world size {world_size}; choose an sp that "
             f"divides {world_size} (the remaining factor is data parallel), or launch a "
             f"multiple of {sp} processes")
-    if opts.inner_ring is not None and cp % opts.inner_ring:
-        raise ConfigError(f"--inner-ring {opts.inner_ring} does not divide --cp {cp}; use a divisor of {cp} "
-                          f"(ranks per inner ring, e.g. NICs per node)")
     split = chunk_split(sp, zigzag=cp > 1)
     chunk = default_chunk_size(seq_len, split) if opts.chunk_size is None else opts.chunk_size
     if chunk > seq_len:
@@ -336,7 +291,7 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
         raise ConfigError(f"fpdt option {_as_key(problem)}{default}")
     return RunLayout(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
                      chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=opts.mlp_chunks, hp=hp, cp=cp,
-                     placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
+                     placement=opts.placement or "head_first", inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
 
 
 def default_chunk_size(seq_len: int, split: int) -> int:

@@ -27,8 +27,6 @@ class ParallelState:
     """Global rank."""
     world_size: int
     """Number of processes."""
-    sp: int
-    """Sequence-parallel size P."""
     dp: int
     """Data-parallel size, ``world_size / P``."""
     sp_rank: int
@@ -42,6 +40,11 @@ class ParallelState:
     mesh: SequenceMesh | None = None
     """The 2D hp x cp mesh when cp > 1 (then ``sp_group`` is ``mesh.sp_group`` and
     ``sp_rank`` is ``mesh.sp_rank``); None for plain Ulysses."""
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel size P, ``world_size / dp``."""
+        return self.world_size // self.dp
 
     @property
     def is_main(self) -> bool:
@@ -97,7 +100,7 @@ def build_parallel_state(sp: int, device: torch.device, *, cp: int = 1, placemen
         raise ValueError(f"--sp {sp} does not divide the world size {world}")
     if cp > 1:
         mesh = SequenceMesh(hp=sp // cp, cp=cp, placement=placement, inner_ring=inner_ring, timeout=timeout)
-        return ParallelState(rank=rank, world_size=world, sp=sp, dp=mesh.dp, sp_rank=mesh.sp_rank,
+        return ParallelState(rank=rank, world_size=world, dp=mesh.dp, sp_rank=mesh.sp_rank,
                              dp_rank=mesh.dp_rank, sp_group=mesh.sp_group, device=device, mesh=mesh)
     mine = None
     for g in range(world // sp):
@@ -105,5 +108,5 @@ def build_parallel_state(sp: int, device: torch.device, *, cp: int = 1, placemen
         if g == rank // sp:
             mine = group
     assert mine is not None
-    return ParallelState(rank=rank, world_size=world, sp=sp, dp=world // sp, sp_rank=rank % sp,
+    return ParallelState(rank=rank, world_size=world, dp=world // sp, sp_rank=rank % sp,
                          dp_rank=rank // sp, sp_group=mine, device=device)

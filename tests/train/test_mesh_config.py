@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 
 from fpdt.cli.train import build_parser, fpdt_flags
-from fpdt.train.config import ConfigError, TrainerOptions, merge_options, mesh_degrees, validate
+from fpdt.train.config import ConfigError, TrainerOptions, merge_options, validate
 
 FP32 = {"train_micro_batch_size_per_gpu": 1}
 
 
 def test_sp_is_shorthand_for_hp():
-    assert mesh_degrees(TrainerOptions(sp=4)) == (4, 1)
-    assert mesh_degrees(TrainerOptions(cp=4)) == (1, 4)
-    assert mesh_degrees(TrainerOptions(hp=2, cp=2)) == (2, 2)
-    assert mesh_degrees(TrainerOptions(sp=4, hp=2, cp=2)) == (2, 2)  # consistent: allowed
-    with pytest.raises(ConfigError, match=r"--sp 2 conflicts with --hp 2 --cp 2"):
-        mesh_degrees(TrainerOptions(sp=2, hp=2, cp=2))
+    assert TrainerOptions().degrees() == (1, 1)
+    assert TrainerOptions(sp=4).degrees() == (4, 1)
+    assert TrainerOptions(cp=4).degrees() == (1, 4)
+    assert TrainerOptions(hp=2, cp=2).degrees() == (2, 2)
+    assert TrainerOptions(sp=4, hp=2, cp=2).degrees() == (2, 2)  # consistent: allowed
+    with pytest.raises(ConfigError, match=r"sp=2 does not match hp=2 x cp=2 = 4"):
+        validate(TrainerOptions(sp=2, hp=2, cp=2), 64, 4, "cpu", FP32)
 
 
 def test_flags_and_json_reach_the_plan():
@@ -34,7 +35,7 @@ def test_flags_and_json_reach_the_plan():
     (TrainerOptions(hp=2, cp=2, chunk_size=12), 36, 4, r"--seq-len 36 is not divisible by 2 x hp x cp x chunks = "
                                                     r"2 x 2 x 2 x 3 = 24"),
     (TrainerOptions(hp=2, cp=3), 48, 4, r"--hp 2 x --cp 3 = 6 does not divide the world size 4"),
-    (TrainerOptions(cp=4, inner_ring=3), 64, 4, r"--inner-ring 3 does not divide --cp 4"),
+    (TrainerOptions(cp=4, inner_ring=3), 64, 4, r"inner_ring=3 must divide cp=4"),
 ])
 def test_bad_mesh_names_the_fix(opts, seq_len, world, match):
     with pytest.raises(ConfigError, match=match):
