@@ -3,6 +3,7 @@ and the single-process reference training they are compared with."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -56,19 +57,26 @@ def write_json(path: str, obj: dict) -> str:
 
 
 def reference_losses(cfg_path: str | None, data_path: str, seq_len: int, steps: int, seqs_per_step: int,
-                     optimizer: dict, clip: float, seed: int = 0, pretrained: str | None = None) -> list[float]:
+                     optimizer: dict, clip: float, seed: int = 0, pretrained: str | None = None,
+                     precision: str = "fp32") -> list[float]:
     """Single-process, unsharded training on the same windows: window ``k`` is
     ``tokens[k*(S+1) : (k+1)*(S+1)]`` and step ``t`` trains windows ``t*n .. t*n+n-1``
     as one batch (``n`` = sequences per step over all data-parallel groups), clipping the
     gradient norm at ``clip`` (0: no clipping) as DeepSpeed does. The model is
-    ``from_config(cfg_path)`` seeded with ``seed``, or ``from_pretrained(pretrained)``."""
+    ``from_config(cfg_path)`` seeded with ``seed``, or ``from_pretrained(pretrained)``.
+    ``precision``: ``"fp32"`` or ``"fp64"`` throughout, or ``"bf16"`` as DeepSpeed's bf16 runs
+    it (bf16 weights, activations and gradients; the gradients cast to fp32 for the clipping and
+    the optimizer, which updates fp32 master weights that are rounded to bf16 after each step)."""
     from fpdt.model import from_config, from_pretrained
 
     torch.manual_seed(seed)
     if pretrained is not None:
         model = from_pretrained(pretrained, dtype=torch.float32)
     else:
-        model = from_config(cfg_path, dtype=torch.float32)
+        model = from_config(cfg_path, dtype=torch.float32)    # the same initial weights at every precision
+    if precision == "fp64":
+        model = model.to(torch.float64)
+    work = copy.deepcopy(model).to(torch.bfloat16) if precision == "bf16" else model
     params = dict(optimizer["params"])
     params.pop("torch_adam", None)
     opt = getattr(torch.optim, optimizer["type"])(model.parameters(), **params)
@@ -77,12 +85,20 @@ def reference_losses(cfg_path: str | None, data_path: str, seq_len: int, steps: 
     for t in range(steps):
         win = [tokens[k * (seq_len + 1):(k + 1) * (seq_len + 1)] for k in range(t * seqs_per_step, (t + 1) * seqs_per_step)]
         batch = torch.from_numpy(np.stack(win))
-        loss = model(batch[:, :-1], labels=batch[:, 1:])
+        loss = work(batch[:, :-1], labels=batch[:, 1:])
         opt.zero_grad()
+        work.zero_grad()
         loss.backward()
+        if work is not model:
+            for master, low in zip(model.parameters(), work.parameters()):
+                master.grad = low.grad.to(master.dtype)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        if work is not model:
+            with torch.no_grad():
+                for master, low in zip(model.parameters(), work.parameters()):
+                    low.copy_(master)
         losses.append(loss.item())
     return losses
 
