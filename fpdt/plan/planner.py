@@ -28,7 +28,7 @@ from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, mlp_chunks, nvme_layers_on_disk, saved_attention_bytes
 from fpdt.plan.models import load_model_config
 from fpdt.comm import PLACEMENTS
-from fpdt.plan.setup import (GPU_OPTIONS, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, Setup,
+from fpdt.plan.setup import (GPU_OPTIONS, RunSettings, Setup,
                              chunk_count_problems, option_problems, split_options)
 from fpdt.plan.time_model import estimate_time, nvme_io
 from fpdt.layout import chunk_split, hidden_bytes
@@ -42,7 +42,7 @@ DEFAULT_GRANULE = 2 ** 16
 
 
 @dataclass(frozen=True)
-class Choice(LayoutOptions):
+class Choice(LayoutOptions, RunSettings):
     """What the caller fixed and what the planner chooses. Build one with :meth:`fix`, which
     takes the layout (:class:`~fpdt.options.LayoutOptions`), the cluster settings and
     :class:`~fpdt.options.FPDTOptions` fields alike:
@@ -65,19 +65,6 @@ class Choice(LayoutOptions):
     fixed: Mapping[str, Any] = field(default_factory=dict)
     """The :class:`~fpdt.options.FPDTOptions` fields the caller fixed, by name (never
     ``num_chunks``, ``group`` or ``mesh``: :data:`fpdt.plan.setup.DERIVED_OPTIONS`)."""
-    zero_stage: int = 3
-    offload_optimizer: bool = False
-    offload_param: bool = False
-    dtype: str = "bf16"
-    batch: int = 1
-    reduce_bucket_size: float = ZERO_REDUCE_BUCKET
-    sub_group_size: float = ZERO_SUB_GROUP
-    contiguous_gradients: bool = True
-    """DeepSpeed ZeRO settings that allocate device memory (its defaults unless given)."""
-    lora_rank: int = 0
-    """LoRA fine-tuning (``fpdt.hf`` with PEFT) of this rank on every decoder linear; 0: full."""
-    doc_len: int | None = None
-    """Packed documents of this mean length (:mod:`fpdt.plan.documents`); None: one per sequence."""
 
     def fix(self, **changes: Any) -> Choice:
         """A copy with ``changes`` to the coordinates and the fixed options (by their
@@ -165,11 +152,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
         placements = [choice.placement] if choice.placement else (list(PLACEMENTS) if cp > 1 else ["head_first"])
         for placement in placements:
             s = Setup(seq_len=seq_len, chunk_size=chunk, hp=hp, cp=cp, placement=placement,
-                      inner_ring=choice.inner_ring, options=options, zero_stage=choice.zero_stage,
-                      offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
-                      dtype=choice.dtype, batch=choice.batch, reduce_bucket_size=choice.reduce_bucket_size,
-                      sub_group_size=choice.sub_group_size, contiguous_gradients=choice.contiguous_gradients,
-                      kernel_expands_gqa=expands, lora_rank=choice.lora_rank, doc_len=choice.doc_len)
+                      inner_ring=choice.inner_ring, options=options, kernel_expands_gqa=expands,
+                      **choice.run_settings())
             if not s.problems(cfg, world):
                 out.append(s)
     return out

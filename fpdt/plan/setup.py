@@ -70,20 +70,12 @@ def split_options(changes: dict[str, Any], own: set[str], what: str) -> tuple[di
             {k: v for k, v in changes.items() if k not in own})
 
 
-@dataclass(frozen=True, kw_only=True)
-class Setup(LayoutOptions):
-    """A complete training configuration on a cluster (one sequence per SP group): the
-    layout (:class:`~fpdt.options.LayoutOptions`, resolved: ``hp`` and ``cp`` from ``sp`` as
-    ``fpdt-train`` reads them, ``sp = hp * cp``, placement ``"head_first"`` unless given), the
-    sequence length, ZeRO, precision and batch, and the model's
-    :class:`~fpdt.options.FPDTOptions`. Build one with :meth:`build` (options as keywords)."""
+@dataclass(frozen=True)
+class RunSettings:
+    """What a planned run sets beside its layout and model options, the same for a
+    :class:`Setup` and a :class:`fpdt.plan.planner.Choice`: ZeRO, precision, batch, LoRA and
+    packed documents."""
 
-    seq_len: int
-    """Global sequence length ``S``; ``u = S / chunk_size`` chunks per rank (``options.num_chunks``)."""
-    options: FPDTOptions = GPU_OPTIONS
-    """The model's options (checkpointing and its device layers, attention offload, saved
-    attention, MLP / loss chunks, LM-head mode, kernel); ``num_chunks`` is set from
-    ``seq_len / chunk_size`` and there is no process group. Default: :data:`GPU_OPTIONS`."""
     zero_stage: int = 3
     offload_optimizer: bool = False
     offload_param: bool = False
@@ -93,17 +85,37 @@ class Setup(LayoutOptions):
     reduce_bucket_size: float = ZERO_REDUCE_BUCKET
     sub_group_size: float = ZERO_SUB_GROUP
     contiguous_gradients: bool = True
-    """DeepSpeed ZeRO settings that allocate device memory (``zero_optimization`` keys)."""
+    """DeepSpeed ZeRO settings that allocate device memory (``zero_optimization`` keys; its
+    defaults unless given)."""
+    lora_rank: int = 0
+    """PEFT LoRA adapters of this rank on every decoder linear, the rest frozen (``fpdt.hf``: fp32
+    adapters, their gradients and AdamW moments; no base or LM-head weight gradient); 0: full."""
+    doc_len: int | None = None
+    """Packed documents of this mean length (:mod:`fpdt.plan.documents`), each attending within
+    itself; None: one document per sequence."""
+
+    def run_settings(self) -> dict[str, Any]:
+        """These fields by name, to carry from one object to another (a choice to its setups)."""
+        return {f.name: getattr(self, f.name) for f in fields(RunSettings)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup(LayoutOptions, RunSettings):
+    """A complete training configuration on a cluster (one sequence per SP group): the
+    layout (:class:`~fpdt.options.LayoutOptions`, resolved: ``hp`` and ``cp`` from ``sp`` as
+    ``fpdt-train`` reads them, ``sp = hp * cp``, placement ``"head_first"`` unless given), the
+    sequence length, the :class:`RunSettings` and the model's
+    :class:`~fpdt.options.FPDTOptions`. Build one with :meth:`build` (options as keywords)."""
+
+    seq_len: int
+    """Global sequence length ``S``; ``u = S / chunk_size`` chunks per rank (``options.num_chunks``)."""
+    options: FPDTOptions = GPU_OPTIONS
+    """The model's options (checkpointing and its device layers, attention offload, saved
+    attention, MLP / loss chunks, LM-head mode, kernel); ``num_chunks`` is set from
+    ``seq_len / chunk_size`` and there is no process group. Default: :data:`GPU_OPTIONS`."""
     kernel_expands_gqa: bool = False
     """The attention kernel repeats K/V heads (the CPU kernel); False for flash-attn/cuDNN,
     which take GQA natively (the GPU presets)."""
-    doc_len: int | None = None
-    """Packed documents of this many tokens (the mean; :mod:`fpdt.plan.documents`), each
-    attending within itself; None: one document per sequence."""
-    lora_rank: int = 0
-    """PEFT LoRA adapters of this rank on every decoder linear, the rest frozen (``fpdt.hf``:
-    fp32 adapters, their gradients and AdamW moments; no weight gradients for the base, no
-    LM-head gradient); 0 trains every weight."""
 
     def __post_init__(self):
         if self.chunk_size is None:

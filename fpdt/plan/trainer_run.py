@@ -73,12 +73,9 @@ def planned_setup(plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str,
     options = opts.model_options(plan)    # what the model gets; None (to choose) attention_checkpoint: recompute
     return Setup(
         seq_len=plan.seq_len, chunk_size=plan.chunk_size, hp=plan.hp, cp=plan.cp, placement=plan.placement,
-        inner_ring=plan.inner_ring, zero_stage=choice.zero_stage,
+        inner_ring=plan.inner_ring, kernel_expands_gqa=kernel_expands_gqa,
         options=replace(options, mlp_chunks=_modelled(plan.mlp_chunks), loss_chunks=_modelled(options.loss_chunks)),
-        offload_optimizer=choice.offload_optimizer, offload_param=choice.offload_param,
-        dtype="fp32" if dtype_name == "fp32" else "bf16", batch=choice.batch,
-        reduce_bucket_size=choice.reduce_bucket_size, sub_group_size=choice.sub_group_size,
-        contiguous_gradients=choice.contiguous_gradients, kernel_expands_gqa=kernel_expands_gqa)
+        **{**choice.run_settings(), "dtype": "fp32" if dtype_name == "fp32" else "bf16"})
 
 
 def _modelled(chunks: int | None) -> int | None:
