@@ -17,14 +17,17 @@
 #   FPDT_GIT_COMMIT=$(git rev-parse --short HEAD) bash profiling/gpu_session.sh evidence   # device tool
 #   bash profiling/gpu_evidence.sh --tiny                  # dry run on the CPU (tiny model, cpu-smoke/)
 #
-# Options: --budget-s N (seconds for all pieces, default 530), --tiny.
+#   bash profiling/gpu_evidence.sh --streamed              # the second call: fpdt with and without
+#                                                          # stream_layers at 256K, one counted step each
+# Options: --budget-s N (seconds for all pieces, default 530), --tiny, --streamed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-TINY=0; BUDGET=530
+TINY=0; BUDGET=530; STREAMED=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) TINY=1; shift;;
+    --streamed) STREAMED=1; shift;;
     --budget-s) BUDGET="$2"; shift 2;;
     *) echo "gpu_evidence.sh: unknown option $1 (see the header of this file)" >&2; exit 2;;
   esac
@@ -52,6 +55,16 @@ if [ "$TINY" = 1 ]; then
 else
   SIZES=(); L1=131072; L2=262144
   OPL=(--heads 32 --kv-heads 8 --head-dim 64 --backends all --chunks 65536)
+fi
+if [ "$STREAMED" = 1 ]; then   # 1B at 256K: an fpdt step ~78 s on an H100, plus ~20 s of start-up
+  HALF=$(( (DEADLINE - $(date +%s) - 10) / 2 ))
+  for strategy in fpdt-stream fpdt; do
+    piece "$strategy $L2" 100 "$HALF" python3 -m profiling.max_seqlen "${SIZES[@]}" --strategies "$strategy" \
+      --lengths "$L2" --no-timed-step --trial-timeout-s $(( HALF - 10 )) --tag "evidence-$strategy-long" --out-dir "$DIR"
+  done
+  echo "== done ($(date -u +%H:%M:%S)): results in $DIR" | tee -a "$LOG"
+  pack
+  exit 0
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
   python3 -c "from profiling import bench_common as bc; print(bc.software())"; } | tee "$DIR/gpu.txt" | tee -a "$LOG"

@@ -8,6 +8,8 @@
 #   bash profiling/gpu_session.sh evidence     # one ~9-minute call: CUDA tests, every kernel's latency, fpdt
 #                                              # against alst at 128K with traced steps, saved attention
 #                                              # outputs against recompute (profiling/gpu_evidence.sh)
+#   bash profiling/gpu_session.sh evidence --streamed  # the second call: fpdt with and without
+#                                              # stream_layers at 256K, one counted step each
 #   bash profiling/gpu_session.sh sanitizer    # the CUDA attention tests under TORCH_CUDA_SANITIZER
 #   bash profiling/gpu_session.sh suite REGEX  # pieces of the measurement suite (profiling/run_suite.sh
 #                                              # --only REGEX), each within 10 minutes, e.g. 'op_latency',
