@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
+from fpdt.offload.nvme import close_stores
 from fpdt.offload.runtime import RUNTIMES
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
@@ -45,7 +46,7 @@ from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayou
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report, this_rank
-from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, run_steps
+from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, NVMeFault, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
 from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
 from fpdt.train.progress import Progress, StepRecord
@@ -315,9 +316,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
                           lora_rank=lora_spec.rank if lora_spec else 0)
     memory = replace(memory, lines=(*streaming, *memory.lines))
-    if memory.attention is not None:     # the choice the memory check made (or the one given)
-        opts = replace(opts, attention_checkpoint=memory.attention.mode,
-                       save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
+    opts = _with_choices(opts, memory)
     memory = replace(memory, lines=(*memory.lines, *_nvme_tier(opts, plan, source.config, dtype_name)))
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
@@ -357,7 +356,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
-                    mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime)
+                    mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime,
+                    nvme=opts.nvme_path is not None)
     saver = Saver(args, engine, ps, info, dtype_name, progress, lora_record)
 
     def on_step_end(done: int) -> None:
@@ -373,6 +373,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                        same_on_every_rank=True) from e
     except CommFailure as e:
         raise RunError(str(e)) from e
+    except NVMeFault as e:
+        raise RunError(f"{e}, and nothing was saved for it. {saver.resume_hint()}", same_on_every_rank=True) from e
     except DeviceOutOfMemory as e:
         raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, e.detail,
                                                         memory.capacity_bytes,
@@ -381,6 +383,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                                                         lora_spec.rank if lora_spec else 0)) from e
     finally:
         progress.close()
+        _close_tier(opts)
     if args.save_dir and args.steps not in saver.saved and start >= args.steps:
         saver.save(args.steps)
     if args.export_hf:
@@ -388,6 +391,20 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     _say(ps, summary(records, start, time.perf_counter() - started, saver.last if args.save_dir else None,
                      args.export_hf))
     return records
+
+
+def _close_tier(opts: TrainerOptions) -> None:
+    """With the NVMe tier, close its stores: the files go with the run, not at the interpreter's exit."""
+    if opts.nvme_path is not None:
+        close_stores()
+
+
+def _with_choices(opts: TrainerOptions, memory: MemoryCheck) -> TrainerOptions:
+    """``opts`` with the choices the memory check made (or the ones given): the attention checkpoint."""
+    if memory.attention is not None:
+        opts = replace(opts, attention_checkpoint=memory.attention.mode,
+                       save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
+    return opts
 
 
 def summary(records: list[StepRecord], start: int, wall_s: float, saved: str | None, exported: str | None) -> str:
@@ -616,6 +633,13 @@ class Saver:
             self.progress.write(line)
         else:
             _say(self.ps, line)
+
+    def resume_hint(self) -> str:
+        """Where the run can resume from: the last checkpoint saved (or resumed from), or that there is none."""
+        last = self.last or self.args.resume
+        if last is None:
+            return "No checkpoint was saved (pass --save-dir and --save-every N to keep one)"
+        return f"Last checkpoint: {last} (resume with --resume {last})"
 
     def last_good_hint(self) -> str:
         last = self.last
