@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
+from fpdt.offload.nvme import close_stores
 from fpdt.offload.runtime import RUNTIMES
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
@@ -45,7 +46,7 @@ from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayou
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report, this_rank
-from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, run_steps
+from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, NVMeFault, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
 from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
 from fpdt.train.progress import Progress, StepRecord
@@ -109,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "at exit. Default: off (host memory)")
     f.add_argument("--nvme-layers", type=int, metavar="K",
                    help="with --nvme-path, only the first K decoder layers' checkpoints (input, saved attention "
-                        "output) go to disk, the rest stay in host memory (default: every offloaded layer); "
-                        "fpdt-plan suggests K")
+                        "output) go to disk, the rest stay in host memory (default: the fewest that bring the "
+                        "memory check's predicted host offload within the node's available memory, as the start-up "
+                        "line says)")
     f.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="run every layer a chunk at a time with the residual stream in host memory: device memory "
                         "flat in the sequence length (implies --offload and --checkpoint offload). Default: on when "
@@ -315,9 +317,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
                           lora_rank=lora_spec.rank if lora_spec else 0)
     memory = replace(memory, lines=(*streaming, *memory.lines))
-    if memory.attention is not None:     # the choice the memory check made (or the one given)
-        opts = replace(opts, attention_checkpoint=memory.attention.mode,
-                       save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
+    opts = _with_choices(opts, memory)
     memory = replace(memory, lines=(*memory.lines, *_nvme_tier(opts, plan, source.config, dtype_name)))
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
              f"checkpoint={plan.checkpoint} attention={kernel.name} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"{windows.describe()} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})"
-             + (f" {memory.attention.line(model.config.num_layers)}" if memory.attention is not None else ""))
+             + _choices_words(memory, model.config.num_layers, opts.checkpoint_device_layers))
     for line in memory.lines + tuple(f"warning: {n}" for n in notes):
         _say(ps, line)
     if lora_spec is not None:
@@ -357,7 +357,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     progress = Progress(args.steps, start, ps.is_main, args.log_json)
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
-                    mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime)
+                    mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime,
+                    nvme=opts.nvme_path is not None)
     saver = Saver(args, engine, ps, info, dtype_name, progress, lora_record)
 
     def on_step_end(done: int) -> None:
@@ -373,6 +374,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                        same_on_every_rank=True) from e
     except CommFailure as e:
         raise RunError(str(e)) from e
+    except NVMeFault as e:
+        raise RunError(f"{e}, and nothing was saved for it. {saver.resume_hint()}", same_on_every_rank=True) from e
     except DeviceOutOfMemory as e:
         raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, e.detail,
                                                         memory.capacity_bytes,
@@ -381,6 +384,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                                                         lora_spec.rank if lora_spec else 0)) from e
     finally:
         progress.close()
+        _close_tier(opts)
     if args.save_dir and args.steps not in saver.saved and start >= args.steps:
         saver.save(args.steps)
     if args.export_hf:
@@ -388,6 +392,31 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     _say(ps, summary(records, start, time.perf_counter() - started, saver.last if args.save_dir else None,
                      args.export_hf))
     return records
+
+
+def _close_tier(opts: TrainerOptions) -> None:
+    """With the NVMe tier, close its stores: the files go with the run, not at the interpreter's exit."""
+    if opts.nvme_path is not None:
+        close_stores()
+
+
+def _with_choices(opts: TrainerOptions, memory: MemoryCheck) -> TrainerOptions:
+    """``opts`` with the choices the memory check made (or the ones given): the attention
+    checkpoint and, with the NVMe tier, ``nvme_layers``."""
+    if memory.attention is not None:
+        opts = replace(opts, attention_checkpoint=memory.attention.mode,
+                       save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
+    if memory.nvme is not None:
+        opts = replace(opts, nvme_layers=memory.nvme.layers)
+    return opts
+
+
+def _choices_words(memory: MemoryCheck, num_layers: int, device_layers: int) -> str:
+    """The start-up line's words for those choices, and why."""
+    words = [memory.attention.line(num_layers)] if memory.attention is not None else []
+    if memory.nvme is not None:
+        words.append(memory.nvme.line(num_layers - device_layers))
+    return "".join(f" {w}" for w in words)
 
 
 def summary(records: list[StepRecord], start: int, wall_s: float, saved: str | None, exported: str | None) -> str:
@@ -452,6 +481,9 @@ class MemoryCheck:
     attention: trainer_run.AttentionCheckpoint | None = None
     """The run's ``attention_checkpoint`` / ``save_attention_layers``: as given, or chosen here
     from the predicted memory (:func:`fpdt.plan.trainer_run.attention_checkpoint`)."""
+    nvme: trainer_run.NVMeLayers | None = None
+    """With ``--nvme-path``: the run's ``nvme_layers``, as given or chosen here from the
+    predicted host memory (:func:`fpdt.plan.trainer_run.nvme_layers`)."""
 
 
 def _choose_streaming(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
@@ -499,6 +531,10 @@ def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOp
     except Exception as e:  # noqa: BLE001 -- a limit of the planner's model never stops a run the trainer can run
         notes.append(f"note: fpdt-plan's model cannot describe this run ({type(e).__name__}: {e}); no memory "
                      f"prediction or host check")
+    nvme, est = _choose_nvme_layers(source, plan, opts, ds_config, dtype_name, device, est, available, ranks,
+                                    kernel_expands_gqa, lora_rank)
+    if nvme is not None:
+        opts = replace(opts, nvme_layers=nvme.layers)
     attention, est = _choose_attention_checkpoint(source, plan, opts, ds_config, dtype_name, device, est, available,
                                                   capacity, ranks, kernel_expands_gqa, lora_rank)
     if est is not None:
@@ -511,14 +547,48 @@ def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOp
     if error is not None:
         raise error
     if est is None:
-        return MemoryCheck(None, capacity, None, tuple(notes), attention)
+        return MemoryCheck(None, capacity, None, tuple(notes), attention, nvme)
     recommend = None
     if capacity is not None:
         recommend = functools.cache(functools.partial(_recommend, source.config, plan, opts, ds_config, ranks, capacity,
                                                       available, lora_rank))
     lines = (trainer_run.prediction_line(est, capacity),
              trainer_run.device_memory_warning(est, capacity, recommend) if capacity else None)
-    return MemoryCheck(est, capacity, recommend, tuple(line for line in lines if line), attention)
+    return MemoryCheck(est, capacity, recommend, tuple(line for line in lines if line), attention, nvme)
+
+
+def _choose_nvme_layers(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
+                        dtype_name: str, device: torch.device, est, available: float, ranks: int,
+                        kernel_expands_gqa: bool | None, lora_rank: int) -> tuple[trainer_run.NVMeLayers | None, Any]:
+    """The run's ``nvme_layers`` (:func:`fpdt.plan.trainer_run.nvme_layers`; None without
+    ``--nvme-path``) and its memory estimate with it. Left to choose (no ``--nvme-layers``),
+    every rank computes the fewest its node's host memory needs, against the run as given (an
+    attention checkpoint still to choose as recompute), and all take the largest (one
+    all-reduce), so that every rank builds the same model."""
+    if opts.nvme_path is None:
+        return None, est
+    cfg, given = source.config, opts.nvme_layers
+    if est is None:
+        why = (f"--nvme-layers {given}" if given is not None else
+               "fpdt-plan's model cannot describe this run, so every offloaded layer goes to disk")
+        return trainer_run.NVMeLayers(given, why), est
+
+    @functools.cache
+    def estimate_with(k: int):
+        return trainer_run.estimate(cfg, plan, replace(opts, nvme_layers=k), ds_config, dtype_name, device.type, ranks,
+                                    kernel_expands_gqa, lora_rank)
+
+    def host_need(k: int) -> float:
+        return sum(trainer_run.host_offload_bytes(estimate_with(k)).values())
+
+    choice = trainer_run.nvme_layers(given, cfg.num_layers - opts.checkpoint_device_layers, host_need, available)
+    if given is not None:
+        return choice, est
+    k = _on_every_rank(choice.layers, device, dist.ReduceOp.MAX)
+    if k != choice.layers:
+        choice = trainer_run.NVMeLayers(k, f"the fewest first layers on disk that bring every node's predicted host "
+                                           f"offload within its available memory ({choice.layers} would do on this one)")
+    return choice, estimate_with(k)
 
 
 def _choose_attention_checkpoint(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions,
@@ -556,10 +626,15 @@ def _choose_attention_checkpoint(source: preflight.ModelSource, plan: RunLayout,
 
 def _smallest_on_any_rank(value: int, device: torch.device) -> int:
     """The smallest ``value`` over the ranks (one all-reduce; itself on one process)."""
+    return _on_every_rank(value, device, dist.ReduceOp.MIN)
+
+
+def _on_every_rank(value: int, device: torch.device, op) -> int:
+    """``value`` reduced by ``op`` over the ranks (one all-reduce; itself on one process)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=op)
     return int(t.item())
 
 
@@ -616,6 +691,13 @@ class Saver:
             self.progress.write(line)
         else:
             _say(self.ps, line)
+
+    def resume_hint(self) -> str:
+        """Where the run can resume from: the last checkpoint saved (or resumed from), or that there is none."""
+        last = self.last or self.args.resume
+        if last is None:
+            return "No checkpoint was saved (pass --save-dir and --save-every N to keep one)"
+        return f"Last checkpoint: {last} (resume with --resume {last})"
 
     def last_good_hint(self) -> str:
         last = self.last

@@ -12,9 +12,10 @@ Layout and contract:
   ``O_DIRECT``-friendly (DeepSpeed's aio opens them ``O_DIRECT``).
 * ``write(key, t)`` and ``read(key, out)`` start at once and return an :class:`IOHandle`;
   ``handle.wait()`` returns when the transfer is complete and raises :class:`NVMeError` (one
-  line: the operation, key, file and errno message) on ENOSPC, EIO or any other ``OSError``.
-  The caller keeps ``t`` (``out``) alive and untouched until then. A ``read`` of a key whose
-  write is still in flight first waits for that write.
+  line: the operation, key, file and errno message) on ENOSPC, EIO or any other ``OSError``;
+  under :func:`deferred_faults` it records the first such error instead (:func:`take_fault`)
+  and returns, the buffer holding whatever it holds. The caller keeps ``t`` (``out``) alive and
+  untouched until then. A ``read`` of a key whose write is still in flight first waits for that write.
 * ``discard(key)`` removes one key's file; ``close()`` waits for what is in flight and removes
   every file the store created, its marker and its directory (never ``nvme_path`` itself).
   The store is a context manager; live stores are also closed at interpreter exit and on
@@ -29,6 +30,7 @@ and DeepSpeed's aio in :mod:`fpdt.train.nvme_aio` (this package may not import D
 """
 
 import atexit
+import contextlib
 import errno as errno_mod
 import itertools
 import json
@@ -187,8 +189,37 @@ class IOHandle:
                                         "or unset nvme_path")
             finally:
                 self._done, self._pending, self._keep = True, None, ()
+            if self._error is not None and _FAULTS["defer"]:
+                _FAULTS["first"] = _FAULTS["first"] or self._error
+                self._error = None
         if self._error is not None:
             raise self._error
+
+
+# ---------------------------------------------------------------------------------------------
+# Deferred faults: one check per training step instead of a raise inside the chunk loops
+
+_FAULTS = {"defer": False, "first": None}
+
+
+@contextlib.contextmanager
+def deferred_faults():
+    """Within it, a failed transfer's :meth:`IOHandle.wait` records its :class:`NVMeError`
+    (the first one, for :func:`take_fault`) and returns instead of raising, so that a rank whose
+    drive fails runs its step to the end and every collective still lines up; the caller checks
+    once per step (``fpdt-train`` does, before the optimizer step: ``docs/nvme.md``)."""
+    before, _FAULTS["defer"] = _FAULTS["defer"], True
+    try:
+        yield
+    finally:
+        _FAULTS["defer"] = before
+
+
+def take_fault():
+    """The first :class:`NVMeError` recorded under :func:`deferred_faults` since the last
+    call, or None; it is cleared."""
+    fault, _FAULTS["first"] = _FAULTS["first"], None
+    return fault
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,13 +230,15 @@ _HOOKS = {"installed": False, "previous": {}}
 _HOOK_LOCK = threading.Lock()
 
 
-def _close_all():
+def close_stores():
+    """Close every open store of this process (their files removed; errors not raised)."""
     for store in list(_LIVE):
         store.close(raise_errors=False)
 
 
+
 def _on_signal(signum, frame):
-    _close_all()
+    close_stores()
     previous = _HOOKS["previous"].get(signum)
     if callable(previous):
         previous(signum, frame)
@@ -219,7 +252,7 @@ def _install_hooks():
         if _HOOKS["installed"]:
             return
         _HOOKS["installed"] = True
-        atexit.register(_close_all)
+        atexit.register(close_stores)
         if threading.current_thread() is not threading.main_thread():
             return          # signal handlers can only be set from the main thread; atexit still holds
         for sig in (signal.SIGINT, signal.SIGTERM):

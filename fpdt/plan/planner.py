@@ -267,6 +267,23 @@ def _with_nvme_layers(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster) -> 
     return best if best is not None and best[1]["fits"] else None
 
 
+def _fewest_nvme_layers(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster) -> tuple[Setup, dict]:
+    """Fitting setup ``s`` (``r`` its evaluation), whose ``nvme_layers`` :func:`_with_nvme_layers`
+    chose before :func:`_with_saved_attention` re-tiered it, with the fewest first layers on disk
+    that still fit, and its evaluation: keeping more layer inputs on the device for the saved
+    outputs frees host memory, so fewer layers may need the disk."""
+    best, lo, hi = (s, r), 0, s.options.nvme_layers - 1
+    while lo <= hi:                  # the host peak falls as nvme_layers grows
+        mid = (lo + hi) // 2
+        tiered = s.updated(nvme_layers=mid)
+        out = evaluate(cfg, tiered, cluster)
+        if out["fits"]:
+            best, hi = (tiered, out), mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
 def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room: float | None,
                        ranks_per_node: int) -> int:
     """The most layers (the first ones) that can save their attention output in the memory a
@@ -332,14 +349,20 @@ def _best(cfg: ModelConfig, setups: list[Setup], cluster: Cluster, tier: bool = 
           save: bool = False) -> dict | None:
     """The fastest fitting setup's evaluation, or the least-memory one when none fits.
     ``tier``: a setup over on the host only may keep some layer inputs on the device
-    (:func:`_with_device_layers`). ``save``: each fitting checkpointed setup is also tried
-    with the most layers saving their attention output (:func:`_with_saved_attention`)."""
+    (:func:`_with_device_layers`). With the NVMe tier offered, one over on the host gets the
+    fewest first layers on disk that fit (:func:`_with_nvme_layers`). ``save``: each fitting
+    checkpointed setup is also tried with the most layers saving their attention output
+    (:func:`_with_saved_attention`), a tiered one then with the fewest layers on disk again
+    (:func:`_fewest_nvme_layers`)."""
     evaluated = [(s, evaluate(cfg, s, cluster)) for s in setups]
     if tier:
         evaluated += [t for t in (_with_device_layers(cfg, s, r, cluster) for s, r in evaluated) if t is not None]
-    evaluated += [t for t in (_with_nvme_layers(cfg, s, r, cluster) for s, r in evaluated) if t is not None]
+    on_disk = [t for t in (_with_nvme_layers(cfg, s, r, cluster) for s, r in evaluated) if t is not None]
+    evaluated += on_disk
     if save:
-        evaluated += [t for t in (_with_saved_attention(cfg, s, r, cluster, tier) for s, r in evaluated)
+        chose = {id(s) for s, _ in on_disk}
+        evaluated += [t if id(s) not in chose else _fewest_nvme_layers(cfg, *t, cluster)
+                      for s, t in ((s, _with_saved_attention(cfg, s, r, cluster, tier)) for s, r in evaluated)
                       if t is not None]
     results = [r for _, r in evaluated]
     if not results:

@@ -322,3 +322,43 @@ def stream_layers(requested: bool | None, unstreamed: MemoryEstimate, streamed: 
     return True, (f"stream_layers on: the predicted device peak is {unstreamed.device_peak_bytes / GIB:.1f} GiB "
                   f"without it, {est.device_peak_bytes / GIB:.1f} GiB with it, of {capacity / GIB:.1f} GiB "
                   f"(--no-stream-layers to refuse)")
+
+
+@dataclass(frozen=True)
+class NVMeLayers:
+    """How many of the first decoder layers keep their checkpoints on the NVMe tier, and why."""
+
+    layers: int | None
+    """The first this many offloaded layers go to disk; None: every one (nothing predicted)."""
+    reason: str
+
+    def line(self, offloaded: int) -> str:
+        """The start-up line's words for it."""
+        n = offloaded if self.layers is None else self.layers
+        return f"nvme_layers={n}/{offloaded} ({self.reason})"
+
+
+def nvme_layers(requested: int | None, offloaded: int, host_need: Callable[[int], float],
+                available: float) -> NVMeLayers:
+    """The run's ``nvme_layers``: ``requested`` (``--nvme-layers``) as given, else the fewest
+    ``K`` of the ``offloaded`` layers whose predicted host offload ``host_need(K)`` (bytes per
+    node, falling as ``K`` grows) is within ``available``; all of them when none is (the host
+    check then refuses the run)."""
+    if requested is not None:
+        return NVMeLayers(requested, f"--nvme-layers {requested}")
+    avail = f"the {_size(available)} available"
+    if host_need(0) <= available:
+        return NVMeLayers(0, f"the predicted host offload, {_size(host_need(0))}, fits {avail} without it")
+    if host_need(offloaded) > available:
+        return NVMeLayers(offloaded, f"even with every offloaded layer on disk the predicted host offload, "
+                                     f"{_size(host_need(offloaded))}, exceeds {avail}")
+    lo, hi = 1, offloaded            # host_need(lo - 1) is over, host_need(hi) fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if host_need(mid) <= available else (mid + 1, hi)
+    return NVMeLayers(lo, f"the fewest first layers on disk that bring the predicted host offload within {avail}: "
+                          f"{_size(host_need(lo))} with {lo}, {_size(host_need(lo - 1))} with {lo - 1}")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"

@@ -10,6 +10,7 @@ peaks, the CPU working set (``mem_accounting=False`` skips it) and the host-stas
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.offload import resolve_runtime
+from fpdt.offload.nvme import close_stores, deferred_faults, take_fault
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 from fpdt.train.config import RunLayout
 from fpdt.train.data import PackedWindows, Windows, sequence_ids
@@ -54,6 +56,9 @@ class LoopSpec:
     runtime: Any = None
     """The model's device runtime option (:attr:`fpdt.options.FPDTOptions.runtime`), whose
     ``synchronize`` brackets each step's wall time; None: automatic."""
+    nvme: bool = False
+    """The model uses the NVMe tier: its I/O faults are deferred and checked on every rank once
+    per step, before the optimizer step (:func:`check_nvme_faults`)."""
 
 
 class NonFiniteStep(RuntimeError):
@@ -62,6 +67,11 @@ class NonFiniteStep(RuntimeError):
 
 class CommFailure(RuntimeError):
     """A collective failed or timed out: another rank died or stalls."""
+
+
+class NVMeFault(RuntimeError):
+    """The NVMe tier failed on some rank in this step (the same message on every rank); the
+    step's update was not applied."""
 
 
 def _micro_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: int, micro: int) -> torch.Tensor:
@@ -74,10 +84,34 @@ def _micro_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: 
     if spec.skip_nonfinite and not _finite_on_all_ranks(loss, ps.device):
         # Drop the whole step (grad_accum is 1, checked up front): no backward, no update,
         # on every rank alike. DeepSpeed applies non-finite bf16/fp32 updates otherwise.
+        if spec.nvme:
+            check_nvme_faults(step, ps.device)   # the forward's writes
         return loss.detach().float()
     engine.backward(loss * ps.sp)  # see module docstring
+    if spec.nvme and micro == spec.grad_accum - 1:
+        check_nvme_faults(step, ps.device)
     engine.step()                  # optimizer update only at the accumulation boundary
     return loss.detach().float()
+
+
+def check_nvme_faults(step: int, device: torch.device) -> None:
+    """Raise :class:`NVMeFault` on every rank, naming the ranks whose NVMe tier failed in step
+    ``step`` (0-based) and the first one's error, after closing this process's stores (their
+    files removed); nothing when none failed. One all-reduce of ``world_size`` ints (a host sync)."""
+    fault = take_fault()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flags = torch.zeros(world, dtype=torch.int32, device=device)
+    flags[rank] = fault is not None
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if not failed:
+        return
+    messages = [None] * world
+    dist.all_gather_object(messages, None if fault is None else str(fault))   # the error path only
+    close_stores()
+    ranks = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
+    raise NVMeFault(f"step {step + 1}: the NVMe tier failed on {ranks} (rank {failed[0]}: {messages[failed[0]]}); "
+                    f"the step's update was not applied")
 
 
 def _finite_on_all_ranks(loss: torch.Tensor, device: torch.device) -> bool:
@@ -149,9 +183,16 @@ def run_steps(engine, windows: Windows | PackedWindows, spec: LoopSpec, start: i
 
     Raises :class:`NonFiniteStep` at a step whose loss or gradient norm is not finite
     (after ``spec.skip_nonfinite`` skipped ones), :class:`CommFailure` when a
-    collective fails (another rank died, or stalled past the process-group timeout), and
-    :class:`DeviceOutOfMemory` when a step runs out of device memory.
+    collective fails (another rank died, or stalled past the process-group timeout),
+    :class:`DeviceOutOfMemory` when a step runs out of device memory, and, with ``spec.nvme``,
+    :class:`NVMeFault` when a rank's drive failed in a step (before its update and save).
     """
+    with deferred_faults() if spec.nvme else contextlib.nullcontext():
+        return _run_steps(engine, windows, spec, start, stop, progress, on_step_end)
+
+
+def _run_steps(engine, windows: Windows | PackedWindows, spec: LoopSpec, start: int, stop: int, progress: Progress,
+               on_step_end: Callable[[int], None] | None) -> list[StepRecord]:
     records = []
     skipped = 0
     for step in range(start, stop):
@@ -165,7 +206,7 @@ def run_steps(engine, windows: Windows | PackedWindows, spec: LoopSpec, start: i
         except torch.cuda.OutOfMemoryError as e:   # torch.OutOfMemoryError from torch 2.5 on, the same class
             raise DeviceOutOfMemory(step + 1, _first_line(e)) from e
         except RuntimeError as e:
-            if isinstance(e, (NonFiniteStep, CommFailure)) or not is_comm_failure(e):
+            if isinstance(e, (NonFiniteStep, CommFailure, NVMeFault)) or not is_comm_failure(e):
                 raise
             raise CommFailure(f"step {step + 1}: a collective failed, so another rank died or stalled past the "
                               f"process-group timeout (--dist-timeout-min); see that rank's output for its error, "

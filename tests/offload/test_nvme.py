@@ -1,5 +1,6 @@
 """NVMeStore (fpdt/offload/nvme.py): bit-exact round trips, concurrency, cleanup, the marker,
-preflight, the RAM-backed warning and I/O errors, on the portable backend."""
+preflight, the RAM-backed warning and I/O errors, on the portable backend; the round trip on both
+backends (DeepSpeed's aio: tests/offload/nvme_helpers.py)."""
 
 import errno
 import json
@@ -15,13 +16,7 @@ import torch
 
 from fpdt.offload.nvme import (ALIGN, MARKER, NVMeError, NVMeStore, PortableBackend, aligned, check_space,
                                filesystem_type, ram_backed)
-
-
-def _tensor(dtype, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.int64:
-        return torch.randint(-2**62, 2**62, (n,), generator=g, dtype=torch.int64)
-    return torch.randn(n, generator=g).to(dtype)
+from tests.offload.nvme_helpers import BACKENDS, backend_factory, tensor
 
 
 @pytest.fixture
@@ -33,22 +28,34 @@ def store(tmp_path):
     s.close()
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def make_backend(request):
+    return request.param, backend_factory(request.param)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-@pytest.mark.parametrize("n", [1, 7, 1024, 4097, 100_003])
-def test_roundtrip_bit_exact(store, dtype, n):
-    t = _tensor(dtype, n)
-    store.write(("x", n), t).wait()
-    out = torch.empty_like(t)
-    store.read(("x", n), out).wait()
-    assert torch.equal(out.view(torch.uint8) if dtype == torch.bfloat16 else out,
-                       t.view(torch.uint8) if dtype == torch.bfloat16 else t)
-    path = store._files[("x", n)]
-    assert os.path.getsize(path) == aligned(t.numel() * t.element_size())
-    assert os.path.getsize(path) % ALIGN == 0
+@pytest.mark.parametrize("n", [1, 7, 1024, 4097, 300_003])
+def test_roundtrip_bit_exact(tmp_path, make_backend, dtype, n):
+    """Both backends, every size (below, at and past one alignment block and aio's 1 MiB block)."""
+    name, make = make_backend
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # tmp_path may be on tmpfs
+        store = NVMeStore(tmp_path, rank=0, backend=make())
+    assert store.backend.name == name
+    with store:
+        t = tensor(dtype, n)
+        store.write(("x", n), t).wait()
+        out = torch.empty_like(t)
+        store.read(("x", n), out).wait()
+        assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+        path = store._files[("x", n)]
+        assert os.path.getsize(path) == aligned(t.numel() * t.element_size()) != 0
+        assert os.path.getsize(path) % ALIGN == 0
+    assert os.listdir(tmp_path) == []
 
 
 def test_shapes_kept_by_caller(store):
-    t = _tensor(torch.float32, 6 * 5 * 3).view(6, 5, 3)
+    t = tensor(torch.float32, 6 * 5 * 3).view(6, 5, 3)
     store.write("t", t).wait()
     out = torch.empty(6, 5, 3)
     store.read("t", out).wait()
@@ -56,7 +63,7 @@ def test_shapes_kept_by_caller(store):
 
 
 def test_many_keys_concurrent_in_flight(store):
-    ts = {("layer", i, j): _tensor(torch.bfloat16, 3000 + 17 * i + j, seed=i * 10 + j) for i in range(8) for j in range(4)}
+    ts = {("layer", i, j): tensor(torch.bfloat16, 3000 + 17 * i + j, seed=i * 10 + j) for i in range(8) for j in range(4)}
     handles = [store.write(k, t) for k, t in ts.items()]       # all in flight at once
     for h in handles:
         h.wait()
@@ -72,7 +79,7 @@ def test_many_keys_concurrent_in_flight(store):
 
 
 def test_read_waits_for_write_in_flight(store):
-    t = _tensor(torch.float32, 50_000)
+    t = tensor(torch.float32, 50_000)
     store.write("k", t)                      # not waited
     out = torch.empty_like(t)
     store.read("k", out).wait()
@@ -80,7 +87,7 @@ def test_read_waits_for_write_in_flight(store):
 
 
 def test_overwrite_and_discard(store):
-    a, b = _tensor(torch.float32, 100, 1), _tensor(torch.float32, 100, 2)
+    a, b = tensor(torch.float32, 100, 1), tensor(torch.float32, 100, 2)
     store.write("k", a).wait()
     store.write("k", b).wait()
     out = torch.empty(100)
@@ -107,7 +114,7 @@ def test_close_removes_everything(tmp_path):
         s = NVMeStore(tmp_path, rank=0)
     (tmp_path / "user-file").write_text("keep me")
     for i in range(5):
-        s.write(i, _tensor(torch.float32, 999, i))     # in flight at close
+        s.write(i, tensor(torch.float32, 999, i))     # in flight at close
     s.close()
     assert sorted(os.listdir(tmp_path)) == ["user-file"]
     s.close()                                          # idempotent

@@ -121,3 +121,23 @@ def test_docs_predictions_are_the_planners():
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "plan.md")) as f:
         doc = f.read()
     assert "| **9M** | 8.5M |" in doc and "| 1.375M | **3.39M** |" in doc
+
+
+def test_fewest_layers_on_disk_once_saved_outputs_have_their_layers(monkeypatch):
+    """At 6M on 8 x H100 with 1 TiB host, the plan saves attention outputs and keeps more layer
+    inputs on the device for them, which frees host memory: the layers on disk are counted after
+    that, so K is the fewest (K - 1 does not fit the host), where counting them before overshot."""
+    from fpdt.plan import planner
+    cluster = _cluster(NVME_PRESETS["gen5-x8"])
+    choice = Choice().fix(stream_layers=False, chunk_size=2 ** 16, hp=8)
+    r = plan(CFG, cluster, seq_len=S, choice=choice)
+    s, k = r["setup"], r["setup"]["nvme_layers"]
+    assert r["fits"] and s["attention_checkpoint"] == "save" and s["checkpoint_device_layers"] > 0 and k > 0
+    tiers = dict(checkpoint_device_layers=s["checkpoint_device_layers"], attention_checkpoint="save",
+                 save_attention_layers=s["save_attention_layers"])
+    assert plan(CFG, cluster, seq_len=S, choice=choice.fix(nvme_layers=k, **tiers))["fits"]
+    fewer = plan(CFG, cluster, seq_len=S, choice=choice.fix(nvme_layers=k - 1, **tiers))
+    assert not fewer["fits"] and fewer["limited_by"] == "host"
+    monkeypatch.setattr(planner, "_fewest_nvme_layers", lambda cfg, s, r, cluster: (s, r))   # counted before
+    before = plan(CFG, cluster, seq_len=S, choice=choice)["setup"]
+    assert before["nvme_layers"] > k and {n: before[n] for n in tiers} == tiers

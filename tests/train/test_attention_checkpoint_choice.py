@@ -4,7 +4,6 @@ and the default, save for as many layers as the run's own memory check predicts 
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
 from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train.config import ConfigError, TrainerOptions, load_ds_config, merge_options, validate
-from tests.train.helpers import write_fixture
+from tests.train.helpers import fake_node, write_fixture
 
 GIB = 2 ** 30
 
@@ -65,22 +64,11 @@ def test_the_choice_and_its_reason():
         "attention_checkpoint=recompute (checkpointing is off: no layer runs a recompute)")
 
 
-def _fake_node(monkeypatch, available):
-    from fpdt.cli import train as cli
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available))
-    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(cli.torch.cuda, "get_device_properties",
-                        lambda device: types.SimpleNamespace(total_memory=80 * GIB))
-    monkeypatch.setattr(cli, "_worst_node", lambda need, available, ranks, device: (0, need, available, ranks))
-    return cli
-
-
 def test_default_saves_as_many_layers_as_the_node_holds(monkeypatch):
     """Llama-3-8B at 2M on 8 x 80 GiB with 1 TiB available: every layer input offloaded, the
     host holds the outputs of the first K layers; K + 1 would not fit, K is what the model gets."""
     from fpdt.train import preflight
-    cli = _fake_node(monkeypatch, 1024 * GIB)
+    cli = fake_node(monkeypatch, 1024 * GIB)
     cfg, s = load_model_config("llama-3-8b"), 2 ** 21
     source = preflight.ModelSource("llama-3-8b", cfg)
     ds = load_ds_config(None, "cuda")[0]
@@ -114,9 +102,9 @@ def test_default_with_room_for_every_layer_and_none(monkeypatch):
     ds = load_ds_config(None, "cuda")[0]
     opts = TrainerOptions(sp=8)
     plan = validate(opts, s, 8, "cuda", ds)
-    cli = _fake_node(monkeypatch, 2048 * GIB)
+    cli = fake_node(monkeypatch, 2048 * GIB)
     assert cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda")).attention.layers is None  # all
-    cli = _fake_node(monkeypatch, 610 * GIB)       # the layer inputs fit, no saved output does
+    cli = fake_node(monkeypatch, 610 * GIB)       # the layer inputs fit, no saved output does
     check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
     assert check.attention.mode == "recompute" and "hold no layer's attention output" in check.attention.reason
 

@@ -1,8 +1,10 @@
 """NVMeStore through DeepSpeed's async I/O (fpdt/train/nvme_aio.py).
 
 Skipped, with the reason, only where DeepSpeed's aio cannot build (libaio missing); with
-``FPDT_REQUIRE_AIO=1`` (set by ``.ci/run`` where it installed libaio) that is a failure instead.
-The first use JIT-builds the op (minutes; cached in ~/.cache/torch_extensions), hence ``slow``."""
+``FPDT_REQUIRE_AIO=1`` (set by ``.ci/run`` where it installed libaio) that is a failure instead
+(tests/offload/nvme_helpers.py). The first use JIT-builds the op (minutes; cached in
+~/.cache/torch_extensions), hence ``slow``. The round trip of every dtype and size runs on both
+backends in tests/offload/test_nvme.py."""
 
 import os
 import warnings
@@ -10,8 +12,9 @@ import warnings
 import pytest
 import torch
 
-from fpdt.offload.nvme import ALIGN, NVMeStore, PortableBackend, aligned
+from fpdt.offload.nvme import NVMeStore, PortableBackend
 from fpdt.train.nvme_aio import AioBackend, aio_backend, aio_unavailable, default_backend
+from tests.offload.nvme_helpers import aio_factory, tensor
 
 
 def test_without_libaio_none_with_the_reason(monkeypatch):
@@ -30,16 +33,7 @@ def test_without_libaio_none_with_the_reason(monkeypatch):
 @pytest.fixture(scope="module")
 def backend_factory():
     """DeepSpeed's aio (its first load JIT-builds the op, minutes, hence the tests' ``slow`` mark)."""
-    first = aio_backend()
-    if first is None:
-        if os.environ.get("FPDT_REQUIRE_AIO") == "1":
-            pytest.fail(f"FPDT_REQUIRE_AIO=1 but {aio_unavailable()}")
-        pytest.skip(aio_unavailable())
-    made = [first]
-
-    def make():
-        return made.pop() if made else aio_backend()
-    return make
+    return aio_factory()
 
 
 @pytest.fixture
@@ -52,29 +46,9 @@ def store(tmp_path, backend_factory):
     s.close()
 
 
-def _tensor(dtype, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.int64:
-        return torch.randint(-2**62, 2**62, (n,), generator=g, dtype=torch.int64)
-    return torch.randn(n, generator=g).to(dtype)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-@pytest.mark.parametrize("n", [1, 7, 1024, 4097, 300_003])
-def test_aio_roundtrip_bit_exact(store, dtype, n):
-    t = _tensor(dtype, n)
-    store.write(("x", n), t).wait()
-    out = torch.empty_like(t)
-    store.read(("x", n), out).wait()
-    assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
-    assert os.path.getsize(store._files[("x", n)]) == aligned(t.numel() * t.element_size()) != 0
-    assert os.path.getsize(store._files[("x", n)]) % ALIGN == 0
-
-
 @pytest.mark.slow
 def test_aio_many_keys_in_flight(store):
-    ts = {("layer", i, j): _tensor(torch.bfloat16, 5000 + 4096 * i + j, seed=10 * i + j) for i in range(6) for j in range(3)}
+    ts = {("layer", i, j): tensor(torch.bfloat16, 5000 + 4096 * i + j, seed=10 * i + j) for i in range(6) for j in range(3)}
     handles = [store.write(k, t) for k, t in ts.items()]
     for h in reversed(handles):
         h.wait()
@@ -91,7 +65,7 @@ def test_aio_read_after_unwaited_write_and_close_cleans(tmp_path, backend_factor
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s = NVMeStore(tmp_path, rank=5, backend=backend_factory())
-    t = _tensor(torch.float32, 123_457)
+    t = tensor(torch.float32, 123_457)
     s.write("k", t)
     out = torch.empty_like(t)
     s.read("k", out).wait()
