@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
                     mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime,
-                    nvme=opts.nvme_path is not None)
+                    nvme_path=opts.nvme_path)
     saver = Saver(args, engine, ps, info, dtype_name, progress, lora_record)
 
     def on_step_end(done: int) -> None:

@@ -13,7 +13,7 @@ Layout and contract:
 * ``write(key, t)`` and ``read(key, out)`` start at once and return an :class:`IOHandle`;
   ``handle.wait()`` returns when the transfer is complete and raises :class:`NVMeError` (one
   line: the operation, key, file and errno message) on ENOSPC, EIO or any other ``OSError``;
-  under :func:`deferred_faults` it records the first such error instead (:func:`take_fault`)
+  under :meth:`NVMeStore.deferred_faults` it records the first such error instead (:meth:`~NVMeStore.take_fault`)
   and returns, the buffer holding whatever it holds. The caller keeps ``t`` (``out``) alive and
   untouched until then. A ``read`` of a key whose write is still in flight first waits for that write.
 * ``discard(key)`` removes one key's file; ``close()`` waits for what is in flight and removes
@@ -171,8 +171,8 @@ class PortableBackend:
 class IOHandle:
     """One transfer in flight; ``wait()`` returns once it is complete, or raises NVMeError."""
 
-    def __init__(self, op, key, path, pending, keep=()):
-        self._op, self.key, self.path = op, key, path
+    def __init__(self, op, key, path, pending, keep=(), store=None):
+        self._op, self.key, self.path, self._store = op, key, path, store
         self._pending, self._keep = pending, keep
         self._error, self._done = None, False
 
@@ -189,37 +189,11 @@ class IOHandle:
                                         "or unset nvme_path")
             finally:
                 self._done, self._pending, self._keep = True, None, ()
-            if self._error is not None and _FAULTS["defer"]:
-                _FAULTS["first"] = _FAULTS["first"] or self._error
+            if self._error is not None and self._store is not None and self._store.defer_faults:
+                self._store.fault = self._store.fault or self._error
                 self._error = None
         if self._error is not None:
             raise self._error
-
-
-# ---------------------------------------------------------------------------------------------
-# Deferred faults: one check per training step instead of a raise inside the chunk loops
-
-_FAULTS = {"defer": False, "first": None}
-
-
-@contextlib.contextmanager
-def deferred_faults():
-    """Within it, a failed transfer's :meth:`IOHandle.wait` records its :class:`NVMeError`
-    (the first one, for :func:`take_fault`) and returns instead of raising, so that a rank whose
-    drive fails runs its step to the end and every collective still lines up; the caller checks
-    once per step (``fpdt-train`` does, before the optimizer step: ``docs/nvme.md``)."""
-    before, _FAULTS["defer"] = _FAULTS["defer"], True
-    try:
-        yield
-    finally:
-        _FAULTS["defer"] = before
-
-
-def take_fault():
-    """The first :class:`NVMeError` recorded under :func:`deferred_faults` since the last
-    call, or None; it is cleared."""
-    fault, _FAULTS["first"] = _FAULTS["first"], None
-    return fault
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,9 +313,30 @@ class NVMeStore:
         with open(os.path.join(self.dir, MARKER), "w") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}, f)
         self.backend = backend if backend is not None else PortableBackend()
+        self.defer_faults, self.fault = False, None
         self._closed = False
         _install_hooks()
         _LIVE.add(self)
+
+    # -- faults
+
+    @contextlib.contextmanager
+    def deferred_faults(self):
+        """Within it, a failed transfer's :meth:`IOHandle.wait` records its :class:`NVMeError`
+        (the first one, for :meth:`take_fault`) and returns instead of raising, so that a rank
+        whose drive fails runs its step to the end and every collective still lines up; the
+        caller checks once per step (``fpdt-train`` does, before the optimizer step)."""
+        before, self.defer_faults = self.defer_faults, True
+        try:
+            yield self
+        finally:
+            self.defer_faults = before
+
+    def take_fault(self):
+        """The first :class:`NVMeError` recorded under :meth:`deferred_faults` since the last
+        call, or None; it is cleared."""
+        fault, self.fault = self.fault, None
+        return fault
 
     # -- transfers
 
@@ -366,7 +361,7 @@ class NVMeStore:
         if path is None:
             path = self._files[key] = os.path.join(self.dir, f"{next(self._names)}.bin")
         padded = aligned(view.numel())
-        handle = IOHandle("write", key, path, self.backend.write(path, view, padded), keep=(view,))
+        handle = IOHandle("write", key, path, self.backend.write(path, view, padded), keep=(view,), store=self)
         self.bytes_written += padded
         self._writes[key] = handle
         return self._track(handle)
@@ -382,7 +377,7 @@ class NVMeStore:
         if pending is not None:
             pending.wait()
         self.bytes_read += aligned(view.numel())
-        return self._track(IOHandle("read", key, path, self.backend.read(path, view), keep=(view,)))
+        return self._track(IOHandle("read", key, path, self.backend.read(path, view), keep=(view,), store=self))
 
     def __contains__(self, key):
         return key in self._files

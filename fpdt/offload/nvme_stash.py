@@ -25,7 +25,7 @@ one layer before backward needs the entries again.
 The bytes are the ones the device->host copy produced, so results are bit-identical to the
 host-only stash. A failed write or read raises :class:`~fpdt.offload.nvme.NVMeError` from the
 call that waits for it (``put``'s retirement of the oldest write, or ``prefetch``); under
-:func:`~fpdt.offload.nvme.deferred_faults` it is recorded instead and the entry holds whatever its
+:meth:`~fpdt.offload.nvme.NVMeStore.deferred_faults` it is recorded instead and the entry holds whatever its
 buffer holds.
 """
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.offload import resolve_runtime
-from fpdt.offload.nvme import close_stores, deferred_faults, take_fault
+from fpdt.offload.nvme import NVMeStore, close_stores, shared_store
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 from fpdt.train.config import RunLayout
 from fpdt.train.data import PackedWindows, Windows, sequence_ids
@@ -56,9 +56,10 @@ class LoopSpec:
     runtime: Any = None
     """The model's device runtime option (:attr:`fpdt.options.FPDTOptions.runtime`), whose
     ``synchronize`` brackets each step's wall time; None: automatic."""
-    nvme: bool = False
-    """The model uses the NVMe tier: its I/O faults are deferred and checked on every rank once
-    per step, before the optimizer step (:func:`check_nvme_faults`)."""
+    nvme_path: str | None = None
+    """The model's NVMe tier (:attr:`fpdt.options.FPDTOptions.nvme_path`): its store's I/O faults
+    are deferred and checked on every rank once per step, before the optimizer step
+    (:func:`check_nvme_faults`)."""
 
 
 class NonFiniteStep(RuntimeError):
@@ -74,7 +75,8 @@ class NVMeFault(RuntimeError):
     step's update was not applied."""
 
 
-def _micro_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: int, micro: int) -> torch.Tensor:
+def _micro_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: int, micro: int,
+                store: NVMeStore | None) -> torch.Tensor:
     ps = spec.parallel
     ks = sequence_ids(step, micro, spec.grad_accum, ps.dp_rank, ps.dp, spec.micro_batch)
     batch = windows.shard(ks, ps.sp, spec.plan.num_chunks, ps.sp_rank, mesh=ps.mesh)
@@ -84,21 +86,21 @@ def _micro_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: 
     if spec.skip_nonfinite and not _finite_on_all_ranks(loss, ps.device):
         # Drop the whole step (grad_accum is 1, checked up front): no backward, no update,
         # on every rank alike. DeepSpeed applies non-finite bf16/fp32 updates otherwise.
-        if spec.nvme:
-            check_nvme_faults(step, ps.device)   # the forward's writes
+        if store is not None:
+            check_nvme_faults(step, ps.device, store)   # the forward's writes
         return loss.detach().float()
     engine.backward(loss * ps.sp)  # see module docstring
-    if spec.nvme and micro == spec.grad_accum - 1:
-        check_nvme_faults(step, ps.device)
+    if store is not None and micro == spec.grad_accum - 1:
+        check_nvme_faults(step, ps.device, store)
     engine.step()                  # optimizer update only at the accumulation boundary
     return loss.detach().float()
 
 
-def check_nvme_faults(step: int, device: torch.device) -> None:
+def check_nvme_faults(step: int, device: torch.device, store: NVMeStore) -> None:
     """Raise :class:`NVMeFault` on every rank, naming the ranks whose NVMe tier failed in step
     ``step`` (0-based) and the first one's error, after closing this process's stores (their
     files removed); nothing when none failed. One all-reduce of ``world_size`` ints (a host sync)."""
-    fault = take_fault()
+    fault = store.take_fault()
     rank, world = dist.get_rank(), dist.get_world_size()
     flags = torch.zeros(world, dtype=torch.int32, device=device)
     flags[rank] = fault is not None
@@ -146,8 +148,10 @@ def step_attended_length(windows: Windows | PackedWindows, spec: LoopSpec, step:
     return sum(windows.attended_length(k) for k in ks) / len(ks)
 
 
-def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: int) -> StepRecord:
-    """Run optimizer step ``step`` (0-based) and describe it."""
+def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: int,
+               store: NVMeStore | None = None) -> StepRecord:
+    """Run optimizer step ``step`` (0-based) and describe it; ``store``: the NVMe tier's, whose
+    deferred faults are checked before the update."""
     ps = spec.parallel
     lr = float(engine.get_lr()[0]) if engine.get_lr() else float("nan")
     runtime = resolve_runtime(spec.runtime, ps.device)
@@ -156,7 +160,7 @@ def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: i
     with RegionMemory(ps.device, count=spec.mem_accounting) as region:
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         for micro in range(spec.grad_accum):
-            loss_sum += _micro_step(engine, windows, spec, step, micro)
+            loss_sum += _micro_step(engine, windows, spec, step, micro, store)
     runtime.synchronize(ps.device)          # host-device sync: the step's wall time ends here
     seconds = time.perf_counter() - t0
     loss, mem = _reduce_stats(loss_sum, region.peaks, spec)
@@ -187,17 +191,19 @@ def run_steps(engine, windows: Windows | PackedWindows, spec: LoopSpec, start: i
     :class:`DeviceOutOfMemory` when a step runs out of device memory, and, with ``spec.nvme``,
     :class:`NVMeFault` when a rank's drive failed in a step (before its update and save).
     """
-    with deferred_faults() if spec.nvme else contextlib.nullcontext():
-        return _run_steps(engine, windows, spec, start, stop, progress, on_step_end)
+    # the store the model's tier uses (the process's one for this path and rank), opened here if need be
+    store = shared_store(spec.nvme_path, dist.get_rank()) if spec.nvme_path is not None else None
+    with store.deferred_faults() if store is not None else contextlib.nullcontext():
+        return _run_steps(engine, windows, spec, start, stop, progress, on_step_end, store)
 
 
 def _run_steps(engine, windows: Windows | PackedWindows, spec: LoopSpec, start: int, stop: int, progress: Progress,
-               on_step_end: Callable[[int], None] | None) -> list[StepRecord]:
+               on_step_end: Callable[[int], None] | None, store: NVMeStore | None) -> list[StepRecord]:
     records = []
     skipped = 0
     for step in range(start, stop):
         try:
-            rec = train_step(engine, windows, spec, step)
+            rec = train_step(engine, windows, spec, step, store)
             progress.update(rec)
             records.append(rec)
             skipped = _check_finite(rec, spec, skipped, progress)

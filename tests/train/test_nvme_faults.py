@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fpdt.offload.nvme import NVMeError, NVMeStore, PortableBackend, deferred_faults, take_fault
+from fpdt.offload.nvme import NVMeError, NVMeStore, PortableBackend
 from tests.distributed import run_distributed
 from tests.train.helpers import SGD, SGD_CLIP, TINY_CONFIG, ds_config, quiet, write_fixture, write_json
 
@@ -43,22 +43,22 @@ class FullDrive(PortableBackend):
 
 
 def test_deferred_fault_is_recorded_not_raised(tmp_path):
-    """Under deferred_faults a failed write's wait() returns and the first error is kept for
-    take_fault (once); outside it the same failure raises, as before."""
+    """Under the store's deferred_faults a failed write's wait() returns and the first error is
+    kept for its take_fault (once); outside it the same failure raises, as before."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")           # tmp_path may be on tmpfs
         store = NVMeStore(tmp_path, rank=0, backend=FullDrive(after=1))
     try:
         store.write("a", torch.ones(10)).wait()
-        with deferred_faults():
+        with store.deferred_faults():
             store.write("b", torch.ones(10)).wait()         # fails: recorded
             store.write("c", torch.ones(10)).wait()         # fails too: the first is kept
             out = torch.full((10,), 7.0)
             store.read("b", out).wait()                     # no file: recorded, the buffer as it was
             assert torch.equal(out, torch.full((10,), 7.0))
-        fault = take_fault()
+        fault = store.take_fault()
         assert isinstance(fault, NVMeError) and "write of 'b'" in str(fault) and "(errno 28)" in str(fault)
-        assert take_fault() is None
+        assert store.take_fault() is None
         with pytest.raises(NVMeError, match="write of 'd'.*No space left on device"):
             store.write("d", torch.ones(10)).wait()
     finally:
