@@ -38,13 +38,13 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              stash_sink: list | None = None, saved: SavedAttention | None = None,
                              runtime: Runtime | str | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (FPDT or mesh layout) through
-        ``q_proj``/``k_proj``/``v_proj`` (``weight``/``bias`` read directly), chunk by chunk; returns
-        ``[B, S_local, H, D]`` before ``o_proj``. ``heads`` = ``(H, H_kv, D)``; RoPE from ``rope`` at
-        ``position_ids``, or the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none. ``label``: for
-        errors. ``qk_norm`` = ``(q_weight, k_weight, eps)`` (Qwen3). ``adapters``: LoRA of q, k, v.
-        ``doc_ids``: ``[B, S]`` packed documents (None: one). ``stash_sink``: a list that gets the call's
-        :class:`HostStash`, spec and chunk length (for ``o_proj``'s backward). ``saved``: a
-        ``SavedAttention``. ``runtime``: the stash's device runtime (None: automatic)."""
+    ``q_proj``/``k_proj``/``v_proj`` (``weight``/``bias`` read directly), chunk by chunk; returns
+    ``[B, S_local, H, D]`` before ``o_proj``. ``heads`` = ``(H, H_kv, D)``; RoPE from ``rope`` at
+    ``position_ids``, or the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none. ``label``: for
+    errors. ``qk_norm`` = ``(q_weight, k_weight, eps)`` (Qwen3). ``adapters``: LoRA of q, k, v.
+    ``doc_ids``: ``[B, S]`` packed documents (None: one). ``stash_sink``: a list that gets the call's
+    :class:`HostStash`, spec and chunk length (for ``o_proj``'s backward). ``saved``: a
+    ``SavedAttention``. ``runtime``: the stash's device runtime (None: automatic)."""
     spec = attention_spec(hidden.shape, hidden.dtype, hidden.device, heads, group=group, mesh=mesh,
                           num_chunks=num_chunks, backend=backend, softmax_scale=softmax_scale, doc_ids=doc_ids,
                           label=label, runtime=runtime)
@@ -81,9 +81,9 @@ def attention_spec(shape: torch.Size, dtype: torch.dtype, device: torch.device, 
 
 class QKVChunks:
     """The q/k/v projections of hidden chunks ``T`` ``[B, L, hidden]`` and their backward, a chunk
-        at a time. ``weights``/``biases``: ``(q, k, v)``; ``rotation``: :func:`rotation_of` or None;
-        ``qk_norm``: ``(q_weight, k_weight, eps)`` or None; ``lora``/``lora_tensors``/``seed``: LoRA terms.
-        Backward: :meth:`start_backward`, then :meth:`backward` per chunk, then :meth:`finish`."""
+    at a time. ``weights``/``biases``: ``(q, k, v)``; ``rotation``: :func:`rotation_of` or None;
+    ``qk_norm``: ``(q_weight, k_weight, eps)`` or None; ``lora``/``lora_tensors``/``seed``: LoRA terms.
+    Backward: :meth:`start_backward`, then :meth:`backward` per chunk, then :meth:`finish`."""
 
     def __init__(self, weights, biases, heads: tuple[int, int, int], L: int, rotation=None, qk_norm=None,
                  lora=None, lora_tensors=(), seed=None):
@@ -160,8 +160,8 @@ class QKVChunks:
 class ProjectedFPDTAttentionFunction(torch.autograd.Function):
     """hidden ``[B, S_local, hidden]`` -> attention output ``[B, S_local, H, D]`` (before o_proj).
 
-        RoPE: ``rope`` at ``position_ids``, or the table ``cos``/``sin``, or neither. ``q_norm``/``k_norm``
-        ``[D]`` (or None) with ``norm_eps``; ``lora`` (a ``LoraLayout`` or None) and its tensors, last."""
+    RoPE: ``rope`` at ``position_ids``, or the table ``cos``/``sin``, or neither. ``q_norm``/``k_norm``
+    ``[D]`` (or None) with ``norm_eps``; ``lora`` (a ``LoraLayout`` or None) and its tensors, last."""
 
     @staticmethod
     def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, position_ids, rope: RotaryEmbedding | None,

@@ -20,12 +20,12 @@ OUT, LSE = "attn out", "attn lse"
 class SavedAttention:
     """One checkpointed layer's attention outputs and lse between its two forwards.
 
-        Args:
-            device: the compute device; on_host: pinned host memory (else device references).
-            label: names the layer in errors, e.g. ``"layer 2"``.
-            runtime: the attention's device runtime, so that host buffers can be handed over.
-            stash: keep them there instead (the NVMe tier's ``NVMeStash``; ``on_host`` unused); its
-                :meth:`begin_backward` also reads back the chunks of :attr:`ahead`, set by the caller."""
+    Args:
+        device: the compute device; on_host: pinned host memory (else device references).
+        label: names the layer in errors, e.g. ``"layer 2"``.
+        runtime: the attention's device runtime, so that host buffers can be handed over.
+        stash: keep them there instead (the NVMe tier's ``NVMeStash``; ``on_host`` unused); its
+            :meth:`begin_backward` also reads back the chunks of :attr:`ahead`, set by the caller."""
 
     def __init__(self, device: torch.device | str, on_host: bool, label: str | None = None,
                  runtime: Runtime | str | None = None, stash: HostStash | None = None):
@@ -55,8 +55,8 @@ class SavedAttention:
 
     def claim(self, for_backward: bool, signature: tuple) -> tuple[str, SavedAttention] | None:
         """``("record", self)`` (first forward), ``("replay", self)`` (recompute) or None (run as usual).
-                ``signature`` identifies the call's shapes and chunking; a mismatched replay or a second
-                recording call is refused."""
+        ``signature`` identifies the call's shapes and chunking; a mismatched replay or a second
+        recording call is refused."""
         if not for_backward:
             if self.recorded:
                 raise RuntimeError(f"attention_checkpoint='save' keeps one attention call per checkpointed layer, "
@@ -89,9 +89,9 @@ class SavedAttention:
 
 def replay_forward(spec, produce, emit, stash: HostStash, saved: SavedAttention) -> None:
     """The recompute's forward of :func:`fpdt.attention.mesh_pipeline.run_forward` without the
-        attention: leaves in ``stash`` what that forward leaves for backward (``k``, ``v``, ``q`` chunks,
-        or ``q`` and packed ``kv`` for a mesh spec, plus ``o``, ``lse`` from ``saved``) and emits each
-        saved output chunk in sequence layout, with the same collectives in the same order."""
+    attention: leaves in ``stash`` what that forward leaves for backward (``k``, ``v``, ``q`` chunks,
+    or ``q`` and packed ``kv`` for a mesh spec, plus ``o``, ``lse`` from ``saved``) and emits each
+    saved output chunk in sequence layout, with the same collectives in the same order."""
     mesh = hasattr(spec, "hp_group")                       # a mesh_pipeline.MeshSpec (which imports this)
     group = spec.hp_group if mesh else spec.group
     u = spec.num_chunks

@@ -39,8 +39,8 @@ def norm_chunks(num_chunks: int) -> int:
 
 class DecoderAdapter:
     """One model as the apply steps see it: ``config`` (``hidden_size``, ``intermediate_size``,
-        ``vocab_size``), ``layers`` (each with ``self_attn`` and ``mlp``). Subclasses implement
-        :meth:`norms`, :meth:`set_layer_checkpoints` and :meth:`set_loss_chunks`."""
+    ``vocab_size``), ``layers`` (each with ``self_attn`` and ``mlp``). Subclasses implement
+    :meth:`norms`, :meth:`set_layer_checkpoints` and :meth:`set_loss_chunks`."""
 
     config: Any
     layers: list[nn.Module]

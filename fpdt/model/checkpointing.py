@@ -37,7 +37,7 @@ class _OpaqueBody:
 
 class _ResidualBody:
     """``x_{k+1} = x_k + f_k(x_k)``; backward accumulates the input gradient into the incoming one in
-        place. Branch outputs must not be saved by their own graphs: backward frees their values."""
+    place. Branch outputs must not be saved by their own graphs: backward frees their values."""
 
     def __init__(self, branches: Sequence[Callable[[torch.Tensor], torch.Tensor]]):
         self.branches = tuple(branches)
@@ -99,7 +99,7 @@ class _ResidualBody:
 
 class BranchCall:
     """What the checkpoint tells one residual branch in its recompute and backward (attribute
-        ``_fpdt_branch`` of the branch's input leaf): ``values_unused``, ``placeholders``, ``donation``."""
+    ``_fpdt_branch`` of the branch's input leaf): ``values_unused``, ``placeholders``, ``donation``."""
 
     def __init__(self, values_unused: bool):
         self.values_unused = values_unused
@@ -113,7 +113,7 @@ def _branch_call(branch_input: torch.Tensor) -> BranchCall | None:
 
 def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor | None = None) -> bool:
     """True in the recompute of the layer's last residual branch, whose output is only a backward
-        root: its Function may return a placeholder of the output's shape and dtype, passed here."""
+    root: its Function may return a placeholder of the output's shape and dtype, passed here."""
     call = _branch_call(branch_input)
     if call is None or not call.values_unused:
         return False
@@ -124,7 +124,7 @@ def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor |
 
 def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool:
     """Whether a whole-branch Function's backward may add ``dL/dx`` into ``grad_out`` in place (and
-        return ``None`` for ``x``): only when ``grad_out`` is the layer's gradient, held by this layer alone."""
+    return ``None`` for ``x``): only when ``grad_out`` is the layer's gradient, held by this layer alone."""
     call = _branch_call(branch_input)
     grad = None if call is None else call.donation
     if grad is None:
@@ -148,7 +148,7 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _exclusively_owned(grad: torch.Tensor) -> bool:
     """Whether a Function's incoming gradient is held by that backward call alone (False under
-        double backward or where torch cannot tell)."""
+    double backward or where torch cannot tell)."""
     try:
         impl_refs = grad._use_count()
         storage_refs = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
@@ -162,9 +162,9 @@ def _exclusively_owned(grad: torch.Tensor) -> bool:
 class _LayerCheckpoint(torch.autograd.Function):
     """``body.forward(x)`` with recompute in backward.
 
-        Inputs: ``body``, ``stash``, ``key`` / ``prev_key``, ``on_device``, ``saved``, ``x``
-        ``[B, S_local, hidden]``, then an empty leaf requiring grad when ``x`` does not. Saves ``x`` in
-        ``ctx`` (no stash or ``on_device``) or offloaded under ``key``; backward starts fetching ``prev_key``."""
+    Inputs: ``body``, ``stash``, ``key`` / ``prev_key``, ``on_device``, ``saved``, ``x``
+    ``[B, S_local, hidden]``, then an empty leaf requiring grad when ``x`` does not. Saves ``x`` in
+    ``ctx`` (no stash or ``on_device``) or offloaded under ``key``; backward starts fetching ``prev_key``."""
 
     @staticmethod
     def forward(ctx, body, stash, key, prev_key, on_device, saved, x, *anchor):
@@ -253,12 +253,12 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
                  on_device: bool = False, saved=None) -> torch.Tensor:
     """Run ``run_fn(x)`` (``[B, S_local, hidden]`` -> same) under activation checkpointing.
 
-        Args:
-            run_fn: the layer's forward of its input only; ``params``: its parameters.
-            stash: offload ``x`` under ``key``; backward fetches ``prev_key`` (the previous layer's) early.
-            free_output: the output's values are not saved by its own graph, so backward frees them first.
-            on_device: keep ``x`` on the device although a ``stash`` is given.
-            saved: a ``SavedAttention`` for the layer's one attention call (recompute runs no kernel)."""
+    Args:
+        run_fn: the layer's forward of its input only; ``params``: its parameters.
+        stash: offload ``x`` under ``key``; backward fetches ``prev_key`` (the previous layer's) early.
+        free_output: the output's values are not saved by its own graph, so backward frees them first.
+        on_device: keep ``x`` on the device although a ``stash`` is given.
+        saved: a ``SavedAttention`` for the layer's one attention call (recompute runs no kernel)."""
     return _apply(_OpaqueBody(run_fn, free_output), x, params, stash, key, prev_key, on_device, saved)
 
 
@@ -267,6 +267,6 @@ def checkpointed_residual(branches: Sequence[Callable[[torch.Tensor], torch.Tens
                           key: Hashable = None, prev_key: Hashable = None,
                           on_device: bool = False, saved=None) -> torch.Tensor:
     """Run ``x <- x + f(x)`` for ``f`` in ``branches`` under checkpointing, holding one full-length
-        gradient through the layer's backward instead of :func:`checkpointed`'s two. Arguments as there;
-        each branch's output must not be saved by its own graph."""
+    gradient through the layer's backward instead of :func:`checkpointed`'s two. Arguments as there;
+    each branch's output must not be saved by its own graph."""
     return _apply(_ResidualBody(branches), x, params, stash, key, prev_key, on_device, saved)

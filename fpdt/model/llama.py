@@ -30,7 +30,7 @@ from fpdt.options import FPDTOptions
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` in fp32, cast back before the weight multiply.
-        ``[..., hidden]`` -> same; saves the input and an fp32 ``rstd`` per token only."""
+    ``[..., hidden]`` -> same; saves the input and an fp32 ``rstd`` per token only."""
 
     def __init__(self, hidden_size: int, eps: float, num_chunks: int = 1):
         super().__init__()
@@ -65,8 +65,8 @@ class FPDTDecoderLayer(nn.Module):
                 doc_ids: torch.Tensor | None = None,
                 fpdt_stream: tuple[StreamedRun, int] | None = None) -> torch.Tensor:
         """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``;
-                ``doc_ids`` ``[B, S]`` (None: one document). With ``fpdt_stream``, ``h`` is the empty token of
-                :mod:`fpdt.model.streaming` and input and output are chunks in its host stashes."""
+        ``doc_ids`` ``[B, S]`` (None: one document). With ``fpdt_stream``, ``h`` is the empty token of
+        :mod:`fpdt.model.streaming` and input and output are chunks in its host stashes."""
         if fpdt_stream is not None:
             return streamed_layer(self, h, fpdt_stream)
         h = h + self.attention_branch(h, position_ids, rope, doc_ids)
@@ -115,8 +115,8 @@ class FPDTModel(nn.Module):
 class FPDTForCausalLM(nn.Module):
     """A Llama-family causal LM whose attention, MLP and loss run chunked over the sequence.
 
-        Build it with :func:`fpdt.model.from_pretrained` or :func:`fpdt.model.from_config`; options:
-        :class:`fpdt.options.FPDTOptions`, changed later with :meth:`configure`."""
+    Build it with :func:`fpdt.model.from_pretrained` or :func:`fpdt.model.from_config`; options:
+    :class:`fpdt.options.FPDTOptions`, changed later with :meth:`configure`."""
 
     def __init__(self, config: ModelConfig, options: FPDTOptions | None = None):
         super().__init__()
@@ -195,19 +195,19 @@ class FPDTForCausalLM(nn.Module):
                 return_logits: bool = False, num_valid_tokens: int | torch.Tensor | None = None):
         """Loss of this rank's tokens, normalised by the global valid-token count.
 
-                Args:
-                    input_ids: ``[B, S_local]`` long, this rank's tokens in the FPDT layout.
-                    labels: ``[B, S_local]`` long, *already shifted* targets in the same layout (``-100``: ignore).
-                    position_ids: ``[B, S_local]`` long global positions; may be omitted only without SP.
-                        Positions restarting at 0 mark packed documents (one all-gather and one host read).
-                    doc_ids: ``[B, S]`` document ids of the whole global window (non-decreasing, the same on
-                        every SP rank); they replace the documents the positions mark.
-                    return_logits: also return fp32 logits ``[B, S_local, V]`` (small inputs only).
-                    num_valid_tokens: denominator override (e.g. a gradient-accumulation window's count).
+        Args:
+            input_ids: ``[B, S_local]`` long, this rank's tokens in the FPDT layout.
+            labels: ``[B, S_local]`` long, *already shifted* targets in the same layout (``-100``: ignore).
+            position_ids: ``[B, S_local]`` long global positions; may be omitted only without SP.
+                Positions restarting at 0 mark packed documents (one all-gather and one host read).
+            doc_ids: ``[B, S]`` document ids of the whole global window (non-decreasing, the same on
+                every SP rank); they replace the documents the positions mark.
+            return_logits: also return fp32 logits ``[B, S_local, V]`` (small inputs only).
+            num_valid_tokens: denominator override (e.g. a gradient-accumulation window's count).
 
-                Returns ``loss`` (fp32 scalar, ``None`` without labels), or ``(loss, logits)``. Every SP rank
-                returns the global mean; parameter gradients *summed* over the SP group are its gradient
-                (``docs/model.md``, gradient convention)."""
+        Returns ``loss`` (fp32 scalar, ``None`` without labels), or ``(loss, logits)``. Every SP rank
+        returns the global mean; parameter gradients *summed* over the SP group are its gradient
+        (``docs/model.md``, gradient convention)."""
         B, S_local = input_ids.shape
         rank, sp = self.sp_rank_size()
         positions_given = position_ids is not None

@@ -39,8 +39,8 @@ O_GRAD, BRANCH_GRAD = "o grad", "branch grad"           # d(attention output), d
 @dataclass(frozen=True)
 class StreamedModel:
     """What a streamed run reads of a causal LM besides its modules (``model.model.embed_tokens``,
-        ``.layers``, ``.norm``, ``model.lm_head``): the options, the loss's token chunks, the saving
-        layers, and ``rope(position_ids, dtype) -> (cos, sin)`` of a chunk's positions."""
+    ``.layers``, ``.norm``, ``model.lm_head``): the options, the loss's token chunks, the saving
+    layers, and ``rope(position_ids, dtype) -> (cos, sin)`` of a chunk's positions."""
 
     options: FPDTOptions
     loss_chunks: int
@@ -342,7 +342,7 @@ def streamed_loss(model, spec: StreamedModel, input_ids: torch.Tensor, labels: t
                   position_ids: torch.Tensor, doc_ids: torch.Tensor | None, num_valid_tokens, sp: int,
                   group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """The forward of a causal LM with ``stream_layers``; each layer is called as
-        ``layer(token, fpdt_stream=(run, k))``. Returns the global token-mean loss, None without labels."""
+    ``layer(token, fpdt_stream=(run, k))``. Returns the global token-mean loss, None without labels."""
     run = StreamedRun(model, spec, input_ids, position_ids, doc_ids)
     anchor = torch.empty(0, device=input_ids.device, requires_grad=run.for_backward)
     token = StreamedEmbeddingFunction.apply(anchor, model.model.embed_tokens.weight, run)
