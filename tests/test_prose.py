@@ -11,7 +11,7 @@ import sys
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fpdt"
 
 # The target is 20% (torchtitan is about 17%); lower this as docstrings are trimmed, never raise it.
-MAX_DOCSTRING_SHARE = 0.225
+MAX_DOCSTRING_SHARE = 0.20
 
 
 def docstring_lines(source: str) -> tuple[int, int]:

@@ -1,38 +1,10 @@
 """QKV projection + RoPE + FPDT attention as one autograd.Function, chunk by chunk.
 
-The full-sequence q, k, v never exist on the device: chunk ``i`` of the hidden states is
-projected, rotated, all-to-all'd and attended, then dropped. Saved for backward:
-
-* through ``ctx.save_for_backward``: the projection weights and biases, the position
-  ids or the rotation table (small: ``D`` per token against ``hidden``) and a token
-  carrying the stash (:mod:`fpdt.attention.saved_stash`);
-* in the :class:`HostStash` (pinned host memory when ``offload=True``): the input chunks
-  ``T_i`` ``[B, L, hidden]`` and the attention chunks of :mod:`fpdt.attention.pipeline`
-  (``q̂_i, k̂_i, v̂_i, o_i, lse_i``).
-
-Under a layer checkpoint with ``attention_checkpoint="save"`` the first (no-grad) forward
-keeps each chunk's ``o_i``/``lse_i`` and the recompute runs no attention kernel
-(:mod:`fpdt.attention.saved_attention`).
-
-Backward (FPDT): after outer step ``j`` of the attention backward, dq̂_j/dk̂_j/dv̂_j come
-back through the all-to-all, RoPE is undone, and the projection backward runs with
-``T_j`` (prefetched during the outer step) to give ``dT_j`` and accumulate fp32 weight
-gradients.
-
-Optionally, LoRA adapters on the q/k/v projections (:mod:`fpdt.ops.lora`) run chunk by chunk
-with their base projections: nothing more is saved (their dropout masks are regenerated in
-backward), and their gradients accumulate over chunks like the weights'. A frozen weight
-(``requires_grad=False``, as under LoRA) gets no gradient and no accumulator.
-
-Optionally (Qwen3), q and k are RMS-normalised per head over ``D`` before RoPE, with
-weights ``[D]`` (fp32 normalisation, cast, then the weight multiply); backward recomputes the
-chunk's pre-norm q/k from ``T_j`` (one more projection GEMM each) and accumulates the norm
-weights' gradients in fp32.
-
-RoPE comes either from a :class:`RotaryEmbedding` evaluated at the chunk's position ids,
-or from a precomputed rotation table ``(cos, sin)`` ``[B or 1, S_local, D]`` sliced per
-chunk (what a Transformers model computes once per forward and passes to every layer).
-"""
+The full-sequence q, k, v never exist on the device. Saved for backward: the projection weights
+and biases, the position ids or rotation table and a stash token (``ctx``); the input chunks ``T_i``
+``[B, L, hidden]`` and the pipeline's ``q̂_i, k̂_i, v̂_i, o_i, lse_i`` (the :class:`HostStash`, pinned
+host memory with ``offload=True``). Optional LoRA on q/k/v and Qwen3's per-head q/k norm save
+nothing more. Backward and options: ``docs/attention.md``, "Layout, forward, backward"."""
 
 from __future__ import annotations
 
@@ -65,22 +37,14 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              doc_ids: torch.Tensor | None = None,
                              stash_sink: list | None = None, saved: SavedAttention | None = None,
                              runtime: Runtime | str | None = None) -> torch.Tensor:
-    """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (this rank's tokens in the
-    FPDT or mesh layout) through the projections ``q_proj``/``k_proj``/``v_proj`` (whose
-    ``weight``/``bias`` are read directly), chunk by chunk; returns ``[B, S_local, H, D]``
-    before the output projection. ``heads`` = ``(H, H_kv, D)``; RoPE from ``rope`` at
-    ``position_ids``, or from the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none.
-    ``label`` names the chunks in offload errors (e.g. "layer 2"). ``qk_norm`` =
-    ``(q_weight, k_weight, eps)``: RMSNorm of q and k per head before RoPE (Qwen3).
-    ``adapters``: LoRA terms of the three projections, in the order q, k, v. ``doc_ids``: packed
-    documents, ``[B, S]`` over the global sequence in global order (see
-    :func:`fpdt.attention.fpdt_attention`); None = one document. ``stash_sink``: a
-    list that gets the call's :class:`HostStash` (with the spec and chunk length), whose ``o``
-    chunks the output projection's backward reads back (:mod:`fpdt.attention.output_projection`). ``saved``: the
-    checkpointed layer's :class:`fpdt.attention.saved_attention.SavedAttention`
-    (``attention_checkpoint="save"``), which records this call's output in the layer's first
-    forward and replays it in the recompute (no attention kernel). ``runtime``: the stash's device
-    runtime (:attr:`fpdt.options.FPDTOptions.runtime`; None: automatic)."""
+    """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (FPDT or mesh layout) through
+    ``q_proj``/``k_proj``/``v_proj`` (``weight``/``bias`` read directly), chunk by chunk; returns
+    ``[B, S_local, H, D]`` before ``o_proj``. ``heads`` = ``(H, H_kv, D)``; RoPE from ``rope`` at
+    ``position_ids``, or the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none. ``label``: for
+    errors. ``qk_norm`` = ``(q_weight, k_weight, eps)`` (Qwen3). ``adapters``: LoRA of q, k, v.
+    ``doc_ids``: ``[B, S]`` packed documents (None: one). ``stash_sink``: a list that gets the call's
+    :class:`HostStash`, spec and chunk length (for ``o_proj``'s backward). ``saved``: a
+    ``SavedAttention``. ``runtime``: the stash's device runtime (None: automatic)."""
     spec = attention_spec(hidden.shape, hidden.dtype, hidden.device, heads, group=group, mesh=mesh,
                           num_chunks=num_chunks, backend=backend, softmax_scale=softmax_scale, doc_ids=doc_ids,
                           label=label, runtime=runtime)
@@ -117,14 +81,9 @@ def attention_spec(shape: torch.Size, dtype: torch.dtype, device: torch.device, 
 
 class QKVChunks:
     """The q/k/v projections of hidden chunks ``T`` ``[B, L, hidden]`` and their backward, a chunk
-    at a time: what :class:`ProjectedFPDTAttentionFunction` and the streamed decoder layer
-    (:mod:`fpdt.model.streaming`) run per chunk. ``weights``/``biases``: ``(q, k, v)``;
-    ``rotation``: :func:`rotation_of` or None; ``qk_norm``: ``(q_weight, k_weight, eps)`` or None;
-    ``lora``/``lora_tensors``/``seed``: the LoRA terms of the three projections.
-
-    Backward: :meth:`start_backward` makes fp32 accumulators for the inputs whose gradient is
-    needed, :meth:`backward` takes one chunk's ``dq, dk, dv`` (sequence layout, fp32) and returns
-    ``dT`` (or None), :meth:`finish` casts the accumulated gradients to their tensors' dtypes."""
+    at a time. ``weights``/``biases``: ``(q, k, v)``; ``rotation``: :func:`rotation_of` or None;
+    ``qk_norm``: ``(q_weight, k_weight, eps)`` or None; ``lora``/``lora_tensors``/``seed``: LoRA terms.
+    Backward: :meth:`start_backward`, then :meth:`backward` per chunk, then :meth:`finish`."""
 
     def __init__(self, weights, biases, heads: tuple[int, int, int], L: int, rotation=None, qk_norm=None,
                  lora=None, lora_tensors=(), seed=None):
@@ -201,12 +160,8 @@ class QKVChunks:
 class ProjectedFPDTAttentionFunction(torch.autograd.Function):
     """hidden ``[B, S_local, hidden]`` -> attention output ``[B, S_local, H, D]`` (before o_proj).
 
-    RoPE: ``rope`` at ``position_ids`` ``[B, S_local]``, or the table ``cos``/``sin``
-    ``[B or 1, S_local, D]`` (then ``rope`` and ``position_ids`` are None), or neither.
-    ``q_norm``/``k_norm`` ``[D]`` (or None) with ``norm_eps``: per-head RMSNorm before RoPE.
-    ``lora`` (a :class:`fpdt.ops.lora.LoraLayout` of the q, k, v projections, or None) and its
-    tensors, last.
-    """
+    RoPE: ``rope`` at ``position_ids``, or the table ``cos``/``sin``, or neither. ``q_norm``/``k_norm``
+    ``[D]`` (or None) with ``norm_eps``; ``lora`` (a ``LoraLayout`` or None) and its tensors, last."""
 
     @staticmethod
     def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, position_ids, rope: RotaryEmbedding | None,
@@ -284,9 +239,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
 
 def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
                             d_weight: torch.Tensor | None) -> torch.Tensor:
-    """Gradient of the per-head RMSNorm ``rms_norm_reference(x, weight, eps)`` (over each head's
-    ``D``) w.r.t. ``x``, in fp32; adds the weight's gradient to the fp32 accumulator ``d_weight``
-    (None: a frozen weight)."""
+    """fp32 gradient of the per-head RMSNorm w.r.t. ``x``; adds the weight's into ``d_weight`` (None: frozen)."""
     x_hat, rstd = normalised(x, eps)
     return norm_backward(dy, x_hat, rstd, weight.float(), x.dtype, d_weight)
 

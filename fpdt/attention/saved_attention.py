@@ -1,43 +1,12 @@
-"""Saved attention outputs for the layer checkpoint's recompute (Selective Checkpoint++).
+"""Saved attention outputs for the layer checkpoint's recompute (Selective Checkpoint++,
+arXiv 2406.18485, §5.2; LightSeq, arXiv 2310.03294, §3.3).
 
-Under layer checkpointing a decoder layer runs its forward twice: once without autograd,
-keeping only its input, and again in backward to rebuild the graph. The attention is the
-only part of that recompute whose cost grows faster than the sequence, and its backward
-needs nothing from the recompute's attention forward but ``o`` and ``lse``, which the first
-forward already computed. LoongTrain's Selective Checkpoint++ (arXiv 2406.18485, §5.2) and
-LightSeq's rematerialization-aware checkpointing (arXiv 2310.03294, §3.3) keep them instead.
-
-:class:`SavedAttention` does that for one checkpointed layer:
-
-* **record** (the first, no-grad forward): as each chunk's attention finishes, its output
-  ``o_i`` and ``lse_i`` go into the layer's own :class:`fpdt.offload.HostStash`, in the
-  pipeline's **head layout** (``o_i`` ``[B, C, H/P, D]`` in the input dtype, ``lse_i``
-  ``[B, H/P, C]`` fp32; mesh: ``H/hp``), keys ``("attn out", i)`` / ``("attn lse", i)``
-  (``"attn out chunk 3, layer 2"`` in errors). Head layout, because that is what the
-  attention backward reads, once per (query chunk, KV chunk) pair: saved in sequence
-  layout, it would need an all-to-all back into head layout and a second stash copy. The
-  host stash (pinned, asynchronous device->host copy per chunk) is used when the layer's
-  input is offloaded (``checkpointing="offload"``, except the last
-  ``checkpoint_device_layers``); otherwise the stash keeps device references.
-* **replay** (the recompute in backward): the attention Function runs its q/k/v
-  projections, norms, RoPE and all-to-alls as before and stashes q̂, k̂, v̂ for its backward,
-  but runs **no attention-kernel forward**: :func:`replay_forward` takes ``o_i``, ``lse_i``
-  from the saved stash (fetched one chunk ahead; chunk 0 when the layer's backward starts),
-  moves their host buffers into the pipeline's stash as ``("o", i)``/``("lse", i)`` (no
-  second device->host copy), and emits ``o_i`` through the all-to-all back to sequence
-  layout (the input of ``o_proj``).
-
-Host bytes per saving layer and rank: :func:`fpdt.attention.offload_volume.saved_attention_bytes`,
-``B S (H D e + H a) / P`` (``e`` the output's element size, ``a`` = 4, the fp32 lse): with
-bf16, ``(2 S H D + 4 S H) / P`` per sequence.
-
-The layer's forward passes its :class:`SavedAttention` to its one attention call (``saved=``
-of :func:`fpdt.attention.fpdt_attention`, :func:`fpdt.attention.projected_attention.projected_fpdt_attention`
-and :class:`fpdt.attention.FPDTAttention`), in the first forward and in the recompute alike;
-the attention Function asks it (:meth:`SavedAttention.claim`) whether to record or replay.
-The checkpoint calls :meth:`SavedAttention.begin_backward` / :meth:`end_backward` around the
-layer's backward. One attention call per layer.
-"""
+A :class:`SavedAttention` keeps one checkpointed layer's ``o_i`` ``[B, C, H/P, D]`` (input dtype)
+and ``lse_i`` ``[B, H/P, C]`` (fp32) per chunk, in the pipeline's head layout, under keys
+``("attn out", i)`` / ``("attn lse", i)``: recorded in the first (no-grad) forward, replayed in the
+recompute, which then runs no attention-kernel forward. Host bytes per saving layer and rank:
+:func:`fpdt.attention.offload_volume.saved_attention_bytes`. One attention call per layer.
+Mechanics: ``docs/attention.md``, "Saved attention outputs"."""
 
 from __future__ import annotations
 
@@ -52,16 +21,11 @@ class SavedAttention:
     """One checkpointed layer's attention outputs and lse between its two forwards.
 
     Args:
-        device: the compute device.
-        on_host: keep them in pinned host memory (else device references).
+        device: the compute device; on_host: pinned host memory (else device references).
         label: names the layer in errors, e.g. ``"layer 2"``.
-        runtime: the stash's device runtime (:attr:`fpdt.options.FPDTOptions.runtime`), the
-            attention's own, so that its host buffers can be handed over.
-        stash: keep them there instead (the NVMe tier's :class:`fpdt.offload.nvme_stash.NVMeStash`,
-            ``docs/nvme.md``; ``on_host`` is then unused). Its :meth:`begin_backward` starts
-            reading this layer's chunks back, and those of :attr:`ahead`, the layer backward
-            reaches next (set by the caller).
-    """
+        runtime: the attention's device runtime, so that host buffers can be handed over.
+        stash: keep them there instead (the NVMe tier's ``NVMeStash``; ``on_host`` unused); its
+            :meth:`begin_backward` also reads back the chunks of :attr:`ahead`, set by the caller."""
 
     def __init__(self, device: torch.device | str, on_host: bool, label: str | None = None,
                  runtime: Runtime | str | None = None, stash: HostStash | None = None):
@@ -90,11 +54,9 @@ class SavedAttention:
         self.stash.clear()
 
     def claim(self, for_backward: bool, signature: tuple) -> tuple[str, SavedAttention] | None:
-        """What the attention call this object was passed to should do with its outputs:
-        ``("record", self)`` (the first, no-grad forward of a saving checkpoint),
-        ``("replay", self)`` (that layer's recompute), or None (run as usual). ``signature``
-        identifies the call's shapes and chunking; a replay whose call differs from the
-        recorded one, or a second recording call, is refused."""
+        """``("record", self)`` (first forward), ``("replay", self)`` (recompute) or None (run as usual).
+        ``signature`` identifies the call's shapes and chunking; a mismatched replay or a second
+        recording call is refused."""
         if not for_backward:
             if self.recorded:
                 raise RuntimeError(f"attention_checkpoint='save' keeps one attention call per checkpointed layer, "
@@ -127,11 +89,9 @@ class SavedAttention:
 
 def replay_forward(spec, produce, emit, stash: HostStash, saved: SavedAttention) -> None:
     """The recompute's forward of :func:`fpdt.attention.mesh_pipeline.run_forward` without the
-    attention: leaves in ``stash`` what that forward leaves for backward (``k``, ``v``, ``q``
-    chunks, or ``q`` and packed ``kv`` for a mesh spec, plus ``o``, ``lse`` from ``saved``) and
-    emits each saved output chunk in sequence layout. Same collectives, in the same order on
-    every rank: per chunk the q/k/v all-to-all (chunk i+1's started before chunk i's output
-    goes back, as in forward) and the output's all-to-all back."""
+    attention: leaves in ``stash`` what that forward leaves for backward (``k``, ``v``, ``q`` chunks,
+    or ``q`` and packed ``kv`` for a mesh spec, plus ``o``, ``lse`` from ``saved``) and emits each
+    saved output chunk in sequence layout, with the same collectives in the same order."""
     mesh = hasattr(spec, "hp_group")                       # a mesh_pipeline.MeshSpec (which imports this)
     group = spec.hp_group if mesh else spec.group
     u = spec.num_chunks

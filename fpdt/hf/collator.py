@@ -1,23 +1,8 @@
 """Packed batches of any length: Transformers' ``DataCollatorWithFlattening``, padded to fpdt's layout.
 
-That collator flattens a batch of examples into one row ``[1, total]`` (positions restarting at 0
-at each example), and ``total`` is whatever the examples add up to. fpdt's layout cuts a window
-into ``sp * num_chunks`` equal pieces (``2 * hp * cp * num_chunks`` on a 2D mesh), and under the
-Trainer's sequence parallelism DeepSpeed's data adapter first cuts it into ``sp`` equal slices;
-a length that does not divide is refused. :class:`FlatteningCollator` wraps the collator and
-appends one padding document that brings the row to the next multiple:
-
-* its positions start at 0, so it is a document of its own: no real token attends to it (it
-  also comes after all of them), and it attends to none of theirs;
-* its labels are -100, and the first of them is the target of the last real token, which
-  predicts nothing across a document boundary anyway (the collator puts -100 at every
-  example's first token for the same reason).
-
-So the loss and every gradient are those of the unpadded batch (checked against plain
-Transformers under the ``Trainer`` on 1 and 2 ranks, ``tests/hf/test_flattening_collator.py``);
-the cost is fewer than ``multiple`` extra tokens per batch. The count of valid labels the
-Trainer passes as ``num_items_in_batch`` does not change.
-"""
+:class:`FlatteningCollator` appends one padding document (positions from 0, labels -100) that
+brings the flattened row to the next multiple of what fpdt's layout cuts, so the loss and every
+gradient are the unpadded batch's (``tests/hf/test_flattening_collator.py``; ``docs/hf.md``)."""
 
 from __future__ import annotations
 
@@ -28,10 +13,8 @@ from fpdt.model.loss import IGNORE_INDEX
 
 
 def window_multiple(model) -> int:
-    """What a window's length must be a multiple of for ``model`` (after :func:`fpdt.hf.apply_fpdt`):
-    ``sp * num_chunks``, or ``2 * hp * cp * num_chunks`` on a 2D mesh; ``sp`` is the model's
-    sequence-parallel group's size now (under the Trainer: DeepSpeed's group once the Trainer has
-    prepared the model, which it has by the time it draws the first batch)."""
+    """What a window's length must be a multiple of for ``model``: ``sp * num_chunks``, or
+    ``2 * hp * cp * num_chunks`` on a 2D mesh, with ``sp`` the model's SP group's size now."""
     settings = getattr(model, "fpdt", None)
     if settings is None:
         raise FPDTHFError("FlatteningCollator(model): call fpdt.hf.apply_fpdt(model, ...) first, or pass "
@@ -58,19 +41,13 @@ class FlatteningCollator:
     """``DataCollatorWithFlattening`` whose one-row batches are padded to a length fpdt can cut.
 
     Args:
-        model: the model after :func:`fpdt.hf.apply_fpdt`; the multiple is read from it at every
-            call (:func:`window_multiple`). Or None with ``multiple``.
-        multiple: the length every batch is padded to a multiple of (instead of the model's).
-        pad_token_id: the padding document's token id (any id of the vocabulary: no loss sees
-            its outputs, and no real token sees it).
-        collator: the ``DataCollatorWithFlattening`` to wrap (default: one made from ``kwargs``,
-            e.g. ``return_flash_attn_kwargs=True``).
+        model: the model after :func:`fpdt.hf.apply_fpdt` (multiple read at every call), or None.
+        multiple: the multiple to pad to instead of the model's.
+        pad_token_id: the padding document's token id (any vocabulary id).
+        collator: the collator to wrap (default: one made from ``kwargs``).
 
-    Returns the wrapped collator's batch with the padding document appended to ``input_ids``,
-    ``labels`` (-100), ``position_ids`` (``position_ids_start``, ...) and, when asked for,
-    ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` (it is the last document). A batch
-    whose length is already a multiple is returned as the collator made it.
-    """
+    Returns the batch with the padding document appended to ``input_ids``, ``labels``,
+    ``position_ids`` and, when asked for, ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx``."""
 
     def __init__(self, model=None, *, multiple: int | None = None, pad_token_id: int = 0, collator=None,
                  **kwargs: Any):

@@ -1,15 +1,6 @@
 """FPDT under Hugging Face's ``Trainer`` through its own sequence-parallel route
-(``ParallelismConfig(sp_backend="deepspeed", sp_size=P)``, DeepSpeed's ALST setup).
-
-With ``apply_fpdt(model, group="trainer")``: the group is DeepSpeed's, looked up per forward;
-the forward moves the adapter's contiguous slices of ids, positions and labels into FPDT's chunk
-layout (:func:`contiguous_to_fpdt_layout`, one all-gather of the integer inputs), and what it
-refuses it refuses on every rank of the job (:func:`fpdt.hf.errors.refuse_on_every_rank`); the
-loss is the global token mean on every rank and its backward sums the Trainer's per-rank weights
-over the group. ``chunked_qkv`` is required (DeepSpeed's Ulysses wrapper is never called).
-:func:`trainer_parallelism_config` builds the ``ParallelismConfig``. Details: ``docs/hf.md``
-("Under Hugging Face's Trainer").
-"""
+(``ParallelismConfig(sp_backend="deepspeed", sp_size=P)``, DeepSpeed's ALST setup), with
+``apply_fpdt(model, group="trainer")``: ``docs/hf.md`` ("Under Hugging Face's Trainer")."""
 
 from __future__ import annotations
 
@@ -25,9 +16,7 @@ from fpdt.hf.padding import check_right_padding
 from fpdt.layout.fpdt_layout import shard
 
 TRAINER_ATTN_NAME = "sdpa"
-"""The attention implementation name a model under ``group="trainer"`` keeps: one the Trainer's
-sequence-parallel setup accepts. Its function is never called (the attention modules run
-fpdt's chunked attention), though DeepSpeed wraps it."""
+"""The attention name a ``group="trainer"`` model keeps, one the Trainer accepts (never called)."""
 
 
 def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None,
@@ -35,32 +24,16 @@ def contiguous_to_fpdt_layout(input_ids: torch.Tensor, position_ids: torch.Tenso
                               group: dist.ProcessGroup | None, job_group: dist.ProcessGroup | None, sp: int,
                               rank: int, num_chunks: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """This rank's ``input_ids``, ``position_ids`` and ``labels`` ``[B, S / P]`` in contiguous
-    slices (rank ``r`` of ``group`` holds tokens ``[r S / P, (r + 1) S / P)`` of the window) -> the
-    same tokens' slices in the FPDT layout (:mod:`fpdt.layout.fpdt_layout`, ``num_chunks`` chunks
-    per rank); dtypes kept, ``labels`` may be None; and the window's document ids ``[B, S]`` (int64,
-    global order, the same on every rank of ``group``; None for one document per row) from the
-    positions, which restart at 0 where a packed document starts (:mod:`fpdt.layout.documents`).
+    """This rank's ``input_ids``, ``position_ids`` and ``labels`` ``[B, S / P]`` in contiguous slices
+    -> the same tokens' slices in the FPDT layout (``num_chunks`` chunks per rank; dtypes kept,
+    ``labels`` may be None), and the window's document ids ``[B, S]`` (int64, the same on every
+    rank; None for one document per row) from the positions' restarts at 0.
 
-    Refuses slices of different shapes, a window length ``S`` not divisible by ``P * num_chunks``,
-    position ids that step to anything but the next position or 0, and an
-    ``attention_mask`` ``[B, S / P]`` other than right padding with targets -100
-    (:func:`fpdt.hf.padding.check_right_padding`), which fpdt attention cannot honour; the mask
-    itself is not returned (the attention needs none).
-
-    Collective over ``job_group``: every rank of it (the default group with None: the whole job,
-    every data-parallel replica's sequence-parallel group) must call this in the same step, as
-    the Trainer's ranks do. A refusal is never one rank's or one replica's alone, which would
-    leave the other replicas waiting in their next collective: when any rank refuses, every rank
-    of ``job_group`` raises :class:`FPDTHFError` (:func:`refuse_on_every_rank`), a refusing rank
-    with its own message, the others naming the refusing ranks and their messages (the fix).
-    The shape checks run before the all-gather over ``group``, which they skip on failure:
-    DeepSpeed's data adapter cuts one window into equal slices, so they fail on all of a
-    group's ranks alike (the all-gather needs equal shapes anyway).
-
-    Cost: one all-gather over ``group`` and, over ``job_group``, one all-reduce of one int32 on
-    ``input_ids``' device with one host read of it; the messages are gathered only on a refusal.
-    """
+    Refuses unequal slices, an ``S`` not divisible by ``P * num_chunks``, positions stepping to
+    anything but the next one or 0, and an ``attention_mask`` other than right padding with
+    targets -100. Collective over ``job_group`` (None: the whole job): a refusal raises
+    :class:`FPDTHFError` on every rank of it. Cost: one all-gather over ``group``, one int32
+    all-reduce and one host read."""
     tensors = [t for t in (input_ids, position_ids, labels, attention_mask) if t is not None]
     refusal: ValueError | None = None
     local, doc_ids = None, None
@@ -97,18 +70,11 @@ def _check_slices(tensors: list[torch.Tensor], sp: int, num_chunks: int) -> None
 
 
 def trainer_parallelism_config(sp_size: int, **kwargs):
-    """accelerate's ``ParallelismConfig`` for training a model under
-    ``apply_fpdt(model, group="trainer")`` with ``sp_size``-way sequence parallelism under the
-    Trainer: pass it as ``TrainingArguments(parallelism_config=...)`` with a DeepSpeed config.
-    It names ``sdpa`` as the attention, the name such a model keeps (:data:`TRAINER_ATTN_NAME`).
-
-    The ranks beyond one sequence-parallel group are data-parallel: unless ``kwargs`` give a
-    ``dp_shard_size`` or ``dp_replicate_size``, ``dp_shard_size`` is the world size (that of
-    torch.distributed, else ``$WORLD_SIZE``) over ``sp_size``, which DeepSpeed's batch-size
-    check needs. Other ``kwargs`` go to ``ParallelismConfig``. The sequence length may change
-    from batch to batch; every window's length must be divisible by ``sp_size`` times the
-    model's ``num_chunks`` (packed batches: :class:`fpdt.hf.FlatteningCollator` pads them to it).
-    """
+    """accelerate's ``ParallelismConfig`` for ``apply_fpdt(model, group="trainer")`` with
+    ``sp_size``-way sequence parallelism, for ``TrainingArguments(parallelism_config=...)``; names
+    :data:`TRAINER_ATTN_NAME` as the attention. ``dp_shard_size`` defaults to the world size over
+    ``sp_size``; other ``kwargs`` go to ``ParallelismConfig``. Every window's length must be
+    divisible by ``sp_size`` times the model's ``num_chunks``."""
     if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
         raise FPDTHFError(f"sp_size={sp_size!r}: trainer_parallelism_config takes the sequence-parallel degree, "
                           f"a positive integer (not a model)")

@@ -1,30 +1,6 @@
-"""Putting FPDT into a decoder model: small steps in one documented order, for both entry points.
-
-As torchtitan applies its parallelisms (each a small function, run in a fixed order on a model
-that is otherwise plain), FPDT's pieces go into a model through the steps here. A step decides
-what changes (which options reach the attention, how many token chunks each op takes, one
-:class:`fpdt.model.layer_checkpoints.LayerCheckpoints` for the model); a
-:class:`DecoderAdapter` makes the change on one kind of model:
-
-* ``fpdt.model``: :class:`fpdt.model.llama.FPDTAdapter` sets attributes on its own modules
-  (``FPDTForCausalLM.configure`` runs the steps again after every change of options);
-* ``fpdt.hf``: :class:`fpdt.hf.apply_steps.TransformersAdapter` first puts the same modules
-  (:class:`fpdt.attention.FPDTAttention`, :class:`fpdt.model.ChunkedSwiGLU`, fpdt's ``RMSNorm``)
-  in place of a Transformers model's, holding its parameters, through
-  :class:`fpdt.hf.patches.Patches`, so that :func:`fpdt.hf.remove_fpdt` undoes each change.
-
-The order (:func:`apply_all`):
-
-1. :func:`apply_attention`: FPDT's sequence-parallel chunked attention in every decoder layer;
-2. :func:`apply_lean_norms`: the RMSNorms over ``2 u`` token chunks;
-3. :func:`apply_chunked_mlp`: each SwiGLU MLP over ``mlp_chunks`` token chunks;
-4. :func:`apply_layer_checkpointing`: the decoder layers under one ``LayerCheckpoints``
-   (the layer-input stash, ``checkpointing`` ``"on"`` / ``"offload"``);
-5. :func:`apply_chunked_loss`: the LM head and loss over ``loss_chunks`` token chunks.
-
-The chunk counts are decided here only (:func:`mlp_chunks_for`, :func:`loss_chunks_for`,
-:func:`norm_chunks`; the budget behind them: :mod:`fpdt.model.chunks`).
-"""
+"""Putting FPDT into a decoder model: small steps in one order (:func:`apply_all`), made on a model
+by a :class:`DecoderAdapter` (``fpdt.model``'s or ``fpdt.hf``'s). The chunk counts are decided here
+only. The steps and their order: ``docs/model.md``, "Module tree and the apply steps"."""
 
 from __future__ import annotations
 
@@ -43,36 +19,27 @@ ATTENTION_FIELDS = ("num_chunks", "offload", "group", "mesh", "backend", "runtim
 
 
 def mlp_chunks_for(options: Any, config: Any) -> int:
-    """The SwiGLU MLP's token chunks: ``options.mlp_chunks``, or if None the default
-    ``ceil(2 u I / hidden)`` (:func:`fpdt.model.mlp.default_mlp_chunks`). ``options`` has
-    ``mlp_chunks`` and ``num_chunks`` (an :class:`FPDTOptions`, the planner's ``Setup``);
-    ``config`` has ``hidden_size`` and ``intermediate_size``."""
+    """The SwiGLU MLP's token chunks: ``options.mlp_chunks``, or ``ceil(2 u I / hidden)`` if None."""
     if options.mlp_chunks is not None:
         return options.mlp_chunks
     return default_mlp_chunks(config.hidden_size, config.intermediate_size, options.num_chunks)
 
 
 def loss_chunks_for(options: Any, config: Any) -> int:
-    """The LM head and loss's token chunks: ``options.loss_chunks``, or if None the default
-    ``ceil(2 u V / hidden)`` (:func:`fpdt.model.loss.default_loss_chunks`); as :func:`mlp_chunks_for`,
-    with ``config.vocab_size``."""
+    """The LM head and loss's token chunks: ``options.loss_chunks``, or ``ceil(2 u V / hidden)`` if None."""
     if options.loss_chunks is not None:
         return options.loss_chunks
     return default_loss_chunks(config.vocab_size, config.hidden_size, options.num_chunks)
 
 
 def norm_chunks(num_chunks: int) -> int:
-    """The RMSNorms' token chunks, ``2 u``: their fp32 ``[n, hidden]`` temporaries within the
-    chunk budget (:mod:`fpdt.model.chunks`)."""
+    """The RMSNorms' token chunks, ``2 u`` (:mod:`fpdt.model.chunks`)."""
     return 2 * num_chunks
 
 
 class DecoderAdapter:
-    """One model as the apply steps see it: its decoder layers, each layer's attention and MLP,
-    its RMSNorms, and the module-specific change each step makes.
-
-    ``config`` has ``hidden_size``, ``intermediate_size`` and ``vocab_size``; ``layers`` lists the
-    decoder layers in order, each with ``self_attn`` and ``mlp``. A subclass implements
+    """One model as the apply steps see it: ``config`` (``hidden_size``, ``intermediate_size``,
+    ``vocab_size``), ``layers`` (each with ``self_attn`` and ``mlp``). Subclasses implement
     :meth:`norms`, :meth:`set_layer_checkpoints` and :meth:`set_loss_chunks`."""
 
     config: Any
@@ -86,9 +53,7 @@ class DecoderAdapter:
         """The model-wide part of the attention step, before the layers' (nothing by default)."""
 
     def set_attention(self, layer: nn.Module, options: FPDTOptions) -> None:
-        """Make ``layer.self_attn``, an :class:`fpdt.attention.FPDTAttention`, read
-        :data:`ATTENTION_FIELDS` of ``options``; without a layer checkpoint its ``o_proj`` reads
-        its input from the attention's stash (else every layer would keep it to backward)."""
+        """Make ``layer.self_attn`` read :data:`ATTENTION_FIELDS`; without a layer checkpoint ``o_proj`` reads the stash."""
         for name in ATTENTION_FIELDS:
             setattr(layer.self_attn, name, getattr(options, name))
         layer.self_attn.o_proj_input_from_stash = options.checkpointing == "off"
@@ -120,16 +85,14 @@ class Applied:
 
 
 def apply_attention(adapter: DecoderAdapter, options: FPDTOptions) -> None:
-    """Every decoder layer's attention becomes FPDT's (Ulysses or the 2D mesh, chunked, offloaded
-    with ``offload``), with the options in :data:`ATTENTION_FIELDS`."""
+    """Every decoder layer's attention becomes FPDT's, with the options in :data:`ATTENTION_FIELDS`."""
     adapter.start_attention(options)
     for layer in adapter.layers:
         adapter.set_attention(layer, options)
 
 
 def apply_lean_norms(adapter: DecoderAdapter, num_chunks: int) -> int:
-    """Every RMSNorm runs :func:`fpdt.model.rmsnorm.rms_norm` (saves its input and an fp32 scale
-    per token) over :func:`norm_chunks` token chunks; returns that count."""
+    """Every RMSNorm runs over :func:`norm_chunks` token chunks; returns that count."""
     chunks = norm_chunks(num_chunks)
     for norm in adapter.norms():
         adapter.set_norm_chunks(norm, chunks)
@@ -137,28 +100,25 @@ def apply_lean_norms(adapter: DecoderAdapter, num_chunks: int) -> int:
 
 
 def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int) -> None:
-    """Every decoder layer's SwiGLU MLP runs over ``mlp_chunks`` token chunks
-    (:class:`fpdt.model.mlp.ChunkedSwiGLUFunction`, intermediates recomputed in backward)."""
+    """Every decoder layer's SwiGLU MLP runs over ``mlp_chunks`` token chunks."""
     for layer in adapter.layers:
         adapter.set_mlp_chunks(layer, mlp_chunks)
 
 
 def apply_layer_checkpointing(adapter: DecoderAdapter, options: FPDTOptions) -> LayerCheckpoints:
-    """The model's one :class:`LayerCheckpoints` for ``options.checkpointing``: each decoder layer
-    checkpointed, its input kept on the device or (``"offload"``) in the host stash; returned."""
+    """The model's one :class:`LayerCheckpoints` for ``options.checkpointing``; returned."""
     checkpoints = LayerCheckpoints(options, len(adapter.layers))
     adapter.set_layer_checkpoints(checkpoints)
     return checkpoints
 
 
 def apply_chunked_loss(adapter: DecoderAdapter, loss_chunks: int) -> None:
-    """The LM head and cross-entropy run fused over ``loss_chunks`` token chunks
-    (:func:`fpdt.model.loss.sequence_parallel_lm_loss`)."""
+    """The LM head and cross-entropy run fused over ``loss_chunks`` token chunks."""
     adapter.set_loss_chunks(loss_chunks)
 
 
 def apply_all(adapter: DecoderAdapter, options: FPDTOptions) -> Applied:
-    """Every step, in the documented order (the module docstring), for validated ``options``."""
+    """Every step, in order, for validated ``options``."""
     mlp_chunks = mlp_chunks_for(options, adapter.config)
     loss_chunks = loss_chunks_for(options, adapter.config)
     apply_attention(adapter, options)

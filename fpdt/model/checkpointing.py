@@ -1,13 +1,8 @@
 """Per-decoder-layer activation checkpointing, optionally offloading the layer input.
 
 ``"on"`` keeps only each layer's input ``x`` ``[B, S_local, hidden]`` and recomputes the layer in
-backward (reentrant: gradients accumulate into ``.grad`` as without checkpointing); ``"offload"``
-keeps it in a :class:`fpdt.offload.HostStash` and fetches the previous layer's input during this
-layer's backward. :func:`checkpointed` takes an opaque layer (two full-length gradients live
-through its backward), :func:`checkpointed_residual` pre-norm residual branches (one). Autocast and
-RNG state are restored for the recompute; with a ``SavedAttention`` the recompute runs no
-attention kernel. Modes and mechanics: ``docs/model.md`` (Layer checkpointing).
-"""
+backward (reentrant); ``"offload"`` keeps it in a :class:`fpdt.offload.HostStash`. Modes and
+mechanics: ``docs/model.md`` (Layer checkpointing)."""
 
 from __future__ import annotations
 
@@ -41,12 +36,8 @@ class _OpaqueBody:
 
 
 class _ResidualBody:
-    """``x_{k+1} = x_k + f_k(x_k)`` over the branches; backward accumulates the input
-    gradient into the incoming one in place (``docs/model.md``, Layer checkpointing).
-
-    The branches' outputs must not be saved by their own graphs (a linear or fpdt's chunked
-    MLP ends each of them): backward frees their values once their sum is formed
-    (:func:`_free_values`)."""
+    """``x_{k+1} = x_k + f_k(x_k)``; backward accumulates the input gradient into the incoming one in
+    place. Branch outputs must not be saved by their own graphs: backward frees their values."""
 
     def __init__(self, branches: Sequence[Callable[[torch.Tensor], torch.Tensor]]):
         self.branches = tuple(branches)
@@ -107,11 +98,8 @@ class _ResidualBody:
 
 
 class BranchCall:
-    """What the checkpoint tells one residual branch while it recomputes and back-propagates it,
-    carried on the branch's input leaf (attribute ``_fpdt_branch``): ``values_unused`` (the last
-    branch, :func:`output_values_unused`; ``placeholders`` collects what its Functions returned) and
-    ``donation`` (the layer's gradient when it may be added into in place, :func:`donated_gradient`).
-    """
+    """What the checkpoint tells one residual branch in its recompute and backward (attribute
+    ``_fpdt_branch`` of the branch's input leaf): ``values_unused``, ``placeholders``, ``donation``."""
 
     def __init__(self, values_unused: bool):
         self.values_unused = values_unused
@@ -124,11 +112,8 @@ def _branch_call(branch_input: torch.Tensor) -> BranchCall | None:
 
 
 def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor | None = None) -> bool:
-    """For a Function that computes a whole residual branch of :func:`checkpointed_residual` from
-    ``branch_input``: True in the recompute of the layer's last branch, whose output is only a
-    backward root. The Function may then skip its forward and return a placeholder of the output's
-    shape and dtype, passed here; the checkpoint raises if the branch's output is not it.
-    """
+    """True in the recompute of the layer's last residual branch, whose output is only a backward
+    root: its Function may return a placeholder of the output's shape and dtype, passed here."""
     call = _branch_call(branch_input)
     if call is None or not call.values_unused:
         return False
@@ -138,12 +123,8 @@ def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor |
 
 
 def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool:
-    """For a Function computing a whole residual branch ``f(x)`` of :func:`checkpointed_residual`:
-    whether its backward may add ``dL/dx`` into ``grad_out`` in place (and return ``None`` for ``x``).
-
-    True only inside such a branch's backward when the layer's gradient is this layer's alone
-    (:func:`_exclusively_owned`), ``grad_out`` is that gradient and ``branch_input`` the branch's input.
-    """
+    """Whether a whole-branch Function's backward may add ``dL/dx`` into ``grad_out`` in place (and
+    return ``None`` for ``x``): only when ``grad_out`` is the layer's gradient, held by this layer alone."""
     call = _branch_call(branch_input)
     grad = None if call is None else call.donation
     if grad is None:
@@ -154,9 +135,7 @@ def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool
 
 
 def _free_values(t: torch.Tensor) -> None:
-    """Give ``t``'s memory back while its ``grad_fn`` stays usable as a backward root; its version is
-    bumped first (except for a view), so a graph that saved ``t`` raises instead of reading freed memory.
-    """
+    """Free ``t``'s memory, keeping its ``grad_fn`` usable as a root; the version bump makes a saver raise."""
     if t._base is None:
         torch.autograd.graph.increment_version(t)
     t.untyped_storage().resize_(0)
@@ -168,10 +147,8 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _exclusively_owned(grad: torch.Tensor) -> bool:
-    """Whether a Function's incoming gradient is held by that backward call alone (no other node,
-    caller or tensor shares its memory), so it may be accumulated into in place; False under double
-    backward or where torch cannot tell.
-    """
+    """Whether a Function's incoming gradient is held by that backward call alone (False under
+    double backward or where torch cannot tell)."""
     try:
         impl_refs = grad._use_count()
         storage_refs = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
@@ -185,13 +162,9 @@ def _exclusively_owned(grad: torch.Tensor) -> bool:
 class _LayerCheckpoint(torch.autograd.Function):
     """``body.forward(x)`` with recompute in backward.
 
-    Inputs: ``body`` (:class:`_OpaqueBody` / :class:`_ResidualBody`), ``stash``, ``key`` /
-    ``prev_key`` (stash keys of this and the previous layer's input), ``on_device``, ``saved``
-    (``SavedAttention`` or None), ``x`` ``[B, S_local, hidden]``, then, when ``x`` does not require
-    grad, an empty leaf that does (graph connectivity only). Saved: ``x``, in ``ctx`` when
-    ``stash`` is None or ``on_device``, else offloaded under ``key``; with a stash, backward starts
-    the fetch of ``prev_key`` either way.
-    """
+    Inputs: ``body``, ``stash``, ``key`` / ``prev_key``, ``on_device``, ``saved``, ``x``
+    ``[B, S_local, hidden]``, then an empty leaf requiring grad when ``x`` does not. Saves ``x`` in
+    ``ctx`` (no stash or ``on_device``) or offloaded under ``key``; backward starts fetching ``prev_key``."""
 
     @staticmethod
     def forward(ctx, body, stash, key, prev_key, on_device, saved, x, *anchor):
@@ -230,10 +203,7 @@ class _LayerCheckpoint(torch.autograd.Function):
 
 
 class _StashEntry:
-    """Discards a layer input's stash entry when the graph that owns it is freed, unpopped (an
-    exception, a skipped step, evaluation with grad enabled); the token keeps a later ``put`` under the
-    same key safe.
-    """
+    """Discards a layer input's stash entry when its graph is freed unpopped; safe against a later ``put``."""
 
     def __init__(self, stash: HostStash, key: Hashable):
         self.stash, self.key, self.token = stash, key, stash.token(key)
@@ -284,17 +254,11 @@ def checkpointed(run_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     """Run ``run_fn(x)`` (``[B, S_local, hidden]`` -> same) under activation checkpointing.
 
     Args:
-        run_fn: the layer's forward as a function of its input only; ``params``: its parameters.
-        stash: when given, ``x`` is offloaded under ``key`` instead of kept on the device, and
-            backward starts the fetch of ``prev_key`` (the previous layer's input) early.
-        free_output: the recomputed output's values are not saved by its own graph (e.g. it ends
-            with a residual add), so backward frees them first (one ``[B, S_local, hidden]`` less);
-            a graph that did save them raises (version bump) rather than reading freed memory.
-        on_device: keep ``x`` on the device although a ``stash`` is given (it still serves the
-            early fetch of ``prev_key``).
-        saved: a :class:`fpdt.attention.saved_attention.SavedAttention` passed to the layer's one
-            attention call: the recompute then runs no attention kernel. None: it recomputes.
-    """
+        run_fn: the layer's forward of its input only; ``params``: its parameters.
+        stash: offload ``x`` under ``key``; backward fetches ``prev_key`` (the previous layer's) early.
+        free_output: the output's values are not saved by its own graph, so backward frees them first.
+        on_device: keep ``x`` on the device although a ``stash`` is given.
+        saved: a ``SavedAttention`` for the layer's one attention call (recompute runs no kernel)."""
     return _apply(_OpaqueBody(run_fn, free_output), x, params, stash, key, prev_key, on_device, saved)
 
 
@@ -302,12 +266,7 @@ def checkpointed_residual(branches: Sequence[Callable[[torch.Tensor], torch.Tens
                           params: list[torch.Tensor], stash: HostStash | None = None,
                           key: Hashable = None, prev_key: Hashable = None,
                           on_device: bool = False, saved=None) -> torch.Tensor:
-    """Run the residual stack ``x <- x + f(x)`` for ``f`` in ``branches`` (a pre-norm decoder
-    layer: attention, then MLP; ``[B, S_local, hidden]`` -> same) under activation
-    checkpointing, holding one full-length gradient through the layer's backward instead of
-    :func:`checkpointed`'s two.
-
-    Arguments as :func:`checkpointed`. Each branch's output must not be saved by its own graph
-    (its values are freed in backward once used; a graph that saved them fails loudly).
-    """
+    """Run ``x <- x + f(x)`` for ``f`` in ``branches`` under checkpointing, holding one full-length
+    gradient through the layer's backward instead of :func:`checkpointed`'s two. Arguments as there;
+    each branch's output must not be saved by its own graph."""
     return _apply(_ResidualBody(branches), x, params, stash, key, prev_key, on_device, saved)

@@ -1,23 +1,6 @@
-"""Llama-family causal LM on FPDT layers.
-
-Module tree and parameter names are those of Hugging Face ``LlamaForCausalLM`` /
-``Qwen2ForCausalLM`` / ``MistralForCausalLM``, so checkpoints map one to one::
-
-    FPDTForCausalLM
-      model: FPDTModel
-        embed_tokens      nn.Embedding [V, hidden]
-        layers[i]: FPDTDecoderLayer
-          input_layernorm           RMSNorm
-          self_attn                 fpdt.attention.FPDTAttention (q/k/v/o_proj)
-          post_attention_layernorm  RMSNorm
-          mlp                       ChunkedSwiGLU (gate/up/down_proj)
-        norm              RMSNorm
-        rotary_emb        RotaryEmbedding (non-persistent inv_freq buffer)
-      lm_head             nn.Linear [V, hidden] (the embedding itself when tied)
-
-Shapes: ``B`` batch, ``S`` global sequence, ``S_local = S / P`` tokens on each of the
-``P`` sequence-parallel ranks, in the FPDT layout (:mod:`fpdt.layout`).
-"""
+"""Llama-family causal LM on FPDT layers, with Transformers' module tree and parameter names
+(``docs/model.md``). Shapes: ``B`` batch, ``S`` global sequence, ``S_local = S / P`` tokens on each
+of the ``P`` sequence-parallel ranks, in the FPDT layout (:mod:`fpdt.layout`)."""
 
 from __future__ import annotations
 
@@ -46,12 +29,8 @@ from fpdt.options import FPDTOptions
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``, normalised in fp32 and cast back before the
-    weight multiply (the Llama convention). ``[..., hidden]`` -> same.
-
-    Runs :class:`fpdt.model.rmsnorm.RMSNormFunction`: saves the input and an fp32 ``rstd``
-    per token only, with fp32 temporaries for one of ``num_chunks`` token chunks at a time
-    (set by the model: ``2 * u``, :func:`fpdt.model.apply.apply_lean_norms`)."""
+    """``weight * x / sqrt(mean(x^2) + eps)`` in fp32, cast back before the weight multiply.
+    ``[..., hidden]`` -> same; saves the input and an fp32 ``rstd`` per token only."""
 
     def __init__(self, hidden_size: int, eps: float, num_chunks: int = 1):
         super().__init__()
@@ -72,8 +51,7 @@ class RMSNorm(nn.Module):
 
 
 class FPDTDecoderLayer(nn.Module):
-    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``. Built without the
-    parallelism and chunking options, which :func:`fpdt.model.apply.apply_all` sets."""
+    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``; options set by :func:`fpdt.model.apply.apply_all`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -87,9 +65,8 @@ class FPDTDecoderLayer(nn.Module):
                 doc_ids: torch.Tensor | None = None,
                 fpdt_stream: tuple[StreamedRun, int] | None = None) -> torch.Tensor:
         """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``;
-        ``doc_ids`` ``[B, S]``: the global window's packed documents (None: one). With ``fpdt_stream``
-        (``stream_layers``: the run and this layer's index), ``h`` is the empty token of
-        :mod:`fpdt.model.streaming` and the layer's input and output are chunks in its host stashes."""
+        ``doc_ids`` ``[B, S]`` (None: one document). With ``fpdt_stream``, ``h`` is the empty token of
+        :mod:`fpdt.model.streaming` and input and output are chunks in its host stashes."""
         if fpdt_stream is not None:
             return streamed_layer(self, h, fpdt_stream)
         h = h + self.attention_branch(h, position_ids, rope, doc_ids)
@@ -97,14 +74,11 @@ class FPDTDecoderLayer(nn.Module):
 
     def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
                          doc_ids: torch.Tensor | None = None, saved: SavedAttention | None = None) -> torch.Tensor:
-        """The first residual branch, ``attn(norm(h))``: ends with ``o_proj``, which does not save its
-        output. ``doc_ids``: packed documents (None: one); ``saved``: the layer checkpoint's saved
-        attention outputs (``attention_checkpoint="save"``)."""
+        """``attn(norm(h))``, ending with ``o_proj`` (output not saved); ``saved``: the saved attention outputs."""
         return self.self_attn(self.input_layernorm(h), position_ids, rope, doc_ids=doc_ids, saved=saved)
 
     def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
-        """The second residual branch, ``mlp(norm(h))``, one chunked function with the norm
-        inside (:mod:`fpdt.model.mlp`): saves ``h`` and an fp32 scale per token only."""
+        """``mlp(norm(h))``, one chunked function with the norm inside: saves ``h`` and an fp32 scale per token."""
         return self.mlp(h, norm=self.post_attention_layernorm)
 
 
@@ -125,8 +99,7 @@ class FPDTModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(inv_freq, scaling)
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
-        """Recompute ``rotary_emb.inv_freq`` in fp32 on ``device`` (default: where it is;
-        nothing to do while that is the meta device)."""
+        """Recompute ``rotary_emb.inv_freq`` in fp32 on ``device`` (default: where it is; not on meta)."""
         device = torch.device(device) if device is not None else self.rotary_emb.inv_freq.device
         if device.type != "meta":
             self.rotary_emb.inv_freq = rope_inv_freq(*self._rope_args)[0].to(device)
@@ -142,13 +115,8 @@ class FPDTModel(nn.Module):
 class FPDTForCausalLM(nn.Module):
     """A Llama-family causal LM whose attention, MLP and loss run chunked over the sequence.
 
-    Build it with :func:`fpdt.model.from_pretrained` or :func:`fpdt.model.from_config`.
-    ``forward(input_ids, labels=..., position_ids=...)`` returns the loss; see there for
-    the sequence-parallel gradient convention.
-
-    Options: :class:`fpdt.options.FPDTOptions` (fields and defaults documented there); change
-    them later with :meth:`configure`.
-    """
+    Build it with :func:`fpdt.model.from_pretrained` or :func:`fpdt.model.from_config`; options:
+    :class:`fpdt.options.FPDTOptions`, changed later with :meth:`configure`."""
 
     def __init__(self, config: ModelConfig, options: FPDTOptions | None = None):
         super().__init__()
@@ -164,8 +132,7 @@ class FPDTForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ options
     def configure(self, **changes) -> "FPDTForCausalLM":
-        """Change options (any :class:`FPDTOptions` field) and put them into the layers: the
-        apply steps of :mod:`fpdt.model.apply`, in their order, through :class:`FPDTAdapter`."""
+        """Change options (any :class:`FPDTOptions` field) and re-run the apply steps on the layers."""
         opts = self.options.updated(**changes)
         opts.check_layers(self.config.num_layers)
         self.options = opts
@@ -192,8 +159,7 @@ class FPDTForCausalLM(nn.Module):
                        position_ids: torch.Tensor | None = None, shift: bool = True, *,
                        doc_ids: torch.Tensor | None = None,
                        cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """:func:`fpdt.model.prepare_inputs` with this process's SP rank/size and the model's
-        ``num_chunks``: global ``[B, S]`` window -> this rank's ``model(**inputs)`` arguments."""
+        """:func:`fpdt.model.prepare_inputs` for this SP rank and ``num_chunks``: global ``[B, S]`` -> ``model(**inputs)``."""
         rank, sp = self.sp_rank_size()
         return prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=self.options.num_chunks,
                               labels=labels, position_ids=position_ids, shift=shift, mesh=self.options.mesh,
@@ -206,9 +172,7 @@ class FPDTForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Random init as in Transformers: normal(0, initializer_range) for linear and
-        embedding weights, zero biases, unit norms. Also recomputes the RoPE buffer (after
-        ``to_empty`` from the meta device its contents are undefined)."""
+        """Transformers' random init (normal linear/embedding weights, zero biases, unit norms) and the RoPE buffer."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -233,35 +197,17 @@ class FPDTForCausalLM(nn.Module):
 
         Args:
             input_ids: ``[B, S_local]`` long, this rank's tokens in the FPDT layout.
-            labels: ``[B, S_local]`` long, the *already shifted* next-token targets in the
-                same layout (``-100`` = ignore); :func:`fpdt.model.prepare_inputs` builds them.
-            position_ids: ``[B, S_local]`` long global positions in the same layout; may be
-                omitted only without sequence parallelism (then ``arange(S_local)``). Positions
-                that restart at 0 mark packed documents (:mod:`fpdt.layout.documents`): no token
-                attends to another document's. Finding them costs one all-gather of the position
-                ids over the SP group and one host read per forward.
-            doc_ids: ``[B, S]`` document ids of the *whole global* window in global order
-                (non-decreasing along each row; the same on every SP rank), as
-                :func:`fpdt.model.prepare_inputs` returns them for ``doc_ids=``/``cu_seqlens=``;
-                they replace the documents the positions mark (which then only feed RoPE).
-            return_logits: also return fp32 logits ``[B, S_local, V]`` (small inputs only:
-                this materialises what the chunked loss avoids).
-            num_valid_tokens: denominator override (e.g. the valid-token count of a whole
-                gradient-accumulation window); default: valid labels summed over the SP group.
+            labels: ``[B, S_local]`` long, *already shifted* targets in the same layout (``-100``: ignore).
+            position_ids: ``[B, S_local]`` long global positions; may be omitted only without SP.
+                Positions restarting at 0 mark packed documents (one all-gather and one host read).
+            doc_ids: ``[B, S]`` document ids of the whole global window (non-decreasing, the same on
+                every SP rank); they replace the documents the positions mark.
+            return_logits: also return fp32 logits ``[B, S_local, V]`` (small inputs only).
+            num_valid_tokens: denominator override (e.g. a gradient-accumulation window's count).
 
-        Returns:
-            ``loss`` (fp32 scalar, ``None`` without labels), or ``(loss, logits)`` when
-            ``return_logits``.
-
-        Gradient convention: every SP rank returns the same value, the global mean over
-        valid tokens ``sum_r(local CE sum_r) / N_valid``. Its backward on rank ``r``
-        propagates only rank ``r``'s own term ``local CE sum_r / N_valid`` (the all-to-all
-        backward carries its effect to the other ranks' activations), so after
-        ``loss.backward()`` on all SP ranks the parameter gradients, **summed** over the
-        SP group, equal the gradient of the global mean loss. A trainer that averages
-        gradients over ``dp * sp`` ranks must therefore multiply by ``sp`` first (or sum
-        over SP and average over DP).
-        """
+        Returns ``loss`` (fp32 scalar, ``None`` without labels), or ``(loss, logits)``. Every SP rank
+        returns the global mean; parameter gradients *summed* over the SP group are its gradient
+        (``docs/model.md``, gradient convention)."""
         B, S_local = input_ids.shape
         rank, sp = self.sp_rank_size()
         positions_given = position_ids is not None
@@ -313,8 +259,7 @@ class FPDTForCausalLM(nn.Module):
 
     @property
     def saving_layers(self) -> int:
-        """How many decoder layers (the first ones) keep their attention output for the
-        recompute (``attention_checkpoint="save"``); 0 with ``"recompute"``."""
+        """How many first decoder layers keep their attention output for the recompute (0 with ``"recompute"``)."""
         return self._checkpoints.saving
 
     @property
@@ -337,8 +282,7 @@ class FPDTForCausalLM(nn.Module):
 
 
 class FPDTAdapter(DecoderAdapter):
-    """:class:`FPDTForCausalLM` for the apply steps (:mod:`fpdt.model.apply`): its modules take the
-    options as attributes, set again on every :meth:`FPDTForCausalLM.configure`."""
+    """:class:`FPDTForCausalLM` for the apply steps: options set as module attributes on every ``configure``."""
 
     def __init__(self, model: FPDTForCausalLM):
         self.model = model

@@ -44,15 +44,11 @@ def lm_loss_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 class ChunkedLMHeadLossFunction(torch.autograd.Function):
     """``scale * sum CE`` over ``num_chunks`` token chunks (``docs/model.md``, The chunked loss).
 
-    Inputs: ``hidden`` ``[B, S, hidden]`` (after the final norm), ``weight`` ``[V, hidden]``,
-    ``labels`` ``[B, S]`` long (-100 = ignore), ``scale`` fp32 0-dim, ``num_chunks``,
-    ``compute_grad`` (False under ``no_grad``: loss only), ``wgrad`` (:data:`WGRAD_MODES`).
-    Output: fp32 0-dim. Saved: ``dh`` ``[B, S, hidden]`` (hidden dtype, computed in forward); with
-    ``"accumulate"`` also ``dW`` ``[V, hidden]`` fp32; with ``"recompute"`` instead ``hidden``,
-    ``weight``, ``labels``, ``scale`` and the fp32 ``lse`` ``[B * S]``. Nothing offloaded. Backward
-    scales ``dh`` (and ``dW``) *in place*, so a second backward through the same forward
-    (``retain_graph=True``) raises.
-    """
+    Inputs: ``hidden`` ``[B, S, hidden]``, ``weight`` ``[V, hidden]``, ``labels`` ``[B, S]`` (-100:
+    ignore), ``scale`` fp32 0-dim, ``num_chunks``, ``compute_grad`` (False: loss only), ``wgrad``.
+    Output: fp32 0-dim. Saved: ``dh`` ``[B, S, hidden]``; with ``"accumulate"`` ``dW`` ``[V, hidden]``
+    fp32; with ``"recompute"`` ``hidden``, ``weight``, ``labels``, ``scale`` and fp32 ``lse`` ``[B * S]``.
+    Backward scales ``dh`` (and ``dW``) in place: a second backward raises."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, num_chunks: int, compute_grad: bool,
@@ -124,11 +120,8 @@ class ChunkedLMHeadLossFunction(torch.autograd.Function):
 
 
 def _weight_grad_by_vocab_slices(hidden, weight, labels, scale, lse, num_slices: int) -> torch.Tensor:
-    """``dW = ((softmax - onehot) * valid * scale)^T h`` over every local token, one vocabulary
-    slice at a time (``"recompute"``): ``scale`` fp32 0-dim (incoming gradient folded in), ``lse``
-    fp32 ``[T]`` from the forward -> ``[V, hidden]`` in the weight dtype. Live beside the result: one
-    fp32 ``[T, V / num_slices]`` slice (its gradient formed in place) and its cast.
-    """
+    """``dW`` ``[V, hidden]`` (weight dtype) one vocabulary slice at a time from the forward's fp32
+    ``lse`` ``[T]``; live beside it: one fp32 ``[T, V / num_slices]`` slice and its cast."""
     flat_h = hidden.reshape(-1, hidden.shape[-1])                     # [T, hidden]
     flat_y = labels.reshape(-1)
     valid = flat_y != IGNORE_INDEX
@@ -202,10 +195,8 @@ class _SumGradientOverGroup(torch.autograd.Function):
 
 
 def sum_gradient_over_group(loss: torch.Tensor, *, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
-    """``loss`` unchanged in value; in backward each rank receives the *sum* over the group of the
-    gradients every rank's copy received (for a caller that weighs each rank's copy of a
-    :func:`sum_over_group` loss, as Hugging Face Trainer's SP loss aggregation does).
-    """
+    """``loss`` unchanged; backward all-reduces its gradient over the group (for Hugging Face
+    Trainer's SP loss aggregation, which weighs each rank's copy of a :func:`sum_over_group` loss)."""
     if sp == 1:
         return loss
     return _SumGradientOverGroup.apply(loss, group)
@@ -218,17 +209,12 @@ def sequence_parallel_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels
     """Global token-mean cross-entropy of a sequence split over ``sp`` ranks.
 
     Args:
-        hidden: ``[B, S_local, hidden]`` final hidden states; ``weight``: ``[V, hidden]`` (the
-            embedding when tied); ``labels``: ``[B, S_local]`` targets shifted on the global
-            sequence (``-100`` = ignore).
-        group, sp: the SP group and its size; ``num_chunks``, ``wgrad``: as :func:`chunked_lm_loss`.
-        num_valid_tokens: the denominator; default: valid labels summed over the group.
+        hidden: ``[B, S_local, hidden]``; weight: ``[V, hidden]``; labels: ``[B, S_local]``, shifted
+            on the global sequence (-100: ignore). group, sp: the SP group and its size;
+            ``num_chunks``, ``wgrad``: as :func:`chunked_lm_loss`; num_valid_tokens: the denominator.
 
-    Returns:
-        fp32 scalar, the same on every rank: ``sum of CE over the group's valid tokens / N_valid``;
-        its gradient on this rank is this rank's term only, so parameter gradients **summed** over
-        the group are those of the global mean.
-    """
+    Returns the same fp32 scalar on every rank; parameter gradients summed over the group are the
+    global mean's (``docs/model.md``, gradient convention)."""
     scale = valid_token_scale(labels, group=group, sp=sp, num_valid_tokens=num_valid_tokens)
     local = chunked_lm_loss(hidden, weight, labels, scale.to(hidden.device), num_chunks, wgrad=wgrad)
     return sum_over_group(local, group=group, sp=sp)

@@ -1,12 +1,8 @@
 """Chunked SwiGLU MLP, ``down(silu(gate(x)) * up(x))``, over token chunks (:class:`ChunkedSwiGLUFunction`).
 
-Saved for backward: the input ``x`` ``[B, S_local, hidden]`` (and with the fused pre-MLP RMSNorm
-one fp32 ``rstd`` per token) and references to the weights; the gate/up/down intermediates are
-recomputed per chunk in backward. Weight gradients accumulate in fp32; a frozen weight gets
-none. LoRA terms (:mod:`fpdt.ops.lora`) run inside. The weights are read directly: under ZeRO-3
-they are external parameters of this module (:mod:`fpdt.model.external_params`). The flow and
-its memory: ``docs/memory.md`` ("The chunked MLP").
-"""
+Saved: ``x`` ``[B, S_local, hidden]`` (with the fused pre-MLP RMSNorm, an fp32 ``rstd`` per token)
+and weight references; intermediates are recomputed per chunk. Weight gradients accumulate in fp32.
+Flow and memory: ``docs/memory.md`` ("The chunked MLP")."""
 
 from __future__ import annotations
 
@@ -22,9 +18,7 @@ from fpdt.ops.projections import read_projections
 
 
 def default_mlp_chunks(hidden_size: int, intermediate_size: int, num_chunks: int = 1) -> int:
-    """``ceil(2 * u * I / hidden)``: each bf16 ``[n, I]`` intermediate is half a local attention
-    chunk of bf16 hidden states, so the backward's four live intermediates stay within two
-    chunks (:mod:`fpdt.model.chunks`)."""
+    """``ceil(2 * u * I / hidden)``: the backward's four ``[n, I]`` intermediates stay within two chunks."""
     return budget_chunks(num_chunks, hidden_size, 4 * intermediate_size)
 
 
@@ -38,19 +32,13 @@ def swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, 
 class ChunkedSwiGLUFunction(torch.autograd.Function):
     """SwiGLU over ``num_chunks`` token chunks with recompute in backward.
 
-    Inputs: ``x`` ``[B, S, hidden]``; ``w_gate``, ``w_up`` ``[I, hidden]``; ``w_down``
-    ``[hidden, I]``; optional biases ``[I]``, ``[I]``, ``[hidden]``; ``num_chunks`` int;
-    ``lora``: a :class:`fpdt.ops.lora.LoraLayout` of the gate, up and down projections or None;
-    ``norm_eps``: a float to normalise ``x`` first (the RMSNorm runs inside, module
-    docstring) or None; then the tensors: the norm's weight ``[hidden]`` when ``norm_eps`` is
-    given, then the LoRA layout's tensors.
-    Output: ``[B, S, hidden]`` in ``x.dtype`` (``promote(norm weight, x)`` with a norm).
-    Saved: ``x`` and the weights/biases, with a norm its fp32 ``rstd`` ``[T, 1]`` (no
-    intermediates; none offloaded). With the norm inside, in a residual checkpoint's recompute
-    of the layer's last branch (:func:`fpdt.model.checkpointing.output_values_unused`) forward
-    computes nothing and returns a placeholder of the output's shape: backward recomputes
-    every chunk anyway.
-    """
+    Inputs: ``x`` ``[B, S, hidden]``; ``w_gate``, ``w_up`` ``[I, hidden]``; ``w_down`` ``[hidden, I]``;
+    biases ``[I]``, ``[I]``, ``[hidden]`` or None; ``num_chunks``; ``lora`` (a ``LoraLayout`` or None);
+    ``norm_eps`` (normalise ``x`` first) or None; then the norm's weight ``[hidden]`` (with
+    ``norm_eps``) and the LoRA tensors. Output ``[B, S, hidden]`` in ``x.dtype`` (promoted with the
+    norm weight). Saved: ``x``, weights, biases, with a norm fp32 ``rstd`` ``[T, 1]``. In the
+    recompute of a layer's last branch (:func:`fpdt.model.checkpointing.output_values_unused`)
+    forward returns a placeholder."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, num_chunks: int, lora=None, norm_eps=None,
@@ -179,9 +167,7 @@ def _accumulate(dw: torch.Tensor | None, db: torch.Tensor | None, d: torch.Tenso
 
 
 def _down_backward(dy, a, u, w_down, dwd, dbd, td, acc_down, seed, k) -> torch.Tensor:
-    """``down_proj``'s backward for one chunk: its weight, bias and LoRA gradients accumulated
-    (from ``h = a * u``, formed only when needed and freed here), and the gradient of ``h``,
-    ``dy @ w_down`` ``[n, I]`` (plus the LoRA term's)."""
+    """``down_proj``'s backward for one chunk: accumulates its gradients and returns ``dh`` ``[n, I]``."""
     if dwd is not None or td:
         au = a * u                                                          # h
         if dwd is not None:
@@ -207,18 +193,11 @@ class ChunkedSwiGLU(nn.Module):
     """The Llama MLP with HF parameter names (``gate_proj``, ``up_proj``, ``down_proj``).
 
     Args:
-        hidden_size, intermediate_size: widths.
-        bias: projections have biases (Llama ``mlp_bias``).
-        num_chunks: token chunks for :class:`ChunkedSwiGLUFunction`; ``0`` runs the plain
-            autograd MLP (keeps ``[B, S_local, I]`` intermediates; for comparisons).
-            May be reassigned after construction.
+        hidden_size, intermediate_size: widths; bias: projection biases (``mlp_bias``).
+        num_chunks: token chunks (reassignable); ``0`` runs the plain autograd MLP.
 
-    The projections may be plain ``nn.Linear`` with the LoRA adapters :func:`fpdt.model.lora.add_lora`
-    attached, or PEFT LoRA layers (:mod:`fpdt.ops.projections`); their terms run inside the chunked
-    function. :meth:`from_projections` builds one around existing modules (``fpdt.hf`` does).
-
-    ``forward(x [B, S_local, hidden]) -> [B, S_local, hidden]``.
-    """
+    Projections may carry fpdt's or PEFT's LoRA; :meth:`from_projections` wraps existing modules.
+    ``forward(x [B, S_local, hidden]) -> [B, S_local, hidden]``."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, num_chunks: int = 1):
         super().__init__()
@@ -240,8 +219,7 @@ class ChunkedSwiGLU(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
-        """``norm``: an RMSNorm (``weight``, ``eps``) to apply to ``x`` first; chunked, it runs
-        inside the chunked function (module docstring)."""
+        """``norm``: an RMSNorm (``weight``, ``eps``) applied to ``x`` first, inside the chunked function."""
         if self.num_chunks == 0 and not any(hasattr(m, "lora_A") for m in (self.gate_proj, self.up_proj,
                                                                               self.down_proj)):
             return swiglu_of_linears(x, self.gate_proj, self.up_proj, self.down_proj, 0, None, norm)
@@ -256,11 +234,8 @@ class ChunkedSwiGLU(nn.Module):
 def swiglu_of_linears(x: torch.Tensor, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
                       num_chunks: int, adapters: LoraAdapters | None = None,
                       norm: nn.Module | None = None) -> torch.Tensor:
-    """SwiGLU of three ``nn.Linear`` modules' weights and biases, read directly: over
-    ``num_chunks`` token chunks (:class:`ChunkedSwiGLUFunction`), or plain when 0.
-    ``adapters``: LoRA terms of the gate, up and down projections (chunked only). ``norm``: an
-    RMSNorm module (``weight``, ``eps``) applied to ``x`` first: inside the chunked function, or
-    called as a module when plain."""
+    """SwiGLU of three ``nn.Linear`` modules' weights over ``num_chunks`` token chunks, or plain when 0;
+    ``adapters``: LoRA of gate, up, down (chunked only); ``norm``: an RMSNorm applied to ``x`` first."""
     if num_chunks == 0 and norm is not None:
         x = norm(x)
     args = (x, gate_proj.weight, up_proj.weight, down_proj.weight, gate_proj.bias, up_proj.bias, down_proj.bias)

@@ -1,37 +1,13 @@
 """Streamed decoder layers (``stream_layers=True``): the residual stream lives in host memory.
 
-Every op of a decoder layer but attention acts on each token alone, and FPDT's pipeline already
-streams attention from a host stash. So the embedding, every layer and the loss run as passes
-over the ``u`` chunks ``[B, L, hidden]`` (``L = S_local / u``) of the sequence, whose values and
-gradients wait in pinned host memory between passes (one :class:`fpdt.offload.HostStash` per layer
-boundary; ``stash k`` holds layer ``k``'s input, the last one the final hidden states). No
-``[B, S_local, hidden]`` tensor exists on the device; the integer inputs (ids, labels, positions,
-8 bytes a token each) stay there whole.
-
-One layer, forward (no autograd; the input chunks on the host are the layer's checkpoint):
-
-1. ``produce(i)``: ``x_i`` from the host, input norm, q/k/v, RoPE (the attention pipeline then
-   all-to-alls and stashes them, :mod:`fpdt.attention.pipeline`);
-2. ``emit(i, o_i)``: ``h_i = x_i + o_proj(o_i)``, ``y_i = h_i + mlp(norm(h_i))``, ``y_i`` to the host.
-
-Backward, from the output's gradient chunks ``g_i`` on the host:
-
-1. the attention forward again (or its saved outputs, ``attention_checkpoint="save"``), and in
-   each ``emit(i, o_i)`` the recompute and backward of ``o_proj`` and the MLP: ``dh_i`` and
-   ``do_i`` to the host;
-2. the attention backward over its stash, reading ``do_i``; in each ``deliver(j, ...)`` the q/k/v
-   and input-norm backward and ``dx_j = dh_j + dnorm_j`` to the host.
-
-Parameter gradients accumulate in fp32 over the chunks and reach autograd once per layer. The
-head (final norm and chunked loss) computes its gradients in its forward, as the chunked loss
-does, and scales them by the loss's incoming gradient in backward. The memory this holds, in
-chunk units, and its host bytes per token are derived in ``docs/memory.md`` ("Streamed layers").
-
-With the NVMe tier (``nvme_path``; ``docs/nvme.md``), the input chunks of the first ``nvme_layers``
-layers (but the last) and their saved attention outputs leave host memory once read:
-at the end of layer ``k``'s forward its input's writes start and layer ``k - 1``'s are waited for;
-layer ``k``'s backward reads layer ``k - 1``'s back. Gradient chunks stay on the host.
-"""
+The embedding, every layer and the loss run as passes over the ``u`` chunks ``[B, L, hidden]``
+(``L = S_local / u``), whose values and gradients wait in pinned host memory between passes (one
+:class:`fpdt.offload.HostStash` per layer boundary; ``stash k`` holds layer ``k``'s input, the last
+one the final hidden states). No ``[B, S_local, hidden]`` tensor exists on the device. Per layer,
+forward: ``produce(i)`` (norm, q/k/v, RoPE) and ``emit(i, o_i)`` (``o_proj``, MLP, to the host);
+backward: the recompute and ``o_proj``/MLP backward in ``emit``, then the attention backward, whose
+``deliver(j)`` writes ``dx_j``. Parameter gradients accumulate in fp32 and reach autograd once per
+layer. Schedule, memory and the NVMe tier: ``docs/memory.md``, "Streamed layers"."""
 
 from __future__ import annotations
 
@@ -63,11 +39,8 @@ O_GRAD, BRANCH_GRAD = "o grad", "branch grad"           # d(attention output), d
 @dataclass(frozen=True)
 class StreamedModel:
     """What a streamed run reads of a causal LM besides its modules (``model.model.embed_tokens``,
-    ``.layers``, ``.norm``, ``model.lm_head``; each layer's ``input_layernorm``, ``self_attn`` (an
-    :class:`fpdt.attention.FPDTAttention`), ``post_attention_layernorm`` (fpdt's RMSNorm) and ``mlp``
-    (a :class:`fpdt.model.ChunkedSwiGLU`)): the options, the loss's token chunks, how many of the
-    first layers save their attention output, and ``rope(position_ids, dtype) -> (cos, sin)`` of a
-    chunk's positions."""
+    ``.layers``, ``.norm``, ``model.lm_head``): the options, the loss's token chunks, the saving
+    layers, and ``rope(position_ids, dtype) -> (cos, sin)`` of a chunk's positions."""
 
     options: FPDTOptions
     loss_chunks: int
@@ -188,8 +161,7 @@ class StreamedRun:
         self._to_disk(k)
 
     def _to_disk(self, k: int) -> None:
-        """After layer ``k``'s forward: its input and saved outputs start their writes, layer ``k - 1``'s
-        finish (host memory: three layers' residual chunks at most, whatever the depth)."""
+        """After layer ``k``'s forward: its input and saved outputs start their writes, layer ``k - 1``'s finish."""
         for j, wait in ((k, False), (k - 1, True)):
             if 0 <= j < self.on_nvme:
                 for stash in (self.stashes[j], self.saved[j].stash if self.saved[j] is not None else None):
@@ -197,8 +169,7 @@ class StreamedRun:
                         stash.flush() if wait else stash.start_flush()
 
     def _read_back(self, k: int) -> None:
-        """Before layer ``k``'s backward: its input and saved outputs, and layer ``k - 1``'s, on their
-        way back from disk (layer ``k``'s reads started one layer earlier)."""
+        """Before layer ``k``'s backward: its and layer ``k - 1``'s inputs and saved outputs read back."""
         for j in (k, k - 1):
             if 0 <= j < self.on_nvme:
                 self.stashes[j].read_all()
@@ -370,11 +341,8 @@ def streamed_layer(layer, token: torch.Tensor, stream: tuple[StreamedRun, int]) 
 def streamed_loss(model, spec: StreamedModel, input_ids: torch.Tensor, labels: torch.Tensor | None,
                   position_ids: torch.Tensor, doc_ids: torch.Tensor | None, num_valid_tokens, sp: int,
                   group: dist.ProcessGroup | None) -> torch.Tensor | None:
-    """The forward of a causal LM (:class:`StreamedModel`) with ``stream_layers``: the embedding,
-    every layer and the loss streamed through host memory (module docstring). Each decoder layer is
-    called as ``layer(token, fpdt_stream=(run, k))``, whose forward returns :func:`streamed_layer`.
-    Returns the global token-mean loss (the convention of
-    :func:`fpdt.model.loss.sequence_parallel_lm_loss`), None without labels."""
+    """The forward of a causal LM with ``stream_layers``; each layer is called as
+    ``layer(token, fpdt_stream=(run, k))``. Returns the global token-mean loss, None without labels."""
     run = StreamedRun(model, spec, input_ids, position_ids, doc_ids)
     anchor = torch.empty(0, device=input_ids.device, requires_grad=run.for_backward)
     token = StreamedEmbeddingFunction.apply(anchor, model.model.embed_tokens.weight, run)

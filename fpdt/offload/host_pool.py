@@ -1,23 +1,10 @@
-"""A reusable pool of host buffers (pinned when they back a CUDA device).
+"""A reusable pool of host buffers (pinned when they back a CUDA device), keyed by ``(dtype, numel)``.
 
-Pinning is slow (it maps pages with the driver), so offloaded chunks draw their host
-buffers from a process-wide pool instead of calling ``torch.empty(pin_memory=True)``
-on every call. Buffers are keyed by ``(dtype, numel)``; training repeats the same
-shapes every step, so after the first step nothing new is allocated.
-
-A buffer released while an asynchronous copy may still read it carries that copy's
-event; whoever acquires it next makes its copy stream wait on the event (no host
-blocking) before writing. Allocation and waits go through the pool's device runtime
-(:mod:`fpdt.offload.runtime`); :meth:`HostBufferPool.acquire` is the one place that
-allocates host-side stash memory.
-
-Memory accounting relies on that: while a pool creates a buffer,
-:func:`allocating_host_buffer` is True on that thread (so
-:class:`fpdt.memory.accountant.MemoryAccountant` counts the new storage as host stash,
-not device working set), and :func:`host_bytes_in_use` sums the buffers currently
-acquired from every pool; a :class:`HostPeak` records the highest that sum reaches while it
-is open (the trainer's per-step ``host_stash_gib``).
-"""
+Pinning is slow, so offloaded chunks draw their buffers from a process-wide pool; training repeats
+its shapes, so after the first step nothing new is allocated. A released buffer carries the event
+of the copy that may still read it; the next user's copy stream waits on it. :meth:`HostBufferPool.acquire`
+is the one place that allocates host stash memory, which the accountant relies on
+(``docs/memory.md``, "What the accountant counts")."""
 
 from __future__ import annotations
 
@@ -71,13 +58,8 @@ def unwatch_host_peak(watcher) -> None:
 
 
 class HostPeak:
-    """The most host-stash bytes in use (:func:`host_bytes_in_use`) while it is open.
-
-    ``with HostPeak() as hp: ...`` then ``hp.above_start``: the highest in-use sum seen at
-    any :meth:`HostBufferPool.acquire` inside the block, less what was in use when it
-    opened (never negative). Exact (updated at every acquire, the only place the sum grows)
-    and cheap: no dispatch mode, so it also serves CUDA runs. Several may be open at once.
-    """
+    """The most host-stash bytes in use while it is open: ``with HostPeak() as hp: ...`` then
+    ``hp.above_start`` (the peak less what was in use at the start). Exact and cheap; may nest."""
 
     def __init__(self) -> None:
         self.start = self.peak = host_bytes_in_use()
@@ -110,10 +92,7 @@ class HostBufferPool:
 
     Args:
         pin_memory: allocate page-locked buffers (only meaningful with CUDA present).
-        runtime: the device runtime whose events guard the buffers (a :class:`Runtime`, or a
-            name, :func:`fpdt.offload.select.resolve_runtime`); None: the automatic one for
-            CUDA (pinned) or CPU (pageable) devices.
-    """
+        runtime: a :class:`Runtime`, a name, or None (the automatic one: CUDA pinned, CPU pageable)."""
 
     def __init__(self, pin_memory: bool, runtime: Runtime | str | None = None):
         self.pin_memory = pin_memory
@@ -124,12 +103,8 @@ class HostBufferPool:
 
     def acquire(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
                 stream=None) -> torch.Tensor:
-        """A host tensor of ``shape``/``dtype`` with undefined contents.
-
-        If the buffer's previous user left an in-flight copy, ``stream`` is made to wait
-        for it (pass the stream that will write the buffer); without a stream the host
-        waits, which only happens for buffers released with a still-pending event.
-        """
+        """A host tensor of ``shape``/``dtype`` with undefined contents; ``stream`` (the writer) waits
+        for the previous user's in-flight copy, else the host waits."""
         numel = 1
         for s in shape:
             numel *= int(s)
@@ -177,9 +152,7 @@ _POOLS: "weakref.WeakKeyDictionary[Runtime, dict[bool, HostBufferPool]]" = weakr
 
 
 def host_pool(device: torch.device | str, runtime: Runtime | str | None = None) -> HostBufferPool:
-    """The pool serving ``device`` on ``runtime`` (a :class:`Runtime`, a name, or None: the
-    automatic one; :func:`fpdt.offload.select.resolve_runtime`), one per runtime: pinned for
-    CUDA devices, pageable otherwise."""
+    """The pool serving ``device`` on ``runtime`` (a :class:`Runtime`, a name, or None), one per runtime."""
     pinned = torch.device(device).type == "cuda"
     runtime = resolve_runtime(runtime, device)
     pools = _POOLS.setdefault(runtime, {})

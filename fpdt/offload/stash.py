@@ -1,35 +1,10 @@
 """HostStash: keyed storage of chunks that live on the host between uses.
 
-The FPDT pipelines produce chunks (k̂_j, v̂_j, q̂_i, o_i, lse_i, dô_i, dq_i accumulators,
-hidden-state chunks T_i, layer inputs) that are needed again much later. With
-``enabled=True`` each ``put`` starts an asynchronous device->host copy into a pooled host
-buffer, and each ``prefetch``/``get`` brings it back, so at most the chunks the caller is
-holding live on the device. With ``enabled=False`` the stash just keeps references to the
-device tensors (the "chunking without offload" mode), so callers have one code path.
-
-Keys are ``(kind, index, ...)`` tuples; the kind picks the copy stream
-(:mod:`fpdt.offload.streams`: ``T`` and ``layer input`` on ``inputs``, the rest on
-``chunks``) and, with the stash's ``label``, names the data in errors and counters
-(``("k", 3)`` in a stash labelled ``layer 2`` is ``k chunk 3, layer 2``).
-
-Ordering, through the device runtime (:mod:`fpdt.offload.runtime`; nothing blocks the host):
-
-* ``put``: the copy stream waits for an event recorded on the compute stream, copies
-  into the host buffer and records ``done``; ``record_stream`` keeps the caching
-  allocator from reusing the source before the copy has read it. The compute stream then
-  waits for the copy issued ``D2H_RUN_AHEAD`` copies earlier (bounded run-ahead).
-* ``prefetch``: the fetch buffer is allocated on the compute stream, which consumes it
-  (no ``record_stream`` hand-over); the copy stream waits for compute (the memory's
-  previous use) and for ``done`` (the host copy has landed), copies, records ``ready``.
-* ``get``: the compute stream waits for ``ready``.
-* host buffers go back to the pool with the event of the last copy that reads them.
-
-Abandoned entries (a forward whose backward never runs: an exception in between, a
-skipped step, a forward with grad enabled for evaluation) must not pin host memory: a
-stash that is garbage-collected returns what it still holds to the pool, and a long-lived
-stash's owner discards an entry when the autograd graph that would have popped it is
-freed (:meth:`HostStash.token` and ``discard(key, token)``).
-"""
+With ``enabled=True`` each ``put`` starts an asynchronous device->host copy into a pooled host
+buffer and each ``prefetch``/``get`` brings it back; with ``enabled=False`` it keeps device
+references. Keys are ``(kind, index, ...)``; the kind picks the copy stream
+(:mod:`fpdt.offload.streams`) and, with ``label``, names the data in errors. Stream ordering and
+the handling of abandoned entries: ``docs/attention.md`` (Device runtime)."""
 
 from __future__ import annotations
 
@@ -47,14 +22,9 @@ class HostStash:
     """Offload device tensors to host and fetch them back.
 
     Args:
-        device: the compute device of the tensors that will be stored.
-        enabled: False keeps device references instead of copying (no offload).
-        pool: host buffer pool; defaults to the pool of ``device`` on ``runtime``.
-        label: appended to role names in errors (e.g. ``"layer 2"``).
-        runtime: the device runtime (:attr:`fpdt.options.FPDTOptions.runtime`: a
-            :class:`Runtime`, a name, or None: the ``pool``'s when one is given, else the
-            automatic one of ``device``). The pool's events must be this runtime's.
-    """
+        device: the compute device; enabled: False keeps device references (no offload).
+        pool: host buffer pool (default: ``device``'s on ``runtime``); label: for errors.
+        runtime: a :class:`Runtime`, a name, or None (the ``pool``'s, else ``device``'s automatic one)."""
 
     def __init__(self, device: torch.device | str, enabled: bool = True,
                  pool: HostBufferPool | None = None, label: str | None = None,
@@ -88,10 +58,7 @@ class HostStash:
         return Role(kind, what if self.label is None else f"{what}, {self.label}")
 
     def put(self, key: Hashable, tensor: torch.Tensor) -> None:
-        """Store ``tensor`` under ``key`` (replacing any previous value).
-
-        The copy reads ``tensor`` when it runs: do not modify it in place afterwards (free
-        it or let it go out of scope instead; the runtime keeps its memory until then)."""
+        """Store ``tensor`` under ``key`` (replacing any value); do not modify ``tensor`` in place afterwards."""
         self.discard(key)
         if not self.enabled:
             self._device_refs[key] = tensor
@@ -141,9 +108,8 @@ class HostStash:
         return value
 
     def hand_over(self, key: Hashable, dest: "HostStash", dest_key: Hashable) -> None:
-        """Move ``key`` into ``dest`` as ``dest_key``. When both offload into the same pool the
-        host buffer itself moves, with the event of its device->host copy (no copy); otherwise
-        the value is popped here and put there (a copy where ``dest`` offloads)."""
+        """Move ``key`` into ``dest`` as ``dest_key``: the host buffer itself when both offload into the
+        same pool, else pop here and put there."""
         if not (self.enabled and dest.enabled and dest.pool is self.pool) or key in self._inflight:
             dest.put(dest_key, self.pop(key))     # (a fetch in flight reads the buffer: it stays here)
             return
@@ -157,8 +123,7 @@ class HostStash:
         return entry[0] if entry is not None else self._device_refs.get(key)
 
     def discard(self, key: Hashable, token: object | None = None) -> None:
-        """Forget ``key`` without fetching it; with ``token``, only if ``key`` still holds
-        that value (not one a later ``put`` stored under the same key)."""
+        """Forget ``key`` without fetching it; with ``token``, only if it still holds that value."""
         if token is not None and self.token(key) is not token:
             return
         self._device_refs.pop(key, None)

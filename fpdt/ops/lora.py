@@ -1,31 +1,12 @@
 """LoRA adapters on a linear projection, computed a chunk of tokens at a time inside fpdt's
-chunked functions (the q/k/v projections of :mod:`fpdt.attention.projected_attention`, the
-SwiGLU MLP of :mod:`fpdt.model.mlp`), which read their weights directly.
+chunked functions (q/k/v of :mod:`fpdt.attention.projected_attention`, the MLP of
+:mod:`fpdt.model.mlp`), which read their weights directly.
 
-One adapter (PEFT's plain LoRA on an ``nn.Linear``) adds to the base projection
-
-    delta(x) = (dropout(x) A^T B^T + b) * scaling        A [r, in], B [out, r], b [out] or None
-
-in the adapters' dtype (``x`` is cast to it first); the sum ``base + delta_1 + ...`` is cast
-back to the base output's dtype, as PEFT does when the adapters are fp32 on a bf16 model.
-With ``z = dropout(x) A^T`` and ``g = dy * scaling``, the backward is
-
-    dB += g^T z        db += sum(g)        dz = g B        dA += dz^T dropout(x)
-    dx += (dz A) * mask / (1 - p)
-
-Dropout: nothing is saved for backward. The masks of one function call come from one seed,
-drawn from torch's default CPU generator when the call's forward runs (and folded with the
-process's rank, so that ranks seeded alike draw different masks), and are regenerated
-per ``(seed, stream, chunk)`` in backward; a checkpoint that replays the default generator
-(torch's, and fpdt's own :mod:`fpdt.model.checkpointing`) replays the masks with it. The
-masks are not PEFT's (those are drawn for the whole sequence at once), but are drawn the same
-way: keep with probability ``1 - p``, then scale by ``1 / (1 - p)``.
-
-What the chunked functions take: a :class:`LoraLayout` (which terms each projection has, and
-their probabilities and scalings), with the terms' tensors as trailing inputs of the
-function, three per term ``(A, B, b)`` in layout order, so that autograd returns their
-gradients (accumulated over chunks in fp32 for low-precision adapters).
-"""
+One term adds ``delta(x) = (dropout(x) A^T B^T + b) * scaling`` (``A [r, in]``, ``B [out, r]``,
+``b [out]`` or None) in the adapters' dtype; the sum is cast back to the base output's dtype.
+Dropout saves nothing: masks are regenerated per ``(seed, stream, chunk)`` in backward. A chunked
+function takes a :class:`LoraLayout` and the terms' tensors as trailing inputs, ``(A, B, b)`` per
+term in layout order. Backward formulas and the dropout seeding: ``docs/model.md`` (LoRA)."""
 
 from __future__ import annotations
 
@@ -41,9 +22,8 @@ TENSORS_PER_TERM = 3     # A, B, B's bias (or None)
 
 @dataclass(frozen=True)
 class LoraTerm:
-    """One adapter on one projection: ``scaling`` and the dropout probability in effect
-    (0 when its dropout module is in eval mode); ``stream`` tells its dropout masks apart from
-    those of the other terms of the same function call."""
+    """One adapter on one projection: ``scaling``, the dropout probability in effect (0 in eval mode),
+    and ``stream``, which tells its masks apart from the other terms' of the same call."""
     scaling: float
     dropout: float
     stream: int
@@ -72,8 +52,7 @@ class LoraLayout:
         return [[(term, next(it), next(it), next(it)) for term in terms] for terms in self.terms]
 
     def draw_seed(self) -> int | None:
-        """The dropout seed of one call (from the default CPU generator, folded with this
-        process's rank: :func:`rank_seed`), or None without dropout."""
+        """The dropout seed of one call (default CPU generator, :func:`rank_seed`), or None without dropout."""
         if not any(t.dropout for terms in self.terms for t in terms):
             return None
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -81,8 +60,7 @@ class LoraLayout:
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """``seed`` made this rank's: ranks seeded alike (as training runs are) hold different tokens
-    in the same local chunk, whose masks should not repeat from rank to rank."""
+    """``seed`` made this rank's, so that ranks seeded alike draw different masks."""
     return (seed + rank * 0x9E3779B97F4A7C15) % (2 ** 62)
 
 
@@ -100,8 +78,7 @@ class LoraAdapters:
 
 
 def drop_mask(shape: torch.Size, device: torch.device, p: float, seed: int, stream: int, chunk: int) -> torch.Tensor:
-    """Dropout's mask for one chunk (bool, True = dropped, with probability ``p``); the same on
-    every call with the same ``(seed, stream, chunk)``."""
+    """Dropout's bool mask for one chunk (True = dropped, probability ``p``), fixed by ``(seed, stream, chunk)``."""
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + stream * 10_007 + chunk) % (2 ** 63))
     return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(p, generator=gen)
@@ -109,8 +86,7 @@ def drop_mask(shape: torch.Size, device: torch.device, p: float, seed: int, stre
 
 def keep_scale(shape: torch.Size, dtype: torch.dtype, device: torch.device, p: float, seed: int, stream: int,
                chunk: int) -> torch.Tensor:
-    """Dropout's multiplier for one chunk, 0 where :func:`drop_mask` drops, else ``1 / (1 - p)``
-    (the plain form of what :func:`with_lora` applies; for references)."""
+    """0 where :func:`drop_mask` drops, else ``1 / (1 - p)`` (for references)."""
     return drop_mask(shape, device, p, seed, stream, chunk).logical_not_().to(dtype).div_(1.0 - p)
 
 
@@ -136,8 +112,7 @@ def with_lora(base: torch.Tensor, x: torch.Tensor, terms: list[tuple], seed: int
 
 
 def accumulators(layout: LoraLayout, tensors: Sequence, needs: Sequence[bool]) -> list[torch.Tensor | None]:
-    """Zeroed gradient accumulators for the trailing tensors (fp32 for 16-bit tensors; None
-    where the tensor is None or needs no gradient); ``needs``: ``needs_input_grad`` of them."""
+    """Zeroed gradient accumulators for the trailing tensors (fp32 for 16-bit; None where not needed)."""
     def acc(t, need):
         if t is None or not need:
             return None
@@ -154,10 +129,9 @@ def finish(accs: Sequence, tensors: Sequence) -> tuple:
 
 def lora_backward(x: torch.Tensor, dy: torch.Tensor, terms: list[tuple], accs: list[tuple], seed: int | None,
                   chunk: int, need_dx: bool) -> torch.Tensor | None:
-    """Back through one projection's terms for one chunk: ``x`` ``[..., in]`` its input,
-    ``dy`` ``[..., out]`` the gradient of its output; adds to ``accs`` (``[(term, dA, dB, db),
-    ...]`` matching ``terms``, entries None where not needed) and returns the terms' share of
-    ``dx`` in the adapters' dtype, or None (no terms, or ``need_dx`` False). ``dy`` is only read."""
+    """One projection's terms, one chunk: ``x`` ``[..., in]``, ``dy`` ``[..., out]`` (only read); adds to
+    ``accs`` (``[(term, dA, dB, db), ...]``, None where not needed) and returns the terms' share of
+    ``dx`` in the adapters' dtype, or None."""
     dx = None
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
@@ -192,15 +166,10 @@ def flat_terms(per_projection: list[list[tuple]]) -> Iterator[torch.Tensor | Non
 
 
 class LoraLinearFunction(torch.autograd.Function):
-    """A LoRA layer (base ``F.linear(x, weight, bias)`` plus one projection's terms) whose
-    terms run over ``num_chunks`` token chunks.
-
-    Inputs: ``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` or None, ``num_chunks``, a
-    one-projection :class:`LoraLayout` and its tensors. Output ``[..., out]`` in the base
-    output's dtype. Saved: ``x`` and references to the weights, nothing else (PEFT's own
-    forward saves ``x`` cast to the adapters' dtype, and with dropout the dropped copy and the
-    mask, each full length); the terms' fp32 temporaries are one chunk's.
-    """
+    """A LoRA layer (``F.linear(x, weight, bias)`` plus one projection's terms) over ``num_chunks``
+    token chunks. Inputs: ``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` or None,
+    ``num_chunks``, a one-projection :class:`LoraLayout` and its tensors. Output ``[..., out]`` in the
+    base output's dtype. Saved: ``x`` and references to the weights; fp32 temporaries are one chunk's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, num_chunks: int, layout: LoraLayout, *tensors):

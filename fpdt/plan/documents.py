@@ -1,26 +1,7 @@
-"""Packed documents in the planner (``fpdt-plan --doc-len N``): the attention work a document
-mask leaves and the blocks it skips.
-
-With packed documents each query attends to the keys of its own document up to its own
-position, so one layer's causal attention over ``S`` tokens needs ``sum_d n_d^2 / 2`` query-key
-pairs instead of ``S^2 / 2``: ``S N / 2`` for documents of one length ``N``. The planner assumes
-documents of one length (``N`` = the mean; for a spread of lengths the work is set by the
-token-weighted mean ``sum n_d^2 / sum n_d``, which is what to pass) laid end to end from the
-window's start, the last one cut by the window.
-
-* **Kernel work** (the time model): a variable-length kernel runs whole tiles of
-  :data:`DOC_TILE` queries against the keys of their document up to the tile's end
-  (:func:`tiled_pairs`); the ratio to the same count for one document of ``S`` tokens scales
-  the attention time, so ``N = S`` changes nothing. Short documents run the kernel at the same
-  rate as long ones here: the per-document launch overhead of a varlen kernel is not modelled.
-* **Needed work** (MFU): the exact causal pairs, in the trainer's convention ``n^2 / 2`` per
-  document (:func:`effective_length`: the ``S`` to put in the FLOPs formula).
-* **Blocks** (copies and merges): a (query chunk, key chunk) block that shares no document is
-  skipped, with no K/V fetch and no merge (:func:`touched_blocks`, exact for the Ulysses
-  pipeline's global chunks). For the ring (``cp > 1``) the same fraction of the ring's touches
-  is assumed, counted over ``u * cp`` chunks of the sequence (the zigzag halves are not
-  modelled one by one). K/V blocks still travel the whole ring.
-"""
+"""Packed documents in the planner (``fpdt-plan --doc-len N``): the kernel's attention work under a
+document mask (time), the pairs the mask needs (MFU) and the (query chunk, key chunk) blocks it
+skips (copies and merges), for documents of one length end to end. The assumptions:
+``docs/plan.md``, "Packed documents"."""
 
 from __future__ import annotations
 
@@ -103,8 +84,7 @@ def equal_touched_blocks(seq_len: int, doc_len: int, num_chunks: int) -> int:
 
 
 def touch_fraction(seq_len: int, doc_len: int | None, num_chunks: int, cp: int = 1) -> float:
-    """Touched over causal blocks (1.0 with None): exact for ``cp = 1`` (the Ulysses
-    pipeline's global chunks), over ``num_chunks * cp`` chunks for the ring (module docstring)."""
+    """Touched over causal blocks (1.0 with None), over ``num_chunks * cp`` chunks for the ring."""
     if doc_len is None:
         return 1.0
     n = num_chunks * cp

@@ -1,81 +1,8 @@
 """Device and host bytes of one training step, per category (per rank / per node).
 
-Notation: ``l`` layers, ``h`` hidden, ``V`` vocabulary, ``I`` MLP width, ``qd = H * D``,
-``kvd = H_kv' * D`` with ``H_kv' = max(H_kv, hp)`` (KV heads are replicated when ``hp``
-exceeds them), ``e`` bytes per element, ``N`` GPUs, ``Psi`` parameters; ``T``, ``Nd``,
-``U`` as in :mod:`fpdt.plan.setup`. ZeRO shards over all ``N`` ranks (DeepSpeed counts
-the SP ranks as data-parallel ranks).
-
-Model states (per rank):
-
-* parameters ``e * Psi`` (``/ N`` under ZeRO-3; on the host with parameter offload);
-* gradients ``e * Psi`` (``/ N`` under ZeRO-2/3; on the host with optimizer offload);
-* optimizer state: AdamW moments (+ fp32 master weights when training in bf16),
-  ``12 * Psi`` or ``8 * Psi`` (``/ N`` under ZeRO >= 1; on the host with optimizer offload).
-* with LoRA (``lora_rank``): the frozen base's ``e * Psi`` parameters only; the adapters'
-  ``Psi_l`` (:func:`fpdt.plan.models.lora_param_count`) in fp32 as PEFT makes them: ``4 Psi_l``
-  parameters, ``4 Psi_l`` gradients, ``8 Psi_l`` AdamW moments (no master copy), sharded the
-  same way. Activations are full fine-tuning's (``tests/memory/test_hf_budget.py`` counts it),
-  less the LM head's gradient (frozen: no accumulator, no recomputed logits).
-
-Activations (per rank), the phase with the larger sum sets the peak:
-
-* **layer-input checkpoints**: ``"on"`` keeps ``l * Nd`` on the device; ``"offload"`` keeps
-  them on the host and two on the device (the layer being recomputed and the next one,
-  prefetched); ``"off"`` keeps every layer's saved activations on the device
-  (:func:`saved_per_layer_nd` each: with the attention stash and the output projection's input
-  when not offloaded).
-* **in-flight layer**: full-length tensors alive in one layer's backward, in the sub-phase
-  that peaks: the RMSNorm backward (:data:`NORM_PHASE_ND` ``* Nd``; the lean RMSNorm's
-  fp32 temporaries are chunk-sized; without offload the recomputed attention stash is
-  alive then too), the attention core's backward
-  (:data:`ATTENTION_PHASE_ND` ``* Nd`` beside its working set) or the MLP's
-  (:data:`MLP_PHASE_ND` ``* Nd`` beside its chunk).
-* **attention working set**: the attention core's peak beyond its full-length output:
-  with ``cp = 1`` the Ulysses pipeline's
-  (:func:`fpdt.attention.ring_costs.ulysses_working_set_U`, the budgets of
-  ``tests/memory``) plus the projection-input chunk the layer fetches for its weight
-  gradients (without offload: plus the resident stash); with ``cp > 1``
-  :func:`fpdt.attention.ring_costs.attention_costs` (chunk buffers, prefetches, fp32 merge
-  and gradient accumulators, ring blocks; without offload also the stash of q̂, k̂, v̂, o and
-  the fp32 accumulators, which then stays on the device).
-* **MLP chunk**: four ``[T / mlp_chunks, I]`` intermediates (the chunked MLP's backward).
-* **loss chunk**: the larger of the loss's forward and backward. Forward: fp32 logits and
-  their gradient for ``t = T / loss_chunks`` tokens (:data:`LOSS_LOGIT_COPIES` ``[t, V]``
-  fp32 tensors) and the kept ``dh`` (``Nd``) beside the final hidden state; with
-  ``lm_head_wgrad="accumulate"`` also the fp32 LM-head gradient accumulator ``V * h * 4``,
-  whose backward adds its cast ``V * h * e`` (none in fp32); with ``"recompute"`` instead the backward's
-  gradient ``V * h * e``, one fp32 ``[T, V / loss_chunks]`` logits slice and its cast.
-* **communication buffers**: ZeRO-3 gathers the current and the prefetched layer (or a
-  layer and the embedding/LM head) in ``e``; one layer's unsharded gradients wait for the
-  reduce-scatter; under ZeRO-2/3 DeepSpeed also keeps its contiguous-gradient bucket,
-  ``reduce_bucket_size`` elements in ``e`` for the whole run (DeepSpeed's default
-  :data:`fpdt.plan.setup.ZERO_REDUCE_BUCKET`, or the JSON's: ``fpdt-plan --deepspeed``; ring and
-  all-to-all buffers are part of the attention working set).
-* **optimizer step** (a phase of its own, activations freed): DeepSpeed's ZeRO-3 step
-  casts one sub-group of the gradient partition to fp32 at a time
-  (``sub_group_size`` elements at most, default :data:`fpdt.plan.setup.ZERO_SUB_GROUP`; the flat ``e`` copy
-  and its fp32 cast are
-  momentarily both live), beside the bucket. It sets the peak only when activations are
-  small (short sequences on many GPUs).
-* **runtime reserve**: CUDA context, NCCL and cuBLAS workspaces
-  (:data:`RUNTIME_RESERVE_BYTES`); the caching allocator's slack is a factor
-  (:data:`FRAGMENTATION`) on everything allocated dynamically.
-
-* **saved attention outputs** (``attention_checkpoint="save"``,
-  :func:`saved_attention_bytes` per saving layer): held from the layer's forward to its
-  backward, so live at every peak; on the device for the saving layers whose input
-  checkpoint is there (:meth:`fpdt.plan.setup.Setup.saving_layers`), on the host for the others.
-
-With the NVMe tier (``nvme_path``), the first ``nvme_layers`` layers' inputs and saved outputs
-leave the host for disk but for a few staging buffers (:func:`nvme_tier_bytes`).
-
-Host (per node = ``gpus_per_node`` ranks): offloaded checkpoints ``l * Nd``, the saved
-attention outputs of the offloaded saving layers (the layer in flight's are also counted
-in its stash: an over-count of one layer's output and lse), the
-attention stash of the layer in flight (of every layer when checkpointing is off),
-offloaded model states, and :data:`HOST_RESERVE_PER_RANK` of process memory per rank.
-"""
+Notation: ``l`` layers, ``h`` hidden, ``V`` vocabulary, ``I`` MLP width, ``kvd = max(H_kv, hp) D``,
+``e`` bytes per element, ``N`` GPUs, ``Psi`` parameters; ``T``, ``Nd``, ``U`` as in
+:mod:`fpdt.plan.setup`. What each category counts: ``docs/plan.md``, "How the planner counts memory"."""
 
 from __future__ import annotations
 
@@ -96,37 +23,21 @@ from fpdt.train.config import PRECISIONS
 # Calibrated on the CPU with fpdt.memory.accountant against this implementation (tests/plan/
 # test_activation_model.py pins them: a change to the layer's memory must update them).
 NORM_PHASE_ND = 4.0
-"""Full-length [T, h] tensors (besides the layer inputs) alive at the RMSNorm backward (the
-layer's output gradient, the residual branch's gradient, the norm's input and output), and as
-many in the recompute of the attention branch (the layer's gradient, the normed input, the
-attention output and o_proj's output), which peaks at large chunk counts."""
+"""Full-length [T, h] tensors beside the layer inputs at the RMSNorm backward (and the attention recompute)."""
 ATTENTION_PHASE_ND = 3.0
-"""Full-length tensors beside the attention core's working set in its backward (the layer's
-gradient, the attention output's and the projection input's gradients; the checkpoint adds
-the residual branches' gradients into the incoming one in place)."""
+"""Full-length tensors beside the attention core's working set in its backward."""
 ATTENTION_PHASE_OFF_ND = 2.0
-""":data:`ATTENTION_PHASE_ND` without layer checkpointing (``checkpointing="off"``): the
-output projection's input gradient and the projection input's gradient; the layer's incoming
-gradient is no separate full-length tensor there (measured: ``tests/plan/test_activation_model.py``)."""
+""":data:`ATTENTION_PHASE_ND` under ``checkpointing="off"`` (``tests/plan/test_activation_model.py``)."""
 MLP_PHASE_ND = 2.0
-"""Full-length tensors beside the chunked MLP's working set in its backward (the attention
-output saved for ``o_proj``, the residual the MLP saves, the layer's gradient it adds into:
-the post-attention norm runs inside the MLP, whose input gradient is never full-length)."""
+"""Full-length tensors beside the chunked MLP's working set in its backward."""
 SAVED_PER_LAYER_ND = 2.0
-"""Full-length tensors one layer saves for backward without checkpointing, beside its fp32
-norm statistics, the attention stash and the output projection's input
-(:func:`saved_per_layer_nd`): the two lean norms' inputs (the layer input, and the residual the
-chunked MLP runs on); the projection input is in the stash."""
+"""Full-length tensors a layer saves without checkpointing, beyond norm statistics, stash and ``o_proj`` input."""
 ATTENTION_WS_U = 16.0
-"""Chunk-sized buffers of the attention pipeline at its backward peak (device-memory
-issue's budget)."""
+"""Chunk-sized buffers of the attention pipeline at its backward peak."""
 STREAM_LAYER_U = 2.0
-"""With ``stream_layers``: chunk-sized tensors of the layer in flight beside the attention core's
-working set (the layer-input chunk and its gradient chunk being formed); measured 17.6 ``U`` for a
-whole step against the pipeline's 16.5 (``docs/memory.md``, "Streamed layers")."""
+"""With ``stream_layers``: chunk-sized tensors of the layer in flight beside the attention working set."""
 STREAM_GRADIENTS_HOST_ND = 3.0
-"""With ``stream_layers``: full-length gradients on the host during a layer's backward (its
-output's, its input's being formed, the residual branch's), beside the attention output's."""
+"""With ``stream_layers``: full-length gradients on the host during a layer's backward."""
 LOSS_LOGIT_COPIES = 3.0
 RUNTIME_RESERVE_BYTES = 2.5 * GIB
 FRAGMENTATION = 1.10
@@ -137,14 +48,12 @@ HOST_RESERVE_PER_RANK = 4 * GIB
 @dataclass(frozen=True)
 class MemoryEstimate:
     breakdown: dict
-    """Category -> bytes live at the device peak (per rank; they sum to ``device_peak_bytes``)
-    and ``*_host`` categories per node (they sum to ``host_peak_bytes``)."""
+    """Category -> bytes at the device peak (per rank) and ``*_host`` per node; they sum to the peaks."""
     working_sets: dict
     """Each transient's own size, whether or not it is live at the peak."""
     device_peak_bytes: float
     activation_peak_bytes: float
-    """Peak beyond model states, communication buffers and reserve, before fragmentation
-    (what the CPU accountant measures)."""
+    """Peak beyond model states, buffers and reserve, before fragmentation (the accountant's measure)."""
     host_peak_bytes: float
     """Per node."""
     nvme_bytes: float = 0.0
@@ -205,12 +114,8 @@ def attention_stash_nd(cfg: ModelConfig, s: Setup) -> float:
 
 
 def saved_per_layer_nd(cfg: ModelConfig, s: Setup) -> float:
-    """What one layer keeps from forward to backward under ``checkpointing="off"``, in Nd:
-    :data:`SAVED_PER_LAYER_ND`, the two norms' fp32 ``1/rms`` per token, and without offload
-    the output projection's input (``H D`` wide) and the attention stash less its fp32 ``dq``
-    (allocated in backward). With offload the stash is on the host and the output projection
-    reads its input back from it (:mod:`fpdt.attention.output_projection`). Counted by the
-    accountant on the CPU: ``tests/plan/test_activation_model.py``."""
+    """What one layer keeps from forward to backward under ``checkpointing="off"``, in Nd
+    (``tests/plan/test_activation_model.py``)."""
     h, e = cfg.hidden_size, s.elem_bytes
     own = SAVED_PER_LAYER_ND + 2 * 4 / (h * e)
     if s.options.offload:
@@ -219,25 +124,18 @@ def saved_per_layer_nd(cfg: ModelConfig, s: Setup) -> float:
 
 
 def saved_attention_bytes(cfg: ModelConfig, s: Setup) -> int:
-    """Bytes per rank one saving layer keeps (``attention_checkpoint="save"``): the attention's
-    own count (:func:`fpdt.attention.offload_volume.saved_attention_bytes`) for the setup, its
-    attention output in the training dtype and its fp32 log-sum-exp, ``B (S / P) H (D e + 4)`` with
-    ``P = hp * cp``; ``(2 S H D + 4 S H) / P`` in bf16 (LoongTrain, arXiv:2406.18485, section 5.2).
-    The same whether it is kept in head layout (``S / cp`` tokens of ``H / hp`` heads) or in
-    sequence layout (``S / P`` tokens of ``H`` heads)."""
+    """Bytes per rank one saving layer keeps: its attention output and fp32 log-sum-exp,
+    ``B (S / P) H (D e + 4)`` with ``P = hp * cp`` (arXiv:2406.18485, section 5.2)."""
     return attention_saved_bytes(batch=s.batch, seq_local=s.local_tokens, num_heads=cfg.num_heads,
                                  head_dim=cfg.head_dim, dtype=PRECISIONS[s.dtype])
 
 
 NVME_STAGED_INPUTS = 4
-"""Layer inputs of the NVMe tier that hold host buffers at once, unstreamed: two landing, two
-being written (:class:`fpdt.offload.nvme_stash.NVMeStash`); the read-ahead in backward holds one."""
+"""Layer inputs of the NVMe tier in host buffers at once, unstreamed (two landing, two being written)."""
 NVME_STAGED_STREAMED = 3
-"""Layer boundaries of the streamed residual stream on the host at once with the tier: the
-one being written, the layer's input, its output being formed (:mod:`fpdt.model.streaming`)."""
+"""Layer boundaries of the streamed residual stream on the host at once with the tier."""
 NVME_STAGED_SAVED = 2
-"""Layers' saved attention outputs on the host at once with the tier, in backward: the layer's
-own, being handed over, and the next one's, read ahead."""
+"""Layers' saved attention outputs on the host at once with the tier, in backward."""
 
 
 def nvme_layers_on_disk(cfg: ModelConfig, s: Setup) -> int:
@@ -247,10 +145,8 @@ def nvme_layers_on_disk(cfg: ModelConfig, s: Setup) -> int:
 
 
 def nvme_tier_bytes(cfg: ModelConfig, s: Setup) -> tuple[float, float]:
-    """``(disk, host freed)`` bytes per rank of the NVMe tier (``docs/nvme.md``): the first
-    :func:`nvme_layers_on_disk` layers' inputs and, of those that save, their attention outputs go
-    to disk (written once, read once per step); the host keeps staging buffers for a few of them
-    (:data:`NVME_STAGED_INPUTS` / :data:`NVME_STAGED_STREAMED`, :data:`NVME_STAGED_SAVED`)."""
+    """``(disk, host freed)`` bytes per rank of the NVMe tier: the first :func:`nvme_layers_on_disk`
+    layers' inputs and saved outputs, less the host staging buffers."""
     n = nvme_layers_on_disk(cfg, s)
     if n == 0:
         return 0.0, 0.0
@@ -281,8 +177,7 @@ def zero_bucket(s: Setup) -> float:
 
 
 def optimizer_step_transient(cfg: ModelConfig, s: Setup, world: int) -> float:
-    """Bytes the ZeRO-3 optimizer step adds while it runs: one sub-group's flat gradient
-    (``e``) and its fp32 cast (none when the optimizer runs on the host)."""
+    """Bytes the ZeRO-3 optimizer step adds: one sub-group's flat gradient and its fp32 cast."""
     if s.offload_optimizer or s.zero_stage != 3:
         return 0.0
     if s.lora_rank:     # fp32 adapters: no cast
@@ -292,7 +187,7 @@ def optimizer_step_transient(cfg: ModelConfig, s: Setup, world: int) -> float:
 
 
 def _checkpoint_bytes(cfg: ModelConfig, s: Setup, nd: float) -> tuple[float, float]:
-    """``(device, host)`` bytes of the layer-input checkpoints (module docstring)."""
+    """``(device, host)`` bytes of the layer-input checkpoints."""
     l = cfg.num_layers
     if s.options.stream_layers:     # every layer input on the host (and the final hidden state), none on the device
         return 0.0, (l + 1) * nd
@@ -307,7 +202,7 @@ def _checkpoint_bytes(cfg: ModelConfig, s: Setup, nd: float) -> tuple[float, flo
 
 
 def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
-    """Per-category bytes of ``s`` (see the module docstring for the accounting)."""
+    """Per-category bytes of ``s`` (``docs/plan.md``, "How the planner counts memory")."""
     e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
     nd = hidden_bytes(s.rank_tokens, h, e)
     stash_nd = attention_stash_nd(cfg, s)

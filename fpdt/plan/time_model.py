@@ -1,61 +1,7 @@
-"""Step time of one optimizer step, split by what the GPU waits on.
-
-Per rank, with the rates of :meth:`fpdt.plan.hardware.Cluster.rates`:
-
-* **gemms**: projections, MLP and LM head, ``3 x`` forward FLOPs of ``T`` tokens (one
-  more layer forward when checkpointing recomputes, one more LM head when its weight
-  gradient is recomputed, the gate and up projections once more in the chunked MLP's
-  backward; with LoRA no weight-gradient GEMMs), the trainer's FLOP formulas
-  (:mod:`fpdt.train.metrics`), at the sustained GEMM rate.
-* **attention**: causal ``q.k^T`` and ``p.v`` FLOPs of ``T`` query tokens against ``S``
-  keys, forward + backward (+ recompute), at the sustained attention rate: four forwards'
-  worth per checkpointed layer (forward, recompute, backward = 2), three for a layer that
-  saves its attention output (``attention_checkpoint="save"``: its recompute runs no kernel).
-  Under ``saving_layers``, the recompute of a saving layer still runs its q/k/v all-to-alls
-  and the one of its output (:data:`SAVED_OUTPUT_ALL_TO_ALLS`), still stashes q̂, k̂, v̂ and
-  fetches each saved output chunk once (these copies hide behind the layer's GEMMs), but
-  fetches no K/V block.
-* **all_to_all**: Ulysses all-to-alls per layer and pass (forward and recompute: q/k/v in,
-  o out; backward: dô in, fp32 dq/dk/dv out), the bytes that leave the rank as
-  :func:`fpdt.attention.ring_costs.attention_costs` counts them; NVLink when the
-  head group sits inside a node, else the network. Chunk ``i + 1``'s all-to-all overlaps
-  chunk ``i``'s attention, so only the first chunk's and what attention cannot cover is
-  exposed.
-* **p2p**: ring K/V blocks (``cp > 1``): each block crosses the ring once per pass, and
-  fp32 dK/dV follow it in backward (``attention_costs``); exposed where it exceeds the
-  attention time, plus the first block of each pass.
-* **h2d_d2h**: offload copies (volumes from :func:`fpdt.attention.ring_costs.attention_costs`:
-  K/V chunks fetched per block in forward; q̂, o, dô, lse and the fp32 dq round trip per
-  block in backward). Copies in both directions run beside the attention of the same pass;
-  what attention cannot cover is exposed, plus the first fetch of each layer and the
-  layer-input checkpoint copies not covered by one layer's compute. Without a layer checkpoint,
-  ``o_proj``'s backward fetches the attention output again, chunk by chunk
-  (:mod:`fpdt.attention.output_projection`): its first chunk is exposed, the rest where it
-  exceeds ``o_proj``'s weight-gradient GEMM; with ``hp > 1`` it adds one ``o``-sized all-to-all.
-* **zero_collectives**: ZeRO-3 parameter all-gathers (forward, recompute, backward) and
-  gradient reduce-scatter, exposed only where they exceed the step's compute (DeepSpeed
-  prefetches the next layer).
-* **nvme_io**: the NVMe tier's writes (in forward) and reads (in backward, one layer ahead)
-  where the compute of those passes does not cover them, plus the first layer's read
-  (:func:`nvme_io`).
-* **elementwise**: the memory-bound ops around the GEMMs and attention kernels (norms,
-  RoPE, SwiGLU's activation, residual adds, dtype casts, chunk copies, the online-softmax
-  merges, the loss's softmax over the vocabulary), as device bytes per token
-  (:func:`elementwise_bytes`) at the device memory rate. The coefficients were measured by
-  counting the bytes every such op of the model reads and writes in a forward + backward
-  (a dispatch mode; ``tests/plan/test_elementwise_traffic.py`` keeps the formula within
-  10% of that count on shapes it was not fitted to). About a third of the GEMM time for
-  Llama-3-8B per token and layer on an H100: it matters at short sequences, not at long
-  ones, where attention dominates.
-* **packed documents** (``doc_len``, :mod:`fpdt.plan.documents`): the attention time scales
-  with the kernel's work under the document mask, and the blocks no query sees are neither
-  fetched nor merged (copies and merges scale with the touched blocks).
-* **wgrad_accumulation**: the device-memory traffic of summing weight gradients over
-  chunks (:func:`wgrad_accumulation_bytes`), on the compute stream, at the device memory
-  rate. Each chunk's ``dW`` partial is a full weight-sized tensor whatever the chunk's
-  token count, so this term grows with the number of chunks, not with the tokens: with
-  small chunks the weight-gradient GEMMs turn memory-bound.
-"""
+"""Step time of one optimizer step per rank, split by what the GPU waits on: GEMMs, attention,
+exposed all-to-all, P2P, H2D/D2H and ZeRO collectives, NVMe I/O, memory-bound ops and
+weight-gradient accumulation. What each term counts, and the constants' derivations:
+``docs/plan.md``, "How the planner counts step time"."""
 
 from __future__ import annotations
 
@@ -90,29 +36,15 @@ ELEMENTWISE_BYTES = {
 }
 NO_RECOMPUTE_FACTOR = 0.76
 LORA_ELEMENTWISE_BYTES = 42
-"""With LoRA (fp32 adapters on a bf16 model, no dropout), the adapters' memory-bound work per
-token and layer, per element of the summed in + out widths of the adapted linears (the fp32
-cast of each chunk's input, the low-rank product's fp32 result, its scaling, the add and the
-cast back, and their backward). Counted with the elementwise-traffic counter at rank 16 it
-is 26.5, 34.7 and 42.0 B on three shapes (hidden 256 to 512; it grows with the rank, 45.6 at
-rank 64, and dropout 0.1 nearly triples it): the top of that range, so that the LoRA step
-time errs long rather than short (``tests/plan/test_lora_plan.py``)."""
+"""Adapters' memory-bound bytes per token, layer and element of the adapted widths (``docs/plan.md``)."""
 
 
 SAVED_OUTPUT_ALL_TO_ALLS = 1
-"""All-to-alls of the attention output per step, beyond the forward's, for a layer that saves it.
-The output is saved in head layout, as the attention backward reads it (the FPDT pipeline
-already stashes it so for the layer in flight); the recompute needs it in sequence layout
-for ``o_proj`` and the MLP's input, so it crosses the all-to-all once more, as the recomputed
-output does with ``"recompute"``. Saved in sequence layout instead, the recompute would skip
-that all-to-all and the backward would need it into head layout: one either way, so the
-all-to-all time does not change with ``"save"``. 0 would model a design that keeps both layouts
-(twice the saved bytes)."""
+"""All-to-alls of the attention output per step, beyond the forward's, for a saving layer (``docs/plan.md``)."""
 
 
 def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
-    """Device bytes the memory-bound ops move per optimizer step on one rank (see
-    :data:`ELEMENTWISE_BYTES`); the weight-gradient accumulation is counted apart."""
+    """Device bytes the memory-bound ops move per optimizer step on one rank (weight-gradient accumulation apart)."""
     k = ELEMENTWISE_BYTES[4 if s.elem_bytes == 4 else 2]
     h, tokens, u = cfg.hidden_size, s.rank_tokens, s.num_chunks
     per_token = (k["hidden"] * h + k["mlp"] * cfg.intermediate_size
@@ -128,36 +60,19 @@ def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
 
 
 def lm_head_elementwise_bytes(tokens: int, vocab: int, elem_bytes: int, mode: str) -> float:
-    """The loss's share of :func:`elementwise_bytes`: its softmax over the vocabulary, per
-    token and vocabulary entry, by LM-head mode (:data:`ELEMENTWISE_BYTES`)."""
+    """The loss's share of :func:`elementwise_bytes`, by LM-head mode."""
     return tokens * vocab * ELEMENTWISE_BYTES[4 if elem_bytes == 4 else 2]["vocab"][mode]
 
 
 def accumulation_bytes_per_weight(weight_bytes: int) -> int:
-    """Device bytes read + written per weight element to add one chunk's ``dW`` partial
-    into its fp32 accumulator, as :mod:`fpdt.model.mlp` and
-    :mod:`fpdt.attention.projected_attention` do (``acc += (g^T @ x).to(fp32)``): the
-    GEMM writes the partial (``e``); for bf16/fp16 weights the cast reads it and writes
-    fp32 (``e + 4``); the add reads both and writes the sum (``12``). 20 bytes in bf16,
-    16 in fp32."""
+    """Bytes per weight element to add one chunk's ``dW`` partial into its fp32 accumulator: 20 in bf16, 16 in fp32."""
     cast = 0 if weight_bytes == 4 else weight_bytes + 4
     return weight_bytes + cast + 12
 
 
 def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
-    """Device bytes moved per optimizer step (one backward per rank) by the fp32
-    weight-gradient accumulators, per source:
-
-    * ``mlp``: every layer's gate, up and down weights, once per MLP token chunk
-      (:func:`fpdt.plan.memory_model.mlp_chunks`);
-    * ``qkv``: every layer's q, k and v projection weights, once per attention chunk
-      (``u``; the o projection is one unchunked GEMM);
-    * ``lm_head``: with ``lm_head_wgrad="accumulate"``, the ``[V, hidden]`` head once per
-      loss chunk (:func:`fpdt.plan.memory_model.loss_chunks`): in bf16 a partial, its cast
-      and the add, as above; in fp32 the GEMM adds into the accumulator itself, reading
-      and writing it (8 bytes). ``"recompute"`` forms each vocabulary slice in one GEMM
-      over all tokens: nothing to accumulate.
-    """
+    """Device bytes per optimizer step of the fp32 weight-gradient accumulators, by ``mlp``, ``qkv``
+    and ``lm_head`` (0 with ``"recompute"``)."""
     e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
     tokens = s.rank_tokens
     per_weight = accumulation_bytes_per_weight(e)
@@ -180,11 +95,9 @@ def lm_head_accumulation_bytes(tokens: int, num_loss_chunks: int, vocab: int, hi
 
 def lm_head_seconds(hidden: int, vocab: int, tokens: int, num_loss_chunks: int, mode: str, elem_bytes: int,
                     rates: Rates) -> dict:
-    """This model's seconds for one forward + backward of the fused LM head + loss over
-    ``tokens`` local tokens in ``num_loss_chunks`` chunks, by part: the head GEMMs (3, or 4 with
-    ``mode="recompute"``), the softmax's elementwise traffic and, with ``"accumulate"``, the
-    fp32 weight-gradient accumulation. The same terms :func:`estimate_time` charges for the
-    head, so ``profiling/lm_head_wgrad.py`` can set them beside its measurement."""
+    """Seconds of one forward + backward of the fused LM head + loss, by part (``gemms``,
+    ``elementwise``, ``wgrad_accumulation``, ``total``): the terms :func:`estimate_time` charges for the
+    head, for ``profiling/lm_head_wgrad.py`` to set beside its measurement."""
     parts = {"gemms": lm_head_gemm_flops(tokens, hidden, vocab, mode) / rates.gemm_flops,
              "elementwise": lm_head_elementwise_bytes(tokens, vocab, elem_bytes, mode) / rates.memory_bytes_s,
              "wgrad_accumulation": lm_head_accumulation_bytes(tokens, num_loss_chunks, vocab, hidden, elem_bytes,
@@ -194,16 +107,12 @@ def lm_head_seconds(hidden: int, vocab: int, tokens: int, num_loss_chunks: int, 
 
 
 def lm_head_gemm_flops(tokens: int, hidden: int, vocab: int, mode: str) -> float:
-    """FLOPs of the ``T x hidden x V`` head GEMMs in one forward + backward: 3, or 4 with
-    ``"recompute"`` (the logits once more in backward)."""
+    """FLOPs of the ``T x hidden x V`` head GEMMs in one forward + backward: 3, or 4 with ``"recompute"``."""
     return (4 if mode == "recompute" else 3) * 2 * hidden * vocab * tokens
 
 
 def _document_copies(cfg: ModelConfig, s: Setup, c: AttentionCosts) -> AttentionCosts:
-    """``c`` with the host copies of the blocks a document mask skips taken out: every copy
-    volume of :func:`fpdt.attention.ring_costs.attention_costs` is affine in the touches
-    ``T``, so it is read off the causal (``T = cp u (u+1)/2``) and the full (``cp u^2``)
-    counts at :func:`fpdt.plan.documents.ring_touches`."""
+    """``c`` with the host copies of the blocks a document mask skips taken out (interpolated in the touches)."""
     u = s.num_chunks
     if s.doc_len is None or u == 1 or not s.options.offload:
         return c
@@ -215,12 +124,8 @@ def _document_copies(cfg: ModelConfig, s: Setup, c: AttentionCosts) -> Attention
 
 
 def o_proj_refetch(cfg: ModelConfig, s: Setup, rates) -> tuple[float, float]:
-    """Per layer, what reading ``o_proj``'s input back from the attention stash adds to the
-    backward (``checkpointing="off"`` with offload, :mod:`fpdt.attention.output_projection`;
-    else ``(0, 0)``): the exposed seconds of fetching the ``u`` chunks of ``o`` (the first in
-    full, each next one where it exceeds its chunk of ``o_proj``'s weight-gradient GEMM, beside
-    which it is prefetched) and the bytes of the one more all-to-all that sends them back to
-    sequence layout (``hp > 1``), counted as the attention's all-to-alls are."""
+    """Per layer under ``checkpointing="off"`` with offload (else ``(0, 0)``): the exposed seconds of
+    fetching ``o`` back for ``o_proj``'s backward, and the bytes of its extra all-to-all (``hp > 1``)."""
     if s.options.checkpointing != "off" or not s.options.offload:
         return 0.0, 0.0
     u = s.num_chunks
@@ -240,18 +145,12 @@ def _output_all_to_all_bytes(cfg: ModelConfig, s: Setup) -> int:
 
 
 STREAM_COPIES_ND = 12.0
-"""Full-length ``[T, h]`` copies per layer and step with ``stream_layers`` (both directions): the
-forward fetches the input twice and writes the output; the backward fetches the input three times,
-the output's gradient, ``do`` and the branch gradient once each and writes ``dx``, ``do`` and the
-branch gradient (``do`` counted as ``h`` wide)."""
+"""Full-length ``[T, h]`` copies per layer and step with ``stream_layers``, both directions (``docs/plan.md``)."""
 
 
 def nvme_io(cfg: ModelConfig, s: Setup, cluster: Cluster, compute_s: float, passes: int) -> dict:
-    """The NVMe tier's I/O per step (``docs/nvme.md``), seconds: ``write_s`` (the node's ranks'
-    disk bytes at the node's write rate) against ``forward_s`` (one of the ``passes`` compute
-    passes, when the writes run), ``read_s`` against ``backward_s`` (the rest, when the reads run,
-    one layer ahead), ``exposed_s`` (what they do not cover, plus the first layer's read) and
-    ``hidden`` (both covered). All zero without the tier."""
+    """The NVMe tier's I/O per step, seconds: ``write_s`` against ``forward_s``, ``read_s`` against
+    ``backward_s``, ``exposed_s`` (uncovered plus the first read) and ``hidden``. All zero without the tier."""
     disk, _ = nvme_tier_bytes(cfg, s)
     if disk == 0:
         return {"write_s": 0.0, "read_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "exposed_s": 0.0, "hidden": True}
