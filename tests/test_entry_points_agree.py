@@ -210,6 +210,10 @@ LAYOUT_CASES = [  # (layout over chunk CHUNK, None: accepted / a phrase of the o
     (dict(cp=0), "cp=0 must be an integer >= 1"),
     (dict(chunk_size=0), "chunk_size=0 must be an integer >= 1"),
     (dict(placement="rows"), "placement='rows' must be one of"),
+    (dict(chunk_size=24), "--seq-len 64 is not divisible by --chunk-size 24"),
+    (dict(chunk_size=128), "--chunk-size 128 is larger than the sequence (--seq-len 64)"),
+    (dict(cp=2, chunk_size=2), "--seq-len 64 is not divisible by 2 x hp x cp x chunks"),
+    (dict(sp=4, chunk_size=2), "--seq-len 64 is not divisible by sp x chunks = 4 x 32"),
 ]
 WORLD = 4
 
@@ -224,9 +228,15 @@ LAYOUT_ENTRIES = {
     "train_json": lambda lay: _layout_trainer([], {"chunk_size": CHUNK, **lay}),
     "plan_setup": lambda lay: _raise(Setup.build(seq_len=SEQ, **{"chunk_size": CHUNK, **lay}, **BASE)
                                      .problems(PLAN_CFG, WORLD)),
-    "plan_choice": lambda lay: plan(PLAN_CFG, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=WORLD), seq_len=SEQ,
-                                    choice=Choice().fix(**{"chunk_size": CHUNK, **lay}, **BASE)),
+    "plan_choice": lambda lay: _planned(plan(PLAN_CFG, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=WORLD),
+                                             seq_len=SEQ, choice=Choice().fix(**{"chunk_size": CHUNK, **lay}, **BASE))),
 }
+
+
+def _planned(answer):
+    """A plan that finds no setup says why (``reason``): that is the planner's refusal."""
+    if not answer["fits"]:
+        raise ValueError(answer.get("reason") or "no setup fits")
 
 
 def _raise(problems):
@@ -237,8 +247,9 @@ def _raise(problems):
 @pytest.mark.parametrize("entry", list(LAYOUT_ENTRIES))
 @pytest.mark.parametrize("layout, refusal", LAYOUT_CASES, ids=[str(i) for i in range(len(LAYOUT_CASES))])
 def test_trainer_and_planner_take_the_same_layouts(entry, layout, refusal, capsys):
-    """The mesh degrees and the chunk (:class:`fpdt.options.LayoutOptions`) are read and refused
-    once, by ``fpdt-train`` (flags, JSON) and ``fpdt-plan`` (:class:`Setup`, :class:`Choice`) alike."""
+    """The mesh degrees and the chunk (:class:`fpdt.options.LayoutOptions`) and how they cut the
+    sequence (:func:`fpdt.layout.chunking_problems`) are read and refused once, by ``fpdt-train``
+    (flags, JSON) and ``fpdt-plan`` (:class:`Setup`, :class:`Choice`) alike."""
     try:
         LAYOUT_ENTRIES[entry](layout)
         got = None

@@ -15,9 +15,9 @@ from fpdt.layout.documents import (
     sequence_parallel_doc_ids,
 )
 from fpdt.layout.mesh_layout import check_mesh_layout, mesh_shard, mesh_token_index, mesh_unshard
-from fpdt.layout.split import chunk_split, hidden_bytes, sequence_multiple
+from fpdt.layout.split import chunk_split, chunking_problems, hidden_bytes, sequence_multiple
 
 __all__ = ["DocumentError", "canonical_doc_ids", "check_layout", "doc_ids_from_cu_seqlens", "doc_ids_from_position_ids",
            "sequence_parallel_doc_ids", "check_mesh_layout", "global_token_index", "local_position_ids", "mesh_shard",
-           "mesh_token_index", "mesh_unshard", "shard", "unshard", "chunk_split", "hidden_bytes",
+           "mesh_token_index", "mesh_unshard", "shard", "unshard", "chunk_split", "chunking_problems", "hidden_bytes",
            "sequence_multiple"]

@@ -2,7 +2,8 @@
 
 One rule each, used by the layouts, the attention, the trainer's checks, the accountant and
 the planner: a global FPDT chunk is cut into :func:`chunk_split` equal pieces, so the sequence
-length ``S`` must be a multiple of :func:`sequence_multiple`; :func:`hidden_bytes` is the
+length ``S`` must be a multiple of :func:`sequence_multiple` (:func:`chunking_problems` says
+why a length and chunk do not fit); :func:`hidden_bytes` is the
 memory unit (``Nd`` for a rank's whole sequence, ``U`` for one chunk).
 """
 
@@ -20,6 +21,25 @@ def sequence_multiple(sp: int, num_chunks: int, zigzag: bool) -> int:
     """What ``S`` must be a multiple of for ``num_chunks`` chunks per rank:
     ``chunk_split(sp, zigzag) * num_chunks``."""
     return chunk_split(sp, zigzag) * num_chunks
+
+
+def chunking_problems(seq_len: int, chunk: int, hp: int, cp: int) -> list[str]:
+    """Why ``seq_len`` tokens cannot be cut into global chunks of ``chunk`` tokens over an
+    ``hp x cp`` mesh (empty when they can), in the flags of ``fpdt-train`` and ``fpdt-plan``."""
+    if chunk > seq_len:
+        return [f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); use a chunk size "
+                f"<= {seq_len} that divides it"]
+    if seq_len % chunk:
+        return [f"--seq-len {seq_len} is not divisible by --chunk-size {chunk}; pick a chunk size that divides "
+                f"the sequence length"]
+    sp, u = hp * cp, seq_len // chunk
+    split = chunk_split(sp, zigzag=cp > 1)
+    if chunk % split == 0:
+        return []
+    what, why = ((f"sp x chunks = {sp} x {u}", f"must split evenly over {sp} ranks") if cp == 1 else
+                 (f"2 x hp x cp x chunks = 2 x {hp} x {cp} x {u}", "is cut into 2 x cp zigzag pieces split over hp ranks"))
+    return [f"--seq-len {seq_len} is not divisible by {what} = {split * u}; each chunk of {chunk} tokens {why}: "
+            f"use a chunk size that is a multiple of {split}"]
 
 
 def hidden_bytes(tokens: int, hidden: int, itemsize: int = 2) -> int:

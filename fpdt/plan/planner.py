@@ -414,9 +414,8 @@ def plan_at(cfg: ModelConfig, seq_len: int, cluster: Cluster, choice: Choice) ->
 
 
 def _why_none(cfg: ModelConfig, seq_len: int, choice: Choice, world: int) -> str:
-    sp = choice.sp or world
-    hp = choice.hp or sp
-    s = Setup(seq_len=seq_len, chunk_size=choice.chunk_size or seq_len, hp=hp, cp=choice.cp or sp // max(hp, 1),
+    hp, cp = LayoutOptions(sp=choice.sp or world, hp=choice.hp, cp=choice.cp).degrees()   # as _candidates tries it
+    s = Setup(seq_len=seq_len, chunk_size=choice.chunk_size or seq_len, hp=hp, cp=cp,
               options=replace(choice.options, offload=choice.fixed.get("offload") is not False),
               zero_stage=choice.zero_stage, dtype=choice.dtype, lora_rank=choice.lora_rank)
     return "; ".join(s.problems(cfg, world)) or f"no chunk size / mesh divides seq_len={seq_len}"

@@ -16,7 +16,7 @@ from typing import Any
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import saving_layers
 from fpdt.options import DERIVED_OPTIONS, OPTION_NAMES, FPDTOptions, LayoutOptions, device_defaults
-from fpdt.layout import chunk_split
+from fpdt.layout import chunking_problems
 from fpdt.train.config import PRECISIONS, option_key
 
 ZERO_REDUCE_BUCKET = 5e8
@@ -202,11 +202,7 @@ class Setup(LayoutOptions, RunSettings):
         elif cfg.num_heads % self.hp:
             out.append(f"hp={self.hp} must divide the {cfg.num_heads} query heads")
         out += chunk_count_problems(self.options)
-        if self.seq_len % self.chunk_size:
-            out.append(f"chunk_size={self.chunk_size} must divide seq_len={self.seq_len}")
-        elif self.chunk_size % chunk_split(self.sp, zigzag=self.cp > 1):
-            out.append(f"chunk_size={self.chunk_size} must be a multiple of {chunk_split(self.sp, zigzag=self.cp > 1)} "
-                       f"(hp x cp{' x 2 for the zigzag ring split' if self.cp > 1 else ''})")
+        out += chunking_problems(self.seq_len, self.chunk_size, self.hp, self.cp)
         return out
 
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fpdt.layout import chunk_split
+from fpdt.layout import chunk_split, chunking_problems
 from fpdt.offload import runtime_name
 from fpdt.options import DERIVED_OPTIONS, FPDTOptions, LayoutOptions, attention_checkpoint_given, device_defaults
 
@@ -270,18 +270,9 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
             f"multiple of {sp} processes")
     split = chunk_split(sp, zigzag=cp > 1)
     chunk = default_chunk_size(seq_len, split) if opts.chunk_size is None else opts.chunk_size
-    if chunk > seq_len:
-        raise ConfigError(f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); "
-                          f"use a chunk size <= {seq_len} that divides it")
-    if seq_len % chunk != 0:
-        raise ConfigError(f"--seq-len {seq_len} is not divisible by --chunk-size {chunk}; "
-                          f"pick a chunk size that divides the sequence length")
+    for problem in chunking_problems(seq_len, chunk, hp, cp):
+        raise ConfigError(problem)
     num_chunks = seq_len // chunk
-    if seq_len % (split * num_chunks):
-        how = (f"sp x chunks = {sp} x {num_chunks}", f"must split evenly over {sp} ranks") if cp == 1 else \
-            (f"2 x hp x cp x chunks = 2 x {hp} x {cp} x {num_chunks}", "is cut into 2 x cp zigzag pieces split over hp ranks")
-        raise ConfigError(f"--seq-len {seq_len} is not divisible by {how[0]} = {split * num_chunks}; each chunk of "
-                          f"{chunk} tokens {how[1]}: use a chunk size that is a multiple of {split}")
     offload, checkpoint = device_defaults(device_type, num_chunks, opts.offload, opts.checkpointing,
                                           bool(opts.stream_layers))
     _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)

@@ -120,7 +120,7 @@ def test_small_chunks_expose_copies():
 
 def test_setup_problems_name_the_fix():
     cfg = load_model_config("llama-3-8b")
-    assert any("divide seq_len" in p for p in Setup.build(seq_len=100_000, chunk_size=65536).problems(cfg, 1))
+    assert any("not divisible by --chunk-size" in p for p in Setup.build(seq_len=100_000, chunk_size=65536).problems(cfg, 1))
     assert any("query heads" in p for p in Setup.build(seq_len=2 ** 20, chunk_size=2 ** 16, hp=5).problems(cfg, 5))
     assert any("multiple of" in p for p in Setup.build(seq_len=2 ** 20, chunk_size=2 ** 16, hp=3).problems(cfg, 3))
 
