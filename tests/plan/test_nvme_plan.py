@@ -104,7 +104,7 @@ def test_nvme_flags(capsys):
 
 @pytest.mark.slow
 def test_docs_predictions_are_the_planners():
-    """docs/plan.md's NVMe table: the longest lengths fpdt-plan finds (four searches, ~20 s)."""
+    """docs/plan.md's NVMe table: the longest lengths fpdt-plan finds (six searches, ~30 s)."""
     import os
 
     from fpdt.plan.hardware import nvme_from_args
@@ -112,15 +112,17 @@ def test_docs_predictions_are_the_planners():
                     nvme=nvme_from_args("gen5-x8"))
     one = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1, host_mem_bytes=512 * GIB,
                   nvme=nvme_from_args("gen4", gib=7450))
+    big = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8, host_mem_bytes=2048 * GIB, nvme=nvme_from_args("gen5-x8"))
     off = dict(offload_optimizer=True, offload_param=True)
     got = {(name, stream): plan(CFG, cluster, choice=Choice(**(off if name == "one" else {})).fix(stream_layers=stream),
                                 search_max=True)["max_seq_len"]
-           for name, cluster in (("eight", eight), ("one", one)) for stream in (False, True)}
+           for name, cluster in (("eight", eight), ("one", one), ("big", big)) for stream in (False, True)}
     assert got == {("eight", False): 9437184, ("eight", True): 8912896,
-                   ("one", False): 1441792, ("one", True): 3473408}
+                   ("one", False): 1441792, ("one", True): 3473408,
+                   ("big", False): 9437184, ("big", True): 18153472}
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "plan.md")) as f:
         doc = f.read()
-    assert "| **9M** | 8.5M |" in doc and "| 1.375M | **3.39M** |" in doc
+    assert "| **9M** | 8.5M |" in doc and "| 1.375M | **3.39M** |" in doc and "| 9M | **17.3M** |" in doc
 
 
 def test_fewest_layers_on_disk_once_saved_outputs_have_their_layers(monkeypatch):
