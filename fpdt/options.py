@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
 from fpdt.comm import PLACEMENTS, SequenceMesh
+from fpdt.offload.nvme import NVMeTier
 from fpdt.offload.runtime import RUNTIMES, Runtime
 
 CHECKPOINT_MODES = ("off", "on", "offload")
@@ -68,6 +69,10 @@ class FPDTOptions:
     (DeepSpeed's own name for its NVMe directory; ``docs/nvme.md``). Each rank writes files under
     ``{nvme_path}/rank{R}/`` (:class:`fpdt.offload.nvme.NVMeStore`) and removes them at exit.
     None: off, everything offloaded stays in host memory."""
+    nvme_tier: NVMeTier | None = None
+    """With ``nvme_path``: the :class:`fpdt.offload.nvme.NVMeTier` holding the stores, to choose
+    their backend and close their files when the caller chooses (``fpdt-train`` passes one with
+    DeepSpeed's aio). None: the model opens its own (portable backend), closed at interpreter exit."""
     nvme_layers: int | None = None
     """With ``nvme_path``: how many of the *first* decoder layers keep their offloaded input and
     saved attention output on disk (None: every offloaded layer); the others stay in host memory.
@@ -263,9 +268,10 @@ class LayoutOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(FPDTOptions))
-DERIVED_OPTIONS = ("num_chunks", "group", "mesh")
+DERIVED_OPTIONS = ("num_chunks", "group", "mesh", "nvme_tier")
 """Options ``fpdt-train`` and ``fpdt-plan`` derive instead of taking them from a caller:
-``num_chunks`` is ``seq_len / chunk_size``, the group or mesh is built from the mesh degrees."""
+``num_chunks`` is ``seq_len / chunk_size``, the group or mesh is built from the mesh degrees,
+the NVMe tier's stores are opened by the trainer."""
 
 
 def device_defaults(device_type: str, num_chunks: int = 2, offload: bool | None = None,
@@ -317,6 +323,8 @@ def _nvme_problems(o: FPDTOptions) -> list[str]:
     if o.nvme_layers is not None and o.nvme_path is None:
         return [f"nvme_layers={o.nvme_layers} counts the layers whose checkpoints go to the NVMe tier: it needs "
                 f"nvme_path (a directory on a local drive); set nvme_path, or drop nvme_layers"]
+    if o.nvme_tier is not None and not isinstance(o.nvme_tier, NVMeTier):
+        return [f"nvme_tier={o.nvme_tier!r} must be a fpdt.offload.nvme.NVMeTier, or None (the model opens its own)"]
     if o.nvme_path is None:
         return []
     if not isinstance(o.nvme_path, str) or not o.nvme_path.strip():

@@ -106,25 +106,25 @@ def step(directory: str | None, seq: int, chunk: int, layers: int) -> dict:
     """One step's wall time and host-stash peak, host-only (``directory`` None) or with the tier."""
     import fpdt.model as fm
     from fpdt.offload import HostPeak
-    from fpdt.offload.nvme import shared_store
+    from fpdt.offload.nvme import NVMeTier
+    tier = NVMeTier()
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = fm.from_config(CONFIG | {"num_hidden_layers": layers}, dtype=torch.bfloat16, num_chunks=seq // chunk,
                                offload=True, checkpointing="offload", attention_checkpoint="save",
-                               nvme_path=directory)
+                               nvme_path=directory, nvme_tier=tier if directory else None)
         ids = torch.randint(0, CONFIG["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(seq))
         inputs = model.prepare_inputs(ids[:, :-1], labels=ids[:, 1:], shift=False)
         model(**inputs).backward()      # the first step fills the pools
         model.zero_grad(set_to_none=True)
-        before = shared_store(directory).bytes_written if directory else 0
+        before = tier.store(directory).bytes_written if directory else 0
         t0, c0 = time.perf_counter(), time.process_time()
         with HostPeak() as host:
             model(**inputs).backward()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        written = shared_store(directory).bytes_written - before if directory else 0
-        if directory:
-            shared_store(directory).close()
+        written = tier.store(directory).bytes_written - before if directory else 0
+        tier.close()
     return {"what": "step", "seq_len": seq, "chunk": chunk, "layers": layers, "nvme": directory is not None,
             "wall_s": wall, "cpu_s": cpu, "host_peak_bytes": host.above_start, "nvme_bytes_written": written}
 

@@ -19,6 +19,7 @@ With ``--lora-rank`` (or ``--lora-init``) step 3 attaches LoRA adapters and free
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import shlex
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.attention.kernels import BACKENDS
-from fpdt.offload.nvme import close_stores
+from fpdt.offload.nvme import NVMeError, NVMeTier
 from fpdt.offload.runtime import RUNTIMES
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
@@ -318,7 +319,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                           lora_rank=lora_spec.rank if lora_spec else 0)
     memory = replace(memory, lines=(*streaming, *memory.lines))
     opts = _with_choices(opts, memory)
-    memory = replace(memory, lines=(*memory.lines, *_nvme_tier(opts, plan, source.config, dtype_name)))
+    opts, memory = _with_tier(opts, memory, plan, source.config, dtype_name)
     zero.init_deepspeed_comm(device, timeout)
     ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
                               timeout=timeout)
@@ -358,7 +359,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
                     mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime,
-                    nvme_path=opts.nvme_path)
+                    nvme_path=opts.nvme_path, nvme_tier=opts.nvme_tier)
     saver = Saver(args, engine, ps, info, dtype_name, progress, lora_record)
 
     def on_step_end(done: int) -> None:
@@ -396,8 +397,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
 
 def _close_tier(opts: TrainerOptions) -> None:
     """With the NVMe tier, close its stores: the files go with the run, not at the interpreter's exit."""
-    if opts.nvme_path is not None:
-        close_stores()
+    if opts.nvme_tier is not None:
+        opts.nvme_tier.close(raise_errors=False)
 
 
 def _with_choices(opts: TrainerOptions, memory: MemoryCheck) -> TrainerOptions:
@@ -710,11 +711,18 @@ class Saver:
                 f"or pass --skip-nonfinite N to skip such steps")
 
 
-def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[str, ...]:
-    """The NVMe tier's start-up line (backend, bytes per step) after its preflight, or nothing."""
+def _with_tier(opts: TrainerOptions, memory: MemoryCheck, plan: RunLayout, config,
+               dtype_name: str) -> tuple[TrainerOptions, MemoryCheck]:
+    """``opts`` holding the run's NVMe tier (:func:`_nvme_tier`), ``memory`` with its start-up line."""
+    tier, lines = _nvme_tier(opts, plan, config, dtype_name)
+    return replace(opts, nvme_tier=tier), replace(memory, lines=(*memory.lines, *lines))
+
+
+def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[NVMeTier | None, tuple[str, ...]]:
+    """The NVMe tier the run's model uses and its start-up line (backend, bytes per step) after
+    its preflight; None and nothing without ``--nvme-path``."""
     if opts.nvme_path is None:
-        return ()
-    from fpdt.offload.nvme import NVMeError
+        return None, ()
     from fpdt.train.nvme_aio import setup_tier
     tokens = plan.seq_len // plan.sp
     saving = 0
@@ -722,12 +730,13 @@ def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[str, ...
         saving = config.num_layers if opts.save_attention_layers is None else opts.save_attention_layers
     saved = tokens * config.num_heads * (config.head_dim * PRECISIONS[dtype_name].itemsize + 4) if saving else 0
     try:
-        return (setup_tier(opts.nvme_path, config.num_layers, tokens, config.hidden_size,
-                           PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers,
-                           nvme_layers=getattr(opts, "nvme_layers", None), saved_layers=saving, saved_bytes=saved,
-                           num_chunks=getattr(plan, "num_chunks", 1)),)
+        line, tier = setup_tier(opts.nvme_path, config.num_layers, tokens, config.hidden_size,
+                                PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers,
+                                nvme_layers=getattr(opts, "nvme_layers", None), saved_layers=saving, saved_bytes=saved,
+                                num_chunks=getattr(plan, "num_chunks", 1))
     except NVMeError as e:
         raise ConfigError(str(e)) from None
+    return tier, (line,)
 
 
 def _say(ps: ParallelState, message: str) -> None:
@@ -778,6 +787,28 @@ def interrupted_line(args: argparse.Namespace, argv: list[str], world_size: int 
     return (f"{head}; the last complete checkpoint is {found.tag_dir} (step {found.step}); resume with: {command}")
 
 
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Within it, SIGTERM (a scheduler's stop) ends the run as Ctrl-C does: the stack unwinds, so
+    the NVMe tier's files are removed and the resume line is printed. The trainer's own handler,
+    restored on exit; the library installs none (``docs/nvme.md``)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status: 0, 2 for a bad input (flags, configs,
     data, checkpoint), 1 for a run that had to stop, 130 after Ctrl-C (one line naming the last
@@ -791,7 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     zero.quiet_deepspeed_warnings()
     owns_group = not (dist.is_available() and dist.is_initialized())   # else the caller's, left as it is
     try:
-        run(args)
+        with terminate_as_interrupt():
+            run(args)
     except KeyboardInterrupt:
         if debug_enabled(args.debug):
             raise

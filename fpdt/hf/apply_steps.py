@@ -27,7 +27,7 @@ from torch import nn
 from fpdt.hf.attention import FPDTHFError, TransformersAttention, register_settings
 from fpdt.hf.forward import BOTH_CHECKPOINTS, RECOMPUTED_ROPE_TYPES, causal_lm_forward, global_rope_forward
 from fpdt.hf.patches import Patches
-from fpdt.hf.settings import HFSettings
+from fpdt.hf.settings import HFSettings, layer_checkpoints_of
 from fpdt.hf.trainer import TRAINER_ATTN_NAME
 from fpdt.model.apply import DecoderAdapter
 from fpdt.model.checkpointing import checkpointed
@@ -64,8 +64,10 @@ def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[tuple[nn.Modu
 
 def _checkpointed_layer_forward(self, hidden_states, *args, **kwargs):
     """A decoder layer's forward under fpdt's checkpoint; bound to the layer, whose
-    ``_fpdt_checkpoint`` holds ``(index, mode, the model's LayerCheckpoints)`` (copied with the model)."""
-    i, mode, checkpoints = self._fpdt_checkpoint
+    ``_fpdt_layer_index`` and ``_fpdt_checkpoints`` (the model's LayerCheckpoints) are set by the apply step
+    (copied with the model)."""
+    i, checkpoints = self._fpdt_layer_index, self._fpdt_checkpoints
+    mode = checkpoints.mode
     if "fpdt_stream" in kwargs:                   # stream_layers: the layer is one streamed pass
         return streamed_layer(self, hidden_states, kwargs["fpdt_stream"])
     if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
@@ -180,8 +182,12 @@ class TransformersAdapter(DecoderAdapter):
         if not checkpoints.enabled:   # Transformers' own checkpointing may be used instead
             return
         for i, layer in enumerate(self.layers):
-            self.patches.set(layer, "_fpdt_checkpoint", (i, checkpoints.mode, checkpoints))
+            self.patches.set(layer, "_fpdt_layer_index", i)
+            self.patches.set(layer, "_fpdt_checkpoints", checkpoints)
             self.patches.bind(layer, "forward", _checkpointed_layer_forward)
+
+    def layer_checkpoints(self) -> LayerCheckpoints | None:
+        return layer_checkpoints_of(self.layers)
 
     def set_loss_chunks(self, num_chunks: int) -> None:
         """The causal LM's forward (sequence-parallel inputs, the loss over ``num_chunks``) with the

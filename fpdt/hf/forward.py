@@ -19,7 +19,7 @@ from fpdt.hf.collator import check_window_length
 from fpdt.hf.documents import pop_explicit_documents, window_doc_ids
 from fpdt.hf.groups import resolve_group
 from fpdt.hf.padding import whole_window_mask
-from fpdt.hf.settings import HFSettings
+from fpdt.hf.settings import HFSettings, layer_checkpoints_of
 from fpdt.hf.trainer import contiguous_to_fpdt_layout
 from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
 from fpdt.model.inputs import shift_labels as _shift_labels
@@ -260,8 +260,7 @@ def _streamed(self, settings: HFSettings, sp: int, input_ids, position_ids, shif
         cos, sin = rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
         return cos.to(want), sin.to(want)
 
-    checkpoints = self.model.layers[0]._fpdt_checkpoint[2]
-    spec = StreamedModel(settings.options, settings.loss_chunks, checkpoints.saving, rope)
+    spec = StreamedModel(settings.options, settings.loss_chunks, rope, layer_checkpoints_of(self.model.layers))
     loss = streamed_loss(self, spec, input_ids, shift_labels, position_ids, kwargs.get("doc_ids"),
                          num_items_in_batch, sp, settings.sp_group)
     return CausalLMOutputWithPast(loss=loss, logits=None)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.hf.groups import TrainerGroup, resolve_group
+from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.options import FPDTOptions
 
 
@@ -41,3 +42,8 @@ class HFSettings:
     def under_trainer(self) -> bool:
         """Set up for the Hugging Face Trainer's sequence parallelism (:mod:`fpdt.hf.trainer`)."""
         return isinstance(self.options.group, TrainerGroup)
+
+
+def layer_checkpoints_of(layers: list) -> LayerCheckpoints | None:
+    """The LayerCheckpoints the apply step set on decoder ``layers`` (None: no fpdt checkpoint)."""
+    return getattr(layers[0], "_fpdt_checkpoints", None) if layers else None

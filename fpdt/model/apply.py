@@ -73,6 +73,10 @@ class DecoderAdapter:
         """``num_chunks`` token chunks for the LM head and loss; 0: full logits."""
         raise NotImplementedError
 
+    def layer_checkpoints(self) -> LayerCheckpoints | None:
+        """The checkpoints an earlier apply set (None: first apply)."""
+        return None
+
 
 @dataclass(frozen=True)
 class Applied:
@@ -107,7 +111,7 @@ def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int) -> None:
 
 def apply_layer_checkpointing(adapter: DecoderAdapter, options: FPDTOptions) -> LayerCheckpoints:
     """The model's one :class:`LayerCheckpoints` for ``options.checkpointing``; returned."""
-    checkpoints = LayerCheckpoints(options, len(adapter.layers))
+    checkpoints = LayerCheckpoints(options, len(adapter.layers), previous=adapter.layer_checkpoints())
     adapter.set_layer_checkpoints(checkpoints)
     return checkpoints
 

@@ -18,18 +18,21 @@ import torch
 
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.offload import HostStash
-from fpdt.offload.nvme import shared_store
+from fpdt.offload.nvme import NVMeTier
 from fpdt.offload.nvme_stash import NVMeStash
 from fpdt.options import FPDTOptions
 
 
 class LayerCheckpoints:
-    """One model's layer-checkpoint state for ``options`` and ``num_layers`` decoder layers."""
+    """One model's layer-checkpoint state for ``options`` and ``num_layers`` decoder layers.
+    ``previous``: the model's checkpoints before a ``configure``, whose NVMe tier (with its open
+    store) carries over when ``options`` name none."""
 
-    def __init__(self, options: FPDTOptions, num_layers: int):
+    def __init__(self, options: FPDTOptions, num_layers: int, previous: "LayerCheckpoints | None" = None):
         self.mode = options.checkpointing
         self.runtime = options.runtime
         self.nvme_path = options.nvme_path
+        self.tier = options.nvme_tier or (previous.tier if previous is not None else None) or NVMeTier()
         self.num_layers = num_layers
         self.on_host = num_layers - options.checkpoint_device_layers   # layers [on_host, n) keep x on the device
         self.saving = saving_layers(options, num_layers)
@@ -77,7 +80,7 @@ class LayerCheckpoints:
 
     def _saved_stash(self, device: torch.device, i: int) -> NVMeStash:
         """Layer ``i``'s saved attention outputs on disk: each chunk's write starts two puts later."""
-        return NVMeStash(device, shared_store(self.nvme_path, global_rank()), runtime=self.runtime, label=f"layer {i}")
+        return NVMeStash(device, self.nvme_store(), runtime=self.runtime, label=f"layer {i}")
 
     def _chain(self, saved: SavedAttention | None) -> None:
         """Called for every layer ``i``: saved outputs on disk go there as they come (two chunks
@@ -94,6 +97,10 @@ class LayerCheckpoints:
                 earlier.stash.flush() if finish else earlier.stash.start_flush()
         self._recent = self._recent[-2:] + [weakref.ref(saved) if saved is not None else None]
 
+    def nvme_store(self):
+        """This rank's store of the NVMe tier (opened on first use)."""
+        return self.tier.store(self.nvme_path, global_rank())
+
     @property
     def stash(self) -> HostStash | None:
         """The host stash of the offloaded layer inputs (None until an offloading forward made it)."""
@@ -102,7 +109,7 @@ class LayerCheckpoints:
     def _stash_for(self, device: torch.device) -> HostStash:
         if self._stash is None or self._stash.device != torch.device(device):
             if self.nvme_path is not None:      # the NVMe tier: the inputs go on to files (docs/nvme.md)
-                self._stash = NVMeStash(device, shared_store(self.nvme_path, global_rank()), runtime=self.runtime,
+                self._stash = NVMeStash(device, self.nvme_store(), runtime=self.runtime,
                                         read_ahead=_previous_layer_input,
                                         to_disk=lambda key, n=self.on_nvme: key[1] < n)
             else:

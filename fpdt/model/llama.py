@@ -232,7 +232,7 @@ class FPDTForCausalLM(nn.Module):
             if return_logits:
                 raise ValueError("return_logits materialises [B, S_local, V] logits, and stream_layers keeps every "
                                  "full-length tensor off the device: call with stream_layers=False to get logits")
-            spec = StreamedModel(self.options, self.loss_chunks, self.saving_layers, self.model.rotary_emb.cos_sin)
+            spec = StreamedModel(self.options, self.loss_chunks, self.model.rotary_emb.cos_sin, self._checkpoints)
             return streamed_loss(self, spec, input_ids, labels, position_ids, doc_ids, num_valid_tokens, sp,
                                  self.sp_group)
         h = self._decoder(input_ids, position_ids, doc_ids)                 # [B, S_local, hidden]
@@ -297,3 +297,6 @@ class FPDTAdapter(DecoderAdapter):
 
     def set_loss_chunks(self, num_chunks: int) -> None:
         pass        # the forward reads FPDTForCausalLM.loss_chunks, the same count (loss_chunks_for)
+
+    def layer_checkpoints(self) -> LayerCheckpoints | None:
+        return getattr(self.model, "_checkpoints", None)

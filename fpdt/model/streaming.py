@@ -23,11 +23,10 @@ from fpdt.attention.output_projection import output_projection
 from fpdt.attention.projected_attention import QKVChunks, attention_spec
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.model.checkpointing import replayed_rng, rng_state
-from fpdt.model.layer_checkpoints import global_rank, nvme_layer_count
+from fpdt.model.layer_checkpoints import LayerCheckpoints, nvme_layer_count
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.loss import chunked_lm_loss, sum_over_group, valid_token_scale
 from fpdt.offload import HostStash
-from fpdt.offload.nvme import shared_store
 from fpdt.offload.nvme_stash import NVMeStash
 from fpdt.options import FPDTOptions
 from fpdt.ops.projections import read_output_projection, read_projections
@@ -39,13 +38,14 @@ O_GRAD, BRANCH_GRAD = "o grad", "branch grad"           # d(attention output), d
 @dataclass(frozen=True)
 class StreamedModel:
     """What a streamed run reads of a causal LM besides its modules (``model.model.embed_tokens``,
-    ``.layers``, ``.norm``, ``model.lm_head``): the options, the loss's token chunks, the saving
-    layers, and ``rope(position_ids, dtype) -> (cos, sin)`` of a chunk's positions."""
+    ``.layers``, ``.norm``, ``model.lm_head``): the options, the loss's token chunks,
+    ``rope(position_ids, dtype) -> (cos, sin)`` of a chunk's positions, and the model's layer
+    checkpoints (which layers save their attention output; the NVMe tier)."""
 
     options: FPDTOptions
     loss_chunks: int
-    saving: int
     rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+    checkpoints: LayerCheckpoints
 
 
 class StreamedRun:
@@ -54,7 +54,7 @@ class StreamedRun:
     ``input_ids`` and ``position_ids`` ``[B, S_local]``; ``doc_ids`` ``[B, S]`` or None."""
 
     def __init__(self, model, spec: StreamedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids):
-        opts, saving = spec.options, spec.saving
+        opts, saving = spec.options, spec.checkpoints.saving
         self.spec = spec
         self.model, self.layers = model, list(model.model.layers)
         self.opts, self.device = opts, input_ids.device
@@ -65,7 +65,7 @@ class StreamedRun:
         self.for_backward = torch.is_grad_enabled()
         n = len(self.layers)
         self.on_nvme = min(nvme_layer_count(opts, n), n - 1) if self.for_backward else 0   # the last: read first
-        store = shared_store(opts.nvme_path, global_rank()) if self.on_nvme else None
+        store = spec.checkpoints.nvme_store() if self.on_nvme else None
         self.stashes = [NVMeStash(self.device, store, runtime=opts.runtime, label=f"layer {k}", staging=None,
                                   to_disk=lambda key: key[0] == RESIDUAL) if k < self.on_nvme else
                         HostStash(self.device, enabled=True, label=f"layer {k}" if k < n else "final norm",

@@ -18,27 +18,31 @@ Layout and contract:
   untouched until then. A ``read`` of a key whose write is still in flight first waits for that write.
 * ``discard(key)`` removes one key's file; ``close()`` waits for what is in flight and removes
   every file the store created, its marker and its directory (never ``nvme_path`` itself).
-  The store is a context manager; live stores are also closed at interpreter exit and on
-  SIGINT / SIGTERM (the previous handler is then called).
+  The store is a context manager; a store still open at interpreter exit is closed then
+  (``weakref.finalize``). The library installs no signal handler: ``fpdt-train`` turns SIGTERM
+  into an orderly exit; a library user closes the store (or its :class:`NVMeTier`) or lets the
+  next start reclaim what a killed process left (``docs/nvme.md``).
 * At start, a ``rank{R}`` directory left by a killed run is reclaimed only when it carries the
   marker of a process that is no longer running; a directory without the marker is refused
   with one error naming it, and a file the store did not name is never deleted.
+
+One run's stores are held by an :class:`NVMeTier` (one store per ``(nvme_path, rank)``, opened
+on first use with the tier's backend); a model gets one through ``FPDTOptions.nvme_tier`` or
+opens its own.
 
 Backends (the ``backend=`` argument) move bytes between a contiguous CPU tensor and a file:
 :class:`PortableBackend` (a thread pool of ``os.pwrite`` / ``os.preadv``; no dependencies) here,
 and DeepSpeed's aio in :mod:`fpdt.train.nvme_aio` (this package may not import DeepSpeed).
 """
 
-import atexit
 import contextlib
+import gc
 import errno as errno_mod
 import itertools
 import json
 import os
 import shutil
-import signal
 import socket
-import threading
 import time
 import warnings
 import weakref
@@ -197,44 +201,6 @@ class IOHandle:
 
 
 # ---------------------------------------------------------------------------------------------
-# Process-wide cleanup: atexit and signals
-
-_LIVE = weakref.WeakSet()
-_HOOKS = {"installed": False, "previous": {}}
-_HOOK_LOCK = threading.Lock()
-
-
-def close_stores():
-    """Close every open store of this process (their files removed; errors not raised)."""
-    for store in list(_LIVE):
-        store.close(raise_errors=False)
-
-
-
-def _on_signal(signum, frame):
-    close_stores()
-    previous = _HOOKS["previous"].get(signum)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_DFL or previous is None:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-def _install_hooks():
-    with _HOOK_LOCK:
-        if _HOOKS["installed"]:
-            return
-        _HOOKS["installed"] = True
-        atexit.register(close_stores)
-        if threading.current_thread() is not threading.main_thread():
-            return          # signal handlers can only be set from the main thread; atexit still holds
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            _HOOKS["previous"][sig] = signal.getsignal(sig)
-            signal.signal(sig, _on_signal)
-
-
-# ---------------------------------------------------------------------------------------------
 # The store
 
 
@@ -265,9 +231,9 @@ def reclaim(rank_dir):
     except (OSError, ValueError):
         info = {}
     pid, host = info.get("pid"), info.get("host")
-    if any(store.dir == rank_dir for store in list(_LIVE)):
+    if host == socket.gethostname() and pid == os.getpid():
         raise NVMeError(f"nvme_path: {rank_dir} is in use by another NVMeStore of this process; "
-                        "share that store (shared_store) or give each its own nvme_path")
+                        "share that store (one NVMeTier) or give each its own nvme_path")
     if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
         raise NVMeError(f"nvme_path: {rank_dir} is in use by running process {pid} on {host}; "
                         "give each run its own nvme_path")
@@ -308,6 +274,8 @@ class NVMeStore:
             check_space(nvme_path, need_bytes)
         self.ram_backed = warn_if_ram_backed(nvme_path)
         if os.path.lexists(self.dir):
+            gc.collect()        # a store of this process no longer referenced removes its directory
+        if os.path.lexists(self.dir):
             reclaim(self.dir)
         os.mkdir(self.dir, 0o700)
         with open(os.path.join(self.dir, MARKER), "w") as f:
@@ -315,8 +283,8 @@ class NVMeStore:
         self.backend = backend if backend is not None else PortableBackend()
         self.defer_faults, self.fault = False, None
         self._closed = False
-        _install_hooks()
-        _LIVE.add(self)
+        # closes what is left at interpreter exit; holds no reference to the store
+        self._finalizer = weakref.finalize(self, _remove_files, self.dir, self._files, self.backend)
 
     # -- faults
 
@@ -409,7 +377,7 @@ class NVMeStore:
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
+        self._finalizer.detach()
         first = None
         for h in list(self._pending):
             try:
@@ -444,27 +412,60 @@ class NVMeStore:
             self.close(raise_errors=False)
 
 
-_SHARED = {}
+class NVMeTier:
+    """The NVMe stores of one model or run: one :class:`NVMeStore` per ``(nvme_path, rank)``,
+    opened on first use with ``backend_factory()`` (None: :class:`PortableBackend`). Callers
+    that share a store keep their keys apart (each prefixes its own). A context manager: the
+    exit closes every store it opened (their files removed)."""
+
+    def __init__(self, backend_factory=None):
+        self.backend_factory = backend_factory or PortableBackend
+        self._stores = {}
+
+    def store(self, nvme_path, rank=0):
+        """The open store of ``(nvme_path, rank)``, opened now if it is not."""
+        key = (os.path.realpath(os.fspath(nvme_path)), int(rank))
+        store = self._stores.get(key)
+        if store is None or store._closed:
+            store = self._stores[key] = NVMeStore(nvme_path, rank, backend=self.backend_factory())
+        return store
+
+    def open_stores(self):
+        """The stores opened and not yet closed."""
+        return [s for s in self._stores.values() if not s._closed]
+
+    def close(self, raise_errors=True):
+        """Close every store of this tier; the first error is raised after all are closed."""
+        first = None
+        for store in self._stores.values():
+            try:
+                store.close(raise_errors=raise_errors)
+            except NVMeError as e:
+                first = first or e
+        self._stores.clear()
+        if first is not None:
+            raise first
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(raise_errors=exc_type is None)
+        return False
 
 
-def shared_store(nvme_path, rank=0):
-    """The process's one open store of ``(nvme_path, rank)``, opened on first use with the
-    backend of :func:`use_backend` (the portable one unless a caller above chose). Callers
-    that share it keep their keys apart (each prefixes its own)."""
-    key = (os.path.realpath(os.fspath(nvme_path)), int(rank))
-    store = _SHARED.get(key)
-    if store is None or store._closed:
-        store = _SHARED[key] = NVMeStore(nvme_path, rank, backend=_BACKEND["factory"]())
-    return store
-
-
-_BACKEND = {"factory": PortableBackend}
-
-
-def use_backend(factory):
-    """Make :func:`shared_store` open new stores with ``factory()`` (e.g. DeepSpeed's aio from
-    :mod:`fpdt.train.nvme_aio`, which this package may not import); None: the portable backend."""
-    _BACKEND["factory"] = factory or PortableBackend
+def _remove_files(rank_dir, files, backend):
+    """What :meth:`NVMeStore.close` removes, for a store left open at interpreter exit."""
+    try:
+        backend.close()
+    finally:
+        for path in files.values():
+            _unlink(path)
+        _unlink(os.path.join(rank_dir, MARKER))
+        try:
+            os.rmdir(rank_dir)
+        except OSError:
+            pass
 
 
 def _unlink(path):

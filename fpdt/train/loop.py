@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fpdt.offload import resolve_runtime
-from fpdt.offload.nvme import NVMeStore, close_stores, shared_store
+from fpdt.offload.nvme import NVMeStore, NVMeTier
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
 from fpdt.train.config import RunLayout
 from fpdt.train.data import PackedWindows, Windows, sequence_ids
@@ -57,9 +57,11 @@ class LoopSpec:
     """The model's device runtime option (:attr:`fpdt.options.FPDTOptions.runtime`), whose
     ``synchronize`` brackets each step's wall time; None: automatic."""
     nvme_path: str | None = None
-    """The model's NVMe tier (:attr:`fpdt.options.FPDTOptions.nvme_path`): its store's I/O faults
+    """The model's NVMe directory (:attr:`fpdt.options.FPDTOptions.nvme_path`): its store's I/O faults
     are deferred and checked on every rank once per step, before the optimizer step
     (:func:`check_nvme_faults`)."""
+    nvme_tier: NVMeTier | None = None
+    """The tier holding that store (:attr:`fpdt.options.FPDTOptions.nvme_tier`, the model's)."""
 
 
 class NonFiniteStep(RuntimeError):
@@ -98,8 +100,8 @@ def _micro_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: 
 
 def check_nvme_faults(step: int, device: torch.device, store: NVMeStore) -> None:
     """Raise :class:`NVMeFault` on every rank, naming the ranks whose NVMe tier failed in step
-    ``step`` (0-based) and the first one's error, after closing this process's stores (their
-    files removed); nothing when none failed. One all-reduce of ``world_size`` ints (a host sync)."""
+    ``step`` (0-based) and the first one's error, after closing ``store`` (its files removed);
+    nothing when none failed. One all-reduce of ``world_size`` ints (a host sync)."""
     fault = store.take_fault()
     rank, world = dist.get_rank(), dist.get_world_size()
     flags = torch.zeros(world, dtype=torch.int32, device=device)
@@ -110,7 +112,7 @@ def check_nvme_faults(step: int, device: torch.device, store: NVMeStore) -> None
         return
     messages = [None] * world
     dist.all_gather_object(messages, None if fault is None else str(fault))   # the error path only
-    close_stores()
+    store.close(raise_errors=False)
     ranks = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
     raise NVMeFault(f"step {step + 1}: the NVMe tier failed on {ranks} (rank {failed[0]}: {messages[failed[0]]}); "
                     f"the step's update was not applied")
@@ -192,7 +194,7 @@ def run_steps(engine, windows: Windows | PackedWindows, spec: LoopSpec, start: i
     :class:`NVMeFault` when a rank's drive failed in a step (before its update and save).
     """
     # the store the model's tier uses (the process's one for this path and rank), opened here if need be
-    store = shared_store(spec.nvme_path, dist.get_rank()) if spec.nvme_path is not None else None
+    store = spec.nvme_tier.store(spec.nvme_path, dist.get_rank()) if spec.nvme_path is not None else None
     with store.deferred_faults() if store is not None else contextlib.nullcontext():
         return _run_steps(engine, windows, spec, start, stop, progress, on_step_end, store)
 

@@ -137,11 +137,12 @@ def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, devi
     is the micro-batch's local tokens; the figure is per micro-batch. The layers on disk are the
     first ``nvme_layers`` (None: all) of the offloaded ones; of those, the first ``saved_layers``
     also write ``saved_bytes`` of saved attention output each (two files per chunk). The figure
-    is an upper bound: every file padded by one alignment block. Returns the line; raises
+    is an upper bound: every file padded by one alignment block. Returns the line and the
+    :class:`NVMeTier` (with that backend) the model's options take; raises
     NVMeError (one line: directory, bytes needed, bytes free) when the drive cannot hold a step."""
     import os
 
-    from fpdt.offload.nvme import NVMeError, check_space, use_backend, warn_if_ram_backed
+    from fpdt.offload.nvme import NVMeError, NVMeTier, check_space, warn_if_ram_backed
     if not os.path.isdir(nvme_path):
         raise NVMeError(f"nvme_path {nvme_path} is not an existing directory; create it (on a local NVMe drive) "
                         "or unset nvme_path")
@@ -155,7 +156,7 @@ def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, devi
     warn_if_ram_backed(nvme_path)
     backend, note = default_backend()
     first = [backend]
-    use_backend(lambda: first.pop() if first else default_backend()[0])
+    tier = NVMeTier(lambda: first.pop() if first else default_backend()[0])
     saved = f" + {saving} saved attention outputs x {per_saved:,} bytes" if saving else ""
     return (f"{note}; nvme_path {nvme_path}: layer inputs written {need / 2 ** 30:.3g} GiB per micro-batch and rank "
-            f"({layers} layers x {per_layer:,} bytes{saved})")
+            f"({layers} layers x {per_layer:,} bytes{saved})"), tier

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 def checkpoint_stash(model):
     """The host stash of the layer inputs apply_fpdt(checkpointing="offload") keeps, if any."""
-    return model.model.layers[0]._fpdt_checkpoint[2].stash
+    return model.model.layers[0]._fpdt_checkpoints.stash
 
 
 @contextlib.contextmanager

@@ -11,15 +11,26 @@ import pytest
 import torch
 
 import fpdt.model as fm
-from fpdt.offload.nvme import MARKER, NVMeStore, shared_store
+from fpdt.offload.nvme import MARKER, NVMeStore, NVMeTier
 from fpdt.offload.nvme_stash import NVMeStash
 from tests.model.helpers import hf_config, tokens
 
 
+
+_TIERS: dict = {}
+
+
+def _tier(path, backend_factory=None):
+    """The test's NVMeTier of ``path`` (the model's ``nvme_tier``); the fixture closes it."""
+    if path not in _TIERS:
+        _TIERS[path] = NVMeTier(backend_factory)
+    return _TIERS[path]
+
 def _step(name, layers, nvme_path, ids, labels, **options):
     cfg = hf_config(name).to_dict() | {"num_hidden_layers": layers}
     torch.manual_seed(3)
-    model = fm.from_config(cfg, checkpointing="offload", offload=True, runtime="sim", nvme_path=nvme_path, **options)
+    model = fm.from_config(cfg, checkpointing="offload", offload=True, runtime="sim", nvme_path=nvme_path,
+                          nvme_tier=_tier(nvme_path) if nvme_path else None, **options)
     loss = model(**model.prepare_inputs(ids, labels=labels))
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -29,7 +40,7 @@ def _step(name, layers, nvme_path, ids, labels, **options):
 @pytest.fixture
 def nvme_dir(tmp_path):
     yield str(tmp_path)
-    shared_store(str(tmp_path), 0).close()
+    _TIERS.pop(str(tmp_path), NVMeTier()).close()
     assert os.listdir(tmp_path) == []
 
 
@@ -64,7 +75,7 @@ def test_flush_leaves_no_entry_on_the_host(nvme_dir):
     from fpdt.offload import fresh_runtime
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        store = shared_store(nvme_dir, 0)
+        store = _tier(nvme_dir).store(nvme_dir, 0)
     with fresh_runtime("sim") as rt:
         stash = NVMeStash("cpu", store, runtime=rt, read_ahead=lambda k: (k[0], k[1] - 1) if k[1] > 0 else None)
         xs = [torch.randn(3, 17, generator=torch.Generator().manual_seed(i)) for i in range(5)]
@@ -85,13 +96,12 @@ def test_flush_leaves_no_entry_on_the_host(nvme_dir):
 def test_bit_identical_through_deepspeed_aio(nvme_dir, monkeypatch):
     """The same, with the model's store on DeepSpeed's aio (O_DIRECT) where it builds (its first
     use JIT-builds the op, hence slow; FPDT_REQUIRE_AIO=1 turns the skip into a failure)."""
-    import fpdt.offload.nvme as nvme
     from fpdt.train.nvme_aio import AioBackend, aio_backend, aio_unavailable
     if aio_backend() is None:
         if os.environ.get("FPDT_REQUIRE_AIO") == "1":
             pytest.fail(f"FPDT_REQUIRE_AIO=1 but {aio_unavailable()}")
         pytest.skip(aio_unavailable())
-    monkeypatch.setitem(nvme._BACKEND, "factory", aio_backend)
+    _tier(nvme_dir, aio_backend)
     ids, labels = tokens(hf_config("llama_gqa").vocab_size, 2, 24)
     ref_loss, ref_grads, _ = _step("llama_gqa", 6, None, ids, labels, num_chunks=2)
     with warnings.catch_warnings():

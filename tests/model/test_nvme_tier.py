@@ -16,7 +16,7 @@ import torch.distributed as dist
 import fpdt.model as fm
 from fpdt.memory.accountant import MemoryAccountant
 from fpdt.offload import fresh_runtime
-from fpdt.offload.nvme import MARKER, shared_store
+from fpdt.offload.nvme import MARKER, NVMeTier
 from fpdt.offload.nvme_stash import NVMeStash
 from fpdt.options import OptionsError
 from tests.distributed import run_distributed
@@ -32,6 +32,16 @@ def _docs(S: int) -> torch.Tensor:
     return doc.expand(2, S)
 
 
+
+_TIERS: dict = {}
+
+
+def _tier(path, backend_factory=None):
+    """The test's NVMeTier of ``path`` (the model's ``nvme_tier``); the fixture closes it."""
+    if path not in _TIERS:
+        _TIERS[path] = NVMeTier(backend_factory)
+    return _TIERS[path]
+
 def _step(layers, nvme_path, ids, labels, docs=None, name="llama_gqa", steps=1, **options):
     """Loss and gradients of the last of ``steps`` steps, the model, and the store's written bytes per step."""
     cfg = hf_config(name).to_dict() | {"num_hidden_layers": layers}
@@ -40,14 +50,14 @@ def _step(layers, nvme_path, ids, labels, docs=None, name="llama_gqa", steps=1, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")           # tmp_path may be on tmpfs
         model = fm.from_config(cfg, checkpointing="offload", offload=True, runtime="sim", nvme_path=nvme_path,
-                               group=group, **options)
+                               nvme_tier=_tier(nvme_path) if nvme_path else None, group=group, **options)
         written = []
         for _ in range(steps):
-            before = shared_store(nvme_path, _rank()).bytes_written if nvme_path else 0
+            before = _tier(nvme_path).store(nvme_path, _rank()).bytes_written if nvme_path else 0
             model.zero_grad(set_to_none=True)
             loss = model(**model.prepare_inputs(ids, labels=labels, doc_ids=docs))
             loss.backward()
-            written.append((shared_store(nvme_path, _rank()).bytes_written if nvme_path else 0) - before)
+            written.append((_tier(nvme_path).store(nvme_path, _rank()).bytes_written if nvme_path else 0) - before)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, model, written
 
@@ -76,7 +86,7 @@ def _check(nvme_dir, layers, u, S, docs=False, **options):
 @pytest.fixture
 def nvme_dir(tmp_path):
     yield str(tmp_path)
-    shared_store(str(tmp_path), 0).close()
+    _TIERS.pop(str(tmp_path), NVMeTier()).close()
     assert os.listdir(tmp_path) == []
 
 
@@ -155,7 +165,8 @@ def _host_peak(nvme_path, layers, stream):
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
         model = fm.from_config(cfg, checkpointing="offload", offload=True, runtime=rt, nvme_path=nvme_path,
-                               num_chunks=4, attention_checkpoint="save", stream_layers=stream)
+                               nvme_tier=_tier(nvme_path) if nvme_path else None, num_chunks=4,
+                               attention_checkpoint="save", stream_layers=stream)
         inputs = model.prepare_inputs(ids, labels=labels)
         model(**inputs).backward()                 # the first step fills the pools
         with MemoryAccountant("cpu") as acct:
@@ -183,9 +194,8 @@ def test_host_peak_is_independent_of_depth(nvme_dir, stream):
 
 def _two_ranks(rank, world, path, backend, stream, attention, docs):
     if backend == "aio":
-        import fpdt.offload.nvme as nvme
         from fpdt.train.nvme_aio import aio_backend
-        nvme.use_backend(aio_backend)
+        _tier(path, aio_backend)
     try:
         ids, labels = tokens(hf_config("llama_gqa").vocab_size, 2, 32)
         d = _docs(32) if docs else None
@@ -193,7 +203,7 @@ def _two_ranks(rank, world, path, backend, stream, attention, docs):
         ref = _step(layers, None, ids, labels, d, num_chunks=2, attention_checkpoint=attention, stream_layers=stream)
         got = _step(layers, path, ids, labels, d, num_chunks=2, attention_checkpoint=attention, stream_layers=stream)
         _assert_identical(got, ref, (rank, backend, stream, attention))
-        store = shared_store(path, rank)
+        store = _tier(path).store(path, rank)
         assert store.backend.name == ("deepspeed-aio" if backend == "aio" else "portable")
         assert got[3][0] > 0 and store.bytes_read > 0
         dist.barrier()
@@ -202,8 +212,7 @@ def _two_ranks(rank, world, path, backend, stream, attention, docs):
         dist.barrier()                                           # both have looked before either closes
         store.close()
     finally:
-        import fpdt.offload.nvme as nvme
-        nvme.use_backend(None)
+        _TIERS.pop(path).close()
 
 
 def _require_aio():

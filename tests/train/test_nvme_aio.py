@@ -86,19 +86,19 @@ def test_trainer_setup_line_and_preflight(tmp_path, monkeypatch):
     from fpdt.cli.train import _nvme_tier
     from fpdt.train.config import ConfigError
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)   # no JIT build here
-    monkeypatch.setitem(nvme._BACKEND, "factory", nvme.PortableBackend)
     plan = SimpleNamespace(seq_len=4096, sp=2)
     config = SimpleNamespace(num_layers=5, hidden_size=64)
     opts = SimpleNamespace(nvme_path=str(tmp_path), checkpoint_device_layers=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        (line,) = _nvme_tier(opts, plan, config, "bf16")
+        tier, (line,) = _nvme_tier(opts, plan, config, "bf16")
     per_layer = 2048 * 64 * 2
     assert line.startswith("NVMe backend: portable") and f"4 layers x {per_layer:,} bytes" in line, line
-    store = nvme.shared_store(tmp_path, 0)
+    assert isinstance(tier, nvme.NVMeTier) and not tier.open_stores()      # opened by the model, on first use
+    store = tier.store(tmp_path, 0)
     assert isinstance(store.backend, PortableBackend)
-    store.close()
-    assert _nvme_tier(SimpleNamespace(nvme_path=None), plan, config, "bf16") == ()
+    tier.close()
+    assert _nvme_tier(SimpleNamespace(nvme_path=None), plan, config, "bf16") == (None, ())
     # nvme_layers=2 of the 4 offloaded, saving the first 3 layers' attention outputs (2 files per chunk)
     config = SimpleNamespace(num_layers=5, hidden_size=64, num_heads=4, head_dim=16)
     plan2 = SimpleNamespace(seq_len=4096, sp=2, num_chunks=2)
@@ -106,10 +106,10 @@ def test_trainer_setup_line_and_preflight(tmp_path, monkeypatch):
                              attention_checkpoint="save", save_attention_layers=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        (line,) = _nvme_tier(saving, plan2, config, "bf16")
+        tier, (line,) = _nvme_tier(saving, plan2, config, "bf16")
     per_saved = 2048 * 4 * (16 * 2 + 4) + 2 * 2 * 4096
     assert f"(2 layers x {per_layer:,} bytes + 2 saved attention outputs x {per_saved:,} bytes)" in line, line
-    nvme.shared_store(tmp_path, 0).close()
+    tier.close()
     huge = SimpleNamespace(seq_len=2 ** 50, sp=1)
     with pytest.raises(ConfigError, match=f"nvme_path {tmp_path}: needs .* bytes, .* free"):
         _nvme_tier(opts, huge, config, "bf16")
