@@ -87,7 +87,8 @@ def test_unknown_option_names_the_valid_ones():
 
 
 def test_trainer_keys_are_the_options_fields():
-    """The JSON section's keys are the options' fields (two spelt as their flags) plus the mesh (the objects a run builds, group, mesh and NVMe tier, are no keys)."""
+    """The JSON section's keys are the options' fields (two spelt as their flags) plus the mesh
+    (what a run builds, group, mesh and NVMe tier, is no key)."""
     fields = set(FPDTOptions.__dataclass_fields__) - {"num_chunks", "group", "mesh", "nvme_tier", "checkpointing", "backend"}
     assert fields | {"checkpoint", "attention_backend", "sp", "hp", "cp", "placement", "inner_ring",
                      "chunk_size"} == set(FPDT_KEYS)
