@@ -30,12 +30,18 @@ same way for every strategy:
   ``i - 1``'s; ``bwd layer 0`` also holds the embedding backward). ``peak_phase`` is the
   phase in which the device peak was reached.
 
-**Per added token**: ``(peak(L2) - peak(L1)) / (L2 - L1)`` bytes for the two lengths
-(default 8K and 16K); KB = 1000 bytes, the issue's unit.
+**Per added token**: ``(peak(L2) - peak(L1)) / (L2 - L1)`` bytes for the shortest and longest
+length (default 8K and 16K); KB = 1000 bytes, the issue's unit.
+
+**Other models**: ``--model-config PATH`` (a Transformers ``config.json``; e.g. the small
+hybrid and MoE models of ``benchmarks/models/``) replaces :data:`MODEL`; ``--plot PNG`` draws
+the device peak per 1K tokens and the step time of every strategy against the length.
 
     python -m profiling.bytes_per_token                                  # 8K, 16K; minutes on a CPU
     python -m profiling.bytes_per_token --strategies fpdt --reuse results.json   # re-run fpdt only
     python -m profiling.bytes_per_token --tiny --lengths 512 1024 --in-process   # smoke run
+    python -m profiling.bytes_per_token --model-config benchmarks/models/qwen3_5_small.json \
+        --strategies fpdt fpdt-stream hf --lengths 8192 16384 32768 --plot hybrid.png
 """
 
 from __future__ import annotations
@@ -186,10 +192,19 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def model_config(tiny: bool = False, path: str | None = None) -> dict:
+    """The measured model: ``path``'s ``config.json``, else :data:`TINY` or :data:`MODEL`."""
+    if path is not None:
+        with open(path) as f:
+            return json.load(f)
+    return dict(TINY if tiny else MODEL)
+
+
 def measure(strategies=DEFAULT_STRATEGIES, lengths=(8192, 16384), chunk_size: int = 1024, tiny: bool = False,
-            in_process: bool = False, timeout_s: float = 1800.0, reuse: list[dict] | None = None) -> dict:
+            in_process: bool = False, timeout_s: float = 1800.0, reuse: list[dict] | None = None,
+            config_path: str | None = None) -> dict:
     """Run (or reuse from ``reuse``, a previous result's ``trials``) every trial; per-token figures."""
-    cfg = dict(TINY if tiny else MODEL)
+    cfg = model_config(tiny, config_path)
     run_now = [s for s in strategies if st.missing_packages(s) is None]
     kept = [t for t in (reuse or []) if t["strategy"] not in run_now and t["seq_len"] in lengths]
     names = list(dict.fromkeys([*strategies, *(t["strategy"] for t in kept)]))
@@ -204,7 +219,7 @@ def measure(strategies=DEFAULT_STRATEGIES, lengths=(8192, 16384), chunk_size: in
                 r = trial(s, cfg, n, chunk_size)
             else:
                 argv = ["--strategy", s, "--seq-len", str(n), "--chunk-size", str(chunk_size)] + \
-                    (["--tiny"] if tiny else [])
+                    (["--tiny"] if tiny else []) + (["--model-config", config_path] if config_path else [])
                 r = bc.run_trial("profiling.bytes_per_token", argv, timeout_s)
                 r.setdefault("strategy", s)
                 r.setdefault("seq_len", n)
@@ -217,10 +232,38 @@ def measure(strategies=DEFAULT_STRATEGIES, lengths=(8192, 16384), chunk_size: in
             "trials": trials, "per_token": per_token(trials, names, list(lengths))}
 
 
+def plot(result: dict, path: str) -> None:
+    """Two panels against the length: device peak per 1K tokens (MiB) and step time (s), per strategy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (mem, sec) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for s in result["strategies"]:
+        ok = sorted((t["seq_len"], t) for t in result["trials"] if t["strategy"] == s and t.get("status") == "ok")
+        if not ok:
+            continue
+        n = [k for k, _ in ok]
+        mem.plot(n, [t["device_peak_bytes"] / 2 ** 20 / (k / 1024) for k, t in ok], marker="o", label=s)
+        sec.plot(n, [t["seconds"] for _, t in ok], marker="o", label=s)
+    for ax, label in ((mem, "device peak per 1K tokens (MiB, counted)"), (sec, "forward + backward (s, CPU)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(label)
+    mem.legend()
+    fig.suptitle(f"{result['model'].get('model_type')} (hidden {result['model'].get('hidden_size')}, "
+                 f"{result['model'].get('num_hidden_layers')} layers), chunk {result['chunk_size']}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategies", nargs="+", default=list(DEFAULT_STRATEGIES), choices=st.STRATEGIES)
-    p.add_argument("--lengths", nargs=2, type=int, default=[8192, 16384], metavar=("L1", "L2"))
+    p.add_argument("--lengths", nargs="+", type=int, default=[8192, 16384], metavar="L",
+                   help="sequence lengths; the per-token figures use the shortest and the longest")
+    p.add_argument("--model-config", default=None, help="a Transformers config.json to measure instead of MODEL")
+    p.add_argument("--plot", default=None, help="write a PNG of device peak per 1K tokens and step time vs length")
     p.add_argument("--chunk-size", type=int, default=1024, help="fpdt's attention chunk (tokens)")
     p.add_argument("--tiny", action="store_true", help="tiny model (hidden 64, vocab 512) for smoke runs")
     p.add_argument("--in-process", action="store_true", help="run trials in this process (tests)")
@@ -237,15 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.trial:                                   # one trial, in a fresh process: JSON on the last line
-        print(json.dumps(trial(args.strategy, dict(TINY if args.tiny else MODEL), args.seq_len, args.chunk_size)))
+        print(json.dumps(trial(args.strategy, model_config(args.tiny, args.model_config), args.seq_len,
+                               args.chunk_size)))
         return {}
     reuse = None
     if args.reuse:
         with open(args.reuse) as f:
             reuse = json.load(f)["trials"]
     result = measure(args.strategies, args.lengths, args.chunk_size, args.tiny, args.in_process,
-                     args.trial_timeout_s, reuse)
+                     args.trial_timeout_s, reuse, args.model_config)
     text = markdown(result)
+    if args.plot:
+        plot(result, args.plot)
     print(text)
     for path, body in ((args.out, text), (args.json, json.dumps(result, indent=2) + "\n")):
         if path:

@@ -156,10 +156,13 @@ def fpdt_loss_chunks(cfg: dict, seq_len: int, chunk_size: int) -> int:
 
 
 def _hf_model(cfg: dict, device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    """Transformers' causal LM of ``cfg`` (any ``model_type`` it knows: Llama, Qwen3.5's hybrid,
+    Qwen3-MoE), SDPA attention, gradient checkpointing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    hf_cfg = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                        if k not in ("architectures", "model_type")})
     hf_cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(hf_cfg).to(device=device, dtype=dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
