@@ -42,7 +42,7 @@ from fpdt.train import lora, preflight, saving, zero, zero_load
 from fpdt.comm import PLACEMENTS
 from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
 from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
-                               merge_options, validate)
+                               cpu_runtime, merge_flags, validate)
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report, this_rank
@@ -180,14 +180,22 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
             "nvme_layers": args.nvme_layers}
 
 
-def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None) -> TrainerOptions:
-    """The run's FPDT options: flags > the ``"fpdt"`` JSON section > ``$FPDT_RUNTIME`` (the
-    ``runtime`` default, read here only: the library takes the runtime as an option) > defaults."""
+def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None, device_type: str | None = None,
+                 said: list[str] | None = None) -> TrainerOptions:
+    """The run's FPDT options: flags (and what they imply) > the ``"fpdt"`` JSON section >
+    ``$FPDT_RUNTIME`` (the ``runtime`` default, read here only: the library takes the runtime as
+    an option) > defaults; given the ``device_type``, offload on a CPU on the simulated runtime
+    (:func:`fpdt.train.config.cpu_runtime`). The start-up lines saying so are appended to ``said``."""
     env = os.environ.get(ENV_RUNTIME, "").strip()
     if env and env not in RUNTIMES:
         raise ConfigError(f"{ENV_RUNTIME}={env!r} is not a device runtime: use one of {', '.join(RUNTIMES)}, "
                           f"or unset it")
-    return merge_options(fpdt_flags(args), section, defaults={"runtime": env or None})
+    opts, overrode = merge_flags(fpdt_flags(args), section, defaults={"runtime": env or None})
+    sim = None
+    if device_type is not None:
+        opts, sim = cpu_runtime(opts, device_type)
+    (said if said is not None else []).extend(line for line in (overrode, sim) if line)
+    return opts
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -299,7 +307,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     lora_spec = lora.spec_from_args(args)
     device = pick_device()
     ds_config, section = load_ds_config(args.deepspeed, device.type)
-    opts = fpdt_options(args, section)
+    said: list[str] = []
+    opts = fpdt_options(args, section, device.type, said)
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
@@ -316,7 +325,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                                               not kernel.native_gqa, lora_spec.rank if lora_spec else 0)
     memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
                           lora_rank=lora_spec.rank if lora_spec else 0)
-    memory = replace(memory, lines=(*streaming, *memory.lines))
+    memory = replace(memory, lines=(*said, *streaming, *memory.lines))
     opts = _with_choices(opts, memory)
     memory = replace(memory, lines=(*memory.lines, *_nvme_tier(opts, plan, source.config, dtype_name)))
     zero.init_deepspeed_comm(device, timeout)

@@ -16,7 +16,7 @@ import json
 import sys
 
 from fpdt.attention.kernels import BACKENDS
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, in_flag_terms
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, NVME_PRESETS, Cluster, gpu_from_args, load_calibration, nvme_from_args
 from fpdt.plan.models import PRESETS, load_model_config
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         choice = choice.fix(**{option_field(k): v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:
-        print(f"fpdt-plan: error: {exc}", file=sys.stderr)
+        print(f"fpdt-plan: error: {in_flag_terms(str(exc))}", file=sys.stderr)
         return 2
     print(json.dumps(out, indent=2) if args.json else render(out))
     return 0

@@ -28,7 +28,8 @@ import torch
 
 from fpdt.layout import chunk_split, chunking_problems
 from fpdt.offload import runtime_name
-from fpdt.options import DERIVED_OPTIONS, FPDTOptions, LayoutOptions, attention_checkpoint_given, device_defaults
+from fpdt.options import (DERIVED_OPTIONS, FPDTOptions, LayoutOptions, as_flag, attention_checkpoint_given,
+                          device_defaults)
 
 DEFAULT_CHUNK_TOKENS = 65536
 """Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (arXiv:2408.16978),
@@ -95,6 +96,11 @@ def _unknown_key_error(key: str) -> ConfigError:
                        f"valid keys: {', '.join(FPDT_KEYS)}")
 
 
+IMPLIED = {"stream_layers": (True, {"offload": True, "checkpoint": "offload", "checkpoint_device_layers": 0})}
+"""Flag key -> (value, the settings that value implies): a flag given with that value sets them
+too, over the JSON section, unless their own flags are given."""
+
+
 def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
                   defaults: Mapping[str, Any] | None = None) -> TrainerOptions:
     """Combine flags > ``"fpdt"`` JSON section > ``defaults`` > the fields' defaults into
@@ -102,21 +108,54 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
 
     ``flags`` and ``defaults`` map :data:`FPDT_KEYS` to values, ``None`` meaning "not given".
     """
+    return merge_flags(flags, section, defaults)[0]
+
+
+def merge_flags(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
+                defaults: Mapping[str, Any] | None = None) -> tuple[TrainerOptions, str | None]:
+    """:func:`merge_options`, with the settings a given flag implies (:data:`IMPLIED`) applied
+    over the JSON section, and the one line that says which of the section's settings the flags
+    overrode (None when none did)."""
     section = dict(section or {})
     for key in section:
         if key not in FPDT_KEYS:
             raise _unknown_key_error(key)
+    given = {k: v for k, v in flags.items() if v is not None}
+    for key, (value, implied) in IMPLIED.items():
+        if given.get(key) == value:
+            given.update({k: (v, key) for k, v in implied.items() if flags.get(k) is None})
     merged: dict[str, Any] = {}
+    overrode = []
     for key in FPDT_KEYS:
-        if flags.get(key) is not None:
-            merged[_FIELD_OF_KEY.get(key, key)] = flags[key]
+        if key in given:
+            value, by = given[key] if isinstance(given[key], tuple) else (given[key], None)
+            merged[option_field(key)] = value
+            if key in section and section[key] != value:
+                overrode.append(f"{as_flag(option_field(key), value)} over {json.dumps({key: section[key]})[1:-1]}"
+                                + (f" (implied by {as_flag(by, flags[by])})" if by else ""))
         elif key in section:
-            merged[_FIELD_OF_KEY.get(key, key)] = section[key]
+            merged[option_field(key)] = section[key]
         elif (defaults or {}).get(key) is not None:
-            merged[_FIELD_OF_KEY.get(key, key)] = defaults[key]
+            merged[option_field(key)] = defaults[key]
     opts = TrainerOptions(**merged)
     _check_types(opts)
-    return opts
+    line = f'fpdt-train: flags win over the DeepSpeed JSON\'s "fpdt" section: {"; ".join(overrode)}' if overrode else None
+    return opts, line
+
+
+def cpu_runtime(opts: TrainerOptions, device_type: str) -> tuple[TrainerOptions, str | None]:
+    """On a device without CUDA, attention offload and offloaded checkpoints (given, or implied by
+    ``stream_layers``) run on the simulated runtime (``runtime="sim"``) unless a runtime is given;
+    returns the options and the start-up line that says so (None when nothing was chosen)."""
+    if device_type == "cuda" or opts.runtime is not None:
+        return opts, None
+    offload, checkpoint = device_defaults(device_type, 2, opts.offload, opts.checkpointing, bool(opts.stream_layers))
+    if not (offload is True or checkpoint == "offload"):
+        return opts, None
+    what = " and ".join(w for w, on in (("--offload", offload is True), ("--checkpoint offload", checkpoint == "offload"))
+                        if on)
+    return replace(opts, runtime="sim"), (f"fpdt-train: on the {device_type}, {what} run on the simulated CUDA "
+                                          f"runtime (--runtime sim): to test the offload paths, not for speed")
 
 
 def _check_types(opts: TrainerOptions) -> None:
