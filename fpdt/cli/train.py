@@ -42,7 +42,7 @@ from fpdt.train import lora, preflight, saving, zero, zero_load
 from fpdt.comm import PLACEMENTS
 from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
 from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
-                               cpu_runtime, merge_flags, validate)
+                               cpu_runtime, merge_flags, unknown_ds_keys, validate)
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report, this_rank
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     lora_spec = lora.spec_from_args(args)
     device = pick_device()
     ds_config, section = load_ds_config(args.deepspeed, device.type)
-    said: list[str] = []
+    said: list[str] = list(unknown_ds_keys(ds_config))
     opts = fpdt_options(args, section, device.type, said)
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
@@ -363,7 +363,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     if lora_spec is not None:
         resumed = os.path.join(*saving.resolve(args.resume)) if args.resume else None
         _say(ps, lora.describe(model, lora_spec, args.lora_init, resumed))
-    progress = Progress(args.steps, start, ps.is_main, args.log_json)
+    progress = Progress(args.steps, start, ps.is_main, args.log_json, resumed=bool(args.resume))
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
                     mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime,
@@ -734,7 +734,8 @@ def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[str, ...
         return (setup_tier(opts.nvme_path, config.num_layers, tokens, config.hidden_size,
                            PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers,
                            nvme_layers=getattr(opts, "nvme_layers", None), saved_layers=saving, saved_bytes=saved,
-                           num_chunks=getattr(plan, "num_chunks", 1)),)
+                           num_chunks=getattr(plan, "num_chunks", 1),
+                           rank=dist.get_rank() if dist.is_initialized() else 0),)
     except NVMeError as e:
         raise ConfigError(str(e)) from None
 

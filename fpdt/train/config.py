@@ -154,7 +154,8 @@ def cpu_runtime(opts: TrainerOptions, device_type: str) -> tuple[TrainerOptions,
         return opts, None
     what = " and ".join(w for w, on in (("--offload", offload is True), ("--checkpoint offload", checkpoint == "offload"))
                         if on)
-    return replace(opts, runtime="sim"), (f"fpdt-train: on the {device_type}, {what} run on the simulated CUDA "
+    verb = "run" if " and " in what else "runs"
+    return replace(opts, runtime="sim"), (f"fpdt-train: on the {device_type}, {what} {verb} on the simulated CUDA "
                                           f"runtime (--runtime sim): to test the offload paths, not for speed")
 
 
@@ -241,6 +242,37 @@ def _refuse_auto(cfg: Any, path: str = "") -> None:
             raise ConfigError(f"DeepSpeed JSON: {where}='auto' is filled in by Hugging Face's Trainer, which "
                               f"fpdt-train is not: give the value, or leave the key out for DeepSpeed's default")
         _refuse_auto(value, where)
+
+
+DS_TOP_LEVEL_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
+    "fp16", "bf16", "amp", "torch_autocast", "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
+    "sparse_gradients", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler",
+    "activation_checkpointing", "sparse_attention", "data_efficiency", "curriculum_learning", "dataloader_drop_last",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "aio", "elasticity", "autotuning",
+    "compression_training", "checkpoint", "data_types", "communication_data_type",
+    "seq_parallel_communication_data_type", "pipeline", "progressive_layer_drop", "eigenvalue", "quantize_training",
+    "disable_allgather", "hybrid_engine", "nebula", "weight_quantization", "use_node_local_storage", "load_universal",
+    "graph_harvesting", "compile", "timers", "sequence_parallel_size", "tensor_parallel", "gradient_accumulation_dtype",
+    "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size", "mics_shard_size",
+    "mics_hierarchical_params_gather", "expert_parallel", "zenflow", "train_batch_size_per_gpu")
+"""Top-level keys of DeepSpeed's JSON (its config documentation, DeepSpeed 0.19); one not here
+gets a warning (:func:`unknown_ds_keys`), since DeepSpeed ignores it without a word."""
+
+
+def unknown_ds_keys(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """One warning line per top-level key of the DeepSpeed JSON that DeepSpeed does not know,
+    naming the closest known key."""
+    out = []
+    for key in cfg:
+        if key in DS_TOP_LEVEL_KEYS or not isinstance(key, str):
+            continue
+        near = difflib.get_close_matches(key, DS_TOP_LEVEL_KEYS, n=1, cutoff=0.5)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        out.append(f"warning: the DeepSpeed JSON's key {key!r} is not one DeepSpeed reads{hint}: it is ignored, "
+                   f"and what it sets keeps DeepSpeed's default")
+    return tuple(out)
 
 
 def ds_zero_stage(cfg: Mapping[str, Any]) -> int:

@@ -103,7 +103,11 @@ def postfix(rec: StepRecord) -> str:
 class Progress:
     """Rank-0 progress bar plus optional JSON-lines log; silent on other ranks."""
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, log_json: str | None) -> None:
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, log_json: str | None,
+                 resumed: bool = False) -> None:
+        """``resumed``: the run continues from ``start_step``, so ``log_json``'s records of later
+        steps (a run that went on past its last checkpoint) are dropped, with one line: the log
+        keeps one record per step."""
         self.enabled = enabled
         self._bar = None
         self._log: IO[str] | None = None
@@ -115,7 +119,11 @@ class Progress:
                          bar_format=BAR_FORMAT)
         if log_json:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+            dropped = truncate_log(log_json, start_step) if resumed else 0
             self._log = open(log_json, "a", buffering=1)
+            if dropped:
+                self.write(f"fpdt-train: --log-json {log_json}: dropped {dropped} record(s) after step {start_step}, "
+                           f"the resumed step; this run writes them again")
 
     def update(self, rec: StepRecord) -> None:
         if not self.enabled:
@@ -136,6 +144,28 @@ class Progress:
             self._bar.close()
         if self._log is not None:
             self._log.close()
+
+
+def truncate_log(path: str, step: int) -> int:
+    """Keep the records of ``path`` up to ``step`` (and any line that is not a record); returns
+    how many were dropped (0, and the file untouched, when there is none to drop or no file)."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
+    if len(kept) < len(lines):
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def read_log(path: str) -> list[dict]:

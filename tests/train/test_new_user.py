@@ -41,8 +41,8 @@ def test_a_flag_typed_beside_it_still_conflicts_in_flag_terms():
 
 @pytest.mark.parametrize("extra, runtime, said", [
     (["--stream-layers"], "sim", "--offload and --checkpoint offload run on the simulated CUDA runtime (--runtime sim)"),
-    (["--checkpoint", "offload"], "sim", "--checkpoint offload run on the simulated"),
-    (["--offload"], "sim", "--offload run on the simulated"),
+    (["--checkpoint", "offload"], "sim", "--checkpoint offload runs on the simulated"),
+    (["--offload"], "sim", "--offload runs on the simulated"),
     (["--offload", "--runtime", "sync"], "sync", None),                  # a runtime given: as given
     ([], None, None),                                                    # nothing offloaded: nothing chosen
 ])
@@ -96,3 +96,78 @@ def test_the_readme_main_job_runs_with_stream_layers(tmp_path, capsys, monkeypat
     assert "--checkpoint offload over \"checkpoint\": \"off\" (implied by --stream-layers)" in err
     assert "run on the simulated CUDA runtime (--runtime sim)" in err
     assert "loss 7.6582 ->" in err
+
+
+def test_a_misspelt_deepspeed_key_gets_one_warning_naming_the_closest():
+    from fpdt.train.config import load_ds_config, unknown_ds_keys
+    cfg, _ = load_ds_config({"zero_optimisation": {"stage": 3}, "bf16": {"enabled": False}, "fpdt": {}})
+    (line,) = unknown_ds_keys(cfg)
+    assert line.startswith("warning: the DeepSpeed JSON's key 'zero_optimisation' is not one DeepSpeed reads "
+                           "(did you mean 'zero_optimization'?)")
+    with open(os.path.join(ROOT, "examples", "tiny-llama", "ds_cpu.json")) as f:
+        import json
+        assert unknown_ds_keys(load_ds_config(json.load(f))[0]) == ()
+
+
+def test_a_resumed_log_keeps_one_record_per_step(tmp_path, capsys):
+    import json
+
+    from fpdt.train.progress import Progress, read_log, truncate_log
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 15)))
+    progress = Progress(20, 10, True, str(log), resumed=True)      # resumed from step 10: 11-14 go
+    progress.close()
+    assert [r["step"] for r in read_log(str(log))] == list(range(1, 11))
+    assert "dropped 4 record(s) after step 10, the resumed step" in capsys.readouterr().out   # above the bar
+    assert truncate_log(str(log), 10) == 0 and truncate_log(str(tmp_path / "none.jsonl"), 3) == 0
+    Progress(20, 10, True, str(log)).close()                       # not resumed: appended to, as before
+    assert len(read_log(str(log))) == 10
+
+
+def test_the_nvme_tier_says_what_it_reclaims_and_warns_on_tmpfs(tmp_path, monkeypatch):
+    import json
+    import socket
+
+    from fpdt.offload import nvme
+    from fpdt.train.nvme_aio import setup_tier
+    monkeypatch.setattr("fpdt.train.nvme_aio.default_backend", lambda: (nvme.PortableBackend(), "NVMe backend: test"))
+    left = tmp_path / "rank0"                    # what a kill -9 leaves: the marker of a process that is gone
+    left.mkdir()
+    (left / nvme.MARKER).write_text(json.dumps({"pid": 2 ** 22 + 7, "host": socket.gethostname()}))
+    (left / "3.bin").write_bytes(b"x" * 8192)
+    lines = setup_tier(str(tmp_path), 4, 64, 32, 4, nvme_layers=2).splitlines()
+    assert lines[0].startswith("NVMe backend: test; nvme_path ") and not left.exists()
+    assert lines[1] == (f"nvme_path: removed {left}, left by a run that did not end cleanly (process {2 ** 22 + 7} on "
+                        f"{socket.gethostname()}): 1 file(s), 7.63e-06 GiB")
+    monkeypatch.setattr(nvme, "filesystem_type", lambda path, mounts_text=None: "tmpfs")
+    (line, warning) = setup_tier(str(tmp_path), 4, 64, 32, 4).splitlines()
+    assert warning == (f"warning: nvme_path {tmp_path} is on tmpfs, which is RAM-backed: what the NVMe tier writes "
+                       f"there costs host memory, not disk; point --nvme-path at a local drive")
+
+
+def test_the_first_aio_build_is_announced(monkeypatch, capsys):
+    import deepspeed.ops.op_builder as builders
+
+    from fpdt.train import nvme_aio
+
+    class Handle:
+        def get_alignment(self):
+            return 4096
+
+    class Builder:
+        name = "fpdt_test_not_built"
+
+        def is_compatible(self, verbose=False):
+            return True
+
+        def load(self, verbose=False):
+            return type("Op", (), {"aio_handle": staticmethod(lambda **kw: Handle())})
+
+    monkeypatch.setattr(builders, "AsyncIOBuilder", Builder)
+    monkeypatch.delenv("RANK", raising=False)
+    assert nvme_aio.aio_backend() is not None
+    err = capsys.readouterr().err
+    assert nvme_aio.BUILDING in err and "libaio-dev" in err and "AsyncIOBuilder().load()" in err
+    monkeypatch.setattr(nvme_aio, "_built", lambda builder: True)
+    nvme_aio.aio_backend()
+    assert nvme_aio.BUILDING not in capsys.readouterr().err        # cached: nothing to wait for
