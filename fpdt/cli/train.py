@@ -49,7 +49,7 @@ from fpdt.train.errors import RunError, debug_enabled, report, this_rank
 from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, NVMeFault, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
 from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
-from fpdt.train.progress import Progress, StepRecord
+from fpdt.train.progress import Progress, StepRecord, summary
 
 ENV_RUNTIME = "FPDT_RUNTIME"
 """The environment variable that sets ``--runtime``'s default (:func:`fpdt_options`)."""
@@ -399,8 +399,21 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     if args.export_hf:
         _export_at_end(args, ps)
     _say(ps, summary(records, start, time.perf_counter() - started, saver.last if args.save_dir else None,
-                     args.export_hf))
+                     args.export_hf, trainer_run.prediction(memory.estimate, memory.capacity_bytes,
+                                                            _predicted_step(source, plan, opts, ds_config, dtype_name,
+                                                                            device, kernel, lora_spec))))
     return records
+
+
+def _predicted_step(source, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any], dtype_name: str,
+                    device: torch.device, kernel, lora_spec) -> float | None:
+    """fpdt-plan's step time for this run on this GPU (:func:`fpdt.plan.trainer_run.step_time`), or None."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return trainer_run.step_time(source.config, plan, opts, ds_config, dtype_name, props.name, props.total_memory,
+                                 trainer_run.ranks_on_this_node(plan.world_size, torch.cuda.device_count()),
+                                 not kernel.native_gqa, lora_spec.rank if lora_spec else 0)
 
 
 def _close_tier(opts: TrainerOptions) -> None:
@@ -426,25 +439,6 @@ def _choices_words(memory: MemoryCheck, num_layers: int, device_layers: int) -> 
     if memory.nvme is not None:
         words.append(memory.nvme.line(num_layers - device_layers))
     return "".join(f" {w}" for w in words)
-
-
-def summary(records: list[StepRecord], start: int, wall_s: float, saved: str | None, exported: str | None) -> str:
-    """The run's last line: steps, tokens, wall time, first and last loss, peak memory, what
-    was written where."""
-    if not records:
-        return f"fpdt-train: done: no steps to take (the checkpoint is at step {start}) in {wall_s:.0f} s"
-    tokens = sum(r.tokens for r in records)
-    peaks = [r.peak_mem_gib for r in records if r.peak_mem_gib is not None]
-    stash = max((r.host_stash_gib or 0.0) for r in records)
-    parts = [f"fpdt-train: done: steps {start + 1}-{records[-1].step}, {tokens:,} tokens in {wall_s:.0f} s",
-             f"loss {records[0].loss:.4f} -> {records[-1].loss:.4f}",
-             f"peak device memory {f'{max(peaks):.3g} GiB' if peaks else 'n/a'}"
-             + (f", host stash {stash:.3g} GiB" if stash else "")]
-    if saved:
-        parts.append(f"saved {saved}")
-    if exported:
-        parts.append(f"exported {exported}")
-    return "; ".join(parts)
 
 
 def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[str, Any], dtype_name: str,

@@ -171,3 +171,39 @@ def test_the_first_aio_build_is_announced(monkeypatch, capsys):
     monkeypatch.setattr(nvme_aio, "_built", lambda builder: True)
     nvme_aio.aio_backend()
     assert nvme_aio.BUILDING not in capsys.readouterr().err        # cached: nothing to wait for
+
+
+def test_the_summary_shows_the_host_and_the_prediction_beside_the_measured():
+    from fpdt.train.progress import Predicted, StepRecord, summary
+    recs = [StepRecord(step=s, loss=7.0, lr=1e-3, tokens=1024, step_time_s=t, tokens_per_s=1.0, tgs=1.0, mfu=None,
+                       mfu_full=None, hfu=None, peak_mem_gib=0.5, host_rss_gib=rss, host_stash_gib=0.25)
+            for s, t, rss in ((1, 9.0, 1.5), (2, 2.0, 2.5), (3, 3.0, 2.0))]
+    line = summary(recs, 0, 20.0, None, None)
+    assert "peak device memory 0.5 GiB, host stash 0.25 GiB; host process 2.5 GiB (RSS); step 3 s (median)" in line
+    line = summary(recs, 0, 20.0, None, None, Predicted(device_peak_gib=0.625, host_offload_gib=0.3, step_time_s=2.5))
+    assert ("peak device memory 0.5 GiB (fpdt-plan: 0.625 GiB), host stash 0.25 GiB (fpdt-plan: 0.3 GiB); "
+            "host process 2.5 GiB (RSS); step 3 s (median) (fpdt-plan: 2.5 s)") in line
+
+
+def test_the_prediction_is_the_start_up_lines(tmp_path):
+    """What the summary puts beside the measured figures is what the start-up line printed, and
+    the step time is fpdt-plan's for a GPU it knows."""
+    from fpdt.plan import trainer_run
+    from fpdt.train import preflight
+    from fpdt.train.config import load_ds_config, validate
+    ds, section = load_ds_config(os.path.join(ROOT, "examples", "tiny-llama", "ds_cpu.json"), "cpu")
+    config = preflight.model_source(None, os.path.join(ROOT, "examples", "tiny-llama", "config.json")).config
+    for extra, host in (([], False), (["--stream-layers"], True)):
+        opts = fpdt_options(build_parser().parse_args(ARGV + extra), section, "cpu")
+        plan = validate(opts, 256, 1, "cpu", ds)
+        est = trainer_run.estimate(config, plan, opts, ds, "fp32", "cpu", 1, True, 0)
+        got = trainer_run.prediction(est, None)
+        assert (got is not None) == host == (trainer_run.prediction_line(est, None) is not None)
+        if host:
+            assert got.device_peak_gib is None and got.host_offload_gib * 2 ** 30 == pytest.approx(
+                sum(trainer_run.host_offload_bytes(est).values()))
+    assert trainer_run.gpu_preset("NVIDIA H100 80GB HBM3", 80 * 2 ** 30) == "h100-80g"
+    assert trainer_run.gpu_preset("NVIDIA H200", 141e9) == "h200" and trainer_run.gpu_preset("Tesla T4", 16e9) is None
+    seconds = trainer_run.step_time(config, plan, opts, ds, "bf16", "NVIDIA H100 80GB HBM3", 80 * 2 ** 30, 1)
+    assert seconds is not None and 0 < seconds < 1
+    assert trainer_run.step_time(config, plan, opts, ds, "bf16", "Tesla T4", 16e9, 1) is None
