@@ -19,6 +19,7 @@ The defaults are the measured faster or leaner choice where two exist (``lm_head
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -341,3 +342,77 @@ def _is_int(value: Any) -> bool:
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> list[str]:
     return [] if value in allowed else [f"{name}={value!r} must be one of {allowed}"]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an option is typed on ``fpdt-train`` / ``fpdt-plan``'s command line."""
+
+    flag: str
+    """The flag (``--checkpoint``); a boolean one also has ``--no-`` form."""
+    type: Any
+    """``int``, ``str``, ``bool`` (a ``--x/--no-x`` switch) or a tuple of the allowed values."""
+    help: str
+    """One line for ``--help``."""
+    json_key: str | None
+    """The key of the DeepSpeed JSON's ``"fpdt"`` section, or None when there is none."""
+
+
+OPTION_FLAGS: dict[str, Flag] = {
+    "seq_len": Flag("--seq-len", int, "global tokens per training sequence", None),
+    "sp": Flag("--sp", int, "sequence-parallel size (hp x cp)", "sp"),
+    "hp": Flag("--hp", int, "2D mesh: head-parallel (Ulysses) degree", "hp"),
+    "cp": Flag("--cp", int, "2D mesh: context-parallel (ring) degree", "cp"),
+    "placement": Flag("--placement", PLACEMENTS, "2D mesh placement", "placement"),
+    "inner_ring": Flag("--inner-ring", int, "double-ring inner size", "inner_ring"),
+    "chunk_size": Flag("--chunk-size", int, "global tokens per FPDT chunk", "chunk_size"),
+    "offload": Flag("--offload", bool, "attention chunks in pinned host memory", "offload"),
+    "checkpointing": Flag("--checkpoint", CHECKPOINT_MODES, "activation checkpointing", "checkpoint"),
+    "checkpoint_device_layers": Flag("--checkpoint-device-layers", int,
+                                     "last K layers' inputs stay on the device", "checkpoint_device_layers"),
+    "nvme_path": Flag("--nvme-path", str, "directory of the NVMe tier", "nvme_path"),
+    "nvme_layers": Flag("--nvme-layers", int, "first K layers' checkpoints on the NVMe tier", "nvme_layers"),
+    "stream_layers": Flag("--stream-layers", bool, "layers streamed through host memory", "stream_layers"),
+    "attention_checkpoint": Flag("--attention-checkpoint", ATTENTION_CHECKPOINT_MODES,
+                                 "recompute or save the attention output", "attention_checkpoint"),
+    "save_attention_layers": Flag("--save-attention-layers", int, "first K layers save", "save_attention_layers"),
+    "backend": Flag("--attention-backend", str, "attention kernel", "attention_backend"),
+    "mlp_chunks": Flag("--mlp-chunks", int, "MLP token chunks", "mlp_chunks"),
+    "loss_chunks": Flag("--loss-chunks", int, "loss token chunks", "loss_chunks"),
+    "lm_head_wgrad": Flag("--lm-head-wgrad", LM_HEAD_WGRAD_MODES, "LM-head weight gradient", "lm_head_wgrad"),
+    "runtime": Flag("--runtime", RUNTIMES, "device runtime of the offload copies", "runtime"),
+}
+"""Option name -> its flag, declared once: the command lines word a library message in their
+flags with :func:`in_flag_terms`; the JSON keys are ``fpdt-train``'s ``"fpdt"`` section's."""
+
+_NAME_OF = {**{f.json_key: name for name, f in OPTION_FLAGS.items() if f.json_key}, **{n: n for n in OPTION_FLAGS}}
+_SETTING = re.compile(r"\b(" + "|".join(sorted(_NAME_OF, key=len, reverse=True)) +
+                      r")=('[^']*'|\"[^\"]*\"|True|False|None|-?\d+)")
+
+
+_BARE = re.compile(r"\b(" + "|".join(n for n in OPTION_FLAGS if "_" in n) + r")\b(?!=)")
+"""A name of several words, standing alone (``drop save_attention_layers``)."""
+
+
+def as_flag(name: str, value: Any) -> str:
+    """``name=value`` as typed on the command line: ``--checkpoint offload``, ``--no-offload``."""
+    flag = OPTION_FLAGS[name].flag
+    if OPTION_FLAGS[name].type is bool:
+        return flag if value else "--no-" + flag[2:]
+    return flag if value is None else f"{flag} {value}"
+
+
+def in_flag_terms(message: str) -> str:
+    """A message worded in option names (``set checkpointing='offload' (now 'off')``) worded in
+    the flags of :data:`OPTION_FLAGS` (``pass --checkpoint offload (now off)``); a JSON key names
+    its option too (``checkpoint=``)."""
+    def flag(m: re.Match) -> str:
+        name, raw = _NAME_OF[m.group(1)], m.group(2)
+        if raw[0] in "'\"" and OPTION_FLAGS[name].type is int:
+            return f"{OPTION_FLAGS[name].flag} {raw}"           # a string where a number belongs: kept quoted
+        value = {"True": True, "False": False, "None": None}.get(raw, raw.strip("'\""))
+        return f"no {OPTION_FLAGS[name].flag}" if value is None else as_flag(name, value)
+    text = _SETTING.sub(flag, message.replace("fpdt option ", ""))
+    text = _BARE.sub(lambda m: OPTION_FLAGS[m.group(1)].flag, text)
+    text = re.sub(r"\bset (--)", r"pass \1", text)
+    return re.sub(r"\(now '([^']*)'\)", r"(now \1)", text)

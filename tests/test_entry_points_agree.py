@@ -210,10 +210,10 @@ LAYOUT_CASES = [  # (layout over chunk CHUNK, None: accepted / a phrase of the o
     (dict(cp=0), "cp=0 must be an integer >= 1"),
     (dict(chunk_size=0), "chunk_size=0 must be an integer >= 1"),
     (dict(placement="rows"), "placement='rows' must be one of"),
-    (dict(chunk_size=24), "--seq-len 64 is not divisible by --chunk-size 24"),
-    (dict(chunk_size=128), "--chunk-size 128 is larger than the sequence (--seq-len 64)"),
-    (dict(cp=2, chunk_size=2), "--seq-len 64 is not divisible by 2 x hp x cp x chunks"),
-    (dict(sp=4, chunk_size=2), "--seq-len 64 is not divisible by sp x chunks = 4 x 32"),
+    (dict(chunk_size=24), "seq_len=64 is not divisible by chunk_size=24"),
+    (dict(chunk_size=128), "chunk_size=128 is larger than the sequence (seq_len=64)"),
+    (dict(cp=2, chunk_size=2), "seq_len=64 is not divisible by 2 x hp x cp x chunks"),
+    (dict(sp=4, chunk_size=2), "seq_len=64 is not divisible by sp x chunks = 4 x 32"),
 ]
 WORLD = 4
 

@@ -43,14 +43,14 @@ from fpdt.train import lora, preflight, saving, zero, zero_load
 from fpdt.comm import PLACEMENTS
 from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
 from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
-                               merge_options, validate)
+                               cpu_runtime, merge_flags, unknown_ds_keys, validate)
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
                              load_documents, load_tokens)
 from fpdt.train.errors import RunError, debug_enabled, report, this_rank
 from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, NVMeFault, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
 from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
-from fpdt.train.progress import Progress, StepRecord
+from fpdt.train.progress import Progress, StepRecord, summary
 
 ENV_RUNTIME = "FPDT_RUNTIME"
 """The environment variable that sets ``--runtime``'s default (:func:`fpdt_options`)."""
@@ -181,14 +181,22 @@ def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
             "nvme_layers": args.nvme_layers}
 
 
-def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None) -> TrainerOptions:
-    """The run's FPDT options: flags > the ``"fpdt"`` JSON section > ``$FPDT_RUNTIME`` (the
-    ``runtime`` default, read here only: the library takes the runtime as an option) > defaults."""
+def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None, device_type: str | None = None,
+                 said: list[str] | None = None) -> TrainerOptions:
+    """The run's FPDT options: flags (and what they imply) > the ``"fpdt"`` JSON section >
+    ``$FPDT_RUNTIME`` (the ``runtime`` default, read here only: the library takes the runtime as
+    an option) > defaults; given the ``device_type``, offload on a CPU on the simulated runtime
+    (:func:`fpdt.train.config.cpu_runtime`). The start-up lines saying so are appended to ``said``."""
     env = os.environ.get(ENV_RUNTIME, "").strip()
     if env and env not in RUNTIMES:
         raise ConfigError(f"{ENV_RUNTIME}={env!r} is not a device runtime: use one of {', '.join(RUNTIMES)}, "
                           f"or unset it")
-    return merge_options(fpdt_flags(args), section, defaults={"runtime": env or None})
+    opts, overrode = merge_flags(fpdt_flags(args), section, defaults={"runtime": env or None})
+    sim = None
+    if device_type is not None:
+        opts, sim = cpu_runtime(opts, device_type)
+    (said if said is not None else []).extend(line for line in (overrode, sim) if line)
+    return opts
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -300,7 +308,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     lora_spec = lora.spec_from_args(args)
     device = pick_device()
     ds_config, section = load_ds_config(args.deepspeed, device.type)
-    opts = fpdt_options(args, section)
+    said: list[str] = list(unknown_ds_keys(ds_config))
+    opts = fpdt_options(args, section, device.type, said)
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
@@ -317,7 +326,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
                                               not kernel.native_gqa, lora_spec.rank if lora_spec else 0)
     memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
                           lora_rank=lora_spec.rank if lora_spec else 0)
-    memory = replace(memory, lines=(*streaming, *memory.lines))
+    memory = replace(memory, lines=(*said, *streaming, *memory.lines))
     opts = _with_choices(opts, memory)
     opts, memory = _with_tier(opts, memory, plan, source.config, dtype_name)
     zero.init_deepspeed_comm(device, timeout)
@@ -355,7 +364,7 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     if lora_spec is not None:
         resumed = os.path.join(*saving.resolve(args.resume)) if args.resume else None
         _say(ps, lora.describe(model, lora_spec, args.lora_init, resumed))
-    progress = Progress(args.steps, start, ps.is_main, args.log_json)
+    progress = Progress(args.steps, start, ps.is_main, args.log_json, resumed=bool(args.resume))
     spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
                     peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
                     mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime,
@@ -391,8 +400,21 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     if args.export_hf:
         _export_at_end(args, ps)
     _say(ps, summary(records, start, time.perf_counter() - started, saver.last if args.save_dir else None,
-                     args.export_hf))
+                     args.export_hf, trainer_run.prediction(memory.estimate, memory.capacity_bytes,
+                                                            _predicted_step(source, plan, opts, ds_config, dtype_name,
+                                                                            device, kernel, lora_spec))))
     return records
+
+
+def _predicted_step(source, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any], dtype_name: str,
+                    device: torch.device, kernel, lora_spec) -> float | None:
+    """fpdt-plan's step time for this run on this GPU (:func:`fpdt.plan.trainer_run.step_time`), or None."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return trainer_run.step_time(source.config, plan, opts, ds_config, dtype_name, props.name, props.total_memory,
+                                 trainer_run.ranks_on_this_node(plan.world_size, torch.cuda.device_count()),
+                                 not kernel.native_gqa, lora_spec.rank if lora_spec else 0)
 
 
 def _close_tier(opts: TrainerOptions) -> None:
@@ -418,25 +440,6 @@ def _choices_words(memory: MemoryCheck, num_layers: int, device_layers: int) -> 
     if memory.nvme is not None:
         words.append(memory.nvme.line(num_layers - device_layers))
     return "".join(f" {w}" for w in words)
-
-
-def summary(records: list[StepRecord], start: int, wall_s: float, saved: str | None, exported: str | None) -> str:
-    """The run's last line: steps, tokens, wall time, first and last loss, peak memory, what
-    was written where."""
-    if not records:
-        return f"fpdt-train: done: no steps to take (the checkpoint is at step {start}) in {wall_s:.0f} s"
-    tokens = sum(r.tokens for r in records)
-    peaks = [r.peak_mem_gib for r in records if r.peak_mem_gib is not None]
-    stash = max((r.host_stash_gib or 0.0) for r in records)
-    parts = [f"fpdt-train: done: steps {start + 1}-{records[-1].step}, {tokens:,} tokens in {wall_s:.0f} s",
-             f"loss {records[0].loss:.4f} -> {records[-1].loss:.4f}",
-             f"peak device memory {f'{max(peaks):.3g} GiB' if peaks else 'n/a'}"
-             + (f", host stash {stash:.3g} GiB" if stash else "")]
-    if saved:
-        parts.append(f"saved {saved}")
-    if exported:
-        parts.append(f"exported {exported}")
-    return "; ".join(parts)
 
 
 def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[str, Any], dtype_name: str,
@@ -733,7 +736,8 @@ def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[NVMeTier
         line, tier = setup_tier(opts.nvme_path, config.num_layers, tokens, config.hidden_size,
                                 PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers,
                                 nvme_layers=getattr(opts, "nvme_layers", None), saved_layers=saving, saved_bytes=saved,
-                                num_chunks=getattr(plan, "num_chunks", 1))
+                                num_chunks=getattr(plan, "num_chunks", 1),
+                                rank=dist.get_rank() if dist.is_initialized() else 0)
     except NVMeError as e:
         raise ConfigError(str(e)) from None
     return tier, (line,)

@@ -25,12 +25,13 @@ def sequence_multiple(sp: int, num_chunks: int, zigzag: bool) -> int:
 
 def chunking_problems(seq_len: int, chunk: int, hp: int, cp: int) -> list[str]:
     """Why ``seq_len`` tokens cannot be cut into global chunks of ``chunk`` tokens over an
-    ``hp x cp`` mesh (empty when they can), in the flags of ``fpdt-train`` and ``fpdt-plan``."""
+    ``hp x cp`` mesh (empty when they can), worded in option names (``chunk_size=``,
+    ``seq_len=``), which ``fpdt-train`` and ``fpdt-plan`` word as their flags."""
     if chunk > seq_len:
-        return [f"--chunk-size {chunk} is larger than the sequence (--seq-len {seq_len}); use a chunk size "
+        return [f"chunk_size={chunk} is larger than the sequence (seq_len={seq_len}); use a chunk size "
                 f"<= {seq_len} that divides it"]
     if seq_len % chunk:
-        return [f"--seq-len {seq_len} is not divisible by --chunk-size {chunk}; pick a chunk size that divides "
+        return [f"seq_len={seq_len} is not divisible by chunk_size={chunk}; pick a chunk size that divides "
                 f"the sequence length"]
     sp, u = hp * cp, seq_len // chunk
     split = chunk_split(sp, zigzag=cp > 1)
@@ -38,7 +39,7 @@ def chunking_problems(seq_len: int, chunk: int, hp: int, cp: int) -> list[str]:
         return []
     what, why = ((f"sp x chunks = {sp} x {u}", f"must split evenly over {sp} ranks") if cp == 1 else
                  (f"2 x hp x cp x chunks = 2 x {hp} x {cp} x {u}", "is cut into 2 x cp zigzag pieces split over hp ranks"))
-    return [f"--seq-len {seq_len} is not divisible by {what} = {split * u}; each chunk of {chunk} tokens {why}: "
+    return [f"seq_len={seq_len} is not divisible by {what} = {split * u}; each chunk of {chunk} tokens {why}: "
             f"use a chunk size that is a multiple of {split}"]
 
 

@@ -220,7 +220,8 @@ def _is_our_file(name):
 
 def reclaim(rank_dir):
     """Remove a ``rank_dir`` left by a killed run: only if it carries our marker, the process
-    named there is gone, and it holds nothing but files the store names. Raises NVMeError otherwise."""
+    named there is gone, and it holds nothing but files the store names. Raises NVMeError otherwise.
+    Returns the one line that says what was removed."""
     marker = os.path.join(rank_dir, MARKER)
     if not os.path.isfile(marker):
         raise NVMeError(f"nvme_path: {rank_dir} exists and was not created by fpdt (no {MARKER} marker); "
@@ -243,11 +244,15 @@ def reclaim(rank_dir):
         raise NVMeError(f"nvme_path: {rank_dir} carries fpdt's marker but also holds files fpdt did not write "
                         f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); it is left untouched: "
                         "remove it yourself or choose another nvme_path")
+    size = 0
     for n in names:
         if n != MARKER:
+            size += os.path.getsize(os.path.join(rank_dir, n))
             os.unlink(os.path.join(rank_dir, n))
     os.unlink(marker)
     os.rmdir(rank_dir)
+    return (f"nvme_path: removed {rank_dir}, left by a run that did not end cleanly (process {pid} on {host}): "
+            f"{len(names) - 1} file(s), {size / 2 ** 30:.3g} GiB")
 
 
 class NVMeStore:
@@ -276,7 +281,7 @@ class NVMeStore:
         if os.path.lexists(self.dir):
             gc.collect()        # a store of this process no longer referenced removes its directory
         if os.path.lexists(self.dir):
-            reclaim(self.dir)
+            warnings.warn(reclaim(self.dir), stacklevel=2)
         os.mkdir(self.dir, 0o700)
         with open(os.path.join(self.dir, MARKER), "w") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}, f)

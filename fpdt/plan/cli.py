@@ -16,7 +16,7 @@ import json
 import sys
 
 from fpdt.attention.kernels import BACKENDS
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
+from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, in_flag_terms
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, NVME_PRESETS, Cluster, gpu_from_args, load_calibration, nvme_from_args
 from fpdt.plan.models import PRESETS, load_model_config
@@ -109,11 +109,15 @@ def _gib(x: float) -> str:
     return f"{x / GIB:8.2f} GiB"
 
 
-def _tokens(n: int) -> str:
-    for unit, size in (("M", 2 ** 20), ("K", 2 ** 10)):
-        if n >= size and n % (size // 8) == 0:
-            return f"{n / size:g}{unit}"
-    return str(n)
+def tokens_text(n: int) -> str:
+    """A token count in the FPDT paper's unit, as the docs write it: 1M = 2^20 tokens, 1K = 2^10
+    (three significant figures: 4390912 is ``4.19M``, 32768 ``32K``)."""
+    if n >= 2 ** 20:
+        return f"{n / 2 ** 20:.3g}M"
+    return f"{n / 2 ** 10:.4g}K" if n >= 2 ** 10 else str(n)
+
+
+_tokens = tokens_text
 
 
 def _attention_checkpoint(s: dict) -> str:
@@ -139,7 +143,8 @@ def render(out: dict) -> str:
     """The readable table."""
     c = out["cluster"]
     lines = [f"{c['nodes']} x {c['gpus_per_node']} x {c['gpu']}, "
-             f"{c['host_mem_bytes_per_node'] / GIB:.0f} GiB host per node; rates: {c['rates']['source']}"]
+             f"{c['host_mem_bytes_per_node'] / GIB:.0f} GiB host per node; rates: {c['rates']['source']}; "
+             f"tokens: 1M = 2^20, 1K = 2^10"]
     if "max_seq_len" in out:
         lines.append(f"max_seq_len      {out['max_seq_len']} ({_tokens(out['max_seq_len'])})")
     if "reason" in out:
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         choice = choice.fix(**{option_field(k): v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:
-        print(f"fpdt-plan: error: {exc}", file=sys.stderr)
+        print(f"fpdt-plan: error: {in_flag_terms(str(exc))}", file=sys.stderr)
         return 2
     print(json.dumps(out, indent=2) if args.json else render(out))
     return 0

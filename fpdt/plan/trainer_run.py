@@ -39,6 +39,7 @@ from fpdt.plan.planner import Choice, plan_at
 from fpdt.plan.setup import Setup
 from fpdt.layout import chunk_split
 from fpdt.train.config import PRECISIONS, ConfigError, TrainerOptions, RunLayout
+from fpdt.train.progress import Predicted
 
 GIB = 1024 ** 3
 HOST_CATEGORIES = ("checkpoints_host", "attention_saved_host", "attention_stash_host", "model_states_host")
@@ -152,6 +153,49 @@ def prediction_line(est: MemoryEstimate, capacity_bytes: float | None) -> str | 
         size = f"{host / GIB:.2f} GiB" if host >= GIB else f"{host / 2 ** 20:.1f} MiB"
         parts.append(f"host offload {size} per node")
     return f"fpdt-plan's model of this run: {', '.join(parts)}" if parts else None
+
+
+def prediction(est: MemoryEstimate | None, capacity_bytes: float | None, step_s: float | None = None) -> Predicted | None:
+    """The figures of :func:`prediction_line` (and the step time, when known) for the closing
+    summary; None when no prediction was printed at start."""
+    if est is None or prediction_line(est, capacity_bytes) is None:
+        return None
+    host = sum(host_offload_bytes(est).values())
+    return Predicted(device_peak_gib=est.device_peak_bytes / GIB if capacity_bytes else None,
+                     host_offload_gib=host / GIB if host else None, step_time_s=step_s)
+
+
+def gpu_preset(name: str, mem_bytes: float) -> str | None:
+    """The :data:`GPU_PRESETS` key of a CUDA device name (``"NVIDIA H100 80GB HBM3"``), or None."""
+    name = name.lower()
+    if "h200" in name:
+        return "h200"
+    if "h100" in name:
+        return "h100-80g"
+    if "a100" in name:
+        return "a100-80g" if mem_bytes > 60 * GIB else "a100-40g"
+    return None
+
+
+def step_time(model: ModelConfig, plan: RunLayout, opts: TrainerOptions, ds_config: Mapping[str, Any],
+              dtype_name: str, gpu_name: str, mem_bytes: float, ranks_per_node: int,
+              kernel_expands_gqa: bool | None = None, lora_rank: int = 0) -> float | None:
+    """fpdt-plan's seconds per step of this run on a GPU it has a preset for (datasheet rates x
+    efficiency, as ``fpdt-plan`` without ``--calibration``); None for another GPU, or a run its
+    model cannot describe."""
+    from fpdt.plan.time_model import estimate_time
+    preset = gpu_preset(gpu_name, mem_bytes)
+    if preset is None:
+        return None
+    try:
+        setup = planned_setup(plan, opts, ds_config, dtype_name, "cuda", kernel_expands_gqa, model.head_dim)
+        if lora_rank:
+            setup = dataclasses.replace(setup, lora_rank=lora_rank)
+        cluster = Cluster(GPU_PRESETS[preset], gpus_per_node=ranks_per_node,
+                          nodes=max(1, plan.world_size // ranks_per_node))
+        return float(estimate_time(model, setup, cluster)["total"])
+    except Exception:  # noqa: BLE001 -- a figure beside the measured one, never a reason to fail
+        return None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ import torch
 
 from fpdt.layout import chunk_split, chunking_problems
 from fpdt.offload import runtime_name
-from fpdt.options import DERIVED_OPTIONS, FPDTOptions, LayoutOptions, attention_checkpoint_given, device_defaults
+from fpdt.options import (DERIVED_OPTIONS, FPDTOptions, LayoutOptions, as_flag, attention_checkpoint_given,
+                          device_defaults)
 
 DEFAULT_CHUNK_TOKENS = 65536
 """Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (arXiv:2408.16978),
@@ -95,6 +96,11 @@ def _unknown_key_error(key: str) -> ConfigError:
                        f"valid keys: {', '.join(FPDT_KEYS)}")
 
 
+IMPLIED = {"stream_layers": (True, {"offload": True, "checkpoint": "offload", "checkpoint_device_layers": 0})}
+"""Flag key -> (value, the settings that value implies): a flag given with that value sets them
+too, over the JSON section, unless their own flags are given."""
+
+
 def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
                   defaults: Mapping[str, Any] | None = None) -> TrainerOptions:
     """Combine flags > ``"fpdt"`` JSON section > ``defaults`` > the fields' defaults into
@@ -102,21 +108,55 @@ def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
 
     ``flags`` and ``defaults`` map :data:`FPDT_KEYS` to values, ``None`` meaning "not given".
     """
+    return merge_flags(flags, section, defaults)[0]
+
+
+def merge_flags(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
+                defaults: Mapping[str, Any] | None = None) -> tuple[TrainerOptions, str | None]:
+    """:func:`merge_options`, with the settings a given flag implies (:data:`IMPLIED`) applied
+    over the JSON section, and the one line that says which of the section's settings the flags
+    overrode (None when none did)."""
     section = dict(section or {})
     for key in section:
         if key not in FPDT_KEYS:
             raise _unknown_key_error(key)
+    given = {k: v for k, v in flags.items() if v is not None}
+    for key, (value, implied) in IMPLIED.items():
+        if given.get(key) == value:
+            given.update({k: (v, key) for k, v in implied.items() if flags.get(k) is None})
     merged: dict[str, Any] = {}
+    overrode = []
     for key in FPDT_KEYS:
-        if flags.get(key) is not None:
-            merged[_FIELD_OF_KEY.get(key, key)] = flags[key]
+        if key in given:
+            value, by = given[key] if isinstance(given[key], tuple) else (given[key], None)
+            merged[option_field(key)] = value
+            if key in section and section[key] != value:
+                overrode.append(f"{as_flag(option_field(key), value)} over {json.dumps({key: section[key]})[1:-1]}"
+                                + (f" (implied by {as_flag(by, flags[by])})" if by else ""))
         elif key in section:
-            merged[_FIELD_OF_KEY.get(key, key)] = section[key]
+            merged[option_field(key)] = section[key]
         elif (defaults or {}).get(key) is not None:
-            merged[_FIELD_OF_KEY.get(key, key)] = defaults[key]
+            merged[option_field(key)] = defaults[key]
     opts = TrainerOptions(**merged)
     _check_types(opts)
-    return opts
+    line = f'fpdt-train: flags win over the DeepSpeed JSON\'s "fpdt" section: {"; ".join(overrode)}' if overrode else None
+    return opts, line
+
+
+def cpu_runtime(opts: TrainerOptions, device_type: str) -> tuple[TrainerOptions, str | None]:
+    """On a device without CUDA, attention offload and offloaded checkpoints (given, or implied by
+    ``stream_layers``) run on the simulated runtime (``runtime="sim"``) unless a runtime is given;
+    returns the options and the start-up line that says so (None when nothing was chosen)."""
+    if device_type == "cuda" or opts.runtime is not None:
+        return opts, None
+    offload, checkpoint = device_defaults(device_type, 2, opts.offload, opts.checkpointing, bool(opts.stream_layers))
+    if not (offload is True or checkpoint == "offload"):
+        return opts, None
+    what = " and ".join(w for w, on in (("--offload", offload is True), ("--checkpoint offload", checkpoint == "offload"))
+                        if on)
+    verb = "run" if " and " in what else "runs"
+    return replace(opts, runtime="sim"), (f"fpdt-train: on the {device_type}, {what} {verb} on the simulated CUDA "
+                                          f"runtime (--runtime sim): to test the offload paths, not for speed")
 
 
 def _check_types(opts: TrainerOptions) -> None:
@@ -202,6 +242,37 @@ def _refuse_auto(cfg: Any, path: str = "") -> None:
             raise ConfigError(f"DeepSpeed JSON: {where}='auto' is filled in by Hugging Face's Trainer, which "
                               f"fpdt-train is not: give the value, or leave the key out for DeepSpeed's default")
         _refuse_auto(value, where)
+
+
+DS_TOP_LEVEL_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
+    "fp16", "bf16", "amp", "torch_autocast", "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
+    "sparse_gradients", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler",
+    "activation_checkpointing", "sparse_attention", "data_efficiency", "curriculum_learning", "dataloader_drop_last",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "aio", "elasticity", "autotuning",
+    "compression_training", "checkpoint", "data_types", "communication_data_type",
+    "seq_parallel_communication_data_type", "pipeline", "progressive_layer_drop", "eigenvalue", "quantize_training",
+    "disable_allgather", "hybrid_engine", "nebula", "weight_quantization", "use_node_local_storage", "load_universal",
+    "graph_harvesting", "compile", "timers", "sequence_parallel_size", "tensor_parallel", "gradient_accumulation_dtype",
+    "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size", "mics_shard_size",
+    "mics_hierarchical_params_gather", "expert_parallel", "zenflow", "train_batch_size_per_gpu")
+"""Top-level keys of DeepSpeed's JSON (its config documentation, DeepSpeed 0.19); one not here
+gets a warning (:func:`unknown_ds_keys`), since DeepSpeed ignores it without a word."""
+
+
+def unknown_ds_keys(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """One warning line per top-level key of the DeepSpeed JSON that DeepSpeed does not know,
+    naming the closest known key."""
+    out = []
+    for key in cfg:
+        if key in DS_TOP_LEVEL_KEYS or not isinstance(key, str):
+            continue
+        near = difflib.get_close_matches(key, DS_TOP_LEVEL_KEYS, n=1, cutoff=0.5)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        out.append(f"warning: the DeepSpeed JSON's key {key!r} is not one DeepSpeed reads{hint}: it is ignored, "
+                   f"and what it sets keeps DeepSpeed's default")
+    return tuple(out)
 
 
 def ds_zero_stage(cfg: Mapping[str, Any]) -> int:

@@ -1,7 +1,8 @@
 """How ``fpdt-train`` reports a failure: one line, no traceback, non-zero exit.
 
 :data:`USER_ERRORS` (flags, configs, data, checkpoints; alike on every rank): rank 0 prints
-``fpdt-train: error: <what, naming the file (and line)>; <the fix>``, exit status 2.
+``fpdt-train: error: <what, naming the file (and line)>; <the fix>``, exit status 2; a
+configuration's in the flags the user types (:func:`fpdt.options.in_flag_terms`).
 :class:`RunError` (the run had to stop): rank 0, or the rank that met it alone, exit status 1.
 Anything else: its type and message, the attention kernel when raised inside one, exit status 1.
 ``--debug`` or ``FPDT_DEBUG=1`` re-raises instead.
@@ -13,6 +14,7 @@ import os
 import sys
 
 from fpdt.model import UnsupportedConfigError
+from fpdt.options import OptionsError, in_flag_terms
 from fpdt.train.config import ConfigError
 from fpdt.train.data import DataError
 
@@ -27,7 +29,7 @@ class RunError(RuntimeError):
         self.same_on_every_rank = same_on_every_rank
 
 
-USER_ERRORS = (ConfigError, DataError, UnsupportedConfigError)
+USER_ERRORS = (ConfigError, DataError, UnsupportedConfigError, OptionsError)
 """Errors every rank finds the same way before (or without) touching other ranks."""
 
 
@@ -70,7 +72,8 @@ def report(prog: str, exc: BaseException) -> int:
     rank, world = this_rank()
     if isinstance(exc, USER_ERRORS) or getattr(exc, "same_on_every_rank", False):
         if rank == 0:
-            print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+            text = in_flag_terms(one_line(exc)) if isinstance(exc, (ConfigError, OptionsError)) else one_line(exc)
+            print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, USER_ERRORS) else 1
     where = f"rank {rank}: " if world > 1 else ""
     if isinstance(exc, RunError):

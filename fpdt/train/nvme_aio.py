@@ -17,6 +17,8 @@ completed; fewer than were submitted (or a failed submit) is reported as ``EIO``
 """
 
 import errno
+import os
+import sys
 
 import torch
 
@@ -44,10 +46,39 @@ def aio_backend(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1):
                           "(apt-get install -y libaio-dev, as root)")
         return None
     _REASON.pop("why", None)
+    if not _built(builder):
+        _say(BUILDING)
     handle = builder.load(verbose=False).aio_handle(block_size=block_size, queue_depth=queue_depth,
                                                     single_submit=False, overlap_events=True,
                                                     intra_op_parallelism=intra_op_parallelism)
     return AioBackend(handle)
+
+
+BUILDING = ("fpdt-train: building DeepSpeed's async I/O op (async_io, for the NVMe tier) once, cached in "
+            "~/.cache/torch_extensions: about 3 to 8 minutes on 2 cores; build it ahead (needs libaio-dev) with: "
+            "python -c \"from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()\"")
+"""The line before the first JIT build (docs/nvme.md, "Backends")."""
+
+
+def _built(builder):
+    """Whether ``builder``'s op is installed prebuilt or in the JIT cache (no build to wait for)."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get(builder.name):
+            return True
+        from torch.utils.cpp_extension import _get_build_directory
+        root = _get_build_directory(builder.name, verbose=False)
+    except Exception:  # noqa: BLE001 -- only decides whether to say a build is coming
+        return False
+    return os.path.isfile(os.path.join(root, f"{builder.name}.so"))
+
+
+def _say(line):
+    """Print ``line`` on stderr on rank 0 (before any process group: ``$RANK``)."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def default_backend():
@@ -130,7 +161,7 @@ class AioBackend:
 
 
 def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, device_layers=0, *, nvme_layers=None,
-               saved_layers=0, saved_bytes=0, num_chunks=1):
+               saved_layers=0, saved_bytes=0, num_chunks=1, rank=0):
     """``fpdt-train``'s NVMe tier before step 1: the backend for the model's stores (DeepSpeed's
     aio where it builds), the free-space preflight, and the start-up line naming the backend and
     the bytes written per step and rank (SSDs have finite write endurance). ``tokens_per_rank``
@@ -139,10 +170,10 @@ def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, devi
     also write ``saved_bytes`` of saved attention output each (two files per chunk). The figure
     is an upper bound: every file padded by one alignment block. Returns the line and the
     :class:`NVMeTier` (with that backend) the model's options take; raises
-    NVMeError (one line: directory, bytes needed, bytes free) when the drive cannot hold a step."""
-    import os
-
-    from fpdt.offload.nvme import NVMeError, NVMeTier, check_space, warn_if_ram_backed
+    NVMeError (one line: directory, bytes needed, bytes free) when the drive cannot hold a step.
+    Then, as lines of their own: ``rank``'s directory left by a killed run, removed
+    (:func:`fpdt.offload.nvme.reclaim`), and a warning when the directory is RAM-backed."""
+    from fpdt.offload.nvme import NVMeError, NVMeTier, check_space, filesystem_type, ram_backed, reclaim
     if not os.path.isdir(nvme_path):
         raise NVMeError(f"nvme_path {nvme_path} is not an existing directory; create it (on a local NVMe drive) "
                         "or unset nvme_path")
@@ -153,10 +184,14 @@ def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, devi
     per_saved = saved_bytes + 2 * num_chunks * ALIGN if saving else 0
     need = layers * per_layer + saving * per_saved
     check_space(nvme_path, need)
-    warn_if_ram_backed(nvme_path)
+    rank_dir = os.path.join(nvme_path, f"rank{rank}")
+    lines = [reclaim(rank_dir)] if os.path.lexists(rank_dir) else []
+    if ram_backed(nvme_path):
+        lines.append(f"warning: nvme_path {nvme_path} is on {filesystem_type(nvme_path)}, which is RAM-backed: what "
+                     f"the NVMe tier writes there costs host memory, not disk; point --nvme-path at a local drive")
     backend, note = default_backend()
     first = [backend]
     tier = NVMeTier(lambda: first.pop() if first else default_backend()[0])
     saved = f" + {saving} saved attention outputs x {per_saved:,} bytes" if saving else ""
-    return (f"{note}; nvme_path {nvme_path}: layer inputs written {need / 2 ** 30:.3g} GiB per micro-batch and rank "
-            f"({layers} layers x {per_layer:,} bytes{saved})"), tier
+    return "\n".join([f"{note}; nvme_path {nvme_path}: layer inputs written {need / 2 ** 30:.3g} GiB per micro-batch "
+                       f"and rank ({layers} layers x {per_layer:,} bytes{saved})", *lines]), tier

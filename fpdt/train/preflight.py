@@ -109,7 +109,9 @@ def check_nvme_layers(cfg: ModelConfig, layers: int | None, config_path: str) ->
     """``--nvme-layers`` cannot name more layers than the model has."""
     if layers is not None and layers > cfg.num_layers:
         raise ConfigError(f"--nvme-layers {layers} is more than the model's {cfg.num_layers} decoder "
-                          f"layers ({config_path}); use at most {cfg.num_layers}, or leave it out (every offloaded layer)")
+                          f"layers ({config_path}); use at most {cfg.num_layers}, or leave it out "
+                          f"(fpdt-train then puts the fewest first layers on disk that bring the predicted host "
+                          f"offload within the node's available memory, as its start-up line says)")
 
 
 def check_batch_size(ds_config: Mapping[str, Any], world_size: int) -> None:

@@ -103,7 +103,11 @@ def postfix(rec: StepRecord) -> str:
 class Progress:
     """Rank-0 progress bar plus optional JSON-lines log; silent on other ranks."""
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, log_json: str | None) -> None:
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, log_json: str | None,
+                 resumed: bool = False) -> None:
+        """``resumed``: the run continues from ``start_step``, so ``log_json``'s records of later
+        steps (a run that went on past its last checkpoint) are dropped, with one line: the log
+        keeps one record per step."""
         self.enabled = enabled
         self._bar = None
         self._log: IO[str] | None = None
@@ -115,7 +119,11 @@ class Progress:
                          bar_format=BAR_FORMAT)
         if log_json:
             os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+            dropped = truncate_log(log_json, start_step) if resumed else 0
             self._log = open(log_json, "a", buffering=1)
+            if dropped:
+                self.write(f"fpdt-train: --log-json {log_json}: dropped {dropped} record(s) after step {start_step}, "
+                           f"the resumed step; this run writes them again")
 
     def update(self, rec: StepRecord) -> None:
         if not self.enabled:
@@ -136,6 +144,71 @@ class Progress:
             self._bar.close()
         if self._log is not None:
             self._log.close()
+
+
+def truncate_log(path: str, step: int) -> int:
+    """Keep the records of ``path`` up to ``step`` (and any line that is not a record); returns
+    how many were dropped (0, and the file untouched, when there is none to drop or no file)."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
+    if len(kept) < len(lines):
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What fpdt-plan's model predicted for the run, shown beside the measured figures at its end."""
+
+    device_peak_gib: float | None = None
+    """Device peak per GPU (CUDA; the CPU's counted working set is not what the model describes)."""
+    host_offload_gib: float | None = None
+    """Host bytes the offload holds per node (the host stash and checkpoints)."""
+    step_time_s: float | None = None
+    """Seconds per optimizer step on this GPU (CUDA with a GPU the planner knows)."""
+
+
+def summary(records: list[StepRecord], start: int, wall_s: float, saved: str | None, exported: str | None,
+            predicted: Predicted | None = None) -> str:
+    """The run's last line: steps, tokens, wall time, first and last loss, peak device memory, the
+    host's peak (stash, process RSS), the median step time, what was written where; with
+    ``predicted``, fpdt-plan's figures beside the measured ones."""
+    if not records:
+        return f"fpdt-train: done: no steps to take (the checkpoint is at step {start}) in {wall_s:.0f} s"
+    p = predicted or Predicted()
+    tokens = sum(r.tokens for r in records)
+    peaks = [r.peak_mem_gib for r in records if r.peak_mem_gib is not None]
+    stash = max((r.host_stash_gib or 0.0) for r in records)
+    rss = max(r.host_rss_gib for r in records)
+    step = sorted(r.step_time_s for r in records)[len(records) // 2]
+    parts = [f"fpdt-train: done: steps {start + 1}-{records[-1].step}, {tokens:,} tokens in {wall_s:.0f} s",
+             f"loss {records[0].loss:.4f} -> {records[-1].loss:.4f}",
+             f"peak device memory {f'{max(peaks):.3g} GiB' if peaks else 'n/a'}" + _beside(p.device_peak_gib, " GiB")
+             + (f", host stash {stash:.3g} GiB" + _beside(p.host_offload_gib, " GiB") if stash or p.host_offload_gib
+                else ""),
+             f"host process {rss:.3g} GiB (RSS)",
+             f"step {step:.3g} s (median)" + _beside(p.step_time_s, " s")]
+    if saved:
+        parts.append(f"saved {saved}")
+    if exported:
+        parts.append(f"exported {exported}")
+    return "; ".join(parts)
+
+
+def _beside(value: float | None, unit: str) -> str:
+    return "" if value is None else f" (fpdt-plan: {value:.3g}{unit})"
 
 
 def read_log(path: str) -> list[dict]:

@@ -120,7 +120,7 @@ def test_small_chunks_expose_copies():
 
 def test_setup_problems_name_the_fix():
     cfg = load_model_config("llama-3-8b")
-    assert any("not divisible by --chunk-size" in p for p in Setup.build(seq_len=100_000, chunk_size=65536).problems(cfg, 1))
+    assert any("not divisible by chunk_size=" in p for p in Setup.build(seq_len=100_000, chunk_size=65536).problems(cfg, 1))
     assert any("query heads" in p for p in Setup.build(seq_len=2 ** 20, chunk_size=2 ** 16, hp=5).problems(cfg, 5))
     assert any("multiple of" in p for p in Setup.build(seq_len=2 ** 20, chunk_size=2 ** 16, hp=3).problems(cfg, 3))
 
@@ -279,7 +279,7 @@ def test_a_named_kernel_is_timed_at_its_own_calibrated_rate(tmp_path, capsys):
 @pytest.mark.parametrize("argv, fix", [
     (["--checkpoint-device-layers", "40"], "--checkpoint-device-layers 40 must be an integer from 0 to the model's 32"),
     (["--checkpoint-device-layers", "-1"], "--checkpoint-device-layers -1 must be an integer from 0"),
-    (["--checkpoint", "on", "--checkpoint-device-layers", "4"], "it needs checkpointing='offload' (now 'on')"),
+    (["--checkpoint", "on", "--checkpoint-device-layers", "4"], "it needs --checkpoint offload (now on)"),
 ])
 def test_bad_device_layers_name_the_fix(capsys, argv, fix):
     assert main(["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", "1048576", *argv]) == 2
@@ -290,7 +290,7 @@ def test_a_json_section_fpdt_train_would_refuse_is_refused(capsys, tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "fpdt": {"checkpoint_device_layers": "8"}}))
     assert main(["--model", "llama-3-8b", "--gpu", "h100-80g", "--seq-len", "1048576", "--deepspeed", str(ds)]) == 2
-    assert "checkpoint_device_layers='8' must be an integer >= 0" in capsys.readouterr().err
+    assert "--checkpoint-device-layers '8' must be an integer >= 0" in capsys.readouterr().err
 
 
 def test_recommended_flags_always_name_the_device_layers(capsys):

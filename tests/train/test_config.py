@@ -59,8 +59,8 @@ def test_bad_fpdt_section(section, match):
 @pytest.mark.parametrize("opts, seq_len, world, device, ds, match", [
     (TrainerOptions(sp=3), 96, 2, "cpu", FP32, r"--sp 3 does not divide the world size 2"),
     (TrainerOptions(sp=2, chunk_size=45), 90, 2, "cpu", FP32, r"not divisible by sp x chunks = 2 x 2 = 4"),
-    (TrainerOptions(chunk_size=128), 96, 1, "cpu", FP32, r"--chunk-size 128 is larger than the sequence"),
-    (TrainerOptions(chunk_size=40), 96, 1, "cpu", FP32, r"--seq-len 96 is not divisible by --chunk-size 40"),
+    (TrainerOptions(chunk_size=128), 96, 1, "cpu", FP32, r"chunk_size=128 is larger than the sequence"),
+    (TrainerOptions(chunk_size=40), 96, 1, "cpu", FP32, r"seq_len=96 is not divisible by chunk_size=40"),
     (TrainerOptions(offload=True), 96, 1, "cpu", FP32, r"--offload needs a CUDA device.*--no-offload"),
     (TrainerOptions(checkpointing="offload"), 96, 1, "cpu", FP32, r"'offload' needs a CUDA device.*--checkpoint on"),
     (TrainerOptions(), 96, 1, "cpu", {"fp16": {"enabled": True}}, r"fp16 training needs a CUDA device.*bf16"),
@@ -142,7 +142,7 @@ def test_planner_defaults_are_the_trainers_on_a_gpu():
 @pytest.mark.parametrize("extra, json_section, message", [
     (["--sp", "2"], None, "--sp 2 does not divide the world size 1"),
     (["--chunk-size", "100"], None, "--chunk-size 100 is larger than the sequence"),
-    (["--offload"], None, "--offload needs a CUDA device"),
+    (["--offload", "--runtime", "cuda"], None, "--runtime cuda needs a CUDA device"),
     ([], {"chunk": 8}, "unknown key 'chunk'"),
 ])
 def test_cli_reports_config_errors_before_starting(tmp_path, capsys, extra, json_section, message, monkeypatch):

@@ -216,10 +216,10 @@ def test_only_rank_0_prints(fixture, capsys, monkeypatch):
 
 def test_debug_shows_the_traceback(fixture, monkeypatch):
     tmp, cfg, data = fixture
-    with pytest.raises(ConfigError, match="--chunk-size 100 is larger"):
+    with pytest.raises(ConfigError, match="chunk_size=100 is larger"):
         main(_argv(cfg, data, "--chunk-size", "100", "--debug"))
     monkeypatch.setenv("FPDT_DEBUG", "1")
-    with pytest.raises(ConfigError, match="--chunk-size 100 is larger"):
+    with pytest.raises(ConfigError, match="chunk_size=100 is larger"):
         main(_argv(cfg, data, "--chunk-size", "100"))
 
 
@@ -261,18 +261,19 @@ def test_a_kernel_failure_names_the_kernel_and_the_flag(capsys):
     (["--sp", "2", "--chunk-size", "45"], None, "--sp 2 does not divide the world size 1"),
     (["--chunk-size", "100"], None, "--chunk-size 100 is larger than the sequence (--seq-len 64)"),
     (["--chunk-size", "24"], None, "--seq-len 64 is not divisible by --chunk-size 24"),
-    (["--offload"], None, "--offload needs a CUDA device"),
-    (["--checkpoint", "offload"], None, "checkpoint mode 'offload' needs a CUDA device"),
+    (["--offload", "--runtime", "cuda"], None, "--runtime cuda needs a CUDA device"),
+    (["--stream-layers", "--checkpoint", "on"], None, "--stream-layers keeps each layer's input in host memory as its "
+                                                       "checkpoint: pass --checkpoint offload (now on)"),
     ([], {"fp16": {"enabled": True}}, "fp16 training needs a CUDA device"),
     ([], {"fpdt": {"chunk_sise": 32}}, "unknown key 'chunk_sise'"),
     (["--skip-nonfinite", "1"], {"gradient_accumulation_steps": 2}, "--skip-nonfinite needs gradient_accumulation_steps 1"),
     (["--attention-backend", "cuda_flash"], None, "--attention-backend cuda_flash: attention backend 'cuda_flash' is not "
                                                   "available here (needs a CUDA build of torch and a GPU)"),
-    ([], {"fpdt": {"attention_backend": "flash3"}}, "attention_backend='flash3' must be one of ('flash_attn3'"),
-    (["--checkpoint-device-layers", "1"], None, "checkpoint_device_layers=1 keeps some offloaded layer inputs on "
-                                               "the device: it needs checkpointing='offload' (now 'off') "
-                                               "(checkpointing='off' is fpdt-train's default on cpu; --checkpoint sets it)"),
-    (["--checkpoint-device-layers", "-1"], None, "checkpoint_device_layers=-1 must be an integer >= 0"),
+    ([], {"fpdt": {"attention_backend": "flash3"}}, "--attention-backend flash3 must be one of ('flash_attn3'"),
+    (["--checkpoint-device-layers", "1"], None, "--checkpoint-device-layers 1 keeps some offloaded layer inputs on "
+                                               "the device: it needs --checkpoint offload (now off) "
+                                               "(--checkpoint off is fpdt-train's default on cpu; --checkpoint sets it)"),
+    (["--checkpoint-device-layers", "-1"], None, "--checkpoint-device-layers -1 must be an integer >= 0"),
 ])
 def test_config_errors(fixture, capsys, extra, ds, needle, monkeypatch):
     monkeypatch.delenv("FPDT_RUNTIME", raising=False)  # FPDT_RUNTIME=sim|sync would allow CPU offload

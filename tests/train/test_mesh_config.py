@@ -32,7 +32,7 @@ def test_flags_and_json_reach_the_plan():
 
 
 @pytest.mark.parametrize("opts, seq_len, world, match", [
-    (TrainerOptions(hp=2, cp=2, chunk_size=12), 36, 4, r"--seq-len 36 is not divisible by 2 x hp x cp x chunks = "
+    (TrainerOptions(hp=2, cp=2, chunk_size=12), 36, 4, r"seq_len=36 is not divisible by 2 x hp x cp x chunks = "
                                                     r"2 x 2 x 2 x 3 = 24"),
     (TrainerOptions(hp=2, cp=3), 48, 4, r"--hp 2 x --cp 3 = 6 does not divide the world size 4"),
     (TrainerOptions(cp=4, inner_ring=3), 64, 4, r"inner_ring=3 must divide cp=4"),
