@@ -48,79 +48,41 @@ class FPDTOptions:
     """Memory and parallelism options of an FPDT model (the same for ``fpdt.model``, ``fpdt.hf``
     and ``fpdt-train``). Change them later with ``model.configure(**changes)``."""
 
+    # Each field's meaning, default and interplay: docs/model.md#memory-options (one table).
     num_chunks: int = 1
-    """Attention chunks per rank ``u``: ``S`` must be divisible by ``P * u`` (``2 * hp * cp * u``
-    on a 2D mesh), and inputs laid out with the same ``u`` (:func:`fpdt.model.prepare_inputs`).
-    The global chunk is ``S / u`` tokens."""
+    """Attention chunks per rank ``u``; ``S`` divisible by ``P * u`` (``2 * hp * cp * u`` on a mesh)."""
     offload: bool = False
-    """Keep attention chunks (k̂, v̂, q̂, o, lse) in pinned host memory between forward and
-    backward, double-buffered (FPDT "w. offload"; CUDA, or the simulated runtime on the CPU).
-    Off on every device here; ``fpdt-train`` and ``fpdt-plan`` turn it and ``checkpointing``
-    on for CUDA (:func:`device_defaults`, which says why the two defaults differ)."""
+    """Attention chunks in pinned host memory between forward and backward (:func:`device_defaults`)."""
     checkpointing: str = "off"
-    """Per-layer activation checkpointing (:data:`CHECKPOINT_MODES`): ``"off"``, ``"on"`` (keep
-    each layer's input, recompute the layer in backward) or ``"offload"`` (as ``"on"``, with
-    the layer inputs in pinned host memory, prefetched one layer ahead in backward)."""
+    """:data:`CHECKPOINT_MODES`: no layer checkpoint, layer inputs on the device, or on the host."""
     checkpoint_device_layers: int = 0
-    """With ``checkpointing="offload"``: how many of the last decoder layers keep their input on
-    the device instead (0: every input on the host, the FPDT design). For runs whose host
-    memory, not the device's, is the limit."""
+    """With ``"offload"``: the last this many layers keep their input on the device."""
     nvme_path: str | None = None
-    """With ``checkpointing="offload"``: a directory on a local drive for the NVMe tier
-    (DeepSpeed's own name for its NVMe directory; ``docs/nvme.md``). Each rank writes files under
-    ``{nvme_path}/rank{R}/`` (:class:`fpdt.offload.nvme.NVMeStore`) and removes them at exit.
-    None: off, everything offloaded stays in host memory."""
+    """With ``"offload"``: the NVMe tier's directory (``docs/nvme.md``); None: off."""
     nvme_tier: NVMeTier | None = None
-    """With ``nvme_path``: the :class:`fpdt.offload.nvme.NVMeTier` holding the stores, to choose
-    their backend and close their files when the caller chooses (``fpdt-train`` passes one with
-    DeepSpeed's aio). None: the model opens its own (portable backend), closed at interpreter exit."""
+    """With ``nvme_path``: the :class:`fpdt.offload.nvme.NVMeTier` of the stores; None: the model's own."""
     nvme_layers: int | None = None
-    """With ``nvme_path``: how many of the *first* decoder layers keep their offloaded input and
-    saved attention output on disk (None: every offloaded layer); the others stay in host memory.
-    The first, because a layer's checkpoint waits from its forward to its backward, longest for
-    layer 0: its I/O has the most compute to hide under, and the last layers, read back first,
-    never make the round trip (``docs/nvme.md``)."""
+    """With ``nvme_path``: only the first this many layers go to disk (None: every offloaded layer)."""
     stream_layers: bool = False
-    """Run every decoder layer as passes over its chunks, with the residual stream between layers
-    in host memory a chunk at a time (:mod:`fpdt.model.streaming`): no ``[B, S_local, hidden]``
-    tensor on the device, so device memory stays flat in the sequence length. The layer inputs in
-    host memory are the checkpoints: needs ``checkpointing="offload"`` and ``offload=True``."""
+    """Every layer as passes over its chunks, residual stream on the host (:mod:`fpdt.model.streaming`)."""
     attention_checkpoint: str = "recompute"
-    """With layer checkpointing (:data:`ATTENTION_CHECKPOINT_MODES`; ``"save"`` is refused with
-    ``checkpointing="off"``, which has no recompute to skip): ``"recompute"`` runs each
-    layer's attention forward again in backward; ``"save"`` keeps the attention output and its
-    log-sum-exp beside the layer input (same tier: host under ``"offload"``, device otherwise)
-    and the recompute skips the attention kernel (LoongTrain's Selective Checkpoint++,
-    arXiv:2406.18485 §5.2)."""
+    """:data:`ATTENTION_CHECKPOINT_MODES`; ``"save"`` keeps attention outputs for the recompute."""
     save_attention_layers: int | None = None
-    """With ``attention_checkpoint="save"`` (a count with ``"recompute"`` is refused): how many
-    layers save (None: every layer); the others recompute. The knob for runs short of host memory."""
+    """With ``"save"``: only the first this many layers save (None: every layer)."""
     backend: str | None = None
     """Attention kernel (:data:`fpdt.attention.kernels.BACKENDS`); None: automatic."""
     mlp_chunks: int | None = None
-    """Token chunks of the SwiGLU MLP. None: ``ceil(2 u I / hidden)`` (each ``[n, I]``
-    intermediate within the byte budget of :mod:`fpdt.model.chunks`); 0: the plain autograd MLP."""
+    """MLP token chunks; None: ``ceil(2 u I / hidden)``; 0: the plain MLP."""
     loss_chunks: int | None = None
-    """Token chunks of the fused LM head + cross-entropy. None: ``ceil(2 u V / hidden)`` (each
-    fp32 logits chunk within the same budget); 0: the plain full-logits loss."""
+    """LM head + loss token chunks; None: ``ceil(2 u V / hidden)``; 0: full logits."""
     lm_head_wgrad: str = "recompute"
-    """LM-head weight gradient of the chunked loss (:data:`LM_HEAD_WGRAD_MODES`): ``"recompute"``
-    recomputes the logits in backward one vocabulary slice at a time (one more LM-head GEMM, no
-    fp32 ``[V, hidden]`` buffer; the faster one measured on an H100, see
-    ``benchmarks/README.md``); ``"accumulate"`` sums the gradient over token chunks in that buffer."""
+    """:data:`LM_HEAD_WGRAD_MODES`: the chunked loss's LM-head weight gradient."""
     group: dist.ProcessGroup | None = None
-    """Sequence-parallel process group; None: the default group if torch.distributed is
-    initialised, else a world of 1."""
+    """Sequence-parallel group; None: the default group if initialised, else a world of 1."""
     mesh: SequenceMesh | None = None
-    """A 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group``: inputs in the mesh
-    layout; reductions (the loss's token count) run over ``mesh.sp_group``."""
+    """A 2D hp x cp :class:`fpdt.comm.SequenceMesh` instead of ``group`` (mesh layout inputs)."""
     runtime: str | Runtime | None = None
-    """Device runtime of the offload copies (:data:`fpdt.offload.runtime.RUNTIMES`): None,
-    automatic (``"cuda"`` on a CUDA device, ``"sync"`` elsewhere); ``"sim"``, the simulated CUDA
-    streams that run the offload paths on the CPU (:mod:`fpdt.offload.sim`); ``"sync"``; ``"cuda"``;
-    or a :class:`fpdt.offload.Runtime` instance. A name is one process-wide instance, which every
-    stash of the model shares (:mod:`fpdt.offload.select`). Not read from the environment:
-    ``FPDT_RUNTIME`` is only the default of ``fpdt-train --runtime``."""
+    """:data:`fpdt.offload.runtime.RUNTIMES` name or instance; None: cuda on a GPU, else sync."""
 
     # ---------------------------------------------------------------- construction
     @classmethod

@@ -1,5 +1,5 @@
-"""Docstrings stay a minority of ``fpdt/``: the share of non-blank lines that are module, class or
-function docstrings, counted with ``ast``. Run ``python tests/test_prose.py`` for the figures
+"""Docstrings stay a minority of ``fpdt/``: the share of non-blank lines that are docstrings (of
+modules, classes and functions, and the string under an attribute or constant), counted with ``ast``. Run ``python tests/test_prose.py`` for the figures
 (the whole package, then the files with the most docstring lines)."""
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ def docstring_lines(source: str) -> tuple[int, int]:
     lines = source.splitlines()
     doc = 0
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                    and isinstance(first.value.value, str):
-                doc += sum(1 for i in range(first.lineno - 1, first.end_lineno) if lines[i].strip())
+        # every statement that is a bare string: the docstrings, and those under attributes and constants
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            doc += sum(1 for i in range(node.lineno - 1, node.end_lineno) if lines[i].strip())
     return doc, sum(1 for line in lines if line.strip())
 
 
