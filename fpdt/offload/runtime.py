@@ -1,37 +1,9 @@
 """The device runtime: the one place that talks to streams, events, pinned memory and async copies.
 
-Every stream, event, pinned allocation, asynchronous copy, ``record_stream``, current-stream
-and synchronise call of the offload machinery (and of the training loop) goes through a
-:class:`Runtime`. Three implementations share one contract:
-
-* ``cuda``: thin wrappers over ``torch.cuda`` streams, events and pinned memory (the
-  default on CUDA devices);
-* ``sync``: every copy runs at once and every event is complete (the default on the CPU);
-* ``sim``: a simulated CUDA runtime on the CPU, hostile by construction
-  (:mod:`fpdt.offload.sim`): copies run as late as CUDA allows, their destinations hold NaN
-  until then, and unordered or use-after-free accesses raise :class:`StreamHazardError`.
-
-Selection: explicit, the ``runtime`` option (:attr:`fpdt.options.FPDTOptions.runtime`, resolved
-by :mod:`fpdt.offload.select`): ``None`` is ``cuda`` for CUDA devices and ``sync`` otherwise.
-``FPDT_SIM_MODE=lazy|threaded``, ``FPDT_SIM_FAULT=drop_wait|drop_record_stream`` and
-``FPDT_SIM_SEED`` configure the simulator.
-
-Contract of the calls (CUDA semantics throughout):
-
-* ``copy(dst, src, stream, role, direction)`` issues ``dst.copy_(src)`` on ``stream``;
-  it runs after the work issued on ``stream`` before it, including the events the stream
-  waited on. ``role`` (:class:`Role`) names the data for errors and counters;
-  ``direction`` is ``"d2h"`` or ``"h2d"``.
-* ``wait_event(stream, event)``: work issued on ``stream`` afterwards runs after the work
-  recorded before ``event``. On the compute stream this is a device-side wait on CUDA;
-  the simulator's compute stream is the host thread, so there it blocks the host.
-* ``record_stream(tensor, stream)``: the caching allocator must not reuse ``tensor``'s
-  memory before the work issued on ``stream`` so far has run.
-* ``event_synchronize`` and ``synchronize`` block the host; each counts in
-  ``counters.host_syncs``.
-* ``device_empty(shape, dtype, device, role, stream=None)``: a fetch buffer, allocated on
-  ``stream`` (default: the compute stream, which consumes it); live fetch buffers are
-  counted per role kind.
+Three implementations of one contract (CUDA semantics): ``cuda`` (``torch.cuda`` streams, events,
+pinned memory), ``sync`` (every copy at once, every event complete) and ``sim``
+(:mod:`fpdt.offload.sim`). Chosen by the ``runtime`` option (:mod:`fpdt.offload.select`). The
+contract of each call: ``docs/attention.md#the-runtimes-contract``.
 """
 
 from __future__ import annotations

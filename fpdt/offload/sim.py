@@ -1,43 +1,9 @@
 """The simulated CUDA runtime (``runtime="sim"``): stream semantics on the CPU, hostile by construction.
 
-What it models (CUDA's semantics, with the host thread as the compute stream):
-
-* Work issued on a side stream runs only after the work issued on that stream before it
-  and after the events the stream waited on. An event completes when the work recorded
-  before it has run. ``wait_event`` on the compute stream blocks the host until then.
-* Copies run as late as CUDA allows. ``mode="lazy"`` (default): a copy runs only when the
-  host waits on an event that needs it, or synchronises. ``mode="threaded"``: one worker
-  thread per side stream runs its copies, each after a seeded random delay.
-* A copy's destination holds NaN (integers: the dtype's max) from the moment the copy is
-  issued until it runs, and its source is read when it runs: a reader that skipped its
-  wait, or a source overwritten too early, gives wrong numbers.
-* A copy keeps its source and destination alive until the host has seen it complete (a
-  wait on the compute stream, an event or device synchronisation covering it), in both
-  modes: the worker threads never drop the last reference to a tensor, so when a storage
-  is freed (what :class:`fpdt.memory.MemoryAccountant` counts) depends on the host program
-  alone, never on how far a worker has got (the two modes count the same bytes).
-
-Hazards it raises as :class:`~fpdt.offload.runtime.StreamHazardError` (``checks=True``),
-each naming the role of the data (e.g. ``k chunk 3, layer 2``):
-
-* **free before use** (the caching allocator): a device tensor whose last reference dies
-  while a copy on another stream still reads or writes it, without ``record_stream`` to
-  that stream (its memory could be handed out again before the copy ran);
-* **unordered side-stream access**: a copy that touches memory that a copy on another
-  side stream also touches (one of them writing) without an event wait ordering them;
-* **unordered with compute**: a side-stream copy touching device memory (other than memory
-  allocated on its own stream) that is not ordered after the compute stream's latest
-  event (the simulator cannot see kernels, so it requires the wait to cover everything
-  the host issued before the copy).
-
-Faults (``fault=``, or ``FPDT_SIM_FAULT``): ``drop_wait`` ignores every cross-stream wait,
-``drop_record_stream`` ignores every ``record_stream``. The offload tests must fail under
-each (wrong numbers or a hazard error). ``fault_kinds`` (a set of role kinds, e.g.
-``{"residual"}``) narrows a fault to the data of those kinds: the waits on events recorded after
-a copy of such data, and the ``record_stream`` that follows such a copy.
-
-Counters (``runtime.counters``): bytes per direction, host-blocking syncs, peak copies
-issued but not run (host run-ahead), peak fetch buffers per role kind.
+Copies run as late as CUDA allows (``mode="lazy"``, or ``"threaded"`` with seeded delays), their
+destinations hold NaN until then, and unordered or use-after-free accesses raise
+:class:`~fpdt.offload.runtime.StreamHazardError` naming the data. What it models, the hazards it
+raises, its faults (``fault=``, ``FPDT_SIM_FAULT``) and counters: ``docs/attention.md#the-simulated-runtime``.
 """
 
 from __future__ import annotations
