@@ -1,38 +1,9 @@
-"""NVMeStore: keyed, asynchronous storage of host tensors in files under a user's ``nvme_path``.
+"""NVMeStore: keyed, asynchronous storage of host tensors in files under ``{nvme_path}/rank{R}/``.
 
-The third memory tier: what is written once and read once per step (layer-input
-checkpoints, saved attention outputs) can leave host memory for a local drive. This module is
-the storage alone; what goes there is the caller's choice.
-
-Layout and contract:
-
-* Each rank owns ``{nvme_path}/rank{R}/``, created by the store, holding a marker file
-  (:data:`MARKER`: pid, host, creation time) and one file per stored key, ``{n}.bin``. Sizes are
-  padded to :data:`ALIGN` bytes and every transfer starts at offset 0, so the files are
-  ``O_DIRECT``-friendly (DeepSpeed's aio opens them ``O_DIRECT``).
-* ``write(key, t)`` and ``read(key, out)`` start at once and return an :class:`IOHandle`;
-  ``handle.wait()`` returns when the transfer is complete and raises :class:`NVMeError` (one
-  line: the operation, key, file and errno message) on ENOSPC, EIO or any other ``OSError``;
-  under :meth:`NVMeStore.deferred_faults` it records the first such error instead (:meth:`~NVMeStore.take_fault`)
-  and returns, the buffer holding whatever it holds. The caller keeps ``t`` (``out``) alive and
-  untouched until then. A ``read`` of a key whose write is still in flight first waits for that write.
-* ``discard(key)`` removes one key's file; ``close()`` waits for what is in flight and removes
-  every file the store created, its marker and its directory (never ``nvme_path`` itself).
-  The store is a context manager; a store still open at interpreter exit is closed then
-  (``weakref.finalize``). The library installs no signal handler: ``fpdt-train`` turns SIGTERM
-  into an orderly exit; a library user closes the store (or its :class:`NVMeTier`) or lets the
-  next start reclaim what a killed process left (``docs/nvme.md``).
-* At start, a ``rank{R}`` directory left by a killed run is reclaimed only when it carries the
-  marker of a process that is no longer running; a directory without the marker is refused
-  with one error naming it, and a file the store did not name is never deleted.
-
-One run's stores are held by an :class:`NVMeTier` (one store per ``(nvme_path, rank)``, opened
-on first use with the tier's backend); a model gets one through ``FPDTOptions.nvme_tier`` or
-opens its own.
-
-Backends (the ``backend=`` argument) move bytes between a contiguous CPU tensor and a file:
-:class:`PortableBackend` (a thread pool of ``os.pwrite`` / ``os.preadv``; no dependencies) here,
-and DeepSpeed's aio in :mod:`fpdt.train.nvme_aio` (this package may not import DeepSpeed).
+The storage of the NVMe tier alone (what goes there is the caller's choice). ``write`` / ``read``
+return an :class:`IOHandle` at once; its ``wait()`` raises :class:`NVMeError` in one line, or under
+:meth:`NVMeStore.deferred_faults` records it. One run's stores belong to an :class:`NVMeTier`.
+Layout, alignment, cleanup, reclaiming and backends: ``docs/nvme.md``.
 """
 
 import contextlib

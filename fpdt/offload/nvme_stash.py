@@ -1,32 +1,7 @@
 """NVMeStash: a :class:`~fpdt.offload.stash.HostStash` whose entries leave host memory for an
-:class:`~fpdt.offload.nvme.NVMeStore` (the NVMe tier, ``docs/nvme.md``).
-
-Life of an entry:
-
-* ``put``: as in :class:`HostStash`, an asynchronous device->host copy into a pooled host buffer.
-* Once ``staging`` later entries have been put, the entry's copy has long landed: the host
-  confirms it (``event_synchronize`` on its ``done`` event, which the bounded D2H run-ahead has
-  already made the compute stream wait for) and starts the file write. Once ``staging`` writes
-  are in flight, the oldest is waited for and its host buffer goes back to the pool. So at
-  most ``2 * staging`` entries hold host buffers, however many are stored: host memory flat in
-  the number of layers.
-* ``prefetch(key)`` (backward): an entry on disk is read back into a pooled host buffer (waiting
-  for the read, which ``read_ahead`` normally started one entry earlier), then copied to the
-  device as in :class:`HostStash`; then the read of ``read_ahead(key)``, the entry backward needs
-  next, starts.
-* ``pop``, ``discard``, ``clear``: the entry's file is removed too.
-
-Two knobs serve callers that know more than the FIFO: ``to_disk(key)`` names the entries that
-may leave the host (the others behave as in :class:`HostStash`), and ``staging=None`` turns the
-automatic spill off, for a caller that still reads what it put (the streamed residual stream)
-and calls :meth:`start_flush` / :meth:`flush` once it is done with it, then :meth:`read_all`
-one layer before backward needs the entries again.
-
-The bytes are the ones the device->host copy produced, so results are bit-identical to the
-host-only stash. A failed write or read raises :class:`~fpdt.offload.nvme.NVMeError` from the
-call that waits for it (``put``'s retirement of the oldest write, or ``prefetch``); under
-:meth:`~fpdt.offload.nvme.NVMeStore.deferred_faults` it is recorded instead and the entry holds whatever its
-buffer holds.
+:class:`~fpdt.offload.nvme.NVMeStore`. At most ``2 * staging`` entries hold host buffers however
+many are stored; the bytes are those the device->host copy produced (bit-identical results).
+An entry's life, ``to_disk``, ``staging=None`` and the flush calls: ``docs/nvme.md#what-goes-to-disk``.
 """
 
 from __future__ import annotations
