@@ -1,5 +1,6 @@
 """Docstrings stay a minority of ``fpdt/``: the share of non-blank lines that are docstrings (of
-modules, classes and functions, and the string under an attribute or constant), counted with ``ast``. Run ``python tests/test_prose.py`` for the figures
+modules, classes and functions, and the string under an attribute or constant), counted with
+``ast``. Run ``python tests/test_prose.py`` for the figures
 (the whole package, then the files with the most docstring lines)."""
 
 from __future__ import annotations

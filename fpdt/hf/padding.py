@@ -1,13 +1,6 @@
-"""Right padding, which fpdt computes exactly without a mask.
-
-fpdt attention is causal over the whole window and takes no mask. With right padding (each row
-of the ``attention_mask`` is ones, then zeros) a real token never sees a padded one, so every
-real token's output is Transformers' own; only the padded queries' outputs differ (they see the
-padding before them, Transformers' mask hides it). Those never reach the loss when their
-targets are ``-100``, as a padding collator sets them. So a right-padding mask is accepted,
-checked on the whole window, and dropped; anything else is refused, naming the fix. Under the
-Trainer's data parallelism a refusal stops every rank, not the refusing one alone
-(:func:`whole_window_mask`, :func:`fpdt.hf.errors.refuse_on_every_rank`).
+"""Right padding, which fpdt computes exactly without a mask: accepted (checked on the whole
+window) and dropped; any other mask refused on every rank, naming the fix (``docs/hf.md``,
+padding).
 """
 
 from __future__ import annotations

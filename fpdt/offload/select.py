@@ -1,19 +1,8 @@
 """Which device runtime serves a device: :func:`resolve_runtime`, :func:`named_runtime`.
 
-The runtime is an explicit option (:attr:`fpdt.options.FPDTOptions.runtime`), passed to every
-:class:`fpdt.offload.HostStash`, host pool and training loop that needs one:
-
-* ``None``: automatic, ``cuda`` on a CUDA device and ``sync`` elsewhere;
-* a name, ``"sync"``, ``"cuda"`` or ``"sim"``: one process-wide instance per name (so the
-  stashes of one model, and of every model built with the same name, share one runtime and
-  its host pool);
-* a :class:`fpdt.offload.runtime.Runtime` instance, used as it is.
-
-The library reads no environment variable to choose it; ``fpdt-train`` and the profiling
-scripts take ``FPDT_RUNTIME`` as the default of their own option. The simulator's knobs
-``FPDT_SIM_MODE``, ``FPDT_SIM_FAULT`` and ``FPDT_SIM_SEED`` stay environment variables
-(:class:`fpdt.offload.sim.SimRuntime`). The runtimes themselves live in
-:mod:`fpdt.offload.runtime` (sync, CUDA) and :mod:`fpdt.offload.sim` (the simulator).
+The ``runtime`` option (:attr:`fpdt.options.FPDTOptions.runtime`): None (automatic), a name
+(one process-wide instance per name) or a :class:`~fpdt.offload.runtime.Runtime`; the library
+reads no environment variable for it (``docs/attention.md#device-runtime``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The offload side streams of one device, and the bound on how far the host runs ahead.
 
-FPDT uses three streams (FPDT, arXiv 2408.16978, the double buffer of its Fig. 7): the compute stream;
-``chunks``, which carries the
-attention chunks (q̂/k̂/v̂/o/lse/dô/dq) in both directions; and ``inputs``, which carries
-the layer inputs and the hidden-state chunks ``T_i`` (offload, and the prefetch that the
-projection backward and the next layer's backward consume). They are created once per
-device and runtime and reused by every call (creating streams per call is slow and a
-source of unordered work).
-
-Bounded run-ahead: after every device->host copy, the compute stream waits for the copy
-issued ``D2H_RUN_AHEAD`` copies earlier. The memory those copies read (kept alive by
-``record_stream``) is then bounded by a fixed number of chunks, whatever ``u`` is, and so
-is the host's lead over the copy engine. On CUDA the wait is device-side (the host never
-blocks); in the simulator the compute stream is the host.
+Three streams (FPDT, arXiv 2408.16978, Fig. 7's double buffer): compute; ``chunks`` (the attention
+chunks, both directions); ``inputs`` (layer inputs and hidden-state chunks ``T_i``). Created once
+per device and runtime. After every device->host copy the compute stream waits for the copy
+issued ``D2H_RUN_AHEAD`` earlier, so the memory in flight is a fixed number of chunks.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""The projections fpdt's chunked functions compute themselves, read from their modules: a plain
-``nn.Linear`` (with the adapters :func:`fpdt.model.lora.add_lora` attached, if any), or PEFT's
-LoRA ``Linear`` around one.
-
-The chunked q/k/v projection (:mod:`fpdt.attention.projected_attention`), the chunked output
-projection and the chunked MLP (:mod:`fpdt.model.mlp`) read the weights directly instead of
-calling the modules. For a PEFT LoRA layer they read its base ``nn.Linear`` and its active
-adapters and compute what PEFT's ``forward`` computes, chunk by chunk (:mod:`fpdt.ops.lora`). A
-layer with adapters disabled, or merged into the base weight, is its base layer. Dropout follows
-the dropout module's train/eval mode (fpdt's adapters: the owner's); the masks are fpdt's.
-
-Refused with :class:`ProjectionError`, naming the fix: anything else in those places (quantised
-layers, other adapter types), LoRA variants (DoRA, ...), adapters disabled while merged, active
-adapters of one layer in different dtypes, PEFT's input casting turned off with adapters in
-another dtype than the base, and PEFT's per-sample ``adapter_names`` (forward hooks the chunked
-functions do not call).
+"""The projections fpdt's chunked functions compute themselves (q/k/v, o, the MLP), read from their
+modules: a plain ``nn.Linear`` (with fpdt's LoRA adapters, if any), or PEFT's LoRA ``Linear``
+around one, computed as PEFT's ``forward`` would, chunk by chunk. Anything else is refused with
+:class:`ProjectionError` naming the fix (the list: ``docs/hf.md``, "Projections the chunked
+functions read").
 """
 
 from __future__ import annotations

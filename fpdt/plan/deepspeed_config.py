@@ -1,19 +1,7 @@
-"""Planner settings from the DeepSpeed JSON a run will use (``fpdt-plan --deepspeed``).
-
-Read: ``zero_optimization`` -- ``stage``, ``offload_optimizer.device`` and
-``offload_param.device`` (``"cpu"``/``"nvme"`` = on the host), and the keys that allocate
-device memory (``reduce_bucket_size``, ``sub_group_size``, ``contiguous_gradients``) --
-the precision (``bf16`` / ``fp16`` enabled: 2-byte weights; neither: fp32), the micro
-batch (``train_micro_batch_size_per_gpu``: sequences per SP group, or what DeepSpeed derives
-from ``train_batch_size`` over the GPUs), and the
-``"fpdt"`` section ``fpdt-train`` reads from the same file (:data:`fpdt.train.config.FPDT_KEYS`): what it
-sets is fixed for the plan, as it will be for the run; what it leaves out the planner
-chooses. ZeRO keys absent from the file keep DeepSpeed's defaults. A value ``"auto"`` (which
-Hugging Face's Trainer fills in from its own arguments) is read as the Trainer fills it where
-the plan can know it (``reduce_bucket_size``: ``hidden_size ** 2``, given the model's hidden
-size), else as absent: the precision and micro batch stay the planner's, other ZeRO sizes
-DeepSpeed's defaults. Command-line flags win over the file (the caller applies them
-afterwards, as ``fpdt-train`` does).
+"""Planner settings from the DeepSpeed JSON a run will use (``fpdt-plan --deepspeed``): the ZeRO
+stage, offload and device buffers, the precision, the micro batch and the ``"fpdt"`` section,
+read as ``fpdt-train`` reads them; flags win over the file (``docs/plan.md``). A value
+``"auto"`` is read as Hugging Face's Trainer fills it where the plan can know it, else as absent.
 """
 
 from __future__ import annotations
