@@ -81,20 +81,13 @@ def fpdt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """FPDT attention of sequence-parallel q, k, v.
 
     Args:
-        q: ``[B, S_local, H, D]``, this rank's tokens in the FPDT layout (:mod:`fpdt.layout`),
-            ``u = num_chunks``; ``S = P * S_local`` must be divisible by ``P * u``.
+        q: ``[B, S_local, H, D]`` in the FPDT layout (:mod:`fpdt.layout`), ``S`` divisible by ``P * u``.
         k, v: ``[B, S_local, H_kv, D]``; ``H_kv`` divides ``H`` (replicated when P exceeds it).
-        group: the sequence-parallel group; ``None`` = the default group (or a world of 1).
-        mesh: a 2D :class:`fpdt.comm.SequenceMesh` (hp x cp) instead of ``group``; tokens are then
-            in the mesh layout (``mesh.shard``) and ``S`` divisible by ``2 * hp * cp * u``.
-        offload: keep finished chunks in pinned host memory (double-buffered on CUDA).
-        causal: causal mask over the *global* sequence; ``softmax_scale`` defaults to ``1/sqrt(D)``.
-        backend: kernel name (:mod:`fpdt.attention.kernels`); None = automatic.
-        doc_ids: ``[B, S]`` document index of every *global* token (non-decreasing, the same on
-            every rank); each query attends to its own document only. None = one document.
-        saved: a checkpointed layer's :class:`~fpdt.attention.saved_attention.SavedAttention`:
-            output and lse recorded in the first forward, replayed in the recompute.
-        runtime: the offload copies' device runtime (:attr:`fpdt.options.FPDTOptions.runtime`).
+        group / mesh: the SP group (None: default) or a 2D :class:`fpdt.comm.SequenceMesh` (mesh layout).
+        num_chunks, offload, backend, runtime: as the :class:`fpdt.options.FPDTOptions` fields.
+        causal: causal over the *global* sequence; ``softmax_scale`` defaults to ``1/sqrt(D)``.
+        doc_ids: ``[B, S]`` global document ids (non-decreasing, equal on every rank); None: one.
+        saved: a checkpointed layer's :class:`~fpdt.attention.saved_attention.SavedAttention`.
 
     Returns:
         ``[B, S_local, H, D]`` in the layout and dtype of ``q``; differentiable in q, k, v.

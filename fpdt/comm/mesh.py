@@ -48,16 +48,10 @@ def mesh_ranks(ranks: list[int], hp: int, cp: int, placement: str) -> torch.Tens
 class SequenceMesh:
     """The 2D sequence-parallel mesh of one rank.
 
-    Args:
-        hp: head-parallel (Ulysses) degree, dividing the query heads; ``cp``: the ring degree.
-        placement: ``"head_first"`` or ``"context_first"``; ``inner_ring``: double-ring inner size
-            ``w`` (divides ``cp``; None = a single ring).
-        group: parent group of ``dp * hp * cp`` ranks; None = the default group (or a world of 1,
-            which needs hp = cp = 1). ``timeout``: of the mesh's groups (None: torch's default).
-
-    Attributes: ``hp, cp, dp, inner_ring, placement``, ``hp_rank, cp_rank, dp_rank``, ``hp_group,
-    cp_group, sp_group`` (the replica's ``hp * cp`` ranks), ``cp_outer_group`` (a second
-    communicator for outer-ring transfers when ``inner_ring < cp``), ``cp_ranks``, ``device_mesh``.
+    ``hp`` (Ulysses, dividing the query heads) x ``cp`` (ring; ``inner_ring`` ``w`` dividing it for
+    a double ring) in ``placement`` order over ``group``'s ``dp * hp * cp`` ranks (None: default).
+    Attributes: the degrees, ``*_rank``, ``hp_group``, ``cp_group``, ``sp_group`` (the replica's
+    ``hp * cp`` ranks), ``cp_outer_group`` (outer-ring transfers), ``cp_ranks``, ``device_mesh``.
     """
 
     def __init__(self, hp: int = 1, cp: int = 1, placement: str = "head_first", inner_ring: int | None = None,

@@ -1,19 +1,7 @@
-"""FPDT inside an existing Transformers model: sequence-parallel, chunked, offloaded.
-
-For users who keep their ``transformers`` model class (and its checkpoints, PEFT adapters,
-training loop) rather than rebuild it as :class:`fpdt.model.FPDTForCausalLM`:
-
-* :func:`apply_fpdt` -- FPDT attention (Ulysses or 2D mesh, chunked, host offload), the
-  chunked SwiGLU MLP and the chunked sequence-parallel loss, applied to a ``*ForCausalLM``
-  in place (:mod:`fpdt.hf.model`);
-* :func:`prepare_inputs` -- one rank's ``input_ids``, ``position_ids`` and ``shift_labels``;
-* :func:`trainer_parallelism_config` -- with ``apply_fpdt(model, group="trainer")``, training
-  under Hugging Face's ``Trainer`` and its sequence parallelism (:mod:`fpdt.hf.trainer`);
-* :class:`FlatteningCollator` -- Transformers' ``DataCollatorWithFlattening`` (packed documents),
-  its batches padded by one padding document to a length fpdt's layout cuts (:mod:`fpdt.hf.collator`).
-
-PEFT LoRA models go through :func:`apply_fpdt` as they are (after ``get_peft_model``): their
-LoRA layers run inside the chunked functions (:mod:`fpdt.ops.projections`).
+"""FPDT inside an existing Transformers model (and its checkpoints, PEFT adapters, training loop):
+:func:`apply_fpdt` (attention, MLP and loss chunked, sequence-parallel, offloaded; in place),
+:func:`prepare_inputs` (one rank's inputs), :func:`trainer_parallelism_config` (under Hugging
+Face's ``Trainer``) and :class:`FlatteningCollator` (packed documents). Usage: ``docs/hf.md``.
 """
 
 from fpdt.hf.attention import FPDTHFError

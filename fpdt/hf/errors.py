@@ -13,17 +13,10 @@ class FPDTHFError(ValueError):
 def refuse_on_every_rank(refusal: Exception | None, *, group: dist.ProcessGroup | None,
                          device: torch.device) -> None:
     """Return if no rank of ``group`` (None: the default group) refused this step; else raise
-    :class:`FPDTHFError` on every rank of it.
-
-    Every rank of ``group`` calls it once, with the error it would raise (None if its input was
-    fine), so that no rank leaves a step whose other ranks go on into the next collective (a
-    hang: ZeRO-3's parameter all-gathers, the next all-gather of the inputs). A rank that refused
-    raises its own message (the fix), chained to ``refusal``; the others raise one that names the
-    refusing ranks (global ranks) and carries their messages.
-
-    Cost when no rank refused: one all-reduce of one int32 on ``device`` (a CUDA device for
-    NCCL, the CPU for gloo) and one host read of its result. On a refusal the messages are
-    all-gathered as objects (:func:`torch.distributed.all_gather_object`).
+    :class:`FPDTHFError` on every rank of it, so that none goes on into the next collective alone
+    (a hang). Every rank calls it once with the error it would raise, or None. A refusing rank
+    raises its own message; the others name the refusing (global) ranks and their messages.
+    Cost when none refused: one int32 all-reduce on ``device`` and one host read.
     """
     flag = torch.tensor([refusal is not None], dtype=torch.int32, device=device)
     dist.all_reduce(flag, group=group)          # SUM: how many ranks refused

@@ -106,15 +106,9 @@ def _storage_key(t: torch.Tensor):
 
 
 class MemoryAccountant:
-    """Count live tensor bytes created inside the ``with`` block.
-
-    Args:
-        device: the device whose working set is measured (default: cuda if available, else cpu);
-            storages elsewhere that are not host-stash buffers are not counted.
-        detail: record each storage's creating op and list the live ones at every phase's peak
-            (:attr:`PhaseMemory.peak_tensors`); slower.
-
-    Bytes: :attr:`device_live`, :attr:`device_peak`, :attr:`host_live`, :attr:`host_peak`,
+    """Count live tensor bytes created inside the ``with`` block on ``device`` (default: cuda if
+    available, else cpu; elsewhere only host-stash buffers). ``detail``: each storage's creating op,
+    listed at every phase's peak (slower). Bytes: ``device_live``/``_peak``, ``host_live``/``_peak``,
     :attr:`phases`; :meth:`summary` as a dict.
     """
 
@@ -367,16 +361,10 @@ def format_bytes(n: int) -> str:
 
 
 class RegionMemory:
-    """Peak device and host-stash memory of one region::
-
-        with RegionMemory(device) as rm:
-            step()
-        rm.peaks.allocated, rm.peaks.reserved, rm.peaks.host_stash
-
-    CUDA: the allocator's peak counters, reset on entry (do not nest two; ``fresh_cache=True``
-    empties the cache first). CPU: a :class:`MemoryAccountant` over the region (``count=False``
-    skips it: ``allocated`` None; ``count_cuda=True`` runs it on CUDA too). Any device: the
-    host-stash peak. :attr:`accountant` is the accountant where it ran, else None.
+    """Peak device and host-stash memory of a ``with`` block, in ``peaks`` (``allocated``,
+    ``reserved``, ``host_stash``). CUDA: the allocator's counters, reset on entry (not nestable;
+    ``fresh_cache`` empties the cache first); CPU: a :class:`MemoryAccountant` (``count=False``
+    skips it, ``count_cuda=True`` runs it on CUDA too), kept as :attr:`accountant`.
     """
 
     def __init__(self, device: torch.device | str, count: bool = True, count_cuda: bool = False,

@@ -27,27 +27,17 @@ def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chun
                    labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                    shift: bool = True, mesh: SequenceMesh | None = None, doc_ids: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s ``input_ids``, ``labels`` and ``position_ids`` ``[B, S / P]``.
+    """Rank ``rank``'s ``input_ids``, ``labels`` and ``position_ids`` ``[B, S / P]`` (``docs/model.md``, inputs).
 
-    Args:
-        input_ids: ``[B, S]`` long, the global window (identical on every SP rank).
-        sp_size, rank: the SP group size ``P`` and this rank in it.
-        num_chunks: chunks per rank ``u``; must equal the model's ``num_chunks``.
-        labels: ``[B, S]`` long, aligned with ``input_ids`` as in Transformers (``-100`` = ignore);
-            default: ``input_ids``.
-        position_ids: ``[B, S]`` global positions; default ``arange(S)`` (restarting per document
-            with ``doc_ids`` / ``cu_seqlens``). Restarts at 0 mark packed documents
-            (:mod:`fpdt.layout.documents`); other jumps are refused.
-        shift: shift ``labels`` to next-token targets (False if they already are); each packed
-            document's last target becomes ``-100``.
-        mesh: a 2D :class:`fpdt.comm.SequenceMesh`: its layout instead of FPDT's; ``sp_size`` /
-            ``rank`` are ignored and ``S`` must be divisible by ``2 * hp * cp * num_chunks``.
-        doc_ids / cu_seqlens: ``[B, S]`` non-decreasing document ids, or ``[n + 1]`` cumulative
-            lengths over the flattened ``B * S`` tokens, naming the documents instead of the positions.
-
-    Returns:
-        ``{"input_ids", "labels", "position_ids"}``, each ``[B, S / P]``; with documents also
-        ``"doc_ids"``, the canonical ids ``[B, S]`` of the *whole* window (not sharded).
+    ``input_ids`` ``[B, S]``: the global window, identical on every SP rank of size ``sp_size``;
+    ``num_chunks``: the model's ``u``. ``labels`` ``[B, S]`` (default ``input_ids``; -100 ignores)
+    are shifted to next-token targets unless ``shift=False`` (a packed document's last target is
+    -100). ``position_ids`` ``[B, S]`` default to ``arange(S)``, restarting per document; restarts at
+    0 mark packed documents, other jumps are refused. ``doc_ids`` ``[B, S]`` or ``cu_seqlens``
+    ``[n + 1]`` (over the flattened ``B * S``) name the documents instead. ``mesh``: the 2D mesh
+    layout instead of FPDT's (``S`` divisible by ``2 * hp * cp * u``; ``sp_size``/``rank`` ignored).
+    Returns ``{"input_ids", "labels", "position_ids"}``, each ``[B, S / P]``, and with documents
+    ``"doc_ids"``, the canonical ids of the *whole* window ``[B, S]``.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")

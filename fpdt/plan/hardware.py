@@ -1,22 +1,7 @@
-"""GPU presets, cluster shape and the kernel rates the planner's time model uses.
-
-Rates come from one of two places:
-
-* **Datasheet defaults** (:data:`GPU_PRESETS`): dense bf16 peak FLOP/s, HBM capacity,
-  host link (PCIe, one direction), intra-node link (NVLink, one direction per GPU) and
-  inter-node network per GPU, each scaled by a stated efficiency factor
-  (:data:`DEFAULT_EFFICIENCY`). The factors are round figures, not fits: a GEMM-heavy
-  training step sustains about 75% of dense peak on A100/H100 (the H100 behind this
-  project measured ~790 of 989 TFLOP/s for a large bf16 matmul, 80%); FlashAttention-2
-  class kernels reach ~70% forward and ~45% backward, so 50% over forward + backward;
-  pinned PCIe copies reach ~80% of the link, pageable ones ~40%; an NVLink all-to-all
-  ~60% of the per-GPU link, an InfiniBand one ~80% of the NIC; streaming elementwise
-  kernels ~90% of HBM bandwidth (the same H100 measured ~3.0 of 3.35 TB/s for a
-  device-to-device copy).
-* **A calibration file** written by ``profiling/op_latency.py`` (JSON, see
-  :func:`load_calibration`): measured GEMM and attention FLOP/s, pinned/pageable H2D and
-  D2H bandwidth, device memory bandwidth and all-to-all bandwidth on the machine itself. Measured rates replace
-  the datasheet figure *and* its efficiency factor.
+"""GPU presets, cluster shape and the kernel rates the planner's time model uses: datasheet
+figures (:data:`GPU_PRESETS`) times stated efficiency factors (:data:`DEFAULT_EFFICIENCY`), or
+the measured rates of a calibration file (:func:`load_calibration`), which replace both. Where
+each factor comes from: ``docs/plan.md``, "Rates".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Trainer configuration: the FPDT options, the DeepSpeed JSON, and their validation.
 
-Where each setting comes from:
-
-* DeepSpeed's own settings (ZeRO stage, precision, optimizer, scheduler, offload of
-  parameters / optimizer state, clipping, gradient accumulation, micro batch) live in the
-  ``--deepspeed`` JSON and are handed to ``deepspeed.initialize`` untouched, minus the
-  ``"fpdt"`` key. DeepSpeed validates them.
-* FPDT's settings (:class:`TrainerOptions`) come from command-line flags or from the
-  ``"fpdt"`` section of the same JSON; a flag that is given wins over the JSON, and the
-  JSON wins over the defaults (``fpdt-train`` takes the ``runtime`` default from
-  ``FPDT_RUNTIME``, :func:`fpdt.cli.train.fpdt_options`). Unknown keys in that section are errors.
-
-Everything that can be checked before any process group exists is checked by
-:func:`validate`, and every error names the fix.
+DeepSpeed's own settings stay in the ``--deepspeed`` JSON, handed to ``deepspeed.initialize``
+(minus ``"fpdt"``); FPDT's (:class:`TrainerOptions`) come from flags, which win, or that JSON's
+``"fpdt"`` section (unknown keys are errors). :func:`validate` checks all that needs no process
+group, each error naming the fix (``docs/train.md``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""DeepSpeed's async I/O (DeepNVMe) as a backend of :class:`fpdt.offload.nvme.NVMeStore`.
-
-``aio_backend()`` returns an :class:`AioBackend`, or None with the reason (``aio_unavailable()``
-says why) when DeepSpeed's ``AsyncIOBuilder`` is not compatible here, which in practice means
-libaio is missing: ``apt-get install -y libaio-dev`` (as root). The first ``load()`` JIT-builds
-the op (about 2 minutes on 2 cores; cached in ``~/.cache/torch_extensions``). It lives in
-``fpdt.train`` because only the trainer's layers may import DeepSpeed (CONTRIBUTING.md, "The
-layering rule"); the store below takes it as its ``backend``.
-
-DeepSpeed opens the files ``O_DIRECT``: sizes must be multiples of the alignment (4096). The
-store pads file sizes; a buffer whose byte count is not a multiple goes through a padded staging
-copy here. Unpinned CPU buffers go through DeepSpeed's own page-locked bounce buffer.
-
-One ``aio_handle`` serves every transfer, and its ``wait()`` completes all of those in flight,
-so waiting on one transfer completes the earlier ones too. ``wait()`` returns how many
-completed; fewer than were submitted (or a failed submit) is reported as ``EIO`` to each of them.
+"""DeepSpeed's async I/O (DeepNVMe) as a backend of :class:`fpdt.offload.nvme.NVMeStore`, here
+because only the trainer's layers may import DeepSpeed. ``aio_backend()`` returns an
+:class:`AioBackend`, or None (``aio_unavailable()`` says why: in practice, no libaio).
+Building it, ``O_DIRECT`` alignment and how one handle's ``wait()`` completes: ``docs/nvme.md``, Backends.
 """
 
 import errno
