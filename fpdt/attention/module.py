@@ -19,15 +19,11 @@ class FPDTAttention(nn.Module):
     Hugging Face's parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``; Qwen3's
     ``q_norm`` / ``k_norm``, else None).
 
-    Per chunk: q/k/v projections, RoPE, Ulysses all-to-all (or the 2D ``mesh``), chunked attention
-    (:mod:`fpdt.attention.projected_attention` says what is saved), all-to-all back, ``o_proj``.
-    ``num_chunks`` (``u``; ``S`` divisible by ``sp * u``), ``offload``, ``group``, ``mesh``,
-    ``backend`` and ``runtime`` are attributes the apply steps set (:mod:`fpdt.model.apply`).
-    Projections may carry fpdt's or PEFT's LoRA (:mod:`fpdt.ops.projections`), computed inside the
-    chunked functions; an ``o_proj`` they cannot read (a quantised layer) runs as itself on the
-    full-length attention output. The weights read directly are
-    ZeRO-3 external parameters of this module (:mod:`fpdt.model.external_params`).
-    :meth:`from_projections` builds one around existing modules (``fpdt.hf`` does).
+    Per chunk: projections, RoPE, all-to-all (or the 2D ``mesh``), attention, all-to-all back,
+    ``o_proj`` (:mod:`fpdt.attention.projected_attention`). The options are attributes the apply
+    steps set (:mod:`fpdt.model.apply`); projections may carry LoRA (:mod:`fpdt.ops.projections`);
+    an ``o_proj`` they cannot read runs as itself on the full-length output. Weights read directly
+    are ZeRO-3 external parameters; :meth:`from_projections` wraps existing modules (``fpdt.hf``).
 
     Qwen3.5's gated attention: ``output_gate`` (``q_proj`` gives ``[query | gate]`` per head,
     ``2 H D`` outputs; ``o_proj`` reads ``o * sigmoid(gate)``), ``rotary_dim`` (RoPE on the first

@@ -1,25 +1,12 @@
-"""FPDT attention as a Transformers attention implementation.
+"""FPDT attention as a Transformers attention implementation (``AttentionInterface``).
 
-Transformers models that follow its ``AttentionInterface`` (Llama, Qwen2, Mistral and most
-decoder-only models of transformers >= 4.48) project and rotate q/k/v themselves, then
-call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with
-
-* ``query`` ``[B, H, S_local, D]``, ``key``/``value`` ``[B, H_kv, S_local, D]`` (after RoPE,
-  with the position ids the caller passed: global positions in the FPDT layout), and
-* ``attention_mask``: what ``ALL_MASK_ATTENTION_FUNCTIONS[...]`` built for the same name.
-
-:func:`register_settings` registers, under one name, an attention function that runs
-:func:`fpdt.attention.fpdt_attention` (Ulysses all-to-all, chunked online-softmax
-attention, optional host offload; or the 2D mesh) and returns ``[B, S_local, H, D]``, and a
-mask function that builds no mask (the attention is causal over the whole global window)
-and refuses a padding mask that hides any token, which fpdt cannot honour. Anything else
-the model passes that would change the result (dropout during training, a sliding window,
-a KV cache) is refused with the fix rather than ignored.
-
-With ``chunked_qkv`` (the default), Llama, Mistral, Qwen2 and Qwen3 attention modules are replaced
-by :class:`TransformersAttention`: fpdt's own :class:`fpdt.attention.FPDTAttention` (the one
-:class:`fpdt.model.FPDTForCausalLM` runs) holding the module's projections under their names,
-called as Transformers calls its attention.
+:func:`register_settings` registers an attention function that runs
+:func:`fpdt.attention.fpdt_attention` on the rotated ``query`` ``[B, H, S_local, D]`` and
+``key``/``value`` ``[B, H_kv, S_local, D]`` and returns ``[B, S_local, H, D]``, and a mask
+function that builds none (causal over the global window) and refuses a mask hiding any token;
+dropout, sliding windows and a KV cache are refused with the fix. With ``chunked_qkv`` (the
+default) known attention classes become :class:`TransformersAttention`, fpdt's own
+:class:`fpdt.attention.FPDTAttention` holding the module's projections (``docs/hf.md``).
 """
 
 from __future__ import annotations

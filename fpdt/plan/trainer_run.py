@@ -1,25 +1,9 @@
-"""An ``fpdt-train`` run's memory, predicted before it starts by the planner's model.
-
-``fpdt-train`` uses this once its settings are validated (:func:`fpdt.train.config.validate`)
-and its process group exists, before it builds the model (``check_memory`` in
-:mod:`fpdt.cli.train`):
-
-* **Host** (an error): with ``--checkpoint offload`` every layer's input waits in host
-  memory until the backward (``layers x Nd`` per rank, exact), beside one layer's attention
-  stash (``--offload``) and DeepSpeed's offloaded optimizer state or parameters. When the
-  ranks of one node would need more than the node has available, the run would be killed
-  by the kernel's out-of-memory killer part-way into its first forward (and the other ranks
-  would wait for it until ``--dist-timeout-min``), so it is refused up front, with the
-  figures and the fixes (:func:`host_memory_error`; the trainer decides it on every rank's
-  figures at once).
-* **Device** (a warning, CUDA only): the planner's predicted peak per GPU against the
-  GPU's capacity, with the planner's own settings for the run (:func:`recommend`). The
-  prediction is a model (how close it comes, on the CPU and on a GPU: benchmarks/README.md),
-  so a run it says will not fit still starts.
-* **Out of device memory** in a step: :func:`out_of_memory_advice`.
-
-The prediction is :func:`fpdt.plan.memory_model.estimate_memory` for the run's own
-settings (:func:`planned_setup`), so it names the same categories ``fpdt-plan`` prints.
+"""An ``fpdt-train`` run's memory, predicted before it starts by the planner's model
+(:func:`fpdt.plan.memory_model.estimate_memory` of the run's own settings, :func:`planned_setup`):
+host memory over a node's available is an error decided on every rank's figures
+(:func:`host_memory_error`), a device peak over the GPU's a warning with the planner's settings
+(:func:`recommend`), and a step out of device memory gets :func:`out_of_memory_advice`
+(``docs/train.md``, "Memory before the run").
 """
 
 from __future__ import annotations
