@@ -6,9 +6,12 @@ counts, head shapes (HV > Hk and HV = Hk), world sizes and offload
 import copy
 
 import pytest
+import torch.distributed as dist
 import torch
 
+from fpdt.layout import shard, unshard
 from fpdt.model.gated_deltanet import GatedDeltaNet
+from tests.distributed import run_distributed
 from tests.model.gdn_helpers import HIDDEN, SHAPES, check_against_references, fpdt_layer, fpdt_run, hf_layer
 
 
@@ -79,3 +82,62 @@ def test_kernel_is_named_and_state_dict_matches_transformers():
     layer = fpdt_layer(config, ref)
     assert layer.kernel_name() == "torch"
     assert {k: v.shape for k, v in layer.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+
+
+DIST_SHAPES = {"gva2": (2, 4, 8, 6), "equal2": (2, 2, 8, 5), "gva4": (4, 8, 4, 6)}
+
+
+def packed_doc_ids(B, S, seed):
+    """Document ids ``[B, S]``: rows with different starts, some inside chunks, one at a chunk edge."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(B, S, dtype=torch.long)
+    for b in range(B):
+        starts = sorted(set(torch.randint(1, S, (3,), generator=gen).tolist()) | ({S // 2} if b == 0 else set()))
+        for s in starts:
+            ids[b, s:] += 1
+    return ids
+
+
+def _ulysses_body(rank, world, shape, num_chunks, S, docs):
+    config, ref = hf_layer(DIST_SHAPES[shape], seed=11)
+    layer = fpdt_layer(config, ref)
+    layer.num_chunks = num_chunks
+    l64 = copy.deepcopy(layer).double()
+    x, dout = inputs(2, S, seed=S)
+    doc_ids = packed_doc_ids(2, S, seed=S) if docs else None
+    xs, ds = (shard(t, world, num_chunks, rank) for t in (x, dout))
+
+    def reduce(g):
+        dist.all_reduce(g)
+        return g
+
+    def gather(result):
+        out, grads = result
+        full = []
+        for t in (out, grads["x"]):
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            full.append(unshard(parts, num_chunks))
+        return full[0], {**grads, "x": full[1]}
+    check_against_references(lambda: fpdt_run(layer, xs, ds, doc_ids, reduce),
+                             lambda: fpdt_run(l64, xs.double(), ds.double(), doc_ids, reduce),
+                             ref, x, dout, doc_ids, f"rank {rank}/{world} {shape} u={num_chunks}", gather)
+    bad = GatedDeltaNet(HIDDEN, 3, 6, 4, 4)
+    with pytest.raises(ValueError, match=f"sp={world} does not divide linear_num_key_heads=3"):
+        bad(xs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,shape,num_chunks,S,docs", [
+    (2, "gva2", 2, 36, False), (2, "equal2", 4, 40, False), (4, "gva4", 2, 40, False)])
+def test_ulysses_matches_transformers(world, shape, num_chunks, S, docs):
+    """Heads split over the ranks after the all-to-all; gradients summed over the ranks."""
+    run_distributed(_ulysses_body, world, (shape, num_chunks, S, docs), timeout=300)
+
+
+def test_2d_mesh_with_context_parallelism_is_refused():
+    from types import SimpleNamespace
+    layer = GatedDeltaNet(HIDDEN, 2, 4, 8, 6)
+    layer.mesh = SimpleNamespace(cp=2, hp=1, hp_group=None)
+    with pytest.raises(ValueError, match="cp=2 > 1"):
+        layer(torch.randn(1, 8, HIDDEN))
