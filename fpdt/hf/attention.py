@@ -155,8 +155,8 @@ def o_proj_stash_layers(layers: list[torch.nn.Module], options: FPDTOptions) -> 
     training). Under a checkpoint the layer keeps nothing to backward anyway."""
     if not (options.offload and options.checkpointing == "off" and torch.is_grad_enabled()):
         return frozenset()
-    return frozenset(layer.self_attn.layer_idx for layer in layers
-                     if not (getattr(layer, "gradient_checkpointing", False) and layer.training))
+    return frozenset(layer.self_attn.layer_idx for layer in layers if getattr(layer, "self_attn", None) is not None
+                     and not (getattr(layer, "gradient_checkpointing", False) and layer.training))
 
 
 class TransformersAttention(FPDTAttention):
