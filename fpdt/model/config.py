@@ -11,6 +11,7 @@ are read by the token-mixer section at the end (``docs/models.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -353,11 +354,16 @@ def _text_config(hf: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
             f"text_config.model_type={text.get('model_type')!r} is not {text_type!r}")
     unknown = [a for a in archs if a != arch]
     _refuse(bool(unknown), f"architectures={archs} is not {arch!r}")
-    log.warning("fpdt: %s: the text model only (the tensors under %s); the vision tower is left out",
-                arch, prefix)
+    _say_vision_left_out(arch, prefix)
     text.update(model_type=text_type, architectures=[ARCHITECTURES[text_type]],
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
     return text, prefix
+
+
+@functools.cache
+def _say_vision_left_out(arch: str, prefix: str) -> None:
+    """The one log line (once per process) saying a vision-language checkpoint's tower is not built."""
+    log.warning("fpdt: %s: the text model only (the tensors under %s); the vision tower is left out", arch, prefix)
 
 
 def _token_mixers(hf: Mapping[str, Any], heads: int, head_dim: int) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import pytest
 import transformers
 
 from fpdt.model import ModelConfig, UnsupportedConfigError
+from fpdt.model.config import _say_vision_left_out
 
 TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -50,8 +51,10 @@ def test_hub_layouts(caplog):
     assert (text.rope_theta, text.rotary_dim, text.rope_scaling) == (1e7, 8, None)
     hub = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": HUB_TEXT,
            "vision_config": {"depth": 2, "hidden_size": 32}, "tie_word_embeddings": True, "image_token_id": 3}
+    _say_vision_left_out.cache_clear()
     with caplog.at_level(logging.WARNING, logger="fpdt.model.config"):
         cfg = ModelConfig.from_hf(hub)
+        ModelConfig.from_hf(hub)            # said once per process
     lines = [r.getMessage() for r in caplog.records if "vision tower is left out" in r.getMessage()]
     assert len(lines) == 1 and "Qwen3_5ForConditionalGeneration" in lines[0]
     assert cfg.text_prefix == "model.language_model" and cfg.tie_word_embeddings
