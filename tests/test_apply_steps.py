@@ -118,7 +118,6 @@ def test_configure_and_apply_fpdt_give_the_same_chunk_counts(options):
         assert layer.mlp.num_chunks == model.mlp_chunks
         assert {f: getattr(layer.self_attn, f) for f in ATTENTION_FIELDS} == {f: getattr(opts, f)
                                                                               for f in ATTENTION_FIELDS}
-        assert layer.self_attn.o_proj_input_from_stash == (opts.checkpointing == "off")
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 2 * cfg.num_hidden_layers + 1
     assert {m.num_chunks for m in norms} == {norm_chunks(opts.num_chunks)} == {2 * opts.num_chunks}

@@ -59,7 +59,6 @@ class MeshSpec:
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
     docs: MeshDocuments | None = None   # packed documents (:mod:`fpdt.attention.documents`); None = one
     _last_touch: dict | None = None
-    stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
     saved: object | None = None     # the call's SavedAttention (attention_checkpoint="save"), taken by the Function
     runtime: object | None = None   # the stash's device runtime (a Runtime, a name, or None: automatic)
 

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fpdt.attention.output_projection import StashedInput, output_projection
 from fpdt.attention.projected_attention import projected_fpdt_attention
 from fpdt.attention.rope import RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
@@ -21,13 +20,12 @@ class FPDTAttention(nn.Module):
     ``q_norm`` / ``k_norm``, else None).
 
     Per chunk: q/k/v projections, RoPE, Ulysses all-to-all (or the 2D ``mesh``), chunked attention
-    (:mod:`fpdt.attention.projected_attention` says what is saved), all-to-all back; then ``o_proj``.
+    (:mod:`fpdt.attention.projected_attention` says what is saved), all-to-all back, ``o_proj``.
     ``num_chunks`` (``u``; ``S`` divisible by ``sp * u``), ``offload``, ``group``, ``mesh``,
     ``backend`` and ``runtime`` are attributes the apply steps set (:mod:`fpdt.model.apply`).
     Projections may carry fpdt's or PEFT's LoRA (:mod:`fpdt.ops.projections`), computed inside the
-    chunked functions. ``o_proj_input_from_stash`` (True; False under a layer checkpoint): with
-    ``offload``, ``o_proj``'s backward reads its input back from the stash a chunk at a time
-    instead of keeping it (:mod:`fpdt.attention.output_projection`). The weights read directly are
+    chunked functions; an ``o_proj`` they cannot read (a quantised layer) runs as itself on the
+    full-length attention output. The weights read directly are
     ZeRO-3 external parameters of this module (:mod:`fpdt.model.external_params`).
     :meth:`from_projections` builds one around existing modules (``fpdt.hf`` does).
     """
@@ -52,7 +50,6 @@ class FPDTAttention(nn.Module):
         self.runtime = runtime
         self.softmax_scale = softmax_scale
         self.stash_label: str | None = None  # names this layer's chunks in offload errors, e.g. "layer 2"
-        self.o_proj_input_from_stash = True    # see the class docstring
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -69,7 +66,7 @@ class FPDTAttention(nn.Module):
         nn.Module.__init__(self)
         for name, value in dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_chunks=1,
                                 offload=False, group=None, mesh=None, backend=None, runtime=None,
-                                softmax_scale=softmax_scale, stash_label=None, o_proj_input_from_stash=True).items():
+                                softmax_scale=softmax_scale, stash_label=None).items():
             setattr(self, name, value)
         self.q_norm = self.k_norm = None
         for name, module in projections.items():
@@ -78,15 +75,13 @@ class FPDTAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 rope: RotaryEmbedding | None = None, doc_ids: torch.Tensor | None = None,
-                saved: SavedAttention | None = None, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
-                o_proj_from_stash: bool | None = None) -> torch.Tensor:
+                saved: SavedAttention | None = None, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``hidden_states`` ``[B, S_local, hidden]`` and ``position_ids`` ``[B, S_local]`` (global
         positions, FPDT layout) -> ``[B, S_local, hidden]``. RoPE from ``rope`` at ``position_ids``,
         or from the tables ``cos_sin`` ``[B or 1, S_local, D]`` each; neither skips it. ``doc_ids``:
         packed documents ``[B, S]`` of the global sequence in global order (None: one document;
         see :func:`fpdt.attention.fpdt_attention`). ``saved``: the layer checkpoint's saved
-        attention outputs (:mod:`fpdt.attention.saved_attention`), or None. ``o_proj_from_stash``
-        overrides ``o_proj_input_from_stash`` for this call."""
+        attention outputs (:mod:`fpdt.attention.saved_attention`), or None."""
         B, S_local, _ = hidden_states.shape
         if position_ids is not None and position_ids.shape != (B, S_local):
             raise ValueError(f"position_ids must be [B, S_local]=[{B}, {S_local}], got {tuple(position_ids.shape)}")
@@ -95,21 +90,17 @@ class FPDTAttention(nn.Module):
                                 self.projection_fix, self.training)
         qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, norm_eps(self.q_norm))
         cos, sin = cos_sin if cos_sin is not None else (None, None)
-        from_stash = self.o_proj_input_from_stash if o_proj_from_stash is None else o_proj_from_stash
-        sink = [] if from_stash and self.offload and torch.is_grad_enabled() else None
-        attn = projected_fpdt_attention(
+        o_proj = read_output_projection(self.o_proj, owner, self.training)
+        out = projected_fpdt_attention(
             hidden_states, *proj.bases, heads=(self.num_heads, self.num_kv_heads, self.head_dim),
             position_ids=position_ids, rope=rope, cos=cos, sin=sin, group=self.group, mesh=self.mesh,
             num_chunks=self.num_chunks, offload=self.offload, backend=self.backend, softmax_scale=self.softmax_scale,
-            label=self.stash_label, qk_norm=qk_norm, adapters=proj.adapters, doc_ids=doc_ids, stash_sink=sink,
-            saved=saved, runtime=self.runtime)
-        attn = attn.reshape(B, S_local, self.num_heads * self.head_dim)
-        source = StashedInput(*sink[0]) if sink else None    # empty: the call kept nothing for backward
-        o_proj = read_output_projection(self.o_proj, owner, self.training)
-        if o_proj is None or (o_proj.adapters is None and source is None):
-            return self.o_proj(attn)         # as itself: keeps its input, the rule of a plain linear
-        base = o_proj.bases[0]
-        return output_projection(attn, base.weight, base.bias, o_proj.adapters, self.num_chunks, source)
+            label=self.stash_label, qk_norm=qk_norm, adapters=proj.adapters, doc_ids=doc_ids, saved=saved,
+            runtime=self.runtime, o_proj=None if o_proj is None else o_proj.bases[0],
+            o_adapters=None if o_proj is None else o_proj.adapters)
+        if o_proj is None:                   # as itself, on the full-length attention output
+            return self.o_proj(out.reshape(B, S_local, self.num_heads * self.head_dim))
+        return out
 
 
 def norm_eps(norm: nn.Module) -> float:

@@ -46,7 +46,6 @@ class PipelineSpec:
     kv_factor: int              # GQA replication factor before the all-to-all (1 = none)
     acc_dtype: torch.dtype      # fp32 (float64 for float64 inputs)
     label: str | None = None    # names the caller in offload errors, e.g. "layer 2"
-    stash_sink: list | None = None  # gets the call's stash (o_proj's input read back from it)
     saved: object | None = None     # the call's SavedAttention (attention_checkpoint="save"), taken by the Function
     runtime: object | None = None   # the stash's device runtime (a Runtime, a name, or None: automatic)
     sp_size: int = 1            # ranks in ``group``
@@ -204,7 +203,10 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
     final_dq: dict[int, torch.Tensor] = {}
     _prefetch_outer(spec, 0, stash)
     do_order = _first_touch_order(spec)   # dô_i is all-to-all'd on chunk i's first touch
-    pending_do = _start_dout(spec, grad_out_chunk, do_order.pop(0))
+    # with P > 1 the next one's all-to-all starts a step early; with one rank it would only hold
+    # the next dô (which the caller may compute, e.g. o_proj's g_i W) through this step
+    ahead = spec.overlap_all_to_all
+    pending_do = _start_dout(spec, grad_out_chunk, do_order.pop(0)) if ahead else None
     for j in range(u):
         k_j, v_j = stash.pop(("k", j)), stash.pop(("v", j))
         dk = torch.zeros(k_j.shape, dtype=spec.acc_dtype, device=k_j.device)
@@ -220,8 +222,9 @@ def pipeline_backward(spec: PipelineSpec, grad_out_chunk: Callable[[int], torch.
             take = stash.pop if last_use else stash.get
             q_i, o_i, lse_i = take(("q", i)), take(("o", i)), take(("lse", i))
             if first_use:  # dô_i: all-to-all of grad-out chunk i, done on first use...
-                do_i = pending_do.wait()[0]
-                if do_order:  # ...and the next one's starts now, overlapping this step
+                do_i = (pending_do or _start_dout(spec, grad_out_chunk, do_order.pop(0))).wait()[0]
+                pending_do = None
+                if do_order and ahead:  # ...and the next one's starts now, overlapping this step
                     pending_do = _start_dout(spec, grad_out_chunk, do_order.pop(0))
                 if not last_use:
                     stash.put(("do", i), do_i)

@@ -1,12 +1,15 @@
 """QKV projection + RoPE + FPDT attention as one autograd.Function, chunk by chunk.
 
-The full-sequence q, k, v never exist on the device. Saved for backward: the projection weights
-and biases, the position ids or rotation table and a stash token (``ctx``); the input chunks ``T_i``
-``[B, L, hidden]`` and the pipeline's ``q̂_i, k̂_i, v̂_i, o_i, lse_i`` (the :class:`HostStash`, pinned
-host memory with ``offload=True``). Optional LoRA on q/k/v and Qwen3's per-head q/k norm save
-nothing more. Backward and options: ``docs/attention.md``, "Layout, forward, backward"."""
+The full-sequence q, k, v and attention output never exist on the device (``o_proj`` runs on
+each output chunk). Saved for backward: the projection weights and biases, the position ids or
+rotation table and a stash token (``ctx``); the input chunks ``T_i`` ``[B, L, hidden]`` and the
+pipeline's ``q̂_i, k̂_i, v̂_i, o_i, lse_i`` (the :class:`HostStash`, pinned host memory with
+``offload=True``). LoRA and Qwen3's per-head q/k norm save nothing more. Backward and options:
+``docs/attention.md``, "Layout, forward, backward"."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,7 +24,8 @@ from fpdt.attention.saved_attention import SavedAttention
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash, Runtime
-from fpdt.ops.lora import LoraAdapters, accumulators, finish, lora_backward, with_lora
+from fpdt.attention.output_projection import OutputChunks, check_adapters, read_back
+from fpdt.ops.lora import LoraAdapters, LoraLayout, accumulators, finish, lora_backward, with_lora
 from fpdt.ops.rmsnorm import norm_backward, normalised, rms_norm_reference
 
 
@@ -34,32 +38,38 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              softmax_scale: float | None = None, label: str | None = None,
                              qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                              adapters: LoraAdapters | None = None,
-                             doc_ids: torch.Tensor | None = None,
-                             stash_sink: list | None = None, saved: SavedAttention | None = None,
-                             runtime: Runtime | str | None = None) -> torch.Tensor:
+                             doc_ids: torch.Tensor | None = None, saved: SavedAttention | None = None,
+                             runtime: Runtime | str | None = None, o_proj: torch.nn.Linear | None = None,
+                             o_adapters: LoraAdapters | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (FPDT or mesh layout) through
     ``q_proj``/``k_proj``/``v_proj`` (``weight``/``bias`` read directly), chunk by chunk; returns
-    ``[B, S_local, H, D]`` before ``o_proj``. ``heads`` = ``(H, H_kv, D)``; RoPE from ``rope`` at
-    ``position_ids``, or the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none. ``label``: for
-    errors. ``qk_norm`` = ``(q_weight, k_weight, eps)`` (Qwen3). ``adapters``: LoRA of q, k, v.
-    ``doc_ids``: ``[B, S]`` packed documents (None: one). ``stash_sink``: a list that gets the call's
-    :class:`HostStash`, spec and chunk length (for ``o_proj``'s backward). ``saved``: a
+    ``[B, S_local, H, D]``, or with ``o_proj`` (and its LoRA ``o_adapters``) that projection of
+    it ``[B, S_local, hidden]``, applied a chunk at a time. ``heads`` = ``(H, H_kv, D)``; RoPE from
+    ``rope`` at ``position_ids``, or the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none.
+    ``label``: for errors. ``qk_norm`` = ``(q_weight, k_weight, eps)`` (Qwen3). ``adapters``: LoRA
+    of q, k, v. ``doc_ids``: ``[B, S]`` packed documents (None: one). ``saved``: a
     ``SavedAttention``. ``runtime``: the stash's device runtime (None: automatic)."""
     spec = attention_spec(hidden.shape, hidden.dtype, hidden.device, heads, group=group, mesh=mesh,
                           num_chunks=num_chunks, backend=backend, softmax_scale=softmax_scale, doc_ids=doc_ids,
                           label=label, runtime=runtime)
-    spec.stash_sink = stash_sink
     spec.saved = saved
-    inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias)
+    wo, bo = (None, None) if o_proj is None else (o_proj.weight, o_proj.bias)
+    inputs = (hidden, q_proj.weight, q_proj.bias, k_proj.weight, k_proj.bias, v_proj.weight, v_proj.bias, wo, bo)
     wqn, wkn, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-    lora = () if adapters is None else (adapters.layout, *adapters.tensors)
     if adapters is not None and len(adapters.layout.terms) != 3:
         raise ValueError(f"the q/k/v LoRA layout must have 3 projections, got {len(adapters.layout.terms)}")
+    if o_adapters is not None and o_proj is None:
+        raise ValueError("o_adapters without o_proj: pass the output projection they belong to")
+    check_adapters(o_adapters)
+    tensors = (*(adapters.tensors if adapters is not None else ()),
+               *(o_adapters.tensors if o_adapters is not None else ()))
     # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
     for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                   for t in (*inputs, wqn, wkn, *lora[1:]))
-    return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, offload, heads, for_backward,
-                                                cos, sin, wqn, wkn, eps, *lora)
+                                                   for t in (*inputs, wqn, wkn, *tensors))
+    opts = CallOptions(heads, offload, for_backward, eps, None if adapters is None else adapters.layout,
+                       None if o_adapters is None else o_adapters.layout)
+    return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, cos, sin, wqn, wkn, opts,
+                                                *tensors)
 
 
 def attention_spec(shape: torch.Size, dtype: torch.dtype, device: torch.device, heads: tuple[int, int, int], *,
@@ -157,24 +167,48 @@ class QKVChunks:
                 finish(self.d_lora, self.lora_tensors))
 
 
+@dataclass(frozen=True)
+class CallOptions:
+    """What one call of :class:`ProjectedFPDTAttentionFunction` computes besides its tensors:
+    ``heads`` ``(H, H_kv, D)``, ``offload``, ``for_backward`` (False: a no-grad pass, nothing
+    saved), the q/k norm's ``norm_eps``, and the LoRA layouts of q/k/v (``lora``) and of
+    ``o_proj`` (``o_lora``), whose tensors follow the Function's other inputs in that order."""
+
+    heads: tuple[int, int, int]
+    offload: bool
+    for_backward: bool
+    norm_eps: float = 0.0
+    lora: LoraLayout | None = None
+    o_lora: LoraLayout | None = None
+
+    def split_lora(self, tensors) -> tuple[tuple, tuple]:
+        n = self.lora.num_tensors if self.lora is not None else 0
+        return tuple(tensors[:n]), tuple(tensors[n:])
+
+
 class ProjectedFPDTAttentionFunction(torch.autograd.Function):
-    """hidden ``[B, S_local, hidden]`` -> attention output ``[B, S_local, H, D]`` (before o_proj).
+    """hidden ``[B, S_local, hidden]`` -> ``o_proj`` of the attention ``[B, S_local, hidden']``
+    (``wo`` given), or the attention output ``[B, S_local, H, D]`` (``wo`` None).
 
     RoPE: ``rope`` at ``position_ids``, or the table ``cos``/``sin``, or neither. ``q_norm``/``k_norm``
-    ``[D]`` (or None) with ``norm_eps``; ``lora`` (a ``LoraLayout`` or None) and its tensors, last."""
+    ``[D]`` (or None); ``opts``: a :class:`CallOptions`; the LoRA tensors last. ``o_proj`` runs on
+    each output chunk as the pipeline emits it and, in backward, reads the chunks back from the
+    stash for its weight gradient (:class:`fpdt.attention.output_projection.OutputChunks`)."""
 
     @staticmethod
-    def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, position_ids, rope: RotaryEmbedding | None,
-                spec: PipelineSpec, offload: bool, heads: tuple[int, int, int], for_backward: bool,
-                cos=None, sin=None, q_norm=None, k_norm=None, norm_eps: float = 0.0, lora=None, *lora_tensors):
-        H, H_kv, D = heads
+    def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, wo, bo, position_ids, rope: RotaryEmbedding | None,
+                spec: PipelineSpec, cos, sin, q_norm, k_norm, opts: CallOptions, *lora_tensors):
+        H, H_kv, D = opts.heads
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
-        stash = HostStash(hidden.device, enabled=offload, label=spec.label, runtime=spec.runtime)
-        seed = lora.draw_seed() if lora is not None else None
-        qk_norm = (q_norm, k_norm, norm_eps) if q_norm is not None else None
-        chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), heads, L, rotation_of(rope, position_ids, cos, sin), qk_norm,
-                           lora, lora_tensors, seed)
+        for_backward = opts.for_backward
+        stash = HostStash(hidden.device, enabled=opts.offload, label=spec.label, runtime=spec.runtime)
+        qkv_lora, o_lora = opts.split_lora(lora_tensors)
+        seed = opts.lora.draw_seed() if opts.lora is not None else None
+        qk_norm = (q_norm, k_norm, opts.norm_eps) if q_norm is not None else None
+        chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), opts.heads, L, rotation_of(rope, position_ids, cos, sin),
+                           qk_norm, opts.lora, qkv_lora, seed)
+        o_chunks = None if wo is None else OutputChunks(wo, bo, opts.o_lora, o_lora, S_local, spec.num_chunks)
 
         def produce(i):
             T = hidden[:, i * L:(i + 1) * L]
@@ -182,45 +216,63 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 stash.put(("T", i), T)
             return chunks.forward(i, T)
 
-        out = torch.empty(B, S_local, H, D, dtype=hidden.dtype, device=hidden.device)
+        if o_chunks is None:
+            out = torch.empty(B, S_local, H, D, dtype=hidden.dtype, device=hidden.device)
+        else:
+            out = torch.empty(B, S_local, wo.shape[0], dtype=hidden.dtype, device=hidden.device)
 
         def emit(i, out_i):
+            if o_chunks is not None:
+                out_i = o_chunks.forward(i, out_i.reshape(B, L, H * D))
             out[:, i * L:(i + 1) * L] = out_i
 
-        if spec.stash_sink is not None:
-            if for_backward:
-                spec.stash_sink.append((stash, spec, L))
-            spec.stash_sink = None      # no cycle spec -> sink -> spec
         saved, spec.saved = spec.saved, None    # the call's SavedAttention (no cycle spec -> saved)
         if saved is not None:
             saved = saved.claim(for_backward, (type(spec).__name__, spec.num_chunks, tuple(hidden.shape), hidden.dtype))
         run_forward(spec, produce, emit, stash, for_backward, saved)
-        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, stash_token(stash),
-                              *lora_tensors)
-        ctx.rope, ctx.spec, ctx.L, ctx.heads, ctx.norm_eps = rope, spec, L, heads, norm_eps
-        ctx.lora, ctx.seed = lora, seed
+        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, wo, bo, position_ids, cos, sin, q_norm, k_norm,
+                              stash_token(stash), *lora_tensors)
+        ctx.rope, ctx.spec, ctx.L, ctx.opts = rope, spec, L, opts
+        ctx.seeds = (seed, None if o_chunks is None else o_chunks.seed)
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         return out
 
     @staticmethod
     @once_differentiable   # the chunked backward is not itself differentiable
     def backward(ctx, grad_out):
-        wq, bq, wk, bk, wv, bv, position_ids, cos, sin, q_norm, k_norm, token, *lora_tensors = ctx.saved_tensors
+        wq, bq, wk, bk, wv, bv, wo, bo, position_ids, cos, sin, q_norm, k_norm, token, *lora_tensors = \
+            ctx.saved_tensors
         need = ctx.needs_input_grad
-        L, spec = ctx.L, ctx.spec
+        L, spec, opts = ctx.L, ctx.spec, ctx.opts
+        H, _, D = opts.heads
         stash = stash_of(token)
         shape, dtype = ctx.hidden_meta
+        B = shape[0]
         grad_out = grad_out.to(dtype)
-        qk_norm = (q_norm, k_norm, ctx.norm_eps) if q_norm is not None else None
-        chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), ctx.heads, L, rotation_of(ctx.rope, position_ids, cos, sin),
-                           qk_norm, ctx.lora, lora_tensors, ctx.seed)
+        qkv_lora, o_lora = opts.split_lora(lora_tensors)
+        n_qkv = len(qkv_lora)
+        qk_norm = (q_norm, k_norm, opts.norm_eps) if q_norm is not None else None
+        chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), opts.heads, L, rotation_of(ctx.rope, position_ids, cos, sin),
+                           qk_norm, opts.lora, qkv_lora, ctx.seeds[0])
         chunks.start_backward(spec.acc_dtype, (need[1], need[3], need[5]), (need[2], need[4], need[6]),
-                              (need[15], need[16]), need[19:], need[0])
+                              (need[14], need[15]), need[17:17 + n_qkv], need[0])
+        d_o = ()
+        if wo is None:
+            def grad_out_chunk(i):
+                return grad_out[:, i * L:(i + 1) * L]
+        else:   # o_proj: its weight gradients from the o chunks read back, then g_i W per chunk on demand
+            o_chunks = OutputChunks(wo, bo, opts.o_lora, o_lora, shape[1], spec.num_chunks, ctx.seeds[1])
+            o_chunks.start_backward(spec.acc_dtype, need[7], need[8], need[17 + n_qkv:])
+            if o_chunks.needs_input:
+                for i, x_i in enumerate(read_back(stash, spec, B, L)):
+                    o_chunks.weight_grads(i, x_i, grad_out[:, i * L:(i + 1) * L])
+                    del x_i
+            d_o = o_chunks.finish(grad_out)     # cast now: no fp32 accumulator beside the pipeline
+
+            def grad_out_chunk(i):
+                return o_chunks.input_grad(i, grad_out[:, i * L:(i + 1) * L]).view(B, L, H, D)
         d_hidden = torch.empty(shape, dtype=dtype, device=grad_out.device) if need[0] else None
         stash.prefetch(("T", 0))
-
-        def grad_out_chunk(i):
-            return grad_out[:, i * L:(i + 1) * L]
 
         def deliver(j, dq, dk, dv):
             T = stash.pop(("T", j))
@@ -232,9 +284,9 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
 
         run_backward(spec, grad_out_chunk, deliver, stash)
         out_w, out_b, out_n, out_lora = chunks.finish()
-        return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2],
-                None, None, None, None, None, None, None, None, out_n[0], out_n[1], None,
-                None, *out_lora)
+        d_wo, d_bo, d_o_lora = d_o if d_o else (None, None, ())
+        return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2], d_wo, d_bo,
+                None, None, None, None, None, out_n[0], out_n[1], None, *out_lora, *d_o_lora)
 
 
 def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -38,10 +38,6 @@ from fpdt.options import FPDTOptions
 
 _names = itertools.count()
 
-O_PROJ_FROM_STASH = "fpdt_o_proj_from_stash"
-"""The keyword argument :func:`fpdt.hf.forward.causal_lm_forward` passes to every attention call
-with :func:`o_proj_stash_layers`' answer (absent: no layer's ``o_proj`` reads from the stash)."""
-
 
 def _refuse_unhonoured(module: torch.nn.Module, name: str, attention_mask, dropout: float,
                        sliding_window: int | None, kwargs: dict) -> None:
@@ -148,23 +144,12 @@ def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[str, .
     return known[type(module)](module), _qk_norm(module)
 
 
-def o_proj_stash_layers(layers: list[torch.nn.Module], options: FPDTOptions) -> frozenset[int]:
-    """The ``layer_idx`` of the decoder ``layers`` whose ``o_proj`` reads its input back from the
-    attention's stash in this forward: with ``offload`` and no layer checkpoint, neither fpdt's
-    (``checkpointing="off"``) nor Transformers' own on that layer (its ``gradient_checkpointing`` in
-    training). Under a checkpoint the layer keeps nothing to backward anyway."""
-    if not (options.offload and options.checkpointing == "off" and torch.is_grad_enabled()):
-        return frozenset()
-    return frozenset(layer.self_attn.layer_idx for layer in layers if getattr(layer, "self_attn", None) is not None
-                     and not (getattr(layer, "gradient_checkpointing", False) and layer.training))
-
-
 class TransformersAttention(FPDTAttention):
     """:class:`fpdt.attention.FPDTAttention` holding a Transformers attention module's projections
     (and Qwen3's q/k norms) under their names, so ``state_dict`` keys do not change; called as a
     Transformers decoder layer calls its attention, ``(hidden_states, position_embeddings=(cos, sin),
     **kwargs) -> (output, None)``. RoPE is the model's own tables, sliced per chunk. The call's
-    ``doc_ids``, ``fpdt_saved`` and :data:`O_PROJ_FROM_STASH` keyword arguments come from
+    ``doc_ids`` and ``fpdt_saved`` keyword arguments come from
     :func:`fpdt.hf.forward.causal_lm_forward` and the layer checkpoint; whatever else would change
     the result is refused. ``group`` may be a :class:`fpdt.hf.groups.TrainerGroup`, resolved per call."""
 
@@ -200,9 +185,8 @@ class TransformersAttention(FPDTAttention):
         if position_embeddings is None:
             raise FPDTHFError(f"{type(self).__name__} was called without position_embeddings (cos, sin); the "
                               f"chunked q/k/v projection applies the model's RoPE from them")
-        from_stash = self.layer_idx in kwargs.get(O_PROJ_FROM_STASH, ())
         out = super().forward(hidden_states, doc_ids=kwargs.get("doc_ids"), saved=kwargs.get("fpdt_saved"),
-                              cos_sin=position_embeddings, o_proj_from_stash=from_stash)
+                              cos_sin=position_embeddings)
         return out, None
 
 

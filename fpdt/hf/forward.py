@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fpdt.hf.attention import O_PROJ_FROM_STASH, FPDTHFError, o_proj_stash_layers, plain_linears
+from fpdt.hf.attention import FPDTHFError, plain_linears
 from fpdt.hf.collator import check_window_length
 from fpdt.hf.documents import pop_explicit_documents, window_doc_ids
 from fpdt.hf.groups import resolve_group
@@ -70,7 +70,6 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
         shift_labels = _shift_labels(labels)      # one rank holds the whole sequence in order
     input_ids, position_ids, shift_labels, attention_mask = _fpdt_inputs(
         self, settings, rank, sp, ref, input_ids, position_ids, shift_labels, attention_mask, kwargs)
-    kwargs.update(_o_proj_from_stash(self, settings))
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
@@ -182,13 +181,6 @@ def _sequence_parallel_doc_ids(settings: HFSettings, sp: int, ref, position_ids,
                                       mesh=settings.options.mesh)        # one all-gather of the positions
     except DocumentError as e:
         raise FPDTHFError(str(e)) from e
-
-
-def _o_proj_from_stash(model, settings: HFSettings) -> dict:
-    """The attention calls' keyword argument naming the layers whose ``o_proj`` reads its input
-    from the attention's stash (:func:`fpdt.hf.attention.o_proj_stash_layers`), or none."""
-    layers = o_proj_stash_layers(list(model.model.layers), settings.options) if settings.chunked_qkv else None
-    return {O_PROJ_FROM_STASH: layers} if layers else {}
 
 
 @contextlib.contextmanager

@@ -54,11 +54,9 @@ class DecoderAdapter:
 
     def set_attention(self, layer: nn.Module, options: FPDTOptions) -> None:
         """Make the layer's token mixer (``self_attn``, or a Gated DeltaNet ``linear_attn``) read
-        :data:`ATTENTION_FIELDS`; without a layer checkpoint an attention's ``o_proj`` reads the stash."""
+        :data:`ATTENTION_FIELDS`."""
         for name in ATTENTION_FIELDS:
             setattr(token_mixer_of(layer), name, getattr(options, name))
-        if has_attention(layer):
-            layer.self_attn.o_proj_input_from_stash = options.checkpointing == "off"
 
     def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
         norm.num_chunks = num_chunks

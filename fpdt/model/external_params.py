@@ -22,17 +22,15 @@ GDN_CHILDREN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", 
 
 
 def _reads_o_proj(attention: FPDTAttention) -> bool:
-    """Whether the attention computes ``o_proj`` from its weights (adapters, or its input from the stash)."""
-    read = read_output_projection(attention.o_proj, type(attention).__name__, attention.training)
-    from_stash = attention.o_proj_input_from_stash and attention.offload
-    return from_stash or (read is not None and read.adapters is not None)
+    """Whether the attention computes ``o_proj`` from its weights (inside its chunk pipeline)."""
+    return read_output_projection(attention.o_proj, type(attention).__name__, attention.training) is not None
 
 
 def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) -> Iterator[tuple[nn.Module, nn.Parameter]]:
     """``(reader, parameter)`` for every parameter of ``model`` read directly:
 
     * each :class:`fpdt.attention.FPDTAttention`: its q/k/v projections' (and q/k norms'), and
-      ``o_proj``'s when it has adapters or reads its input from the stash;
+      ``o_proj``'s when it reads it (any plain or LoRA linear);
     * each :class:`fpdt.model.ChunkedSwiGLU`: its three projections'; in an
       :class:`fpdt.model.llama.FPDTDecoderLayer`, also ``post_attention_layernorm``'s (when fused in);
     * each Gated DeltaNet (:data:`GDN_CHILDREN`): its submodules';

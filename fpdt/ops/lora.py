@@ -158,6 +158,20 @@ def lora_backward(x: torch.Tensor, dy: torch.Tensor, terms: list[tuple], accs: l
     return None if dx is None else dx.view(*x.shape[:-1], x.shape[-1])
 
 
+def lora_input_grad(dy: torch.Tensor, terms: list[tuple], seed: int | None, chunk: int) -> torch.Tensor:
+    """The terms' share of ``dx`` (as :func:`lora_backward` computes it) from ``dy`` ``[n, out]``
+    alone, in the adapters' dtype ``[n, in]``: the dropout masks are regenerated, not read from ``x``."""
+    dx = None
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    for term, a, b, _ in terms:
+        part = ((dy2.to(a.dtype) @ b).mul_(term.scaling)) @ a
+        if term.dropout:
+            drop = drop_mask(part.shape, part.device, term.dropout, seed, term.stream, chunk)
+            part.masked_fill_(drop, 0.0).mul_(1.0 / (1.0 - term.dropout))
+        dx = part if dx is None else dx.add_(part)
+    return dx
+
+
 def flat_terms(per_projection: list[list[tuple]]) -> Iterator[torch.Tensor | None]:
     """The tensors of ``[[(term, A, B, b), ...], ...]`` in layout order (inverse of ``split``)."""
     for terms in per_projection:

@@ -366,7 +366,7 @@ def _layer_volume_body(rank, world, lengths, u):
     torch.manual_seed(0)
     with fresh_runtime("sim") as rt:
         layer = FPDTAttention(32, 4, 2, 8, num_chunks=u, offload=True, runtime=rt)
-        layer.o_proj_input_from_stash = False    # the attention's own copies (o_proj's read-back: tests/memory)
+        layer.o_proj.requires_grad_(False)    # the attention's own copies (o_proj's read-back: tests/offload)
         x = torch.randn(B, S // world, 32, requires_grad=True)
         pos = shard(torch.arange(S).expand(B, S), world, u, rank)
         out = layer(x, pos, None, doc_ids=doc)

@@ -1,18 +1,16 @@
-"""``o_proj`` reading its input back from the attention's stash, chunk by chunk
-(:mod:`fpdt.attention.output_projection`; ``checkpointing="off"`` with ``offload=True``).
+"""``o_proj`` applied a chunk at a time inside the attention's pipeline, its backward reading
+its input back from the attention's stash (:mod:`fpdt.attention.output_projection`).
 
 One :class:`FPDTAttention` layer with q/k/v and o biases, LoRA adapters on ``o_proj`` and
 ``q_proj`` (random ``B``, so every adapter gradient is nonzero), on 1 and 2 gloo ranks:
 
-* against the same layer keeping its input (``offload=False``): the output and every
-  gradient (input, weights, biases, adapters) within 1e-6 relative (fp32), with LoRA dropout
-  (the same masks: both run the same chunked function);
+* offloaded against the same layer without offload: the output and every gradient (input,
+  weights, biases, adapters) within 1e-6 relative (fp32), with LoRA dropout (the same masks);
 * against the float64 reference layer (adapters folded into the weights, no dropout);
+* without adapters, against ``o_proj`` run as its module on the full-length attention output;
 * under the ``sync`` runtime and the simulated one, lazy and threaded;
 * the injected faults (``drop_wait``, ``drop_record_stream``) are caught on the whole layer (a
-  hazard naming the chunk); on o_proj's reads alone (a stash that only its backward reads) a
-  dropped wait gives non-finite gradients. Its reads need no ``record_stream``: the fetch
-  buffers belong to the compute stream that reads them.
+  hazard naming the chunk).
 """
 
 from __future__ import annotations
@@ -25,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fpdt.attention import FPDTAttention, RotaryEmbedding, default_inv_freq
-from fpdt.attention.output_projection import OutputProjectionFunction, StashedInput, output_projection
-from fpdt.attention.pipeline import build_spec
+import fpdt.attention.module
+from fpdt.attention.projected_attention import ProjectedFPDTAttentionFunction
 from fpdt.layout import local_position_ids, shard
-from fpdt.offload import HostStash, StreamHazardError, fresh_runtime
+from fpdt.offload import StreamHazardError, fresh_runtime
 from tests.attention.reference import assert_rel_close, reference_layer
 from tests.distributed import run_distributed
 
@@ -55,7 +53,7 @@ def _attach_lora(linear: nn.Linear, dropout: float, gen: torch.Generator) -> Non
     linear.lora_scaling, linear.lora_dropout = SCALING, dropout
 
 
-def run_layer(rank, world, *, u, offload, from_stash, lora, dropout=0.0, B=2, piece=3, seed=0, runtime=None):
+def run_layer(rank, world, *, u, offload, lora, as_module=False, dropout=0.0, B=2, piece=3, seed=0, runtime=None):
     """Forward + backward of one layer on this rank's shard: ``(out, {name: grad})``, the
     parameter gradients summed over the ranks and the input's as this rank's shard."""
     torch.manual_seed(seed)
@@ -65,7 +63,6 @@ def run_layer(rank, world, *, u, offload, from_stash, lora, dropout=0.0, B=2, pi
         gen = torch.Generator().manual_seed(seed + 1)
         _attach_lora(layer.o_proj, dropout, gen)
         _attach_lora(layer.q_proj, dropout, gen)
-    layer.o_proj_input_from_stash = from_stash
     layer.stash_label = "layer 0"
     layer.train()
     S = world * u * piece
@@ -73,8 +70,9 @@ def run_layer(rank, world, *, u, offload, from_stash, lora, dropout=0.0, B=2, pi
     dout = torch.randn(B, S, HIDDEN)
     xl = shard(x, world, u, rank).requires_grad_()
     torch.manual_seed(seed + 2)                            # the dropout seed's draw
-    out = layer(xl, local_position_ids(S, world, u, rank, B), RotaryEmbedding(default_inv_freq(D)))
-    assert (out.grad_fn.name() == f"{OutputProjectionFunction.__name__}Backward") == (from_stash and offload or lora)
+    with _as_module(as_module):
+        out = layer(xl, local_position_ids(S, world, u, rank, B), RotaryEmbedding(default_inv_freq(D)))
+    assert (out.grad_fn.name() == f"{ProjectedFPDTAttentionFunction.__name__}Backward") != as_module
     out.backward(shard(dout, world, u, rank))
     grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
     if world > 1:
@@ -82,6 +80,19 @@ def run_layer(rank, world, *, u, offload, from_stash, lora, dropout=0.0, B=2, pi
             dist.all_reduce(g)
     grads["input"] = xl.grad.detach().clone()
     return out.detach(), grads, (x, dout, layer)
+
+
+@contextlib.contextmanager
+def _as_module(on: bool):
+    """``o_proj`` run as its module on the full-length attention output (a projection the
+    attention cannot read), when ``on``."""
+    original = fpdt.attention.module.read_output_projection
+    if on:
+        fpdt.attention.module.read_output_projection = lambda module, owner, training=True: None
+    try:
+        yield
+    finally:
+        fpdt.attention.module.read_output_projection = original
 
 
 def _compare(got, want, tol, what):
@@ -124,19 +135,19 @@ def _reference(rank, world, u, x, dout, layer, B):
 def _parity(rank, world, runtime, cases):
     for u, B in cases:
         with _runtime(runtime) as rt:
-            *stash, (x, dout, layer) = run_layer(rank, world, u=u, offload=True, from_stash=True, lora=True,
+            *stash, (x, dout, layer) = run_layer(rank, world, u=u, offload=True, lora=True,
                                                  dropout=0.2, B=B, runtime=rt)
-        *kept, _ = run_layer(rank, world, u=u, offload=False, from_stash=True, lora=True, dropout=0.2, B=B)
+        *kept, _ = run_layer(rank, world, u=u, offload=False, lora=True, dropout=0.2, B=B)
         _compare(stash, kept, EXACT, f"rank {rank}/{world} {runtime} u={u} B={B}: stash vs kept, dropout")
         with _runtime(runtime) as rt:
-            *stash, (x, dout, layer) = run_layer(rank, world, u=u, offload=True, from_stash=True, lora=True, B=B,
+            *stash, (x, dout, layer) = run_layer(rank, world, u=u, offload=True, lora=True, B=B,
                                                  runtime=rt)
         _compare(stash, _reference(rank, world, u, x, dout, layer, B), REFERENCE,
                  f"rank {rank}/{world} {runtime} u={u} B={B}: stash vs float64 reference")
-        # no adapter: o_proj reads its input back all the same, against the plain nn.Linear
+        # no adapter: o_proj inside, against the plain nn.Linear on the full-length attention output
         with _runtime(runtime) as rt:
-            *stash, _ = run_layer(rank, world, u=u, offload=True, from_stash=True, lora=False, B=B, runtime=rt)
-        *kept, _ = run_layer(rank, world, u=u, offload=True, from_stash=False, lora=False, B=B)
+            *stash, _ = run_layer(rank, world, u=u, offload=True, lora=False, B=B, runtime=rt)
+        *kept, _ = run_layer(rank, world, u=u, offload=True, lora=False, as_module=True, B=B)
         _compare(stash, kept, EXACT, f"rank {rank}/{world} {runtime} u={u} B={B}: stash vs nn.Linear")
 
 
@@ -156,33 +167,4 @@ def test_two_rank_parity():
 def test_injected_faults_are_caught_on_the_layer(mode, fault):
     with pytest.raises(StreamHazardError, match=r"chunk \d+, layer 0"):
         with fresh_runtime("sim", mode=mode, fault=fault, checks=True, seed=3) as rt:
-            run_layer(0, 1, u=3, offload=True, from_stash=True, lora=True, dropout=0.2, runtime=rt)
-
-
-def _o_proj_alone(runtime, u=3, B=2, L=4):
-    """The output projection over a stash that only its backward reads (the attention's
-    backward is not run): the o chunks put as the attention forward puts them."""
-    torch.manual_seed(0)
-    spec = build_spec(seq_local=u * L, num_heads=H, num_kv_heads=H_KV, head_dim=D, dtype=torch.float32,
-                      device=torch.device("cpu"), group=None, num_chunks=u, causal=True, softmax_scale=None,
-                      backend=None)
-    stash = HostStash("cpu", enabled=True, label="layer 0", runtime=runtime)
-    chunks = [torch.randn(B, L, H, D) for _ in range(u)]
-    for i, o in enumerate(chunks):
-        stash.put(("o", i), o.clone())
-    x = torch.cat(chunks, 1).reshape(B, u * L, H * D).requires_grad_()
-    linear = nn.Linear(H * D, HIDDEN)
-    out = output_projection(x, linear.weight, linear.bias, None, u, StashedInput(stash, spec, L))
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    want = dout.reshape(-1, HIDDEN).t() @ x.detach().reshape(-1, H * D)
-    return linear.weight.grad, want
-
-
-def test_o_proj_reads_alone_are_ordered_and_a_dropped_wait_shows():
-    with fresh_runtime("sim", mode="lazy", checks=True) as rt:
-        got, want = _o_proj_alone(rt)
-    assert_rel_close(got, want, EXACT, "o_proj weight gradient from the stash")
-    with fresh_runtime("sim", mode="lazy", fault="drop_wait", checks=False) as rt:
-        got, _ = _o_proj_alone(rt)
-    assert not torch.isfinite(got).all(), "a dropped wait must show as NaN (the copy had not landed)"
+            run_layer(0, 1, u=3, offload=True, lora=True, dropout=0.2, runtime=rt)

@@ -603,14 +603,15 @@ def test_zero3_external_parameters_registered():
     model = _patched(num_chunks=2)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        assert set(attn._external_params.values()) == {attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight}
+        assert set(attn._external_params.values()) == {attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                                                       attn.o_proj.weight}
         assert set(mlp._external_params.values()) == {mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight}
     assert set(model._external_params.values()) == {model.lm_head.weight}
     qwen3 = fpdt.hf.apply_fpdt(_qwen3(), num_chunks=2)
     for layer in qwen3.model.layers:
         attn = layer.self_attn
         assert set(attn._external_params.values()) == {attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                                                       attn.q_norm.weight, attn.k_norm.weight}
+                                                       attn.o_proj.weight, attn.q_norm.weight, attn.k_norm.weight}
     plain = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), chunked_qkv=False, mlp_chunks=0, loss_chunks=0)
     assert not any(hasattr(m, "_external_params") for m in plain.modules())
 

@@ -1,16 +1,13 @@
-"""``o_proj`` of a Transformers attention after ``fpdt.hf.apply_fpdt`` reading its input back from
-the attention's stash (:func:`fpdt.hf.attention.o_proj_stash_layers`,
-:mod:`fpdt.attention.output_projection`).
+"""``o_proj`` of a Transformers attention after ``fpdt.hf.apply_fpdt``, applied a chunk at a
+time inside the attention's pipeline (:mod:`fpdt.attention.output_projection`).
 
-With ``offload=True`` and no layer checkpoint (``checkpointing="off"``, and not Transformers'
-own on the layer) each layer's ``o_proj`` (plain, or PEFT LoRA) keeps no copy of the attention
-output. Checked against the unchanged Transformers / PEFT model (loss, every parameter and
+Each layer's ``o_proj`` (plain, or PEFT LoRA) runs on each attention output chunk as the pipeline
+emits it, with or without offload and a layer checkpoint, so no full-length attention output
+exists. Checked against the unchanged Transformers / PEFT model (loss, every parameter and
 adapter gradient, fp32 within 1e-5) on 1 and 2 ranks and the 2 x 2 mesh, GQA, u = 2 and 4;
-against the HF path before the change (``o_proj`` as its module, a LoRA ``o_proj`` as
-``lora_linear`` over ``2 u`` chunks; the same dropout masks with one sequence): loss bitwise,
-gradients within 1e-6; and that
-under a checkpoint (fpdt's, Transformers', per layer) or without offload nothing changes. The
-memory it saves is counted in ``tests/memory/test_hf_budget.py``.
+against ``o_proj`` run as its module on the full-length attention output (the path of a
+projection fpdt cannot read): loss bitwise, gradients within 1e-6, under every checkpoint mode.
+The memory it saves is counted in ``tests/memory/test_hf_budget.py``.
 """
 
 from __future__ import annotations
@@ -20,13 +17,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fpdt.hf
 import fpdt.attention.module
 import fpdt.hf.attention
 from fpdt.comm import SequenceMesh
-from fpdt.ops.lora import lora_linear
 from tests.distributed import run_distributed
 from tests.hf.test_apply_fpdt import run_case
 from tests.hf.test_peft import lora_config, peft_model, run_lora_case
@@ -37,36 +32,30 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 @contextlib.contextmanager
 def o_proj_sources():
-    """Record each call of the chunked output projection from the HF attention: True when it
-    reads its input from the attention's stash, False when it saves it."""
-    calls, original = [], fpdt.attention.module.output_projection
+    """Record each attention call from the HF attention: True when ``o_proj`` runs inside it."""
+    calls, original = [], fpdt.attention.module.projected_fpdt_attention
 
-    def spy(x, weight, bias, adapters, num_chunks, source=None):
-        calls.append(source is not None)
-        return original(x, weight, bias, adapters, num_chunks, source)
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("o_proj") is not None)
+        return original(*args, **kwargs)
 
-    fpdt.attention.module.output_projection = spy
+    fpdt.attention.module.projected_fpdt_attention = spy
     try:
         yield calls
     finally:
-        fpdt.attention.module.output_projection = original
+        fpdt.attention.module.projected_fpdt_attention = original
 
 
 @contextlib.contextmanager
-def before_the_change():
-    """The HF attention's ``o_proj`` as it was: the module's own ``F.linear``, or a LoRA ``o_proj``
-    through ``lora_linear`` over ``2 u`` token chunks, saving the attention output."""
-    original = fpdt.attention.module.output_projection
-
-    def old(x, weight, bias, adapters, num_chunks, source=None):
-        return F.linear(x, weight, bias) if adapters is None else lora_linear(x, weight, bias, adapters,
-                                                                              2 * num_chunks)
-
-    fpdt.attention.module.output_projection = old
+def as_its_module():
+    """The HF attention's ``o_proj`` run as its module on the full-length attention output (what
+    the attention does with a projection it cannot read)."""
+    original = fpdt.attention.module.read_output_projection
+    fpdt.attention.module.read_output_projection = lambda module, owner, training=True: None
     try:
         yield
     finally:
-        fpdt.attention.module.output_projection = original
+        fpdt.attention.module.read_output_projection = original
 
 
 # (model, u, lora): llama_gqa is GQA 6:2, llama_bias MHA with biases (o_proj's bias read directly)
@@ -119,20 +108,20 @@ def _run(model, ids, labels, seed=0):
 
 
 @pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_as_before_the_change(lora):
-    """The same loss (bitwise) and gradients (1e-6) as the HF path before: a plain o_proj's are
-    the module's; a LoRA o_proj with dropout over one sequence draws lora_linear's masks."""
-    ref = peft_model("llama_gqa", lora_config(dropout=0.25)) if lora else hf_model("llama_gqa")
+def test_as_its_module(lora):
+    """The same loss (bitwise) and gradients (1e-6) as ``o_proj`` run as its module (a PEFT LoRA
+    one without dropout, whose masks PEFT draws itself)."""
+    ref = peft_model("llama_gqa", lora_config(dropout=0.0)) if lora else hf_model("llama_gqa")
     ids, labels = tokens(256, 1 if lora else 2, 32)
     model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), num_chunks=4, offload=True)
     model.train()
     with o_proj_sources() as sources:
         loss, grads = _run(model, ids, labels)
     assert sources == [True, True]
-    with before_the_change():
+    with as_its_module():
         old_loss, old_grads = _run(model, ids, labels)
     assert torch.equal(loss, old_loss), (loss, old_loss)
-    compare(loss, grads, old_loss, old_grads, f"lora={lora} against before the change", tol=1e-6)
+    compare(loss, grads, old_loss, old_grads, f"lora={lora} against o_proj as its module", tol=1e-6)
 
 
 def _checkpointed(mode):
@@ -149,33 +138,34 @@ def _checkpointed(mode):
 @pytest.mark.parametrize("mode", ["no offload", *(pytest.param(m, marks=pytest.mark.slow)     # ~4-8 s each
                                                   for m in ("on", "offload", "hf", "hf, every 2nd layer"))])
 def test_unchanged_under_a_checkpoint_or_without_offload(mode):
-    """A plain o_proj runs as its module wherever its layer is checkpointed or offload is off;
-    Transformers' checkpoint is decided per layer. Loss and gradients as without the change."""
+    """Under every checkpoint (fpdt's, Transformers', per layer) and without offload ``o_proj``
+    runs inside the attention: loss and gradients as with it run as its module."""
     ids, labels = tokens(256, 2, 16)
     model = _checkpointed(mode)
     with o_proj_sources() as sources:
         loss, grads = _run(model, ids, labels)
-    assert sources == ([True] if mode == "hf, every 2nd layer" else []), (mode, sources)
-    with before_the_change():
+    assert sources and all(sources), (mode, sources)
+    with as_its_module():
         old_loss, old_grads = _run(_checkpointed(mode), ids, labels)
     assert torch.equal(loss, old_loss), mode
     compare(loss, grads, old_loss, old_grads, mode, tol=1e-6)
 
 
-def test_no_grad_and_eval_forwards_keep_nothing():
-    """Without autograd there is no backward to read for: no stash is handed over."""
+def test_no_grad_forward_gives_the_same_loss():
+    """Without autograd (nothing saved for backward) ``o_proj`` still runs a chunk at a time inside."""
     ids, labels = tokens(256, 1, 16)
-    model = fpdt.hf.apply_fpdt(peft_model("llama_gqa"), num_chunks=2, offload=True)
+    model = fpdt.hf.apply_fpdt(peft_model("llama_gqa"), num_chunks=2, offload=True).eval()
     with o_proj_sources() as sources, torch.no_grad():
-        model(input_ids=ids, labels=labels)
-    assert sources == [False, False]
+        loss = model(input_ids=ids, labels=labels).loss
+    assert sources == [True, True]
+    assert torch.equal(loss, model(input_ids=ids, labels=labels).loss.detach())
 
 
 def test_zero3_registers_o_proj_where_the_attention_reads_it():
-    """With offload and no fpdt checkpoint, o_proj's weight is read inside the attention's forward
-    (and its bias): registered with the attention for ZeRO-3's gather; with a checkpoint it is not."""
+    """o_proj's weight (and bias) is read inside the attention's forward: registered with the
+    attention for ZeRO-3's gather, with or without a checkpoint."""
     pytest.importorskip("deepspeed")
-    for checkpointing, registered in (("off", True), ("offload", False)):
+    for checkpointing, registered in (("off", True), ("offload", True)):
         model = fpdt.hf.apply_fpdt(hf_model("llama_bias"), num_chunks=2, offload=True, checkpointing=checkpointing)
         for layer in model.model.layers:
             attn = layer.self_attn

@@ -173,9 +173,9 @@ def test_lora_holds_per_token_what_full_fine_tuning_holds(dropout):
 
 def _held_after_forward(u: int, seq: int, keep_input: bool, lora_dropout: float | None = None) -> dict:
     """Device bytes live after the forward (the loss computed, before backward) and the step's peak,
-    with ``offload=True`` and no layer checkpoint; ``keep_input``: the HF path before the change
-    (no layer's ``o_proj`` told to read its input from the stash: it keeps it)."""
-    import fpdt.hf.forward
+    with ``offload=True`` and no layer checkpoint; ``keep_input``: ``o_proj`` run as its module on
+    the full-length attention output (which it keeps for backward), as fpdt runs one it cannot read."""
+    import fpdt.attention.module
 
     cfg = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
     torch.manual_seed(0)
@@ -194,7 +194,8 @@ def _held_after_forward(u: int, seq: int, keep_input: bool, lora_dropout: float 
     model(**inputs).loss.backward()                        # kernel self-check outside the count
     with contextlib.ExitStack() as undo:
         if keep_input:
-            undo.enter_context(_patched(fpdt.hf.forward, "_o_proj_from_stash", lambda model, settings: {}))
+            undo.enter_context(_patched(fpdt.attention.module, "read_output_projection",
+                                       lambda module, owner, training=True: None))
         with MemoryAccountant("cpu") as acct:
             loss = model(**inputs).loss
             after_forward = acct.device_live

@@ -31,7 +31,7 @@ def _step(rank, world, *, u, offload, saved_on_host, save, runtime, dtype=torch.
     torch.manual_seed(0)
     S = world * u * piece
     layer = FPDTAttention(hidden, H, H_kv, D, num_chunks=u, offload=offload, runtime=runtime).to(dtype)
-    layer.o_proj_input_from_stash = False    # the attention's own copies (o_proj's read-back: tests/memory)
+    layer.o_proj.requires_grad_(False)    # the attention's own copies (o_proj's read-back: tests/offload)
     layer.stash_label = "layer 0"
     x = torch.randn(B, S // world, hidden, dtype=dtype, requires_grad=True)
     pos = local_position_ids(S, world, u, rank, B)

@@ -32,11 +32,12 @@ PENDING_BOUND = D2H_RUN_AHEAD + 8
 def _layer_step(rank, world, *, u, runtime, B=1, hidden=32, H=4, H_kv=2, D=8, piece=2, dtype=torch.float32,
                 from_stash=False):
     """Forward and backward of one offloaded FPDTAttention layer on this rank's shard
-    (``from_stash``: o_proj reads its input back from the attention's stash)."""
+    (``from_stash``: o_proj's weight is trained, so its backward reads its input back from the
+    attention's stash; else it is frozen)."""
     torch.manual_seed(0)
     S = world * u * piece
     layer = FPDTAttention(hidden, H, H_kv, D, num_chunks=u, offload=True, runtime=runtime).to(dtype)
-    layer.o_proj_input_from_stash = from_stash
+    layer.o_proj.requires_grad_(from_stash)
     x = torch.randn(B, S // world, hidden, dtype=dtype, requires_grad=True)
     out = layer(x, local_position_ids(S, world, u, rank, B), RotaryEmbedding(default_inv_freq(D)))
     out.backward(torch.randn_like(out))
