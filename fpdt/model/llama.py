@@ -75,7 +75,9 @@ def token_mixer(cfg: ModelConfig, i: int) -> tuple[str, nn.Module]:
         return "self_attn", FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
     attn = FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                         o_bias=cfg.o_bias, output_gate=cfg.attn_output_gate, rotary_dim=cfg.rotary_dim)
+                         o_bias=cfg.o_bias, output_gate=cfg.attn_output_gate,
+                         rotary_dim=cfg.rotary_dim if cfg.rotary_dim != cfg.head_dim else None,
+                         qk_norm_zero_centred=cfg.qk_norm and cfg.zero_centred_norms)
     if cfg.qk_norm:
         attn.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms)
         attn.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms)
