@@ -28,7 +28,7 @@ CASES = [(1, False, "off", "recompute"), (2, True, "off", "recompute"), (2, Fals
 
 
 def run_case(name, rank, world, *, num_chunks, offload, checkpointing, attention_checkpoint="recompute",
-             rows=None, B=2, mesh=None):
+             rows=None, B=2, mesh=None, nvme_path=None):
     """One step of ``name`` on this rank; parity of the loss and of the SP-summed gradients."""
     ref = qwen35_model(name)
     if rows is None:
@@ -42,7 +42,7 @@ def run_case(name, rank, world, *, num_chunks, offload, checkpointing, attention
     refs = reference(ref, ids, labels, rows)
     runtime = "sim" if offload or checkpointing == "offload" else None
     model = fpdt_qwen35(ref, num_chunks=num_chunks, offload=offload, checkpointing=checkpointing,
-                        attention_checkpoint=attention_checkpoint, runtime=runtime, mesh=mesh,
+                        attention_checkpoint=attention_checkpoint, runtime=runtime, mesh=mesh, nvme_path=nvme_path,
                         group=None if mesh is not None or world == 1 else dist.group.WORLD)
     loss = model(**model.prepare_inputs(ids, labels=labels, position_ids=pos))
     loss.backward()
@@ -59,6 +59,12 @@ def run_case(name, rank, world, *, num_chunks, offload, checkpointing, attention
 def test_single_rank(num_chunks, offload, checkpointing, attention_checkpoint):
     run_case("qwen35", 0, 1, num_chunks=num_chunks, offload=offload, checkpointing=checkpointing,
              attention_checkpoint=attention_checkpoint)
+
+
+def test_nvme_tier(tmp_path):
+    """The offloaded layer inputs (and the saved attention outputs) on files: the same loss and gradients."""
+    run_case("qwen35", 0, 1, num_chunks=2, offload=True, checkpointing="offload", attention_checkpoint="save",
+             nvme_path=str(tmp_path))
 
 
 ROWS = ([5, 1, 13, 1, 1, 20, 7], [16, 16, 16], [2, 30, 9, 7])    # 48 tokens: across chunk and rank edges
