@@ -28,6 +28,11 @@ class FPDTAttention(nn.Module):
     full-length attention output. The weights read directly are
     ZeRO-3 external parameters of this module (:mod:`fpdt.model.external_params`).
     :meth:`from_projections` builds one around existing modules (``fpdt.hf`` does).
+
+    Qwen3.5's gated attention: ``output_gate`` (``q_proj`` gives ``[query | gate]`` per head,
+    ``2 H D`` outputs; ``o_proj`` reads ``o * sigmoid(gate)``), ``rotary_dim`` (RoPE on the first
+    ``rotary_dim`` channels of each head; the rotary table must have that width),
+    ``qk_norm_zero_centred`` (the q/k norms multiply by ``1 + weight``).
     """
 
     projection_fix = "use plain nn.Linear or PEFT LoRA projections"
@@ -37,7 +42,8 @@ class FPDTAttention(nn.Module):
                  head_dim: int | None = None, *, qkv_bias: bool = False, o_bias: bool = False,
                  num_chunks: int = 1, offload: bool = False, group: dist.ProcessGroup | None = None,
                  mesh: SequenceMesh | None = None, backend: str | None = None, softmax_scale: float | None = None,
-                 runtime: Runtime | str | None = None):
+                 runtime: Runtime | str | None = None, output_gate: bool = False, rotary_dim: int | None = None,
+                 qk_norm_zero_centred: bool = False):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -50,7 +56,8 @@ class FPDTAttention(nn.Module):
         self.runtime = runtime
         self.softmax_scale = softmax_scale
         self.stash_label: str | None = None  # names this layer's chunks in offload errors, e.g. "layer 2"
-        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
+        self.output_gate, self.rotary_dim, self.qk_norm_zero_centred = output_gate, rotary_dim, qk_norm_zero_centred
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
@@ -58,15 +65,17 @@ class FPDTAttention(nn.Module):
 
     @classmethod
     def from_projections(cls, projections: dict[str, nn.Module], num_heads: int, num_kv_heads: int, head_dim: int,
-                         softmax_scale: float | None = None) -> "FPDTAttention":
+                         softmax_scale: float | None = None, *, output_gate: bool = False,
+                         rotary_dim: int | None = None, qk_norm_zero_centred: bool = False) -> "FPDTAttention":
         """An attention over existing modules: ``projections`` maps ``q_proj``, ``k_proj``,
         ``v_proj``, ``o_proj`` (and optionally ``q_norm``, ``k_norm``) to them; they become its
-        children under those names."""
+        children under those names. The keyword options as the constructor's."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         for name, value in dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_chunks=1,
                                 offload=False, group=None, mesh=None, backend=None, runtime=None,
-                                softmax_scale=softmax_scale, stash_label=None).items():
+                                softmax_scale=softmax_scale, stash_label=None, output_gate=output_gate,
+                                rotary_dim=rotary_dim, qk_norm_zero_centred=qk_norm_zero_centred).items():
             setattr(self, name, value)
         self.q_norm = self.k_norm = None
         for name, module in projections.items():
@@ -97,8 +106,12 @@ class FPDTAttention(nn.Module):
             num_chunks=self.num_chunks, offload=self.offload, backend=self.backend, softmax_scale=self.softmax_scale,
             label=self.stash_label, qk_norm=qk_norm, adapters=proj.adapters, doc_ids=doc_ids, saved=saved,
             runtime=self.runtime, o_proj=None if o_proj is None else o_proj.bases[0],
-            o_adapters=None if o_proj is None else o_proj.adapters)
+            o_adapters=None if o_proj is None else o_proj.adapters, output_gate=self.output_gate,
+            rotary_dim=self.rotary_dim, qk_norm_zero_centred=self.qk_norm_zero_centred)
         if o_proj is None:                   # as itself, on the full-length attention output
+            if self.output_gate:
+                raise ValueError(f"output_gate=True needs an o_proj fpdt reads (a plain or LoRA linear), got "
+                                 f"{type(self.o_proj).__name__}")
             return self.o_proj(out.reshape(B, S_local, self.num_heads * self.head_dim))
         return out
 

@@ -26,7 +26,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.offload import HostStash, Runtime
 from fpdt.attention.output_projection import OutputChunks, check_adapters, read_back
 from fpdt.ops.lora import LoraAdapters, LoraLayout, accumulators, finish, lora_backward, with_lora
-from fpdt.ops.rmsnorm import norm_backward, normalised, rms_norm_reference
+from fpdt.ops.rmsnorm import effective_weight, norm_backward, normalised, rms_norm_reference
 
 
 def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_proj: torch.nn.Linear,
@@ -40,7 +40,8 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              adapters: LoraAdapters | None = None,
                              doc_ids: torch.Tensor | None = None, saved: SavedAttention | None = None,
                              runtime: Runtime | str | None = None, o_proj: torch.nn.Linear | None = None,
-                             o_adapters: LoraAdapters | None = None) -> torch.Tensor:
+                             o_adapters: LoraAdapters | None = None, output_gate: bool = False,
+                             rotary_dim: int | None = None, qk_norm_zero_centred: bool = False) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (FPDT or mesh layout) through
     ``q_proj``/``k_proj``/``v_proj`` (``weight``/``bias`` read directly), chunk by chunk; returns
     ``[B, S_local, H, D]``, or with ``o_proj`` (and its LoRA ``o_adapters``) that projection of
@@ -48,7 +49,11 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     ``rope`` at ``position_ids``, or the table ``cos``/``sin`` ``[B or 1, S_local, D]``, or none.
     ``label``: for errors. ``qk_norm`` = ``(q_weight, k_weight, eps)`` (Qwen3). ``adapters``: LoRA
     of q, k, v. ``doc_ids``: ``[B, S]`` packed documents (None: one). ``saved``: a
-    ``SavedAttention``. ``runtime``: the stash's device runtime (None: automatic)."""
+    ``SavedAttention``. ``runtime``: the stash's device runtime (None: automatic). Qwen3.5:
+    ``output_gate`` (``q_proj`` gives ``[query | gate]`` per head, ``[H, 2 D]``; the attention
+    output is multiplied by ``sigmoid(gate)`` before ``o_proj``), ``rotary_dim`` (RoPE on the
+    first ``rotary_dim`` channels of each head, the table's width; None: ``D``),
+    ``qk_norm_zero_centred`` (the q/k norms multiply by ``1 + weight``)."""
     spec = attention_spec(hidden.shape, hidden.dtype, hidden.device, heads, group=group, mesh=mesh,
                           num_chunks=num_chunks, backend=backend, softmax_scale=softmax_scale, doc_ids=doc_ids,
                           label=label, runtime=runtime)
@@ -66,10 +71,25 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
     for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                    for t in (*inputs, wqn, wkn, *tensors))
+    _check_rotary(heads[2], rotary_dim, rope, cos)
+    if output_gate and q_proj.weight.shape[0] != 2 * heads[0] * heads[2]:
+        raise ValueError(f"output_gate=True needs q_proj to give [query | gate] per head, {2 * heads[0] * heads[2]} "
+                         f"outputs for {heads[0]} heads of {heads[2]}; it gives {q_proj.weight.shape[0]}")
     opts = CallOptions(heads, offload, for_backward, eps, None if adapters is None else adapters.layout,
-                       None if o_adapters is None else o_adapters.layout)
+                       None if o_adapters is None else o_adapters.layout, output_gate, qk_norm_zero_centred)
     return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, cos, sin, wqn, wkn, opts,
                                                 *tensors)
+
+
+def _check_rotary(head_dim: int, rotary_dim: int | None, rope: RotaryEmbedding | None, cos) -> None:
+    """The RoPE table's width must be the ``rotary_dim`` asked for (``head_dim`` when None)."""
+    want = head_dim if rotary_dim is None else rotary_dim
+    if not 0 < want <= head_dim or want % 2:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, head_dim={head_dim}]")
+    width = rope.head_dim if rope is not None else (cos.shape[-1] if cos is not None else None)
+    if width is not None and width != want:
+        raise ValueError(f"the RoPE table rotates {width} channels but rotary_dim is {want}: build the rotary "
+                         f"embedding with {want // 2} frequencies (partial_rotary_factor = rotary_dim / head_dim)")
 
 
 def attention_spec(shape: torch.Size, dtype: torch.dtype, device: torch.device, heads: tuple[int, int, int], *,
@@ -93,28 +113,41 @@ class QKVChunks:
     """The q/k/v projections of hidden chunks ``T`` ``[B, L, hidden]`` and their backward, a chunk
     at a time. ``weights``/``biases``: ``(q, k, v)``; ``rotation``: :func:`rotation_of` or None;
     ``qk_norm``: ``(q_weight, k_weight, eps)`` or None; ``lora``/``lora_tensors``/``seed``: LoRA terms.
+    ``gate``: q's projection gives ``[query | gate]`` per head (``[B, L, H, 2 D]``, Qwen3.5's
+    output gate); ``zero_centred``: the q/k norms multiply by ``1 + weight`` (Qwen3.5).
     Backward: :meth:`start_backward`, then :meth:`backward` per chunk, then :meth:`finish`."""
 
     def __init__(self, weights, biases, heads: tuple[int, int, int], L: int, rotation=None, qk_norm=None,
-                 lora=None, lora_tensors=(), seed=None):
+                 lora=None, lora_tensors=(), seed=None, gate: bool = False, zero_centred: bool = False):
         self.weights, self.biases, self.heads, self.L = tuple(weights), tuple(biases), heads, L
-        self.rotation = rotation
+        self.rotation, self.gate, self.zero_centred = rotation, gate, zero_centred
         self.norms = (qk_norm[0], qk_norm[1]) if qk_norm is not None else (None, None)
         self.norm_eps = qk_norm[2] if qk_norm is not None else 0.0
         self.lora, self.lora_tensors, self.seed = lora, tuple(lora_tensors), seed
         self.terms = lora.split(self.lora_tensors) if lora is not None else [[], [], []]
 
-    def _pre(self, n: int, T: torch.Tensor, i: int, heads: int) -> torch.Tensor:
+    def _pre(self, n: int, T: torch.Tensor, i: int, heads: int, width: int | None = None) -> torch.Tensor:
         B = T.shape[0]
         return with_lora(F.linear(T, self.weights[n], self.biases[n]), T, self.terms[n], self.seed, i) \
-            .view(B, self.L, heads, self.heads[2])
+            .view(B, self.L, heads, width or self.heads[2])
+
+    def query(self, i: int, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Chunk ``i``'s ``(query before norm and RoPE, gate)``, each ``[B, L, H, D]`` (gate None without one)."""
+        H, _, D = self.heads
+        if not self.gate:
+            return self._pre(0, T, i, H), None
+        qg = self._pre(0, T, i, H, 2 * D)
+        return qg[..., :D], qg[..., D:]
 
     def forward(self, i: int, T: torch.Tensor):
         """Chunk ``i``'s ``(q [B, L, H, D], k, v [B, L, H_kv, D])``, RoPE applied."""
         H, H_kv, _ = self.heads
-        q, k, v = self._pre(0, T, i, H), self._pre(1, T, i, H_kv), self._pre(2, T, i, H_kv)
+        q, k, v = self.query(i, T)[0], self._pre(1, T, i, H_kv), self._pre(2, T, i, H_kv)
         if self.norms[0] is not None:
-            q, k = rms_norm_reference(q, self.norms[0], self.norm_eps), rms_norm_reference(k, self.norms[1], self.norm_eps)
+            q = rms_norm_reference(q, self.norms[0], self.norm_eps, self.zero_centred)
+            k = rms_norm_reference(k, self.norms[1], self.norm_eps, self.zero_centred)
+        elif self.gate:
+            q = q.contiguous()          # a strided half of the projection
         if self.rotation is not None:
             c, s = self.rotation(slice(i * self.L, (i + 1) * self.L), q.dtype)
             q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
@@ -132,17 +165,26 @@ class QKVChunks:
         self.d_lora = accumulators(self.lora, self.lora_tensors, need_lora) if self.lora is not None else []
         self.d_terms = self.lora.split(self.d_lora) if self.lora is not None else [[], [], []]
 
-    def backward(self, j: int, T: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
-        """Chunk ``j``'s projection backward (``dq``/``dk``/``dv`` are overwritten): accumulates the
-        parameter gradients, returns ``dT`` ``[B, L, hidden]`` in ``T.dtype`` (None if not needed)."""
+    def backward(self, j: int, T: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                 d_gate: torch.Tensor | None = None):
+        """Chunk ``j``'s projection backward (``dq``/``dk``/``dv`` are overwritten; ``d_gate`` the
+        gate's gradient with ``gate``): accumulates the parameter gradients, returns ``dT``
+        ``[B, L, hidden]`` in ``T.dtype`` (None if not needed)."""
         H, H_kv, _ = self.heads
         B, L, dtype = T.shape[0], self.L, T.dtype
         if self.rotation is not None:
             c, s = self.rotation(slice(j * L, (j + 1) * L), self.acc)
             dq, dk = apply_rotary_backward_(dq, c, s), apply_rotary_backward_(dk, c, s)  # ours to overwrite
         if self.norms[0] is not None:   # through the per-head RMSNorm, from the recomputed pre-norm q/k
-            dq = _head_rms_norm_backward(dq, self._pre(0, T, j, H), self.norms[0], self.norm_eps, self.d_n[0])
-            dk = _head_rms_norm_backward(dk, self._pre(1, T, j, H_kv), self.norms[1], self.norm_eps, self.d_n[1])
+            dq = _head_rms_norm_backward(dq, self.query(j, T)[0], self.norms[0], self.norm_eps, self.d_n[0],
+                                         self.zero_centred)
+            dk = _head_rms_norm_backward(dk, self._pre(1, T, j, H_kv), self.norms[1], self.norm_eps, self.d_n[1],
+                                         self.zero_centred)
+        if self.gate:       # q's projection gradient, [query | gate] per head, in the input dtype
+            full = torch.empty(B, L, H, 2 * self.heads[2], dtype=dtype, device=dq.device)
+            full[..., :self.heads[2]], full[..., self.heads[2]:] = dq, d_gate
+            dq = full
+            del full
         T2 = T.reshape(B * L, -1)
         d_T = None
         for n, g in enumerate((dq, dk, dv)):
@@ -151,7 +193,7 @@ class QKVChunks:
             if self.d_w[n] is not None:
                 self.d_w[n] += (g_c.t() @ T2).to(self.acc)
             if self.d_b[n] is not None:
-                self.d_b[n] += g2.sum(0)
+                self.d_b[n] += g2.sum(0, dtype=self.acc)
             if self.need_hidden:
                 part = g_c @ self.weights[n]
                 d_T = part if d_T is None else d_T + part
@@ -172,7 +214,8 @@ class CallOptions:
     """What one call of :class:`ProjectedFPDTAttentionFunction` computes besides its tensors:
     ``heads`` ``(H, H_kv, D)``, ``offload``, ``for_backward`` (False: a no-grad pass, nothing
     saved), the q/k norm's ``norm_eps``, and the LoRA layouts of q/k/v (``lora``) and of
-    ``o_proj`` (``o_lora``), whose tensors follow the Function's other inputs in that order."""
+    ``o_proj`` (``o_lora``), whose tensors follow the Function's other inputs in that order;
+    ``output_gate`` and ``zero_centred`` as :class:`QKVChunks` takes them."""
 
     heads: tuple[int, int, int]
     offload: bool
@@ -180,6 +223,8 @@ class CallOptions:
     norm_eps: float = 0.0
     lora: LoraLayout | None = None
     o_lora: LoraLayout | None = None
+    output_gate: bool = False
+    zero_centred: bool = False
 
     def split_lora(self, tensors) -> tuple[tuple, tuple]:
         n = self.lora.num_tensors if self.lora is not None else 0
@@ -207,8 +252,9 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         seed = opts.lora.draw_seed() if opts.lora is not None else None
         qk_norm = (q_norm, k_norm, opts.norm_eps) if q_norm is not None else None
         chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), opts.heads, L, rotation_of(rope, position_ids, cos, sin),
-                           qk_norm, opts.lora, qkv_lora, seed)
+                           qk_norm, opts.lora, qkv_lora, seed, opts.output_gate, opts.zero_centred)
         o_chunks = None if wo is None else OutputChunks(wo, bo, opts.o_lora, o_lora, S_local, spec.num_chunks)
+        gate = opts.output_gate
 
         def produce(i):
             T = hidden[:, i * L:(i + 1) * L]
@@ -222,6 +268,8 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             out = torch.empty(B, S_local, wo.shape[0], dtype=hidden.dtype, device=hidden.device)
 
         def emit(i, out_i):
+            if gate:    # recomputed from the input chunk: nothing held between produce and emit
+                out_i = out_i * torch.sigmoid(chunks.query(i, hidden[:, i * L:(i + 1) * L])[1])
             if o_chunks is not None:
                 out_i = o_chunks.forward(i, out_i.reshape(B, L, H * D))
             out[:, i * L:(i + 1) * L] = out_i
@@ -253,7 +301,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         n_qkv = len(qkv_lora)
         qk_norm = (q_norm, k_norm, opts.norm_eps) if q_norm is not None else None
         chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), opts.heads, L, rotation_of(ctx.rope, position_ids, cos, sin),
-                           qk_norm, opts.lora, qkv_lora, ctx.seeds[0])
+                           qk_norm, opts.lora, qkv_lora, ctx.seeds[0], opts.output_gate, opts.zero_centred)
         chunks.start_backward(spec.acc_dtype, (need[1], need[3], need[5]), (need[2], need[4], need[6]),
                               (need[14], need[15]), need[17:17 + n_qkv], need[0])
         d_o = ()
@@ -263,13 +311,17 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         else:   # o_proj: its weight gradients from the o chunks read back, then g_i W per chunk on demand
             o_chunks = OutputChunks(wo, bo, opts.o_lora, o_lora, shape[1], spec.num_chunks, ctx.seeds[1])
             o_chunks.start_backward(spec.acc_dtype, need[7], need[8], need[17 + n_qkv:])
-            if o_chunks.needs_input:
+            if opts.output_gate:
+                _gated_output_backward(chunks, o_chunks, stash, spec, grad_out, B, L)
+            elif o_chunks.needs_input:
                 for i, x_i in enumerate(read_back(stash, spec, B, L)):
                     o_chunks.weight_grads(i, x_i, grad_out[:, i * L:(i + 1) * L])
                     del x_i
             d_o = o_chunks.finish(grad_out)     # cast now: no fp32 accumulator beside the pipeline
 
             def grad_out_chunk(i):
+                if opts.output_gate:
+                    return stash.pop(("dattn", i))
                 return o_chunks.input_grad(i, grad_out[:, i * L:(i + 1) * L]).view(B, L, H, D)
         d_hidden = torch.empty(shape, dtype=dtype, device=grad_out.device) if need[0] else None
         stash.prefetch(("T", 0))
@@ -278,7 +330,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
             T = stash.pop(("T", j))
             if j + 1 < spec.num_chunks:
                 stash.prefetch(("T", j + 1))  # copies in during the next outer step
-            d_T = chunks.backward(j, T, dq, dk, dv)
+            d_T = chunks.backward(j, T, dq, dk, dv, stash.pop(("dgate", j)) if opts.output_gate else None)
             if d_hidden is not None:
                 d_hidden[:, j * L:(j + 1) * L] = d_T
 
@@ -289,11 +341,32 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 None, None, None, None, None, out_n[0], out_n[1], None, *out_lora, *d_o_lora)
 
 
+def _gated_output_backward(chunks: QKVChunks, o_chunks: OutputChunks, stash: HostStash, spec, grad_out, B: int,
+                           L: int) -> None:
+    """``o_proj``'s weight gradients through the output gate, chunk by chunk: with ``o_i`` read
+    back and the gate recomputed from the input chunk ``T_i``, ``z_i = o_i sigmoid(gate_i)``
+    feeds the weight gradients, and the attention output's gradient ``dz_i sigmoid(gate_i)`` and
+    the gate's ``dz_i o_i sigmoid'(gate_i)`` (``dz_i = g_i W``) go to ``stash`` as ``("dattn",
+    i)`` / ``("dgate", i)`` for the attention backward's first touch of chunk i and for the
+    projections' backward (``deliver``)."""
+    H, _, D = chunks.heads
+    for i, x_i in enumerate(read_back(stash, spec, B, L)):
+        g_i = grad_out[:, i * L:(i + 1) * L]
+        gate = chunks.query(i, stash.get(("T", i)))[1].reshape(B, L, H * D)
+        o_chunks.weight_grads(i, x_i * torch.sigmoid(gate), g_i)
+        s = torch.sigmoid(gate.float())
+        dz = o_chunks.input_grad(i, g_i).float()
+        stash.put(("dattn", i), (dz * s).to(x_i.dtype).view(B, L, H, D))
+        stash.put(("dgate", i), dz.mul_(x_i.float()).mul_(s).mul_(1.0 - s).to(x_i.dtype).view(B, L, H, D))
+        del x_i, gate, s, dz
+
+
 def _head_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                            d_weight: torch.Tensor | None) -> torch.Tensor:
+                            d_weight: torch.Tensor | None, zero_centred: bool = False) -> torch.Tensor:
     """fp32 gradient of the per-head RMSNorm w.r.t. ``x``; adds the weight's into ``d_weight`` (None: frozen)."""
     x_hat, rstd = normalised(x, eps)
-    return norm_backward(dy, x_hat, rstd, weight.float(), x.dtype, d_weight)
+    return norm_backward(dy, x_hat, rstd, effective_weight(weight, zero_centred),
+                         torch.float32 if zero_centred else x.dtype, d_weight)
 
 
 def rotation_of(rope: RotaryEmbedding | None, position_ids, cos, sin):

@@ -2,7 +2,9 @@
 
 Positions are explicit (``position_ids``), so RoPE can be applied to any chunk of any
 layout: FPDT applies it per chunk, before the all-to-all, with the chunk's global
-positions, and applies its transpose to the gradients in backward.
+positions, and applies its transpose to the gradients in backward. Partial rotary (Qwen3.5's
+``partial_rotary_factor``): a table narrower than the head rotates its first ``rotary_dim``
+channels and passes the rest through, as Transformers' ``apply_rotary_pos_emb`` does.
 """
 
 from __future__ import annotations
@@ -53,30 +55,40 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, n, H, D]`` by ``cos``/``sin`` ``[B, n, D]`` (broadcast over heads)."""
+    """Rotate ``x`` ``[B, n, H, D]`` by ``cos``/``sin`` ``[B, n, R]`` (broadcast over heads): its
+    first ``R <= D`` channels (``R < D``: partial rotary), the rest unchanged."""
+    R = cos.shape[-1]
     cos = cos.unsqueeze(2)
     sin = sin.unsqueeze(2)
-    return x * cos + _rotate_half(x) * sin
+    if R == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot = x[..., :R]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, x[..., R:]), dim=-1)
 
 
 def apply_rotary_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Gradient of :func:`apply_rotary` w.r.t. ``x``: ``dx = g*c - R(g*s)`` (``R`` =
     ``rotate_half``, whose transpose is ``-R``).
     """
+    R = cos.shape[-1]
     cos = cos.unsqueeze(2)
     sin = sin.unsqueeze(2)
-    return grad * cos - _rotate_half(grad * sin)
+    if R == grad.shape[-1]:
+        return grad * cos - _rotate_half(grad * sin)
+    rot = grad[..., :R]
+    return torch.cat((rot * cos - _rotate_half(rot * sin), grad[..., R:]), dim=-1)
 
 
 def apply_rotary_backward_(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """:func:`apply_rotary_backward` in place on ``grad`` (returned), with one half-width
-    temporary instead of four full-width ones. By halves (``1`` = first ``D/2``):
-    ``dx1 = g1*c1 + g2*s2`` and ``dx2 = g2*c2 - g1*s1``."""
+    temporary instead of four full-width ones. By halves (``1`` = first ``R/2``):
+    ``dx1 = g1*c1 + g2*s2`` and ``dx2 = g2*c2 - g1*s1``; channels past ``R`` pass through."""
+    R = cos.shape[-1]
     cos = cos.unsqueeze(2)
     sin = sin.unsqueeze(2)
     c1, c2 = cos.chunk(2, dim=-1)
     s1, s2 = sin.chunk(2, dim=-1)
-    g1, g2 = grad.chunk(2, dim=-1)
+    g1, g2 = grad[..., :R].chunk(2, dim=-1)
     g1_in = g1.clone()
     g1.mul_(c1).addcmul_(g2, s2)
     g2.mul_(c2).addcmul_(g1_in, s1, value=-1)

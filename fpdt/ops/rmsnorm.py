@@ -1,12 +1,14 @@
 """RMSNorm's math, Llama convention: ``weight * cast(x * rstd)``, ``rstd = 1 / sqrt(mean(x^2) + eps)``
-over the last dimension in fp32, cast back to the input dtype before the weight multiply.
+over the last dimension in fp32, cast back to the input dtype before the weight multiply; or
+zero-centred (Qwen3.5, ``zero_centred=True``): ``cast(x * rstd * (1 + weight))``, all in fp32.
 
 Shared by the model's lean, chunked RMSNorm (:mod:`fpdt.model.rmsnorm`) and the per-head q/k
 norms (Qwen3) inside the chunked projected attention (:mod:`fpdt.attention.projected_attention`).
-The backward, with ``x_hat = x * rstd`` and ``g = dy * weight`` (fp32):
+The backward, with ``x_hat = x * rstd`` and ``g = dy * weight`` (fp32; ``weight`` is ``1 + w``
+zero-centred):
 
     dx = rstd * (g - x_hat * mean(g * x_hat))
-    dweight = sum over tokens of dy * cast(x_hat)
+    dweight = sum over tokens of dy * cast(x_hat)     (zero-centred: no cast)
 """
 
 from __future__ import annotations
@@ -14,11 +16,19 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The plain autograd form (what Transformers' ``LlamaRMSNorm`` computes)."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """The plain autograd form (what Transformers' ``LlamaRMSNorm`` computes; zero-centred:
+    ``Qwen3_5RMSNorm``)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     return weight * x32.to(x.dtype)
+
+
+def effective_weight(weight: torch.Tensor, zero_centred: bool) -> torch.Tensor:
+    """The fp32 factor the normalised input is multiplied by: ``weight``, or ``1 + weight``."""
+    return 1.0 + weight.float() if zero_centred else weight.float()
 
 
 def normalised(x: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):

@@ -22,6 +22,15 @@ returns; ``bwd`` = the backward's peak above its start less the input gradient i
 
 The issue's targets: fwd <= 9 U and bwd <= 19 U at every u (they were 7.6 / 8.0 / 32 and 21.6 /
 26.6 / 50.6 U with ``o_proj`` outside the pipeline).
+
+Qwen3.5's output gate (``output_gate=True``, ``q_proj`` twice as wide) costs no chunk unit on the
+device: in the forward the gate is recomputed from the input chunk where ``o_proj`` runs (one
+more q projection per chunk), after the attention's buffers of that chunk are gone; in the
+backward ``o_proj``'s pass computes the attention output's and the gate's gradients a chunk at a
+time and puts them on the host (``("dattn", i)``, ``("dgate", i)``: 2 chunks of ``H D`` per chunk
+until they are read), and the projections' backward writes ``[dq | dgate]`` per head in the input
+dtype. Only q's fp32 weight-gradient accumulator doubles: 18.06 U at u = 4, 19.56 U at u = 8 in
+this shape (hidden 256: the accumulator is 2 U at u = 8).
 """
 
 from __future__ import annotations
@@ -39,10 +48,10 @@ H, H_KV, D = 4, 1, 64
 HIDDEN = H * D
 
 
-def working_set(S: int, u: int) -> dict:
+def working_set(S: int, u: int, gate: bool = False) -> dict:
     """One layer's forward + backward under the accountant; bytes (see the module docstring)."""
     torch.manual_seed(0)
-    layer = FPDTAttention(HIDDEN, H, H_KV, D, num_chunks=u, offload=True).to(torch.bfloat16)
+    layer = FPDTAttention(HIDDEN, H, H_KV, D, num_chunks=u, offload=True, output_gate=gate).to(torch.bfloat16)
     x = torch.randn(1, S, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     pos = local_position_ids(S, 1, u, 0, 1)
     rope = RotaryEmbedding(default_inv_freq(D))
@@ -62,10 +71,10 @@ def working_set(S: int, u: int) -> dict:
             "after_forward": after_forward, "full": full, "U": chunk_unit(S // u, HIDDEN)}
 
 
-def derived(U: int) -> dict:
+def derived(U: int, gate: bool = False) -> dict:
     """The budgets of the module docstring, in bytes."""
     e = U * 2 // D
-    params = 4 * HIDDEN * (H + 2 * H_KV) * D + 2 * HIDDEN * H * D
+    params = 4 * HIDDEN * ((2 if gate else 1) * H + 2 * H_KV) * D + 2 * HIDDEN * H * D
     return {"fwd": 15 * U // 2 + 2 * e, "bwd": 33 * U // 2 + 2 * e + params}
 
 
@@ -78,3 +87,13 @@ def test_working_set_in_chunk_units(S, u):
         (u, r["fwd"] / r["U"], want["fwd"] / r["U"], r["bwd"] / r["U"], want["bwd"] / r["U"])
     assert r["fwd"] <= 9 * r["U"] and r["bwd"] <= 19 * r["U"], (u, r["fwd"] / r["U"], r["bwd"] / r["U"])
     assert r["after_forward"] == r["full"], "after the forward only the output is live"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("u", [4, 8])
+def test_output_gate_adds_no_chunk_unit(u):
+    r = working_set(4096, u, gate=True)
+    want = derived(r["U"], gate=True)
+    assert (r["fwd"], r["bwd"]) == (want["fwd"], want["bwd"]), \
+        (u, r["fwd"] / r["U"], want["fwd"] / r["U"], r["bwd"] / r["U"], want["bwd"] / r["U"])
+    assert r["after_forward"] == r["full"]

@@ -78,3 +78,34 @@ def test_backward_leaves_the_incoming_gradient_alone():
     r = torch.randn(8, 16)
     ((rms_norm(x, w, 1e-5, 2) + tripled) * r).sum().backward()
     torch.testing.assert_close(other.grad, 3 * r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_zero_centred_matches_qwen3_5(dtype, num_chunks):
+    """``zero_centred=True``: Transformers' ``Qwen3_5RMSNorm`` (``x_hat * (1 + w)`` in fp32, cast
+    once), forward and backward, fp32 within 1e-5 and bf16 no worse than its own bf16 run."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    torch.manual_seed(num_chunks)
+    ref_norm = Qwen3_5RMSNorm(24, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ref_norm.weight.copy_(torch.randn(24) * 0.3)
+    x = (torch.randn(2, 37, 24) * 3 + 0.5).to(dtype).requires_grad_()
+    g = torch.randn(2, 37, 24).to(dtype)
+    ref = ref_norm(x)
+    dx_ref, dw_ref = torch.autograd.grad(ref, (x, ref_norm.weight), g)
+    w = ref_norm.weight.detach().clone().requires_grad_()
+    out = rms_norm(x, w, 1e-6, num_chunks, zero_centred=True)
+    dx, dw = torch.autograd.grad(out, (x, w), g)
+    assert out.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
+    if dtype == torch.float32:
+        assert _rel(out, ref) <= 1e-5 and _rel(dx, dx_ref) <= 1e-5 and _rel(dw, dw_ref) <= 1e-5, \
+            (_rel(out, ref), _rel(dx, dx_ref), _rel(dw, dw_ref))
+        assert _rel(rms_norm_reference(x, w, 1e-6, zero_centred=True), ref) <= 1e-6
+        return
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w64)
+    for name, a, b, e in zip(("out", "dx", "dw"), (out, dx, dw), (ref, dx_ref, dw_ref),
+                             (exact, *torch.autograd.grad(exact, (x64, w64), g.double()))):
+        assert_no_worse_than_bf16(a, b, e, name)
