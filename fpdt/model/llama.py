@@ -50,16 +50,7 @@ class RMSNorm(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.zero_centred:
-            return zero_centred_rms_norm(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps, self.num_chunks)
-
-
-def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``cast(x_hat * (1 + weight))`` with ``x_hat`` and the product in fp32 (Qwen3.5's norm), plain autograd."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.num_chunks, self.zero_centred)
 
 
 def token_mixer(cfg: ModelConfig, i: int) -> tuple[str, nn.Module]:
