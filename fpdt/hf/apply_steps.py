@@ -26,10 +26,12 @@ from torch import nn
 
 from fpdt.hf.attention import FPDTHFError, TransformersAttention, register_settings
 from fpdt.hf.forward import BOTH_CHECKPOINTS, RECOMPUTED_ROPE_TYPES, causal_lm_forward, global_rope_forward
+from fpdt.hf.gated_deltanet import TransformersGatedDeltaNet
 from fpdt.hf.patches import Patches
 from fpdt.hf.settings import HFSettings, layer_checkpoints_of
 from fpdt.hf.trainer import TRAINER_ATTN_NAME
-from fpdt.model.apply import DecoderAdapter
+from fpdt.attention.module import norm_eps
+from fpdt.model.apply import DecoderAdapter, has_attention
 from fpdt.model.checkpointing import checkpointed
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.llama import RMSNorm
@@ -47,7 +49,15 @@ def _lean_rmsnorm_classes() -> tuple[type, ...]:
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm
+    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, *_zero_centred_rmsnorm_classes()
+
+
+def _zero_centred_rmsnorm_classes() -> tuple[type, ...]:
+    """Transformers RMSNorm classes computing ``cast(x_hat * (1 + weight))`` in fp32 (Qwen3.5's):
+    replaced by :class:`fpdt.model.llama.RMSNorm` with ``zero_centred``."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    return (Qwen3_5RMSNorm,)
 
 
 def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[tuple[nn.Module, str]]:
@@ -96,14 +106,18 @@ def _pre_norm_layer_classes() -> tuple[type, ...]:
     from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
-    return LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer
+    return LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, Qwen3_5DecoderLayer
 
 
 def _residual_branches(layer: nn.Module, kwargs: dict):
     """``layer``'s two residual branches (:func:`fpdt.model.checkpointing.checkpointed_residual`),
-    called with the keyword arguments the model passed to the layer, as its forward calls them."""
+    called with the keyword arguments the model passed to the layer, as its forward calls them (a
+    Qwen3.5 layer's token mixer is ``self_attn`` or ``linear_attn``)."""
     def attention(x):
+        if not has_attention(layer):
+            return layer.linear_attn(hidden_states=layer.input_layernorm(x), **kwargs)
         return layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)[0]
 
     def mlp(h):
@@ -147,21 +161,25 @@ class TransformersAdapter(DecoderAdapter):
         if not self.trainer and self.model.config._attn_implementation != name:
             raise FPDTHFError(f"{type(self.model).__name__} did not take attention implementation {name!r}; it "
                               f"does not use Transformers' AttentionInterface")
-        if self.chunked_qkv:
-            for layer in self.layers:
+        for layer in self.layers:
+            if not has_attention(layer):       # a Qwen3.5 Gated DeltaNet layer: always fpdt's
+                self.patches.replace(layer, "linear_attn", TransformersGatedDeltaNet.adopt(layer.linear_attn))
+            elif self.chunked_qkv:
                 self.patches.replace(layer, "self_attn", TransformersAttention.adopt(layer.self_attn, name))
 
     def set_attention(self, layer: nn.Module, options: FPDTOptions) -> None:
         """With ``chunked_qkv``, the layer's :class:`TransformersAttention` reads the options; else
-        the module's own forward calls the registered implementation, which reads them."""
-        if self.chunked_qkv:
+        the module's own forward calls the registered implementation, which reads them. A Gated
+        DeltaNet layer's module reads them always."""
+        if self.chunked_qkv or not has_attention(layer):
             super().set_attention(layer, options)
 
     def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
         for parent, name in self._norms:
             if getattr(parent, name) is norm:
-                self.patches.replace(parent, name, RMSNorm.from_weight(norm.weight, norm.variance_epsilon,
-                                                                       num_chunks).train(norm.training))
+                zero_centred = type(norm) in _zero_centred_rmsnorm_classes()
+                self.patches.replace(parent, name, RMSNorm.from_weight(norm.weight, norm_eps(norm), num_chunks,
+                                                                       zero_centred).train(norm.training))
 
     def set_mlp_chunks(self, layer: nn.Module, num_chunks: int) -> None:
         self.mlp_chunks = num_chunks

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from fpdt.attention import FPDTAttention, fpdt_attention
+from fpdt.attention.module import norm_eps
 from fpdt.hf.errors import FPDTHFError
 from fpdt.hf.groups import resolve_group
 from fpdt.hf.patches import Patches
@@ -89,27 +90,45 @@ def _chunked_qkv_classes() -> dict[type, Callable[[torch.nn.Module], int | None]
     from transformers.models.mistral.modeling_mistral import MistralAttention
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
 
     return {LlamaAttention: _no_window,
             MistralAttention: lambda m: getattr(m.config, "sliding_window", None),
             Qwen2Attention: lambda m: m.sliding_window,
-            Qwen3Attention: lambda m: m.sliding_window}
+            Qwen3Attention: lambda m: m.sliding_window,
+            Qwen3_5Attention: _no_window}
 
 
 def _qk_norm(module: torch.nn.Module) -> tuple[str, ...]:
-    """The names of Qwen3's per-head q/k RMSNorms (read directly: refused unless Transformers' own
-    class, with one epsilon); none for other classes."""
+    """The names of Qwen3's and Qwen3.5's per-head q/k RMSNorms (read directly: refused unless
+    Transformers' own class, with one epsilon); none for other classes."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5RMSNorm
 
-    if type(module) is not Qwen3Attention:
+    norm_class = {Qwen3Attention: Qwen3RMSNorm, Qwen3_5Attention: Qwen3_5RMSNorm}.get(type(module))
+    if norm_class is None:
         return ()
     q, k = module.q_norm, module.k_norm
-    if not (type(q) is Qwen3RMSNorm and type(k) is Qwen3RMSNorm):
-        raise FPDTHFError(f"the chunked q/k/v projection reads Qwen3Attention's q_norm/k_norm weights directly, and "
-                          f"they are {type(q).__name__}, {type(k).__name__}: apply_fpdt(..., chunked_qkv=False)")
-    if q.variance_epsilon != k.variance_epsilon:
+    if not (type(q) is norm_class and type(k) is norm_class):
+        raise FPDTHFError(f"the chunked q/k/v projection reads {type(module).__name__}'s q_norm/k_norm weights "
+                          f"directly, and they are {type(q).__name__}, {type(k).__name__}: "
+                          f"apply_fpdt(..., chunked_qkv=False)")
+    if norm_eps(q) != norm_eps(k):
         raise FPDTHFError("q_norm and k_norm have different epsilons: apply_fpdt(..., chunked_qkv=False)")
     return "q_norm", "k_norm"
+
+
+def _gated_options(module: torch.nn.Module) -> dict:
+    """Qwen3.5's attention options of :class:`FPDTAttention` (output gate, partial rotary,
+    zero-centred q/k norms); none for other classes."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
+
+    if type(module) is not Qwen3_5Attention:
+        return {}
+    params = getattr(module.config, "rope_parameters", None) or {}
+    factor = float(params.get("partial_rotary_factor", getattr(module.config, "partial_rotary_factor", 1.0)))
+    rotary = int(module.head_dim * factor)
+    return dict(output_gate=True, rotary_dim=rotary if rotary != module.head_dim else None, qk_norm_zero_centred=True)
 
 
 def check_chunked_qkv(module: torch.nn.Module) -> tuple[int | None, tuple[str, ...]]:
@@ -148,7 +167,8 @@ class TransformersAttention(FPDTAttention):
         window, norms = check_chunked_qkv(module)
         cfg = module.config
         self = cls.from_projections({n: getattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj") + norms},
-                                    cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim, module.scaling)
+                                    cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim, module.scaling,
+                                    **_gated_options(module))
         self.layer_idx, self.config, self.is_causal = module.layer_idx, cfg, getattr(module, "is_causal", True)
         self.attention_dropout, self.sliding_window = module.attention_dropout, window
         self.implementation, self.stash_label = implementation, f"layer {module.layer_idx}"
@@ -164,7 +184,7 @@ class TransformersAttention(FPDTAttention):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
-        if past_key_values is not None:
+        if past_key_values is not None or kwargs.get("cache") is not None:
             raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
                               "past_key_values")
         dropout = self.attention_dropout if self.training else 0.0

@@ -25,7 +25,7 @@ from fpdt.hf.padding import check_right_padding
 from fpdt.hf.patches import Patches
 from fpdt.hf.settings import HFSettings
 from fpdt.layout.documents import DocumentError
-from fpdt.model.apply import apply_all, loss_chunks_for, mlp_chunks_for
+from fpdt.model.apply import apply_all, has_attention, loss_chunks_for, mlp_chunks_for
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.external_params import directly_read
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
@@ -58,7 +58,8 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
     cfg = model.config
     if getattr(cfg, "attention_dropout", 0.0):
         raise FPDTHFError(f"attention_dropout={cfg.attention_dropout}: fpdt attention has no dropout; set it to 0")
-    if uses_sliding_window(cfg.to_dict()) or any(getattr(layer.self_attn, "sliding_window", None) for layer in layers):
+    if uses_sliding_window(cfg.to_dict()) or any(getattr(getattr(layer, "self_attn", None), "sliding_window", None)
+                                                 for layer in layers):
         raise FPDTHFError(f"sliding-window attention (window {getattr(cfg, 'sliding_window', None)}) is not "
                           f"supported by fpdt attention, which is full causal: load the model with "
                           f"sliding_window=None (and use_sliding_window=False)")
@@ -80,6 +81,18 @@ def _check_streaming(model: nn.Module, chunked_qkv: bool) -> None:
     if set(rope_types.values() if isinstance(rope_types, dict) else [rope_types]) & set(RECOMPUTED_ROPE_TYPES):
         raise FPDTHFError(f"stream_layers computes RoPE a chunk at a time, and {rope_types!r} RoPE picks its "
                           f"frequencies from the largest position of the whole forward: use stream_layers=False")
+
+
+def _check_gated_deltanet(layers: list[nn.Module], options: FPDTOptions) -> None:
+    """Refuse, naming the fix, what a model with Gated DeltaNet layers (Qwen3.5) cannot run."""
+    if all(has_attention(layer) for layer in layers):
+        return
+    if options.stream_layers:
+        raise FPDTHFError("stream_layers is not implemented for models with Gated DeltaNet layers (Qwen3.5): "
+                          "use stream_layers=False")
+    if options.mesh is not None and options.mesh.cp > 1:
+        raise FPDTHFError(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet "
+                          f"layers: use Ulysses only (cp=1)")
 
 
 def _register_zero3_params(model: nn.Module, loss_chunked: bool, streamed: bool, layers: list[nn.Module],
@@ -170,9 +183,11 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
     except OptionsError as e:
         raise FPDTHFError(str(e)) from None
     _check_config(model, layers, mlp_chunks, loss_chunks)
+    _check_gated_deltanet(layers, options)
     if chunked_qkv:
         for layer in layers:
-            check_chunked_qkv(layer.self_attn)
+            if has_attention(layer):
+                check_chunked_qkv(layer.self_attn)
     # The steps of fpdt.model.apply, in their order (attention, lean norms, chunked MLP, layer
     # checkpointing, the chunked loss with the model's forward), as fpdt.model runs them; every module
     # change goes through `patches` (fpdt.hf.apply_steps), so that remove_fpdt can undo it.

@@ -53,9 +53,10 @@ class DecoderAdapter:
         """The model-wide part of the attention step, before the layers' (nothing by default)."""
 
     def set_attention(self, layer: nn.Module, options: FPDTOptions) -> None:
-        """Make ``layer.self_attn`` read :data:`ATTENTION_FIELDS`."""
+        """Make the layer's token mixer (``self_attn``, or a Gated DeltaNet ``linear_attn``) read
+        :data:`ATTENTION_FIELDS`."""
         for name in ATTENTION_FIELDS:
-            setattr(layer.self_attn, name, getattr(options, name))
+            setattr(token_mixer_of(layer), name, getattr(options, name))
 
     def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
         norm.num_chunks = num_chunks
@@ -75,6 +76,16 @@ class DecoderAdapter:
     def layer_checkpoints(self) -> LayerCheckpoints | None:
         """The checkpoints an earlier apply set (None: first apply)."""
         return None
+
+
+def has_attention(layer: nn.Module) -> bool:
+    """Whether a decoder layer mixes tokens by attention (``self_attn``), not by a Gated DeltaNet."""
+    return getattr(layer, "self_attn", None) is not None
+
+
+def token_mixer_of(layer: nn.Module) -> nn.Module:
+    """A decoder layer's ``self_attn``, or its ``linear_attn`` (hybrid models)."""
+    return layer.self_attn if has_attention(layer) else layer.linear_attn
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,8 @@ def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int) -> None:
 
 def apply_layer_checkpointing(adapter: DecoderAdapter, options: FPDTOptions) -> LayerCheckpoints:
     """The model's one :class:`LayerCheckpoints` for ``options.checkpointing``; returned."""
-    checkpoints = LayerCheckpoints(options, len(adapter.layers), previous=adapter.layer_checkpoints())
+    checkpoints = LayerCheckpoints(options, len(adapter.layers), [has_attention(layer) for layer in adapter.layers],
+                                   previous=adapter.layer_checkpoints())
     adapter.set_layer_checkpoints(checkpoints)
     return checkpoints
 

@@ -1,0 +1,66 @@
+"""fpdt's Gated DeltaNet in place of a Transformers Qwen3.5 ``linear_attn`` module (:func:`fpdt.hf.apply_fpdt`).
+
+:class:`TransformersGatedDeltaNet` is :class:`fpdt.model.gated_deltanet.GatedDeltaNet` holding the
+module's own submodules and parameters under their names (``state_dict`` keys do not change), called
+as Transformers' ``Qwen3_5DecoderLayer`` calls its linear attention. Its sequence is this rank's
+slice in the FPDT layout; packed documents come as the ``doc_ids`` keyword argument
+:func:`fpdt.hf.forward.causal_lm_forward` passes to every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fpdt.hf.errors import FPDTHFError
+from fpdt.model.gated_deltanet import GatedDeltaNet
+
+_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+def gated_deltanet_classes() -> tuple[type, ...]:
+    """Transformers' Gated DeltaNet classes whose math :class:`GatedDeltaNet` computes (matched by class)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    return (Qwen3_5GatedDeltaNet,)
+
+
+def is_gated_deltanet(module: nn.Module | None) -> bool:
+    return module is not None and (type(module) in gated_deltanet_classes() or isinstance(module, GatedDeltaNet))
+
+
+class TransformersGatedDeltaNet(GatedDeltaNet):
+    """A :class:`GatedDeltaNet` over a Transformers ``Qwen3_5GatedDeltaNet``'s modules:
+    ``forward(hidden_states [B, S_local, hidden], cache=None, attention_mask=None, **kwargs)`` ->
+    ``[B, S_local, hidden]``; a cache or a padding mask is refused, ``doc_ids`` read from ``kwargs``."""
+
+    @classmethod
+    def adopt(cls, module: nn.Module) -> "TransformersGatedDeltaNet":
+        """The replacement of ``module``, refused (naming the fix) unless Transformers' class with plain linears."""
+        if type(module) not in gated_deltanet_classes():
+            raise FPDTHFError(f"{type(module).__module__}.{type(module).__name__} is not Transformers' Qwen3.5 Gated "
+                              f"DeltaNet, which fpdt replaces; it may compute something else")
+        bad = [n for n in _PROJECTIONS if type(getattr(module, n)) is not nn.Linear]
+        if bad or type(module.conv1d) is not nn.Conv1d or module.conv1d.bias is not None:
+            raise FPDTHFError(f"fpdt's Gated DeltaNet reads the weights of {bad or ['conv1d']} directly, and they are "
+                              f"not plain nn.Linear / nn.Conv1d without bias (LoRA on Gated DeltaNet projections is "
+                              f"not supported): target only the attention and MLP projections")
+        with torch.device("meta"):
+            self = cls(module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim,
+                       module.head_v_dim, module.conv_kernel_size, module.layer_norm_epsilon)
+        for name in (*_PROJECTIONS, "conv1d"):
+            setattr(self, name, getattr(module, name))
+        self.dt_bias, self.A_log = module.dt_bias, module.A_log
+        self.norm.weight = module.norm.weight
+        self.norm.eps = module.norm.variance_epsilon
+        self.layer_idx, self.stash_label = module.layer_idx, f"layer {module.layer_idx}"
+        return self.train(module.training)
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor:
+        if cache is not None or kwargs.get("cache_params") is not None:
+            raise FPDTHFError("fpdt's Gated DeltaNet keeps no recurrent cache: call the model with use_cache=False")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise FPDTHFError("fpdt's Gated DeltaNet cannot apply a padding mask: pass the window's right-padding "
+                              "mask to fpdt.hf.prepare_inputs (padding labelled -100) instead of to the model")
+        return super().forward(hidden_states, doc_ids=kwargs.get("doc_ids"))

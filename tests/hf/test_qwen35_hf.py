@@ -1,0 +1,87 @@
+"""fpdt.hf.apply_fpdt on Transformers' Qwen3_5ForCausalLM: its Gated DeltaNet modules swapped for fpdt's
+(holding their parameters), its attention for fpdt's gated one, its zero-centred norms for fpdt's; loss
+and every gradient against plain Transformers (fp32 vs a float64 run, ``tests/model/qwen35.py``), on
+plain windows, packed documents, layer checkpoints, 1, 2 and 4 ranks; what it refuses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fpdt.hf
+from fpdt.hf.errors import FPDTHFError
+from fpdt.hf.gated_deltanet import TransformersGatedDeltaNet
+from fpdt.model.llama import RMSNorm
+from tests.distributed import run_distributed
+from tests.model.helpers import tokens
+from tests.model.qwen35 import compare_hybrid, qwen35_model, reference
+
+ROWS = ([5, 1, 13, 1, 1, 20, 7], [16, 16, 16])
+
+
+def run_case(name, rank, world, *, num_chunks, offload=False, checkpointing="off", rows=None,
+             attention_checkpoint="recompute"):
+    ref = qwen35_model(name)
+    if rows is None:
+        S = 4 * world * num_chunks * (1 + 3 // (world * num_chunks))
+        ids, labels = tokens(ref.config.vocab_size, 2, S)
+        pos = None
+    else:
+        S = sum(rows[0])
+        ids, labels = tokens(ref.config.vocab_size, len(rows), S, seed=5)
+        pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])
+    model = copy.deepcopy(ref).train()
+    refs = reference(ref, ids, labels, rows)
+    runtime = "sim" if offload or checkpointing == "offload" else None
+    fpdt.hf.apply_fpdt(model, num_chunks=num_chunks, offload=offload, checkpointing=checkpointing, runtime=runtime,
+                       attention_checkpoint=attention_checkpoint,
+                       group=dist.group.WORLD if world > 1 else None)
+    layers = model.model.layers
+    assert all(isinstance(layer.linear_attn, TransformersGatedDeltaNet) for layer in layers
+               if getattr(layer, "self_attn", None) is None)
+    assert isinstance(layers[0].input_layernorm, RMSNorm) and layers[0].input_layernorm.zero_centred
+    out = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels, position_ids=pos))
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    what = f"hf {name} rank {rank}/{world} u={num_chunks} offload={offload} ckpt={checkpointing} rows={rows}"
+    return compare_hybrid(out.loss, grads, refs, what)
+
+
+@pytest.mark.parametrize("num_chunks,offload,checkpointing", [(1, False, "off"), (2, True, "off"),
+                                                              (2, False, "on"), (3, True, "offload")])
+def test_single_process_matches_transformers(num_chunks, offload, checkpointing):
+    run_case("qwen35", 0, 1, num_chunks=num_chunks, offload=offload, checkpointing=checkpointing)
+
+
+def test_packed_documents_and_saved_attention():
+    run_case("qwen35", 0, 1, num_chunks=3, checkpointing="on", rows=ROWS)
+    run_case("qwen35", 0, 1, num_chunks=2, offload=True, checkpointing="offload", attention_checkpoint="save")
+
+
+def _multi_rank(rank, world, cases):
+    for name, kwargs in cases:
+        run_case(name, rank, world, **kwargs)
+
+
+@pytest.mark.slow
+def test_two_and_four_ranks():
+    run_distributed(_multi_rank, 2, args=([("qwen35", dict(num_chunks=2, offload=True, checkpointing="offload")),
+                                           ("qwen35", dict(num_chunks=1, checkpointing="on", rows=ROWS))],),
+                    timeout=600)
+    run_distributed(_multi_rank, 4, args=([("qwen35_sp4", dict(num_chunks=1, checkpointing="on")),
+                                           ("qwen35_sp4", dict(num_chunks=1, rows=ROWS[1:]))],), timeout=600)
+
+
+def test_refused():
+    with pytest.raises(FPDTHFError, match="stream_layers is not implemented for models with Gated DeltaNet"):
+        fpdt.hf.apply_fpdt(qwen35_model(), stream_layers=True, checkpointing="offload", offload=True)
+    model = qwen35_model()
+    fpdt.hf.apply_fpdt(model, num_chunks=1)
+    with pytest.raises(FPDTHFError, match="no recurrent cache"):
+        model.model.layers[0].linear_attn(torch.zeros(1, 4, 64), cache=object())

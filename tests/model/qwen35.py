@@ -1,0 +1,131 @@
+"""Tiny Qwen3.5 models (Gated DeltaNet + gated attention) for the hybrid tests, Transformers the reference.
+
+Transformers runs its PyTorch fallbacks here (no fla, no causal-conv1d). The gradients of the
+Gated DeltaNet gate parameters (``A_log``, ``dt_bias``, ``in_proj_a``) are sums over every token with
+cancellation: Transformers' own fp32 run lands up to 6e-4 from float64 on them (``"qwen35"``, 8
+tokens; fpdt's 5.9e-4 there), so no fp32 computation is within 1e-5 of float64 on those tensors. The
+hybrid tests compare fp32 against a float64 Transformers run with a float64 delta rule: each tensor
+within ``TOL``, or no worse than twice Transformers' own fp32 error on it (:func:`reference`,
+:func:`compare_hybrid`), the criterion of the Gated DeltaNet tests (``tests/model/gdn_helpers.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+import fpdt.model as fm
+from tests.model.helpers import TOL, rel_err
+
+L, A = "linear_attention", "full_attention"
+
+# name -> Qwen3_5TextConfig kwargs. GDN Hk=2 HV=4 (sp 1, 2); "qwen35_sp4": heads that divide by 4 ranks.
+QWEN35 = {
+    "qwen35": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                   linear_value_head_dim=8, partial_rotary_factor=0.25, layer_types=[L, L, L, A]),
+    "qwen35_sp4": dict(hidden_size=64, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                       linear_value_head_dim=8, partial_rotary_factor=0.5, layer_types=[L, A, L, A],
+                       tie_word_embeddings=True),
+}
+_COMMON = dict(vocab_size=256, num_hidden_layers=4, max_position_embeddings=512, linear_conv_kernel_dim=4,
+               attn_implementation="eager", initializer_range=0.05, rms_norm_eps=1e-6)
+
+
+def qwen35_config(name: str = "qwen35", **changes) -> transformers.Qwen3_5TextConfig:
+    return transformers.Qwen3_5TextConfig(**{**_COMMON, **QWEN35[name], **changes})
+
+
+def qwen35_model(name: str = "qwen35", seed: int = 0, **changes) -> transformers.Qwen3_5ForCausalLM:
+    """The fp32 Transformers model with seeded weights; norms, ``A_log`` and ``dt_bias`` perturbed so
+    that their gradients are tested off the init."""
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(qwen35_config(name, **changes)).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("norm.weight", "dt_bias", "A_log")):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def fpdt_qwen35(ref, **options) -> fm.FPDTForCausalLM:
+    ours = fm.from_config(ref.config, **options)
+    fm.load_hf_state_dict(ours, ref.state_dict())
+    return ours
+
+
+def reference(ref, ids, labels, rows=None):
+    """``(fp32, float64)`` Transformers results, each ``(loss, {name: grad})``: the window as one
+    sequence, or with ``rows`` (document lengths per row) every document run alone. The float64 run's
+    delta rule is the float64 token recurrence (Transformers' fallback computes it in fp32 whatever
+    its input dtype)."""
+    fp32 = _loss_and_grads(copy.deepcopy(ref).float(), ids, labels, rows)
+    with float64_delta_rule():
+        exact = _loss_and_grads(copy.deepcopy(ref).double(), ids, labels, rows)
+    return fp32, exact
+
+
+@contextlib.contextmanager
+def float64_delta_rule():
+    """Transformers' Qwen3.5 chunked delta rule replaced, for float64 inputs, by the float64
+    token-by-token recurrence of ``tests/ops/test_delta_rule.py`` (same L2 norms, scale and head repeat)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    from tests.ops.test_delta_rule import token_recurrence
+
+    original = mq.torch_chunk_gated_delta_rule
+
+    def exact(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+        if query.dtype != torch.float64:
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        if use_qk_l2norm_in_kernel:
+            query, key = mq.l2norm(query), mq.l2norm(key)
+        repeat = value.shape[2] // key.shape[2]
+        query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
+        out, state = token_recurrence(query, key, value, g, beta, initial_state, query.shape[-1] ** -0.5)
+        return out, state if output_final_state else None
+
+    mq.torch_chunk_gated_delta_rule = exact
+    try:
+        yield
+    finally:
+        mq.torch_chunk_gated_delta_rule = original
+
+
+def _loss_and_grads(model, ids, labels, rows):
+    if rows is None:
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    else:
+        losses, count = [], 0
+        for b, lengths in enumerate(rows):
+            start = 0
+            for n in lengths:
+                doc, target = ids[b:b + 1, start:start + n], labels[b, start + 1:start + n]
+                start += n
+                if n == 1:
+                    continue
+                logits = model(input_ids=doc, use_cache=False).logits[0, :-1]
+                losses.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
+                count += int((target != -100).sum())
+        loss = torch.stack(losses).sum() / count
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare_hybrid(loss, grads: dict, refs, what: str) -> dict:
+    """fp32 ``loss`` / ``grads`` against the float64 reference of :func:`reference`: within ``TOL``, or
+    twice Transformers' own fp32 error on that tensor; returns ``{name: (ours, Transformers fp32)}``."""
+    (loss32, grads32), (loss64, grads64) = refs
+    assert set(grads) == set(grads64), f"{what}: parameter sets differ: {set(grads) ^ set(grads64)}"
+    errs = {"loss": (rel_err(loss, loss64), rel_err(loss32, loss64))}
+    errs.update({n: (rel_err(g, grads64[n]), rel_err(grads32[n], grads64[n])) for n, g in grads.items()})
+    bad = {n: e for n, e in errs.items() if not e[0] <= max(TOL, 2 * e[1])}
+    assert not bad, f"{what}: (ours, Transformers fp32) errors against float64 beyond the tolerance: {bad}"
+    return errs
