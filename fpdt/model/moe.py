@@ -14,19 +14,25 @@ from fpdt.model.chunks import budget_chunks, chunk_bounds
 from fpdt.ops.rmsnorm import norm_backward, normalised
 
 
-def default_moe_chunks(hidden_size: int, moe_intermediate_size: int, top_k: int, num_chunks: int = 1,
-                       shared_intermediate_size: int = 0) -> int:
-    """Token chunks so that one chunk's widest backward set, :func:`moe_bytes_per_token` per token,
-    fits the budget of one local attention chunk of bf16 hidden states (:mod:`fpdt.model.chunks`)."""
-    per_token = moe_bytes_per_token(hidden_size, moe_intermediate_size, top_k, shared_intermediate_size)
+def default_moe_chunks(hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
+                       num_chunks: int = 1, shared_intermediate_size: int = 0) -> int:
+    """Token chunks so that one chunk's backward set, :func:`moe_elements_per_token` elements per
+    token, fits two local attention chunks of bf16 hidden states, the dense MLP's rule (:mod:`fpdt.model.chunks`)."""
+    per_token = moe_elements_per_token(hidden_size, moe_intermediate_size, num_experts, top_k, shared_intermediate_size)
     return budget_chunks(num_chunks, hidden_size, per_token)
 
 
-def moe_bytes_per_token(hidden: int, ffn: int, top_k: int, shared_ffn: int = 0) -> int:
-    """Half the bf16 bytes per token of the backward's routed set, ``k (2 hidden + 4 ffn)`` elements
-    (gathered input and output gradient rows, ``gate_up`` ``[k, 2 ffn]`` and two ``[k, ffn]``), as
-    :func:`fpdt.model.mlp.default_mlp_chunks` budgets the dense MLP's four ``[n, I]``."""
-    return max(top_k * (2 * hidden + 4 * ffn), 4 * shared_ffn)
+def moe_elements_per_token(hidden: int, ffn: int, num_experts: int, top_k: int, shared_ffn: int = 0) -> int:
+    """The backward's peak per token of a chunk, in elements of the model's dtype (fp32 counts 2 and
+    an int64 index 4, for bf16): the norm's fp32 ``x_hat``, its output, the fp32 input gradient
+    ``5 hidden``; fp32 probabilities ``2 E``; top-k indices, values, weights, the row order, the
+    rows' weights and their gradients ``24 k``; per routed row the gathered input and output
+    gradient, ``gate_up``, ``silu(gate)``, the product, the expert output and its fp32 copy
+    ``5 hidden + 4 ffn`` (the grouped kernel's padded copies for a weight gradient: ``3 hidden + 5
+    ffn``). The grouped kernel adds one ``gate_up``-sized weight gradient per chunk (``docs/moe.md``)."""
+    row = max(5 * hidden + 4 * ffn, 3 * hidden + 5 * ffn)
+    routed = 5 * hidden + 2 * num_experts + 24 * top_k + top_k * row
+    return max(routed, 9 * hidden + 4 * shared_ffn)
 
 
 def moe_kernel(device: torch.device, dtype: torch.dtype, hidden: int, ffn: int) -> str:
@@ -153,12 +159,28 @@ class ExpertGroups:
     def add_weight_grad(self, acc: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         """``acc[e] += dy_e.T @ x_e`` (``acc`` ``[E, out, in]`` fp32 or the weights' dtype)."""
         if self.kernel == "grouped_mm":
-            dw = torch._grouped_mm(dy.t().contiguous(), x, offs=self.offs)
+            dy_t, x = _padded_rows(dy.t(), 1), _padded_rows(x, 0)     # 16-byte aligned row strides
+            dw = torch._grouped_mm(dy_t, x, offs=self.offs)
+            del dy_t, x
             dw.masked_fill_((self.counts == 0)[:, None, None], 0)     # empty groups are not written
             acc += dw
             return
         for e, s, t in self.bounds:
             acc[e] += (dy[s:t].t() @ x[s:t]).to(acc.dtype)
+
+
+def _padded_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` contiguous with its size along ``dim`` (the rows) zero-padded to 16 bytes; rows past
+    the last group's end are outside every group."""
+    align = 16 // t.element_size()
+    pad = -t.shape[dim] % align
+    if pad == 0:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] += pad
+    out = t.new_zeros(shape)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
 
 
 def _route(xc: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_topk: bool):
@@ -303,7 +325,7 @@ def _experts_backward(xc, dy, tokens, order, weights, groups, gate_up, down, d_g
     h = a * u
     w_rows = weights.reshape(-1)[order]                                     # [n k] fp32
     dys = dy[tokens]                                                        # [n k, hidden]
-    d_w_rows = (groups.linear(h, down).float() * dys.float()).sum(-1)       # d loss / d weight, per row
+    d_w_rows = groups.linear(h, down).float().mul_(dys).sum(-1)            # d loss / d weight, per row
     dys = dys.float().mul_(w_rows[:, None]).to(xs.dtype)
     if d_down is not None:
         groups.add_weight_grad(d_down, dys, h)

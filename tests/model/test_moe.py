@@ -179,7 +179,7 @@ def test_statistics_refuse_reuse_and_empty():
 def test_kernel_choice_and_chunks():
     assert moe_kernel(torch.device("cpu"), torch.bfloat16, 2048, 768) == "loop"
     # Qwen3-30B-A3B at u = 4: k (2 hidden + 4 ffn) = 8 * 7168 bf16 elements per token
-    assert default_moe_chunks(2048, 768, 8, 4) == -(-4 * 8 * 7168 // 4096)
+    assert default_moe_chunks(2048, 768, 128, 8, 4) == -(-4 * (5 * 2048 + 256 + 144 + 8 * (5 * 2048 + 4 * 768)) // 4096)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ChunkedMoE(16, 8, 4, 5)
 
