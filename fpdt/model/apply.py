@@ -12,6 +12,7 @@ from torch import nn
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.loss import default_loss_chunks
 from fpdt.model.mlp import default_mlp_chunks
+from fpdt.model.moe import ChunkedMoE, default_moe_chunks
 from fpdt.options import FPDTOptions
 
 ATTENTION_FIELDS = ("num_chunks", "offload", "group", "mesh", "backend", "runtime")
@@ -23,6 +24,18 @@ def mlp_chunks_for(options: Any, config: Any) -> int:
     if options.mlp_chunks is not None:
         return options.mlp_chunks
     return default_mlp_chunks(config.hidden_size, config.intermediate_size, options.num_chunks)
+
+
+def moe_chunks_for(options: Any, config: Any) -> int | None:
+    """The MoE MLPs' token chunks: ``options.mlp_chunks``, or :func:`fpdt.model.moe.default_moe_chunks`
+    if None; None for a config without experts (``config.moe``)."""
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        return None
+    if options.mlp_chunks is not None:
+        return options.mlp_chunks
+    return default_moe_chunks(config.hidden_size, moe.moe_intermediate_size, moe.num_experts, moe.top_k,
+                              options.num_chunks, moe.shared_expert_intermediate_size)
 
 
 def loss_chunks_for(options: Any, config: Any) -> int:
@@ -99,10 +112,10 @@ def apply_lean_norms(adapter: DecoderAdapter, num_chunks: int) -> int:
     return chunks
 
 
-def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int) -> None:
-    """Every decoder layer's SwiGLU MLP runs over ``mlp_chunks`` token chunks."""
+def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int, moe_chunks: int | None = None) -> None:
+    """Every decoder layer's SwiGLU MLP runs over ``mlp_chunks`` token chunks, an MoE MLP over ``moe_chunks``."""
     for layer in adapter.layers:
-        adapter.set_mlp_chunks(layer, mlp_chunks)
+        adapter.set_mlp_chunks(layer, moe_chunks if isinstance(layer.mlp, ChunkedMoE) else mlp_chunks)
 
 
 def apply_layer_checkpointing(adapter: DecoderAdapter, options: FPDTOptions) -> LayerCheckpoints:
@@ -126,7 +139,8 @@ def apply_all(adapter: DecoderAdapter, options: FPDTOptions) -> Applied:
     # same token chunks as one call over the whole sequence, split over u calls
     calls = options.num_chunks if options.stream_layers else 1
     norms = apply_lean_norms(adapter, options.num_chunks // calls)
-    apply_chunked_mlp(adapter, -(-mlp_chunks // calls))
+    moe_chunks = moe_chunks_for(options, adapter.config)
+    apply_chunked_mlp(adapter, -(-mlp_chunks // calls), None if moe_chunks is None else -(-moe_chunks // calls))
     checkpoints = apply_layer_checkpointing(adapter, options)
     apply_chunked_loss(adapter, loss_chunks)
     return Applied(mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, norm_chunks=norms, checkpoints=checkpoints)

@@ -456,6 +456,10 @@ class ChunkedMoE(nn.Module):
         if not hasattr(self, "shared_expert"):
             return ()
         m = self.shared_expert
+        for proj in (m.gate_proj, m.up_proj, m.down_proj, self.shared_expert_gate):
+            if type(proj) is not nn.Linear or hasattr(proj, "lora_A"):
+                raise ValueError(f"the MoE shared expert's projections must be plain nn.Linear, got "
+                                 f"{type(proj).__name__}: LoRA there is not supported yet; target the attention")
         return m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.shared_expert_gate.weight
 
     def kernel_name(self, x: torch.Tensor) -> str:
