@@ -115,7 +115,7 @@ def apply_lean_norms(adapter: DecoderAdapter, num_chunks: int) -> int:
 def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int, moe_chunks: int | None = None) -> None:
     """Every decoder layer's SwiGLU MLP runs over ``mlp_chunks`` token chunks, an MoE MLP over ``moe_chunks``."""
     for layer in adapter.layers:
-        adapter.set_mlp_chunks(layer, moe_chunks if isinstance(layer.mlp, ChunkedMoE) else mlp_chunks)
+        adapter.set_mlp_chunks(layer, moe_chunks if isinstance(getattr(layer, "mlp", None), ChunkedMoE) else mlp_chunks)
 
 
 def apply_layer_checkpointing(adapter: DecoderAdapter, options: FPDTOptions) -> LayerCheckpoints:
