@@ -98,12 +98,23 @@ class RouterStatistics:
         counts, _, rows = self.reduce()
         return self.loss_grad * (self.num_experts / rows ** 2) * counts.sum(0)
 
-    def expert_load(self) -> dict[int, dict[str, float]]:
-        """Per layer: ``max`` and ``mean`` tokens per expert and their ratio ``imbalance`` (1: balanced)."""
+    def layer_counts(self) -> dict[int, torch.Tensor]:
+        """Per MoE layer, tokens routed to each expert ``[E]`` over the group (no graph)."""
         counts, _, _ = self.reduce()
-        mx, mean = counts.max(1).values.tolist(), counts.mean(1).tolist()
-        return {layer: dict(max=a, mean=b, imbalance=a / b if b else 0.0)
-                for layer, a, b in zip(sorted(self.layers), mx, mean)}
+        return dict(zip(sorted(self.layers), counts.detach()))
+
+    def expert_load(self) -> dict[int, dict[str, float]]:
+        """:func:`expert_load` of :meth:`layer_counts`."""
+        return expert_load(self.layer_counts())
+
+
+def expert_load(counts: dict[int, torch.Tensor]) -> dict[int, dict[str, float]]:
+    """Per layer: ``max`` and ``mean`` tokens per expert and their ratio ``imbalance`` (1: balanced)."""
+    out = {}
+    for layer, c in counts.items():
+        mx, mean = float(c.max()), float(c.mean())
+        out[layer] = dict(max=mx, mean=mean, imbalance=mx / mean if mean else 0.0)
+    return out
 
 
 class _BalancingLoss(torch.autograd.Function):
