@@ -292,7 +292,7 @@ def _moe(hf: Mapping[str, Any]) -> MoEConfig:
     top_k = int(_require(hf, "num_experts_per_tok"))
     _refuse(experts > 0 and not 1 <= top_k <= experts,
             f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
-    step = int(hf.get("decoder_sparse_step") or 1)
+    step = int(1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"])
     _refuse(step < 1, f"decoder_sparse_step={step} must be >= 1")
     return MoEConfig(num_experts=experts, top_k=top_k, moe_intermediate_size=int(_require(hf, "moe_intermediate_size")),
                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)), decoder_sparse_step=step,

@@ -212,3 +212,31 @@ def test_statistics_all_reduced_over_ranks(world_size):
     """Each rank routes its share of every sequence; the loss is the global one and the summed
     gradients are the reference's."""
     run_distributed(_distributed_body, world_size, args=(True,))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernel_matches_loop_bf16():
+    """On a GPU: the kernel moe_kernel picks (grouped_mm on sm90+) against the loop, bf16, both
+    against float64 no worse than Transformers' bf16 block."""
+    block = _reference(64, 32, True)
+    x, dy = torch.randn(2, 257, 64), torch.randn(2, 257, 64)
+    exact = _grads(copy.deepcopy(block).double(), x.double(), dy.double())
+    plain = _grads(copy.deepcopy(block).bfloat16().cuda(), x.bfloat16().cuda(), dy.bfloat16().cuda())
+    for kernel in (None, "loop"):
+        ours = _ours(block, 64, 32, True, num_chunks=3, kernel=kernel).bfloat16().cuda()
+        got = _grads(ours, x.bfloat16().cuda(), dy.bfloat16().cuda())
+        assert_no_worse_than_bf16(got[0].cpu(), plain[0].cpu(), exact[0], f"y {kernel}")
+        for n in exact[1]:
+            assert_no_worse_than_bf16(got[1][n].cpu(), plain[1][n].cpu(), exact[1][n], f"{n} {kernel}")
+
+
+def test_config_refusals():
+    from fpdt.model import ModelConfig, UnsupportedConfigError
+    base = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4)
+    assert ModelConfig.from_hf({**base, "num_experts_per_tok": 2}).moe.top_k == 2
+    with pytest.raises(UnsupportedConfigError, match="num_experts_per_tok=5 must be in"):
+        ModelConfig.from_hf({**base, "num_experts_per_tok": 5})
+    with pytest.raises(UnsupportedConfigError, match="decoder_sparse_step=0"):
+        ModelConfig.from_hf({**base, "num_experts_per_tok": 2, "decoder_sparse_step": 0})
