@@ -104,6 +104,18 @@ class ModelConfig:
         return self.moe is not None and self.moe.is_moe_layer(i)
 
     @property
+    def mlp_flop_width(self) -> float:
+        """The SwiGLU width whose ``6 h I`` FLOPs per token equal a layer's MLP, averaged over layers:
+        ``I`` for a dense layer; ``k I_moe`` + the shared expert's width + ``E / 3`` (the router's
+        ``2 h E``) for an MoE layer (k of E experts run per token)."""
+        moe = self.moe
+        if moe is None:
+            return self.intermediate_size
+        routed = moe.top_k * moe.moe_intermediate_size + moe.shared_expert_intermediate_size + moe.num_experts / 3
+        return sum(routed if self.is_moe_layer(i) else self.intermediate_size
+                   for i in range(self.num_layers)) / self.num_layers
+
+    @property
     def rope_type(self) -> str:
         return "default" if self.rope_scaling is None else str(self.rope_scaling["rope_type"])
 
