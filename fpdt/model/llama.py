@@ -81,11 +81,14 @@ class FPDTDecoderLayer(nn.Module):
         """``attn(norm(h))``, ending with ``o_proj`` (output not saved); ``saved``: the saved attention outputs."""
         return self.self_attn(self.input_layernorm(h), position_ids, rope, doc_ids=doc_ids, saved=saved)
 
-    def mlp_branch(self, h: torch.Tensor, router_stats: RouterStatistics | None = None) -> torch.Tensor:
+    def mlp_branch(self, h: torch.Tensor, router_stats: RouterStatistics | None = None,
+                   checkpointed: bool = False) -> torch.Tensor:
         """``mlp(norm(h))``, one chunked function with the norm inside: saves ``h`` and an fp32 scale per token;
-        an MoE MLP records into ``router_stats``."""
+        an MoE MLP records into ``router_stats``, under a layer checkpoint (``checkpointed``) not in its
+        recompute (the one pass with gradients on)."""
         if isinstance(self.mlp, ChunkedMoE):
-            return self.mlp(h, norm=self.post_attention_layernorm, stats=router_stats)
+            record = not (checkpointed and torch.is_grad_enabled())
+            return self.mlp(h, norm=self.post_attention_layernorm, stats=router_stats, record=record)
         return self.mlp(h, norm=self.post_attention_layernorm)
 
 
@@ -292,7 +295,7 @@ class FPDTForCausalLM(nn.Module):
             def branches(saved, layer=layer):
                 return (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope,
                                           doc_ids=doc_ids, saved=saved),
-                        functools.partial(layer.mlp_branch, router_stats=stats))
+                        functools.partial(layer.mlp_branch, router_stats=stats, checkpointed=True))
             h = checkpoints.checkpointed_layer(i, h, branches, list(layer.parameters()))
         return self.model.norm(h)
 

@@ -232,7 +232,8 @@ class ChunkedMoEFunction(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         dtype = x.dtype if norm_w is None else torch.promote_types(norm_w.dtype, x.dtype)
         ctx.num_chunks, ctx.spec, ctx.norm_eps, ctx.num_tensors = num_chunks, spec, norm_eps, len(tensors)
-        stats = None if in_recompute(x) else spec["stats"]     # a recompute records nothing again
+        # a checkpoint's recompute records nothing again (its backward reads the statistics)
+        stats = spec["stats"] if spec["record"] and not in_recompute(x) else None
         if norm_w is not None and output_values_unused(x):
             ctx.save_for_backward(x, w_router, gate_up, down, None, *tensors)
             placeholder = torch.empty(1, dtype=dtype, device=x.device).expand(*x.shape[:-1], x.shape[-1])
@@ -446,8 +447,9 @@ class ChunkedMoE(nn.Module):
     ``experts.down_proj``; with ``shared_intermediate_size``: ``shared_expert.{gate,up,down}_proj``
     and ``shared_expert_gate``), run by :class:`ChunkedMoEFunction`.
 
-    ``forward(x [B, S_local, hidden], norm=None, stats=None) -> [B, S_local, hidden]``: ``norm``
-    an RMSNorm applied first inside; ``stats`` a :class:`RouterStatistics` recorded under ``layer_index``.
+    ``forward(x [B, S_local, hidden], norm=None, stats=None, record=True) -> [B, S_local, hidden]``:
+    ``norm`` an RMSNorm applied first inside; ``stats`` a :class:`RouterStatistics`, recorded under
+    ``layer_index`` unless ``record`` is False (a layer checkpoint's recompute), read in backward.
     ``num_chunks`` (token chunks) and ``kernel`` (None: :func:`moe_kernel`) are reassignable."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -477,12 +479,12 @@ class ChunkedMoE(nn.Module):
         ffn = self.experts.down_proj.shape[2]
         return self.kernel or moe_kernel(x.device, self.experts.down_proj.dtype, x.shape[-1], ffn)
 
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
-                stats: RouterStatistics | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, stats: RouterStatistics | None = None,
+                record: bool = True) -> torch.Tensor:
         if self.num_chunks < 1:
             raise ValueError(f"the MoE MLP runs over token chunks only: num_chunks={self.num_chunks} must be >= 1")
         spec = dict(top_k=self.top_k, norm_topk=self.norm_topk_prob, kernel=self.kernel_name(x),
-                    layer=self.layer_index, stats=stats)
+                    layer=self.layer_index, stats=stats, record=record)
         norm_args = (None,) if norm is None else (norm.eps, norm.weight)
         return ChunkedMoEFunction.apply(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
                                         self.num_chunks, spec, *norm_args, *self.shared_weights())
