@@ -56,6 +56,10 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, loss_chunks: int) -> None:
     cfg = model.config
+    if any(hasattr(layer.mlp, "experts") for layer in layers):
+        raise FPDTHFError(f"{type(model).__name__} has mixture-of-experts MLPs, which fpdt.hf does not run yet "
+                          f"(its balancing loss would be dropped): build it with fpdt.model.from_pretrained, or "
+                          f"train it with fpdt-train --model DIR")
     if getattr(cfg, "attention_dropout", 0.0):
         raise FPDTHFError(f"attention_dropout={cfg.attention_dropout}: fpdt attention has no dropout; set it to 0")
     if uses_sliding_window(cfg.to_dict()) or any(getattr(layer.self_attn, "sliding_window", None) for layer in layers):
