@@ -106,8 +106,9 @@ def _chunked_qkv_classes() -> dict[type, Callable[[torch.nn.Module], int | None]
     from transformers.models.mistral.modeling_mistral import MistralAttention
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
-    return {LlamaAttention: _no_window,
+    return {LlamaAttention: _no_window, Qwen3MoeAttention: lambda m: m.sliding_window,
             MistralAttention: lambda m: getattr(m.config, "sliding_window", None),
             Qwen2Attention: lambda m: m.sliding_window,
             Qwen3Attention: lambda m: m.sliding_window}
@@ -117,11 +118,12 @@ def _qk_norm(module: torch.nn.Module) -> tuple[str, ...]:
     """The names of Qwen3's per-head q/k RMSNorms (read directly: refused unless Transformers' own
     class, with one epsilon); none for other classes."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeRMSNorm
 
-    if type(module) is not Qwen3Attention:
+    if type(module) not in (Qwen3Attention, Qwen3MoeAttention):
         return ()
     q, k = module.q_norm, module.k_norm
-    if not (type(q) is Qwen3RMSNorm and type(k) is Qwen3RMSNorm):
+    if not (type(q) in (Qwen3RMSNorm, Qwen3MoeRMSNorm) and type(k) in (Qwen3RMSNorm, Qwen3MoeRMSNorm)):
         raise FPDTHFError(f"the chunked q/k/v projection reads Qwen3Attention's q_norm/k_norm weights directly, and "
                           f"they are {type(q).__name__}, {type(k).__name__}: apply_fpdt(..., chunked_qkv=False)")
     if q.variance_epsilon != k.variance_epsilon:

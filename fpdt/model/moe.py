@@ -465,6 +465,19 @@ class ChunkedMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.num_chunks, self.kernel, self.layer_index = num_chunks, None, 0
 
+    @classmethod
+    def from_block(cls, block: nn.Module, num_chunks: int = 1) -> "ChunkedMoE":
+        """A chunked MoE over a Transformers sparse MoE block's modules (``gate`` with ``top_k``,
+        ``norm_topk_prob``; ``experts``; optional ``shared_expert`` / ``shared_expert_gate``), which become its children."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.gate, self.experts = block.gate, block.experts
+        if getattr(block, "shared_expert", None) is not None:
+            self.shared_expert, self.shared_expert_gate = block.shared_expert, block.shared_expert_gate
+        self.num_experts, self.top_k = block.gate.weight.shape[0], block.gate.top_k
+        self.norm_topk_prob, self.num_chunks, self.kernel, self.layer_index = block.gate.norm_topk_prob, num_chunks, None, 0
+        return self
+
     def shared_weights(self) -> tuple[torch.Tensor, ...]:
         if not hasattr(self, "shared_expert"):
             return ()
@@ -483,6 +496,9 @@ class ChunkedMoE(nn.Module):
                 record: bool = True) -> torch.Tensor:
         if self.num_chunks < 1:
             raise ValueError(f"the MoE MLP runs over token chunks only: num_chunks={self.num_chunks} must be >= 1")
+        if stats is None and getattr(self, "call_stats", None) is not None:     # set per call by fpdt.hf
+            stats = self.call_stats
+            record = not (getattr(self, "checkpointed", False) and torch.is_grad_enabled())
         spec = dict(top_k=self.top_k, norm_topk=self.norm_topk_prob, kernel=self.kernel_name(x),
                     layer=self.layer_index, stats=stats, record=record)
         norm_args = (None,) if norm is None else (norm.eps, norm.weight)

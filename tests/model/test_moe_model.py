@@ -122,11 +122,3 @@ def test_checkpoint_round_trip(tmp_path):
     for n, p in model.state_dict().items():
         assert torch.equal(third.state_dict()[n], p), n
 
-
-def test_hf_apply_fpdt_refuses_moe():
-    """Not yet through fpdt.hf: refused in one line naming fpdt.model (not a dropped balancing loss)."""
-    import fpdt.hf
-    from fpdt.hf.errors import FPDTHFError
-    for kw in ({}, dict(mlp_chunks=0, lean_norms=False)):
-        with pytest.raises(FPDTHFError, match="mixture-of-experts MLPs, which fpdt.hf does not run yet"):
-            fpdt.hf.apply_fpdt(hf_moe().train(), num_chunks=2, **kw)
