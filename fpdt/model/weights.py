@@ -83,6 +83,20 @@ def fused_experts(items: Iterable[tuple[str, torch.Tensor]], params: Mapping[str
             yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", i)] for i in range(num_experts)])
 
 
+def expert_slot(name: str, params: Mapping[str, torch.Tensor]) -> tuple[str, int, slice] | None:
+    """Where a hub per-expert tensor goes in the fused parameters: ``(parameter name, expert, rows)``
+    (``gate_proj`` the first ``I`` rows of ``gate_up_proj``, ``up_proj`` the next), or None for
+    other names. ``params`` maps names to parameters or their full shapes."""
+    m = _PER_EXPERT.match(name)
+    if m is None or f"{m[1]}.down_proj" not in params:
+        return None
+    shape = params[f"{m[1]}.down_proj"]
+    ffn = (shape if isinstance(shape, tuple) else tuple(shape.shape))[2]
+    if m[3] == "down_proj":
+        return f"{m[1]}.down_proj", int(m[2]), slice(None)
+    return f"{m[1]}.gate_up_proj", int(m[2]), slice(0, ffn) if m[3] == "gate_proj" else slice(ffn, 2 * ffn)
+
+
 def per_expert(name: str, p: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """A fused expert parameter as the hub's per-expert tensors (views); others as themselves."""
     prefix, _, attr = name.rpartition(".")

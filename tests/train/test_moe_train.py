@@ -50,3 +50,37 @@ def test_trains_logs_expert_load_and_exports(tmp_path, ranks):
         assert all(v["mean"] == 4 * 256 * 2 / 8 and v["max"] >= v["mean"] for v in r["expert_load"].values())
     back = transformers.AutoModelForCausalLM.from_pretrained(hf)
     assert type(back).__name__ == "Qwen3MoeForCausalLM"
+
+
+def _zero3_body(rank, world_size, model_dir):
+    import deepspeed
+    import torch
+
+    import fpdt.model as fm
+    from fpdt.train.zero_load import from_pretrained_zero3
+    from tests.train.helpers import SGD, SGD_CLIP, ds_config, quiet
+    quiet()
+    os.environ.setdefault("LOCAL_RANK", str(rank))      # what a launcher sets; zero.Init reads it
+    model = from_pretrained_zero3(model_dir, ds_config(SGD, SGD_CLIP), dtype=torch.float32, device=torch.device("cpu"))
+    reference = dict(fm.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    named = list(model.named_parameters())
+    assert [n for n, _ in named] == list(reference)
+    with deepspeed.zero.GatheredParameters([p for _, p in named]):
+        for name, p in named:
+            assert torch.equal(p.data, reference[name]), name
+
+
+@pytest.mark.slow
+def test_zero3_loads_the_hub_per_expert_layout(tmp_path):
+    """``fpdt-train --model DIR`` under ZeRO-3 reads the hub's per-expert tensors, spread over
+    shards, into the partitioned fused parameters: gathered, they equal ``from_pretrained``'s."""
+    import torch
+
+    import fpdt.model as fm
+    from tests.distributed import run_distributed
+    torch.manual_seed(0)
+    model = fm.from_config(os.path.join(_config(tmp_path / "cfg"), "config.json"))
+    model.save_pretrained(tmp_path / "hub", max_shard_size=60_000)
+    index = json.loads((tmp_path / "hub" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.2.mlp.experts.5.up_proj.weight" in index
+    run_distributed(_zero3_body, 2, args=(str(tmp_path / "hub"),), timeout=240)
