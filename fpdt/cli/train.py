@@ -42,6 +42,7 @@ from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import lora, preflight, saving, zero, zero_load
 from fpdt.comm import PLACEMENTS
 from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
+from fpdt.model.moe import moe_kernel
 from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
                                cpu_runtime, merge_flags, unknown_ds_keys, validate)
 from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dtype_for_vocab, check_vocab, list_data_files,
@@ -355,7 +356,8 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} "
              f"seq_len={plan.seq_len} "
              f"chunk={plan.chunk_size} chunks={plan.num_chunks} offload={'on' if plan.offload else 'off'} "
-             f"checkpoint={plan.checkpoint} attention={kernel.name} micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
+             f"checkpoint={plan.checkpoint} attention={kernel.name}{_experts_words(model, device, dtype_name)} "
+             f"micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
              f"{windows.describe()} steps {start}->{args.steps} "
              f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})"
              + _choices_words(memory, model.config.num_layers, opts.checkpoint_device_layers))
@@ -432,6 +434,15 @@ def _with_choices(opts: TrainerOptions, memory: MemoryCheck) -> TrainerOptions:
     if memory.nvme is not None:
         opts = replace(opts, nvme_layers=memory.nvme.layers)
     return opts
+
+
+def _experts_words(model, device, dtype_name: str) -> str:
+    """`` experts=E/k (kernel)`` for an MoE model (its kernel: :func:`fpdt.model.moe.moe_kernel`), else empty."""
+    moe = model.config.moe
+    if moe is None:
+        return ""
+    kernel = moe_kernel(torch.device(device), PRECISIONS[dtype_name], model.config.hidden_size, moe.moe_intermediate_size)
+    return f" experts={moe.num_experts}/top{moe.top_k} ({kernel})"
 
 
 def _choices_words(memory: MemoryCheck, num_layers: int, device_layers: int) -> str:

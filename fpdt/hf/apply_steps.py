@@ -36,6 +36,7 @@ from fpdt.model.checkpointing import checkpointed
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.llama import RMSNorm
 from fpdt.model.mlp import ChunkedSwiGLU
+from fpdt.model.moe import ChunkedMoE
 from fpdt.model.streaming import streamed_layer
 from fpdt.ops.projections import ProjectionError, read_projections
 from fpdt.options import FPDTOptions
@@ -48,8 +49,9 @@ def _lean_rmsnorm_classes() -> tuple[type, ...]:
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, *_zero_centred_rmsnorm_classes()
+    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, Qwen3MoeRMSNorm, *_zero_centred_rmsnorm_classes()
 
 
 def _zero_centred_rmsnorm_classes() -> tuple[type, ...]:
@@ -107,8 +109,10 @@ def _pre_norm_layer_classes() -> tuple[type, ...]:
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
-    return LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, Qwen3_5DecoderLayer
+    return (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, Qwen3_5DecoderLayer,
+            Qwen3MoeDecoderLayer)
 
 
 def _residual_branches(layer: nn.Module, kwargs: dict):
@@ -182,10 +186,19 @@ class TransformersAdapter(DecoderAdapter):
                                                                        zero_centred).train(norm.training))
 
     def set_mlp_chunks(self, layer: nn.Module, num_chunks: int) -> None:
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):       # a sparse MoE block: fpdt's chunked experts, statistics per call
+            if self.trainer or self.options.stream_layers:
+                raise FPDTHFError("mixture-of-experts models run under apply_fpdt without the Trainer's sequence "
+                                  "parallelism and without stream_layers (not yet): use group=None or a process "
+                                  "group, and stream_layers=False")
+            moe = ChunkedMoE.from_block(mlp, num_chunks).train(mlp.training)
+            moe.layer_index = self.layers.index(layer)
+            self.patches.replace(layer, "mlp", moe)
+            return
         self.mlp_chunks = num_chunks
         if not num_chunks:                # 0: Transformers' own MLP
             return
-        mlp = layer.mlp
         names = ("gate_proj", "up_proj", "down_proj")
         try:
             read_projections({n: getattr(mlp, n) for n in names}, type(mlp).__name__, "apply_fpdt(..., mlp_chunks=0)",
@@ -200,6 +213,8 @@ class TransformersAdapter(DecoderAdapter):
         if not checkpoints.enabled:   # Transformers' own checkpointing may be used instead
             return
         for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, ChunkedMoE):   # records its statistics in the pass without gradients only
+                self.patches.set(layer.mlp, "checkpointed", True)
             self.patches.set(layer, "_fpdt_layer_index", i)
             self.patches.set(layer, "_fpdt_checkpoints", checkpoints)
             self.patches.bind(layer, "forward", _checkpointed_layer_forward)

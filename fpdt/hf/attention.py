@@ -91,8 +91,9 @@ def _chunked_qkv_classes() -> dict[type, Callable[[torch.nn.Module], int | None]
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
-    return {LlamaAttention: _no_window,
+    return {LlamaAttention: _no_window, Qwen3MoeAttention: lambda m: m.sliding_window,
             MistralAttention: lambda m: getattr(m.config, "sliding_window", None),
             Qwen2Attention: lambda m: m.sliding_window,
             Qwen3Attention: lambda m: m.sliding_window,
@@ -104,8 +105,10 @@ def _qk_norm(module: torch.nn.Module) -> tuple[str, ...]:
     Transformers' own class, with one epsilon); none for other classes."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5RMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeRMSNorm
 
-    norm_class = {Qwen3Attention: Qwen3RMSNorm, Qwen3_5Attention: Qwen3_5RMSNorm}.get(type(module))
+    norm_class = {Qwen3Attention: Qwen3RMSNorm, Qwen3_5Attention: Qwen3_5RMSNorm,
+                  Qwen3MoeAttention: Qwen3MoeRMSNorm}.get(type(module))
     if norm_class is None:
         return ()
     q, k = module.q_norm, module.k_norm

@@ -23,6 +23,7 @@ from fpdt.hf.settings import HFSettings, layer_checkpoints_of
 from fpdt.hf.trainer import contiguous_to_fpdt_layout
 from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
 from fpdt.model.inputs import shift_labels as _shift_labels
+from fpdt.model.moe import ChunkedMoE, RouterStatistics, balancing_loss
 from fpdt.model.streaming import StreamedModel, streamed_loss
 from fpdt.ops.projections import ProjectionError
 from fpdt.model.loss import (IGNORE_INDEX, sequence_parallel_lm_loss, sum_gradient_over_group, sum_over_group,
@@ -210,6 +211,12 @@ def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_id
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if shift_labels is None or settings.loss_chunks == 0:
+        stats = _router_statistics(self, settings)
+        if stats is not None and shift_labels is not None and kwargs.get("output_router_logits",
+                                                                         getattr(self.config, "output_router_logits", False)):
+            raise FPDTHFError("the balancing loss of a mixture-of-experts model is added to the chunked loss only: "
+                              "keep loss_chunks >= 1 (or output_router_logits=False)")
+        kwargs.pop("output_router_logits", None)
         out = original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        inputs_embeds=inputs_embeds, use_cache=False, logits_to_keep=logits_to_keep,
                        return_dict=True, **kwargs)
@@ -223,14 +230,38 @@ def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_id
                               f"{type(self.lm_head).__module__}.{type(self.lm_head).__name__} (an adapter or "
                               f"quantised layer), whose extra "
                               f"computation it would skip: apply_fpdt(..., loss_chunks=0)")
+        aux_wanted = kwargs.pop("output_router_logits", None)
+        stats = _router_statistics(self, settings)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
-        loss = sequence_parallel_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shift_labels,
+        h, aux = outputs.last_hidden_state, None
+        if stats is not None and (getattr(self.config, "output_router_logits", False) if aux_wanted is None
+                                  else aux_wanted):
+            h, aux = balancing_loss(h, stats)        # its backward runs before the layers'
+        loss = sequence_parallel_lm_loss(h, self.lm_head.weight, shift_labels,
                                          group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
                                          wgrad=settings.options.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
+        if aux is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux
         out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                      attentions=outputs.attentions)
     return out
+
+
+def _router_statistics(model, settings: HFSettings) -> RouterStatistics | None:
+    """A fresh :class:`RouterStatistics` set as every MoE MLP's ``call_stats`` (kept until the next
+    call: a checkpoint's recompute reads it in backward), or None for a model without experts."""
+    moes = [m for m in model.modules() if isinstance(m, ChunkedMoE)]
+    if not moes:
+        return None
+    if model.training and getattr(model.model, "gradient_checkpointing", False) and torch.is_grad_enabled():
+        raise FPDTHFError("Transformers' gradient checkpointing would record the experts' statistics twice: use "
+                          "apply_fpdt(..., checkpointing='on' or 'offload') and gradient_checkpointing_disable()")
+    stats = RouterStatistics(moes[0].num_experts, moes[0].top_k, group=settings.sp_group)
+    for m in moes:
+        m.call_stats = stats
+    model.router_stats = stats
+    return stats
 
 
 def _streamed(self, settings: HFSettings, sp: int, input_ids, position_ids, shift_labels, attention_mask,

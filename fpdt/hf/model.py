@@ -56,6 +56,9 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, loss_chunks: int) -> None:
     cfg = model.config
+    if any(hasattr(layer.mlp, "experts") for layer in layers) and not mlp_chunks:
+        raise FPDTHFError(f"{type(model).__name__} has mixture-of-experts MLPs, which run chunked only (fpdt's "
+                          f"forward computes their balancing loss): keep mlp_chunks at its default or >= 1")
     if getattr(cfg, "attention_dropout", 0.0):
         raise FPDTHFError(f"attention_dropout={cfg.attention_dropout}: fpdt attention has no dropout; set it to 0")
     if uses_sliding_window(cfg.to_dict()) or any(getattr(getattr(layer, "self_attn", None), "sliding_window", None)
@@ -68,7 +71,8 @@ def _check_config(model: nn.Module, layers: list[nn.Module], mlp_chunks: int, lo
     if mlp_chunks:
         act = getattr(cfg, "hidden_act", None)
         if act not in SWIGLU_ACTIVATIONS or not all(
-                all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) for layer in layers):
+                all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) for layer in layers
+                if not hasattr(layer.mlp, "experts")):
             raise FPDTHFError(f"the chunked MLP needs a SwiGLU MLP (gate_proj/up_proj/down_proj, hidden_act silu); "
                               f"this model has hidden_act={act!r}: pass mlp_chunks=0")
 

@@ -12,6 +12,7 @@ from torch import nn
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.loss import default_loss_chunks
 from fpdt.model.mlp import default_mlp_chunks
+from fpdt.model.moe import ChunkedMoE, default_moe_chunks
 from fpdt.options import FPDTOptions
 
 ATTENTION_FIELDS = ("num_chunks", "offload", "group", "mesh", "backend", "runtime")
@@ -23,6 +24,24 @@ def mlp_chunks_for(options: Any, config: Any) -> int:
     if options.mlp_chunks is not None:
         return options.mlp_chunks
     return default_mlp_chunks(config.hidden_size, config.intermediate_size, options.num_chunks)
+
+
+def moe_chunks_for(options: Any, config: Any) -> int | None:
+    """The MoE MLPs' token chunks: ``options.mlp_chunks``, or :func:`fpdt.model.moe.default_moe_chunks`
+    if None; None for a config without experts (``config.moe``)."""
+    moe = getattr(config, "moe", None)
+    if moe is None and getattr(config, "moe_intermediate_size", None) and getattr(config, "num_experts", None):
+        moe = config                                        # a Transformers config (fpdt.hf)
+        widths = (moe.moe_intermediate_size, moe.num_experts, moe.num_experts_per_tok,
+                  getattr(moe, "shared_expert_intermediate_size", 0) or 0)
+    elif moe is not None:
+        widths = (moe.moe_intermediate_size, moe.num_experts, moe.top_k, moe.shared_expert_intermediate_size)
+    if moe is None:
+        return None
+    if options.mlp_chunks is not None:
+        return options.mlp_chunks
+    ffn, experts, top_k, shared = widths
+    return default_moe_chunks(config.hidden_size, ffn, experts, top_k, options.num_chunks, shared)
 
 
 def loss_chunks_for(options: Any, config: Any) -> int:
@@ -113,10 +132,15 @@ def apply_lean_norms(adapter: DecoderAdapter, num_chunks: int) -> int:
     return chunks
 
 
-def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int) -> None:
-    """Every decoder layer's SwiGLU MLP runs over ``mlp_chunks`` token chunks."""
+def is_moe_mlp(mlp) -> bool:
+    """Whether ``mlp`` is a mixture of experts: fpdt's :class:`ChunkedMoE` or a Transformers sparse block (``experts``)."""
+    return isinstance(mlp, ChunkedMoE) or hasattr(mlp, "experts")
+
+
+def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int, moe_chunks: int | None = None) -> None:
+    """Every decoder layer's SwiGLU MLP runs over ``mlp_chunks`` token chunks, an MoE MLP over ``moe_chunks``."""
     for layer in adapter.layers:
-        adapter.set_mlp_chunks(layer, mlp_chunks)
+        adapter.set_mlp_chunks(layer, moe_chunks if is_moe_mlp(getattr(layer, "mlp", None)) else mlp_chunks)
 
 
 def apply_layer_checkpointing(adapter: DecoderAdapter, options: FPDTOptions) -> LayerCheckpoints:
@@ -141,7 +165,8 @@ def apply_all(adapter: DecoderAdapter, options: FPDTOptions) -> Applied:
     # same token chunks as one call over the whole sequence, split over u calls
     calls = options.num_chunks if options.stream_layers else 1
     norms = apply_lean_norms(adapter, options.num_chunks // calls)
-    apply_chunked_mlp(adapter, -(-mlp_chunks // calls))
+    moe_chunks = moe_chunks_for(options, adapter.config)
+    apply_chunked_mlp(adapter, -(-mlp_chunks // calls), None if moe_chunks is None else -(-moe_chunks // calls))
     checkpoints = apply_layer_checkpointing(adapter, options)
     apply_chunked_loss(adapter, loss_chunks)
     return Applied(mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, norm_chunks=norms, checkpoints=checkpoints)

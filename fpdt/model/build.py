@@ -71,8 +71,11 @@ def from_pretrained(path: str | os.PathLike, *, device: torch.device | str | Non
         model = construct(cfg, **fpdt_options)
     device = torch.device(device if device is not None else "cpu")
     loaded: set[str] = set()
+    experts: dict = {}                 # per-expert tensors of a layer not yet all read (fused when they are)
     for file in checkpoint_files(path):
-        loaded |= _load_file(model, file, device, _resolve_dtype(dtype))
+        loaded |= _load_file(model, file, device, _resolve_dtype(dtype), experts)
+    if experts:
+        raise ValueError(f"checkpoint has incomplete per-expert tensors for {sorted(experts)[:4]}")
     check_missing(model, loaded)
     model.reset_rope(device)
     return model

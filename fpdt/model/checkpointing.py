@@ -122,6 +122,11 @@ def output_values_unused(branch_input: torch.Tensor, placeholder: torch.Tensor |
     return True
 
 
+def in_recompute(branch_input: torch.Tensor) -> bool:
+    """Whether ``branch_input`` is a residual branch's input in its checkpoint's recompute."""
+    return _branch_call(branch_input) is not None
+
+
 def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool:
     """Whether a whole-branch Function's backward may add ``dL/dx`` into ``grad_out`` in place (and
     return ``None`` for ``x``): only when ``grad_out`` is the layer's gradient, held by this layer alone."""

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # Vision-language hub layouts whose text model fpdt trains alone: model_type -> (its class, where
@@ -57,6 +58,26 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 class UnsupportedConfigError(ValueError):
     """A ``config.json`` asks for something the FPDT model cannot honour."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a config (Qwen3-MoE's keys); :meth:`is_moe_layer` says which layers route."""
+
+    num_experts: int
+    top_k: int
+    """``num_experts_per_tok``."""
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    router_aux_loss_coef: float
+    output_router_logits: bool
+    shared_expert_intermediate_size: int = 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Transformers' rule: not in ``mlp_only_layers``, experts exist and ``(i + 1) % decoder_sparse_step == 0``."""
+        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,23 @@ class ModelConfig:
     for a vision-language layout (its vision tower is left out)."""
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The ``config.json`` dict this was parsed from (written back on save)."""
+    moe: MoEConfig | None = None
+    """Experts in (some) MLPs (Qwen3-MoE), else None."""
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(i)
+
+    @property
+    def mlp_flop_width(self) -> float:
+        """The SwiGLU width whose ``6 h I`` FLOPs per token equal a layer's MLP, averaged over layers:
+        ``I`` for a dense layer; ``k I_moe`` + the shared expert's width + ``E / 3`` (the router's
+        ``2 h E``) for an MoE layer (k of E experts run per token)."""
+        moe = self.moe
+        if moe is None:
+            return self.intermediate_size
+        routed = moe.top_k * moe.moe_intermediate_size + moe.shared_expert_intermediate_size + moe.num_experts / 3
+        return sum(routed if self.is_moe_layer(i) else self.intermediate_size
+                   for i in range(self.num_layers)) / self.num_layers
 
     @property
     def rope_type(self) -> str:
@@ -302,6 +340,9 @@ def _parse(hf: dict[str, Any]) -> ModelConfig:
         mlp_bias = bool(hf.get("mlp_bias", False))
     elif model_type == "qwen2":
         qkv_bias, o_bias, mlp_bias = True, False, False   # hard-wired in Qwen2's attention
+    elif model_type == "qwen3_moe":
+        qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+        mlp_bias = False
     else:
         qkv_bias = o_bias = mlp_bias = False
     return ModelConfig(
@@ -324,7 +365,9 @@ def _parse(hf: dict[str, Any]) -> ModelConfig:
         pad_token_id=None if hf.get("pad_token_id") is None else int(hf["pad_token_id"]),
         initializer_range=float(hf.get("initializer_range", 0.02)),
         hf_config=hf,
-        **(_token_mixers(hf, heads, head_dim) if model_type in HYBRID_TYPES else {}),
+        moe=_moe(hf) if model_type == "qwen3_moe" else None,
+        **(_token_mixers(hf, heads, head_dim) if model_type in HYBRID_TYPES else
+           {"qk_norm": model_type == "qwen3_moe"}),
     )
 
 
@@ -402,3 +445,19 @@ def _rotary_fraction(hf: Mapping[str, Any]) -> float:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     return float(value)
+
+
+def _moe(hf: Mapping[str, Any]) -> MoEConfig:
+    # Transformers 5 writes num_experts as num_local_experts (its attribute map)
+    experts = int(hf["num_local_experts"] if hf.get("num_experts") is None and "num_local_experts" in hf
+                  else _require(hf, "num_experts"))
+    top_k = int(_require(hf, "num_experts_per_tok"))
+    _refuse(experts > 0 and not 1 <= top_k <= experts,
+            f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    step = int(1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"])
+    _refuse(step < 1, f"decoder_sparse_step={step} must be >= 1")
+    return MoEConfig(num_experts=experts, top_k=top_k, moe_intermediate_size=int(_require(hf, "moe_intermediate_size")),
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), decoder_sparse_step=step,
+                     mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+                     router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                     output_router_logits=bool(hf.get("output_router_logits", False)))

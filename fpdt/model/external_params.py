@@ -14,6 +14,7 @@ from torch import nn
 
 from fpdt.attention.module import FPDTAttention
 from fpdt.model.mlp import ChunkedSwiGLU
+from fpdt.model.moe import ChunkedMoE
 from fpdt.ops.projections import read_output_projection
 
 
@@ -31,7 +32,8 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
 
     * each :class:`fpdt.attention.FPDTAttention`: its q/k/v projections' (and q/k norms'), and
       ``o_proj``'s when it reads it (any plain or LoRA linear);
-    * each :class:`fpdt.model.ChunkedSwiGLU`: its three projections'; in an
+    * each :class:`fpdt.model.ChunkedSwiGLU`: its three projections', each ``ChunkedMoE`` its
+      router's, experts' and shared expert's; in an
       :class:`fpdt.model.llama.FPDTDecoderLayer`, also ``post_attention_layernorm``'s (when fused in);
     * each Gated DeltaNet (:data:`GDN_CHILDREN`): its submodules';
     * ``lm_head``: ``model.lm_head.weight`` (the chunked loss), read by ``model``;
@@ -54,6 +56,8 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
             names = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm") + (("o_proj",) if _reads_o_proj(module) else ())
         elif isinstance(module, ChunkedSwiGLU):
             names = ("gate_proj", "up_proj", "down_proj")
+        elif isinstance(module, ChunkedMoE):
+            names = ("gate", "experts", "shared_expert", "shared_expert_gate")
         for name in names:
             child = getattr(module, name, None)
             if child is not None:

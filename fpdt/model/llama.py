@@ -20,6 +20,7 @@ from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs
 from fpdt.model.loss import sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU
+from fpdt.model.moe import ChunkedMoE, MoEExperts, MoERouter, RouterStatistics, balancing_loss
 from fpdt.model.rmsnorm import rms_norm
 from fpdt.model.rope_scaling import rope_inv_freq
 from fpdt.model.streaming import StreamedModel, StreamedRun, streamed_layer, streamed_loss
@@ -88,7 +89,7 @@ class FPDTDecoderLayer(nn.Module):
         name, mixer = token_mixer(cfg, layer_idx)
         setattr(self, name, mixer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=zc)
-        self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp = decoder_mlp(cfg, layer_idx)    # dense SwiGLU or experts, per layer
         self.norm_in_mlp = not zc      # the chunked MLP applies post_attention_layernorm inside (Llama's norm)
 
     @property
@@ -97,15 +98,15 @@ class FPDTDecoderLayer(nn.Module):
         return self.self_attn if self.self_attn is not None else self.linear_attn
 
     def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None, rope: RotaryEmbedding | None = None,
-                doc_ids: torch.Tensor | None = None,
-                fpdt_stream: tuple[StreamedRun, int] | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, fpdt_stream: tuple[StreamedRun, int] | None = None,
+                router_stats: RouterStatistics | None = None) -> torch.Tensor:
         """``h`` ``[B, S_local, hidden]``, ``position_ids`` ``[B, S_local]`` -> ``[B, S_local, hidden]``;
         ``doc_ids`` ``[B, S]`` (None: one document). With ``fpdt_stream``, ``h`` is the empty token of
         :mod:`fpdt.model.streaming` and input and output are chunks in its host stashes."""
         if fpdt_stream is not None:
             return streamed_layer(self, h, fpdt_stream)
         h = h + self.attention_branch(h, position_ids, rope, doc_ids)
-        return h + self.mlp_branch(h)
+        return h + self.mlp_branch(h, router_stats)
 
     def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
                          doc_ids: torch.Tensor | None = None, saved: SavedAttention | None = None) -> torch.Tensor:
@@ -115,12 +116,28 @@ class FPDTDecoderLayer(nn.Module):
             return self.linear_attn(self.input_layernorm(h), doc_ids=doc_ids)
         return self.self_attn(self.input_layernorm(h), position_ids, rope, doc_ids=doc_ids, saved=saved)
 
-    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp_branch(self, h: torch.Tensor, router_stats: RouterStatistics | None = None,
+                   checkpointed: bool = False) -> torch.Tensor:
         """``mlp(norm(h))``, one chunked function with the norm inside (saves ``h`` and an fp32 scale per
-        token); a zero-centred norm runs before it as its own module."""
+        token); a zero-centred norm runs before it as its own module. An MoE MLP records into
+        ``router_stats``, under a layer checkpoint (``checkpointed``) not in its recompute."""
+        if isinstance(self.mlp, ChunkedMoE):
+            record = not (checkpointed and torch.is_grad_enabled())
+            return self.mlp(h, norm=self.post_attention_layernorm, stats=router_stats, record=record)
         if not self.norm_in_mlp:
             return self.mlp(self.post_attention_layernorm(h))
         return self.mlp(h, norm=self.post_attention_layernorm)
+
+
+def decoder_mlp(cfg: ModelConfig, i: int) -> nn.Module:
+    """Layer ``i``'s MLP: :class:`ChunkedMoE` where the config routes it (:meth:`ModelConfig.is_moe_layer`), else SwiGLU."""
+    if not cfg.is_moe_layer(i):
+        return ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+    moe = cfg.moe
+    mlp = ChunkedMoE(cfg.hidden_size, moe.moe_intermediate_size, moe.num_experts, moe.top_k, moe.norm_topk_prob,
+                     shared_intermediate_size=moe.shared_expert_intermediate_size)
+    mlp.layer_index = i
+    return mlp
 
 
 class FPDTModel(nn.Module):
@@ -169,6 +186,7 @@ class FPDTForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.lora = None   # a fpdt.model.lora.LoraSpec once add_lora attached adapters
+        self.router_stats: RouterStatistics | None = None   # the last forward's (MoE), for metrics
         self.configure()
 
     # ------------------------------------------------------------------ options
@@ -177,6 +195,8 @@ class FPDTForCausalLM(nn.Module):
         opts = self.options.updated(**changes)
         opts.check_layers(self.config.num_layers)
         check_token_mixers(self.config, opts)
+        if opts.stream_layers and self.config.moe is not None:
+            raise ValueError("stream_layers does not run MoE layers yet: set stream_layers=False for this model")
         self.options = opts
         apply_all(FPDTAdapter(self), opts)
         return self
@@ -225,6 +245,11 @@ class FPDTForCausalLM(nn.Module):
                 module.weight[module.padding_idx].zero_()
             if isinstance(module, RMSNorm):
                 module.weight.fill_(0.0 if module.zero_centred else 1.0)
+            if isinstance(module, MoEExperts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
+            if isinstance(module, MoERouter):
+                module.weight.normal_(0.0, std)
         for layer in self.model.layers:
             if layer.linear_attn is not None:
                 init_gated_deltanet(layer.linear_attn, std)
@@ -237,7 +262,8 @@ class FPDTForCausalLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, doc_ids: torch.Tensor | None = None,
-                return_logits: bool = False, num_valid_tokens: int | torch.Tensor | None = None):
+                return_logits: bool = False, num_valid_tokens: int | torch.Tensor | None = None,
+                output_router_logits: bool | None = None):
         """Loss of this rank's tokens, normalised by the global valid-token count.
 
         Args:
@@ -249,6 +275,8 @@ class FPDTForCausalLM(nn.Module):
                 every SP rank); they replace the documents the positions mark.
             return_logits: also return fp32 logits ``[B, S_local, V]`` (small inputs only).
             num_valid_tokens: denominator override (e.g. a gradient-accumulation window's count).
+            output_router_logits: add ``router_aux_loss_coef`` x the balancing loss over the whole
+                sequence (MoE; None: the config's). :attr:`router_stats` keeps the call's statistics.
 
         Returns ``loss`` (fp32 scalar, ``None`` without labels), or ``(loss, logits)``. Every SP rank
         returns the global mean; parameter gradients *summed* over the SP group are its gradient
@@ -280,25 +308,35 @@ class FPDTForCausalLM(nn.Module):
             spec = StreamedModel(self.options, self.loss_chunks, self.model.rotary_emb.cos_sin, self._checkpoints)
             return streamed_loss(self, spec, input_ids, labels, position_ids, doc_ids, num_valid_tokens, sp,
                                  self.sp_group)
-        h = self._decoder(input_ids, position_ids, doc_ids)                 # [B, S_local, hidden]
+        moe = self.config.moe
+        stats = None if moe is None else RouterStatistics(moe.num_experts, moe.top_k, group=self.sp_group)
+        self.router_stats = stats
+        h = self._decoder(input_ids, position_ids, doc_ids, stats)         # [B, S_local, hidden]
+        aux = None
+        if stats is not None and labels is not None and (
+                moe.output_router_logits if output_router_logits is None else output_router_logits):
+            h, aux = balancing_loss(h, stats)                               # its backward runs before the layers'
         loss = None if labels is None else self._loss(h, labels, num_valid_tokens, sp)
+        if aux is not None:
+            loss = loss + moe.router_aux_loss_coef * aux
         if return_logits:
             return loss, self.lm_head(h).float()
         return loss
 
     def _decoder(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 doc_ids: torch.Tensor | None) -> torch.Tensor:
+                 doc_ids: torch.Tensor | None, stats: RouterStatistics | None = None) -> torch.Tensor:
         rope = self.model.rotary_emb
         h = self.model.embed_tokens(input_ids)
         checkpoints = self._checkpoints
         for i, layer in enumerate(self.model.layers):
             if not checkpoints.enabled:
-                h = layer(h, position_ids, rope, doc_ids)
+                h = layer(h, position_ids, rope, doc_ids, router_stats=stats)
                 continue
 
             def branches(saved, layer=layer):
                 return (functools.partial(layer.attention_branch, position_ids=position_ids, rope=rope,
-                                          doc_ids=doc_ids, saved=saved), layer.mlp_branch)
+                                          doc_ids=doc_ids, saved=saved),
+                        functools.partial(layer.mlp_branch, router_stats=stats, checkpointed=True))
             h = checkpoints.checkpointed_layer(i, h, branches, list(layer.parameters()))
         return self.model.norm(h)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Mapping
+import re
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -50,27 +51,83 @@ def checkpoint_files(path: str) -> list[str]:
                             f"supported; convert .bin checkpoints with transformers first)")
 
 
-def _load_file(model: nn.Module, file: str, device: torch.device, dtype: torch.dtype | None) -> set[str]:
+def _load_file(model: nn.Module, file: str, device: torch.device, dtype: torch.dtype | None,
+               experts: dict | None = None) -> set[str]:
     from safetensors import safe_open
 
     # safetensors reads CUDA tensors directly; other devices go through host memory.
     read_on = str(device) if device.type == "cuda" else "cpu"
     with safe_open(file, framework="pt", device=read_on) as f:
         return load_hf_state_dict(model, ((k, f.get_tensor(k)) for k in f.keys()), device=device, dtype=dtype,
-                                  check_complete=False)
+                                  check_complete=False, experts=experts)
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_experts(items: Iterable[tuple[str, torch.Tensor]], params: Mapping[str, torch.Tensor],
+                  pending: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The hub's per-expert tensors (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) as the fused
+    ``experts.gate_up_proj`` / ``experts.down_proj`` once a layer's are all read (``pending`` holds
+    them across shards); other tensors pass through."""
+    for name, tensor in items:
+        m = _PER_EXPERT.match(name)
+        if m is None or f"{m[1]}.down_proj" not in params:
+            yield name, tensor
+            continue
+        prefix, e, kind = m[1], int(m[2]), m[3]
+        num_experts = params[f"{prefix}.down_proj"].shape[0]
+        layer = pending.setdefault(prefix, {})
+        layer[(kind, e)] = tensor
+        if len(layer) == 3 * num_experts:
+            del pending[prefix]
+            yield f"{prefix}.gate_up_proj", torch.stack([torch.cat([layer[("gate_proj", i)], layer[("up_proj", i)]])
+                                                         for i in range(num_experts)])
+            yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", i)] for i in range(num_experts)])
+
+
+def expert_slot(name: str, params: Mapping[str, torch.Tensor]) -> tuple[str, int, slice] | None:
+    """Where a hub per-expert tensor goes in the fused parameters: ``(parameter name, expert, rows)``
+    (``gate_proj`` the first ``I`` rows of ``gate_up_proj``, ``up_proj`` the next), or None for
+    other names. ``params`` maps names to parameters or their full shapes."""
+    m = _PER_EXPERT.match(name)
+    if m is None or f"{m[1]}.down_proj" not in params:
+        return None
+    shape = params[f"{m[1]}.down_proj"]
+    ffn = (shape if isinstance(shape, tuple) else tuple(shape.shape))[2]
+    if m[3] == "down_proj":
+        return f"{m[1]}.down_proj", int(m[2]), slice(None)
+    return f"{m[1]}.gate_up_proj", int(m[2]), slice(0, ffn) if m[3] == "gate_proj" else slice(ffn, 2 * ffn)
+
+
+def per_expert(name: str, p: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A fused expert parameter as the hub's per-expert tensors (views); others as themselves."""
+    prefix, _, attr = name.rpartition(".")
+    if not prefix.endswith(".mlp.experts") or attr not in ("gate_up_proj", "down_proj"):
+        yield name, p
+    elif attr == "down_proj":
+        yield from ((f"{prefix}.{e}.down_proj.weight", p[e]) for e in range(p.shape[0]))
+    else:
+        ffn = p.shape[1] // 2
+        for e in range(p.shape[0]):
+            yield f"{prefix}.{e}.gate_proj.weight", p[e, :ffn]
+            yield f"{prefix}.{e}.up_proj.weight", p[e, ffn:]
 
 
 def load_hf_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                       check_complete: bool = True) -> set[str]:
+                       check_complete: bool = True, experts: dict | None = None) -> set[str]:
     """Assign Hugging Face-named tensors as the model's parameters; returns the names used.
 
     Parameters are *replaced* (so this also materialises a meta-device model). ``device``
     defaults to each parameter's current device (CPU for meta parameters), ``dtype`` to
-    the tensor's own. Unknown names raise; with ``check_complete`` so do missing ones.
+    the tensor's own. Unknown names raise; with ``check_complete`` so do missing ones. Per-expert
+    tensors are fused (:func:`fused_experts`; ``experts`` carries a layer's across calls).
     """
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     params = dict(model.named_parameters())  # tied lm_head.weight appears only as the embedding
+    pending = {} if experts is None else experts
+    items = fused_experts(items, params, pending)
     tied = model.config.tie_word_embeddings
     used: set[str] = set()
     unexpected = []
@@ -88,6 +145,8 @@ def load_hf_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | I
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=old.requires_grad))
         used.add(name)
+    if experts is None and pending:
+        unexpected += [f"{prefix}.* ({len(layer)} per-expert tensors, incomplete)" for prefix, layer in pending.items()]
     check_unexpected(unexpected)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -138,6 +197,12 @@ def check_missing(model: nn.Module, loaded: set[str]) -> None:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs: {missing[:10]}")
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view into a larger storage (one expert of a fused parameter):
+    safetensors refuses tensors that share memory."""
+    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+
+
 def _parse_size(size: int | str) -> int:
     if isinstance(size, int):
         return size
@@ -163,7 +228,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     os.makedirs(path, exist_ok=True)
     dtype = _resolve_dtype(dtype)
     # tied lm_head.weight is not listed: not stored, as in HF; LoRA adapters go to save_adapter
-    named = [(n, p) for n, p in model.named_parameters() if not is_adapter(n)]
+    named = [(n, t) for name, p in model.named_parameters() if not is_adapter(name) for n, t in per_expert(name, p)]
     if any(p.is_meta for _, p in named):
         raise ValueError("cannot save a model that is still on the meta device")
     limit = _parse_size(max_shard_size)
@@ -182,7 +247,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     weight_map, total = {}, 0
     for k, shard in enumerate(shards):
         fname = SAFE_SINGLE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: p.detach().to(device="cpu", dtype=dtype or p.dtype).contiguous() for n, p in shard}
+        tensors = {n: _own_storage(p.detach().to(device="cpu", dtype=dtype or p.dtype).contiguous()) for n, p in shard}
         save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
         for n, t in tensors.items():
             weight_map[n] = fname

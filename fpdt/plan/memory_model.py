@@ -13,7 +13,8 @@ from fpdt.attention.ring_costs import AttentionCosts, attention_costs, ulysses_w
 from fpdt.comm.heads import kv_replication_factor
 from fpdt.layout import hidden_bytes
 from fpdt.model.config import ModelConfig
-from fpdt.model.apply import loss_chunks_for, mlp_chunks_for
+from fpdt.model.apply import loss_chunks_for, mlp_chunks_for, moe_chunks_for
+from fpdt.model.moe import moe_elements_per_token
 from fpdt.model.layer_checkpoints import nvme_layer_count
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import lora_param_count, param_counts
@@ -228,6 +229,11 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         attn_ws = max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
     t_mlp = s.rank_tokens / mlp_chunks(cfg, s)
     mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
+    if cfg.moe is not None:     # the MoE MLP's chunk (fpdt.model.moe.moe_elements_per_token), k routed rows per token
+        moe = cfg.moe
+        per_token = moe_elements_per_token(h, moe.moe_intermediate_size, moe.num_experts, moe.top_k,
+                                           moe.shared_expert_intermediate_size)
+        mlp_ws = max(mlp_ws, s.rank_tokens / moe_chunks_for(s.options, cfg) * per_token * e)
     t_loss = s.rank_tokens / loss_chunks(cfg, s)
     logits_chunk, vh = t_loss * cfg.vocab_size * 4, cfg.vocab_size * h
     if s.lora_rank:     # a frozen LM head: no weight gradient in either mode

@@ -3,6 +3,7 @@
 Presets (``fpdt/plan/presets/<name>.json``, Hugging Face ``config.json`` files):
 
 * ``llama-3.2-1b``, ``llama-3-8b``, ``llama-3-70b``: the published Llama shapes.
+* ``qwen3-30b-a3b``: Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts of width 768, top 8).
 * ``gpt-2.7b``, ``gpt-13b``, ``gpt-30b``: the GPT-style models of FPDT Table 1, written as
   Llama configs with the same parameter and FLOP counts. The paper does not give their
   shapes; these are the GPT-3 family's (Brown et al. 2020, Table 2.1) rounded to
@@ -50,19 +51,40 @@ def load_model_config(model: str | dict | ModelConfig) -> ModelConfig:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameter counts (elements) of a Llama-family model."""
+    """Parameter counts (elements) of a Llama-family model, with or without experts."""
 
     layer: int
-    """One decoder layer: q/k/v/o, gate/up/down, two RMSNorms, biases."""
+    """The largest decoder layer (a ZeRO-3 gather): q/k/v/o, its MLP (every expert), two RMSNorms, biases."""
     embedding: int
     """Input embedding ``V x hidden``."""
     head: int
     """Separate LM head ``V x hidden`` (0 when tied), plus the final norm."""
     num_layers: int
+    layers: int = 0
+    """All decoder layers together (0: ``num_layers x layer``)."""
+    active_layers: int = 0
+    """All decoder layers' parameters one token uses (k of E experts; 0: ``layers``)."""
 
     @property
     def total(self) -> int:
-        return self.num_layers * self.layer + self.embedding + self.head
+        return (self.layers or self.num_layers * self.layer) + self.embedding + self.head
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through (``total`` for a dense model)."""
+        return (self.active_layers or self.layers or self.num_layers * self.layer) + self.embedding + self.head
+
+
+def layer_mlp_params(cfg: ModelConfig, i: int) -> tuple[int, int]:
+    """Layer ``i``'s MLP parameters ``(all, used by one token)``: SwiGLU, or router + E (k) experts + shared expert."""
+    h = cfg.hidden_size
+    if not cfg.is_moe_layer(i):
+        n = 3 * h * cfg.intermediate_size + ((2 * cfg.intermediate_size + h) if cfg.mlp_bias else 0)
+        return n, n
+    moe = cfg.moe
+    expert, shared = 3 * h * moe.moe_intermediate_size, 3 * h * moe.shared_expert_intermediate_size
+    fixed = moe.num_experts * h + shared + (h if shared else 0)
+    return fixed + moe.num_experts * expert, fixed + moe.top_k * expert
 
 
 def lora_param_count(cfg: ModelConfig, rank: int) -> int:
@@ -77,7 +99,9 @@ def lora_param_count(cfg: ModelConfig, rank: int) -> int:
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = h * (qd + 2 * kvd) + qd * h + (qd + 2 * kvd if cfg.qkv_bias else 0) + (h if cfg.o_bias else 0)
-    mlp = 3 * h * cfg.intermediate_size + ((2 * cfg.intermediate_size + h) if cfg.mlp_bias else 0)
-    layer = attn + mlp + 2 * h
+    attn += 2 * cfg.head_dim if cfg.qk_norm else 0
+    mlps = [layer_mlp_params(cfg, i) for i in range(cfg.num_layers)]
     head = (0 if cfg.tie_word_embeddings else cfg.vocab_size * h) + h
-    return ParamCounts(layer=layer, embedding=cfg.vocab_size * h, head=head, num_layers=cfg.num_layers)
+    return ParamCounts(layer=attn + 2 * h + max(a for a, _ in mlps), embedding=cfg.vocab_size * h, head=head,
+                       num_layers=cfg.num_layers, layers=sum(attn + 2 * h + a for a, _ in mlps),
+                       active_layers=sum(attn + 2 * h + b for _, b in mlps))

@@ -135,7 +135,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
     saving = choice.fixed_save_layers
     combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
     # streamed layers: tried beside the unstreamed setups unless fixed (_best prefers unstreamed when both fit)
-    streams = (base.stream_layers,) if not choice.chooses("stream_layers") else (False, True)
+    # (fpdt.model refuses stream_layers with MoE layers: never chosen for them)
+    streams = (base.stream_layers,) if not choice.chooses("stream_layers") else (False,) if cfg.moe else (False, True)
     for ((hp, cp), chunk), ckpt, wgrad, stream in itertools.product(combos, checkpoints or (base.checkpointing,),
                                                                      wgrads, streams):
         if stream and (ckpt != "offload" or choice.fixed.get("offload") is False

@@ -13,7 +13,8 @@ from fpdt.model.config import ModelConfig
 from fpdt.plan.hardware import Cluster, Rates
 from fpdt.plan.memory_model import kv_dim, layer_attention_costs, loss_chunks, mlp_chunks, nvme_layers_on_disk, nvme_tier_bytes
 from fpdt.plan.documents import ring_touches, work_fraction
-from fpdt.plan.models import lora_param_count, param_counts
+from fpdt.model.apply import moe_chunks_for
+from fpdt.plan.models import layer_mlp_params, lora_param_count, param_counts
 from fpdt.plan.setup import Setup
 from fpdt.train.metrics import ModelShape, attention_flops, layer_matmul_flops
 
@@ -47,7 +48,7 @@ def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
     """Device bytes the memory-bound ops move per optimizer step on one rank (weight-gradient accumulation apart)."""
     k = ELEMENTWISE_BYTES[4 if s.elem_bytes == 4 else 2]
     h, tokens, u = cfg.hidden_size, s.rank_tokens, s.num_chunks
-    per_token = (k["hidden"] * h + k["mlp"] * cfg.intermediate_size
+    per_token = (k["hidden"] * h + k["mlp"] * cfg.mlp_flop_width
                  + k["kv"] * cfg.num_kv_heads * cfg.head_dim)
     if s.lora_rank:
         per_token += LORA_ELEMENTWISE_BYTES * lora_param_count(cfg, 1) / cfg.num_layers
@@ -77,7 +78,9 @@ def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
     tokens = s.rank_tokens
     per_weight = accumulation_bytes_per_weight(e)
     qkv_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    out = {"mlp": l * chunk_count(tokens, mlp_chunks(cfg, s)) * 3 * cfg.intermediate_size * h * per_weight,
+    # every chunk adds into its layer's whole MLP accumulators (with experts: all E)
+    out = {"mlp": sum(chunk_count(tokens, moe_chunks_for(s.options, cfg) if cfg.is_moe_layer(i) else mlp_chunks(cfg, s))
+                      * layer_mlp_params(cfg, i)[0] for i in range(l)) * per_weight,
            "qkv": l * s.num_chunks * qkv_weights * per_weight}
     out["lm_head"] = lm_head_accumulation_bytes(tokens, loss_chunks(cfg, s), cfg.vocab_size, h, e,
                                                 s.options.lm_head_wgrad)
@@ -178,7 +181,7 @@ def estimate_time(cfg: ModelConfig, s: Setup, cluster: Cluster,
     head_flops = (2 * tokens * cfg.hidden_size * cfg.vocab_size * 2 if s.lora_rank
                   else lm_head_gemm_flops(tokens, cfg.hidden_size, cfg.vocab_size, s.options.lm_head_wgrad))
     # the chunked MLP's backward recomputes each chunk's gate and up projections (fpdt.model.mlp)
-    mlp_recompute = 4 * cfg.hidden_size * cfg.intermediate_size
+    mlp_recompute = 4 * cfg.hidden_size * cfg.mlp_flop_width
     gemm_flops = tokens * l * (gemm_passes * layer_matmul_flops(m) + mlp_recompute) + head_flops
     attn_fwd = tokens * l * attention_flops(m, s.seq_len, causal=True) * work_fraction(s.seq_len, s.doc_len)
     t_gemm = gemm_flops / rates.gemm_flops

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from fpdt.model.moe import expert_load
+
 from fpdt.offload import resolve_runtime
 from fpdt.offload.nvme import NVMeStore, NVMeTier
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
@@ -161,8 +163,10 @@ def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: i
     t0 = time.perf_counter()
     with RegionMemory(ps.device, count=spec.mem_accounting) as region:
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
+        routed: dict = {}                   # MoE: tokens per expert per layer, summed over micro steps
         for micro in range(spec.grad_accum):
             loss_sum += _micro_step(engine, windows, spec, step, micro, store)
+            _add_routed(routed, engine)
     runtime.synchronize(ps.device)          # host-device sync: the step's wall time ends here
     seconds = time.perf_counter() - t0
     loss, mem = _reduce_stats(loss_sum, region.peaks, spec)
@@ -172,7 +176,16 @@ def train_step(engine, windows: Windows | PackedWindows, spec: LoopSpec, step: i
     norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
     return StepRecord(step=step + 1, loss=loss, lr=lr, tokens=tokens, step_time_s=seconds,
                       tokens_per_s=rates.tokens_per_s, tgs=rates.tgs, mfu=rates.mfu, mfu_full=rates.mfu_full,
-                      hfu=rates.hfu, grad_norm=None if norm is None else float(norm), **mem)
+                      hfu=rates.hfu, grad_norm=None if norm is None else float(norm), **mem,
+                      expert_load={str(k): v for k, v in expert_load(routed).items()} if routed else None)
+
+
+def _add_routed(routed: dict, engine) -> None:
+    """Add the last forward's routed-token counts (over the SP group) of an MoE model into ``routed``."""
+    stats = getattr(getattr(engine, "module", engine), "router_stats", None)
+    if stats is not None and stats.layers:
+        for layer, c in stats.layer_counts().items():
+            routed[layer] = routed[layer] + c if layer in routed else c.clone()
 
 
 class DeviceOutOfMemory(RuntimeError):

@@ -31,8 +31,8 @@ class ModelShape:
     """H_kv."""
     head_dim: int
     """D."""
-    intermediate_size: int
-    """I (SwiGLU inner width)."""
+    intermediate_size: float
+    """I (SwiGLU inner width; with experts the FLOP-equivalent width, ``ModelConfig.mlp_flop_width``)."""
     vocab_size: int
     """V."""
 
@@ -40,7 +40,7 @@ class ModelShape:
     def from_config(cls, cfg) -> "ModelShape":
         """The shape of a :class:`fpdt.model.ModelConfig` (or anything with its size fields)."""
         return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size, cfg.vocab_size)
+                   getattr(cfg, "mlp_flop_width", cfg.intermediate_size), cfg.vocab_size)
 
 
 def layer_matmul_flops(m: ModelShape) -> float:

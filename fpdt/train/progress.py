@@ -56,6 +56,9 @@ class StepRecord:
     (CUDA; ``None`` on the CPU)."""
     host_stash_gib: float | None = None
     """Most host-stash bytes in use during the step, max over ranks (0 without offload)."""
+    expert_load: dict | None = None
+    """MoE models: per layer, ``max`` and ``mean`` tokens per expert and ``imbalance`` (max / mean),
+    over the step's micro steps and the SP group (routing collapse shows as a rising imbalance)."""
 
 
 def host_rss_gib() -> float:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from fpdt.model import FPDTForCausalLM, ModelConfig
 from fpdt.model.build import construct
-from fpdt.model.weights import check_missing, check_shape, check_unexpected, checkpoint_files, model_name
+from fpdt.model.weights import (check_missing, check_shape, check_unexpected, checkpoint_files, expert_slot,
+                                model_name)
 
 
 def _full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
@@ -33,19 +34,29 @@ def checkpoint_plan(path: str | os.PathLike, model: FPDTForCausalLM) -> list[tup
 
     Raises the ``ValueError`` of :func:`fpdt.model.from_pretrained` for tensors the model
     does not have, shape mismatches and parameters the checkpoint lacks. Names are in a
-    fixed (sorted) order per file, the same on every rank.
+    fixed (sorted) order per file, the same on every rank. The hub's per-expert tensors
+    (:func:`fpdt.model.weights.expert_slot`) count as their fused parameter once all are listed.
     """
     from safetensors import safe_open
 
     shapes = {name: _full_shape(p) for name, p in model.named_parameters()}  # tied head: the embedding only
     plan: list[tuple[str, list[str]]] = []
     loaded: set[str] = set()
+    slots: dict[str, int] = {}                 # fused expert parameter -> per-expert tensors listed
     for file in checkpoint_files(os.fspath(path)):
         names, unexpected = [], []
         with safe_open(file, framework="pt", device="cpu") as f:
             for stored in sorted(f.keys()):
                 name = model_name(stored, model.config)
-                if name is None:
+                if name is None:             # skipped (fpdt.model.weights.ignored_tensor)
+                    continue
+                slot = expert_slot(name, shapes)
+                if slot is not None:
+                    target, e, rows = slot
+                    want = torch.empty(shapes[target][1:], device="meta")[rows].shape
+                    check_shape(name, f.get_slice(stored).get_shape(), want)
+                    slots[target] = slots.get(target, 0) + 1
+                    names.append(stored)
                     continue
                 if name not in shapes:
                     unexpected.append(name)
@@ -55,6 +66,8 @@ def checkpoint_plan(path: str | os.PathLike, model: FPDTForCausalLM) -> list[tup
                 loaded.add(name)
         check_unexpected(unexpected)
         plan.append((file, names))
+    # gate_up_proj takes two tensors per expert (gate, up), down_proj one
+    loaded.update(t for t, n in slots.items() if n == shapes[t][0] * (2 if t.endswith("gate_up_proj") else 1))
     check_missing(model, loaded)
     return plan
 
@@ -98,12 +111,20 @@ def from_pretrained_zero3(path: str | os.PathLike, ds_config: Mapping[str, Any],
     params = dict(model.named_parameters())
     source = dist.get_rank() == 0  # modifier_rank 0 of the world group the parameters are partitioned over
     read_on = str(device) if device.type == "cuda" else "cpu"
+    shapes = {name: _full_shape(p) for name, p in params.items()}
     for file, names in plan:
         reader = safe_open(file, framework="pt", device=read_on) if source else contextlib.nullcontext()
+        by_target: dict[str, list[str]] = {}     # one gather per parameter and file (experts: many tensors)
+        for name in names:
+            slot = expert_slot(model_name(name, cfg), shapes)
+            by_target.setdefault(model_name(name, cfg) if slot is None else slot[0], []).append(name)
         with reader as f:
-            for name in names:
-                p = params[model_name(name, cfg)]
+            for target, sources in by_target.items():
+                p = params[target]
                 with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                     if source:
-                        p.data.copy_(f.get_tensor(name))  # converts to the training dtype
+                        for name in sources:          # converts to the training dtype
+                            slot = expert_slot(model_name(name, cfg), shapes)
+                            dest = p.data if slot is None else p.data[slot[1], slot[2]]
+                            dest.copy_(f.get_tensor(name))
     return model
