@@ -320,3 +320,46 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     head = (0 if cfg.tie_word_embeddings else cfg.vocab_size * h) + h
     out = ParamCounts(layer=max(layers), embedding=cfg.vocab_size * h, head=head, num_layers=cfg.num_layers)
     return out if spec.plain else replace(out, layers=layers, active_layers=active_layers)
+
+
+GDN_CHUNK = 64
+"""The chunk length ``c`` of the chunked gated delta rule (fla's ``chunk_gated_delta_rule``)."""
+
+
+def gdn_core_flops(g: GDNShape) -> float:
+    """Forward FLOPs per token of a GDN layer's depthwise conv and chunked delta rule (``docs/plan.md``,
+    "Hybrid and mixture-of-experts models"): per value head ``6 dk dv + c (6 dk + 4 dv) + 2 c^2 / 3``, ``c = 64``."""
+    c, dk, dv = GDN_CHUNK, g.key_dim, g.value_dim
+    return g.value_heads * (6 * dk * dv + c * (6 * dk + 4 * dv) + 2 * c * c / 3) + 2 * g.conv_kernel * g.qkv_width
+
+
+def layer_matmul_flops(cfg: ModelConfig, spec: ModelSpec) -> tuple[float, ...]:
+    """Forward GEMM FLOPs per token of each decoder layer: its mixer's projections and its MLP's
+    active weights (``k`` of ``E`` experts, the router, the shared expert and its gate)."""
+    h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    mixer = {"attention": 2 * h * mixer_input_width(cfg, spec, "attention") + 2 * qd * h,
+             "gdn": 2 * h * spec.gdn.projected_width + 2 * spec.gdn.value_width * h if spec.gdn else 0}
+    m = spec.moe
+    mlp = {"dense": 6 * h * cfg.intermediate_size,
+           "moe": 6 * h * (m.routed_width + m.shared_ffn) + 2 * h * m.num_experts + (2 * h if m.shared_gate else 0)
+           if m else 0}
+    return tuple(mixer[a] + mlp[b] for a, b in zip(spec.mixers, spec.mlps))
+
+
+def mlp_recompute_flops(cfg: ModelConfig, spec: ModelSpec) -> tuple[float, ...]:
+    """FLOPs per token each layer's chunked MLP recomputes in its backward: the dense gate and up
+    projections; a MoE MLP's router, experts' ``gate_up`` and the shared expert's gate and up."""
+    h, m = cfg.hidden_size, spec.moe
+    per = {"dense": 4 * h * cfg.intermediate_size,
+           "moe": 4 * h * (m.routed_width + m.shared_ffn) + 2 * h * m.num_experts if m else 0}
+    return tuple(per[b] for b in spec.mlps)
+
+
+def train_flops_per_token(cfg: ModelConfig, spec: ModelSpec, seq_len: int, causal: bool = True) -> float:
+    """The trainer's MFU numerator, ``3 x`` the forward FLOPs per token, per layer kind: the GEMMs of
+    :func:`layer_matmul_flops`, attention only in the full-attention layers, the GDN core in the others,
+    and the LM head (``fpdt.train.metrics.train_flops_per_token`` for a plain model)."""
+    attention = (0.5 if causal else 1.0) * 4 * cfg.num_heads * cfg.head_dim * seq_len
+    core = gdn_core_flops(spec.gdn) if spec.gdn else 0.0
+    forward = sum(layer_matmul_flops(cfg, spec)) + spec.attention_layers * attention + spec.gdn_layers * core
+    return 3 * (forward + 2 * cfg.hidden_size * cfg.vocab_size)

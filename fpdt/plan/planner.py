@@ -26,7 +26,8 @@ from fpdt.options import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, La
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
 from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, mlp_chunks, nvme_layers_on_disk, saved_attention_bytes
-from fpdt.plan.models import load_model_config
+from fpdt.plan.models import load_model_config, model_spec
+from fpdt.plan.models import train_flops_per_token as kind_train_flops
 from fpdt.comm import PLACEMENTS
 from fpdt.plan.setup import (GPU_OPTIONS, RunSettings, Setup,
                              chunk_count_problems, option_problems, split_options)
@@ -180,6 +181,11 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     attended = effective_length(s.seq_len, s.doc_len)     # MFU counts the attention work the mask needs
     rates = step_rates(shape, attended, tokens, times["total"], cluster.world,
                        cluster.gpu.bf16_flops, recompute=s.options.checkpointing != "off")
+    spec = model_spec(cfg)
+    if not spec.plain:   # attention in the full-attention layers only, k of E experts (fpdt.plan.models)
+        denom = rates.tokens_per_s / (cluster.world * cluster.gpu.bf16_flops)
+        rates = dataclasses.replace(rates, mfu=kind_train_flops(cfg, spec, attended, True) * denom,
+                                    mfu_full=kind_train_flops(cfg, spec, attended, False) * denom)
     if s.lora_rank:   # the FLOPs a LoRA step needs: no weight gradients of the frozen linears and head
         rates = dataclasses.replace(rates, mfu=rates.mfu * _lora_flops_fraction(shape, attended, True),
                                     mfu_full=rates.mfu_full * _lora_flops_fraction(shape, attended, False))
@@ -209,7 +215,8 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     }
     if mem.nvme_bytes:
         recompute = s.options.checkpointing != "off"
-        io = nvme_io(cfg, s, cluster, times["gemms"] + times["attention"], 4 if recompute else 3)
+        io = nvme_io(cfg, s, cluster, times["gemms"] + times["attention"] + times.get("gdn_core", 0.0),
+                     4 if recompute else 3)
         out["nvme"] = {"layers": nvme_layers_on_disk(cfg, s), "bytes_per_node": mem.nvme_bytes,
                        "capacity_bytes": cluster.nvme.capacity_bytes if cluster.nvme else None, **io}
     return out
@@ -290,17 +297,20 @@ def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room
     recompute setup ``s`` leaves: ``host_room`` bytes per node of ``ranks_per_node`` ranks and
     ``device_room`` per GPU (None: not limited). The first ``l - k`` layers' outputs go to the
     host under ``"offload"``, the rest (and all under ``"on"``) to the device, where the
-    allocator's slack (:data:`FRAGMENTATION`) is counted on them. 0 without checkpointing."""
+    allocator's slack (:data:`FRAGMENTATION`) is counted on them. 0 without checkpointing. In a
+    hybrid model the count is of its full-attention layers (the first ones)."""
     l, o = cfg.num_layers, s.options
     if o.checkpointing == "off":
         return 0
     per = saved_attention_bytes(cfg, s)
-    on_host = l - o.checkpoint_device_layers if o.checkpointing == "offload" else 0
+    attention = [i for i, kind in enumerate(model_spec(cfg).mixers) if kind == "attention"]   # GDN layers save nothing
+    first_on_device = l - o.checkpoint_device_layers if o.checkpointing == "offload" else 0
+    on_host = sum(1 for i in attention if i < first_on_device)
     n_host = max(0, min(on_host, int(host_room // (ranks_per_node * per))))
     if n_host < on_host:
         return n_host
-    on_device = l - on_host if device_room is None else min(l - on_host, int(max(0.0, device_room)
-                                                                           // (FRAGMENTATION * per)))
+    on_device = len(attention) - on_host
+    on_device = on_device if device_room is None else min(on_device, int(max(0.0, device_room) // (FRAGMENTATION * per)))
     return on_host + on_device
 
 

@@ -1,0 +1,130 @@
+"""The planner on hybrid (Gated DeltaNet + attention) and mixture-of-experts models: per-layer-kind
+memory and time, their limits against plain models, and the meshes a hybrid refuses."""
+
+import json
+import os
+
+import pytest
+
+from fpdt.plan import Choice, Cluster, GPU_PRESETS, Setup, load_model_config, param_counts, plan
+from fpdt.plan.cli import main
+from fpdt.plan.memory_model import communication, estimate_memory, gdn_stash_bytes, moe_working_set
+from fpdt.plan.models import PRESET_DIR, gdn_core_flops, layer_matmul_flops, model_spec
+from fpdt.plan.time_model import estimate_time
+
+GIB = 1024 ** 3
+H100x8 = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=8, host_mem_bytes=1024 * GIB)
+
+
+def _preset(name: str) -> dict:
+    with open(os.path.join(PRESET_DIR, name + ".json")) as f:
+        return json.load(f)
+
+
+def _setup(seq_len=2 ** 20, chunk=2 ** 16, hp=8, **kw):
+    return Setup.build(seq_len, chunk, hp=hp, cp=1, **kw)
+
+
+def test_gdn_core_flops_formula():
+    """Qwen3.5-9B: per value head 6 dk dv + c (6 dk + 4 dv) + 2 c^2 / 3 (c = 64), and the conv's 2 K per channel."""
+    g = model_spec(load_model_config("qwen3.5-9b")).gdn
+    per_head = 6 * 128 * 128 + 64 * (6 * 128 + 4 * 128) + 2 * 64 * 64 / 3
+    assert gdn_core_flops(g) == pytest.approx(32 * per_head + 2 * 4 * (2 * 16 * 128 + 32 * 128))
+
+
+def test_gdn_stash_is_chunk_inputs_and_boundary_states():
+    cfg = load_model_config("qwen3.5-9b")
+    s = _setup()
+    tokens, u = 2 ** 20 // 8, 16
+    expected = tokens * (4096 + 8192 + 4096 + 64) * 2 + u * (4 * (32 // 8) * 128 * 128 + 3 * 8192 // 8 * 2)
+    assert gdn_stash_bytes(cfg, model_spec(cfg), s) == pytest.approx(expected)
+
+
+def test_attention_time_only_in_full_attention_layers():
+    """The same shapes with every layer full attention: 4x the attention time of the 3:1 hybrid."""
+    hybrid = load_model_config("qwen3.5-9b")
+    dense = load_model_config({**_preset("qwen3.5-9b"), "layer_types": ["full_attention"] * 32})
+    s = _setup(attention_checkpoint="recompute")
+    t_h, t_d = estimate_time(hybrid, s, H100x8), estimate_time(dense, s, H100x8)
+    assert t_d["attention"] == pytest.approx(4 * t_h["attention"])
+    assert "gdn_core" not in t_d and 0 < t_h["gdn_core"] < 0.01 * t_h["attention"]
+
+
+def test_gdn_layers_hold_no_kv_stash():
+    """Without layer checkpoints every layer's stash is on the host: a GDN layer's is its chunk inputs."""
+    hybrid = load_model_config("qwen3.5-9b")
+    dense = load_model_config({**_preset("qwen3.5-9b"), "layer_types": ["full_attention"] * 32})
+    s = _setup(checkpointing="off")
+    m_h, m_d = estimate_memory(hybrid, s, 8, 8), estimate_memory(dense, s, 8, 8)
+    per_gdn = gdn_stash_bytes(hybrid, model_spec(hybrid), s) * 8
+    per_attention = m_d.breakdown["attention_stash_host"] / 32
+    assert m_h.breakdown["attention_stash_host"] == pytest.approx(8 * per_attention + 24 * per_gdn)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3-30b-a3b", "qwen3.5-35b-a3b"])
+def test_memory_grows_with_the_sequence(name):
+    cfg = load_model_config(name)
+    peaks = [estimate_memory(cfg, _setup(2 ** k), 8, 8) for k in (18, 19, 20, 21)]
+    for a, b in zip(peaks, peaks[1:]):
+        assert b.device_peak_bytes > a.device_peak_bytes and b.host_peak_bytes > a.host_peak_bytes
+
+
+def test_one_expert_moe_is_the_dense_mlp_plus_its_router():
+    """A one-expert top-1 MoE of width I is the dense SwiGLU of width I (every layer in ``mlp_only_layers``)
+    plus a ``[1, hidden]`` router: the same memory, one router GEMM more."""
+    base = {**_preset("qwen3-30b-a3b"), "num_hidden_layers": 4}
+    moe = load_model_config({**base, "num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 6144})
+    dense = load_model_config({**base, "mlp_only_layers": [0, 1, 2, 3]})
+    h = 2048
+    assert model_spec(dense).mlps == ("dense",) * 4 and model_spec(moe).mlps == ("moe",) * 4
+    assert param_counts(moe).total == param_counts(dense).total + 4 * h
+    flops = 2 * h * (32 * 128 + 2 * 4 * 128) + 2 * 32 * 128 * h + 6 * h * 6144
+    assert layer_matmul_flops(dense, model_spec(dense)) == (flops,) * 4
+    assert layer_matmul_flops(moe, model_spec(moe)) == (flops + 2 * h,) * 4
+
+
+def test_gemms_follow_k_and_the_zero_gather_follows_e():
+    """Active FLOPs grow with the experts per token; the ZeRO-3 gather holds all E experts of a layer."""
+    base = _preset("qwen3-30b-a3b")
+    s = _setup(2 ** 19)
+    t = {k: estimate_time(load_model_config({**base, "num_experts_per_tok": k}), s, H100x8)["gemms"] for k in (4, 8)}
+    assert t[8] > t[4]
+    cfg_e = {e: load_model_config({**base, "num_experts": e}) for e in (64, 128)}
+    experts = 64 * 3 * 2048 * 768
+    assert param_counts(cfg_e[128]).layer - param_counts(cfg_e[64]).layer == experts + 64 * 2048
+    gathered = communication(cfg_e[128], s) - communication(cfg_e[64], s)
+    assert gathered == pytest.approx(3 * (experts + 64 * 2048) * 2)      # two layers gathered, one's gradients
+    ws = moe_working_set(cfg_e[128], model_spec(cfg_e[128]), s) - moe_working_set(cfg_e[64], model_spec(cfg_e[64]), s)
+    assert ws >= 4 * experts                                             # the experts' fp32 gradient accumulators
+
+
+def test_hybrid_refuses_context_parallel_meshes():
+    out = plan("qwen3.5-9b", H100x8, seq_len=2 ** 20, choice=Choice(hp=4, cp=2))
+    assert not out["fits"] and "Gated DeltaNet" in out["reason"] and "cp 1" in out["reason"]
+    chosen = plan("qwen3.5-9b", H100x8, seq_len=2 ** 20)
+    assert chosen["fits"] and chosen["setup"]["cp"] == 1
+    # MoE attention is the dense model's: the ring is allowed
+    assert plan("qwen3-30b-a3b", H100x8, seq_len=2 ** 20, choice=Choice(hp=4, cp=2))["setup"]["cp"] == 2
+
+
+def test_hybrid_refuses_head_splits_that_do_not_divide_its_gdn_heads():
+    tiny = {"model_type": "qwen3_5_text", "vocab_size": 1024, "hidden_size": 384, "intermediate_size": 1024,
+            "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32}
+    out = plan(tiny, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=6), seq_len=6 * 2 ** 13,
+               choice=Choice(hp=6, cp=1))
+    assert "must divide the Gated DeltaNet's 2 key and 4 value heads" in out["reason"]
+
+
+def test_saved_attention_counts_full_attention_layers_only():
+    out = plan("qwen3.5-9b", H100x8, seq_len=2 ** 20)
+    assert out["setup"]["attention_checkpoint"] == "save"
+    assert out["setup"]["save_attention_layers"] <= 8
+
+
+def test_cli_plans_the_presets(capsys):
+    for name in ("qwen3.5-9b", "qwen3-30b-a3b", "qwen3.5-35b-a3b"):
+        assert main(["--model", name, "--gpu", "h100-80g", "--seq-len", "1048576", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["fits"] and out["mfu"] > 0
