@@ -53,10 +53,12 @@ class DecoderAdapter:
         """The model-wide part of the attention step, before the layers' (nothing by default)."""
 
     def set_attention(self, layer: nn.Module, options: FPDTOptions) -> None:
-        """Make ``layer.self_attn`` read :data:`ATTENTION_FIELDS`; without a layer checkpoint ``o_proj`` reads the stash."""
+        """Make the layer's token mixer (``self_attn``, or a Gated DeltaNet ``linear_attn``) read
+        :data:`ATTENTION_FIELDS`; without a layer checkpoint an attention's ``o_proj`` reads the stash."""
         for name in ATTENTION_FIELDS:
-            setattr(layer.self_attn, name, getattr(options, name))
-        layer.self_attn.o_proj_input_from_stash = options.checkpointing == "off"
+            setattr(token_mixer_of(layer), name, getattr(options, name))
+        if has_attention(layer):
+            layer.self_attn.o_proj_input_from_stash = options.checkpointing == "off"
 
     def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
         norm.num_chunks = num_chunks
@@ -72,6 +74,16 @@ class DecoderAdapter:
     def set_loss_chunks(self, num_chunks: int) -> None:
         """``num_chunks`` token chunks for the LM head and loss; 0: full logits."""
         raise NotImplementedError
+
+
+def has_attention(layer: nn.Module) -> bool:
+    """Whether a decoder layer mixes tokens by attention (``self_attn``), not by a Gated DeltaNet."""
+    return getattr(layer, "self_attn", None) is not None
+
+
+def token_mixer_of(layer: nn.Module) -> nn.Module:
+    """A decoder layer's ``self_attn``, or its ``linear_attn`` (hybrid models)."""
+    return layer.self_attn if has_attention(layer) else layer.linear_attn
 
 
 @dataclass(frozen=True)
@@ -107,7 +119,7 @@ def apply_chunked_mlp(adapter: DecoderAdapter, mlp_chunks: int) -> None:
 
 def apply_layer_checkpointing(adapter: DecoderAdapter, options: FPDTOptions) -> LayerCheckpoints:
     """The model's one :class:`LayerCheckpoints` for ``options.checkpointing``; returned."""
-    checkpoints = LayerCheckpoints(options, len(adapter.layers))
+    checkpoints = LayerCheckpoints(options, len(adapter.layers), [has_attention(layer) for layer in adapter.layers])
     adapter.set_layer_checkpoints(checkpoints)
     return checkpoints
 

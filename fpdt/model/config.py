@@ -1,14 +1,18 @@
 """The model configuration, parsed from a Hugging Face ``config.json`` and validated.
 
 Only what the FPDT model implements exactly is accepted; anything else (sliding windows, unknown
-RoPE scaling, non-SiLU activations, attention dropout, partial rotary, ...) raises
+RoPE scaling, non-SiLU activations, attention dropout, partial rotary outside Qwen3.5, ...) raises
 :class:`UnsupportedConfigError` naming the key. Both the Transformers 4.x (``rope_theta`` +
-``rope_scaling``) and 5.x (``rope_parameters``) layouts are understood.
+``rope_scaling``) and 5.x (``rope_parameters``) layouts are understood. Hybrid models (Qwen3.5:
+Gated DeltaNet and gated attention layers, ``layer_types``) and the hub's vision-language layout
+are read by the token-mixer section at the end (``docs/models.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -18,7 +22,33 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
+
+# Vision-language hub layouts whose text model fpdt trains alone: model_type -> (its class, where
+# the text decoder's tensors live in its checkpoints, the text model_type).
+CONDITIONAL_LAYOUTS = {
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "model.language_model", "qwen3_5_text"),
+}
+
+# Token mixers of ``layer_types``: softmax attention or Gated DeltaNet (arXiv 2412.06464).
+ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+# Hybrid families refused, each with what fpdt lacks for it (docs/models.md).
+REFUSED_HYBRIDS = {
+    "qwen3_next": "Qwen3-Next needs a mixture-of-experts MLP with a shared expert and its fused "
+                  "in_proj_qkvz / in_proj_ba Gated DeltaNet layout, neither implemented",
+    "olmo_hybrid": "OLMo hybrid needs post-norm decoder layers (a norm after each mixer and MLP, none before), "
+                   "q/k RMSNorm over all heads and allow_neg_eigval (beta in [0, 2]), none implemented",
+    "kimi_linear": "Kimi Linear's KDA has per-channel gates (fpdt's Gated DeltaNet has one gate per head) "
+                   "and MLA attention layers, neither implemented",
+    "qwen3_5_moe": "Qwen3.5-MoE needs a mixture-of-experts MLP with a shared expert, not implemented with "
+                   "Gated DeltaNet layers",
+    "qwen3_5_moe_text": "Qwen3.5-MoE needs a mixture-of-experts MLP with a shared expert, not implemented with "
+                        "Gated DeltaNet layers",
+}
+
+log = logging.getLogger(__name__)
 
 # RoPE types the model computes exactly (see fpdt.model.rope_scaling).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -72,12 +102,49 @@ class ModelConfig:
     """Embedding row that gets no gradient (``padding_idx``, as in Transformers)."""
     initializer_range: float = 0.02
     """Std of the normal init used by :func:`fpdt.model.from_config`."""
+    # -- token mixers (hybrid models, Qwen3.5); the defaults are the Llama family's --
+    layer_types: tuple[str, ...] | None = None
+    """Per-layer token mixer, ``"full_attention"`` or ``"linear_attention"`` (Gated DeltaNet); None: all attention."""
+    linear_num_key_heads: int = 0
+    """Gated DeltaNet key heads Hk (0: no such layers)."""
+    linear_num_value_heads: int = 0
+    """Gated DeltaNet value heads HV (a multiple of Hk)."""
+    linear_key_head_dim: int = 0
+    """Gated DeltaNet dk."""
+    linear_value_head_dim: int = 0
+    """Gated DeltaNet dv."""
+    linear_conv_kernel_dim: int = 0
+    """Gated DeltaNet causal depthwise conv kernel."""
+    attn_output_gate: bool = False
+    """``q_proj`` also gives a per-head gate: ``o * sigmoid(gate)`` before ``o_proj``."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k (``q_norm`` / ``k_norm``)."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first ``rotary_dim = int(head_dim * factor)`` channels of each head."""
+    zero_centred_norms: bool = False
+    """RMSNorms compute ``x_hat * (1 + weight)`` (weights stored zero-centred)."""
+    text_prefix: str = "model"
+    """Where the decoder's tensors live in the checkpoint read: ``model``, or ``model.language_model``
+    for a vision-language layout (its vision tower is left out)."""
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The ``config.json`` dict this was parsed from (written back on save)."""
 
     @property
     def rope_type(self) -> str:
         return "default" if self.rope_scaling is None else str(self.rope_scaling["rope_type"])
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head RoPE rotates (``head_dim`` unless partial)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, i: int) -> str:
+        """Layer ``i``'s token mixer (:data:`ATTENTION` or :data:`LINEAR_ATTENTION`)."""
+        return ATTENTION if self.layer_types is None else self.layer_types[i]
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return self.layer_types is not None and LINEAR_ATTENTION in self.layer_types
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any] | Any) -> "ModelConfig":
@@ -97,7 +164,9 @@ class ModelConfig:
             if not hasattr(hf, "to_dict"):
                 raise TypeError(f"expected a config dict, path or object with to_dict(), got {type(hf).__name__}")
             hf = hf.to_dict()
-        return _parse(dict(hf))
+        text, prefix = _text_config(dict(hf))
+        cfg = _parse(text)
+        return cfg if prefix is None else dataclasses.replace(cfg, text_prefix=prefix)
 
     def to_hf(self, dtype_name: str | None = None) -> dict[str, Any]:
         """The ``config.json`` dict to save (the original one, with architectures/dtype filled in)."""
@@ -138,8 +207,9 @@ def _model_type(hf: Mapping[str, Any]) -> str:
     return model_type
 
 
-def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """-> (theta, scaling dict or None). Accepts both the 4.x and the 5.x layout."""
+def _rope(hf: Mapping[str, Any], partial_ok: bool = False) -> tuple[float, dict[str, Any] | None]:
+    """-> (theta, scaling dict or None). Accepts both the 4.x and the 5.x layout; ``partial_ok``: a
+    model whose ``partial_rotary_factor`` and text-only multimodal RoPE are read (:func:`_rotary_fraction`)."""
     params = hf.get("rope_parameters")
     scaling = hf.get("rope_scaling")
     if params is not None and scaling is not None and dict(params) != dict(scaling):
@@ -151,6 +221,10 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = params.pop("rope_theta", None)
     theta = float(theta if theta is not None else hf.get("rope_theta", 10000.0))
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial_ok:
+        partial = None
+        for key in ("mrope_section", "mrope_interleaved"):   # text positions: the same in all three sections
+            params.pop(key, None)
     _refuse(partial is not None and float(partial) != 1.0,
             f"partial_rotary_factor={partial} is not supported (only full-width RoPE)")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -189,10 +263,10 @@ def uses_sliding_window(hf: Mapping[str, Any]) -> bool:
         # Qwen2 only uses the window when use_sliding_window is true (Qwen2.5 configs
         # carry a window value with use_sliding_window=false).
         return (bool(hf.get("use_sliding_window")) and window is not None) or \
-            any(t != "full_attention" for t in layer_types)
+            any(t != ATTENTION for t in layer_types)
     if hf.get("model_type") == "mistral":
         return window is not None
-    return bool(hf.get("use_sliding_window")) or any(t != "full_attention" for t in layer_types)
+    return bool(hf.get("use_sliding_window")) or any(t not in (ATTENTION, LINEAR_ATTENTION) for t in layer_types)
 
 
 def _sliding_window(hf: Mapping[str, Any], model_type: str) -> None:
@@ -221,7 +295,7 @@ def _parse(hf: dict[str, Any]) -> ModelConfig:
     for key in ("mlp_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop"):
         _refuse(float(hf.get(key) or 0.0) != 0.0, f"{key}={hf.get(key)} is not supported (no dropout)")
     _sliding_window(hf, model_type)
-    theta, scaling = _rope(hf)
+    theta, scaling = _rope(hf, partial_ok=model_type in HYBRID_TYPES)
     if model_type == "llama":
         qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         mlp_bias = bool(hf.get("mlp_bias", False))
@@ -249,4 +323,76 @@ def _parse(hf: dict[str, Any]) -> ModelConfig:
         pad_token_id=None if hf.get("pad_token_id") is None else int(hf["pad_token_id"]),
         initializer_range=float(hf.get("initializer_range", 0.02)),
         hf_config=hf,
+        **(_token_mixers(hf, heads, head_dim) if model_type in HYBRID_TYPES else {}),
     )
+
+
+# ---------------------------------------------------------------- token mixers (hybrid models)
+
+HYBRID_TYPES = ("qwen3_5_text",)
+"""Model types with per-layer token mixers (:func:`_token_mixers`)."""
+
+
+def _text_config(hf: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A vision-language hub layout (:data:`CONDITIONAL_LAYOUTS`) -> (its text config, where its tensors
+    live), the vision tower left out (one log line); refused hybrid families (:data:`REFUSED_HYBRIDS`)
+    raise; other configs come back unchanged, with None."""
+    model_type = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    by_arch = {arch: t for t, (arch, _, _) in CONDITIONAL_LAYOUTS.items()}
+    model_type = model_type or next((by_arch[a] for a in archs if a in by_arch), None)
+    if model_type in REFUSED_HYBRIDS:
+        raise UnsupportedConfigError(f"model_type={model_type!r} is not supported: {REFUSED_HYBRIDS[model_type]}")
+    if model_type not in CONDITIONAL_LAYOUTS:
+        return hf, None
+    arch, prefix, text_type = CONDITIONAL_LAYOUTS[model_type]
+    text = hf.get("text_config")
+    _refuse(not isinstance(text, Mapping), f"model_type={model_type!r} config.json has no text_config")
+    text = dict(text)
+    _refuse(text.get("model_type", text_type) != text_type,
+            f"text_config.model_type={text.get('model_type')!r} is not {text_type!r}")
+    unknown = [a for a in archs if a != arch]
+    _refuse(bool(unknown), f"architectures={archs} is not {arch!r}")
+    log.warning("fpdt: %s: the text model only (the tensors under %s); the vision tower is left out",
+                arch, prefix)
+    text.update(model_type=text_type, architectures=[ARCHITECTURES[text_type]],
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
+    return text, prefix
+
+
+def _token_mixers(hf: Mapping[str, Any], heads: int, head_dim: int) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a Qwen3.5 text config: ``layer_types`` (default: every
+    ``full_attention_interval``-th layer attention, as Transformers), Gated DeltaNet sizes, gated
+    attention with per-head q/k norms, partial RoPE, zero-centred norms."""
+    layers = int(_require(hf, "num_hidden_layers"))
+    types = hf.get("layer_types")
+    if types is None:
+        every = int(hf.get("full_attention_interval", 4))
+        types = [LINEAR_ATTENTION if (i + 1) % every else ATTENTION for i in range(layers)]
+    types = tuple(types)
+    _refuse(len(types) != layers, f"layer_types has {len(types)} entries for num_hidden_layers={layers}")
+    unknown = sorted(set(types) - {ATTENTION, LINEAR_ATTENTION})
+    _refuse(bool(unknown), f"layer_types {unknown} are not supported (only {ATTENTION!r} and {LINEAR_ATTENTION!r})")
+    _refuse(hf.get("attn_output_gate") is False,
+            "attn_output_gate=false: Qwen3.5's attention always gates its output (as Transformers runs it)")
+    sizes = {k: int(_require(hf, k)) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                                "linear_key_head_dim", "linear_value_head_dim",
+                                                "linear_conv_kernel_dim")}
+    hk, hv = sizes["linear_num_key_heads"], sizes["linear_num_value_heads"]
+    _refuse(hk < 1 or hv % hk != 0, f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
+    act = hf.get("hidden_act", "silu")
+    _refuse(act != "silu", f"hidden_act={act!r}: Gated DeltaNet's conv activation is SiLU only")
+    bias = bool(hf.get("attention_bias", False))
+    _refuse(bias, "attention_bias=true is not supported for Qwen3.5's gated attention")
+    partial = _rotary_fraction(hf)
+    _refuse(int(head_dim * partial) % 2 != 0 or int(head_dim * partial) < 2,
+            f"partial_rotary_factor={partial} of head_dim={head_dim} gives an odd or empty rotary width")
+    return dict(layer_types=types, attn_output_gate=True, qk_norm=True, partial_rotary_factor=partial,
+                zero_centred_norms=True, **sizes)
+
+
+def _rotary_fraction(hf: Mapping[str, Any]) -> float:
+    """``partial_rotary_factor`` from ``rope_parameters`` (5.x) or the top level; Qwen3.5's default 0.25."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    return float(value)

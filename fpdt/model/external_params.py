@@ -17,6 +17,10 @@ from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.ops.projections import read_output_projection
 
 
+GDN_CHILDREN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+"""A Gated DeltaNet's submodules (Transformers' names), whose weights its chunked functions may read."""
+
+
 def _reads_o_proj(attention: FPDTAttention) -> bool:
     """Whether the attention computes ``o_proj`` from its weights (adapters, or its input from the stash)."""
     read = read_output_projection(attention.o_proj, type(attention).__name__, attention.training)
@@ -30,7 +34,8 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
     * each :class:`fpdt.attention.FPDTAttention`: its q/k/v projections' (and q/k norms'), and
       ``o_proj``'s when it has adapters or reads its input from the stash;
     * each :class:`fpdt.model.ChunkedSwiGLU`: its three projections'; in an
-      :class:`fpdt.model.llama.FPDTDecoderLayer`, also ``post_attention_layernorm``'s (fused in);
+      :class:`fpdt.model.llama.FPDTDecoderLayer`, also ``post_attention_layernorm``'s (when fused in);
+    * each Gated DeltaNet (:data:`GDN_CHILDREN`): its submodules';
     * ``lm_head``: ``model.lm_head.weight`` (the chunked loss), read by ``model``;
     * ``streamed`` (:mod:`fpdt.model.streaming`): the embedding and final norm, read by ``model``.
 
@@ -43,7 +48,10 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
     for module in model.modules():
         names: tuple[str, ...] = ()
         if isinstance(module, FPDTDecoderLayer):
-            yield module.mlp, module.post_attention_layernorm.weight
+            if module.norm_in_mlp:
+                yield module.mlp, module.post_attention_layernorm.weight
+        elif all(hasattr(module, n) for n in GDN_CHILDREN):    # a Gated DeltaNet reads its children's weights
+            names = GDN_CHILDREN
         elif isinstance(module, FPDTAttention):
             names = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm") + (("o_proj",) if _reads_o_proj(module) else ())
         elif isinstance(module, ChunkedSwiGLU):

@@ -3,7 +3,7 @@
 :class:`LayerCheckpoints` holds what one model's layer checkpoints share (:mod:`fpdt.model.checkpointing`
 does one layer): the host stash of the offloaded layer inputs, keys unique per forward call,
 which layers keep their input on the device (the last ``checkpoint_device_layers``), and
-which layers keep their attention output for the recompute (the first
+which layers keep their attention output for the recompute (the attention layers among the first
 ``save_attention_layers`` under ``attention_checkpoint="save"``), and which offloaded layers keep
 both on disk instead (the first ``nvme_layers`` under ``nvme_path``, ``docs/nvme.md``). Both
 models' decoder loops run each layer through :meth:`checkpointed_layer`.
@@ -26,8 +26,9 @@ from fpdt.options import FPDTOptions
 class LayerCheckpoints:
     """One model's layer-checkpoint state for ``options`` and ``num_layers`` decoder layers."""
 
-    def __init__(self, options: FPDTOptions, num_layers: int):
+    def __init__(self, options: FPDTOptions, num_layers: int, attention: list[bool] | None = None):
         self.mode = options.checkpointing
+        self.attention = [True] * num_layers if attention is None else list(attention)  # False: Gated DeltaNet
         self.runtime = options.runtime
         self.nvme_path = options.nvme_path
         self.num_layers = num_layers
@@ -53,7 +54,7 @@ class LayerCheckpoints:
         stash = self._stash_for(device) if self.mode == "offload" else None
         fid = self._forward
         saved = None
-        if i < self.saving and torch.is_grad_enabled():   # no backward, no recompute to serve
+        if i < self.saving and self.attention[i] and torch.is_grad_enabled():   # no backward, no recompute to serve
             on_disk = stash is not None and i < self.on_nvme
             saved = SavedAttention(device, on_host=stash is not None and i < self.on_host, label=f"layer {i}",
                                    runtime=self.runtime, stash=self._saved_stash(device, i) if on_disk else None)

@@ -1,6 +1,6 @@
-"""Llama-family causal LM on FPDT layers, with Transformers' module tree and parameter names
-(``docs/model.md``). Shapes: ``B`` batch, ``S`` global sequence, ``S_local = S / P`` tokens on each
-of the ``P`` sequence-parallel ranks, in the FPDT layout (:mod:`fpdt.layout`)."""
+"""Llama-family and hybrid (Qwen3.5) causal LMs on FPDT layers, with Transformers' module tree and
+parameter names (``docs/model.md``, ``docs/models.md``). Shapes: ``B`` batch, ``S`` global sequence,
+``S_local = S / P`` tokens on each of the ``P`` sequence-parallel ranks, in the FPDT layout (:mod:`fpdt.layout`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
 from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
-from fpdt.model.config import ModelConfig
+from fpdt.model.config import LINEAR_ATTENTION, ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs
 from fpdt.model.loss import sequence_parallel_lm_loss
@@ -30,36 +30,78 @@ from fpdt.options import FPDTOptions
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` in fp32, cast back before the weight multiply.
-    ``[..., hidden]`` -> same; saves the input and an fp32 ``rstd`` per token only."""
+    ``[..., hidden]`` -> same; saves the input and an fp32 ``rstd`` per token only. ``zero_centred``
+    (Qwen3.5): ``cast(x_hat * (1 + weight))`` in fp32, the weight stored as an offset from 1."""
 
-    def __init__(self, hidden_size: int, eps: float, num_chunks: int = 1):
+    def __init__(self, hidden_size: int, eps: float, num_chunks: int = 1, zero_centred: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centred else torch.ones(hidden_size))
         self.eps = eps
         self.num_chunks = num_chunks
+        self.zero_centred = zero_centred
 
     @classmethod
-    def from_weight(cls, weight: nn.Parameter, eps: float, num_chunks: int = 1) -> "RMSNorm":
+    def from_weight(cls, weight: nn.Parameter, eps: float, num_chunks: int = 1,
+                    zero_centred: bool = False) -> "RMSNorm":
         """A norm holding an existing ``weight`` parameter (``fpdt.hf`` adopts a Transformers model's)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self.weight, self.eps, self.num_chunks = weight, float(eps), num_chunks
+        self.weight, self.eps, self.num_chunks, self.zero_centred = weight, float(eps), num_chunks, zero_centred
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centred:
+            return zero_centred_rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, self.num_chunks)
 
 
-class FPDTDecoderLayer(nn.Module):
-    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``; options set by :func:`fpdt.model.apply.apply_all`."""
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``cast(x_hat * (1 + weight))`` with ``x_hat`` and the product in fp32 (Qwen3.5's norm), plain autograd."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
 
-    def __init__(self, cfg: ModelConfig):
+
+def token_mixer(cfg: ModelConfig, i: int) -> tuple[str, nn.Module]:
+    """Layer ``i``'s token mixer and the name it has in Transformers: ``("linear_attn", Gated DeltaNet)``
+    or ``("self_attn", FPDTAttention)`` (Qwen3.5's gated, with per-head q/k norms and partial RoPE)."""
+    if cfg.layer_type(i) == LINEAR_ATTENTION:
+        from fpdt.model.gated_deltanet import GatedDeltaNet
+
+        return "linear_attn", GatedDeltaNet(
+            cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps)
+    if not (cfg.attn_output_gate or cfg.qk_norm or cfg.rotary_dim != cfg.head_dim):
+        return "self_attn", FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                          qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
+    attn = FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                         o_bias=cfg.o_bias, output_gate=cfg.attn_output_gate, rotary_dim=cfg.rotary_dim)
+    if cfg.qk_norm:
+        attn.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms)
+        attn.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms)
+    return "self_attn", attn
+
+
+class FPDTDecoderLayer(nn.Module):
+    """Pre-norm block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``; options set by
+    :func:`fpdt.model.apply.apply_all`. The token mixer of layer ``layer_idx`` (:func:`token_mixer`) is
+    ``self_attn`` (attention) or ``linear_attn`` (Gated DeltaNet, ``cfg.layer_types``); the other is None."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = FPDTAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                       qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        zc = cfg.zero_centred_norms
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=zc)
+        self.self_attn = self.linear_attn = None
+        name, mixer = token_mixer(cfg, layer_idx)
+        setattr(self, name, mixer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=zc)
         self.mlp = ChunkedSwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.norm_in_mlp = not zc      # the chunked MLP applies post_attention_layernorm inside (Llama's norm)
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The layer's token mixer (``self_attn`` or ``linear_attn``)."""
+        return self.self_attn if self.self_attn is not None else self.linear_attn
 
     def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None, rope: RotaryEmbedding | None = None,
                 doc_ids: torch.Tensor | None = None,
@@ -74,11 +116,17 @@ class FPDTDecoderLayer(nn.Module):
 
     def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
                          doc_ids: torch.Tensor | None = None, saved: SavedAttention | None = None) -> torch.Tensor:
-        """``attn(norm(h))``, ending with ``o_proj`` (output not saved); ``saved``: the saved attention outputs."""
+        """``mixer(norm(h))``, ending with ``o_proj`` / ``out_proj`` (output not saved); ``saved``: the
+        saved attention outputs (attention layers only; None for a Gated DeltaNet layer)."""
+        if self.linear_attn is not None:
+            return self.linear_attn(self.input_layernorm(h), doc_ids=doc_ids)
         return self.self_attn(self.input_layernorm(h), position_ids, rope, doc_ids=doc_ids, saved=saved)
 
     def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
-        """``mlp(norm(h))``, one chunked function with the norm inside: saves ``h`` and an fp32 scale per token."""
+        """``mlp(norm(h))``, one chunked function with the norm inside (saves ``h`` and an fp32 scale per
+        token); a zero-centred norm runs before it as its own module."""
+        if not self.norm_in_mlp:
+            return self.mlp(self.post_attention_layernorm(h))
         return self.mlp(h, norm=self.post_attention_layernorm)
 
 
@@ -90,11 +138,11 @@ class FPDTModel(nn.Module):
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
         # padding_idx as in Transformers: the pad row gets no gradient.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
-        self.layers = nn.ModuleList(FPDTDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(FPDTDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         for i, layer in enumerate(self.layers):
-            layer.self_attn.stash_label = f"layer {i}"
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self._rope_args = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            layer.mixer.stash_label = f"layer {i}"
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=cfg.zero_centred_norms)
+        self._rope_args = (cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         inv_freq, scaling = rope_inv_freq(*self._rope_args)
         self.rotary_emb = RotaryEmbedding(inv_freq, scaling)
 
@@ -135,6 +183,7 @@ class FPDTForCausalLM(nn.Module):
         """Change options (any :class:`FPDTOptions` field) and re-run the apply steps on the layers."""
         opts = self.options.updated(**changes)
         opts.check_layers(self.config.num_layers)
+        check_token_mixers(self.config, opts)
         self.options = opts
         apply_all(FPDTAdapter(self), opts)
         return self
@@ -182,7 +231,10 @@ class FPDTForCausalLM(nn.Module):
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 module.weight[module.padding_idx].zero_()
             if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                module.weight.fill_(0.0 if module.zero_centred else 1.0)
+        for layer in self.model.layers:
+            if layer.linear_attn is not None:
+                init_gated_deltanet(layer.linear_attn, std)
         self.reset_rope()
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
@@ -279,6 +331,28 @@ class FPDTForCausalLM(nn.Module):
                 + (f", checkpoint_device_layers={o.checkpoint_device_layers}" if o.checkpoint_device_layers else "")
                 + (f", attention_checkpoint='save', saving_layers={self.saving_layers}"
                    if o.attention_checkpoint == "save" else ""))
+
+
+@torch.no_grad()
+def init_gated_deltanet(gdn: nn.Module, std: float) -> None:
+    """Transformers' init of a Gated DeltaNet's own parameters: normal conv weight, ``dt_bias`` 1,
+    ``A_log = log(U(0.01, 16))``, gated-norm weight 1 (its projections are ``nn.Linear``)."""
+    gdn.conv1d.weight.normal_(0.0, std)
+    gdn.dt_bias.fill_(1.0)
+    gdn.A_log.copy_(torch.empty_like(gdn.A_log, dtype=torch.float32).uniform_(0.01, 16).log_())
+    gdn.norm.weight.fill_(1.0)
+
+
+def check_token_mixers(cfg: ModelConfig, options: FPDTOptions) -> None:
+    """Refuse, naming the fix, options the Gated DeltaNet layers of ``cfg`` cannot run with."""
+    if not cfg.has_linear_attention:
+        return
+    if options.stream_layers:
+        raise ValueError("stream_layers is not implemented for models with Gated DeltaNet layers "
+                         "(layer_types has 'linear_attention'): use stream_layers=False")
+    if options.mesh is not None and options.mesh.cp > 1:
+        raise ValueError(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet "
+                         f"layers, whose state would pass between ring ranks: use Ulysses only (cp=1)")
 
 
 class FPDTAdapter(DecoderAdapter):

@@ -22,6 +22,9 @@ SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 # Keys some older checkpoints carry that hold no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors of parts fpdt does not build, as Transformers' Qwen3_5ForCausalLM skips them: the vision
+# tower of the vision-language layout and the multi-token-prediction head.
+_IGNORED_PREFIXES = {"qwen3_5_text": ("model.visual.", "mtp.")}
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -71,8 +74,9 @@ def load_hf_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | I
     tied = model.config.tie_word_embeddings
     used: set[str] = set()
     unexpected = []
-    for name, tensor in items:
-        if ignored_tensor(name, model.config):
+    for checkpoint_name, tensor in items:
+        name = model_name(checkpoint_name, model.config)
+        if name is None:
             continue
         if name not in params:
             unexpected.append(name)
@@ -95,9 +99,23 @@ def load_hf_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | I
 
 def ignored_tensor(name: str, config: ModelConfig) -> bool:
     """Whether checkpoint tensor ``name`` is skipped on loading: buffers some older
-    checkpoints store (``...rotary_emb.inv_freq``), and ``lm_head.weight`` when the
-    embeddings are tied (the model's head *is* the embedding; some checkpoints duplicate it)."""
-    return name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+    checkpoints store (``...rotary_emb.inv_freq``), ``lm_head.weight`` when the
+    embeddings are tied (the model's head *is* the embedding; some checkpoints duplicate it), and
+    the parts of a Qwen3.5 checkpoint fpdt does not build (vision tower, MTP head)."""
+    return (name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+            or name.startswith(_IGNORED_PREFIXES.get(config.model_type, ())))
+
+
+def model_name(name: str, config: ModelConfig) -> str | None:
+    """The model's parameter name for checkpoint tensor ``name`` (the decoder under
+    ``config.text_prefix``, e.g. ``model.language_model.`` of the vision-language layout, becomes
+    ``model.``), or None when the tensor is skipped (:func:`ignored_tensor`)."""
+    if ignored_tensor(name, config):
+        return None
+    prefix = config.text_prefix + "."
+    if prefix != "model." and name.startswith(prefix):
+        return "model." + name[len(prefix):]
+    return name
 
 
 def check_shape(name: str, checkpoint_shape, model_shape) -> None:

@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from fpdt.model import FPDTForCausalLM, ModelConfig
 from fpdt.model.build import construct
-from fpdt.model.weights import (check_missing, check_shape, check_unexpected, checkpoint_files,
-                                ignored_tensor)
+from fpdt.model.weights import check_missing, check_shape, check_unexpected, checkpoint_files, model_name
 
 
 def _full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
@@ -29,7 +28,7 @@ def _full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
 
 
 def checkpoint_plan(path: str | os.PathLike, model: FPDTForCausalLM) -> list[tuple[str, list[str]]]:
-    """``[(safetensors file, [tensor names to load from it])]`` for ``model`` (meta,
+    """``[(safetensors file, [checkpoint tensor names to load from it])]`` for ``model`` (meta,
     ordinary or partitioned), from the file headers alone.
 
     Raises the ``ValueError`` of :func:`fpdt.model.from_pretrained` for tensors the model
@@ -44,16 +43,17 @@ def checkpoint_plan(path: str | os.PathLike, model: FPDTForCausalLM) -> list[tup
     for file in checkpoint_files(os.fspath(path)):
         names, unexpected = [], []
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in sorted(f.keys()):
-                if ignored_tensor(name, model.config):
+            for stored in sorted(f.keys()):
+                name = model_name(stored, model.config)
+                if name is None:
                     continue
                 if name not in shapes:
                     unexpected.append(name)
                     continue
-                check_shape(name, f.get_slice(name).get_shape(), shapes[name])
-                names.append(name)
+                check_shape(name, f.get_slice(stored).get_shape(), shapes[name])
+                names.append(stored)
+                loaded.add(name)
         check_unexpected(unexpected)
-        loaded.update(names)
         plan.append((file, names))
     check_missing(model, loaded)
     return plan
@@ -102,7 +102,7 @@ def from_pretrained_zero3(path: str | os.PathLike, ds_config: Mapping[str, Any],
         reader = safe_open(file, framework="pt", device=read_on) if source else contextlib.nullcontext()
         with reader as f:
             for name in names:
-                p = params[name]
+                p = params[model_name(name, cfg)]
                 with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                     if source:
                         p.data.copy_(f.get_tensor(name))  # converts to the training dtype
