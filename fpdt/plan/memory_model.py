@@ -218,18 +218,18 @@ def _checkpoint_bytes(cfg: ModelConfig, s: Setup, nd: float) -> tuple[float, flo
 
 
 def saving_split(cfg: ModelConfig, s: Setup, spec: ModelSpec | None = None) -> tuple[int, int]:
-    """``(host, device)`` saving layers (:meth:`Setup.saving_layers`); in a hybrid model the first
-    ``save_attention_layers`` full-attention layers save, by their index (GDN layers have no attention output)."""
+    """``(host, device)`` saving layers (:meth:`Setup.saving_layers`); in a hybrid model the
+    full-attention layers among the first ``save_attention_layers`` save, by where their input
+    checkpoint is (GDN layers have no attention output: ``fpdt.model.layer_checkpoints``)."""
     spec = spec or model_spec(cfg)
     if spec.gdn_layers == 0:
         return s.saving_layers(cfg.num_layers)
-    attention = [i for i, kind in enumerate(spec.mixers) if kind == "attention"]
-    n = sum(s.saving_layers(len(attention)))
+    first = sum(s.saving_layers(cfg.num_layers))            # the layers whose attention output is kept
+    saving = [i for i, kind in enumerate(spec.mixers[:first]) if kind == "attention"]
     if s.options.checkpointing != "offload":
-        return 0, n
-    first_on_device = cfg.num_layers - s.options.checkpoint_device_layers
-    on_device = sum(1 for i in attention[:n] if i >= first_on_device)
-    return n - on_device, on_device
+        return 0, len(saving)
+    on_device = sum(1 for i in saving if i >= cfg.num_layers - s.options.checkpoint_device_layers)
+    return len(saving) - on_device, on_device
 
 
 def gdn_chunk_bytes(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> float:

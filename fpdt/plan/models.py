@@ -216,12 +216,17 @@ def _layer_types(hf: Mapping[str, Any], n: int) -> list[str]:
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
-    """The planner's per-layer view of ``cfg`` (read from its ``config.json`` keys, Transformers' names)."""
+    """The planner's per-layer view of ``cfg``: the model's own token-mixer fields where it parses
+    them (``layer_types``, ``linear_*``, ``attn_output_gate``, ``qk_norm``), else its ``config.json``
+    keys (Transformers' names), which also give the mixture of experts."""
     hf = text_config(cfg.hf_config or {})
     mtype, n = hf.get("model_type", cfg.model_type), cfg.num_layers
-    gdn = None
-    mixers = ["attention"] * n
-    if mtype in HYBRID_TYPES:
+    gdn, mixers = None, ["attention"] * n
+    if getattr(cfg, "layer_types", None) is not None:        # fpdt.model.config's own fields
+        mixers = ["gdn" if t == "linear_attention" else "attention" for t in cfg.layer_types]
+        gdn = GDNShape(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                       cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+    elif mtype in HYBRID_TYPES:
         mixers = ["gdn" if t == "linear_attention" else "attention" for t in _layer_types(hf, n)]
         gdn = GDNShape(int(hf.get("linear_num_key_heads", 16)), int(hf.get("linear_num_value_heads", 32)),
                        int(hf.get("linear_key_head_dim", 128)), int(hf.get("linear_value_head_dim", 128)),
@@ -234,8 +239,9 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
         only = set(hf.get("mlp_only_layers") or [])
         step = int(hf.get("decoder_sparse_step") or 1)
         mlps = ["dense" if i in only or (i + 1) % step else "moe" for i in range(n)]
-    return ModelSpec(tuple(mixers), tuple(mlps), gdn if "gdn" in mixers else None, moe,
-                     bool(hf.get("attn_output_gate", mtype in GATED_ATTENTION_TYPES)), mtype in QK_NORM_TYPES)
+    gate = getattr(cfg, "attn_output_gate", False) or bool(hf.get("attn_output_gate", mtype in GATED_ATTENTION_TYPES))
+    qk_norm = getattr(cfg, "qk_norm", False) or mtype in QK_NORM_TYPES
+    return ModelSpec(tuple(mixers), tuple(mlps), gdn if "gdn" in mixers else None, moe, gate, qk_norm)
 
 
 @dataclass(frozen=True)

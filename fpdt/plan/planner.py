@@ -298,20 +298,20 @@ def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room
     ``device_room`` per GPU (None: not limited). The first ``l - k`` layers' outputs go to the
     host under ``"offload"``, the rest (and all under ``"on"``) to the device, where the
     allocator's slack (:data:`FRAGMENTATION`) is counted on them. 0 without checkpointing. In a
-    hybrid model the count is of its full-attention layers (the first ones)."""
+    hybrid model the count is of layers, of which the full-attention ones save."""
     l, o = cfg.num_layers, s.options
     if o.checkpointing == "off":
         return 0
     per = saved_attention_bytes(cfg, s)
     attention = [i for i, kind in enumerate(model_spec(cfg).mixers) if kind == "attention"]   # GDN layers save nothing
     first_on_device = l - o.checkpoint_device_layers if o.checkpointing == "offload" else 0
-    on_host = sum(1 for i in attention if i < first_on_device)
-    n_host = max(0, min(on_host, int(host_room // (ranks_per_node * per))))
-    if n_host < on_host:
-        return n_host
-    on_device = len(attention) - on_host
-    on_device = on_device if device_room is None else min(on_device, int(max(0.0, device_room) // (FRAGMENTATION * per)))
-    return on_host + on_device
+    host = [i for i in attention if i < first_on_device]
+    n_host = max(0, int(host_room // (ranks_per_node * per)))
+    if n_host < len(host):
+        return host[n_host]            # the layers before it: n_host attention layers, on the host
+    device = [i for i in attention if i >= first_on_device]
+    n_dev = len(device) if device_room is None else int(max(0.0, device_room) // (FRAGMENTATION * per))
+    return device[n_dev] if n_dev < len(device) else l
 
 
 def _with_saved_attention(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster,

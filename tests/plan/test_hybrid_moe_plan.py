@@ -8,7 +8,8 @@ import pytest
 
 from fpdt.plan import Choice, Cluster, GPU_PRESETS, Setup, load_model_config, param_counts, plan
 from fpdt.plan.cli import main
-from fpdt.plan.memory_model import communication, estimate_memory, gdn_stash_bytes, moe_working_set
+from fpdt.plan.memory_model import (communication, estimate_memory, gdn_stash_bytes, moe_working_set,
+                                    saved_attention_bytes, saving_split)
 from fpdt.plan.models import PRESET_DIR, gdn_core_flops, layer_matmul_flops, model_spec
 from fpdt.plan.time_model import estimate_time
 
@@ -118,9 +119,16 @@ def test_hybrid_refuses_head_splits_that_do_not_divide_its_gdn_heads():
 
 
 def test_saved_attention_counts_full_attention_layers_only():
+    """``save_attention_layers`` K counts layers, as the model's checkpoints do: the full-attention
+    layers among the first K save (GDN layers have no attention output)."""
+    cfg = load_model_config("qwen3.5-9b")
+    for k, saving in ((3, 0), (4, 1), (13, 3), (32, 8)):
+        s = _setup(attention_checkpoint="save", save_attention_layers=k)
+        assert sum(saving_split(cfg, s)) == saving
     out = plan("qwen3.5-9b", H100x8, seq_len=2 ** 20)
     assert out["setup"]["attention_checkpoint"] == "save"
-    assert out["setup"]["save_attention_layers"] <= 8
+    saved = out["breakdown"]["attention_saved_host"] + 8 * out["breakdown"]["attention_saved_device"]
+    assert saved <= 8 * 8 * saved_attention_bytes(cfg, Setup.build(2 ** 20, out["setup"]["chunk_size"], hp=8, cp=1))
 
 
 def test_cli_plans_the_presets(capsys):
