@@ -46,8 +46,6 @@ GDN_KERNEL_STATES = 2
 one chunk's backward (``h`` recomputed and ``dh``)."""
 FLA_CHUNK = 64
 """The token block of fla's chunked delta rule (and of ``fpdt.ops.delta_rule``)."""
-MOE_ROUTER_FP32 = 3
-"""fp32 ``[t, E]`` tensors of the router per MoE chunk: logits, probabilities, their gradient."""
 LOSS_LOGIT_COPIES = 3.0
 RUNTIME_RESERVE_BYTES = 2.5 * GIB
 FRAGMENTATION = 1.10
@@ -251,27 +249,33 @@ def gdn_working_set(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> float:
     return GDN_WS_CHUNKS * gdn_chunk_bytes(cfg, spec, s) + GDN_KERNEL_STATES * states
 
 
+def moe_elements_per_token(cfg: ModelConfig, spec: ModelSpec) -> int:
+    """A MoE chunk's backward set per token, in elements of the model's dtype, as ``fpdt.model.moe``
+    counts it (``moe_elements_per_token``, held there by the accountant): the norm's and input
+    gradient's ``5 hidden``, the fp32 router probabilities ``2 E``, the top-k bookkeeping ``24 k``, and
+    per routed row ``max(5 hidden + 4 ffn, 3 hidden + 5 ffn)``; the shared expert's ``9 hidden + 4 shared``."""
+    m, h = spec.moe, cfg.hidden_size
+    row = max(5 * h + 4 * m.expert_ffn, 3 * h + 5 * m.expert_ffn)
+    return max(5 * h + 2 * m.num_experts + 24 * m.top_k + m.top_k * row, 9 * h + 4 * m.shared_ffn)
+
+
 def moe_chunks(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> int:
-    """Token chunks of a MoE MLP: ``mlp_chunks`` if set, else so that one chunk's routed backward set,
-    ``k (2 hidden + 4 moe_ffn)`` elements per token (or the shared expert's ``4 shared_ffn``), fits the
-    budget of one local attention chunk of hidden states, as ``fpdt.model.moe`` chooses."""
+    """Token chunks of a MoE MLP: ``mlp_chunks`` if set, else the fewest whose backward set
+    (:func:`moe_elements_per_token`) fits two local attention chunks of hidden states, as
+    ``fpdt.model.moe.default_moe_chunks`` chooses (the dense MLP's rule)."""
     if s.options.mlp_chunks is not None:
         return s.options.mlp_chunks
-    m, h = spec.moe, cfg.hidden_size
-    per_token = max(m.top_k * (2 * h + 4 * m.expert_ffn), 4 * m.shared_ffn)
-    return max(1, -(-s.num_chunks * per_token // (h * 2)))
+    return max(1, -(-s.num_chunks * moe_elements_per_token(cfg, spec) // (cfg.hidden_size * 2)))
 
 
 def moe_working_set(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> float:
-    """One MoE MLP chunk's backward set: the routed rows (``k (2 hidden + 4 moe_ffn)`` elements per
-    token: gathered inputs, output gradients, ``gate_up`` and two ``[k, ffn]``), the shared expert's four
-    ``[t, shared_ffn]``, the router's :data:`MOE_ROUTER_FP32` fp32 ``[t, E]``; and the fp32 gradient
-    accumulators of all ``E`` experts' weights (16-bit weights), live through the layer's MLP backward."""
+    """A MoE MLP's device bytes in its backward beyond its full-length tensors: one chunk's set
+    (:func:`moe_elements_per_token`), the grouped kernel's ``gate_up``-sized weight gradient of the
+    chunk, and the fp32 gradient accumulators of all ``E`` experts (16-bit weights, full training)."""
     m, h, e = spec.moe, cfg.hidden_size, s.elem_bytes
     t = s.rank_tokens / moe_chunks(cfg, spec, s)
-    per_token = (m.top_k * (2 * h + 4 * m.expert_ffn) + 4 * m.shared_ffn) * e + MOE_ROUTER_FP32 * m.num_experts * 4
-    accumulators = 4 * m.expert_params(h) if e != 4 and not s.lora_rank else 0.0
-    return t * per_token + accumulators
+    grads = 0.0 if s.lora_rank else m.num_experts * 2 * m.expert_ffn * h * e + (4 * m.expert_params(h) if e != 4 else 0)
+    return t * moe_elements_per_token(cfg, spec) * e + grads
 
 
 def gdn_stash_bytes(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> float:

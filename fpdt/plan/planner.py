@@ -25,7 +25,8 @@ from fpdt.options import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, La
                           device_defaults)
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
-from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, mlp_chunks, nvme_layers_on_disk, saved_attention_bytes
+from fpdt.plan.memory_model import (FRAGMENTATION, estimate_memory, mlp_chunks, moe_chunks, nvme_layers_on_disk,
+                                    saved_attention_bytes)
 from fpdt.plan.models import load_model_config, model_spec
 from fpdt.plan.models import train_flops_per_token as kind_train_flops
 from fpdt.comm import PLACEMENTS
@@ -211,7 +212,8 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         "mfu": rates.mfu,
         "mfu_full": rates.mfu_full,
         "setup": s.as_dict(),
-        "mlp_chunks": mlp_chunks(cfg, s),    # the count the model runs (setup's mlp_chunks: None = its default)
+        # the count the model runs (setup's mlp_chunks: None = its default); a MoE model's experts' chunks
+        "mlp_chunks": moe_chunks(cfg, spec, s) if spec.moe_layers else mlp_chunks(cfg, s),
     }
     if mem.nvme_bytes:
         recompute = s.options.checkpointing != "off"
