@@ -77,6 +77,9 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dt
     """
     if getattr(model, "lora", None) is not None:
         raise ValueError("the model already has LoRA adapters")
+    if model.config.has_linear_attention:
+        raise ValueError("LoRA on a model with Gated DeltaNet layers (Qwen3.5) is not implemented in fpdt.model: "
+                         "train it in full (docs/models.md says what hybrid models support)")
     model.requires_grad_(False)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     dtype = dtype or torch.float32

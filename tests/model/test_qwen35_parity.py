@@ -20,7 +20,7 @@ from fpdt.model.llama import check_token_mixers
 from fpdt.options import FPDTOptions
 from tests.distributed import run_distributed
 from tests.model.helpers import rel_err, tokens
-from tests.model.qwen35 import compare_hybrid, fpdt_qwen35, qwen35_model, reference
+from tests.model.qwen35 import compare_hybrid, float64_delta_rule, fpdt_qwen35, qwen35_model, reference
 
 # (num_chunks, offload, checkpointing, attention_checkpoint)
 CASES = [(1, False, "off", "recompute"), (2, True, "off", "recompute"), (2, False, "on", "recompute"),
@@ -111,8 +111,9 @@ def test_decoder_layer_random_output_gradient(layer):
         cos_sin = m.model.rotary_emb(h, pos)
         causal = torch.full((S, S), float("-inf"), dtype=dtype).triu(1).expand(B, 1, S, S)
         mask = causal if m.config.layer_types[layer] == "full_attention" else None
-        y = m.model.layers[layer](h, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
-        y.backward(dy.to(dtype))
+        with float64_delta_rule():
+            y = m.model.layers[layer](h, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
+            y.backward(dy.to(dtype))
         results.append((y.detach(), h.grad, {n: p.grad for n, p in m.model.layers[layer].named_parameters()}))
     ours = ours_model.model.layers[layer]
     h = x.clone().requires_grad_()
@@ -171,3 +172,8 @@ def test_refused_options():
     mesh.hp, mesh.cp = 1, 2
     with pytest.raises(ValueError, match="context-parallel ring .cp=2. is not implemented for Gated DeltaNet"):
         check_token_mixers(fm.ModelConfig.from_hf(ref.config), dataclasses.replace(FPDTOptions(), mesh=mesh))
+
+
+def test_lora_refused():
+    with pytest.raises(ValueError, match="LoRA on a model with Gated DeltaNet layers"):
+        fm.add_lora(fpdt_qwen35(qwen35_model()), fm.LoraSpec(rank=2))

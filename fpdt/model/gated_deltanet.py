@@ -1,0 +1,88 @@
+"""``GatedDeltaNet``: Qwen3.5's linear-attention token mixer over FPDT chunks and Ulysses ranks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fpdt.model.gdn_chunks import GatedDeltaNetFunction, GDNShape, build_gdn_spec, gated_rms_norm
+from fpdt.ops.delta_rule import delta_rule_kernel
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet with Transformers' ``Qwen3_5GatedDeltaNet`` parameter names and shapes:
+    ``in_proj_qkv`` ``[2 Hk dk + HV dv, hidden]``, ``in_proj_z`` ``[HV dv, hidden]``, ``in_proj_b``,
+    ``in_proj_a`` ``[HV, hidden]``, ``conv1d`` (depthwise, no bias, weight ``[C, 1, K]``), ``dt_bias``,
+    ``A_log`` ``[HV]``, ``norm.weight`` ``[dv]`` (gated RMSNorm), ``out_proj`` ``[hidden, HV dv]``.
+
+    ``num_chunks``, ``offload``, ``group``, ``mesh`` (cp must be 1), ``backend`` (unused: the
+    kernel is automatic, :meth:`kernel_name`), ``runtime`` and ``stash_label`` are attributes the
+    apply steps set, as on :class:`fpdt.attention.FPDTAttention`. Every parameter is read directly
+    by :class:`fpdt.model.gdn_chunks.GatedDeltaNetFunction` (ZeRO-3 external parameters)."""
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel_size: int = 4, eps: float = 1e-6):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads={num_v_heads} must be a multiple of "
+                             f"linear_num_key_heads={num_k_heads}")
+        self.shape = GDNShape(num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, eps)
+        self.hidden_size = hidden_size
+        for name, value in dict(num_chunks=1, offload=False, group=None, mesh=None, backend=None, runtime=None,
+                                stash_label=None).items():
+            setattr(self, name, value)
+        s = self.shape
+        self.in_proj_qkv = nn.Linear(hidden_size, s.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, conv_kernel_size, groups=s.conv_dim, bias=False,
+                                padding=conv_kernel_size - 1)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = nn.Linear(s.value_dim, hidden_size, bias=False)
+
+    @classmethod
+    def from_config(cls, config) -> "GatedDeltaNet":
+        """One layer from a Transformers config with Qwen3.5's ``linear_*`` fields."""
+        return cls(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                   config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
+                   config.rms_norm_eps)
+
+    def kernel_name(self) -> str:
+        """The delta-rule kernel on this module's device, for the start-up line: ``"fla"`` or ``"torch"``."""
+        return delta_rule_kernel(self.A_log.device)
+
+    def forward(self, hidden_states: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states`` ``[B, S_local, hidden]`` (this rank's tokens, FPDT layout) ->
+        ``[B, S_local, hidden]``. ``doc_ids``: ``[B, S]`` document ids of the global window in global
+        order (None: one document); a document start resets the state and the conv window."""
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [B, S_local, {self.hidden_size}], got "
+                             f"{tuple(hidden_states.shape)}")
+        spec = build_gdn_spec(hidden_states.shape, hidden_states.device, self.shape, group=self.group, mesh=self.mesh,
+                              num_chunks=self.num_chunks, offload=self.offload, doc_ids=doc_ids,
+                              label=self.stash_label, runtime=self.runtime)
+        weights = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight,
+                   self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.out_proj.weight)
+        for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights))
+        return GatedDeltaNetFunction.apply(hidden_states, *weights, spec, for_backward)
+
+    def extra_repr(self) -> str:
+        s = self.shape
+        return (f"hidden={self.hidden_size}, Hk={s.num_k_heads}, HV={s.num_v_heads}, dk={s.head_k_dim}, "
+                f"dv={s.head_v_dim}, conv={s.conv_kernel}, num_chunks={self.num_chunks}, offload={self.offload}")
+
+
+class GatedRMSNorm(nn.Module):
+    """``norm(x) * weight * silu(gate)`` over the last dim (Transformers' ``Qwen3_5RMSNormGated``); the
+    layer's Function reads its ``weight`` directly."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.eps)

@@ -1,0 +1,365 @@
+"""Gated DeltaNet over FPDT chunks and Ulysses ranks as one autograd.Function.
+
+Per local chunk ``i`` (``L`` tokens, FPDT layout): the input projections; an all-to-all of the
+pre-conv channels and the ``b``/``a`` gates from sequence to heads (each rank gets the global span
+``[i P L, (i + 1) P L)`` of its ``Hk/P`` key and ``HV/P`` value heads); the causal conv, gates and
+delta rule of :func:`head_stage` from the boundary carried over from chunk ``i - 1`` (fp32 state
+``[B, HV/P, dk, dv]`` and the ``K - 1`` pre-conv tokens before the span); the output back to the
+sequence layout, the gated RMSNorm and ``out_proj``. Saved per chunk in a :class:`HostStash` (host
+memory with offload): the input ``x_i``, the head-layout pre-conv channels and gates, the boundary
+state and window, and the core output before the norm. Backward runs the chunks in reverse, each
+rebuilt from those; the state's and the window's gradients flow to the previous chunk.
+Derivation and memory: ``docs/gated_deltanet.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from fpdt.attention.saved_stash import stash_of, stash_token
+from fpdt.comm import group_rank, group_size, heads_to_seq, heads_to_seq_packed, seq_to_heads, seq_to_heads_packed
+from fpdt.offload import HostStash, Runtime
+from fpdt.ops.delta_rule import delta_rule_kernel, gated_delta_rule
+
+CHUNK_KEYS = ("x", "pre", "ba", "state", "window", "o")
+"""What the stash holds per chunk (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    """Head counts and sizes of one Gated DeltaNet layer (Transformers' ``linear_*`` config fields)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    eps: float
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+class DocumentPlan:
+    """Packed documents ``doc_ids`` ``[B, S]`` (global order), read from the device once; :meth:`span`
+    gives a head-layout span's resets (None: nothing resets in it)."""
+
+    def __init__(self, doc_ids: torch.Tensor, window: int):
+        self.ids, self.window = doc_ids.detach().cpu(), window
+
+    def span(self, start: int, end: int, device: torch.device):
+        """``(conv_mask [B, N, K] or None, segments)`` for global tokens ``[start, end)``, or None.
+        ``conv_mask[b, t, j]``: tap ``j`` of token ``t`` reads its own document; ``segments``:
+        ``(s, e, keep)`` runs of the span, ``keep`` ``[B]`` (0: the row's state resets at ``s``) or None."""
+        ids = self.ids[:, start:end]
+        B, N = ids.shape
+        lo = max(0, start - self.window)
+        prev = torch.cat([torch.full((B, self.window - (start - lo)), -1, dtype=ids.dtype), self.ids[:, lo:start]], 1)
+        full = torch.cat([prev, ids], 1)                                  # [B, K - 1 + N]
+        taps = torch.stack([full[:, j:j + N] == ids for j in range(self.window + 1)], -1)
+        first = self.ids[:, start - 1:start] if start > 0 else torch.full((B, 1), -1, dtype=ids.dtype)
+        before = torch.cat([first, ids[:, :-1]], 1)
+        starts = ids != before
+        starts[:, 0] &= start > 0                  # the sequence's first token: its state is zero anyway
+        if bool(taps.all()) and not bool(starts.any()):
+            return None
+        cuts = sorted(set(torch.nonzero(starts.any(0)).flatten().tolist()) | {0})
+        segments = []
+        for s, e in zip(cuts, cuts[1:] + [N]):
+            keep = None if not bool(starts[:, s].any()) else (~starts[:, s]).to(device=device, dtype=torch.float32)
+            segments.append((s, e, keep))
+        return taps.to(device), segments
+
+
+@dataclass
+class GDNSpec:
+    """One call's static description: shapes, the Ulysses group, chunking and offload."""
+
+    shape: GDNShape
+    group: dist.ProcessGroup | None
+    sp: int
+    rank: int
+    num_chunks: int
+    L: int
+    offload: bool
+    kernel: str
+    label: str | None = None
+    runtime: Runtime | str | None = None
+    docs: DocumentPlan | None = None
+
+    def span(self, i: int, device: torch.device):
+        """Chunk ``i``'s document resets in the head layout (see :meth:`DocumentPlan.span`)."""
+        n = self.sp * self.L
+        return None if self.docs is None else self.docs.span(i * n, (i + 1) * n, device)
+
+    def local_sizes(self) -> tuple[int, int, int]:
+        """This rank's q, k, v pre-conv channels."""
+        s, P = self.shape, self.sp
+        return s.key_dim // P, s.key_dim // P, s.value_dim // P
+
+    def local_params(self, conv_w: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+        """This rank's heads of the full parameters: ``(conv [C/P, K], A_log [HV/P], dt_bias [HV/P])``;
+        slices of the full tensors, so their gradients reach the full parameters."""
+        s, r = self.shape, self.rank
+        nq, _, nv = self.local_sizes()
+        idx = torch.cat([torch.arange(r * nq, (r + 1) * nq), s.key_dim + torch.arange(r * nq, (r + 1) * nq),
+                         2 * s.key_dim + torch.arange(r * nv, (r + 1) * nv)]).to(conv_w.device)
+        hv = s.num_v_heads // self.sp
+        heads = slice(r * hv, (r + 1) * hv)
+        return conv_w.reshape(s.conv_dim, -1).index_select(0, idx), A_log[heads], dt_bias[heads]
+
+    def zero_boundary(self, B: int, dtype: torch.dtype, device: torch.device):
+        """The state and conv window before the first chunk."""
+        s, P = self.shape, self.sp
+        state = torch.zeros(B, s.num_v_heads // P, s.head_k_dim, s.head_v_dim, dtype=acc_dtype(dtype), device=device)
+        return state, torch.zeros(B, s.conv_kernel - 1, sum(self.local_sizes()), dtype=dtype, device=device)
+
+
+def build_gdn_spec(x_shape, device: torch.device, shape: GDNShape, *, group, mesh, num_chunks: int, offload: bool,
+                   doc_ids: torch.Tensor | None, label: str | None, runtime) -> GDNSpec:
+    """Validate one call (errors name the fix) and build its spec."""
+    if mesh is not None:
+        if mesh.cp > 1:
+            raise ValueError(f"Gated DeltaNet layers do not run on a 2D mesh with cp={mesh.cp} > 1 (no state passing "
+                             f"across context-parallel ranks yet): use plain Ulysses (cp=1)")
+        if group is not None:
+            raise ValueError("the Gated DeltaNet layer got both group= and mesh=; set one")
+        group = mesh.hp_group
+    P = group_size(group)
+    for name, n in (("linear_num_key_heads", shape.num_k_heads), ("linear_num_value_heads", shape.num_v_heads)):
+        if n % P:
+            raise ValueError(f"sp={P} does not divide {name}={n} of a Gated DeltaNet layer: choose an sp size "
+                             f"dividing both {shape.num_k_heads} and {shape.num_v_heads}")
+    B, S_local = x_shape[0], x_shape[1]
+    if num_chunks < 1 or S_local % num_chunks:
+        raise ValueError(f"sequence length S={S_local * P} is not divisible by sp*num_chunks={P}*{num_chunks}: pad S "
+                         f"to a multiple of {P * max(num_chunks, 1)} or use fewer chunks")
+    docs = None
+    if doc_ids is not None:
+        if doc_ids.dim() != 2 or tuple(doc_ids.shape) != (B, S_local * P):
+            raise ValueError(f"doc_ids must be [B, S]=[{B}, {S_local * P}] (the global window), got "
+                             f"{tuple(doc_ids.shape)}")
+        docs = DocumentPlan(doc_ids, shape.conv_kernel - 1)
+    return GDNSpec(shape=shape, group=group, sp=P, rank=group_rank(group), num_chunks=num_chunks,
+                   L=S_local // num_chunks, offload=offload, kernel=delta_rule_kernel(device), label=label,
+                   runtime=runtime, docs=docs)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or float64 for float64 inputs: the gates', norms' and state's precision."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum x^2 + eps)`` over the last dim, in fp32 (fla's and Transformers' convention)."""
+    x = x.to(acc_dtype(x.dtype))
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(full: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal conv + SiLU: ``full`` ``[B, K - 1 + N, C]`` (window, then the span), ``weight``
+    ``[C, K]`` -> ``[B, N, C]``; ``mask`` ``[B, N, K]`` drops the taps reading another document."""
+    K = weight.shape[1]
+    N = full.shape[1] - (K - 1)
+    w = weight.to(full.dtype)
+    if mask is None:
+        out = F.conv1d(full.transpose(1, 2), w.unsqueeze(1), groups=w.shape[0]).transpose(1, 2)
+    else:
+        out = sum(full[:, j:j + N] * w[:, j] * mask[:, :, j:j + 1].to(full.dtype) for j in range(K))
+    return F.silu(out)
+
+
+def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, resets):
+    """One chunk's mixer in the head layout, differentiable: ``pre`` ``[B, N, C/P]`` pre-conv channels
+    (this rank's q | k | v), ``ba`` ``[B, N, 2 HV/P]``, ``state`` ``[B, HV/P, dk, dv]`` fp32,
+    ``window`` ``[B, K - 1, C/P]``, the local parameters of :meth:`GDNSpec.local_params` and
+    ``resets`` (:meth:`GDNSpec.span`) -> ``(o [B, N, HV/P, dv] in pre's dtype, state, window)``."""
+    s = spec.shape
+    B, N, _ = pre.shape
+    hk, hv = s.num_k_heads // spec.sp, s.num_v_heads // spec.sp
+    full = torch.cat([window, pre], 1)
+    conv = causal_conv(full, conv_w, None if resets is None else resets[0])
+    new_window = full[:, full.shape[1] - (s.conv_kernel - 1):]
+    q, k, v = conv.split(spec.local_sizes(), -1)
+    q, k = l2norm(q.reshape(B, N, hk, s.head_k_dim)), l2norm(k.reshape(B, N, hk, s.head_k_dim))
+    if hv != hk:
+        q, k = q.repeat_interleave(hv // hk, 2), k.repeat_interleave(hv // hk, 2)
+    v = v.reshape(B, N, hv, s.head_v_dim)
+    b, a = ba.split(hv, -1)
+    beta = b.sigmoid()
+    acc = acc_dtype(pre.dtype)
+    g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias)
+    segments = [(0, N, None)] if resets is None else resets[1]
+    outs = []
+    for start, end, keep in segments:
+        if keep is not None:
+            state = state * keep[:, None, None, None]
+        o, state = gated_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+                                    beta[:, start:end], initial_state=state, scale=s.head_k_dim ** -0.5,
+                                    kernel=spec.kernel)
+        outs.append(o)
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    return o.to(pre.dtype), state, new_window
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm(o) * weight * silu(z)`` per value head (Transformers' ``Qwen3_5RMSNormGated``); ``[..., dv]``."""
+    acc = acc_dtype(o.dtype)
+    h = o.to(acc)
+    h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(o.dtype)
+    return (h * F.silu(z.to(acc))).to(o.dtype)
+
+
+def _to_heads(x_i, w_qkv, w_b, w_a, spec: GDNSpec):
+    """Chunk ``x_i`` ``[B, L, hidden]`` -> this rank's ``(pre [B, P L, C/P], ba [B, P L, 2 HV/P])``."""
+    s = spec.shape
+    q, k, v = F.linear(x_i, w_qkv).split([s.key_dim, s.key_dim, s.value_dim], -1)
+    parts = seq_to_heads_packed([t.unsqueeze(-1) for t in (q, k, v, F.linear(x_i, w_b), F.linear(x_i, w_a))],
+                                spec.group)
+    return torch.cat(parts[:3], 2).squeeze(-1), torch.cat(parts[3:], 2).squeeze(-1)
+
+
+def _to_sequence(d_pre, d_ba, spec: GDNSpec):
+    """The gradients of :func:`_to_heads`'s outputs back in the sequence layout: ``(d_qkv [B, L, C],
+    d_b, d_a [B, L, HV])``."""
+    hv = spec.shape.num_v_heads // spec.sp
+    parts = [t.unsqueeze(-1) for t in (*d_pre.split(spec.local_sizes(), -1), *d_ba.split(hv, -1))]
+    back = [t.squeeze(-1) for t in heads_to_seq_packed(parts, spec.group)]
+    return torch.cat(back[:3], -1), back[3], back[4]
+
+
+class GatedDeltaNetFunction(torch.autograd.Function):
+    """x ``[B, S_local, hidden]`` (FPDT layout) -> the layer's output ``[B, S_local, hidden]``.
+    Parameters: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` weights, the conv weight
+    ``[C, 1, K]``, ``A_log``, ``dt_bias``, the gated norm's weight and ``out_proj``'s, all full."""
+
+    @staticmethod
+    def forward(ctx, x, w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out, spec: GDNSpec,
+                for_backward: bool):
+        B, S_local, _ = x.shape
+        L, s = spec.L, spec.shape
+        stash = HostStash(x.device, enabled=spec.offload, label=spec.label, runtime=spec.runtime)
+        local = spec.local_params(conv_w, A_log, dt_bias)
+        out = torch.empty(B, S_local, w_out.shape[0], dtype=x.dtype, device=x.device)
+        state, window = spec.zero_boundary(B, x.dtype, x.device)
+        for i in range(spec.num_chunks):
+            x_i = x[:, i * L:(i + 1) * L]
+            pre, ba = _to_heads(x_i, w_qkv, w_b, w_a, spec)
+            if for_backward:
+                for key, t in (("x", x_i), ("pre", pre), ("ba", ba), ("state", state), ("window", window)):
+                    stash.put((key, i), t)
+            o_h, state, window = head_stage(pre, ba, state, window, *local, spec, spec.span(i, x.device))
+            del pre, ba
+            o = heads_to_seq(o_h, spec.group)                                # [B, L, HV, dv]
+            del o_h
+            if for_backward:
+                stash.put(("o", i), o)
+            z = F.linear(x_i, w_z).view(B, L, s.num_v_heads, s.head_v_dim)
+            out[:, i * L:(i + 1) * L] = F.linear(gated_rms_norm(o, z, norm_w, s.eps).flatten(2), w_out)
+            del o, z
+        del state, window
+        ctx.save_for_backward(w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out, stash_token(stash))
+        ctx.spec, ctx.x_meta = spec, (x.shape, x.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        *weights, token = ctx.saved_tensors
+        w_qkv, w_z, w_b, w_a = weights[:4]
+        spec, stash, need = ctx.spec, stash_of(token), ctx.needs_input_grad
+        (B, S_local, hidden), dtype = ctx.x_meta
+        L, s, u = spec.L, spec.shape, spec.num_chunks
+        grad_out = grad_out.to(dtype)
+        leaves = [w.detach().requires_grad_(n) for w, n in zip(weights[4:], need[5:10])]
+        acc = [torch.zeros(w.shape, dtype=acc_dtype(w.dtype), device=w.device) if n else None
+               for w, n in zip(weights, need[1:10])]
+        d_x = torch.empty(B, S_local, hidden, dtype=dtype, device=grad_out.device) if need[0] else None
+        d_state = d_window = None                   # the last chunk's boundary gradients are zero
+        _prefetch(stash, u - 1)
+        for j in reversed(range(u)):
+            x_j, pre, ba, state, window, o = (stash.pop((key, j)) for key in CHUNK_KEYS)
+            if j > 0:
+                _prefetch(stash, j - 1)
+            d_o, d_z = _output_backward(o, x_j, w_z, leaves[3], leaves[4], grad_out[:, j * L:(j + 1) * L], acc, s)
+            del o
+            d_o = seq_to_heads(d_o.contiguous(), spec.group)
+            d_pre, d_ba, d_state, d_window = _mixer_backward(j, pre, ba, state, window, leaves[:3], d_o, d_state,
+                                                             d_window, acc, spec)
+            del pre, ba, state, window, d_o
+            grads = (*_to_sequence(d_pre, d_ba, spec), d_z.reshape(B, L, -1))
+            del d_pre, d_ba
+            x2 = x_j.reshape(B * L, -1)
+            part = None
+            for n, w, g in zip((0, 2, 3, 1), (w_qkv, w_b, w_a, w_z), grads):
+                g2 = g.reshape(B * L, -1).to(dtype)
+                if acc[n] is not None:
+                    acc[n] += g2.t() @ x2
+                if d_x is not None:
+                    part = g2 @ w if part is None else part.add_(g2 @ w)
+            if d_x is not None:
+                d_x[:, j * L:(j + 1) * L] = part.view(B, L, hidden)
+            del grads, part, x_j
+        stash.clear()
+        return (d_x, *(None if a is None else a.to(w.dtype) for a, w in zip(acc, weights)), None, None)
+
+
+def _prefetch(stash: HostStash, j: int) -> None:
+    for key in CHUNK_KEYS:
+        stash.prefetch((key, j))
+
+
+def _output_backward(o, x_j, w_z, norm_w, w_out, grad_out_j, acc, s: GDNShape):
+    """The gated norm and ``out_proj`` of one chunk, rebuilt and differentiated: ``(d_o [B, L, HV, dv],
+    d_z)``; adds the norm's and ``out_proj``'s weight gradients into ``acc``."""
+    B, L = o.shape[:2]
+    with torch.enable_grad():
+        o_l = o.detach().requires_grad_()
+        z_l = F.linear(x_j, w_z).view(B, L, s.num_v_heads, s.head_v_dim).detach().requires_grad_()
+        y = F.linear(gated_rms_norm(o_l, z_l, norm_w, s.eps).flatten(2), w_out)
+        wanted = [o_l, z_l] + [w for w in (norm_w, w_out) if w.requires_grad]
+        got = list(torch.autograd.grad(y, wanted, grad_out_j))
+    for n, w in ((7, norm_w), (8, w_out)):
+        if w.requires_grad:
+            acc[n] += got.pop(2)
+    return got[0], got[1]
+
+
+def _mixer_backward(j: int, pre, ba, state, window, params, d_o, d_state, d_window, acc, spec: GDNSpec):
+    """One chunk's :func:`head_stage`, rebuilt and differentiated for the output gradient ``d_o`` and
+    the next chunk's boundary gradients: ``(d_pre, d_ba, d_state, d_window)`` (the last two None for
+    the first chunk); adds the conv, ``A_log`` and ``dt_bias`` gradients into ``acc``."""
+    has_boundary = j > 0
+    with torch.enable_grad():
+        pre_l, ba_l = pre.detach().requires_grad_(), ba.detach().requires_grad_()
+        state_l, window_l = (t.detach().requires_grad_(has_boundary) for t in (state, window))
+        o, state_out, window_out = head_stage(pre_l, ba_l, state_l, window_l, *spec.local_params(*params), spec,
+                                              spec.span(j, pre.device))
+        outs, grads = [o], [d_o]
+        if d_state is not None:
+            outs += [state_out, window_out]
+            grads += [d_state, d_window]
+        wanted = [pre_l, ba_l] + ([state_l, window_l] if has_boundary else []) + [p for p in params if p.requires_grad]
+        got = list(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
+    got = [torch.zeros_like(w) if g is None else g for w, g in zip(wanted, got)]
+    d_pre, d_ba = got[0], got[1]
+    d_state, d_window = (got[2], got[3]) if has_boundary else (None, None)
+    rest = got[4 if has_boundary else 2:]
+    for n, p in zip((4, 5, 6), params):
+        if p.requires_grad:
+            acc[n] += rest.pop(0)
+    return d_pre, d_ba, d_state, d_window

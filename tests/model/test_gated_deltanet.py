@@ -1,0 +1,143 @@
+"""GatedDeltaNet (fpdt.model.gated_deltanet) against Transformers' Qwen3_5GatedDeltaNet on the same
+weights: output and every parameter and input gradient, random output gradients, over chunk
+counts, head shapes (HV > Hk and HV = Hk), world sizes and offload
+(tests.model.gdn_helpers.check_against_references says how they are judged)."""
+
+import copy
+
+import pytest
+import torch.distributed as dist
+import torch
+
+from fpdt.layout import shard, unshard
+from fpdt.model.gated_deltanet import GatedDeltaNet
+from tests.distributed import run_distributed
+from tests.model.gdn_helpers import HIDDEN, SHAPES, check_against_references, fpdt_layer, fpdt_run, hf_layer
+
+
+def inputs(B, S, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, HIDDEN, generator=gen), torch.randn(B, S, HIDDEN, generator=gen)
+
+
+def check_single(layer, ref, x, dout, doc_ids=None, where=""):
+    l64 = copy.deepcopy(layer).double()
+    check_against_references(lambda: fpdt_run(layer, x, dout, doc_ids),
+                             lambda: fpdt_run(l64, x.double(), dout.double(), doc_ids), ref, x, dout, doc_ids, where)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_chunks,S", [(1, 70), (2, 70), (4, 76), (6, 6)])
+def test_single_rank_matches_transformers(shape, num_chunks, S):
+    """u = 6 over 6 tokens: one-token chunks, so the conv window spans three earlier chunks."""
+    config, ref = hf_layer(SHAPES[shape], seed=num_chunks)
+    layer = fpdt_layer(config, ref)
+    layer.num_chunks = num_chunks
+    x, dout = inputs(2, S, seed=S + num_chunks)
+    check_single(layer, ref, x, dout, where=f"{shape} u={num_chunks}")
+
+
+def test_offload_on_the_simulated_runtime():
+    from fpdt.offload import fresh_runtime
+    config, ref = hf_layer(SHAPES["gva"], seed=3)
+    layer = fpdt_layer(config, ref)
+    x, dout = inputs(1, 64, seed=5)
+    with fresh_runtime("sim") as rt:
+        layer.num_chunks, layer.offload, layer.runtime, layer.stash_label = 4, True, rt, "layer 0"
+        check_single(layer, ref, x, dout, where="offload")
+
+
+def test_frozen_weights_and_no_grad():
+    """Frozen weights: the same input gradient, no weight gradients; no grad: the same output."""
+    config, ref = hf_layer(SHAPES["equal"], seed=1)
+    layer = fpdt_layer(config, ref)
+    layer.num_chunks = 2
+    x, dout = inputs(1, 10, seed=2)
+    out, grads = fpdt_run(layer, x, dout)
+    with torch.no_grad():
+        assert torch.equal(layer(x), out)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    layer.zero_grad()
+    xg = x.clone().requires_grad_()
+    layer(xg).backward(dout)
+    assert (xg.grad - grads["x"]).norm() <= 1e-6 * grads["x"].norm(), (xg.grad - grads["x"]).norm() / grads["x"].norm()
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_bad_input_is_refused_in_one_line():
+    layer = GatedDeltaNet(HIDDEN, 2, 4, 8, 6)
+    layer.num_chunks = 3
+    with pytest.raises(ValueError, match="not divisible by sp\\*num_chunks"):
+        layer(torch.randn(1, 10, HIDDEN))
+    with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
+        GatedDeltaNet(HIDDEN, 3, 4, 8, 6)
+    layer.num_chunks = 1
+    with pytest.raises(ValueError, match="doc_ids must be"):
+        layer(torch.randn(1, 10, HIDDEN), doc_ids=torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_kernel_is_named_and_state_dict_matches_transformers():
+    config, ref = hf_layer(SHAPES["gva"])
+    layer = fpdt_layer(config, ref)
+    assert layer.kernel_name() == "torch"
+    assert {k: v.shape for k, v in layer.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+
+
+DIST_SHAPES = {"gva2": (2, 4, 8, 6), "equal2": (2, 2, 8, 5), "gva4": (4, 8, 4, 6)}
+
+
+def packed_doc_ids(B, S, seed):
+    """Document ids ``[B, S]``: rows with different starts, some inside chunks, one at a chunk edge."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(B, S, dtype=torch.long)
+    for b in range(B):
+        starts = sorted(set(torch.randint(1, S, (3,), generator=gen).tolist()) | ({S // 2} if b == 0 else set()))
+        for s in starts:
+            ids[b, s:] += 1
+    return ids
+
+
+def _ulysses_body(rank, world, shape, num_chunks, S, docs):
+    config, ref = hf_layer(DIST_SHAPES[shape], seed=11)
+    layer = fpdt_layer(config, ref)
+    layer.num_chunks = num_chunks
+    l64 = copy.deepcopy(layer).double()
+    x, dout = inputs(2, S, seed=S)
+    doc_ids = packed_doc_ids(2, S, seed=S) if docs else None
+    xs, ds = (shard(t, world, num_chunks, rank) for t in (x, dout))
+
+    def reduce(g):
+        dist.all_reduce(g)
+        return g
+
+    def gather(result):
+        out, grads = result
+        full = []
+        for t in (out, grads["x"]):
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            full.append(unshard(parts, num_chunks))
+        return full[0], {**grads, "x": full[1]}
+    check_against_references(lambda: fpdt_run(layer, xs, ds, doc_ids, reduce),
+                             lambda: fpdt_run(l64, xs.double(), ds.double(), doc_ids, reduce),
+                             ref, x, dout, doc_ids, f"rank {rank}/{world} {shape} u={num_chunks}", gather)
+    bad = GatedDeltaNet(HIDDEN, 3, 6, 4, 4)
+    with pytest.raises(ValueError, match=f"sp={world} does not divide linear_num_key_heads=3"):
+        bad(xs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,shape,num_chunks,S,docs", [
+    (2, "gva2", 2, 36, False), (2, "equal2", 4, 40, False), (4, "gva4", 2, 40, False)])
+def test_ulysses_matches_transformers(world, shape, num_chunks, S, docs):
+    """Heads split over the ranks after the all-to-all; gradients summed over the ranks."""
+    run_distributed(_ulysses_body, world, (shape, num_chunks, S, docs), timeout=300)
+
+
+def test_2d_mesh_with_context_parallelism_is_refused():
+    from types import SimpleNamespace
+    layer = GatedDeltaNet(HIDDEN, 2, 4, 8, 6)
+    layer.mesh = SimpleNamespace(cp=2, hp=1, hp_group=None)
+    with pytest.raises(ValueError, match="cp=2 > 1"):
+        layer(torch.randn(1, 8, HIDDEN))
