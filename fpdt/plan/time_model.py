@@ -210,8 +210,9 @@ def _gdn_exposed(cfg: ModelConfig, spec, s: Setup, cluster: Cluster, gemm_pass: 
                  core_pass: float) -> tuple[float, float]:
     """``(all-to-all, host copies)`` exposed seconds of the GDN layers (0 without them): per pass the
     pre-conv channels and gates cross to head layout and the core output back (``hp > 1``); each
-    layer's chunk stash goes to the host in every forward pass and comes back once in backward
-    (offload), beside the layers' GEMMs (``gemm_pass`` seconds per pass) and core (``core_pass``)."""
+    layer's chunk stash goes to the host in the forward that backward uses (the recompute under layer
+    checkpoints: ``fpdt.model.gdn_chunks`` stashes only then) and comes back once in backward (offload),
+    beside the layers' GEMMs (``gemm_pass`` seconds per pass) and core (``core_pass``)."""
     if not spec.gdn_layers:
         return 0.0, 0.0
     rates, g, n, u = cluster.rates(), spec.gdn, spec.gdn_layers, s.num_chunks
@@ -226,8 +227,7 @@ def _gdn_exposed(cfg: ModelConfig, spec, s: Setup, cluster: Cluster, gemm_pass: 
     if s.options.offload:
         stash = gdn_stash_bytes(cfg, spec, s)
         write, read = stash / rates.d2h_bytes_s, stash / rates.h2d_bytes_s
-        copies = n * (fwd_passes * (max(0.0, write - compute / n) + write / u) + max(0.0, read - 2 * compute / n)
-                      + read / u)
+        copies = n * (max(0.0, write - compute / n) + write / u + max(0.0, read - 2 * compute / n) + read / u)
     return a2a, copies
 
 

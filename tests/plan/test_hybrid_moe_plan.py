@@ -136,3 +136,22 @@ def test_cli_plans_the_presets(capsys):
         assert main(["--model", name, "--gpu", "h100-80g", "--seq-len", "1048576", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["fits"] and out["mfu"] > 0
+
+
+H200_1 = (Cluster(GPU_PRESETS["h200"], gpus_per_node=1, host_mem_bytes=1900 * GIB),
+          Choice(offload_optimizer=True, offload_param=True))
+H100_8 = (H100x8, Choice())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,where,longest", [
+    ("llama-3-8b", H200_1, 5_439_488), ("qwen3.5-9b", H200_1, 5_373_952),
+    ("qwen3-30b-a3b", H200_1, 5_898_240), ("qwen3.5-35b-a3b", H200_1, 6_488_064),
+    ("llama-3-8b", H100_8, 4_390_912), ("qwen3.5-9b", H100_8, 4_325_376),
+    ("qwen3-30b-a3b", H100_8, 4_653_056), ("qwen3.5-35b-a3b", H100_8, 4_521_984),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_docs_longest_sequences(model, where, longest):
+    """docs/plan.md's "Predicted longest sequences": the length fits and one 64K granule more does not."""
+    cluster, choice = where
+    assert plan(model, cluster, seq_len=longest, choice=choice)["fits"]
+    assert not plan(model, cluster, seq_len=longest + 2 ** 16, choice=choice)["fits"]
