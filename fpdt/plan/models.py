@@ -216,9 +216,9 @@ def _layer_types(hf: Mapping[str, Any], n: int) -> list[str]:
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
-    """The planner's per-layer view of ``cfg``: the model's own token-mixer fields where it parses
-    them (``layer_types``, ``linear_*``, ``attn_output_gate``, ``qk_norm``), else its ``config.json``
-    keys (Transformers' names), which also give the mixture of experts."""
+    """The planner's per-layer view of ``cfg``: the model's own fields where it parses them
+    (``layer_types``, ``linear_*``, ``attn_output_gate``, ``qk_norm``, ``moe``), else its
+    ``config.json`` keys (Transformers' names)."""
     hf = text_config(cfg.hf_config or {})
     mtype, n = hf.get("model_type", cfg.model_type), cfg.num_layers
     gdn, mixers = None, ["attention"] * n
@@ -232,7 +232,12 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
                        int(hf.get("linear_key_head_dim", 128)), int(hf.get("linear_value_head_dim", 128)),
                        int(hf.get("linear_conv_kernel_dim", 4)))
     moe, mlps = None, ["dense"] * n
-    if mtype in MOE_TYPES and int(hf.get("num_experts") or 0) > 0:
+    own = getattr(cfg, "moe", None)                          # fpdt.model.config's MoEConfig, where parsed
+    if own is not None and own.num_experts > 0:
+        shared = int(getattr(own, "shared_expert_intermediate_size", 0) or 0)
+        moe = MoEShape(own.num_experts, own.top_k, own.moe_intermediate_size, shared, shared > 0)
+        mlps = ["moe" if own.is_moe_layer(i) else "dense" for i in range(n)]
+    elif mtype in MOE_TYPES and int(hf.get("num_experts") or 0) > 0:
         shared = int(hf.get("shared_expert_intermediate_size") or 0)
         moe = MoEShape(int(hf["num_experts"]), int(hf.get("num_experts_per_tok", 8)),
                        int(hf.get("moe_intermediate_size", 768)), shared, shared > 0)
