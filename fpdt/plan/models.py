@@ -328,6 +328,15 @@ def lora_param_count(cfg: ModelConfig, rank: int) -> int:
     return rank * total
 
 
+def layer_mlp_params(cfg: ModelConfig, i: int) -> tuple[int, int]:
+    """Layer ``i``'s MLP parameters ``(all, used by one token)``: the dense SwiGLU, or the router, the
+    ``E`` (``k``) experts and the shared expert with its gate."""
+    spec = model_spec(cfg)
+    if spec.mlps[i] == "dense":
+        return (dense_mlp_params(cfg),) * 2
+    return spec.moe.params(cfg.hidden_size), spec.moe.active_params(cfg.hidden_size)
+
+
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     """Per-layer, total and active parameter counts (Transformers' modules, norms and biases included)."""
     spec = model_spec(cfg)

@@ -4,7 +4,7 @@ against the Transformers models built from the same config, and the presets' pub
 import pytest
 import torch
 
-from fpdt.plan.models import PRESETS, load_model_config, model_spec, param_counts
+from fpdt.plan.models import PRESETS, layer_mlp_params, load_model_config, model_spec, param_counts
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,3 +90,10 @@ def test_presets_load_with_their_published_sizes(name, total, active):
 def test_qwen3_30b_a3b_non_embedding_count():
     pc = param_counts(load_model_config("qwen3-30b-a3b"))
     assert pc.total - pc.embedding - pc.head == pytest.approx(29.9e9, rel=0.005)   # the model card's 29.9B
+
+
+def test_layer_mlp_params_dense_and_moe():
+    cfg = load_model_config(dict(QWEN3_MOE))
+    h = 40
+    assert layer_mlp_params(cfg, 0) == (3 * h * 72,) * 2                       # dense (decoder_sparse_step 2)
+    assert layer_mlp_params(cfg, 1) == (7 * 3 * h * 24 + 7 * h, 3 * 3 * h * 24 + 7 * h)
