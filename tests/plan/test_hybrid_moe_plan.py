@@ -173,3 +173,42 @@ def test_streamed_layers_of_hybrid_and_moe_models_only_when_asked():
     assert not chosen["fits"] and not chosen["setup"]["stream_layers"]
     asked = plan("qwen3.5-9b", cluster, seq_len=3 * 2 ** 20, choice=choice.fix(stream_layers=True))
     assert asked["fits"] and "does not stream Gated DeltaNet layers" in asked["note"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("u", [2, 4])
+def test_gdn_working_set_bounds_the_counted_backward(u):
+    """The GDN layer's device set the planner counts (:func:`gdn_working_set`) holds what the
+    accountant counts in ``fpdt.model.gated_deltanet``'s backward with offload (CPU kernel, bf16),
+    within 15%; its host stash is the planner's :func:`gdn_stash_bytes` within 2%."""
+    import torch
+
+    from fpdt.memory.accountant import MemoryAccountant
+    from fpdt.model.gated_deltanet import GatedDeltaNet
+    from fpdt.plan.memory_model import gdn_working_set
+
+    hidden, L = 256, 512
+    cfg = load_model_config({"model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": hidden,
+                             "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "head_dim": 64, "linear_num_key_heads": 2,
+                             "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                             "linear_conv_kernel_dim": 4})
+    s = Setup.build(L * u, L, hp=1, cp=1, offload=True)
+    torch.manual_seed(0)
+    m = GatedDeltaNet(hidden, 2, 4, 64, 64, 4).bfloat16()
+    m.num_chunks, m.offload, m.runtime = u, True, "sim"
+    x = torch.randn(1, L * u, hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1, L * u, hidden, dtype=torch.bfloat16)
+    m(x).backward(dy)                                   # warm-up: lazily built buffers
+    x.grad = None
+    m.zero_grad(set_to_none=True)
+    grads = sum(p.numel() * 4 for p in m.parameters()) + x.numel() * 2      # fp32 weight grads, dx
+    with MemoryAccountant("cpu") as acct:
+        with acct.phase("fwd"):
+            y = m(x)
+        with acct.phase("bwd"):
+            y.backward(dy)
+    counted = acct.phases["bwd"].peak_above_start - grads
+    planned = gdn_working_set(cfg, model_spec(cfg), s)
+    assert 0.85 * planned <= counted <= planned, (counted, planned)
+    assert acct.phases["fwd"].host_peak == pytest.approx(gdn_stash_bytes(cfg, model_spec(cfg), s), rel=0.02)
