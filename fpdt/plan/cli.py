@@ -169,6 +169,8 @@ def render(out: dict) -> str:
     ]
     if "nvme" in out:
         lines.append(_nvme_line(out["nvme"]))
+    if "note" in out:
+        lines.append(f"note             {out['note']}")
     lines += [
         "breakdown:",
     ]

@@ -13,11 +13,10 @@ from fpdt.attention.ring_costs import AttentionCosts, attention_costs, ulysses_w
 from fpdt.comm.heads import kv_replication_factor
 from fpdt.layout import hidden_bytes
 from fpdt.model.config import ModelConfig
-from fpdt.model.apply import loss_chunks_for, mlp_chunks_for, moe_chunks_for
-from fpdt.model.moe import moe_elements_per_token
+from fpdt.model.apply import loss_chunks_for, mlp_chunks_for
 from fpdt.model.layer_checkpoints import nvme_layer_count
 from fpdt.plan.hardware import GIB
-from fpdt.plan.models import lora_param_count, param_counts
+from fpdt.plan.models import ModelSpec, lora_param_count, model_spec, param_counts
 from fpdt.plan.setup import Setup
 from fpdt.train.config import PRECISIONS
 
@@ -39,6 +38,17 @@ STREAM_LAYER_U = 2.0
 """With ``stream_layers``: chunk-sized tensors of the layer in flight beside the attention working set."""
 STREAM_GRADIENTS_HOST_ND = 3.0
 """With ``stream_layers``: full-length gradients on the host during a layer's backward."""
+GDN_WS_CHUNKS = 13.0
+"""A Gated DeltaNet layer's backward on the device beyond its input gradient and weight gradients, in
+one chunk's stash (:func:`gdn_chunk_bytes`): the chunk being rebuilt and the one prefetched, the
+recomputed conv output, normalised q/k, gates and core output of the chunk and their gradients
+(``fpdt.model.gdn_chunks``). Counted by the accountant on the CPU kernel: 12.6 at hidden 256, Hk 2,
+HV 4, dk = dv 64, 512-token chunks, flat in the chunk count (``tests/plan/test_hybrid_moe_plan.py``)."""
+GDN_KERNEL_STATES = 2
+"""States per 64 tokens ``[L / 64, HV / P, dk, dv]`` in the input dtype that fla's chunk kernel holds in
+one chunk's backward (``h`` recomputed and ``dh``)."""
+FLA_CHUNK = 64
+"""The token block of fla's chunked delta rule (and of ``fpdt.ops.delta_rule``)."""
 LOSS_LOGIT_COPIES = 3.0
 RUNTIME_RESERVE_BYTES = 2.5 * GIB
 FRAGMENTATION = 1.10
@@ -199,66 +209,169 @@ def _checkpoint_bytes(cfg: ModelConfig, s: Setup, nd: float) -> tuple[float, flo
         # the last k layers' inputs kept there, k at the start of backward, then fewer.
         k = s.options.checkpoint_device_layers
         return max(k, min(2, l)) * nd, (l - k) * nd
-    return l * saved_per_layer_nd(cfg, s) * nd, 0.0   # every layer keeps its activations (and its stash)
+    spec = model_spec(cfg)
+    if spec.gdn_layers == 0:
+        return l * saved_per_layer_nd(cfg, s) * nd, 0.0   # every layer keeps its activations (and its stash)
+    # a GDN layer keeps what an attention layer's own tensors are, and its chunk stash when not offloaded
+    own = (SAVED_PER_LAYER_ND + 2 * 4 / (cfg.hidden_size * s.elem_bytes)) * nd
+    gdn = own + (0.0 if s.options.offload else gdn_stash_bytes(cfg, spec, s))
+    return spec.attention_layers * saved_per_layer_nd(cfg, s) * nd + spec.gdn_layers * gdn, 0.0
 
 
-def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
-    """Per-category bytes of ``s`` (``docs/plan.md``, "How the planner counts memory")."""
-    e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
-    nd = hidden_bytes(s.rank_tokens, h, e)
-    stash_nd = attention_stash_nd(cfg, s)
+def saving_split(cfg: ModelConfig, s: Setup, spec: ModelSpec | None = None) -> tuple[int, int]:
+    """``(host, device)`` saving layers (:meth:`Setup.saving_layers`); in a hybrid model the
+    full-attention layers among the first ``save_attention_layers`` save, by where their input
+    checkpoint is (GDN layers have no attention output: ``fpdt.model.layer_checkpoints``)."""
+    spec = spec or model_spec(cfg)
+    if spec.gdn_layers == 0:
+        return s.saving_layers(cfg.num_layers)
+    first = sum(s.saving_layers(cfg.num_layers))            # the layers whose attention output is kept
+    saving = [i for i, kind in enumerate(spec.mixers[:first]) if kind == "attention"]
+    if s.options.checkpointing != "offload":
+        return 0, len(saving)
+    on_device = sum(1 for i in saving if i >= cfg.num_layers - s.options.checkpoint_device_layers)
+    return len(saving) - on_device, on_device
 
-    states = model_states(cfg, s, world)
-    streamed = s.options.stream_layers
-    ckpt_dev, ckpt_host = _checkpoint_bytes(cfg, s, nd)
-    saved_host_layers, saved_dev_layers = s.saving_layers(l)
-    saved_dev = saved_dev_layers * saved_attention_bytes(cfg, s)
-    saved_host = saved_host_layers * saved_attention_bytes(cfg, s)
-    # without offload a checkpointed layer's stash, recomputed in backward, stays on the device
-    # through that layer's backward (under "off" every layer's is in ckpt_dev already)
-    recomputed = s.options.checkpointing != "off"
-    stash_resident = (stash_nd - _dq_nd(cfg, s)) * nd if recomputed and not s.options.offload else 0.0
+
+def gdn_chunk_bytes(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> float:
+    """One chunk's stash of a GDN layer on one rank (``fpdt.model.gdn_chunks``): the input ``x`` and
+    the core output (``L`` tokens of ``hidden`` and ``HV dv``), the head-layout pre-conv channels and
+    gates (``P L`` tokens of ``(2 Hk dk + HV dv + 2 HV) / P``), the fp32 boundary state
+    ``[HV / P, dk, dv]`` and the conv window (``K - 1`` pre-conv tokens)."""
+    g, p, e = spec.gdn, s.hp, s.elem_bytes
+    tokens = s.rank_tokens / s.num_chunks
+    return (tokens * (cfg.hidden_size + g.projected_width) * e + s.batch * g.state_bytes(g.value_heads / p)
+            + s.batch * (g.conv_kernel - 1) * g.qkv_width / p * e)
+
+
+def gdn_working_set(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> float:
+    """A GDN layer's device bytes beyond its full-length tensors at its backward peak: :data:`GDN_WS_CHUNKS`
+    chunk stashes and fla's per-64-token states of one chunk (:data:`GDN_KERNEL_STATES`)."""
+    g = spec.gdn
+    states = (s.rank_tokens / s.num_chunks / FLA_CHUNK) * g.value_heads * g.key_dim * g.value_dim * s.elem_bytes
+    return GDN_WS_CHUNKS * gdn_chunk_bytes(cfg, spec, s) + GDN_KERNEL_STATES * states
+
+
+def moe_elements_per_token(cfg: ModelConfig, spec: ModelSpec) -> int:
+    """A MoE chunk's backward set per token, in elements of the model's dtype, as ``fpdt.model.moe``
+    counts it (``moe_elements_per_token``, held there by the accountant): the norm's and input
+    gradient's ``5 hidden``, the fp32 router probabilities ``2 E``, the top-k bookkeeping ``24 k``, and
+    per routed row ``max(5 hidden + 4 ffn, 3 hidden + 5 ffn)``; the shared expert's ``9 hidden + 4 shared``."""
+    m, h = spec.moe, cfg.hidden_size
+    row = max(5 * h + 4 * m.expert_ffn, 3 * h + 5 * m.expert_ffn)
+    return max(5 * h + 2 * m.num_experts + 24 * m.top_k + m.top_k * row, 9 * h + 4 * m.shared_ffn)
+
+
+def moe_chunks(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> int:
+    """Token chunks of a MoE MLP: ``mlp_chunks`` if set, else the fewest whose backward set
+    (:func:`moe_elements_per_token`) fits two local attention chunks of hidden states, as
+    ``fpdt.model.moe.default_moe_chunks`` chooses (the dense MLP's rule)."""
+    if s.options.mlp_chunks is not None:
+        return s.options.mlp_chunks
+    return max(1, -(-s.num_chunks * moe_elements_per_token(cfg, spec) // (cfg.hidden_size * 2)))
+
+
+def moe_working_set(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> float:
+    """A MoE MLP's device bytes in its backward beyond its full-length tensors: one chunk's set
+    (:func:`moe_elements_per_token`), the grouped kernel's ``gate_up``-sized weight gradient of the
+    chunk, and the fp32 gradient accumulators of all ``E`` experts (16-bit weights, full training)."""
+    m, h, e = spec.moe, cfg.hidden_size, s.elem_bytes
+    t = s.rank_tokens / moe_chunks(cfg, spec, s)
+    grads = 0.0 if s.lora_rank else m.num_experts * 2 * m.expert_ffn * h * e + (4 * m.expert_params(h) if e != 4 else 0)
+    return t * moe_elements_per_token(cfg, spec) * e + grads
+
+
+def gdn_stash_bytes(cfg: ModelConfig, spec: ModelSpec, s: Setup) -> float:
+    """One GDN layer's stash on one rank: every chunk's (:func:`gdn_chunk_bytes`)."""
+    return s.num_chunks * gdn_chunk_bytes(cfg, spec, s)
+
+
+def _attention_working_set(cfg: ModelConfig, s: Setup, nd: float, stash_resident: float) -> float:
+    """The attention core's working set at its peak (with its on-device stash without offload)."""
     costs = layer_attention_costs(cfg, s)       # its peaks include the on-device stash without offload
     if s.cp == 1:   # the Ulysses pipeline, plus the projection-input chunk the layer fetches for dW
         ws_U = max(ulysses_working_set_U(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                          head_dim=cfg.head_dim, sp=s.hp, num_chunks=s.num_chunks,
                                          offload=s.options.offload, kernel_expands_gqa=s.kernel_expands_gqa))
         # without offload the stash recomputed in the layer's forward is resident in its backward
-        attn_ws = ws_U * costs.U + (nd / s.num_chunks if s.options.offload else stash_resident)
-    else:
-        attn_ws = max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
-    t_mlp = s.rank_tokens / mlp_chunks(cfg, s)
-    mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
-    if cfg.moe is not None:     # the MoE MLP's chunk (fpdt.model.moe.moe_elements_per_token), k routed rows per token
-        moe = cfg.moe
-        per_token = moe_elements_per_token(h, moe.moe_intermediate_size, moe.num_experts, moe.top_k,
-                                           moe.shared_expert_intermediate_size)
-        mlp_ws = max(mlp_ws, s.rank_tokens / moe_chunks_for(s.options, cfg) * per_token * e)
+        return ws_U * costs.U + (nd / s.num_chunks if s.options.offload else stash_resident)
+    return max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
+
+
+def _loss_bytes(cfg: ModelConfig, s: Setup, nd: float) -> float:
+    """The loss chunk's bytes (the larger of its forward and backward), by LM-head mode."""
+    e, h = s.elem_bytes, cfg.hidden_size
     t_loss = s.rank_tokens / loss_chunks(cfg, s)
     logits_chunk, vh = t_loss * cfg.vocab_size * 4, cfg.vocab_size * h
     if s.lora_rank:     # a frozen LM head: no weight gradient in either mode
-        loss = 2 * nd + LOSS_LOGIT_COPIES * logits_chunk
-    elif s.options.lm_head_wgrad == "recompute":
-        loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk, vh * e + logits_chunk * (1 + e / 4))
-    else:
-        cast = vh * e if e != 4 else 0.0            # the backward's cast of the fp32 accumulator
-        loss = 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk + vh * 4, vh * 4 + cast)
+        return 2 * nd + LOSS_LOGIT_COPIES * logits_chunk
+    if s.options.lm_head_wgrad == "recompute":
+        return 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk, vh * e + logits_chunk * (1 + e / 4))
+    cast = vh * e if e != 4 else 0.0            # the backward's cast of the fp32 accumulator
+    return 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk + vh * 4, vh * 4 + cast)
+
+
+def _layer_phases(spec: ModelSpec, s: Setup, nd: float, mixer_phase: dict, mlp_chunk: dict) -> dict:
+    """Sub-phase -> (full-length tensors of the in-flight layer, working-set category, bytes), for each
+    layer kind (a plain model has one, ``("attention", "dense")``, and keeps the names ``norm``,
+    ``attention``, ``mlp``). ``mixer_phase``: mixer -> (category, working set, resident stash);
+    ``mlp_chunk``: MLP kind -> its chunk's working set."""
+    recomputed = s.options.checkpointing != "off"
+    mixer_nd = (ATTENTION_PHASE_ND if recomputed else ATTENTION_PHASE_OFF_ND) * nd
+    phases = {}
+    chunk = nd / s.num_chunks
+    for mixer, mlp in sorted(spec.kinds()):
+        key, ws, resident = mixer_phase[mixer]
+        name = "" if spec.plain else f"{mixer}_{mlp}_"
+        if s.options.stream_layers:    # the layer in flight holds chunks only (fpdt.model.streaming)
+            phases[name + mixer if name else "attention"] = (STREAM_LAYER_U * chunk, key, ws)
+            # the dense MLP runs one attention chunk at a time; a MoE chunk is already within one
+            phases[name + "mlp"] = (STREAM_LAYER_U * chunk, "mlp_chunk",
+                                    mlp_chunk[mlp] / (s.num_chunks if mlp == "dense" else 1))
+            continue
+        phases[name + "norm"] = (NORM_PHASE_ND * nd + resident, None, 0.0)
+        phases[name + mixer if name else "attention"] = (mixer_nd, key, ws)
+        phases[name + "mlp"] = (MLP_PHASE_ND * nd + resident, "mlp_chunk", mlp_chunk[mlp])
+    return phases
+
+
+def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) -> MemoryEstimate:
+    """Per-category bytes of ``s`` (``docs/plan.md``, "How the planner counts memory")."""
+    e, h = s.elem_bytes, cfg.hidden_size
+    spec = model_spec(cfg)
+    nd = hidden_bytes(s.rank_tokens, h, e)
+    stash_nd = attention_stash_nd(cfg, s)
+
+    states = model_states(cfg, s, world)
+    streamed = s.options.stream_layers
+    ckpt_dev, ckpt_host = _checkpoint_bytes(cfg, s, nd)
+    saved_host_layers, saved_dev_layers = saving_split(cfg, s, spec)
+    saved_dev = saved_dev_layers * saved_attention_bytes(cfg, s)
+    saved_host = saved_host_layers * saved_attention_bytes(cfg, s)
+    # without offload a checkpointed layer's stash, recomputed in backward, stays on the device
+    # through that layer's backward (under "off" every layer's is in ckpt_dev already)
+    recomputed = s.options.checkpointing != "off"
+    stash_resident = (stash_nd - _dq_nd(cfg, s)) * nd if recomputed and not s.options.offload else 0.0
+    attn_ws = _attention_working_set(cfg, s, nd, stash_resident)
+    t_mlp = s.rank_tokens / mlp_chunks(cfg, s)
+    mlp_ws = 4 * t_mlp * cfg.intermediate_size * e
+    # per layer kind: the mixer's working set and resident stash, the MLP's chunk (docs/plan.md, "Hybrid and
+    # mixture-of-experts models"); a plain model has one kind, ("attention", "dense")
+    gdn_ws = gdn_working_set(cfg, spec, s) if spec.gdn_layers else 0.0
+    gdn_resident = gdn_stash_bytes(cfg, spec, s) if spec.gdn_layers and recomputed and not s.options.offload else 0.0
+    moe_ws = moe_working_set(cfg, spec, s) if spec.moe_layers else 0.0
+    loss = _loss_bytes(cfg, s, nd)
 
     # The peak is in one layer's backward or at the loss (end of forward); the breakdown
     # holds what is live at that moment, so that it sums to the peak.
     at_peak = {"checkpoints_device": ckpt_dev, "attention_saved_device": saved_dev, "in_flight_layer": 0.0,
-               "attention_working_set": 0.0,
+               "attention_working_set": 0.0, **({"gdn_working_set": 0.0} if spec.gdn_layers else {}),
                "mlp_chunk": 0.0, "loss_chunk": 0.0}
-    phases = {   # sub-phase -> (full-length tensors of the in-flight layer, working-set category, bytes)
-        "norm": (NORM_PHASE_ND * nd + stash_resident, None, 0.0),
-        "attention": ((ATTENTION_PHASE_ND if recomputed else ATTENTION_PHASE_OFF_ND) * nd, "attention_working_set",
-                      attn_ws),
-        "mlp": (MLP_PHASE_ND * nd + stash_resident, "mlp_chunk", mlp_ws),
-    }
-    if streamed:    # the layer in flight holds chunks only (fpdt.model.streaming)
-        chunk = nd / s.num_chunks
-        phases = {"attention": (STREAM_LAYER_U * chunk, "attention_working_set", attn_ws),
-                  "mlp": (STREAM_LAYER_U * chunk, "mlp_chunk", mlp_ws / s.num_chunks)}
+    mixer_phase = {"attention": ("attention_working_set", attn_ws, stash_resident),
+                   "gdn": ("gdn_working_set", gdn_ws, gdn_resident)}
+    phases = _layer_phases(spec, s, nd, mixer_phase, {"dense": mlp_ws, "moe": moe_ws})
+    chunk = nd / s.num_chunks
+    if streamed:
         loss += 2 * chunk - 2 * nd
     in_flight, ws_key, ws = max(phases.values(), key=lambda p: p[0] + p[2])
     layer_phase = ckpt_dev + saved_dev + in_flight + ws
@@ -281,8 +394,10 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
               + FRAGMENTATION * dynamic + RUNTIME_RESERVE_BYTES)
 
     stash_host = 0.0
-    if s.options.offload:
-        stash_host = (l if s.options.checkpointing == "off" else 1) * stash_nd * nd
+    if s.options.offload:   # the layer in flight's (every layer's without checkpointing): K/V stash or GDN chunks
+        per_kind = {"attention": stash_nd * nd, "gdn": gdn_stash_bytes(cfg, spec, s) if spec.gdn_layers else 0.0}
+        stash_host = (sum(per_kind[m] for m in spec.mixers) if s.options.checkpointing == "off"
+                      else max(per_kind[m] for m in set(spec.mixers)))
     if streamed:
         stash_host += (STREAM_GRADIENTS_HOST_ND + cfg.num_heads * cfg.head_dim / h) * nd
     disk, freed = nvme_tier_bytes(cfg, s)
@@ -305,6 +420,7 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
         "model_states_host": ranks * states["model_states_host"],
         "process_host": ranks * HOST_RESERVE_PER_RANK,
     }
-    working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, "loss": loss, "optimizer_step": step_phase,
+    kinds = {**({"gdn": gdn_ws} if spec.gdn_layers else {}), **({"moe_chunk": moe_ws} if spec.moe_layers else {})}
+    working_sets = {"attention": attn_ws, "mlp_chunk": mlp_ws, **kinds, "loss": loss, "optimizer_step": step_phase,
                     **{f"layer_{k}_phase": v[0] + v[2] for k, v in phases.items()}}
     return MemoryEstimate(breakdown, working_sets, device, activation_peak, ranks * per_rank_host, ranks * disk)

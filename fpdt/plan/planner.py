@@ -25,8 +25,10 @@ from fpdt.options import (CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, FPDTOptions, La
                           device_defaults)
 from fpdt.plan.documents import effective_length
 from fpdt.plan.hardware import Cluster
-from fpdt.plan.memory_model import FRAGMENTATION, estimate_memory, mlp_chunks, nvme_layers_on_disk, saved_attention_bytes
-from fpdt.plan.models import load_model_config
+from fpdt.plan.memory_model import (FRAGMENTATION, estimate_memory, mlp_chunks, moe_chunks, nvme_layers_on_disk,
+                                    saved_attention_bytes)
+from fpdt.plan.models import load_model_config, model_spec
+from fpdt.plan.models import train_flops_per_token as kind_train_flops
 from fpdt.comm import PLACEMENTS
 from fpdt.plan.setup import (GPU_OPTIONS, RunSettings, Setup,
                              chunk_count_problems, option_problems, split_options)
@@ -135,8 +137,9 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
     saving = choice.fixed_save_layers
     combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
     # streamed layers: tried beside the unstreamed setups unless fixed (_best prefers unstreamed when both fit)
-    # (fpdt.model refuses stream_layers with MoE layers: never chosen for them)
-    streams = (base.stream_layers,) if not choice.chooses("stream_layers") else (False,) if cfg.moe else (False, True)
+    # (a model whose layers fpdt.model does not stream yet is planned streamed only when asked)
+    streamable = model_spec(cfg).unstreamed_reason is None
+    streams = (base.stream_layers,) if not choice.chooses("stream_layers") else (False, True) if streamable else (False,)
     for ((hp, cp), chunk), ckpt, wgrad, stream in itertools.product(combos, checkpoints or (base.checkpointing,),
                                                                      wgrads, streams):
         if stream and (ckpt != "offload" or choice.fixed.get("offload") is False
@@ -181,6 +184,11 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
     attended = effective_length(s.seq_len, s.doc_len)     # MFU counts the attention work the mask needs
     rates = step_rates(shape, attended, tokens, times["total"], cluster.world,
                        cluster.gpu.bf16_flops, recompute=s.options.checkpointing != "off")
+    spec = model_spec(cfg)
+    if not spec.plain:   # attention in the full-attention layers only, k of E experts (fpdt.plan.models)
+        denom = rates.tokens_per_s / (cluster.world * cluster.gpu.bf16_flops)
+        rates = dataclasses.replace(rates, mfu=kind_train_flops(cfg, spec, attended, True) * denom,
+                                    mfu_full=kind_train_flops(cfg, spec, attended, False) * denom)
     if s.lora_rank:   # the FLOPs a LoRA step needs: no weight gradients of the frozen linears and head
         rates = dataclasses.replace(rates, mfu=rates.mfu * _lora_flops_fraction(shape, attended, True),
                                     mfu_full=rates.mfu_full * _lora_flops_fraction(shape, attended, False))
@@ -206,11 +214,13 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster) -> dict:
         "mfu": rates.mfu,
         "mfu_full": rates.mfu_full,
         "setup": s.as_dict(),
-        "mlp_chunks": mlp_chunks(cfg, s),    # the count the model runs (setup's mlp_chunks: None = its default)
+        # the count the model runs (setup's mlp_chunks: None = its default); a MoE model's experts' chunks
+        "mlp_chunks": moe_chunks(cfg, spec, s) if spec.moe_layers else mlp_chunks(cfg, s),
     }
     if mem.nvme_bytes:
         recompute = s.options.checkpointing != "off"
-        io = nvme_io(cfg, s, cluster, times["gemms"] + times["attention"], 4 if recompute else 3)
+        io = nvme_io(cfg, s, cluster, times["gemms"] + times["attention"] + times.get("gdn_core", 0.0),
+                     4 if recompute else 3)
         out["nvme"] = {"layers": nvme_layers_on_disk(cfg, s), "bytes_per_node": mem.nvme_bytes,
                        "capacity_bytes": cluster.nvme.capacity_bytes if cluster.nvme else None, **io}
     return out
@@ -291,18 +301,21 @@ def most_saving_layers(cfg: ModelConfig, s: Setup, host_room: float, device_room
     recompute setup ``s`` leaves: ``host_room`` bytes per node of ``ranks_per_node`` ranks and
     ``device_room`` per GPU (None: not limited). The first ``l - k`` layers' outputs go to the
     host under ``"offload"``, the rest (and all under ``"on"``) to the device, where the
-    allocator's slack (:data:`FRAGMENTATION`) is counted on them. 0 without checkpointing."""
+    allocator's slack (:data:`FRAGMENTATION`) is counted on them. 0 without checkpointing. In a
+    hybrid model the count is of layers, of which the full-attention ones save."""
     l, o = cfg.num_layers, s.options
     if o.checkpointing == "off":
         return 0
     per = saved_attention_bytes(cfg, s)
-    on_host = l - o.checkpoint_device_layers if o.checkpointing == "offload" else 0
-    n_host = max(0, min(on_host, int(host_room // (ranks_per_node * per))))
-    if n_host < on_host:
-        return n_host
-    on_device = l - on_host if device_room is None else min(l - on_host, int(max(0.0, device_room)
-                                                                           // (FRAGMENTATION * per)))
-    return on_host + on_device
+    attention = [i for i, kind in enumerate(model_spec(cfg).mixers) if kind == "attention"]   # GDN layers save nothing
+    first_on_device = l - o.checkpoint_device_layers if o.checkpointing == "offload" else 0
+    host = [i for i in attention if i < first_on_device]
+    n_host = max(0, int(host_room // (ranks_per_node * per)))
+    if n_host < len(host):
+        return host[n_host]            # the layers before it: n_host attention layers, on the host
+    device = [i for i in attention if i >= first_on_device]
+    n_dev = len(device) if device_room is None else int(max(0.0, device_room) // (FRAGMENTATION * per))
+    return device[n_dev] if n_dev < len(device) else l
 
 
 def _with_saved_attention(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster,
@@ -484,6 +497,9 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
         if not seq_len or seq_len < 1:
             raise ValueError("give --seq-len S (> 0), or --max-seq-len to search the longest that fits")
         out = plan_at(cfg, seq_len, cluster, choice)
+    why = model_spec(cfg).unstreamed_reason
+    if why and out.get("setup", {}).get("stream_layers"):
+        out["note"] = why
     out["cluster"] = {"gpu": cluster.gpu.name, "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes,
                       "host_mem_bytes_per_node": cluster.host_mem_bytes, "rates": asdict(cluster.rates())}
     return out

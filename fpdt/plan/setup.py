@@ -15,6 +15,7 @@ from typing import Any
 
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import saving_layers
+from fpdt.plan.models import model_spec
 from fpdt.options import DERIVED_OPTIONS, OPTION_NAMES, FPDTOptions, LayoutOptions, device_defaults
 from fpdt.layout import chunking_problems
 from fpdt.train.config import PRECISIONS, option_key
@@ -201,9 +202,24 @@ class Setup(LayoutOptions, RunSettings):
             out.append(f"hp x cp = {self.hp} x {self.cp} must divide the {world} GPUs")
         elif cfg.num_heads % self.hp:
             out.append(f"hp={self.hp} must divide the {cfg.num_heads} query heads")
+        out += hybrid_problems(cfg, self.hp, self.cp)
         out += chunk_count_problems(self.options)
         out += chunking_problems(self.seq_len, self.chunk_size, self.hp, self.cp)
         return out
+
+
+def hybrid_problems(cfg: ModelConfig, hp: int, cp: int) -> list[str]:
+    """Why a model with Gated DeltaNet layers cannot run on an ``hp x cp`` mesh (empty when it can)."""
+    g = model_spec(cfg).gdn
+    if g is None:
+        return []
+    out = []
+    if cp > 1:
+        out.append(f"cp={cp}: the model's Gated DeltaNet layers run under Ulysses only (passing their state "
+                   f"between context-parallel ranks is not implemented); use cp 1")
+    if g.key_heads % hp or g.value_heads % hp:
+        out.append(f"hp={hp} must divide the Gated DeltaNet's {g.key_heads} key and {g.value_heads} value heads")
+    return out
 
 
 def _positive(*values: Any) -> bool:
