@@ -37,6 +37,37 @@ def test_single_rank_matches_transformers(shape, num_chunks, S):
     check_single(layer, ref, x, dout, where=f"{shape} u={num_chunks}")
 
 
+def ids_with_starts(S, rows):
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    for b, starts in enumerate(rows):
+        for t in starts:
+            ids[b, t:] += 1
+    return ids
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 5])
+def test_packed_documents_are_each_document_alone(num_chunks):
+    """ms-swift #9618 (Transformers 5.2-5.8 leaked the state across packed samples): a document start
+    resets the state and the conv window, inside a chunk and at a chunk edge (35 for u = 2; 56 for
+    u = 5), with one-token documents (5, 6) and rows starting documents at different places."""
+    config, ref = hf_layer(SHAPES["gva"], seed=7)
+    layer = fpdt_layer(config, ref)
+    layer.num_chunks = num_chunks
+    x, dout = inputs(2, 70, seed=9)
+    doc_ids = ids_with_starts(70, [[5, 6, 35, 56, 57], [1, 20, 64, 69]])
+    check_single(layer, ref, x, dout, doc_ids, where=f"packed u={num_chunks}")
+
+
+def test_packed_documents_under_offload():
+    from fpdt.offload import fresh_runtime
+    config, ref = hf_layer(SHAPES["equal"], seed=8)
+    layer = fpdt_layer(config, ref)
+    x, dout = inputs(1, 48, seed=4)
+    with fresh_runtime("sim") as rt:
+        layer.num_chunks, layer.offload, layer.runtime = 4, True, rt
+        check_single(layer, ref, x, dout, ids_with_starts(48, [[12, 13, 30]]), where="packed offload")
+
+
 def test_offload_on_the_simulated_runtime():
     from fpdt.offload import fresh_runtime
     config, ref = hf_layer(SHAPES["gva"], seed=3)
@@ -129,9 +160,11 @@ def _ulysses_body(rank, world, shape, num_chunks, S, docs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,shape,num_chunks,S,docs", [
-    (2, "gva2", 2, 36, False), (2, "equal2", 4, 40, False), (4, "gva4", 2, 40, False)])
+    (2, "gva2", 2, 36, False), (2, "equal2", 4, 40, False), (4, "gva4", 2, 40, False),
+    (2, "gva2", 2, 36, True), (4, "gva4", 2, 40, True)])
 def test_ulysses_matches_transformers(world, shape, num_chunks, S, docs):
-    """Heads split over the ranks after the all-to-all; gradients summed over the ranks."""
+    """Heads split over the ranks after the all-to-all; gradients summed over the ranks; with ``docs``
+    packed documents whose starts fall inside chunks and across ranks."""
     run_distributed(_ulysses_body, world, (shape, num_chunks, S, docs), timeout=300)
 
 
