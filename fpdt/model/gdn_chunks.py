@@ -193,7 +193,7 @@ def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, re
     hk, hv = s.num_k_heads // spec.sp, s.num_v_heads // spec.sp
     full = torch.cat([window, pre], 1)
     conv = causal_conv(full, conv_w, None if resets is None else resets[0])
-    new_window = full[:, full.shape[1] - (s.conv_kernel - 1):]
+    new_window = full[:, full.shape[1] - (s.conv_kernel - 1):].clone()     # not a view keeping `full`
     q, k, v = conv.split(spec.local_sizes(), -1)
     q, k = l2norm(q.reshape(B, N, hk, s.head_k_dim)), l2norm(k.reshape(B, N, hk, s.head_k_dim))
     if hv != hk:

@@ -165,3 +165,12 @@ def test_fla_signature_when_installed():
     params = inspect.signature(chunk_gated_delta_rule).parameters
     for name in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"):
         assert name in params
+
+
+def test_bf16_output_dtype_and_error():
+    """bf16 in: bf16 out, fp32 state; no worse against float64 than rounding the float64 answer to bf16 x 4."""
+    (q, k, v, g, beta), h0 = inputs(1, 80, 2, 8, 8, seed=13)
+    o, ht = gated_delta_rule(*(x.bfloat16() for x in (q, k, v, g, beta)), initial_state=h0, kernel="torch")
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    o_ref, _ = token_recurrence(*(x.bfloat16() for x in (q, k, v, g, beta)), h0, 8 ** -0.5)
+    assert rel(o, o_ref) <= 4 * rel(o_ref.bfloat16(), o_ref)
