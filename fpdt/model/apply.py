@@ -53,10 +53,15 @@ class DecoderAdapter:
         """The model-wide part of the attention step, before the layers' (nothing by default)."""
 
     def set_attention(self, layer: nn.Module, options: FPDTOptions) -> None:
-        """Make ``layer.self_attn`` read :data:`ATTENTION_FIELDS`; without a layer checkpoint ``o_proj`` reads the stash."""
-        for name in ATTENTION_FIELDS:
-            setattr(layer.self_attn, name, getattr(options, name))
-        layer.self_attn.o_proj_input_from_stash = options.checkpointing == "off"
+        """Make ``layer.self_attn`` read :data:`ATTENTION_FIELDS`; without a layer checkpoint ``o_proj`` reads the stash.
+        A Gated DeltaNet layer's mixer, ``layer.linear_attn`` (Transformers' name), reads the same fields."""
+        if getattr(layer, "self_attn", None) is not None:
+            for name in ATTENTION_FIELDS:
+                setattr(layer.self_attn, name, getattr(options, name))
+            layer.self_attn.o_proj_input_from_stash = options.checkpointing == "off"
+        if getattr(layer, "linear_attn", None) is not None:
+            for name in ATTENTION_FIELDS:
+                setattr(layer.linear_attn, name, getattr(options, name))
 
     def set_norm_chunks(self, norm: nn.Module, num_chunks: int) -> None:
         norm.num_chunks = num_chunks

@@ -13,6 +13,7 @@ from typing import Iterator
 from torch import nn
 
 from fpdt.attention.module import FPDTAttention
+from fpdt.model.gated_deltanet import GatedDeltaNet
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.ops.projections import read_output_projection
 
@@ -31,6 +32,7 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
       ``o_proj``'s when it has adapters or reads its input from the stash;
     * each :class:`fpdt.model.ChunkedSwiGLU`: its three projections'; in an
       :class:`fpdt.model.llama.FPDTDecoderLayer`, also ``post_attention_layernorm``'s (fused in);
+    * each :class:`fpdt.model.gated_deltanet.GatedDeltaNet`: its projections', conv's and norm's;
     * ``lm_head``: ``model.lm_head.weight`` (the chunked loss), read by ``model``;
     * ``streamed`` (:mod:`fpdt.model.streaming`): the embedding and final norm, read by ``model``.
 
@@ -48,6 +50,8 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
             names = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm") + (("o_proj",) if _reads_o_proj(module) else ())
         elif isinstance(module, ChunkedSwiGLU):
             names = ("gate_proj", "up_proj", "down_proj")
+        elif isinstance(module, GatedDeltaNet):
+            names = GatedDeltaNet.read_children
         for name in names:
             child = getattr(module, name, None)
             if child is not None:

@@ -20,6 +20,9 @@ class GatedDeltaNet(nn.Module):
     apply steps set, as on :class:`fpdt.attention.FPDTAttention`. Every parameter is read directly
     by :class:`fpdt.model.gdn_chunks.GatedDeltaNetFunction` (ZeRO-3 external parameters)."""
 
+    read_children = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+    """The children whose parameters the Function reads directly (:mod:`fpdt.model.external_params`)."""
+
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel_size: int = 4, eps: float = 1e-6):
         super().__init__()

@@ -174,3 +174,21 @@ def test_2d_mesh_with_context_parallelism_is_refused():
     layer.mesh = SimpleNamespace(cp=2, hp=1, hp_group=None)
     with pytest.raises(ValueError, match="cp=2 > 1"):
         layer(torch.randn(1, 8, HIDDEN))
+
+
+def test_apply_steps_reach_the_mixer_and_zero3_sees_every_read_parameter():
+    """DecoderAdapter.set_attention sets the attention's options on ``layer.linear_attn`` too, and
+    every parameter the Function reads is listed for ZeRO-3 (the module's own A_log, dt_bias are its)."""
+    from torch import nn
+
+    from fpdt.model.apply import ATTENTION_FIELDS, DecoderAdapter
+    from fpdt.model.external_params import directly_read
+    from fpdt.options import FPDTOptions
+    layer = nn.Module()
+    layer.linear_attn = GatedDeltaNet(HIDDEN, 2, 4, 8, 6)
+    options = FPDTOptions(num_chunks=4, offload=True)
+    DecoderAdapter().set_attention(layer, options)
+    assert all(getattr(layer.linear_attn, f) == getattr(options, f) for f in ATTENTION_FIELDS)
+    read = {id(p) for reader, p in directly_read(layer, lm_head=False) if reader is layer.linear_attn}
+    own = {id(layer.linear_attn.A_log), id(layer.linear_attn.dt_bias)}
+    assert read | own == {id(p) for p in layer.linear_attn.parameters()} and not read & own
