@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import group_rank, group_size, heads_to_seq, heads_to_seq_packed, seq_to_heads, seq_to_heads_packed
 from fpdt.offload import HostStash, Runtime
+from fpdt.ops.causal_conv import causal_conv, conv_kernel
 from fpdt.ops.delta_rule import delta_rule_kernel, gated_delta_rule
 
 CHUNK_KEYS = ("x", "pre", "ba", "state", "window", "o")
@@ -97,6 +98,7 @@ class GDNSpec:
     L: int
     offload: bool
     kernel: str
+    conv_kernel: str = "torch"
     label: str | None = None
     runtime: Runtime | str | None = None
     docs: DocumentPlan | None = None
@@ -155,7 +157,8 @@ def build_gdn_spec(x_shape, device: torch.device, shape: GDNShape, *, group, mes
                              f"{tuple(doc_ids.shape)}")
         docs = DocumentPlan(doc_ids, shape.conv_kernel - 1)
     return GDNSpec(shape=shape, group=group, sp=P, rank=group_rank(group), num_chunks=num_chunks,
-                   L=S_local // num_chunks, offload=offload, kernel=delta_rule_kernel(device), label=label,
+                   L=S_local // num_chunks, offload=offload, kernel=delta_rule_kernel(device),
+                   conv_kernel=conv_kernel(device), label=label,
                    runtime=runtime, docs=docs)
 
 
@@ -170,19 +173,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv(full: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal conv + SiLU: ``full`` ``[B, K - 1 + N, C]`` (window, then the span), ``weight``
-    ``[C, K]`` -> ``[B, N, C]``; ``mask`` ``[B, N, K]`` drops the taps reading another document."""
-    K = weight.shape[1]
-    N = full.shape[1] - (K - 1)
-    w = weight.to(full.dtype)
-    if mask is None:
-        out = F.conv1d(full.transpose(1, 2), w.unsqueeze(1), groups=w.shape[0]).transpose(1, 2)
-    else:
-        out = sum(full[:, j:j + N] * w[:, j] * mask[:, :, j:j + 1].to(full.dtype) for j in range(K))
-    return F.silu(out)
-
-
 def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, resets):
     """One chunk's mixer in the head layout, differentiable: ``pre`` ``[B, N, C/P]`` pre-conv channels
     (this rank's q | k | v), ``ba`` ``[B, N, 2 HV/P]``, ``state`` ``[B, HV/P, dk, dv]`` fp32,
@@ -192,7 +182,7 @@ def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, re
     B, N, _ = pre.shape
     hk, hv = s.num_k_heads // spec.sp, s.num_v_heads // spec.sp
     full = torch.cat([window, pre], 1)
-    conv = causal_conv(full, conv_w, None if resets is None else resets[0])
+    conv = causal_conv(full, conv_w, None if resets is None else resets[0], spec.conv_kernel)
     new_window = full[:, full.shape[1] - (s.conv_kernel - 1):].clone()     # not a view keeping `full`
     q, k, v = conv.split(spec.local_sizes(), -1)
     q, k = l2norm(q.reshape(B, N, hk, s.head_k_dim)), l2norm(k.reshape(B, N, hk, s.head_k_dim))

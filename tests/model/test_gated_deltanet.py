@@ -192,3 +192,12 @@ def test_apply_steps_reach_the_mixer_and_zero3_sees_every_read_parameter():
     read = {id(p) for reader, p in directly_read(layer, lm_head=False) if reader is layer.linear_attn}
     own = {id(layer.linear_attn.A_log), id(layer.linear_attn.dt_bias)}
     assert read | own == {id(p) for p in layer.linear_attn.parameters()} and not read & own
+
+
+def test_lora_on_the_projections_is_refused_not_ignored():
+    peft = pytest.importorskip("peft")
+    from fpdt.ops.projections import ProjectionError
+    layer = GatedDeltaNet(HIDDEN, 2, 4, 8, 6)
+    layer = peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["in_proj_z"]), layer)
+    with pytest.raises(ProjectionError, match="out of the LoRA targets"):
+        layer(torch.randn(1, 8, HIDDEN))
