@@ -25,7 +25,7 @@ from fpdt.attention.saved_stash import stash_of, stash_token
 from fpdt.comm import group_rank, group_size, heads_to_seq, heads_to_seq_packed, seq_to_heads, seq_to_heads_packed
 from fpdt.offload import HostStash, Runtime
 from fpdt.ops.causal_conv import causal_conv, conv_kernel
-from fpdt.ops.delta_rule import delta_rule_kernel, gated_delta_rule
+from fpdt.ops.delta_rule import delta_rule_kernel, gated_delta_rule, l2norm
 
 CHUNK_KEYS = ("x", "pre", "ba", "state", "window", "o")
 """What the stash holds per chunk (see the module docstring)."""
@@ -167,12 +167,6 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum x^2 + eps)`` over the last dim, in fp32 (fla's and Transformers' convention)."""
-    x = x.to(acc_dtype(x.dtype))
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, resets):
     """One chunk's mixer in the head layout, differentiable: ``pre`` ``[B, N, C/P]`` pre-conv channels
     (this rank's q | k | v), ``ba`` ``[B, N, 2 HV/P]``, ``state`` ``[B, HV/P, dk, dv]`` fp32,
@@ -185,7 +179,10 @@ def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, re
     conv = causal_conv(full, conv_w, None if resets is None else resets[0], spec.conv_kernel)
     new_window = full[:, full.shape[1] - (s.conv_kernel - 1):].clone()     # not a view keeping `full`
     q, k, v = conv.split(spec.local_sizes(), -1)
-    q, k = l2norm(q.reshape(B, N, hk, s.head_k_dim)), l2norm(k.reshape(B, N, hk, s.head_k_dim))
+    q, k = q.reshape(B, N, hk, s.head_k_dim), k.reshape(B, N, hk, s.head_k_dim)
+    in_kernel = spec.kernel == "fla"          # fla normalises q, k inside; else in fp32 before the repeat
+    if not in_kernel:
+        q, k = l2norm(q), l2norm(k)
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, 2), k.repeat_interleave(hv // hk, 2)
     v = v.reshape(B, N, hv, s.head_v_dim)
@@ -200,7 +197,7 @@ def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, re
             state = state * keep[:, None, None, None]
         o, state = gated_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
                                     beta[:, start:end], initial_state=state, scale=s.head_k_dim ** -0.5,
-                                    kernel=spec.kernel)
+                                    kernel=spec.kernel, qk_l2norm=in_kernel)
         outs.append(o)
     o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return o.to(pre.dtype), state, new_window

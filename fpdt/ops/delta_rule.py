@@ -32,20 +32,31 @@ def delta_rule_kernel(device: torch.device | str) -> str:
     return "fla" if torch.device(device).type == "cuda" and fla_available() else "torch"
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, scale: float | None = None, kernel: str | None = None):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, scale: float | None = None, kernel: str | None = None,
+                     qk_l2norm: bool = False):
     """Differentiable ``(o [B, T, H, dv] in v's dtype, final_state [B, H, dk, dv] fp32)``;
-    gradients reach ``initial_state``. ``kernel``: ``"fla"``, ``"torch"`` or None (:func:`delta_rule_kernel`)."""
+    gradients reach ``initial_state``. ``kernel``: ``"fla"``, ``"torch"`` or None (:func:`delta_rule_kernel`).
+    ``qk_l2norm``: L2-normalise q and k first (fla inside its kernel; here in fp32, :func:`l2norm`)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kernel = delta_rule_kernel(q.device) if kernel is None else kernel
     if kernel == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
                                           beta.contiguous(), scale=scale, initial_state=initial_state,
-                                          output_final_state=True, use_qk_l2norm_in_kernel=False)
+                                          output_final_state=True, use_qk_l2norm_in_kernel=qk_l2norm)
         return o.to(v.dtype), final.float()
     if kernel != "torch":
         raise ValueError(f"unknown delta-rule kernel {kernel!r}: use 'fla', 'torch' or None (automatic)")
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
     return chunked_delta_rule(q, k, v, g, beta, initial_state, scale)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum x^2 + eps)`` over the last dim in fp32 (float64 for float64), fla's and
+    Transformers' convention."""
+    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def chunked_delta_rule(q, k, v, g, beta, initial_state=None, scale: float = 1.0, chunk: int = CHUNK):

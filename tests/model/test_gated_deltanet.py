@@ -201,3 +201,23 @@ def test_lora_on_the_projections_is_refused_not_ignored():
     layer = peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["in_proj_z"]), layer)
     with pytest.raises(ProjectionError, match="out of the LoRA targets"):
         layer(torch.randn(1, 8, HIDDEN))
+
+
+def test_fla_path_by_stub(monkeypatch):
+    """With the fla kernel (here a stub running the PyTorch rule with fla's signature) the layer
+    passes un-normalised q, k and use_qk_l2norm_in_kernel=True: the same output and gradients."""
+    import fpdt.model.gdn_chunks as chunks
+    from tests.ops.test_delta_rule import _stub_fla
+    config, ref = hf_layer(SHAPES["gva"], seed=5)
+    layer = fpdt_layer(config, ref)
+    layer.num_chunks = 2
+    x, dout = inputs(1, 40, seed=6)
+    doc_ids = ids_with_starts(40, [[7, 25]])
+    want = fpdt_run(layer, x, dout, doc_ids)
+    calls = []
+    _stub_fla(monkeypatch, calls)
+    monkeypatch.setattr(chunks, "delta_rule_kernel", lambda device: "fla")
+    got = fpdt_run(layer, x, dout, doc_ids)
+    assert calls and all(c["use_qk_l2norm_in_kernel"] and c["output_final_state"] for c in calls)
+    for a, b in zip((got[0], *got[1].values()), (want[0], *want[1].values())):
+        assert (a - b).norm() <= 1e-6 * b.norm()
