@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fpdt.attention.saved_stash import stash_of, stash_token
-from fpdt.comm import group_rank, group_size, heads_to_seq, heads_to_seq_packed, seq_to_heads, seq_to_heads_packed
+from fpdt.comm import (PendingAllToAll, group_rank, group_size, heads_to_seq, heads_to_seq_packed, seq_to_heads,
+                       start_seq_to_heads_packed)
 from fpdt.offload import HostStash, Runtime
 from fpdt.ops.causal_conv import causal_conv, conv_kernel
 from fpdt.ops.delta_rule import delta_rule_kernel, gated_delta_rule, l2norm
@@ -211,17 +212,21 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (h * F.silu(z.to(acc))).to(o.dtype)
 
 
-def _to_heads(x_i, w_qkv, w_b, w_a, spec: GDNSpec):
-    """Chunk ``x_i`` ``[B, L, hidden]`` -> this rank's ``(pre [B, P L, C/P], ba [B, P L, 2 HV/P])``."""
+def _start_to_heads(x_i, w_qkv, w_b, w_a, spec: GDNSpec) -> PendingAllToAll:
+    """Start chunk ``x_i`` ``[B, L, hidden]``'s projections and all-to-all; ``.wait()`` gives this rank's
+    ``(pre [B, P L, C/P], ba [B, P L, 2 HV/P])`` through :func:`_joined`."""
     s = spec.shape
     q, k, v = F.linear(x_i, w_qkv).split([s.key_dim, s.key_dim, s.value_dim], -1)
-    parts = seq_to_heads_packed([t.unsqueeze(-1) for t in (q, k, v, F.linear(x_i, w_b), F.linear(x_i, w_a))],
-                                spec.group)
+    return start_seq_to_heads_packed([t.unsqueeze(-1) for t in (q, k, v, F.linear(x_i, w_b), F.linear(x_i, w_a))],
+                                     spec.group)
+
+
+def _joined(parts):
     return torch.cat(parts[:3], 2).squeeze(-1), torch.cat(parts[3:], 2).squeeze(-1)
 
 
 def _to_sequence(d_pre, d_ba, spec: GDNSpec):
-    """The gradients of :func:`_to_heads`'s outputs back in the sequence layout: ``(d_qkv [B, L, C],
+    """The gradients of :func:`_start_to_heads`'s outputs back in the sequence layout: ``(d_qkv [B, L, C],
     d_b, d_a [B, L, HV])``."""
     hv = spec.shape.num_v_heads // spec.sp
     parts = [t.unsqueeze(-1) for t in (*d_pre.split(spec.local_sizes(), -1), *d_ba.split(hv, -1))]
@@ -243,9 +248,13 @@ class GatedDeltaNetFunction(torch.autograd.Function):
         local = spec.local_params(conv_w, A_log, dt_bias)
         out = torch.empty(B, S_local, w_out.shape[0], dtype=x.dtype, device=x.device)
         state, window = spec.zero_boundary(B, x.dtype, x.device)
+        pending = _start_to_heads(x[:, :L], w_qkv, w_b, w_a, spec)
         for i in range(spec.num_chunks):
             x_i = x[:, i * L:(i + 1) * L]
-            pre, ba = _to_heads(x_i, w_qkv, w_b, w_a, spec)
+            pre, ba = _joined(pending.wait())
+            # with P > 1 chunk i+1's projections and all-to-all start now and overlap chunk i's mixer
+            ahead = spec.sp > 1 and i + 1 < spec.num_chunks
+            pending = _start_to_heads(x[:, (i + 1) * L:(i + 2) * L], w_qkv, w_b, w_a, spec) if ahead else None
             if for_backward:
                 for key, t in (("x", x_i), ("pre", pre), ("ba", ba), ("state", state), ("window", window)):
                     stash.put((key, i), t)
@@ -258,6 +267,8 @@ class GatedDeltaNetFunction(torch.autograd.Function):
             z = F.linear(x_i, w_z).view(B, L, s.num_v_heads, s.head_v_dim)
             out[:, i * L:(i + 1) * L] = F.linear(gated_rms_norm(o, z, norm_w, s.eps).flatten(2), w_out)
             del o, z
+            if pending is None and i + 1 < spec.num_chunks:
+                pending = _start_to_heads(x[:, (i + 1) * L:(i + 2) * L], w_qkv, w_b, w_a, spec)
         del state, window
         ctx.save_for_backward(w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out, stash_token(stash))
         ctx.spec, ctx.x_meta = spec, (x.shape, x.dtype)

@@ -129,10 +129,16 @@ def packed_doc_ids(B, S, seed):
     return ids
 
 
-def _ulysses_body(rank, world, shape, num_chunks, S, docs):
+def _ulysses_body(rank, world, shape, num_chunks, S, docs, offload=False):
+    from fpdt.offload import fresh_runtime
+    with fresh_runtime("sim") as rt:
+        _ulysses_check(rank, world, shape, num_chunks, S, docs, rt if offload else None)
+
+
+def _ulysses_check(rank, world, shape, num_chunks, S, docs, runtime):
     config, ref = hf_layer(DIST_SHAPES[shape], seed=11)
     layer = fpdt_layer(config, ref)
-    layer.num_chunks = num_chunks
+    layer.num_chunks, layer.offload, layer.runtime = num_chunks, runtime is not None, runtime
     l64 = copy.deepcopy(layer).double()
     x, dout = inputs(2, S, seed=S)
     doc_ids = packed_doc_ids(2, S, seed=S) if docs else None
@@ -159,13 +165,13 @@ def _ulysses_body(rank, world, shape, num_chunks, S, docs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,shape,num_chunks,S,docs", [
-    (2, "gva2", 2, 36, False), (2, "equal2", 4, 40, False), (4, "gva4", 2, 40, False),
-    (2, "gva2", 2, 36, True), (4, "gva4", 2, 40, True)])
-def test_ulysses_matches_transformers(world, shape, num_chunks, S, docs):
+@pytest.mark.parametrize("world,shape,num_chunks,S,docs,offload", [
+    (2, "equal2", 4, 40, False, False), (4, "gva4", 2, 40, False, False),
+    (2, "gva2", 2, 36, True, False), (4, "gva4", 2, 40, True, False), (2, "equal2", 4, 40, True, True)])
+def test_ulysses_matches_transformers(world, shape, num_chunks, S, docs, offload):
     """Heads split over the ranks after the all-to-all; gradients summed over the ranks; with ``docs``
-    packed documents whose starts fall inside chunks and across ranks."""
-    run_distributed(_ulysses_body, world, (shape, num_chunks, S, docs), timeout=300)
+    packed documents whose starts fall inside chunks and across ranks; ``offload`` on the sim runtime."""
+    run_distributed(_ulysses_body, world, (shape, num_chunks, S, docs, offload), timeout=300)
 
 
 def test_2d_mesh_with_context_parallelism_is_refused():
@@ -221,3 +227,20 @@ def test_fla_path_by_stub(monkeypatch):
     assert calls and all(c["use_qk_l2norm_in_kernel"] and c["output_final_state"] for c in calls)
     for a, b in zip((got[0], *got[1].values()), (want[0], *want[1].values())):
         assert (a - b).norm() <= 1e-6 * b.norm()
+
+
+@pytest.mark.parametrize("num_chunks", [1, 4])
+def test_bf16_no_worse_than_transformers_bf16(num_chunks):
+    """bf16 weights and activations: output and gradients against the float64 reference, with
+    Transformers' layer run in bf16 as the yardstick (tests.model.helpers.compare_bf16)."""
+    from tests.model.gdn_helpers import float64_run, reference_run
+    from tests.model.helpers import compare_bf16
+    config, ref = hf_layer(SHAPES["gva"], seed=12)
+    layer = fpdt_layer(config, ref).to(torch.bfloat16)
+    layer.num_chunks = num_chunks
+    x, dout = inputs(1, 64, seed=13)
+    exact_out, exact = float64_run(ref, x, dout)
+    ref16 = copy.deepcopy(ref).to(torch.bfloat16)
+    plain_out, plain = reference_run(ref16, x.bfloat16(), dout.bfloat16())
+    out, grads = fpdt_run(layer, x.bfloat16(), dout.bfloat16())
+    compare_bf16(out, grads, plain_out, plain, exact_out, exact, f"bf16 u={num_chunks}")
