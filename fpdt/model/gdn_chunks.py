@@ -234,6 +234,86 @@ def _to_sequence(d_pre, d_ba, spec: GDNSpec):
     return torch.cat(back[:3], -1), back[3], back[4]
 
 
+class GDNChunks:
+    """The layer's chunk steps over ``weights`` (the nine tensors of :class:`GatedDeltaNetFunction`,
+    full) and ``stash``: :meth:`forward` for chunks ``0 .. u-1`` in order, then :meth:`start_backward`,
+    :meth:`backward` for ``u-1 .. 0`` and :meth:`finish`. The Function runs them over a whole layer
+    input; a caller holding the chunks elsewhere (streamed layers) can run them itself."""
+
+    def __init__(self, spec: GDNSpec, weights, stash: HostStash, for_backward: bool = True):
+        self.spec, self.weights, self.stash, self.for_backward = spec, tuple(weights), stash, for_backward
+        self.pending: PendingAllToAll | None = None
+        self.boundary = None
+
+    def forward(self, i: int, x_i: torch.Tensor, x_next: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk ``i``'s output ``[B, L, hidden]`` from ``x_i`` ``[B, L, hidden]`` (don't modify ``x_i``
+        in place afterwards); ``x_next``: chunk ``i + 1``, whose all-to-all then overlaps this chunk (P > 1)."""
+        spec, s, stash = self.spec, self.spec.shape, self.stash
+        w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out = self.weights
+        B, L = x_i.shape[:2]
+        if self.boundary is None:
+            self.boundary = spec.zero_boundary(B, x_i.dtype, x_i.device)
+        state, window = self.boundary
+        pending = self.pending or _start_to_heads(x_i, w_qkv, w_b, w_a, spec)
+        pre, ba = _joined(pending.wait())
+        del pending                                # with P = 1 it holds the projections' output
+        self.pending = _start_to_heads(x_next, w_qkv, w_b, w_a, spec) if x_next is not None and spec.sp > 1 else None
+        if self.for_backward:
+            for key, t in (("x", x_i), ("pre", pre), ("ba", ba), ("state", state), ("window", window)):
+                stash.put((key, i), t)
+        o_h, state, window = head_stage(pre, ba, state, window, *spec.local_params(conv_w, A_log, dt_bias), spec,
+                                        spec.span(i, x_i.device))
+        self.boundary = (state, window)
+        del pre, ba
+        o = heads_to_seq(o_h, spec.group)                                # [B, L, HV, dv]
+        del o_h
+        if self.for_backward:
+            stash.put(("o", i), o)
+        z = F.linear(x_i, w_z).view(B, L, s.num_v_heads, s.head_v_dim)
+        return F.linear(gated_rms_norm(o, z, norm_w, s.eps).flatten(2), w_out)
+
+    def start_backward(self, need) -> None:
+        """``need``: whether the input and each of the nine weights needs its gradient (ten flags);
+        fp32 accumulators (float64 for float64 weights) for the weights."""
+        self.need_x = need[0]
+        self.leaves = [w.detach().requires_grad_(n) for w, n in zip(self.weights[4:], need[5:10])]
+        self.acc = [torch.zeros(w.shape, dtype=acc_dtype(w.dtype), device=w.device) if n else None
+                    for w, n in zip(self.weights, need[1:10])]
+        self.d_state = self.d_window = None          # the last chunk's boundary gradients are zero
+        _prefetch(self.stash, self.spec.num_chunks - 1)
+
+    def backward(self, j: int, grad_j: torch.Tensor) -> torch.Tensor | None:
+        """Chunk ``j``'s input gradient ``[B, L, hidden]`` (None if not needed) from its output gradient."""
+        spec, s, stash, acc = self.spec, self.spec.shape, self.stash, self.acc
+        w_qkv, w_z, w_b, w_a = self.weights[:4]
+        x_j, pre, ba, state, window, o = (stash.pop((key, j)) for key in CHUNK_KEYS)
+        if j > 0:
+            _prefetch(stash, j - 1)
+        B, L, hidden = x_j.shape
+        d_o, d_z = _output_backward(o, x_j, w_z, self.leaves[3], self.leaves[4], grad_j.to(x_j.dtype), acc, s)
+        del o
+        d_o = seq_to_heads(d_o.contiguous(), spec.group)
+        d_pre, d_ba, self.d_state, self.d_window = _mixer_backward(j, pre, ba, state, window, self.leaves[:3], d_o,
+                                                                   self.d_state, self.d_window, acc, spec)
+        del pre, ba, state, window, d_o
+        grads = (*_to_sequence(d_pre, d_ba, spec), d_z.reshape(B, L, -1))
+        del d_pre, d_ba
+        x2 = x_j.reshape(B * L, -1)
+        part = None
+        for n, w, g in zip((0, 2, 3, 1), (w_qkv, w_b, w_a, w_z), grads):
+            g2 = g.reshape(B * L, -1).to(x_j.dtype)
+            if acc[n] is not None:
+                acc[n] += g2.t() @ x2
+            if self.need_x:
+                part = g2 @ w if part is None else part.add_(g2 @ w)
+        return None if part is None else part.view(B, L, hidden)
+
+    def finish(self) -> tuple:
+        """The nine weights' gradients in their dtypes (None where not needed); empties the stash."""
+        self.stash.clear()
+        return tuple(None if a is None else a.to(w.dtype) for a, w in zip(self.acc, self.weights))
+
+
 class GatedDeltaNetFunction(torch.autograd.Function):
     """x ``[B, S_local, hidden]`` (FPDT layout) -> the layer's output ``[B, S_local, hidden]``.
     Parameters: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` weights, the conv weight
@@ -242,35 +322,16 @@ class GatedDeltaNetFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out, spec: GDNSpec,
                 for_backward: bool):
-        B, S_local, _ = x.shape
-        L, s = spec.L, spec.shape
+        weights = (w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out)
+        L, u = spec.L, spec.num_chunks
         stash = HostStash(x.device, enabled=spec.offload, label=spec.label, runtime=spec.runtime)
-        local = spec.local_params(conv_w, A_log, dt_bias)
-        out = torch.empty(B, S_local, w_out.shape[0], dtype=x.dtype, device=x.device)
-        state, window = spec.zero_boundary(B, x.dtype, x.device)
-        pending = _start_to_heads(x[:, :L], w_qkv, w_b, w_a, spec)
-        for i in range(spec.num_chunks):
-            x_i = x[:, i * L:(i + 1) * L]
-            pre, ba = _joined(pending.wait())
-            # with P > 1 chunk i+1's projections and all-to-all start now and overlap chunk i's mixer
-            ahead = spec.sp > 1 and i + 1 < spec.num_chunks
-            pending = _start_to_heads(x[:, (i + 1) * L:(i + 2) * L], w_qkv, w_b, w_a, spec) if ahead else None
-            if for_backward:
-                for key, t in (("x", x_i), ("pre", pre), ("ba", ba), ("state", state), ("window", window)):
-                    stash.put((key, i), t)
-            o_h, state, window = head_stage(pre, ba, state, window, *local, spec, spec.span(i, x.device))
-            del pre, ba
-            o = heads_to_seq(o_h, spec.group)                                # [B, L, HV, dv]
-            del o_h
-            if for_backward:
-                stash.put(("o", i), o)
-            z = F.linear(x_i, w_z).view(B, L, s.num_v_heads, s.head_v_dim)
-            out[:, i * L:(i + 1) * L] = F.linear(gated_rms_norm(o, z, norm_w, s.eps).flatten(2), w_out)
-            del o, z
-            if pending is None and i + 1 < spec.num_chunks:
-                pending = _start_to_heads(x[:, (i + 1) * L:(i + 2) * L], w_qkv, w_b, w_a, spec)
-        del state, window
-        ctx.save_for_backward(w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out, stash_token(stash))
+        chunks = GDNChunks(spec, weights, stash, for_backward)
+        out = torch.empty(*x.shape[:2], w_out.shape[0], dtype=x.dtype, device=x.device)
+        for i in range(u):
+            x_next = x[:, (i + 1) * L:(i + 2) * L] if i + 1 < u else None
+            out[:, i * L:(i + 1) * L] = chunks.forward(i, x[:, i * L:(i + 1) * L], x_next)
+        del chunks
+        ctx.save_for_backward(*weights, stash_token(stash))
         ctx.spec, ctx.x_meta = spec, (x.shape, x.dtype)
         return out
 
@@ -278,42 +339,17 @@ class GatedDeltaNetFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         *weights, token = ctx.saved_tensors
-        w_qkv, w_z, w_b, w_a = weights[:4]
-        spec, stash, need = ctx.spec, stash_of(token), ctx.needs_input_grad
-        (B, S_local, hidden), dtype = ctx.x_meta
-        L, s, u = spec.L, spec.shape, spec.num_chunks
-        grad_out = grad_out.to(dtype)
-        leaves = [w.detach().requires_grad_(n) for w, n in zip(weights[4:], need[5:10])]
-        acc = [torch.zeros(w.shape, dtype=acc_dtype(w.dtype), device=w.device) if n else None
-               for w, n in zip(weights, need[1:10])]
-        d_x = torch.empty(B, S_local, hidden, dtype=dtype, device=grad_out.device) if need[0] else None
-        d_state = d_window = None                   # the last chunk's boundary gradients are zero
-        _prefetch(stash, u - 1)
-        for j in reversed(range(u)):
-            x_j, pre, ba, state, window, o = (stash.pop((key, j)) for key in CHUNK_KEYS)
-            if j > 0:
-                _prefetch(stash, j - 1)
-            d_o, d_z = _output_backward(o, x_j, w_z, leaves[3], leaves[4], grad_out[:, j * L:(j + 1) * L], acc, s)
-            del o
-            d_o = seq_to_heads(d_o.contiguous(), spec.group)
-            d_pre, d_ba, d_state, d_window = _mixer_backward(j, pre, ba, state, window, leaves[:3], d_o, d_state,
-                                                             d_window, acc, spec)
-            del pre, ba, state, window, d_o
-            grads = (*_to_sequence(d_pre, d_ba, spec), d_z.reshape(B, L, -1))
-            del d_pre, d_ba
-            x2 = x_j.reshape(B * L, -1)
-            part = None
-            for n, w, g in zip((0, 2, 3, 1), (w_qkv, w_b, w_a, w_z), grads):
-                g2 = g.reshape(B * L, -1).to(dtype)
-                if acc[n] is not None:
-                    acc[n] += g2.t() @ x2
-                if d_x is not None:
-                    part = g2 @ w if part is None else part.add_(g2 @ w)
+        spec, (shape, dtype) = ctx.spec, ctx.x_meta
+        chunks = GDNChunks(spec, weights, stash_of(token))
+        chunks.start_backward(ctx.needs_input_grad)
+        L = spec.L
+        d_x = torch.empty(shape, dtype=dtype, device=grad_out.device) if ctx.needs_input_grad[0] else None
+        for j in reversed(range(spec.num_chunks)):
+            d_j = chunks.backward(j, grad_out[:, j * L:(j + 1) * L])
             if d_x is not None:
-                d_x[:, j * L:(j + 1) * L] = part.view(B, L, hidden)
-            del grads, part, x_j
-        stash.clear()
-        return (d_x, *(None if a is None else a.to(w.dtype) for a, w in zip(acc, weights)), None, None)
+                d_x[:, j * L:(j + 1) * L] = d_j
+            del d_j
+        return (d_x, *chunks.finish(), None, None)
 
 
 def _prefetch(stash: HostStash, j: int) -> None:

@@ -244,3 +244,32 @@ def test_bf16_no_worse_than_transformers_bf16(num_chunks):
     plain_out, plain = reference_run(ref16, x.bfloat16(), dout.bfloat16())
     out, grads = fpdt_run(layer, x.bfloat16(), dout.bfloat16())
     compare_bf16(out, grads, plain_out, plain, exact_out, exact, f"bf16 u={num_chunks}")
+
+
+def test_chunk_steps_run_by_a_caller_are_the_function():
+    """GDNChunks driven chunk by chunk (as a streamed layer would, each chunk its own tensor) gives
+    the Function's output, input gradient and weight gradients exactly."""
+    from fpdt.model.gdn_chunks import GDNChunks, build_gdn_spec
+    from fpdt.offload import HostStash, fresh_runtime
+    config, ref = hf_layer(SHAPES["gva"], seed=2)
+    layer = fpdt_layer(config, ref)
+    layer.num_chunks = 3
+    x, dout = inputs(1, 45, seed=3)
+    doc_ids = ids_with_starts(45, [[20]])
+    out, grads = fpdt_run(layer, x, dout, doc_ids)
+    with fresh_runtime("sim") as rt:
+        spec = build_gdn_spec(x.shape, x.device, layer.shape, group=None, mesh=None, num_chunks=3, offload=True,
+                              doc_ids=doc_ids, label=None, runtime=rt)
+        weights = [p.detach() for p in (layer.in_proj_qkv.weight, layer.in_proj_z.weight, layer.in_proj_b.weight,
+                                        layer.in_proj_a.weight, layer.conv1d.weight, layer.A_log, layer.dt_bias,
+                                        layer.norm.weight, layer.out_proj.weight)]
+        chunks = GDNChunks(spec, weights, HostStash("cpu", enabled=True, runtime=rt))
+        xs = [x[:, i * 15:(i + 1) * 15].clone() for i in range(3)]
+        ys = [chunks.forward(i, xs[i]) for i in range(3)]
+        chunks.start_backward([True] * 10)
+        dxs = [chunks.backward(j, dout[:, j * 15:(j + 1) * 15]) for j in (2, 1, 0)][::-1]
+        dw = chunks.finish()
+    assert torch.equal(torch.cat(ys, 1), out) and torch.equal(torch.cat(dxs, 1), grads["x"])
+    names = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+             "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+    assert all(torch.equal(d, grads[n]) for d, n in zip(dw, names))
