@@ -273,3 +273,24 @@ def test_chunk_steps_run_by_a_caller_are_the_function():
     names = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
              "A_log", "dt_bias", "norm.weight", "out_proj.weight")
     assert all(torch.equal(d, grads[n]) for d, n in zip(dw, names))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_under_activation_checkpointing(offload):
+    """Inside torch.utils.checkpoint (non-reentrant): the first forward's stash is dropped, the
+    recompute's feeds backward; the same output and gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fpdt.offload import fresh_runtime
+    config, ref = hf_layer(SHAPES["gva"], seed=4)
+    layer = fpdt_layer(config, ref)
+    x, dout = inputs(1, 40, seed=8)
+    with fresh_runtime("sim") as rt:
+        layer.num_chunks, layer.offload, layer.runtime = 4, offload, rt
+        out, grads = fpdt_run(layer, x, dout)
+        layer.zero_grad()
+        xc = x.clone().requires_grad_()
+        got = checkpoint(layer, xc, use_reentrant=False)
+        got.backward(dout)
+    assert torch.equal(got, out) and torch.equal(xc.grad, grads["x"])
+    assert all(torch.equal(p.grad, grads[n]) for n, p in layer.named_parameters())
