@@ -294,3 +294,26 @@ def test_under_activation_checkpointing(offload):
         got.backward(dout)
     assert torch.equal(got, out) and torch.equal(xc.grad, grads["x"])
     assert all(torch.equal(p.grad, grads[n]) for n, p in layer.named_parameters())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fla_and_causal_conv1d_match_the_pytorch_path(dtype, monkeypatch):
+    """On a GPU with fla-core (and causal-conv1d, where installed): the layer on the automatic kernels
+    against the same layer on the PyTorch ones, packed documents and 3 chunks, offload on."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    import fpdt.model.gdn_chunks as chunks
+    config, ref = hf_layer((2, 4, 64, 64), seed=3)
+    layer = fpdt_layer(config, ref).cuda().to(dtype)
+    assert layer.kernel_name() == "fla"
+    layer.num_chunks, layer.offload = 3, True
+    x, dout = (t.cuda().to(dtype) for t in inputs(2, 3 * 128, seed=1))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2     # fla's kernels use tf32 / bf16 tensor cores
+    for doc_ids in (None, ids_with_starts(3 * 128, [[50, 128, 300], [7]]).cuda()):   # None: causal-conv1d's path
+        with monkeypatch.context() as m:
+            got = fpdt_run(layer, x, dout, doc_ids)
+            m.setattr(chunks, "delta_rule_kernel", lambda device: "torch")
+            m.setattr(chunks, "conv_kernel", lambda device: "torch")
+            want = fpdt_run(layer, x, dout, doc_ids)
+        for a, b in zip((got[0], *got[1].values()), (want[0], *want[1].values())):
+            assert (a.float() - b.float()).norm() <= tol * b.float().norm()
