@@ -57,34 +57,42 @@ class GDNShape:
 
 
 class DocumentPlan:
-    """Packed documents ``doc_ids`` ``[B, S]`` (global order), read from the device once; :meth:`span`
-    gives a head-layout span's resets (None: nothing resets in it)."""
+    """Packed documents ``doc_ids`` ``[B, S]`` (global order) cut into head-layout spans of ``span``
+    tokens: read from the device once, the masks copied to ``device`` once, so the chunk loops
+    never wait for a copy. :meth:`span` gives one span's resets (None: nothing resets in it)."""
 
-    def __init__(self, doc_ids: torch.Tensor, window: int):
-        self.ids, self.window = doc_ids.detach().cpu(), window
+    def __init__(self, doc_ids: torch.Tensor, window: int, span: int, device: torch.device):
+        ids = doc_ids.detach().cpu()
+        B, S = ids.shape
+        padded = torch.cat([torch.full((B, window), -1, dtype=ids.dtype), ids], 1)
+        taps = torch.stack([padded[:, j:j + S] == ids for j in range(window + 1)], -1)     # [B, S, K]
+        starts = ids != torch.cat([ids[:, :1], ids[:, :-1]], 1)      # token 0's state is zero anyway
+        self.span_len, self.spans, keeps = span, [], []
+        for start in range(0, S, span):
+            st = starts[:, start:start + span]
+            if bool(taps[:, start:start + span].all()) and not bool(st.any()):
+                self.spans.append(None)
+                continue
+            cuts = sorted(set(torch.nonzero(st.any(0)).flatten().tolist()) | {0})
+            segments = []
+            for c, e in zip(cuts, cuts[1:] + [st.shape[1]]):
+                if bool(st[:, c].any()):
+                    keeps.append(~st[:, c])
+                segments.append((c, e, len(keeps) - 1 if bool(st[:, c].any()) else None))
+            self.spans.append(segments)
+        self.taps = taps.to(device) if keeps or any(sp is not None for sp in self.spans) else None
+        self.keep = torch.stack(keeps).to(device=device, dtype=torch.float32) if keeps else None
 
-    def span(self, start: int, end: int, device: torch.device):
-        """``(conv_mask [B, N, K] or None, segments)`` for global tokens ``[start, end)``, or None.
-        ``conv_mask[b, t, j]``: tap ``j`` of token ``t`` reads its own document; ``segments``:
-        ``(s, e, keep)`` runs of the span, ``keep`` ``[B]`` (0: the row's state resets at ``s``) or None."""
-        ids = self.ids[:, start:end]
-        B, N = ids.shape
-        lo = max(0, start - self.window)
-        prev = torch.cat([torch.full((B, self.window - (start - lo)), -1, dtype=ids.dtype), self.ids[:, lo:start]], 1)
-        full = torch.cat([prev, ids], 1)                                  # [B, K - 1 + N]
-        taps = torch.stack([full[:, j:j + N] == ids for j in range(self.window + 1)], -1)
-        first = self.ids[:, start - 1:start] if start > 0 else torch.full((B, 1), -1, dtype=ids.dtype)
-        before = torch.cat([first, ids[:, :-1]], 1)
-        starts = ids != before
-        starts[:, 0] &= start > 0                  # the sequence's first token: its state is zero anyway
-        if bool(taps.all()) and not bool(starts.any()):
+    def span(self, n: int):
+        """``(conv_mask [B, N, K], segments)`` for span ``n``, or None. ``conv_mask[b, t, j]``: tap ``j``
+        of token ``t`` reads its own document; ``segments``: ``(s, e, keep)`` runs of the span,
+        ``keep`` ``[B]`` (0: the row's state resets at ``s``) or None."""
+        segments = self.spans[n]
+        if segments is None:
             return None
-        cuts = sorted(set(torch.nonzero(starts.any(0)).flatten().tolist()) | {0})
-        segments = []
-        for s, e in zip(cuts, cuts[1:] + [N]):
-            keep = None if not bool(starts[:, s].any()) else (~starts[:, s]).to(device=device, dtype=torch.float32)
-            segments.append((s, e, keep))
-        return taps.to(device), segments
+        start = n * self.span_len
+        return (self.taps[:, start:start + self.span_len],
+                [(c, e, None if k is None else self.keep[k]) for c, e, k in segments])
 
 
 @dataclass
@@ -104,10 +112,9 @@ class GDNSpec:
     runtime: Runtime | str | None = None
     docs: DocumentPlan | None = None
 
-    def span(self, i: int, device: torch.device):
+    def span(self, i: int):
         """Chunk ``i``'s document resets in the head layout (see :meth:`DocumentPlan.span`)."""
-        n = self.sp * self.L
-        return None if self.docs is None else self.docs.span(i * n, (i + 1) * n, device)
+        return None if self.docs is None else self.docs.span(i)
 
     def local_sizes(self) -> tuple[int, int, int]:
         """This rank's q, k, v pre-conv channels."""
@@ -119,11 +126,12 @@ class GDNSpec:
         slices of the full tensors, so their gradients reach the full parameters."""
         s, r = self.shape, self.rank
         nq, _, nv = self.local_sizes()
-        idx = torch.cat([torch.arange(r * nq, (r + 1) * nq), s.key_dim + torch.arange(r * nq, (r + 1) * nq),
-                         2 * s.key_dim + torch.arange(r * nv, (r + 1) * nv)]).to(conv_w.device)
+        conv = conv_w.reshape(s.conv_dim, -1)
+        starts = (r * nq, s.key_dim + r * nq, 2 * s.key_dim + r * nv)
+        local = torch.cat([conv[a:a + n] for a, n in zip(starts, (nq, nq, nv))])
         hv = s.num_v_heads // self.sp
         heads = slice(r * hv, (r + 1) * hv)
-        return conv_w.reshape(s.conv_dim, -1).index_select(0, idx), A_log[heads], dt_bias[heads]
+        return local, A_log[heads], dt_bias[heads]
 
     def zero_boundary(self, B: int, dtype: torch.dtype, device: torch.device):
         """The state and conv window before the first chunk."""
@@ -156,7 +164,7 @@ def build_gdn_spec(x_shape, device: torch.device, shape: GDNShape, *, group, mes
         if doc_ids.dim() != 2 or tuple(doc_ids.shape) != (B, S_local * P):
             raise ValueError(f"doc_ids must be [B, S]=[{B}, {S_local * P}] (the global window), got "
                              f"{tuple(doc_ids.shape)}")
-        docs = DocumentPlan(doc_ids, shape.conv_kernel - 1)
+        docs = DocumentPlan(doc_ids, shape.conv_kernel - 1, P * (S_local // num_chunks), device)
     return GDNSpec(shape=shape, group=group, sp=P, rank=group_rank(group), num_chunks=num_chunks,
                    L=S_local // num_chunks, offload=offload, kernel=delta_rule_kernel(device),
                    conv_kernel=conv_kernel(device), label=label,
@@ -262,7 +270,7 @@ class GDNChunks:
             for key, t in (("x", x_i), ("pre", pre), ("ba", ba), ("state", state), ("window", window)):
                 stash.put((key, i), t)
         o_h, state, window = head_stage(pre, ba, state, window, *spec.local_params(conv_w, A_log, dt_bias), spec,
-                                        spec.span(i, x_i.device))
+                                        spec.span(i))
         self.boundary = (state, window)
         del pre, ba
         o = heads_to_seq(o_h, spec.group)                                # [B, L, HV, dv]
@@ -382,7 +390,7 @@ def _mixer_backward(j: int, pre, ba, state, window, params, d_o, d_state, d_wind
         pre_l, ba_l = pre.detach().requires_grad_(), ba.detach().requires_grad_()
         state_l, window_l = (t.detach().requires_grad_(has_boundary) for t in (state, window))
         o, state_out, window_out = head_stage(pre_l, ba_l, state_l, window_l, *spec.local_params(*params), spec,
-                                              spec.span(j, pre.device))
+                                              spec.span(j))
         outs, grads = [o], [d_o]
         if d_state is not None:
             outs += [state_out, window_out]
