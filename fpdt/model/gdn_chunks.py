@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fpdt.attention.saved_stash import stash_of, stash_token
-from fpdt.comm import (PendingAllToAll, group_rank, group_size, heads_to_seq, heads_to_seq_packed, seq_to_heads,
+from fpdt.comm import (PendingAllToAll, group_rank, group_size, heads_to_seq, heads_to_seq_packed,
                        start_seq_to_heads_packed)
 from fpdt.offload import HostStash, Runtime
 from fpdt.ops.causal_conv import causal_conv, conv_kernel
@@ -300,7 +300,7 @@ class GDNChunks:
         B, L, hidden = x_j.shape
         d_o, d_z = _output_backward(o, x_j, w_z, self.leaves[3], self.leaves[4], grad_j.to(x_j.dtype), acc, s)
         del o
-        d_o = seq_to_heads(d_o.contiguous(), spec.group)
+        d_o = start_seq_to_heads_packed((d_o.contiguous(),), spec.group)   # overlaps the mixer's recompute
         d_pre, d_ba, self.d_state, self.d_window = _mixer_backward(j, pre, ba, state, window, self.leaves[:3], d_o,
                                                                    self.d_state, self.d_window, acc, spec)
         del pre, ba, state, window, d_o
@@ -382,16 +382,17 @@ def _output_backward(o, x_j, w_z, norm_w, w_out, grad_out_j, acc, s: GDNShape):
 
 
 def _mixer_backward(j: int, pre, ba, state, window, params, d_o, d_state, d_window, acc, spec: GDNSpec):
-    """One chunk's :func:`head_stage`, rebuilt and differentiated for the output gradient ``d_o`` and
-    the next chunk's boundary gradients: ``(d_pre, d_ba, d_state, d_window)`` (the last two None for
-    the first chunk); adds the conv, ``A_log`` and ``dt_bias`` gradients into ``acc``."""
+    """One chunk's :func:`head_stage`, rebuilt and differentiated for the output gradient (``d_o``: its
+    all-to-all in flight, waited for after the rebuild) and the next chunk's boundary gradients:
+    ``(d_pre, d_ba, d_state, d_window)`` (the last two None for the first chunk); adds the conv,
+    ``A_log`` and ``dt_bias`` gradients into ``acc``."""
     has_boundary = j > 0
     with torch.enable_grad():
         pre_l, ba_l = pre.detach().requires_grad_(), ba.detach().requires_grad_()
         state_l, window_l = (t.detach().requires_grad_(has_boundary) for t in (state, window))
         o, state_out, window_out = head_stage(pre_l, ba_l, state_l, window_l, *spec.local_params(*params), spec,
                                               spec.span(j))
-        outs, grads = [o], [d_o]
+        outs, grads = [o], [d_o.wait()[0]]
         if d_state is not None:
             outs += [state_out, window_out]
             grads += [d_state, d_window]
