@@ -108,7 +108,7 @@ def test_cli_shows_the_choice_and_refuses_bad_counts(capsys):
     assert main([*args, "--save-attention-layers", "33"]) == 2
     assert "from 0 to the model's 32 layers" in capsys.readouterr().err
     assert main([*args, "--attention-checkpoint", "recompute", "--save-attention-layers", "3"]) == 2
-    assert "needs attention_checkpoint='save' (now 'recompute')" in capsys.readouterr().err
+    assert "needs --attention-checkpoint save (now recompute)" in capsys.readouterr().err
 
 
 def test_deepspeed_json_section_sets_the_saving_layers(tmp_path, capsys):
