@@ -207,3 +207,10 @@ def test_the_prediction_is_the_start_up_lines(tmp_path):
     seconds = trainer_run.step_time(config, plan, opts, ds, "bf16", "NVIDIA H100 80GB HBM3", 80 * 2 ** 30, 1)
     assert seconds is not None and 0 < seconds < 1
     assert trainer_run.step_time(config, plan, opts, ds, "bf16", "Tesla T4", 16e9, 1) is None
+
+
+def test_the_lora_speed_script_runs_both_models_on_the_same_tokens():
+    from profiling import hf_lora_step
+    out = hf_lora_step.main(["--seq-len", "128", "--hidden", "64", "--intermediate", "128", "--vocab", "256",
+                             "--layers", "1", "--num-chunks", "2", "--reps", "2"])
+    assert out["loss"]["fpdt"] == pytest.approx(out["loss"]["plain"], rel=1e-5) and out["ratio"] > 0
