@@ -231,3 +231,13 @@ def test_a_resumed_run_logs_each_step_once(tmp_path, capsys):
     assert main(argv + ["--resume", str(ck / "step2")]) == 0
     assert [r["step"] for r in read_log(str(log))] == [1, 2, 3, 4]
     assert "dropped 2 record(s) after step 2, the resumed step" in capsys.readouterr().out
+
+
+def test_a_json_key_error_keeps_the_json_s_terms(tmp_path, capsys):
+    from fpdt.cli.train import main
+    from tests.train.helpers import write_fixture, write_json
+    cfg, data = write_fixture(str(tmp_path))
+    ds = write_json(str(tmp_path / "ds.json"), {"fpdt": {"chunk_sise": 32}})
+    assert main(["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", "--deepspeed", ds]) == 2
+    err = capsys.readouterr().err
+    assert "(did you mean 'chunk_size'?)" in err and "inner_ring, chunk_size" in err and "--" not in err.split(";")[1]
