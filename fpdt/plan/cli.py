@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         choice = choice.fix(**{option_field(k): v for k, v in flags.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:
-        print(f"fpdt-plan: error: {in_flag_terms(str(exc))}", file=sys.stderr)
+        print(f"fpdt-plan: error: {str(exc) if getattr(exc, 'worded', False) else in_flag_terms(str(exc))}",
+              file=sys.stderr)
         return 2
     print(json.dumps(out, indent=2) if args.json else render(out))
     return 0

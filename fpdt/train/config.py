@@ -83,8 +83,10 @@ def option_field(key: str) -> str:
 def _unknown_key_error(key: str) -> ConfigError:
     near = difflib.get_close_matches(key, FPDT_KEYS, n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
-    return ConfigError(f'unknown key {key!r} in the "fpdt" section of the DeepSpeed JSON{hint}; '
-                       f"valid keys: {', '.join(FPDT_KEYS)}")
+    error = ConfigError(f'unknown key {key!r} in the "fpdt" section of the DeepSpeed JSON{hint}; '
+                        f"valid keys: {', '.join(FPDT_KEYS)}")
+    error.worded = True             # in the JSON's terms already: no flag names put in (in_flag_terms)
+    return error
 
 
 IMPLIED = {"stream_layers": (True, {"offload": True, "checkpoint": "offload", "checkpoint_device_layers": 0})}

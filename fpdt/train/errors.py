@@ -72,7 +72,9 @@ def report(prog: str, exc: BaseException) -> int:
     rank, world = this_rank()
     if isinstance(exc, USER_ERRORS) or getattr(exc, "same_on_every_rank", False):
         if rank == 0:
-            text = in_flag_terms(one_line(exc)) if isinstance(exc, (ConfigError, OptionsError)) else one_line(exc)
+            text = one_line(exc)
+            if isinstance(exc, (ConfigError, OptionsError)) and not getattr(exc, "worded", False):
+                text = in_flag_terms(text)
             print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, USER_ERRORS) else 1
     where = f"rank {rank}: " if world > 1 else ""

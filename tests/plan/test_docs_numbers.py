@@ -107,6 +107,16 @@ def test_packed_documents_figures_are_the_planners():
     assert f"and {two['step_time_s']:.1f} s with 2K ones" in page
 
 
+@pytest.mark.slow
+def test_every_layer_saving_length_is_the_planners():
+    page = " ".join(_page("plan.md").split())
+    node = ["--model", "llama-3-8b", "--gpu", "h100-80g", "--gpus-per-node", "8", "--host-mem-gib", "1024"]
+    assert f"fpdt-plan {' '.join(node)} --max-seq-len" in page
+    longest = _plan(*node, "--save-attention-layers", "32", "--max-seq-len")["max_seq_len"]
+    assert (f"every layer saves up to {tokens_text(longest)} tokens (the example's command with "
+            f"`--save-attention-layers 32`)") in page
+
+
 def test_nvme_page_quotes_the_worked_example():
     """docs/nvme.md's first figures are docs/plan.md's worked example's (checked against the tool
     by tests/plan/test_cli.py)."""

@@ -18,9 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def readme_main_job() -> list[str]:
-    """The one ``fpdt-train`` line in the README's Train section that uses the tiny model."""
+    """The one ``fpdt-train`` line of the README's main-job section (up to its first subsection,
+    where the same model shows FPDT's mechanisms on the CPU)."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
+    start = text.index("## The main job")
+    text = text[start:text.index("\n#", start + 1)]
     lines = [l for l in text.splitlines() if l.startswith("fpdt-train ") and "examples/tiny-llama/config.json" in l]
     assert len(lines) == 1, f"expected exactly one main-job command in the README, found {lines}"
     return shlex.split(lines[0])

@@ -209,3 +209,37 @@ def test_the_prediction_is_the_start_up_lines(tmp_path):
     seconds = trainer_run.step_time(config, plan, opts, ds, "bf16", "NVIDIA H100 80GB HBM3", 80 * 2 ** 30, 1)
     assert seconds is not None and 0 < seconds < 1
     assert trainer_run.step_time(config, plan, opts, ds, "bf16", "Tesla T4", 16e9, 1) is None
+
+
+def test_the_lora_speed_script_runs_both_models_on_the_same_tokens():
+    from profiling import hf_lora_step
+    out = hf_lora_step.main(["--seq-len", "128", "--hidden", "64", "--intermediate", "128", "--vocab", "256",
+                             "--layers", "1", "--num-chunks", "2", "--reps", "2"])
+    assert out["loss"]["fpdt"] == pytest.approx(out["loss"]["plain"], rel=1e-5) and out["ratio"] > 0
+
+
+@pytest.mark.slow
+def test_a_resumed_run_logs_each_step_once(tmp_path, capsys):
+    """Train 4 steps saving at 2, then resume from step 2 to 4 with the same --log-json: steps 3
+    and 4 of the first run are dropped (one line), so the log holds steps 1-4 once each."""
+    from fpdt.cli.train import main
+    from fpdt.train.progress import read_log
+    from tests.train.helpers import write_fixture
+    cfg, data = write_fixture(str(tmp_path))
+    log, ck = tmp_path / "run.jsonl", tmp_path / "ck"
+    argv = ["--model-config", cfg, "--data", data, "--seq-len", "32", "--steps", "4", "--log-json", str(log),
+            "--save-dir", str(ck), "--save-every", "2", "--keep-last", "0"]
+    assert main(argv) == 0
+    assert main(argv + ["--resume", str(ck / "step2")]) == 0
+    assert [r["step"] for r in read_log(str(log))] == [1, 2, 3, 4]
+    assert "dropped 2 record(s) after step 2, the resumed step" in capsys.readouterr().out
+
+
+def test_a_json_key_error_keeps_the_json_s_terms(tmp_path, capsys):
+    from fpdt.cli.train import main
+    from tests.train.helpers import write_fixture, write_json
+    cfg, data = write_fixture(str(tmp_path))
+    ds = write_json(str(tmp_path / "ds.json"), {"fpdt": {"chunk_sise": 32}})
+    assert main(["--model-config", cfg, "--data", data, "--seq-len", "64", "--steps", "1", "--deepspeed", ds]) == 2
+    err = capsys.readouterr().err
+    assert "(did you mean 'chunk_size'?)" in err and "inner_ring, chunk_size" in err and "--" not in err.split(";")[1]
