@@ -7,7 +7,8 @@ into fpdt's layer; fp32, random output gradients. Compared: the output, the inpu
 every parameter gradient (q/k/v/o weights and biases, both norms; summed over the ranks) within
 1e-5 relative, at num_chunks 1, 2 and 4, with and without offload, under the simulated runtime,
 with ``attention_checkpoint="save"`` (a checkpointed layer replaying its saved outputs), on 1, 2
-and 4 ranks and once on the 2 x 2 mesh. Transformers' rotary is its interleaved MRoPE, which for
+and 4 ranks and once on the 2 x 2 mesh; bf16 (offloaded, u = 4) no worse than Transformers' own bf16
+against float64. Transformers' rotary is its interleaved MRoPE, which for
 text positions is plain RoPE over the rotated channels (:mod:`fpdt.model.rope_scaling`).
 """
 
@@ -158,3 +159,29 @@ def test_bad_shapes_are_refused():
     plain.output_gate = True
     with pytest.raises(ValueError, match=r"output_gate=True needs q_proj to give \[query \| gate\]"):
         plain(x, pos, build_rotary(D, 10000.0, None))
+
+
+def _run(layer, rope_fn, x, dout, hf: bool):
+    x = x.detach().clone().requires_grad_()
+    out = layer(x, rope_fn(x), None)[0] if hf else layer(x, *rope_fn(x))
+    out.backward(dout.to(out.dtype))
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    grads["input"] = x.grad
+    return out.detach(), grads
+
+
+def test_bf16_no_worse_than_transformers_bf16():
+    """bf16, offloaded, u = 4: the output and every gradient against float64 no worse than
+    Transformers' own bf16 layer (:func:`tests.model.helpers.compare_bf16`)."""
+    from tests.model.helpers import compare_bf16
+
+    ref, ref_rope = qwen35_attention(7)
+    B, S, u = 2, 32, 4
+    x, dout = torch.randn(B, S, HIDDEN), torch.randn(B, S, HIDDEN)
+    pos = torch.arange(S).expand(B, S)
+    rope = build_rotary(D, 10000.0, None, partial_rotary_factor=FACTOR)
+    exact = _run(copy.deepcopy(ref).double(), lambda h: ref_rope(h, pos), x.double(), dout, hf=True)
+    plain = _run(copy.deepcopy(ref).bfloat16(), lambda h: ref_rope(h, pos), x.bfloat16(), dout, hf=True)
+    ours = _run(fpdt_layer(ref, u, True).bfloat16(), lambda h: (local_position_ids(S, 1, u, 0, B), rope),
+                x.bfloat16(), dout, hf=False)
+    compare_bf16(*ours, *plain, *exact, "gated attention bf16")
