@@ -13,12 +13,9 @@ from typing import Iterator
 from torch import nn
 
 from fpdt.attention.module import FPDTAttention
+from fpdt.model.gated_deltanet import GatedDeltaNet
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.ops.projections import read_output_projection
-
-
-GDN_CHILDREN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
-"""A Gated DeltaNet's submodules (Transformers' names), whose weights its chunked functions may read."""
 
 
 def _reads_o_proj(attention: FPDTAttention) -> bool:
@@ -33,7 +30,7 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
       ``o_proj``'s when it reads it (any plain or LoRA linear);
     * each :class:`fpdt.model.ChunkedSwiGLU`: its three projections'; in an
       :class:`fpdt.model.llama.FPDTDecoderLayer`, also ``post_attention_layernorm``'s (when fused in);
-    * each Gated DeltaNet (:data:`GDN_CHILDREN`): its submodules';
+    * each :class:`fpdt.model.gated_deltanet.GatedDeltaNet`: its projections', conv's and norm's;
     * ``lm_head``: ``model.lm_head.weight`` (the chunked loss), read by ``model``;
     * ``streamed`` (:mod:`fpdt.model.streaming`): the embedding and final norm, read by ``model``.
 
@@ -48,12 +45,12 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
         if isinstance(module, FPDTDecoderLayer):
             if module.norm_in_mlp:
                 yield module.mlp, module.post_attention_layernorm.weight
-        elif all(hasattr(module, n) for n in GDN_CHILDREN):    # a Gated DeltaNet reads its children's weights
-            names = GDN_CHILDREN
         elif isinstance(module, FPDTAttention):
             names = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm") + (("o_proj",) if _reads_o_proj(module) else ())
         elif isinstance(module, ChunkedSwiGLU):
             names = ("gate_proj", "up_proj", "down_proj")
+        elif isinstance(module, GatedDeltaNet):
+            names = GatedDeltaNet.read_children
         for name in names:
             child = getattr(module, name, None)
             if child is not None:

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from fpdt.model.gdn_chunks import GatedDeltaNetFunction, GDNShape, build_gdn_spec, gated_rms_norm
+from fpdt.ops.causal_conv import conv_kernel
 from fpdt.ops.delta_rule import delta_rule_kernel
+from fpdt.ops.projections import ProjectionError, read_projections
 
 
 class GatedDeltaNet(nn.Module):
@@ -19,6 +21,12 @@ class GatedDeltaNet(nn.Module):
     kernel is automatic, :meth:`kernel_name`), ``runtime`` and ``stash_label`` are attributes the
     apply steps set, as on :class:`fpdt.attention.FPDTAttention`. Every parameter is read directly
     by :class:`fpdt.model.gdn_chunks.GatedDeltaNetFunction` (ZeRO-3 external parameters)."""
+
+    projection_fix = "leave in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj out of the LoRA targets"
+    """The fix a refused projection's error names (:mod:`fpdt.ops.projections`)."""
+
+    read_children = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+    """The children whose parameters the Function reads directly (:mod:`fpdt.model.external_params`)."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel_size: int = 4, eps: float = 1e-6):
@@ -54,6 +62,11 @@ class GatedDeltaNet(nn.Module):
         """The delta-rule kernel on this module's device, for the start-up line: ``"fla"`` or ``"torch"``."""
         return delta_rule_kernel(self.A_log.device)
 
+    def conv_kernel_name(self) -> str:
+        """The conv's kernel on this module's device: ``"causal-conv1d"`` or ``"torch"`` (packed
+        documents always run the PyTorch masked sum)."""
+        return conv_kernel(self.A_log.device)
+
     def forward(self, hidden_states: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden_states`` ``[B, S_local, hidden]`` (this rank's tokens, FPDT layout) ->
         ``[B, S_local, hidden]``. ``doc_ids``: ``[B, S]`` document ids of the global window in global
@@ -64,8 +77,14 @@ class GatedDeltaNet(nn.Module):
         spec = build_gdn_spec(hidden_states.shape, hidden_states.device, self.shape, group=self.group, mesh=self.mesh,
                               num_chunks=self.num_chunks, offload=self.offload, doc_ids=doc_ids,
                               label=self.stash_label, runtime=self.runtime)
-        weights = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight,
-                   self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.out_proj.weight)
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+        proj = read_projections({n: getattr(self, n) for n in names}, type(self).__name__, self.projection_fix,
+                                self.training)
+        if proj.adapters is not None:
+            raise ProjectionError(f"LoRA on {type(self).__name__}'s projections is not supported yet: "
+                                  f"{self.projection_fix}")
+        qkv, z, b, a, out = (base.weight for base in proj.bases)
+        weights = (qkv, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, out)
         for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights))
         return GatedDeltaNetFunction.apply(hidden_states, *weights, spec, for_backward)
 

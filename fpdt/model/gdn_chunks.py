@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fpdt.attention.saved_stash import stash_of, stash_token
-from fpdt.comm import group_rank, group_size, heads_to_seq, heads_to_seq_packed, seq_to_heads, seq_to_heads_packed
+from fpdt.comm import (PendingAllToAll, group_rank, group_size, heads_to_seq, heads_to_seq_packed,
+                       start_seq_to_heads_packed)
 from fpdt.offload import HostStash, Runtime
-from fpdt.ops.delta_rule import delta_rule_kernel, gated_delta_rule
+from fpdt.ops.causal_conv import causal_conv, conv_kernel
+from fpdt.ops.delta_rule import delta_rule_kernel, gated_delta_rule, l2norm
 
 CHUNK_KEYS = ("x", "pre", "ba", "state", "window", "o")
 """What the stash holds per chunk (see the module docstring)."""
@@ -55,34 +57,42 @@ class GDNShape:
 
 
 class DocumentPlan:
-    """Packed documents ``doc_ids`` ``[B, S]`` (global order), read from the device once; :meth:`span`
-    gives a head-layout span's resets (None: nothing resets in it)."""
+    """Packed documents ``doc_ids`` ``[B, S]`` (global order) cut into head-layout spans of ``span``
+    tokens: read from the device once, the masks copied to ``device`` once, so the chunk loops
+    never wait for a copy. :meth:`span` gives one span's resets (None: nothing resets in it)."""
 
-    def __init__(self, doc_ids: torch.Tensor, window: int):
-        self.ids, self.window = doc_ids.detach().cpu(), window
+    def __init__(self, doc_ids: torch.Tensor, window: int, span: int, device: torch.device):
+        ids = doc_ids.detach().cpu()
+        B, S = ids.shape
+        padded = torch.cat([torch.full((B, window), -1, dtype=ids.dtype), ids], 1)
+        taps = torch.stack([padded[:, j:j + S] == ids for j in range(window + 1)], -1)     # [B, S, K]
+        starts = ids != torch.cat([ids[:, :1], ids[:, :-1]], 1)      # token 0's state is zero anyway
+        self.span_len, self.spans, keeps = span, [], []
+        for start in range(0, S, span):
+            st = starts[:, start:start + span]
+            if bool(taps[:, start:start + span].all()) and not bool(st.any()):
+                self.spans.append(None)
+                continue
+            cuts = sorted(set(torch.nonzero(st.any(0)).flatten().tolist()) | {0})
+            segments = []
+            for c, e in zip(cuts, cuts[1:] + [st.shape[1]]):
+                if bool(st[:, c].any()):
+                    keeps.append(~st[:, c])
+                segments.append((c, e, len(keeps) - 1 if bool(st[:, c].any()) else None))
+            self.spans.append(segments)
+        self.taps = taps.to(device) if keeps or any(sp is not None for sp in self.spans) else None
+        self.keep = torch.stack(keeps).to(device=device, dtype=torch.float32) if keeps else None
 
-    def span(self, start: int, end: int, device: torch.device):
-        """``(conv_mask [B, N, K] or None, segments)`` for global tokens ``[start, end)``, or None.
-        ``conv_mask[b, t, j]``: tap ``j`` of token ``t`` reads its own document; ``segments``:
-        ``(s, e, keep)`` runs of the span, ``keep`` ``[B]`` (0: the row's state resets at ``s``) or None."""
-        ids = self.ids[:, start:end]
-        B, N = ids.shape
-        lo = max(0, start - self.window)
-        prev = torch.cat([torch.full((B, self.window - (start - lo)), -1, dtype=ids.dtype), self.ids[:, lo:start]], 1)
-        full = torch.cat([prev, ids], 1)                                  # [B, K - 1 + N]
-        taps = torch.stack([full[:, j:j + N] == ids for j in range(self.window + 1)], -1)
-        first = self.ids[:, start - 1:start] if start > 0 else torch.full((B, 1), -1, dtype=ids.dtype)
-        before = torch.cat([first, ids[:, :-1]], 1)
-        starts = ids != before
-        starts[:, 0] &= start > 0                  # the sequence's first token: its state is zero anyway
-        if bool(taps.all()) and not bool(starts.any()):
+    def span(self, n: int):
+        """``(conv_mask [B, N, K], segments)`` for span ``n``, or None. ``conv_mask[b, t, j]``: tap ``j``
+        of token ``t`` reads its own document; ``segments``: ``(s, e, keep)`` runs of the span,
+        ``keep`` ``[B]`` (0: the row's state resets at ``s``) or None."""
+        segments = self.spans[n]
+        if segments is None:
             return None
-        cuts = sorted(set(torch.nonzero(starts.any(0)).flatten().tolist()) | {0})
-        segments = []
-        for s, e in zip(cuts, cuts[1:] + [N]):
-            keep = None if not bool(starts[:, s].any()) else (~starts[:, s]).to(device=device, dtype=torch.float32)
-            segments.append((s, e, keep))
-        return taps.to(device), segments
+        start = n * self.span_len
+        return (self.taps[:, start:start + self.span_len],
+                [(c, e, None if k is None else self.keep[k]) for c, e, k in segments])
 
 
 @dataclass
@@ -97,14 +107,14 @@ class GDNSpec:
     L: int
     offload: bool
     kernel: str
+    conv_kernel: str = "torch"
     label: str | None = None
     runtime: Runtime | str | None = None
     docs: DocumentPlan | None = None
 
-    def span(self, i: int, device: torch.device):
+    def span(self, i: int):
         """Chunk ``i``'s document resets in the head layout (see :meth:`DocumentPlan.span`)."""
-        n = self.sp * self.L
-        return None if self.docs is None else self.docs.span(i * n, (i + 1) * n, device)
+        return None if self.docs is None else self.docs.span(i)
 
     def local_sizes(self) -> tuple[int, int, int]:
         """This rank's q, k, v pre-conv channels."""
@@ -116,11 +126,12 @@ class GDNSpec:
         slices of the full tensors, so their gradients reach the full parameters."""
         s, r = self.shape, self.rank
         nq, _, nv = self.local_sizes()
-        idx = torch.cat([torch.arange(r * nq, (r + 1) * nq), s.key_dim + torch.arange(r * nq, (r + 1) * nq),
-                         2 * s.key_dim + torch.arange(r * nv, (r + 1) * nv)]).to(conv_w.device)
+        conv = conv_w.reshape(s.conv_dim, -1)
+        starts = (r * nq, s.key_dim + r * nq, 2 * s.key_dim + r * nv)
+        local = torch.cat([conv[a:a + n] for a, n in zip(starts, (nq, nq, nv))])
         hv = s.num_v_heads // self.sp
         heads = slice(r * hv, (r + 1) * hv)
-        return conv_w.reshape(s.conv_dim, -1).index_select(0, idx), A_log[heads], dt_bias[heads]
+        return local, A_log[heads], dt_bias[heads]
 
     def zero_boundary(self, B: int, dtype: torch.dtype, device: torch.device):
         """The state and conv window before the first chunk."""
@@ -153,34 +164,16 @@ def build_gdn_spec(x_shape, device: torch.device, shape: GDNShape, *, group, mes
         if doc_ids.dim() != 2 or tuple(doc_ids.shape) != (B, S_local * P):
             raise ValueError(f"doc_ids must be [B, S]=[{B}, {S_local * P}] (the global window), got "
                              f"{tuple(doc_ids.shape)}")
-        docs = DocumentPlan(doc_ids, shape.conv_kernel - 1)
+        docs = DocumentPlan(doc_ids, shape.conv_kernel - 1, P * (S_local // num_chunks), device)
     return GDNSpec(shape=shape, group=group, sp=P, rank=group_rank(group), num_chunks=num_chunks,
-                   L=S_local // num_chunks, offload=offload, kernel=delta_rule_kernel(device), label=label,
+                   L=S_local // num_chunks, offload=offload, kernel=delta_rule_kernel(device),
+                   conv_kernel=conv_kernel(device), label=label,
                    runtime=runtime, docs=docs)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32, or float64 for float64 inputs: the gates', norms' and state's precision."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum x^2 + eps)`` over the last dim, in fp32 (fla's and Transformers' convention)."""
-    x = x.to(acc_dtype(x.dtype))
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def causal_conv(full: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal conv + SiLU: ``full`` ``[B, K - 1 + N, C]`` (window, then the span), ``weight``
-    ``[C, K]`` -> ``[B, N, C]``; ``mask`` ``[B, N, K]`` drops the taps reading another document."""
-    K = weight.shape[1]
-    N = full.shape[1] - (K - 1)
-    w = weight.to(full.dtype)
-    if mask is None:
-        out = F.conv1d(full.transpose(1, 2), w.unsqueeze(1), groups=w.shape[0]).transpose(1, 2)
-    else:
-        out = sum(full[:, j:j + N] * w[:, j] * mask[:, :, j:j + 1].to(full.dtype) for j in range(K))
-    return F.silu(out)
 
 
 def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, resets):
@@ -192,10 +185,13 @@ def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, re
     B, N, _ = pre.shape
     hk, hv = s.num_k_heads // spec.sp, s.num_v_heads // spec.sp
     full = torch.cat([window, pre], 1)
-    conv = causal_conv(full, conv_w, None if resets is None else resets[0])
-    new_window = full[:, full.shape[1] - (s.conv_kernel - 1):]
+    conv = causal_conv(full, conv_w, None if resets is None else resets[0], spec.conv_kernel)
+    new_window = full[:, full.shape[1] - (s.conv_kernel - 1):].clone()     # not a view keeping `full`
     q, k, v = conv.split(spec.local_sizes(), -1)
-    q, k = l2norm(q.reshape(B, N, hk, s.head_k_dim)), l2norm(k.reshape(B, N, hk, s.head_k_dim))
+    q, k = q.reshape(B, N, hk, s.head_k_dim), k.reshape(B, N, hk, s.head_k_dim)
+    in_kernel = spec.kernel == "fla"          # fla normalises q, k inside; else in fp32 before the repeat
+    if not in_kernel:
+        q, k = l2norm(q), l2norm(k)
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, 2), k.repeat_interleave(hv // hk, 2)
     v = v.reshape(B, N, hv, s.head_v_dim)
@@ -210,7 +206,7 @@ def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, re
             state = state * keep[:, None, None, None]
         o, state = gated_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
                                     beta[:, start:end], initial_state=state, scale=s.head_k_dim ** -0.5,
-                                    kernel=spec.kernel)
+                                    kernel=spec.kernel, qk_l2norm=in_kernel)
         outs.append(o)
     o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     return o.to(pre.dtype), state, new_window
@@ -224,22 +220,106 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (h * F.silu(z.to(acc))).to(o.dtype)
 
 
-def _to_heads(x_i, w_qkv, w_b, w_a, spec: GDNSpec):
-    """Chunk ``x_i`` ``[B, L, hidden]`` -> this rank's ``(pre [B, P L, C/P], ba [B, P L, 2 HV/P])``."""
+def _start_to_heads(x_i, w_qkv, w_b, w_a, spec: GDNSpec) -> PendingAllToAll:
+    """Start chunk ``x_i`` ``[B, L, hidden]``'s projections and all-to-all; ``.wait()`` gives this rank's
+    ``(pre [B, P L, C/P], ba [B, P L, 2 HV/P])`` through :func:`_joined`."""
     s = spec.shape
     q, k, v = F.linear(x_i, w_qkv).split([s.key_dim, s.key_dim, s.value_dim], -1)
-    parts = seq_to_heads_packed([t.unsqueeze(-1) for t in (q, k, v, F.linear(x_i, w_b), F.linear(x_i, w_a))],
-                                spec.group)
+    return start_seq_to_heads_packed([t.unsqueeze(-1) for t in (q, k, v, F.linear(x_i, w_b), F.linear(x_i, w_a))],
+                                     spec.group)
+
+
+def _joined(parts):
     return torch.cat(parts[:3], 2).squeeze(-1), torch.cat(parts[3:], 2).squeeze(-1)
 
 
 def _to_sequence(d_pre, d_ba, spec: GDNSpec):
-    """The gradients of :func:`_to_heads`'s outputs back in the sequence layout: ``(d_qkv [B, L, C],
+    """The gradients of :func:`_start_to_heads`'s outputs back in the sequence layout: ``(d_qkv [B, L, C],
     d_b, d_a [B, L, HV])``."""
     hv = spec.shape.num_v_heads // spec.sp
     parts = [t.unsqueeze(-1) for t in (*d_pre.split(spec.local_sizes(), -1), *d_ba.split(hv, -1))]
     back = [t.squeeze(-1) for t in heads_to_seq_packed(parts, spec.group)]
     return torch.cat(back[:3], -1), back[3], back[4]
+
+
+class GDNChunks:
+    """The layer's chunk steps over ``weights`` (the nine tensors of :class:`GatedDeltaNetFunction`,
+    full) and ``stash``: :meth:`forward` for chunks ``0 .. u-1`` in order, then :meth:`start_backward`,
+    :meth:`backward` for ``u-1 .. 0`` and :meth:`finish`. The Function runs them over a whole layer
+    input; a caller holding the chunks elsewhere (streamed layers) can run them itself."""
+
+    def __init__(self, spec: GDNSpec, weights, stash: HostStash, for_backward: bool = True):
+        self.spec, self.weights, self.stash, self.for_backward = spec, tuple(weights), stash, for_backward
+        self.pending: PendingAllToAll | None = None
+        self.boundary = None
+
+    def forward(self, i: int, x_i: torch.Tensor, x_next: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk ``i``'s output ``[B, L, hidden]`` from ``x_i`` ``[B, L, hidden]`` (don't modify ``x_i``
+        in place afterwards); ``x_next``: chunk ``i + 1``, whose all-to-all then overlaps this chunk (P > 1)."""
+        spec, s, stash = self.spec, self.spec.shape, self.stash
+        w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out = self.weights
+        B, L = x_i.shape[:2]
+        if self.boundary is None:
+            self.boundary = spec.zero_boundary(B, x_i.dtype, x_i.device)
+        state, window = self.boundary
+        pending = self.pending or _start_to_heads(x_i, w_qkv, w_b, w_a, spec)
+        pre, ba = _joined(pending.wait())
+        del pending                                # with P = 1 it holds the projections' output
+        self.pending = _start_to_heads(x_next, w_qkv, w_b, w_a, spec) if x_next is not None and spec.sp > 1 else None
+        if self.for_backward:
+            for key, t in (("x", x_i), ("pre", pre), ("ba", ba), ("state", state), ("window", window)):
+                stash.put((key, i), t)
+        o_h, state, window = head_stage(pre, ba, state, window, *spec.local_params(conv_w, A_log, dt_bias), spec,
+                                        spec.span(i))
+        self.boundary = (state, window)
+        del pre, ba
+        o = heads_to_seq(o_h, spec.group)                                # [B, L, HV, dv]
+        del o_h
+        if self.for_backward:
+            stash.put(("o", i), o)
+        z = F.linear(x_i, w_z).view(B, L, s.num_v_heads, s.head_v_dim)
+        return F.linear(gated_rms_norm(o, z, norm_w, s.eps).flatten(2), w_out)
+
+    def start_backward(self, need) -> None:
+        """``need``: whether the input and each of the nine weights needs its gradient (ten flags);
+        fp32 accumulators (float64 for float64 weights) for the weights."""
+        self.need_x = need[0]
+        self.leaves = [w.detach().requires_grad_(n) for w, n in zip(self.weights[4:], need[5:10])]
+        self.acc = [torch.zeros(w.shape, dtype=acc_dtype(w.dtype), device=w.device) if n else None
+                    for w, n in zip(self.weights, need[1:10])]
+        self.d_state = self.d_window = None          # the last chunk's boundary gradients are zero
+        _prefetch(self.stash, self.spec.num_chunks - 1)
+
+    def backward(self, j: int, grad_j: torch.Tensor) -> torch.Tensor | None:
+        """Chunk ``j``'s input gradient ``[B, L, hidden]`` (None if not needed) from its output gradient."""
+        spec, s, stash, acc = self.spec, self.spec.shape, self.stash, self.acc
+        w_qkv, w_z, w_b, w_a = self.weights[:4]
+        x_j, pre, ba, state, window, o = (stash.pop((key, j)) for key in CHUNK_KEYS)
+        if j > 0:
+            _prefetch(stash, j - 1)
+        B, L, hidden = x_j.shape
+        d_o, d_z = _output_backward(o, x_j, w_z, self.leaves[3], self.leaves[4], grad_j.to(x_j.dtype), acc, s)
+        del o
+        d_o = start_seq_to_heads_packed((d_o.contiguous(),), spec.group)   # overlaps the mixer's recompute
+        d_pre, d_ba, self.d_state, self.d_window = _mixer_backward(j, pre, ba, state, window, self.leaves[:3], d_o,
+                                                                   self.d_state, self.d_window, acc, spec)
+        del pre, ba, state, window, d_o
+        grads = (*_to_sequence(d_pre, d_ba, spec), d_z.reshape(B, L, -1))
+        del d_pre, d_ba
+        x2 = x_j.reshape(B * L, -1)
+        part = None
+        for n, w, g in zip((0, 2, 3, 1), (w_qkv, w_b, w_a, w_z), grads):
+            g2 = g.reshape(B * L, -1).to(x_j.dtype)
+            if acc[n] is not None:
+                acc[n] += g2.t() @ x2
+            if self.need_x:
+                part = g2 @ w if part is None else part.add_(g2 @ w)
+        return None if part is None else part.view(B, L, hidden)
+
+    def finish(self) -> tuple:
+        """The nine weights' gradients in their dtypes (None where not needed); empties the stash."""
+        self.stash.clear()
+        return tuple(None if a is None else a.to(w.dtype) for a, w in zip(self.acc, self.weights))
 
 
 class GatedDeltaNetFunction(torch.autograd.Function):
@@ -250,29 +330,16 @@ class GatedDeltaNetFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out, spec: GDNSpec,
                 for_backward: bool):
-        B, S_local, _ = x.shape
-        L, s = spec.L, spec.shape
+        weights = (w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out)
+        L, u = spec.L, spec.num_chunks
         stash = HostStash(x.device, enabled=spec.offload, label=spec.label, runtime=spec.runtime)
-        local = spec.local_params(conv_w, A_log, dt_bias)
-        out = torch.empty(B, S_local, w_out.shape[0], dtype=x.dtype, device=x.device)
-        state, window = spec.zero_boundary(B, x.dtype, x.device)
-        for i in range(spec.num_chunks):
-            x_i = x[:, i * L:(i + 1) * L]
-            pre, ba = _to_heads(x_i, w_qkv, w_b, w_a, spec)
-            if for_backward:
-                for key, t in (("x", x_i), ("pre", pre), ("ba", ba), ("state", state), ("window", window)):
-                    stash.put((key, i), t)
-            o_h, state, window = head_stage(pre, ba, state, window, *local, spec, spec.span(i, x.device))
-            del pre, ba
-            o = heads_to_seq(o_h, spec.group)                                # [B, L, HV, dv]
-            del o_h
-            if for_backward:
-                stash.put(("o", i), o)
-            z = F.linear(x_i, w_z).view(B, L, s.num_v_heads, s.head_v_dim)
-            out[:, i * L:(i + 1) * L] = F.linear(gated_rms_norm(o, z, norm_w, s.eps).flatten(2), w_out)
-            del o, z
-        del state, window
-        ctx.save_for_backward(w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out, stash_token(stash))
+        chunks = GDNChunks(spec, weights, stash, for_backward)
+        out = torch.empty(*x.shape[:2], w_out.shape[0], dtype=x.dtype, device=x.device)
+        for i in range(u):
+            x_next = x[:, (i + 1) * L:(i + 2) * L] if i + 1 < u else None
+            out[:, i * L:(i + 1) * L] = chunks.forward(i, x[:, i * L:(i + 1) * L], x_next)
+        del chunks
+        ctx.save_for_backward(*weights, stash_token(stash))
         ctx.spec, ctx.x_meta = spec, (x.shape, x.dtype)
         return out
 
@@ -280,42 +347,17 @@ class GatedDeltaNetFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         *weights, token = ctx.saved_tensors
-        w_qkv, w_z, w_b, w_a = weights[:4]
-        spec, stash, need = ctx.spec, stash_of(token), ctx.needs_input_grad
-        (B, S_local, hidden), dtype = ctx.x_meta
-        L, s, u = spec.L, spec.shape, spec.num_chunks
-        grad_out = grad_out.to(dtype)
-        leaves = [w.detach().requires_grad_(n) for w, n in zip(weights[4:], need[5:10])]
-        acc = [torch.zeros(w.shape, dtype=acc_dtype(w.dtype), device=w.device) if n else None
-               for w, n in zip(weights, need[1:10])]
-        d_x = torch.empty(B, S_local, hidden, dtype=dtype, device=grad_out.device) if need[0] else None
-        d_state = d_window = None                   # the last chunk's boundary gradients are zero
-        _prefetch(stash, u - 1)
-        for j in reversed(range(u)):
-            x_j, pre, ba, state, window, o = (stash.pop((key, j)) for key in CHUNK_KEYS)
-            if j > 0:
-                _prefetch(stash, j - 1)
-            d_o, d_z = _output_backward(o, x_j, w_z, leaves[3], leaves[4], grad_out[:, j * L:(j + 1) * L], acc, s)
-            del o
-            d_o = seq_to_heads(d_o.contiguous(), spec.group)
-            d_pre, d_ba, d_state, d_window = _mixer_backward(j, pre, ba, state, window, leaves[:3], d_o, d_state,
-                                                             d_window, acc, spec)
-            del pre, ba, state, window, d_o
-            grads = (*_to_sequence(d_pre, d_ba, spec), d_z.reshape(B, L, -1))
-            del d_pre, d_ba
-            x2 = x_j.reshape(B * L, -1)
-            part = None
-            for n, w, g in zip((0, 2, 3, 1), (w_qkv, w_b, w_a, w_z), grads):
-                g2 = g.reshape(B * L, -1).to(dtype)
-                if acc[n] is not None:
-                    acc[n] += g2.t() @ x2
-                if d_x is not None:
-                    part = g2 @ w if part is None else part.add_(g2 @ w)
+        spec, (shape, dtype) = ctx.spec, ctx.x_meta
+        chunks = GDNChunks(spec, weights, stash_of(token))
+        chunks.start_backward(ctx.needs_input_grad)
+        L = spec.L
+        d_x = torch.empty(shape, dtype=dtype, device=grad_out.device) if ctx.needs_input_grad[0] else None
+        for j in reversed(range(spec.num_chunks)):
+            d_j = chunks.backward(j, grad_out[:, j * L:(j + 1) * L])
             if d_x is not None:
-                d_x[:, j * L:(j + 1) * L] = part.view(B, L, hidden)
-            del grads, part, x_j
-        stash.clear()
-        return (d_x, *(None if a is None else a.to(w.dtype) for a, w in zip(acc, weights)), None, None)
+                d_x[:, j * L:(j + 1) * L] = d_j
+            del d_j
+        return (d_x, *chunks.finish(), None, None)
 
 
 def _prefetch(stash: HostStash, j: int) -> None:
@@ -340,16 +382,17 @@ def _output_backward(o, x_j, w_z, norm_w, w_out, grad_out_j, acc, s: GDNShape):
 
 
 def _mixer_backward(j: int, pre, ba, state, window, params, d_o, d_state, d_window, acc, spec: GDNSpec):
-    """One chunk's :func:`head_stage`, rebuilt and differentiated for the output gradient ``d_o`` and
-    the next chunk's boundary gradients: ``(d_pre, d_ba, d_state, d_window)`` (the last two None for
-    the first chunk); adds the conv, ``A_log`` and ``dt_bias`` gradients into ``acc``."""
+    """One chunk's :func:`head_stage`, rebuilt and differentiated for the output gradient (``d_o``: its
+    all-to-all in flight, waited for after the rebuild) and the next chunk's boundary gradients:
+    ``(d_pre, d_ba, d_state, d_window)`` (the last two None for the first chunk); adds the conv,
+    ``A_log`` and ``dt_bias`` gradients into ``acc``."""
     has_boundary = j > 0
     with torch.enable_grad():
         pre_l, ba_l = pre.detach().requires_grad_(), ba.detach().requires_grad_()
         state_l, window_l = (t.detach().requires_grad_(has_boundary) for t in (state, window))
         o, state_out, window_out = head_stage(pre_l, ba_l, state_l, window_l, *spec.local_params(*params), spec,
-                                              spec.span(j, pre.device))
-        outs, grads = [o], [d_o]
+                                              spec.span(j))
+        outs, grads = [o], [d_o.wait()[0]]
         if d_state is not None:
             outs += [state_out, window_out]
             grads += [d_state, d_window]

@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 
 import torch
+from torch.autograd.function import once_differentiable
 
 CHUNK = 64
 
@@ -31,38 +32,92 @@ def delta_rule_kernel(device: torch.device | str) -> str:
     return "fla" if torch.device(device).type == "cuda" and fla_available() else "torch"
 
 
-def gated_delta_rule(q, k, v, g, beta, initial_state=None, scale: float | None = None, kernel: str | None = None):
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, scale: float | None = None, kernel: str | None = None,
+                     qk_l2norm: bool = False):
     """Differentiable ``(o [B, T, H, dv] in v's dtype, final_state [B, H, dk, dv] fp32)``;
-    gradients reach ``initial_state``. ``kernel``: ``"fla"``, ``"torch"`` or None (:func:`delta_rule_kernel`)."""
+    gradients reach ``initial_state``. ``kernel``: ``"fla"``, ``"torch"`` or None (:func:`delta_rule_kernel`).
+    ``qk_l2norm``: L2-normalise q and k first (fla inside its kernel; here in fp32, :func:`l2norm`)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kernel = delta_rule_kernel(q.device) if kernel is None else kernel
     if kernel == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
                                           beta.contiguous(), scale=scale, initial_state=initial_state,
-                                          output_final_state=True, use_qk_l2norm_in_kernel=False)
+                                          output_final_state=True, use_qk_l2norm_in_kernel=qk_l2norm)
         return o.to(v.dtype), final.float()
     if kernel != "torch":
         raise ValueError(f"unknown delta-rule kernel {kernel!r}: use 'fla', 'torch' or None (automatic)")
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
     return chunked_delta_rule(q, k, v, g, beta, initial_state, scale)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum x^2 + eps)`` over the last dim in fp32 (float64 for float64), fla's and
+    Transformers' convention."""
+    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def chunked_delta_rule(q, k, v, g, beta, initial_state=None, scale: float = 1.0, chunk: int = CHUNK):
     """The PyTorch kernel behind :func:`gated_delta_rule`: ``chunk`` tokens at a time in the WY form,
-    in fp32 (float64 for float64 inputs); differentiable by autograd."""
+    in fp32 (float64 for float64 inputs). Differentiable through :class:`BlockedDeltaRule`."""
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     B, T, H, dk = q.shape
-    dv = v.shape[-1]
+    out_dtype = v.dtype
     q, k, v = (x.transpose(1, 2).to(acc) for x in (q, k, v))          # [B, H, T, d]
     g, beta = (x.transpose(1, 2).to(acc) for x in (g, beta))          # [B, H, T]
-    S = torch.zeros(B, H, dk, dv, dtype=acc, device=v.device) if initial_state is None else initial_state.to(acc)
-    outs = []
-    for s in range(0, T, chunk):
-        e = min(s + chunk, T)
+    S = torch.zeros(B, H, dk, v.shape[-1], dtype=acc, device=v.device) if initial_state is None \
+        else initial_state.to(acc)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, S)):
+        o, S = BlockedDeltaRule.apply(q, k, v, g, beta, S, scale, chunk)
+    else:
+        o, S, _ = _blocks(q, k, v, g, beta, S, scale, chunk, keep_starts=False)
+    return o.transpose(1, 2).to(out_dtype), S.float() if acc == torch.float32 else S
+
+
+class BlockedDeltaRule(torch.autograd.Function):
+    """``(q, k, v [B, H, T, d], g, beta [B, H, T], S0 [B, H, dk, dv])`` in the accumulation dtype ->
+    ``(o [B, H, T, dv], S_T)``. Saves its inputs and the state at each block start (``T / chunk``
+    states); backward recomputes one block at a time in reverse, so one block's intermediates live."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, S0, scale: float, chunk: int):
+        o, S, starts = _blocks(q, k, v, g, beta, S0, scale, chunk, keep_starts=True)
+        ctx.save_for_backward(q, k, v, g, beta, *starts)
+        ctx.scale, ctx.chunk = scale, chunk
+        return o, S
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dS):
+        q, k, v, g, beta, *starts = ctx.saved_tensors
+        T, chunk = q.shape[2], ctx.chunk
+        grads = [torch.empty_like(t) for t in (q, k, v, g, beta)]
+        dS = torch.zeros_like(starts[0]) if dS is None else dS
+        for n in reversed(range(len(starts))):
+            s, e = n * chunk, min((n + 1) * chunk, T)
+            with torch.enable_grad():
+                leaves = [t[:, :, s:e].detach().requires_grad_() for t in (q, k, v, g, beta)]
+                S_in = starts[n].detach().requires_grad_()
+                o, S_out = _chunk_step(leaves[0] * ctx.scale, *leaves[1:], S_in)
+                got = torch.autograd.grad([o, S_out], leaves + [S_in], [do[:, :, s:e], dS])
+            for grad, d in zip(grads, got[:5]):
+                grad[:, :, s:e] = d
+            dS = got[5]
+        return (*grads, dS if ctx.needs_input_grad[5] else None, None, None)
+
+
+def _blocks(q, k, v, g, beta, S, scale: float, chunk: int, keep_starts: bool):
+    """The block loop: ``(o, S_T, the state at each block start (empty unless keep_starts))``."""
+    starts, outs = [], []
+    for s in range(0, q.shape[2], chunk):
+        e = min(s + chunk, q.shape[2])
+        if keep_starts:
+            starts.append(S)
         o, S = _chunk_step(q[:, :, s:e] * scale, k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e], S)
         outs.append(o)
-    o = torch.cat(outs, dim=2) if outs else v.new_zeros(B, H, 0, dv)
-    return o.transpose(1, 2).to(v.dtype), S.float() if acc == torch.float32 else S
+    return (torch.cat(outs, 2) if outs else v.new_zeros(v.shape)), S, starts
 
 
 def _chunk_step(q, k, v, g, beta, S):

@@ -128,6 +128,8 @@ def _stub_fla(monkeypatch, calls):
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
         calls.append(dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, g_dtype=g.dtype))
+        if use_qk_l2norm_in_kernel:
+            q, k = delta_rule.l2norm(q), delta_rule.l2norm(k)
         return chunked_delta_rule(q, k, v, g, beta, initial_state, scale)
     fla = types.ModuleType("fla")
     ops = types.ModuleType("fla.ops")
@@ -156,6 +158,18 @@ def test_fla_dispatch_by_stub(monkeypatch):
     assert calls == [dict(scale=0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
                           g_dtype=torch.float32)]
     assert torch.equal(o, ref_o) and torch.equal(ht, ref_ht)
+    gated_delta_rule(q, k, v, g, beta, initial_state=h0, kernel="fla", qk_l2norm=True)
+    assert calls[-1]["use_qk_l2norm_in_kernel"] is True
+
+
+def test_qk_l2norm_in_the_torch_kernel():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    (q, k, v, g, beta), h0 = inputs(1, 40, 2, 8, 4, seed=21)
+    q, k = q * 3, k * 0.2                                     # not unit vectors
+    o, ht = gated_delta_rule(q, k, v, g, beta, initial_state=h0, kernel="torch", qk_l2norm=True)
+    o_hf, ht_hf = torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+    assert rel(o, o_hf) < 1e-5 and rel(ht, ht_hf) < 1e-5
 
 
 def test_fla_signature_when_installed():
@@ -165,3 +179,12 @@ def test_fla_signature_when_installed():
     params = inspect.signature(chunk_gated_delta_rule).parameters
     for name in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"):
         assert name in params
+
+
+def test_bf16_output_dtype_and_error():
+    """bf16 in: bf16 out, fp32 state; no worse against float64 than rounding the float64 answer to bf16 x 4."""
+    (q, k, v, g, beta), h0 = inputs(1, 80, 2, 8, 8, seed=13)
+    o, ht = gated_delta_rule(*(x.bfloat16() for x in (q, k, v, g, beta)), initial_state=h0, kernel="torch")
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+    o_ref, _ = token_recurrence(*(x.bfloat16() for x in (q, k, v, g, beta)), h0, 8 ** -0.5)
+    assert rel(o, o_ref) <= 4 * rel(o_ref.bfloat16(), o_ref)
