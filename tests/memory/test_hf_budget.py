@@ -226,7 +226,9 @@ def test_no_layer_keeps_o_proj_input_without_a_checkpoint(u, lora_dropout):
     ``o_proj`` (plain, or PEFT LoRA with dropout) keeps no copy of its input, the attention output
     ``[1, S, H D]`` in bf16, from forward to backward; its backward reads it back from the
     attention's host stash. Counted exactly: the device bytes held after the forward are one such
-    tensor per layer fewer than when ``o_proj`` keeps it (the HF path before)."""
+    tensor per layer fewer than when a plain ``o_proj`` runs as its module and keeps it; a PEFT
+    LoRA ``o_proj`` run as its module keeps more (its dropout's output and the adapters' fp32
+    inputs), so at least that much fewer."""
     if lora_dropout is not None:
         pytest.importorskip("peft")
     seq = 1024
@@ -234,5 +236,8 @@ def test_no_layer_keeps_o_proj_input_without_a_checkpoint(u, lora_dropout):
     old = _held_after_forward(u, seq, keep_input=True, lora_dropout=lora_dropout)
     layers, HD = CONFIG["num_hidden_layers"], CONFIG["num_attention_heads"] * CONFIG["head_dim"]
     saved = layers * seq * HD * 2
-    assert old["after_forward"] - new["after_forward"] == saved, (u, lora_dropout, old, new, saved)
+    if lora_dropout is None:
+        assert old["after_forward"] - new["after_forward"] == saved, (u, old, new, saved)
+    else:
+        assert old["after_forward"] - new["after_forward"] > saved, (u, lora_dropout, old, new, saved)
     assert new["peak"] < old["peak"], (u, lora_dropout, old, new)
