@@ -1,7 +1,8 @@
 """Llama-family causal LM on FPDT layers.
 
 * :func:`from_pretrained` / :func:`from_config` build a :class:`FPDTForCausalLM` from a
-  Hugging Face checkpoint or config (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral);
+  Hugging Face checkpoint or config (Llama 2/3/3.1/3.2, Qwen2/2.5, Mistral; Qwen3.5's Gated DeltaNet
+  hybrids, ``docs/models.md``);
   :func:`save_pretrained` writes one ``transformers`` loads.
 * :func:`add_lora` attaches LoRA adapters (:class:`LoraSpec`) and freezes the rest;
   :func:`save_adapter` / :func:`load_adapter` use PEFT's adapter format.

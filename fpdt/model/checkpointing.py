@@ -80,7 +80,8 @@ class _ResidualBody:
         for k in reversed(range(len(self.branches))):
             calls[k].donation = grad if owned else None
             try:
-                torch.autograd.backward(outs[k], grad)
+                if outs[k].requires_grad:      # else a frozen branch on a frozen input: nothing to back-propagate
+                    torch.autograd.backward(outs[k], grad)
             finally:
                 calls[k].donation = None
             outs[k] = None                              # this branch's graph

@@ -20,7 +20,6 @@ from fpdt.ops.projections import read_output_projection
 
 
 
-
 def _reads_o_proj(attention: FPDTAttention) -> bool:
     """Whether the attention computes ``o_proj`` from its weights (inside its chunk pipeline)."""
     return read_output_projection(attention.o_proj, type(attention).__name__, attention.training) is not None

@@ -85,3 +85,38 @@ def test_refused():
     fpdt.hf.apply_fpdt(model, num_chunks=1)
     with pytest.raises(FPDTHFError, match="no recurrent cache"):
         model.model.layers[0].linear_attn(torch.zeros(1, 4, 64), cache=object())
+
+
+def test_peft_lora_on_attention_and_mlp():
+    """PEFT LoRA on the attention and MLP projections (the Gated DeltaNet layers frozen, their input
+    frozen too: layer 0's mixer branch has nothing to back-propagate under the layer checkpoint): the
+    adapters' gradients and the loss against the PEFT model run by Transformers."""
+    import peft
+
+    from tests.model.qwen35 import float64_delta_rule
+    from tests.model.helpers import rel_err
+
+    lora = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                           target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    torch.manual_seed(1)
+    model = peft.get_peft_model(qwen35_model(), lora)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.1)
+    ids, labels = tokens(256, 2, 16)
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        plain = copy.deepcopy(model).to(dtype)
+        with float64_delta_rule():
+            loss = plain(input_ids=ids, labels=labels, use_cache=False).loss
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}))
+    fpdt.hf.apply_fpdt(model, num_chunks=2, checkpointing="on")
+    out = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels))
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(".lora_" in n for n in grads)
+    errs = compare_hybrid(out.loss, grads, results, "hf qwen35 PEFT LoRA")
+    assert max(e for e, _ in errs.values()) <= 1e-5, errs
+    assert rel_err(out.loss, results[1][0]) <= 1e-5
