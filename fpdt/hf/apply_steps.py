@@ -192,7 +192,10 @@ class TransformersAdapter(DecoderAdapter):
                 raise FPDTHFError("mixture-of-experts models run under apply_fpdt without the Trainer's sequence "
                                   "parallelism and without stream_layers (not yet): use group=None or a process "
                                   "group, and stream_layers=False")
-            moe = ChunkedMoE.from_block(mlp, num_chunks).train(mlp.training)
+            try:
+                moe = ChunkedMoE.from_block(mlp, num_chunks).train(mlp.training)
+            except ValueError as e:
+                raise FPDTHFError(str(e)) from None
             moe.layer_index = self.layers.index(layer)
             self.patches.replace(layer, "mlp", moe)
             return

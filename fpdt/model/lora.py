@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fpdt.model.moe import ChunkedMoE
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections of a decoder layer that may carry an adapter (all by default)."""
 
@@ -61,10 +63,13 @@ class LoraSpec:
 
 
 def _projections(model: nn.Module, targets: tuple[str, ...]):
-    """``(layer index, name, nn.Linear)`` of every targeted projection, in layer order."""
+    """``(layer index, name, nn.Linear)`` of every targeted projection, in layer order; an MoE MLP
+    has no MLP projection to target (as PEFT's ``target_modules`` find none in a fused-expert block)."""
     for i, layer in enumerate(model.model.layers):
         for name in targets:
             owner = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
+            if isinstance(owner, ChunkedMoE):
+                continue
             yield i, name, getattr(owner, name)
 
 

@@ -469,6 +469,10 @@ class ChunkedMoE(nn.Module):
     def from_block(cls, block: nn.Module, num_chunks: int = 1) -> "ChunkedMoE":
         """A chunked MoE over a Transformers sparse MoE block's modules (``gate`` with ``top_k``,
         ``norm_topk_prob``; ``experts``; optional ``shared_expert`` / ``shared_expert_gate``), which become its children."""
+        if any(hasattr(m, "lora_A") or hasattr(m, "base_layer") for m in block.modules()):
+            raise ValueError("LoRA on a mixture-of-experts block (PEFT adapting the experts or the router) is not "
+                             "supported yet: target the attention only (target_modules=['q_proj', 'k_proj', "
+                             "'v_proj', 'o_proj'])")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.gate, self.experts = block.gate, block.experts

@@ -122,3 +122,45 @@ def test_checkpoint_round_trip(tmp_path):
     for n, p in model.state_dict().items():
         assert torch.equal(third.state_dict()[n], p), n
 
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "on"])
+def test_lora_against_peft(checkpointing):
+    """LoRA on the attention: loss with the balancing loss (its gradient reaches the adapters through
+    the hidden states) and adapter gradients vs PEFT."""
+    peft = pytest.importorskip("peft")
+    from fpdt.model.lora import PEFT_PREFIX, LoraSpec
+    spec = LoraSpec(4, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(hf_moe(), peft.LoraConfig(r=4, lora_alpha=spec.lora_alpha,
+                                                         target_modules=list(spec.targets), init_lora_weights=False))
+    ours = fm.from_config(ref.config, num_chunks=2, mlp_chunks=3, checkpointing=checkpointing)
+    fm.load_hf_state_dict(ours, hf_moe().state_dict())
+    fm.add_lora(ours, spec)
+    params = dict(ref.named_parameters())
+
+    def peft_name(n):
+        head, kind = n.rpartition(".lora_")[0], n.rpartition(".lora_")[2].split(".")[0]
+        return f"{PEFT_PREFIX}{head}.lora_{kind}.default.weight"
+    with torch.no_grad():
+        for n, p in fm.adapter_state_dict(ours).items():
+            p.copy_(params[peft_name(n)])
+    ids, labels = tokens(ref.config.vocab_size, 2, 16)
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    loss = ours(**ours.prepare_inputs(ids, labels=labels))
+    loss.backward()
+    grads = {peft_name(n): p.grad for n, p in fm.adapter_state_dict(ours).items()}
+    assert len(grads) == 3 * 4 * 2
+    compare(loss, grads, ref_loss.detach(), ref_grads, f"qwen3_moe LoRA ckpt={checkpointing}")
+
+
+def test_hf_peft_on_experts_is_refused():
+    """PEFT adapting the fused experts (its gate/up/down targets on this model) is refused in one line."""
+    peft = pytest.importorskip("peft")
+    import fpdt.hf
+    model = peft.get_peft_model(hf_moe(), peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "up_proj",
+                                                                                "down_proj"]))
+    with pytest.raises(fpdt.hf.FPDTHFError, match="LoRA on a mixture-of-experts block"):
+        fpdt.hf.apply_fpdt(model, num_chunks=2)
