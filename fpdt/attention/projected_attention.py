@@ -131,7 +131,7 @@ class QKVChunks:
         return with_lora(F.linear(T, self.weights[n], self.biases[n]), T, self.terms[n], self.seed, i) \
             .view(B, self.L, heads, width or self.heads[2])
 
-    def query(self, i: int, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def query_and_gate(self, i: int, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chunk ``i``'s ``(query before norm and RoPE, gate)``, each ``[B, L, H, D]`` (gate None without one)."""
         H, _, D = self.heads
         if not self.gate:
@@ -142,7 +142,7 @@ class QKVChunks:
     def forward(self, i: int, T: torch.Tensor):
         """Chunk ``i``'s ``(q [B, L, H, D], k, v [B, L, H_kv, D])``, RoPE applied."""
         H, H_kv, _ = self.heads
-        q, k, v = self.query(i, T)[0], self._pre(1, T, i, H_kv), self._pre(2, T, i, H_kv)
+        q, k, v = self.query_and_gate(i, T)[0], self._pre(1, T, i, H_kv), self._pre(2, T, i, H_kv)
         if self.norms[0] is not None:
             q = rms_norm_reference(q, self.norms[0], self.norm_eps, self.zero_centred)
             k = rms_norm_reference(k, self.norms[1], self.norm_eps, self.zero_centred)
@@ -176,7 +176,7 @@ class QKVChunks:
             c, s = self.rotation(slice(j * L, (j + 1) * L), self.acc)
             dq, dk = apply_rotary_backward_(dq, c, s), apply_rotary_backward_(dk, c, s)  # ours to overwrite
         if self.norms[0] is not None:   # through the per-head RMSNorm, from the recomputed pre-norm q/k
-            dq = _head_rms_norm_backward(dq, self.query(j, T)[0], self.norms[0], self.norm_eps, self.d_n[0],
+            dq = _head_rms_norm_backward(dq, self.query_and_gate(j, T)[0], self.norms[0], self.norm_eps, self.d_n[0],
                                          self.zero_centred)
             dk = _head_rms_norm_backward(dk, self._pre(1, T, j, H_kv), self.norms[1], self.norm_eps, self.d_n[1],
                                          self.zero_centred)
@@ -269,7 +269,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
 
         def emit(i, out_i):
             if gate:    # recomputed from the input chunk: nothing held between produce and emit
-                out_i = out_i * torch.sigmoid(chunks.query(i, hidden[:, i * L:(i + 1) * L])[1])
+                out_i = out_i * torch.sigmoid(chunks.query_and_gate(i, hidden[:, i * L:(i + 1) * L])[1])
             if o_chunks is not None:
                 out_i = o_chunks.forward(i, out_i.reshape(B, L, H * D))
             out[:, i * L:(i + 1) * L] = out_i
@@ -352,7 +352,7 @@ def _gated_output_backward(chunks: QKVChunks, o_chunks: OutputChunks, stash: Hos
     H, _, D = chunks.heads
     for i, x_i in enumerate(read_back(stash, spec, B, L)):
         g_i = grad_out[:, i * L:(i + 1) * L]
-        gate = chunks.query(i, stash.get(("T", i)))[1].reshape(B, L, H * D)
+        gate = chunks.query_and_gate(i, stash.get(("T", i)))[1].reshape(B, L, H * D)
         o_chunks.weight_grads(i, x_i * torch.sigmoid(gate), g_i)
         s = torch.sigmoid(gate.float())
         dz = o_chunks.input_grad(i, g_i).float()
