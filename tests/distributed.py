@@ -45,6 +45,22 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
         results.put((rank, traceback.format_exc()))
 
 
+# What most rank bodies import, loaded once in the fork server instead of once per rank: Transformers'
+# models pull in torch._dynamo (about 5 s of CPU each), the Trainer, PEFT and DeepSpeed's engine another
+# 1 to 3 s. On a 2-core machine this is most of a small multi-rank test's time.
+HEAVY_PRELOAD = ["tests.model.helpers", "transformers.trainer", "peft", "deepspeed.runtime.engine", "fpdt.hf",
+                 "fpdt.train"]
+
+
+def _preload() -> list[str]:
+    """The fork server's imports: the heavy ones only without CUDA (importing DeepSpeed or the Trainer
+    may query the driver, and a CUDA driver touched before ``fork`` is unusable in the children)."""
+    import torch
+
+    light = ["torch", "torch.distributed", "fpdt.attention", "tests.distributed"]
+    return light if torch.cuda.is_available() else light + HEAVY_PRELOAD
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                     timeout: float = DEFAULT_TIMEOUT_S, start_method: str = "forkserver") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
@@ -52,7 +68,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
     if start_method == "forkserver":
         # The fork server is a fresh process that imports torch once and never runs a
         # kernel, so forking ranks from it is both fast and safe (no inherited OpenMP state).
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "fpdt.attention", "tests.distributed"])
+        ctx.set_forkserver_preload(_preload())
     results = ctx.Queue()
     # A child forked straight from this (test) process inherits its OpenMP runtime, which
     # deadlocks if the child starts a thread team of its own: plain fork gets one thread.
