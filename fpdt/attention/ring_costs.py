@@ -167,7 +167,8 @@ def ulysses_working_set_U(*, num_heads: int, num_kv_heads: int, head_dim: int, s
     ``U``, beyond its output / input gradients (per tensor: ``docs/memory.md``). ``r = H_kv' / H``;
     ``kernel_expands_gqa``: the kernel repeats K/V to ``H`` heads (the CPU kernel); ``e = 2 / D``, one
     fp32 lse chunk. With ``sp > 1`` head-layout tensors are ``1/sp`` of these, and the all-to-all
-    buffers add ``(2 (1 + 2r) + 2) / sp`` forward and ``(2 + 8 r) / sp`` backward.
+    buffers add ``(2 (1 + 2r) + 2) / sp`` forward and ``2 / sp`` backward (the next dô's all-to-all,
+    in flight during the kernel; dK/dV's runs after the outer step's kernels).
     """
     H, u, P = num_heads, num_chunks, sp
     r = kv_replication_factor(H, num_kv_heads, P) * num_kv_heads / H
@@ -183,5 +184,5 @@ def ulysses_working_set_U(*, num_heads: int, num_kv_heads: int, head_dim: int, s
         bwd = 5 + 2 * u
     if P > 1:
         fwd = fwd / P + (2 * (1 + 2 * r) + 2) / P
-        bwd = bwd / P + (2 + 8 * r) / P
+        bwd = bwd / P + 2 / P
     return fwd, bwd

@@ -22,16 +22,16 @@ from fpdt.train.config import PRECISIONS
 
 # Calibrated on the CPU with fpdt.memory.accountant against this implementation (tests/plan/
 # test_activation_model.py pins them: a change to the layer's memory must update them).
-NORM_PHASE_ND = 4.0
+NORM_PHASE_ND = 3.0
 """Full-length [T, h] tensors beside the layer inputs at the RMSNorm backward (and the attention recompute)."""
-ATTENTION_PHASE_ND = 3.0
+ATTENTION_PHASE_ND = 2.0
 """Full-length tensors beside the attention core's working set in its backward."""
-ATTENTION_PHASE_OFF_ND = 2.0
+ATTENTION_PHASE_OFF_ND = 1.0
 """:data:`ATTENTION_PHASE_ND` under ``checkpointing="off"`` (``tests/plan/test_activation_model.py``)."""
 MLP_PHASE_ND = 2.0
 """Full-length tensors beside the chunked MLP's working set in its backward."""
 SAVED_PER_LAYER_ND = 2.0
-"""Full-length tensors a layer saves without checkpointing, beyond norm statistics, stash and ``o_proj`` input."""
+"""Full-length tensors a layer saves without checkpointing, beyond norm statistics and stash."""
 ATTENTION_WS_U = 16.0
 """Chunk-sized buffers of the attention pipeline at its backward peak."""
 STREAM_LAYER_U = 2.0
@@ -131,7 +131,7 @@ def saved_per_layer_nd(cfg: ModelConfig, s: Setup) -> float:
     own = SAVED_PER_LAYER_ND + 2 * 4 / (h * e)
     if s.options.offload:
         return own
-    return own + cfg.num_heads * cfg.head_dim / h + attention_stash_nd(cfg, s) - _dq_nd(cfg, s)
+    return own + attention_stash_nd(cfg, s) - _dq_nd(cfg, s)   # o_proj reads its input from the stash
 
 
 def saved_attention_bytes(cfg: ModelConfig, s: Setup) -> int:
@@ -311,13 +311,16 @@ def _loss_bytes(cfg: ModelConfig, s: Setup, nd: float) -> float:
     return 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk + vh * 4, vh * 4 + cast)
 
 
-def _layer_phases(spec: ModelSpec, s: Setup, nd: float, mixer_phase: dict, mlp_chunk: dict) -> dict:
+def _layer_phases(spec: ModelSpec, s: Setup, nd: float, mixer_phase: dict, mlp_chunk: dict,
+                  o_grad: float = 0.0) -> dict:
     """Sub-phase -> (full-length tensors of the in-flight layer, working-set category, bytes), for each
     layer kind (a plain model has one, ``("attention", "dense")``, and keeps the names ``norm``,
     ``attention``, ``mlp``). ``mixer_phase``: mixer -> (category, working set, resident stash);
-    ``mlp_chunk``: MLP kind -> its chunk's working set."""
+    ``mlp_chunk``: MLP kind -> its chunk's working set; ``o_grad``: the bytes of ``o_proj``'s input
+    gradient, whose ``u`` chunks ``g_i W`` the attention backward keeps on the device without offload."""
     recomputed = s.options.checkpointing != "off"
     mixer_nd = (ATTENTION_PHASE_ND if recomputed else ATTENTION_PHASE_OFF_ND) * nd
+    kept_o_grad = 0.0 if s.options.offload else o_grad
     phases = {}
     chunk = nd / s.num_chunks
     for mixer, mlp in sorted(spec.kinds()):
@@ -330,7 +333,8 @@ def _layer_phases(spec: ModelSpec, s: Setup, nd: float, mixer_phase: dict, mlp_c
                                     mlp_chunk[mlp] / (s.num_chunks if mlp == "dense" else 1))
             continue
         phases[name + "norm"] = (NORM_PHASE_ND * nd + resident, None, 0.0)
-        phases[name + mixer if name else "attention"] = (mixer_nd, key, ws)
+        phases[name + mixer if name else "attention"] = (mixer_nd + (kept_o_grad if mixer == "attention" else 0.0),
+                                                         key, ws)
         phases[name + "mlp"] = (MLP_PHASE_ND * nd + resident, "mlp_chunk", mlp_chunk[mlp])
     return phases
 
@@ -369,7 +373,8 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
                "mlp_chunk": 0.0, "loss_chunk": 0.0}
     mixer_phase = {"attention": ("attention_working_set", attn_ws, stash_resident),
                    "gdn": ("gdn_working_set", gdn_ws, gdn_resident)}
-    phases = _layer_phases(spec, s, nd, mixer_phase, {"dense": mlp_ws, "moe": moe_ws})
+    phases = _layer_phases(spec, s, nd, mixer_phase, {"dense": mlp_ws, "moe": moe_ws},
+                           cfg.num_heads * cfg.head_dim / h * nd)
     chunk = nd / s.num_chunks
     if streamed:
         loss += 2 * chunk - 2 * nd

@@ -92,14 +92,17 @@ def accumulation_bytes_per_weight(weight_bytes: int) -> int:
 
 
 def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
-    """Device bytes per optimizer step of the fp32 weight-gradient accumulators, by ``mlp``, ``qkv``
-    and ``lm_head`` (0 with ``"recompute"``)."""
+    """Device bytes per optimizer step of the fp32 weight-gradient accumulators, by ``mlp``, ``qkv``,
+    ``o_proj`` (accumulated per attention chunk inside the attention backward) and ``lm_head``
+    (0 with ``"recompute"``)."""
     e, h, l = s.elem_bytes, cfg.hidden_size, cfg.num_layers
     tokens = s.rank_tokens
     per_weight = accumulation_bytes_per_weight(e)
     qkv_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    o_weights = h * cfg.num_heads * cfg.head_dim
     out = {"mlp": l * chunk_count(tokens, mlp_chunks(cfg, s)) * 3 * cfg.intermediate_size * h * per_weight,
-           "qkv": l * s.num_chunks * qkv_weights * per_weight}
+           "qkv": l * s.num_chunks * qkv_weights * per_weight,
+           "o_proj": l * s.num_chunks * o_weights * per_weight}
     spec = model_spec(cfg)
     if not spec.plain:   # per layer: the mixer's input projections per attention chunk, the MLP's weights per its chunk
         m = spec.moe
@@ -107,7 +110,8 @@ def wgrad_accumulation_bytes(cfg: ModelConfig, s: Setup) -> dict:
                "moe": chunk_count(tokens, moe_chunks(cfg, spec, s)) * (m.params(h) - (h if m.shared_gate else 0))
                if m else 0}
         out = {"mlp": sum(mlp[b] for b in spec.mlps) * per_weight,
-               "qkv": sum(s.num_chunks * h * mixer_input_width(cfg, spec, a) for a in spec.mixers) * per_weight}
+               "qkv": sum(s.num_chunks * h * mixer_input_width(cfg, spec, a) for a in spec.mixers) * per_weight,
+               "o_proj": spec.attention_layers * s.num_chunks * o_weights * per_weight}
     out["lm_head"] = lm_head_accumulation_bytes(tokens, loss_chunks(cfg, s), cfg.vocab_size, h, e,
                                                 s.options.lm_head_wgrad)
     return out
