@@ -16,7 +16,8 @@ from typing import Any
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import saving_layers
 from fpdt.plan.models import model_spec
-from fpdt.options import DERIVED_OPTIONS, OPTION_NAMES, FPDTOptions, LayoutOptions, device_defaults
+from fpdt.options import (DERIVED_OPTIONS, LAYER_COUNTS, OPTION_NAMES, FPDTOptions, LayoutOptions, device_defaults,
+                          layer_count_problems)
 from fpdt.layout import chunking_problems
 from fpdt.train.config import PRECISIONS, option_key
 
@@ -34,11 +35,6 @@ GPU_OPTIONS = FPDTOptions(offload=_GPU_OFFLOAD, checkpointing=_GPU_CHECKPOINTING
 (:func:`fpdt.options.device_defaults`: attention offload, offloaded layer-input
 checkpoints; :class:`fpdt.options.FPDTOptions`' defaults for the rest): a :class:`Setup`'s
 default, and the base of what a :class:`fpdt.plan.planner.Choice` leaves open."""
-LAYER_COUNT_FLAGS = {"checkpoint_device_layers": "--checkpoint-device-layers",
-                     "save_attention_layers": "--save-attention-layers", "nvme_layers": "--nvme-layers"}
-"""The layer-count options, which the planner checks against the model's layers."""
-
-
 def chunk_count_problems(options: FPDTOptions) -> list[str]:
     """Why the options' MLP / loss chunk counts cannot be planned (None = the default, fine)."""
     return [f"{name}={n}: the planner models the chunked MLP and loss; give at least 1 chunk "
@@ -48,16 +44,9 @@ def chunk_count_problems(options: FPDTOptions) -> list[str]:
 
 def option_problems(options: FPDTOptions, num_layers: int) -> list[str]:
     """Why ``options`` cannot be planned for a model of ``num_layers`` decoder layers (empty
-    when they can), each naming the fix: a layer count outside the model's (in ``fpdt-plan``'s
-    flags), then :meth:`FPDTOptions.problems` for every other option."""
-    out, counted = [], set()
-    for name, flag in LAYER_COUNT_FLAGS.items():
-        k = getattr(options, name)
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= num_layers):
-            out.append(f"{flag} {k!r} must be an integer from 0 to the model's {num_layers} layers")
-            counted.add(name)
-    # every FPDTOptions problem starts with the option's name ("name=value ...")
-    return out + [p for p in options.problems() if p.split("=", 1)[0] not in counted]
+    when they can), each naming the fix: :meth:`FPDTOptions.problems`, then the layer counts
+    against the model (:func:`fpdt.options.layer_count_problems`, the check every entry point makes)."""
+    return options.problems() + layer_count_problems(num_layers, **{n: getattr(options, n) for n in LAYER_COUNTS})
 
 
 def split_options(changes: dict[str, Any], own: set[str], what: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,0 +1,58 @@
+"""Each rule has one home, and every entry point that applies it says the same words: the layer
+counts against the model, the position ids under sequence parallelism, the window's inputs
+(``prepare_inputs``), the trainer's option checks and the planner's meshes."""
+
+import pytest
+
+import fpdt.hf
+from fpdt import model as fm
+from fpdt.options import LAYER_COUNTS, in_flag_terms, layer_count_problems
+from fpdt.plan import load_model_config
+from fpdt.plan.setup import Setup
+from fpdt.train import preflight
+from tests.model.helpers import hf_config, hf_model
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+CFG = hf_config("llama_gqa")                      # 2 decoder layers
+SAVE = dict(checkpointing="on", attention_checkpoint="save")
+OFFLOAD = dict(checkpointing="offload", offload=True, runtime="sim")
+LAYER_CASES = [  # (the count over the model's 2 layers, the options it needs)
+    ("checkpoint_device_layers", OFFLOAD),
+    ("save_attention_layers", SAVE),
+    ("nvme_layers", dict(OFFLOAD, nvme_path="/nvme")),
+]
+
+
+def _message(call) -> str:
+    with pytest.raises(ValueError) as e:
+        call()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("name, needs", LAYER_CASES, ids=[n for n, _ in LAYER_CASES])
+def test_one_layer_count_check(name, needs, tmp_path):
+    """fpdt.model, fpdt.hf, fpdt-train's preflight and fpdt-plan's setups refuse a count above the
+    model's layers with the words of :func:`fpdt.options.layer_count_problems`."""
+    assert set(LAYER_COUNTS) == {n for n, _ in LAYER_CASES}
+    opts = {**needs, name: 3}
+    (want,) = layer_count_problems(2, **{name: 3})
+    assert want.startswith(f"{name}=3 is more than the model's 2 decoder layers; use at most 2")
+    assert _message(lambda: fm.from_config(CFG.to_dict(), num_chunks=2, **opts)) == want
+    model = fm.from_config(CFG.to_dict(), num_chunks=2, **needs)
+    assert _message(lambda: model.configure(**{name: 3})) == want
+    if name != "checkpoint_device_layers":          # fpdt.hf keeps one tier (its own refusal)
+        assert _message(lambda: fpdt.hf.apply_fpdt(hf_model("llama_gqa"), num_chunks=2, **opts)) == want
+    path = str(tmp_path / "config.json")
+    CFG.to_json_file(path)
+    cfg = preflight.model_source(None, path).config
+    assert _message(lambda: preflight.check_layer_counts(cfg, path, **{name: 3})) == f"{path}: {want}"
+    old = {"checkpoint_device_layers": preflight.check_device_layers, "save_attention_layers":
+           preflight.check_save_layers, "nvme_layers": preflight.check_nvme_layers}[name]
+    assert _message(lambda: old(cfg, 3, path)) == f"{path}: {want}"
+    problems = Setup.build(seq_len=64, chunk_size=32, **opts).problems(load_model_config(CFG.to_dict()), 1)
+    assert problems == [want]
+    flag = in_flag_terms(want)                       # both command lines word it in their flags
+    assert flag.startswith("--" + name.replace("_", "-") + " 3 is more than the model's 2 decoder layers")
+    assert layer_count_problems(2, **{name: 2}) == layer_count_problems(2, **{name: None}) == []
+    assert layer_count_problems(2, **{name: -1}) == []          # FPDTOptions.problems' to report
