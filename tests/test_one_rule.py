@@ -56,3 +56,30 @@ def test_one_layer_count_check(name, needs, tmp_path):
     assert flag.startswith("--" + name.replace("_", "-") + " 3 is more than the model's 2 decoder layers")
     assert layer_count_problems(2, **{name: 2}) == layer_count_problems(2, **{name: None}) == []
     assert layer_count_problems(2, **{name: -1}) == []          # FPDTOptions.problems' to report
+
+
+def test_one_position_ids_rule(monkeypatch):
+    """A forward without ``position_ids`` under sequence parallelism is refused by
+    :func:`fpdt.model.inputs.require_position_ids` for fpdt.model and fpdt.hf alike, each naming
+    its own ``prepare_inputs`` (the ranks' sizes stand in for a 2-rank group)."""
+    import torch
+    from fpdt.hf.settings import HFSettings
+    from fpdt.model.inputs import require_position_ids
+
+    ids = torch.randint(0, CFG.vocab_size, (1, 8))
+    words = {}
+    for prepare in ("fpdt.model.prepare_inputs", "fpdt.hf.prepare_inputs"):
+        with pytest.raises(ValueError) as e:
+            require_position_ids(None, 2, prepare)
+        words[prepare] = str(e.value)
+        require_position_ids(None, 1, prepare)
+        require_position_ids(torch.arange(8)[None], 2, prepare)
+    assert words["fpdt.model.prepare_inputs"].startswith("position_ids are required with sequence parallelism (sp=2)")
+    model = fm.from_config(CFG.to_dict(), num_chunks=1)
+    monkeypatch.setattr(model, "sp_rank_size", lambda: (0, 2))
+    assert _message(lambda: model(ids)) == words["fpdt.model.prepare_inputs"]
+    hf = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), num_chunks=1)
+    monkeypatch.setattr(HFSettings, "rank_size", lambda self: (0, 2))
+    with pytest.raises(fpdt.hf.FPDTHFError) as e:
+        hf(input_ids=ids)
+    assert str(e.value) == words["fpdt.hf.prepare_inputs"]

@@ -23,6 +23,15 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def require_position_ids(position_ids: torch.Tensor | None, sp: int, prepare: str = "fpdt.model.prepare_inputs") -> None:
+    """Under sequence parallelism (``sp > 1``) a rank's tokens are not contiguous (the FPDT
+    layout), so its ``position_ids`` cannot default to ``arange``: refuse a forward without them,
+    naming ``prepare`` (the function that makes them). The one rule of ``fpdt.model`` and ``fpdt.hf``."""
+    if position_ids is None and sp > 1:
+        raise ValueError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens are "
+                         f"not contiguous (the FPDT layout); use {prepare}")
+
+
 def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chunks: int,
                    labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                    shift: bool = True, mesh: SequenceMesh | None = None, doc_ids: torch.Tensor | None = None,

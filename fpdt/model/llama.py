@@ -17,7 +17,7 @@ from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
 from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
 from fpdt.model.config import LINEAR_ATTENTION, ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
-from fpdt.model.inputs import prepare_inputs
+from fpdt.model.inputs import prepare_inputs, require_position_ids
 from fpdt.model.loss import sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.moe import ChunkedMoE, MoEExperts, MoERouter, RouterStatistics, balancing_loss
@@ -284,10 +284,8 @@ class FPDTForCausalLM(nn.Module):
         B, S_local = input_ids.shape
         rank, sp = self.sp_rank_size()
         positions_given = position_ids is not None
+        require_position_ids(position_ids, sp)
         if position_ids is None:
-            if sp > 1:
-                raise ValueError(f"position_ids are required with sequence parallelism (sp={sp}): the FPDT "
-                                 f"layout is not contiguous; use fpdt.model.prepare_inputs")
             position_ids = torch.arange(S_local, device=input_ids.device).expand(B, S_local)
         if position_ids.shape != input_ids.shape or (labels is not None and labels.shape != input_ids.shape):
             raise ValueError(f"input_ids {tuple(input_ids.shape)}, labels "
