@@ -83,3 +83,16 @@ def test_one_position_ids_rule(monkeypatch):
     with pytest.raises(fpdt.hf.FPDTHFError) as e:
         hf(input_ids=ids)
     assert str(e.value) == words["fpdt.hf.prepare_inputs"]
+
+
+def test_no_private_attribute_read_by_index():
+    """A private attribute holding a tuple read by position (``layers[0]._fpdt_checkpoint[2]``)
+    breaks silently when the tuple changes: fpdt reads such state by name."""
+    import pathlib
+    import re
+
+    pattern = re.compile(r"\._[A-Za-z]\w*\[-?\d+\]|getattr\([^()]*[\"']_\w+[\"'][^()]*\)\[")
+    package = pathlib.Path(__file__).resolve().parent.parent / "fpdt"
+    found = [f"{path}:{n}: {line.strip()}" for path in sorted(package.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
