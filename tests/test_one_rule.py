@@ -96,3 +96,22 @@ def test_no_private_attribute_read_by_index():
     found = [f"{path}:{n}: {line.strip()}" for path in sorted(package.rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("fixed, sp, meshes", [
+    ({}, 4, [(1, 4), (2, 2), (4, 1)]),
+    (dict(hp=2), 4, [(2, 2)]),
+    (dict(cp=4), 4, [(1, 4)]),
+    (dict(hp=3), 4, []),                 # 3 does not divide 4 ranks
+    (dict(hp=2, cp=2), 4, [(2, 2)]),
+    (dict(hp=2, cp=2), 8, []),           # not 8 ranks
+])
+def test_planner_meshes_are_read_as_the_trainer_reads_them(fixed, sp, meshes):
+    """The planner's search tries the meshes :meth:`LayoutOptions.degrees` gives for what the
+    caller fixed, the function ``fpdt-train`` resolves its flags with."""
+    from fpdt.options import LayoutOptions
+    from fpdt.plan.planner import Choice, _meshes
+
+    assert _meshes(Choice().fix(**fixed), sp) == meshes
+    if fixed and meshes:
+        assert meshes == [LayoutOptions(sp=sp, **fixed).degrees()]

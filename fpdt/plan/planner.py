@@ -121,13 +121,7 @@ def candidates(cfg: ModelConfig, seq_len: int, choice: Choice, world: int,
 
 
 def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
-    if choice.hp and choice.cp:
-        meshes = [(choice.hp, choice.cp)]
-    elif choice.hp or choice.cp:
-        fixed = choice.hp or choice.cp
-        meshes = [(fixed, sp // fixed) if choice.hp else (sp // fixed, fixed)] if sp % fixed == 0 else []
-    else:
-        meshes = [(hp, sp // hp) for hp in _divisors(sp)]
+    meshes = _meshes(choice, sp)
     out = []
     base = choice.options
     expands = expands_gqa_on_gpu(base.backend, PRECISIONS[choice.dtype], cfg.head_dim)
@@ -161,6 +155,15 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
             if not s.problems(cfg, world):
                 out.append(s)
     return out
+
+
+def _meshes(choice: Choice, sp: int) -> list[tuple[int, int]]:
+    """The ``(hp, cp)`` meshes of ``sp`` ranks the search tries: the caller's degrees read as
+    ``fpdt-train`` reads them (:meth:`LayoutOptions.degrees`), or with none given every ``hp``
+    dividing ``sp``; a mesh that is not ``sp`` ranks (:meth:`LayoutOptions.layout_problems`) is not one."""
+    given = [LayoutOptions(sp=sp, hp=choice.hp, cp=choice.cp)] if choice.hp or choice.cp else \
+        [LayoutOptions(sp=sp, hp=hp) for hp in _divisors(sp)]
+    return [mesh.degrees() for mesh in given if not mesh.layout_problems()]
 
 
 def _chunk_candidates(seq_len: int, choice: Choice, hp: int, cp: int) -> list[int]:
