@@ -115,3 +115,37 @@ def test_planner_meshes_are_read_as_the_trainer_reads_them(fixed, sp, meshes):
     assert _meshes(Choice().fix(**fixed), sp) == meshes
     if fixed and meshes:
         assert meshes == [LayoutOptions(sp=sp, **fixed).degrees()]
+
+
+def test_one_prepare_inputs_signature():
+    """fpdt.model.prepare_inputs, the model's method and fpdt.hf.prepare_inputs take the window
+    by the same keywords (names, order, defaults, keyword-only); they differ only in where the
+    layout comes from (explicit, the model) and fpdt.hf's Transformers ``attention_mask``."""
+    import inspect
+
+    import torch
+
+    def window(fn, skip):
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+        return [(p.name, p.kind, p.default) for p in params]
+
+    core = window(fm.prepare_inputs, 1)
+    shared = core[:5]
+    assert [n for n, _, _ in shared] == ["labels", "position_ids", "doc_ids", "cu_seqlens", "shift"]
+    assert all(kind is inspect.Parameter.KEYWORD_ONLY for _, kind, _ in core)
+    assert [n for n, _, _ in core[5:]] == ["sp_size", "rank", "num_chunks", "mesh"]
+    assert window(fm.FPDTForCausalLM.prepare_inputs, 2) == shared
+    assert window(fpdt.hf.prepare_inputs, 2) == shared + [("attention_mask", inspect.Parameter.KEYWORD_ONLY, None)]
+    # and the same tensors for the same window, shifted or not
+    ids = torch.randint(0, CFG.vocab_size, (2, 16))
+    pos = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16)
+    model = fm.from_config(CFG.to_dict(), num_chunks=2)
+    hf = fpdt.hf.apply_fpdt(hf_model("llama_gqa"), num_chunks=2)
+    for shift in (True, False):
+        want = fm.prepare_inputs(ids, labels=ids.flip(1), position_ids=pos, shift=shift, sp_size=1, rank=0,
+                                 num_chunks=2)
+        got = model.prepare_inputs(ids, labels=ids.flip(1), position_ids=pos, shift=shift)
+        theirs = fpdt.hf.prepare_inputs(hf, ids, labels=ids.flip(1), position_ids=pos, shift=shift)
+        assert all(torch.equal(want[k], got[k]) for k in want) and want.keys() == got.keys()
+        assert torch.equal(theirs.pop("shift_labels"), want.pop("labels"))
+        assert theirs.keys() == want.keys() and all(torch.equal(want[k], theirs[k]) for k in want)

@@ -206,13 +206,16 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
 
 
 def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                   doc_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                   position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None, shift: bool = True,
+                   attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """This rank's ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S / P]``.
 
-    ``input_ids`` ``[B, S]`` is the global window (the same on every SP rank); ``labels``
-    (default ``input_ids``) are unshifted, as in Transformers, and are shifted on the
-    *global* sequence before sharding; ``position_ids`` default to ``arange(S)``. The
+    The keywords from ``labels`` to ``shift`` are :func:`fpdt.model.prepare_inputs`' (the one
+    window signature); ``attention_mask`` is Transformers'. ``input_ids`` ``[B, S]`` is the global
+    window (the same on every SP rank); ``labels`` (default ``input_ids``) are unshifted, as in
+    Transformers, and are shifted on the *global* sequence before sharding (``shift=False``: they
+    are next-token targets already); ``position_ids`` default to ``arange(S)``. The
     layout is the one ``model`` was set up with by :func:`apply_fpdt`. ``attention_mask``
     ``[B, S]`` (the window's) may be right padding whose labels are -100, which the model
     computes exactly without a mask (:mod:`fpdt.hf.padding`); it is checked here and not
@@ -231,11 +234,13 @@ def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.T
         if attention_mask.shape != input_ids.shape:
             raise FPDTHFError(f"attention_mask {tuple(attention_mask.shape)} is not the window's mask "
                               f"{tuple(input_ids.shape)}: pass the whole window's, the same on every rank")
-        check_right_padding(attention_mask, _shift_labels(labels if labels is not None else input_ids))
+        targets = labels if labels is not None else input_ids
+        check_right_padding(attention_mask, _shift_labels(targets) if shift else targets)
     rank, sp = settings.rank_size()
     try:
-        inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.options.num_chunks, labels=labels,
-                                 position_ids=position_ids, mesh=settings.options.mesh, doc_ids=doc_ids, cu_seqlens=cu_seqlens)
+        inputs = _prepare_inputs(input_ids, labels=labels, position_ids=position_ids, doc_ids=doc_ids,
+                                 cu_seqlens=cu_seqlens, shift=shift, sp_size=sp, rank=rank,
+                                 num_chunks=settings.options.num_chunks, mesh=settings.options.mesh)
     except DocumentError as e:
         raise FPDTHFError(str(e)) from e
     out = {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"], "shift_labels": inputs["labels"]}

@@ -32,12 +32,15 @@ def require_position_ids(position_ids: torch.Tensor | None, sp: int, prepare: st
                          f"not contiguous (the FPDT layout); use {prepare}")
 
 
-def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chunks: int,
-                   labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   shift: bool = True, mesh: SequenceMesh | None = None, doc_ids: torch.Tensor | None = None,
-                   cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def prepare_inputs(input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None, shift: bool = True,
+                   sp_size: int, rank: int, num_chunks: int, mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s ``input_ids``, ``labels`` and ``position_ids`` ``[B, S / P]`` (``docs/model.md``, inputs).
 
+    The window's keywords (``labels`` to ``shift``) are those of every ``prepare_inputs``
+    (:meth:`fpdt.model.FPDTForCausalLM.prepare_inputs`, :func:`fpdt.hf.prepare_inputs`), which take
+    the layout from their model instead of the last four.
     ``input_ids`` ``[B, S]``: the global window, identical on every SP rank of size ``sp_size``;
     ``num_chunks``: the model's ``u``. ``labels`` ``[B, S]`` (default ``input_ids``; -100 ignores)
     are shifted to next-token targets unless ``shift=False`` (a packed document's last target is

@@ -217,15 +217,14 @@ class FPDTForCausalLM(nn.Module):
         """``(rank, size)`` in the sequence-parallel group (:func:`fpdt.comm.sp_rank_size`)."""
         return sp_rank_size(self.options.group, self.options.mesh)
 
-    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                       position_ids: torch.Tensor | None = None, shift: bool = True, *,
-                       doc_ids: torch.Tensor | None = None,
-                       cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def prepare_inputs(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                       cu_seqlens: torch.Tensor | None = None, shift: bool = True) -> dict[str, torch.Tensor]:
         """:func:`fpdt.model.prepare_inputs` for this SP rank and ``num_chunks``: global ``[B, S]`` -> ``model(**inputs)``."""
         rank, sp = self.sp_rank_size()
-        return prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=self.options.num_chunks,
-                              labels=labels, position_ids=position_ids, shift=shift, mesh=self.options.mesh,
-                              doc_ids=doc_ids, cu_seqlens=cu_seqlens)
+        return prepare_inputs(input_ids, labels=labels, position_ids=position_ids, doc_ids=doc_ids,
+                              cu_seqlens=cu_seqlens, shift=shift, sp_size=sp, rank=rank,
+                              num_chunks=self.options.num_chunks, mesh=self.options.mesh)
 
     # ------------------------------------------------------------------ weights
     def save_pretrained(self, path, **kwargs) -> None:
