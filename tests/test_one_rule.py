@@ -149,3 +149,33 @@ def test_one_prepare_inputs_signature():
         assert all(torch.equal(want[k], got[k]) for k in want) and want.keys() == got.keys()
         assert torch.equal(theirs.pop("shift_labels"), want.pop("labels"))
         assert theirs.keys() == want.keys() and all(torch.equal(want[k], theirs[k]) for k in want)
+
+
+def test_trainer_options_validated_once(monkeypatch):
+    """``fpdt-train`` reads its options (flags, the JSON section: :func:`merge_options`, which
+    refuses only unknown keys) and checks them once, in :func:`validate`, with the device
+    defaults resolved: the layout's problems and the model options' problems each run once."""
+    from fpdt.cli.train import build_parser, fpdt_options
+    from fpdt.options import FPDTOptions, LayoutOptions
+    from fpdt.train.config import ConfigError, merge_options, validate
+
+    calls = {"layout": 0, "options": 0}
+
+    def counted(name, method):
+        def run(self):
+            calls[name] += 1
+            return method(self)
+        return run
+
+    monkeypatch.setattr(LayoutOptions, "layout_problems", counted("layout", LayoutOptions.layout_problems))
+    monkeypatch.setattr(FPDTOptions, "problems", counted("options", FPDTOptions.problems))
+    argv = ["--model-config", "c.json", "--data", "d", "--seq-len", "64", "--steps", "1", "--checkpoint", "on"]
+    opts = fpdt_options(build_parser().parse_args(argv), {"lm_head_wgrad": "sliced", "cp": 0})
+    assert calls == {"layout": 0, "options": 0}        # read, not checked
+    with pytest.raises(ConfigError, match="cp=0 must be an integer >= 1"):
+        validate(opts, 64, 1, "cpu", {})
+    with pytest.raises(ConfigError, match="fpdt option lm_head_wgrad='sliced' must be one of"):
+        validate(merge_options({}, {"lm_head_wgrad": "sliced"}), 64, 1, "cpu", {})
+    calls.update(layout=0, options=0)
+    validate(merge_options({}, {"checkpoint": "on"}), 64, 1, "cpu", {})
+    assert calls == {"layout": 1, "options": 1}

@@ -97,7 +97,8 @@ too, over the JSON section, unless their own flags are given."""
 def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
                   defaults: Mapping[str, Any] | None = None) -> TrainerOptions:
     """Combine flags > ``"fpdt"`` JSON section > ``defaults`` > the fields' defaults into
-    :class:`TrainerOptions`.
+    :class:`TrainerOptions`; an unknown key of the section is refused, the values are
+    :func:`validate`'s to check (once, with the run's device defaults).
 
     ``flags`` and ``defaults`` map :data:`FPDT_KEYS` to values, ``None`` meaning "not given".
     """
@@ -130,8 +131,7 @@ def merge_flags(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
             merged[option_field(key)] = section[key]
         elif (defaults or {}).get(key) is not None:
             merged[option_field(key)] = defaults[key]
-    opts = TrainerOptions(**merged)
-    _check_types(opts)
+    opts = TrainerOptions(**merged)       # the values are checked once, by validate()
     line = f'fpdt-train: flags win over the DeepSpeed JSON\'s "fpdt" section: {"; ".join(overrode)}' if overrode else None
     return opts, line
 
@@ -150,17 +150,6 @@ def cpu_runtime(opts: TrainerOptions, device_type: str) -> tuple[TrainerOptions,
     verb = "run" if " and " in what else "runs"
     return replace(opts, runtime="sim"), (f"fpdt-train: on the {device_type}, {what} {verb} on the simulated CUDA "
                                           f"runtime (--runtime sim): to test the offload paths, not for speed")
-
-
-def _check_types(opts: TrainerOptions) -> None:
-    """The trainer's own fields, then :meth:`FPDTOptions.problems` with what is still to be
-    chosen standing in (checkpointing: ``"offload"``, checked again against the device default
-    in :func:`validate`)."""
-    for problem in opts.layout_problems():
-        raise ConfigError(f"fpdt option {_as_key(problem)}")
-    for problem in _resolved(opts, bool(opts.stream_layers) if opts.offload is None else opts.offload,
-                             opts.checkpointing or "offload").problems():
-        raise ConfigError(f"fpdt option {_as_key(problem)}")
 
 
 def _as_key(problem: str) -> str:
@@ -317,8 +306,9 @@ class RunLayout(LayoutOptions):
 def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: str,
              ds_config: Mapping[str, Any]) -> RunLayout:
     """Check every setting that can be checked before the run starts; return the :class:`RunLayout`.
-
-    Raises :class:`ConfigError` naming the values that fail and the fix.
+    The one check of a :class:`TrainerOptions` (:func:`merge_options` only reads them): the
+    layout, the chunking, then :meth:`FPDTOptions.problems` with the device defaults resolved,
+    then what the device cannot run. Raises :class:`ConfigError` naming the values and the fix.
     """
     if seq_len < 1:
         raise ConfigError(f"--seq-len {seq_len} must be a positive number of tokens")
@@ -339,11 +329,11 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
     num_chunks = seq_len // chunk
     offload, checkpoint = device_defaults(device_type, num_chunks, opts.offload, opts.checkpointing,
                                           bool(opts.stream_layers))
-    _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
     for problem in _resolved(opts, offload, checkpoint).problems():
         default = "" if opts.checkpointing is not None else \
             f" (checkpointing={checkpoint!r} is fpdt-train's default on {device_type}; --checkpoint sets it)"
         raise ConfigError(f"fpdt option {_as_key(problem)}{default}")
+    _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
     return RunLayout(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
                      chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=opts.mlp_chunks, hp=hp, cp=cp,
                      placement=opts.placement or "head_first", inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
