@@ -219,6 +219,16 @@ class LayoutOptions:
             other = self.sp // given
         return (given, other) if hp is not None else (other, given)
 
+    def _resolve_layout(self) -> None:
+        """For a resolved layout (:class:`fpdt.train.config.RunLayout`, :class:`fpdt.plan.setup.Setup`),
+        in its ``__post_init__``: ``hp`` and ``cp`` from :meth:`degrees`, ``sp`` their product
+        unless given (a given ``sp`` that differs stays, for :meth:`layout_problems` to report),
+        ``placement`` ``"head_first"`` unless given. The one place a resolved ``sp`` is set."""
+        hp, cp = self.degrees()
+        for name, value in (("hp", hp), ("cp", cp), ("sp", hp * cp if self.sp is None else self.sp),
+                            ("placement", self.placement or "head_first")):
+            object.__setattr__(self, name, value)
+
     def layout_problems(self) -> list[str]:
         """Every reason these values are invalid whatever the run (empty when valid), each
         naming the fix; what depends on the sequence or the world is checked where they are known."""

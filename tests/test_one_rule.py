@@ -179,3 +179,23 @@ def test_trainer_options_validated_once(monkeypatch):
     calls.update(layout=0, options=0)
     validate(merge_options({}, {"checkpoint": "on"}), 64, 1, "cpu", {})
     assert calls == {"layout": 1, "options": 1}
+
+
+def test_run_layout_computes_what_it_derives():
+    """``fpdt-train``'s :class:`RunLayout` and ``fpdt-plan``'s :class:`Setup` resolve their
+    mesh by the one rule (:meth:`LayoutOptions._resolve_layout`), and the run's ``dp`` and
+    ``num_chunks`` are computed from the world size and the chunking, not stored beside them."""
+    from dataclasses import fields, replace
+
+    from fpdt.train.config import RunLayout, TrainerOptions, validate
+
+    run = validate(TrainerOptions(hp=2, chunk_size=16), 64, 4, "cpu", {})
+    assert (run.sp, run.hp, run.cp, run.dp, run.num_chunks, run.placement) == (2, 2, 1, 2, 4, "head_first")
+    assert not {"dp", "num_chunks"} & {f.name for f in fields(RunLayout)}
+    wider = replace(run, world_size=8, chunk_size=32)
+    assert (wider.dp, wider.num_chunks) == (4, 2)
+    for given in (dict(sp=4), dict(hp=2, cp=2), dict(sp=4, cp=2), dict(cp=4)):
+        run = RunLayout(world_size=8, seq_len=64, chunk_size=16, mlp_chunks=None, **given)
+        setup = Setup(seq_len=64, chunk_size=16, **given)
+        assert (run.sp, run.hp, run.cp, run.placement) == (setup.sp, setup.hp, setup.cp, setup.placement)
+        assert run.sp == 4 and run.dp == 2 and setup.num_chunks == run.num_chunks == 4

@@ -110,10 +110,7 @@ class Setup(LayoutOptions, RunSettings):
     def __post_init__(self):
         if self.chunk_size is None:
             raise TypeError("Setup needs chunk_size (the global FPDT chunk length)")
-        hp, cp = self.degrees()
-        sp = hp * cp if self.sp is None else self.sp        # a given sp that conflicts: problems() says so
-        for name, value in (("hp", hp), ("cp", cp), ("sp", sp), ("placement", self.placement or "head_first")):
-            object.__setattr__(self, name, value)
+        self._resolve_layout()
         u = self.seq_len // self.chunk_size if isinstance(self.chunk_size, int) and self.chunk_size >= 1 else 1
         # (a chunk that does not divide the sequence is reported by problems(), not here)
         object.__setattr__(self, "options", replace(self.options, num_chunks=max(1, u), group=None, mesh=None))

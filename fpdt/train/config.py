@@ -280,22 +280,32 @@ def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
 @dataclass(frozen=True, kw_only=True)
 class RunLayout(LayoutOptions):
     """The validated shape of a run: the layout resolved (every :class:`LayoutOptions` field
-    set but ``inner_ring``), the data-parallel size, the sequence chunking and the device defaults."""
+    set but ``inner_ring``: :meth:`LayoutOptions._resolve_layout`), the world size, the sequence
+    chunking and the device defaults; ``dp`` and ``num_chunks`` are computed from them."""
 
     world_size: int
     """Number of processes."""
-    dp: int
-    """Data-parallel size: ``world_size / sp`` groups, each training distinct windows."""
     seq_len: int
     """Global tokens per sequence S (one window is S + 1 tokens)."""
-    num_chunks: int
-    """Attention chunks u = S / C (also the chunks per rank in the FPDT layout)."""
     mlp_chunks: int | None
     """MLP chunks over the local sequence (None: the model's rule, ``ceil(2 u I / hidden)``)."""
     offload: bool = False
     """Attention chunks in pinned host memory (the option, or its device default)."""
     checkpoint: str = "off"
     """Activation checkpointing mode (the option, or its device default)."""
+
+    def __post_init__(self):
+        self._resolve_layout()
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ``world_size / sp`` groups, each training distinct windows."""
+        return self.world_size // self.sp
+
+    @property
+    def num_chunks(self) -> int:
+        """Attention chunks u = S / C (also the chunks per rank in the FPDT layout)."""
+        return self.seq_len // self.chunk_size
 
     @property
     def local_seq_len(self) -> int:
@@ -334,9 +344,8 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
             f" (checkpointing={checkpoint!r} is fpdt-train's default on {device_type}; --checkpoint sets it)"
         raise ConfigError(f"fpdt option {_as_key(problem)}{default}")
     _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
-    return RunLayout(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
-                     chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=opts.mlp_chunks, hp=hp, cp=cp,
-                     placement=opts.placement or "head_first", inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
+    return RunLayout(world_size=world_size, seq_len=seq_len, chunk_size=chunk, mlp_chunks=opts.mlp_chunks, hp=hp,
+                     cp=cp, placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
 
 
 def default_chunk_size(seq_len: int, split: int) -> int:
