@@ -2,6 +2,8 @@
 counts against the model, the position ids under sequence parallelism, the window's inputs
 (``prepare_inputs``), the trainer's option checks and the planner's meshes."""
 
+import re
+
 import pytest
 
 import fpdt.hf
@@ -199,3 +201,19 @@ def test_run_layout_computes_what_it_derives():
         setup = Setup(seq_len=64, chunk_size=16, **given)
         assert (run.sp, run.hp, run.cp, run.placement) == (setup.sp, setup.hp, setup.cp, setup.placement)
         assert run.sp == 4 and run.dp == 2 and setup.num_chunks == run.num_chunks == 4
+
+
+@pytest.mark.parametrize("doc_len", [0, -3, 2.5, True, "8"])
+def test_one_doc_len_check(doc_len):
+    """``fpdt-plan``'s search (:func:`plan`) and a :class:`Setup` refuse a mean document length
+    with the words of :func:`fpdt.plan.setup.doc_len_problems`."""
+    from fpdt.plan import GPU_PRESETS, Choice, Cluster, plan
+    from fpdt.plan.setup import doc_len_problems
+
+    (want,) = doc_len_problems(doc_len)
+    assert want.startswith(f"--doc-len {doc_len!r} must be a whole number of tokens, at least 1")
+    assert doc_len_problems(None) == doc_len_problems(4) == []
+    cfg = load_model_config(CFG.to_dict())
+    assert want in Setup(seq_len=64, chunk_size=32, doc_len=doc_len).problems(cfg, 1)
+    with pytest.raises(ValueError, match=re.escape(want)):
+        plan(cfg, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1), seq_len=64, choice=Choice().fix(doc_len=doc_len))

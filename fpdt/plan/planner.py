@@ -31,7 +31,7 @@ from fpdt.plan.models import load_model_config, model_spec
 from fpdt.plan.models import train_flops_per_token as kind_train_flops
 from fpdt.comm import PLACEMENTS
 from fpdt.plan.setup import (GPU_OPTIONS, RunSettings, Setup,
-                             chunk_count_problems, option_problems, split_options)
+                             chunk_count_problems, doc_len_problems, option_problems, split_options)
 from fpdt.plan.time_model import estimate_time, nvme_io
 from fpdt.layout import chunk_split, hidden_bytes
 from fpdt.train.config import PRECISIONS, default_chunk_size
@@ -488,10 +488,7 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     options = choice.options
     cluster = cluster.for_kernel(options.backend)    # a named kernel's own calibrated rate
     bad = choice.layout_problems() + chunk_count_problems(options) + option_problems(options, cfg.num_layers)
-    if choice.doc_len is not None and (isinstance(choice.doc_len, bool) or not isinstance(choice.doc_len, int)
-                                       or choice.doc_len < 1):
-        bad.append(f"--doc-len {choice.doc_len!r} must be a whole number of tokens, at least 1 (the mean "
-                   f"document length)")
+    bad += doc_len_problems(choice.doc_len)
     if bad:
         raise ValueError("; ".join(bad))
     if search_max:

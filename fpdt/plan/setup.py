@@ -49,6 +49,13 @@ def option_problems(options: FPDTOptions, num_layers: int) -> list[str]:
     return options.problems() + layer_count_problems(num_layers, **{n: getattr(options, n) for n in LAYER_COUNTS})
 
 
+def doc_len_problems(doc_len: Any) -> list[str]:
+    """Why a packed documents' mean length cannot be planned (None: one document per sequence, fine)."""
+    if doc_len is None or _positive(doc_len):
+        return []
+    return [f"--doc-len {doc_len!r} must be a whole number of tokens, at least 1 (the mean document length)"]
+
+
 def split_options(changes: dict[str, Any], own: set[str], what: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """``changes`` as ``(own fields, FPDTOptions fields)``; a name that is neither (or one the
     planner derives, :data:`DERIVED_OPTIONS`) is a ``TypeError`` naming the valid ones."""
@@ -173,9 +180,7 @@ class Setup(LayoutOptions, RunSettings):
         out = option_problems(self.options, cfg.num_layers) + self.layout_problems()
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
-        if self.doc_len is not None and (isinstance(self.doc_len, bool) or not isinstance(self.doc_len, int)
-                                         or self.doc_len < 1):
-            out.append(f"--doc-len {self.doc_len!r} must be a whole number of tokens, at least 1")
+        out += doc_len_problems(self.doc_len)
         if self.lora_rank < 0:
             out.append(f"lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
         if self.zero_stage not in (0, 1, 2, 3):
