@@ -217,3 +217,30 @@ def test_one_doc_len_check(doc_len):
     assert want in Setup(seq_len=64, chunk_size=32, doc_len=doc_len).problems(cfg, 1)
     with pytest.raises(ValueError, match=re.escape(want)):
         plan(cfg, Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=1), seq_len=64, choice=Choice().fix(doc_len=doc_len))
+
+
+def test_one_gated_deltanet_refusal():
+    """What a model with Gated DeltaNet layers cannot run is refused by
+    :func:`fpdt.model.apply.token_mixer_problems` in fpdt.model and fpdt.hf alike."""
+    import dataclasses
+
+    from fpdt.comm import SequenceMesh
+    from fpdt.hf.model import _check_gated_deltanet
+    from fpdt.model.apply import token_mixer_problems
+    from fpdt.model.llama import check_token_mixers
+    from fpdt.options import FPDTOptions
+    from tests.model.qwen35 import fpdt_qwen35, qwen35_model
+
+    streamed = dict(stream_layers=True, checkpointing="offload", offload=True)
+    (want,) = token_mixer_problems(True, FPDTOptions(**streamed))
+    assert _message(lambda: fpdt_qwen35(qwen35_model(), **streamed)) == want
+    assert _message(lambda: fpdt.hf.apply_fpdt(qwen35_model(), **streamed)) == want
+    mesh = SequenceMesh.__new__(SequenceMesh)        # only its degrees are read
+    mesh.hp, mesh.cp = 1, 2
+    ring = dataclasses.replace(FPDTOptions(), mesh=mesh)
+    (want,) = token_mixer_problems(True, ring)
+    assert want.startswith("a context-parallel ring (cp=2) is not implemented for Gated DeltaNet layers")
+    model = qwen35_model()
+    assert _message(lambda: check_token_mixers(fm.ModelConfig.from_hf(model.config), ring)) == want
+    assert _message(lambda: _check_gated_deltanet(list(model.model.layers), ring)) == want
+    assert token_mixer_problems(False, ring) == token_mixer_problems(True, FPDTOptions()) == []

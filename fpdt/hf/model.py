@@ -25,7 +25,7 @@ from fpdt.hf.padding import check_right_padding
 from fpdt.hf.patches import Patches
 from fpdt.hf.settings import HFSettings
 from fpdt.layout.documents import DocumentError
-from fpdt.model.apply import apply_all, has_attention, loss_chunks_for, mlp_chunks_for
+from fpdt.model.apply import apply_all, has_attention, loss_chunks_for, mlp_chunks_for, token_mixer_problems
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.external_params import directly_read
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
@@ -88,15 +88,10 @@ def _check_streaming(model: nn.Module, chunked_qkv: bool) -> None:
 
 
 def _check_gated_deltanet(layers: list[nn.Module], options: FPDTOptions) -> None:
-    """Refuse, naming the fix, what a model with Gated DeltaNet layers (Qwen3.5) cannot run."""
-    if all(has_attention(layer) for layer in layers):
-        return
-    if options.stream_layers:
-        raise FPDTHFError("stream_layers is not implemented for models with Gated DeltaNet layers (Qwen3.5): "
-                          "use stream_layers=False")
-    if options.mesh is not None and options.mesh.cp > 1:
-        raise FPDTHFError(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet "
-                          f"layers: use Ulysses only (cp=1)")
+    """Refuse, naming the fix, what a model with Gated DeltaNet layers (Qwen3.5) cannot run
+    (:func:`fpdt.model.apply.token_mixer_problems`, as ``fpdt.model``)."""
+    for problem in token_mixer_problems(not all(has_attention(layer) for layer in layers), options):
+        raise FPDTHFError(problem)
 
 
 def _register_zero3_params(model: nn.Module, loss_chunked: bool, streamed: bool, layers: list[nn.Module],

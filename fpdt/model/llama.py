@@ -14,7 +14,7 @@ from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
-from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
+from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for, token_mixer_problems
 from fpdt.model.config import LINEAR_ATTENTION, ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs, require_position_ids
@@ -372,15 +372,10 @@ def init_gated_deltanet(gdn: nn.Module, std: float) -> None:
 
 
 def check_token_mixers(cfg: ModelConfig, options: FPDTOptions) -> None:
-    """Refuse, naming the fix, options the Gated DeltaNet layers of ``cfg`` cannot run with."""
-    if not cfg.has_linear_attention:
-        return
-    if options.stream_layers:
-        raise ValueError("stream_layers is not implemented for models with Gated DeltaNet layers "
-                         "(layer_types has 'linear_attention'): use stream_layers=False")
-    if options.mesh is not None and options.mesh.cp > 1:
-        raise ValueError(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet "
-                         f"layers, whose state would pass between ring ranks: use Ulysses only (cp=1)")
+    """Refuse, naming the fix, options the Gated DeltaNet layers of ``cfg`` cannot run with
+    (:func:`fpdt.model.apply.token_mixer_problems`)."""
+    for problem in token_mixer_problems(cfg.has_linear_attention, options):
+        raise ValueError(problem)
 
 
 class FPDTAdapter(DecoderAdapter):
