@@ -173,9 +173,8 @@ _ALL_LAYERS = {"checkpoint_device_layers": " (all of them is checkpointing='on')
 
 
 def layer_count_problems(num_layers: int, **counts: Any) -> list[str]:
-    """Why layer counts (:data:`LAYER_COUNTS` by name, None: not given) cannot run on a model of
-    ``num_layers`` decoder layers, in option names: the one check of every entry point. A count
-    that is not an integer >= 0 is :meth:`FPDTOptions.problems`' to report, not this one's."""
+    """Why layer counts (:data:`LAYER_COUNTS` by name) exceed a model's ``num_layers``: every entry point's
+    check. A count that is not an integer >= 0 is :meth:`FPDTOptions.problems`' to report."""
     return [f"{name}={k} is more than the model's {num_layers} decoder layers; use at most {num_layers}"
             f"{_ALL_LAYERS[name]}" for name, k in counts.items() if _is_int(k) and k > num_layers]
 
@@ -220,10 +219,8 @@ class LayoutOptions:
         return (given, other) if hp is not None else (other, given)
 
     def _resolve_layout(self) -> None:
-        """For a resolved layout (:class:`fpdt.train.config.RunLayout`, :class:`fpdt.plan.setup.Setup`),
-        in its ``__post_init__``: ``hp`` and ``cp`` from :meth:`degrees`, ``sp`` their product
-        unless given (a given ``sp`` that differs stays, for :meth:`layout_problems` to report),
-        ``placement`` ``"head_first"`` unless given. The one place a resolved ``sp`` is set."""
+        """A resolved layout's ``__post_init__`` (``RunLayout``, ``Setup``): ``(hp, cp)`` from :meth:`degrees`,
+        ``sp`` their product and ``placement`` ``"head_first"`` unless given (a conflict: :meth:`layout_problems`)."""
         hp, cp = self.degrees()
         for name, value in (("hp", hp), ("cp", cp), ("sp", hp * cp if self.sp is None else self.sp),
                             ("placement", self.placement or "head_first")):

@@ -88,8 +88,7 @@ def _check_streaming(model: nn.Module, chunked_qkv: bool) -> None:
 
 
 def _check_gated_deltanet(layers: list[nn.Module], options: FPDTOptions) -> None:
-    """Refuse, naming the fix, what a model with Gated DeltaNet layers (Qwen3.5) cannot run
-    (:func:`fpdt.model.apply.token_mixer_problems`, as ``fpdt.model``)."""
+    """Raise the first of :func:`fpdt.model.apply.token_mixer_problems` (as ``fpdt.model``)."""
     for problem in token_mixer_problems(not all(has_attention(layer) for layer in layers), options):
         raise FPDTHFError(problem)
 
@@ -206,11 +205,10 @@ def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.T
                    attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """This rank's ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S / P]``.
 
-    The keywords from ``labels`` to ``shift`` are :func:`fpdt.model.prepare_inputs`' (the one
-    window signature); ``attention_mask`` is Transformers'. ``input_ids`` ``[B, S]`` is the global
-    window (the same on every SP rank); ``labels`` (default ``input_ids``) are unshifted, as in
-    Transformers, and are shifted on the *global* sequence before sharding (``shift=False``: they
-    are next-token targets already); ``position_ids`` default to ``arange(S)``. The
+    ``labels`` to ``shift``: :func:`fpdt.model.prepare_inputs`' keywords. ``input_ids`` ``[B, S]`` is the
+    global window (the same on every SP rank); ``labels`` (default ``input_ids``) are unshifted, as in
+    Transformers, and are shifted on the *global* sequence before sharding (``shift=False``: next-token
+    targets already); ``position_ids`` default to ``arange(S)``. The
     layout is the one ``model`` was set up with by :func:`apply_fpdt`. ``attention_mask``
     ``[B, S]`` (the window's) may be right padding whose labels are -100, which the model
     computes exactly without a mask (:mod:`fpdt.hf.padding`); it is checked here and not

@@ -372,8 +372,7 @@ def init_gated_deltanet(gdn: nn.Module, std: float) -> None:
 
 
 def check_token_mixers(cfg: ModelConfig, options: FPDTOptions) -> None:
-    """Refuse, naming the fix, options the Gated DeltaNet layers of ``cfg`` cannot run with
-    (:func:`fpdt.model.apply.token_mixer_problems`)."""
+    """Raise the first of :func:`fpdt.model.apply.token_mixer_problems` for ``cfg``."""
     for problem in token_mixer_problems(cfg.has_linear_attention, options):
         raise ValueError(problem)
 

@@ -158,9 +158,8 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
 
 
 def _meshes(choice: Choice, sp: int) -> list[tuple[int, int]]:
-    """The ``(hp, cp)`` meshes of ``sp`` ranks the search tries: the caller's degrees read as
-    ``fpdt-train`` reads them (:meth:`LayoutOptions.degrees`), or with none given every ``hp``
-    dividing ``sp``; a mesh that is not ``sp`` ranks (:meth:`LayoutOptions.layout_problems`) is not one."""
+    """The ``(hp, cp)`` meshes of ``sp`` ranks to try: the caller's degrees read by :meth:`LayoutOptions.degrees`
+    (as ``fpdt-train`` reads them), or every ``hp`` dividing ``sp``; kept when ``hp * cp`` is ``sp``."""
     given = [LayoutOptions(sp=sp, hp=choice.hp, cp=choice.cp)] if choice.hp or choice.cp else \
         [LayoutOptions(sp=sp, hp=hp) for hp in _divisors(sp)]
     return [mesh.degrees() for mesh in given if not mesh.layout_problems()]

@@ -97,8 +97,7 @@ too, over the JSON section, unless their own flags are given."""
 def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
                   defaults: Mapping[str, Any] | None = None) -> TrainerOptions:
     """Combine flags > ``"fpdt"`` JSON section > ``defaults`` > the fields' defaults into
-    :class:`TrainerOptions`; an unknown key of the section is refused, the values are
-    :func:`validate`'s to check (once, with the run's device defaults).
+    :class:`TrainerOptions` (unknown section keys refused; the values are :func:`validate`'s to check).
 
     ``flags`` and ``defaults`` map :data:`FPDT_KEYS` to values, ``None`` meaning "not given".
     """
@@ -279,9 +278,8 @@ def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RunLayout(LayoutOptions):
-    """The validated shape of a run: the layout resolved (every :class:`LayoutOptions` field
-    set but ``inner_ring``: :meth:`LayoutOptions._resolve_layout`), the world size, the sequence
-    chunking and the device defaults; ``dp`` and ``num_chunks`` are computed from them."""
+    """The validated shape of a run: the layout resolved (every :class:`LayoutOptions` field set
+    but ``inner_ring``), the world size, the chunking and the device defaults; ``dp``, ``num_chunks`` computed."""
 
     world_size: int
     """Number of processes."""
@@ -315,11 +313,9 @@ class RunLayout(LayoutOptions):
 
 def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: str,
              ds_config: Mapping[str, Any]) -> RunLayout:
-    """Check every setting that can be checked before the run starts; return the :class:`RunLayout`.
-    The one check of a :class:`TrainerOptions` (:func:`merge_options` only reads them): the
-    layout, the chunking, then :meth:`FPDTOptions.problems` with the device defaults resolved,
-    then what the device cannot run. Raises :class:`ConfigError` naming the values and the fix.
-    """
+    """The one check of a run's :class:`TrainerOptions` and shape before it starts (layout, chunking, the
+    options with the device defaults, the device); returns the :class:`RunLayout`. Raises
+    :class:`ConfigError` naming the values that fail and the fix."""
     if seq_len < 1:
         raise ConfigError(f"--seq-len {seq_len} must be a positive number of tokens")
     for problem in opts.layout_problems():

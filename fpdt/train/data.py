@@ -421,10 +421,9 @@ class PackedWindows:
 
     def shard(self, ks: Iterable[int], sp: int, num_chunks: int, sp_rank: int,
               mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
-        """:func:`fpdt.model.prepare_inputs` of sequences ``ks`` (their targets shifted and masked
-        here already): this rank's ``input_ids``, ``labels``, ``position_ids`` ``[B, S / P]`` (FPDT
-        layout, or ``mesh``'s), and ``doc_ids`` ``[B, S]`` of the whole windows (global order, not
-        sharded: what the model's attention takes)."""
+        """:func:`fpdt.model.prepare_inputs` of sequences ``ks`` (targets shifted already): this rank's
+        ``input_ids``, ``labels``, ``position_ids`` ``[B, S / P]`` (FPDT layout, or ``mesh``'s), and
+        ``doc_ids`` ``[B, S]`` of the whole windows (what the model's attention takes)."""
         rows = [self.window(self.window_of_sequence(k)) for k in ks]
         batch = {name: torch.from_numpy(np.stack([r[name] for r in rows])) for name in rows[0]}
         return prepare_inputs(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
@@ -484,9 +483,8 @@ def sequence_ids(step: int, micro: int, grad_accum: int, dp_rank: int, dp: int, 
 
 def shard_windows(windows: torch.Tensor, sp: int, num_chunks: int, sp_rank: int,
                   mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
-    """:func:`fpdt.model.prepare_inputs` of ``windows`` ``[B, S + 1]`` int64, each window's
-    ``S + 1`` tokens giving ``S`` inputs and their ``S`` targets (shifted here, on the global
-    sequence): rank ``sp_rank``'s ``input_ids``, ``labels``, ``position_ids``, each ``[B, S / P]``
-    int64, in the FPDT layout (or this rank's in ``mesh``'s; ``sp``/``sp_rank`` then unused)."""
+    """:func:`fpdt.model.prepare_inputs` of ``windows`` ``[B, S + 1]`` (``S`` inputs, their ``S`` targets):
+    rank ``sp_rank``'s ``input_ids``, ``labels``, ``position_ids`` ``[B, S / P]`` in the FPDT layout
+    (or this rank's in ``mesh``'s; ``sp``/``sp_rank`` then unused)."""
     return prepare_inputs(windows[:, :-1], labels=windows[:, 1:], shift=False, sp_size=sp, rank=sp_rank,
                           num_chunks=num_chunks, mesh=mesh)

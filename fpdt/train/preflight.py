@@ -93,9 +93,8 @@ def check_heads(cfg: ModelConfig, hp: int, config_path: str, flag: str = "--sp")
 
 
 def check_layer_counts(cfg: ModelConfig, config_path: str, **counts: int | None) -> None:
-    """The layer-count options (:data:`fpdt.options.LAYER_COUNTS` by name) against the model's
-    decoder layers: :func:`fpdt.options.layer_count_problems`, the check of every entry point,
-    its message prefixed with the ``config.json`` that gave the count."""
+    """:func:`fpdt.options.layer_count_problems` of ``counts`` against the model, prefixed with its
+    ``config.json``."""
     for problem in layer_count_problems(cfg.num_layers, **counts):
         raise ConfigError(f"{config_path}: {problem}")
 
