@@ -1,6 +1,7 @@
 """Each rule has one home, and every entry point that applies it says the same words: the layer
 counts against the model, the position ids under sequence parallelism, the window's inputs
-(``prepare_inputs``), the trainer's option checks and the planner's meshes."""
+(``prepare_inputs``), the trainer's option checks, the planner's meshes and ``--doc-len``, a
+resolved layout's degrees, the Gated DeltaNet refusals; and no private state is read by index."""
 
 import re
 
@@ -244,3 +245,21 @@ def test_one_gated_deltanet_refusal():
     assert _message(lambda: check_token_mixers(fm.ModelConfig.from_hf(model.config), ring)) == want
     assert _message(lambda: _check_gated_deltanet(list(model.model.layers), ring)) == want
     assert token_mixer_problems(False, ring) == token_mixer_problems(True, FPDTOptions()) == []
+
+
+@pytest.mark.parametrize("name, needs", LAYER_CASES, ids=[n for n, _ in LAYER_CASES])
+def test_fpdt_train_says_the_layer_count_check_in_flags(name, needs, tmp_path, capsys, monkeypatch):
+    """``fpdt-train``'s own path (``main``) refuses the count with the one check's words, in flags."""
+    from fpdt.cli.train import main
+    from fpdt.train.config import option_key
+    from tests.train.helpers import write_fixture
+
+    monkeypatch.setenv("FPDT_RUNTIME", "sim")
+    cfg_path, data = write_fixture(str(tmp_path))
+    layers = preflight.model_source(None, cfg_path).config.num_layers
+    given = {k: v for k, v in {**needs, name: layers + 1}.items() if k not in ("runtime", "offload")}
+    flags = [a for k, v in given.items() for a in ("--" + option_key(k).replace("_", "-"), str(v))]
+    flags += ["--offload"] if needs.get("offload") else []
+    assert main(["--model-config", cfg_path, "--data", data, "--seq-len", "64", "--steps", "1", *flags]) == 2
+    (want,) = layer_count_problems(layers, **{name: layers + 1})
+    assert capsys.readouterr().err.strip().endswith(in_flag_terms(f"{cfg_path}: {want}"))
