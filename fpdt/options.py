@@ -160,16 +160,23 @@ class FPDTOptions:
         return []
 
     def check_layers(self, num_layers: int) -> None:
-        """The layer counts against a model of ``num_layers`` decoder layers."""
-        if self.checkpoint_device_layers > num_layers:
-            raise OptionsError(f"checkpoint_device_layers={self.checkpoint_device_layers} is more than the "
-                               f"model's {num_layers} decoder layers")
-        if self.save_attention_layers is not None and self.save_attention_layers > num_layers:
-            raise OptionsError(f"save_attention_layers={self.save_attention_layers} is more than the model's "
-                               f"{num_layers} decoder layers (None: every layer)")
-        if self.nvme_layers is not None and self.nvme_layers > num_layers:
-            raise OptionsError(f"nvme_layers={self.nvme_layers} is more than the model's {num_layers} decoder "
-                               f"layers (None: every offloaded layer)")
+        """Raise :class:`OptionsError` for the first of :func:`layer_count_problems`."""
+        for problem in layer_count_problems(num_layers, **{name: getattr(self, name) for name in LAYER_COUNTS}):
+            raise OptionsError(problem)
+
+
+LAYER_COUNTS = ("checkpoint_device_layers", "save_attention_layers", "nvme_layers")
+"""The options that count decoder layers, checked against a model by :func:`layer_count_problems`."""
+_ALL_LAYERS = {"checkpoint_device_layers": " (all of them is checkpointing='on')",
+               "save_attention_layers": ", or leave it out (every layer)",
+               "nvme_layers": ", or leave it out (every offloaded layer; fpdt-train chooses the fewest the host needs)"}
+
+
+def layer_count_problems(num_layers: int, **counts: Any) -> list[str]:
+    """Why layer counts (:data:`LAYER_COUNTS` by name) exceed a model's ``num_layers``: every entry point's
+    check. A count that is not an integer >= 0 is :meth:`FPDTOptions.problems`' to report."""
+    return [f"{name}={k} is more than the model's {num_layers} decoder layers; use at most {num_layers}"
+            f"{_ALL_LAYERS[name]}" for name, k in counts.items() if _is_int(k) and k > num_layers]
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,14 @@ class LayoutOptions:
         if _is_int(self.sp) and _is_int(given) and given >= 1 and self.sp % given == 0:
             other = self.sp // given
         return (given, other) if hp is not None else (other, given)
+
+    def _resolve_layout(self) -> None:
+        """A resolved layout's ``__post_init__`` (``RunLayout``, ``Setup``): ``(hp, cp)`` from :meth:`degrees`,
+        ``sp`` their product and ``placement`` ``"head_first"`` unless given (a conflict: :meth:`layout_problems`)."""
+        hp, cp = self.degrees()
+        for name, value in (("hp", hp), ("cp", cp), ("sp", hp * cp if self.sp is None else self.sp),
+                            ("placement", self.placement or "head_first")):
+            object.__setattr__(self, name, value)
 
     def layout_problems(self) -> list[str]:
         """Every reason these values are invalid whatever the run (empty when valid), each

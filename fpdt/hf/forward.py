@@ -22,7 +22,7 @@ from fpdt.hf.padding import whole_window_mask
 from fpdt.hf.settings import HFSettings, layer_checkpoints_of
 from fpdt.hf.trainer import contiguous_to_fpdt_layout
 from fpdt.layout.documents import DocumentError, sequence_parallel_doc_ids
-from fpdt.model.inputs import shift_labels as _shift_labels
+from fpdt.model.inputs import require_position_ids, shift_labels as _shift_labels
 from fpdt.model.moe import ChunkedMoE, RouterStatistics, balancing_loss
 from fpdt.model.streaming import StreamedModel, streamed_loss
 from fpdt.ops.projections import ProjectionError
@@ -146,9 +146,10 @@ def _fpdt_inputs(model, settings: HFSettings, rank: int, sp: int, ref, input_ids
         except FPDTHFError as e:
             refusal = e
         attention_mask = whole_window_mask(attention_mask, ref, shift_labels, trainer and model.training, refusal)
-    if position_ids is None and sp > 1:
-        raise FPDTHFError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens "
-                          f"are not contiguous; use fpdt.hf.prepare_inputs")
+    try:
+        require_position_ids(position_ids, sp, "fpdt.hf.prepare_inputs")
+    except ValueError as e:
+        raise FPDTHFError(str(e)) from None
     if trainer and sp > 1:                      # DeepSpeed's data adapter slices the window contiguously
         if input_ids is None:
             raise FPDTHFError("under the Trainer's sequence parallelism pass input_ids, not inputs_embeds (the "

@@ -23,6 +23,10 @@ class TrainerGroup:
     parallelism: a group of this rank alone.
     """
 
+    def __init__(self):
+        self._own_world: object = None                       # the default group the one below was made in
+        self._own_group: dist.ProcessGroup | None = None     # this rank's group of one
+
     def __repr__(self) -> str:
         return "TrainerGroup()"
 
@@ -38,18 +42,15 @@ class TrainerGroup:
             return group
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        return _own_rank_group()
+        return self._own_rank_group()
 
-
-_own_rank_group_of: list[tuple[object, dist.ProcessGroup]] = []   # (default group, this rank's group of one)
-
-
-def _own_rank_group() -> dist.ProcessGroup:
-    """A group of this rank alone, created once per default group (only this rank takes part)."""
-    world = dist.group.WORLD
-    if not _own_rank_group_of or _own_rank_group_of[0][0] is not world:
-        _own_rank_group_of[:] = [(world, dist.new_group([dist.get_rank()], use_local_synchronization=True))]
-    return _own_rank_group_of[0][1]
+    def _own_rank_group(self) -> dist.ProcessGroup:
+        """A group of this rank alone, created once per default group (only this rank takes part)."""
+        world = dist.group.WORLD
+        if self._own_group is None or self._own_world is not world:
+            self._own_world = world
+            self._own_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        return self._own_group
 
 
 def _deepspeed_sequence_parallel_group() -> dist.ProcessGroup | None:

@@ -25,7 +25,7 @@ from fpdt.hf.padding import check_right_padding
 from fpdt.hf.patches import Patches
 from fpdt.hf.settings import HFSettings
 from fpdt.layout.documents import DocumentError
-from fpdt.model.apply import apply_all, has_attention, loss_chunks_for, mlp_chunks_for
+from fpdt.model.apply import apply_all, has_attention, loss_chunks_for, mlp_chunks_for, token_mixer_problems
 from fpdt.model.config import uses_sliding_window
 from fpdt.model.external_params import directly_read
 from fpdt.model.inputs import prepare_inputs as _prepare_inputs
@@ -88,15 +88,9 @@ def _check_streaming(model: nn.Module, chunked_qkv: bool) -> None:
 
 
 def _check_gated_deltanet(layers: list[nn.Module], options: FPDTOptions) -> None:
-    """Refuse, naming the fix, what a model with Gated DeltaNet layers (Qwen3.5) cannot run."""
-    if all(has_attention(layer) for layer in layers):
-        return
-    if options.stream_layers:
-        raise FPDTHFError("stream_layers is not implemented for models with Gated DeltaNet layers (Qwen3.5): "
-                          "use stream_layers=False")
-    if options.mesh is not None and options.mesh.cp > 1:
-        raise FPDTHFError(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet "
-                          f"layers: use Ulysses only (cp=1)")
+    """Raise the first of :func:`fpdt.model.apply.token_mixer_problems` (as ``fpdt.model``)."""
+    for problem in token_mixer_problems(not all(has_attention(layer) for layer in layers), options):
+        raise FPDTHFError(problem)
 
 
 def _register_zero3_params(model: nn.Module, loss_chunked: bool, streamed: bool, layers: list[nn.Module],
@@ -206,13 +200,15 @@ def apply_fpdt(model: nn.Module, options: FPDTOptions | None = None, *, chunked_
 
 
 def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                   doc_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                   position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None, shift: bool = True,
+                   attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """This rank's ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S / P]``.
 
-    ``input_ids`` ``[B, S]`` is the global window (the same on every SP rank); ``labels``
-    (default ``input_ids``) are unshifted, as in Transformers, and are shifted on the
-    *global* sequence before sharding; ``position_ids`` default to ``arange(S)``. The
+    ``labels`` to ``shift``: :func:`fpdt.model.prepare_inputs`' keywords. ``input_ids`` ``[B, S]`` is the
+    global window (the same on every SP rank); ``labels`` (default ``input_ids``) are unshifted, as in
+    Transformers, and are shifted on the *global* sequence before sharding (``shift=False``: next-token
+    targets already); ``position_ids`` default to ``arange(S)``. The
     layout is the one ``model`` was set up with by :func:`apply_fpdt`. ``attention_mask``
     ``[B, S]`` (the window's) may be right padding whose labels are -100, which the model
     computes exactly without a mask (:mod:`fpdt.hf.padding`); it is checked here and not
@@ -231,11 +227,13 @@ def prepare_inputs(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.T
         if attention_mask.shape != input_ids.shape:
             raise FPDTHFError(f"attention_mask {tuple(attention_mask.shape)} is not the window's mask "
                               f"{tuple(input_ids.shape)}: pass the whole window's, the same on every rank")
-        check_right_padding(attention_mask, _shift_labels(labels if labels is not None else input_ids))
+        targets = labels if labels is not None else input_ids
+        check_right_padding(attention_mask, _shift_labels(targets) if shift else targets)
     rank, sp = settings.rank_size()
     try:
-        inputs = _prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=settings.options.num_chunks, labels=labels,
-                                 position_ids=position_ids, mesh=settings.options.mesh, doc_ids=doc_ids, cu_seqlens=cu_seqlens)
+        inputs = _prepare_inputs(input_ids, labels=labels, position_ids=position_ids, doc_ids=doc_ids,
+                                 cu_seqlens=cu_seqlens, shift=shift, sp_size=sp, rank=rank,
+                                 num_chunks=settings.options.num_chunks, mesh=settings.options.mesh)
     except DocumentError as e:
         raise FPDTHFError(str(e)) from e
     out = {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"], "shift_labels": inputs["labels"]}

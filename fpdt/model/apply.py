@@ -98,6 +98,21 @@ class DecoderAdapter:
         return None
 
 
+def token_mixer_problems(linear_attention: bool, options: FPDTOptions) -> list[str]:
+    """What a model with Gated DeltaNet layers (``linear_attention``: Qwen3.5) cannot run with
+    (empty when it can, or without such layers), each naming the fix; ``fpdt.model`` and ``fpdt.hf``."""
+    if not linear_attention:
+        return []
+    out = []
+    if options.stream_layers:
+        out.append("stream_layers is not implemented for models with Gated DeltaNet layers (Qwen3.5's "
+                   "'linear_attention' layers): use stream_layers=False")
+    if options.mesh is not None and options.mesh.cp > 1:
+        out.append(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet layers, "
+                   f"whose state would pass between ring ranks: use Ulysses only (cp=1)")
+    return out
+
+
 def has_attention(layer: nn.Module) -> bool:
     """Whether a decoder layer mixes tokens by attention (``self_attn``), not by a Gated DeltaNet."""
     return getattr(layer, "self_attn", None) is not None

@@ -23,14 +23,23 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def prepare_inputs(input_ids: torch.Tensor, *, sp_size: int, rank: int, num_chunks: int,
-                   labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   shift: bool = True, mesh: SequenceMesh | None = None, doc_ids: torch.Tensor | None = None,
-                   cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def require_position_ids(position_ids: torch.Tensor | None, sp: int, prepare: str = "fpdt.model.prepare_inputs") -> None:
+    """Refuse missing ``position_ids`` at ``sp > 1`` (a rank's tokens are not contiguous), naming
+    ``prepare``: the rule of ``fpdt.model``'s and ``fpdt.hf``'s forwards."""
+    if position_ids is None and sp > 1:
+        raise ValueError(f"position_ids are required with sequence parallelism (sp={sp}): this rank's tokens are "
+                         f"not contiguous (the FPDT layout); use {prepare}")
+
+
+def prepare_inputs(input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None, shift: bool = True,
+                   sp_size: int, rank: int, num_chunks: int, mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s ``input_ids``, ``labels`` and ``position_ids`` ``[B, S / P]`` (``docs/model.md``, inputs).
 
-    ``input_ids`` ``[B, S]``: the global window, identical on every SP rank of size ``sp_size``;
-    ``num_chunks``: the model's ``u``. ``labels`` ``[B, S]`` (default ``input_ids``; -100 ignores)
+    ``labels`` to ``shift`` are every ``prepare_inputs``' keywords (the model's and :func:`fpdt.hf.prepare_inputs`
+    take the layout from the model). ``input_ids`` ``[B, S]``: the global window, identical on every
+    SP rank of size ``sp_size``; ``num_chunks``: the model's ``u``. ``labels`` ``[B, S]`` (default ``input_ids``; -100 ignores)
     are shifted to next-token targets unless ``shift=False`` (a packed document's last target is
     -100). ``position_ids`` ``[B, S]`` default to ``arange(S)``, restarting per document; restarts at
     0 mark packed documents, other jumps are refused. ``doc_ids`` ``[B, S]`` or ``cu_seqlens``

@@ -14,10 +14,10 @@ from fpdt.attention import FPDTAttention, RotaryEmbedding
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
-from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for
+from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for, token_mixer_problems
 from fpdt.model.config import LINEAR_ATTENTION, ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
-from fpdt.model.inputs import prepare_inputs
+from fpdt.model.inputs import prepare_inputs, require_position_ids
 from fpdt.model.loss import sequence_parallel_lm_loss
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.moe import ChunkedMoE, MoEExperts, MoERouter, RouterStatistics, balancing_loss
@@ -217,15 +217,14 @@ class FPDTForCausalLM(nn.Module):
         """``(rank, size)`` in the sequence-parallel group (:func:`fpdt.comm.sp_rank_size`)."""
         return sp_rank_size(self.options.group, self.options.mesh)
 
-    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                       position_ids: torch.Tensor | None = None, shift: bool = True, *,
-                       doc_ids: torch.Tensor | None = None,
-                       cu_seqlens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def prepare_inputs(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                       cu_seqlens: torch.Tensor | None = None, shift: bool = True) -> dict[str, torch.Tensor]:
         """:func:`fpdt.model.prepare_inputs` for this SP rank and ``num_chunks``: global ``[B, S]`` -> ``model(**inputs)``."""
         rank, sp = self.sp_rank_size()
-        return prepare_inputs(input_ids, sp_size=sp, rank=rank, num_chunks=self.options.num_chunks,
-                              labels=labels, position_ids=position_ids, shift=shift, mesh=self.options.mesh,
-                              doc_ids=doc_ids, cu_seqlens=cu_seqlens)
+        return prepare_inputs(input_ids, labels=labels, position_ids=position_ids, doc_ids=doc_ids,
+                              cu_seqlens=cu_seqlens, shift=shift, sp_size=sp, rank=rank,
+                              num_chunks=self.options.num_chunks, mesh=self.options.mesh)
 
     # ------------------------------------------------------------------ weights
     def save_pretrained(self, path, **kwargs) -> None:
@@ -284,10 +283,8 @@ class FPDTForCausalLM(nn.Module):
         B, S_local = input_ids.shape
         rank, sp = self.sp_rank_size()
         positions_given = position_ids is not None
+        require_position_ids(position_ids, sp)
         if position_ids is None:
-            if sp > 1:
-                raise ValueError(f"position_ids are required with sequence parallelism (sp={sp}): the FPDT "
-                                 f"layout is not contiguous; use fpdt.model.prepare_inputs")
             position_ids = torch.arange(S_local, device=input_ids.device).expand(B, S_local)
         if position_ids.shape != input_ids.shape or (labels is not None and labels.shape != input_ids.shape):
             raise ValueError(f"input_ids {tuple(input_ids.shape)}, labels "
@@ -376,15 +373,9 @@ def init_gated_deltanet(gdn: nn.Module, std: float) -> None:
 
 
 def check_token_mixers(cfg: ModelConfig, options: FPDTOptions) -> None:
-    """Refuse, naming the fix, options the Gated DeltaNet layers of ``cfg`` cannot run with."""
-    if not cfg.has_linear_attention:
-        return
-    if options.stream_layers:
-        raise ValueError("stream_layers is not implemented for models with Gated DeltaNet layers "
-                         "(layer_types has 'linear_attention'): use stream_layers=False")
-    if options.mesh is not None and options.mesh.cp > 1:
-        raise ValueError(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet "
-                         f"layers, whose state would pass between ring ranks: use Ulysses only (cp=1)")
+    """Raise the first of :func:`fpdt.model.apply.token_mixer_problems` for ``cfg``."""
+    for problem in token_mixer_problems(cfg.has_linear_attention, options):
+        raise ValueError(problem)
 
 
 class FPDTAdapter(DecoderAdapter):

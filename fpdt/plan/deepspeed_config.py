@@ -71,6 +71,6 @@ def apply_deepspeed_dict(cfg: dict, choice: Choice, world_size: int = 1, hidden_
         changes["batch"] = micro_batch_size({k: v for k, v in sizes.items() if v is not None},  # sequences
                                             world_size)                          # per SP group, as DeepSpeed does
     section = cfg.get("fpdt", {}) or {}
-    merge_options({}, section)      # fpdt-train's checks of the section: unknown keys, types, values
+    merge_options({}, section)      # fpdt-train refuses its unknown keys; plan() checks the values (option_problems)
     changes.update({option_field(k): v for k, v in section.items() if v is not None})
     return choice.fix(**changes)

@@ -31,7 +31,7 @@ from fpdt.plan.models import load_model_config, model_spec
 from fpdt.plan.models import train_flops_per_token as kind_train_flops
 from fpdt.comm import PLACEMENTS
 from fpdt.plan.setup import (GPU_OPTIONS, RunSettings, Setup,
-                             chunk_count_problems, option_problems, split_options)
+                             chunk_count_problems, doc_len_problems, option_problems, split_options)
 from fpdt.plan.time_model import estimate_time, nvme_io
 from fpdt.layout import chunk_split, hidden_bytes
 from fpdt.train.config import PRECISIONS, default_chunk_size
@@ -121,13 +121,7 @@ def candidates(cfg: ModelConfig, seq_len: int, choice: Choice, world: int,
 
 
 def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
-    if choice.hp and choice.cp:
-        meshes = [(choice.hp, choice.cp)]
-    elif choice.hp or choice.cp:
-        fixed = choice.hp or choice.cp
-        meshes = [(fixed, sp // fixed) if choice.hp else (sp // fixed, fixed)] if sp % fixed == 0 else []
-    else:
-        meshes = [(hp, sp // hp) for hp in _divisors(sp)]
+    meshes = _meshes(choice, sp)
     out = []
     base = choice.options
     expands = expands_gqa_on_gpu(base.backend, PRECISIONS[choice.dtype], cfg.head_dim)
@@ -161,6 +155,14 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
             if not s.problems(cfg, world):
                 out.append(s)
     return out
+
+
+def _meshes(choice: Choice, sp: int) -> list[tuple[int, int]]:
+    """The ``(hp, cp)`` meshes of ``sp`` ranks to try: the caller's degrees read by :meth:`LayoutOptions.degrees`
+    (as ``fpdt-train`` reads them), or every ``hp`` dividing ``sp``; kept when ``hp * cp`` is ``sp``."""
+    given = [LayoutOptions(sp=sp, hp=choice.hp, cp=choice.cp)] if choice.hp or choice.cp else \
+        [LayoutOptions(sp=sp, hp=hp) for hp in _divisors(sp)]
+    return [mesh.degrees() for mesh in given if not mesh.layout_problems()]
 
 
 def _chunk_candidates(seq_len: int, choice: Choice, hp: int, cp: int) -> list[int]:
@@ -485,10 +487,7 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
     options = choice.options
     cluster = cluster.for_kernel(options.backend)    # a named kernel's own calibrated rate
     bad = choice.layout_problems() + chunk_count_problems(options) + option_problems(options, cfg.num_layers)
-    if choice.doc_len is not None and (isinstance(choice.doc_len, bool) or not isinstance(choice.doc_len, int)
-                                       or choice.doc_len < 1):
-        bad.append(f"--doc-len {choice.doc_len!r} must be a whole number of tokens, at least 1 (the mean "
-                   f"document length)")
+    bad += doc_len_problems(choice.doc_len)
     if bad:
         raise ValueError("; ".join(bad))
     if search_max:

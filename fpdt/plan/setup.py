@@ -16,7 +16,8 @@ from typing import Any
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import saving_layers
 from fpdt.plan.models import model_spec
-from fpdt.options import DERIVED_OPTIONS, OPTION_NAMES, FPDTOptions, LayoutOptions, device_defaults
+from fpdt.options import (DERIVED_OPTIONS, LAYER_COUNTS, OPTION_NAMES, FPDTOptions, LayoutOptions, device_defaults,
+                          layer_count_problems)
 from fpdt.layout import chunking_problems
 from fpdt.train.config import PRECISIONS, option_key
 
@@ -34,11 +35,6 @@ GPU_OPTIONS = FPDTOptions(offload=_GPU_OFFLOAD, checkpointing=_GPU_CHECKPOINTING
 (:func:`fpdt.options.device_defaults`: attention offload, offloaded layer-input
 checkpoints; :class:`fpdt.options.FPDTOptions`' defaults for the rest): a :class:`Setup`'s
 default, and the base of what a :class:`fpdt.plan.planner.Choice` leaves open."""
-LAYER_COUNT_FLAGS = {"checkpoint_device_layers": "--checkpoint-device-layers",
-                     "save_attention_layers": "--save-attention-layers", "nvme_layers": "--nvme-layers"}
-"""The layer-count options, which the planner checks against the model's layers."""
-
-
 def chunk_count_problems(options: FPDTOptions) -> list[str]:
     """Why the options' MLP / loss chunk counts cannot be planned (None = the default, fine)."""
     return [f"{name}={n}: the planner models the chunked MLP and loss; give at least 1 chunk "
@@ -48,16 +44,16 @@ def chunk_count_problems(options: FPDTOptions) -> list[str]:
 
 def option_problems(options: FPDTOptions, num_layers: int) -> list[str]:
     """Why ``options`` cannot be planned for a model of ``num_layers`` decoder layers (empty
-    when they can), each naming the fix: a layer count outside the model's (in ``fpdt-plan``'s
-    flags), then :meth:`FPDTOptions.problems` for every other option."""
-    out, counted = [], set()
-    for name, flag in LAYER_COUNT_FLAGS.items():
-        k = getattr(options, name)
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= num_layers):
-            out.append(f"{flag} {k!r} must be an integer from 0 to the model's {num_layers} layers")
-            counted.add(name)
-    # every FPDTOptions problem starts with the option's name ("name=value ...")
-    return out + [p for p in options.problems() if p.split("=", 1)[0] not in counted]
+    when they can), each naming the fix: :meth:`FPDTOptions.problems`, then the layer counts
+    against the model (:func:`fpdt.options.layer_count_problems`, the check every entry point makes)."""
+    return options.problems() + layer_count_problems(num_layers, **{n: getattr(options, n) for n in LAYER_COUNTS})
+
+
+def doc_len_problems(doc_len: Any) -> list[str]:
+    """Why a packed documents' mean length cannot be planned (None: one document per sequence, fine)."""
+    if doc_len is None or _positive(doc_len):
+        return []
+    return [f"--doc-len {doc_len!r} must be a whole number of tokens, at least 1 (the mean document length)"]
 
 
 def split_options(changes: dict[str, Any], own: set[str], what: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -121,10 +117,7 @@ class Setup(LayoutOptions, RunSettings):
     def __post_init__(self):
         if self.chunk_size is None:
             raise TypeError("Setup needs chunk_size (the global FPDT chunk length)")
-        hp, cp = self.degrees()
-        sp = hp * cp if self.sp is None else self.sp        # a given sp that conflicts: problems() says so
-        for name, value in (("hp", hp), ("cp", cp), ("sp", sp), ("placement", self.placement or "head_first")):
-            object.__setattr__(self, name, value)
+        self._resolve_layout()
         u = self.seq_len // self.chunk_size if isinstance(self.chunk_size, int) and self.chunk_size >= 1 else 1
         # (a chunk that does not divide the sequence is reported by problems(), not here)
         object.__setattr__(self, "options", replace(self.options, num_chunks=max(1, u), group=None, mesh=None))
@@ -187,9 +180,7 @@ class Setup(LayoutOptions, RunSettings):
         out = option_problems(self.options, cfg.num_layers) + self.layout_problems()
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
-        if self.doc_len is not None and (isinstance(self.doc_len, bool) or not isinstance(self.doc_len, int)
-                                         or self.doc_len < 1):
-            out.append(f"--doc-len {self.doc_len!r} must be a whole number of tokens, at least 1")
+        out += doc_len_problems(self.doc_len)
         if self.lora_rank < 0:
             out.append(f"lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
         if self.zero_stage not in (0, 1, 2, 3):

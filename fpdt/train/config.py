@@ -97,7 +97,7 @@ too, over the JSON section, unless their own flags are given."""
 def merge_options(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
                   defaults: Mapping[str, Any] | None = None) -> TrainerOptions:
     """Combine flags > ``"fpdt"`` JSON section > ``defaults`` > the fields' defaults into
-    :class:`TrainerOptions`.
+    :class:`TrainerOptions` (unknown section keys refused; the values are :func:`validate`'s to check).
 
     ``flags`` and ``defaults`` map :data:`FPDT_KEYS` to values, ``None`` meaning "not given".
     """
@@ -130,8 +130,7 @@ def merge_flags(flags: Mapping[str, Any], section: Mapping[str, Any] | None,
             merged[option_field(key)] = section[key]
         elif (defaults or {}).get(key) is not None:
             merged[option_field(key)] = defaults[key]
-    opts = TrainerOptions(**merged)
-    _check_types(opts)
+    opts = TrainerOptions(**merged)       # the values are checked once, by validate()
     line = f'fpdt-train: flags win over the DeepSpeed JSON\'s "fpdt" section: {"; ".join(overrode)}' if overrode else None
     return opts, line
 
@@ -150,17 +149,6 @@ def cpu_runtime(opts: TrainerOptions, device_type: str) -> tuple[TrainerOptions,
     verb = "run" if " and " in what else "runs"
     return replace(opts, runtime="sim"), (f"fpdt-train: on the {device_type}, {what} {verb} on the simulated CUDA "
                                           f"runtime (--runtime sim): to test the offload paths, not for speed")
-
-
-def _check_types(opts: TrainerOptions) -> None:
-    """The trainer's own fields, then :meth:`FPDTOptions.problems` with what is still to be
-    chosen standing in (checkpointing: ``"offload"``, checked again against the device default
-    in :func:`validate`)."""
-    for problem in opts.layout_problems():
-        raise ConfigError(f"fpdt option {_as_key(problem)}")
-    for problem in _resolved(opts, bool(opts.stream_layers) if opts.offload is None else opts.offload,
-                             opts.checkpointing or "offload").problems():
-        raise ConfigError(f"fpdt option {_as_key(problem)}")
 
 
 def _as_key(problem: str) -> str:
@@ -290,23 +278,32 @@ def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RunLayout(LayoutOptions):
-    """The validated shape of a run: the layout resolved (every :class:`LayoutOptions` field
-    set but ``inner_ring``), the data-parallel size, the sequence chunking and the device defaults."""
+    """The validated shape of a run: the layout resolved (every :class:`LayoutOptions` field set
+    but ``inner_ring``), the world size, the chunking and the device defaults; ``dp``, ``num_chunks`` computed."""
 
     world_size: int
     """Number of processes."""
-    dp: int
-    """Data-parallel size: ``world_size / sp`` groups, each training distinct windows."""
     seq_len: int
     """Global tokens per sequence S (one window is S + 1 tokens)."""
-    num_chunks: int
-    """Attention chunks u = S / C (also the chunks per rank in the FPDT layout)."""
     mlp_chunks: int | None
     """MLP chunks over the local sequence (None: the model's rule, ``ceil(2 u I / hidden)``)."""
     offload: bool = False
     """Attention chunks in pinned host memory (the option, or its device default)."""
     checkpoint: str = "off"
     """Activation checkpointing mode (the option, or its device default)."""
+
+    def __post_init__(self):
+        self._resolve_layout()
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ``world_size / sp`` groups, each training distinct windows."""
+        return self.world_size // self.sp
+
+    @property
+    def num_chunks(self) -> int:
+        """Attention chunks u = S / C (also the chunks per rank in the FPDT layout)."""
+        return self.seq_len // self.chunk_size
 
     @property
     def local_seq_len(self) -> int:
@@ -316,10 +313,9 @@ class RunLayout(LayoutOptions):
 
 def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: str,
              ds_config: Mapping[str, Any]) -> RunLayout:
-    """Check every setting that can be checked before the run starts; return the :class:`RunLayout`.
-
-    Raises :class:`ConfigError` naming the values that fail and the fix.
-    """
+    """The one check of a run's :class:`TrainerOptions` and shape before it starts (layout, chunking, the
+    options with the device defaults, the device); returns the :class:`RunLayout`. Raises
+    :class:`ConfigError` naming the values that fail and the fix."""
     if seq_len < 1:
         raise ConfigError(f"--seq-len {seq_len} must be a positive number of tokens")
     for problem in opts.layout_problems():
@@ -339,14 +335,13 @@ def validate(opts: TrainerOptions, seq_len: int, world_size: int, device_type: s
     num_chunks = seq_len // chunk
     offload, checkpoint = device_defaults(device_type, num_chunks, opts.offload, opts.checkpointing,
                                           bool(opts.stream_layers))
-    _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
     for problem in _resolved(opts, offload, checkpoint).problems():
         default = "" if opts.checkpointing is not None else \
             f" (checkpointing={checkpoint!r} is fpdt-train's default on {device_type}; --checkpoint sets it)"
         raise ConfigError(f"fpdt option {_as_key(problem)}{default}")
-    return RunLayout(world_size=world_size, sp=sp, dp=world_size // sp, seq_len=seq_len,
-                     chunk_size=chunk, num_chunks=num_chunks, mlp_chunks=opts.mlp_chunks, hp=hp, cp=cp,
-                     placement=opts.placement or "head_first", inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
+    _check_device_options(offload, checkpoint, device_type, ds_config, opts.runtime)
+    return RunLayout(world_size=world_size, seq_len=seq_len, chunk_size=chunk, mlp_chunks=opts.mlp_chunks, hp=hp,
+                     cp=cp, placement=opts.placement, inner_ring=opts.inner_ring, offload=offload, checkpoint=checkpoint)
 
 
 def default_chunk_size(seq_len: int, split: int) -> int:

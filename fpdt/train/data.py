@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fpdt.comm import SequenceMesh
-from fpdt.layout import local_position_ids, shard
+from fpdt.model.inputs import prepare_inputs
 from fpdt.model.loss import IGNORE_INDEX
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -421,16 +421,14 @@ class PackedWindows:
 
     def shard(self, ks: Iterable[int], sp: int, num_chunks: int, sp_rank: int,
               mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
-        """This rank's ``input_ids``, ``labels``, ``position_ids`` ``[B, S / P]`` (FPDT layout, or
-        ``mesh``'s) for sequences ``ks``, and ``doc_ids`` ``[B, S]`` of the whole windows (global
-        order, not sharded: what the model's attention takes)."""
+        """:func:`fpdt.model.prepare_inputs` of sequences ``ks`` (targets shifted already): this rank's
+        ``input_ids``, ``labels``, ``position_ids`` ``[B, S / P]`` (FPDT layout, or ``mesh``'s), and
+        ``doc_ids`` ``[B, S]`` of the whole windows (what the model's attention takes)."""
         rows = [self.window(self.window_of_sequence(k)) for k in ks]
         batch = {name: torch.from_numpy(np.stack([r[name] for r in rows])) for name in rows[0]}
-        take = (lambda t: mesh.shard(t, num_chunks)) if mesh is not None else \
-            (lambda t: shard(t, sp, num_chunks, sp_rank, dim=1))
-        out = {name: take(batch[name]) for name in ("input_ids", "labels", "position_ids")}
-        out["doc_ids"] = batch["doc_ids"]
-        return out
+        return prepare_inputs(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
+                              doc_ids=batch["doc_ids"], shift=False, sp_size=sp, rank=sp_rank, num_chunks=num_chunks,
+                              mesh=mesh)
 
     def describe(self) -> str:
         """What the start-up line says about the data."""
@@ -485,18 +483,8 @@ def sequence_ids(step: int, micro: int, grad_accum: int, dp_rank: int, dp: int, 
 
 def shard_windows(windows: torch.Tensor, sp: int, num_chunks: int, sp_rank: int,
                   mesh: SequenceMesh | None = None) -> dict[str, torch.Tensor]:
-    """Shift ``windows`` ``[B, S + 1]`` int64 on the global sequence, then take rank ``sp_rank``'s
-    slice in the FPDT layout (or this rank's in ``mesh``'s; ``sp``/``sp_rank`` then unused): returns
-    ``input_ids``, ``labels``, ``position_ids``, each ``[B, S / P]`` int64.
-    """
-    batch, seq_len = windows.shape[0], windows.shape[1] - 1
-    inputs, labels = windows[:, :-1], windows[:, 1:]
-    if mesh is not None:
-        pos = mesh.global_token_index(seq_len, num_chunks).unsqueeze(0).expand(batch, -1).contiguous()
-        return {"input_ids": mesh.shard(inputs, num_chunks), "labels": mesh.shard(labels, num_chunks),
-                "position_ids": pos}
-    return {
-        "input_ids": shard(inputs, sp, num_chunks, sp_rank, dim=1),
-        "labels": shard(labels, sp, num_chunks, sp_rank, dim=1),
-        "position_ids": local_position_ids(seq_len, sp, num_chunks, sp_rank, batch_size=batch),
-    }
+    """:func:`fpdt.model.prepare_inputs` of ``windows`` ``[B, S + 1]`` (``S`` inputs, their ``S`` targets):
+    rank ``sp_rank``'s ``input_ids``, ``labels``, ``position_ids`` ``[B, S / P]`` in the FPDT layout
+    (or this rank's in ``mesh``'s; ``sp``/``sp_rank`` then unused)."""
+    return prepare_inputs(windows[:, :-1], labels=windows[:, 1:], shift=False, sp_size=sp, rank=sp_rank,
+                          num_chunks=num_chunks, mesh=mesh)

@@ -15,6 +15,7 @@ from fpdt.attention.kernels import AttentionBackend, get_backend
 from fpdt.comm.heads import kv_replication_factor
 from fpdt.model import ModelConfig, UnsupportedConfigError
 from fpdt.model.weights import checkpoint_files
+from fpdt.options import layer_count_problems
 from fpdt.train import saving
 from fpdt.train.config import ConfigError
 
@@ -91,27 +92,26 @@ def check_heads(cfg: ModelConfig, hp: int, config_path: str, flag: str = "--sp")
                           f"Ulysses gives every rank num_heads / {flag[2:]} heads: use {flag} in {divisors}") from None
 
 
+def check_layer_counts(cfg: ModelConfig, config_path: str, **counts: int | None) -> None:
+    """:func:`fpdt.options.layer_count_problems` of ``counts`` against the model, prefixed with its
+    ``config.json``."""
+    for problem in layer_count_problems(cfg.num_layers, **counts):
+        raise ConfigError(f"{config_path}: {problem}")
+
+
 def check_device_layers(cfg: ModelConfig, layers: int, config_path: str) -> None:
-    """``--checkpoint-device-layers`` cannot keep more layers' inputs than the model has."""
-    if layers > cfg.num_layers:
-        raise ConfigError(f"--checkpoint-device-layers {layers} is more than the model's {cfg.num_layers} decoder "
-                          f"layers ({config_path}); use at most {cfg.num_layers} (all of them is --checkpoint on)")
+    """:func:`check_layer_counts` of ``checkpoint_device_layers``."""
+    check_layer_counts(cfg, config_path, checkpoint_device_layers=layers)
 
 
 def check_save_layers(cfg: ModelConfig, layers: int | None, config_path: str) -> None:
-    """``--save-attention-layers`` cannot name more layers than the model has."""
-    if layers is not None and layers > cfg.num_layers:
-        raise ConfigError(f"--save-attention-layers {layers} is more than the model's {cfg.num_layers} decoder "
-                          f"layers ({config_path}); use at most {cfg.num_layers}, or leave it out (every layer)")
+    """:func:`check_layer_counts` of ``save_attention_layers``."""
+    check_layer_counts(cfg, config_path, save_attention_layers=layers)
 
 
 def check_nvme_layers(cfg: ModelConfig, layers: int | None, config_path: str) -> None:
-    """``--nvme-layers`` cannot name more layers than the model has."""
-    if layers is not None and layers > cfg.num_layers:
-        raise ConfigError(f"--nvme-layers {layers} is more than the model's {cfg.num_layers} decoder "
-                          f"layers ({config_path}); use at most {cfg.num_layers}, or leave it out "
-                          f"(fpdt-train then puts the fewest first layers on disk that bring the predicted host "
-                          f"offload within the node's available memory, as its start-up line says)")
+    """:func:`check_layer_counts` of ``nvme_layers``."""
+    check_layer_counts(cfg, config_path, nvme_layers=layers)
 
 
 def check_batch_size(ds_config: Mapping[str, Any], world_size: int) -> None:

@@ -147,7 +147,7 @@ def test_bf16_no_worse_than_transformers_bf16():
     exact_loss, exact_grads = hf_loss_and_grads(hf_model("llama_gqa").to(torch.float64), ids, labels)
     model = fpdt_from_hf(ref, num_chunks=2, offload=True, checkpointing="offload")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    loss = model(**model.prepare_inputs(ids, labels))
+    loss = model(**model.prepare_inputs(ids, labels=labels))
     loss.backward()
     assert loss.dtype == torch.float32
     compare_bf16(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, exact_loss, exact_grads,
@@ -159,11 +159,11 @@ def test_checkpoint_offload_moves_every_layer_input_to_host():
     ref = hf_model("llama_gqa")
     model = fpdt_from_hf(ref, num_chunks=2, checkpointing="offload")
     ids, labels = tokens(256, 1, 16)
-    loss = model(**model.prepare_inputs(ids, labels))
+    loss = model(**model.prepare_inputs(ids, labels=labels))
     stash = model._stash
     assert len(stash._host) == ref.config.num_hidden_layers  # one input per decoder layer
     loss.backward()
     assert len(stash._host) == 0 and not stash._inflight
     with torch.no_grad():  # no backward coming: nothing is stashed
-        model(**model.prepare_inputs(ids, labels))
+        model(**model.prepare_inputs(ids, labels=labels))
     assert len(stash._host) == 0

@@ -277,8 +277,8 @@ def test_a_named_kernel_is_timed_at_its_own_calibrated_rate(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, fix", [
-    (["--checkpoint-device-layers", "40"], "--checkpoint-device-layers 40 must be an integer from 0 to the model's 32"),
-    (["--checkpoint-device-layers", "-1"], "--checkpoint-device-layers -1 must be an integer from 0"),
+    (["--checkpoint-device-layers", "40"], "--checkpoint-device-layers 40 is more than the model's 32 decoder layers"),
+    (["--checkpoint-device-layers", "-1"], "--checkpoint-device-layers -1 must be an integer >= 0"),
     (["--checkpoint", "on", "--checkpoint-device-layers", "4"], "it needs --checkpoint offload (now on)"),
 ])
 def test_bad_device_layers_name_the_fix(capsys, argv, fix):

@@ -63,7 +63,7 @@ def test_choice_fixes_options_by_name_and_none_leaves_them_open():
 @pytest.mark.parametrize("fixed, message", [
     (dict(lm_head_wgrad="sliced"), "lm_head_wgrad='sliced' must be one of"),
     (dict(checkpointing="sometimes"), "checkpointing='sometimes' must be one of"),
-    (dict(save_attention_layers=40), "--save-attention-layers 40 must be an integer from 0 to the model's 32"),
+    (dict(save_attention_layers=40), "save_attention_layers=40 is more than the model's 32 decoder layers"),
     (dict(mlp_chunks=0), "mlp_chunks=0: the planner models the chunked MLP"),
 ])
 def test_bad_option_values_are_refused_by_the_options_checks(fixed, message):

@@ -106,7 +106,7 @@ def test_cli_shows_the_choice_and_refuses_bad_counts(capsys):
     assert main([*args, "--attention-checkpoint", "recompute"]) == 0
     assert "attention recomputed" in capsys.readouterr().out
     assert main([*args, "--save-attention-layers", "33"]) == 2
-    assert "from 0 to the model's 32 layers" in capsys.readouterr().err
+    assert "--save-attention-layers 33 is more than the model's 32 decoder layers" in capsys.readouterr().err
     assert main([*args, "--attention-checkpoint", "recompute", "--save-attention-layers", "3"]) == 2
     assert "needs --attention-checkpoint save (now recompute)" in capsys.readouterr().err
 

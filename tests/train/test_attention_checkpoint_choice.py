@@ -33,11 +33,12 @@ def test_flags_and_json_keys():
     assert merge_options(_args("--save-attention-layers", "5"), section).save_attention_layers == 5   # flags win
     assert merge_options(_args(), {}).attention_checkpoint is None                                    # to choose
     with pytest.raises(ConfigError, match="attention_checkpoint='maybe' must be one of"):
-        merge_options(_args(), {"attention_checkpoint": "maybe"})
+        validate(merge_options(_args(), {"attention_checkpoint": "maybe"}), 64, 1, "cpu", {})
     with pytest.raises(ConfigError, match="save_attention_layers=-1 must be an integer >= 0"):
-        merge_options(_args(), {"save_attention_layers": -1})
+        validate(merge_options(_args(), {"save_attention_layers": -1}), 64, 1, "cpu", {})
     with pytest.raises(ConfigError, match="needs attention_checkpoint='save' \\(now 'recompute'\\)"):
-        merge_options(_args("--attention-checkpoint", "recompute", "--save-attention-layers", "1"), {})
+        validate(merge_options(_args("--attention-checkpoint", "recompute", "--save-attention-layers", "1"), {}),
+                 64, 1, "cpu", {})
 
 
 def test_save_needs_a_recompute_to_skip():

@@ -53,7 +53,7 @@ def test_fpdt_key_is_stripped_and_rest_passed_untouched(tmp_path):
 ])
 def test_bad_fpdt_section(section, match):
     with pytest.raises(ConfigError, match=match):
-        merge_options({}, section)
+        validate(merge_options({}, section), 64, 1, "cpu", {})
 
 
 @pytest.mark.parametrize("opts, seq_len, world, device, ds, match", [
@@ -211,12 +211,13 @@ def test_nvme_path_flag_and_json_key_reach_the_model(tmp_path):
         model = cli.build_model(args, opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
         assert model.options.nvme_path == want
     with pytest.raises(ConfigError, match="fpdt option nvme_path='/a' .* needs checkpointing='offload' \\(now 'on'\\)"):
-        merge_options(fpdt_flags(build_parser().parse_args(argv + ["--checkpoint", "on", "--nvme-path", "/a"])), None)
+        validate(merge_options(fpdt_flags(build_parser().parse_args(argv + ["--checkpoint", "on", "--nvme-path", "/a"])),
+                               None), 64, 1, "cpu", {})
     opts = merge_options(fpdt_flags(build_parser().parse_args(argv + ["--nvme-path", "/a"])), None)
     with pytest.raises(ConfigError, match="needs checkpointing='offload' \\(now 'off'\\).*fpdt-train's default on cpu"):
         validate(opts, 64, 1, "cpu", FP32)
     with pytest.raises(ConfigError, match="nvme_path=5 must be a directory path"):
-        merge_options({}, {"nvme_path": 5, "checkpoint": "offload"})
+        validate(merge_options({}, {"nvme_path": 5, "checkpoint": "offload"}), 64, 1, "cpu", {})
     # --nvme-layers (JSON "nvme_layers"): the first K layers on disk; it needs --nvme-path
     for extra, section, want in ((["--nvme-layers", "1"], {"nvme_layers": 2}, 1), ([], {"nvme_layers": 2}, 2)):
         args = build_parser().parse_args(argv + ["--checkpoint", "offload", "--nvme-path", "/a"] + extra)
@@ -225,7 +226,7 @@ def test_nvme_path_flag_and_json_key_reach_the_model(tmp_path):
         model = cli.build_model(args, opts, plan, SimpleNamespace(mesh=None, sp_group=None), torch.float32)
         assert model.options.nvme_layers == want
     with pytest.raises(ConfigError, match="fpdt option nvme_layers=1 counts the layers .* it needs nvme_path"):
-        merge_options({}, {"nvme_layers": 1, "checkpoint": "offload"})
+        validate(merge_options({}, {"nvme_layers": 1, "checkpoint": "offload"}), 64, 1, "cpu", {})
 
 
 def test_runtime_flag_json_and_its_environment_default(tmp_path, monkeypatch):
@@ -254,4 +255,4 @@ def test_runtime_flag_json_and_its_environment_default(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="FPDT_RUNTIME='gpu' is not a device runtime: use one of sim, sync, cuda"):
         fpdt_options(parse(argv), {})
     with pytest.raises(ConfigError, match=r"runtime='gpu' must be one of \('sim', 'sync', 'cuda'\)"):
-        merge_options({}, {"runtime": "gpu"})
+        validate(merge_options({}, {"runtime": "gpu"}), 64, 1, "cpu", {})

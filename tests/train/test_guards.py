@@ -65,7 +65,7 @@ def _spec(skip: int):
     from fpdt.train.metrics import ModelShape
     from fpdt.train.parallel import ParallelState
 
-    plan = RunLayout(world_size=1, sp=1, dp=1, seq_len=8, chunk_size=8, num_chunks=1, mlp_chunks=2)
+    plan = RunLayout(world_size=1, seq_len=8, chunk_size=8, mlp_chunks=2)
     ps = ParallelState(rank=0, world_size=1, dp=1, sp_rank=0, dp_rank=0, sp_group=dist.group.WORLD,
                        device=torch.device("cpu"))
     shape = ModelShape(num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4, intermediate_size=8,

@@ -44,6 +44,6 @@ def test_bad_mesh_names_the_fix(opts, seq_len, world, match):
 
 def test_bad_json_mesh_keys():
     with pytest.raises(ConfigError, match=r"placement='rows' must be one of"):
-        merge_options({}, {"placement": "rows"})
+        validate(merge_options({}, {"placement": "rows"}), 64, 1, "cpu", {})
     with pytest.raises(ConfigError, match=r"cp=0 must be an integer >= 1"):
-        merge_options({}, {"cp": 0})
+        validate(merge_options({}, {"cp": 0}), 64, 1, "cpu", {})

@@ -11,7 +11,7 @@ import pytest
 
 from fpdt.cli.train import build_parser, fpdt_options
 from fpdt.options import FPDTOptions, OptionsError, as_flag, in_flag_terms
-from fpdt.train.config import cpu_runtime, merge_flags
+from fpdt.train.config import cpu_runtime, merge_flags, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGV = ["--model-config", "c.json", "--data", "x.npy", "--seq-len", "256", "--steps", "1"]
@@ -34,7 +34,7 @@ def test_a_flag_typed_beside_it_still_conflicts_in_flag_terms():
     from fpdt.train.config import ConfigError
     with pytest.raises(ConfigError, match=r"stream_layers=True keeps each layer's input .*checkpointing='offload' "
                                           r"\(now 'on'\)") as e:
-        merge_flags({"stream_layers": True, "checkpoint": "on"}, {})
+        validate(merge_flags({"stream_layers": True, "checkpoint": "on"}, {})[0], 256, 1, "cpu", {})
     assert in_flag_terms(str(e.value)) == ("--stream-layers keeps each layer's input in host memory as its checkpoint: "
                                            "pass --checkpoint offload (now on)")
 
