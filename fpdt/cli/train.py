@@ -34,14 +34,12 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from fpdt.attention.kernels import BACKENDS
 from fpdt.offload.nvme import NVMeError, NVMeTier
 from fpdt.offload.runtime import RUNTIMES
 from fpdt.plan import trainer_run
 from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train import lora, preflight, saving, zero, zero_load
-from fpdt.comm import PLACEMENTS
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
+from fpdt.options import OPTION_FLAGS, add_option_flags, flag_values
 from fpdt.model.moe import moe_kernel
 from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
                                cpu_runtime, merge_flags, unknown_ds_keys, validate)
@@ -72,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-dtype", choices=["uint16", "uint32"],
                    help="element type of .bin files (default: uint16 when the vocabulary has at most 65536 ids, "
                         "else uint32)")
-    d.add_argument("--seq-len", type=int, required=True, help="global tokens per training sequence")
+    add_option_flags(d, ["seq_len"], required=("seq_len",))
     d.add_argument("--shuffle", action="store_true", help="visit windows in a seeded random order")
     d.add_argument("--pack-documents", nargs="?", const="in-order", choices=PACKINGS, metavar="PACKING",
                    help="windows of documents (each .txt file, each .jsonl line; .npy/.bin streams split after "
@@ -83,61 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "1024: less padding) or split (full windows, a document crossing a window's end "
                         "continues in the next)")
     f = p.add_argument_group("FPDT (flags win over the \"fpdt\" section of the DeepSpeed JSON)")
-    f.add_argument("--sp", type=int, help="sequence-parallel size (divides the world size; default 1); "
-                                         "shorthand for --hp SP --cp 1")
-    f.add_argument("--hp", type=int, help="2D mesh: head-parallel (Ulysses) degree (default: 1 with --cp)")
-    f.add_argument("--cp", type=int, help="2D mesh: context-parallel (ring attention) degree (default 1)")
-    f.add_argument("--placement", choices=PLACEMENTS,
-                   help="2D mesh placement: HP ranks adjacent (head_first, default) or CP ranks adjacent")
-    f.add_argument("--inner-ring", type=int, help="double-ring inner size (divides --cp; default: one ring)")
-    f.add_argument("--chunk-size", type=int,
-                   help="global tokens per FPDT chunk, a multiple of sp (2 x hp x cp on a 2D mesh) dividing "
-                        "--seq-len (default: 65536, or the whole sequence when shorter; else the largest such "
-                        "chunk below 64K, down to 8K; else the whole sequence)")
-    f.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
-                   help="offload attention chunks to pinned host memory (CUDA only; default: on with CUDA, "
-                        "off elsewhere)")
-    f.add_argument("--mlp-chunks", type=int, help="MLP chunks (default ceil(2 u intermediate / hidden); 0 = unchunked)")
-    f.add_argument("--loss-chunks", type=int, help="loss chunks (default ceil(2 vocab / hidden); 0 = unchunked)")
-    f.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
-                   help="LM-head weight gradient: recomputed logits in backward, no fp32 [vocab, hidden] "
-                        "buffer (recompute, default: faster and smaller on an H100 at Llama-3 shapes) or that "
-                        "buffer summed over the loss chunks (accumulate)")
-    f.add_argument("--checkpoint-device-layers", type=int, metavar="K",
-                   help="with --checkpoint offload, keep the last K decoder layers' inputs on the GPU instead of "
-                        "the host (default 0), for runs whose host memory is the limit; fpdt-plan suggests K")
-    f.add_argument("--nvme-path", metavar="DIR",
-                   help="with --checkpoint offload, a directory on a local NVMe drive for the layer checkpoints "
-                        "(the NVMe tier, docs/nvme.md); each rank writes under DIR/rank{R}/ and removes its files "
-                        "at exit. Default: off (host memory)")
-    f.add_argument("--nvme-layers", type=int, metavar="K",
-                   help="with --nvme-path, only the first K decoder layers' checkpoints (input, saved attention "
-                        "output) go to disk, the rest stay in host memory (default: the fewest that bring the "
-                        "memory check's predicted host offload within the node's available memory, as the start-up "
-                        "line says)")
-    f.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
-                   help="run every layer a chunk at a time with the residual stream in host memory: device memory "
-                        "flat in the sequence length (implies --offload and --checkpoint offload). Default: on when "
-                        "the run's memory check predicts the device does not hold it otherwise")
-    f.add_argument("--attention-checkpoint", choices=list(ATTENTION_CHECKPOINT_MODES),
-                   help="with checkpointing, whether a layer's recompute runs the attention forward again "
-                        "(recompute) or reads the attention output and lse its forward kept beside the layer input "
-                        "(save: 3 attention passes instead of 4). Default: save for as many layers as the run's "
-                        "memory check predicts the host and device hold, else recompute")
-    f.add_argument("--save-attention-layers", type=int, metavar="K",
-                   help="with --attention-checkpoint save, only the first K layers save (default: every layer when "
-                        "given save; as many as fit when left to choose)")
-    f.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
-                   help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the first in that "
-                        f"order that is installed, fits the device, dtype and head size and passes its "
-                        f"self-check; cuDNN ahead of FlashAttention-2 where torch's own SDPA prefers it)")
-    f.add_argument("--checkpoint", choices=CHECKPOINT_MODES,
-                   help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
-                        "default: offload with CUDA, off elsewhere)")
-    f.add_argument("--runtime", choices=list(RUNTIMES),
-                   help="device runtime of the offload copies: sim runs them on simulated CUDA streams, which "
-                        "allows --offload and --checkpoint offload on the CPU (to test them); sync; cuda "
-                        f"(default: ${ENV_RUNTIME} if set, else cuda on CUDA and sync elsewhere)")
+    add_option_flags(f, [name for name in OPTION_FLAGS if name != "seq_len"])
     lora.add_arguments(p)
     r = p.add_argument_group("run")
     r.add_argument("--deepspeed", metavar="JSON",
@@ -172,14 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"sp": args.sp, "hp": args.hp, "cp": args.cp, "placement": args.placement,
-            "inner_ring": args.inner_ring, "chunk_size": args.chunk_size, "offload": args.offload,
-            "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "lm_head_wgrad": args.lm_head_wgrad,
-            "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
-            "checkpoint_device_layers": args.checkpoint_device_layers,
-            "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers,
-            "runtime": args.runtime, "stream_layers": args.stream_layers, "nvme_path": args.nvme_path,
-            "nvme_layers": args.nvme_layers}
+    """The FPDT flags of ``args`` by their ``"fpdt"`` JSON keys (None: not given)."""
+    return {OPTION_FLAGS[name].json_key: value for name, value in flag_values(args, OPTION_FLAGS).items()
+            if OPTION_FLAGS[name].json_key}
 
 
 def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None, device_type: str | None = None,
