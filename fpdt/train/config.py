@@ -58,7 +58,7 @@ class TrainerOptions(FPDTOptions, LayoutOptions):
         """The model's :class:`FPDTOptions` for the validated ``run`` (its chunk count and the
         device defaults it resolved) on ``group`` or ``mesh``. An ``attention_checkpoint`` still
         to be chosen (None) is ``"recompute"`` here: ``fpdt-train`` chooses it from its memory
-        check before it builds the model (:func:`fpdt.cli.train.check_memory`)."""
+        check before it builds the model (:func:`fpdt.plan.decide.decide_run`)."""
         return replace(_resolved(self, run.offload, run.checkpoint), num_chunks=run.num_chunks, group=group,
                        mesh=mesh).validate()
 
