@@ -117,7 +117,7 @@ def render(out: dict) -> str:
     if "max_seq_len" in out:
         lines.append(f"max_seq_len      {out['max_seq_len']} ({_tokens(out['max_seq_len'])})")
     if "reason" in out:
-        lines.append(f"cannot run: {out['reason']}")
+        lines.append(f"cannot run: {in_flag_terms(out['reason'])}")
         return "\n".join(lines)
     s = out["setup"]
     lines += [

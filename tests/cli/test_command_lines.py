@@ -65,3 +65,31 @@ def test_a_switch_and_a_requirement():
     assert p.parse_args(["--seq-len", "8", "--no-offload"]).offload is False
     with pytest.raises(SystemExit):
         p.parse_args([])
+
+
+def test_the_table_is_the_options_fields():
+    """One entry per option a caller gives (the trainer's options less what the entry points derive), and the length."""
+    from dataclasses import fields
+
+    from fpdt.options import DERIVED_OPTIONS
+    from fpdt.train.config import TrainerOptions
+    given = {f.name for f in fields(TrainerOptions)} - set(DERIVED_OPTIONS)
+    assert set(OPTION_FLAGS) == given | {"seq_len"}
+
+
+def test_layout_errors_name_options_and_both_command_lines_word_them_as_flags(capsys, tmp_path):
+    """fpdt.layout words a chunking problem in option names; each command line in its flags."""
+    from fpdt.cli.train import main as train
+    from fpdt.layout import chunking_problems
+    from fpdt.plan.cli import main as plan
+    assert chunking_problems(64, 24, 1, 1) == ["seq_len=64 is not divisible by chunk_size=24; pick a chunk size "
+                                               "that divides the sequence length"]
+    config = ROOT / "examples" / "tiny-llama" / "config.json"
+    assert train(["--model-config", str(config), "--data", str(tmp_path), "--seq-len", "64", "--steps", "1",
+                  "--chunk-size", "24"]) == 2
+    assert capsys.readouterr().err.strip() == ("fpdt-train: error: --seq-len 64 is not divisible by --chunk-size 24; "
+                                               "pick a chunk size that divides the sequence length")
+    assert plan(["--model", str(config), "--gpu", "h100-80g", "--gpus-per-node", "1", "--seq-len", "64",
+                 "--chunk-size", "24"]) == 0
+    assert ("cannot run: --seq-len 64 is not divisible by --chunk-size 24; pick a chunk size that divides the "
+            "sequence length") in capsys.readouterr().out
