@@ -352,7 +352,7 @@ OPTION_FLAGS: dict[str, Flag] = {
         "K"),
     "nvme_path": Flag("--nvme-path", str, "with --checkpoint offload, a directory on a local NVMe drive for the layer "
                       "checkpoints (the NVMe tier, docs/nvme.md); each rank writes under DIR/rank{R}/ and removes its "
-                      "files at exit", "nvme_path", "off (host memory)", metavar="DIR"),
+                      "files at exit", "nvme_path", "off: host memory", metavar="DIR"),
     "nvme_layers": Flag("--nvme-layers", int, "with the NVMe tier, only the first K decoder layers' checkpoints "
                         "(input, saved attention output) go to disk, the rest stay in host memory", "nvme_layers",
                         "the fewest that bring the memory check's predicted host offload within the node's available "
