@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from fpdt.options import OPTION_FLAGS, add_option_flags, flag_values, in_flag_terms
+from fpdt.options import OPTION_FLAGS, add_option_flags, as_flag, flag_values, in_flag_terms
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, NVME_PRESETS, Cluster, gpu_from_args, load_calibration, nvme_from_args
 from fpdt.plan.models import PRESETS, load_model_config
@@ -108,6 +108,25 @@ def _nvme_line(n: dict) -> str:
             f"backward {n['backward_s']:.1f} s: {verdict}")
 
 
+RECOMMENDED = ("chunk_size", "hp", "cp", "placement", "checkpointing", "checkpoint_device_layers", "offload",
+               "lm_head_wgrad", "attention_checkpoint")
+"""The options every recommendation states, in this order (the rest only when they apply)."""
+
+
+def _recommended(r: dict) -> str:
+    """The recommended setup as ``fpdt-train`` flags (:func:`fpdt.options.as_flag`)."""
+    flags = [as_flag(name, r[OPTION_FLAGS[name].json_key]) for name in RECOMMENDED]
+    if r.get("stream_layers"):
+        flags.append(as_flag("stream_layers", True))
+    if r["attention_checkpoint"] == "save" and r["save_attention_layers"] is not None:
+        flags.append(as_flag("save_attention_layers", r["save_attention_layers"]))
+    if r.get("nvme_layers"):
+        flags += [as_flag("nvme_path", "NVME_DIR"), as_flag("nvme_layers", r["nvme_layers"])]
+    flags += [f"--lora-rank {r['lora_rank']}"] if r.get("lora_rank") else []
+    flags += [f"--pack-documents {r['pack_documents']}"] if r.get("pack_documents") else []
+    return " ".join(flags)
+
+
 def render(out: dict) -> str:
     """The readable table."""
     c = out["cluster"]
@@ -148,17 +167,7 @@ def render(out: dict) -> str:
                  f"full-attention MFU {out['mfu_full']:.1%}, {out['tgs']:.0f} tokens/GPU/s)")
     lines += [f"  {k:<24}{v:9.3f} s" for k, v in out["step_time_split_s"].items()]
     r = out.get("recommended")
-    lines.append("recommended      " + (
-        f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
-        f"--checkpoint {r['checkpoint']} --checkpoint-device-layers {r['checkpoint_device_layers']} "
-        f"{'--offload' if r['offload'] else '--no-offload'} "
-        f"--lm-head-wgrad {r['lm_head_wgrad']} --attention-checkpoint {r['attention_checkpoint']}"
-        + (" --stream-layers" if r.get("stream_layers") else "")
-        + (f" --save-attention-layers {r['save_attention_layers']}" if r["attention_checkpoint"] == "save" else "")
-        + (f" --nvme-path NVME_DIR --nvme-layers {r['nvme_layers']}" if r.get("nvme_layers") else "")
-        + (f" --lora-rank {r['lora_rank']}" if r.get("lora_rank") else "")
-        + (f" --pack-documents {r['pack_documents']}" if r.get("pack_documents") else "") if r
-        else "nothing fits at this length"))
+    lines.append("recommended      " + (_recommended(r) if r else "nothing fits at this length"))
     return "\n".join(lines)
 
 

@@ -93,3 +93,21 @@ def test_layout_errors_name_options_and_both_command_lines_word_them_as_flags(ca
                  "--chunk-size", "24"]) == 0
     assert ("cannot run: --seq-len 64 is not divisible by --chunk-size 24; pick a chunk size that divides the "
             "sequence length") in capsys.readouterr().out
+
+
+def test_this_node_is_what_the_planner_decides_by(monkeypatch):
+    """fpdt-train measures the node (the CUDA branch with the GPU faked) and hands it to decide_run."""
+    import types
+
+    import torch
+
+    import fpdt.cli.train as cli
+    from fpdt.plan.decide import Node
+    from fpdt.plan.trainer_run import LOCAL_SIZE_VARS
+    for name in LOCAL_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=7 * 2 ** 30))
+    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(cli.torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80))
+    assert cli.this_node(torch.device("cuda"), 16) == Node("cuda", 80, 4, 7 * 2 ** 30)
+    assert cli.this_node(torch.device("cpu"), 2) == Node("cpu", None, 2, 7 * 2 ** 30)
