@@ -5,9 +5,10 @@ Order of set-up (each step needs the previous one):
 1. parse flags, read the DeepSpeed JSON, merge the FPDT options, validate everything
    that needs no process group (:mod:`fpdt.train.config`, :mod:`fpdt.train.preflight`:
    sizes, the model's config.json and weights, heads vs sp, batch arithmetic, paths, the
-   ``--resume`` checkpoint) and load the data, so that a bad input fails in seconds;
-2. process group (gloo on CPU, NCCL on CUDA; a 1-process group without a launcher),
-   then DeepSpeed's communication layer on top of it, then the SP groups;
+   ``--resume`` checkpoint) and load the data, so that a bad input fails in seconds (:func:`prepare`);
+2. process group (gloo on CPU, NCCL on CUDA; a 1-process group without a launcher); the
+   planner's decisions and memory check (:func:`fpdt.plan.decide.decide_run`, agreed by every
+   rank) and the NVMe tier; then DeepSpeed's communication layer on top of it, then the SP groups;
 3. the model (seeded, so every rank builds the same random weights);
 4. ``deepspeed.initialize`` (ZeRO partitions the model here, unless it already is: see
    :func:`build_model`), resume, train, save.
@@ -309,6 +310,7 @@ class Started:
     start: int
     rng: Any
     saver: Saver
+    peak_flops: float | None
 
 
 def run(args: argparse.Namespace) -> list[StepRecord]:
@@ -353,7 +355,8 @@ def start(args: argparse.Namespace, p: Prepared, d: decide.Decision, ps: Paralle
     if args.save_dir and ps.is_main:
         saving.write_model_files(args.save_dir, hf_config, p.tokenizer, p.lora_spec,
                                  os.path.abspath(args.model) if args.model else None)
-    _say(ps, startup_line(args, p, d, ps, model, micro, gas, begin))
+    peak = resolve_peak_flops(p.device, p.dtype_name, args.peak_tflops)
+    _say(ps, startup_line(args, p, d, ps, model, micro, gas, begin, peak))
     for line in d.memory.lines + tuple(f"warning: {n}" for n in p.notes):
         _say(ps, line)
     if p.lora_spec is not None:
@@ -362,14 +365,13 @@ def start(args: argparse.Namespace, p: Prepared, d: decide.Decision, ps: Paralle
     progress = Progress(args.steps, begin, ps.is_main, args.log_json, resumed=bool(args.resume))
     lora_record = lora.record(p.lora_spec, args.model, args.model_config, args.seed, p.source.config)
     saver = Saver(args, engine, ps, info, p.dtype_name, progress, lora_record)
-    return Started(ps, model, engine, micro, gas, begin, rng, saver)
+    return Started(ps, model, engine, micro, gas, begin, rng, saver, peak[0])
 
 
 def startup_line(args: argparse.Namespace, p: Prepared, d: decide.Decision, ps: ParallelState, model, micro: int,
-                 gas: int, begin: int) -> str:
+                 gas: int, begin: int, peak_and_source: tuple[float | None, str]) -> str:
     """The first start-up line: the mesh, the chunking, the choices and the peak FLOP/s."""
-    plan = d.plan
-    peak, peak_src = resolve_peak_flops(p.device, p.dtype_name, args.peak_tflops)
+    plan, (peak, peak_src) = d.plan, peak_and_source
     return (f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} "
             f"seq_len={plan.seq_len} "
             f"chunk={plan.chunk_size} chunks={plan.num_chunks} offload={'on' if plan.offload else 'off'} "
@@ -383,9 +385,8 @@ def startup_line(args: argparse.Namespace, p: Prepared, d: decide.Decision, ps: 
 def train(args: argparse.Namespace, p: Prepared, d: decide.Decision, s: Started) -> list[StepRecord]:
     """Step 4: the steps, saving as asked; a failure becomes one :class:`RunError` line."""
     plan, opts, saver = d.plan, d.opts, s.saver
-    peak, _ = resolve_peak_flops(p.device, p.dtype_name, args.peak_tflops)
     spec = LoopSpec(plan=plan, parallel=s.ps, micro_batch=s.micro, grad_accum=s.gas,
-                    shape=ModelShape.from_config(s.model.config), peak_flops=peak,
+                    shape=ModelShape.from_config(s.model.config), peak_flops=s.peak_flops,
                     recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
                     mem_accounting=args.mem_accounting, lora=p.lora_spec, runtime=opts.runtime,
                     nvme_path=opts.nvme_path, nvme_tier=opts.nvme_tier)
