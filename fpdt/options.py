@@ -323,44 +323,112 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> list[str]:
 
 @dataclass(frozen=True)
 class Flag:
-    """How an option is typed on ``fpdt-train`` / ``fpdt-plan``'s command line."""
+    """How an option is typed on ``fpdt-train`` / ``fpdt-plan``'s command line (:func:`add_option_flags`)."""
 
     flag: str
-    """The flag (``--checkpoint``); a boolean one also has ``--no-`` form."""
-    type: Any
-    """``int``, ``str``, ``bool`` (a ``--x/--no-x`` switch) or a tuple of the allowed values."""
+    type: Any                     # int, str, bool (a --x/--no-x switch) or a tuple of the allowed values
     help: str
-    """One line for ``--help``."""
-    json_key: str | None
-    """The key of the DeepSpeed JSON's ``"fpdt"`` section, or None when there is none."""
+    json_key: str | None          # the key of the DeepSpeed JSON's "fpdt" section; None: none
+    default: str = ""             # fpdt-train's default, as --help says it
+    plan_default: str | None = None   # fpdt-plan's, where it differs (it chooses what it is not told)
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed arguments."""
+        return self.flag[2:].replace("-", "_")
 
 
+_CHOOSE = "choose"
 OPTION_FLAGS: dict[str, Flag] = {
-    "seq_len": Flag("--seq-len", int, "global tokens per training sequence", None),
-    "sp": Flag("--sp", int, "sequence-parallel size (hp x cp)", "sp"),
-    "hp": Flag("--hp", int, "2D mesh: head-parallel (Ulysses) degree", "hp"),
-    "cp": Flag("--cp", int, "2D mesh: context-parallel (ring) degree", "cp"),
-    "placement": Flag("--placement", PLACEMENTS, "2D mesh placement", "placement"),
-    "inner_ring": Flag("--inner-ring", int, "double-ring inner size", "inner_ring"),
-    "chunk_size": Flag("--chunk-size", int, "global tokens per FPDT chunk", "chunk_size"),
-    "offload": Flag("--offload", bool, "attention chunks in pinned host memory", "offload"),
-    "checkpointing": Flag("--checkpoint", CHECKPOINT_MODES, "activation checkpointing", "checkpoint"),
-    "checkpoint_device_layers": Flag("--checkpoint-device-layers", int,
-                                     "last K layers' inputs stay on the device", "checkpoint_device_layers"),
-    "nvme_path": Flag("--nvme-path", str, "directory of the NVMe tier", "nvme_path"),
-    "nvme_layers": Flag("--nvme-layers", int, "first K layers' checkpoints on the NVMe tier", "nvme_layers"),
-    "stream_layers": Flag("--stream-layers", bool, "layers streamed through host memory", "stream_layers"),
-    "attention_checkpoint": Flag("--attention-checkpoint", ATTENTION_CHECKPOINT_MODES,
-                                 "recompute or save the attention output", "attention_checkpoint"),
-    "save_attention_layers": Flag("--save-attention-layers", int, "first K layers save", "save_attention_layers"),
-    "backend": Flag("--attention-backend", str, "attention kernel", "attention_backend"),
-    "mlp_chunks": Flag("--mlp-chunks", int, "MLP token chunks", "mlp_chunks"),
-    "loss_chunks": Flag("--loss-chunks", int, "loss token chunks", "loss_chunks"),
-    "lm_head_wgrad": Flag("--lm-head-wgrad", LM_HEAD_WGRAD_MODES, "LM-head weight gradient", "lm_head_wgrad"),
-    "runtime": Flag("--runtime", RUNTIMES, "device runtime of the offload copies", "runtime"),
+    "seq_len": Flag("--seq-len", int, "global tokens per sequence", None),
+    "sp": Flag("--sp", int, "sequence-parallel size hp x cp (divides the world size)", "sp",
+               "1; given alone, --hp SP --cp 1", "every GPU"),
+    "hp": Flag("--hp", int, "2D mesh: head-parallel (Ulysses) degree", "hp", "1 with --cp", _CHOOSE),
+    "cp": Flag("--cp", int, "2D mesh: context-parallel (ring attention) degree", "cp", "1", _CHOOSE),
+    "placement": Flag("--placement", PLACEMENTS, "2D mesh placement: HP ranks adjacent (head_first) or CP ranks "
+                      "adjacent (context_first)", "placement", "head_first", _CHOOSE),
+    "inner_ring": Flag("--inner-ring", int, "double-ring inner size (divides --cp)", "inner_ring", "one ring"),
+    "chunk_size": Flag("--chunk-size", int, "global tokens per FPDT chunk, a multiple of sp (2 x hp x cp on a 2D "
+                       "mesh) dividing --seq-len", "chunk_size", "65536, or the whole sequence when shorter; else the "
+                       "largest such chunk below 64K, down to 8K; else the whole sequence", _CHOOSE),
+    "offload": Flag("--offload", bool, "offload attention chunks to pinned host memory",
+                    "offload", "on with CUDA when there is more than one chunk, off elsewhere; on the CPU only with "
+                    "--runtime sim",
+                    "on when there is more than one chunk"),
+    "checkpointing": Flag("--checkpoint", CHECKPOINT_MODES, "activation checkpointing; offload keeps layer inputs "
+                          "on the host", "checkpoint", "offload with CUDA, off elsewhere; offload on the CPU only "
+                          "with --runtime sim",
+                          "offload"),
+    "checkpoint_device_layers": Flag(
+        "--checkpoint-device-layers", int, "with --checkpoint offload, keep the last K decoder layers' inputs on the "
+        "GPU instead of the host, for runs whose host memory is the limit; fpdt-plan suggests K",
+        "checkpoint_device_layers", "0", "0, or the fewest that make the host memory fit when it is what does not",
+        "K"),
+    "nvme_path": Flag("--nvme-path", str, "with --checkpoint offload, a directory on a local NVMe drive for the layer "
+                      "checkpoints (the NVMe tier, docs/nvme.md); each rank writes under DIR/rank{R}/ and removes its "
+                      "files at exit", "nvme_path", "off: host memory", metavar="DIR"),
+    "nvme_layers": Flag("--nvme-layers", int, "with the NVMe tier, only the first K decoder layers' checkpoints "
+                        "(input, saved attention output) go to disk, the rest stay in host memory", "nvme_layers",
+                        "the fewest that bring the memory check's predicted host offload within the node's available "
+                        "memory, as the start-up line says", "the fewest that make the host memory fit", "K"),
+    "stream_layers": Flag("--stream-layers", bool, "run every layer a chunk at a time with the residual stream in "
+                          "host memory: device memory flat in the sequence length (implies --offload and --checkpoint "
+                          "offload)", "stream_layers", "on when the run's memory check predicts the device does not "
+                          "hold it otherwise", "choose, only when the run does not fit otherwise"),
+    "attention_checkpoint": Flag(
+        "--attention-checkpoint", ATTENTION_CHECKPOINT_MODES, "with checkpointing, whether a layer's recompute runs "
+        "the attention forward again (recompute) or reads the attention output and lse its forward kept beside the "
+        "layer input (save: 3 attention passes instead of 4)", "attention_checkpoint",
+        "save for as many layers as the run's memory check predicts the host and device hold, else recompute",
+        "choose, save for as many layers as fit"),
+    "save_attention_layers": Flag("--save-attention-layers", int, "with --attention-checkpoint save, only the first "
+                                  "K layers save", "save_attention_layers", "every layer when given save; as many as "
+                                  "fit when left to choose", "as many as fit", "K"),
+    "backend": Flag("--attention-backend", tuple(BACKENDS), f"attention kernel, one of {', '.join(BACKENDS)}; one "
+                    "that repeats the KV heads (cuda_efficient, cpu, math) holds more per block", "attention_backend",
+                    "automatic, the first in that order that is installed, fits the device, dtype and head size and "
+                    "passes its self-check; cuDNN ahead of FlashAttention-2 where torch's own SDPA prefers it",
+                    "automatic; the attention rate is the calibration's for the kernel when op_latency.py --backends "
+                    "timed it, else the calibration's (automatic kernel's) or the datasheet's", "KERNEL"),
+    "mlp_chunks": Flag("--mlp-chunks", int, "MLP token chunks (0 = unchunked)", "mlp_chunks",
+                       "ceil(2 u intermediate / hidden)"),
+    "loss_chunks": Flag("--loss-chunks", int, "LM-head + loss token chunks (0 = unchunked)", "loss_chunks",
+                        "ceil(2 u vocab / hidden)"),
+    "lm_head_wgrad": Flag("--lm-head-wgrad", LM_HEAD_WGRAD_MODES, "LM-head weight gradient: recomputed logits in "
+                          "backward, no fp32 [vocab, hidden] buffer (recompute: faster and smaller on an H100 at "
+                          "Llama-3 shapes) or that buffer summed over the loss chunks (accumulate)", "lm_head_wgrad",
+                          "recompute", _CHOOSE),
+    "runtime": Flag("--runtime", RUNTIMES, "device runtime of the offload copies: sim runs them on simulated CUDA "
+                    "streams, which allows --offload and --checkpoint offload on the CPU (to test them); sync; cuda",
+                    "runtime", "$FPDT_RUNTIME if set, else cuda on CUDA and sync elsewhere"),
 }
-"""Option name -> its flag, declared once: the command lines word a library message in their
-flags with :func:`in_flag_terms`; the JSON keys are ``fpdt-train``'s ``"fpdt"`` section's."""
+"""Option name -> its flag, declared once: both command lines add them with :func:`add_option_flags`
+and read them back with :func:`flag_values`, and word a library message in them with
+:func:`in_flag_terms`; the JSON keys are ``fpdt-train``'s ``"fpdt"`` section's."""
+
+
+def add_option_flags(parser: Any, names: Any, prog: str = "fpdt-train", required: tuple[str, ...] = ()) -> None:
+    """Add the flags of the options ``names`` (keys of :data:`OPTION_FLAGS`) to an argparse
+    parser or group, with ``prog``'s default in their help; every one defaults to None (not given)."""
+    import argparse
+    for name in names:
+        f = OPTION_FLAGS[name]
+        default = f.plan_default if prog == "fpdt-plan" and f.plan_default is not None else f.default
+        kw: dict[str, Any] = {"help": f.help + (f" (default: {default})" if default else ""), "metavar": f.metavar}
+        if f.type is bool:
+            kw.update(action=argparse.BooleanOptionalAction, default=None)
+        elif isinstance(f.type, tuple):
+            kw["choices"] = list(f.type)
+        else:
+            kw["type"] = f.type
+        parser.add_argument(f.flag, required=name in required, **kw)
+
+
+def flag_values(args: Any, names: Any) -> dict[str, Any]:
+    """``{option name: value}`` of the flags of ``names`` in parsed ``args`` (None: not given)."""
+    return {name: getattr(args, OPTION_FLAGS[name].dest) for name in names}
+
 
 _NAME_OF = {**{f.json_key: name for name, f in OPTION_FLAGS.items() if f.json_key}, **{n: n for n in OPTION_FLAGS}}
 _SETTING = re.compile(r"\b(" + "|".join(sorted(_NAME_OF, key=len, reverse=True)) +

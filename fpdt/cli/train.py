@@ -5,9 +5,10 @@ Order of set-up (each step needs the previous one):
 1. parse flags, read the DeepSpeed JSON, merge the FPDT options, validate everything
    that needs no process group (:mod:`fpdt.train.config`, :mod:`fpdt.train.preflight`:
    sizes, the model's config.json and weights, heads vs sp, batch arithmetic, paths, the
-   ``--resume`` checkpoint) and load the data, so that a bad input fails in seconds;
-2. process group (gloo on CPU, NCCL on CUDA; a 1-process group without a launcher),
-   then DeepSpeed's communication layer on top of it, then the SP groups;
+   ``--resume`` checkpoint) and load the data, so that a bad input fails in seconds (:func:`prepare`);
+2. process group (gloo on CPU, NCCL on CUDA; a 1-process group without a launcher); the
+   planner's decisions and memory check (:func:`fpdt.plan.decide.decide_run`, agreed by every
+   rank) and the NVMe tier; then DeepSpeed's communication layer on top of it, then the SP groups;
 3. the model (seeded, so every rank builds the same random weights);
 4. ``deepspeed.initialize`` (ZeRO partitions the model here, unless it already is: see
    :func:`build_model`), resume, train, save.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import shlex
 import sys
@@ -28,20 +28,17 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
 
-from fpdt.attention.kernels import BACKENDS
 from fpdt.offload.nvme import NVMeError, NVMeTier
 from fpdt.offload.runtime import RUNTIMES
-from fpdt.plan import trainer_run
-from fpdt.plan.memory_model import saved_attention_bytes
+from fpdt.plan import decide, trainer_run
 from fpdt.train import lora, preflight, saving, zero, zero_load
-from fpdt.comm import PLACEMENTS
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES
+from fpdt.options import OPTION_FLAGS, add_option_flags, flag_values
 from fpdt.model.moe import moe_kernel
 from fpdt.train.config import (PRECISIONS, ConfigError, TrainerOptions, RunLayout, ds_dtype_name, ds_zero_stage, load_ds_config,
                                cpu_runtime, merge_flags, unknown_ds_keys, validate)
@@ -72,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-dtype", choices=["uint16", "uint32"],
                    help="element type of .bin files (default: uint16 when the vocabulary has at most 65536 ids, "
                         "else uint32)")
-    d.add_argument("--seq-len", type=int, required=True, help="global tokens per training sequence")
+    add_option_flags(d, ["seq_len"], required=("seq_len",))
     d.add_argument("--shuffle", action="store_true", help="visit windows in a seeded random order")
     d.add_argument("--pack-documents", nargs="?", const="in-order", choices=PACKINGS, metavar="PACKING",
                    help="windows of documents (each .txt file, each .jsonl line; .npy/.bin streams split after "
@@ -83,61 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "1024: less padding) or split (full windows, a document crossing a window's end "
                         "continues in the next)")
     f = p.add_argument_group("FPDT (flags win over the \"fpdt\" section of the DeepSpeed JSON)")
-    f.add_argument("--sp", type=int, help="sequence-parallel size (divides the world size; default 1); "
-                                         "shorthand for --hp SP --cp 1")
-    f.add_argument("--hp", type=int, help="2D mesh: head-parallel (Ulysses) degree (default: 1 with --cp)")
-    f.add_argument("--cp", type=int, help="2D mesh: context-parallel (ring attention) degree (default 1)")
-    f.add_argument("--placement", choices=PLACEMENTS,
-                   help="2D mesh placement: HP ranks adjacent (head_first, default) or CP ranks adjacent")
-    f.add_argument("--inner-ring", type=int, help="double-ring inner size (divides --cp; default: one ring)")
-    f.add_argument("--chunk-size", type=int,
-                   help="global tokens per FPDT chunk, a multiple of sp (2 x hp x cp on a 2D mesh) dividing "
-                        "--seq-len (default: 65536, or the whole sequence when shorter; else the largest such "
-                        "chunk below 64K, down to 8K; else the whole sequence)")
-    f.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
-                   help="offload attention chunks to pinned host memory (CUDA only; default: on with CUDA, "
-                        "off elsewhere)")
-    f.add_argument("--mlp-chunks", type=int, help="MLP chunks (default ceil(2 u intermediate / hidden); 0 = unchunked)")
-    f.add_argument("--loss-chunks", type=int, help="loss chunks (default ceil(2 vocab / hidden); 0 = unchunked)")
-    f.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
-                   help="LM-head weight gradient: recomputed logits in backward, no fp32 [vocab, hidden] "
-                        "buffer (recompute, default: faster and smaller on an H100 at Llama-3 shapes) or that "
-                        "buffer summed over the loss chunks (accumulate)")
-    f.add_argument("--checkpoint-device-layers", type=int, metavar="K",
-                   help="with --checkpoint offload, keep the last K decoder layers' inputs on the GPU instead of "
-                        "the host (default 0), for runs whose host memory is the limit; fpdt-plan suggests K")
-    f.add_argument("--nvme-path", metavar="DIR",
-                   help="with --checkpoint offload, a directory on a local NVMe drive for the layer checkpoints "
-                        "(the NVMe tier, docs/nvme.md); each rank writes under DIR/rank{R}/ and removes its files "
-                        "at exit. Default: off (host memory)")
-    f.add_argument("--nvme-layers", type=int, metavar="K",
-                   help="with --nvme-path, only the first K decoder layers' checkpoints (input, saved attention "
-                        "output) go to disk, the rest stay in host memory (default: the fewest that bring the "
-                        "memory check's predicted host offload within the node's available memory, as the start-up "
-                        "line says)")
-    f.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
-                   help="run every layer a chunk at a time with the residual stream in host memory: device memory "
-                        "flat in the sequence length (implies --offload and --checkpoint offload). Default: on when "
-                        "the run's memory check predicts the device does not hold it otherwise")
-    f.add_argument("--attention-checkpoint", choices=list(ATTENTION_CHECKPOINT_MODES),
-                   help="with checkpointing, whether a layer's recompute runs the attention forward again "
-                        "(recompute) or reads the attention output and lse its forward kept beside the layer input "
-                        "(save: 3 attention passes instead of 4). Default: save for as many layers as the run's "
-                        "memory check predicts the host and device hold, else recompute")
-    f.add_argument("--save-attention-layers", type=int, metavar="K",
-                   help="with --attention-checkpoint save, only the first K layers save (default: every layer when "
-                        "given save; as many as fit when left to choose)")
-    f.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
-                   help=f"attention kernel, one of {', '.join(BACKENDS)} (default: automatic, the first in that "
-                        f"order that is installed, fits the device, dtype and head size and passes its "
-                        f"self-check; cuDNN ahead of FlashAttention-2 where torch's own SDPA prefers it)")
-    f.add_argument("--checkpoint", choices=CHECKPOINT_MODES,
-                   help="activation checkpointing; offload keeps layer inputs on the host (CUDA only; "
-                        "default: offload with CUDA, off elsewhere)")
-    f.add_argument("--runtime", choices=list(RUNTIMES),
-                   help="device runtime of the offload copies: sim runs them on simulated CUDA streams, which "
-                        "allows --offload and --checkpoint offload on the CPU (to test them); sync; cuda "
-                        f"(default: ${ENV_RUNTIME} if set, else cuda on CUDA and sync elsewhere)")
+    add_option_flags(f, [name for name in OPTION_FLAGS if name != "seq_len"])
     lora.add_arguments(p)
     r = p.add_argument_group("run")
     r.add_argument("--deepspeed", metavar="JSON",
@@ -172,14 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def fpdt_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"sp": args.sp, "hp": args.hp, "cp": args.cp, "placement": args.placement,
-            "inner_ring": args.inner_ring, "chunk_size": args.chunk_size, "offload": args.offload,
-            "mlp_chunks": args.mlp_chunks, "loss_chunks": args.loss_chunks, "lm_head_wgrad": args.lm_head_wgrad,
-            "attention_backend": args.attention_backend, "checkpoint": args.checkpoint,
-            "checkpoint_device_layers": args.checkpoint_device_layers,
-            "attention_checkpoint": args.attention_checkpoint, "save_attention_layers": args.save_attention_layers,
-            "runtime": args.runtime, "stream_layers": args.stream_layers, "nvme_path": args.nvme_path,
-            "nvme_layers": args.nvme_layers}
+    """The FPDT flags of ``args`` by their ``"fpdt"`` JSON keys (None: not given)."""
+    return {OPTION_FLAGS[name].json_key: value for name, value in flag_values(args, OPTION_FLAGS).items()
+            if OPTION_FLAGS[name].json_key}
 
 
 def fpdt_options(args: argparse.Namespace, section: dict[str, Any] | None, device_type: str | None = None,
@@ -301,10 +239,30 @@ def run_info(args: argparse.Namespace, plan: RunLayout, micro: int, gas: int) ->
 
 # ----------------------------------------------------------------------------- the run
 
-def run(args: argparse.Namespace) -> list[StepRecord]:
-    """Everything ``fpdt-train`` does; returns this rank's step records."""
-    started = time.perf_counter()
-    # 1. everything that needs no process group: flags, configs, model source, data, checkpoint
+@dataclass(frozen=True)
+class Prepared:
+    """What step 1 (no process group) found: the configuration, the model source and the data."""
+
+    device: torch.device
+    ds_config: dict[str, Any]
+    dtype_name: str
+    opts: TrainerOptions
+    plan: RunLayout
+    source: preflight.ModelSource
+    notes: list[str]
+    said: list[str]
+    lora_spec: Any
+    kernel: Any
+    windows: Windows | PackedWindows
+    tokenizer: str | None
+
+    @property
+    def lora_rank(self) -> int:
+        return self.lora_spec.rank if self.lora_spec else 0
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    """Step 1: flags, configs, model source, data, checkpoint; every check that needs no process group."""
     _check_args(args)
     lora_spec = lora.spec_from_args(args)
     device = pick_device()
@@ -316,71 +274,131 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     dtype_name = ds_dtype_name(ds_config)
     source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec,
                                      opts.save_attention_layers, opts.nvme_layers)
-    lora_record = lora.record(lora_spec, args.model, args.model_config, args.seed, source.config)
     kernel = preflight.attention_kernel(opts.backend, device, PRECISIONS[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size, plan)
+    return Prepared(device, ds_config, dtype_name, opts, plan, source, notes, said, lora_spec, kernel, windows,
+                    tokenizer)
 
-    # 2. process groups
+
+def this_node(device: torch.device, world_size: int) -> decide.Node:
+    """This node as the planner sees it: the GPU's memory, the ranks sharing the node, the host's available memory."""
+    cuda = device.type == "cuda"
+    return decide.Node(device.type, torch.cuda.get_device_properties(device).total_memory if cuda else None,
+                       trainer_run.ranks_on_this_node(world_size, torch.cuda.device_count() if cuda else None),
+                       float(psutil.virtual_memory().available))
+
+
+def decided(p: Prepared) -> decide.Decision:
+    """Step 2's decisions (:func:`fpdt.plan.decide.decide_run`), with the NVMe tier set up for them."""
+    d = decide.decide_run(p.source.config, p.plan, p.opts, p.ds_config, p.dtype_name,
+                          this_node(p.device, p.plan.world_size), not p.kernel.native_gqa, p.lora_rank,
+                          decide.Ranks(p.device))
+    tier, lines = _nvme_tier(d.opts, d.plan, p.source.config, p.ds_config, p.dtype_name)
+    return replace(d, opts=replace(d.opts, nvme_tier=tier),
+                   memory=replace(d.memory, lines=(*p.said, *d.memory.lines, *lines)))
+
+
+@dataclass(frozen=True)
+class Started:
+    """Step 3: the parallel state, the engine, where training starts and the saver."""
+
+    ps: ParallelState
+    model: Any
+    engine: Any
+    micro: int
+    gas: int
+    start: int
+    rng: Any
+    saver: Saver
+    peak_flops: float | None
+
+
+def run(args: argparse.Namespace) -> list[StepRecord]:
+    """Everything ``fpdt-train`` does; returns this rank's step records."""
+    started = time.perf_counter()
+    p = prepare(args)
     timeout = timedelta(minutes=args.dist_timeout_min)
-    init_distributed(device, timeout)
-    opts, plan, streaming = _choose_streaming(source, plan, opts, ds_config, dtype_name, device, world,
-                                              not kernel.native_gqa, lora_spec.rank if lora_spec else 0)
-    memory = check_memory(source, plan, opts, ds_config, dtype_name, device, kernel_expands_gqa=not kernel.native_gqa,
-                          lora_rank=lora_spec.rank if lora_spec else 0)
-    memory = replace(memory, lines=(*said, *streaming, *memory.lines))
-    opts = _with_choices(opts, memory)
-    opts, memory = _with_tier(opts, memory, plan, source.config, dtype_name)
-    zero.init_deepspeed_comm(device, timeout)
-    ps = build_parallel_state(plan.sp, device, cp=plan.cp, placement=plan.placement, inner_ring=plan.inner_ring,
-                              timeout=timeout)
+    init_distributed(p.device, timeout)
+    d = decided(p)
+    zero.init_deepspeed_comm(p.device, timeout)
+    ps = build_parallel_state(d.plan.sp, p.device, cp=d.plan.cp, placement=d.plan.placement,
+                              inner_ring=d.plan.inner_ring, timeout=timeout)
+    s = start(args, p, d, ps)
+    try:
+        records = train(args, p, d, s)
+    finally:
+        _close_tier(d.opts)
+    if args.save_dir and args.steps not in s.saver.saved and s.start >= args.steps:
+        s.saver.save(args.steps)
+    if args.export_hf:
+        _export_at_end(args, ps)
+    _say(ps, summary(records, s.start, time.perf_counter() - started, s.saver.last if args.save_dir else None,
+                     args.export_hf, trainer_run.prediction(d.memory.estimate, d.memory.capacity_bytes,
+                                                            _predicted_step(p, d))))
+    return records
 
-    # 3. model, engine, resume
-    model = build_model(args, opts, plan, ps, PRECISIONS[dtype_name], ds_config, lora_spec)
+
+def start(args: argparse.Namespace, p: Prepared, d: decide.Decision, ps: ParallelState) -> Started:
+    """Step 3: the model, the engine, the resumed state; the start-up lines."""
+    model = build_model(args, d.opts, d.plan, ps, PRECISIONS[p.dtype_name], p.ds_config, p.lora_spec)
     hf_config = model.config.to_hf()
-    engine = zero.build_engine(model, ds_config)
+    engine = zero.build_engine(model, p.ds_config)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    info = run_info(args, plan, micro, gas)
-    start, rng = 0, None
+    info = run_info(args, d.plan, micro, gas)
+    begin, rng = 0, None
     if args.resume:
-        state = saving.load(engine, args.resume, ps.rank, lora=lora_spec is not None)
-        start, rng = state["step"], state["rng"]
+        state = saving.load(engine, args.resume, ps.rank, lora=p.lora_spec is not None)
+        begin, rng = state["step"], state["rng"]
         for diff in saving.check_same_run(state["run"], info):
             _say(ps, f"warning: the resumed run differs from the saved one, so its next step is not the "
                      f"one the saved run would have taken ({diff})")
     if args.save_dir and ps.is_main:
-        saving.write_model_files(args.save_dir, hf_config, tokenizer, lora_spec,
-                                     os.path.abspath(args.model) if args.model else None)
-
-    # 4. train
-    peak, peak_src = resolve_peak_flops(device, dtype_name, args.peak_tflops)
-    _say(ps, f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} "
-             f"seq_len={plan.seq_len} "
-             f"chunk={plan.chunk_size} chunks={plan.num_chunks} offload={'on' if plan.offload else 'off'} "
-             f"checkpoint={plan.checkpoint} attention={kernel.name}{_experts_words(model, device, dtype_name)} "
-             f"micro_batch={micro} grad_accum={gas} dtype={dtype_name} "
-             f"{windows.describe()} steps {start}->{args.steps} "
-             f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})"
-             + _choices_words(memory, model.config.num_layers, opts.checkpoint_device_layers))
-    for line in memory.lines + tuple(f"warning: {n}" for n in notes):
+        saving.write_model_files(args.save_dir, hf_config, p.tokenizer, p.lora_spec,
+                                 os.path.abspath(args.model) if args.model else None)
+    peak = resolve_peak_flops(p.device, p.dtype_name, args.peak_tflops)
+    _say(ps, startup_line(args, p, d, ps, model, micro, gas, begin, peak))
+    for line in d.memory.lines + tuple(f"warning: {n}" for n in p.notes):
         _say(ps, line)
-    if lora_spec is not None:
+    if p.lora_spec is not None:
         resumed = os.path.join(*saving.resolve(args.resume)) if args.resume else None
-        _say(ps, lora.describe(model, lora_spec, args.lora_init, resumed))
-    progress = Progress(args.steps, start, ps.is_main, args.log_json, resumed=bool(args.resume))
-    spec = LoopSpec(plan=plan, parallel=ps, micro_batch=micro, grad_accum=gas, shape=ModelShape.from_config(model.config),
-                    peak_flops=peak, recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
-                    mem_accounting=args.mem_accounting, lora=lora_spec, runtime=opts.runtime,
+        _say(ps, lora.describe(model, p.lora_spec, args.lora_init, resumed))
+    progress = Progress(args.steps, begin, ps.is_main, args.log_json, resumed=bool(args.resume))
+    lora_record = lora.record(p.lora_spec, args.model, args.model_config, args.seed, p.source.config)
+    saver = Saver(args, engine, ps, info, p.dtype_name, progress, lora_record)
+    return Started(ps, model, engine, micro, gas, begin, rng, saver, peak[0])
+
+
+def startup_line(args: argparse.Namespace, p: Prepared, d: decide.Decision, ps: ParallelState, model, micro: int,
+                 gas: int, begin: int, peak_and_source: tuple[float | None, str]) -> str:
+    """The first start-up line: the mesh, the chunking, the choices and the peak FLOP/s."""
+    plan, (peak, peak_src) = d.plan, peak_and_source
+    return (f"fpdt-train: world={ps.world_size} sp={plan.sp} (hp={plan.hp} cp={plan.cp}) dp={plan.dp} "
+            f"seq_len={plan.seq_len} "
+            f"chunk={plan.chunk_size} chunks={plan.num_chunks} offload={'on' if plan.offload else 'off'} "
+            f"checkpoint={plan.checkpoint} attention={p.kernel.name}{_experts_words(model, p.device, p.dtype_name)} "
+            f"micro_batch={micro} grad_accum={gas} dtype={p.dtype_name} "
+            f"{p.windows.describe()} steps {begin}->{args.steps} "
+            f"peak={'n/a' if peak is None else f'{peak / 1e12:.3g}'} TFLOP/s ({peak_src})"
+            + d.memory.words(model.config.num_layers, d.opts.checkpoint_device_layers))
+
+
+def train(args: argparse.Namespace, p: Prepared, d: decide.Decision, s: Started) -> list[StepRecord]:
+    """Step 4: the steps, saving as asked; a failure becomes one :class:`RunError` line."""
+    plan, opts, saver = d.plan, d.opts, s.saver
+    spec = LoopSpec(plan=plan, parallel=s.ps, micro_batch=s.micro, grad_accum=s.gas,
+                    shape=ModelShape.from_config(s.model.config), peak_flops=s.peak_flops,
+                    recompute=plan.checkpoint != "off", skip_nonfinite=args.skip_nonfinite,
+                    mem_accounting=args.mem_accounting, lora=p.lora_spec, runtime=opts.runtime,
                     nvme_path=opts.nvme_path, nvme_tier=opts.nvme_tier)
-    saver = Saver(args, engine, ps, info, dtype_name, progress, lora_record)
 
     def on_step_end(done: int) -> None:
         if args.save_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
             saver.save(done)
 
-    if rng is not None:
-        saving.set_rng_state(rng)   # last: the set-up above may draw (e.g. the CPU peak's matmuls)
+    if s.rng is not None:
+        saving.set_rng_state(s.rng)   # last: the set-up above may draw (e.g. the CPU peak's matmuls)
     try:
-        records = run_steps(engine, windows, spec, start, args.steps, progress, on_step_end)
+        return run_steps(s.engine, p.windows, spec, s.start, args.steps, saver.progress, on_step_end)
     except NonFiniteStep as e:
         raise RunError(f"{e}; the run stopped without saving. {saver.last_good_hint()}",
                        same_on_every_rank=True) from e
@@ -389,51 +407,29 @@ def run(args: argparse.Namespace) -> list[StepRecord]:
     except NVMeFault as e:
         raise RunError(f"{e}, and nothing was saved for it. {saver.resume_hint()}", same_on_every_rank=True) from e
     except DeviceOutOfMemory as e:
-        raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, memory.estimate, e.detail,
-                                                        memory.capacity_bytes,
-                                                        memory.recommend() if memory.recommend else None,
-                                                        source.config_path, args.deepspeed,
-                                                        lora_spec.rank if lora_spec else 0)) from e
+        m = d.memory
+        raise RunError(trainer_run.out_of_memory_advice(e.step, plan, opts, m.estimate, e.detail, m.capacity_bytes,
+                                                        m.recommend() if m.recommend else None,
+                                                        p.source.config_path, args.deepspeed, p.lora_rank)) from e
     finally:
-        progress.close()
-        _close_tier(opts)
-    if args.save_dir and args.steps not in saver.saved and start >= args.steps:
-        saver.save(args.steps)
-    if args.export_hf:
-        _export_at_end(args, ps)
-    _say(ps, summary(records, start, time.perf_counter() - started, saver.last if args.save_dir else None,
-                     args.export_hf, trainer_run.prediction(memory.estimate, memory.capacity_bytes,
-                                                            _predicted_step(source, plan, opts, ds_config, dtype_name,
-                                                                            device, kernel, lora_spec))))
-    return records
+        saver.progress.close()
 
 
-def _predicted_step(source, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any], dtype_name: str,
-                    device: torch.device, kernel, lora_spec) -> float | None:
+def _predicted_step(p: Prepared, d: decide.Decision) -> float | None:
     """fpdt-plan's step time for this run on this GPU (:func:`fpdt.plan.trainer_run.step_time`), or None."""
-    if device.type != "cuda":
+    if p.device.type != "cuda":
         return None
-    props = torch.cuda.get_device_properties(device)
-    return trainer_run.step_time(source.config, plan, opts, ds_config, dtype_name, props.name, props.total_memory,
-                                 trainer_run.ranks_on_this_node(plan.world_size, torch.cuda.device_count()),
-                                 not kernel.native_gqa, lora_spec.rank if lora_spec else 0)
+    props = torch.cuda.get_device_properties(p.device)
+    return trainer_run.step_time(p.source.config, d.plan, d.opts, p.ds_config, p.dtype_name, props.name,
+                                 props.total_memory,
+                                 trainer_run.ranks_on_this_node(d.plan.world_size, torch.cuda.device_count()),
+                                 not p.kernel.native_gqa, p.lora_rank)
 
 
 def _close_tier(opts: TrainerOptions) -> None:
     """With the NVMe tier, close its stores: the files go with the run, not at the interpreter's exit."""
     if opts.nvme_tier is not None:
         opts.nvme_tier.close(raise_errors=False)
-
-
-def _with_choices(opts: TrainerOptions, memory: MemoryCheck) -> TrainerOptions:
-    """``opts`` with the choices the memory check made (or the ones given): the attention
-    checkpoint and, with the NVMe tier, ``nvme_layers``."""
-    if memory.attention is not None:
-        opts = replace(opts, attention_checkpoint=memory.attention.mode,
-                       save_attention_layers=memory.attention.layers if memory.attention.mode == "save" else None)
-    if memory.nvme is not None:
-        opts = replace(opts, nvme_layers=memory.nvme.layers)
-    return opts
 
 
 def _experts_words(model, device, dtype_name: str) -> str:
@@ -443,14 +439,6 @@ def _experts_words(model, device, dtype_name: str) -> str:
         return ""
     kernel = moe_kernel(torch.device(device), PRECISIONS[dtype_name], model.config.hidden_size, moe.moe_intermediate_size)
     return f" experts={moe.num_experts}/top{moe.top_k} ({kernel})"
-
-
-def _choices_words(memory: MemoryCheck, num_layers: int, device_layers: int) -> str:
-    """The start-up line's words for those choices, and why."""
-    words = [memory.attention.line(num_layers)] if memory.attention is not None else []
-    if memory.nvme is not None:
-        words.append(memory.nvme.line(num_layers - device_layers))
-    return "".join(f" {w}" for w in words)
 
 
 def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[str, Any], dtype_name: str,
@@ -478,201 +466,6 @@ def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[
         notes = lora.check_resume(args.resume, saved.lora,
                                   lora.record(lora_spec, args.model, args.model_config, args.seed, source.config))
     return source, notes
-
-
-@dataclass(frozen=True)
-class MemoryCheck:
-    """The planner's view of this run (:mod:`fpdt.plan.trainer_run`)."""
-
-    estimate: Any
-    """:class:`fpdt.plan.memory_model.MemoryEstimate`, or None when the model cannot describe the run."""
-    capacity_bytes: float | None
-    """The GPU's memory (None on the CPU)."""
-    recommend: Callable[[], Any] | None
-    """On CUDA: the planner's :class:`fpdt.plan.trainer_run.Recommendation`, searched on the
-    first call only (a warning or an out-of-memory line needs it; a run that fits never does)."""
-    lines: tuple[str, ...]
-    """What to print at start-up: the prediction, a device-memory warning, or why there is none."""
-    attention: trainer_run.AttentionCheckpoint | None = None
-    """The run's ``attention_checkpoint`` / ``save_attention_layers``: as given, or chosen here
-    from the predicted memory (:func:`fpdt.plan.trainer_run.attention_checkpoint`)."""
-    nvme: trainer_run.NVMeLayers | None = None
-    """With ``--nvme-path``: the run's ``nvme_layers``, as given or chosen here from the
-    predicted host memory (:func:`fpdt.plan.trainer_run.nvme_layers`)."""
-
-
-def _choose_streaming(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
-                      dtype_name: str, device: torch.device, world: int, expands_gqa: bool,
-                      lora_rank: int) -> tuple[TrainerOptions, RunLayout, tuple[str, ...]]:
-    """The run with ``stream_layers`` as given, or on CUDA chosen by the predicted device peak
-    (:func:`fpdt.plan.trainer_run.stream_layers`); the start-up line that says why when it was chosen."""
-    if opts.stream_layers is not None or device.type != "cuda":
-        return opts, plan, ()
-    capacity = torch.cuda.get_device_properties(device).total_memory
-    ranks = trainer_run.ranks_on_this_node(plan.world_size, torch.cuda.device_count())
-
-    def estimate(o: TrainerOptions, p: RunLayout):
-        return trainer_run.estimate(source.config, p, o, ds_config, dtype_name, device.type, ranks, expands_gqa,
-                                    lora_rank)
-
-    streamed_opts = replace(opts, stream_layers=True)
-    try:
-        unstreamed = estimate(opts, plan)
-        streamed_plan = validate(streamed_opts, plan.seq_len, world, device.type, ds_config)
-    except Exception:  # noqa: BLE001 -- a run the planner's model cannot describe, or not streamable: as given
-        return opts, plan, ()
-    chosen, why = trainer_run.stream_layers(None, unstreamed, lambda: estimate(streamed_opts, streamed_plan), capacity)
-    return (streamed_opts, streamed_plan, (f"fpdt-train: {why}",)) if chosen else (opts, plan, ())
-
-
-def check_memory(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
-                 dtype_name: str, device: torch.device, kernel_expands_gqa: bool | None = None,
-                 lora_rank: int = 0) -> MemoryCheck:
-    """The host check of :mod:`fpdt.plan.trainer_run`, decided once for all ranks on the
-    node whose offload exceeds its available memory the most (every rank reaches the one
-    collective and raises the same :class:`ConfigError`), and on CUDA the device-memory
-    warning and the planner's settings. A run the planner's model cannot describe is not
-    stopped: it goes on without them, with a note. ``lora_rank``: a LoRA run's, predicted as
-    such (:func:`fpdt.plan.trainer_run.estimate`) and, on CUDA, given the planner's
-    settings for LoRA of that rank (:func:`fpdt.plan.trainer_run.recommend`)."""
-    gpus = torch.cuda.device_count() if device.type == "cuda" else None
-    ranks = trainer_run.ranks_on_this_node(plan.world_size, gpus)
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    available = float(psutil.virtual_memory().available)
-    est, notes, parts = None, [], {}
-    try:
-        est = trainer_run.estimate(source.config, plan, opts, ds_config, dtype_name, device.type, ranks,
-                                   kernel_expands_gqa, lora_rank)
-    except Exception as e:  # noqa: BLE001 -- a limit of the planner's model never stops a run the trainer can run
-        notes.append(f"note: fpdt-plan's model cannot describe this run ({type(e).__name__}: {e}); no memory "
-                     f"prediction or host check")
-    nvme, est = _choose_nvme_layers(source, plan, opts, ds_config, dtype_name, device, est, available, ranks,
-                                    kernel_expands_gqa, lora_rank)
-    if nvme is not None:
-        opts = replace(opts, nvme_layers=nvme.layers)
-    attention, est = _choose_attention_checkpoint(source, plan, opts, ds_config, dtype_name, device, est, available,
-                                                  capacity, ranks, kernel_expands_gqa, lora_rank)
-    if est is not None:
-        parts = trainer_run.host_offload_bytes(est)
-    worst_rank, need, worst_available, worst_ranks = _worst_node(sum(parts.values()), available, ranks, device)
-    me = dist.get_rank() if dist.is_initialized() else 0
-    error = trainer_run.host_memory_error(need, worst_available, worst_ranks, plan.seq_len,
-                                          parts if worst_rank == me else None,
-                                          "this node" if plan.world_size == 1 else f"rank {worst_rank}'s node")
-    if error is not None:
-        raise error
-    if est is None:
-        return MemoryCheck(None, capacity, None, tuple(notes), attention, nvme)
-    recommend = None
-    if capacity is not None:
-        recommend = functools.cache(functools.partial(_recommend, source.config, plan, opts, ds_config, ranks, capacity,
-                                                      available, lora_rank))
-    lines = (trainer_run.prediction_line(est, capacity),
-             trainer_run.device_memory_warning(est, capacity, recommend) if capacity else None)
-    return MemoryCheck(est, capacity, recommend, tuple(line for line in lines if line), attention, nvme)
-
-
-def _choose_nvme_layers(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions, ds_config: dict[str, Any],
-                        dtype_name: str, device: torch.device, est, available: float, ranks: int,
-                        kernel_expands_gqa: bool | None, lora_rank: int) -> tuple[trainer_run.NVMeLayers | None, Any]:
-    """The run's ``nvme_layers`` (:func:`fpdt.plan.trainer_run.nvme_layers`; None without
-    ``--nvme-path``) and its memory estimate with it. Left to choose (no ``--nvme-layers``),
-    every rank computes the fewest its node's host memory needs, against the run as given (an
-    attention checkpoint still to choose as recompute), and all take the largest (one
-    all-reduce), so that every rank builds the same model."""
-    if opts.nvme_path is None:
-        return None, est
-    cfg, given = source.config, opts.nvme_layers
-    if est is None:
-        why = (f"--nvme-layers {given}" if given is not None else
-               "fpdt-plan's model cannot describe this run, so every offloaded layer goes to disk")
-        return trainer_run.NVMeLayers(given, why), est
-
-    @functools.cache
-    def estimate_with(k: int):
-        return trainer_run.estimate(cfg, plan, replace(opts, nvme_layers=k), ds_config, dtype_name, device.type, ranks,
-                                    kernel_expands_gqa, lora_rank)
-
-    def host_need(k: int) -> float:
-        return sum(trainer_run.host_offload_bytes(estimate_with(k)).values())
-
-    choice = trainer_run.nvme_layers(given, cfg.num_layers - opts.checkpoint_device_layers, host_need, available)
-    if given is not None:
-        return choice, est
-    k = _on_every_rank(choice.layers, device, dist.ReduceOp.MAX)
-    if k != choice.layers:
-        choice = trainer_run.NVMeLayers(k, f"the fewest first layers on disk that bring every node's predicted host "
-                                           f"offload within its available memory ({choice.layers} would do on this one)")
-    return choice, estimate_with(k)
-
-
-def _choose_attention_checkpoint(source: preflight.ModelSource, plan: RunLayout, opts: TrainerOptions,
-                                 ds_config: dict[str, Any], dtype_name: str, device: torch.device, est, available: float,
-                                 capacity: float | None, ranks: int, kernel_expands_gqa: bool | None,
-                                 lora_rank: int) -> tuple[trainer_run.AttentionCheckpoint, Any]:
-    """The run's attention checkpoint (:func:`fpdt.plan.trainer_run.attention_checkpoint`) and
-    its memory estimate with it. Left to choose (no ``--save-attention-layers``, not
-    ``recompute``), every rank computes how many layers' saved outputs its node's host memory
-    and its GPU hold beside the recompute estimate ``est``, and all take the smallest (one
-    all-reduce), so that every rank builds the same model."""
-    cfg = source.config
-    choose = (plan.checkpoint != "off" and opts.attention_checkpoint != "recompute"
-              and opts.save_attention_layers is None)
-    fit, per_layer = 0, None
-    if choose and est is not None:
-        setup = trainer_run.planned_setup(plan, opts, ds_config, dtype_name, device.type, kernel_expands_gqa,
-                                          cfg.head_dim)
-        per_layer = saved_attention_bytes(cfg, setup)
-        fit = trainer_run.saving_layers_that_fit(cfg, setup, est, available, capacity, ranks)
-    if choose:
-        fit = _smallest_on_any_rank(fit, device)
-    if choose and est is None:
-        mode = "save" if opts.attention_checkpoint == "save" else "recompute"
-        why = "fpdt-plan's model cannot describe this run, so nothing predicts room for saved outputs"
-        return trainer_run.AttentionCheckpoint(mode, None, f"{opts.attention_checkpoint or 'default'}: {why}"), est
-    attention = trainer_run.attention_checkpoint(opts.attention_checkpoint, opts.save_attention_layers,
-                                                 plan.checkpoint, fit, cfg.num_layers, per_layer)
-    if choose and attention.mode == "save":
-        chosen = replace(opts, attention_checkpoint="save", save_attention_layers=attention.layers)
-        est = trainer_run.estimate(cfg, plan, chosen, ds_config, dtype_name, device.type, ranks, kernel_expands_gqa,
-                                   lora_rank)
-    return attention, est
-
-
-def _smallest_on_any_rank(value: int, device: torch.device) -> int:
-    """The smallest ``value`` over the ranks (one all-reduce; itself on one process)."""
-    return _on_every_rank(value, device, dist.ReduceOp.MIN)
-
-
-def _on_every_rank(value: int, device: torch.device, op) -> int:
-    """``value`` reduced by ``op`` over the ranks (one all-reduce; itself on one process)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=op)
-    return int(t.item())
-
-
-def _recommend(*args) -> trainer_run.Recommendation:
-    """:func:`fpdt.plan.trainer_run.recommend`, or why there is no suggestion."""
-    try:
-        return trainer_run.recommend(*args)
-    except Exception as e:  # noqa: BLE001 -- as in check_memory: advice only
-        return trainer_run.Recommendation(None, f"fpdt-plan cannot suggest settings ({type(e).__name__}: {e})")
-
-
-def _worst_node(need: float, available: float, ranks: int, device: torch.device) -> tuple[int, float, float, int]:
-    """``(rank, need, available, ranks on its node)`` of the rank whose node's offload exceeds
-    its available memory the most, from every rank's figures (one all-gather)."""
-    mine = torch.tensor([need, available, float(ranks)], dtype=torch.float64, device=device)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return 0, need, available, ranks
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
-    figures = [tuple(float(x) for x in row.tolist()) for row in rows]
-    worst = max(range(len(figures)), key=lambda r: figures[r][0] - figures[r][1])
-    n, a, k = figures[worst]
-    return worst, n, a, int(k)
 
 
 class Saver:
@@ -725,30 +518,16 @@ class Saver:
                 f"or pass --skip-nonfinite N to skip such steps")
 
 
-def _with_tier(opts: TrainerOptions, memory: MemoryCheck, plan: RunLayout, config,
-               dtype_name: str) -> tuple[TrainerOptions, MemoryCheck]:
-    """``opts`` holding the run's NVMe tier (:func:`_nvme_tier`), ``memory`` with its start-up line."""
-    tier, lines = _nvme_tier(opts, plan, config, dtype_name)
-    return replace(opts, nvme_tier=tier), replace(memory, lines=(*memory.lines, *lines))
-
-
-def _nvme_tier(opts, plan: RunLayout, config, dtype_name: str) -> tuple[NVMeTier | None, tuple[str, ...]]:
-    """The NVMe tier the run's model uses and its start-up line (backend, bytes per step) after
-    its preflight; None and nothing without ``--nvme-path``."""
+def _nvme_tier(opts: TrainerOptions, plan: RunLayout, config, ds_config: dict[str, Any],
+               dtype_name: str) -> tuple[NVMeTier | None, tuple[str, ...]]:
+    """The NVMe tier the run's model uses and its start-up line (backend, bytes per micro-batch:
+    :func:`fpdt.plan.decide.nvme_need`) after its free-space preflight; None and nothing without ``--nvme-path``."""
     if opts.nvme_path is None:
         return None, ()
     from fpdt.train.nvme_aio import setup_tier
-    tokens = plan.seq_len // plan.sp
-    saving = 0
-    if getattr(opts, "attention_checkpoint", None) == "save":
-        saving = config.num_layers if opts.save_attention_layers is None else opts.save_attention_layers
-    saved = tokens * config.num_heads * (config.head_dim * PRECISIONS[dtype_name].itemsize + 4) if saving else 0
+    need = decide.nvme_need(config, plan, opts, ds_config, dtype_name)
     try:
-        line, tier = setup_tier(opts.nvme_path, config.num_layers, tokens, config.hidden_size,
-                                PRECISIONS[dtype_name].itemsize, opts.checkpoint_device_layers,
-                                nvme_layers=getattr(opts, "nvme_layers", None), saved_layers=saving, saved_bytes=saved,
-                                num_chunks=getattr(plan, "num_chunks", 1),
-                                rank=dist.get_rank() if dist.is_initialized() else 0)
+        line, tier = setup_tier(opts.nvme_path, need, rank=dist.get_rank() if dist.is_initialized() else 0)
     except NVMeError as e:
         raise ConfigError(str(e)) from None
     return tier, (line,)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import dataclass
 
 import torch
 
+from fpdt.attention.offload_volume import saved_attention_bytes
 from fpdt.attention.saved_attention import SavedAttention
 from fpdt.offload import HostStash
-from fpdt.offload.nvme import NVMeTier
+from fpdt.offload.nvme import ALIGN, NVMeTier, aligned
 from fpdt.offload.nvme_stash import NVMeStash
 from fpdt.options import FPDTOptions
 
@@ -149,3 +151,42 @@ def nvme_layer_count(options: FPDTOptions, num_layers: int) -> int:
         return 0
     offloaded = num_layers - options.checkpoint_device_layers
     return offloaded if options.nvme_layers is None else min(options.nvme_layers, offloaded)
+
+
+def nvme_layers_on_disk(options: FPDTOptions, num_layers: int) -> int:
+    """:func:`nvme_layer_count`, less the last layer when streamed (read first, it stays on the host)."""
+    n = nvme_layer_count(options, num_layers)
+    return min(n, num_layers - 1) if options.stream_layers else n
+
+
+@dataclass(frozen=True)
+class NVMeBytes:
+    """What the NVMe tier writes per rank in one micro-batch and holds until its backward."""
+
+    layers: int
+    per_layer: int
+    saving: int
+    per_saved: int
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.per_layer + self.saving * self.per_saved
+
+    def words(self) -> str:
+        saved = f" + {self.saving} saved attention outputs x {self.per_saved:,} bytes" if self.saving else ""
+        return f"{self.layers} layers x {self.per_layer:,} bytes{saved}"
+
+
+def nvme_bytes(options: FPDTOptions, num_layers: int, tokens: int, hidden: int, num_heads: int, head_dim: int,
+               dtype: torch.dtype) -> NVMeBytes:
+    """The one count of the NVMe tier's bytes (the planner, the free-space preflight, the start-up
+    line): ``tokens`` = micro-batch x ``S / P`` per rank; the :func:`nvme_layers_on_disk` layers'
+    inputs (one file, streamed one per chunk) and of those the saving layers' outputs and lse (two
+    files per chunk), every file padded to the store's alignment (an upper bound)."""
+    n = nvme_layers_on_disk(options, num_layers)
+    files = options.num_chunks if options.stream_layers else 1
+    per_layer = files * aligned(tokens * hidden * dtype.itemsize // files)
+    saving = min(n, saving_layers(options, num_layers))
+    per_saved = saved_attention_bytes(batch=1, seq_local=tokens, num_heads=num_heads, head_dim=head_dim,
+                                      dtype=dtype) + 2 * options.num_chunks * ALIGN
+    return NVMeBytes(n, per_layer, saving, per_saved if saving else 0)

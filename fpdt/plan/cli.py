@@ -15,15 +15,18 @@ import argparse
 import json
 import sys
 
-from fpdt.attention.kernels import BACKENDS
-from fpdt.options import ATTENTION_CHECKPOINT_MODES, CHECKPOINT_MODES, LM_HEAD_WGRAD_MODES, in_flag_terms
+from fpdt.options import OPTION_FLAGS, add_option_flags, as_flag, flag_values, in_flag_terms
 from fpdt.plan.deepspeed_config import apply_deepspeed_config
 from fpdt.plan.hardware import GIB, GPU_PRESETS, NVME_PRESETS, Cluster, gpu_from_args, load_calibration, nvme_from_args
 from fpdt.plan.models import PRESETS, load_model_config
 from fpdt.plan.planner import Choice, plan
-from fpdt.comm import PLACEMENTS
 from fpdt.plan.setup import DTYPES
-from fpdt.train.config import option_field
+
+
+PLANNED = tuple(name for name in OPTION_FLAGS if name not in ("seq_len", "nvme_path", "runtime"))
+"""The FPDT options ``fpdt-plan`` takes as flags (the NVMe tier's drive is ``--nvme``; no runtime)."""
+OWN = ("zero_stage", "offload_optimizer", "offload_param", "dtype", "batch", "lora_rank", "doc_len")
+"""Its flags that fix a :class:`~fpdt.plan.planner.Choice` field of the same name beside them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"config.json (or its directory), or a preset: {', '.join(PRESETS)}")
     length = p.add_mutually_exclusive_group(required=True)
-    length.add_argument("--seq-len", type=int, help="global sequence length to check")
+    add_option_flags(length, ["seq_len"], "fpdt-plan")
     length.add_argument("--max-seq-len", action="store_true", help="search the longest length that fits")
     p.add_argument("--gpu", help=f"GPU preset: {', '.join(GPU_PRESETS)} (or give the three numbers below)")
     p.add_argument("--gpu-mem-gib", type=float, help="GPU memory (overrides the preset's)")
@@ -48,9 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-gbps", metavar="READ[,WRITE]",
                    help="NVMe sequential GB/s per node, read and write (overrides the preset's; "
                         "profiling/nvme_bandwidth.py measures them)")
-    p.add_argument("--nvme-layers", type=int, metavar="K",
-                   help="with the NVMe tier, put the first K layers' checkpoints there (default: the fewest that "
-                        "make the host memory fit)")
     p.add_argument("--calibration", help="rates measured by profiling/op_latency.py or profiling/nvme_bandwidth.py "
                                          "(JSON)")
     p.add_argument("--deepspeed", metavar="JSON",
@@ -60,38 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", action="store_true", default=None,
                    help="optimizer state (and grads) on the host")
     p.add_argument("--offload-param", action="store_true", default=None, help="ZeRO-3 parameters on the host")
-    p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, help="default offload")
-    p.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=None,
-                   help="layers streamed through host memory a chunk at a time (default: choose, only when the "
-                        "run does not fit otherwise)")
-    p.add_argument("--checkpoint-device-layers", type=int, metavar="K",
-                   help="with --checkpoint offload, the last K layers' inputs stay on the GPU (default: 0, or the "
-                        "fewest that make the host memory fit when it is what does not)")
-    p.add_argument("--offload", dest="offload", action="store_true", default=None,
-                   help="attention chunks in host memory (default: when there is more than one chunk)")
-    p.add_argument("--no-offload", dest="offload", action="store_false")
-    p.add_argument("--chunk-size", type=int, help="global tokens per FPDT chunk (default: choose)")
-    p.add_argument("--sp", type=int, help="sequence-parallel group size (default: every GPU)")
-    p.add_argument("--hp", type=int, help="Ulysses degree (default: choose)")
-    p.add_argument("--cp", type=int, help="ring degree (default: choose)")
-    p.add_argument("--placement", choices=PLACEMENTS, help="default: choose")
-    p.add_argument("--inner-ring", type=int, help="double-ring inner size (default: single ring)")
-    p.add_argument("--lm-head-wgrad", choices=LM_HEAD_WGRAD_MODES,
-                   help="LM-head weight gradient: fp32 accumulator or recomputed logits (default: choose)")
-    p.add_argument("--mlp-chunks", type=int, help="MLP token chunks, as fpdt-train's (default: 2 per attention chunk)")
-    p.add_argument("--loss-chunks", type=int, help="LM-head loss token chunks, as fpdt-train's (default: the model's)")
-    p.add_argument("--attention-backend", choices=list(BACKENDS), metavar="KERNEL",
-                   help=f"attention kernel, as fpdt-train's ({', '.join(BACKENDS)}; default: automatic). One "
-                        f"that repeats the KV heads (cuda_efficient, cpu, math) holds more per block; its attention "
-                        f"rate is the calibration's for it when op_latency.py --backends timed it, else the "
-                        f"calibration's (automatic kernel's) or the datasheet's")
-    p.add_argument("--attention-checkpoint", choices=ATTENTION_CHECKPOINT_MODES,
-                   help="with checkpointing, whether a layer's recompute runs the attention forward again "
-                        "(recompute) or reads the output and lse its forward saved (save: 3 attention passes "
-                        "instead of 4, the saved bytes beside the layer inputs); default: choose, save for as many "
-                        "layers as fit")
-    p.add_argument("--save-attention-layers", type=int, metavar="K",
-                   help="with --attention-checkpoint save, only the first K layers save (default: as many as fit)")
+    add_option_flags(p, PLANNED, "fpdt-plan")
     p.add_argument("--doc-len", type=int, metavar="N",
                    help="packed documents of N tokens (their mean; for a spread of lengths the token-weighted "
                         "mean sum(n^2)/sum(n)), each attending only within itself: the attention time and MFU "
@@ -139,6 +108,25 @@ def _nvme_line(n: dict) -> str:
             f"backward {n['backward_s']:.1f} s: {verdict}")
 
 
+RECOMMENDED = ("chunk_size", "hp", "cp", "placement", "checkpointing", "checkpoint_device_layers", "offload",
+               "lm_head_wgrad", "attention_checkpoint")
+"""The options every recommendation states, in this order (the rest only when they apply)."""
+
+
+def _recommended(r: dict) -> str:
+    """The recommended setup as ``fpdt-train`` flags (:func:`fpdt.options.as_flag`)."""
+    flags = [as_flag(name, r[OPTION_FLAGS[name].json_key]) for name in RECOMMENDED]
+    if r.get("stream_layers"):
+        flags.append(as_flag("stream_layers", True))
+    if r["attention_checkpoint"] == "save" and r["save_attention_layers"] is not None:
+        flags.append(as_flag("save_attention_layers", r["save_attention_layers"]))
+    if r.get("nvme_layers"):
+        flags += [as_flag("nvme_path", "NVME_DIR"), as_flag("nvme_layers", r["nvme_layers"])]
+    flags += [f"--lora-rank {r['lora_rank']}"] if r.get("lora_rank") else []
+    flags += [f"--pack-documents {r['pack_documents']}"] if r.get("pack_documents") else []
+    return " ".join(flags)
+
+
 def render(out: dict) -> str:
     """The readable table."""
     c = out["cluster"]
@@ -148,7 +136,7 @@ def render(out: dict) -> str:
     if "max_seq_len" in out:
         lines.append(f"max_seq_len      {out['max_seq_len']} ({_tokens(out['max_seq_len'])})")
     if "reason" in out:
-        lines.append(f"cannot run: {out['reason']}")
+        lines.append(f"cannot run: {in_flag_terms(out['reason'])}")
         return "\n".join(lines)
     s = out["setup"]
     lines += [
@@ -179,17 +167,7 @@ def render(out: dict) -> str:
                  f"full-attention MFU {out['mfu_full']:.1%}, {out['tgs']:.0f} tokens/GPU/s)")
     lines += [f"  {k:<24}{v:9.3f} s" for k, v in out["step_time_split_s"].items()]
     r = out.get("recommended")
-    lines.append("recommended      " + (
-        f"--chunk-size {r['chunk_size']} --hp {r['hp']} --cp {r['cp']} --placement {r['placement']} "
-        f"--checkpoint {r['checkpoint']} --checkpoint-device-layers {r['checkpoint_device_layers']} "
-        f"{'--offload' if r['offload'] else '--no-offload'} "
-        f"--lm-head-wgrad {r['lm_head_wgrad']} --attention-checkpoint {r['attention_checkpoint']}"
-        + (" --stream-layers" if r.get("stream_layers") else "")
-        + (f" --save-attention-layers {r['save_attention_layers']}" if r["attention_checkpoint"] == "save" else "")
-        + (f" --nvme-path NVME_DIR --nvme-layers {r['nvme_layers']}" if r.get("nvme_layers") else "")
-        + (f" --lora-rank {r['lora_rank']}" if r.get("lora_rank") else "")
-        + (f" --pack-documents {r['pack_documents']}" if r.get("pack_documents") else "") if r
-        else "nothing fits at this length"))
+    lines.append("recommended      " + (_recommended(r) if r else "nothing fits at this length"))
     return "\n".join(lines)
 
 
@@ -204,17 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         choice = apply_deepspeed_config(args.deepspeed, Choice(), cluster.world,
                                         hidden_size=load_model_config(args.model).hidden_size) \
             if args.deepspeed else Choice()
-        flags = {"chunk_size": args.chunk_size, "sp": args.sp, "hp": args.hp, "cp": args.cp,
-                 "placement": args.placement, "inner_ring": args.inner_ring, "checkpoint": args.checkpoint,
-                 "offload": args.offload, "zero_stage": args.zero_stage, "offload_optimizer": args.offload_optimizer,
-                 "offload_param": args.offload_param, "dtype": args.dtype, "batch": args.batch,
-                 "lm_head_wgrad": args.lm_head_wgrad, "mlp_chunks": args.mlp_chunks,
-                 "loss_chunks": args.loss_chunks, "attention_backend": args.attention_backend,
-                 "checkpoint_device_layers": args.checkpoint_device_layers, "lora_rank": args.lora_rank,
-                 "attention_checkpoint": args.attention_checkpoint,
-                 "save_attention_layers": args.save_attention_layers, "doc_len": args.doc_len,
-                 "stream_layers": args.stream_layers, "nvme_layers": args.nvme_layers}
-        choice = choice.fix(**{option_field(k): v for k, v in flags.items() if v is not None})   # flags win
+        given = {**flag_values(args, PLANNED), **{name: getattr(args, name) for name in OWN}}
+        choice = choice.fix(**{k: v for k, v in given.items() if v is not None})   # flags win
         out = plan(args.model, cluster, seq_len=args.seq_len, choice=choice, search_max=args.max_seq_len)
     except (ValueError, OSError) as exc:
         print(f"fpdt-plan: error: {str(exc) if getattr(exc, 'worded', False) else in_flag_terms(str(exc))}",

@@ -14,7 +14,8 @@ from fpdt.comm.heads import kv_replication_factor
 from fpdt.layout import hidden_bytes
 from fpdt.model.config import ModelConfig
 from fpdt.model.apply import loss_chunks_for, mlp_chunks_for
-from fpdt.model.layer_checkpoints import nvme_layer_count
+from fpdt.model.layer_checkpoints import NVMeBytes, nvme_bytes
+from fpdt.model.layer_checkpoints import nvme_layers_on_disk as layers_on_disk
 from fpdt.plan.hardware import GIB
 from fpdt.plan.models import ModelSpec, lora_param_count, model_spec, param_counts
 from fpdt.plan.setup import Setup
@@ -151,23 +152,24 @@ NVME_STAGED_SAVED = 2
 
 def nvme_layers_on_disk(cfg: ModelConfig, s: Setup) -> int:
     """Decoder layers whose checkpoints the NVMe tier holds (the first ones; streamed, never the last)."""
-    n = nvme_layer_count(s.options, cfg.num_layers)
-    return min(n, cfg.num_layers - 1) if s.options.stream_layers else n
+    return layers_on_disk(s.options, cfg.num_layers)
+
+
+def nvme_step_bytes(cfg: ModelConfig, s: Setup) -> NVMeBytes:
+    """What the NVMe tier writes per rank and micro-batch of ``s`` (``fpdt-train``'s preflight and start-up line too)."""
+    return nvme_bytes(s.options, cfg.num_layers, s.rank_tokens, cfg.hidden_size, cfg.num_heads, cfg.head_dim,
+                      PRECISIONS[s.dtype])
 
 
 def nvme_tier_bytes(cfg: ModelConfig, s: Setup) -> tuple[float, float]:
-    """``(disk, host freed)`` bytes per rank of the NVMe tier: the first :func:`nvme_layers_on_disk`
-    layers' inputs and saved outputs, less the host staging buffers."""
-    n = nvme_layers_on_disk(cfg, s)
-    if n == 0:
+    """``(disk, host freed)`` bytes per rank of the NVMe tier (:func:`fpdt.model.layer_checkpoints.nvme_bytes`),
+    the host freed being the disk bytes less the host staging buffers."""
+    b = nvme_step_bytes(cfg, s)
+    if b.layers == 0:
         return 0.0, 0.0
-    nd = hidden_bytes(s.rank_tokens, cfg.hidden_size, s.elem_bytes)
-    saving = min(n, s.saving_layers(cfg.num_layers)[0])
-    per_saved = saved_attention_bytes(cfg, s)
-    disk = n * nd + saving * per_saved
-    staged = min(n, NVME_STAGED_STREAMED if s.options.stream_layers else NVME_STAGED_INPUTS) * nd \
-        + min(saving, NVME_STAGED_SAVED) * per_saved
-    return disk, max(0.0, disk - staged)
+    staged = min(b.layers, NVME_STAGED_STREAMED if s.options.stream_layers else NVME_STAGED_INPUTS) * b.per_layer \
+        + min(b.saving, NVME_STAGED_SAVED) * b.per_saved
+    return float(b.total), max(0.0, b.total - staged)
 
 
 def communication(cfg: ModelConfig, s: Setup) -> float:

@@ -19,7 +19,7 @@ import torch
 
 from fpdt.layout import chunk_split, chunking_problems
 from fpdt.offload import runtime_name
-from fpdt.options import (DERIVED_OPTIONS, FPDTOptions, LayoutOptions, as_flag, attention_checkpoint_given,
+from fpdt.options import (DERIVED_OPTIONS, OPTION_FLAGS, FPDTOptions, LayoutOptions, as_flag, attention_checkpoint_given,
                           device_defaults)
 
 DEFAULT_CHUNK_TOKENS = 65536
@@ -58,12 +58,12 @@ class TrainerOptions(FPDTOptions, LayoutOptions):
         """The model's :class:`FPDTOptions` for the validated ``run`` (its chunk count and the
         device defaults it resolved) on ``group`` or ``mesh``. An ``attention_checkpoint`` still
         to be chosen (None) is ``"recompute"`` here: ``fpdt-train`` chooses it from its memory
-        check before it builds the model (:func:`fpdt.cli.train.check_memory`)."""
+        check before it builds the model (:func:`fpdt.plan.decide.decide_run`)."""
         return replace(_resolved(self, run.offload, run.checkpoint), num_chunks=run.num_chunks, group=group,
                        mesh=mesh).validate()
 
 
-_KEY_OF_FIELD = {"checkpointing": "checkpoint", "backend": "attention_backend"}
+_KEY_OF_FIELD = {name: f.json_key for name, f in OPTION_FLAGS.items() if f.json_key not in (None, name)}
 """Option fields whose flag and JSON key say it differently (``--checkpoint``, ``--attention-backend``)."""
 FPDT_KEYS = tuple(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(TrainerOptions) if f.name not in DERIVED_OPTIONS)
 """The keys of the ``"fpdt"`` JSON section (and the names :func:`merge_options` takes flags by)."""

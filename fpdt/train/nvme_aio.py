@@ -148,30 +148,20 @@ class AioBackend:
         self._drain()
 
 
-def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, device_layers=0, *, nvme_layers=None,
-               saved_layers=0, saved_bytes=0, num_chunks=1, rank=0):
+def setup_tier(nvme_path, need, rank=0):
     """``fpdt-train``'s NVMe tier before step 1: the backend for the model's stores (DeepSpeed's
-    aio where it builds), the free-space preflight, and the start-up line naming the backend and
-    the bytes written per step and rank (SSDs have finite write endurance). ``tokens_per_rank``
-    is the micro-batch's local tokens; the figure is per micro-batch. The layers on disk are the
-    first ``nvme_layers`` (None: all) of the offloaded ones; of those, the first ``saved_layers``
-    also write ``saved_bytes`` of saved attention output each (two files per chunk). The figure
-    is an upper bound: every file padded by one alignment block. Returns the line and the
-    :class:`NVMeTier` (with that backend) the model's options take; raises
-    NVMeError (one line: directory, bytes needed, bytes free) when the drive cannot hold a step.
-    Then, as lines of their own: ``rank``'s directory left by a killed run, removed
-    (:func:`fpdt.offload.nvme.reclaim`), and a warning when the directory is RAM-backed."""
+    aio where it builds), the free-space preflight for ``need`` (a
+    :class:`fpdt.model.layer_checkpoints.NVMeBytes`, per micro-batch and rank), and the start-up
+    line naming the backend and those bytes (SSDs have finite write endurance). Returns the line
+    and the :class:`NVMeTier` the model's options take; raises NVMeError (one line: directory,
+    bytes needed, bytes free) when the drive cannot hold a step. Then, as lines of their own:
+    ``rank``'s directory left by a killed run, removed (:func:`fpdt.offload.nvme.reclaim`), and a
+    warning when the directory is RAM-backed."""
     from fpdt.offload.nvme import NVMeError, NVMeTier, check_space, filesystem_type, ram_backed, reclaim
     if not os.path.isdir(nvme_path):
         raise NVMeError(f"nvme_path {nvme_path} is not an existing directory; create it (on a local NVMe drive) "
                         "or unset nvme_path")
-    layers = max(0, num_layers - device_layers)
-    layers = layers if nvme_layers is None else min(nvme_layers, layers)
-    saving = min(saved_layers, layers)
-    per_layer = aligned(tokens_per_rank * hidden * dtype_bytes)
-    per_saved = saved_bytes + 2 * num_chunks * ALIGN if saving else 0
-    need = layers * per_layer + saving * per_saved
-    check_space(nvme_path, need)
+    check_space(nvme_path, need.total)
     rank_dir = os.path.join(nvme_path, f"rank{rank}")
     lines = [reclaim(rank_dir)] if os.path.lexists(rank_dir) else []
     if ram_backed(nvme_path):
@@ -180,6 +170,5 @@ def setup_tier(nvme_path, num_layers, tokens_per_rank, hidden, dtype_bytes, devi
     backend, note = default_backend()
     first = [backend]
     tier = NVMeTier(lambda: first.pop() if first else default_backend()[0])
-    saved = f" + {saving} saved attention outputs x {per_saved:,} bytes" if saving else ""
-    return "\n".join([f"{note}; nvme_path {nvme_path}: layer inputs written {need / 2 ** 30:.3g} GiB per micro-batch "
-                       f"and rank ({layers} layers x {per_layer:,} bytes{saved})", *lines]), tier
+    return "\n".join([f"{note}; nvme_path {nvme_path}: layer inputs written {need.total / 2 ** 30:.3g} GiB per "
+                       f"micro-batch and rank ({need.words()})", *lines]), tier

@@ -119,19 +119,11 @@ def check_memory_fields(log_path: str, offload: bool) -> None:
         assert (stash > 0) if offload else (stash == 0), rec
 
 
-def fake_node(monkeypatch, available):
-    """``fpdt.cli.train`` on a node of 8 GPUs of 80 GiB with ``available`` bytes of host memory,
-    for its memory check (``check_memory``) in this process: returns the module."""
-    import types
-
-    from fpdt.cli import train as cli
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available))
-    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(cli.torch.cuda, "get_device_properties",
-                        lambda device: types.SimpleNamespace(total_memory=80 * 2 ** 30))
-    monkeypatch.setattr(cli, "_worst_node", lambda need, available, ranks, device: (0, need, available, ranks))
-    return cli
+def node(available: float):
+    """A node of 8 GPUs of 80 GiB with ``available`` bytes of host memory, as the planner's
+    :func:`fpdt.plan.decide.decide_run` takes it."""
+    from fpdt.plan.decide import Node
+    return Node("cuda", 80 * 2 ** 30, 8, available)
 
 
 def quiet() -> None:

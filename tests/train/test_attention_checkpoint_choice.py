@@ -6,14 +6,14 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
 from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train.config import ConfigError, TrainerOptions, load_ds_config, merge_options, validate
-from tests.train.helpers import fake_node, write_fixture
+from fpdt.plan.decide import decide_run
+from tests.train.helpers import node, write_fixture
 
 GIB = 2 ** 30
 
@@ -65,17 +65,17 @@ def test_the_choice_and_its_reason():
         "attention_checkpoint=recompute (checkpointing is off: no layer runs a recompute)")
 
 
-def test_default_saves_as_many_layers_as_the_node_holds(monkeypatch):
+def test_default_saves_as_many_layers_as_the_node_holds():
     """Llama-3-8B at 2M on 8 x 80 GiB with 1 TiB available: every layer input offloaded, the
     host holds the outputs of the first K layers; K + 1 would not fit, K is what the model gets."""
     from fpdt.train import preflight
-    cli = fake_node(monkeypatch, 1024 * GIB)
+    n = node(1024 * GIB)
     cfg, s = load_model_config("llama-3-8b"), 2 ** 21
     source = preflight.ModelSource("llama-3-8b", cfg)
     ds = load_ds_config(None, "cuda")[0]
     opts = TrainerOptions(sp=8)
     plan = validate(opts, s, 8, "cuda", ds)
-    check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
+    check = decide_run(source.config, plan, opts, ds, "bf16", n).memory
     recompute = mp.estimate(cfg, plan, TrainerOptions(sp=8, attention_checkpoint="recompute"), ds, "bf16", "cuda", 8)
     per = saved_attention_bytes(cfg, mp.planned_setup(plan, opts, ds, "bf16", "cuda"))
     assert per == (2 * s * 32 * 128 + 4 * s * 32) // 8
@@ -89,24 +89,22 @@ def test_default_saves_as_many_layers_as_the_node_holds(monkeypatch):
     assert sum(mp.host_offload_bytes(more).values()) > 1024 * GIB
     # asked for more than fit: refused before the model is built, with the lever
     with pytest.raises(ConfigError, match="fewer --save-attention-layers"):
-        cli.check_memory(source, plan, TrainerOptions(sp=8, attention_checkpoint="save", save_attention_layers=32),
-                         ds, "bf16", torch.device("cuda"))
-    told = cli.check_memory(source, plan, TrainerOptions(sp=8, attention_checkpoint="recompute"), ds, "bf16",
-                            torch.device("cuda"))
+        decide_run(source.config, plan, TrainerOptions(sp=8, attention_checkpoint="save", save_attention_layers=32),
+                   ds, "bf16", n)
+    told = decide_run(source.config, plan, TrainerOptions(sp=8, attention_checkpoint="recompute"), ds, "bf16",
+                      n).memory
     assert told.attention.mode == "recompute" and told.estimate.breakdown["attention_saved_host"] == 0
 
 
-def test_default_with_room_for_every_layer_and_none(monkeypatch):
+def test_default_with_room_for_every_layer_and_none():
     from fpdt.train import preflight
     cfg, s = load_model_config("llama-3-8b"), 2 ** 21
     source = preflight.ModelSource("llama-3-8b", cfg)
     ds = load_ds_config(None, "cuda")[0]
     opts = TrainerOptions(sp=8)
     plan = validate(opts, s, 8, "cuda", ds)
-    cli = fake_node(monkeypatch, 2048 * GIB)
-    assert cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda")).attention.layers is None  # all
-    cli = fake_node(monkeypatch, 610 * GIB)       # the layer inputs fit, no saved output does
-    check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
+    assert decide_run(source.config, plan, opts, ds, "bf16", node(2048 * GIB)).memory.attention.layers is None  # all
+    check = decide_run(source.config, plan, opts, ds, "bf16", node(610 * GIB)).memory   # inputs fit, no saved output
     assert check.attention.mode == "recompute" and "hold no layer's attention output" in check.attention.reason
 
 

@@ -84,12 +84,13 @@ def _sp2_body(rank: int, world: int, tmp: str) -> None:
     import deepspeed
 
     from fpdt.cli import train as cli
+    from fpdt.plan import decide
 
     from fpdt.train import zero
     engines, lora_ranks = [], []
-    build, check = zero.build_engine, cli.check_memory
+    build, check = zero.build_engine, decide.decide_run
     zero.build_engine = lambda *a, **k: engines.append(build(*a, **k)) or engines[-1]
-    cli.check_memory = lambda *a, **k: lora_ranks.append(k.get("lora_rank")) or check(*a, **k)
+    decide.decide_run = lambda *a, **k: lora_ranks.append(a[7]) or check(*a, **k)
     argv = _argv(tmp, "sp2", "--model", os.path.join(tmp, "base"), "--steps", "3", "--sp", "2", "--chunk-size", "32",
                  "--lora-rank", "4", "--save-dir", os.path.join(tmp, "ckpt"), "--export-hf", os.path.join(tmp, "export"),
                  "--peak-tflops", "1")

@@ -12,8 +12,11 @@ from fpdt.offload import fresh_runtime
 from fpdt.offload.host_pool import _ALL_POOLS
 from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
+from fpdt.plan.decide import Node, decide_run
 from fpdt.train.config import TrainerOptions, load_ds_config, validate
 from tests.train.helpers import write_fixture
+
+CPU = Node("cpu", None, 1, 64 * 2 ** 30)
 
 HF = dict(model_type="llama", vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
           num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
@@ -286,7 +289,6 @@ def test_cli_turns_an_out_of_memory_step_into_one_line_with_the_levers(tmp_path)
 
 
 def test_a_planner_failure_becomes_a_note_not_an_error(tmp_path, monkeypatch):
-    from fpdt.cli import train as cli
     from fpdt.train import preflight
 
     def broken(*args, **kwargs):
@@ -295,7 +297,7 @@ def test_a_planner_failure_becomes_a_note_not_an_error(tmp_path, monkeypatch):
     cfg, _ = write_fixture(str(tmp_path))
     ds = load_ds_config(None, "cpu")[0]
     plan = validate(TrainerOptions(), 64, 1, "cpu", ds)
-    check = cli.check_memory(preflight.model_source(None, cfg), plan, TrainerOptions(), ds, "fp32", torch.device("cpu"))
+    check = decide_run(preflight.model_source(None, cfg).config, plan, TrainerOptions(), ds, "fp32", CPU).memory
     assert check.estimate is None and check.lines == (
         "note: fpdt-plan's model cannot describe this run (ValueError: a shape the model does not cover); no memory "
         "prediction or host check",)
@@ -335,7 +337,6 @@ def test_the_prediction_follows_the_kernels_gqa_expansion(tmp_path, monkeypatch)
     to the query heads per block; the prediction fpdt-train prints models the run's kernel
     (``not AttentionBackend.native_gqa``), and by default the device type's automatic one."""
     from fpdt.attention.kernels import BACKENDS
-    from fpdt.cli import train as cli
     from fpdt.train import preflight
     cfg, _ = write_fixture(str(tmp_path))
     source = preflight.model_source(None, cfg)
@@ -354,7 +355,7 @@ def test_the_prediction_follows_the_kernels_gqa_expansion(tmp_path, monkeypatch)
     real = mp.estimate
     monkeypatch.setattr(mp, "estimate", lambda *a: seen.append(a[7]) or real(*a))   # kernel_expands_gqa
     for expands in (True, False):
-        cli.check_memory(source, plan, TrainerOptions(), ds, "fp32", torch.device("cpu"), kernel_expands_gqa=expands)
+        decide_run(source.config, plan, TrainerOptions(), ds, "fp32", CPU, kernel_expands_gqa=expands)
     assert seen == [True, False]
     kernel = preflight.attention_kernel(None, torch.device("cpu"), torch.float32, source.config.head_dim)
     assert kernel is BACKENDS["cpu"] and not kernel.native_gqa
@@ -380,14 +381,11 @@ def test_a_lora_run_is_checked_as_lora(monkeypatch):
     gradients and AdamW state (about 920 GiB per node) do not fit 512 GiB of host memory and the
     run is refused; with --lora-rank 16 only the adapters' are offloaded (about 2.3 GiB) and it
     passes (the planner's LoRA setup: the frozen base holds no gradient or optimizer state)."""
-    import types
 
-    from fpdt.cli import train as cli
 
     from fpdt.train import preflight
     from fpdt.train.config import ConfigError
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=512 * 2 ** 30))
+    node = Node("cpu", None, 8, 512 * 2 ** 30)
     cfg = load_model_config("llama-3-70b")
     source = preflight.ModelSource("llama-3-70b", cfg)
     ds = {**load_ds_config(None, "cpu")[0], "bf16": {"enabled": True},
@@ -395,8 +393,8 @@ def test_a_lora_run_is_checked_as_lora(monkeypatch):
     opts = TrainerOptions(sp=8)
     plan = validate(opts, 128 * 1024, 8, "cpu", ds)
     with pytest.raises(ConfigError, match=r"8 rank\(s\) on rank 0's node would offload 9\d\d\.\d GiB .*\(model states 9"):
-        cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cpu"))
-    check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cpu"), lora_rank=16)
+        decide_run(source.config, plan, opts, ds, "bf16", node)
+    check = decide_run(source.config, plan, opts, ds, "bf16", node, lora_rank=16).memory
     assert check.estimate.breakdown["model_states_host"] < 3 * 2 ** 30
     assert check.lines == ("fpdt-plan's model of this run: host offload 2.31 GiB per node",)
     full = mp.estimate(cfg, plan, opts, ds, "bf16", "cpu", 8)
@@ -407,29 +405,22 @@ def test_a_lora_runs_memory_advice_is_the_lora_plans(monkeypatch):
     """Llama-3-70B at 512K on one node of 8 x 80 GiB (1 TiB of host), ZeRO-3 without offload:
     trained fully, its weights, gradients and AdamW state (16 B per parameter over 8 GPUs, about
     130 GiB per GPU) fit no setting; with --lora-rank 16 the frozen base holds no gradient or
-    optimizer state, and the planner's LoRA settings fit. The CUDA path of check_memory (the
+    optimizer state, and the planner's LoRA settings fit. The CUDA path of decide_run (the
     device-memory warning's and the out-of-memory line's advice), with the GPU faked."""
-    import types
 
-    from fpdt.cli import train as cli
 
     from fpdt.train import preflight
     from fpdt.cli.train import build_parser, fpdt_flags
     from fpdt.train.config import merge_options
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1024 * 2 ** 30))
-    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(cli.torch.cuda, "get_device_properties",
-                        lambda device: types.SimpleNamespace(total_memory=80 * 2 ** 30))
-    monkeypatch.setattr(cli, "_worst_node", lambda need, available, ranks, device: (0, need, available, ranks))
+    node = Node("cuda", 80 * 2 ** 30, 8, 1024 * 2 ** 30)
     cfg, S = load_model_config("llama-3-70b"), 512 * 1024
     source = preflight.ModelSource("llama-3-70b", cfg)
     ds = load_ds_config(None, "cuda")[0]
     opts = TrainerOptions(sp=8)
     plan = validate(opts, S, 8, "cuda", ds)
-    full = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
+    full = decide_run(source.config, plan, opts, ds, "bf16", node).memory
     assert full.recommend().flags is None and "no setting of this length and GPU count that fits" in full.recommend().note
-    lora = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"), lora_rank=16)
+    lora = decide_run(source.config, plan, opts, ds, "bf16", node, lora_rank=16).memory
     rec = lora.recommend()
     assert rec.flags is not None and rec.flags.endswith(" --lora-rank 16"), rec
     assert rec.flags.startswith("--chunk-size ") and " --checkpoint offload " in rec.flags, rec

@@ -135,14 +135,15 @@ def test_the_nvme_tier_says_what_it_reclaims_and_warns_on_tmpfs(tmp_path, monkey
     left.mkdir()
     (left / nvme.MARKER).write_text(json.dumps({"pid": 2 ** 22 + 7, "host": socket.gethostname()}))
     (left / "3.bin").write_bytes(b"x" * 8192)
-    text, tier = setup_tier(str(tmp_path), 4, 64, 32, 4, nvme_layers=2)
+    from fpdt.model.layer_checkpoints import NVMeBytes
+    text, tier = setup_tier(str(tmp_path), NVMeBytes(2, 8192, 0, 0))
     assert isinstance(tier, nvme.NVMeTier) and not tier.open_stores()
     lines = text.splitlines()
     assert lines[0].startswith("NVMe backend: test; nvme_path ") and not left.exists()
     assert lines[1] == (f"nvme_path: removed {left}, left by a run that did not end cleanly (process {2 ** 22 + 7} on "
                         f"{socket.gethostname()}): 1 file(s), 7.63e-06 GiB")
     monkeypatch.setattr(nvme, "filesystem_type", lambda path, mounts_text=None: "tmpfs")
-    (line, warning) = setup_tier(str(tmp_path), 4, 64, 32, 4)[0].splitlines()
+    (line, warning) = setup_tier(str(tmp_path), NVMeBytes(4, 8192, 0, 0))[0].splitlines()
     assert warning == (f"warning: nvme_path {tmp_path} is on tmpfs, which is RAM-backed: what the NVMe tier writes "
                        f"there costs host memory, not disk; point --nvme-path at a local drive")
 

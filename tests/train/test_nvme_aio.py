@@ -75,43 +75,72 @@ def test_aio_read_after_unwaited_write_and_close_cleans(tmp_path, backend_factor
     assert os.listdir(tmp_path) == []
 
 
-def test_trainer_setup_line_and_preflight(tmp_path, monkeypatch):
-    """fpdt-train's tier set-up: the start-up line names the backend and the bytes per step; too
-    little space, or no directory, is one ConfigError line before step 1."""
-    from types import SimpleNamespace
+HF_CFG = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2 ** 41)
 
+
+def _tier(tmp_path, seq_len=4096, micro=1, **options):
+    """fpdt-train's tier set-up for a 5-layer model (hidden 64, 4 heads of 16) on 2 ranks, 2 chunks."""
+    from fpdt.cli.train import _nvme_tier
+    from fpdt.plan import load_model_config
+    from fpdt.train.config import TrainerOptions, load_ds_config, validate
+    cfg = load_model_config(HF_CFG)
+    ds = {**load_ds_config(None, "cpu")[0], "train_micro_batch_size_per_gpu": micro}
+    opts = TrainerOptions(sp=2, chunk_size=seq_len // 2, checkpointing="offload", offload=True, runtime="sim",
+                          nvme_path=str(tmp_path), **options)
+    plan = validate(opts, seq_len, 2, "cpu", ds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _nvme_tier(opts, plan, cfg, ds, "bf16"), (cfg, plan, opts, ds)
+
+
+def test_trainer_setup_line_and_preflight(tmp_path, monkeypatch):
+    """fpdt-train's tier set-up: the start-up line names the backend and the bytes per micro-batch;
+    too little space, or no directory, is one ConfigError line before step 1."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     import fpdt.offload.nvme as nvme
-    from fpdt.cli.train import _nvme_tier
     from fpdt.train.config import ConfigError
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)   # no JIT build here
-    plan = SimpleNamespace(seq_len=4096, sp=2)
-    config = SimpleNamespace(num_layers=5, hidden_size=64)
-    opts = SimpleNamespace(nvme_path=str(tmp_path), checkpoint_device_layers=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tier, (line,) = _nvme_tier(opts, plan, config, "bf16")
+    (tier, (line,)), _ = _tier(tmp_path, checkpoint_device_layers=1)
     per_layer = 2048 * 64 * 2
-    assert line.startswith("NVMe backend: portable") and f"4 layers x {per_layer:,} bytes" in line, line
+    assert line.startswith("NVMe backend: portable") and f"(4 layers x {per_layer:,} bytes)" in line, line
     assert isinstance(tier, nvme.NVMeTier) and not tier.open_stores()      # opened by the model, on first use
     store = tier.store(tmp_path, 0)
     assert isinstance(store.backend, PortableBackend)
     tier.close()
-    assert _nvme_tier(SimpleNamespace(nvme_path=None), plan, config, "bf16") == (None, ())
     # nvme_layers=2 of the 4 offloaded, saving the first 3 layers' attention outputs (2 files per chunk)
-    config = SimpleNamespace(num_layers=5, hidden_size=64, num_heads=4, head_dim=16)
-    plan2 = SimpleNamespace(seq_len=4096, sp=2, num_chunks=2)
-    saving = SimpleNamespace(nvme_path=str(tmp_path), checkpoint_device_layers=1, nvme_layers=2,
-                             attention_checkpoint="save", save_attention_layers=3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tier, (line,) = _nvme_tier(saving, plan2, config, "bf16")
+    (tier, (line,)), _ = _tier(tmp_path, checkpoint_device_layers=1, nvme_layers=2, attention_checkpoint="save",
+                               save_attention_layers=3)
     per_saved = 2048 * 4 * (16 * 2 + 4) + 2 * 2 * 4096
     assert f"(2 layers x {per_layer:,} bytes + 2 saved attention outputs x {per_saved:,} bytes)" in line, line
     tier.close()
-    huge = SimpleNamespace(seq_len=2 ** 50, sp=1)
     with pytest.raises(ConfigError, match=f"nvme_path {tmp_path}: needs .* bytes, .* free"):
-        _nvme_tier(opts, huge, config, "bf16")
+        _tier(tmp_path, seq_len=2 ** 40)
     with pytest.raises(ConfigError, match="not an existing directory"):
-        _nvme_tier(SimpleNamespace(nvme_path=str(tmp_path / "nope"), checkpoint_device_layers=0), plan, config, "bf16")
+        _tier(tmp_path / "nope")
+
+
+def test_the_nvme_bytes_count_the_micro_batch_and_streaming(tmp_path, monkeypatch):
+    """One count (:func:`fpdt.model.layer_checkpoints.nvme_bytes`) for the planner's disk figure,
+    the free-space preflight and the start-up line: a micro-batch of 2 writes twice the tokens;
+    streamed, the last layer stays on the host and each layer input is one file per chunk."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from fpdt.plan import trainer_run
+    from fpdt.plan.decide import nvme_need
+    from fpdt.plan.memory_model import nvme_tier_bytes
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    (tier, (line,)), (cfg, plan, opts, ds) = _tier(tmp_path, micro=2, attention_checkpoint="save")
+    tier.close()
+    per_layer, per_saved = 2 * 2048 * 64 * 2, 2 * 2048 * 4 * (16 * 2 + 4) + 2 * 2 * 4096
+    assert f"(5 layers x {per_layer:,} bytes + 5 saved attention outputs x {per_saved:,} bytes)" in line, line
+    need = nvme_need(cfg, plan, opts, ds, "bf16")
+    assert need.total == 5 * (per_layer + per_saved)
+    setup = trainer_run.planned_setup(plan, opts, ds, "bf16", "cpu")
+    assert setup.batch == 2 and nvme_tier_bytes(cfg, setup)[0] == need.total           # the planner's figure
+    one = nvme_need(cfg, plan, opts, {**ds, "train_micro_batch_size_per_gpu": 1}, "bf16")
+    assert 2 * one.per_layer == need.per_layer and 2 * (one.per_saved - 4 * 4096) == need.per_saved - 4 * 4096
+    (tier, (line,)), _ = _tier(tmp_path, micro=2, stream_layers=True)
+    tier.close()
+    assert f"(4 layers x {per_layer:,} bytes)" in line, line        # the last layer: read first, on the host

@@ -7,13 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
-from fpdt.train import preflight
 from fpdt.train.config import ConfigError, TrainerOptions, load_ds_config, validate
-from tests.train.helpers import fake_node
+from fpdt.plan.decide import MemoryCheck, decide_run
+from tests.train.helpers import node
 
 GIB = 2 ** 30
 CFG = load_model_config("llama-3-8b")
@@ -48,44 +47,34 @@ def _need(opts, plan, ds, k):
     return sum(mp.host_offload_bytes(est).values())
 
 
-def test_the_memory_check_puts_the_fewest_layers_on_disk(monkeypatch):
+def test_the_memory_check_puts_the_fewest_layers_on_disk():
     """Llama-3-8B at 2M on 8 x 80 GiB: a node whose available memory is the predicted host offload
     with K layers on disk gets K (K - 1 would not fit), and the host check gates on the tier."""
     ds, opts, plan = _run()
-    source = preflight.ModelSource("llama-3-8b", CFG)
     k = 9
     need = {n: _need(opts, plan, ds, n) for n in (0, k - 1, k, k + 1, k + 3)}
     assert need[0] > need[k - 1] > need[k] > need[k + 1]
-    cli = fake_node(monkeypatch, need[k])
-    check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
+    check = decide_run(CFG, plan, opts, ds, "bf16", node(need[k])).memory
     assert check.nvme.layers == k, check.nvme
     assert check.nvme.reason.startswith("the fewest first layers on disk"), check.nvme.reason
     assert sum(mp.host_offload_bytes(check.estimate).values()) == need[k]
-    cli = fake_node(monkeypatch, need[k] - 1)                 # a byte less: one more layer
-    assert cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda")).nvme.layers == k + 1
-    cli = fake_node(monkeypatch, need[0])                     # the host holds the run: nothing on disk
-    check = cli.check_memory(source, plan, opts, ds, "bf16", torch.device("cuda"))
+    # a byte less: one more layer; the options the model gets hold the choice
+    assert decide_run(CFG, plan, opts, ds, "bf16", node(need[k] - 1)).opts.nvme_layers == k + 1
+    check = decide_run(CFG, plan, opts, ds, "bf16", node(need[0])).memory    # the host holds the run: nothing on disk
     assert check.nvme.layers == 0 and "without it" in check.nvme.reason
     # given: taken as is and accounted, so too few on disk is the host check's error
-    cli = fake_node(monkeypatch, need[k])
-    check = cli.check_memory(source, plan, replace(opts, nvme_layers=k + 3), ds, "bf16", torch.device("cuda"))
+    check = decide_run(CFG, plan, replace(opts, nvme_layers=k + 3), ds, "bf16", node(need[k])).memory
     assert check.nvme == mp.NVMeLayers(k + 3, f"--nvme-layers {k + 3}")
     assert sum(mp.host_offload_bytes(check.estimate).values()) == need[k + 3]
     with pytest.raises(ConfigError, match="would offload .* to host memory"):
-        cli.check_memory(source, plan, replace(opts, nvme_layers=k - 1), ds, "bf16", torch.device("cuda"))
+        decide_run(CFG, plan, replace(opts, nvme_layers=k - 1), ds, "bf16", node(need[k]))
     # without the tier: no choice
-    plain = replace(opts, nvme_path=None)
-    cli = fake_node(monkeypatch, 4096 * GIB)
-    assert cli.check_memory(source, plan, plain, ds, "bf16", torch.device("cuda")).nvme is None
+    assert decide_run(CFG, plan, replace(opts, nvme_path=None), ds, "bf16", node(4096 * GIB)).memory.nvme is None
 
 
-def test_the_start_up_words_and_the_model_options():
-    """What the start-up line says, and the options the model is built with."""
-    from fpdt.cli.train import MemoryCheck, _choices_words, _with_choices
+def test_the_start_up_words():
     memory = MemoryCheck(None, None, None, (), None, mp.NVMeLayers(5, "why"))
-    assert _choices_words(memory, 32, 2) == " nvme_layers=5/30 (why)"
-    opts = _with_choices(TrainerOptions(nvme_path="/mnt/nvme", checkpointing="offload"), memory)
-    assert opts.nvme_layers == 5
+    assert memory.words(32, 2) == " nvme_layers=5/30 (why)"
 
 
 def test_the_line_docs_quote():
