@@ -107,9 +107,8 @@ def _trainer(argv, section):
     o = fpdt_options(build_parser().parse_args(ARGV + argv), section)
     run = validate(o, SEQ, 1, "cpu", {})        # the run's checks before any process group
     cfg = preflight.model_source(None, _CONFIG_PATH[0]).config
-    preflight.check_device_layers(cfg, o.checkpoint_device_layers, "config.json")
-    preflight.check_save_layers(cfg, o.save_attention_layers, "config.json")
-    preflight.check_nvme_layers(cfg, o.nvme_layers, "config.json")
+    preflight.check_layer_counts(cfg, "config.json", checkpoint_device_layers=o.checkpoint_device_layers,
+                                 save_attention_layers=o.save_attention_layers, nvme_layers=o.nvme_layers)
     o.model_options(run)
 
 

@@ -50,9 +50,6 @@ def test_one_layer_count_check(name, needs, tmp_path):
     CFG.to_json_file(path)
     cfg = preflight.model_source(None, path).config
     assert _message(lambda: preflight.check_layer_counts(cfg, path, **{name: 3})) == f"{path}: {want}"
-    old = {"checkpoint_device_layers": preflight.check_device_layers, "save_attention_layers":
-           preflight.check_save_layers, "nvme_layers": preflight.check_nvme_layers}[name]
-    assert _message(lambda: old(cfg, 3, path)) == f"{path}: {want}"
     problems = Setup.build(seq_len=64, chunk_size=32, **opts).problems(load_model_config(CFG.to_dict()), 1)
     assert problems == [want]
     flag = in_flag_terms(want)                       # both command lines word it in their flags

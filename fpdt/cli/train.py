@@ -450,9 +450,8 @@ def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[
     source = preflight.model_source(args.model, args.model_config)
     lora.check_plan(lora_spec, plan.mlp_chunks, source.config_path, source.config, args.lora_init)
     preflight.check_heads(source.config, plan.hp, source.config_path, "--sp" if plan.cp == 1 else "--hp")
-    preflight.check_device_layers(source.config, device_layers, source.config_path)
-    preflight.check_save_layers(source.config, save_layers, source.config_path)
-    preflight.check_nvme_layers(source.config, nvme_layers, source.config_path)
+    preflight.check_layer_counts(source.config, source.config_path, checkpoint_device_layers=device_layers,
+                                 save_attention_layers=save_layers, nvme_layers=nvme_layers)
     preflight.check_batch_size(ds_config, plan.world_size)
     preflight.check_save_dir(args.save_dir)
     preflight.check_output_dir("--export-hf", args.export_hf)

@@ -99,21 +99,6 @@ def check_layer_counts(cfg: ModelConfig, config_path: str, **counts: int | None)
         raise ConfigError(f"{config_path}: {problem}")
 
 
-def check_device_layers(cfg: ModelConfig, layers: int, config_path: str) -> None:
-    """:func:`check_layer_counts` of ``checkpoint_device_layers``."""
-    check_layer_counts(cfg, config_path, checkpoint_device_layers=layers)
-
-
-def check_save_layers(cfg: ModelConfig, layers: int | None, config_path: str) -> None:
-    """:func:`check_layer_counts` of ``save_attention_layers``."""
-    check_layer_counts(cfg, config_path, save_attention_layers=layers)
-
-
-def check_nvme_layers(cfg: ModelConfig, layers: int | None, config_path: str) -> None:
-    """:func:`check_layer_counts` of ``nvme_layers``."""
-    check_layer_counts(cfg, config_path, nvme_layers=layers)
-
-
 def check_batch_size(ds_config: Mapping[str, Any], world_size: int) -> None:
     """DeepSpeed's ``train_batch_size = micro x grad_accum x world size`` (every rank,
     SP ranks included, counts as a data-parallel rank), checked with a message that says so."""
