@@ -1,0 +1,121 @@
+"""LoRA on hybrid and mixture-of-experts models, fpdt's own (``fpdt.model.add_lora``) against PEFT on
+the Transformers model: Qwen3.5's Gated DeltaNet projections (``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``, ``out_proj``), its gated attention and MLP; Qwen3-MoE's attention
+(its fused experts carry no fpdt adapter). Same base weights, PEFT's adapters drawn with
+``init_lora_weights=False`` (random ``B``, every gradient nonzero) and copied into fpdt's; fpdt on 1
+and 2 gloo ranks, per-rank gradients summed over the SP group. Judged as ``tests/model/qwen35.py``
+says (float64 reference: within 1e-5, or twice Transformers' own fp32 error), and the loss and every
+adapter gradient but ``in_proj_a``'s within 1e-5. ``in_proj_a`` feeds the decay gate
+``g = -exp(A_log) softplus(a + dt_bias)``, whose gradients are sums with cancellation: PEFT's own fp32
+run lands 1e-5 to 2e-4 from float64 on its adapters (as on ``A_log``, ``tests/model/qwen35.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fpdt.model as fm
+from fpdt.model.lora import GDN_TARGETS, LORA_TARGETS, LoraSpec
+from tests.distributed import run_distributed
+from tests.model.helpers import TOL, tokens
+from tests.model.qwen35 import compare_hybrid, float64_delta_rule, fpdt_qwen35, qwen35_model
+from tests.model.test_lora_model import peft_name
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+def hybrid_models(name: str, spec: LoraSpec, **options):
+    """(PEFT model, fpdt model) of the tiny Qwen3.5 ``name``, same base and adapters."""
+    base = qwen35_model(name)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+        r=spec.rank, lora_alpha=spec.lora_alpha, target_modules=list(spec.targets), lora_dropout=spec.dropout,
+        use_rslora=spec.rslora, init_lora_weights=False))
+    with torch.no_grad():                  # B small, as after a few steps: the hybrid stays well conditioned
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.02)
+    ours = fm.add_lora(fpdt_qwen35(base, **options), spec)
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in fm.adapter_state_dict(ours).items():
+            p.copy_(params[peft_name(n)])
+    return ref, ours
+
+
+def peft_references(ref, ids, labels):
+    """``(fp32, float64)`` PEFT results, each ``(loss, {name: adapter grad})``. float64: the float64
+    token recurrence in Transformers' Gated DeltaNet, and the loss taken from the float64 logits
+    (Transformers' own loss casts them to fp32, an fp32 floor of about 3e-6 on these gradients)."""
+    out = []
+    for dtype in (torch.float32, torch.float64):
+        model = copy.deepcopy(ref).to(dtype)
+        with float64_delta_rule():
+            if dtype == torch.float32:
+                loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+            else:
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+                loss = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+            loss.backward()
+        out.append((loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}))
+    return tuple(out)
+
+
+def run_hybrid(name, rank, world, *, spec, num_chunks=2, checkpointing="off", offload=False, B=2):
+    S = 8 * world * num_chunks
+    ref, ours = hybrid_models(name, spec, num_chunks=num_chunks, checkpointing=checkpointing, offload=offload,
+                              runtime="sim" if offload else None, group=dist.group.WORLD if world > 1 else None)
+    ids, labels = tokens(ref.config.vocab_size, B, S)
+    refs = peft_references(ref, ids, labels)
+    loss = ours(**ours.prepare_inputs(ids, labels=labels))
+    loss.backward()
+    frozen = [n for n, p in ours.named_parameters() if not fm.lora.is_adapter(n) and (p.requires_grad or p.grad is not None)]
+    assert not frozen, f"base parameters got gradients: {frozen[:3]}"
+    grads = {peft_name(n): p.grad.detach().clone() for n, p in fm.adapter_state_dict(ours).items()}
+    assert any(".in_proj_a." in n for n in grads) == ("in_proj_a" in spec.targets)
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    what = f"{name} fpdt LoRA rank {rank}/{world} u={num_chunks} ckpt={checkpointing} offload={offload} {spec}"
+    errs = compare_hybrid(loss, grads, refs, what)
+    worst = max(((n, e) for n, e in errs.items() if ".in_proj_a." not in n), key=lambda kv: kv[1][0])
+    assert worst[1][0] <= TOL, f"{what}: {worst}"
+    return errs
+
+
+@pytest.mark.parametrize("num_chunks,checkpointing,offload", [(1, "off", False), (3, "offload", True)])
+def test_gdn_and_gated_attention_against_peft(num_chunks, checkpointing, offload):
+    run_hybrid("qwen35", 0, 1, spec=LoraSpec(3, alpha=5.0, targets=LORA_TARGETS), num_chunks=num_chunks,
+               checkpointing=checkpointing, offload=offload)
+
+
+def test_gdn_targets_only_rslora_layer_checkpoints():
+    run_hybrid("qwen35", 0, 1, spec=LoraSpec(2, targets=("in_proj_qkv", "in_proj_b", "out_proj"), rslora=True),
+               num_chunks=2, checkpointing="on")
+
+
+def _two_ranks(rank, world):
+    run_hybrid("qwen35", rank, world, spec=LoraSpec(3, targets=LORA_TARGETS), num_chunks=2, checkpointing="offload",
+               offload=True)
+
+
+@pytest.mark.slow
+def test_gdn_lora_two_ranks_against_peft():
+    run_distributed(_two_ranks, 2, timeout=600)
+
+
+def test_refusals_and_defaults():
+    from tests.model.helpers import fpdt_from_hf, hf_model
+    with pytest.raises(ValueError, match="no Gated DeltaNet layer"):
+        fm.add_lora(fpdt_from_hf(hf_model("llama_gqa")), LoraSpec(2, targets=GDN_TARGETS[:1]))
+    assert LoraSpec(2).targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    model = fm.add_lora(fpdt_qwen35(qwen35_model()), LoraSpec(2, targets=("q_proj", "in_proj_z")))
+    names = sorted(fm.adapter_state_dict(model))
+    assert names == sorted([f"model.layers.{i}.linear_attn.in_proj_z.lora_{k}.weight" for i in range(3) for k in "AB"]
+                           + [f"model.layers.3.self_attn.q_proj.lora_{k}.weight" for k in "AB"])
