@@ -91,6 +91,12 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dt
     """
     if getattr(model, "lora", None) is not None:
         raise ValueError("the model already has LoRA adapters")
+    mlp = [t for t in spec.targets if t in MLP_TARGETS]
+    if mlp and model.config.moe is not None:
+        raise ValueError(f"LoRA targets {mlp} on a mixture-of-experts model: fpdt's own adapters do not reach the "
+                         f"fused experts (PEFT >= 0.17 maps these names onto them), so an export would not say what "
+                         f"was trained; target {list(ATTENTION_TARGETS)}, or train expert LoRA with PEFT's "
+                         f"target_parameters through fpdt.hf")
     gdn = [t for t in spec.targets if t in GDN_TARGETS]
     if gdn and not model.config.has_linear_attention:
         raise ValueError(f"LoRA targets {gdn} are Gated DeltaNet projections, and this model has no Gated DeltaNet "

@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
     g.add_argument("--lora-targets", metavar="LIST",
                    help=f"comma-separated projections that get adapters, of {','.join(LORA_TARGETS)} (default: "
-                        f"{','.join(DEFAULT_TARGETS)}, and on a model with Gated DeltaNet layers "
-                        f"{','.join(GDN_TARGETS)} too)")
+                        f"{','.join(DEFAULT_TARGETS)}; on a model with Gated DeltaNet layers "
+                        f"{','.join(GDN_TARGETS)} too; on a mixture-of-experts model the attention's only)")
     g.add_argument("--lora-rslora", action="store_true", help="rsLoRA scaling alpha / sqrt(R)")
     g.add_argument("--lora-init", metavar="DIR",
                    help="start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors) "
@@ -109,10 +109,18 @@ def _from_init(path: str, rank: int | None, given: list[tuple[str, Any]]) -> Lor
 
 def for_model(spec: LoraSpec | None, cfg: ModelConfig, targets_given: bool) -> LoraSpec | None:
     """``spec`` for a model of ``cfg``: without ``--lora-targets`` (``targets_given`` False) a model
-    with Gated DeltaNet layers gets adapters on their projections too; Gated DeltaNet targets on a
+    with Gated DeltaNet layers gets adapters on their projections too, and a mixture-of-experts model
+    on its attention only; MLP targets on a mixture-of-experts model and Gated DeltaNet targets on a
     model without such layers are refused."""
     if spec is None:
         return None
+    mlp = [t for t in spec.targets if t in MLP_TARGETS]
+    if cfg.moe is not None and mlp:
+        if targets_given:
+            raise ConfigError(f"--lora-targets {','.join(mlp)} on a mixture-of-experts model: fpdt's adapters do not "
+                              f"reach the fused experts (PEFT maps these names onto them, so the export would not say "
+                              f"what was trained); target {','.join(ATTENTION_TARGETS)}")
+        spec = dataclasses.replace(spec, targets=tuple(t for t in spec.targets if t not in MLP_TARGETS))
     gdn = [t for t in spec.targets if t in GDN_TARGETS]
     if not cfg.has_linear_attention:
         if gdn:
