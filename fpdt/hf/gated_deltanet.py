@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fpdt.hf.errors import FPDTHFError
+from fpdt.hf.groups import resolve_group
 from fpdt.model.gated_deltanet import GatedDeltaNet
 from fpdt.ops.projections import ProjectionError, read_projections
 
@@ -64,6 +65,15 @@ class TransformersGatedDeltaNet(GatedDeltaNet):
         self.norm.eps = module.norm.variance_epsilon
         self.layer_idx, self.stash_label = module.layer_idx, f"layer {module.layer_idx}"
         return self.train(module.training)
+
+    @property
+    def group(self):
+        """The sequence-parallel group (a :class:`fpdt.hf.groups.TrainerGroup` resolved per call)."""
+        return resolve_group(self.__dict__.get("_group"))
+
+    @group.setter
+    def group(self, group) -> None:
+        self.__dict__["_group"] = group
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
                 **kwargs) -> torch.Tensor:

@@ -119,3 +119,32 @@ def test_refusals_and_defaults():
     names = sorted(fm.adapter_state_dict(model))
     assert names == sorted([f"model.layers.{i}.linear_attn.in_proj_z.lora_{k}.weight" for i in range(3) for k in "AB"]
                            + [f"model.layers.3.self_attn.q_proj.lora_{k}.weight" for k in "AB"])
+
+
+def test_targets_per_model_kind_and_adapter_shapes():
+    """fpdt-train's targets per model (train.lora.for_model) and the shapes it checks a --lora-init
+    directory against (train.lora.adapter_shapes) are those add_lora attaches: Qwen3.5 (gated q_proj
+    twice as wide, the Gated DeltaNet projections by default), Qwen3-MoE (attention only, the dense
+    layer's MLP neither: MLP targets refused)."""
+    from fpdt.model.lora import ATTENTION_TARGETS, DEFAULT_TARGETS
+    from fpdt.train.config import ConfigError
+    from fpdt.train.lora import adapter_shapes, for_model
+    from tests.model.test_moe_model import hf_moe
+    hybrid = fpdt_qwen35(qwen35_model())
+    moe = fm.from_config(hf_moe().config)
+    assert for_model(LoraSpec(2), hybrid.config, False).targets == LORA_TARGETS
+    assert for_model(LoraSpec(2, targets=("q_proj",)), hybrid.config, True).targets == ("q_proj",)
+    assert for_model(LoraSpec(2), moe.config, False).targets == ATTENTION_TARGETS
+    with pytest.raises(ConfigError, match="mixture-of-experts model"):
+        for_model(LoraSpec(2, targets=("q_proj", "up_proj")), moe.config, True)
+    from tests.model.helpers import hf_model
+    llama = fm.ModelConfig.from_hf(hf_model("llama_gqa").config)
+    assert for_model(LoraSpec(2), llama, False).targets == DEFAULT_TARGETS
+    with pytest.raises(ConfigError, match="no Gated DeltaNet layer"):
+        for_model(LoraSpec(2, targets=("out_proj",)), llama, True)
+    with pytest.raises(ValueError, match="mixture-of-experts model"):
+        fm.add_lora(fm.from_config(hf_moe().config), LoraSpec(2))
+    for model, spec in ((hybrid, LoraSpec(3, targets=LORA_TARGETS)), (moe, LoraSpec(3, targets=ATTENTION_TARGETS))):
+        fm.add_lora(model, spec)
+        got = {n: tuple(p.shape) for n, p in fm.adapter_state_dict(model).items()}
+        assert got == adapter_shapes(model.config, spec)
