@@ -1,13 +1,14 @@
 """LoRA on hybrid and mixture-of-experts models, fpdt's own (``fpdt.model.add_lora``) against PEFT on
 the Transformers model: Qwen3.5's Gated DeltaNet projections (``in_proj_qkv``, ``in_proj_z``,
-``in_proj_b``, ``in_proj_a``, ``out_proj``), its gated attention and MLP; Qwen3-MoE's attention
-(its fused experts carry no fpdt adapter). Same base weights, PEFT's adapters drawn with
-``init_lora_weights=False`` (random ``B``, every gradient nonzero) and copied into fpdt's; fpdt on 1
-and 2 gloo ranks, per-rank gradients summed over the SP group. Judged as ``tests/model/qwen35.py``
-says (float64 reference: within 1e-5, or twice Transformers' own fp32 error), and the loss and every
-adapter gradient but ``in_proj_a``'s within 1e-5. ``in_proj_a`` feeds the decay gate
-``g = -exp(A_log) softplus(a + dt_bias)``, whose gradients are sums with cancellation: PEFT's own fp32
-run lands 1e-5 to 2e-4 from float64 on its adapters (as on ``A_log``, ``tests/model/qwen35.py``)."""
+``in_proj_b``, ``in_proj_a``, ``out_proj``), its gated attention and MLP; Qwen3-MoE's attention on 2
+ranks (its fused experts carry no fpdt adapter; one rank: ``tests/model/test_moe_model.py``). Same
+base weights and adapters (PEFT's, random ``B``: every gradient nonzero, copied into fpdt's); fpdt
+on 1 and 2 gloo ranks, per-rank gradients summed over the SP group. Qwen3.5 is judged as
+``tests/model/qwen35.py`` says (float64 reference: within 1e-5, or twice Transformers' own fp32
+error), and the loss and every adapter gradient but ``in_proj_a``'s within 1e-5. ``in_proj_a``
+feeds the decay gate ``g = -exp(A_log) softplus(a + dt_bias)``, whose gradients are sums with
+cancellation: PEFT's own fp32 run lands 1e-5 to 2e-4 from float64 on its adapters (as on ``A_log``).
+Qwen3-MoE: fp32 within 1e-5 of PEFT's."""
 
 from __future__ import annotations
 
@@ -100,13 +101,45 @@ def test_gdn_targets_only_rslora_layer_checkpoints():
                num_chunks=2, checkpointing="on")
 
 
+def run_moe(rank, world, *, num_chunks=2, checkpointing="off", offload=False):
+    """fpdt's LoRA on Qwen3-MoE's attention (its default there) against PEFT's: loss with the
+    balancing loss and every adapter gradient, fp32 within 1e-5."""
+    from fpdt.model.lora import ATTENTION_TARGETS
+    from tests.model.helpers import compare
+    from tests.model.test_moe_model import hf_moe
+    spec = LoraSpec(3, alpha=4.0, targets=ATTENTION_TARGETS)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(hf_moe(), peft.LoraConfig(r=3, lora_alpha=4.0, target_modules=list(spec.targets),
+                                                         init_lora_weights=False))
+    ours = fm.from_config(ref.config, num_chunks=num_chunks, checkpointing=checkpointing, offload=offload,
+                          runtime="sim" if offload else None, group=dist.group.WORLD if world > 1 else None)
+    fm.load_hf_state_dict(ours, hf_moe().state_dict())
+    fm.add_lora(ours, spec)
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in fm.adapter_state_dict(ours).items():
+            p.copy_(params[peft_name(n)])
+    ids, labels = tokens(ref.config.vocab_size, 2, 8 * world * num_chunks)
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    loss = ours(**ours.prepare_inputs(ids, labels=labels))
+    loss.backward()
+    grads = {peft_name(n): p.grad.detach().clone() for n, p in fm.adapter_state_dict(ours).items()}
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    compare(loss, grads, ref_loss.detach(), {n: p.grad for n, p in ref.named_parameters() if p.requires_grad},
+            f"qwen3_moe fpdt LoRA rank {rank}/{world} u={num_chunks} ckpt={checkpointing}")
+
+
 def _two_ranks(rank, world):
     run_hybrid("qwen35", rank, world, spec=LoraSpec(3, targets=LORA_TARGETS), num_chunks=2, checkpointing="offload",
                offload=True)
+    run_moe(rank, world, num_chunks=2, checkpointing="offload", offload=True)
 
 
 @pytest.mark.slow
-def test_gdn_lora_two_ranks_against_peft():
+def test_two_ranks_against_peft():
     run_distributed(_two_ranks, 2, timeout=600)
 
 
