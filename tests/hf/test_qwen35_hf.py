@@ -122,7 +122,7 @@ def test_peft_lora_on_attention_and_mlp():
     assert rel_err(out.loss, results[1][0]) <= 1e-5
 
 
-def _peft_gdn_case(rank, world, num_chunks, checkpointing):
+def _peft_gdn_case(rank, world, num_chunks, checkpointing, peft_first=True):
     """PEFT LoRA on every Gated DeltaNet projection and the gated attention's q/o, through apply_fpdt:
     the loss and adapter gradients (summed over the ranks) against PEFT run by Transformers
     (``tests/model/test_lora_hybrid.py`` says how they are judged)."""
@@ -131,18 +131,24 @@ def _peft_gdn_case(rank, world, num_chunks, checkpointing):
     from tests.model.helpers import TOL
     from tests.model.test_lora_hybrid import peft_references
 
+    config = peft.LoraConfig(r=3, lora_alpha=5, target_modules=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                                "out_proj", "q_proj", "o_proj"])
     torch.manual_seed(2)
-    model = peft.get_peft_model(qwen35_model(), peft.LoraConfig(
-        r=3, lora_alpha=5, target_modules=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-                                           "q_proj", "o_proj"]))
+    model = peft.get_peft_model(qwen35_model(), config)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0.0, 0.02)
     ids, labels = tokens(256, 2, 8 * world * num_chunks)
     refs = peft_references(model, ids, labels)
-    fpdt.hf.apply_fpdt(model, num_chunks=num_chunks, checkpointing=checkpointing, offload=checkpointing == "offload",
-                       runtime="sim", group=dist.group.WORLD if world > 1 else None)
+    options = dict(num_chunks=num_chunks, checkpointing=checkpointing, offload=checkpointing == "offload",
+                   runtime="sim", group=dist.group.WORLD if world > 1 else None)
+    if peft_first:
+        fpdt.hf.apply_fpdt(model, **options)
+    else:                  # PEFT puts its layers into fpdt's modules; the same adapter weights
+        state = model.state_dict()
+        model = peft.get_peft_model(fpdt.hf.apply_fpdt(qwen35_model(), **options), config)
+        model.load_state_dict(state)
     assert isinstance(model.base_model.model.model.layers[0].linear_attn, TransformersGatedDeltaNet)
     out = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels))
     out.loss.backward()
@@ -157,8 +163,9 @@ def _peft_gdn_case(rank, world, num_chunks, checkpointing):
     assert worst[1][0] <= TOL, f"{what}: {worst}"
 
 
-def test_peft_lora_on_gated_deltanet():
-    _peft_gdn_case(0, 1, 3, "offload")
+@pytest.mark.parametrize("num_chunks,checkpointing,peft_first", [(3, "offload", True), (2, "off", False)])
+def test_peft_lora_on_gated_deltanet(num_chunks, checkpointing, peft_first):
+    _peft_gdn_case(0, 1, num_chunks, checkpointing, peft_first)
 
 
 @pytest.mark.slow

@@ -251,6 +251,25 @@ def test_peft_lora_on_every_projection_matches_transformers(num_chunks, offload)
     assert not bad, f"u={num_chunks} offload={offload}: (ours, Transformers fp32) errors against float64: {bad}"
 
 
+def test_peft_lora_bf16_no_worse_than_transformers_bf16():
+    """bf16 layer and adapters (PEFT's, cast with the model), 4 chunks: output, input and adapter
+    gradients against float64, Transformers' bf16 layer with the same adapters the yardstick."""
+    from tests.model.helpers import compare_bf16
+    from tests.model.qwen35 import float64_delta_rule
+    config, ref = hf_layer(SHAPES["gva"], seed=24)
+    layer = _with_peft_lora(fpdt_layer(config, ref))
+    ref = _with_peft_lora(ref)
+    layer.load_state_dict(ref.state_dict())
+    x, dout = inputs(1, 64, seed=25)
+    with float64_delta_rule():
+        exact = _lora_run(copy.deepcopy(ref).double(), x.double(), dout.double())
+    plain = _lora_run(copy.deepcopy(ref).to(torch.bfloat16), x.bfloat16(), dout.bfloat16())
+    layer = layer.to(torch.bfloat16)
+    layer.num_chunks = 4
+    out, grads = _lora_run(layer, x.bfloat16(), dout.bfloat16())
+    compare_bf16(out, grads, plain[0], plain[1], exact[0], exact[1], "GDN PEFT LoRA bf16 u=4")
+
+
 def test_lora_dropout_backward_is_the_forward_s_gradient():
     """With LoRA dropout in training mode the masks are fpdt's (regenerated per chunk in backward): in
     float64, with the dropout seed fixed, the gradients of the input and of every adapter tensor
