@@ -181,3 +181,38 @@ def test_targets_per_model_kind_and_adapter_shapes():
         fm.add_lora(model, spec)
         got = {n: tuple(p.shape) for n, p in fm.adapter_state_dict(model).items()}
         assert got == adapter_shapes(model.config, spec)
+
+
+def test_gdn_dropout_replayed_by_every_checkpoint_mode():
+    """LoRA dropout on every Qwen3.5 projection: the masks differ from step to step but not between
+    a layer's forward and its recompute (every checkpointing mode gives the same loss and adapter
+    gradients from the same seed, bit for bit), and they do act (training mode differs from eval)."""
+    from tests.model.helpers import compare, rel_err
+    spec = LoraSpec(2, dropout=0.3, targets=LORA_TARGETS)
+    ids, labels = tokens(256, 2, 24)
+    results = {}
+    for mode in ("off", "on", "offload"):
+        _, model = hybrid_models("qwen35", spec, num_chunks=3, checkpointing=mode, offload=mode == "offload",
+                                 runtime="sim" if mode == "offload" else None)
+        torch.manual_seed(11)
+        loss = model(**model.prepare_inputs(ids, labels=labels))
+        loss.backward()
+        results[mode] = (loss.detach(), {n: p.grad.clone() for n, p in fm.adapter_state_dict(model).items()})
+    for mode in ("on", "offload"):
+        compare(*results[mode], *results["off"], f"GDN dropout replay, checkpointing={mode}", tol=0.0)
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(model(**model.prepare_inputs(ids, labels=labels)), results["off"][0]) > 1e-4
+
+
+def test_lora_flops_count_each_layer_kind():
+    """The trainer's LoRA FLOPs (train.metrics.adapter_flops, per layer on average) are ``2 r (in + out)``
+    summed over the adapters add_lora attaches, on a hybrid and on an MoE model."""
+    from fpdt.model.lora import ATTENTION_TARGETS
+    from fpdt.train.metrics import ModelShape, adapter_flops
+    from tests.model.test_moe_model import hf_moe
+    for model, spec in ((fpdt_qwen35(qwen35_model()), LoraSpec(3, targets=LORA_TARGETS)),
+                        (fm.from_config(hf_moe().config), LoraSpec(3, targets=ATTENTION_TARGETS))):
+        fm.add_lora(model, spec)
+        want = sum(2 * p.numel() for p in fm.adapter_state_dict(model).values()) / model.config.num_layers
+        assert adapter_flops(ModelShape.from_config(model.config), spec) == pytest.approx(want)
