@@ -100,3 +100,21 @@ def test_lora_export_loads_into_peft(runs, model):
     with torch.no_grad():
         ours = ours_model(batch[:, :-1], labels=batch[:, 1:], output_router_logits=False)
     assert abs(float(ours) - float(theirs)) <= 1e-5 * abs(float(theirs)), (model, float(ours), float(theirs))
+
+
+@pytest.mark.slow
+def test_qwen35_lora_steps_match_peft_training(runs):
+    """The uninterrupted Qwen3.5 LoRA run (adapters on every projection, Gated DeltaNet's included,
+    drawn from --seed 0; AdamW, clipping at 1.0) step by step against PEFT training the same adapters on
+    the Transformers model: each loss within 1e-5."""
+    from fpdt.model.lora import LORA_TARGETS, LoraSpec
+    from tests.train.helpers import peft_model, peft_reference_losses
+
+    spec = LoraSpec(2, alpha=3.0, targets=LORA_TARGETS)
+    base = os.path.join(runs, "qwen35")
+    drawn = fm.add_lora(fm.from_pretrained(base, dtype=torch.float32), spec, seed=0)
+    model = peft_model(base, spec=spec, adapters={n: p.detach() for n, p in fm.adapter_state_dict(drawn).items()})
+    want = peft_reference_losses(model, os.path.join(runs, "tokens.npy"), SEQ_LEN, 3, 1, ADAMW, ADAMW_CLIP)
+    got = _losses(os.path.join(runs, "qwen35-lora-whole.jsonl"))
+    rel = [abs(g - w) / abs(w) for g, w in zip(got, want)]
+    assert len(got) == 3 and max(rel) < 1e-5, f"fpdt-train {got} vs PEFT {want} (rel. err {rel})"
