@@ -272,8 +272,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     plan = validate(opts, args.seq_len, world, device.type, ds_config)
     dtype_name = ds_dtype_name(ds_config)
-    source, notes = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers, lora_spec,
-                                     opts.save_attention_layers, opts.nvme_layers)
+    source, notes, lora_spec = preflight_checks(args, plan, ds_config, dtype_name, opts.checkpoint_device_layers,
+                                                lora_spec, opts.save_attention_layers, opts.nvme_layers)
     kernel = preflight.attention_kernel(opts.backend, device, PRECISIONS[dtype_name], source.config.head_dim)
     windows, tokenizer = load_windows(args, source.config.to_hf(), source.config.vocab_size, plan)
     return Prepared(device, ds_config, dtype_name, opts, plan, source, notes, said, lora_spec, kernel, windows,
@@ -444,10 +444,12 @@ def _experts_words(model, device, dtype_name: str) -> str:
 def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[str, Any], dtype_name: str,
                      device_layers: int = 0, lora_spec=None,
                      save_layers: int | None = None,
-                     nvme_layers: int | None = None) -> tuple[preflight.ModelSource, list[str]]:
+                     nvme_layers: int | None = None) -> tuple[preflight.ModelSource, list[str], Any]:
     """The checks of :mod:`fpdt.train.preflight` and :mod:`fpdt.train.lora` for this run
-    (before any process group). Returns the model source and warnings to print."""
+    (before any process group). Returns the model source, warnings to print and the LoRA spec for
+    this model (:func:`fpdt.train.lora.for_model`)."""
     source = preflight.model_source(args.model, args.model_config)
+    lora_spec = lora.for_model(lora_spec, source.config, args.lora_targets is not None or bool(args.lora_init))
     lora.check_plan(lora_spec, plan.mlp_chunks, source.config_path, source.config, args.lora_init)
     preflight.check_heads(source.config, plan.hp, source.config_path, "--sp" if plan.cp == 1 else "--hp")
     preflight.check_layer_counts(source.config, source.config_path, checkpoint_device_layers=device_layers,
@@ -464,7 +466,7 @@ def preflight_checks(args: argparse.Namespace, plan: RunLayout, ds_config: dict[
                                        default_config=args.deepspeed is None)
         notes = lora.check_resume(args.resume, saved.lora,
                                   lora.record(lora_spec, args.model, args.model_config, args.seed, source.config))
-    return source, notes
+    return source, notes, lora_spec
 
 
 class Saver:

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from fpdt.hf.errors import FPDTHFError
+from fpdt.hf.groups import resolve_group
 from fpdt.model.gated_deltanet import GatedDeltaNet
+from fpdt.ops.projections import ProjectionError, read_projections
 
 _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
@@ -36,15 +38,23 @@ class TransformersGatedDeltaNet(GatedDeltaNet):
 
     @classmethod
     def adopt(cls, module: nn.Module) -> "TransformersGatedDeltaNet":
-        """The replacement of ``module``, refused (naming the fix) unless Transformers' class with plain linears."""
+        """The replacement of ``module``, refused (naming the fix) unless Transformers' class with plain
+        linears or plain LoRA (PEFT's) on them."""
         if type(module) not in gated_deltanet_classes():
             raise FPDTHFError(f"{type(module).__module__}.{type(module).__name__} is not Transformers' Qwen3.5 Gated "
                               f"DeltaNet, which fpdt replaces; it may compute something else")
-        bad = [n for n in _PROJECTIONS if type(getattr(module, n)) is not nn.Linear]
-        if bad or type(module.conv1d) is not nn.Conv1d or module.conv1d.bias is not None:
-            raise FPDTHFError(f"fpdt's Gated DeltaNet reads the weights of {bad or ['conv1d']} directly, and they are "
-                              f"not plain nn.Linear / nn.Conv1d without bias (LoRA on Gated DeltaNet projections is "
-                              f"not supported): target only the attention and MLP projections")
+        if type(module.conv1d) is not nn.Conv1d or module.conv1d.bias is not None:
+            raise FPDTHFError(f"fpdt's Gated DeltaNet reads conv1d's weight directly, and it is "
+                              f"{type(module.conv1d).__name__} (plain nn.Conv1d without bias only): leave conv1d out "
+                              f"of the LoRA targets")
+        try:
+            proj = read_projections({n: getattr(module, n) for n in _PROJECTIONS}, type(module).__name__,
+                                    GatedDeltaNet.projection_fix, module.training)
+        except ProjectionError as e:
+            raise FPDTHFError(str(e)) from None
+        if any(base.bias is not None for base in proj.bases):
+            raise FPDTHFError("fpdt's Gated DeltaNet computes its projections without bias, and one has a bias: "
+                              "it may compute something else than Qwen3.5's")
         with torch.device("meta"):
             self = cls(module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim,
                        module.head_v_dim, module.conv_kernel_size, module.layer_norm_epsilon)
@@ -55,6 +65,15 @@ class TransformersGatedDeltaNet(GatedDeltaNet):
         self.norm.eps = module.norm.variance_epsilon
         self.layer_idx, self.stash_label = module.layer_idx, f"layer {module.layer_idx}"
         return self.train(module.training)
+
+    @property
+    def group(self):
+        """The sequence-parallel group (a :class:`fpdt.hf.groups.TrainerGroup` resolved per call)."""
+        return resolve_group(self.__dict__.get("_group"))
+
+    @group.setter
+    def group(self, group) -> None:
+        self.__dict__["_group"] = group
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
                 **kwargs) -> torch.Tensor:

@@ -69,12 +69,15 @@ def _check_slices(tensors: list[torch.Tensor], sp: int, num_chunks: int) -> None
     check_window_length(shape[-1] * sp, sp, num_chunks)
 
 
-def trainer_parallelism_config(sp_size: int, **kwargs):
+def trainer_parallelism_config(sp_size: int, *, recurrent_layers: bool = False, **kwargs):
     """accelerate's ``ParallelismConfig`` for ``apply_fpdt(model, group="trainer")`` with
     ``sp_size``-way sequence parallelism, for ``TrainingArguments(parallelism_config=...)``; names
     :data:`TRAINER_ATTN_NAME` as the attention. ``dp_shard_size`` defaults to the world size over
     ``sp_size``; other ``kwargs`` go to ``ParallelismConfig``. Every window's length must be
-    divisible by ``sp_size`` times the model's ``num_chunks``."""
+    divisible by ``sp_size`` times the model's ``num_chunks``. ``recurrent_layers=True`` for a
+    hybrid model (Qwen3.5): accelerate refuses linear-attention layers under sequence parallelism
+    unless told they pass their state between ranks, as the Gated DeltaNet layers ``apply_fpdt``
+    puts in do (Transformers' own would restart it on every rank: apply fpdt first)."""
     if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
         raise FPDTHFError(f"sp_size={sp_size!r}: trainer_parallelism_config takes the sequence-parallel degree, "
                           f"a positive integer (not a model)")
@@ -89,6 +92,12 @@ def trainer_parallelism_config(sp_size: int, **kwargs):
             raise FPDTHFError(f"sp_size={sp_size} does not divide the world of {world} processes: use an sp_size "
                               f"that does (the other factor is data parallelism)")
         kwargs["dp_shard_size"] = world // sp_size
+    extra = {}
+    if recurrent_layers:
+        if "sp_allow_recurrent_layers" not in getattr(DeepSpeedSequenceParallelConfig, "__dataclass_fields__", {}):
+            raise FPDTHFError("recurrent_layers=True needs an accelerate whose DeepSpeedSequenceParallelConfig has "
+                              "sp_allow_recurrent_layers: upgrade accelerate")
+        extra["sp_allow_recurrent_layers"] = True
     handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
-                                              sp_attn_implementation=TRAINER_ATTN_NAME)
+                                              sp_attn_implementation=TRAINER_ATTN_NAME, **extra)
     return ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=handler, **kwargs)

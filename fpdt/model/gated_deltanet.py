@@ -8,7 +8,7 @@ from torch import nn
 from fpdt.model.gdn_chunks import GatedDeltaNetFunction, GDNShape, build_gdn_spec, gated_rms_norm
 from fpdt.ops.causal_conv import conv_kernel
 from fpdt.ops.delta_rule import delta_rule_kernel
-from fpdt.ops.projections import ProjectionError, read_projections
+from fpdt.ops.projections import read_projections
 
 
 class GatedDeltaNet(nn.Module):
@@ -22,7 +22,8 @@ class GatedDeltaNet(nn.Module):
     apply steps set, as on :class:`fpdt.attention.FPDTAttention`. Every parameter is read directly
     by :class:`fpdt.model.gdn_chunks.GatedDeltaNetFunction` (ZeRO-3 external parameters)."""
 
-    projection_fix = "leave in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj out of the LoRA targets"
+    projection_fix = ("use plain nn.Linear or plain LoRA (fpdt's or PEFT's) on in_proj_qkv, in_proj_z, in_proj_b, "
+                      "in_proj_a and out_proj")
     """The fix a refused projection's error names (:mod:`fpdt.ops.projections`)."""
 
     read_children = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
@@ -80,13 +81,12 @@ class GatedDeltaNet(nn.Module):
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
         proj = read_projections({n: getattr(self, n) for n in names}, type(self).__name__, self.projection_fix,
                                 self.training)
-        if proj.adapters is not None:
-            raise ProjectionError(f"LoRA on {type(self).__name__}'s projections is not supported yet: "
-                                  f"{self.projection_fix}")
         qkv, z, b, a, out = (base.weight for base in proj.bases)
         weights = (qkv, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, out)
-        for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights))
-        return GatedDeltaNetFunction.apply(hidden_states, *weights, spec, for_backward)
+        layout, lora = (None, ()) if proj.adapters is None else (proj.adapters.layout, proj.adapters.tensors)
+        for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                       for t in (hidden_states, *weights, *lora))
+        return GatedDeltaNetFunction.apply(hidden_states, *weights, spec, for_backward, layout, *lora)
 
     def extra_repr(self) -> str:
         s = self.shape

@@ -8,8 +8,10 @@ delta rule of :func:`head_stage` from the boundary carried over from chunk ``i -
 sequence layout, the gated RMSNorm and ``out_proj``. Saved per chunk in a :class:`HostStash` (host
 memory with offload): the input ``x_i``, the head-layout pre-conv channels and gates, the boundary
 state and window, and the core output before the norm. Backward runs the chunks in reverse, each
-rebuilt from those; the state's and the window's gradients flow to the previous chunk.
-Derivation and memory: ``docs/gated_deltanet.md``.
+rebuilt from those; the state's and the window's gradients flow to the previous chunk. LoRA terms
+on the five projections (:mod:`fpdt.ops.lora`, layout order ``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``, ``out_proj``) are added chunk by chunk; ``out_proj``'s input is rebuilt
+in backward. Derivation and memory: ``docs/gated_deltanet.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fpdt.comm import (PendingAllToAll, group_rank, group_size, heads_to_seq, he
 from fpdt.offload import HostStash, Runtime
 from fpdt.ops.causal_conv import causal_conv, conv_kernel
 from fpdt.ops.delta_rule import delta_rule_kernel, gated_delta_rule, l2norm
+from fpdt.ops.lora import LoraLayout, accumulators, finish, lora_backward, with_lora
 
 CHUNK_KEYS = ("x", "pre", "ba", "state", "window", "o")
 """What the stash holds per chunk (see the module docstring)."""
@@ -220,12 +223,13 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (h * F.silu(z.to(acc))).to(o.dtype)
 
 
-def _start_to_heads(x_i, w_qkv, w_b, w_a, spec: GDNSpec) -> PendingAllToAll:
-    """Start chunk ``x_i`` ``[B, L, hidden]``'s projections and all-to-all; ``.wait()`` gives this rank's
-    ``(pre [B, P L, C/P], ba [B, P L, 2 HV/P])`` through :func:`_joined`."""
+def _start_to_heads(proj, i: int, x_i, spec: GDNSpec) -> PendingAllToAll:
+    """Start chunk ``i``'s (``x_i`` ``[B, L, hidden]``) projections (``proj``: :meth:`GDNChunks.project`)
+    and all-to-all; ``.wait()`` gives this rank's ``(pre [B, P L, C/P], ba [B, P L, 2 HV/P])`` through
+    :func:`_joined`."""
     s = spec.shape
-    q, k, v = F.linear(x_i, w_qkv).split([s.key_dim, s.key_dim, s.value_dim], -1)
-    return start_seq_to_heads_packed([t.unsqueeze(-1) for t in (q, k, v, F.linear(x_i, w_b), F.linear(x_i, w_a))],
+    q, k, v = proj(0, i, x_i).split([s.key_dim, s.key_dim, s.value_dim], -1)
+    return start_seq_to_heads_packed([t.unsqueeze(-1) for t in (q, k, v, proj(2, i, x_i), proj(3, i, x_i))],
                                      spec.group)
 
 
@@ -246,26 +250,41 @@ class GDNChunks:
     """The layer's chunk steps over ``weights`` (the nine tensors of :class:`GatedDeltaNetFunction`,
     full) and ``stash``: :meth:`forward` for chunks ``0 .. u-1`` in order, then :meth:`start_backward`,
     :meth:`backward` for ``u-1 .. 0`` and :meth:`finish`. The Function runs them over a whole layer
-    input; a caller holding the chunks elsewhere (streamed layers) can run them itself."""
+    input; a caller holding the chunks elsewhere (streamed layers) can run them itself. ``lora``: the
+    five projections' :class:`LoraLayout`, ``lora_tensors`` its tensors and ``seed`` the call's dropout
+    seed (the same in forward and backward)."""
 
-    def __init__(self, spec: GDNSpec, weights, stash: HostStash, for_backward: bool = True):
+    def __init__(self, spec: GDNSpec, weights, stash: HostStash, for_backward: bool = True,
+                 lora: LoraLayout | None = None, lora_tensors=(), seed: int | None = None):
         self.spec, self.weights, self.stash, self.for_backward = spec, tuple(weights), stash, for_backward
         self.pending: PendingAllToAll | None = None
         self.boundary = None
+        self.lora, self.lora_tensors, self.seed = lora, tuple(lora_tensors), seed
+        self.terms = lora.split(self.lora_tensors) if lora is not None else [[] for _ in range(5)]
+
+    def project(self, n: int, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Projection ``n`` (0 ``in_proj_qkv``, 1 ``in_proj_z``, 2 ``in_proj_b``, 3 ``in_proj_a``,
+        4 ``out_proj``) of chunk ``i``'s ``x`` ``[B, L, in]``, with its LoRA terms -> ``[B, L, out]``."""
+        w = self.weights[(0, 1, 2, 3, 8)[n]]
+        if not self.terms[n]:
+            return F.linear(x, w)
+        x2 = x.reshape(-1, x.shape[-1])
+        return with_lora(F.linear(x2, w), x2, self.terms[n], self.seed, i).view(*x.shape[:-1], w.shape[0])
 
     def forward(self, i: int, x_i: torch.Tensor, x_next: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk ``i``'s output ``[B, L, hidden]`` from ``x_i`` ``[B, L, hidden]`` (don't modify ``x_i``
         in place afterwards); ``x_next``: chunk ``i + 1``, whose all-to-all then overlaps this chunk (P > 1)."""
         spec, s, stash = self.spec, self.spec.shape, self.stash
-        w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out = self.weights
+        conv_w, A_log, dt_bias, norm_w = self.weights[4:8]
         B, L = x_i.shape[:2]
         if self.boundary is None:
             self.boundary = spec.zero_boundary(B, x_i.dtype, x_i.device)
         state, window = self.boundary
-        pending = self.pending or _start_to_heads(x_i, w_qkv, w_b, w_a, spec)
+        pending = self.pending or _start_to_heads(self.project, i, x_i, spec)
         pre, ba = _joined(pending.wait())
         del pending                                # with P = 1 it holds the projections' output
-        self.pending = _start_to_heads(x_next, w_qkv, w_b, w_a, spec) if x_next is not None and spec.sp > 1 else None
+        self.pending = _start_to_heads(self.project, i + 1, x_next, spec) if x_next is not None and spec.sp > 1 \
+            else None
         if self.for_backward:
             for key, t in (("x", x_i), ("pre", pre), ("ba", ba), ("state", state), ("window", window)):
                 stash.put((key, i), t)
@@ -277,28 +296,30 @@ class GDNChunks:
         del o_h
         if self.for_backward:
             stash.put(("o", i), o)
-        z = F.linear(x_i, w_z).view(B, L, s.num_v_heads, s.head_v_dim)
-        return F.linear(gated_rms_norm(o, z, norm_w, s.eps).flatten(2), w_out)
+        z = self.project(1, i, x_i).view(B, L, s.num_v_heads, s.head_v_dim)
+        return self.project(4, i, gated_rms_norm(o, z, norm_w, s.eps).flatten(2))
 
-    def start_backward(self, need) -> None:
+    def start_backward(self, need, lora_need=()) -> None:
         """``need``: whether the input and each of the nine weights needs its gradient (ten flags);
-        fp32 accumulators (float64 for float64 weights) for the weights."""
+        ``lora_need``: the LoRA tensors' flags. fp32 accumulators (float64 for float64 weights)."""
         self.need_x = need[0]
         self.leaves = [w.detach().requires_grad_(n) for w, n in zip(self.weights[4:], need[5:10])]
         self.acc = [torch.zeros(w.shape, dtype=acc_dtype(w.dtype), device=w.device) if n else None
                     for w, n in zip(self.weights, need[1:10])]
+        self.lora_acc = accumulators(self.lora, self.lora_tensors, lora_need) if self.lora is not None else []
+        self.lora_acc_terms = self.lora.split(self.lora_acc) if self.lora is not None else [[] for _ in range(5)]
         self.d_state = self.d_window = None          # the last chunk's boundary gradients are zero
         _prefetch(self.stash, self.spec.num_chunks - 1)
 
     def backward(self, j: int, grad_j: torch.Tensor) -> torch.Tensor | None:
         """Chunk ``j``'s input gradient ``[B, L, hidden]`` (None if not needed) from its output gradient."""
-        spec, s, stash, acc = self.spec, self.spec.shape, self.stash, self.acc
+        spec, stash, acc = self.spec, self.stash, self.acc
         w_qkv, w_z, w_b, w_a = self.weights[:4]
         x_j, pre, ba, state, window, o = (stash.pop((key, j)) for key in CHUNK_KEYS)
         if j > 0:
             _prefetch(stash, j - 1)
         B, L, hidden = x_j.shape
-        d_o, d_z = _output_backward(o, x_j, w_z, self.leaves[3], self.leaves[4], grad_j.to(x_j.dtype), acc, s)
+        d_o, d_z = self._output_backward(j, o, x_j, grad_j.to(x_j.dtype))
         del o
         d_o = start_seq_to_heads_packed((d_o.contiguous(),), spec.group)   # overlaps the mixer's recompute
         d_pre, d_ba, self.d_state, self.d_window = _mixer_backward(j, pre, ba, state, window, self.leaves[:3], d_o,
@@ -314,12 +335,43 @@ class GDNChunks:
                 acc[n] += g2.t() @ x2
             if self.need_x:
                 part = g2 @ w if part is None else part.add_(g2 @ w)
+            if self.terms[n]:
+                d_lo = lora_backward(x2, g2, self.terms[n], self.lora_acc_terms[n], self.seed, j, self.need_x)
+                if d_lo is not None:
+                    part.add_(d_lo.to(part.dtype))
         return None if part is None else part.view(B, L, hidden)
 
     def finish(self) -> tuple:
-        """The nine weights' gradients in their dtypes (None where not needed); empties the stash."""
+        """The nine weights' gradients in their dtypes (None where not needed), then the LoRA
+        tensors'; empties the stash."""
         self.stash.clear()
-        return tuple(None if a is None else a.to(w.dtype) for a, w in zip(self.acc, self.weights))
+        return (*(None if a is None else a.to(w.dtype) for a, w in zip(self.acc, self.weights)),
+                *finish(self.lora_acc, self.lora_tensors))
+
+    def _output_backward(self, j: int, o, x_j, grad_out_j):
+        """The gated norm and ``out_proj`` of chunk ``j``, rebuilt and differentiated: ``(d_o [B, L, HV, dv],
+        d_z)``; adds the norm's, ``out_proj``'s and its adapters' gradients into the accumulators."""
+        s, acc = self.spec.shape, self.acc
+        norm_w, w_out = self.leaves[3], self.leaves[4]
+        B, L = o.shape[:2]
+        out_terms = [(t, *(None if x is None else x.detach().requires_grad_(d is not None)
+                           for x, d in zip(term[1:], accs[1:])))
+                     for term, accs in zip(self.terms[4], self.lora_acc_terms[4]) for t in term[:1]]
+        with torch.enable_grad():
+            o_l = o.detach().requires_grad_()
+            z_l = self.project(1, j, x_j).view(B, L, s.num_v_heads, s.head_v_dim).detach().requires_grad_()
+            h = gated_rms_norm(o_l, z_l, norm_w, s.eps).flatten(2).reshape(B * L, -1)
+            y = with_lora(F.linear(h, w_out), h, out_terms, self.seed, j)
+            lora_wanted = [(d, x) for term, accs in zip(out_terms, self.lora_acc_terms[4])
+                           for x, d in zip(term[1:], accs[1:]) if d is not None]
+            wanted = [o_l, z_l] + [w for w in (norm_w, w_out) if w.requires_grad] + [x for _, x in lora_wanted]
+            got = list(torch.autograd.grad(y, wanted, grad_out_j.reshape(B * L, -1)))
+        for n, w in ((7, norm_w), (8, w_out)):
+            if w.requires_grad:
+                acc[n] += got.pop(2)
+        for (d, _), g in zip(lora_wanted, got[2:]):
+            d += g
+        return got[0], got[1]
 
 
 class GatedDeltaNetFunction(torch.autograd.Function):
@@ -329,27 +381,29 @@ class GatedDeltaNetFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out, spec: GDNSpec,
-                for_backward: bool):
+                for_backward: bool, lora: LoraLayout | None = None, *lora_tensors):
         weights = (w_qkv, w_z, w_b, w_a, conv_w, A_log, dt_bias, norm_w, w_out)
         L, u = spec.L, spec.num_chunks
         stash = HostStash(x.device, enabled=spec.offload, label=spec.label, runtime=spec.runtime)
-        chunks = GDNChunks(spec, weights, stash, for_backward)
+        seed = lora.draw_seed() if lora is not None else None
+        chunks = GDNChunks(spec, weights, stash, for_backward, lora, lora_tensors, seed)
         out = torch.empty(*x.shape[:2], w_out.shape[0], dtype=x.dtype, device=x.device)
         for i in range(u):
             x_next = x[:, (i + 1) * L:(i + 2) * L] if i + 1 < u else None
             out[:, i * L:(i + 1) * L] = chunks.forward(i, x[:, i * L:(i + 1) * L], x_next)
         del chunks
-        ctx.save_for_backward(*weights, stash_token(stash))
-        ctx.spec, ctx.x_meta = spec, (x.shape, x.dtype)
+        ctx.save_for_backward(*weights, stash_token(stash), *lora_tensors)
+        ctx.spec, ctx.x_meta, ctx.lora, ctx.seed = spec, (x.shape, x.dtype), lora, seed
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        *weights, token = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        weights, token, lora_tensors = saved[:9], saved[9], saved[10:]
         spec, (shape, dtype) = ctx.spec, ctx.x_meta
-        chunks = GDNChunks(spec, weights, stash_of(token))
-        chunks.start_backward(ctx.needs_input_grad)
+        chunks = GDNChunks(spec, weights, stash_of(token), lora=ctx.lora, lora_tensors=lora_tensors, seed=ctx.seed)
+        chunks.start_backward(ctx.needs_input_grad, ctx.needs_input_grad[13:])
         L = spec.L
         d_x = torch.empty(shape, dtype=dtype, device=grad_out.device) if ctx.needs_input_grad[0] else None
         for j in reversed(range(spec.num_chunks)):
@@ -357,28 +411,13 @@ class GatedDeltaNetFunction(torch.autograd.Function):
             if d_x is not None:
                 d_x[:, j * L:(j + 1) * L] = d_j
             del d_j
-        return (d_x, *chunks.finish(), None, None)
+        grads = chunks.finish()
+        return (d_x, *grads[:9], None, None, None, *grads[9:])
 
 
 def _prefetch(stash: HostStash, j: int) -> None:
     for key in CHUNK_KEYS:
         stash.prefetch((key, j))
-
-
-def _output_backward(o, x_j, w_z, norm_w, w_out, grad_out_j, acc, s: GDNShape):
-    """The gated norm and ``out_proj`` of one chunk, rebuilt and differentiated: ``(d_o [B, L, HV, dv],
-    d_z)``; adds the norm's and ``out_proj``'s weight gradients into ``acc``."""
-    B, L = o.shape[:2]
-    with torch.enable_grad():
-        o_l = o.detach().requires_grad_()
-        z_l = F.linear(x_j, w_z).view(B, L, s.num_v_heads, s.head_v_dim).detach().requires_grad_()
-        y = F.linear(gated_rms_norm(o_l, z_l, norm_w, s.eps).flatten(2), w_out)
-        wanted = [o_l, z_l] + [w for w in (norm_w, w_out) if w.requires_grad]
-        got = list(torch.autograd.grad(y, wanted, grad_out_j))
-    for n, w in ((7, norm_w), (8, w_out)):
-        if w.requires_grad:
-            acc[n] += got.pop(2)
-    return got[0], got[1]
 
 
 def _mixer_backward(j: int, pre, ba, state, window, params, d_o, d_state, d_window, acc, spec: GDNSpec):

@@ -20,8 +20,16 @@ from torch import nn
 
 from fpdt.model.moe import ChunkedMoE
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections of a decoder layer that may carry an adapter (all by default)."""
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+"""A Gated DeltaNet layer's projections (Qwen3.5's ``linear_attn``)."""
+DEFAULT_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+"""The attention and dense MLP projections: :class:`LoraSpec`'s default."""
+LORA_TARGETS = DEFAULT_TARGETS + GDN_TARGETS
+"""The projections of a decoder layer that may carry an adapter. A layer without the module a name
+belongs to (an attention layer's ``in_proj_qkv``, a Gated DeltaNet layer's ``q_proj``, the MLP
+projections of a mixture-of-experts layer, whose fused experts are no ``nn.Linear``) gets none there."""
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -36,7 +44,7 @@ class LoraSpec:
     rank: int
     alpha: float | None = None
     dropout: float = 0.0
-    targets: tuple[str, ...] = LORA_TARGETS
+    targets: tuple[str, ...] = DEFAULT_TARGETS
     rslora: bool = False
 
     def __post_init__(self):
@@ -67,8 +75,9 @@ def _projections(model: nn.Module, targets: tuple[str, ...]):
     has no MLP projection to target (as PEFT's ``target_modules`` find none in a fused-expert block)."""
     for i, layer in enumerate(model.model.layers):
         for name in targets:
-            owner = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else layer.mlp
-            if isinstance(owner, ChunkedMoE):
+            owner = layer.self_attn if name in ATTENTION_TARGETS else layer.mlp if name in MLP_TARGETS \
+                else layer.linear_attn
+            if owner is None or isinstance(owner, ChunkedMoE):
                 continue
             yield i, name, getattr(owner, name)
 
@@ -82,9 +91,16 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dt
     """
     if getattr(model, "lora", None) is not None:
         raise ValueError("the model already has LoRA adapters")
-    if model.config.has_linear_attention:
-        raise ValueError("LoRA on a model with Gated DeltaNet layers (Qwen3.5) is not implemented in fpdt.model: "
-                         "train it in full (docs/models.md says what hybrid models support)")
+    mlp = [t for t in spec.targets if t in MLP_TARGETS]
+    if mlp and model.config.moe is not None:
+        raise ValueError(f"LoRA targets {mlp} on a mixture-of-experts model: fpdt's own adapters do not reach the "
+                         f"fused experts (PEFT >= 0.17 maps these names onto them), so an export would not say what "
+                         f"was trained; target {list(ATTENTION_TARGETS)}, or train expert LoRA with PEFT's "
+                         f"target_parameters through fpdt.hf")
+    gdn = [t for t in spec.targets if t in GDN_TARGETS]
+    if gdn and not model.config.has_linear_attention:
+        raise ValueError(f"LoRA targets {gdn} are Gated DeltaNet projections, and this model has no Gated DeltaNet "
+                         f"layer: target {list(DEFAULT_TARGETS)}")
     model.requires_grad_(False)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     dtype = dtype or torch.float32

@@ -11,6 +11,7 @@ from torch import nn
 
 from fpdt.model.checkpointing import donated_gradient, in_recompute, output_values_unused
 from fpdt.model.chunks import budget_chunks, chunk_bounds
+from fpdt.ops.parameter_lora import base_module, read_parameters
 from fpdt.ops.rmsnorm import norm_backward, normalised
 
 
@@ -469,10 +470,11 @@ class ChunkedMoE(nn.Module):
     def from_block(cls, block: nn.Module, num_chunks: int = 1) -> "ChunkedMoE":
         """A chunked MoE over a Transformers sparse MoE block's modules (``gate`` with ``top_k``,
         ``norm_topk_prob``; ``experts``; optional ``shared_expert`` / ``shared_expert_gate``), which become its children."""
-        if any(hasattr(m, "lora_A") or hasattr(m, "base_layer") for m in block.modules()):
-            raise ValueError("LoRA on a mixture-of-experts block (PEFT adapting the experts or the router) is not "
-                             "supported yet: target the attention only (target_modules=['q_proj', 'k_proj', "
-                             "'v_proj', 'o_proj'])")
+        experts = set(block.experts.modules())      # their LoRA (PEFT's target_parameters): read_parameters
+        if any(hasattr(m, "lora_A") or hasattr(m, "base_layer") for m in block.modules() if m not in experts):
+            raise ValueError("LoRA on a mixture-of-experts block's router or shared expert is not supported yet: "
+                             "target the attention, and the experts through PEFT's target_parameters "
+                             "(['experts.gate_up_proj', 'experts.down_proj'])")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.gate, self.experts = block.gate, block.experts
@@ -493,8 +495,8 @@ class ChunkedMoE(nn.Module):
         return m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.shared_expert_gate.weight
 
     def kernel_name(self, x: torch.Tensor) -> str:
-        ffn = self.experts.down_proj.shape[2]
-        return self.kernel or moe_kernel(x.device, self.experts.down_proj.dtype, x.shape[-1], ffn)
+        down = base_module(self.experts).down_proj
+        return self.kernel or moe_kernel(x.device, down.dtype, x.shape[-1], down.shape[2])
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, stats: RouterStatistics | None = None,
                 record: bool = True) -> torch.Tensor:
@@ -506,7 +508,8 @@ class ChunkedMoE(nn.Module):
         spec = dict(top_k=self.top_k, norm_topk=self.norm_topk_prob, kernel=self.kernel_name(x),
                     layer=self.layer_index, stats=stats, record=record)
         norm_args = (None,) if norm is None else (norm.eps, norm.weight)
-        return ChunkedMoEFunction.apply(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+        gate_up, down = read_parameters(self.experts, ("gate_up_proj", "down_proj"), "the MoE experts")
+        return ChunkedMoEFunction.apply(x, self.gate.weight, gate_up, down,
                                         self.num_chunks, spec, *norm_args, *self.shared_weights())
 
     def extra_repr(self) -> str:

@@ -16,10 +16,10 @@ import os
 from typing import Any, Mapping
 
 from fpdt.model import ModelConfig
-from fpdt.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_TARGETS, PEFT_PREFIX, LoraSpec, read_adapter_config
+from fpdt.model.config import LINEAR_ATTENTION
+from fpdt.model.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ATTENTION_TARGETS, DEFAULT_TARGETS, GDN_TARGETS,
+                             LORA_TARGETS, MLP_TARGETS, PEFT_PREFIX, LoraSpec, read_adapter_config)
 from fpdt.train.config import ConfigError
-
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha; scaling alpha / R (default 2 R)")
     g.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
     g.add_argument("--lora-targets", metavar="LIST",
-                   help=f"comma-separated projections that get adapters (default: all of {','.join(LORA_TARGETS)})")
+                   help=f"comma-separated projections that get adapters, of {','.join(LORA_TARGETS)} (default: "
+                        f"{','.join(DEFAULT_TARGETS)}; on a model with Gated DeltaNet layers "
+                        f"{','.join(GDN_TARGETS)} too; on a mixture-of-experts model the attention's only)")
     g.add_argument("--lora-rslora", action="store_true", help="rsLoRA scaling alpha / sqrt(R)")
     g.add_argument("--lora-init", metavar="DIR",
                    help="start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors) "
@@ -61,7 +63,7 @@ def spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
         raise ConfigError(f"--lora-alpha {args.lora_alpha} must be > 0 (the scaling is alpha / rank)")
     if args.lora_dropout is not None and not 0.0 <= args.lora_dropout < 1.0:
         raise ConfigError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
-    targets = parse_targets(args.lora_targets) if args.lora_targets is not None else LORA_TARGETS
+    targets = parse_targets(args.lora_targets) if args.lora_targets is not None else DEFAULT_TARGETS
     return LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout or 0.0, targets=targets,
                     rslora=args.lora_rslora)
 
@@ -105,17 +107,56 @@ def _from_init(path: str, rank: int | None, given: list[tuple[str, Any]]) -> Lor
     return spec
 
 
+def for_model(spec: LoraSpec | None, cfg: ModelConfig, targets_given: bool) -> LoraSpec | None:
+    """``spec`` for a model of ``cfg``: without ``--lora-targets`` (``targets_given`` False) a model
+    with Gated DeltaNet layers gets adapters on their projections too, and a mixture-of-experts model
+    on its attention only; MLP targets on a mixture-of-experts model and Gated DeltaNet targets on a
+    model without such layers are refused."""
+    if spec is None:
+        return None
+    mlp = [t for t in spec.targets if t in MLP_TARGETS]
+    if cfg.moe is not None and mlp:
+        if targets_given:
+            raise ConfigError(f"--lora-targets {','.join(mlp)} on a mixture-of-experts model: fpdt's adapters do not "
+                              f"reach the fused experts (PEFT maps these names onto them, so the export would not say "
+                              f"what was trained); target {','.join(ATTENTION_TARGETS)}")
+        spec = dataclasses.replace(spec, targets=tuple(t for t in spec.targets if t not in MLP_TARGETS))
+    gdn = [t for t in spec.targets if t in GDN_TARGETS]
+    if not cfg.has_linear_attention:
+        if gdn:
+            raise ConfigError(f"--lora-targets {','.join(gdn)}: Gated DeltaNet projections, and the model has no "
+                              f"Gated DeltaNet layer (layer_types); target {','.join(DEFAULT_TARGETS)}")
+        return spec
+    if targets_given or gdn:
+        return spec
+    return dataclasses.replace(spec, targets=spec.targets + GDN_TARGETS)
+
+
 def adapter_shapes(cfg: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
     """``{parameter name: shape}`` of the adapters :func:`fpdt.model.add_lora` attaches to a
-    model of ``cfg`` (names as :func:`fpdt.model.adapter_state_dict` gives them)."""
+    model of ``cfg`` (names as :func:`fpdt.model.adapter_state_dict` gives them): attention
+    projections on attention layers (a gated attention's ``q_proj`` twice as wide), Gated DeltaNet
+    projections on its layers, MLP projections on dense-MLP layers."""
     h, qd, kvd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
         cfg.intermediate_size
-    dims = {"q_proj": (h, qd), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (qd, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    dims = {"q_proj": (h, qd * (2 if cfg.attn_output_gate else 1)), "k_proj": (h, kvd), "v_proj": (h, kvd),
+            "o_proj": (qd, h), "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    if cfg.has_linear_attention:
+        kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        dims.update(in_proj_qkv=(h, 2 * kd + vd), in_proj_z=(h, vd), in_proj_b=(h, cfg.linear_num_value_heads),
+                    in_proj_a=(h, cfg.linear_num_value_heads), out_proj=(vd, h))
     out = {}
     for i in range(cfg.num_layers):
+        gdn = cfg.layer_type(i) == LINEAR_ATTENTION
         for name in spec.targets:
-            owner = "mlp" if name in MLP_TARGETS else "self_attn"
+            if name in MLP_TARGETS:
+                if cfg.is_moe_layer(i):
+                    continue
+                owner = "mlp"
+            elif (name in ATTENTION_TARGETS) == gdn:
+                continue
+            else:
+                owner = "linear_attn" if gdn else "self_attn"
             fan_in, fan_out = dims[name]
             out[f"model.layers.{i}.{owner}.{name}.lora_A.weight"] = (spec.rank, fan_in)
             out[f"model.layers.{i}.{owner}.{name}.lora_B.weight"] = (fan_out, spec.rank)

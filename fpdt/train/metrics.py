@@ -35,12 +35,27 @@ class ModelShape:
     """I (SwiGLU inner width; with experts the FLOP-equivalent width, ``ModelConfig.mlp_flop_width``)."""
     vocab_size: int
     """V."""
+    lora_widths: tuple[tuple[str, float], ...] = ()
+    """Per LoRA target, ``in + out`` averaged over the layers that have it (0 where absent: Gated
+    DeltaNet projections on attention layers, MLP ones on experts); empty: every layer Llama's."""
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
         """The shape of a :class:`fpdt.model.ModelConfig` (or anything with its size fields)."""
+        widths = ()
+        if hasattr(cfg, "layer_type") and (cfg.has_linear_attention or cfg.moe is not None):
+            from fpdt.model.lora import LORA_TARGETS, LoraSpec
+            from fpdt.train.lora import adapter_shapes
+
+            sums = dict.fromkeys(LORA_TARGETS, 0.0)
+            for name, shape in adapter_shapes(cfg, LoraSpec(1, targets=LORA_TARGETS)).items():
+                if ".lora_A." in name:
+                    sums[name.split(".")[-3]] += shape[1] / cfg.num_layers       # in
+                else:
+                    sums[name.split(".")[-3]] += shape[0] / cfg.num_layers       # out
+            widths = tuple(sums.items())
         return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   getattr(cfg, "mlp_flop_width", cfg.intermediate_size), cfg.vocab_size)
+                   getattr(cfg, "mlp_flop_width", cfg.intermediate_size), cfg.vocab_size, widths)
 
 
 def layer_matmul_flops(m: ModelShape) -> float:
@@ -67,8 +82,8 @@ def adapter_flops(m: ModelShape, lora) -> float:
     if lora is None:
         return 0.0
     h, qd, kvd, inter = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
-    widths = {"q_proj": h + qd, "k_proj": h + kvd, "v_proj": h + kvd, "o_proj": qd + h,
-              "gate_proj": h + inter, "up_proj": h + inter, "down_proj": inter + h}
+    widths = dict(m.lora_widths) or {"q_proj": h + qd, "k_proj": h + kvd, "v_proj": h + kvd, "o_proj": qd + h,
+                                     "gate_proj": h + inter, "up_proj": h + inter, "down_proj": inter + h}
     return 2 * lora.rank * sum(widths[t] for t in lora.targets)
 
 

@@ -147,7 +147,7 @@ def test_trainer_one_process_matches_transformers(tmp_path, u):
         assert abs(g - w) <= RTOL * abs(w), f"step {step + 1}: {g} vs Transformers {w}"
 
 
-def _two_ranks(rank, world, tmp, out):
+def _two_ranks(rank, world, tmp, out, recurrent_layers=False):
     import deepspeed
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -156,7 +156,8 @@ def _two_ranks(rank, world, tmp, out):
         os.environ[k] = str(v)
     deepspeed.init_distributed(dist_backend="gloo")
     ds = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_trainer", "ds_zero3.json")
-    args = _args(tmp, deepspeed=ds, parallelism_config=fpdt.hf.trainer_parallelism_config(sp_size=world))
+    args = _args(tmp, deepspeed=ds, parallelism_config=fpdt.hf.trainer_parallelism_config(
+        sp_size=world, recurrent_layers=recurrent_layers))
     model = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "model"), dtype=torch.float32)
     fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=2)
     vocab = model.config.vocab_size
@@ -210,3 +211,94 @@ def test_trainer_two_ranks_matches_transformers(tmp_path):
         sgd.step()
         assert abs(loss_got - loss.item()) <= RTOL * abs(loss.item()), f"step {step + 1}: {loss_got} vs {loss.item()}"
     assert len({tuple(w["input_ids"]) for w in got["windows"]}) == STEPS
+
+
+# ---- Qwen3.5 (Gated DeltaNet + gated attention): each packed document alone is the reference
+
+@pytest.mark.parametrize("u,options", [(2, {}), (3, {"checkpointing": "offload", "offload": True, "runtime": "sim"})])
+def test_qwen35_matches_each_document_alone(u, options):
+    """Transformers' PyTorch fallback refuses packed batches (cu_seqlens without fla), so its
+    reference runs each document alone (``tests/model/qwen35.py``); the padding document has no label."""
+    from tests.model.qwen35 import compare_hybrid, qwen35_model, reference
+
+    ref = qwen35_model()
+    features = _features(ref.config.vocab_size)
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref), num_chunks=u, **options).train()
+    batch = fpdt.hf.FlatteningCollator(model, pad_token_id=ref.config.vocab_size - 1)(features)
+    S = batch["input_ids"].shape[1]
+    assert S == 49 + (-49 % u)
+    rows = [LENGTHS + ([S - 49] if S > 49 else [])]
+    refs = reference(ref, batch["input_ids"], batch["labels"], rows)
+    loss = model(**batch).loss
+    loss.backward()
+    compare_hybrid(loss, _grads(model), refs, f"qwen35 FlatteningCollator u={u} {options}")
+
+
+def _qwen35_per_document_sgd(path: str, batches: list[dict]) -> list[float]:
+    """Single-process Transformers SGD on ``batches`` (the Trainer's windows: ``input_ids``,
+    ``position_ids`` and ``shift_labels``, 1-D), each document alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    losses = []
+    for b in batches:
+        ids, pos, shifted = (torch.as_tensor(b[k]) for k in ("input_ids", "position_ids", "shift_labels"))
+        starts = [t for t in range(len(ids)) if pos[t] == 0] + [len(ids)]
+        total, count = 0.0, 0
+        for s, e in zip(starts, starts[1:]):
+            target = shifted[s:e]
+            if not bool((target != -100).any()):
+                continue
+            logits = model(input_ids=ids[None, s:e], use_cache=False).logits[0]
+            total = total + torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=-100, reduction="sum")
+            count += int((target != -100).sum())
+        loss = total / count
+        sgd.zero_grad()
+        loss.backward()
+        sgd.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+def test_qwen35_trainer_one_process_matches_transformers(tmp_path):
+    """The real Trainer with FlatteningCollator on a Qwen3.5 model (u=3, documents padded to a multiple
+    of 3): every step's loss against SGD on plain Transformers running each document alone."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.model.qwen35 import qwen35_model
+
+    tmp, u = str(tmp_path), 3
+    path = os.path.join(tmp, "model")
+    qwen35_model().save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=u)
+    vocab = model.config.vocab_size
+    got, batches = _train(model, _args(tmp), _dataset(vocab), fpdt.hf.FlatteningCollator(model, pad_token_id=vocab - 1))
+    assert len(got) == STEPS and all(b["input_ids"].shape[1] % u == 0 for b in batches)
+    windows = [{"input_ids": b["input_ids"][0], "position_ids": b["position_ids"][0],
+                "shift_labels": torch.cat([b["labels"][0, 1:], torch.tensor([-100])])} for b in batches]
+    assert any(int(w["position_ids"][-1]) < len(w["input_ids"]) - 1 for w in windows)
+    want = _qwen35_per_document_sgd(path, windows)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= RTOL * abs(w), f"step {step + 1}: {g} vs Transformers {w}"
+
+
+@pytest.mark.slow
+def test_qwen35_trainer_two_ranks_matches_transformers(tmp_path):
+    """The Trainer's sequence parallelism over 2 ranks (DeepSpeed ZeRO-3) on a Qwen3.5 model (Gated
+    DeltaNet heads split over the ranks): every step's loss against SGD on plain Transformers
+    running each document of the window alone."""
+    from tests.model.qwen35 import qwen35_model
+
+    tmp = str(tmp_path)
+    qwen35_model().save_pretrained(os.path.join(tmp, "model"))
+    out = os.path.join(tmp, "result.json")
+    run_distributed(_two_ranks, 2, args=(tmp, out, True), timeout=300)
+    with open(out) as f:
+        got = json.load(f)
+    assert len(got["losses"]) == STEPS and len({tuple(w["input_ids"]) for w in got["windows"]}) == STEPS
+    want = _qwen35_per_document_sgd(os.path.join(tmp, "model"), got["windows"])
+    for step, (g, w) in enumerate(zip(got["losses"], want)):
+        assert abs(g - w) <= RTOL * abs(w), f"step {step + 1}: {g} vs Transformers {w}"

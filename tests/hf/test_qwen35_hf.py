@@ -120,3 +120,54 @@ def test_peft_lora_on_attention_and_mlp():
     errs = compare_hybrid(out.loss, grads, results, "hf qwen35 PEFT LoRA")
     assert max(e for e, _ in errs.values()) <= 1e-5, errs
     assert rel_err(out.loss, results[1][0]) <= 1e-5
+
+
+def _peft_gdn_case(rank, world, num_chunks, checkpointing, peft_first=True):
+    """PEFT LoRA on every Gated DeltaNet projection and the gated attention's q/o, through apply_fpdt:
+    the loss and adapter gradients (summed over the ranks) against PEFT run by Transformers
+    (``tests/model/test_lora_hybrid.py`` says how they are judged)."""
+    import peft
+
+    from tests.model.helpers import TOL
+    from tests.model.test_lora_hybrid import peft_references
+
+    config = peft.LoraConfig(r=3, lora_alpha=5, target_modules=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                                "out_proj", "q_proj", "o_proj"])
+    torch.manual_seed(2)
+    model = peft.get_peft_model(qwen35_model(), config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.02)
+    ids, labels = tokens(256, 2, 8 * world * num_chunks)
+    refs = peft_references(model, ids, labels)
+    options = dict(num_chunks=num_chunks, checkpointing=checkpointing, offload=checkpointing == "offload",
+                   runtime="sim", group=dist.group.WORLD if world > 1 else None)
+    if peft_first:
+        fpdt.hf.apply_fpdt(model, **options)
+    else:                  # PEFT puts its layers into fpdt's modules; the same adapter weights
+        state = model.state_dict()
+        model = peft.get_peft_model(fpdt.hf.apply_fpdt(qwen35_model(), **options), config)
+        model.load_state_dict(state)
+    assert isinstance(model.base_model.model.model.layers[0].linear_attn, TransformersGatedDeltaNet)
+    out = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels))
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert len(grads) == 2 * (5 * 3 + 2) and all(".lora_" in n for n in grads)
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    what = f"hf qwen35 PEFT LoRA on GDN rank {rank}/{world} u={num_chunks} {checkpointing}"
+    errs = compare_hybrid(out.loss, grads, refs, what)
+    worst = max(((n, e) for n, e in errs.items() if ".in_proj_a." not in n), key=lambda kv: kv[1][0])
+    assert worst[1][0] <= TOL, f"{what}: {worst}"
+
+
+@pytest.mark.parametrize("num_chunks,checkpointing,peft_first", [(3, "offload", True), (2, "off", False)])
+def test_peft_lora_on_gated_deltanet(num_chunks, checkpointing, peft_first):
+    _peft_gdn_case(0, 1, num_chunks, checkpointing, peft_first)
+
+
+@pytest.mark.slow
+def test_peft_lora_on_gated_deltanet_two_ranks():
+    run_distributed(_peft_gdn_case, 2, args=(2, "on"), timeout=600)

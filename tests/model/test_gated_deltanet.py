@@ -200,13 +200,104 @@ def test_apply_steps_reach_the_mixer_and_zero3_sees_every_read_parameter():
     assert read | own == {id(p) for p in layer.linear_attn.parameters()} and not read & own
 
 
-def test_lora_on_the_projections_is_refused_not_ignored():
+GDN_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+
+
+def _lora_run(layer, x, dout):
+    """Output and the input's and adapters' gradients (the base is frozen)."""
+    layer.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    out = layer(x)
+    out.backward(dout)
+    return out.detach(), {"x": x.grad, **{n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}}
+
+
+def _with_peft_lora(module, dropout=0.0, seed=0):
     peft = pytest.importorskip("peft")
-    from fpdt.ops.projections import ProjectionError
-    layer = GatedDeltaNet(HIDDEN, 2, 4, 8, 6)
-    layer = peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["in_proj_z"]), layer)
-    with pytest.raises(ProjectionError, match="out of the LoRA targets"):
-        layer(torch.randn(1, 8, HIDDEN))
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=3, lora_alpha=5, lora_dropout=dropout, target_modules=GDN_TARGETS,
+                             init_lora_weights=False)        # random B: every gradient nonzero
+    return peft.inject_adapter_in_model(config, module)
+
+
+@pytest.mark.parametrize("num_chunks,offload", [(1, False), (3, True)])
+def test_peft_lora_on_every_projection_matches_transformers(num_chunks, offload):
+    """PEFT LoRA on in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj, computed inside the
+    chunked Function: output, input and adapter gradients against PEFT on Transformers' layer
+    (float64 with the float64 token recurrence; fp32 within 1e-5 or twice Transformers' fp32 error)."""
+    from fpdt.offload import fresh_runtime
+    from tests.model.gdn_helpers import rel
+    from tests.model.qwen35 import float64_delta_rule
+    config, ref = hf_layer(SHAPES["gva"], seed=21)
+    layer = fpdt_layer(config, ref)
+    ref = _with_peft_lora(ref)
+    layer = _with_peft_lora(layer)
+    layer.load_state_dict(ref.state_dict())
+    x, dout = inputs(2, 45, seed=22)
+    with float64_delta_rule():
+        exact = _lora_run(copy.deepcopy(ref).double(), x.double(), dout.double())
+    plain = _lora_run(ref, x, dout)
+    with fresh_runtime("sim") as rt:
+        layer.num_chunks, layer.offload, layer.runtime = num_chunks, offload, rt
+        ours = _lora_run(layer, x, dout)
+    names = ["out", *ours[1]]
+    assert set(ours[1]) == set(plain[1])
+    assert len(names) == 12
+    bad = {}
+    for n in names:
+        want, hf, got = ((r[0] if n == "out" else r[1][n]) for r in (exact, plain, ours))
+        if rel(got, want) > max(1e-5, 2 * rel(hf, want)):
+            bad[n] = (rel(got, want), rel(hf, want))
+    assert not bad, f"u={num_chunks} offload={offload}: (ours, Transformers fp32) errors against float64: {bad}"
+
+
+def test_peft_lora_bf16_no_worse_than_transformers_bf16():
+    """bf16 layer and adapters (PEFT's, cast with the model), 4 chunks: output, input and adapter
+    gradients against float64, Transformers' bf16 layer with the same adapters the yardstick."""
+    from tests.model.helpers import compare_bf16
+    from tests.model.qwen35 import float64_delta_rule
+    config, ref = hf_layer(SHAPES["gva"], seed=24)
+    layer = _with_peft_lora(fpdt_layer(config, ref))
+    ref = _with_peft_lora(ref)
+    layer.load_state_dict(ref.state_dict())
+    x, dout = inputs(1, 64, seed=25)
+    with float64_delta_rule():
+        exact = _lora_run(copy.deepcopy(ref).double(), x.double(), dout.double())
+    plain = _lora_run(copy.deepcopy(ref).to(torch.bfloat16), x.bfloat16(), dout.bfloat16())
+    layer = layer.to(torch.bfloat16)
+    layer.num_chunks = 4
+    out, grads = _lora_run(layer, x.bfloat16(), dout.bfloat16())
+    compare_bf16(out, grads, plain[0], plain[1], exact[0], exact[1], "GDN PEFT LoRA bf16 u=4")
+
+
+def test_lora_dropout_backward_is_the_forward_s_gradient():
+    """With LoRA dropout in training mode the masks are fpdt's (regenerated per chunk in backward): in
+    float64, with the dropout seed fixed, the gradients of the input and of every adapter tensor
+    against central differences along a random direction, three chunks; eval mode has no dropout."""
+    from torch.func import functional_call
+    config, ref = hf_layer(SHAPES["gva"], seed=23)
+    layer = _with_peft_lora(fpdt_layer(config, ref), dropout=0.4).double()
+    layer.num_chunks = 3
+    params = {n: p.detach().clone().requires_grad_() for n, p in layer.named_parameters() if p.requires_grad}
+    x = torch.randn(1, 6, HIDDEN, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(1, 6, HIDDEN, dtype=torch.float64)
+
+    def run(x, params):
+        torch.manual_seed(5)
+        return functional_call(layer, params, (x,))
+    run(x, params).backward(dout)
+    gen = torch.Generator().manual_seed(0)
+    dirs = {n: torch.randn(p.shape, generator=gen, dtype=torch.float64) for n, p in params.items()}
+    dx = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    analytic = (x.grad * dx).sum() + sum((params[n].grad * d).sum() for n, d in dirs.items())
+    eps = 1e-6
+    with torch.no_grad():
+        plus, minus = (run(x + s * eps * dx, {n: p + s * eps * dirs[n] for n, p in params.items()}) for s in (1, -1))
+        numeric = ((plus - minus) * dout).sum() / (2 * eps)
+        assert abs(numeric - analytic) <= 1e-7 * abs(analytic), (numeric, analytic)
+        train = run(x, params)
+        layer.eval()
+        assert not torch.allclose(run(x, params), train)
 
 
 def test_fla_path_by_stub(monkeypatch):

@@ -156,11 +156,29 @@ def test_lora_against_peft(checkpointing):
     compare(loss, grads, ref_loss.detach(), ref_grads, f"qwen3_moe LoRA ckpt={checkpointing}")
 
 
-def test_hf_peft_on_experts_is_refused():
-    """PEFT adapting the fused experts (its gate/up/down targets on this model) is refused in one line."""
+def test_hf_peft_mlp_targets_reach_the_experts():
+    """PEFT 0.21 maps target_modules gate_proj/up_proj/down_proj onto the fused experts (ParamWrapper on
+    ``experts.gate_up_proj`` and ``experts.down_proj``): read with their deltas, loss and every adapter
+    gradient as PEFT's own forward gives them (fp32, 1e-5)."""
+    import copy
+
     peft = pytest.importorskip("peft")
     import fpdt.hf
-    model = peft.get_peft_model(hf_moe(), peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "up_proj",
-                                                                                "down_proj"]))
-    with pytest.raises(fpdt.hf.FPDTHFError, match="LoRA on a mixture-of-experts block"):
-        fpdt.hf.apply_fpdt(model, num_chunks=2)
+    torch.manual_seed(6)
+    ref = peft.get_peft_model(hf_moe(), peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "up_proj",
+                                                                              "down_proj"]))
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    model = copy.deepcopy(ref)
+    fpdt.hf.apply_fpdt(model, num_chunks=2)
+    ids, labels = tokens(256, 2, 8)
+    results = []
+    for m, inputs in ((ref, dict(input_ids=ids, labels=labels)), (model, fpdt.hf.prepare_inputs(model, ids, labels=labels))):
+        loss = m(**inputs).loss
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert any("experts.base_layer.lora_A" in n for n in results[1][1])
+    compare(*results[1], *results[0], "hf qwen3_moe PEFT gate/up/down on the experts")
+

@@ -178,8 +178,3 @@ def test_refused_options():
     mesh.hp, mesh.cp = 1, 2
     with pytest.raises(ValueError, match="context-parallel ring .cp=2. is not implemented for Gated DeltaNet"):
         check_token_mixers(fm.ModelConfig.from_hf(ref.config), dataclasses.replace(FPDTOptions(), mesh=mesh))
-
-
-def test_lora_refused():
-    with pytest.raises(ValueError, match="LoRA on a model with Gated DeltaNet layers"):
-        fm.add_lora(fpdt_qwen35(qwen35_model()), fm.LoraSpec(rank=2))
