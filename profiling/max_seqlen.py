@@ -58,6 +58,11 @@ import time
 
 import torch
 
+from fpdt.bench.fit import slope_per_1k
+from fpdt.bench.timing import sync
+from fpdt.bench import trace
+from fpdt.bench.environment import default_device
+from fpdt.bench.planner import planner_cluster
 from profiling import bench_common as bc
 from profiling import strategies as st
 
@@ -113,13 +118,13 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
     offload = strategy in ("fpdt", "fpdt-save", "fpdt-stream")
     if kernel_expands_gqa is None:
         from fpdt.attention.kernels import BACKENDS
-        kernel_expands_gqa = (not BACKENDS[kernel].native_gqa) if kernel else bc.default_device().type == "cpu"
+        kernel_expands_gqa = (not BACKENDS[kernel].native_gqa) if kernel else default_device().type == "cpu"
     s = Setup.build(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpointing="offload" if offload else "on",
                     offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
                     lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD,
                     attention_checkpoint="save" if strategy == "fpdt-save" else "recompute",
                     stream_layers=strategy == "fpdt-stream")
-    cluster, rates = bc.planner_cluster(calibration, kernel)
+    cluster, rates = planner_cluster(calibration, kernel)
     r = evaluate(load_model_config(cfg), s, cluster)
     b = r["breakdown"]
     states = b["parameters"] + b["gradients"] + b["optimizer_state"]
@@ -140,7 +145,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
 def trial(args) -> dict:
     """One training step of ``args.strategy`` at ``args.seq_len`` (run in its own process)."""
     from fpdt.memory.accountant import RegionMemory, SimulatedOutOfMemoryError
-    device = bc.default_device()
+    device = default_device()
     cfg = load_config(args)
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
@@ -175,13 +180,13 @@ def trial(args) -> dict:
             t0 = time.perf_counter()
             with acct.phase("forward_backward") as fb:
                 trainee.forward_backward(trainee.prepare(ids))
-                _sync(device)
+                sync(device)
             t1 = time.perf_counter()
             if cap is not None:
                 acct.set_limit(cap - param_bytes - opt_before)
             with acct.phase("optimizer") as op:
                 trainee.optimizer_step()
-                _sync(device)
+                sync(device)
             seconds, fwd_bwd_s = time.perf_counter() - t0, t1 - t0
         peaks = region.peaks
         if args.profile_step:                     # also on the CPU, where it records nothing: dry runs
@@ -239,7 +244,7 @@ def check_attention_backend(name: str | None, cfg: dict, dtype: str) -> None:
     from fpdt.attention.kernels import get_backend
     from fpdt.model import ModelConfig
     try:
-        get_backend(name, bc.default_device(), DTYPES[dtype], ModelConfig.from_hf(cfg).head_dim, check=False)
+        get_backend(name, default_device(), DTYPES[dtype], ModelConfig.from_hf(cfg).head_dim, check=False)
     except (RuntimeError, ValueError) as e:
         raise SystemExit(f"--attention-backend {name}: {e}") from e
 
@@ -264,16 +269,11 @@ def _timed_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) ->
     (compare it between strategies run with the same ``OMP_NUM_THREADS=1``)."""
     t0, c0 = time.perf_counter(), time.process_time()
     trainee.forward_backward(trainee.prepare(ids))
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     trainee.optimizer_step()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0, t1 - t0, time.process_time() - c0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _profiled_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) -> dict:
@@ -288,8 +288,8 @@ def _profiled_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device)
         seconds, _, _ = _timed_step(trainee, ids, device)
     out = {"profiled_step_s": seconds}
     if device.type == "cuda":                     # the CPU trace has no device events to count
-        out.update(bc.exposed_copy_seconds(prof))
-        out["profile"] = bc.step_kernels(prof)
+        out.update(trace.exposed_copy_seconds(prof))
+        out["profile"] = trace.step_kernels(prof)
     return out
 
 
@@ -358,28 +358,6 @@ def bisect(args, strategy: str, log: list, on_trial=None) -> int:
         else:
             hi = mid
     return lo * g
-
-
-def least_squares(pts: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """``(slope, intercept)`` of the least-squares line through ``(x, y)`` points (None with
-    fewer than two distinct x)."""
-    if len(pts) < 2:
-        return None
-    n = len(pts)
-    mx = sum(x for x, _ in pts) / n
-    my = sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx == 0:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    return slope, my - slope * mx
-
-
-def slope_per_1k(trials: list, key: str = "device_peak_bytes") -> float | None:
-    """Least-squares slope of ``key`` against sequence length, in bytes per 1K tokens, over every
-    trial whose step completed (including those over a simulated ``--device-mem-gib``)."""
-    fit = least_squares([(t["seq_len"], t[key]) for t in trials if t.get("measured") and t.get(key) is not None])
-    return None if fit is None else 1024 * fit[0]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 import torch
 
 import fpdt.model as fm
-from fpdt.offload import resolve_runtime
+from fpdt.bench.timing import sync
 from fpdt.memory.accountant import RegionMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,17 +89,13 @@ def options_for(features: frozenset[str], seq_len: int, chunk_size: int) -> dict
 RUNTIME = os.environ.get("FPDT_RUNTIME") or None   # the device runtime: $FPDT_RUNTIME (e.g. sim), else automatic
 
 
-def _sync(device: torch.device) -> None:
-    resolve_runtime(RUNTIME, device).synchronize(device)  # host waits for the device (and, under sim, every copy)
-
-
 def _step(model: fm.FPDTForCausalLM, inputs: dict) -> float:
     model.zero_grad(set_to_none=True)
-    _sync(inputs["input_ids"].device)
+    sync(inputs["input_ids"].device, RUNTIME)
     start = time.perf_counter()
     loss = model(**inputs)
     loss.backward()
-    _sync(inputs["input_ids"].device)
+    sync(inputs["input_ids"].device, RUNTIME)
     return time.perf_counter() - start
 
 

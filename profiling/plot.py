@@ -26,6 +26,7 @@ import glob
 import json
 import os
 
+from fpdt.bench.fit import least_squares, slope_per_1k
 from profiling import bench_common as bc
 
 BEGIN, END = "<!-- plot.py begin -->", "<!-- plot.py end -->"
@@ -207,8 +208,7 @@ def plot_memory_vs_length(strats: dict, out: str, cap_gib: float | None = None) 
 
 
 def _slope(trials, key):
-    from profiling import max_seqlen as ms
-    return ms.slope_per_1k(trials, key)
+    return slope_per_1k(trials, key)
 
 
 def _growing_peak(t: dict) -> int:
@@ -221,8 +221,7 @@ def _growing_peak(t: dict) -> int:
 
 def _fit(trials, value=_growing_peak) -> tuple[float, float] | None:
     """Least-squares ``(slope per token, intercept)`` of ``value`` against the length."""
-    from profiling import max_seqlen as ms
-    return ms.least_squares([(t["seq_len"], value(t)) for t in _ok(trials)])
+    return least_squares([(t["seq_len"], value(t)) for t in _ok(trials)])
 
 
 def _extrapolate(trials, cap_bytes: float) -> int | None:
