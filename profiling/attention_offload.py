@@ -23,6 +23,8 @@ CPU smoke run (what the test suite runs; the overlap column is n/a there)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -94,6 +96,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="small CPU-sized problem (smoke test)")
     p.add_argument("--out", default="benchmarks/results/attention_offload.md")
+    p.add_argument("--json", help="also write the rows here (peaks as fpdt.memory.MemoryPeaks fields)")
     args = p.parse_args(argv)
     if args.tiny:
         args.seq_len, args.heads, args.kv_heads, args.head_dim = 512, 4, 2, 32
@@ -138,6 +141,11 @@ def main(argv=None):
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        keys = ("chunk", "chunks", "time_plain_s", "time_offload_s", "peak_plain", "peak_offload", "copy_overlap")
+        with open(args.json, "w") as f:
+            json.dump([{k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in zip(keys, row)}
+                       for row in rows], f, indent=2)
     return rows
 
 

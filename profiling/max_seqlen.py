@@ -59,6 +59,7 @@ import time
 import torch
 
 from fpdt.bench.fit import slope_per_1k
+from fpdt.bench.search import longest_fitting
 from fpdt.bench.timing import sync
 from fpdt.bench import trace
 from fpdt.bench.environment import default_device
@@ -337,27 +338,9 @@ def run_one(args, strategy: str, seq_len: int, log: list, on_trial=None) -> dict
 
 def bisect(args, strategy: str, log: list, on_trial=None) -> int:
     """Longest multiple of the step (``--step``, default the chunk size) in [min_len, max_len]
-    whose trial completes (0 if none)."""
-    g = args.step or args.chunk_size
-    lo, hi, top = 0, None, args.max_len // g
-    k = max(1, args.min_len // g)
-    while k <= top:
-        if run_one(args, strategy, k * g, log, on_trial)["status"] != "ok":
-            hi = k
-            break
-        lo = k
-        if k == top:
-            break
-        k = min(2 * k, top)                     # doubling, then max_len itself
-    if hi is None:
-        return lo * g
-    while hi - lo > 1 and (hi - lo) * g >= args.resolution:
-        mid = (lo + hi) // 2
-        if run_one(args, strategy, mid * g, log, on_trial)["status"] == "ok":
-            lo = mid
-        else:
-            hi = mid
-    return lo * g
+    whose trial completes (0 if none): :func:`fpdt.bench.search.longest_fitting`."""
+    return longest_fitting(lambda n: run_one(args, strategy, n, log, on_trial)["status"] == "ok",
+                           args.step or args.chunk_size, args.min_len, args.max_len, args.resolution)
 
 
 def build_parser() -> argparse.ArgumentParser:

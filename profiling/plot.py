@@ -26,7 +26,7 @@ import glob
 import json
 import os
 
-from fpdt.bench.fit import least_squares, slope_per_1k
+from fpdt.bench.fit import extrapolate, slope_per_1k
 from profiling import bench_common as bc
 
 BEGIN, END = "<!-- plot.py begin -->", "<!-- plot.py end -->"
@@ -211,30 +211,6 @@ def _slope(trials, key):
     return slope_per_1k(trials, key)
 
 
-def _growing_peak(t: dict) -> int:
-    """The part of a trial's steady-state peak that grows with the length: the forward+backward
-    peak with the optimizer state live beside it (older files: the step's device peak)."""
-    if t.get("fwd_bwd_peak_bytes") is None:
-        return t["device_peak_bytes"]
-    return t["fwd_bwd_peak_bytes"] + t.get("optimizer_state_bytes", 0)
-
-
-def _fit(trials, value=_growing_peak) -> tuple[float, float] | None:
-    """Least-squares ``(slope per token, intercept)`` of ``value`` against the length."""
-    return least_squares([(t["seq_len"], value(t)) for t in _ok(trials)])
-
-
-def _extrapolate(trials, cap_bytes: float) -> int | None:
-    """Length at which the least-squares line of the growing peak (:func:`_growing_peak`)
-    reaches ``cap_bytes`` (None when it does not grow or the optimizer step alone passes it)."""
-    fit = _fit(trials)
-    if fit is None or fit[0] <= 0:
-        return None
-    if any(t.get("optimizer_peak_bytes", 0) > cap_bytes for t in _ok(trials)):
-        return None
-    return round((cap_bytes - fit[1]) / fit[0])
-
-
 def _mib(b) -> str:
     return "" if b is None else f"{b / MIB:.1f}"
 
@@ -281,7 +257,7 @@ def markdown(strats: dict, files: list[dict], rel: str) -> str:
         longest = " | ".join(_longest(s, c) for c in caps)
         extra = ""
         if cap:
-            est = _extrapolate(_fit_trials(s["trials"]), cap * GIB)
+            est = extrapolate(_fit_trials(s["trials"]), cap * GIB)
             extra = f" {est} |" if est is not None else " - |"
         lines.append(f"| {name} | {longest} | {dev / 1024:.1f} | {host / 1024:.1f} |{extra}" if dev is not None
                      else f"| {name} | {longest} | - | - |{extra}")
