@@ -59,11 +59,11 @@ import time
 import torch
 
 from fpdt.bench.fit import slope_per_1k
-from fpdt.bench.search import longest_fitting
+from fpdt.bench.search import longest_fitting, over_capacity
 from fpdt.bench.timing import sync
 from fpdt.bench import trace
 from fpdt.bench.environment import default_device
-from fpdt.bench.planner import planner_cluster
+from fpdt.bench.planner import planned
 from profiling import bench_common as bc
 from profiling import strategies as st
 
@@ -86,62 +86,6 @@ def load_config(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- one trial
-
-def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, calibration: str | None = None,
-            states_bytes: float | None = None, kernel_expands_gqa: bool | None = None,
-            lm_head_wgrad: str | None = None, kernel: str | None = None) -> dict:
-    """The planner's prediction for a single-device run of an fpdt strategy (no ZeRO).
-
-    Memory does not depend on the device's rates; the step time does: with ``calibration``
-    (``profiling/op_latency.py``'s file, measured on this machine) the planner uses its rates,
-    else the H100 preset's datasheet rates (then ``planned_step_s`` is not this machine's).
-
-    ``states_bytes``: the trial's own parameters + gradients + optimizer state. The planner
-    models fpdt-train's mixed precision (in bf16: 2 + 2 + 12 = 16 bytes per parameter, the 12
-    being fp32 master weights and both moments); this script trains the weights in their own
-    dtype with torch's AdamW (in bf16: 2 + 2 + 4 = 8 bytes per parameter; in fp32 both hold
-    16). Given them, the planned peaks below hold these states in place of the planner's own:
-
-    * ``planned_allocated_peak_bytes``: states + the larger of the activation and
-      optimizer-step phases, what an allocated peak counts: compare it with the measured
-      ``device_peak_bytes``;
-    * ``planned_device_peak_bytes``: that plus the planner's runtime reserve and allocator
-      fragmentation (``breakdown["runtime_reserve"]``), the figure that decides whether a run fits.
-
-    ``kernel``: the attention kernel the trial ran: the planner models its GQA expansion and
-    uses its own calibrated rate when the file has it (:func:`bench_common.planner_cluster`).
-    ``kernel_expands_gqa``: default, ``kernel``'s (else this machine's: True on the CPU, whose
-    kernel repeats the KV heads; False on CUDA). ``lm_head_wgrad``: default, the fpdt
-    strategies' (:data:`strategies.LM_HEAD_WGRAD`).
-    """
-    from fpdt.plan import evaluate, load_model_config
-    from fpdt.plan.setup import Setup
-    offload = strategy in ("fpdt", "fpdt-save", "fpdt-stream")
-    if kernel_expands_gqa is None:
-        from fpdt.attention.kernels import BACKENDS
-        kernel_expands_gqa = (not BACKENDS[kernel].native_gqa) if kernel else default_device().type == "cpu"
-    s = Setup.build(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpointing="offload" if offload else "on",
-                    offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
-                    lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD,
-                    attention_checkpoint="save" if strategy == "fpdt-save" else "recompute",
-                    stream_layers=strategy == "fpdt-stream")
-    cluster, rates = planner_cluster(calibration, kernel)
-    r = evaluate(load_model_config(cfg), s, cluster)
-    b = r["breakdown"]
-    states = b["parameters"] + b["gradients"] + b["optimizer_state"]
-    own = states if states_bytes is None else states_bytes
-    return {"planned_activation_peak_bytes": r["activation_peak_bytes"],
-            # what the allocator's peak counts (torch.cuda.max_memory_allocated): states + the larger
-            # of the activation and optimizer-step phases
-            "planned_allocated_peak_bytes": r["device_peak_bytes"] - b["runtime_reserve"] - states + own,
-            # what must fit in the GPU: plus the planner's reserve (CUDA context, workspaces) and
-            # allocator fragmentation, which the allocated peak does not see
-            "planned_device_peak_bytes": r["device_peak_bytes"] - states + own,
-            "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"],
-            "planned_step_s": r["step_time_s"], "planned_step_split_s": r["step_time_split_s"],
-            "planned_rates": rates,
-            "planned_setup": {"lm_head_wgrad": s.options.lm_head_wgrad, "kernel_expands_gqa": kernel_expands_gqa}}
-
 
 def trial(args) -> dict:
     """One training step of ``args.strategy`` at ``args.seq_len`` (run in its own process)."""
@@ -248,19 +192,6 @@ def check_attention_backend(name: str | None, cfg: dict, dtype: str) -> None:
         get_backend(name, default_device(), DTYPES[dtype], ModelConfig.from_hf(cfg).head_dim, check=False)
     except (RuntimeError, ValueError) as e:
         raise SystemExit(f"--attention-backend {name}: {e}") from e
-
-
-def over_capacity(device_peak: float, capacity: float | None, device_mem_gib: float | None) -> str | None:
-    """Why a completed first step does not fit, or None: its steady-state peak (forward+backward
-    beside the optimizer state it created, or the optimizer step) passes ``capacity``, the
-    simulated ``--device-mem-gib`` or, on CUDA, the memory free to tensors at the trial's start
-    (the smaller). Only a second step would have run out, so the first one alone cannot tell."""
-    if capacity is None or device_peak <= capacity:
-        return None
-    if device_mem_gib and capacity >= device_mem_gib * GIB:
-        return f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {device_mem_gib}"
-    return (f"steady-state step peak {device_peak / GIB:.3f} GiB (first step's forward+backward beside the "
-            f"optimizer state) > the {capacity / GIB:.2f} GiB free to tensors on the device")
 
 
 def _timed_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) -> tuple[float, float, float]:

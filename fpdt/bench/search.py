@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+GIB = 1024 ** 3
+
 
 def longest_fitting(fits: Callable[[int], bool], step: int, min_len: int, max_len: int, resolution: int) -> int:
     """Longest multiple of ``step`` in ``[min_len, max_len]`` for which ``fits(length)`` (0 if none):
@@ -28,3 +30,16 @@ def longest_fitting(fits: Callable[[int], bool], step: int, min_len: int, max_le
         else:
             hi = mid
     return lo * step
+
+
+def over_capacity(device_peak: float, capacity: float | None, device_mem_gib: float | None) -> str | None:
+    """Why a completed first step does not fit, or None: its steady-state peak (forward+backward
+    beside the optimizer state it created, or the optimizer step) passes ``capacity``, the
+    simulated ``--device-mem-gib`` or, on CUDA, the memory free to tensors at the trial's start
+    (the smaller). Only a second step would have run out, so the first one alone cannot tell."""
+    if capacity is None or device_peak <= capacity:
+        return None
+    if device_mem_gib and capacity >= device_mem_gib * GIB:
+        return f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {device_mem_gib}"
+    return (f"steady-state step peak {device_peak / GIB:.3f} GiB (first step's forward+backward beside the "
+            f"optimizer state) > the {capacity / GIB:.2f} GiB free to tensors on the device")
