@@ -47,6 +47,14 @@ PLANNER_CHUNKS = ("{name}={n}: the planner models the chunked MLP and loss; give
                   "is a trainer option the planner does not model)")
 
 
+def _negative_chunks(name, n):
+    """A negative ``mlp_chunks`` / ``loss_chunks``: the planner adds that it models chunks, first or last."""
+    own = f"{name}={n} must be >= 0 (0 = unchunked) or None (default)"
+    planner = PLANNER_CHUNKS.format(name=name, n=n)
+    return (dict({name: n}), own, {"train": "--" + name.replace("_", "-") + " " + own[len(name) + 1:],
+                                   "plan_setup": f"{own}; {planner}", "plan_choice": f"{planner}; {own}"})
+
+
 def _argparse(flag, value, choices):
     return f"argparse: argument {flag}: invalid choice: '{value}' (choose from {choices})"
 
@@ -142,20 +150,8 @@ CASES = [
      "lm_head_wgrad='sliced' must be one of ('accumulate', 'recompute')",
      {"train": "--lm-head-wgrad sliced must be one of ('accumulate', 'recompute')",
       "flags": _argparse("--lm-head-wgrad", "sliced", "'accumulate', 'recompute'")}),
-    (dict(mlp_chunks=-1),
-     "mlp_chunks=-1 must be >= 0 (0 = unchunked) or None (default)",
-     {"train": "--mlp-chunks -1 must be >= 0 (0 = unchunked) or None (default)",
-      "plan_setup": "mlp_chunks=-1 must be >= 0 (0 = unchunked) or None (default); "
-                    + PLANNER_CHUNKS.format(name="mlp_chunks", n=-1),
-      "plan_choice": PLANNER_CHUNKS.format(name="mlp_chunks", n=-1)
-                     + "; mlp_chunks=-1 must be >= 0 (0 = unchunked) or None (default)"}),
-    (dict(loss_chunks=-2),
-     "loss_chunks=-2 must be >= 0 (0 = unchunked) or None (default)",
-     {"train": "--loss-chunks -2 must be >= 0 (0 = unchunked) or None (default)",
-      "plan_setup": "loss_chunks=-2 must be >= 0 (0 = unchunked) or None (default); "
-                    + PLANNER_CHUNKS.format(name="loss_chunks", n=-2),
-      "plan_choice": PLANNER_CHUNKS.format(name="loss_chunks", n=-2)
-                     + "; loss_chunks=-2 must be >= 0 (0 = unchunked) or None (default)"}),
+    _negative_chunks("mlp_chunks", -1),
+    _negative_chunks("loss_chunks", -2),
     (dict(backend="fast"),
      f"backend='fast' must be one of {BACKENDS}, or None (automatic)",
      {"train": f"--attention-backend fast must be one of {BACKENDS}, or None (automatic)",
@@ -218,19 +214,20 @@ class Refused(Exception):
     """An entry point's refusal, as its message."""
 
 
-def _fpdt_train(argv):
-    """``fpdt-train``'s ``main`` on ``ARGV + argv`` in this process: returns at ``deepspeed.initialize``
-    (see the ``_run_here`` fixture); raises :class:`Refused` with the one line it printed."""
+def _fpdt_train(argv, reached=REACHED):
+    """``fpdt-train``'s ``main`` on ``argv`` (after ``ARGV``) in this process: returns when it stopped
+    with the line ``reached`` (see the ``_run_here`` fixture); raises :class:`Refused` with the one
+    line it printed otherwise (exit 2, after ``fpdt-train: error: ``)."""
     import contextlib
     import io
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            status = main(ARGV + argv)
+            status = main(argv if argv[:1] == ["--model-config"] else ARGV + argv)
     except SystemExit:                 # argparse: a flag's choices are its own
         raise Refused("argparse: " + err.getvalue().strip().splitlines()[-1].removeprefix("fpdt-train: error: "))
     line = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ""
-    if (status, line) != (1, REACHED):
+    if (status, line) != (1, reached):
         raise Refused(line.removeprefix("fpdt-train: error: ") if status == 2 else f"exit {status}: {line}")
 
 
@@ -381,23 +378,12 @@ class ReachedTheGroup(Exception):
 def _layout_trainer(monkeypatch, argv):
     """fpdt-train's ``main`` as rank 0 of ``WORLD``, up to its process group (every layout check is
     before it): raises :class:`Refused` with its line."""
-    import contextlib
-    import io
-
     def reached(*args, **kwargs):
         raise ReachedTheGroup("init_process_group")
     monkeypatch.setattr(dist, "init_process_group", reached)
     monkeypatch.setenv("WORLD_SIZE", str(WORLD))
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            status = main(ARGV[:-2] + argv)
-    except SystemExit:
-        raise Refused("argparse: " + err.getvalue().strip().splitlines()[-1].removeprefix("fpdt-train: error: "))
-    line = err.getvalue().strip().splitlines()[-1]
-    if line != "fpdt-train: error: ReachedTheGroup: init_process_group (unexpected; rerun with --debug or " \
-               "FPDT_DEBUG=1 for the traceback)":
-        raise Refused(line.removeprefix("fpdt-train: error: ") if status == 2 else f"exit {status}: {line}")
+    _fpdt_train(ARGV[:-2] + argv, REACHED.replace("ReachedTheEngine: deepspeed.initialize",
+                                                  "ReachedTheGroup: init_process_group"))
 
 
 def _layout_json(monkeypatch, lay):
