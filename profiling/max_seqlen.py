@@ -212,7 +212,7 @@ def _profiled_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device)
     """One more training step under ``torch.profiler`` (``--profile-step``): after the counted
     step, so its optimizer state is in place, and without the memory accountant, whose
     per-op Python would show as device idle time. ``profiled_step_s`` (the profiler's own
-    overhead included), and on CUDA the exposed copy time and :func:`bench_common.step_kernels`
+    overhead included), and on CUDA the exposed copy time and :func:`fpdt.bench.trace.step_kernels`
     (``profile``)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -83,13 +83,14 @@ def test_max_seqlen_every_strategy(lengths_run):
 
 
 def test_named_attention_backend(tmp_path):
-    """--attention-backend reaches the fpdt trials, here in a fresh process each (the scripts'
-    default), and the planner's GQA expansion follows that kernel; a kernel that cannot run here
-    stops before any trial."""
+    """--attention-backend and --no-timed-step reach the fpdt trials, here in a fresh process each
+    (the scripts' default), and the planner's GQA expansion follows that kernel; a kernel that
+    cannot run here stops before any trial."""
     out = _max_seqlen(tmp_path, "--strategies", "fpdt", "--lengths", "64", "--chunk-size", "64",
-                      "--attention-backend", "math")
+                      "--attention-backend", "math", "--no-timed-step")
     t = out["strategies"]["fpdt"]["trials"][0]
     assert t["status"] == "ok" and TRIAL_FIELDS <= set(t)
+    assert not t["timed_step"] and t["step_s"] == t["counted_step_s"]
     assert t["attention_kernel"] == "math" and t["planned_setup"]["kernel_expands_gqa"]
     run_script("plot", tmp_path, "--readme", "")
     table = (tmp_path / "results.md").read_text()     # a named kernel's trials are rows of their own
@@ -97,13 +98,6 @@ def test_named_attention_backend(tmp_path):
     assert "--attention-backend cuda_flash: attention backend 'cuda_flash' is not available here" in _refused(
         "max_seqlen", "--tiny", "--in-process", "--strategies", "fpdt", "--lengths", "64", "--attention-backend",
         "cuda_flash", "--out-dir", tmp_path)
-
-
-def test_untimed_step_in_a_fresh_process(tmp_path):
-    """--no-timed-step reaches the trial's own process: its step time is the counted step's."""
-    t = _max_seqlen(tmp_path, "--strategies", "fpdt", "--lengths", "64", "--chunk-size", "64",
-                    "--no-timed-step")["strategies"]["fpdt"]["trials"][0]
-    assert t["status"] == "ok" and not t["timed_step"] and t["step_s"] == t["counted_step_s"]
 
 
 def test_bisection_and_simulated_capacity(tmp_path):
