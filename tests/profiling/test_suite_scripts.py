@@ -183,6 +183,40 @@ def test_chunk_sweep_op_latency_and_plots(lengths_run):
     assert "- attention kernel: fpdt `cpu`; fpdt-no-offload `cpu`; hf `sdpa:" in text
 
 
+def test_a_piece_stopped_by_its_budget_keeps_what_it_measured(tmp_path):
+    """op_latency.py rewrites its files after each chunk size: stopped (SIGTERM, as run_suite.sh's
+    time budget stops a piece) while it times a long chunk, it leaves the short chunk's row and a
+    calibration from it (on the H100 a piece stopped part-way had left nothing, and the next
+    piece's --calibration pointed at a missing file)."""
+    import signal
+    import time
+
+    from fpdt.plan import load_calibration
+    proc = subprocess.Popen([sys.executable, "-m", "profiling.op_latency", "--chunks", "64", "8192", "--heads", "4",
+                             "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp32", "--warmup", "0", "--iters", "2",
+                             "--bandwidth-sizes-mib", "0.25", "--gemm-size", "256", "--memory-mib", "1",
+                             "--out-dir", str(tmp_path)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+    def chunks():
+        try:
+            return [r["chunk"] for r in read_json(tmp_path / "op_latency.json")["chunks"]]
+        except (OSError, ValueError, KeyError):       # not written yet, or being written
+            return []
+    try:
+        deadline = time.monotonic() + 300
+        while chunks() != [64]:                       # the 8192-token chunk takes seconds more on the CPU
+            assert proc.poll() is None, f"op_latency.py ended before it could be stopped: {proc.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "no chunk was written in 300 s"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert chunks() == [64]
+    assert load_calibration(tmp_path / "calibration.json")["attention_flops"] > 0
+
+
 def test_lm_head_wgrad_script_fields(tmp_path):
     """Both modes measured on the same inputs; the fp32 run's peaks are equal-sized
     (recompute's [V, hidden] gradient is fp32 too), the bf16 run's recompute peak is lower."""
