@@ -4,7 +4,7 @@ peaks and step time for a single-device trial of an fpdt strategy."""
 from __future__ import annotations
 
 from fpdt.bench.environment import default_device
-from fpdt.plan import evaluate, load_model_config
+from fpdt.plan import GPU_PRESETS, Cluster, evaluate, load_calibration, load_model_config
 from fpdt.plan.setup import Setup
 from fpdt.train.config import TrainerOptions
 
@@ -17,7 +17,6 @@ def planner_cluster(calibration: str | None, kernel: str | None = None):
     (``attention_flops_by_kernel``) replaces the automatic kernel's when the file has it; when
     it has not and the file's kernel (``attention_backend``) is another, the label says so
     (``"calibration, attention rate of <kernel>"``), and plot.py sets no ratio beside it."""
-    from fpdt.plan import GPU_PRESETS, Cluster, load_calibration
     cal = load_calibration(calibration) if calibration else None
     label = "calibration" if cal else "h100-80g datasheet"
     if cal and kernel and kernel not in (cal.get("attention_flops_by_kernel") or {}) \
@@ -37,7 +36,7 @@ def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, cali
 
     ``states_bytes``: the trial's own parameters + gradients + optimizer state. The planner
     models fpdt-train's mixed precision (in bf16: 2 + 2 + 12 = 16 bytes per parameter, the 12
-    being fp32 master weights and both moments); this script trains the weights in their own
+    being fp32 master weights and both moments); the trial (``profiling/max_seqlen.py``) trains the weights in their own
     dtype with torch's AdamW (in bf16: 2 + 2 + 4 = 8 bytes per parameter; in fp32 both hold
     16). Given them, the planned peaks below hold these states in place of the planner's own:
 

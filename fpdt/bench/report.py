@@ -178,7 +178,7 @@ PROFILE_CLASSES = ("attention", "gemm", "copy_h2d_d2h", "copy_device", "collecti
 def profile_table(strats: dict) -> list[str]:
     """Markdown lines: where each traced step's time went (``max_seqlen --profile-step``): the
     traced span, the GPU's busy time within it, the summed kernel time per class
-    (:func:`profiling.bench_common.kernel_class`; classes overlap in time across streams) and the
+    (:func:`fpdt.bench.trace.kernel_class`; classes overlap in time across streams) and the
     exposed host<->device copy time, then the kernels that took longest. Empty without a trace."""
     traced = [(name, t) for name, s in strats.items() for t in measured(s["trials"]) if t.get("profile")]
     if not traced:

@@ -1,4 +1,5 @@
-"""The longest sequence that fits: doubling from the shortest, then bisection."""
+"""The longest sequence that fits (doubling from the shortest, then bisection), and whether a
+measured first step would fit the device in its steady state."""
 
 from __future__ import annotations
 
