@@ -1,7 +1,7 @@
 """What the code outside ``fpdt`` may import: the tests never import the measurement scripts
 (``profiling``: a test of a script runs it as ``python -m profiling.<name>``, or tests the
 shared :mod:`fpdt.bench`), and the examples use fpdt's public API only (names a package lists
-in ``__all__``; no ``_private`` names). Checked statically from the source."""
+in ``__all__``; no ``_private`` names or attributes). Checked statically from the source."""
 
 import ast
 import glob
@@ -73,5 +73,8 @@ def test_examples_use_the_public_api(path):
     for module in _imported(tree):
         if module.split(".")[0] == "fpdt":
             assert not any(part.startswith("_") for part in module.split(".")), f"{path}: imports {module}"
+    private = [f"line {n.lineno}: .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and n.attr.startswith("_") and not n.attr.startswith("__")]
+    assert not private, f"{os.path.relpath(path, ROOT)} reads private attributes: {private}"
     for module, name in _uses(tree):
         assert name in _public(module), f"{os.path.relpath(path, ROOT)}: {module}.{name} is not in {module}.__all__"
