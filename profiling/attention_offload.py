@@ -23,6 +23,8 @@ CPU smoke run (what the test suite runs; the overlap column is n/a there)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -30,28 +32,24 @@ import time
 
 import torch
 
+from fpdt.bench.timing import sync
 from fpdt.attention import fpdt_attention
-from fpdt.offload import resolve_runtime
 from fpdt.memory.accountant import MemoryPeaks, RegionMemory
-from profiling import bench_common as bc
+from fpdt.bench import trace
 
 
 RUNTIME = os.environ.get("FPDT_RUNTIME") or None   # the device runtime: $FPDT_RUNTIME (e.g. sim), else automatic
-
-
-def _sync(device):
-    resolve_runtime(RUNTIME, device).synchronize(device)  # host waits for the device (and, under sim, every copy)
 
 
 def run_once(q, k, v, num_chunks, offload):
     """One forward+backward; returns seconds."""
     for t in (q, k, v):
         t.grad = None
-    _sync(q.device)
+    sync(q.device, RUNTIME)
     start = time.perf_counter()
     out = fpdt_attention(q, k, v, num_chunks=num_chunks, offload=offload, runtime=RUNTIME)
     out.backward(torch.ones_like(out))
-    _sync(q.device)
+    sync(q.device, RUNTIME)
     return time.perf_counter() - start
 
 
@@ -65,7 +63,7 @@ def peak_memory(q, k, v, num_chunks, offload) -> MemoryPeaks:
     """Peaks of one forward+backward (``working_set``: device bytes above those allocated before it)."""
     for t in (q, k, v):
         t.grad = None
-    _sync(q.device)
+    sync(q.device, RUNTIME)
     with RegionMemory(q.device, fresh_cache=True) as region:
         run_once(q, k, v, num_chunks, offload)
     return region.peaks
@@ -78,7 +76,7 @@ def copy_overlap(q, k, v, num_chunks):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_once(q, k, v, num_chunks, True)
-    t = bc.exposed_copy_seconds(prof)
+    t = trace.exposed_copy_seconds(prof)
     return 0.0 if t["copy_s"] == 0 else 1.0 - t["exposed_copy_s"] / t["copy_s"]
 
 
@@ -98,6 +96,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="small CPU-sized problem (smoke test)")
     p.add_argument("--out", default="benchmarks/results/attention_offload.md")
+    p.add_argument("--json", help="also write the rows here (peaks as fpdt.memory.MemoryPeaks fields)")
     args = p.parse_args(argv)
     if args.tiny:
         args.seq_len, args.heads, args.kv_heads, args.head_dim = 512, 4, 2, 32
@@ -142,6 +141,11 @@ def main(argv=None):
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        keys = ("chunk", "chunks", "time_plain_s", "time_offload_s", "peak_plain", "peak_offload", "copy_overlap")
+        with open(args.json, "w") as f:
+            json.dump([{k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in zip(keys, row)}
+                       for row in rows], f, indent=2)
     return rows
 
 

@@ -67,7 +67,7 @@ if [ "$STREAMED" = 1 ]; then   # 1B at 256K: an fpdt step ~78 s on an H100, plus
   exit 0
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python3 -c "from profiling import bench_common as bc; print(bc.software())"; } | tee "$DIR/gpu.txt" | tee -a "$LOG"
+  python3 -c "from fpdt.bench.environment import software; print(software())"; } | tee "$DIR/gpu.txt" | tee -a "$LOG"
 piece "cuda tests" 60 150 python3 -m pytest -q -m cuda tests -p no:cacheprovider
 piece "op_latency" 45 120 python3 -m profiling.op_latency "${OPL[@]}" --out-dir "$DIR"
 CAL=()

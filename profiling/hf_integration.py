@@ -40,7 +40,9 @@ import warnings
 import numpy as np
 import torch
 
-from profiling.bench_common import default_device, header, results_dir, write_json
+from fpdt.bench.timing import sync
+from fpdt.bench.environment import default_device
+from profiling.bench_common import header, results_dir, write_json
 
 STRATEGIES = ("hf", "alst", "hf+fpdt", "hf+fpdt offload", "hf+fpdt offload, ckpt offload", "fpdt.model")
 SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -94,8 +96,7 @@ def trial(strategy: str, base, cfg: dict, seq_len: int, chunk: int, device: torc
         with RegionMemory(device, fresh_cache=True) as rm:
             t0 = time.perf_counter()
             step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             rec["step_s"] = time.perf_counter() - t0
         rec.update(status="ok", device_peak_bytes=rm.peaks.allocated, host_stash_peak_bytes=rm.peaks.host_stash)
     except torch.OutOfMemoryError as e:

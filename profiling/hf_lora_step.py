@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
 
 import torch
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
            "ratio": median["fpdt"] / median["plain"]}
     print(f"plain PEFT {median['plain']:.2f} s, fpdt.hf {median['fpdt']:.2f} s CPU per step; "
           f"ratio {out['ratio']:.2f} (losses {losses['plain']:.6f} / {losses['fpdt']:.6f})")
+    print(json.dumps(out))
     return out
 
 

@@ -27,8 +27,11 @@ import time
 
 import torch
 
+from fpdt.bench.timing import sync
 from fpdt.model.loss import WGRAD_MODES, chunked_lm_loss, default_loss_chunks
 from fpdt.memory.accountant import RegionMemory
+from fpdt.bench.environment import default_device
+from fpdt.bench.planner import planner_cluster
 from profiling import bench_common as bc
 
 # (hidden, vocab, local tokens): Llama-3.2-1B, Llama-3-8B and Llama-3-70B heads at 16K tokens per GPU
@@ -37,20 +40,15 @@ CPU_SHAPES = [(512, 32000, 4096), (1024, 32000, 2048)]
 TINY_SHAPES = [(64, 2000, 256)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_once(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunks: int, mode: str) -> tuple[float, int]:
     """Seconds and device peak bytes (beyond what exists before) of one forward + backward."""
     device = h.device
     hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
-    _sync(device)
+    sync(device)
     with RegionMemory(device) as region:
         t0 = time.perf_counter()
         chunked_lm_loss(hh, ww, y, 1.0 / y.numel(), chunks, wgrad=mode).backward()
-        _sync(device)
+        sync(device)
         elapsed = time.perf_counter() - t0
     return elapsed, region.peaks.allocated - region.peaks.allocated_at_start
 
@@ -59,7 +57,7 @@ def planner_seconds(hidden: int, vocab: int, tokens: int, chunks: int, dtype: to
                     calibration: str | None) -> tuple[dict, str]:
     """The planner's seconds per mode for this shape, and where its rates came from."""
     from fpdt.plan.time_model import lm_head_seconds
-    cluster, label = bc.planner_cluster(calibration)
+    cluster, label = planner_cluster(calibration)
     e = torch.tensor([], dtype=dtype).element_size()
     return ({m: lm_head_seconds(hidden, vocab, tokens, chunks, m, e, cluster.rates())["total"] for m in WGRAD_MODES},
             label)
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="one small shape, for the CPU smoke test")
     p.add_argument("--out-dir")
     args = p.parse_args(argv)
-    device = bc.default_device()
+    device = default_device()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     shapes = args.shape or (TINY_SHAPES if args.tiny else GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     rows = []

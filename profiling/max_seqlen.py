@@ -58,6 +58,12 @@ import time
 
 import torch
 
+from fpdt.bench.fit import slope_per_1k
+from fpdt.bench.search import longest_fitting, over_capacity
+from fpdt.bench.timing import sync
+from fpdt.bench import trace
+from fpdt.bench.environment import default_device
+from fpdt.bench.planner import planned
 from profiling import bench_common as bc
 from profiling import strategies as st
 
@@ -81,66 +87,10 @@ def load_config(args) -> dict:
 
 # ----------------------------------------------------------------------------- one trial
 
-def planned(cfg: dict, strategy: str, seq_len: int, chunk: int, dtype: str, calibration: str | None = None,
-            states_bytes: float | None = None, kernel_expands_gqa: bool | None = None,
-            lm_head_wgrad: str | None = None, kernel: str | None = None) -> dict:
-    """The planner's prediction for a single-device run of an fpdt strategy (no ZeRO).
-
-    Memory does not depend on the device's rates; the step time does: with ``calibration``
-    (``profiling/op_latency.py``'s file, measured on this machine) the planner uses its rates,
-    else the H100 preset's datasheet rates (then ``planned_step_s`` is not this machine's).
-
-    ``states_bytes``: the trial's own parameters + gradients + optimizer state. The planner
-    models fpdt-train's mixed precision (in bf16: 2 + 2 + 12 = 16 bytes per parameter, the 12
-    being fp32 master weights and both moments); this script trains the weights in their own
-    dtype with torch's AdamW (in bf16: 2 + 2 + 4 = 8 bytes per parameter; in fp32 both hold
-    16). Given them, the planned peaks below hold these states in place of the planner's own:
-
-    * ``planned_allocated_peak_bytes``: states + the larger of the activation and
-      optimizer-step phases, what an allocated peak counts: compare it with the measured
-      ``device_peak_bytes``;
-    * ``planned_device_peak_bytes``: that plus the planner's runtime reserve and allocator
-      fragmentation (``breakdown["runtime_reserve"]``), the figure that decides whether a run fits.
-
-    ``kernel``: the attention kernel the trial ran: the planner models its GQA expansion and
-    uses its own calibrated rate when the file has it (:func:`bench_common.planner_cluster`).
-    ``kernel_expands_gqa``: default, ``kernel``'s (else this machine's: True on the CPU, whose
-    kernel repeats the KV heads; False on CUDA). ``lm_head_wgrad``: default, the fpdt
-    strategies' (:data:`strategies.LM_HEAD_WGRAD`).
-    """
-    from fpdt.plan import evaluate, load_model_config
-    from fpdt.plan.setup import Setup
-    offload = strategy in ("fpdt", "fpdt-save", "fpdt-stream")
-    if kernel_expands_gqa is None:
-        from fpdt.attention.kernels import BACKENDS
-        kernel_expands_gqa = (not BACKENDS[kernel].native_gqa) if kernel else bc.default_device().type == "cpu"
-    s = Setup.build(seq_len=seq_len, chunk_size=min(chunk, seq_len), checkpointing="offload" if offload else "on",
-                    offload=offload, zero_stage=0, dtype=dtype, kernel_expands_gqa=kernel_expands_gqa,
-                    lm_head_wgrad=lm_head_wgrad or st.LM_HEAD_WGRAD,
-                    attention_checkpoint="save" if strategy == "fpdt-save" else "recompute",
-                    stream_layers=strategy == "fpdt-stream")
-    cluster, rates = bc.planner_cluster(calibration, kernel)
-    r = evaluate(load_model_config(cfg), s, cluster)
-    b = r["breakdown"]
-    states = b["parameters"] + b["gradients"] + b["optimizer_state"]
-    own = states if states_bytes is None else states_bytes
-    return {"planned_activation_peak_bytes": r["activation_peak_bytes"],
-            # what the allocator's peak counts (torch.cuda.max_memory_allocated): states + the larger
-            # of the activation and optimizer-step phases
-            "planned_allocated_peak_bytes": r["device_peak_bytes"] - b["runtime_reserve"] - states + own,
-            # what must fit in the GPU: plus the planner's reserve (CUDA context, workspaces) and
-            # allocator fragmentation, which the allocated peak does not see
-            "planned_device_peak_bytes": r["device_peak_bytes"] - states + own,
-            "planned_host_peak_bytes": b["checkpoints_host"] + b["attention_stash_host"],
-            "planned_step_s": r["step_time_s"], "planned_step_split_s": r["step_time_split_s"],
-            "planned_rates": rates,
-            "planned_setup": {"lm_head_wgrad": s.options.lm_head_wgrad, "kernel_expands_gqa": kernel_expands_gqa}}
-
-
 def trial(args) -> dict:
     """One training step of ``args.strategy`` at ``args.seq_len`` (run in its own process)."""
     from fpdt.memory.accountant import RegionMemory, SimulatedOutOfMemoryError
-    device = bc.default_device()
+    device = default_device()
     cfg = load_config(args)
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
@@ -175,13 +125,13 @@ def trial(args) -> dict:
             t0 = time.perf_counter()
             with acct.phase("forward_backward") as fb:
                 trainee.forward_backward(trainee.prepare(ids))
-                _sync(device)
+                sync(device)
             t1 = time.perf_counter()
             if cap is not None:
                 acct.set_limit(cap - param_bytes - opt_before)
             with acct.phase("optimizer") as op:
                 trainee.optimizer_step()
-                _sync(device)
+                sync(device)
             seconds, fwd_bwd_s = time.perf_counter() - t0, t1 - t0
         peaks = region.peaks
         if args.profile_step:                     # also on the CPU, where it records nothing: dry runs
@@ -239,22 +189,9 @@ def check_attention_backend(name: str | None, cfg: dict, dtype: str) -> None:
     from fpdt.attention.kernels import get_backend
     from fpdt.model import ModelConfig
     try:
-        get_backend(name, bc.default_device(), DTYPES[dtype], ModelConfig.from_hf(cfg).head_dim, check=False)
+        get_backend(name, default_device(), DTYPES[dtype], ModelConfig.from_hf(cfg).head_dim, check=False)
     except (RuntimeError, ValueError) as e:
         raise SystemExit(f"--attention-backend {name}: {e}") from e
-
-
-def over_capacity(device_peak: float, capacity: float | None, device_mem_gib: float | None) -> str | None:
-    """Why a completed first step does not fit, or None: its steady-state peak (forward+backward
-    beside the optimizer state it created, or the optimizer step) passes ``capacity``, the
-    simulated ``--device-mem-gib`` or, on CUDA, the memory free to tensors at the trial's start
-    (the smaller). Only a second step would have run out, so the first one alone cannot tell."""
-    if capacity is None or device_peak <= capacity:
-        return None
-    if device_mem_gib and capacity >= device_mem_gib * GIB:
-        return f"device tier {device_peak / GIB:.3f} GiB > --device-mem-gib {device_mem_gib}"
-    return (f"steady-state step peak {device_peak / GIB:.3f} GiB (first step's forward+backward beside the "
-            f"optimizer state) > the {capacity / GIB:.2f} GiB free to tensors on the device")
 
 
 def _timed_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) -> tuple[float, float, float]:
@@ -264,23 +201,18 @@ def _timed_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) ->
     (compare it between strategies run with the same ``OMP_NUM_THREADS=1``)."""
     t0, c0 = time.perf_counter(), time.process_time()
     trainee.forward_backward(trainee.prepare(ids))
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     trainee.optimizer_step()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0, t1 - t0, time.process_time() - c0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _profiled_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device) -> dict:
     """One more training step under ``torch.profiler`` (``--profile-step``): after the counted
     step, so its optimizer state is in place, and without the memory accountant, whose
     per-op Python would show as device idle time. ``profiled_step_s`` (the profiler's own
-    overhead included), and on CUDA the exposed copy time and :func:`bench_common.step_kernels`
+    overhead included), and on CUDA the exposed copy time and :func:`fpdt.bench.trace.step_kernels`
     (``profile``)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -288,8 +220,8 @@ def _profiled_step(trainee: st.Trainee, ids: torch.Tensor, device: torch.device)
         seconds, _, _ = _timed_step(trainee, ids, device)
     out = {"profiled_step_s": seconds}
     if device.type == "cuda":                     # the CPU trace has no device events to count
-        out.update(bc.exposed_copy_seconds(prof))
-        out["profile"] = bc.step_kernels(prof)
+        out.update(trace.exposed_copy_seconds(prof))
+        out["profile"] = trace.step_kernels(prof)
     return out
 
 
@@ -337,49 +269,9 @@ def run_one(args, strategy: str, seq_len: int, log: list, on_trial=None) -> dict
 
 def bisect(args, strategy: str, log: list, on_trial=None) -> int:
     """Longest multiple of the step (``--step``, default the chunk size) in [min_len, max_len]
-    whose trial completes (0 if none)."""
-    g = args.step or args.chunk_size
-    lo, hi, top = 0, None, args.max_len // g
-    k = max(1, args.min_len // g)
-    while k <= top:
-        if run_one(args, strategy, k * g, log, on_trial)["status"] != "ok":
-            hi = k
-            break
-        lo = k
-        if k == top:
-            break
-        k = min(2 * k, top)                     # doubling, then max_len itself
-    if hi is None:
-        return lo * g
-    while hi - lo > 1 and (hi - lo) * g >= args.resolution:
-        mid = (lo + hi) // 2
-        if run_one(args, strategy, mid * g, log, on_trial)["status"] == "ok":
-            lo = mid
-        else:
-            hi = mid
-    return lo * g
-
-
-def least_squares(pts: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """``(slope, intercept)`` of the least-squares line through ``(x, y)`` points (None with
-    fewer than two distinct x)."""
-    if len(pts) < 2:
-        return None
-    n = len(pts)
-    mx = sum(x for x, _ in pts) / n
-    my = sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx == 0:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    return slope, my - slope * mx
-
-
-def slope_per_1k(trials: list, key: str = "device_peak_bytes") -> float | None:
-    """Least-squares slope of ``key`` against sequence length, in bytes per 1K tokens, over every
-    trial whose step completed (including those over a simulated ``--device-mem-gib``)."""
-    fit = least_squares([(t["seq_len"], t[key]) for t in trials if t.get("measured") and t.get(key) is not None])
-    return None if fit is None else 1024 * fit[0]
+    whose trial completes (0 if none): :func:`fpdt.bench.search.longest_fitting`."""
+    return longest_fitting(lambda n: run_one(args, strategy, n, log, on_trial)["status"] == "ok",
+                           args.step or args.chunk_size, args.min_len, args.max_len, args.resolution)
 
 
 def build_parser() -> argparse.ArgumentParser:

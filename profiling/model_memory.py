@@ -33,7 +33,9 @@ CPU smoke run (what the test suite runs)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import os
 import statistics
 import sys
@@ -43,7 +45,7 @@ from datetime import datetime, timezone
 import torch
 
 import fpdt.model as fm
-from fpdt.offload import resolve_runtime
+from fpdt.bench.timing import sync
 from fpdt.memory.accountant import RegionMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,17 +91,13 @@ def options_for(features: frozenset[str], seq_len: int, chunk_size: int) -> dict
 RUNTIME = os.environ.get("FPDT_RUNTIME") or None   # the device runtime: $FPDT_RUNTIME (e.g. sim), else automatic
 
 
-def _sync(device: torch.device) -> None:
-    resolve_runtime(RUNTIME, device).synchronize(device)  # host waits for the device (and, under sim, every copy)
-
-
 def _step(model: fm.FPDTForCausalLM, inputs: dict) -> float:
     model.zero_grad(set_to_none=True)
-    _sync(inputs["input_ids"].device)
+    sync(inputs["input_ids"].device, RUNTIME)
     start = time.perf_counter()
     loss = model(**inputs)
     loss.backward()
-    _sync(inputs["input_ids"].device)
+    sync(inputs["input_ids"].device, RUNTIME)
     return time.perf_counter() - start
 
 
@@ -146,6 +144,10 @@ def render(rows: list[tuple[str, dict[int, tuple]]], seq_lens: list[int], header
     return "\n".join(lines) + "\n"
 
 
+def _fields(peaks):
+    return dataclasses.asdict(peaks) if dataclasses.is_dataclass(peaks) else peaks     # or "OOM"
+
+
 def main(argv: list[str] | None = None) -> list[tuple[str, dict[int, tuple]]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny model and sequences (CPU smoke run)")
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[int, tuple]]]:
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--out", default=None, help="markdown output path (default benchmarks/results/...)")
+    p.add_argument("--json", help="also write the rows here: per feature set and length, its options, the "
+                                  "peaks (fpdt.memory.MemoryPeaks fields) and the step seconds")
     args = p.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -187,6 +191,13 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[int, tuple]]]:
     with open(out, "w") as f:
         f.write(render(rows, seq_lens, header))
     print(f"wrote {out}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"label": label, "features": sorted(features),
+                        "lengths": {str(n): {"options": options_for(features, n, chunk),
+                                             "peaks": _fields(results[n][0]), "seconds": results[n][1]}
+                                    for n in seq_lens}}
+                       for (label, results), (_, features) in zip(rows, feature_sets())], f, indent=2)
     return rows
 
 

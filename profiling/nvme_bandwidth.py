@@ -40,10 +40,13 @@ CONFIG = {
 }
 
 
-def backends() -> dict:
-    """``name -> factory`` of the backends that work here (aio only where libaio builds)."""
+def backends(names: str | None = None) -> dict:
+    """``name -> factory`` of the backends that work here (aio only where libaio builds), or of
+    ``names`` (comma-separated) among them."""
     from fpdt.train.nvme_aio import aio_backend, aio_unavailable
     out = {"portable": PortableBackend}
+    if names is not None and "deepspeed-aio" not in names.split(","):
+        return {k: v for k, v in out.items() if k in names.split(",")}
     probe = aio_backend()
     if probe is not None:
         probe.close()
@@ -154,6 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--blocks", default=",".join(str(b) for b in BLOCKS), help="block sizes in bytes")
     p.add_argument("--total-mib", type=int, default=256, help="bytes per block size and backend")
     p.add_argument("--depth", type=int, default=8, help="transfers in flight")
+    p.add_argument("--backends", help="comma-separated: portable, deepspeed-aio (default: every one that works "
+                                      "here; deepspeed-aio JIT-builds on first use, minutes)")
     p.add_argument("--seq", type=int, default=16384)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--layers", default="4", help="decoder layers (depth: a comma-separated list)")
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         if args.mode == "bandwidth":
-            for name, factory in backends().items():
+            for name, factory in backends(args.backends).items():
                 for block in (int(b) for b in args.blocks.split(",")):
                     rows.append(bandwidth(d, name, factory, block, args.total_mib << 20, args.depth))
                     print(json.dumps(rows[-1]), flush=True)

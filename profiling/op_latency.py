@@ -32,35 +32,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
+from fpdt.bench.timing import median_seconds
+from fpdt.bench.environment import default_device, device_name
 from profiling import bench_common as bc
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device, warmup: int, iters: int) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def attention_latency(c: int, heads: int, kv_heads: int, head_dim: int, device, dtype, warmup, iters,
@@ -79,8 +60,8 @@ def attention_latency(c: int, heads: int, kv_heads: int, head_dim: int, device, 
     for label, causal in (("diag", True), ("full", False)):
         o, lse = be.forward(q, k, v, causal, scale)
         do = torch.randn_like(o)
-        out[f"{label}_fwd_s"] = timed(lambda: be.forward(q, k, v, causal, scale), device, warmup, iters)
-        out[f"{label}_bwd_s"] = timed(lambda: be.backward(do, q, k, v, o, lse, causal, scale), device, warmup, iters)
+        out[f"{label}_fwd_s"] = median_seconds(lambda: be.forward(q, k, v, causal, scale), device, warmup, iters)
+        out[f"{label}_bwd_s"] = median_seconds(lambda: be.backward(do, q, k, v, o, lse, causal, scale), device, warmup, iters)
     return out
 
 
@@ -100,9 +81,9 @@ def sdpa_latency(c: int, heads: int, kv_heads: int, head_dim: int, device, dtype
     for label, causal in (("diag", True), ("full", False)):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         do = torch.randn_like(o)
-        out[f"{label}_fwd_s"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
+        out[f"{label}_fwd_s"] = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
                                       device, warmup, iters)
-        out[f"{label}_bwd_s"] = timed(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), device, warmup,
+        out[f"{label}_bwd_s"] = median_seconds(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), device, warmup,
                                       iters)
     return out
 
@@ -129,8 +110,8 @@ def copy_latency(nbytes: int, device, warmup, iters) -> dict:
             continue
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         tag = "pinned" if pinned else "pageable"
-        out[f"d2h_{tag}_s"] = timed(lambda: host.copy_(src, non_blocking=pinned), device, warmup, iters)
-        out[f"h2d_{tag}_s"] = timed(lambda: src.copy_(host, non_blocking=pinned), device, warmup, iters)
+        out[f"d2h_{tag}_s"] = median_seconds(lambda: host.copy_(src, non_blocking=pinned), device, warmup, iters)
+        out[f"h2d_{tag}_s"] = median_seconds(lambda: src.copy_(host, non_blocking=pinned), device, warmup, iters)
     return out
 
 
@@ -140,13 +121,13 @@ def all_to_all_latency(c: int, width: int, device, dtype, warmup, iters) -> floa
     from fpdt.comm.ulysses import seq_to_heads
     p = dist.get_world_size()
     x = torch.randn(1, c // p, width, 1, device=device, dtype=dtype)   # this rank's q/k/v rows of the chunk
-    return timed(lambda: seq_to_heads(x, None), device, warmup, iters)
+    return median_seconds(lambda: seq_to_heads(x, None), device, warmup, iters)
 
 
 def gemm_flops(device, dtype, n: int, iters: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n ** 3 / timed(lambda: a @ b, device, 1, iters)
+    return 2 * n ** 3 / median_seconds(lambda: a @ b, device, 1, iters)
 
 
 def memory_bytes_s(device, nbytes: int, iters: int) -> float:
@@ -154,7 +135,7 @@ def memory_bytes_s(device, nbytes: int, iters: int) -> float:
     both and writes one, ``3 * nbytes`` per call."""
     a = torch.zeros(nbytes // 4, device=device)
     b = torch.ones(nbytes // 4, device=device)
-    return 3 * a.numel() * 4 / timed(lambda: a.add_(b), device, 1, iters)
+    return 3 * a.numel() * 4 / median_seconds(lambda: a.add_(b), device, 1, iters)
 
 
 def attention_rate(lat: dict, c: int, heads: int, head_dim: int) -> float:
@@ -227,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = bc.default_device()
+    device = default_device()
     dtype = DTYPES[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
     from fpdt.attention.kernels import BACKENDS
@@ -244,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
         bandwidth.append({"bytes": nbytes, **{k.replace("_s", "_bytes_s"): nbytes / v for k, v in lat.items()}})
     big = bandwidth[-1]
     rates = {
-        "device": bc.device_name(device), "dtype": args.dtype,
+        "device": device_name(device), "dtype": args.dtype,
         "gemm_flops": gemm_flops(device, dtype, 256 if args.tiny else args.gemm_size, args.iters),
         "h2d_bytes_s": big.get("h2d_pinned_bytes_s", big.get("h2d_pageable_bytes_s")),
         "d2h_bytes_s": big.get("d2h_pinned_bytes_s", big.get("d2h_pageable_bytes_s")),

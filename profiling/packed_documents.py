@@ -27,7 +27,8 @@ import torch
 import fpdt.attention.pipeline as pipeline
 import fpdt.attention.projected_attention as projected
 from fpdt.model import from_config
-from profiling.bench_common import cpu_name, results_dir
+from fpdt.bench.environment import cpu_name
+from profiling.bench_common import results_dir
 
 MODEL = {  # a small Llama: attention is a large part of a 32K-token step, a step fits minutes on 2 cores
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8192, "hidden_size": 256,

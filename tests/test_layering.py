@@ -2,7 +2,8 @@
 
 The layers, bottom up: layout, ops, offload; comm; attention; options; memory; model; hf (the
 Transformers integration, beside train); train; plan (the planner sits on the trainer's
-configuration); cli (the command lines: ``fpdt-train`` checks its run with the planner). A
+configuration); cli (the command lines: ``fpdt-train`` checks its run with the planner); bench
+(measurement helpers of the profiling scripts and the tests, beside cli). A
 package may import only the packages listed for it in :data:`ALLOWED`, and the import graph of
 ``fpdt``'s modules has no cycle, counting imports inside functions too. Entry scripts
 (``__main__.py``, run by ``python -m``) follow the same rule (``fpdt-train`` is ``python -m
@@ -36,6 +37,7 @@ ALLOWED = {
     "train": BASE | {"attention", "options", "memory", "model"},
     "plan": BASE | {"attention", "options", "model", "train"},
     "cli": BASE | {"attention", "options", "memory", "model", "train", "plan"},
+    "bench": BASE | {"attention", "options", "memory", "model", "train", "plan"},   # measurement; nothing imports it
 }
 DEEPSPEED_USERS = {"train", "hf", "cli"}   # fpdt.hf lazily: its ZeRO-3 registration, when installed
 
@@ -86,6 +88,13 @@ def _fpdt_targets(path):
                 name = name.rpartition(".")[0]
             if name.startswith("fpdt"):
                 yield name
+
+
+def test_nothing_imports_the_measurement_helpers():
+    """``fpdt.bench`` serves the profiling scripts and the tests; the library never needs it."""
+    for unit, name, path in MODULES:
+        if unit != "bench":
+            assert not any(t.startswith("fpdt.bench") for t in _fpdt_targets(path)), f"{name} imports fpdt.bench"
 
 
 def test_every_unit_is_placed():

@@ -16,46 +16,25 @@ All ranks form one sequence-parallel group; each holds ``seq_len / world`` token
 
 from __future__ import annotations
 
-import argparse
-import warnings
 import json
 import os
+import sys
+import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import fpdt.hf  # fpdt
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # examples/: hf_common.py
+import hf_common  # noqa: E402
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a Transformers checkpoint directory")
-    src.add_argument("--model-config", help="a config.json: random weights (seeded by --seed)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the --model directory's)")
-    p.add_argument("--data", required=True, help="text (.txt, .jsonl), tokens (.npy, .bin) or a directory")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--chunks", type=int, default=1, help="FPDT attention chunks per rank")
-    p.add_argument("--offload", action="store_true", help="attention chunks to pinned host memory (CUDA)")
-    p.add_argument("--steps", type=int, default=10)
+    p = hf_common.parser(__doc__.splitlines()[0], "attention chunks to pinned host memory (CUDA)")
     p.add_argument("--deepspeed", required=True, help="DeepSpeed JSON")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", help="append {step, loss} per step")
     return p.parse_args(argv)
-
-
-def token_windows(args, eos_id):
-    """``--data`` (text, .jsonl, .npy/.bin, or a directory of them, read as ``fpdt-train`` reads
-    it) as consecutive windows of ``seq_len`` tokens."""
-    from fpdt.train.data import load_tokens
-
-    tokenizer = args.tokenizer or (os.path.join(args.model, "tokenizer.json") if args.model else None)
-    ids = np.asarray(load_tokens(args.data, tokenizer_path=tokenizer, eos_id=eos_id), dtype=np.int64)
-    n = len(ids) // args.seq_len
-    if n == 0:
-        raise SystemExit(f"{args.data} has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
-    return [torch.from_numpy(ids[k * args.seq_len:(k + 1) * args.seq_len]) for k in range(n)]
 
 
 # Deprecation notices of DeepSpeed's, Transformers' and accelerate's own calls (e.g. the
@@ -66,8 +45,6 @@ for _module in (r"torch\.distributed", r"deepspeed", r"transformers", r"accelera
 
 def main(argv=None) -> list[float]:
     import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     args = parse_args(argv)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
         torch.device("cpu")
@@ -77,11 +54,7 @@ def main(argv=None) -> list[float]:
     with open(args.deepspeed) as f:
         ds_config = json.load(f)
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
-    torch.manual_seed(args.seed)
-    if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
+    model = hf_common.load_model(args, dtype)
 
     sp = dist.get_world_size()
     model.train()                        # from_pretrained returns eval mode, where nothing is checkpointed
@@ -89,7 +62,7 @@ def main(argv=None) -> list[float]:
                        checkpointing="offload" if args.offload else "on")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
-    windows = token_windows(args, model.config.eos_token_id)
+    windows = hf_common.token_windows(args, model.config.eos_token_id)
     losses = []
     for step in range(args.steps):
         window = windows[step % len(windows)].unsqueeze(0)                    # [1, S], the same on every rank

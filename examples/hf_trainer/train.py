@@ -25,32 +25,23 @@ the q/k/v and MLP projections inside its chunked functions.
 
 from __future__ import annotations
 
-import argparse
-import warnings
 import os
+import sys
+import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import fpdt.hf  # fpdt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))   # examples/: hf_common.py
+import hf_common  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a Transformers checkpoint directory")
-    src.add_argument("--model-config", help="a config.json: random weights (seeded by --seed)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the --model directory's)")
-    p.add_argument("--data", required=True, help="text (.txt, .jsonl), tokens (.npy, .bin) or a directory")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--chunks", type=int, default=1, help="FPDT attention chunks per rank")
-    p.add_argument("--offload", action="store_true",
-                   help="attention chunks and layer inputs to pinned host memory (CUDA)")
+    p = hf_common.parser(__doc__.splitlines()[0], "attention chunks and layer inputs to pinned host memory (CUDA)")
     p.add_argument("--sp", type=int, help="sequence-parallel degree (default: the world size)")
-    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim name")
@@ -61,28 +52,19 @@ def parse_args(argv=None):
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--deepspeed", default=os.path.join(HERE, "ds_zero3.json"), help="DeepSpeed JSON")
     p.add_argument("--output-dir", default=os.path.join("runs", "hf_trainer"))
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 def token_windows(args, eos_id) -> list[dict[str, torch.Tensor]]:
-    """``--data`` (read as ``fpdt-train`` reads it) as consecutive windows of ``seq_len`` tokens,
-    each with its labels and the ``position_ids`` that DeepSpeed's sequence-parallel data
-    adapter requires."""
-    from fpdt.train.data import load_tokens
-
-    tokenizer = args.tokenizer or (os.path.join(args.model, "tokenizer.json") if args.model else None)
-    ids = np.asarray(load_tokens(args.data, tokenizer_path=tokenizer, eos_id=eos_id), dtype=np.int64)
-    n = len(ids) // args.seq_len
-    if n == 0:
-        raise SystemExit(f"{args.data} has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
-    windows = [torch.from_numpy(ids[k * args.seq_len:(k + 1) * args.seq_len]) for k in range(n)]
-    return [{"input_ids": w, "labels": w.clone(), "position_ids": torch.arange(args.seq_len)} for w in windows]
+    """``--data``'s windows of ``seq_len`` tokens (:func:`hf_common.token_windows`), each with its
+    labels and the ``position_ids`` that DeepSpeed's sequence-parallel data adapter requires."""
+    return [{"input_ids": w, "labels": w.clone(), "position_ids": torch.arange(args.seq_len)}
+            for w in hf_common.token_windows(args, eos_id)]
 
 
 def build_trainer(args):
     import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     on_gpu = torch.cuda.is_available()
     # DeepSpeed's communication layer, over torch.distributed (which it starts unless already started):
@@ -99,11 +81,7 @@ def build_trainer(args):
         logging_steps=1, save_strategy="no", report_to=[], seed=args.seed, use_cpu=not on_gpu,
         deepspeed=args.deepspeed,
         parallelism_config=fpdt.hf.trainer_parallelism_config(sp_size=sp))                       # fpdt
-    torch.manual_seed(args.seed)
-    if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
+    model = hf_common.load_model(args, dtype)
     if args.lora_rank:
         model = with_lora(model, args)
     fpdt.hf.apply_fpdt(model, group="trainer", num_chunks=args.chunks, offload=args.offload,   # fpdt

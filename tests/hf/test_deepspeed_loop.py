@@ -75,7 +75,7 @@ def _reference(tmp: str) -> list[float]:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=torch.float32)
     sgd = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-    windows = mod.token_windows(args, model.config.eos_token_id)
+    windows = mod.hf_common.token_windows(args, model.config.eos_token_id)
     losses = []
     for step in range(STEPS):
         ids = windows[step % len(windows)].unsqueeze(0)

@@ -2,7 +2,9 @@
 sequence parallelism (``examples/hf_trainer/train.py``: accelerate's ``ParallelismConfig``,
 DeepSpeed ZeRO-3, DeepSpeed's data adapter slicing each window contiguously), on 2 gloo
 ranks, against single-process Transformers training on the windows the Trainer fed it: every
-step's loss within 1e-4 relative (fp32).
+step's loss within 1e-4 relative, and every step's gradient (as DeepSpeed holds it for the
+optimizer step, gathered from ZeRO-3's partitions) within 1e-5 relative (fp32, max |a - b| / max |b|
+per tensor).
 
 The optimizer is plain SGD without clipping, so a wrong gradient scale changes the next
 step's loss. With ``prompt`` the first 60% of every window's labels are -100 (as in
@@ -22,13 +24,14 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.model.helpers import compare
 from tests.hf.test_deepspeed_loop import _write_config     # the example's tiny model, smaller
 
 pytest.importorskip("accelerate")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "hf_trainer", "train.py")
-SEQ_LEN, STEPS, SGD_LR, RTOL = 128, 3, 0.5, 1e-4
+SEQ_LEN, STEPS, SGD_LR, RTOL, GRAD_TOL = 128, 3, 0.5, 1e-4, 1e-5
 PROMPT_FRACTION = 0.6
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -95,18 +98,40 @@ def _rank(rank, world, tmp, chunks, prompt, sp, grad_accum, out, lora=0):
         batches.append([torch.cat(slices[g:g + sp], dim=-1)[0].tolist() for g in range(0, world, sp)])
 
     trainer.model.register_forward_pre_hook(record, with_kwargs=True)
+    grads = _record_step_gradients()
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if rank == 0:
         steps = [sum(batches[i:i + grad_accum], []) for i in range(0, len(batches), grad_accum)]
         with open(out, "w") as f:
             json.dump({"losses": losses, "steps": steps}, f)
+        torch.save(grads, out + ".grads.pt")
 
 
-def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool, lora: int = 0) -> list[float]:
+def _record_step_gradients() -> list[dict[str, torch.Tensor]]:
+    """Each optimizer step's full gradients, by parameter name, as DeepSpeed's engine holds them at
+    the step (ZeRO-3's partitions gathered on every rank; accelerate calls ``engine.step`` right
+    after ``engine.backward``, so no Trainer callback sees them)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import safe_get_full_grad
+
+    grads: list[dict[str, torch.Tensor]] = []
+    step = DeepSpeedEngine.step
+
+    def recording_step(engine, *args, **kwargs):
+        if engine.is_gradient_accumulation_boundary():
+            grads.append({n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()
+                          if p.requires_grad})
+        return step(engine, *args, **kwargs)
+    DeepSpeedEngine.step = recording_step       # this spawned rank's own class, gone with the process
+    return grads
+
+
+def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool,
+               lora: int = 0) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Single-process Transformers (with the example's PEFT adapters when ``lora``) and SGD: each
     step on the mean of its windows' losses (every window has the same number of valid labels,
-    so this is also the token mean over the step)."""
+    so this is also the token mean over the step). Returns each step's loss and gradients."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "model"), dtype=torch.float32)
@@ -115,7 +140,7 @@ def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool, lora: int =
         model = mod.with_lora(model, mod.parse_args(_argv(tmp, 1, 1, 1, lora)))
     model.train()
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD_LR)
-    losses = []
+    losses, grads = [], []
     for windows in steps:
         sgd.zero_grad()
         total = 0.0
@@ -124,9 +149,10 @@ def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool, lora: int =
             loss = model(input_ids=ids, labels=_labels(ids, prompt), use_cache=False).loss / len(windows)
             loss.backward()
             total += loss.item()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
         sgd.step()
         losses.append(total)
-    return losses
+    return losses, grads
 
 
 @pytest.mark.slow
@@ -148,9 +174,13 @@ def test_trainer_matches_single_process_transformers(tmp_path, world, chunks, pr
     assert all(len(w) == grad_accum * world // sp for w in got["steps"])  # windows accumulated, or one per DP group
     windows = [w for step in got["steps"] for w in step]
     assert len({tuple(w) for w in windows}) > 1                   # both ranks' batches were trained on
-    want = _reference(tmp, got["steps"], prompt, lora)
+    want, want_grads = _reference(tmp, got["steps"], prompt, lora)
     for step, (g, w) in enumerate(zip(got["losses"], want)):
         assert abs(g - w) <= RTOL * abs(w), f"step {step + 1}: {g} vs single-process {w}"
+    grads = torch.load(out + ".grads.pt")
+    assert len(grads) == STEPS
+    for step, (g, w) in enumerate(zip(grads, want_grads)):
+        compare(torch.zeros(()), g, torch.zeros(()), w, f"step {step + 1} gradients", tol=GRAD_TOL)
 
 
 # ---- the Trainer's route without the Trainer: DeepSpeed's SP groups and data slicing, Transformers' own

@@ -243,7 +243,7 @@ and its gradient chunk beside it; measured 17.6 between 2K- and 4K-token chunks.
 
 
 def _streamed_peak(seq: int, chunk: int) -> int:
-    from profiling.streamed_peak import measure
+    from fpdt.bench.streamed_peak import measure
     return measure(seq, chunk, stream=True)["device_peak_bytes"]
 
 

@@ -1,13 +1,16 @@
 """CPU smoke test of profiling/memory_budget.py's bytes-per-added-token section
 (profiling/bytes_per_token.py): tiny model, 512 and 1024 tokens (at 256 tokens the tiny fpdt peak is a
-constant of the first layer forward, larger than at 512), trials in-process."""
+constant of the first layer forward, larger than at 512), trials in-process, the script run as
+``python -m``."""
 
 import importlib.util
 import json
 
 import pytest
 
-from profiling import memory_budget as mb
+from tests.profiling.helpers import read_json, run_script
+
+pytestmark = pytest.mark.slow
 
 
 def _has(*packages):
@@ -22,7 +25,8 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory_budget")
     argv = ["--skip-table", "--tiny", "--strategies", *STRATEGIES, "--lengths", "512", "1024",
             "--chunk-size", "256", "--out-dir", str(out)]
-    return out, argv, mb.main(argv)
+    run_script("memory_budget", *argv)
+    return out, argv, read_json(out / "memory_budget.json")
 
 
 def test_fields_are_derived_and_positive(run):
@@ -61,8 +65,9 @@ def test_reuse_keeps_rows_not_rerun(run, tmp_path):
     out, _, first = run
     if "alst" not in STRATEGIES:
         pytest.skip("needs deepspeed and transformers for a second strategy")
-    again = mb.main(["--skip-table", "--tiny", "--strategies", "fpdt", "--lengths", "512", "1024", "--chunk-size",
-                     "256", "--reuse", str(out / "memory_budget.json"), "--out-dir", str(tmp_path)])
+    run_script("memory_budget", "--skip-table", "--tiny", "--strategies", "fpdt", "--lengths", "512", "1024",
+               "--chunk-size", "256", "--reuse", out / "memory_budget.json", "--out-dir", tmp_path)
+    again = read_json(tmp_path / "memory_budget.json")
     r = again["bytes_per_token"]
     assert r["strategies"] == ["fpdt", "alst"]
     assert r["per_token"]["alst"] == first["bytes_per_token"]["per_token"]["alst"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from profiling import bytes_per_token as bpt
+from tests.profiling.helpers import ROOT, read_json, run_script
 
 
 def _tiny(path: str) -> dict:
@@ -17,13 +17,15 @@ def _tiny(path: str) -> dict:
           "linear_value_head_dim": 16} if "layer_types" in cfg else {"moe_intermediate_size": 32})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_5_small", "qwen3_moe_small"])
 def test_transformers_baseline_of_another_family(tmp_path, name):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(_tiny(f"benchmarks/models/{name}.json")))
+    path.write_text(json.dumps(_tiny(f"{ROOT}/benchmarks/models/{name}.json")))
     png = tmp_path / "plot.png"
-    result = bpt.main(["--model-config", str(path), "--strategies", "hf", "--lengths", "128", "256", "384",
-                       "--chunk-size", "64", "--in-process", "--plot", str(png)])
+    run_script("bytes_per_token", "--model-config", path, "--strategies", "hf", "--lengths", "128", "256", "384",
+               "--chunk-size", "64", "--in-process", "--plot", png, "--json", tmp_path / "r.json")
+    result = read_json(tmp_path / "r.json")
     assert result["model"]["model_type"] == json.loads(path.read_text())["model_type"]
     assert {t["seq_len"] for t in result["trials"] if t["status"] == "ok"} == {128, 256, 384}
     assert result["per_token"]["hf"]["device"] > 0

@@ -212,10 +212,17 @@ def test_the_prediction_is_the_start_up_lines(tmp_path):
     assert trainer_run.step_time(config, plan, opts, ds, "bf16", "Tesla T4", 16e9, 1) is None
 
 
+@pytest.mark.slow
 def test_the_lora_speed_script_runs_both_models_on_the_same_tokens():
-    from profiling import hf_lora_step
-    out = hf_lora_step.main(["--seq-len", "128", "--hidden", "64", "--intermediate", "128", "--vocab", "256",
-                             "--layers", "1", "--num-chunks", "2", "--reps", "2"])
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "profiling.hf_lora_step", "--seq-len", "128", "--hidden", "64",
+                           "--intermediate", "128", "--vocab", "256", "--layers", "1", "--num-chunks", "2", "--reps",
+                           "2"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["loss"]["fpdt"] == pytest.approx(out["loss"]["plain"], rel=1e-5) and out["ratio"] > 0
 
 

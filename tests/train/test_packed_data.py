@@ -108,7 +108,7 @@ def test_best_fit_keeps_whole_documents_and_fills_more():
     """best-fit: the same pieces as in-order (every document whole unless longer than S), each
     once, a window's pieces in stream order, no window over S; deterministic; on long-tailed
     lengths it leaves far less padding; each window opens with the earliest piece left."""
-    from profiling.doc_balance import document_stream
+    from fpdt.bench.documents import document_stream
     import itertools
 
     S = 16
@@ -165,9 +165,9 @@ def test_ring_arrangement_evens_out_the_cp_ranks_work():
     busiest CP rank has the least attention work: the same pieces (a permutation, the padding
     last), never more work on the busiest rank than stream order, the same on every call; on
     log-normal documents (median 2K, tail to 128K) in 128K windows, cp 8, two chunks per rank, the
-    mean max/mean over ranks drops from about 1.5 to under 1.25 (profiling/doc_balance.py's
+    mean max/mean over ranks drops from about 1.5 to under 1.25 (fpdt.bench.documents'
     count)."""
-    from profiling.doc_balance import document_stream
+    from fpdt.bench.documents import document_stream
     import itertools
 
     S, cp, u = 1 << 17, 8, 2
