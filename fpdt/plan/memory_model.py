@@ -39,12 +39,12 @@ STREAM_LAYER_U = 2.0
 """With ``stream_layers``: chunk-sized tensors of the layer in flight beside the attention working set."""
 STREAM_GRADIENTS_HOST_ND = 3.0
 """With ``stream_layers``: full-length gradients on the host during a layer's backward."""
-GDN_WS_CHUNKS = 13.0
+GDN_WS_CHUNKS = 8.5
 """A Gated DeltaNet layer's backward on the device beyond its input gradient and weight gradients, in
 one chunk's stash (:func:`gdn_chunk_bytes`): the chunk being rebuilt and the one prefetched, the
 recomputed conv output, normalised q/k, gates and core output of the chunk and their gradients
-(``fpdt.model.gdn_chunks``). Counted by the accountant on the CPU kernel: 12.6 at hidden 256, Hk 2,
-HV 4, dk = dv 64, 512-token chunks, flat in the chunk count (``tests/plan/test_hybrid_moe_plan.py``)."""
+(``fpdt.model.gdn_chunks``). Counted by the accountant on the CPU kernel: 7.9 at u = 2, 8.4 at u = 4
+(hidden 256, Hk 2, HV 4, dk = dv 64, 512-token chunks; ``tests/plan/test_hybrid_moe_plan.py``)."""
 GDN_KERNEL_STATES = 2
 """States per 64 tokens ``[L / 64, HV / P, dk, dv]`` in the input dtype that fla's chunk kernel holds in
 one chunk's backward (``h`` recomputed and ``dh``)."""
