@@ -74,9 +74,15 @@ class GatedDeltaNet(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [B, S_local, {self.hidden_size}], got "
                              f"{tuple(hidden_states.shape)}")
-        spec = build_gdn_spec(hidden_states.shape, hidden_states.device, self.shape, group=self.group, mesh=self.mesh,
-                              num_chunks=self.num_chunks, offload=self.offload, doc_ids=doc_ids,
-                              label=self.stash_label, runtime=self.runtime)
+        spec, weights = self.spec_and_weights(hidden_states.shape, hidden_states.device, doc_ids)
+        for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights))
+        return GatedDeltaNetFunction.apply(hidden_states, *weights, spec, for_backward)
+
+    def spec_and_weights(self, shape, device: torch.device, doc_ids: torch.Tensor | None):
+        """One call's :class:`fpdt.model.gdn_chunks.GDNSpec` for hidden states of ``shape``
+        ``[B, S_local, hidden]`` and the nine tensors :class:`GatedDeltaNetFunction` reads (errors name the fix)."""
+        spec = build_gdn_spec(shape, device, self.shape, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks,
+                              offload=self.offload, doc_ids=doc_ids, label=self.stash_label, runtime=self.runtime)
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
         proj = read_projections({n: getattr(self, n) for n in names}, type(self).__name__, self.projection_fix,
                                 self.training)
@@ -84,9 +90,7 @@ class GatedDeltaNet(nn.Module):
             raise ProjectionError(f"LoRA on {type(self).__name__}'s projections is not supported yet: "
                                   f"{self.projection_fix}")
         qkv, z, b, a, out = (base.weight for base in proj.bases)
-        weights = (qkv, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, out)
-        for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, *weights))
-        return GatedDeltaNetFunction.apply(hidden_states, *weights, spec, for_backward)
+        return spec, (qkv, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, out)
 
     def extra_repr(self) -> str:
         s = self.shape
