@@ -91,9 +91,6 @@ def _check_gated_deltanet(layers: list[nn.Module], options: FPDTOptions) -> None
     """Refuse, naming the fix, what a model with Gated DeltaNet layers (Qwen3.5) cannot run."""
     if all(has_attention(layer) for layer in layers):
         return
-    if options.stream_layers:
-        raise FPDTHFError("stream_layers is not implemented for models with Gated DeltaNet layers (Qwen3.5): "
-                          "use stream_layers=False")
     if options.mesh is not None and options.mesh.cp > 1:
         raise FPDTHFError(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet "
                           f"layers: use Ulysses only (cp=1)")
