@@ -1,9 +1,10 @@
 """Streamed layers (``stream_layers=True``) on Qwen3.5 (Gated DeltaNet + gated attention) and Qwen3-MoE,
 through ``fpdt.model``, against Transformers: the loss (with the balancing loss) and every gradient,
 the loss scaled by a random factor so that the backward's incoming gradient is not 1; 1, 2 and 4
-ranks, packed documents, both attention checkpoints; the simulated copy streams. The hybrid compares fp32 against a float64
-Transformers run (``tests/model/qwen35.py``), the MoE model against Transformers' fp32 run within
-1e-5. The device peak of a streamed step, flat in the sequence length: ``test_streamed_peak_*``."""
+ranks, packed documents, both attention checkpoints, the NVMe tier; the simulated copy streams. The
+hybrid compares fp32 against a float64 Transformers run (``tests/model/qwen35.py``), the MoE model
+against Transformers' fp32 run within 1e-5. The device peak of a streamed step, flat in the
+sequence length: ``test_streamed_peak_*``."""
 
 from __future__ import annotations
 
@@ -90,6 +91,15 @@ def test_moe_single_rank(num_chunks, mlp_chunks, save):
 
 def test_moe_without_router_logits():
     moe_case(0, 1, num_chunks=2, mlp_chunks=1, overrides=dict(output_router_logits=False))
+
+
+@pytest.mark.slow
+def test_nvme_tier(tmp_path):
+    """The streamed layer inputs (and saved attention outputs) of the first layers on files."""
+    for name in ("hybrid", "moe"):
+        (tmp_path / name).mkdir()
+    hybrid_case("qwen35", 0, 1, num_chunks=2, attention_checkpoint="save", nvme_path=str(tmp_path / "hybrid"))
+    moe_case(0, 1, num_chunks=2, nvme_path=str(tmp_path / "moe"))
 
 
 def test_evaluation_without_grad_matches_unstreamed():
