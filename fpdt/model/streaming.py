@@ -24,6 +24,7 @@ from fpdt.attention.mesh_pipeline import run_backward, run_forward
 from fpdt.attention.output_projection import output_projection
 from fpdt.attention.projected_attention import QKVChunks, attention_spec
 from fpdt.attention.saved_attention import SavedAttention
+from fpdt.model.apply import has_attention
 from fpdt.model.checkpointing import replayed_rng, rng_state
 from fpdt.model.layer_checkpoints import LayerCheckpoints, nvme_layer_count
 from fpdt.model.gdn_chunks import GDNChunks
@@ -143,9 +144,9 @@ class StreamedRun:
         """``y = h + mlp(norm(h))`` with ``h = x + o_proj(o * sigmoid(gate))`` (attention; ``gate``
         None: no output gate) or ``h = x + o`` (Gated DeltaNet, ``o`` its output), one chunk."""
         layer = self.layers[k]
-        attn = getattr(layer, "self_attn", None)
-        if attn is None:
+        if not has_attention(layer):
             return self._mlp(layer, x + o)
+        attn = layer.self_attn
         if gate is not None:
             o = o * torch.sigmoid(gate)
         o = o.reshape(self.B, self.L, -1)
@@ -173,7 +174,7 @@ class StreamedRun:
     def layer_forward(self, k: int) -> None:
         """Layer ``k``: stash ``k``'s input chunks -> stash ``k + 1``'s (module docstring)."""
         self.rng[k] = rng_state(self.device)
-        if getattr(self.layers[k], "self_attn", None) is None:
+        if not has_attention(self.layers[k]):
             self._gdn_forward(k)
             return
         src, dst = self.stashes[k], self.stashes[k + 1]
@@ -277,7 +278,7 @@ class StreamedRun:
         acc: dict[int, torch.Tensor] = {}
         scale = self.grad_scale if k + 1 == len(self.layers) else None
         self._read_back(k)
-        if getattr(layer, "self_attn", None) is None:
+        if not has_attention(layer):
             with replayed_rng(self.rng[k], self.device):
                 self._gdn_backward(k, wanted, acc, scale)
         else:
