@@ -121,6 +121,21 @@ def test_qwen35_against_transformers():
     compare_hybrid(loss.detach(), {n: p.grad / 1.7 for n, p in model.named_parameters()}, refs, "hf qwen3.5 streamed")
 
 
+def test_qwen35_with_transformers_own_mlp_and_zero_centred_norms():
+    """mlp_chunks=0 and lean_norms=False: Transformers' MLP and its zero-centred RMSNorm classes, streamed."""
+    import copy
+
+    from tests.model.qwen35 import compare_hybrid, qwen35_model, reference
+    ref = qwen35_model()
+    ids, labels = tokens(ref.config.vocab_size, 2, 12)
+    refs = reference(ref, ids, labels)
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref).train(), **STREAMED, num_chunks=3, mlp_chunks=0, lean_norms=False,
+                               stream_layers=True)
+    loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
+    loss.backward()
+    compare_hybrid(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, refs, "hf qwen3.5 own modules")
+
+
 def test_qwen3_moe_against_transformers():
     """Qwen3-MoE streamed through apply_fpdt: the balancing loss and every gradient against Transformers."""
     from tests.model.test_moe_model import hf_moe
