@@ -1,12 +1,14 @@
 """Device peak of one whole training step against the sequence length, streamed and not.
 
-The small Llama of ``tests/memory/test_model_budget.py`` (2 layers, hidden 256, bf16), one
+The small Llama of ``tests/memory/test_model_budget.py`` (2 layers, hidden 256, bf16), or with
+``--model`` a small Qwen3.5 (a Gated DeltaNet and a gated attention layer) or Qwen3-MoE, one
 rank, ``offload=True``, ``checkpointing="offload"``, fixed token chunk ``--chunk`` (so ``u``
 grows with ``S``); the device bytes counted exactly by :class:`fpdt.memory.MemoryAccountant`
 (parameters and their pre-allocated gradients are the baseline). Prints one JSON line per
 length and mode; ``--plot`` writes the figure.
 
     python -m profiling.streamed_peak --lengths 4096,8192,16384 --chunk 1024 --out benchmarks/results/cpu/streamed_peak.jsonl
+    python -m profiling.streamed_peak --model qwen35 --lengths 1024,4096,16384 --chunk 256
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import argparse
 import json
 import statistics
 
+from fpdt.bench.streamed_peak import CONFIGS, measure
 
-from fpdt.bench.streamed_peak import measure
 
 def _emit(row: dict, out: str | None) -> None:
     line = json.dumps(row)
@@ -58,6 +60,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="4096,8192,16384")
     p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--model", choices=sorted(CONFIGS), default="llama")
     p.add_argument("--out", help="append the JSON lines here too")
     p.add_argument("--plot", help="write the figure here (PNG)")
     p.add_argument("--repeats", type=int, default=1, help="steps per length and mode, interleaved; with more than "
@@ -67,7 +70,7 @@ def main() -> None:
     for seq in (int(x) for x in args.lengths.split(",")):
         for _ in range(args.repeats):
             for stream in (False, True):         # interleaved
-                rows.append(measure(seq, args.chunk, stream))
+                rows.append(measure(seq, args.chunk, stream, args.model))
                 _emit(rows[-1], args.out)
         if args.repeats > 1:
             _emit(summary([r for r in rows if r["seq_len"] == seq]), args.out)

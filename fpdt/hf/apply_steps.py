@@ -188,10 +188,9 @@ class TransformersAdapter(DecoderAdapter):
     def set_mlp_chunks(self, layer: nn.Module, num_chunks: int) -> None:
         mlp = layer.mlp
         if hasattr(mlp, "experts"):       # a sparse MoE block: fpdt's chunked experts, statistics per call
-            if self.trainer or self.options.stream_layers:
+            if self.trainer:
                 raise FPDTHFError("mixture-of-experts models run under apply_fpdt without the Trainer's sequence "
-                                  "parallelism and without stream_layers (not yet): use group=None or a process "
-                                  "group, and stream_layers=False")
+                                  "parallelism (not yet): use group=None or a process group")
             try:
                 moe = ChunkedMoE.from_block(mlp, num_chunks).train(mlp.training)
             except ValueError as e:

@@ -292,7 +292,12 @@ def _streamed(self, settings: HFSettings, sp: int, input_ids, position_ids, shif
         cos, sin = rotary(torch.empty(0, dtype=dtype, device=positions.device), positions)
         return cos.to(want), sin.to(want)
 
-    spec = StreamedModel(settings.options, settings.loss_chunks, rope, layer_checkpoints_of(self.model.layers))
+    aux_wanted = kwargs.pop("output_router_logits", None)
+    stats = _router_statistics(self, settings)
+    with_aux = stats is not None and (getattr(self.config, "output_router_logits", False) if aux_wanted is None
+                                      else aux_wanted)
+    spec = StreamedModel(settings.options, settings.loss_chunks, rope, layer_checkpoints_of(self.model.layers),
+                         stats, self.config.router_aux_loss_coef if with_aux else None)
     loss = streamed_loss(self, spec, input_ids, shift_labels, position_ids, kwargs.get("doc_ids"),
                          num_items_in_batch, sp, settings.sp_group)
     return CausalLMOutputWithPast(loss=loss, logits=None)

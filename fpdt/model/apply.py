@@ -104,9 +104,6 @@ def token_mixer_problems(linear_attention: bool, options: FPDTOptions) -> list[s
     if not linear_attention:
         return []
     out = []
-    if options.stream_layers:
-        out.append("stream_layers is not implemented for models with Gated DeltaNet layers (Qwen3.5's "
-                   "'linear_attention' layers): use stream_layers=False")
     if options.mesh is not None and options.mesh.cp > 1:
         out.append(f"a context-parallel ring (cp={options.mesh.cp}) is not implemented for Gated DeltaNet layers, "
                    f"whose state would pass between ring ranks: use Ulysses only (cp=1)")

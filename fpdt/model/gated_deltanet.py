@@ -75,18 +75,23 @@ class GatedDeltaNet(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [B, S_local, {self.hidden_size}], got "
                              f"{tuple(hidden_states.shape)}")
-        spec = build_gdn_spec(hidden_states.shape, hidden_states.device, self.shape, group=self.group, mesh=self.mesh,
-                              num_chunks=self.num_chunks, offload=self.offload, doc_ids=doc_ids,
-                              label=self.stash_label, runtime=self.runtime)
+        spec, weights, adapters = self.spec_and_weights(hidden_states.shape, hidden_states.device, doc_ids)
+        layout, lora = (None, ()) if adapters is None else (adapters.layout, adapters.tensors)
+        for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                       for t in (hidden_states, *weights, *lora))
+        return GatedDeltaNetFunction.apply(hidden_states, *weights, spec, for_backward, layout, *lora)
+
+    def spec_and_weights(self, shape, device: torch.device, doc_ids: torch.Tensor | None):
+        """One call's :class:`fpdt.model.gdn_chunks.GDNSpec` for hidden states of ``shape``
+        ``[B, S_local, hidden]``, the nine tensors :class:`GatedDeltaNetFunction` reads and the projections'
+        LoRA adapters (None without; errors name the fix)."""
+        spec = build_gdn_spec(shape, device, self.shape, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks,
+                              offload=self.offload, doc_ids=doc_ids, label=self.stash_label, runtime=self.runtime)
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
         proj = read_projections({n: getattr(self, n) for n in names}, type(self).__name__, self.projection_fix,
                                 self.training)
         qkv, z, b, a, out = (base.weight for base in proj.bases)
-        weights = (qkv, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, out)
-        layout, lora = (None, ()) if proj.adapters is None else (proj.adapters.layout, proj.adapters.tensors)
-        for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                       for t in (hidden_states, *weights, *lora))
-        return GatedDeltaNetFunction.apply(hidden_states, *weights, spec, for_backward, layout, *lora)
+        return spec, (qkv, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, out), proj.adapters
 
     def extra_repr(self) -> str:
         s = self.shape

@@ -195,8 +195,6 @@ class FPDTForCausalLM(nn.Module):
         opts = self.options.updated(**changes)
         opts.check_layers(self.config.num_layers)
         check_token_mixers(self.config, opts)
-        if opts.stream_layers and self.config.moe is not None:
-            raise ValueError("stream_layers does not run MoE layers yet: set stream_layers=False for this model")
         self.options = opts
         apply_all(FPDTAdapter(self), opts)
         return self
@@ -298,20 +296,22 @@ class FPDTForCausalLM(nn.Module):
         elif positions_given:
             doc_ids = sequence_parallel_doc_ids(position_ids, self.options.num_chunks, group=self.options.group,
                                                 mesh=self.options.mesh)    # [B, S] or None (one document)
+        moe = self.config.moe
+        stats = None if moe is None else RouterStatistics(moe.num_experts, moe.top_k, group=self.sp_group)
+        self.router_stats = stats
+        with_aux = stats is not None and labels is not None and (
+            moe.output_router_logits if output_router_logits is None else output_router_logits)
         if self.options.stream_layers:
             if return_logits:
                 raise ValueError("return_logits materialises [B, S_local, V] logits, and stream_layers keeps every "
                                  "full-length tensor off the device: call with stream_layers=False to get logits")
-            spec = StreamedModel(self.options, self.loss_chunks, self.model.rotary_emb.cos_sin, self._checkpoints)
+            spec = StreamedModel(self.options, self.loss_chunks, self.model.rotary_emb.cos_sin, self._checkpoints,
+                                 stats, moe.router_aux_loss_coef if with_aux else None)
             return streamed_loss(self, spec, input_ids, labels, position_ids, doc_ids, num_valid_tokens, sp,
                                  self.sp_group)
-        moe = self.config.moe
-        stats = None if moe is None else RouterStatistics(moe.num_experts, moe.top_k, group=self.sp_group)
-        self.router_stats = stats
         h = self._decoder(input_ids, position_ids, doc_ids, stats)         # [B, S_local, hidden]
         aux = None
-        if stats is not None and labels is not None and (
-                moe.output_router_logits if output_router_logits is None else output_router_logits):
+        if with_aux:
             h, aux = balancing_loss(h, stats)                               # its backward runs before the layers'
         loss = None if labels is None else self._loss(h, labels, num_valid_tokens, sp)
         if aux is not None:

@@ -3,11 +3,13 @@
 The embedding, every layer and the loss run as passes over the ``u`` chunks ``[B, L, hidden]``
 (``L = S_local / u``), whose values and gradients wait in pinned host memory between passes (one
 :class:`fpdt.offload.HostStash` per layer boundary; ``stash k`` holds layer ``k``'s input, the last
-one the final hidden states). No ``[B, S_local, hidden]`` tensor exists on the device. Per layer,
-forward: ``produce(i)`` (norm, q/k/v, RoPE) and ``emit(i, o_i)`` (``o_proj``, MLP, to the host);
-backward: the recompute and ``o_proj``/MLP backward in ``emit``, then the attention backward, whose
-``deliver(j)`` writes ``dx_j``. Parameter gradients accumulate in fp32 and reach autograd once per
-layer. Schedule, memory and the NVMe tier: ``docs/memory.md``, "Streamed layers"."""
+one the final hidden states). No ``[B, S_local, hidden]`` tensor exists on the device. An attention
+layer, forward: ``produce(i)`` (norm, q/k/v, RoPE) and ``emit(i, o_i)`` (output gate, ``o_proj``,
+MLP, to the host); backward: the recompute and the branch backward in ``emit``, then the attention
+backward, whose ``deliver(j)`` writes ``dx_j``. A Gated DeltaNet layer runs its chunk steps
+(:class:`fpdt.model.gdn_chunks.GDNChunks`) in order, then in reverse for the backward. An MoE MLP
+records its router statistics in the forward pass only. Parameter gradients accumulate in fp32 and
+reach autograd once per layer. Schedule, memory and the NVMe tier: ``docs/memory.md``, "Streamed layers"."""
 
 from __future__ import annotations
 
@@ -22,10 +24,13 @@ from fpdt.attention.mesh_pipeline import run_backward, run_forward
 from fpdt.attention.output_projection import output_projection
 from fpdt.attention.projected_attention import QKVChunks, attention_spec
 from fpdt.attention.saved_attention import SavedAttention
+from fpdt.model.apply import has_attention
 from fpdt.model.checkpointing import replayed_rng, rng_state
 from fpdt.model.layer_checkpoints import LayerCheckpoints, nvme_layer_count
+from fpdt.model.gdn_chunks import GDNChunks
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.loss import chunked_lm_loss, floored_loss_chunks, sum_over_group, valid_token_scale
+from fpdt.model.moe import ChunkedMoE, RouterStatistics, balancing_loss
 from fpdt.offload import HostStash
 from fpdt.offload.nvme_stash import NVMeStash
 from fpdt.options import FPDTOptions
@@ -33,6 +38,7 @@ from fpdt.ops.projections import read_output_projection, read_projections
 
 RESIDUAL, RESIDUAL_GRAD = "residual", "residual grad"     # a layer's input chunk, and its gradient
 O_GRAD, BRANCH_GRAD = "o grad", "branch grad"           # d(attention output), d(x + o_proj(o)) chunks
+GATE_GRAD = "gate grad"                                 # d(output gate) chunks (gated attention)
 
 
 @dataclass(frozen=True)
@@ -40,12 +46,15 @@ class StreamedModel:
     """What a streamed run reads of a causal LM besides its modules (``model.model.embed_tokens``,
     ``.layers``, ``.norm``, ``model.lm_head``): the options, the loss's token chunks,
     ``rope(position_ids, dtype) -> (cos, sin)`` of a chunk's positions, and the model's layer
-    checkpoints (which layers save their attention output; the NVMe tier)."""
+    checkpoints (which layers save their attention output; the NVMe tier); for MoE layers the
+    call's ``router_stats`` and ``aux_coef``, the balancing loss's coefficient (None: not added)."""
 
     options: FPDTOptions
     loss_chunks: int
     rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
     checkpoints: LayerCheckpoints
+    router_stats: RouterStatistics | None = None
+    aux_coef: float | None = None
 
 
 class StreamedRun:
@@ -81,11 +90,11 @@ class StreamedRun:
     def rows(self, i: int) -> slice:
         return slice(i * self.L, (i + 1) * self.L)
 
-    def fetch(self, stash: HostStash, kind: str, i: int, keep: bool) -> torch.Tensor:
-        """Chunk ``i`` of ``kind`` on the device, the next one's copy started."""
+    def fetch(self, stash: HostStash, kind: str, i: int, keep: bool, step: int = 1) -> torch.Tensor:
+        """Chunk ``i`` of ``kind`` on the device, the next one's (``i + step``) copy started."""
         value = stash.get((kind, i)) if keep else stash.pop((kind, i))
-        if i + 1 < self.u and (kind, i + 1) in stash:
-            stash.prefetch((kind, i + 1))
+        if 0 <= i + step < self.u and (kind, i + step) in stash:
+            stash.prefetch((kind, i + step))
         return value
 
     # ------------------------------------------------------------------ embedding
@@ -122,7 +131,8 @@ class StreamedRun:
         qk_norm = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight, norm_eps(attn.q_norm))
         qkv = QKVChunks((q.weight, k_.weight, v.weight), (q.bias, k_.bias, v.bias), heads, self.L,
                         lambda sl, dtype: rope(positions[:, sl], dtype), qk_norm, lora, tensors,
-                        lora.draw_seed() if lora is not None else None)
+                        lora.draw_seed() if lora is not None else None, getattr(attn, "output_gate", False),
+                        getattr(attn, "qk_norm_zero_centred", False))
         stash = HostStash(self.device, enabled=True, label=f"layer {k}", runtime=self.opts.runtime)
         return spec, stash, qkv
 
@@ -130,23 +140,44 @@ class StreamedRun:
         saved = self.saved[k]
         return None if saved is None else saved.claim(for_backward, ("streamed", self.u, self.B, self.L))
 
-    def _branch(self, k: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """``y = h + mlp(norm(h))`` with ``h = x + o_proj(o)``, one chunk."""
+    def _branch(self, k: int, x: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``y = h + mlp(norm(h))`` with ``h = x + o_proj(o * sigmoid(gate))`` (attention; ``gate``
+        None: no output gate) or ``h = x + o`` (Gated DeltaNet, ``o`` its output), one chunk."""
         layer = self.layers[k]
-        o_proj = layer.self_attn.o_proj
-        read = read_output_projection(o_proj, type(layer.self_attn).__name__, layer.self_attn.training)
+        if not has_attention(layer):
+            return self._mlp(layer, x + o)
+        attn = layer.self_attn
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        o = o.reshape(self.B, self.L, -1)
+        read = read_output_projection(attn.o_proj, type(attn).__name__, attn.training)
         if read is None or read.adapters is None:
-            a = o_proj(o)
+            a = attn.o_proj(o)
         else:
             a = output_projection(o, read.bases[0].weight, read.bases[0].bias, read.adapters, 1)
-        h = x + a
+        return self._mlp(layer, x + a)
+
+    def _mlp(self, layer, h: torch.Tensor) -> torch.Tensor:
+        """``h + mlp(norm(h))``: fpdt.model's layer as its unstreamed pass runs it (an MoE MLP records
+        its statistics outside a backward only); a Transformers layer with the norm inside the chunked
+        MLP when it is fpdt's plain RMSNorm (an MoE MLP then reads the statistics set on it per call)."""
+        if hasattr(layer, "mlp_branch"):
+            return h + layer.mlp_branch(h, self.spec.router_stats, checkpointed=True)
         mlp, norm = layer.mlp, layer.post_attention_layernorm
-        return h + (mlp(h, norm=norm) if isinstance(mlp, ChunkedSwiGLU) else mlp(norm(h)))
+        inside = isinstance(mlp, (ChunkedSwiGLU, ChunkedMoE)) and getattr(norm, "zero_centred", None) is False
+        return h + (mlp(h, norm=norm) if inside else mlp(norm(h)))
+
+    def _gate(self, qkv: QKVChunks, i: int, x: torch.Tensor, norm) -> torch.Tensor | None:
+        """Chunk ``i``'s output gate ``[B, L, H, D]`` from its layer input ``x`` (None without one)."""
+        return qkv.query_and_gate(i, norm(x))[1] if qkv.gate else None
 
     def layer_forward(self, k: int) -> None:
         """Layer ``k``: stash ``k``'s input chunks -> stash ``k + 1``'s (module docstring)."""
-        src, dst = self.stashes[k], self.stashes[k + 1]
         self.rng[k] = rng_state(self.device)
+        if not has_attention(self.layers[k]):
+            self._gdn_forward(k)
+            return
+        src, dst = self.stashes[k], self.stashes[k + 1]
         spec, stash, qkv = self._attention(k)
         norm = self.layers[k].input_layernorm
 
@@ -155,10 +186,77 @@ class StreamedRun:
 
         def emit(i, o_i):
             x = src.get((RESIDUAL, i)) if self.for_backward else src.pop((RESIDUAL, i))
-            dst.put((RESIDUAL, i), self._branch(k, x, o_i.reshape(self.B, self.L, -1)))
+            dst.put((RESIDUAL, i), self._branch(k, x, o_i, self._gate(qkv, i, x, norm)))
 
         run_forward(spec, produce, emit, stash, False, self._claim(k, False))
         self._to_disk(k)
+
+    # ------------------------------------------------------------------ a Gated DeltaNet layer
+    def _gdn_chunks(self, k: int, for_backward: bool) -> GDNChunks:
+        gdn = self.layers[k].linear_attn
+        spec, weights, adapters = gdn.spec_and_weights((self.B, self.L * self.u, gdn.hidden_size), self.device,
+                                                       self.doc_ids)
+        if adapters is not None:
+            raise ValueError("stream_layers does not run LoRA on Gated DeltaNet projections yet: use stream_layers=False, "
+                             "or leave the in_proj_* and out_proj projections without adapters")
+        stash = HostStash(self.device, enabled=True, label=f"layer {k}", runtime=self.opts.runtime)
+        return GDNChunks(spec, weights, stash, for_backward)
+
+    def _gdn_pass(self, k: int, chunks: GDNChunks, keep: bool, step) -> None:
+        """Layer ``k``'s Gated DeltaNet forward over the chunks in order; ``step(i, x_i, a_i)`` takes
+        each chunk's input and mixer output (the next chunk's all-to-all started first, ``P > 1``)."""
+        src, norm = self.stashes[k], self.layers[k].input_layernorm
+        ahead = chunks.spec.sp > 1
+        x = self.fetch(src, RESIDUAL, 0, keep=keep)
+        t = norm(x)
+        for i in range(self.u):
+            x_next = self.fetch(src, RESIDUAL, i + 1, keep=keep) if i + 1 < self.u else None
+            t_next = None if x_next is None else norm(x_next)
+            step(i, x, chunks.forward(i, t, t_next if ahead else None))
+            x, t = x_next, t_next
+
+    def _gdn_forward(self, k: int) -> None:
+        dst = self.stashes[k + 1]
+        chunks = self._gdn_chunks(k, for_backward=False)
+        self._gdn_pass(k, chunks, self.for_backward, lambda i, x, a: dst.put((RESIDUAL, i), self._branch(k, x, a)))
+        chunks.stash.clear()
+        self._to_disk(k)
+
+    def _gdn_backward(self, k: int, wanted: set, acc: dict, scale) -> None:
+        """Layer ``k``'s backward (Gated DeltaNet): the forward again with its chunk states saved and
+        the branch backward per chunk, then the mixer's backward in reverse chunk order."""
+        layer, src, dst = self.layers[k], self.stashes[k], self.stashes[k + 1]
+        chunks = self._gdn_chunks(k, for_backward=True)
+        branch_params = _params_in(wanted, layer.post_attention_layernorm, layer.mlp)
+        norm_params = _params_in(wanted, layer.input_layernorm)
+        dst.prefetch((RESIDUAL_GRAD, 0))
+
+        def branch_backward(i, x, a):
+            x, a = x.detach().requires_grad_(), a.detach().requires_grad_()
+            g = self.fetch(dst, RESIDUAL_GRAD, i, keep=False)
+            with torch.enable_grad():
+                y = self._branch(k, x, a)
+            grads = torch.autograd.grad(y, [x, a, *branch_params], g if scale is None else g * scale)
+            _accumulate(acc, branch_params, grads[2:])
+            src.put((BRANCH_GRAD, i), grads[0])
+            src.put((O_GRAD, i), grads[1])
+
+        self._gdn_pass(k, chunks, True, branch_backward)
+        chunks.start_backward([True] + [id(w) in wanted for w in chunks.weights])
+        last = self.u - 1
+        for key in (O_GRAD, RESIDUAL, BRANCH_GRAD):
+            src.prefetch((key, last))
+        for j in reversed(range(self.u)):
+            d_t = chunks.backward(j, self.fetch(src, O_GRAD, j, keep=False, step=-1))
+            x = self.fetch(src, RESIDUAL, j, keep=False, step=-1).detach().requires_grad_()
+            with torch.enable_grad():
+                t = layer.input_layernorm(x)
+            grads = torch.autograd.grad(t, [x, *norm_params], d_t)
+            _accumulate(acc, norm_params, grads[1:])
+            src.put((RESIDUAL_GRAD, j), grads[0] + self.fetch(src, BRANCH_GRAD, j, keep=False, step=-1))
+        for w, d in zip(chunks.weights, chunks.finish()):
+            if d is not None:
+                acc[id(w)] = d
 
     def _to_disk(self, k: int) -> None:
         """After layer ``k``'s forward: its input and saved outputs start their writes, layer ``k - 1``'s finish."""
@@ -179,37 +277,56 @@ class StreamedRun:
     def layer_backward(self, k: int, params: list[torch.Tensor], needs) -> list[torch.Tensor | None]:
         """Layer ``k``'s backward (module docstring): stash ``k + 1``'s gradient chunks -> stash
         ``k``'s; returns the gradients of ``params`` (None where not ``needs``)."""
-        layer, src, dst = self.layers[k], self.stashes[k], self.stashes[k + 1]
+        layer = self.layers[k]
         wanted = {id(p) for p, need in zip(params, needs) if need}
         acc: dict[int, torch.Tensor] = {}
         scale = self.grad_scale if k + 1 == len(self.layers) else None
         self._read_back(k)
+        if not has_attention(layer):
+            with replayed_rng(self.rng[k], self.device):
+                self._gdn_backward(k, wanted, acc, scale)
+        else:
+            self._attention_backward(k, wanted, acc, scale)
+        missing = [i for i, p in enumerate(params) if id(p) in wanted and id(p) not in acc]
+        if missing:
+            raise RuntimeError(f"stream_layers: layer {k} has parameters its streamed pass does not use "
+                               f"(indices {missing} of layer.parameters()); it streams Llama-family, Qwen3.5 "
+                               f"and Qwen3-MoE layers only")
+        return [acc[id(p)].to(p.dtype) if id(p) in wanted else None for p in params]
+
+    def _attention_backward(self, k: int, wanted: set, acc: dict, scale) -> None:
+        layer, src, dst = self.layers[k], self.stashes[k], self.stashes[k + 1]
         if self.saved[k] is not None:
             self.saved[k].begin_backward()
         with replayed_rng(self.rng[k], self.device):
             spec, stash, qkv = self._attention(k)
-            attn = layer.self_attn
+            attn, norm = layer.self_attn, layer.input_layernorm
             qkv.start_backward(spec.acc_dtype, [id(w) in wanted for w in qkv.weights],
                                [b is not None and id(b) in wanted for b in qkv.biases],
                                [w is not None and id(w) in wanted for w in qkv.norms],
                                [t is not None and id(t) in wanted for t in qkv.lora_tensors], True)
             branch_params = _params_in(wanted, attn.o_proj, layer.post_attention_layernorm, layer.mlp)
-            norm_params = _params_in(wanted, layer.input_layernorm)
+            norm_params = _params_in(wanted, norm)
             dst.prefetch((RESIDUAL_GRAD, 0))
 
             def produce(i):
-                return qkv.forward(i, layer.input_layernorm(self.fetch(src, RESIDUAL, i, keep=True)))
+                return qkv.forward(i, norm(self.fetch(src, RESIDUAL, i, keep=True)))
 
             def emit(i, o_i):
-                x = src.get((RESIDUAL, i)).detach().requires_grad_()
-                o = o_i.detach().reshape(self.B, self.L, -1).requires_grad_()
+                x = src.get((RESIDUAL, i))
+                gate = self._gate(qkv, i, x, norm)
+                x = x.detach().requires_grad_()
+                o = o_i.detach().requires_grad_()
+                leaves = [x, o] + ([] if gate is None else [gate.detach().requires_grad_()])
                 g = self.fetch(dst, RESIDUAL_GRAD, i, keep=False)
                 with torch.enable_grad():
-                    y = self._branch(k, x, o)
-                grads = torch.autograd.grad(y, [x, o, *branch_params], g if scale is None else g * scale)
-                _accumulate(acc, branch_params, grads[2:])
+                    y = self._branch(k, *leaves)
+                grads = torch.autograd.grad(y, leaves + branch_params, g if scale is None else g * scale)
+                _accumulate(acc, branch_params, grads[len(leaves):])
                 src.put((BRANCH_GRAD, i), grads[0])
                 src.put((O_GRAD, i), grads[1])
+                if gate is not None:
+                    src.put((GATE_GRAD, i), grads[2])
 
             run_forward(spec, produce, emit, stash, True, self._claim(k, True))
 
@@ -219,8 +336,9 @@ class StreamedRun:
             def deliver(j, dq, dk, dv):
                 x = self.fetch(src, RESIDUAL, j, keep=False).detach().requires_grad_()   # its last use
                 with torch.enable_grad():
-                    t = layer.input_layernorm(x)
-                d_t = qkv.backward(j, t.detach(), dq, dk, dv)
+                    t = norm(x)
+                d_gate = self.fetch(src, GATE_GRAD, j, keep=False) if qkv.gate else None
+                d_t = qkv.backward(j, t.detach(), dq, dk, dv, d_gate)
                 grads = torch.autograd.grad(t, [x, *norm_params], d_t)
                 _accumulate(acc, norm_params, grads[1:])
                 src.put((RESIDUAL_GRAD, j), grads[0] + self.fetch(src, BRANCH_GRAD, j, keep=False))
@@ -232,11 +350,6 @@ class StreamedRun:
         for t, d in zip((*qkv.weights, *qkv.biases, *qkv.norms, *qkv.lora_tensors), (*d_w, *d_b, *d_n, *d_lora)):
             if t is not None and d is not None:
                 acc[id(t)] = d
-        missing = [i for i, p in enumerate(params) if id(p) in wanted and id(p) not in acc]
-        if missing:
-            raise RuntimeError(f"stream_layers: layer {k} has parameters its streamed pass does not use "
-                               f"(indices {missing} of layer.parameters()); it streams Llama-family layers only")
-        return [acc[id(p)].to(p.dtype) if id(p) in wanted else None for p in params]
 
     # ------------------------------------------------------------------ head
     def head_forward(self, labels: torch.Tensor, num_valid_tokens, sp: int, group) -> tuple[torch.Tensor, list]:
@@ -344,7 +457,8 @@ def streamed_loss(model, spec: StreamedModel, input_ids: torch.Tensor, labels: t
                   position_ids: torch.Tensor, doc_ids: torch.Tensor | None, num_valid_tokens, sp: int,
                   group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """The forward of a causal LM with ``stream_layers``; each layer is called as
-    ``layer(token, fpdt_stream=(run, k))``. Returns the global token-mean loss, None without labels."""
+    ``layer(token, fpdt_stream=(run, k))``. Returns the global token-mean loss (plus ``spec.aux_coef``
+    times the balancing loss of ``spec.router_stats`` when given), None without labels."""
     run = StreamedRun(model, spec, input_ids, position_ids, doc_ids)
     anchor = torch.empty(0, device=input_ids.device, requires_grad=run.for_backward)
     token = StreamedEmbeddingFunction.apply(anchor, model.model.embed_tokens.weight, run)
@@ -354,7 +468,11 @@ def streamed_loss(model, spec: StreamedModel, input_ids: torch.Tensor, labels: t
         for stash in run.stashes:
             stash.clear()
         return None
+    aux = None
+    if spec.router_stats is not None and spec.aux_coef is not None:
+        token, aux = balancing_loss(token, spec.router_stats)      # its backward runs before the layers'
     local = StreamedHeadFunction.apply(token, run, labels, num_valid_tokens, sp, group, model.model.norm.weight,
                                        model.lm_head.weight)
-    return sum_over_group(local, group=group, sp=sp)
+    loss = sum_over_group(local, group=group, sp=sp)
+    return loss if aux is None else loss + spec.aux_coef * aux
 

@@ -198,16 +198,6 @@ class ModelSpec:
         """Every layer attention + dense MLP: the planner's Llama-family model."""
         return not self.gdn_layers and not self.moe_layers
 
-    @property
-    def unstreamed_reason(self) -> str | None:
-        """Why ``stream_layers`` is not run for this model yet (None: it is): ``fpdt.model`` refuses it for
-        Gated DeltaNet and MoE layers."""
-        kinds = [k for k, n in (("Gated DeltaNet", self.gdn_layers), ("mixture-of-experts", self.moe_layers)) if n]
-        if not kinds:
-            return None
-        return (f"fpdt.model does not stream {' or '.join(kinds)} layers yet (it refuses stream_layers for them): "
-                f"a streamed plan of this model is a prediction of what that would fit")
-
     def kinds(self) -> set[tuple[str, str]]:
         """The distinct ``(mixer, mlp)`` layer kinds."""
         return set(zip(self.mixers, self.mlps))

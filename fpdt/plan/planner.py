@@ -131,9 +131,7 @@ def _candidates(cfg, seq_len, choice, world, sp, checkpoints):
     saving = choice.fixed_save_layers
     combos = [(mesh, chunk) for mesh in meshes for chunk in _chunk_candidates(seq_len, choice, *mesh)]
     # streamed layers: tried beside the unstreamed setups unless fixed (_best prefers unstreamed when both fit)
-    # (a model whose layers fpdt.model does not stream yet is planned streamed only when asked)
-    streamable = model_spec(cfg).unstreamed_reason is None
-    streams = (base.stream_layers,) if not choice.chooses("stream_layers") else (False, True) if streamable else (False,)
+    streams = (base.stream_layers,) if not choice.chooses("stream_layers") else (False, True)
     for ((hp, cp), chunk), ckpt, wgrad, stream in itertools.product(combos, checkpoints or (base.checkpointing,),
                                                                      wgrads, streams):
         if stream and (ckpt != "offload" or choice.fixed.get("offload") is False
@@ -496,9 +494,6 @@ def plan(model, cluster: Cluster, seq_len: int | None = None, choice: Choice | N
         if not seq_len or seq_len < 1:
             raise ValueError("give --seq-len S (> 0), or --max-seq-len to search the longest that fits")
         out = plan_at(cfg, seq_len, cluster, choice)
-    why = model_spec(cfg).unstreamed_reason
-    if why and out.get("setup", {}).get("stream_layers"):
-        out["note"] = why
     out["cluster"] = {"gpu": cluster.gpu.name, "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes,
                       "host_mem_bytes_per_node": cluster.host_mem_bytes, "rates": asdict(cluster.rates())}
     return out

@@ -4,7 +4,7 @@
 Loss and every gradient against the same model unstreamed (fp32, within 1e-5, the loss scaled by a
 random factor) and against plain Transformers; 1 and 2 ranks, GQA / MHA with biases / tied Qwen2 /
 Qwen3's q/k norms, both attention checkpoints, packed documents, PEFT LoRA, Transformers' own MLP
-and norms; refusals; ``remove_fpdt``; the device peak flat in the sequence (counted).
+and norms; Qwen3.5 and Qwen3-MoE against Transformers; refusals; ``remove_fpdt``; the device peak flat in the sequence (counted).
 """
 
 from __future__ import annotations
@@ -101,6 +101,53 @@ def test_against_plain_transformers():
     loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
     loss.backward()
     compare(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "streamed vs Transformers")
+
+
+def test_qwen35_against_transformers():
+    """Qwen3.5 (Gated DeltaNet, gated attention, zero-centred norms) streamed through apply_fpdt, packed
+    documents, saved attention outputs: fp32 against a float64 Transformers run (``tests/model/qwen35.py``)."""
+    import copy
+
+    from tests.model.qwen35 import compare_hybrid, qwen35_model, reference
+    rows = ([5, 1, 13, 1, 1, 20, 7], [16, 16, 16])
+    ref = qwen35_model()
+    ids, labels = tokens(ref.config.vocab_size, 2, 48, seed=5)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])
+    refs = reference(ref, ids, labels, rows, scale=1.7)
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref).train(), **STREAMED, num_chunks=3, attention_checkpoint="save",
+                               stream_layers=True)
+    loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels, position_ids=pos)).loss
+    (loss * 1.7).backward()
+    compare_hybrid(loss.detach(), {n: p.grad / 1.7 for n, p in model.named_parameters()}, refs, "hf qwen3.5 streamed")
+
+
+def test_qwen35_with_transformers_own_mlp_and_zero_centred_norms():
+    """mlp_chunks=0 and lean_norms=False: Transformers' MLP and its zero-centred RMSNorm classes, streamed."""
+    import copy
+
+    from tests.model.qwen35 import compare_hybrid, qwen35_model, reference
+    ref = qwen35_model()
+    ids, labels = tokens(ref.config.vocab_size, 2, 12)
+    refs = reference(ref, ids, labels)
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref).train(), **STREAMED, num_chunks=3, mlp_chunks=0, lean_norms=False,
+                               stream_layers=True)
+    loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
+    loss.backward()
+    compare_hybrid(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, refs, "hf qwen3.5 own modules")
+
+
+def test_qwen3_moe_against_transformers():
+    """Qwen3-MoE streamed through apply_fpdt: the balancing loss and every gradient against Transformers."""
+    from tests.model.test_moe_model import hf_moe
+    ref, model = hf_moe(), hf_moe()
+    ids, labels = tokens(ref.config.vocab_size, 2, 16)
+    ref_loss, ref_grads = hf_loss_and_grads(ref, ids, labels)
+    fpdt.hf.apply_fpdt(model, **STREAMED, num_chunks=2, mlp_chunks=3, stream_layers=True)
+    model.train()
+    loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
+    loss.backward()
+    compare(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "hf qwen3_moe streamed")
+    assert sorted(model.router_stats.expert_load()) == [0, 2]
 
 
 def _two_ranks(rank, world):

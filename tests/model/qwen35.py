@@ -58,14 +58,15 @@ def fpdt_qwen35(ref, **options) -> fm.FPDTForCausalLM:
     return ours
 
 
-def reference(ref, ids, labels, rows=None):
+def reference(ref, ids, labels, rows=None, scale: float = 1.0):
     """``(fp32, float64)`` Transformers results, each ``(loss, {name: grad})``: the window as one
     sequence, or with ``rows`` (document lengths per row) every document run alone. The float64 run's
     delta rule is the float64 token recurrence (Transformers' fallback computes it in fp32 whatever
-    its input dtype)."""
-    fp32 = _loss_and_grads(copy.deepcopy(ref).float(), ids, labels, rows)
+    its input dtype). ``scale``: the gradients are those of ``loss * scale``, divided by ``scale``
+    (the rounding of a backward whose incoming gradient is not 1)."""
+    fp32 = _loss_and_grads(copy.deepcopy(ref).float(), ids, labels, rows, scale)
     with float64_delta_rule():
-        exact = _loss_and_grads(copy.deepcopy(ref).double(), ids, labels, rows)
+        exact = _loss_and_grads(copy.deepcopy(ref).double(), ids, labels, rows, scale)
     return fp32, exact
 
 
@@ -99,7 +100,7 @@ def float64_delta_rule():
         mq.torch_chunk_gated_delta_rule = original
 
 
-def _loss_and_grads(model, ids, labels, rows):
+def _loss_and_grads(model, ids, labels, rows, scale: float = 1.0):
     if rows is None:
         loss = model(input_ids=ids, labels=labels, use_cache=False).loss
     else:
@@ -115,8 +116,8 @@ def _loss_and_grads(model, ids, labels, rows):
                 losses.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
                 count += int((target != -100).sum())
         loss = torch.stack(losses).sum() / count
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    (loss * scale).backward()
+    return loss.detach(), {n: p.grad.detach() / scale for n, p in model.named_parameters()}
 
 
 def compare_hybrid(loss, grads: dict, refs, what: str) -> dict:

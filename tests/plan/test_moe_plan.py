@@ -1,5 +1,5 @@
 """fpdt-plan on mixture-of-experts models: total and active parameters, k-of-E FLOPs, the MoE
-MLP's chunk, and no streamed layers (which fpdt.model refuses for them)."""
+MLP's chunk, and no streamed layers for a run that fits without them."""
 
 import pytest
 import torch
@@ -43,7 +43,7 @@ def test_flops_count_k_of_e():
     assert layer_matmul_flops(m) == pytest.approx(want)
 
 
-def test_plan_never_streams_moe_layers():
+def test_plan_does_not_stream_an_moe_run_that_fits_unstreamed():
     cluster = Cluster(GPU_PRESETS["h200"], gpus_per_node=1, host_mem_bytes=1900 * 2 ** 30)
     out = plan("qwen3-30b-a3b", cluster, seq_len=1 << 20)
     assert out["setup"]["stream_layers"] is False

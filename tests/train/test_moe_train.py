@@ -1,4 +1,4 @@
-"""fpdt-train on a Qwen3-MoE config: under ZeRO-3 on 1 and 2 SP ranks with offloaded checkpoints,
+"""fpdt-train on a Qwen3-MoE config: under ZeRO-3 on 1 (streamed layers) and 2 SP ranks with offloaded checkpoints,
 the start-up line names the experts' kernel, the log records each layer's expert load, and the
 export loads in Transformers as Qwen3MoeForCausalLM."""
 
@@ -30,8 +30,8 @@ def _config(path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_trains_logs_expert_load_and_exports(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,stream", [(1, True), (2, False)])
+def test_trains_logs_expert_load_and_exports(tmp_path, ranks, stream):
     model = _config(tmp_path / "model")
     log, hf = str(tmp_path / "run.jsonl"), str(tmp_path / "hf")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] \
@@ -39,7 +39,7 @@ def test_trains_logs_expert_load_and_exports(tmp_path, ranks):
     cmd = [*launch, "-m", "fpdt.cli", "--model-config", os.path.join(model, "config.json"), "--data",
            "examples/data/jargon-file-4.4.7.txt", "--seq-len", "256", "--sp", str(ranks), "--steps", "3",
            "--deepspeed", "examples/tiny-llama/ds_cpu.json", "--checkpoint", "offload", "--runtime", "sim", "--log-json", log,
-           "--save-dir", str(tmp_path / "ckpt"), "--export-hf", hf]
+           "--save-dir", str(tmp_path / "ckpt"), "--export-hf", hf] + (["--stream-layers"] if stream else [])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "experts=8/top2 (loop)" in proc.stderr

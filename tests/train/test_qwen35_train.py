@@ -1,7 +1,7 @@
 """fpdt-train --model DIR on a tiny Qwen3.5 checkpoint (Gated DeltaNet + gated attention), in both
 layouts (Qwen3_5ForCausalLM, and the hub's Qwen3_5ForConditionalGeneration with a vision tower it
-leaves out): 3 SGD steps on 2 gloo processes with sp=2 under ZeRO-3 give the losses of the same steps
-on one process without sharding, and the export loads in Transformers as Qwen3_5ForCausalLM."""
+leaves out), and with streamed layers: 3 SGD steps on 2 gloo processes with sp=2 under ZeRO-3 give the
+losses of the same steps on one process without sharding, and the export loads in Transformers as Qwen3_5ForCausalLM."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def _body(rank: int, world_size: int, tmp: str) -> None:
                 "--deepspeed", os.path.join(tmp, "sgd.json"), "--log-json", os.path.join(tmp, f"{layout}.jsonl"),
                 "--save-dir", os.path.join(tmp, f"save-{layout}")]
         assert main(argv) == 0
+    argv = ["--model", os.path.join(tmp, "text"), "--data", os.path.join(tmp, "tokens.npy"), "--seq-len",
+            str(SEQ_LEN), "--steps", str(STEPS), "--sp", "2", "--chunk-size", str(CHUNK), "--deepspeed",
+            os.path.join(tmp, "sgd.json"), "--log-json", os.path.join(tmp, "streamed.jsonl"), "--stream-layers"]
+    assert main(argv) == 0
 
 
 @pytest.mark.slow
@@ -46,11 +50,13 @@ def test_fpdt_train_qwen35_both_layouts(tmp_path):
     write_json(os.path.join(tmp, "sgd.json"), ds_config(SGD, SGD_CLIP))
     run_distributed(_body, world_size=2, args=(tmp,), timeout=600)
     want = reference_losses(None, data_path, SEQ_LEN, STEPS, 1, SGD, SGD_CLIP, pretrained=os.path.join(tmp, "text"))
-    for layout in ("text", "vl"):
+    for layout in ("text", "vl", "streamed"):
         with open(os.path.join(tmp, f"{layout}.jsonl")) as f:
             got = [json.loads(line)["loss"] for line in f if line.strip()]
         rel = [abs(g - r) / abs(r) for g, r in zip(got, want)]
         assert len(got) == STEPS and max(rel) < RTOL, f"{layout}: {got} vs {want} (rel. err {rel})"
+        if layout == "streamed":
+            continue
         out = export_checkpoint(os.path.join(tmp, f"save-{layout}"), os.path.join(tmp, f"export-{layout}"))
         back = transformers.AutoModelForCausalLM.from_pretrained(out)
         assert type(back) is transformers.Qwen3_5ForCausalLM
