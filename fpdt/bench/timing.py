@@ -12,12 +12,10 @@ from fpdt.offload import resolve_runtime
 
 
 def sync(device: torch.device, runtime: str | None = None) -> None:
-    """Block the host until ``device`` is idle: ``torch.cuda.synchronize`` on CUDA; with
-    ``runtime`` (e.g. ``"sim"``), that offload runtime's own wait, which covers its copies too."""
-    if runtime is not None:
-        resolve_runtime(runtime, device).synchronize(device)
-    elif device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Block the host until ``device`` is idle: the offload runtime's own wait (``runtime``, e.g.
+    ``"sim"``, which covers its copies too; None: the device's default, a CUDA synchronize on CUDA)."""
+    rt = resolve_runtime(runtime, device)
+    rt.synchronize(device)
 
 
 def seconds(fn: Callable[[], object], device: torch.device, runtime: str | None = None) -> float:
