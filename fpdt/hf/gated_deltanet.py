@@ -13,16 +13,17 @@ import torch
 from torch import nn
 
 from fpdt.hf.errors import FPDTHFError
-from fpdt.model.gated_deltanet import GatedDeltaNet
-
-_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+from fpdt.model.gated_deltanet import FusedGatedDeltaNet, GatedDeltaNet
 
 
-def gated_deltanet_classes() -> tuple[type, ...]:
-    """Transformers' Gated DeltaNet classes whose math :class:`GatedDeltaNet` computes (matched by class)."""
+def gated_deltanet_classes() -> dict[type, bool]:
+    """Transformers' Gated DeltaNet classes whose math :class:`GatedDeltaNet` computes (matched by
+    class) -> whether their projections are Qwen3-Next's fused ones (:class:`FusedGatedDeltaNet`)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    return (Qwen3_5GatedDeltaNet,)
+    return {Qwen3_5GatedDeltaNet: False, Qwen3_5MoeGatedDeltaNet: False, Qwen3NextGatedDeltaNet: True}
 
 
 def is_gated_deltanet(module: nn.Module | None) -> bool:
@@ -37,10 +38,13 @@ class TransformersGatedDeltaNet(GatedDeltaNet):
     @classmethod
     def adopt(cls, module: nn.Module) -> "TransformersGatedDeltaNet":
         """The replacement of ``module``, refused (naming the fix) unless Transformers' class with plain linears."""
-        if type(module) not in gated_deltanet_classes():
-            raise FPDTHFError(f"{type(module).__module__}.{type(module).__name__} is not Transformers' Qwen3.5 Gated "
-                              f"DeltaNet, which fpdt replaces; it may compute something else")
-        bad = [n for n in _PROJECTIONS if type(getattr(module, n)) is not nn.Linear]
+        classes = gated_deltanet_classes()
+        if type(module) not in classes:
+            raise FPDTHFError(f"{type(module).__module__}.{type(module).__name__} is not Transformers' Qwen3.5 / "
+                              f"Qwen3-Next Gated DeltaNet, which fpdt replaces; it may compute something else")
+        if classes[type(module)] and not issubclass(cls, FusedGatedDeltaNet):
+            return TransformersFusedGatedDeltaNet.adopt(module)
+        bad = [n for n in cls.projection_names if type(getattr(module, n)) is not nn.Linear]
         if bad or type(module.conv1d) is not nn.Conv1d or module.conv1d.bias is not None:
             raise FPDTHFError(f"fpdt's Gated DeltaNet reads the weights of {bad or ['conv1d']} directly, and they are "
                               f"not plain nn.Linear / nn.Conv1d without bias (LoRA on Gated DeltaNet projections is "
@@ -48,7 +52,7 @@ class TransformersGatedDeltaNet(GatedDeltaNet):
         with torch.device("meta"):
             self = cls(module.hidden_size, module.num_k_heads, module.num_v_heads, module.head_k_dim,
                        module.head_v_dim, module.conv_kernel_size, module.layer_norm_epsilon)
-        for name in (*_PROJECTIONS, "conv1d"):
+        for name in (*cls.projection_names, "conv1d"):
             setattr(self, name, getattr(module, name))
         self.dt_bias, self.A_log = module.dt_bias, module.A_log
         self.norm.weight = module.norm.weight
@@ -64,3 +68,8 @@ class TransformersGatedDeltaNet(GatedDeltaNet):
             raise FPDTHFError("fpdt's Gated DeltaNet cannot apply a padding mask: pass the window's right-padding "
                               "mask to fpdt.hf.prepare_inputs (padding labelled -100) instead of to the model")
         return super().forward(hidden_states, doc_ids=kwargs.get("doc_ids"))
+
+
+class TransformersFusedGatedDeltaNet(TransformersGatedDeltaNet, FusedGatedDeltaNet):
+    """:class:`TransformersGatedDeltaNet` over Transformers' ``Qwen3NextGatedDeltaNet`` (its fused
+    ``in_proj_qkvz`` / ``in_proj_ba``, regrouped by :class:`FusedGatedDeltaNet`)."""

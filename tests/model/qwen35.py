@@ -74,9 +74,12 @@ def float64_delta_rule():
     """Transformers' Qwen3.5 chunked delta rule replaced, for float64 inputs, by the float64
     token-by-token recurrence of ``tests/ops/test_delta_rule.py`` (same L2 norms, scale and head repeat)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    from transformers.models.qwen3_next import modeling_qwen3_next
 
     from tests.ops.test_delta_rule import token_recurrence
 
+    modules = (mq, modeling_qwen3_5_moe, modeling_qwen3_next)     # the same fallback in each family
     original = mq.torch_chunk_gated_delta_rule
 
     def exact(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
@@ -92,11 +95,14 @@ def float64_delta_rule():
         out, state = token_recurrence(query, key, value, g, beta, initial_state, query.shape[-1] ** -0.5)
         return out, state if output_final_state else None
 
-    mq.torch_chunk_gated_delta_rule = exact
+    originals = [m.torch_chunk_gated_delta_rule for m in modules]
+    for m in modules:
+        m.torch_chunk_gated_delta_rule = exact
     try:
         yield
     finally:
-        mq.torch_chunk_gated_delta_rule = original
+        for m, f in zip(modules, originals):
+            m.torch_chunk_gated_delta_rule = f
 
 
 def _loss_and_grads(model, ids, labels, rows):
