@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -109,18 +110,26 @@ def _loss_and_grads(model, ids, labels, rows):
     if rows is None:
         loss = model(input_ids=ids, labels=labels, use_cache=False).loss
     else:
-        losses, count = [], 0
+        losses, count, routed = [], 0, []
+        moe = bool(getattr(model.config, "output_router_logits", False))
         for b, lengths in enumerate(rows):
             start = 0
             for n in lengths:
                 doc, target = ids[b:b + 1, start:start + n], labels[b, start + 1:start + n]
                 start += n
-                if n == 1:
+                if n == 1 and not moe:
                     continue
-                logits = model(input_ids=doc, use_cache=False).logits[0, :-1]
-                losses.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
-                count += int((target != -100).sum())
+                out = model(input_ids=doc, use_cache=False, **({"output_router_logits": True} if moe else {}))
+                routed.append(out.router_logits if moe else ())
+                if n > 1:
+                    losses.append(F.cross_entropy(out.logits[0, :-1], target, ignore_index=-100, reduction="sum"))
+                    count += int((target != -100).sum())
         loss = torch.stack(losses).sum() / count
+        if moe:      # the balancing loss over every token of the batch, as of the packed window
+            layers = tuple(torch.cat(per_doc) for per_doc in zip(*routed))
+            balancing = sys.modules[type(model).__module__].load_balancing_loss_func
+            cfg = model.config
+            loss = loss + cfg.router_aux_loss_coef * balancing(layers, cfg.num_experts, cfg.num_experts_per_tok)
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
