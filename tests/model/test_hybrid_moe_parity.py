@@ -151,8 +151,8 @@ def _conditional(ref, path):
 @pytest.mark.parametrize("name,cls", [("qwen35moe_sp2", "Qwen3_5MoeForCausalLM"),
                                       ("qwen3next_odd", "Qwen3NextForCausalLM")])
 def test_checkpoint_round_trip(name, cls, tmp_path):
-    """fpdt saves what Transformers loads as the causal LM (the same tensors), and loads it back;
-    Qwen3.5-MoE also from the hub's Qwen3_5MoeForConditionalGeneration layout."""
+    """fpdt saves what Transformers loads as the causal LM (the same tensors), and loads it and
+    Transformers' own save back; Qwen3.5-MoE also from the hub's Qwen3_5MoeForConditionalGeneration layout."""
     ref = hybrid_moe_model(name)
     model = fm.from_config(ref.config)
     fm.load_hf_state_dict(model, ref.state_dict())
@@ -162,7 +162,8 @@ def test_checkpoint_round_trip(name, cls, tmp_path):
     theirs = back.state_dict()
     for n, p in ref.state_dict().items():
         assert torch.equal(theirs[n], p), n
-    sources = [tmp_path / "ours"]
+    back.save_pretrained(tmp_path / "hf")
+    sources = [tmp_path / "ours", tmp_path / "hf"]
     if cls == "Qwen3_5MoeForCausalLM":
         _conditional(ref, tmp_path / "vl")
         sources.append(tmp_path / "vl")
