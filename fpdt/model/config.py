@@ -3,9 +3,10 @@
 Only what the FPDT model implements exactly is accepted; anything else (sliding windows, unknown
 RoPE scaling, non-SiLU activations, attention dropout, partial rotary outside Qwen3.5, ...) raises
 :class:`UnsupportedConfigError` naming the key. Both the Transformers 4.x (``rope_theta`` +
-``rope_scaling``) and 5.x (``rope_parameters``) layouts are understood. Hybrid models (Qwen3.5:
-Gated DeltaNet and gated attention layers, ``layer_types``) and the hub's vision-language layout
-are read by the token-mixer section at the end (``docs/models.md``).
+``rope_scaling``) and 5.x (``rope_parameters``) layouts are understood. Hybrid models (Qwen3.5,
+Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet and gated attention layers, ``layer_types``) and the hub's
+vision-language layouts are read by the token-mixer section at the end, experts (Qwen3-MoE,
+Qwen3.5-MoE, Qwen3-Next, Mixtral) by :func:`_moe` (``docs/models.md``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class ModelConfig:
     """
 
     model_type: str
-    """``"llama"``, ``"qwen2"`` or ``"mistral"``."""
+    """A key of :data:`ARCHITECTURES` (``"llama"``, ``"qwen2"``, ``"mistral"``, ...)."""
     vocab_size: int
     """V, rows of the embedding and of the LM head."""
     hidden_size: int
@@ -151,7 +152,7 @@ class ModelConfig:
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The ``config.json`` dict this was parsed from (written back on save)."""
     moe: MoEConfig | None = None
-    """Experts in (some) MLPs (Qwen3-MoE), else None."""
+    """Experts in (some) MLPs (:data:`MOE_TYPES`), else None."""
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)

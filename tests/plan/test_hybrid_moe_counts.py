@@ -109,3 +109,14 @@ def test_layer_mlp_params_dense_and_moe():
     h = 40
     assert layer_mlp_params(cfg, 0) == (3 * h * 72,) * 2                       # dense (decoder_sparse_step 2)
     assert layer_mlp_params(cfg, 1) == (7 * 3 * h * 24 + 7 * h, 3 * 3 * h * 24 + 7 * h)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b", "qwen3-30b-a3b", "qwen3.5-9b"])
+def test_presets_build_the_model_the_planner_counts(name):
+    """The presets parse as fpdt.model's own configs, and the model they build (on meta) has the
+    parameters the planner counts."""
+    import fpdt.model as fm
+
+    cfg = load_model_config(name)
+    model = fm.from_config(cfg, device="meta")
+    assert param_counts(cfg).total == sum(p.numel() for p in model.parameters())
