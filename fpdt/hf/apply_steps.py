@@ -47,19 +47,23 @@ def _lean_rmsnorm_classes() -> tuple[type, ...]:
     (fp32 normalisation, cast to the input dtype, then the weight multiply); matched by class."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, Qwen3MoeRMSNorm, *_zero_centred_rmsnorm_classes()
+    return (LlamaRMSNorm, MistralRMSNorm, MixtralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, Qwen3MoeRMSNorm,
+            *_zero_centred_rmsnorm_classes())
 
 
 def _zero_centred_rmsnorm_classes() -> tuple[type, ...]:
     """Transformers RMSNorm classes computing ``cast(x_hat * (1 + weight))`` in fp32 (Qwen3.5's):
     replaced by :class:`fpdt.model.llama.RMSNorm` with ``zero_centred``."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
-    return (Qwen3_5RMSNorm,)
+    return Qwen3_5RMSNorm, Qwen3_5MoeRMSNorm, Qwen3NextRMSNorm
 
 
 def _lean_norms(model: nn.Module, layers: list[nn.Module]) -> list[tuple[nn.Module, str]]:
@@ -106,13 +110,16 @@ def _pre_norm_layer_classes() -> tuple[type, ...]:
     against Transformers hold fpdt's split of it to that); matched by class."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
-    return (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, Qwen3_5DecoderLayer,
-            Qwen3MoeDecoderLayer)
+    return (LlamaDecoderLayer, MistralDecoderLayer, MixtralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer,
+            Qwen3_5DecoderLayer, Qwen3_5MoeDecoderLayer, Qwen3MoeDecoderLayer, Qwen3NextDecoderLayer)
 
 
 def _residual_branches(layer: nn.Module, kwargs: dict):
@@ -127,6 +134,27 @@ def _residual_branches(layer: nn.Module, kwargs: dict):
     def mlp(h):
         return layer.mlp(layer.post_attention_layernorm(h))
     return attention, mlp
+
+
+def _renormalised_top_k(block: nn.Module) -> bool:
+    """Whether a Transformers sparse MoE block renormalises its top-k probabilities: its router's
+    ``norm_topk_prob`` (Qwen3-MoE, Qwen3-Next), always (Mixtral, Qwen3.5-MoE); other classes, and
+    Mixtral's training-time router jitter, are refused (matched by class)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    kind = type(block)
+    if kind in (Qwen3MoeSparseMoeBlock, Qwen3NextSparseMoeBlock):
+        return bool(block.gate.norm_topk_prob)
+    if kind is MixtralSparseMoeBlock and block.jitter_noise:
+        raise FPDTHFError(f"router_jitter_noise={block.jitter_noise}: fpdt's experts route without noise; "
+                          f"load the model with router_jitter_noise=0")
+    if kind in (MixtralSparseMoeBlock, Qwen3_5MoeSparseMoeBlock):
+        return True
+    raise FPDTHFError(f"{kind.__module__}.{kind.__name__} is not a mixture-of-experts block fpdt knows (Qwen3-MoE, "
+                      f"Qwen3.5-MoE, Qwen3-Next, Mixtral); it may route differently")
 
 
 class TransformersAdapter(DecoderAdapter):
@@ -192,7 +220,7 @@ class TransformersAdapter(DecoderAdapter):
                 raise FPDTHFError("mixture-of-experts models run under apply_fpdt without the Trainer's sequence "
                                   "parallelism (not yet): use group=None or a process group")
             try:
-                moe = ChunkedMoE.from_block(mlp, num_chunks).train(mlp.training)
+                moe = ChunkedMoE.from_block(mlp, num_chunks, _renormalised_top_k(mlp)).train(mlp.training)
             except ValueError as e:
                 raise FPDTHFError(str(e)) from None
             moe.layer_index = self.layers.index(layer)

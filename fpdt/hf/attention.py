@@ -88,27 +88,37 @@ def _chunked_qkv_classes() -> dict[type, Callable[[torch.nn.Module], int | None]
     a remote-code class of the same name is not these."""
     from transformers.models.llama.modeling_llama import LlamaAttention
     from transformers.models.mistral.modeling_mistral import MistralAttention
+    from transformers.models.mixtral.modeling_mixtral import MixtralAttention
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
+    config_window = lambda m: getattr(m.config, "sliding_window", None)  # noqa: E731
     return {LlamaAttention: _no_window, Qwen3MoeAttention: lambda m: m.sliding_window,
-            MistralAttention: lambda m: getattr(m.config, "sliding_window", None),
+            MistralAttention: config_window, MixtralAttention: config_window,
             Qwen2Attention: lambda m: m.sliding_window,
             Qwen3Attention: lambda m: m.sliding_window,
-            Qwen3_5Attention: _no_window}
+            **dict.fromkeys(_gated_attention_classes(), _no_window)}
+
+
+def _gated_attention_classes() -> dict[type, type]:
+    """Transformers' gated attention classes (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: the same forward) -> their q/k norm class."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5RMSNorm
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeAttention, Qwen3_5MoeRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextRMSNorm
+
+    return {Qwen3_5Attention: Qwen3_5RMSNorm, Qwen3_5MoeAttention: Qwen3_5MoeRMSNorm,
+            Qwen3NextAttention: Qwen3NextRMSNorm}
 
 
 def _qk_norm(module: torch.nn.Module) -> tuple[str, ...]:
     """The names of Qwen3's and Qwen3.5's per-head q/k RMSNorms (read directly: refused unless
     Transformers' own class, with one epsilon); none for other classes."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5RMSNorm
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeRMSNorm
 
-    norm_class = {Qwen3Attention: Qwen3RMSNorm, Qwen3_5Attention: Qwen3_5RMSNorm,
-                  Qwen3MoeAttention: Qwen3MoeRMSNorm}.get(type(module))
+    norm_class = {Qwen3Attention: Qwen3RMSNorm, Qwen3MoeAttention: Qwen3MoeRMSNorm,
+                  **_gated_attention_classes()}.get(type(module))
     if norm_class is None:
         return ()
     q, k = module.q_norm, module.k_norm
@@ -124,9 +134,7 @@ def _qk_norm(module: torch.nn.Module) -> tuple[str, ...]:
 def _gated_options(module: torch.nn.Module) -> dict:
     """Qwen3.5's attention options of :class:`FPDTAttention` (output gate, partial rotary,
     zero-centred q/k norms); none for other classes."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
-
-    if type(module) is not Qwen3_5Attention:
+    if type(module) not in _gated_attention_classes():
         return {}
     params = getattr(module.config, "rope_parameters", None) or {}
     factor = float(params.get("partial_rotary_factor", getattr(module.config, "partial_rotary_factor", 1.0)))

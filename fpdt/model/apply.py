@@ -20,20 +20,22 @@ ATTENTION_FIELDS = ("num_chunks", "offload", "group", "mesh", "backend", "runtim
 
 
 def mlp_chunks_for(options: Any, config: Any) -> int:
-    """The SwiGLU MLP's token chunks: ``options.mlp_chunks``, or ``ceil(2 u I / hidden)`` if None."""
+    """The SwiGLU MLP's token chunks: ``options.mlp_chunks``, or ``ceil(2 u I / hidden)`` if None
+    (a model without dense MLPs, Qwen3.5-MoE, has no ``I``: 1 then)."""
     if options.mlp_chunks is not None:
         return options.mlp_chunks
-    return default_mlp_chunks(config.hidden_size, config.intermediate_size, options.num_chunks)
+    width = getattr(config, "intermediate_size", 0) or 1
+    return default_mlp_chunks(config.hidden_size, width, options.num_chunks)
 
 
 def moe_chunks_for(options: Any, config: Any) -> int | None:
     """The MoE MLPs' token chunks: ``options.mlp_chunks``, or :func:`fpdt.model.moe.default_moe_chunks`
     if None; None for a config without experts (``config.moe``)."""
     moe = getattr(config, "moe", None)
-    if moe is None and getattr(config, "moe_intermediate_size", None) and getattr(config, "num_experts", None):
-        moe = config                                        # a Transformers config (fpdt.hf)
-        widths = (moe.moe_intermediate_size, moe.num_experts, moe.num_experts_per_tok,
-                  getattr(moe, "shared_expert_intermediate_size", 0) or 0)
+    if moe is None and getattr(config, "num_experts", None):
+        moe = config                                        # a Transformers config (fpdt.hf; Mixtral: I wide)
+        widths = (getattr(moe, "moe_intermediate_size", None) or moe.intermediate_size, moe.num_experts,
+                  moe.num_experts_per_tok, getattr(moe, "shared_expert_intermediate_size", 0) or 0)
     elif moe is not None:
         widths = (moe.moe_intermediate_size, moe.num_experts, moe.top_k, moe.shared_expert_intermediate_size)
     if moe is None:

@@ -3,9 +3,10 @@
 Only what the FPDT model implements exactly is accepted; anything else (sliding windows, unknown
 RoPE scaling, non-SiLU activations, attention dropout, partial rotary outside Qwen3.5, ...) raises
 :class:`UnsupportedConfigError` naming the key. Both the Transformers 4.x (``rope_theta`` +
-``rope_scaling``) and 5.x (``rope_parameters``) layouts are understood. Hybrid models (Qwen3.5:
-Gated DeltaNet and gated attention layers, ``layer_types``) and the hub's vision-language layout
-are read by the token-mixer section at the end (``docs/models.md``).
+``rope_scaling``) and 5.x (``rope_parameters``) layouts are understood. Hybrid models (Qwen3.5,
+Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet and gated attention layers, ``layer_types``) and the hub's
+vision-language layouts are read by the token-mixer section at the end, experts (Qwen3-MoE,
+Qwen3.5-MoE, Qwen3-Next, Mixtral) by :func:`_moe` (``docs/models.md``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 # Vision-language hub layouts whose text model fpdt trains alone: model_type -> (its class, where
 # the text decoder's tensors live in its checkpoints, the text model_type).
 CONDITIONAL_LAYOUTS = {
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", "model.language_model", "qwen3_5_text"),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "model.language_model", "qwen3_5_moe_text"),
 }
 
 # Token mixers of ``layer_types``: softmax attention or Gated DeltaNet (arXiv 2412.06464).
@@ -38,16 +43,10 @@ ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 # Hybrid families refused, each with what fpdt lacks for it (docs/models.md).
 REFUSED_HYBRIDS = {
-    "qwen3_next": "Qwen3-Next needs a mixture-of-experts MLP with a shared expert and its fused "
-                  "in_proj_qkvz / in_proj_ba Gated DeltaNet layout, neither implemented",
     "olmo_hybrid": "OLMo hybrid needs post-norm decoder layers (a norm after each mixer and MLP, none before), "
                    "q/k RMSNorm over all heads and allow_neg_eigval (beta in [0, 2]), none implemented",
     "kimi_linear": "Kimi Linear's KDA has per-channel gates (fpdt's Gated DeltaNet has one gate per head) "
                    "and MLA attention layers, neither implemented",
-    "qwen3_5_moe": "Qwen3.5-MoE needs a mixture-of-experts MLP with a shared expert, not implemented with "
-                   "Gated DeltaNet layers",
-    "qwen3_5_moe_text": "Qwen3.5-MoE needs a mixture-of-experts MLP with a shared expert, not implemented with "
-                        "Gated DeltaNet layers",
 }
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ class ModelConfig:
     """
 
     model_type: str
-    """``"llama"``, ``"qwen2"`` or ``"mistral"``."""
+    """A key of :data:`ARCHITECTURES` (``"llama"``, ``"qwen2"``, ``"mistral"``, ...)."""
     vocab_size: int
     """V, rows of the embedding and of the LM head."""
     hidden_size: int
@@ -145,13 +144,15 @@ class ModelConfig:
     """RoPE rotates the first ``rotary_dim = int(head_dim * factor)`` channels of each head."""
     zero_centred_norms: bool = False
     """RMSNorms compute ``x_hat * (1 + weight)`` (weights stored zero-centred)."""
+    linear_fused_projections: bool = False
+    """Gated DeltaNet projections stored as Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head)."""
     text_prefix: str = "model"
     """Where the decoder's tensors live in the checkpoint read: ``model``, or ``model.language_model``
     for a vision-language layout (its vision tower is left out)."""
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The ``config.json`` dict this was parsed from (written back on save)."""
     moe: MoEConfig | None = None
-    """Experts in (some) MLPs (Qwen3-MoE), else None."""
+    """Experts in (some) MLPs (:data:`MOE_TYPES`), else None."""
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)
@@ -303,7 +304,7 @@ def uses_sliding_window(hf: Mapping[str, Any]) -> bool:
         # carry a window value with use_sliding_window=false).
         return (bool(hf.get("use_sliding_window")) and window is not None) or \
             any(t != ATTENTION for t in layer_types)
-    if hf.get("model_type") == "mistral":
+    if hf.get("model_type") in ("mistral", "mixtral"):
         return window is not None
     return bool(hf.get("use_sliding_window")) or any(t not in (ATTENTION, LINEAR_ATTENTION) for t in layer_types)
 
@@ -345,11 +346,13 @@ def _parse(hf: dict[str, Any]) -> ModelConfig:
         mlp_bias = False
     else:
         qkv_bias = o_bias = mlp_bias = False
+    # Qwen3.5-MoE has no dense layers (and no intermediate_size); Mixtral's is the experts' width
+    dense = model_type in ("qwen3_5_moe_text", "mixtral")
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(_require(hf, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(_require(hf, "intermediate_size")),
+        intermediate_size=int(hf.get("intermediate_size") or 0) if dense else int(_require(hf, "intermediate_size")),
         num_layers=int(_require(hf, "num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -365,16 +368,18 @@ def _parse(hf: dict[str, Any]) -> ModelConfig:
         pad_token_id=None if hf.get("pad_token_id") is None else int(hf["pad_token_id"]),
         initializer_range=float(hf.get("initializer_range", 0.02)),
         hf_config=hf,
-        moe=_moe(hf) if model_type == "qwen3_moe" else None,
-        **(_token_mixers(hf, heads, head_dim) if model_type in HYBRID_TYPES else
+        moe=_moe(hf, model_type) if model_type in MOE_TYPES else None,
+        **(_token_mixers(hf, heads, head_dim, model_type) if model_type in HYBRID_TYPES else
            {"qk_norm": model_type == "qwen3_moe"}),
     )
 
 
 # ---------------------------------------------------------------- token mixers (hybrid models)
 
-HYBRID_TYPES = ("qwen3_5_text",)
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 """Model types with per-layer token mixers (:func:`_token_mixers`)."""
+MOE_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "mixtral")
+"""Model types whose MLPs are (some or all) mixtures of experts (:func:`_moe`)."""
 
 
 def _text_config(hf: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -409,10 +414,11 @@ def _say_vision_left_out(arch: str, prefix: str) -> None:
     log.warning("fpdt: %s: the text model only (the tensors under %s); the vision tower is left out", arch, prefix)
 
 
-def _token_mixers(hf: Mapping[str, Any], heads: int, head_dim: int) -> dict[str, Any]:
-    """The :class:`ModelConfig` fields of a Qwen3.5 text config: ``layer_types`` (default: every
-    ``full_attention_interval``-th layer attention, as Transformers), Gated DeltaNet sizes, gated
-    attention with per-head q/k norms, partial RoPE, zero-centred norms."""
+def _token_mixers(hf: Mapping[str, Any], heads: int, head_dim: int, model_type: str) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text config:
+    ``layer_types`` (default: every ``full_attention_interval``-th layer attention, as Transformers),
+    Gated DeltaNet sizes (Qwen3-Next: its fused ``in_proj_qkvz`` / ``in_proj_ba``), gated attention
+    with per-head q/k norms, partial RoPE, zero-centred norms."""
     layers = int(_require(hf, "num_hidden_layers"))
     types = hf.get("layer_types")
     if types is None:
@@ -437,7 +443,7 @@ def _token_mixers(hf: Mapping[str, Any], heads: int, head_dim: int) -> dict[str,
     _refuse(int(head_dim * partial) % 2 != 0 or int(head_dim * partial) < 2,
             f"partial_rotary_factor={partial} of head_dim={head_dim} gives an odd or empty rotary width")
     return dict(layer_types=types, attn_output_gate=True, qk_norm=True, partial_rotary_factor=partial,
-                zero_centred_norms=True, **sizes)
+                zero_centred_norms=True, linear_fused_projections=model_type == "qwen3_next", **sizes)
 
 
 def _rotary_fraction(hf: Mapping[str, Any]) -> float:
@@ -447,17 +453,34 @@ def _rotary_fraction(hf: Mapping[str, Any]) -> float:
     return float(value)
 
 
-def _moe(hf: Mapping[str, Any]) -> MoEConfig:
-    # Transformers 5 writes num_experts as num_local_experts (its attribute map)
+def _moe(hf: Mapping[str, Any], model_type: str) -> MoEConfig:
+    """The experts of Qwen3-MoE and Qwen3-Next (``mlp_only_layers``, ``decoder_sparse_step``,
+    ``norm_topk_prob``; Qwen3-Next: a shared expert), Qwen3.5-MoE (every layer, renormalised top-k,
+    a shared expert) and Mixtral (every layer, renormalised top-k, ``intermediate_size`` wide)."""
+    # Transformers 5 writes num_experts as num_local_experts (its attribute map); Mixtral's own key
     experts = int(hf["num_local_experts"] if hf.get("num_experts") is None and "num_local_experts" in hf
                   else _require(hf, "num_experts"))
     top_k = int(_require(hf, "num_experts_per_tok"))
     _refuse(experts > 0 and not 1 <= top_k <= experts,
             f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
-    step = int(1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"])
+    every_layer = model_type in ("qwen3_5_moe_text", "mixtral")     # Transformers reads no sparsity keys there
+    _refuse(every_layer and experts < 1, f"num_experts={experts}: {model_type} needs experts in every layer")
+    step = 1 if every_layer or hf.get("decoder_sparse_step") is None else int(hf["decoder_sparse_step"])
     _refuse(step < 1, f"decoder_sparse_step={step} must be >= 1")
-    return MoEConfig(num_experts=experts, top_k=top_k, moe_intermediate_size=int(_require(hf, "moe_intermediate_size")),
-                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), decoder_sparse_step=step,
-                     mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+    jitter = float(hf.get("router_jitter_noise") or 0.0)
+    _refuse(jitter != 0.0, f"router_jitter_noise={jitter} is not supported (the router runs without noise); "
+                           f"set it to 0")
+    if model_type == "mixtral":
+        ffn = int(_require(hf, "intermediate_size"))
+    else:
+        ffn = int(_require(hf, "moe_intermediate_size"))
+    shared = int(_require(hf, "shared_expert_intermediate_size")) if model_type in HYBRID_TYPES else 0
+    _refuse(model_type in HYBRID_TYPES and shared < 1,
+            f"shared_expert_intermediate_size={shared}: {model_type}'s MoE block always has a shared expert")
+    norm_topk = every_layer or bool(hf.get("norm_topk_prob", model_type == "qwen3_next"))
+    return MoEConfig(num_experts=experts, top_k=top_k, moe_intermediate_size=ffn, norm_topk_prob=norm_topk,
+                     decoder_sparse_step=step,
+                     mlp_only_layers=() if every_layer else tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
                      router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-                     output_router_logits=bool(hf.get("output_router_logits", False)))
+                     output_router_logits=bool(hf.get("output_router_logits", False)),
+                     shared_expert_intermediate_size=shared)

@@ -55,7 +55,7 @@ def directly_read(model: nn.Module, *, lm_head: bool, streamed: bool = False) ->
         elif isinstance(module, ChunkedMoE):
             names = ("gate", "experts", "shared_expert", "shared_expert_gate")
         elif isinstance(module, GatedDeltaNet):
-            names = GatedDeltaNet.read_children
+            names = module.read_children
         for name in names:
             child = getattr(module, name, None)
             if child is not None:

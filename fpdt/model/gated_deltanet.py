@@ -8,7 +8,7 @@ from torch import nn
 from fpdt.model.gdn_chunks import GatedDeltaNetFunction, GDNShape, build_gdn_spec, gated_rms_norm
 from fpdt.ops.causal_conv import conv_kernel
 from fpdt.ops.delta_rule import delta_rule_kernel
-from fpdt.ops.projections import read_projections
+from fpdt.ops.projections import ProjectionError, read_projections
 
 
 class GatedDeltaNet(nn.Module):
@@ -41,16 +41,27 @@ class GatedDeltaNet(nn.Module):
                                 stash_label=None).items():
             setattr(self, name, value)
         s = self.shape
-        self.in_proj_qkv = nn.Linear(hidden_size, s.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, s.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.input_projections(hidden_size)
         self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, conv_kernel_size, groups=s.conv_dim, bias=False,
                                 padding=conv_kernel_size - 1)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(s.value_dim, hidden_size, bias=False)
+
+    projection_names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    """The projections as stored (checked by :func:`fpdt.ops.projections.read_projections`)."""
+
+    def input_projections(self, hidden_size: int) -> None:
+        s = self.shape
+        self.in_proj_qkv = nn.Linear(hidden_size, s.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, s.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, s.num_v_heads, bias=False)
+
+    def projection_weights(self, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The stored projections' weights (in :attr:`projection_names` order) as ``(qkv, z, b, a, out)``."""
+        return weights
 
     @classmethod
     def from_config(cls, config) -> "GatedDeltaNet":
@@ -87,16 +98,45 @@ class GatedDeltaNet(nn.Module):
         LoRA adapters (None without; errors name the fix)."""
         spec = build_gdn_spec(shape, device, self.shape, group=self.group, mesh=self.mesh, num_chunks=self.num_chunks,
                               offload=self.offload, doc_ids=doc_ids, label=self.stash_label, runtime=self.runtime)
-        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-        proj = read_projections({n: getattr(self, n) for n in names}, type(self).__name__, self.projection_fix,
-                                self.training)
-        qkv, z, b, a, out = (base.weight for base in proj.bases)
+        proj = read_projections({n: getattr(self, n) for n in self.projection_names}, type(self).__name__,
+                                self.projection_fix, self.training)
+        if proj.adapters is not None and self.projection_names != GatedDeltaNet.projection_names:
+            raise ProjectionError(f"LoRA on {type(self).__name__}'s fused projections {self.projection_names} is not "
+                                  f"supported yet: {self.projection_fix}")
+        qkv, z, b, a, out = self.projection_weights(tuple(base.weight for base in proj.bases))
         return spec, (qkv, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, out), proj.adapters
 
     def extra_repr(self) -> str:
         s = self.shape
         return (f"hidden={self.hidden_size}, Hk={s.num_k_heads}, HV={s.num_v_heads}, dk={s.head_k_dim}, "
                 f"dv={s.head_v_dim}, conv={s.conv_kernel}, num_chunks={self.num_chunks}, offload={self.offload}")
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's Gated DeltaNet: :class:`GatedDeltaNet` with Transformers' ``Qwen3NextGatedDeltaNet``
+    projections, ``in_proj_qkvz`` ``[Hk (2 dk + 2 r dv), hidden]`` (per key head: its q, k, then the
+    ``r = HV / Hk`` value heads' v and z) and ``in_proj_ba`` ``[Hk 2 r, hidden]`` (per key head: ``r``
+    b, then ``r`` a). The forward regroups the weights' rows into Qwen3.5's ``[Q | K | V]``, ``z``,
+    ``b``, ``a`` (views and a concatenation, so gradients reach the fused weights)."""
+
+    projection_fix = "leave in_proj_qkvz, in_proj_ba and out_proj out of the LoRA targets"
+    read_children = ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj")
+    projection_names = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+
+    def input_projections(self, hidden_size: int) -> None:
+        s = self.shape
+        self.in_proj_qkvz = nn.Linear(hidden_size, s.conv_dim + s.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * s.num_v_heads, bias=False)
+
+    def projection_weights(self, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        qkvz, ba, out = weights
+        s = self.shape
+        r, hk, hidden = s.num_v_heads // s.num_k_heads, s.num_k_heads, qkvz.shape[1]
+        q, k, v, z = qkvz.view(hk, -1, hidden).split([s.head_k_dim, s.head_k_dim, r * s.head_v_dim,
+                                                       r * s.head_v_dim], dim=1)
+        b, a = ba.view(hk, 2 * r, hidden).split([r, r], dim=1)
+        qkv = torch.cat([q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)])
+        return qkv, z.reshape(-1, hidden), b.reshape(-1, hidden), a.reshape(-1, hidden), out
 
 
 class GatedRMSNorm(nn.Module):

@@ -58,9 +58,10 @@ def token_mixer(cfg: ModelConfig, i: int) -> tuple[str, nn.Module]:
     """Layer ``i``'s token mixer and the name it has in Transformers: ``("linear_attn", Gated DeltaNet)``
     or ``("self_attn", FPDTAttention)`` (Qwen3.5's gated, with per-head q/k norms and partial RoPE)."""
     if cfg.layer_type(i) == LINEAR_ATTENTION:
-        from fpdt.model.gated_deltanet import GatedDeltaNet
+        from fpdt.model.gated_deltanet import FusedGatedDeltaNet, GatedDeltaNet
 
-        return "linear_attn", GatedDeltaNet(
+        layout = FusedGatedDeltaNet if cfg.linear_fused_projections else GatedDeltaNet
+        return "linear_attn", layout(
             cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps)
     if not (cfg.attn_output_gate or cfg.qk_norm or cfg.rotary_dim != cfg.head_dim):
@@ -123,6 +124,8 @@ class FPDTDecoderLayer(nn.Module):
         ``router_stats``, under a layer checkpoint (``checkpointed``) not in its recompute."""
         if isinstance(self.mlp, ChunkedMoE):
             record = not (checkpointed and torch.is_grad_enabled())
+            if not self.norm_in_mlp:
+                return self.mlp(self.post_attention_layernorm(h), stats=router_stats, record=record)
             return self.mlp(h, norm=self.post_attention_layernorm, stats=router_stats, record=record)
         if not self.norm_in_mlp:
             return self.mlp(self.post_attention_layernorm(h))

@@ -467,9 +467,10 @@ class ChunkedMoE(nn.Module):
         self.num_chunks, self.kernel, self.layer_index = num_chunks, None, 0
 
     @classmethod
-    def from_block(cls, block: nn.Module, num_chunks: int = 1) -> "ChunkedMoE":
-        """A chunked MoE over a Transformers sparse MoE block's modules (``gate`` with ``top_k``,
-        ``norm_topk_prob``; ``experts``; optional ``shared_expert`` / ``shared_expert_gate``), which become its children."""
+    def from_block(cls, block: nn.Module, num_chunks: int = 1, norm_topk_prob: bool | None = None) -> "ChunkedMoE":
+        """A chunked MoE over a Transformers sparse MoE block's modules (``gate`` with ``top_k`` and
+        ``norm_topk_prob`` unless given; ``experts``; optional ``shared_expert`` / ``shared_expert_gate``),
+        which become its children."""
         experts = set(block.experts.modules())      # their LoRA (PEFT's target_parameters): read_parameters
         if any(hasattr(m, "lora_A") or hasattr(m, "base_layer") for m in block.modules() if m not in experts):
             raise ValueError("LoRA on a mixture-of-experts block's router or shared expert is not supported yet: "
@@ -481,7 +482,8 @@ class ChunkedMoE(nn.Module):
         if getattr(block, "shared_expert", None) is not None:
             self.shared_expert, self.shared_expert_gate = block.shared_expert, block.shared_expert_gate
         self.num_experts, self.top_k = block.gate.weight.shape[0], block.gate.top_k
-        self.norm_topk_prob, self.num_chunks, self.kernel, self.layer_index = block.gate.norm_topk_prob, num_chunks, None, 0
+        norm_topk_prob = block.gate.norm_topk_prob if norm_topk_prob is None else norm_topk_prob
+        self.norm_topk_prob, self.num_chunks, self.kernel, self.layer_index = norm_topk_prob, num_chunks, None, 0
         return self
 
     def shared_weights(self) -> tuple[torch.Tensor, ...]:

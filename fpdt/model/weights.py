@@ -25,7 +25,11 @@ SAFE_INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Tensors of parts fpdt does not build, as Transformers' Qwen3_5ForCausalLM skips them: the vision
 # tower of the vision-language layout and the multi-token-prediction head.
-_IGNORED_PREFIXES = {"qwen3_5_text": ("model.visual.", "mtp.")}
+_IGNORED_PREFIXES = {"qwen3_5_text": ("model.visual.", "mtp."), "qwen3_5_moe_text": ("model.visual.", "mtp."),
+                     "qwen3_next": ("mtp.",)}
+# Mixtral's hub names (``block_sparse_moe``, experts' ``w1`` / ``w3`` / ``w2``) -> Transformers 5's (fpdt's).
+_MIXTRAL_HUB = re.compile(r"^(.*)\.block_sparse_moe\.(gate\.weight|experts\.\d+\.w[123]\.weight)$")
+_MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -127,14 +131,12 @@ def load_hf_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor] | I
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     params = dict(model.named_parameters())  # tied lm_head.weight appears only as the embedding
     pending = {} if experts is None else experts
-    items = fused_experts(items, params, pending)
+    renamed = ((model_name(n, model.config), t) for n, t in items)
+    items = fused_experts(((n, t) for n, t in renamed if n is not None), params, pending)
     tied = model.config.tie_word_embeddings
     used: set[str] = set()
     unexpected = []
-    for checkpoint_name, tensor in items:
-        name = model_name(checkpoint_name, model.config)
-        if name is None:
-            continue
+    for name, tensor in items:
         if name not in params:
             unexpected.append(name)
             continue
@@ -171,10 +173,37 @@ def model_name(name: str, config: ModelConfig) -> str | None:
     ``model.``), or None when the tensor is skipped (:func:`ignored_tensor`)."""
     if ignored_tensor(name, config):
         return None
+    if config.model_type == "mixtral":
+        name = _from_mixtral_hub(name)
     prefix = config.text_prefix + "."
     if prefix != "model." and name.startswith(prefix):
         return "model." + name[len(prefix):]
     return name
+
+
+def _from_mixtral_hub(name: str) -> str:
+    m = _MIXTRAL_HUB.match(name)
+    if m is None:
+        return name
+    tail = m[2]
+    if tail.startswith("experts."):
+        _, e, w, _ = tail.split(".")
+        tail = f"experts.{e}.{_MIXTRAL_W[w]}.weight"
+    return f"{m[1]}.mlp.{tail}"
+
+
+def hub_name(name: str, config: ModelConfig) -> str:
+    """The name a checkpoint stores parameter (or per-expert tensor) ``name`` under: the model's own,
+    Mixtral's in the hub's layout (``block_sparse_moe``, ``w1`` / ``w3`` / ``w2``), which every
+    Transformers version loads."""
+    if config.model_type != "mixtral" or ".mlp." not in name:
+        return name
+    head, _, tail = name.partition(".mlp.")
+    parts = tail.split(".")
+    if parts[0] == "experts" and len(parts) == 4:
+        inverse = {v: k for k, v in _MIXTRAL_W.items()}
+        tail = f"experts.{parts[1]}.{inverse[parts[2]]}.weight"
+    return f"{head}.block_sparse_moe.{tail}"
 
 
 def check_shape(name: str, checkpoint_shape, model_shape) -> None:
@@ -228,7 +257,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     os.makedirs(path, exist_ok=True)
     dtype = _resolve_dtype(dtype)
     # tied lm_head.weight is not listed: not stored, as in HF; LoRA adapters go to save_adapter
-    named = [(n, t) for name, p in model.named_parameters() if not is_adapter(name) for n, t in per_expert(name, p)]
+    named = [(hub_name(n, model.config), t) for name, p in model.named_parameters() if not is_adapter(name)
+             for n, t in per_expert(name, p)]
     if any(p.is_meta for _, p in named):
         raise ValueError("cannot save a model that is still on the meta device")
     limit = _parse_size(max_shard_size)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +76,12 @@ def float64_delta_rule():
     """Transformers' Qwen3.5 chunked delta rule replaced, for float64 inputs, by the float64
     token-by-token recurrence of ``tests/ops/test_delta_rule.py`` (same L2 norms, scale and head repeat)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    from transformers.models.qwen3_next import modeling_qwen3_next
 
     from tests.ops.test_delta_rule import token_recurrence
 
+    modules = (mq, modeling_qwen3_5_moe, modeling_qwen3_next)     # the same fallback in each family
     original = mq.torch_chunk_gated_delta_rule
 
     def exact(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
@@ -93,29 +97,40 @@ def float64_delta_rule():
         out, state = token_recurrence(query, key, value, g, beta, initial_state, query.shape[-1] ** -0.5)
         return out, state if output_final_state else None
 
-    mq.torch_chunk_gated_delta_rule = exact
+    originals = [m.torch_chunk_gated_delta_rule for m in modules]
+    for m in modules:
+        m.torch_chunk_gated_delta_rule = exact
     try:
         yield
     finally:
-        mq.torch_chunk_gated_delta_rule = original
+        for m, f in zip(modules, originals):
+            m.torch_chunk_gated_delta_rule = f
 
 
 def _loss_and_grads(model, ids, labels, rows, scale: float = 1.0):
     if rows is None:
         loss = model(input_ids=ids, labels=labels, use_cache=False).loss
     else:
-        losses, count = [], 0
+        losses, count, routed = [], 0, []
+        moe = bool(getattr(model.config, "output_router_logits", False))
         for b, lengths in enumerate(rows):
             start = 0
             for n in lengths:
                 doc, target = ids[b:b + 1, start:start + n], labels[b, start + 1:start + n]
                 start += n
-                if n == 1:
+                if n == 1 and not moe:
                     continue
-                logits = model(input_ids=doc, use_cache=False).logits[0, :-1]
-                losses.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
-                count += int((target != -100).sum())
+                out = model(input_ids=doc, use_cache=False, **({"output_router_logits": True} if moe else {}))
+                routed.append(out.router_logits if moe else ())
+                if n > 1:
+                    losses.append(F.cross_entropy(out.logits[0, :-1], target, ignore_index=-100, reduction="sum"))
+                    count += int((target != -100).sum())
         loss = torch.stack(losses).sum() / count
+        if moe:      # the balancing loss over every token of the batch, as of the packed window
+            layers = tuple(torch.cat(per_doc) for per_doc in zip(*routed))
+            balancing = sys.modules[type(model).__module__].load_balancing_loss_func
+            cfg = model.config
+            loss = loss + cfg.router_aux_loss_coef * balancing(layers, cfg.num_experts, cfg.num_experts_per_tok)
     (loss * scale).backward()
     return loss.detach(), {n: p.grad.detach() / scale for n, p in model.named_parameters()}
 

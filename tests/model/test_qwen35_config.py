@@ -1,4 +1,5 @@
-"""Qwen3.5 configs (text and the hub's vision-language layout) and the refused hybrid families."""
+"""Qwen3.5 configs (text and the hub's vision-language layout) and the refused hybrid families (Qwen3.5-MoE,
+Qwen3-Next and Mixtral configs: tests/model/test_hybrid_moe_parity.py, tests/model/test_mixtral.py)."""
 
 import logging
 
@@ -63,10 +64,11 @@ def test_hub_layouts(caplog):
 
 
 @pytest.mark.parametrize("hf, match", [
-    ({"model_type": "qwen3_next"}, "Qwen3-Next needs a mixture-of-experts MLP"),
     ({"model_type": "olmo_hybrid"}, "OLMo hybrid needs post-norm decoder layers"),
     ({"model_type": "kimi_linear"}, "KDA has per-channel gates"),
-    ({"model_type": "qwen3_5_moe"}, "Qwen3.5-MoE needs a mixture-of-experts MLP"),
+    ({**HUB_TEXT, "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 8, "shared_expert_intermediate_size": 0}, "always has a shared expert"),
+    ({"model_type": "qwen3_5_moe"}, "has no text_config"),
     ({**HUB_TEXT, "layer_types": ["linear_attention"] * 7 + ["sliding_attention"]}, "sliding-window"),
     ({**HUB_TEXT, "layer_types": ["linear_attention"] * 3}, "layer_types has 3 entries"),
     ({**HUB_TEXT, "linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads"),

@@ -24,11 +24,19 @@ QWEN35_MOE = {"model_type": "qwen3_5_moe_text", "vocab_size": 96, "hidden_size":
               "linear_conv_kernel_dim": 4, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 12,
               "shared_expert_intermediate_size": 20, "tie_word_embeddings": True}
 
+QWEN3_NEXT = {**QWEN35_MOE, "model_type": "qwen3_next", "intermediate_size": 36, "mlp_only_layers": [2],
+              "tie_word_embeddings": False}
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 96, "hidden_size": 40, "intermediate_size": 24,
+           "num_hidden_layers": 3, "num_attention_heads": 5, "num_key_value_heads": 1, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "tie_word_embeddings": False}
+
 
 def _transformers_model(hf: dict):
     cls = {"qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-           "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}[hf["model_type"]]
+           "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+           "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+           "mixtral": ("MixtralConfig", "MixtralForCausalLM")}[hf["model_type"]]
     config = getattr(transformers, cls[0])(**{k: v for k, v in hf.items() if k != "model_type"})
     torch.manual_seed(0)
     return getattr(transformers, cls[1])(config)
@@ -45,7 +53,7 @@ def _active(model, spec) -> int:
     return total
 
 
-@pytest.mark.parametrize("hf", [QWEN35, QWEN3_MOE, QWEN35_MOE], ids=lambda h: h["model_type"])
+@pytest.mark.parametrize("hf", [QWEN35, QWEN3_MOE, QWEN35_MOE, QWEN3_NEXT, MIXTRAL], ids=lambda h: h["model_type"])
 def test_counts_match_transformers(hf):
     model = _transformers_model(hf)
     cfg = load_model_config(dict(hf))
@@ -66,6 +74,10 @@ def test_layer_kinds_follow_the_config():
     spec = model_spec(load_model_config(dict(QWEN35_MOE)))
     assert spec.mixers == ("gdn", "gdn", "gdn", "attention") and spec.mlps == ("moe",) * 4
     assert spec.moe.shared_gate and spec.attention_gate
+    spec = model_spec(load_model_config(dict(QWEN3_NEXT)))
+    assert spec.mixers == ("gdn", "gdn", "gdn", "attention") and spec.mlps == ("moe", "moe", "dense", "moe")
+    spec = model_spec(load_model_config(dict(MIXTRAL)))
+    assert spec.mixers == ("attention",) * 3 and spec.mlps == ("moe",) * 3 and not spec.moe.shared_gate
 
 
 def test_hub_layout_reads_text_config():
@@ -97,3 +109,14 @@ def test_layer_mlp_params_dense_and_moe():
     h = 40
     assert layer_mlp_params(cfg, 0) == (3 * h * 72,) * 2                       # dense (decoder_sparse_step 2)
     assert layer_mlp_params(cfg, 1) == (7 * 3 * h * 24 + 7 * h, 3 * 3 * h * 24 + 7 * h)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b", "qwen3-30b-a3b", "qwen3.5-9b"])
+def test_presets_build_the_model_the_planner_counts(name):
+    """The presets parse as fpdt.model's own configs, and the model they build (on meta) has the
+    parameters the planner counts."""
+    import fpdt.model as fm
+
+    cfg = load_model_config(name)
+    model = fm.from_config(cfg, device="meta")
+    assert param_counts(cfg).total == sum(p.numel() for p in model.parameters())
