@@ -227,12 +227,10 @@ def test_one_gated_deltanet_refusal():
     from fpdt.model.apply import token_mixer_problems
     from fpdt.model.llama import check_token_mixers
     from fpdt.options import FPDTOptions
-    from tests.model.qwen35 import fpdt_qwen35, qwen35_model
+    from tests.model.qwen35 import qwen35_model
 
     streamed = dict(stream_layers=True, checkpointing="offload", offload=True)
-    (want,) = token_mixer_problems(True, FPDTOptions(**streamed))
-    assert _message(lambda: fpdt_qwen35(qwen35_model(), **streamed)) == want
-    assert _message(lambda: fpdt.hf.apply_fpdt(qwen35_model(), **streamed)) == want
+    assert token_mixer_problems(True, FPDTOptions(**streamed)) == []       # streamed layers run them
     mesh = SequenceMesh.__new__(SequenceMesh)        # only its degrees are read
     mesh.hp, mesh.cp = 1, 2
     ring = dataclasses.replace(FPDTOptions(), mesh=mesh)

@@ -181,10 +181,10 @@ def test_sequence_parallel(world):
 @pytest.mark.slow
 @pytest.mark.parametrize("model,lengths", [("qwen35", (256, 512, 1024)), ("qwen3_moe", (256, 1024))])
 def test_streamed_peak_is_flat_in_the_sequence(model, lengths):
-    """A whole streamed step (bf16, 64-token chunks, ``profiling.streamed_peak``): the device peak, counted
+    """A whole streamed step (bf16, 64-token chunks, ``fpdt.bench.streamed_peak``): the device peak, counted
     by the accountant, the same within 10% at every length, and apart by less than one bf16 hidden
     state of the longest sequence (a full-length tensor left on the device would show)."""
-    from profiling.streamed_peak import CONFIGS, measure
+    from fpdt.bench.streamed_peak import CONFIGS, measure
     peaks = [measure(seq, 64, True, model)["device_peak_bytes"] for seq in lengths]
     assert max(peaks) <= 1.10 * min(peaks), f"streamed peaks {peaks} grow with the sequence"
     assert max(peaks) - min(peaks) < max(lengths) * CONFIGS[model]["hidden_size"] * 2, peaks
