@@ -38,6 +38,7 @@ from fpdt.model.llama import RMSNorm
 from fpdt.model.mlp import ChunkedSwiGLU
 from fpdt.model.moe import ChunkedMoE
 from fpdt.model.streaming import streamed_layer
+from fpdt.ops.parameter_lora import base_module
 from fpdt.ops.projections import ProjectionError, read_projections
 from fpdt.options import FPDTOptions
 
@@ -147,7 +148,7 @@ def _renormalised_top_k(block: nn.Module) -> bool:
 
     kind = type(block)
     if kind in (Qwen3MoeSparseMoeBlock, Qwen3NextSparseMoeBlock):
-        return bool(block.gate.norm_topk_prob)
+        return bool(base_module(block.gate).norm_topk_prob)     # under PEFT's wrapper too (refused later)
     if kind is MixtralSparseMoeBlock and block.jitter_noise:
         raise FPDTHFError(f"router_jitter_noise={block.jitter_noise}: fpdt's experts route without noise; "
                           f"load the model with router_jitter_noise=0")
