@@ -201,7 +201,8 @@ def head_stage(pre, ba, state, window, conv_w, A_log, dt_bias, spec: GDNSpec, re
     b, a = ba.split(hv, -1)
     beta = b.sigmoid()
     acc = acc_dtype(pre.dtype)
-    g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias)
+    gate = torch.float64 if pre.dtype == torch.float32 else acc     # fp32 runs: A_log, dt_bias grads summed in fp64
+    g = (-A_log.to(gate).exp() * F.softplus(a.to(gate) + dt_bias.to(gate))).to(acc)
     segments = [(0, N, None)] if resets is None else resets[1]
     outs = []
     for start, end, keep in segments:
