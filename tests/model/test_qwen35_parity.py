@@ -6,7 +6,6 @@ Transformers' ``Qwen3_5ForCausalLM`` out."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -20,7 +19,7 @@ from fpdt.model.llama import check_token_mixers
 from fpdt.options import FPDTOptions
 from tests.distributed import run_distributed
 from tests.model.helpers import rel_err, tokens
-from tests.model.qwen35 import compare_hybrid, float64_delta_rule, fpdt_qwen35, qwen35_model, reference
+from tests.model.qwen35 import check_decoder_layer, compare_hybrid, fpdt_qwen35, qwen35_model, reference
 
 # (num_chunks, offload, checkpointing, attention_checkpoint)
 CASES = [(1, False, "off", "recompute"), (2, True, "off", "recompute"), (2, False, "on", "recompute"),
@@ -106,31 +105,7 @@ def test_decoder_layer_random_output_gradient(layer):
     parameter gradients for a random output gradient."""
     ref_model = qwen35_model()
     ours_model = fpdt_qwen35(ref_model, num_chunks=2, offload=True, runtime="sim")
-    B, S, hidden = 2, 12, ref_model.config.hidden_size
-    g = torch.Generator().manual_seed(7)
-    x, dy = torch.randn(B, S, hidden, generator=g), torch.randn(B, S, hidden, generator=g)
-    pos = torch.arange(S).expand(B, S)
-    results = []
-    for dtype in (torch.float32, torch.float64):
-        m = copy.deepcopy(ref_model).to(dtype)
-        h = x.to(dtype, copy=True).requires_grad_()
-        cos_sin = m.model.rotary_emb(h, pos)
-        causal = torch.full((S, S), float("-inf"), dtype=dtype).triu(1).expand(B, 1, S, S)
-        mask = causal if m.config.layer_types[layer] == "full_attention" else None
-        with float64_delta_rule():
-            y = m.model.layers[layer](h, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
-            y.backward(dy.to(dtype))
-        results.append((y.detach(), h.grad, {n: p.grad for n, p in m.model.layers[layer].named_parameters()}))
-    ours = ours_model.model.layers[layer]
-    h = x.clone().requires_grad_()
-    y = ours(h, pos, ours_model.model.rotary_emb)
-    y.backward(dy)
-    (y32, dx32, g32), (y64, dx64, g64) = results
-    grads = {n: p.grad for n, p in ours.named_parameters()}
-    assert set(grads) == set(g64)
-    for what, mine, plain, exact in [("output", y, y32, y64), ("input grad", h.grad, dx32, dx64)] + \
-            [(n, grads[n], g32[n], g64[n]) for n in grads]:
-        assert rel_err(mine, exact) <= max(1e-5, 2 * rel_err(plain, exact)), (layer, what, rel_err(mine, exact))
+    check_decoder_layer(ref_model, ours_model, layer)
 
 
 def _conditional(ref, path):
