@@ -196,11 +196,10 @@ class StreamedRun:
         gdn = self.layers[k].linear_attn
         spec, weights, adapters = gdn.spec_and_weights((self.B, self.L * self.u, gdn.hidden_size), self.device,
                                                        self.doc_ids)
-        if adapters is not None:
-            raise ValueError("stream_layers does not run LoRA on Gated DeltaNet projections yet: use stream_layers=False, "
-                             "or leave the in_proj_* and out_proj projections without adapters")
+        lora, tensors = (None, ()) if adapters is None else (adapters.layout, adapters.tensors)
         stash = HostStash(self.device, enabled=True, label=f"layer {k}", runtime=self.opts.runtime)
-        return GDNChunks(spec, weights, stash, for_backward)
+        return GDNChunks(spec, weights, stash, for_backward, lora, tensors,
+                         lora.draw_seed() if lora is not None else None)   # the same seed: replayed RNG
 
     def _gdn_pass(self, k: int, chunks: GDNChunks, keep: bool, step) -> None:
         """Layer ``k``'s Gated DeltaNet forward over the chunks in order; ``step(i, x_i, a_i)`` takes
@@ -242,7 +241,8 @@ class StreamedRun:
             src.put((O_GRAD, i), grads[1])
 
         self._gdn_pass(k, chunks, True, branch_backward)
-        chunks.start_backward([True] + [id(w) in wanted for w in chunks.weights])
+        chunks.start_backward([True] + [id(w) in wanted for w in chunks.weights],
+                              [t is not None and id(t) in wanted for t in chunks.lora_tensors])
         last = self.u - 1
         for key in (O_GRAD, RESIDUAL, BRANCH_GRAD):
             src.prefetch((key, last))
@@ -254,8 +254,8 @@ class StreamedRun:
             grads = torch.autograd.grad(t, [x, *norm_params], d_t)
             _accumulate(acc, norm_params, grads[1:])
             src.put((RESIDUAL_GRAD, j), grads[0] + self.fetch(src, BRANCH_GRAD, j, keep=False, step=-1))
-        for w, d in zip(chunks.weights, chunks.finish()):
-            if d is not None:
+        for w, d in zip((*chunks.weights, *chunks.lora_tensors), chunks.finish()):
+            if w is not None and d is not None:
                 acc[id(w)] = d
 
     def _to_disk(self, k: int) -> None:

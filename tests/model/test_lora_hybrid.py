@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import fpdt.model as fm
 from fpdt.model.lora import GDN_TARGETS, LORA_TARGETS, LoraSpec
 from tests.distributed import run_distributed
-from tests.model.helpers import TOL, tokens
+from tests.model.helpers import TOL, compare, tokens
 from tests.model.qwen35 import compare_hybrid, float64_delta_rule, fpdt_qwen35, qwen35_model
 from tests.model.test_lora_model import peft_name
 
@@ -105,7 +105,6 @@ def run_moe(rank, world, *, num_chunks=2, checkpointing="off", offload=False):
     """fpdt's LoRA on Qwen3-MoE's attention (its default there) against PEFT's: loss with the
     balancing loss and every adapter gradient, fp32 within 1e-5."""
     from fpdt.model.lora import ATTENTION_TARGETS
-    from tests.model.helpers import compare
     from tests.model.test_moe_model import hf_moe
     spec = LoraSpec(3, alpha=4.0, targets=ATTENTION_TARGETS)
     torch.manual_seed(3)
@@ -132,10 +131,67 @@ def run_moe(rank, world, *, num_chunks=2, checkpointing="off", offload=False):
             f"qwen3_moe fpdt LoRA rank {rank}/{world} u={num_chunks} ckpt={checkpointing}")
 
 
+STREAMED = dict(offload=True, checkpointing="offload", stream_layers=True, runtime="sim")
+
+
+def _adapter_grads(model, scale: float, ids, labels, world: int):
+    """Loss and the SP-summed adapter gradients (PEFT's names) of ``loss * scale``, divided by ``scale``."""
+    loss = model(**model.prepare_inputs(ids, labels=labels))
+    (loss * scale).backward()
+    grads = {peft_name(n): p.grad.detach() / scale for n, p in fm.adapter_state_dict(model).items()}
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    return loss.detach(), grads
+
+
+def run_streamed(rank, world, *, spec, num_chunks=3, B=2):
+    """fpdt's LoRA on every Qwen3.5 projection (Gated DeltaNet included) with ``stream_layers``, the loss
+    scaled by a random factor: against PEFT (float64, :func:`compare_hybrid`) and against the same model
+    unstreamed (fp32, within 1e-5); returns the errors against the unstreamed run."""
+    group = dict(group=dist.group.WORLD) if world > 1 else {}
+    ref, streamed = hybrid_models("qwen35", spec, num_chunks=num_chunks, **STREAMED, **group)
+    _, plain = hybrid_models("qwen35", spec, num_chunks=num_chunks, **group)
+    ids, labels = tokens(ref.config.vocab_size, B, 4 * world * num_chunks)
+    scale = 2.0 + float(torch.randn((), generator=torch.Generator().manual_seed(ids.shape[1])))
+    loss, grads = _adapter_grads(streamed, scale, ids, labels, world)
+    assert any(".linear_attn.in_proj_qkv." in n for n in grads) and all(g.abs().max() > 0 for g in grads.values())
+    what = f"streamed fpdt LoRA rank {rank}/{world} u={num_chunks} {spec}"
+    compare_hybrid(loss, grads, peft_references(ref, ids, labels), what)
+    return compare(loss, grads, *_adapter_grads(plain, scale, ids, labels, world), what + " vs unstreamed")
+
+
+def test_streamed_gdn_lora_against_peft_and_unstreamed():
+    """The streamed Gated DeltaNet pass with adapters on ``in_proj_*`` and ``out_proj`` (and on the
+    attention and MLP): forward and every A/B gradient."""
+    run_streamed(0, 1, spec=LoraSpec(3, alpha=5.0, targets=LORA_TARGETS), num_chunks=3)
+
+
+def test_streamed_gdn_lora_dropout_masks_replayed():
+    """Dropout on the Gated DeltaNet adapters only (one seed drawn per layer, in layer order, streamed
+    or not): the streamed step, whose backward redraws the seed under the layer's replayed random
+    state, gives the unstreamed step's loss and adapter gradients: float64 within 1e-6 (another seed's
+    masks move the gradients by 0.3 or more; without dropout the two runs differ by 1.7e-7, the
+    streamed pass's own rounding); eval mode differs (the masks act)."""
+    from tests.model.helpers import rel_err
+    spec = LoraSpec(2, dropout=0.3, targets=GDN_TARGETS)
+    ids, labels = tokens(256, 2, 24)
+    results = []
+    for options in (STREAMED, dict(checkpointing="offload", offload=True, runtime="sim")):
+        model = hybrid_models("qwen35", spec, num_chunks=3, **options)[1].double()
+        torch.manual_seed(11)
+        results.append(_adapter_grads(model, 1.0, ids, labels, 1))
+    compare(*results[0], *results[1], "streamed GDN LoRA dropout vs unstreamed", tol=1e-6)
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(model(**model.prepare_inputs(ids, labels=labels)), results[1][0]) > 1e-4
+
+
 def _two_ranks(rank, world):
     run_hybrid("qwen35", rank, world, spec=LoraSpec(3, targets=LORA_TARGETS), num_chunks=2, checkpointing="offload",
                offload=True)
     run_moe(rank, world, num_chunks=2, checkpointing="offload", offload=True)
+    run_streamed(rank, world, spec=LoraSpec(3, alpha=5.0, targets=LORA_TARGETS), num_chunks=2)
 
 
 @pytest.mark.slow
@@ -187,7 +243,7 @@ def test_gdn_dropout_replayed_by_every_checkpoint_mode():
     """LoRA dropout on every Qwen3.5 projection: the masks differ from step to step but not between
     a layer's forward and its recompute (every checkpointing mode gives the same loss and adapter
     gradients from the same seed, bit for bit), and they do act (training mode differs from eval)."""
-    from tests.model.helpers import compare, rel_err
+    from tests.model.helpers import rel_err
     spec = LoraSpec(2, dropout=0.3, targets=LORA_TARGETS)
     ids, labels = tokens(256, 2, 24)
     results = {}
