@@ -95,8 +95,9 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dt
     if mlp and model.config.moe is not None:
         raise ValueError(f"LoRA targets {mlp} on a mixture-of-experts model: fpdt's own adapters do not reach the "
                          f"fused experts (PEFT >= 0.17 maps these names onto them), so an export would not say what "
-                         f"was trained; target {list(ATTENTION_TARGETS)}, or train expert LoRA with PEFT's "
-                         f"target_parameters through fpdt.hf")
+                         f"was trained; target {list(ATTENTION_TARGETS)}, or train LoRA on the experts and router "
+                         f"(PEFT's target_parameters) and the shared expert (target_modules "
+                         f"'shared_expert.gate_proj', ...) with PEFT through fpdt.hf")
     gdn = [t for t in spec.targets if t in GDN_TARGETS]
     if gdn and not model.config.has_linear_attention:
         raise ValueError(f"LoRA targets {gdn} are Gated DeltaNet projections, and this model has no Gated DeltaNet "

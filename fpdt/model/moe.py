@@ -11,7 +11,9 @@ from torch import nn
 
 from fpdt.model.checkpointing import donated_gradient, in_recompute, output_values_unused
 from fpdt.model.chunks import budget_chunks, chunk_bounds
+from fpdt.ops.lora import LoraLayout, accumulators, finish, lora_backward, with_lora
 from fpdt.ops.parameter_lora import base_module, read_parameters
+from fpdt.ops.projections import read_projections
 from fpdt.ops.rmsnorm import norm_backward, normalised
 
 
@@ -224,14 +226,19 @@ class ChunkedMoEFunction(torch.autograd.Function):
     ``down`` ``[E, hidden, I]``; ``num_chunks``; ``spec`` (top_k, norm_topk, kernel, layer, stats);
     ``norm_eps`` or None; then the norm weight (with ``norm_eps``) and, for a shared expert,
     ``shared_gate_proj``, ``shared_up_proj`` ``[Is, hidden]``, ``shared_down_proj`` ``[hidden, Is]``,
-    ``shared_expert_gate`` ``[1, hidden]``. Output ``[B, S, hidden]`` in ``x.dtype``. Saved: ``x``, the
-    weights and (with the norm) an fp32 ``rstd`` per token; everything per token chunk is recomputed."""
+    ``shared_expert_gate`` ``[1, hidden]``, then the LoRA tensors of ``spec["lora"]`` (a
+    :class:`LoraLayout` of those four projections, or None). Output ``[B, S, hidden]`` in ``x.dtype``.
+    Saved: ``x``, the weights and (with the norm) an fp32 ``rstd`` per token; everything per token
+    chunk is recomputed (LoRA dropout masks from the call's seed)."""
 
     @staticmethod
     def forward(ctx, x, w_router, gate_up, down, num_chunks: int, spec: dict, norm_eps=None, *tensors):
-        norm_w, shared = (tensors[0], tensors[1:]) if norm_eps is not None else (None, tensors)
+        norm_w, shared, lora_tensors = _split_tensors(tensors, norm_eps, spec.get("lora"))
+        lora = spec.get("lora")
+        terms = lora.split(lora_tensors) if lora is not None else [[]] * 4
         flat = x.reshape(-1, x.shape[-1])
         dtype = x.dtype if norm_w is None else torch.promote_types(norm_w.dtype, x.dtype)
+        ctx.seed = seed = lora.draw_seed() if lora is not None else None
         ctx.num_chunks, ctx.spec, ctx.norm_eps, ctx.num_tensors = num_chunks, spec, norm_eps, len(tensors)
         # a checkpoint's recompute records nothing again (its backward reads the statistics)
         stats = spec["stats"] if spec["record"] and not in_recompute(x) else None
@@ -245,7 +252,7 @@ class ChunkedMoEFunction(torch.autograd.Function):
         rstd = None if norm_w is None else torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
         counts = torch.zeros(E, dtype=torch.float32, device=x.device) if stats is not None else None
         prob_sum = torch.zeros(E, dtype=torch.float32, device=x.device) if stats is not None else None
-        for s, e in chunk_bounds(flat.shape[0], num_chunks):
+        for c, (s, e) in enumerate(chunk_bounds(flat.shape[0], num_chunks)):
             if norm_w is None:
                 xc = flat[s:e]
             else:
@@ -266,7 +273,7 @@ class ChunkedMoEFunction(torch.autograd.Function):
             acc = torch.zeros(xc.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, ys)
             del ys
             if shared:
-                acc += _shared_forward(xc, *shared)
+                acc += _shared_forward(xc, shared, terms, seed, c)
             out[s:e] = acc
         if stats is not None:
             stats.record(spec["layer"], counts, prob_sum, flat.shape[0])
@@ -276,11 +283,16 @@ class ChunkedMoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w_router, gate_up, down, rstd, *tensors = ctx.saved_tensors
-        eps, spec = ctx.norm_eps, ctx.spec
-        norm_w, shared = (tensors[0], tensors[1:]) if eps is not None else (None, tuple(tensors))
+        eps, spec, lora, seed = ctx.norm_eps, ctx.spec, ctx.spec.get("lora"), ctx.seed
+        norm_w, shared, lora_tensors = _split_tensors(tensors, eps, lora)
         names = ("x", "w_router", "gate_up", "down", "num_chunks", "spec", "norm_eps") + \
-            (("norm_w",) if eps is not None else ()) + tuple(f"shared{i}" for i in range(len(shared)))
+            (("norm_w",) if eps is not None else ()) + tuple(f"shared{i}" for i in range(len(shared))) + \
+            tuple(f"lora{i}" for i in range(len(lora_tensors)))
         need = dict(zip(names, ctx.needs_input_grad))
+        terms = lora.split(lora_tensors) if lora is not None else [[]] * 4
+        d_lora = accumulators(lora, lora_tensors, [need[f"lora{i}"] for i in range(len(lora_tensors))]) \
+            if lora is not None else []
+        lora_accs = lora.split(d_lora) if lora is not None else [[]] * 4
         d_router, d_gu, d_down, d_norm = (_grad_buffer(w, need.get(n)) for w, n in (
             (w_router, "w_router"), (gate_up, "gate_up"), (down, "down"), (norm_w, "norm_w")))
         d_shared = [_grad_buffer(w, need[f"shared{i}"]) for i, w in enumerate(shared)]
@@ -295,7 +307,7 @@ class ChunkedMoEFunction(torch.autograd.Function):
         mlp_dx = need_dx or d_norm is not None
         w32 = None if norm_w is None else norm_w.float()
         E, k = w_router.shape[0], spec["top_k"]
-        for s, e in chunk_bounds(flat.shape[0], ctx.num_chunks):
+        for c, (s, e) in enumerate(chunk_bounds(flat.shape[0], ctx.num_chunks)):
             if norm_w is None:
                 xc = flat[s:e]
             else:
@@ -310,7 +322,7 @@ class ChunkedMoEFunction(torch.autograd.Function):
                              d_router, dxc)
             del probs, top_i, top_v, weights, order, tokens, groups, d_weights
             if shared:
-                _shared_backward(xc, dy, shared, d_shared, dxc)
+                _shared_backward(xc, dy, shared, d_shared, dxc, terms, lora_accs, seed, c)
             if norm_w is None:
                 if dx_flat is not None:
                     dx_flat[s:e] = dxc
@@ -326,7 +338,15 @@ class ChunkedMoEFunction(torch.autograd.Function):
         grads = dict(x=dx, w_router=cast(d_router, w_router), gate_up=cast(d_gu, gate_up), down=cast(d_down, down),
                      norm_w=cast(d_norm, norm_w))
         grads.update((f"shared{i}", cast(g, w)) for i, (g, w) in enumerate(zip(d_shared, shared)))
+        grads.update((f"lora{i}", g) for i, g in enumerate(finish(d_lora, lora_tensors)))
         return tuple(grads.get(n) for n in names)
+
+
+def _split_tensors(tensors, norm_eps, lora: LoraLayout | None):
+    """:class:`ChunkedMoEFunction`'s trailing inputs as ``(norm weight or None, shared weights, LoRA tensors)``."""
+    n_norm, n_lora = int(norm_eps is not None), lora.num_tensors if lora is not None else 0
+    return (tensors[0] if n_norm else None, tuple(tensors[n_norm:len(tensors) - n_lora]),
+            tuple(tensors[len(tensors) - n_lora:]))
 
 
 def _experts_backward(xc, dy, tokens, order, weights, groups, gate_up, down, d_gu, d_down, dxc):
@@ -376,37 +396,54 @@ def _router_backward(xc, probs, top_i, top_v, weights, d_weights, g_prob, norm_t
         dxc += d_logits @ w_router.float()
 
 
-def _shared_forward(xc, w_gate, w_up, w_down, w_sg):
-    """``sigmoid(xc w_sg.T) * down(silu(gate(xc)) * up(xc))`` in fp32 ``[n, hidden]``."""
-    y = F.linear(F.silu(F.linear(xc, w_gate)) * F.linear(xc, w_up), w_down)
-    return torch.sigmoid(F.linear(xc, w_sg).float()) * y.float()
+def _shared_forward(xc, shared, terms, seed, chunk):
+    """``sigmoid(gate_logit(xc)) * down(silu(gate(xc)) * up(xc))`` in fp32 ``[n, hidden]``; ``terms``:
+    the LoRA terms of gate, up, down and the sigmoid gate (:meth:`LoraLayout.split`)."""
+    (w_gate, w_up, w_down, w_sg), (tg, tu, td, ts) = shared, terms
+    h = F.silu(with_lora(F.linear(xc, w_gate), xc, tg, seed, chunk)) * with_lora(F.linear(xc, w_up), xc, tu, seed, chunk)
+    y = with_lora(F.linear(h, w_down), h, td, seed, chunk)
+    return torch.sigmoid(with_lora(F.linear(xc, w_sg), xc, ts, seed, chunk).float()) * y.float()
 
 
-def _shared_backward(xc, dy, shared, d_shared, dxc):
-    """The shared expert's backward for one chunk; accumulates its four gradients and ``dxc``."""
+def _shared_backward(xc, dy, shared, d_shared, dxc, terms, lora_accs, seed, chunk):
+    """The shared expert's backward for one chunk; accumulates its four gradients, its LoRA
+    gradients (``lora_accs``, split as ``terms``) and ``dxc``."""
     w_gate, w_up, w_down, w_sg = shared
     dwg, dwu, dwd, dsg = d_shared
-    g, u = F.linear(xc, w_gate), F.linear(xc, w_up)
+    (tg, tu, td, ts), (ag, au, ad, a_s) = terms, lora_accs
+    g, u = with_lora(F.linear(xc, w_gate), xc, tg, seed, chunk), with_lora(F.linear(xc, w_up), xc, tu, seed, chunk)
     a = F.silu(g)
     h = a * u
-    sig = torch.sigmoid(F.linear(xc, w_sg).float())                        # [n, 1]
-    y = F.linear(h, w_down)
+    sig = torch.sigmoid(with_lora(F.linear(xc, w_sg), xc, ts, seed, chunk).float())     # [n, 1]
+    y = with_lora(F.linear(h, w_down), h, td, seed, chunk)
     d_gate_logit = (dy.float() * y.float()).sum(-1, keepdim=True) * sig * (1 - sig)
     del y
     if dsg is not None:
         dsg += d_gate_logit.t() @ xc.float()
     if dxc is not None:
         dxc += d_gate_logit @ w_sg.float()
+    _lora_input_grad(xc, d_gate_logit, ts, a_s, seed, chunk, dxc)
     dys = (dy.float() * sig).to(xc.dtype)
     if dwd is not None:
         dwd += (dys.t() @ h).to(dwd.dtype)
     dh = dys @ w_down
+    if td:
+        dh += lora_backward(h, dys, td, ad, seed, chunk, True).to(dh.dtype)
     du, dg = dh * a, torch.ops.aten.silu_backward(dh * u, g)
-    for acc, d, w in ((dwu, du, w_up), (dwg, dg, w_gate)):
+    for acc, d, w, t, accs in ((dwu, du, w_up, tu, au), (dwg, dg, w_gate, tg, ag)):
         if acc is not None:
             acc += (d.t() @ xc).to(acc.dtype)
         if dxc is not None:
             dxc += (d @ w).float()
+        _lora_input_grad(xc, d, t, accs, seed, chunk, dxc)
+
+
+def _lora_input_grad(x, dy, terms, accs, seed, chunk, dx) -> None:
+    """One projection's LoRA backward (:func:`lora_backward`); its share of the input gradient added to ``dx`` (fp32)."""
+    if terms:
+        d = lora_backward(x, dy, terms, accs, seed, chunk, dx is not None)
+        if d is not None:
+            dx += d.float()
 
 
 def _grad_buffer(w: torch.Tensor | None, needed: bool | None) -> torch.Tensor | None:
@@ -471,30 +508,33 @@ class ChunkedMoE(nn.Module):
         """A chunked MoE over a Transformers sparse MoE block's modules (``gate`` with ``top_k`` and
         ``norm_topk_prob`` unless given; ``experts``; optional ``shared_expert`` / ``shared_expert_gate``),
         which become its children."""
-        experts = set(block.experts.modules())      # their LoRA (PEFT's target_parameters): read_parameters
-        if any(hasattr(m, "lora_A") or hasattr(m, "base_layer") for m in block.modules() if m not in experts):
-            raise ValueError("LoRA on a mixture-of-experts block's router or shared expert is not supported yet: "
-                             "target the attention, and the experts through PEFT's target_parameters "
-                             "(['experts.gate_up_proj', 'experts.down_proj'])")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self.gate, self.experts = block.gate, block.experts
+        self.gate, self.experts = block.gate, block.experts     # LoRA on either: PEFT's ParamWrapper around it
         if getattr(block, "shared_expert", None) is not None:
             self.shared_expert, self.shared_expert_gate = block.shared_expert, block.shared_expert_gate
-        self.num_experts, self.top_k = block.gate.weight.shape[0], block.gate.top_k
-        norm_topk_prob = block.gate.norm_topk_prob if norm_topk_prob is None else norm_topk_prob
+        router = base_module(block.gate)
+        self.num_experts, self.top_k = router.weight.shape[0], router.top_k
+        norm_topk_prob = router.norm_topk_prob if norm_topk_prob is None else norm_topk_prob
         self.norm_topk_prob, self.num_chunks, self.kernel, self.layer_index = norm_topk_prob, num_chunks, None, 0
         return self
 
-    def shared_weights(self) -> tuple[torch.Tensor, ...]:
+    def shared_weights(self) -> tuple[tuple[torch.Tensor, ...], LoraLayout | None, tuple]:
+        """The shared expert's gate, up, down and sigmoid-gate weights, and their LoRA (fpdt's or
+        PEFT's; layout and tensors, or ``(None, ())``); ``((), None, ())`` without a shared expert."""
         if not hasattr(self, "shared_expert"):
-            return ()
+            return (), None, ()
         m = self.shared_expert
-        for proj in (m.gate_proj, m.up_proj, m.down_proj, self.shared_expert_gate):
-            if type(proj) is not nn.Linear or hasattr(proj, "lora_A"):
-                raise ValueError(f"the MoE shared expert's projections must be plain nn.Linear, got "
-                                 f"{type(proj).__name__}: LoRA there is not supported yet; target the attention")
-        return m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.shared_expert_gate.weight
+        proj = read_projections({"gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj,
+                                 "shared_expert_gate": self.shared_expert_gate}, "the MoE shared expert",
+                                "use plain nn.Linear or plain LoRA (fpdt's or PEFT's) on the shared expert",
+                                self.training)
+        if any(base.bias is not None for base in proj.bases):
+            raise ValueError("the MoE shared expert's projections have biases, which the chunked experts do not add: "
+                             "use bias-free projections, as Qwen3-Next and Qwen3.5-MoE do")
+        adapters = proj.adapters
+        return (tuple(base.weight for base in proj.bases), *((None, ()) if adapters is None else
+                                                            (adapters.layout, adapters.tensors)))
 
     def kernel_name(self, x: torch.Tensor) -> str:
         down = base_module(self.experts).down_proj
@@ -507,12 +547,14 @@ class ChunkedMoE(nn.Module):
         if stats is None and getattr(self, "call_stats", None) is not None:     # set per call by fpdt.hf
             stats = self.call_stats
             record = not (getattr(self, "checkpointed", False) and torch.is_grad_enabled())
+        shared, lora, lora_tensors = self.shared_weights()
         spec = dict(top_k=self.top_k, norm_topk=self.norm_topk_prob, kernel=self.kernel_name(x),
-                    layer=self.layer_index, stats=stats, record=record)
+                    layer=self.layer_index, stats=stats, record=record, lora=lora)
         norm_args = (None,) if norm is None else (norm.eps, norm.weight)
         gate_up, down = read_parameters(self.experts, ("gate_up_proj", "down_proj"), "the MoE experts")
-        return ChunkedMoEFunction.apply(x, self.gate.weight, gate_up, down,
-                                        self.num_chunks, spec, *norm_args, *self.shared_weights())
+        router, = read_parameters(self.gate, ("weight",), "the MoE router")
+        return ChunkedMoEFunction.apply(x, router, gate_up, down, self.num_chunks, spec, *norm_args, *shared,
+                                        *lora_tensors)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, top_k={self.top_k}, num_chunks={self.num_chunks}"

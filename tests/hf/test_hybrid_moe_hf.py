@@ -77,3 +77,32 @@ def _two_ranks(rank, world):
 @pytest.mark.slow
 def test_two_ranks():
     run_distributed(_two_ranks, 2, timeout=600)
+
+
+def test_peft_lora_on_shared_expert_and_router():
+    """Qwen3.5-MoE under apply_fpdt with PEFT's LoRA on the shared expert's projections and sigmoid
+    gate, the routers (``target_parameters``: ``mlp.gate.weight``) and a Gated DeltaNet and an attention
+    projection, 2 chunks with offloaded layer checkpoints: the loss and every adapter gradient against
+    the PEFT model (float64 reference, ``tests/model/qwen35.py``'s criterion: 1e-5, or twice PEFT's own
+    fp32 error)."""
+    peft = pytest.importorskip("peft")
+    from tests.model.test_lora_hybrid import peft_references
+    targets = ["q_proj", "in_proj_qkv", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+               "shared_expert_gate"]
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(hybrid_moe_model("qwen35moe_odd"), peft.LoraConfig(
+        r=3, lora_alpha=5, target_modules=targets, target_parameters=["mlp.gate.weight"]))
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    model = copy.deepcopy(ref).train()
+    ids, labels = tokens(ref.config.vocab_size, 2, 16)
+    refs = peft_references(ref, ids, labels)
+    fpdt.hf.apply_fpdt(model, num_chunks=2, offload=True, checkpointing="offload", runtime="sim")
+    loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    for part in ("shared_expert.gate_proj", "shared_expert.down_proj", "shared_expert_gate", "mlp.gate"):
+        assert any(f".{part}.lora_B" in n for n in grads), part
+    compare_hybrid(loss, grads, refs, "hf qwen35moe PEFT LoRA on the shared expert and router")

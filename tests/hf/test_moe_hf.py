@@ -66,15 +66,17 @@ def test_two_ranks():
     run_distributed(_two_ranks, 2, timeout=240)
 
 
-def _peft_moe_case(rank, world, *, num_chunks=2, checkpointing="off", offload=False, peft_first=True):
+def _peft_moe_case(rank, world, *, num_chunks=2, checkpointing="off", offload=False, peft_first=True, router=False):
     """PEFT LoRA on the attention (target_modules) and on the fused experts (target_parameters,
-    ``experts.gate_up_proj`` and ``experts.down_proj``), the dense layer's MLP too: loss with the
-    balancing loss and every adapter gradient against the PEFT model run by Transformers (fp32, 1e-5);
-    PEFT applied before apply_fpdt or after."""
+    ``experts.gate_up_proj`` and ``experts.down_proj``), the dense layer's MLP too, with ``router`` on
+    the routers (``mlp.gate``, which PEFT adapts as a parameter): loss with the balancing loss and every
+    adapter gradient against the PEFT model run by Transformers (fp32, 1e-5); PEFT applied before
+    apply_fpdt or after."""
     import peft
 
     ref = hf_moe()
-    config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+    config = peft.LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]
+                             + (["mlp.gate"] if router else []),
                              target_parameters=["experts.gate_up_proj", "experts.down_proj"])
     torch.manual_seed(4)
     ref = peft.get_peft_model(ref, config)
@@ -88,6 +90,7 @@ def _peft_moe_case(rank, world, *, num_chunks=2, checkpointing="off", offload=Fa
     ref_loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     assert any("experts.lora_A" in n for n in ref_grads) and any("experts.base_layer.lora_B" in n for n in ref_grads)
+    assert any(".mlp.gate.lora_A" in n for n in ref_grads) == router
     target = model.base_model.model
     if not peft_first:       # the same adapters put into the apply_fpdt'd model's modules
         target = hf_moe()
@@ -126,9 +129,8 @@ def test_peft_lora_two_ranks():
     run_distributed(_peft_two_ranks, 2, timeout=300)
 
 
-def test_lora_on_the_router_is_refused():
-    import peft
-
-    model = peft.get_peft_model(hf_moe(), peft.LoraConfig(r=2, target_modules=["q_proj", "mlp.gate"]))
-    with pytest.raises(fpdt.hf.FPDTHFError, match="router or shared expert"):
-        fpdt.hf.apply_fpdt(model, num_chunks=2)
+@pytest.mark.parametrize("peft_first", [True, False])
+def test_peft_lora_on_the_router(peft_first):
+    """The router's adapter (PEFT's ParamWrapper around ``mlp.gate``) read as its weight plus the
+    delta: its gradients, the balancing loss's share included, as PEFT's."""
+    _peft_moe_case(0, 1, checkpointing="on", router=True, peft_first=peft_first)

@@ -240,3 +240,96 @@ def test_config_refusals():
         ModelConfig.from_hf({**base, "num_experts_per_tok": 5})
     with pytest.raises(UnsupportedConfigError, match="decoder_sparse_step=0"):
         ModelConfig.from_hf({**base, "num_experts_per_tok": 2, "decoder_sparse_step": 0})
+
+
+def _peft_block(shared: int, seed: int = 0):
+    """A Qwen3-Next sparse block (``shared`` wide shared expert, or Qwen3-MoE's without) with PEFT's
+    LoRA on its shared expert and sigmoid gate (``target_modules``), router and fused experts
+    (``target_parameters``); random ``B``, base weights trainable too."""
+    peft = pytest.importorskip("peft")
+    block = _reference(16, 9, True, shared=shared, seed=seed)
+    names = ["gate_proj", "up_proj", "down_proj", "shared_expert_gate"] if shared else None
+    holder = peft.inject_adapter_in_model(peft.LoraConfig(
+        r=3, lora_alpha=5, target_modules=names, init_lora_weights=False,
+        target_parameters=["mlp.gate.weight", "experts.gate_up_proj", "experts.down_proj"]),
+        torch.nn.ModuleDict({"mlp": block}))
+    with torch.no_grad():
+        for n, p in holder.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.1)
+    assert sum(".lora_A." in n for n, _ in holder.named_parameters()) == 3 + 4 * bool(shared)
+    holder.requires_grad_(True)
+    return holder.mlp
+
+
+@pytest.mark.parametrize("shared,num_chunks", [(11, 1), (11, 3), (0, 2)])
+def test_lora_on_router_and_shared_expert_matches_peft(shared, num_chunks):
+    """PEFT's LoRA on the router, the shared expert's three projections and its sigmoid gate and the
+    experts, the pre-MLP norm inside: output, input and every gradient (adapters and base) within
+    1e-5 of the PEFT block run by Transformers, fp32, random output gradients, the balancing loss's
+    gradient (coefficient 0.37) reaching the router's adapter."""
+    peft_block = _peft_block(shared)
+    ours = ChunkedMoE.from_block(copy.deepcopy(peft_block), num_chunks)
+    ref_norm, norm = Qwen3MoeRMSNorm(16, eps=1e-5), RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        ref_norm.weight.normal_(1.0, 0.2)
+        norm.weight.copy_(ref_norm.weight)
+    x, dy = torch.randn(2, 11, 16) * 2, torch.randn(2, 11, 16)
+    xr, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    h = ref_norm(xr)
+    aux0 = load_balancing_loss_func((peft_block.gate(h.reshape(-1, 16))[0],), E, K)
+    y0 = peft_block(h)
+    ((y0 * dy).sum() + 0.37 * aux0).backward()
+    stats = RouterStatistics(E, K)
+    y, aux = balancing_loss(ours(x2, norm=norm, stats=stats), stats)
+    ((y * dy).sum() + 0.37 * aux).backward()
+    assert rel_err(y, y0) < 1e-5 and rel_err(aux, aux0) < 1e-6 and rel_err(x2.grad, xr.grad) < 1e-5
+    assert rel_err(norm.weight.grad, ref_norm.weight.grad) < 1e-5
+    ref = dict(peft_block.named_parameters())
+    got = dict(ours.named_parameters())
+    assert got.keys() == ref.keys()
+    for n, p in got.items():
+        assert p.grad is not None and p.grad.abs().max() > 0 and rel_err(p.grad, ref[n].grad) < 1e-5, n
+
+
+class _FpdtMasks(torch.nn.Module):
+    """Dropout with fpdt's masks (``fpdt.ops.lora.keep_scale``) of one term over token chunks: the
+    reference for the shared expert's LoRA dropout."""
+
+    def __init__(self, p, seed, stream, num_chunks):
+        super().__init__()
+        self.p, self.seed, self.stream, self.num_chunks = p, seed, stream, num_chunks
+
+    def forward(self, x):
+        from fpdt.model.chunks import chunk_bounds
+        from fpdt.ops.lora import keep_scale
+        return torch.cat([x[s:e] * keep_scale(x[s:e].shape, x.dtype, x.device, self.p, self.seed, self.stream, c)
+                          for c, (s, e) in enumerate(chunk_bounds(x.shape[0], self.num_chunks))])
+
+
+def test_shared_expert_lora_dropout_against_its_masks():
+    """LoRA dropout 0.3 on the shared expert (PEFT's adapters): output and every gradient within 1e-5
+    of the PEFT block whose dropout draws fpdt's masks for the call's seed, per term and token chunk
+    (the backward regenerates them); another seed differs."""
+    peft = pytest.importorskip("peft")
+    from fpdt.ops.lora import rank_seed
+    block = _reference(16, 9, True, shared=11)
+    holder = peft.inject_adapter_in_model(peft.LoraConfig(
+        r=3, lora_alpha=5, lora_dropout=0.3, init_lora_weights=False,
+        target_modules=["gate_proj", "up_proj", "down_proj", "shared_expert_gate"]), torch.nn.ModuleDict({"mlp": block}))
+    ref = holder.requires_grad_(True).mlp
+    ours = ChunkedMoE.from_block(copy.deepcopy(ref), 2)
+    torch.manual_seed(7)
+    seed = rank_seed(int(torch.randint(0, 2 ** 62, (), dtype=torch.int64)), 0)
+    for stream, proj in enumerate((ref.shared_expert.gate_proj, ref.shared_expert.up_proj,
+                                   ref.shared_expert.down_proj, ref.shared_expert_gate)):
+        proj.lora_dropout["default"] = _FpdtMasks(0.3, seed, stream, 2)
+    x, dy = torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    y0, g0 = _grads(ref, x, dy)
+    torch.manual_seed(7)
+    y, g = _grads(ours, x, dy)
+    assert rel_err(y, y0) < 1e-5 and g.keys() == g0.keys()
+    for n in g0:
+        assert rel_err(g[n], g0[n]) < 1e-5, n
+    torch.manual_seed(8)
+    assert rel_err(_grads(ours, x, dy)[0], y0) > 1e-3
