@@ -13,6 +13,7 @@ reach autograd once per layer. Schedule, memory and the NVMe tier: ``docs/memory
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -193,9 +194,12 @@ class StreamedRun:
 
     # ------------------------------------------------------------------ a Gated DeltaNet layer
     def _gdn_chunks(self, k: int, for_backward: bool) -> GDNChunks:
+        """Layer ``k``'s chunk steps; ``for_backward``: with the graph from fused projections (Qwen3-Next's
+        ``in_proj_qkvz``, ``in_proj_ba``) to the weights the steps read, which :meth:`_gdn_backward` follows."""
         gdn = self.layers[k].linear_attn
-        spec, weights, adapters = gdn.spec_and_weights((self.B, self.L * self.u, gdn.hidden_size), self.device,
-                                                       self.doc_ids)
+        with torch.enable_grad() if for_backward else contextlib.nullcontext():
+            spec, weights, adapters = gdn.spec_and_weights((self.B, self.L * self.u, gdn.hidden_size), self.device,
+                                                           self.doc_ids)
         lora, tensors = (None, ()) if adapters is None else (adapters.layout, adapters.tensors)
         stash = HostStash(self.device, enabled=True, label=f"layer {k}", runtime=self.opts.runtime)
         return GDNChunks(spec, weights, stash, for_backward, lora, tensors,
@@ -241,7 +245,7 @@ class StreamedRun:
             src.put((O_GRAD, i), grads[1])
 
         self._gdn_pass(k, chunks, True, branch_backward)
-        chunks.start_backward([True] + [id(w) in wanted for w in chunks.weights],
+        chunks.start_backward([True] + [id(w) in wanted or w.grad_fn is not None for w in chunks.weights],
                               [t is not None and id(t) in wanted for t in chunks.lora_tensors])
         last = self.u - 1
         for key in (O_GRAD, RESIDUAL, BRANCH_GRAD):
@@ -254,9 +258,17 @@ class StreamedRun:
             grads = torch.autograd.grad(t, [x, *norm_params], d_t)
             _accumulate(acc, norm_params, grads[1:])
             src.put((RESIDUAL_GRAD, j), grads[0] + self.fetch(src, BRANCH_GRAD, j, keep=False, step=-1))
+        regrouped = []                               # weights regrouped from fused projections
         for w, d in zip((*chunks.weights, *chunks.lora_tensors), chunks.finish()):
             if w is not None and d is not None:
-                acc[id(w)] = d
+                if id(w) in wanted:
+                    acc[id(w)] = d
+                elif w.grad_fn is not None:
+                    regrouped.append((w, d))
+        if regrouped:
+            params = _params_in(wanted, layer.linear_attn)
+            grads = torch.autograd.grad([w for w, _ in regrouped], params, [d for _, d in regrouped], allow_unused=True)
+            _accumulate(acc, params, grads)
 
     def _to_disk(self, k: int) -> None:
         """After layer ``k``'s forward: its input and saved outputs start their writes, layer ``k - 1``'s finish."""

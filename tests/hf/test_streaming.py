@@ -4,7 +4,8 @@
 Loss and every gradient against the same model unstreamed (fp32, within 1e-5, the loss scaled by a
 random factor) and against plain Transformers; 1 and 2 ranks, GQA / MHA with biases / tied Qwen2 /
 Qwen3's q/k norms, both attention checkpoints, packed documents, PEFT LoRA, Transformers' own MLP
-and norms; Qwen3.5 and Qwen3-MoE against Transformers; refusals; ``remove_fpdt``; the device peak flat in the sequence (counted).
+and norms; Qwen3.5, Qwen3-MoE and Qwen3-Next against Transformers; refusals; ``remove_fpdt``; the
+device peak flat in the sequence (counted).
 """
 
 from __future__ import annotations
@@ -148,6 +149,23 @@ def test_qwen3_moe_against_transformers():
     loss.backward()
     compare(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads, "hf qwen3_moe streamed")
     assert sorted(model.router_stats.expert_load()) == [0, 2]
+
+
+def test_qwen3_next_against_transformers():
+    """Qwen3-Next streamed through apply_fpdt: its fused Gated DeltaNet projections (the streamed
+    backward follows the regrouping to ``in_proj_qkvz`` / ``in_proj_ba``), experts with the shared
+    expert and a dense layer; fp32 against a float64 Transformers run."""
+    import copy
+
+    from tests.model.hybrid_moe import hybrid_moe_model
+    from tests.model.qwen35 import compare_hybrid, reference
+    ref = hybrid_moe_model("qwen3next_odd")
+    ids, labels = tokens(ref.config.vocab_size, 2, 12)
+    refs = reference(ref, ids, labels, scale=1.7)
+    model = fpdt.hf.apply_fpdt(copy.deepcopy(ref).train(), **STREAMED, num_chunks=3, stream_layers=True)
+    loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
+    (loss * 1.7).backward()
+    compare_hybrid(loss.detach(), {n: p.grad / 1.7 for n, p in model.named_parameters()}, refs, "hf qwen3-next streamed")
 
 
 def _two_ranks(rank, world):

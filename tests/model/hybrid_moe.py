@@ -32,6 +32,14 @@ MODELS = {
     "qwen3next_sp2": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         hidden_size=48, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         partial_rotary_factor=0.5, layer_types=[L, A, L, A], decoder_sparse_step=2)),
+    # 4 ranks: GDN Hk=4 HV=8 and 4 q heads (the 2 kv heads replicated); Qwen3-Next with a dense layer
+    "qwen35moe_sp4": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, layer_types=[L, A, L, A])),
+    "qwen3next_sp4": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        hidden_size=32, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        partial_rotary_factor=0.5, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+        layer_types=[L, A, L, A], mlp_only_layers=[1])),
 }
 
 
@@ -52,7 +60,8 @@ def hybrid_moe_model(name: str, seed: int = 0, **changes):
     return model
 
 
-# GQA 6/2 with head_dim 12, E=5 k=2, expert width 19; "mixtral_sp2": 4/2 heads.
+# GQA 6/2 with head_dim 12, E=5 k=2, expert width 19; "mixtral_sp2": 4/2 heads (also on 4 ranks, the
+# kv heads replicated).
 MIXTRAL = {
     "mixtral": dict(hidden_size=48, intermediate_size=19, num_attention_heads=6, num_key_value_heads=2, head_dim=12),
     "mixtral_sp2": dict(hidden_size=32, intermediate_size=17, num_attention_heads=4, num_key_value_heads=2,

@@ -167,13 +167,16 @@ def _ranks(rank, world):
     else:
         hybrid_case("qwen35_sp4", rank, world, num_chunks=2, rows=ROWS[:2])
         moe_case(rank, world, num_chunks=1)
+        from tests.model.test_moe_families_ranks import four_rank_cases    # Qwen3.5-MoE, Qwen3-Next, Mixtral
+        four_rank_cases(rank, world)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel(world):
     """The GDN heads split over the ranks (state carried chunk to chunk in global order), the router
-    statistics all-reduced over the SP group: the global balancing loss on every rank."""
+    statistics all-reduced over the SP group: the global balancing loss on every rank. On 4 ranks
+    also Qwen3.5-MoE, Qwen3-Next and Mixtral, streamed and not (``test_moe_families_ranks.py``)."""
     run_distributed(_ranks, world, timeout=600)
 
 
