@@ -79,12 +79,13 @@ def test_two_ranks():
     run_distributed(_two_ranks, 2, timeout=600)
 
 
-def test_peft_lora_on_shared_expert_and_router():
+@pytest.mark.parametrize("stream", [False, True])
+def test_peft_lora_on_shared_expert_and_router(stream):
     """Qwen3.5-MoE under apply_fpdt with PEFT's LoRA on the shared expert's projections and sigmoid
     gate, the routers (``target_parameters``: ``mlp.gate.weight``) and a Gated DeltaNet and an attention
-    projection, 2 chunks with offloaded layer checkpoints: the loss and every adapter gradient against
-    the PEFT model (float64 reference, ``tests/model/qwen35.py``'s criterion: 1e-5, or twice PEFT's own
-    fp32 error)."""
+    projection, 2 chunks with offloaded layer checkpoints, or streamed: the loss and every adapter
+    gradient against the PEFT model (float64 reference, ``tests/model/qwen35.py``'s criterion: 1e-5, or
+    twice PEFT's own fp32 error)."""
     peft = pytest.importorskip("peft")
     from tests.model.test_lora_hybrid import peft_references
     targets = ["q_proj", "in_proj_qkv", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
@@ -99,10 +100,10 @@ def test_peft_lora_on_shared_expert_and_router():
     model = copy.deepcopy(ref).train()
     ids, labels = tokens(ref.config.vocab_size, 2, 16)
     refs = peft_references(ref, ids, labels)
-    fpdt.hf.apply_fpdt(model, num_chunks=2, offload=True, checkpointing="offload", runtime="sim")
+    fpdt.hf.apply_fpdt(model, num_chunks=2, offload=True, checkpointing="offload", runtime="sim", stream_layers=stream)
     loss = model(**fpdt.hf.prepare_inputs(model, ids, labels=labels)).loss
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     for part in ("shared_expert.gate_proj", "shared_expert.down_proj", "shared_expert_gate", "mlp.gate"):
         assert any(f".{part}.lora_B" in n for n in grads), part
-    compare_hybrid(loss, grads, refs, "hf qwen35moe PEFT LoRA on the shared expert and router")
+    compare_hybrid(loss, grads, refs, f"hf qwen35moe PEFT LoRA on the shared expert and router, stream={stream}")
