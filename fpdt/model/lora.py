@@ -27,9 +27,15 @@ GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 DEFAULT_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 """The attention and dense MLP projections: :class:`LoraSpec`'s default."""
 LORA_TARGETS = DEFAULT_TARGETS + GDN_TARGETS
-"""The projections of a decoder layer that may carry an adapter. A layer without the module a name
-belongs to (an attention layer's ``in_proj_qkv``, a Gated DeltaNet layer's ``q_proj``, the MLP
-projections of a mixture-of-experts layer, whose fused experts are no ``nn.Linear``) gets none there."""
+"""The projections of a dense or hybrid decoder layer that may carry an adapter. A layer without the
+module a name belongs to (an attention layer's ``in_proj_qkv``, a Gated DeltaNet layer's ``q_proj``, a
+mixture-of-experts layer's ``gate_proj``: its fused experts are no ``nn.Linear``) gets none there."""
+SHARED_EXPERT_TARGETS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                         "shared_expert_gate")
+"""A mixture-of-experts layer's shared expert and its sigmoid gate (Qwen3.5-MoE, Qwen3-Next), named as
+PEFT's ``target_modules`` reach them (and not the fused experts)."""
+ALL_TARGETS = LORA_TARGETS + SHARED_EXPERT_TARGETS
+"""Every target name, in the order :class:`LoraSpec` keeps them."""
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -39,7 +45,7 @@ PEFT_PREFIX = "base_model.model."
 @dataclass(frozen=True)
 class LoraSpec:
     """What :func:`add_lora` attaches: rank ``r``, ``alpha`` (default ``2 r``), dropout
-    probability, target projections (names from :data:`LORA_TARGETS`), rsLoRA scaling."""
+    probability, target projections (names from :data:`ALL_TARGETS`), rsLoRA scaling."""
 
     rank: int
     alpha: float | None = None
@@ -55,11 +61,11 @@ class LoraSpec:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout {self.dropout!r} must be in [0, 1)")
         targets = tuple(self.targets)
-        unknown = [t for t in targets if t not in LORA_TARGETS]
+        unknown = [t for t in targets if t not in ALL_TARGETS]
         if not targets or unknown or len(set(targets)) != len(targets):
-            raise ValueError(f"LoRA targets {list(targets)}: name each of {list(LORA_TARGETS)} at most once, "
+            raise ValueError(f"LoRA targets {list(targets)}: name each of {list(ALL_TARGETS)} at most once, "
                              f"at least one")
-        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in targets))
+        object.__setattr__(self, "targets", tuple(t for t in ALL_TARGETS if t in targets))
 
     @property
     def lora_alpha(self) -> float:
@@ -71,15 +77,26 @@ class LoraSpec:
 
 
 def _projections(model: nn.Module, targets: tuple[str, ...]):
-    """``(layer index, name, nn.Linear)`` of every targeted projection, in layer order; an MoE MLP
-    has no MLP projection to target (as PEFT's ``target_modules`` find none in a fused-expert block)."""
+    """``(layer index, name, nn.Linear)`` of every targeted projection, in layer order: an MoE MLP's
+    only through :data:`SHARED_EXPERT_TARGETS`, a dense MLP's only through :data:`MLP_TARGETS`."""
     for i, layer in enumerate(model.model.layers):
         for name in targets:
-            owner = layer.self_attn if name in ATTENTION_TARGETS else layer.mlp if name in MLP_TARGETS \
-                else layer.linear_attn
-            if owner is None or isinstance(owner, ChunkedMoE):
+            owner = layer.self_attn if name in ATTENTION_TARGETS else layer.linear_attn if name in GDN_TARGETS \
+                else layer.mlp
+            if owner is None or isinstance(owner, ChunkedMoE) != (name in SHARED_EXPERT_TARGETS):
                 continue
+            if name in SHARED_EXPERT_TARGETS:
+                if not hasattr(owner, "shared_expert"):
+                    continue
+                owner, name = (owner.shared_expert, name.partition(".")[2]) if "." in name else (owner, name)
             yield i, name, getattr(owner, name)
+
+
+def target_of(name: str) -> str:
+    """The target an adapter parameter belongs to: ``model.layers.3.mlp.shared_expert.up_proj.lora_A.weight``
+    -> ``shared_expert.up_proj``, ``model.layers.0.self_attn.q_proj.lora_B.weight`` -> ``q_proj``."""
+    parts = name.split(".lora_")[0].split(".")
+    return ".".join(parts[-2:]) if parts[-2] == "shared_expert" else parts[-1]
 
 
 def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
@@ -91,13 +108,9 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dt
     """
     if getattr(model, "lora", None) is not None:
         raise ValueError("the model already has LoRA adapters")
-    mlp = [t for t in spec.targets if t in MLP_TARGETS]
-    if mlp and model.config.moe is not None:
-        raise ValueError(f"LoRA targets {mlp} on a mixture-of-experts model: fpdt's own adapters do not reach the "
-                         f"fused experts (PEFT >= 0.17 maps these names onto them), so an export would not say what "
-                         f"was trained; target {list(ATTENTION_TARGETS)}, or train LoRA on the experts and router "
-                         f"(PEFT's target_parameters) and the shared expert (target_modules "
-                         f"'shared_expert.gate_proj', ...) with PEFT through fpdt.hf")
+    problem = moe_target_problem(spec.targets, model.config)
+    if problem:
+        raise ValueError(f"LoRA targets: {problem}")
     gdn = [t for t in spec.targets if t in GDN_TARGETS]
     if gdn and not model.config.has_linear_attention:
         raise ValueError(f"LoRA targets {gdn} are Gated DeltaNet projections, and this model has no Gated DeltaNet "
@@ -118,6 +131,27 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0, dtype: torch.dt
         linear.lora_dropout = spec.dropout
     model.lora = spec
     return model
+
+
+def moe_target_problem(targets, config) -> str | None:
+    """Why ``targets`` do not fit a model of ``config`` (a :class:`fpdt.model.ModelConfig`) as to its
+    experts, or None: dense MLP names on a mixture-of-experts model (PEFT maps ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` onto the fused experts as well, so an export would not say what was
+    trained), shared-expert names on a model without a shared expert."""
+    moe = config.moe
+    shared = [t for t in targets if t in SHARED_EXPERT_TARGETS]
+    if shared and (moe is None or not moe.shared_expert_intermediate_size):
+        return (f"{', '.join(shared)} name a mixture-of-experts layer's shared expert, and this model has none; "
+                f"leave them out")
+    mlp = [t for t in targets if t in MLP_TARGETS]
+    if mlp and moe is not None:
+        instead = (f"the shared expert as {', '.join(SHARED_EXPERT_TARGETS)} and "
+                   if moe.shared_expert_intermediate_size else "")
+        return (f"{', '.join(mlp)} on a mixture-of-experts model: PEFT maps these names onto the fused experts "
+                f"too, so an export would not say what was trained; target {instead}the attention as "
+                f"{', '.join(ATTENTION_TARGETS)}; LoRA on the routed experts goes through PEFT's target_parameters "
+                f"with fpdt.hf (docs/moe.md, LoRA)")
+    return None
 
 
 def is_adapter(name: str) -> bool:

@@ -299,7 +299,7 @@ def lora_param_count(cfg: ModelConfig, rank: int) -> int:
     """Elements of LoRA adapters of ``rank`` on every linear of the decoder layers (q/k/v/o,
     gate/up/down: ``r (in + out)`` each), as ``fpdt.hf`` runs them; 0 for ``rank`` 0.
     Hybrid and MoE models: the attention layers' q/k/v/o, the GDN layers' ``in_proj_*`` and
-    ``out_proj``, dense MLPs and the shared expert (routed experts are not adapted)."""
+    ``out_proj``, dense MLPs and the shared expert with its sigmoid gate (routed experts are not adapted)."""
     spec = model_spec(cfg)
     h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     inter = cfg.intermediate_size
@@ -314,7 +314,7 @@ def lora_param_count(cfg: ModelConfig, rank: int) -> int:
         else:
             total += (h + qd * (2 if spec.attention_gate else 1)) + 2 * (h + kvd) + (qd + h)
         width = inter if mlp == "dense" else (spec.moe.shared_ffn if spec.moe else 0)
-        total += 3 * (h + width) if width else 0
+        total += 3 * (h + width) + (h + 1 if mlp != "dense" else 0) if width else 0
     return rank * total
 
 

@@ -17,8 +17,9 @@ from typing import Any, Mapping
 
 from fpdt.model import ModelConfig
 from fpdt.model.config import LINEAR_ATTENTION
-from fpdt.model.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ATTENTION_TARGETS, DEFAULT_TARGETS, GDN_TARGETS,
-                             LORA_TARGETS, MLP_TARGETS, PEFT_PREFIX, LoraSpec, read_adapter_config)
+from fpdt.model.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ALL_TARGETS, ATTENTION_TARGETS, DEFAULT_TARGETS,
+                             GDN_TARGETS, MLP_TARGETS, PEFT_PREFIX, SHARED_EXPERT_TARGETS, LoraSpec, moe_target_problem,
+                             read_adapter_config)
 from fpdt.train.config import ConfigError
 
 
@@ -31,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha; scaling alpha / R (default 2 R)")
     g.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
     g.add_argument("--lora-targets", metavar="LIST",
-                   help=f"comma-separated projections that get adapters, of {','.join(LORA_TARGETS)} (default: "
+                   help=f"comma-separated projections that get adapters, of {','.join(ALL_TARGETS)} (default: "
                         f"{','.join(DEFAULT_TARGETS)}; on a model with Gated DeltaNet layers "
-                        f"{','.join(GDN_TARGETS)} too; on a mixture-of-experts model the attention's only)")
+                        f"{','.join(GDN_TARGETS)} too; on a mixture-of-experts model the attention's only, its "
+                        f"shared expert's when named: {','.join(SHARED_EXPERT_TARGETS)})")
     g.add_argument("--lora-rslora", action="store_true", help="rsLoRA scaling alpha / sqrt(R)")
     g.add_argument("--lora-init", metavar="DIR",
                    help="start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors) "
@@ -71,10 +73,10 @@ def spec_from_args(args: argparse.Namespace) -> LoraSpec | None:
 def parse_targets(text: str) -> tuple[str, ...]:
     """``--lora-targets q_proj,v_proj`` -> ``("q_proj", "v_proj")``, each known and named once."""
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [t for t in names if t not in LORA_TARGETS]
+    unknown = [t for t in names if t not in ALL_TARGETS]
     if not names or unknown or len(set(names)) != len(names):
         what = (f"unknown {', '.join(unknown)}" if unknown else "no projection" if not names else "a name repeated")
-        raise ConfigError(f"--lora-targets {text}: {what}; give a comma-separated list of {','.join(LORA_TARGETS)} "
+        raise ConfigError(f"--lora-targets {text}: {what}; give a comma-separated list of {','.join(ALL_TARGETS)} "
                           f"(each at most once)")
     return tuple(names)
 
@@ -95,7 +97,7 @@ def _from_init(path: str, rank: int | None, given: list[tuple[str, Any]]) -> Lor
               "--lora-targets": ",".join(spec.targets), "--lora-rslora": spec.rslora}
     ours = dict(([("--lora-rank", rank)] if rank is not None else []) + given)
     if "--lora-targets" in ours:
-        ours["--lora-targets"] = ",".join(t for t in LORA_TARGETS if t in parse_targets(ours["--lora-targets"]))
+        ours["--lora-targets"] = ",".join(t for t in ALL_TARGETS if t in parse_targets(ours["--lora-targets"]))
     bad = [f"{flag} (its config: {'use_rslora false' if flag == '--lora-rslora' else theirs[flag]})"
            if flag == "--lora-rslora" else f"{flag} {value} (its config: {theirs[flag]})"
            for flag, value in ours.items()
@@ -110,17 +112,15 @@ def _from_init(path: str, rank: int | None, given: list[tuple[str, Any]]) -> Lor
 def for_model(spec: LoraSpec | None, cfg: ModelConfig, targets_given: bool) -> LoraSpec | None:
     """``spec`` for a model of ``cfg``: without ``--lora-targets`` (``targets_given`` False) a model
     with Gated DeltaNet layers gets adapters on their projections too, and a mixture-of-experts model
-    on its attention only; MLP targets on a mixture-of-experts model and Gated DeltaNet targets on a
-    model without such layers are refused."""
+    on its attention only; dense MLP targets on a mixture-of-experts model, shared-expert targets on a
+    model without a shared expert and Gated DeltaNet targets on a model without such layers are refused."""
     if spec is None:
         return None
-    mlp = [t for t in spec.targets if t in MLP_TARGETS]
-    if cfg.moe is not None and mlp:
-        if targets_given:
-            raise ConfigError(f"--lora-targets {','.join(mlp)} on a mixture-of-experts model: fpdt's adapters do not "
-                              f"reach the fused experts (PEFT maps these names onto them, so the export would not say "
-                              f"what was trained); target {','.join(ATTENTION_TARGETS)}")
+    if cfg.moe is not None and not targets_given:
         spec = dataclasses.replace(spec, targets=tuple(t for t in spec.targets if t not in MLP_TARGETS))
+    problem = moe_target_problem(spec.targets, cfg)
+    if problem:
+        raise ConfigError(f"--lora-targets: {problem}")
     gdn = [t for t in spec.targets if t in GDN_TARGETS]
     if not cfg.has_linear_attention:
         if gdn:
@@ -136,11 +136,15 @@ def adapter_shapes(cfg: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, ...
     """``{parameter name: shape}`` of the adapters :func:`fpdt.model.add_lora` attaches to a
     model of ``cfg`` (names as :func:`fpdt.model.adapter_state_dict` gives them): attention
     projections on attention layers (a gated attention's ``q_proj`` twice as wide), Gated DeltaNet
-    projections on its layers, MLP projections on dense-MLP layers."""
+    projections on its layers, MLP projections on dense-MLP layers, shared-expert ones on MoE layers."""
     h, qd, kvd, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
         cfg.intermediate_size
     dims = {"q_proj": (h, qd * (2 if cfg.attn_output_gate else 1)), "k_proj": (h, kvd), "v_proj": (h, kvd),
             "o_proj": (qd, h), "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    shared = cfg.moe.shared_expert_intermediate_size if cfg.moe is not None else 0
+    if shared:
+        dims.update({"shared_expert.gate_proj": (h, shared), "shared_expert.up_proj": (h, shared),
+                     "shared_expert.down_proj": (shared, h), "shared_expert_gate": (h, 1)})
     if cfg.has_linear_attention:
         kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
         dims.update(in_proj_qkv=(h, 2 * kd + vd), in_proj_z=(h, vd), in_proj_b=(h, cfg.linear_num_value_heads),
@@ -149,8 +153,8 @@ def adapter_shapes(cfg: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, ...
     for i in range(cfg.num_layers):
         gdn = cfg.layer_type(i) == LINEAR_ATTENTION
         for name in spec.targets:
-            if name in MLP_TARGETS:
-                if cfg.is_moe_layer(i):
+            if name in MLP_TARGETS or name in SHARED_EXPERT_TARGETS:
+                if cfg.is_moe_layer(i) != (name in SHARED_EXPERT_TARGETS) or name not in dims:
                     continue
                 owner = "mlp"
             elif (name in ATTENTION_TARGETS) == gdn:

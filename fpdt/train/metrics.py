@@ -44,15 +44,15 @@ class ModelShape:
         """The shape of a :class:`fpdt.model.ModelConfig` (or anything with its size fields)."""
         widths = ()
         if hasattr(cfg, "layer_type") and (cfg.has_linear_attention or cfg.moe is not None):
-            from fpdt.model.lora import LORA_TARGETS, LoraSpec
+            from fpdt.model.lora import ALL_TARGETS, LoraSpec, target_of
             from fpdt.train.lora import adapter_shapes
 
-            sums = dict.fromkeys(LORA_TARGETS, 0.0)
-            for name, shape in adapter_shapes(cfg, LoraSpec(1, targets=LORA_TARGETS)).items():
+            sums = dict.fromkeys(ALL_TARGETS, 0.0)
+            for name, shape in adapter_shapes(cfg, LoraSpec(1, targets=ALL_TARGETS)).items():
                 if ".lora_A." in name:
-                    sums[name.split(".")[-3]] += shape[1] / cfg.num_layers       # in
+                    sums[target_of(name)] += shape[1] / cfg.num_layers       # in
                 else:
-                    sums[name.split(".")[-3]] += shape[0] / cfg.num_layers       # out
+                    sums[target_of(name)] += shape[0] / cfg.num_layers       # out
             widths = tuple(sums.items())
         return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    getattr(cfg, "mlp_flop_width", cfg.intermediate_size), cfg.vocab_size, widths)
