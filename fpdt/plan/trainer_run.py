@@ -79,7 +79,7 @@ def estimate(model: ModelConfig, plan: RunLayout, opts: TrainerOptions, ds_confi
     """:class:`~fpdt.plan.memory_model.MemoryEstimate` of this run (``kernel_expands_gqa``: as
     :func:`planned_setup`). With ``lora_rank`` the setup is LoRA's (the frozen base's
     parameters only, the adapters' gradients and optimizer state), so a LoRA run is not checked
-    as if it trained every weight; adapters are counted on all seven projections, an upper
+    as if it trained every weight; adapters are counted on every projection that can carry one, an upper
     bound when ``--lora-targets`` names fewer."""
     setup = planned_setup(plan, opts, ds_config, dtype_name, device_type, kernel_expands_gqa, model.head_dim)
     if lora_rank:

@@ -167,3 +167,19 @@ def test_targets_and_refusals():
         fm.add_lora(qwen3_moe, LoraSpec(2, targets=("shared_expert_gate",)))
     with pytest.raises(ConfigError, match="this model has none"):
         for_model(LoraSpec(2, targets=("shared_expert.up_proj",)), qwen3_moe.config, True)
+
+
+def test_flops_and_planner_count_the_shared_expert_adapters():
+    """The trainer's LoRA FLOPs (``train.metrics.adapter_flops``, per layer on average) are ``2 r (in +
+    out)`` over the adapters add_lora attaches, and the planner's adapter count
+    (``plan.models.lora_param_count``, every projection) is their number, on Qwen3.5-MoE with every
+    attention, Gated DeltaNet and shared-expert target."""
+    from fpdt.model.lora import ATTENTION_TARGETS, GDN_TARGETS
+    from fpdt.plan.models import lora_param_count
+    from fpdt.train.metrics import ModelShape, adapter_flops
+    model = fm.from_config(hybrid_moe_model("qwen35moe_odd").config)
+    spec = LoraSpec(3, targets=ATTENTION_TARGETS + GDN_TARGETS + SHARED_EXPERT_TARGETS)
+    fm.add_lora(model, spec)
+    count = sum(p.numel() for p in fm.adapter_state_dict(model).values())
+    assert adapter_flops(ModelShape.from_config(model.config), spec) == pytest.approx(2 * count / model.config.num_layers)
+    assert lora_param_count(model.config, 3) == count
