@@ -188,10 +188,14 @@ def test_streamed_gdn_lora_dropout_masks_replayed():
 
 
 def _two_ranks(rank, world):
+    from tests.model.test_lora_shared_expert import STREAMED as SHARED_STREAMED
+    from tests.model.test_lora_shared_expert import shared_expert_case
     run_hybrid("qwen35", rank, world, spec=LoraSpec(3, targets=LORA_TARGETS), num_chunks=2, checkpointing="offload",
                offload=True)
     run_moe(rank, world, num_chunks=2, checkpointing="offload", offload=True)
     run_streamed(rank, world, spec=LoraSpec(3, alpha=5.0, targets=LORA_TARGETS), num_chunks=2)
+    shared_expert_case("qwen35moe_sp2", rank, world, 2, checkpointing="offload", offload=True, runtime="sim")
+    shared_expert_case("qwen35moe_sp2", rank, world, 2, **SHARED_STREAMED)
 
 
 @pytest.mark.slow

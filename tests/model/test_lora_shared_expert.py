@@ -4,7 +4,8 @@ of a tiny Qwen3.5-MoE, beside attention and Gated DeltaNet targets, against PEFT
 ``target_modules`` on the Transformers model: the loss (balancing loss included) and every adapter
 gradient of ``loss * s`` for a random ``s`` (so the backward's incoming gradient is not 1), fp32
 within 1e-5 of PEFT's fp32 run and within ``tests/model/qwen35.py``'s criterion of its float64 run,
-unstreamed and with ``stream_layers``. The target names and their refusals: the last tests."""
+unstreamed and with ``stream_layers``, one rank here and two in ``tests/model/test_lora_hybrid.py``'s
+two-rank body. The target names and their refusals: the last tests."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fpdt.model as fm
 from fpdt.model.lora import SHARED_EXPERT_TARGETS, LoraSpec
@@ -28,10 +30,10 @@ SPEC = LoraSpec(3, alpha=5.0, targets=("q_proj", "v_proj", "in_proj_z", "out_pro
 STREAMED = dict(offload=True, checkpointing="offload", stream_layers=True, runtime="sim")
 
 
-def models(spec: LoraSpec, **options):
-    """(PEFT model, fpdt model) of the tiny Qwen3.5-MoE ``qwen35moe_odd`` (3 query heads on 1 kv head,
+def models(spec: LoraSpec, name: str = "qwen35moe_odd", **options):
+    """(PEFT model, fpdt model) of the tiny Qwen3.5-MoE ``name`` (default 3 query heads on 1 kv head,
     shared expert 11 wide), same base and adapters (PEFT's, ``lora_B`` random: every gradient nonzero)."""
-    base = hybrid_moe_model("qwen35moe_odd")
+    base = hybrid_moe_model(name)
     torch.manual_seed(3)
     ref = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
         r=spec.rank, lora_alpha=spec.lora_alpha, target_modules=list(spec.targets), lora_dropout=spec.dropout,
@@ -64,12 +66,35 @@ def peft_run(ref, ids, labels, scale: float):
     return tuple(out)
 
 
-def fpdt_run(model, ids, labels, scale: float):
+def fpdt_run(model, ids, labels, scale: float, world: int = 1):
+    """fpdt's loss and adapter gradients (PEFT's names) of ``loss * scale``, divided by ``scale``,
+    summed over the sequence-parallel ranks."""
     loss = model(**model.prepare_inputs(ids, labels=labels))
     (loss * scale).backward()
     frozen = [n for n, p in model.named_parameters() if not fm.lora.is_adapter(n) and p.grad is not None]
     assert not frozen, f"base parameters got gradients: {frozen[:3]}"
-    return loss.detach(), {peft_name(n): p.grad.detach() / scale for n, p in fm.adapter_state_dict(model).items()}
+    grads = {peft_name(n): p.grad.detach() / scale for n, p in fm.adapter_state_dict(model).items()}
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    return loss.detach(), grads
+
+
+def shared_expert_case(name: str, rank: int, world: int, num_chunks: int, **options) -> None:
+    """fpdt's adapters (:data:`SPEC`) against PEFT's on ``name``, ``world`` ranks: fp32 within 1e-5 of
+    PEFT's fp32 run, and of its float64 run by :func:`tests.model.qwen35.compare_hybrid`."""
+    group = dict(group=dist.group.WORLD) if world > 1 else {}
+    ref, ours = models(SPEC, name, num_chunks=num_chunks, **options, **group)
+    ids, labels = tokens(ref.config.vocab_size, 2, 8 * world * num_chunks)
+    scale = 2.0 + float(torch.randn((), generator=torch.Generator().manual_seed(num_chunks)))
+    refs = peft_run(ref, ids, labels, scale)
+    loss, grads = fpdt_run(ours, ids, labels, scale, world)
+    for part in SHARED_EXPERT_TARGETS:
+        assert any(f".{part}.lora_B" in n for n in grads), part
+    assert all(g.abs().max() > 0 for g in grads.values())
+    what = f"{name} fpdt LoRA on the shared expert rank {rank}/{world} u={num_chunks} {options}"
+    compare_hybrid(loss, grads, refs, what)
+    compare(loss, grads, *refs[0], what + " vs PEFT fp32")
 
 
 @pytest.mark.parametrize("num_chunks,options", [
@@ -78,17 +103,7 @@ def fpdt_run(model, ids, labels, scale: float):
     (3, STREAMED),
 ], ids=["plain", "offloaded-checkpoints", "streamed"])
 def test_shared_expert_lora_matches_peft(num_chunks, options):
-    ref, ours = models(SPEC, num_chunks=num_chunks, **options)
-    ids, labels = tokens(ref.config.vocab_size, 2, 8 * num_chunks)
-    scale = 2.0 + float(torch.randn((), generator=torch.Generator().manual_seed(num_chunks)))
-    refs = peft_run(ref, ids, labels, scale)
-    loss, grads = fpdt_run(ours, ids, labels, scale)
-    for part in SHARED_EXPERT_TARGETS:
-        assert any(f".{part}.lora_B" in n for n in grads), part
-    assert all(g.abs().max() > 0 for g in grads.values())
-    what = f"qwen35moe fpdt LoRA on the shared expert u={num_chunks} {options}"
-    compare_hybrid(loss, grads, refs, what)
-    compare(loss, grads, *refs[0], what + " vs PEFT fp32")
+    shared_expert_case("qwen35moe_odd", 0, 1, num_chunks, **options)
 
 
 def test_dropout_masks_replayed_by_every_checkpoint_mode():
