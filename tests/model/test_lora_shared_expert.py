@@ -198,3 +198,23 @@ def test_flops_and_planner_count_the_shared_expert_adapters():
     count = sum(p.numel() for p in fm.adapter_state_dict(model).values())
     assert adapter_flops(ModelShape.from_config(model.config), spec) == pytest.approx(2 * count / model.config.num_layers)
     assert lora_param_count(model.config, 3) == count
+
+
+def test_peft_adapter_directory_round_trip(tmp_path):
+    """A PEFT adapter directory with shared-expert targets (PEFT's ``save_pretrained``) loads into
+    fpdt's model (``read_adapter_config``, ``add_lora``, ``load_adapter``) tensor for tensor, and
+    ``save_adapter`` writes it back in PEFT's layout (``PeftModel.from_pretrained`` reads the same tensors)."""
+    from fpdt.model.lora import read_adapter_config
+    ref, _ = models(SPEC)
+    ref.save_pretrained(tmp_path / "peft")
+    spec = read_adapter_config(tmp_path / "peft")
+    assert (spec.rank, spec.lora_alpha, spec.targets) == (SPEC.rank, SPEC.lora_alpha, SPEC.targets)
+    ours = fm.add_lora(fm.from_config(ref.config), spec)
+    fm.load_adapter(ours, tmp_path / "peft")
+    theirs = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    for n, p in fm.adapter_state_dict(ours).items():
+        assert torch.equal(p, theirs[peft_name(n)]), n
+    fm.save_adapter(fm.adapter_state_dict(ours), ours.lora, tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(hybrid_moe_model("qwen35moe_odd"), tmp_path / "ours")
+    loaded = {n: p for n, p in back.named_parameters() if ".lora_" in n}
+    assert loaded.keys() == theirs.keys() and all(torch.equal(loaded[n], theirs[n]) for n in theirs)
