@@ -36,6 +36,10 @@ SHARED_EXPERT_TARGETS = ("shared_expert.gate_proj", "shared_expert.up_proj", "sh
 PEFT's ``target_modules`` reach them (and not the fused experts)."""
 ALL_TARGETS = LORA_TARGETS + SHARED_EXPERT_TARGETS
 """Every target name, in the order :class:`LoraSpec` keeps them."""
+PEFT_FUSES_MLP_NAMES = ("qwen3_moe", "qwen3_next")
+"""Model types on which PEFT (0.21, converting Transformers v4 expert names) turns any target name ending in
+``gate_proj`` / ``up_proj`` / ``down_proj``, ``shared_expert.gate_proj`` included, into the fused experts'
+``target_parameters``: there a saved shared-expert adapter would load onto the experts."""
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -143,9 +147,16 @@ def moe_target_problem(targets, config) -> str | None:
     if shared and (moe is None or not moe.shared_expert_intermediate_size):
         return (f"{', '.join(shared)} name a mixture-of-experts layer's shared expert, and this model has none; "
                 f"leave them out")
+    fused = [t for t in shared if "." in t]
+    if fused and config.model_type in PEFT_FUSES_MLP_NAMES:
+        return (f"{', '.join(fused)} on {config.model_type}: PEFT maps names ending in gate_proj / up_proj / "
+                f"down_proj onto this model's fused experts, so a saved adapter would load onto the experts; "
+                f"target shared_expert_gate and the attention (docs/moe.md, LoRA)")
     mlp = [t for t in targets if t in MLP_TARGETS]
     if mlp and moe is not None:
-        instead = (f"the shared expert as {', '.join(SHARED_EXPERT_TARGETS)} and "
+        instead = ("the shared expert's sigmoid gate as shared_expert_gate and "
+                   if config.model_type in PEFT_FUSES_MLP_NAMES and moe.shared_expert_intermediate_size else
+                   f"the shared expert as {', '.join(SHARED_EXPERT_TARGETS)} and "
                    if moe.shared_expert_intermediate_size else "")
         return (f"{', '.join(mlp)} on a mixture-of-experts model: PEFT maps these names onto the fused experts "
                 f"too, so an export would not say what was trained; target {instead}the attention as "

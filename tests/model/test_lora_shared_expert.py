@@ -80,16 +80,16 @@ def fpdt_run(model, ids, labels, scale: float, world: int = 1):
     return loss.detach(), grads
 
 
-def shared_expert_case(name: str, rank: int, world: int, num_chunks: int, **options) -> None:
-    """fpdt's adapters (:data:`SPEC`) against PEFT's on ``name``, ``world`` ranks: fp32 within 1e-5 of
+def shared_expert_case(name: str, rank: int, world: int, num_chunks: int, spec: LoraSpec = SPEC, **options) -> None:
+    """fpdt's adapters (``spec``) against PEFT's on ``name``, ``world`` ranks: fp32 within 1e-5 of
     PEFT's fp32 run, and of its float64 run by :func:`tests.model.qwen35.compare_hybrid`."""
     group = dict(group=dist.group.WORLD) if world > 1 else {}
-    ref, ours = models(SPEC, name, num_chunks=num_chunks, **options, **group)
+    ref, ours = models(spec, name, num_chunks=num_chunks, **options, **group)
     ids, labels = tokens(ref.config.vocab_size, 2, 8 * world * num_chunks)
     scale = 2.0 + float(torch.randn((), generator=torch.Generator().manual_seed(num_chunks)))
     refs = peft_run(ref, ids, labels, scale)
     loss, grads = fpdt_run(ours, ids, labels, scale, world)
-    for part in SHARED_EXPERT_TARGETS:
+    for part in (t for t in spec.targets if t in SHARED_EXPERT_TARGETS):
         assert any(f".{part}.lora_B" in n for n in grads), part
     assert all(g.abs().max() > 0 for g in grads.values())
     what = f"{name} fpdt LoRA on the shared expert rank {rank}/{world} u={num_chunks} {options}"
@@ -104,6 +104,14 @@ def shared_expert_case(name: str, rank: int, world: int, num_chunks: int, **opti
 ], ids=["plain", "offloaded-checkpoints", "streamed"])
 def test_shared_expert_lora_matches_peft(num_chunks, options):
     shared_expert_case("qwen35moe_odd", 0, 1, num_chunks, **options)
+
+
+def test_qwen3_next_with_a_dense_layer_matches_peft():
+    """Qwen3-Next (layer 1 dense by ``mlp_only_layers``, top-k not renormalised): the sigmoid gate's
+    adapters on its three MoE layers (its shared expert's projections are refused: PEFT maps their
+    names onto the fused experts there), beside the attention's, against PEFT's, 2 chunks with layer checkpoints."""
+    spec = LoraSpec(3, alpha=5.0, targets=("q_proj", "o_proj", "shared_expert_gate"))
+    shared_expert_case("qwen3next_odd", 0, 1, 2, spec, checkpointing="on")
 
 
 def test_dropout_masks_replayed_by_every_checkpoint_mode():
@@ -162,21 +170,33 @@ def test_streamed_dropout_masks_replayed():
 
 def test_targets_and_refusals():
     """Shared-expert adapters go on every MoE layer (not a Qwen3-Next dense layer); their names and
-    shapes are what fpdt-train checks (``adapter_shapes``); dense MLP names on an MoE model and
-    shared-expert names on a model without one are refused in one line naming the fix."""
+    shapes are what fpdt-train checks (``adapter_shapes``); dense MLP names on an MoE model, shared-expert
+    names on a model without one and the shared expert's projections on Qwen3-Next (PEFT would load
+    them onto the fused experts) are refused in one line naming the fix."""
     from fpdt.train.config import ConfigError
     from fpdt.train.lora import adapter_shapes, for_model
     from tests.model.test_moe_model import hf_moe
-    next_model = fm.from_config(hybrid_moe_model("qwen3next_odd").config)       # layer 1 dense (mlp_only_layers)
+    moe35 = fm.from_config(hybrid_moe_model("qwen35moe_odd").config)
     spec = LoraSpec(2, targets=("k_proj",) + SHARED_EXPERT_TARGETS)
+    assert for_model(spec, moe35.config, True) == spec
+    fm.add_lora(moe35, spec)
+    got = {n: tuple(p.shape) for n, p in fm.adapter_state_dict(moe35).items()}
+    assert got == adapter_shapes(moe35.config, spec)
+    assert got["model.layers.0.mlp.shared_expert_gate.lora_B.weight"] == (1, 2)
+    assert got["model.layers.0.mlp.shared_expert.down_proj.lora_A.weight"] == (2, 11)
+    with pytest.raises(ConfigError, match="shared_expert.gate_proj, .* target_parameters with fpdt.hf"):
+        for_model(LoraSpec(2, targets=("q_proj", "up_proj")), moe35.config, True)
+    next_model = fm.from_config(hybrid_moe_model("qwen3next_odd").config)       # layer 1 dense (mlp_only_layers)
+    spec = LoraSpec(2, targets=("k_proj", "shared_expert_gate"))
     assert for_model(spec, next_model.config, True) == spec
     fm.add_lora(next_model, spec)
     got = {n: tuple(p.shape) for n, p in fm.adapter_state_dict(next_model).items()}
     assert got == adapter_shapes(next_model.config, spec)
     assert {n.split(".")[2] for n in got if ".mlp." in n} == {"0", "2", "3"}
-    assert got["model.layers.0.mlp.shared_expert_gate.lora_B.weight"] == (1, 2)
-    with pytest.raises(ConfigError, match="shared_expert.gate_proj, .* target_parameters with fpdt.hf"):
-        for_model(LoraSpec(2, targets=("q_proj", "up_proj")), next_model.config, True)
+    with pytest.raises(ConfigError, match="onto this model's fused experts"):
+        for_model(LoraSpec(2, targets=("shared_expert.up_proj", "shared_expert_gate")), next_model.config, True)
+    with pytest.raises(ConfigError, match="sigmoid gate as shared_expert_gate"):
+        for_model(LoraSpec(2, targets=("down_proj",)), next_model.config, True)
     qwen3_moe = fm.from_config(hf_moe().config)
     with pytest.raises(ValueError, match="this model has none"):
         fm.add_lora(qwen3_moe, LoraSpec(2, targets=("shared_expert_gate",)))
