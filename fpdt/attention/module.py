@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from typing import Callable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from fpdt.attention.projected_attention import projected_fpdt_attention
