@@ -182,11 +182,11 @@ def layer_count_problems(num_layers: int, **counts: Any) -> list[str]:
 @dataclass(frozen=True)
 class LayoutOptions:
     """How a sequence is cut over ranks and chunks: the sequence-parallel mesh (Ulysses ``hp`` x
-    ring ``cp``) and the global chunk length. Data only, and defined here once: ``fpdt-train``'s
-    options and its resolved :class:`fpdt.train.config.RunLayout`, and the planner's
-    :class:`fpdt.plan.planner.Choice` and :class:`fpdt.plan.setup.Setup` are each one of these
-    plus their own fields. A field left None is chosen by whoever resolves it (``fpdt-train``:
-    :meth:`degrees` and its default chunk; ``fpdt-plan``: its search)."""
+    ring ``cp``) and the global chunk length, as a caller gives them. Data only, and defined here
+    once: ``fpdt-train``'s options and the planner's :class:`fpdt.plan.planner.Choice` are each one
+    of these plus their own fields. A field left None is chosen by whoever resolves it
+    (``fpdt-train``: :meth:`degrees` and its default chunk; ``fpdt-plan``: its search), into a
+    :class:`ResolvedLayout`."""
 
     sp: int | None = None
     """Sequence-parallel size ``P = hp * cp``; given alone, shorthand for ``hp = sp, cp = 1``."""
@@ -218,13 +218,11 @@ class LayoutOptions:
             other = self.sp // given
         return (given, other) if hp is not None else (other, given)
 
-    def _resolve_layout(self) -> None:
-        """A resolved layout's ``__post_init__`` (``RunLayout``, ``Setup``): ``(hp, cp)`` from :meth:`degrees`,
-        ``sp`` their product and ``placement`` ``"head_first"`` unless given (a conflict: :meth:`layout_problems`)."""
+    def resolved(self) -> dict[str, Any]:
+        """The :class:`ResolvedLayout` fields these values give: ``(hp, cp)`` from :meth:`degrees`,
+        the rest as given (a conflict with ``sp`` is :meth:`layout_problems`')."""
         hp, cp = self.degrees()
-        for name, value in (("hp", hp), ("cp", cp), ("sp", hp * cp if self.sp is None else self.sp),
-                            ("placement", self.placement or "head_first")):
-            object.__setattr__(self, name, value)
+        return dict(hp=hp, cp=cp, placement=self.placement, inner_ring=self.inner_ring, chunk_size=self.chunk_size)
 
     def layout_problems(self) -> list[str]:
         """Every reason these values are invalid whatever the run (empty when valid), each
@@ -243,6 +241,37 @@ class LayoutOptions:
             out.append(f"inner_ring={self.inner_ring} must divide cp={cp}: it is the ranks of one inner ring "
                        f"(e.g. NICs per node)")
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedLayout:
+    """A layout with its mesh chosen, the base of ``fpdt-train``'s :class:`fpdt.train.config.RunLayout`
+    and ``fpdt-plan``'s :class:`fpdt.plan.setup.Setup`: the degrees ``hp`` and ``cp`` (a caller's
+    :class:`LayoutOptions` give them by :meth:`LayoutOptions.resolved`), ``placement``
+    ``"head_first"`` when None, ``inner_ring`` and ``chunk_size`` as there. ``sp`` is computed."""
+
+    hp: int = 1
+    cp: int = 1
+    placement: str | None = None
+    inner_ring: int | None = None
+    chunk_size: int | None = None
+
+    def __post_init__(self):
+        if self.placement is None:
+            object.__setattr__(self, "placement", "head_first")
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel size ``P = hp * cp``."""
+        return self.hp * self.cp
+
+    def degrees(self) -> tuple[int, int]:
+        return self.hp, self.cp
+
+    def layout_problems(self) -> list[str]:
+        """:meth:`LayoutOptions.layout_problems` of these values."""
+        return LayoutOptions(hp=self.hp, cp=self.cp, placement=self.placement, inner_ring=self.inner_ring,
+                             chunk_size=self.chunk_size).layout_problems()
 
 
 OPTION_NAMES = tuple(f.name for f in fields(FPDTOptions))

@@ -183,22 +183,28 @@ def test_trainer_options_validated_once(monkeypatch):
 
 def test_run_layout_computes_what_it_derives():
     """``fpdt-train``'s :class:`RunLayout` and ``fpdt-plan``'s :class:`Setup` resolve their
-    mesh by the one rule (:meth:`LayoutOptions._resolve_layout`), and the run's ``dp`` and
-    ``num_chunks`` are computed from the world size and the chunking, not stored beside them."""
+    mesh by the one rule (:meth:`LayoutOptions.degrees`, through :meth:`LayoutOptions.resolved`), and
+    ``sp``, the run's ``dp`` and ``num_chunks`` are computed from the degrees, the world size and the
+    chunking: neither class stores them, so no copy has to forget one."""
     from dataclasses import fields, replace
 
+    from fpdt.options import LayoutOptions
     from fpdt.train.config import RunLayout, TrainerOptions, validate
 
     run = validate(TrainerOptions(hp=2, chunk_size=16), 64, 4, "cpu", {})
     assert (run.sp, run.hp, run.cp, run.dp, run.num_chunks, run.placement) == (2, 2, 1, 2, 4, "head_first")
-    assert not {"dp", "num_chunks"} & {f.name for f in fields(RunLayout)}
-    wider = replace(run, world_size=8, chunk_size=32)
-    assert (wider.dp, wider.num_chunks) == (4, 2)
+    for cls in (RunLayout, Setup):
+        assert not {"sp", "dp", "num_chunks"} & {f.name for f in fields(cls)}, cls
+    wider = replace(run, world_size=8, chunk_size=32, cp=2)
+    assert (wider.sp, wider.dp, wider.num_chunks) == (4, 2, 2)
     for given in (dict(sp=4), dict(hp=2, cp=2), dict(sp=4, cp=2), dict(cp=4)):
-        run = RunLayout(world_size=8, seq_len=64, chunk_size=16, mlp_chunks=None, **given)
-        setup = Setup(seq_len=64, chunk_size=16, **given)
+        run = RunLayout(world_size=8, seq_len=64, mlp_chunks=None, **LayoutOptions(**given, chunk_size=16).resolved())
+        setup = Setup.build(64, 16, **given)
         assert (run.sp, run.hp, run.cp, run.placement) == (setup.sp, setup.hp, setup.cp, setup.placement)
         assert run.sp == 4 and run.dp == 2 and setup.num_chunks == run.num_chunks == 4
+        assert setup.updated(hp=1).sp == setup.cp and setup.updated(sp=8, cp=1).hp == 8
+    with pytest.raises(ValueError, match="sp=4 does not match hp=2 x cp=1"):
+        Setup.build(64, 16, sp=4, hp=2, cp=1)
 
 
 @pytest.mark.parametrize("doc_len", [0, -3, 2.5, True, "8"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -80,14 +82,22 @@ class FPDTAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 rope: RotaryEmbedding | None = None, doc_ids: torch.Tensor | None = None,
-                saved: SavedAttention | None = None, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                saved: SavedAttention | None = None, *, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                norm: nn.Module | None = None, donate: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
         """``hidden_states`` ``[B, S_local, hidden]`` and ``position_ids`` ``[B, S_local]`` (global
         positions, FPDT layout) -> ``[B, S_local, hidden]``. RoPE from ``rope`` at ``position_ids``,
         or from the tables ``cos_sin`` ``[B or 1, S_local, D]`` each; neither skips it. ``doc_ids``:
         packed documents ``[B, S]`` of the global sequence in global order (None: one document;
         see :func:`fpdt.attention.fpdt_attention`). ``saved``: the layer checkpoint's saved
-        attention outputs (:mod:`fpdt.attention.saved_attention`), or None."""
+        attention outputs (:mod:`fpdt.attention.saved_attention`), or None. ``norm``: the layer's
+        input RMSNorm (``weight``, ``eps``, ``zero_centred``), applied a chunk at a time inside; ``donate``:
+        as :func:`fpdt.attention.projected_fpdt_attention` takes it, used only with ``norm`` inside."""
         B, S_local, _ = hidden_states.shape
+        input_norm = None
+        if norm is not None and (getattr(norm, "zero_centred", False) or norm.weight.dtype == hidden_states.dtype):
+            input_norm = (norm.weight, norm_eps(norm), getattr(norm, "zero_centred", False))
+        elif norm is not None:       # the norm's output dtype is not the input's: as itself
+            hidden_states = norm(hidden_states)
         if position_ids is not None and position_ids.shape != (B, S_local):
             raise ValueError(f"position_ids must be [B, S_local]=[{B}, {S_local}], got {tuple(position_ids.shape)}")
         owner = type(self).__name__
@@ -103,7 +113,8 @@ class FPDTAttention(nn.Module):
             label=self.stash_label, qk_norm=qk_norm, adapters=proj.adapters, doc_ids=doc_ids, saved=saved,
             runtime=self.runtime, o_proj=None if o_proj is None else o_proj.bases[0],
             o_adapters=None if o_proj is None else o_proj.adapters, output_gate=self.output_gate,
-            rotary_dim=self.rotary_dim, qk_norm_zero_centred=self.qk_norm_zero_centred)
+            rotary_dim=self.rotary_dim, qk_norm_zero_centred=self.qk_norm_zero_centred, input_norm=input_norm,
+            donate=donate if input_norm is not None else None)
         if o_proj is None:                   # as itself, on the full-length attention output
             if self.output_gate:
                 raise ValueError(f"output_gate=True needs an o_proj fpdt reads (a plain or LoRA linear), got "

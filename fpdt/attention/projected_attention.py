@@ -9,7 +9,8 @@ pipeline's ``q̂_i, k̂_i, v̂_i, o_i, lse_i`` (the :class:`HostStash`, pinned h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,9 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
                              doc_ids: torch.Tensor | None = None, saved: SavedAttention | None = None,
                              runtime: Runtime | str | None = None, o_proj: torch.nn.Linear | None = None,
                              o_adapters: LoraAdapters | None = None, output_gate: bool = False,
-                             rotary_dim: int | None = None, qk_norm_zero_centred: bool = False) -> torch.Tensor:
+                             rotary_dim: int | None = None, qk_norm_zero_centred: bool = False,
+                             input_norm: tuple[torch.Tensor, float, bool] | None = None,
+                             donate: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Causal self-attention of ``hidden`` ``[B, S_local, hidden]`` (FPDT or mesh layout) through
     ``q_proj``/``k_proj``/``v_proj`` (``weight``/``bias`` read directly), chunk by chunk; returns
     ``[B, S_local, H, D]``, or with ``o_proj`` (and its LoRA ``o_adapters``) that projection of
@@ -53,7 +56,10 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     ``output_gate`` (``q_proj`` gives ``[query | gate]`` per head, ``[H, 2 D]``; the attention
     output is multiplied by ``sigmoid(gate)`` before ``o_proj``), ``rotary_dim`` (RoPE on the
     first ``rotary_dim`` channels of each head, the table's width; None: ``D``),
-    ``qk_norm_zero_centred`` (the q/k norms multiply by ``1 + weight``)."""
+    ``qk_norm_zero_centred`` (the q/k norms multiply by ``1 + weight``). ``input_norm`` = ``(weight,
+    eps, zero_centred)``: the layer's input RMSNorm, applied to each chunk first (:class:`InputNorm`);
+    ``donate(grad_out)``: whether backward may add ``hidden``'s gradient into ``grad_out`` in place
+    and return None (a checkpoint's residual branch, :func:`fpdt.model.checkpointing.donation_check`)."""
     spec = attention_spec(hidden.shape, hidden.dtype, hidden.device, heads, group=group, mesh=mesh,
                           num_chunks=num_chunks, backend=backend, softmax_scale=softmax_scale, doc_ids=doc_ids,
                           label=label, runtime=runtime)
@@ -69,15 +75,17 @@ def projected_fpdt_attention(hidden: torch.Tensor, q_proj: torch.nn.Linear, k_pr
     tensors = (*(adapters.tensors if adapters is not None else ()),
                *(o_adapters.tensors if o_adapters is not None else ()))
     # a no-grad pass (e.g. the first pass of a checkpointed layer) saves nothing for backward
+    norm_w, norm_opts = (None, None) if input_norm is None else (input_norm[0], tuple(input_norm[1:]))
     for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                   for t in (*inputs, wqn, wkn, *tensors))
+                                                   for t in (*inputs, wqn, wkn, norm_w, *tensors))
     _check_rotary(heads[2], rotary_dim, rope, cos)
     if output_gate and q_proj.weight.shape[0] != 2 * heads[0] * heads[2]:
         raise ValueError(f"output_gate=True needs q_proj to give [query | gate] per head, {2 * heads[0] * heads[2]} "
                          f"outputs for {heads[0]} heads of {heads[2]}; it gives {q_proj.weight.shape[0]}")
     opts = CallOptions(heads, offload, for_backward, eps, None if adapters is None else adapters.layout,
-                       None if o_adapters is None else o_adapters.layout, output_gate, qk_norm_zero_centred)
-    return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, cos, sin, wqn, wkn, opts,
+                       None if o_adapters is None else o_adapters.layout, output_gate, qk_norm_zero_centred,
+                       norm_opts, donate)
+    return ProjectedFPDTAttentionFunction.apply(*inputs, position_ids, rope, spec, cos, sin, wqn, wkn, norm_w, opts,
                                                 *tensors)
 
 
@@ -215,7 +223,8 @@ class CallOptions:
     ``heads`` ``(H, H_kv, D)``, ``offload``, ``for_backward`` (False: a no-grad pass, nothing
     saved), the q/k norm's ``norm_eps``, and the LoRA layouts of q/k/v (``lora``) and of
     ``o_proj`` (``o_lora``), whose tensors follow the Function's other inputs in that order;
-    ``output_gate`` and ``zero_centred`` as :class:`QKVChunks` takes them."""
+    ``output_gate`` and ``zero_centred`` as :class:`QKVChunks` takes them; ``input_norm`` ``(eps,
+    zero_centred)`` of the fused input norm, ``donate`` as :func:`projected_fpdt_attention` takes them."""
 
     heads: tuple[int, int, int]
     offload: bool
@@ -225,6 +234,8 @@ class CallOptions:
     o_lora: LoraLayout | None = None
     output_gate: bool = False
     zero_centred: bool = False
+    input_norm: tuple[float, bool] | None = None
+    donate: Callable[[torch.Tensor], bool] | None = field(default=None, compare=False)
 
     def split_lora(self, tensors) -> tuple[tuple, tuple]:
         n = self.lora.num_tensors if self.lora is not None else 0
@@ -242,7 +253,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, wq, bq, wk, bk, wv, bv, wo, bo, position_ids, rope: RotaryEmbedding | None,
-                spec: PipelineSpec, cos, sin, q_norm, k_norm, opts: CallOptions, *lora_tensors):
+                spec: PipelineSpec, cos, sin, q_norm, k_norm, norm_w, opts: CallOptions, *lora_tensors):
         H, H_kv, D = opts.heads
         B, S_local, _ = hidden.shape
         L = S_local // spec.num_chunks
@@ -255,12 +266,13 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                            qk_norm, opts.lora, qkv_lora, seed, opts.output_gate, opts.zero_centred)
         o_chunks = None if wo is None else OutputChunks(wo, bo, opts.o_lora, o_lora, S_local, spec.num_chunks)
         gate = opts.output_gate
+        normed = InputNorm.of(norm_w, opts.input_norm).forward
 
         def produce(i):
             T = hidden[:, i * L:(i + 1) * L]
             if for_backward:
-                stash.put(("T", i), T)
-            return chunks.forward(i, T)
+                stash.put(("T", i), T)      # before the norm: backward recomputes it
+            return chunks.forward(i, normed(T))
 
         if o_chunks is None:
             out = torch.empty(B, S_local, H, D, dtype=hidden.dtype, device=hidden.device)
@@ -269,7 +281,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
 
         def emit(i, out_i):
             if gate:    # recomputed from the input chunk: nothing held between produce and emit
-                out_i = out_i * torch.sigmoid(chunks.query_and_gate(i, hidden[:, i * L:(i + 1) * L])[1])
+                out_i = out_i * torch.sigmoid(chunks.query_and_gate(i, normed(hidden[:, i * L:(i + 1) * L]))[1])
             if o_chunks is not None:
                 out_i = o_chunks.forward(i, out_i.reshape(B, L, H * D))
             out[:, i * L:(i + 1) * L] = out_i
@@ -278,7 +290,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         if saved is not None:
             saved = saved.claim(for_backward, (type(spec).__name__, spec.num_chunks, tuple(hidden.shape), hidden.dtype))
         run_forward(spec, produce, emit, stash, for_backward, saved)
-        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, wo, bo, position_ids, cos, sin, q_norm, k_norm,
+        ctx.save_for_backward(wq, bq, wk, bk, wv, bv, wo, bo, position_ids, cos, sin, q_norm, k_norm, norm_w,
                               stash_token(stash), *lora_tensors)
         ctx.rope, ctx.spec, ctx.L, ctx.opts = rope, spec, L, opts
         ctx.seeds = (seed, None if o_chunks is None else o_chunks.seed)
@@ -288,7 +300,7 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable   # the chunked backward is not itself differentiable
     def backward(ctx, grad_out):
-        wq, bq, wk, bk, wv, bv, wo, bo, position_ids, cos, sin, q_norm, k_norm, token, *lora_tensors = \
+        wq, bq, wk, bk, wv, bv, wo, bo, position_ids, cos, sin, q_norm, k_norm, norm_w, token, *lora_tensors = \
             ctx.saved_tensors
         need = ctx.needs_input_grad
         L, spec, opts = ctx.L, ctx.spec, ctx.opts
@@ -296,23 +308,28 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
         stash = stash_of(token)
         shape, dtype = ctx.hidden_meta
         B = shape[0]
+        # the hidden gradient added into grad_out itself, chunk j at its delivery: the pipeline
+        # has read chunk j's output gradient (o_proj's weights, its first touch) by then
+        into = need[0] and opts.donate is not None and opts.donate(grad_out)
         grad_out = grad_out.to(dtype)
+        norm = InputNorm.of(norm_w, opts.input_norm)
+        d_norm = torch.zeros(norm_w.shape, dtype=spec.acc_dtype, device=norm_w.device) if need[16] else None
         qkv_lora, o_lora = opts.split_lora(lora_tensors)
         n_qkv = len(qkv_lora)
         qk_norm = (q_norm, k_norm, opts.norm_eps) if q_norm is not None else None
         chunks = QKVChunks((wq, wk, wv), (bq, bk, bv), opts.heads, L, rotation_of(ctx.rope, position_ids, cos, sin),
                            qk_norm, opts.lora, qkv_lora, ctx.seeds[0], opts.output_gate, opts.zero_centred)
         chunks.start_backward(spec.acc_dtype, (need[1], need[3], need[5]), (need[2], need[4], need[6]),
-                              (need[14], need[15]), need[17:17 + n_qkv], need[0])
+                              (need[14], need[15]), need[18:18 + n_qkv], need[0] or need[16])
         d_o = ()
         if wo is None:
             def grad_out_chunk(i):
                 return grad_out[:, i * L:(i + 1) * L]
         else:   # o_proj: its weight gradients from the o chunks read back, then g_i W per chunk on demand
             o_chunks = OutputChunks(wo, bo, opts.o_lora, o_lora, shape[1], spec.num_chunks, ctx.seeds[1])
-            o_chunks.start_backward(spec.acc_dtype, need[7], need[8], need[17 + n_qkv:])
+            o_chunks.start_backward(spec.acc_dtype, need[7], need[8], need[18 + n_qkv:])
             if opts.output_gate:
-                _gated_output_backward(chunks, o_chunks, stash, spec, grad_out, B, L)
+                _gated_output_backward(chunks, o_chunks, stash, spec, grad_out, B, L, norm.forward)
             elif o_chunks.needs_input:
                 for i, x_i in enumerate(read_back(stash, spec, B, L)):
                     o_chunks.weight_grads(i, x_i, grad_out[:, i * L:(i + 1) * L])
@@ -323,26 +340,61 @@ class ProjectedFPDTAttentionFunction(torch.autograd.Function):
                 if opts.output_gate:
                     return stash.pop(("dattn", i))
                 return o_chunks.input_grad(i, grad_out[:, i * L:(i + 1) * L]).view(B, L, H, D)
-        d_hidden = torch.empty(shape, dtype=dtype, device=grad_out.device) if need[0] else None
+        d_hidden = torch.empty(shape, dtype=dtype, device=grad_out.device) if need[0] and not into else None
         stash.prefetch(("T", 0))
 
         def deliver(j, dq, dk, dv):
             T = stash.pop(("T", j))
-            if j + 1 < spec.num_chunks:
-                stash.prefetch(("T", j + 1))  # copies in during the next outer step
-            d_T = chunks.backward(j, T, dq, dk, dv, stash.pop(("dgate", j)) if opts.output_gate else None)
-            if d_hidden is not None:
+            d_T = chunks.backward(j, norm.forward(T), dq, dk, dv, stash.pop(("dgate", j)) if opts.output_gate else None)
+            del dq, dk, dv
+            if d_T is not None and norm.weight is not None:
+                d_T = norm.backward(T, d_T, d_norm, need[0])      # fp32, or None
+            if into:
+                grad_out[:, j * L:(j + 1) * L] += d_T.to(dtype)   # the residual's sum, in place
+            elif d_hidden is not None:
                 d_hidden[:, j * L:(j + 1) * L] = d_T
+            del T, d_T
+            if j + 1 < spec.num_chunks:
+                stash.prefetch(("T", j + 1))  # copies in during the next outer step, after this chunk's buffers
 
         run_backward(spec, grad_out_chunk, deliver, stash)
         out_w, out_b, out_n, out_lora = chunks.finish()
         d_wo, d_bo, d_o_lora = d_o if d_o else (None, None, ())
+        d_norm = None if d_norm is None else d_norm.to(norm_w.dtype)
         return (d_hidden, out_w[0], out_b[0], out_w[1], out_b[1], out_w[2], out_b[2], d_wo, d_bo,
-                None, None, None, None, None, out_n[0], out_n[1], None, *out_lora, *d_o_lora)
+                None, None, None, None, None, out_n[0], out_n[1], d_norm, None, *out_lora, *d_o_lora)
+
+
+class InputNorm:
+    """The layer's input RMSNorm on one chunk ``T`` ``[B, L, hidden]`` (:mod:`fpdt.ops.rmsnorm`):
+    ``weight`` ``[hidden]`` (the input's dtype unless zero-centred), or None: the identity."""
+
+    def __init__(self, weight: torch.Tensor | None, eps: float = 0.0, zero_centred: bool = False):
+        self.weight, self.eps, self.zero_centred = weight, eps, zero_centred
+        self.w32 = None if weight is None else effective_weight(weight, zero_centred)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor | None, opts: tuple[float, bool] | None) -> "InputNorm":
+        return cls(None) if weight is None else cls(weight, *opts)
+
+    def forward(self, T: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return T
+        x_hat, _ = normalised(T, self.eps)
+        if self.zero_centred:
+            return x_hat.mul_(self.w32).to(T.dtype)
+        return torch.mul(self.weight, x_hat.to(T.dtype))
+
+    def backward(self, T: torch.Tensor, grad: torch.Tensor, d_weight: torch.Tensor | None,
+                 need_dx: bool) -> torch.Tensor | None:
+        """fp32 ``dL/dT`` from the output gradient (None unless ``need_dx``); adds the weight's into ``d_weight``."""
+        x_hat, rstd = normalised(T, self.eps)
+        return norm_backward(grad, x_hat, rstd, self.w32, torch.float32 if self.zero_centred else T.dtype, d_weight,
+                             need_dx)
 
 
 def _gated_output_backward(chunks: QKVChunks, o_chunks: OutputChunks, stash: HostStash, spec, grad_out, B: int,
-                           L: int) -> None:
+                           L: int, normed: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """``o_proj``'s weight gradients through the output gate, chunk by chunk: with ``o_i`` read
     back and the gate recomputed from the input chunk ``T_i``, ``z_i = o_i sigmoid(gate_i)``
     feeds the weight gradients, and the attention output's gradient ``dz_i sigmoid(gate_i)`` and
@@ -352,7 +404,7 @@ def _gated_output_backward(chunks: QKVChunks, o_chunks: OutputChunks, stash: Hos
     H, _, D = chunks.heads
     for i, x_i in enumerate(read_back(stash, spec, B, L)):
         g_i = grad_out[:, i * L:(i + 1) * L]
-        gate = chunks.query_and_gate(i, stash.get(("T", i)))[1].reshape(B, L, H * D)
+        gate = chunks.query_and_gate(i, normed(stash.get(("T", i))))[1].reshape(B, L, H * D)
         o_chunks.weight_grads(i, x_i * torch.sigmoid(gate), g_i)
         s = torch.sigmoid(gate.float())
         dz = o_chunks.input_grad(i, g_i).float()

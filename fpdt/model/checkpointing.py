@@ -131,13 +131,26 @@ def in_recompute(branch_input: torch.Tensor) -> bool:
 def donated_gradient(grad_out: torch.Tensor, branch_input: torch.Tensor) -> bool:
     """Whether a whole-branch Function's backward may add ``dL/dx`` into ``grad_out`` in place (and
     return ``None`` for ``x``): only when ``grad_out`` is the layer's gradient, held by this layer alone."""
+    return _donated(_branch_call(branch_input), grad_out, branch_input.shape, branch_input.dtype)
+
+
+def donation_check(branch_input: torch.Tensor) -> Callable[[torch.Tensor], bool] | None:
+    """:func:`donated_gradient` bound to ``branch_input``, for a Function that does not keep that
+    tensor (it holds only the checkpoint's call, shape and dtype); None outside a recompute."""
     call = _branch_call(branch_input)
+    if call is None:
+        return None
+    shape, dtype = branch_input.shape, branch_input.dtype
+    return lambda grad_out: _donated(call, grad_out, shape, dtype)
+
+
+def _donated(call: BranchCall | None, grad_out: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> bool:
     grad = None if call is None else call.donation
     if grad is None:
         return False
     return (grad_out.data_ptr() == grad.data_ptr() and grad_out.shape == grad.shape
             and grad_out.dtype == grad.dtype and grad_out.is_contiguous()
-            and branch_input.shape == grad.shape and branch_input.dtype == grad.dtype)
+            and shape == grad.shape and dtype == grad.dtype)
 
 
 def _free_values(t: torch.Tensor) -> None:

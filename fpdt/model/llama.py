@@ -15,6 +15,7 @@ from fpdt.attention.saved_attention import SavedAttention
 from fpdt.comm import sp_group_of, sp_rank_size
 from fpdt.layout.documents import canonical_doc_ids, sequence_parallel_doc_ids
 from fpdt.model.apply import DecoderAdapter, apply_all, loss_chunks_for, mlp_chunks_for, token_mixer_problems
+from fpdt.model.checkpointing import donation_check
 from fpdt.model.config import LINEAR_ATTENTION, ModelConfig
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.inputs import prepare_inputs, require_position_ids
@@ -111,11 +112,14 @@ class FPDTDecoderLayer(nn.Module):
 
     def attention_branch(self, h: torch.Tensor, position_ids: torch.Tensor, rope: RotaryEmbedding,
                          doc_ids: torch.Tensor | None = None, saved: SavedAttention | None = None) -> torch.Tensor:
-        """``mixer(norm(h))``, ending with ``o_proj`` / ``out_proj`` (output not saved); ``saved``: the
+        """``mixer(norm(h))``, ending with ``o_proj`` / ``out_proj`` (output not saved; the attention
+        applies the norm a chunk at a time inside and, in a checkpoint's backward, adds its input
+        gradient into the layer's gradient); ``saved``: the
         saved attention outputs (attention layers only; None for a Gated DeltaNet layer)."""
         if self.linear_attn is not None:
             return self.linear_attn(self.input_layernorm(h), doc_ids=doc_ids)
-        return self.self_attn(self.input_layernorm(h), position_ids, rope, doc_ids=doc_ids, saved=saved)
+        return self.self_attn(h, position_ids, rope, doc_ids=doc_ids, saved=saved, norm=self.input_layernorm,
+                              donate=donation_check(h))
 
     def mlp_branch(self, h: torch.Tensor, router_stats: RouterStatistics | None = None,
                    checkpointed: bool = False) -> torch.Tensor:

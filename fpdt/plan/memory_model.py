@@ -24,15 +24,22 @@ from fpdt.train.config import PRECISIONS
 # Calibrated on the CPU with fpdt.memory.accountant against this implementation (tests/plan/
 # test_activation_model.py pins them: a change to the layer's memory must update them).
 NORM_PHASE_ND = 3.0
-"""Full-length [T, h] tensors beside the layer inputs at the RMSNorm backward (and the attention recompute)."""
-ATTENTION_PHASE_ND = 2.0
+"""Full-length [T, h] tensors beside the layer inputs at a separate RMSNorm's backward (a Gated DeltaNet
+layer's input norm, a zero-centred post-attention norm)."""
+RECOMPUTE_PHASE_ND = 2.0
+"""The same at the recompute of an attention branch, whose input norm runs inside the attention."""
+ATTENTION_PHASE_ND = 1.0
 """Full-length tensors beside the attention core's working set in its backward."""
+GDN_PHASE_ND = 2.0
+"""The same beside a Gated DeltaNet's (its input norm apart: the norm's output gradient too)."""
 ATTENTION_PHASE_OFF_ND = 1.0
 """:data:`ATTENTION_PHASE_ND` under ``checkpointing="off"`` (``tests/plan/test_activation_model.py``)."""
 MLP_PHASE_ND = 2.0
 """Full-length tensors beside the chunked MLP's working set in its backward."""
-SAVED_PER_LAYER_ND = 2.0
-"""Full-length tensors a layer saves without checkpointing, beyond norm statistics and stash."""
+SAVED_PER_LAYER_ND = 1.0
+"""Full-length tensors an attention layer saves without checkpointing, beyond norm statistics and stash."""
+GDN_SAVED_PER_LAYER_ND = 2.0
+"""The same for a Gated DeltaNet layer (its input norm saves the layer input)."""
 ATTENTION_WS_U = 16.0
 """Chunk-sized buffers of the attention pipeline at its backward peak."""
 STREAM_LAYER_U = 2.0
@@ -129,7 +136,7 @@ def saved_per_layer_nd(cfg: ModelConfig, s: Setup) -> float:
     """What one layer keeps from forward to backward under ``checkpointing="off"``, in Nd
     (``tests/plan/test_activation_model.py``)."""
     h, e = cfg.hidden_size, s.elem_bytes
-    own = SAVED_PER_LAYER_ND + 2 * 4 / (h * e)
+    own = SAVED_PER_LAYER_ND + 4 / (h * e)
     if s.options.offload:
         return own
     return own + attention_stash_nd(cfg, s) - _dq_nd(cfg, s)   # o_proj reads its input from the stash
@@ -215,7 +222,7 @@ def _checkpoint_bytes(cfg: ModelConfig, s: Setup, nd: float) -> tuple[float, flo
     if spec.gdn_layers == 0:
         return l * saved_per_layer_nd(cfg, s) * nd, 0.0   # every layer keeps its activations (and its stash)
     # a GDN layer keeps what an attention layer's own tensors are, and its chunk stash when not offloaded
-    own = (SAVED_PER_LAYER_ND + 2 * 4 / (cfg.hidden_size * s.elem_bytes)) * nd
+    own = (GDN_SAVED_PER_LAYER_ND + 2 * 4 / (cfg.hidden_size * s.elem_bytes)) * nd
     gdn = own + (0.0 if s.options.offload else gdn_stash_bytes(cfg, spec, s))
     return spec.attention_layers * saved_per_layer_nd(cfg, s) * nd + spec.gdn_layers * gdn, 0.0
 
@@ -314,14 +321,17 @@ def _loss_bytes(cfg: ModelConfig, s: Setup, nd: float) -> float:
 
 
 def _layer_phases(spec: ModelSpec, s: Setup, nd: float, mixer_phase: dict, mlp_chunk: dict,
-                  o_grad: float = 0.0) -> dict:
+                  o_grad: float = 0.0, zero_centred: bool = False) -> dict:
     """Sub-phase -> (full-length tensors of the in-flight layer, working-set category, bytes), for each
     layer kind (a plain model has one, ``("attention", "dense")``, and keeps the names ``norm``,
     ``attention``, ``mlp``). ``mixer_phase``: mixer -> (category, working set, resident stash);
     ``mlp_chunk``: MLP kind -> its chunk's working set; ``o_grad``: the bytes of ``o_proj``'s input
-    gradient, whose ``u`` chunks ``g_i W`` the attention backward keeps on the device without offload."""
+    gradient, whose ``u`` chunks ``g_i W`` the attention backward keeps on the device without offload;
+    ``zero_centred``: the post-attention norm runs apart (``NORM_PHASE_ND`` in every layer)."""
     recomputed = s.options.checkpointing != "off"
-    mixer_nd = (ATTENTION_PHASE_ND if recomputed else ATTENTION_PHASE_OFF_ND) * nd
+    mixer_nds = {"attention": ATTENTION_PHASE_ND, "gdn": GDN_PHASE_ND} if recomputed else \
+        {"attention": ATTENTION_PHASE_OFF_ND, "gdn": ATTENTION_PHASE_OFF_ND}
+    norm_nds = {"attention": NORM_PHASE_ND if zero_centred else RECOMPUTE_PHASE_ND, "gdn": NORM_PHASE_ND}
     kept_o_grad = 0.0 if s.options.offload else o_grad
     phases = {}
     chunk = nd / s.num_chunks
@@ -334,9 +344,9 @@ def _layer_phases(spec: ModelSpec, s: Setup, nd: float, mixer_phase: dict, mlp_c
             phases[name + "mlp"] = (STREAM_LAYER_U * chunk, "mlp_chunk",
                                     mlp_chunk[mlp] / (s.num_chunks if mlp == "dense" else 1))
             continue
-        phases[name + "norm"] = (NORM_PHASE_ND * nd + resident, None, 0.0)
-        phases[name + mixer if name else "attention"] = (mixer_nd + (kept_o_grad if mixer == "attention" else 0.0),
-                                                         key, ws)
+        phases[name + "norm"] = (norm_nds[mixer] * nd + resident, None, 0.0)
+        phases[name + mixer if name else "attention"] = (mixer_nds[mixer] * nd
+                                                         + (kept_o_grad if mixer == "attention" else 0.0), key, ws)
         phases[name + "mlp"] = (MLP_PHASE_ND * nd + resident, "mlp_chunk", mlp_chunk[mlp])
     return phases
 
@@ -376,7 +386,7 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     mixer_phase = {"attention": ("attention_working_set", attn_ws, stash_resident),
                    "gdn": ("gdn_working_set", gdn_ws, gdn_resident)}
     phases = _layer_phases(spec, s, nd, mixer_phase, {"dense": mlp_ws, "moe": moe_ws},
-                           cfg.num_heads * cfg.head_dim / h * nd)
+                           cfg.num_heads * cfg.head_dim / h * nd, cfg.zero_centred_norms)
     chunk = nd / s.num_chunks
     if streamed:
         loss += 2 * chunk - 2 * nd

@@ -16,7 +16,8 @@ from typing import Any
 from fpdt.model.config import ModelConfig
 from fpdt.model.layer_checkpoints import saving_layers
 from fpdt.plan.models import model_spec
-from fpdt.options import (DERIVED_OPTIONS, LAYER_COUNTS, OPTION_NAMES, FPDTOptions, LayoutOptions, device_defaults,
+from fpdt.options import (DERIVED_OPTIONS, LAYER_COUNTS, OPTION_NAMES, FPDTOptions, LayoutOptions, ResolvedLayout,
+                          device_defaults,
                           layer_count_problems)
 from fpdt.layout import chunking_problems
 from fpdt.train.config import PRECISIONS, option_key
@@ -97,12 +98,11 @@ class RunSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Setup(LayoutOptions, RunSettings):
+class Setup(ResolvedLayout, RunSettings):
     """A complete training configuration on a cluster (one sequence per SP group): the
-    layout (:class:`~fpdt.options.LayoutOptions`, resolved: ``hp`` and ``cp`` from ``sp`` as
-    ``fpdt-train`` reads them, ``sp = hp * cp``, placement ``"head_first"`` unless given), the
-    sequence length, the :class:`RunSettings` and the model's
-    :class:`~fpdt.options.FPDTOptions`. Build one with :meth:`build` (options as keywords)."""
+    layout (:class:`~fpdt.options.ResolvedLayout`: ``hp``, ``cp``, ``sp = hp * cp`` computed), the
+    sequence length, the :class:`RunSettings` and the model's :class:`~fpdt.options.FPDTOptions`.
+    Build one with :meth:`build` (options as keywords; ``sp`` read as ``fpdt-train`` reads it)."""
 
     seq_len: int
     """Global sequence length ``S``; ``u = S / chunk_size`` chunks per rank (``options.num_chunks``)."""
@@ -117,7 +117,7 @@ class Setup(LayoutOptions, RunSettings):
     def __post_init__(self):
         if self.chunk_size is None:
             raise TypeError("Setup needs chunk_size (the global FPDT chunk length)")
-        self._resolve_layout()
+        super().__post_init__()
         u = self.seq_len // self.chunk_size if isinstance(self.chunk_size, int) and self.chunk_size >= 1 else 1
         # (a chunk that does not divide the sequence is reported by problems(), not here)
         object.__setattr__(self, "options", replace(self.options, num_chunks=max(1, u), group=None, mesh=None))
@@ -126,16 +126,14 @@ class Setup(LayoutOptions, RunSettings):
     def build(cls, seq_len: int, chunk_size: int, options: FPDTOptions = GPU_OPTIONS, **changes: Any) -> Setup:
         """A setup from its coordinates and :class:`FPDTOptions` fields as keywords
         (``checkpointing="on", lm_head_wgrad="accumulate"``), applied over ``options``."""
-        own, opts = split_options(changes, _OWN_FIELDS, "Setup")
-        return cls(seq_len=seq_len, chunk_size=chunk_size, options=replace(options, **opts), **own)
+        own, opts = split_options(changes, _OWN_FIELDS | {"sp"}, "Setup")
+        return cls(seq_len=seq_len, chunk_size=chunk_size, options=replace(options, **opts), **_degrees(own))
 
     def updated(self, **changes: Any) -> Setup:
-        """A copy with ``changes`` to its own fields or to its options' (by field name); a new
-        ``hp`` or ``cp`` without ``sp`` makes ``sp`` their product again."""
-        own, opts = split_options(changes, _OWN_FIELDS, "Setup")
-        if {"hp", "cp"} & set(own) and "sp" not in own:
-            own["sp"] = None
-        return replace(self, options=replace(self.options, **opts), **own)
+        """A copy with ``changes`` to its own fields or to its options' (by field name; ``sp``
+        as :meth:`build` reads it)."""
+        own, opts = split_options(changes, _OWN_FIELDS | {"sp"}, "Setup")
+        return replace(self, options=replace(self.options, **opts), **_degrees(own))
 
     def as_dict(self) -> dict[str, Any]:
         """The flat record ``fpdt-plan`` prints (its ``"setup"``): the coordinates, and the
@@ -211,6 +209,17 @@ def hybrid_problems(cfg: ModelConfig, hp: int, cp: int) -> list[str]:
     if g.key_heads % hp or g.value_heads % hp:
         out.append(f"hp={hp} must divide the Gated DeltaNet's {g.key_heads} key and {g.value_heads} value heads")
     return out
+
+
+def _degrees(own: dict[str, Any]) -> dict[str, Any]:
+    """``own`` with a given ``sp`` read into ``hp`` and ``cp`` (:meth:`LayoutOptions.degrees`)."""
+    if "sp" not in own:
+        return own
+    layout = LayoutOptions(sp=own.pop("sp"), hp=own.get("hp"), cp=own.get("cp"))
+    for problem in layout.layout_problems():
+        raise ValueError(problem)
+    hp, cp = layout.degrees()
+    return {**own, "hp": hp, "cp": cp}
 
 
 def _positive(*values: Any) -> bool:

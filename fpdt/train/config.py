@@ -19,8 +19,8 @@ import torch
 
 from fpdt.layout import chunk_split, chunking_problems
 from fpdt.offload import runtime_name
-from fpdt.options import (DERIVED_OPTIONS, OPTION_FLAGS, FPDTOptions, LayoutOptions, as_flag, attention_checkpoint_given,
-                          device_defaults)
+from fpdt.options import (DERIVED_OPTIONS, OPTION_FLAGS, FPDTOptions, LayoutOptions, ResolvedLayout, as_flag,
+                          attention_checkpoint_given, device_defaults)
 
 DEFAULT_CHUNK_TOKENS = 65536
 """Global chunk when ``chunk_size`` is not given: the FPDT paper's sweet spot on A100 (arXiv:2408.16978),
@@ -277,9 +277,9 @@ def ds_dtype_name(cfg: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------- validation
 
 @dataclass(frozen=True, kw_only=True)
-class RunLayout(LayoutOptions):
-    """The validated shape of a run: the layout resolved (every :class:`LayoutOptions` field set
-    but ``inner_ring``), the world size, the chunking and the device defaults; ``dp``, ``num_chunks`` computed."""
+class RunLayout(ResolvedLayout):
+    """The validated shape of a run: the layout resolved (:class:`~fpdt.options.ResolvedLayout`), the
+    world size, the chunking and the device defaults; ``sp``, ``dp``, ``num_chunks`` computed."""
 
     world_size: int
     """Number of processes."""
@@ -291,9 +291,6 @@ class RunLayout(LayoutOptions):
     """Attention chunks in pinned host memory (the option, or its device default)."""
     checkpoint: str = "off"
     """Activation checkpointing mode (the option, or its device default)."""
-
-    def __post_init__(self):
-        self._resolve_layout()
 
     @property
     def dp(self) -> int:

@@ -78,3 +78,39 @@ def test_position_ids_shape_is_checked():
     layer = FPDTAttention(32, 4, 2)
     with pytest.raises(ValueError, match=r"position_ids must be \[B, S_local\]=\[1, 8\]"):
         layer(torch.randn(1, 8, 32), torch.arange(4)[None])
+
+
+@pytest.mark.parametrize("zero_centred,gate", [(False, False), (True, True)])
+@pytest.mark.parametrize("u,offload", [(1, False), (3, True)])
+def test_input_norm_inside_matches_the_norm_apart(u, offload, zero_centred, gate):
+    """``FPDTAttention(x, norm=)`` (the norm a chunk at a time inside the Function) against the
+    same layer after the norm module: output, input gradient, the norm's and the projections'
+    weight gradients (fp32, 1e-5). With ``donate`` the input gradient is added into the output
+    gradient in place and ``x`` gets none."""
+    from fpdt.model.llama import RMSNorm
+
+    torch.manual_seed(u)
+    B, S, hidden, H, H_kv, D = 2, 6 * u, 96, 6, 2, 16
+    layer = FPDTAttention(hidden, H, H_kv, D, num_chunks=u, offload=offload, output_gate=gate)
+    norm = RMSNorm(hidden, 1e-5, zero_centred=zero_centred)
+    with torch.no_grad():
+        norm.weight.normal_(0.5 if not zero_centred else 0.0, 0.3)
+    rope, pos = RotaryEmbedding(default_inv_freq(D)), torch.arange(S).expand(B, S)
+    x, dout = torch.randn(B, S, hidden), torch.randn(B, S, hidden)
+
+    def run(fused: bool, donate=None, grad=None):
+        for p in (*layer.parameters(), *norm.parameters()):
+            p.grad = None
+        xl = x.clone().requires_grad_()
+        out = layer(xl, pos, rope, norm=norm, donate=donate) if fused else layer(norm(xl), pos, rope)
+        out.backward(dout if grad is None else grad)
+        return out, xl.grad, norm.weight.grad.clone(), layer.q_proj.weight.grad.clone()
+
+    want = run(False)
+    for got, ref, name in zip(run(True), want, ("out", "d_hidden", "norm.weight.grad", "q_proj.weight.grad")):
+        assert_rel_close(got, ref, 1e-5, f"{name} u={u} offload={offload} zero_centred={zero_centred}")
+    grad = dout.clone()
+    _, dx, dw, _ = run(True, donate=lambda g: g.data_ptr() == grad.data_ptr(), grad=grad)
+    assert dx is None
+    assert_rel_close(grad, dout + want[1], 1e-5, "donated")
+    assert_rel_close(dw, want[2], 1e-5, "norm.weight.grad, donated")

@@ -5,8 +5,10 @@ The same model and budget as :mod:`tests.memory.test_model_budget` (2 layers, hi
 as Transformers' ``LlamaForCausalLM`` and patched by ``apply_fpdt`` with its defaults (FPDT
 attention with chunked q/k/v projections, lean RMSNorm, chunked MLP and loss). Budget on
 the per-token slope at lengths where it is steady, in ``Nd`` (one bf16 hidden-state tensor of
-the local sequence): :class:`fpdt.model.FPDTForCausalLM`'s attention phase ``4 + 16.5 / u``
-(:mod:`tests.memory.test_model_budget` lists what is live), and an MLP phase of ``6 + 2 / u``
+the local sequence): an attention phase of ``4 + 16.5 / u`` (:mod:`tests.memory.test_model_budget`
+lists what is live; fpdt's model has ``3 + 16.5 / u``, its input norm inside the attention, where
+Transformers' decoder layer runs the norm as its own module and the attention returns the
+norm's output gradient full-length), and an MLP phase of ``6 + 2 / u``
 where fpdt's model has ``4 + 2 / u`` (Transformers' post-attention norm is its own module, so
 the MLP saves the norm's output and returns a full-length input gradient for the norm;
 fpdt's model runs the norm inside the chunked MLP; both were 1 Nd more while ``o_proj`` saved
@@ -24,13 +26,13 @@ import transformers
 
 import fpdt.hf
 from fpdt.memory.accountant import MemoryAccountant, sequence_unit
-from tests.memory.test_model_budget import ATTENTION_PHASE_ND, ATTENTION_WS_U, CONFIG, EPS, MLP_WS_U, STEADY
+from tests.memory.test_model_budget import ATTENTION_WS_U, CONFIG, EPS, MLP_WS_U, STEADY
 
-HF_MLP_PHASE_ND = 6.0
+HF_ATTENTION_PHASE_ND, HF_MLP_PHASE_ND = 4.0, 6.0
 
 
 def budget_nd(u: int) -> float:
-    return max(ATTENTION_PHASE_ND + ATTENTION_WS_U / u, HF_MLP_PHASE_ND + MLP_WS_U / u) + EPS
+    return max(HF_ATTENTION_PHASE_ND + ATTENTION_WS_U / u, HF_MLP_PHASE_ND + MLP_WS_U / u) + EPS
 
 
 ROPE_TABLES_ND = 2 * CONFIG["head_dim"] / CONFIG["hidden_size"]
