@@ -5,7 +5,9 @@ inputs) and computes nothing.
 The accountant counts storages an op returns, never scratch inside one op, so a per-token
 budget counted with it is the same to the byte (``test_outputs_only_attention.py`` checks this
 forward and backward); it spares the quadratic attention FLOPs that made the long-sequence
-budgets most of CI's time. Only for tests that count memory: the values are zeros.
+budgets most of CI's time. Only for tests that count memory: the values are zeros. Kernel
+self-checks (``fpdt.attention.kernels.self_check``) still run the real op, so automatic selection
+picks the same kernel as without the fixture.
 """
 
 import types
@@ -13,6 +15,7 @@ import types
 import pytest
 import torch
 
+import fpdt.attention.kernels as kernels
 from fpdt.attention.kernels import torch_cpu
 
 
@@ -30,4 +33,14 @@ OUTPUTS_ONLY = types.SimpleNamespace(_scaled_dot_product_flash_attention_for_cpu
 
 @pytest.fixture
 def outputs_only_attention(monkeypatch):
+    real_op, real_check = torch_cpu.aten, kernels.self_check
+
+    def check_with_the_real_op(*args, **kwargs):
+        torch_cpu.aten = real_op
+        try:
+            return real_check(*args, **kwargs)
+        finally:
+            torch_cpu.aten = OUTPUTS_ONLY
+
+    monkeypatch.setattr(kernels, "self_check", check_with_the_real_op)
     monkeypatch.setattr(torch_cpu, "aten", OUTPUTS_ONLY)

@@ -77,6 +77,7 @@ def _slope(model, u: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("u", [4, 8])
+@pytest.mark.usefixtures("outputs_only_attention")
 def test_transformers_model_per_token_within_fpdt_model_budget(u):
     slope = _slope(_model(u), u)
     budget = budget_nd(u) + ROPE_TABLES_ND
@@ -86,6 +87,7 @@ def test_transformers_model_per_token_within_fpdt_model_budget(u):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.usefixtures("outputs_only_attention")
 def test_transformers_own_checkpointing_within_the_same_budget():
     """Transformers' checkpointing (``checkpointing="off"`` + ``gradient_checkpointing_enable()``)
     keeps every layer input on the device instead of fpdt's two (restored + prefetched): with
@@ -101,6 +103,7 @@ def test_transformers_own_checkpointing_within_the_same_budget():
 
 @pytest.mark.slow
 @pytest.mark.long
+@pytest.mark.usefixtures("outputs_only_attention")
 def test_transformers_norms_and_projections_cost_what_the_docs_say():
     """With Transformers' own RMSNorm (fp32 copies saved) the slope is far over budget. With its
     own q/k/v projections, at the attention backward: the norm output they save for their weight
@@ -159,6 +162,7 @@ def test_trainer_route_holds_only_the_relaid_inputs_more():
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.long), 0.1])
+@pytest.mark.usefixtures("outputs_only_attention")
 def test_lora_holds_per_token_what_full_fine_tuning_holds(dropout):
     """PEFT LoRA on every decoder linear (fp32 adapters on the bf16 model): the chunked functions
     compute the q/k/v and MLP adapters, fpdt's chunked output projection the o_proj's, and the per-token
@@ -223,6 +227,7 @@ def _patched(owner, name, value):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("u,lora_dropout", [(4, None), (8, None), (4, 0.1)])
+@pytest.mark.usefixtures("outputs_only_attention")
 def test_no_layer_keeps_o_proj_input_without_a_checkpoint(u, lora_dropout):
     """``offload=True`` and ``checkpointing="off"`` (no Transformers checkpoint either): each layer's
     ``o_proj`` (plain, or PEFT LoRA with dropout) keeps no copy of its input, the attention output

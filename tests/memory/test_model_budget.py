@@ -125,6 +125,7 @@ def budget_nd(u: int) -> float:
                                                     pytest.param(16, "recompute", marks=pytest.mark.long),
                                                     pytest.param(32, "recompute", marks=pytest.mark.long),
                                                     (4, "save")])
+@pytest.mark.usefixtures("outputs_only_attention")
 def test_two_layer_model_per_token_within_budget(u, attention_checkpoint):
     """Also with ``attention_checkpoint="save"``: the saved outputs are on the host, the
     recompute fetches one output chunk at a time (and the next), and nothing else changes on
@@ -144,6 +145,7 @@ def test_two_layer_model_per_token_within_budget(u, attention_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, pytest.param(0.1, marks=pytest.mark.long)])
+@pytest.mark.usefixtures("outputs_only_attention")
 def test_lora_per_token_within_the_same_budget(dropout):
     """LoRA (:func:`fpdt.model.add_lora`, rank 8 on every decoder linear, fp32 adapters on the
     bf16 model, the base frozen) holds per token what full training holds: its terms run a chunk
