@@ -74,7 +74,7 @@ class MemoryEstimate:
 
 def loss_chunks(cfg: ModelConfig, s: Setup) -> int:
     """The model's own count (:func:`fpdt.model.apply.loss_chunks_for`: its default unless set)."""
-    return loss_chunks_for(s.options, cfg)
+    return loss_chunks_for(s.options, cfg, s.rank_tokens)
 
 
 def mlp_chunks(cfg: ModelConfig, s: Setup) -> int:
