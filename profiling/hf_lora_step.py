@@ -5,7 +5,9 @@ default), the same LoRA adapters (rank 8 on all seven projections) and the same 
 repetition runs one forward + backward of each model in turn, so a loaded machine slows both
 alike, and the ratio of their median CPU times (``time.process_time``; the first repetition is a
 warm-up) is what is reported. ``--loss-chunks`` sets fpdt's LM-head loss chunks (default: the
-model's rule, ``ceil(2 u V / hidden)``).
+model's rule, ``ceil(2 u V / hidden)`` with at least 128 tokens a chunk). The output names the
+loss chunk count the step ran with and the ``fpdt`` package it imported (run with
+``PYTHONPATH`` at the checkout you mean to measure).
 
     python -m profiling.hf_lora_step                       # 4K tokens, 1K-token chunks, one thread
     python -m profiling.hf_lora_step --loss-chunks 16
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import fpdt.hf
+    from fpdt.model.loss import floored_loss_chunks
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     plain, ours = (peft.get_peft_model(copy.deepcopy(base), lora) for _ in range(2))
     kw = {"num_chunks": args.num_chunks, **({"loss_chunks": args.loss_chunks} if args.loss_chunks is not None else {})}
     fpdt.hf.apply_fpdt(ours, **kw)
+    loss_chunks = ours.fpdt.loss_chunks if args.loss_chunks is not None else \
+        floored_loss_chunks(ours.fpdt.loss_chunks, args.seq_len)
 
     def plain_step():
         loss = plain(input_ids=ids, labels=ids).loss
@@ -74,10 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
             losses[name] = float(step())
             cpu[name].append(time.process_time() - t)
     median = {k: sorted(v[1:] or v)[len(v[1:] or v) // 2] for k, v in cpu.items()}
-    out = {"seq_len": args.seq_len, "hidden": args.hidden, "options": kw, "loss": losses, "cpu_s": median,
-           "ratio": median["fpdt"] / median["plain"]}
-    print(f"plain PEFT {median['plain']:.2f} s, fpdt.hf {median['fpdt']:.2f} s CPU per step; "
-          f"ratio {out['ratio']:.2f} (losses {losses['plain']:.6f} / {losses['fpdt']:.6f})")
+    out = {"seq_len": args.seq_len, "hidden": args.hidden, "options": kw, "loss_chunks": loss_chunks,
+           "fpdt": fpdt.__file__, "loss": losses, "cpu_s": median, "ratio": median["fpdt"] / median["plain"]}
+    print(f"plain PEFT {median['plain']:.2f} s, fpdt.hf {median['fpdt']:.2f} s CPU per step ({loss_chunks} loss "
+          f"chunks; fpdt from {fpdt.__file__}); ratio {out['ratio']:.2f} "
+          f"(losses {losses['plain']:.6f} / {losses['fpdt']:.6f})")
     print(json.dumps(out))
     return out
 

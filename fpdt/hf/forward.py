@@ -26,8 +26,8 @@ from fpdt.model.inputs import require_position_ids, shift_labels as _shift_label
 from fpdt.model.moe import ChunkedMoE, RouterStatistics, balancing_loss
 from fpdt.model.streaming import StreamedModel, streamed_loss
 from fpdt.ops.projections import ProjectionError
-from fpdt.model.loss import (IGNORE_INDEX, sequence_parallel_lm_loss, sum_gradient_over_group, sum_over_group,
-                             valid_token_scale)
+from fpdt.model.loss import (IGNORE_INDEX, floored_loss_chunks, sequence_parallel_lm_loss, sum_gradient_over_group,
+                             sum_over_group, valid_token_scale)
 
 RECOMPUTED_ROPE_TYPES = ("dynamic", "longrope")
 """RoPE types whose frequencies depend on the largest position of the forward (Transformers'
@@ -206,6 +206,13 @@ def _attention_implementation(config, name: str):
         config._attn_implementation = kept
 
 
+def _loss_chunks(settings: HFSettings, tokens: int) -> int:
+    """``settings.loss_chunks``; the default count floored for ``tokens`` (:func:`fpdt.model.loss.floored_loss_chunks`)."""
+    if settings.options.loss_chunks is not None:
+        return settings.loss_chunks
+    return floored_loss_chunks(settings.loss_chunks, tokens)
+
+
 def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_ids, attention_mask, position_ids,
                       inputs_embeds, shift_labels, logits_to_keep, num_items_in_batch, kwargs):
     """The decoder and the loss (chunked, or from full logits) of :func:`causal_lm_forward`."""
@@ -240,7 +247,8 @@ def _decoder_and_loss(self, original, settings: HFSettings, sp: int, *, input_id
                                   else aux_wanted):
             h, aux = balancing_loss(h, stats)        # its backward runs before the layers'
         loss = sequence_parallel_lm_loss(h, self.lm_head.weight, shift_labels,
-                                         group=settings.sp_group, sp=sp, num_chunks=settings.loss_chunks,
+                                         group=settings.sp_group, sp=sp,
+                                         num_chunks=_loss_chunks(settings, h.shape[0] * h.shape[1]),
                                          wgrad=settings.options.lm_head_wgrad, num_valid_tokens=num_items_in_batch)
         if aux is not None:
             loss = loss + self.config.router_aux_loss_coef * aux

@@ -46,11 +46,12 @@ def moe_chunks_for(options: Any, config: Any) -> int | None:
     return default_moe_chunks(config.hidden_size, ffn, experts, top_k, options.num_chunks, shared)
 
 
-def loss_chunks_for(options: Any, config: Any) -> int:
-    """The LM head and loss's token chunks: ``options.loss_chunks``, or ``ceil(2 u V / hidden)`` if None."""
+def loss_chunks_for(options: Any, config: Any, tokens: int | None = None) -> int:
+    """The LM head and loss's token chunks: ``options.loss_chunks``, or if None
+    :func:`~fpdt.model.loss.default_loss_chunks` (``ceil(2 u V / hidden)``, floored for ``tokens``)."""
     if options.loss_chunks is not None:
         return options.loss_chunks
-    return default_loss_chunks(config.vocab_size, config.hidden_size, options.num_chunks)
+    return default_loss_chunks(config.vocab_size, config.hidden_size, options.num_chunks, tokens)
 
 
 def norm_chunks(num_chunks: int) -> int:

@@ -356,7 +356,8 @@ class FPDTForCausalLM(nn.Module):
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, num_valid_tokens, sp: int) -> torch.Tensor:
         return sequence_parallel_lm_loss(h, self.lm_head.weight, labels, group=self.sp_group, sp=sp,
-                                         num_chunks=self.loss_chunks, wgrad=self.options.lm_head_wgrad,
+                                         num_chunks=loss_chunks_for(self.options, self.config, h.shape[0] * h.shape[1]),
+                                         wgrad=self.options.lm_head_wgrad,
                                          num_valid_tokens=num_valid_tokens)
 
     def extra_repr(self) -> str:

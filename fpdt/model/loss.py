@@ -23,10 +23,21 @@ IGNORE_INDEX = -100
 WGRAD_MODES = LM_HEAD_WGRAD_MODES
 
 
-def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1) -> int:
+MIN_LOSS_CHUNK_TOKENS = 128
+"""The default count's floor: no default chunk has fewer tokens (``docs/model.md``, The chunked loss)."""
+
+
+def default_loss_chunks(vocab_size: int, hidden_size: int, num_chunks: int = 1, tokens: int | None = None) -> int:
     """``ceil(2 * u * V / hidden)``: each fp32 ``[n, V]`` logits chunk fits one local attention
-    chunk of bf16 hidden states (:mod:`fpdt.model.chunks`): ``2 V / hidden`` at ``u = 1``."""
-    return budget_chunks(num_chunks, hidden_size, 4 * vocab_size)
+    chunk of bf16 hidden states (:mod:`fpdt.model.chunks`): ``2 V / hidden`` at ``u = 1``. Given
+    the ``tokens`` to chunk, at most ``ceil(tokens / MIN_LOSS_CHUNK_TOKENS)``."""
+    count = budget_chunks(num_chunks, hidden_size, 4 * vocab_size)
+    return count if tokens is None else floored_loss_chunks(count, tokens)
+
+
+def floored_loss_chunks(num_chunks: int, tokens: int) -> int:
+    """``num_chunks``, but no more than leaves :data:`MIN_LOSS_CHUNK_TOKENS` tokens a chunk (at least 1)."""
+    return max(1, min(num_chunks, -(-tokens // MIN_LOSS_CHUNK_TOKENS)))
 
 
 def lm_loss_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -30,7 +30,7 @@ from fpdt.model.checkpointing import replayed_rng, rng_state
 from fpdt.model.layer_checkpoints import LayerCheckpoints, nvme_layer_count
 from fpdt.model.gdn_chunks import GDNChunks
 from fpdt.model.mlp import ChunkedSwiGLU
-from fpdt.model.loss import chunked_lm_loss, sum_over_group, valid_token_scale
+from fpdt.model.loss import chunked_lm_loss, floored_loss_chunks, sum_over_group, valid_token_scale
 from fpdt.model.moe import ChunkedMoE, RouterStatistics, balancing_loss
 from fpdt.offload import HostStash
 from fpdt.offload.nvme_stash import NVMeStash
@@ -373,6 +373,8 @@ class StreamedRun:
         params = [p for p in (norm.weight, weight) if self.for_backward and p.requires_grad]
         acc: dict[int, torch.Tensor] = {}
         chunks = -(-self.spec.loss_chunks // self.u) if self.spec.loss_chunks else 0
+        if chunks and self.opts.loss_chunks is None:      # the default count, floored for one chunk's tokens
+            chunks = floored_loss_chunks(chunks, labels.shape[0] * self.L)
         total = None
         for i in range(self.u):
             h = self.fetch(last, RESIDUAL, i, keep=False).detach().requires_grad_(self.for_backward)

@@ -57,7 +57,9 @@ GDN_KERNEL_STATES = 2
 one chunk's backward (``h`` recomputed and ``dh``)."""
 FLA_CHUNK = 64
 """The token block of fla's chunked delta rule (and of ``fpdt.ops.delta_rule``)."""
-LOSS_LOGIT_COPIES = 3.0
+LOSS_PHASE_ND = 3.0
+"""Full-length tensors at the loss beside the checkpoints: the final norm's input (the last layer's
+output) and output (the loss's input), and the loss's input gradient ``dh``."""
 RUNTIME_RESERVE_BYTES = 2.5 * GIB
 FRAGMENTATION = 1.10
 HOST_RESERVE_PER_RANK = 4 * GIB
@@ -81,7 +83,7 @@ class MemoryEstimate:
 
 def loss_chunks(cfg: ModelConfig, s: Setup) -> int:
     """The model's own count (:func:`fpdt.model.apply.loss_chunks_for`: its default unless set)."""
-    return loss_chunks_for(s.options, cfg)
+    return loss_chunks_for(s.options, cfg, s.rank_tokens)
 
 
 def mlp_chunks(cfg: ModelConfig, s: Setup) -> int:
@@ -307,17 +309,25 @@ def _attention_working_set(cfg: ModelConfig, s: Setup, nd: float, stash_resident
     return max(costs.peak_fwd_U, costs.peak_bwd_U) * costs.U
 
 
+def loss_logit_copies(elem_bytes: int) -> float:
+    """``[t, V]`` fp32 logits chunks the loss holds at once: the logits, and below fp32 their copy in
+    the weights' dtype (the LM head's output as it is cast up, then the gradient cast down)."""
+    return 1.0 + (elem_bytes / 4 if elem_bytes != 4 else 0.0)
+
+
 def _loss_bytes(cfg: ModelConfig, s: Setup, nd: float) -> float:
-    """The loss chunk's bytes (the larger of its forward and backward), by LM-head mode."""
-    e, h = s.elem_bytes, cfg.hidden_size
+    """The loss chunk's bytes (the larger of its forward and backward), by LM-head mode (``docs/plan.md``)."""
+    e, h, v = s.elem_bytes, cfg.hidden_size, cfg.vocab_size
     t_loss = s.rank_tokens / loss_chunks(cfg, s)
-    logits_chunk, vh = t_loss * cfg.vocab_size * 4, cfg.vocab_size * h
+    logits = loss_logit_copies(e) * t_loss * v * 4
     if s.lora_rank:     # a frozen LM head: no weight gradient in either mode
-        return 2 * nd + LOSS_LOGIT_COPIES * logits_chunk
-    if s.options.lm_head_wgrad == "recompute":
-        return 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk, vh * e + logits_chunk * (1 + e / 4))
-    cast = vh * e if e != 4 else 0.0            # the backward's cast of the fp32 accumulator
-    return 2 * nd + max(LOSS_LOGIT_COPIES * logits_chunk + vh * 4, vh * 4 + cast)
+        return LOSS_PHASE_ND * nd + logits
+    if s.options.lm_head_wgrad == "recompute":   # the backward peaks: dW beside a [T, V / N] slice (a chunk's size)
+        return LOSS_PHASE_ND * nd + v * h * e + logits
+    # a chunk's dW partial, summed a vocabulary slice of min(t, h) / h rows at a time, and its fp32 cast
+    partial = min(t_loss, h) * v * (e + 4) if e != 4 else 0.0
+    cast = v * h * e if e != 4 else 0.0         # the backward's cast of the fp32 accumulator
+    return LOSS_PHASE_ND * nd + v * h * 4 + max(logits + partial, cast)
 
 
 def _layer_phases(spec: ModelSpec, s: Setup, nd: float, mixer_phase: dict, mlp_chunk: dict,
@@ -361,6 +371,9 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
     states = model_states(cfg, s, world)
     streamed = s.options.stream_layers
     ckpt_dev, ckpt_host = _checkpoint_bytes(cfg, s, nd)
+    # at the loss (end of forward) offloaded checkpointing keeps only the last k layers' inputs on the device
+    ckpt_at_loss = (min(ckpt_dev, s.options.checkpoint_device_layers * nd) if s.options.checkpointing == "offload"
+                    else ckpt_dev)
     saved_host_layers, saved_dev_layers = saving_split(cfg, s, spec)
     saved_dev = saved_dev_layers * saved_attention_bytes(cfg, s)
     saved_host = saved_host_layers * saved_attention_bytes(cfg, s)
@@ -389,16 +402,16 @@ def estimate_memory(cfg: ModelConfig, s: Setup, world: int, gpus_per_node: int) 
                            cfg.num_heads * cfg.head_dim / h * nd, cfg.zero_centred_norms)
     chunk = nd / s.num_chunks
     if streamed:
-        loss += 2 * chunk - 2 * nd
+        loss += 2 * chunk - LOSS_PHASE_ND * nd
     in_flight, ws_key, ws = max(phases.values(), key=lambda p: p[0] + p[2])
     layer_phase = ckpt_dev + saved_dev + in_flight + ws
-    loss_phase = ckpt_dev + saved_dev + loss
+    loss_phase = ckpt_at_loss + saved_dev + loss
     if layer_phase >= loss_phase:
         at_peak["in_flight_layer"] = in_flight
         if ws_key:
             at_peak[ws_key] = ws
     else:
-        at_peak["loss_chunk"] = loss
+        at_peak["loss_chunk"], at_peak["checkpoints_device"] = loss, ckpt_at_loss
     activation = activation_peak = max(layer_phase, loss_phase)
     comm, bucket = communication(cfg, s), zero_bucket(s)
     step_phase = optimizer_step_transient(cfg, s, world) + bucket

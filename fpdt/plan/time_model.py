@@ -31,13 +31,18 @@ def _link(cluster: Cluster, group: int, adjacent: bool, rates: Rates) -> float:
 # a recompute forward included), per token, by weight precision (2: bf16/fp16, 4: fp32):
 # per layer, per element of the hidden size, MLP width and K/V width; per merge of the
 # online softmax (per element of one chunk's hidden states); per vocabulary entry for the
-# loss, by LM-head mode. Least-squares fits of the counted bytes over 14 model shapes, each
-# within 3%. Without checkpointing (no recompute forward) the layer terms are 0.76 of these.
+# loss with lm_head_wgrad="accumulate". Least-squares fits of the counted bytes over 14 model
+# shapes, each within 3%. Without checkpointing (no recompute forward) the layer terms are 0.76
+# of these. "recompute" adds lm_head_recompute_bytes per vocabulary entry and
+# LM_HEAD_SLICE_BYTES per vocabulary slice (docs/plan.md, "How the planner counts step time").
 ELEMENTWISE_BYTES = {
-    2: {"hidden": 609, "mlp": 58, "kv": 85, "merge": 39, "vocab": {"accumulate": 56, "recompute": 105}},
-    4: {"hidden": 820, "mlp": 93, "kv": 47, "merge": 96, "vocab": {"accumulate": 45, "recompute": 84}},
+    2: {"hidden": 609, "mlp": 58, "kv": 85, "merge": 39, "vocab": 56},
+    4: {"hidden": 820, "mlp": 93, "kv": 47, "merge": 96, "vocab": 45},
 }
 NO_RECOMPUTE_FACTOR = 0.76
+LM_HEAD_SLICE_BYTES = 87
+"""Per token and vocabulary slice of the recomputed LM-head gradient: the slice's label mask and
+target index, the lse, row-scale and target reads (int64 labels), counted 86.8-87.1 B."""
 LORA_ELEMENTWISE_BYTES = 42
 """Adapters' memory-bound bytes per token, layer and element of the adapted widths (``docs/plan.md``)."""
 
@@ -77,12 +82,21 @@ def elementwise_bytes(cfg: ModelConfig, s: Setup) -> float:
     merges = ring_touches(s.seq_len, s.doc_len, u, s.cp) - u   # touches after each query chunk's first
     layers = cfg.num_layers * tokens * per_token + spec.attention_layers * k["merge"] * merges * tokens / u * h
     head_mode = "accumulate" if s.lora_rank else s.options.lm_head_wgrad     # a frozen head recomputes nothing
-    return layers + lm_head_elementwise_bytes(tokens, cfg.vocab_size, s.elem_bytes, head_mode)
+    return layers + lm_head_elementwise_bytes(tokens, cfg.vocab_size, s.elem_bytes, head_mode, loss_chunks(cfg, s))
 
 
-def lm_head_elementwise_bytes(tokens: int, vocab: int, elem_bytes: int, mode: str) -> float:
-    """The loss's share of :func:`elementwise_bytes`, by LM-head mode."""
-    return tokens * vocab * ELEMENTWISE_BYTES[4 if elem_bytes == 4 else 2]["vocab"][mode]
+def lm_head_recompute_bytes(elem_bytes: int) -> int:
+    """Per token and vocabulary entry, the recomputed gradient's passes over an fp32 ``[T, V / N]`` slice:
+    cast up and down (none in fp32), subtract lse, exp, the target scatter and the row scale."""
+    return 32 + (0 if elem_bytes == 4 else 2 * (elem_bytes + 4))
+
+
+def lm_head_elementwise_bytes(tokens: int, vocab: int, elem_bytes: int, mode: str, num_loss_chunks: int = 1) -> float:
+    """The loss's share of :func:`elementwise_bytes`, by LM-head mode (``num_loss_chunks`` vocabulary slices)."""
+    per_entry = ELEMENTWISE_BYTES[4 if elem_bytes == 4 else 2]["vocab"]
+    if mode != "recompute":
+        return tokens * vocab * per_entry
+    return tokens * (vocab * (per_entry + lm_head_recompute_bytes(elem_bytes)) + LM_HEAD_SLICE_BYTES * num_loss_chunks)
 
 
 def accumulation_bytes_per_weight(weight_bytes: int) -> int:
@@ -132,7 +146,8 @@ def lm_head_seconds(hidden: int, vocab: int, tokens: int, num_loss_chunks: int, 
     ``elementwise``, ``wgrad_accumulation``, ``total``): the terms :func:`estimate_time` charges for the
     head, for ``profiling/lm_head_wgrad.py`` to set beside its measurement."""
     parts = {"gemms": lm_head_gemm_flops(tokens, hidden, vocab, mode) / rates.gemm_flops,
-             "elementwise": lm_head_elementwise_bytes(tokens, vocab, elem_bytes, mode) / rates.memory_bytes_s,
+             "elementwise": lm_head_elementwise_bytes(tokens, vocab, elem_bytes, mode, num_loss_chunks)
+             / rates.memory_bytes_s,
              "wgrad_accumulation": lm_head_accumulation_bytes(tokens, num_loss_chunks, vocab, hidden, elem_bytes,
                                                               mode) / rates.memory_bytes_s}
     parts["total"] = sum(parts.values())

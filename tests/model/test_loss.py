@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fpdt.model.loss import WGRAD_MODES, chunked_lm_loss, default_loss_chunks, lm_loss_reference
+from fpdt.model.loss import MIN_LOSS_CHUNK_TOKENS, WGRAD_MODES, chunked_lm_loss, default_loss_chunks, lm_loss_reference
 from tests.model.helpers import rel_err
 
 
@@ -118,6 +118,31 @@ def test_default_chunks_rule():
     assert default_loss_chunks(128256, 2048) == 126  # ceil(128256 / 2048 * 2)
     assert default_loss_chunks(32000, 4096) == 16
     assert default_loss_chunks(10, 4096) == 1
+
+
+def test_default_chunks_keep_a_floor_of_tokens():
+    """hidden 512, vocabulary 32K, u = 4: the budget rule alone gives 500 chunks, 8 tokens each at 4K."""
+    assert default_loss_chunks(32000, 512, 4) == 500
+    assert default_loss_chunks(32000, 512, 4, tokens=4096) == 4096 // MIN_LOSS_CHUNK_TOKENS == 32
+    assert default_loss_chunks(32000, 512, 4, tokens=4097) == 33
+    assert default_loss_chunks(32000, 512, 4, tokens=1 << 20) == 500        # long sequences: the budget rule
+    assert default_loss_chunks(32000, 512, 4, tokens=5) == 1
+
+
+def test_forward_floors_the_default_count_but_not_an_explicit_one(monkeypatch):
+    import fpdt.model.llama as llama
+    from fpdt.model import from_config
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=4000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    seen, real = [], llama.sequence_parallel_lm_loss
+    monkeypatch.setattr(llama, "sequence_parallel_lm_loss", lambda *a, **k: seen.append(k["num_chunks"]) or real(*a, **k))
+    ids = torch.randint(0, 4000, (1, 512))
+    for loss_chunks in (None, 250):
+        model = from_config(cfg, dtype=torch.float32, num_chunks=2, loss_chunks=loss_chunks)
+        model(**model.prepare_inputs(ids, labels=ids))
+    assert seen == [4, 250]          # 511 tokens: ceil(511 / 128); the budget rule alone: ceil(2 * 2 * 4000 / 32) = 500
 
 
 def test_frozen_hidden_recompute_gives_the_weight_gradient_only():

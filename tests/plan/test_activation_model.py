@@ -7,7 +7,8 @@ planner's ``activation_peak_bytes`` (everything beyond model states, communicati
 buffers and the runtime reserve) must be within 10% of the accountant's device peak, on
 every rank, for sp 1 and 2, u 2/4/8, offload on/off, checkpointing on/offload/off. A
 vocabulary of 32,000 puts the peak at the loss instead, for both LM-head weight-gradient
-modes (there "recompute" measures 2.5x less than "accumulate").
+modes (there "recompute" measures 2.5x less than "accumulate"), at the default's 128-token loss
+chunks and, with an explicit count, at the budget rule's 1-token ones.
 """
 
 import pytest
@@ -25,7 +26,7 @@ CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size
        "tie_word_embeddings": False, "rope_theta": 10000.0}
 TOLERANCE = 0.10
 
-# (sp, seq_len, u, offload, checkpoint[, vocab, lm_head_wgrad])
+# (sp, seq_len, u, offload, checkpoint[, vocab, lm_head_wgrad[, loss_chunks]])
 CASES = [
     (1, 2048, 2, True, "offload"),
     (1, 2048, 8, True, "offload"),
@@ -38,6 +39,8 @@ CASES = [
     (1, 2048, 8, True, "offload", 32000, "recompute"),
     (1, 512, 2, True, "offload", 32000, "recompute"),
     (2, 2048, 4, True, "offload", 32000, "recompute"),
+    (1, 2048, 2, True, "offload", 32000, "accumulate", 2000),     # ceil(2 u V / hidden): 1-token chunks
+    (1, 2048, 8, True, "offload", 32000, "recompute", 8000),
     # no layer checkpointing: every layer's saved tensors (the output projection reading its
     # input from the stash under offload)
     (1, 2048, 2, True, "off"),
@@ -54,10 +57,10 @@ def _config(vocab: int) -> dict:
 
 
 def measured_peak(seq_len: int, u: int, offload: bool, checkpoint: str, vocab: int = 256,
-                  wgrad: str = "accumulate", group=None) -> int:
+                  wgrad: str = "accumulate", loss_chunks: int | None = None, group=None) -> int:
     torch.manual_seed(0)
     model = fm.from_config(_config(vocab), dtype=torch.bfloat16, num_chunks=u, offload=offload,
-                           checkpointing=checkpoint, lm_head_wgrad=wgrad, group=group)
+                           checkpointing=checkpoint, lm_head_wgrad=wgrad, loss_chunks=loss_chunks, group=group)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     inputs = model.prepare_inputs(torch.randint(0, vocab, (1, seq_len)))
@@ -70,9 +73,10 @@ def measured_peak(seq_len: int, u: int, offload: bool, checkpoint: str, vocab: i
 
 
 def planned_peak(sp: int, seq_len: int, u: int, offload: bool, checkpoint: str, vocab: int = 256,
-                 wgrad: str = "accumulate") -> float:
+                 wgrad: str = "accumulate", loss_chunks: int | None = None) -> float:
     s = Setup.build(seq_len=seq_len, chunk_size=seq_len // u, hp=sp, checkpointing=checkpoint, offload=offload,
-              zero_stage=0, dtype="bf16", kernel_expands_gqa=True, lm_head_wgrad=wgrad)   # the CPU kernel
+              zero_stage=0, dtype="bf16", kernel_expands_gqa=True, lm_head_wgrad=wgrad,
+              loss_chunks=loss_chunks)   # the CPU kernel
     cluster = Cluster(GPU_PRESETS["h100-80g"], gpus_per_node=sp)
     return evaluate(load_model_config(_config(vocab)), s, cluster)["activation_peak_bytes"]
 
@@ -86,7 +90,8 @@ def _rank_body(rank, world_size, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "sp{}-S{}-u{}-{}-ckpt_{}".format(
-    c[0], c[1], c[2], "offload" if c[3] else "device", c[4]) + ("-V{}-{}".format(*c[5:]) if c[5:] else ""))
+    c[0], c[1], c[2], "offload" if c[3] else "device", c[4]) + ("-V{}-{}".format(*c[5:7]) if c[5:] else "")
+    + ("-N{}".format(c[7]) if c[7:] else ""))
 def test_planned_activation_peak_matches_accountant(case):
     if case[0] == 1:
         _rank_body(0, 1, case)

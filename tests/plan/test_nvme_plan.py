@@ -128,12 +128,13 @@ def test_docs_predictions_are_the_planners():
 
 
 def test_fewest_layers_on_disk_once_saved_outputs_have_their_layers(monkeypatch):
-    """At 6M on 8 x H100 with 1 TiB host, the plan saves attention outputs and keeps more layer
+    """At 5.5M on 8 x H100 with 1 TiB host, the plan saves attention outputs and keeps more layer
     inputs on the device for them, which frees host memory: the layers on disk are counted after
     that, so K is the fewest (K - 1 does not fit the host), where counting them before overshot."""
     from fpdt.plan import planner
     cluster = _cluster(NVME_PRESETS["gen5-x8"])
     choice = Choice().fix(stream_layers=False, chunk_size=2 ** 16, hp=8)
+    S = 11 * 2 ** 19    # at 6M the plan recomputes attention: saving beside the loss (3 Nd, docs/plan.md) no longer fits
     r = plan(CFG, cluster, seq_len=S, choice=choice)
     s, k = r["setup"], r["setup"]["nvme_layers"]
     assert r["fits"] and s["attention_checkpoint"] == "save" and s["checkpoint_device_layers"] > 0 and k > 0

@@ -224,6 +224,8 @@ def test_the_lora_speed_script_runs_both_models_on_the_same_tokens():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["loss"]["fpdt"] == pytest.approx(out["loss"]["plain"], rel=1e-5) and out["ratio"] > 0
+    # the rule's ceil(2 * 2 * 256 / 64) = 16 chunks, floored to one of 128 tokens; the checkout's own fpdt
+    assert out["loss_chunks"] == 1 and out["fpdt"].startswith(ROOT)
 
 
 @pytest.mark.slow
