@@ -374,9 +374,10 @@ def _layout_trainer(monkeypatch, argv):
     def reached(*args, **kwargs):
         raise ReachedTheGroup("init_process_group")
     monkeypatch.setattr(dist, "init_process_group", reached)
-    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))         # as a launcher starts rank 0 of WORLD
+    monkeypatch.setenv("RANK", "0")
     _fpdt_train(ARGV[:-2] + argv, REACHED.replace("ReachedTheEngine: deepspeed.initialize",
-                                                  "ReachedTheGroup: init_process_group"))
+                                                  "rank 0: ReachedTheGroup: init_process_group"))
 
 
 def _layout_json(monkeypatch, lay):

@@ -47,7 +47,8 @@ from fpdt.train.data import (PACKINGS, DataError, PackedWindows, Windows, bin_dt
 from fpdt.train.errors import RunError, debug_enabled, report, this_rank
 from fpdt.train.loop import CommFailure, DeviceOutOfMemory, LoopSpec, NonFiniteStep, NVMeFault, run_steps
 from fpdt.train.metrics import ModelShape, resolve_peak_flops
-from fpdt.train.parallel import ParallelState, build_parallel_state, env_world_size, init_distributed, pick_device
+from fpdt.train.parallel import (ParallelState, build_parallel_state, env_world_size, init_distributed,
+                                 launcher_environment_restored, pick_device)
 from fpdt.train.progress import Progress, StepRecord, summary
 
 ENV_RUNTIME = "FPDT_RUNTIME"
@@ -617,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     zero.quiet_deepspeed_warnings()
     owns_group = not (dist.is_available() and dist.is_initialized())   # else the caller's, left as it is
     try:
-        with terminate_as_interrupt():
+        with launcher_environment_restored(), terminate_as_interrupt():
             run(args)
     except KeyboardInterrupt:
         if debug_enabled(args.debug):

@@ -8,6 +8,7 @@ over and averages gradients over all ``dp * P`` ranks (loss scaling: :mod:`fpdt.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -67,6 +68,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def launcher_environment_restored():
+    """Removes, on leaving, the launcher variables :func:`init_distributed` set for a 1-process
+    group (a caller running ``fpdt-train``'s ``main`` in its own process keeps its environment)."""
+    before = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def init_distributed(device: torch.device, timeout: timedelta | None = None) -> None:
