@@ -11,6 +11,7 @@ TINY_HIDDEN, TINY_HEADS = 64, 4          # the script's --tiny model
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_hf_integration_script_runs_tiny(tmp_path):
     run_script("hf_integration", "--tiny", "--out-dir", tmp_path)
     res = read_json(tmp_path / "hf_integration.json")

@@ -28,6 +28,7 @@ def test_bandwidth_rows_and_calibration(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_step_mode_host_peak_falls_with_the_tier(tmp_path):
     out = tmp_path / "rows.jsonl"
     run_script("nvme_bandwidth", "step", "--dir", tmp_path, "--seq", "1024", "--chunk", "256", "--layers", "6",

@@ -100,6 +100,7 @@ def test_named_attention_backend(tmp_path):
         "cuda_flash", "--out-dir", tmp_path)
 
 
+@pytest.mark.long
 def test_bisection_and_simulated_capacity(tmp_path):
     out = _max_seqlen(tmp_path, "--in-process", "--strategies", "hf", "--max-len", "256")
     entry = out["strategies"]["hf"]
