@@ -76,13 +76,20 @@ class LayerPhases:
     def __init__(self, acct, layers):
         self.acct, self.backward, self.order = acct, False, []
         self._open = None
+        self._open_name = None
         # The layer's first submodule, not the layer: Transformers checkpoints the layer's
         # ``forward`` (not ``__call__``), so only its submodules' hooks run again in recompute.
-        self._handles = [getattr(layer, "input_layernorm", layer).register_forward_pre_hook(self._layer_hook(i))
-                         for i, layer in enumerate(layers)]
+        # fpdt's full-attention layers hand their input norm to the attention (not called as a module):
+        # hook both, whichever runs first opens the layer's phase.
+        self._handles = [m.register_forward_pre_hook(self._layer_hook(i)) for i, layer in enumerate(layers)
+                         for m in ([getattr(layer, "input_layernorm", layer)]
+                                   + ([layer.self_attn] if hasattr(layer, "self_attn") else []))]
         self._handles.append(layers[-1].register_forward_hook(self._after_last_layer))
 
     def switch(self, name: str) -> None:
+        if self._open is not None and self._open_name == name:     # the layer's second hooked module
+            return
+        self._open_name = name
         if self._open is not None:
             self._open.__exit__(None, None, None)
         if name not in self.order:
