@@ -50,6 +50,12 @@ def write_fixture(tmp: str, n_tokens: int = 4000, seed: int = 1) -> tuple[str, s
     return cfg_path, data_path
 
 
+def logged_losses(path: str) -> list[float]:
+    """The ``loss`` of every record of a ``--log-json`` file, in order."""
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f if line.strip()]
+
+
 def write_json(path: str, obj: dict) -> str:
     with open(path, "w") as f:
         json.dump(obj, f)

@@ -7,7 +7,6 @@ on the Transformers model and gives fpdt's loss with the same adapters within 1e
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -18,6 +17,7 @@ import fpdt.model as fm
 from tests.distributed import run_distributed
 from tests.train.helpers import (ADAMW, ADAMW_CLIP, causal_lm_loss, ds_config, quiet, windows_batch, write_fixture,
                                  write_json)
+from tests.train.helpers import logged_losses
 
 peft = pytest.importorskip("peft")
 
@@ -62,17 +62,12 @@ def runs(tmp_path_factory):
     return tmp
 
 
-def _losses(path: str) -> list[float]:
-    with open(path) as f:
-        return [json.loads(line)["loss"] for line in f if line.strip()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("mode", MODES)
 def test_resume_is_bit_identical(runs, model, mode):
-    whole = _losses(os.path.join(runs, f"{model}-{mode}-whole.jsonl"))
-    resumed = _losses(os.path.join(runs, f"{model}-{mode}-resumed.jsonl"))
+    whole = logged_losses(os.path.join(runs, f"{model}-{mode}-whole.jsonl"))
+    resumed = logged_losses(os.path.join(runs, f"{model}-{mode}-resumed.jsonl"))
     assert len(whole) == 3 and resumed == whole[2:], f"{model} {mode}: resumed {resumed} vs uninterrupted {whole}"
 
 
@@ -115,6 +110,6 @@ def test_qwen35_lora_steps_match_peft_training(runs):
     drawn = fm.add_lora(fm.from_pretrained(base, dtype=torch.float32), spec, seed=0)
     model = peft_model(base, spec=spec, adapters={n: p.detach() for n, p in fm.adapter_state_dict(drawn).items()})
     want = peft_reference_losses(model, os.path.join(runs, "tokens.npy"), SEQ_LEN, 3, 1, ADAMW, ADAMW_CLIP)
-    got = _losses(os.path.join(runs, "qwen35-lora-whole.jsonl"))
+    got = logged_losses(os.path.join(runs, "qwen35-lora-whole.jsonl"))
     rel = [abs(g - w) / abs(w) for g, w in zip(got, want)]
     assert len(got) == 3 and max(rel) < 1e-5, f"fpdt-train {got} vs PEFT {want} (rel. err {rel})"

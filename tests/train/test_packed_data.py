@@ -16,6 +16,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.layout import mesh_unshard, unshard
 from fpdt.layout.documents import doc_ids_from_position_ids
 from fpdt.train.data import DataError, PackedWindows, load_documents
+from tests.train.helpers import logged_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = "examples/tiny-llama/tokenizer.json"
@@ -288,11 +289,6 @@ def _train(tmp, *extra):
     return proc.stderr
 
 
-def _losses(path):
-    with open(path) as f:
-        return [json.loads(line)["loss"] for line in f]
-
-
 @pytest.mark.slow
 def test_main_job_data_packed_and_resumed_in_order(tmp_path):
     """The README's main job on its text cut into paragraphs, packed: the start-up line counts the
@@ -304,12 +300,12 @@ def test_main_job_data_packed_and_resumed_in_order(tmp_path):
     err = _train(tmp, "--log-json", log, "--save-dir", os.path.join(tmp, "ckpt"), "--save-every", "2")
     line = re.search(r"packed documents=(\d+) mean_len=([\d.]+) continuations=(\d+) fill=([\d.]+)%", err)
     assert line and int(line.group(1)) == docs and 30 < float(line.group(2)) < 200, err[-2000:]
-    losses = _losses(log)
+    losses = logged_losses(log)
     assert len(losses) == 3 and losses[0] == pytest.approx(7.6, abs=0.3) and losses[-1] < losses[0]
     resumed_log = os.path.join(tmp, "resumed.jsonl")
     err = _train(tmp, "--log-json", resumed_log, "--resume", os.path.join(tmp, "ckpt", "step2"))
     assert "differs from the saved one" not in err
-    assert _losses(resumed_log) == losses[2:]
+    assert logged_losses(resumed_log) == losses[2:]
 
 
 def _train_sp2(rank, world, tmp, log):
@@ -334,8 +330,8 @@ def test_main_job_data_packed_on_two_ranks_matches_one(tmp_path):
     one, two = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "two.jsonl")
     _train(tmp, "--log-json", one)
     run_distributed(_train_sp2, 2, args=(tmp, two), timeout=300)
-    for a, b in zip(_losses(one), _losses(two), strict=True):
-        assert abs(a - b) <= 1e-4 * abs(a), (_losses(one), _losses(two))
+    for a, b in zip(logged_losses(one), logged_losses(two), strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (logged_losses(one), logged_losses(two))
 
 
 @pytest.mark.slow
@@ -387,8 +383,8 @@ def test_main_job_packed_on_a_ring_trains_what_one_process_does(tmp_path):
     one, ring = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "ring.jsonl")
     _train(tmp, "--log-json", one, "--shuffle", "--seed", "0")
     run_distributed(_train_cp2, 2, args=(tmp, ring), timeout=300)
-    for a, b in zip(_losses(one), _losses(ring), strict=True):
-        assert abs(a - b) <= 1e-4 * abs(a), (_losses(one), _losses(ring))
+    for a, b in zip(logged_losses(one), logged_losses(ring), strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (logged_losses(one), logged_losses(ring))
 
 
 def test_the_shipped_paragraphs_are_the_text_split_at_blank_lines_and_pack():

@@ -8,7 +8,6 @@ that resuming from a checkpoint gives a bit-identical next step.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -17,6 +16,7 @@ from tests.distributed import run_distributed
 from tests.model.helpers import MODEL_SLACK
 from tests.train.helpers import (ADAMW, ADAMW_CLIP, SGD, SGD_CLIP, check_memory_fields, ds_config, quiet,
                                 reference_losses, write_fixture, write_json)
+from tests.train.helpers import logged_losses
 
 SEQ_LEN = 64
 STEPS = 3
@@ -24,11 +24,6 @@ BF16_LOSS_FLOOR = 2.0 ** -12
 """Added to the yardstick: two bf16 trajectories round apart step by step (measured at AdamW's step
 3: fpdt-train 2.3e-4 from float64, plain bf16 7.7e-5); a wrong gradient scale moves a loss by 1e-2."""
 RTOL = 1e-5    # fp32; measured at most 3.9e-7 (test_parity), 1.7e-7 (test_zero_load), 8.8e-8 (LoRA) on the CPU
-
-
-def _losses(path: str) -> list[float]:
-    with open(path) as f:
-        return [json.loads(line)["loss"] for line in f if line.strip()]
 
 
 def _train(rank: int, tmp: str, name: str, sp: int, chunk: int, extra: list[str]) -> None:
@@ -66,7 +61,7 @@ def _run_layout(tmp: str, sp: int, chunk: int, resume: bool, checkpoint: str = "
     dp = 2 // sp
     out = {}
     for name, opt, clip in (("sgd", SGD, SGD_CLIP), ("adamw", ADAMW, ADAMW_CLIP)):
-        got = _losses(os.path.join(tmp, f"{name}.jsonl"))
+        got = logged_losses(os.path.join(tmp, f"{name}.jsonl"))
         assert len(got) == STEPS
         if bf16:
             _check_bf16(got, *(reference_losses(cfg_path, data_path, SEQ_LEN, STEPS, dp * grad_accum, opt, clip,
@@ -96,7 +91,7 @@ def _check_bf16(got: list[float], exact: list[float], plain: list[float], name: 
 def test_sp2_zero3_matches_single_process_and_resumes_bit_identically(tmp_path):
     tmp = str(tmp_path)
     losses = _run_layout(tmp, sp=2, chunk=32, resume=True)  # 2 chunks of 32 tokens, 16 per rank
-    resumed = _losses(os.path.join(tmp, "adamw_resumed.jsonl"))
+    resumed = logged_losses(os.path.join(tmp, "adamw_resumed.jsonl"))
     assert len(resumed) == 1
     assert resumed[0] == losses["adamw"][2], f"resumed step 3 loss {resumed[0]!r} != {losses['adamw'][2]!r}"
 
@@ -142,7 +137,7 @@ def test_sp2_zero3_streamed_layers_match_single_process_and_resume(tmp_path):
     tmp = str(tmp_path)
     losses = _run_layout(tmp, sp=2, chunk=32, resume=True, checkpoint="offload",
                          flags=("--stream-layers", "--runtime", "sim"))
-    resumed = _losses(os.path.join(tmp, "adamw_resumed.jsonl"))
+    resumed = logged_losses(os.path.join(tmp, "adamw_resumed.jsonl"))
     assert resumed == [losses["adamw"][2]], (resumed, losses["adamw"])
 
 

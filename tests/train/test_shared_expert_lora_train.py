@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 
 import numpy as np
@@ -21,6 +20,7 @@ import fpdt.model as fm
 from fpdt.model.lora import LoraSpec
 from tests.distributed import run_distributed
 from tests.train.helpers import ADAMW, ADAMW_CLIP, ds_config, peft_name, quiet, windows_batch, write_fixture, write_json
+from tests.train.helpers import logged_losses
 
 peft = pytest.importorskip("peft")
 
@@ -67,11 +67,6 @@ def run(tmp_path_factory):
     return tmp
 
 
-def _losses(path: str) -> list[float]:
-    with open(path) as f:
-        return [json.loads(line)["loss"] for line in f if line.strip()]
-
-
 def _transformers(base: str):
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager",
@@ -110,10 +105,10 @@ def test_steps_match_peft_and_resume_is_exact(run):
         torch.nn.utils.clip_grad_norm_(trainable, ADAMW_CLIP)
         opt.step()
         want.append(loss.item())
-    got = _losses(os.path.join(run, "whole.jsonl"))
+    got = logged_losses(os.path.join(run, "whole.jsonl"))
     rel = [abs(g - w) / abs(w) for g, w in zip(got, want)]
     assert len(got) == STEPS and max(rel) < 1e-5, f"fpdt-train {got} vs PEFT {want} (rel. err {rel})"
-    resumed = _losses(os.path.join(run, "resumed.jsonl"))
+    resumed = logged_losses(os.path.join(run, "resumed.jsonl"))
     assert resumed == got[2:], f"resumed {resumed} vs uninterrupted {got}"
     with open(os.path.join(run, "refused.txt")) as f:
         status, text = f.read().split("\n", 1)
