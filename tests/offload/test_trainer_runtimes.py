@@ -13,7 +13,8 @@ import pytest
 from tests.distributed import run_distributed
 from tests.train.helpers import (SGD, SGD_CLIP, check_memory_fields, ds_config, quiet, reference_losses, write_fixture,
                                 write_json)
-from tests.train.test_parity import RTOL, SEQ_LEN, STEPS, _losses, _train
+from tests.train.helpers import logged_losses
+from tests.train.test_parity import RTOL, SEQ_LEN, STEPS, _train
 
 ENVS = {"sync": {"FPDT_RUNTIME": "sync"},
         "sim-lazy": {"FPDT_RUNTIME": "sim", "FPDT_SIM_MODE": "lazy"},
@@ -43,7 +44,7 @@ def test_trainer_with_offload_matches_the_reference(runtime, tmp_path):
     run_distributed(_body, world_size=2, args=(tmp, ENVS[runtime], chunks), timeout=240)
     ref = reference_losses(cfg_path, data_path, SEQ_LEN, STEPS, 1, SGD, SGD_CLIP)
     for chunk in chunks:
-        got = _losses(os.path.join(tmp, f"sgd_{chunk}.jsonl"))
+        got = logged_losses(os.path.join(tmp, f"sgd_{chunk}.jsonl"))
         rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
         assert len(got) == STEPS and max(rel) < RTOL, f"{runtime} chunk={chunk}: {got} vs {ref} ({rel})"
         check_memory_fields(os.path.join(tmp, f"sgd_{chunk}.jsonl"), offload=True)
