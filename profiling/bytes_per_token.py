@@ -80,10 +80,14 @@ class LayerPhases:
         # The layer's first submodule, not the layer: Transformers checkpoints the layer's
         # ``forward`` (not ``__call__``), so only its submodules' hooks run again in recompute.
         # fpdt's full-attention layers hand their input norm to the attention (not called as a module):
-        # hook both, whichever runs first opens the layer's phase.
+        # hook the norm and the token mixer (attention or Gated DeltaNet, whichever the layer has),
+        # whichever runs first opens the layer's phase.
+        def firsts(layer):
+            mods = [getattr(layer, "input_layernorm", layer), getattr(layer, "self_attn", None),
+                    getattr(layer, "linear_attn", None)]
+            return [m for m in mods if m is not None]
         self._handles = [m.register_forward_pre_hook(self._layer_hook(i)) for i, layer in enumerate(layers)
-                         for m in ([getattr(layer, "input_layernorm", layer)]
-                                   + ([layer.self_attn] if hasattr(layer, "self_attn") else []))]
+                         for m in firsts(layer)]
         self._handles.append(layers[-1].register_forward_hook(self._after_last_layer))
 
     def switch(self, name: str) -> None:

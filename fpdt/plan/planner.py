@@ -331,7 +331,8 @@ def _with_saved_attention(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster,
     freeing host memory for one more saved output: the smallest ``k`` that gives the largest
     ``K`` wins. ``K`` comes from the memory ``r`` leaves (both grow linearly in ``K``: on the
     host by the ranks' saved bytes, on the device by those times the allocator's slack, an
-    upper bound), then is checked by :func:`evaluate`."""
+    upper bound; each kept input costs its full bytes on the device, as at the loss, where all
+    ``k`` are live), then is checked by :func:`evaluate`."""
     l, checkpointing = cfg.num_layers, s.options.checkpointing
     if not r["fits"] or checkpointing == "off":
         return None
@@ -343,7 +344,7 @@ def _with_saved_attention(cfg: ModelConfig, s: Setup, r: dict, cluster: Cluster,
     best = (0, k0)
     for k in range(k0, l + 1) if tier and checkpointing == "offload" else [k0]:
         host_k = host_room + (k - k0) * ranks * nd
-        dev_k = dev_room - FRAGMENTATION * nd * (max(k, min(2, l)) - max(k0, min(2, l)))
+        dev_k = dev_room - FRAGMENTATION * nd * (k - k0)
         if dev_k < 0:
             break
         n = most_saving_layers(cfg, s.updated(checkpoint_device_layers=k), host_k, dev_k, ranks)

@@ -11,6 +11,7 @@ and MFU).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -44,18 +45,24 @@ class ModelShape:
         """The shape of a :class:`fpdt.model.ModelConfig` (or anything with its size fields)."""
         widths = ()
         if hasattr(cfg, "layer_type") and (cfg.has_linear_attention or cfg.moe is not None):
-            from fpdt.model.lora import ALL_TARGETS, LoraSpec, target_of
-            from fpdt.train.lora import adapter_shapes
-
-            sums = dict.fromkeys(ALL_TARGETS, 0.0)
-            for name, shape in adapter_shapes(cfg, LoraSpec(1, targets=ALL_TARGETS)).items():
-                if ".lora_A." in name:
-                    sums[target_of(name)] += shape[1] / cfg.num_layers       # in
-                else:
-                    sums[target_of(name)] += shape[0] / cfg.num_layers       # out
-            widths = tuple(sums.items())
+            widths = _lora_widths(cfg)
         return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    getattr(cfg, "mlp_flop_width", cfg.intermediate_size), cfg.vocab_size, widths)
+
+
+@functools.lru_cache(maxsize=32)     # the planner asks once per setup it evaluates: thousands per plan
+def _lora_widths(cfg) -> tuple[tuple[str, float], ...]:
+    """:attr:`ModelShape.lora_widths` of a hybrid or MoE :class:`fpdt.model.ModelConfig` (frozen)."""
+    from fpdt.model.lora import ALL_TARGETS, LoraSpec, target_of
+    from fpdt.train.lora import adapter_shapes
+
+    sums = dict.fromkeys(ALL_TARGETS, 0.0)
+    for name, shape in adapter_shapes(cfg, LoraSpec(1, targets=ALL_TARGETS)).items():
+        if ".lora_A." in name:
+            sums[target_of(name)] += shape[1] / cfg.num_layers       # in
+        else:
+            sums[target_of(name)] += shape[0] / cfg.num_layers       # out
+    return tuple(sums.items())
 
 
 def layer_matmul_flops(m: ModelShape) -> float:

@@ -127,12 +127,6 @@ def test_docs_predictions_are_the_planners():
     assert "| **13M** | 8.5M |" in doc and "| 2.06M | **3.31M** |" in doc and "| 13.5M | **17.3M** |" in doc
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "planner bug, open: since the lighter attention layer and the counted loss term, no length on "
-    "8 x H100 / 1 TiB / gen5-x8 gives a plan that both saves attention outputs and puts layers on disk: "
-    "planner._with_saved_attention estimates device room linearly (11 layer inputs kept on the GPUs, "
-    "85.2 GiB on an 80 GiB card) and lowers only the saving layers, never the kept inputs, so it gives "
-    "up, while evaluate() fits 8 saving layers with 4 kept inputs at 4.125M (53.4 / 941 GiB)"))
 def test_fewest_layers_on_disk_once_saved_outputs_have_their_layers(monkeypatch):
     """At 5.5M on 8 x H100 with 1 TiB host, the plan saves attention outputs and keeps more layer
     inputs on the device for them, which frees host memory: the layers on disk are counted after
