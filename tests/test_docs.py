@@ -5,9 +5,10 @@ A fenced block's info string says how it runs:
 
 - ```` ```python ````: run in a fresh process from a scratch directory that sees the repository's
   ``examples/``; ```` ```python ranks=N ````: on N gloo ranks of ``tests/distributed.py``.
-- ```` ```bash ````: run as a bash script (``set -e``) from such a directory; ```` ```bash slow ````
-  marks a training run of a minute or more, run in the ``long`` tier (CI runs what each calls, in
-  shorter form, in ``tests/train`` and ``tests/hf``).
+- ```` ```bash ````: run as a bash script (``set -e``) from such a directory. ```` ```bash slow ```` /
+  ```` ```python slow ```` marks a run of ten seconds or more whose work CI checks elsewhere (training
+  runs: in shorter form in ``tests/train`` and ``tests/hf``; ``fpdt-plan`` length searches: the
+  figures in ``tests/plan``), run in the ``long`` tier.
 - The README's single-process blocks run in the fast set (the README's own test command checks
   its quick starts); ``ranks=N`` blocks and those of the other pages among the slow tests.
 - ```` ```bash gpu ```` / ```` ```python gpu ````: needs a GPU; skipped without one. On the CPU
@@ -89,7 +90,7 @@ def _blocks(lang, *, gpu=False, multi=None):
             continue
         slow = not gpu and ("slow" in tags or n > 1 or page != "README.md")
         marks = [pytest.mark.slow] if slow else []
-        if not gpu and "slow" in tags:    # a training run of a minute or more: the long tier
+        if not gpu and "slow" in tags:    # a run checked elsewhere in CI: the long tier
             marks.append(pytest.mark.long)
         params.append(pytest.param(code, n, id=f"{page}:{line}", marks=marks))
     return params

@@ -157,7 +157,7 @@ def _reference(tmp: str, steps: list[list[list[int]]], prompt: bool,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,chunks,prompt,sp,grad_accum,lora", [
-    (2, 2, True, 2, 2, 0), (2, 2, True, 1, 1, 0), pytest.param(4, 2, True, 2, 1, 0, marks=pytest.mark.slow),
+    (2, 2, True, 2, 2, 0), (2, 2, True, 1, 1, 0), pytest.param(4, 2, True, 2, 1, 0, marks=[pytest.mark.slow, pytest.mark.long]),
     (2, 2, True, 2, 1, 4)],
     ids=["sp2-u2-prompt-masked-accum2", "dp2-u2-prompt-masked", "sp2xdp2-u2-prompt-masked", "sp2-u2-lora"])
 def test_trainer_matches_single_process_transformers(tmp_path, world, chunks, prompt, sp, grad_accum, lora):

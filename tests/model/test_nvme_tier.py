@@ -176,7 +176,7 @@ def _host_peak(nvme_path, layers, stream):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.long)])
 def test_host_peak_is_independent_of_depth(nvme_dir, stream):
     """Counted by the memory accountant (the pooled host buffers, the stash and staging ones):
     with the tier the host peak is the same at 4, 6 and 8 layers; without it, it grows by one

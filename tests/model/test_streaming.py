@@ -247,6 +247,7 @@ def _streamed_peak(seq: int, chunk: int) -> int:
     return measure(seq, chunk, stream=True)["device_peak_bytes"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_device_peak_is_flat_in_the_sequence_and_within_the_chunk_budget():
     from fpdt.memory.accountant import chunk_unit

@@ -39,8 +39,9 @@ CASES = [
     (1, 2048, 8, True, "offload", 32000, "recompute"),
     (1, 512, 2, True, "offload", 32000, "recompute"),
     (2, 2048, 4, True, "offload", 32000, "recompute"),
-    (1, 2048, 2, True, "offload", 32000, "accumulate", 2000),     # ceil(2 u V / hidden): 1-token chunks
-    (1, 2048, 8, True, "offload", 32000, "recompute", 8000),
+    # ceil(2 u V / hidden): 1-token chunks (the long tier: about 15 s each; the default chunks above)
+    pytest.param((1, 2048, 2, True, "offload", 32000, "accumulate", 2000), marks=pytest.mark.long),
+    pytest.param((1, 2048, 8, True, "offload", 32000, "recompute", 8000), marks=pytest.mark.long),
     # no layer checkpointing: every layer's saved tensors (the output projection reading its
     # input from the stash under offload)
     (1, 2048, 2, True, "off"),

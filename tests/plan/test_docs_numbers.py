@@ -56,6 +56,7 @@ def test_the_unit_is_the_papers():
         ["4.19M", "2M", "32K", "1.38M", "17.3M", "1000"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_streamed_layers_table_is_the_planners():
     rows = _rows(_page("plan.md"), "## Streamed layers: what the planner predicts")
@@ -71,6 +72,7 @@ def test_streamed_layers_table_is_the_planners():
         assert binds == f"{s_binds} / {u_binds}", flags_cell
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_nvme_table_is_the_planners():
     page = _page("plan.md")
@@ -95,6 +97,7 @@ def test_nvme_table_is_the_planners():
     assert "fpdt-plan --model llama-3-8b --gpu h100-80g --gpus-per-node 8 --host-mem-gib 2048 --nvme gen5-x8" in page
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_packed_documents_figures_are_the_planners():
     page = " ".join(_page("plan.md").split())

@@ -104,6 +104,7 @@ def test_nvme_flags(capsys):
     assert "nvme " in out and "hidden under compute" in out and "--nvme-path NVME_DIR --nvme-layers" in out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_docs_predictions_are_the_planners():
     """docs/plan.md's NVMe table: the longest lengths fpdt-plan finds (six searches, ~30 s)."""

@@ -61,6 +61,7 @@ def test_markdown_and_json_written(run):
     assert saved["bytes_per_token"]["per_token"] == result["bytes_per_token"]["per_token"]
 
 
+@pytest.mark.long
 def test_reuse_keeps_rows_not_rerun(run, tmp_path):
     out, _, first = run
     if "alst" not in STRATEGIES:

@@ -17,6 +17,7 @@ def _run(*argv: str) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_imbalance_per_layout_and_the_trainers_arrangement(tmp_path):
     """One document is balanced by the zigzag; --arrange (fpdt-train's ring order) is never

@@ -17,6 +17,7 @@ def _tiny(path: str) -> dict:
           "linear_value_head_dim": 16} if "layer_types" in cfg else {"moe_intermediate_size": 32})
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_5_small", "qwen3_moe_small"])
 def test_transformers_baseline_of_another_family(tmp_path, name):

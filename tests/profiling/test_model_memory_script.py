@@ -3,6 +3,7 @@ import pytest
 from tests.profiling.helpers import read_json, run_script
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_model_memory_script_runs_tiny(tmp_path):
     out = tmp_path / "r.md"

@@ -9,6 +9,7 @@ from fpdt.plan.hardware import load_calibration
 from tests.profiling.helpers import run_script
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_bandwidth_rows_and_calibration(tmp_path):
     """The portable backend only (DeepSpeed's aio JIT-builds on first use: minutes)."""

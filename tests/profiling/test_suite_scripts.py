@@ -42,6 +42,7 @@ def lengths_run(tmp_path_factory):
     return out_dir, _max_seqlen(out_dir, "--in-process", "--lengths", "64", "128")
 
 
+@pytest.mark.long
 def test_max_seqlen_every_strategy(lengths_run):
     _, saved = lengths_run
     out = saved
@@ -82,6 +83,7 @@ def test_max_seqlen_every_strategy(lengths_run):
     assert by["fpdt"]["planned_setup"]["kernel_expands_gqa"] is True      # the CPU kernel repeats KV heads
 
 
+@pytest.mark.long
 def test_named_attention_backend(tmp_path):
     """--attention-backend and --no-timed-step reach the fpdt trials, here in a fresh process each
     (the scripts' default), and the planner's GQA expansion follows that kernel; a kernel that
@@ -134,6 +136,7 @@ def test_refusals_before_any_trial(tmp_path):
     assert not (tmp_path / "max_seqlen.json").exists()
 
 
+@pytest.mark.long
 def test_chunk_sweep_op_latency_and_plots(lengths_run):
     tmp_path = lengths_run[0]
     run_script("chunk_sweep", "--tiny", "--in-process", "--chunks", "64", "128", "--out-dir", tmp_path)
@@ -218,6 +221,7 @@ def test_a_piece_stopped_by_its_budget_keeps_what_it_measured(tmp_path):
     assert load_calibration(tmp_path / "calibration.json")["attention_flops"] > 0
 
 
+@pytest.mark.long
 def test_lm_head_wgrad_script_fields(tmp_path):
     """Both modes measured on the same inputs; the fp32 run's peaks are equal-sized
     (recompute's [V, hidden] gradient is fp32 too), the bf16 run's recompute peak is lower."""

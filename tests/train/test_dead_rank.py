@@ -36,7 +36,8 @@ def _steps_logged(path: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, timeout_min", [(signal.SIGKILL, 0.5), (signal.SIGSTOP, 0.25)],
+@pytest.mark.parametrize("signum, timeout_min", [(signal.SIGKILL, 0.5),
+                                                 pytest.param(signal.SIGSTOP, 0.25, marks=pytest.mark.long)],
                          ids=["killed", "stalled"])
 def test_dead_or_stalled_rank_stops_the_other_with_a_clear_message(tmp_path, signum, timeout_min):
     cfg, data = write_fixture(str(tmp_path))

@@ -31,6 +31,7 @@ def _body(rank: int, world_size: int, tmp: str) -> None:
         assert main(argv) == 0
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_fpdt_train_hybrid_moe_and_mixtral(tmp_path):
     import transformers

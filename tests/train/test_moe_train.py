@@ -30,7 +30,7 @@ def _config(path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks,stream", [(1, True), (2, False)])
+@pytest.mark.parametrize("ranks,stream", [(1, True), pytest.param(2, False, marks=pytest.mark.long)])
 def test_trains_logs_expert_load_and_exports(tmp_path, ranks, stream):
     model = _config(tmp_path / "model")
     log, hf = str(tmp_path / "run.jsonl"), str(tmp_path / "hf")

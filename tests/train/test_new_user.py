@@ -212,6 +212,7 @@ def test_the_prediction_is_the_start_up_lines(tmp_path):
     assert trainer_run.step_time(config, plan, opts, ds, "bf16", "Tesla T4", 16e9, 1) is None
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_lora_speed_script_runs_both_models_on_the_same_tokens():
     import json

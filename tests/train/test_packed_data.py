@@ -334,6 +334,7 @@ def test_main_job_data_packed_on_two_ranks_matches_one(tmp_path):
         assert abs(a - b) <= 1e-4 * abs(a), (logged_losses(one), logged_losses(two))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_main_job_best_fit_packing_fills_more_and_resume_names_a_change(tmp_path):
     """--pack-documents best-fit on the main job's paragraphs: the start-up line names the packing
@@ -363,6 +364,7 @@ def _train_cp2(rank, world, tmp, log):
                  "--pack-documents", "--no-mem-accounting", "--shuffle", "--seed", "0", "--log-json", log]) == 0
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_main_job_packed_on_a_ring_trains_what_one_process_does(tmp_path):
     """cp=2 (the ring): each window's documents arranged for the CP ranks' work

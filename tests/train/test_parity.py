@@ -142,6 +142,7 @@ def test_sp2_zero3_streamed_layers_match_single_process_and_resume(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sp2_zero3_streamed_layers_with_gradient_accumulation(tmp_path):
     """Two micro steps: the streamed head's gradients are scaled by the loss's incoming 1/2."""
     _run_layout(str(tmp_path), sp=2, chunk=32, resume=False, checkpoint="offload", grad_accum=2,
