@@ -11,9 +11,8 @@ import os
 import pytest
 
 from tests.distributed import run_distributed
-from tests.train.helpers import (SGD, SGD_CLIP, check_memory_fields, ds_config, quiet, reference_losses, write_fixture,
-                                write_json)
-from tests.train.helpers import logged_losses
+from tests.train.helpers import (SGD, SGD_CLIP, check_memory_fields, ds_config, logged_losses, quiet, reference_losses,
+                                write_fixture, write_json)
 from tests.train.test_parity import RTOL, SEQ_LEN, STEPS, _train
 
 ENVS = {"sync": {"FPDT_RUNTIME": "sync"},

@@ -15,9 +15,8 @@ import torch
 
 import fpdt.model as fm
 from tests.distributed import run_distributed
-from tests.train.helpers import (ADAMW, ADAMW_CLIP, causal_lm_loss, ds_config, quiet, windows_batch, write_fixture,
-                                 write_json)
-from tests.train.helpers import logged_losses
+from tests.train.helpers import (ADAMW, ADAMW_CLIP, causal_lm_loss, ds_config, logged_losses, quiet, windows_batch,
+                                 write_fixture, write_json)
 
 peft = pytest.importorskip("peft")
 

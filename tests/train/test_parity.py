@@ -14,9 +14,8 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.model.helpers import MODEL_SLACK
-from tests.train.helpers import (ADAMW, ADAMW_CLIP, SGD, SGD_CLIP, check_memory_fields, ds_config, quiet,
+from tests.train.helpers import (ADAMW, ADAMW_CLIP, SGD, SGD_CLIP, check_memory_fields, ds_config, logged_losses, quiet,
                                 reference_losses, write_fixture, write_json)
-from tests.train.helpers import logged_losses
 
 SEQ_LEN = 64
 STEPS = 3

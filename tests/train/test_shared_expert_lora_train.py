@@ -19,8 +19,8 @@ import torch
 import fpdt.model as fm
 from fpdt.model.lora import LoraSpec
 from tests.distributed import run_distributed
-from tests.train.helpers import ADAMW, ADAMW_CLIP, ds_config, peft_name, quiet, windows_batch, write_fixture, write_json
-from tests.train.helpers import logged_losses
+from tests.train.helpers import (ADAMW, ADAMW_CLIP, ds_config, logged_losses, peft_name, quiet, windows_batch,
+                                 write_fixture, write_json)
 
 peft = pytest.importorskip("peft")
 
