@@ -103,11 +103,12 @@ def _trainer_route(rank, world, cases):
     from deepspeed.utils import groups
     from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
 
-    from tests.hf.test_trainer import _GroupAllGather
+    from tests.hf.test_trainer import _as_under_zero3, _GroupAllGather
 
     deepspeed.init_distributed(dist_backend="gloo")
     parallel_state_sp.initialize_sequence_parallel(world)
     groups.mpu = parallel_state_sp
+    _as_under_zero3()
     import torch.distributed.nn.functional as differentiable
     differentiable.all_gather = lambda tensor, group=None: _GroupAllGather.apply(tensor, group)
     try:

@@ -199,6 +199,17 @@ def _adapter_slices(ids, labels, sp_rank, sp, mask=None):
     return out
 
 
+def _as_under_zero3() -> None:
+    """Transformers' SP loss (``deepspeed_sp_compute_loss``) as the Trainer computes it under ZeRO-3,
+    the setup docs/hf.md gives: from Transformers 5.24 each rank backpropagates its own share of the
+    token mean, scaled by the SP degree where ZeRO-3 averages the gradients over the ranks (DeepSpeed
+    before 0.20.2). These routes call it without an engine, so ZeRO-3 is declared here (this spawned
+    rank's own module, gone with the process); the tests then average the gradients as ZeRO-3 does."""
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    hf_deepspeed.is_deepspeed_zero3_enabled = lambda: True
+
+
 class _GroupAllGather(torch.autograd.Function):
     """``torch.distributed.nn.functional.all_gather`` for a gloo subgroup: torch's own backward (an
     all-to-all of scatters) passes group ranks where global ranks belong and fails outside the
@@ -240,6 +251,7 @@ def _trainer_route(rank, world, sp, cases):
     deepspeed.init_distributed(dist_backend="gloo")
     parallel_state_sp.initialize_sequence_parallel(sp)
     groups.mpu = parallel_state_sp            # as deepspeed.initialize(mpu=...) sets it
+    _as_under_zero3()
     import torch.distributed.nn.functional as differentiable
     differentiable.all_gather = lambda tensor, group=None: _GroupAllGather.apply(tensor, group)
     try:
