@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.train.helpers import fresh_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = sorted(["README.md", "CONTRIBUTING.md",
@@ -104,9 +105,7 @@ def _scratch(tmp_path) -> str:
 
 
 def _env() -> dict:
-    # a fresh process as a user starts it: no launcher variables another test left in this one
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env = fresh_env()
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

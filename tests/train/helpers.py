@@ -11,6 +11,8 @@ import warnings
 import numpy as np
 import torch
 
+from fpdt.train.parallel import LAUNCHER_VARIABLES
+
 VOCAB = 256
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
@@ -54,6 +56,14 @@ def logged_losses(path: str) -> list[float]:
     """The ``loss`` of every record of a ``--log-json`` file, in order."""
     with open(path) as f:
         return [json.loads(line)["loss"] for line in f if line.strip()]
+
+
+def fresh_env(*drop: str) -> dict:
+    """This process's environment as a child process a user starts would see it: without the launcher
+    variables an in-process ``fpdt-train`` run left here (they would send the child to a port a live
+    group of this process holds) and torchrun's ``LOCAL_WORLD_SIZE``, and without ``drop``."""
+    gone = {*LAUNCHER_VARIABLES, "LOCAL_WORLD_SIZE", *drop}
+    return {k: v for k, v in os.environ.items() if k not in gone}
 
 
 def write_json(path: str, obj: dict) -> str:

@@ -12,6 +12,7 @@ from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
 from fpdt.plan.memory_model import saved_attention_bytes
 from fpdt.train.config import ConfigError, TrainerOptions, load_ds_config, merge_options, validate
+from fpdt.train.parallel import LAUNCHER_VARIABLES
 from fpdt.plan.decide import decide_run
 from tests.train.helpers import node, write_fixture
 
@@ -112,7 +113,7 @@ def test_default_with_room_for_every_layer_and_none():
 def own_process_group(monkeypatch):
     """main() runs in this process here: it starts a 1-process group and sets the launcher's
     variables; both are gone after the test, so later tests see no group."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     yield
     if dist.is_initialized():

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.train.helpers import write_fixture
+from tests.train.helpers import fresh_env, write_fixture
 
 pytestmark = pytest.mark.cuda
 SEQ_LEN = 128 * 1024
@@ -29,8 +28,7 @@ STEPS = 4
 def test_the_cuda_defaults_train_at_128k(tmp_path):
     cfg, data = write_fixture(str(tmp_path), n_tokens=(STEPS + 1) * (SEQ_LEN + 1))
     log = str(tmp_path / "run.jsonl")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                             "FPDT_RUNTIME")}
+    env = fresh_env("FPDT_RUNTIME")
     proc = subprocess.run([sys.executable, "-m", "fpdt.cli", "--model-config", cfg, "--data", data,
                            "--seq-len", str(SEQ_LEN), "--steps", str(STEPS), "--log-json", log],
                           capture_output=True, text=True, env=env, timeout=600)

@@ -14,7 +14,7 @@ from fpdt.plan import load_model_config
 from fpdt.plan import trainer_run as mp
 from fpdt.plan.decide import Node, decide_run
 from fpdt.train.config import TrainerOptions, load_ds_config, validate
-from tests.train.helpers import write_fixture
+from tests.train.helpers import fresh_env, write_fixture
 
 CPU = Node("cpu", None, 1, 64 * 2 ** 30)
 
@@ -209,9 +209,7 @@ def test_a_run_the_planner_cannot_describe_still_trains(tmp_path):
 
 
 def _clean_env():
-    import os
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                             "FPDT_RUNTIME", "FPDT_DEBUG")}
+    return fresh_env("FPDT_RUNTIME", "FPDT_DEBUG")
 
 
 REFUSE_RUN = """

@@ -16,7 +16,7 @@ from fpdt.comm import SequenceMesh
 from fpdt.layout import mesh_unshard, unshard
 from fpdt.layout.documents import doc_ids_from_position_ids
 from fpdt.train.data import DataError, PackedWindows, load_documents
-from tests.train.helpers import logged_losses
+from tests.train.helpers import fresh_env, logged_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = "examples/tiny-llama/tokenizer.json"
@@ -274,16 +274,11 @@ def _jargon_paragraphs(path) -> int:
     return len(paragraphs)
 
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def _train(tmp, *extra):
     argv = [sys.executable, "-m", "fpdt.cli", "--model-config", "examples/tiny-llama/config.json",
             "--data", os.path.join(tmp, "jargon.jsonl"), "--seq-len", "256", "--steps", "3",
             "--deepspeed", "examples/tiny-llama/ds_cpu.json", "--pack-documents", "--no-mem-accounting", *extra]
-    # a launcher's variables left in this process (an in-process fpdt-train run) would send the
-    # child to a port a live group of this process holds: the child picks its own
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env = fresh_env()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stderr
