@@ -32,7 +32,7 @@ from fpdt.hf.settings import HFSettings, layer_checkpoints_of
 from fpdt.hf.trainer import TRAINER_ATTN_NAME
 from fpdt.attention.module import norm_eps
 from fpdt.model.apply import DecoderAdapter, has_attention
-from fpdt.model.checkpointing import checkpointed
+from fpdt.model.checkpointing import checkpointed, donation_check
 from fpdt.model.layer_checkpoints import LayerCheckpoints
 from fpdt.model.llama import RMSNorm
 from fpdt.model.mlp import ChunkedSwiGLU
@@ -126,14 +126,25 @@ def _pre_norm_layer_classes() -> tuple[type, ...]:
 def _residual_branches(layer: nn.Module, kwargs: dict):
     """``layer``'s two residual branches (:func:`fpdt.model.checkpointing.checkpointed_residual`),
     called with the keyword arguments the model passed to the layer, as its forward calls them (a
-    Qwen3.5 layer's token mixer is ``self_attn`` or ``linear_attn``)."""
+    Qwen3.5 layer's token mixer is ``self_attn`` or ``linear_attn``). As in
+    :meth:`fpdt.model.llama.DecoderLayer.attention_branch` and ``mlp_branch``, fpdt's own RMSNorm
+    (``lean_norms``) goes inside the chunked attention (``chunked_qkv``) and chunked MLP, which
+    normalise a chunk at a time, so no full-length normalised tensor is made; other norms run as
+    themselves first."""
+    norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+
     def attention(x):
         if not has_attention(layer):
-            return layer.linear_attn(hidden_states=layer.input_layernorm(x), **kwargs)
-        return layer.self_attn(hidden_states=layer.input_layernorm(x), **kwargs)[0]
+            return layer.linear_attn(hidden_states=norm(x), **kwargs)
+        if isinstance(layer.self_attn, TransformersAttention) and isinstance(norm, RMSNorm):
+            return layer.self_attn(hidden_states=x, norm=norm, donate=donation_check(x), **kwargs)[0]
+        return layer.self_attn(hidden_states=norm(x), **kwargs)[0]
 
     def mlp(h):
-        return layer.mlp(layer.post_attention_layernorm(h))
+        if (isinstance(layer.mlp, (ChunkedSwiGLU, ChunkedMoE)) and isinstance(post_norm, RMSNorm)
+                and not post_norm.zero_centred):          # the chunked MLPs multiply by the weight itself
+            return layer.mlp(h, norm=post_norm)
+        return layer.mlp(post_norm(h))
     return attention, mlp
 
 

@@ -194,7 +194,9 @@ class TransformersAttention(FPDTAttention):
         self._group = group
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, **kwargs):
+                past_key_values=None, *, norm: torch.nn.Module | None = None, donate=None, **kwargs):
+        """``norm`` and ``donate``: as :meth:`fpdt.attention.FPDTAttention.forward` takes them (fpdt's
+        residual branch hands the layer's input RMSNorm in; Transformers' own layer forward does not)."""
         if past_key_values is not None or kwargs.get("cache") is not None:
             raise FPDTHFError("fpdt attention keeps no KV cache: call the model with use_cache=False and no "
                               "past_key_values")
@@ -204,7 +206,7 @@ class TransformersAttention(FPDTAttention):
             raise FPDTHFError(f"{type(self).__name__} was called without position_embeddings (cos, sin); the "
                               f"chunked q/k/v projection applies the model's RoPE from them")
         out = super().forward(hidden_states, doc_ids=kwargs.get("doc_ids"), saved=kwargs.get("fpdt_saved"),
-                              cos_sin=position_embeddings)
+                              cos_sin=position_embeddings, norm=norm, donate=donate)
         return out, None
 
 

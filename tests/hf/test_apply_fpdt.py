@@ -116,8 +116,11 @@ def run_case(name, rank, world, *, num_chunks, mlp_chunks, loss_chunks, offload,
     assert len(attention_calls) == layers * (2 if checkpointing else 1)    # the checkpoint recomputes
     assert not unused
     # two norms per layer (twice under a checkpoint) and the final norm; Qwen3's q/k norms run as
-    # modules only with Transformers' projections (the chunked path reads their weights)
-    per_layer = 4 if name == "qwen3" and not chunked_qkv else 2
+    # modules only with Transformers' projections (the chunked path reads their weights). Under fpdt's
+    # layer checkpoint, the chunked attention and the chunked MLP apply their layer's norm inside
+    fpdt_branches = checkpointing in ("on", "offload")
+    per_layer = (2 if name == "qwen3" and not chunked_qkv else 0) + (0 if fpdt_branches and chunked_qkv else 1) \
+        + (0 if fpdt_branches and mlp_chunks != 0 else 1)
     assert len(norm_calls) == (per_layer * len(attention_calls) + 1 if options.get("lean_norms", True) else 0)
     assert len(mlp_calls) == (0 if mlp_chunks == 0 else len(attention_calls))
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -5,14 +5,11 @@ The same model and budget as :mod:`tests.memory.test_model_budget` (2 layers, hi
 as Transformers' ``LlamaForCausalLM`` and patched by ``apply_fpdt`` with its defaults (FPDT
 attention with chunked q/k/v projections, lean RMSNorm, chunked MLP and loss). Budget on
 the per-token slope at lengths where it is steady, in ``Nd`` (one bf16 hidden-state tensor of
-the local sequence): an attention phase of ``4 + 16.5 / u`` (:mod:`tests.memory.test_model_budget`
-lists what is live; fpdt's model has ``3 + 16.5 / u``, its input norm inside the attention, where
-Transformers' decoder layer runs the norm as its own module and the attention returns the
-norm's output gradient full-length), and an MLP phase of ``6 + 2 / u``
-where fpdt's model has ``4 + 2 / u`` (Transformers' post-attention norm is its own module, so
-the MLP saves the norm's output and returns a full-length input gradient for the norm;
-fpdt's model runs the norm inside the chunked MLP; both were 1 Nd more while ``o_proj`` saved
-the full-length attention output, before it ran inside the attention's pipeline), plus the one thing Transformers keeps
+the local sequence): fpdt's model's own budget (:mod:`tests.memory.test_model_budget` lists what
+is live). Under fpdt's layer checkpoint the residual branches hand Transformers' layer norms, made
+fpdt's lean RMSNorm, to the chunked attention and the chunked MLP, which normalise a chunk at a
+time, as fpdt's model does (before, Transformers' decoder layer ran each norm over the whole
+length: 1 Nd more in the attention phase, 2 in the MLP's). Plus the one thing Transformers keeps
 that fpdt's model does not: RoPE's ``(cos, sin)`` tables for every local token, computed once
 per forward and passed to every layer, ``2 * head_dim / hidden`` Nd (0.5 here; 1/16 for
 Llama-3-8B).
@@ -26,16 +23,17 @@ import transformers
 
 import fpdt.hf
 from fpdt.memory.accountant import MemoryAccountant, sequence_unit
-from tests.memory.test_model_budget import ATTENTION_WS_U, CONFIG, EPS, MLP_WS_U, STEADY
-
-HF_ATTENTION_PHASE_ND, HF_MLP_PHASE_ND = 4.0, 6.0
-
-
-def budget_nd(u: int) -> float:
-    return max(HF_ATTENTION_PHASE_ND + ATTENTION_WS_U / u, HF_MLP_PHASE_ND + MLP_WS_U / u) + EPS
-
+from tests.memory.test_model_budget import (ATTENTION_PHASE_ND, ATTENTION_WS_U, CONFIG, EPS, MLP_PHASE_ND, MLP_WS_U,
+                                             STEADY, budget_nd)
 
 ROPE_TABLES_ND = 2 * CONFIG["head_dim"] / CONFIG["hidden_size"]
+
+
+def own_layer_forward_budget_nd(u: int) -> float:
+    """Transformers' own decoder-layer forward (its checkpointing, not fpdt's): each norm runs as its
+    own module over the whole length, so the attention returns the norm's output gradient full-length
+    (1 Nd more) and the MLP saves the norm's output and returns its input gradient (2 Nd more)."""
+    return max(ATTENTION_PHASE_ND + 1 + ATTENTION_WS_U / u, MLP_PHASE_ND + 2 + MLP_WS_U / u) + EPS
 
 
 def _model(u: int, transformers_checkpointing: bool = False, lora_dropout: float | None = None, **options):
@@ -88,17 +86,17 @@ def test_transformers_model_per_token_within_fpdt_model_budget(u):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.usefixtures("outputs_only_attention")
-def test_transformers_own_checkpointing_within_the_same_budget():
+def test_transformers_own_checkpointing_within_its_norms_budget():
     """Transformers' checkpointing (``checkpointing="off"`` + ``gradient_checkpointing_enable()``)
     keeps every layer input on the device instead of fpdt's two (restored + prefetched): with
-    these 2 layers, the same budget (with 32 layers, 30 Nd over it). Both hold one full-length
-    gradient through a layer's backward: Transformers' non-reentrant recompute lets the engine
-    accumulate the residual's gradient into the incoming one in place, fpdt's residual
-    checkpoint does it itself."""
+    these 2 layers no more than its layer forward's full-length norms cost (with 32 layers, 30 Nd
+    more). Both hold one full-length gradient through a layer's backward: Transformers'
+    non-reentrant recompute lets the engine accumulate the residual's gradient into the incoming
+    one in place, fpdt's residual checkpoint does it itself."""
     u = 4
     slope = _slope(_model(u, transformers_checkpointing=True), u)
-    budget = budget_nd(u) + ROPE_TABLES_ND
-    assert slope <= budget, f"{slope:.3f} Nd per token > {budget:.3f}"
+    budget = own_layer_forward_budget_nd(u) + ROPE_TABLES_ND
+    assert budget - 0.1 <= slope <= budget, f"{slope:.3f} Nd per token, budget {budget:.3f}"
 
 
 @pytest.mark.slow
@@ -108,11 +106,15 @@ def test_transformers_norms_and_projections_cost_what_the_docs_say():
     """With Transformers' own RMSNorm (fp32 copies saved) the slope is far over budget. With its
     own q/k/v projections, at the attention backward: the norm output they save for their weight
     gradients (1) and the attention core's full-length dq, dk, dv (``1 + 2 H_kv / H`` = 1.5), in
-    place of the chunked projection's input gradient (1) and input chunk (``U``): 1.5 - 1/u Nd more."""
+    place of the chunked projection's input gradient (1) and input chunk (``U``): 1.5 - 1/u Nd;
+    the full-length attention output Transformers' ``o_proj`` saves, which fpdt's runs inside the
+    pipeline only with the chunked projections (1); and the input norm, which then runs as its own
+    module over the whole length where the chunked attention normalises a chunk at a time (1):
+    3.5 - 1/u Nd more in all (measured 3.258 at u = 4)."""
     u = 4
     lean = _slope(_model(u), u)
     assert _slope(_model(u, lean_norms=False), u) > lean + 8
-    assert _slope(_model(u, chunked_qkv=False), u) == pytest.approx(lean + 1.5 - 1 / u, abs=EPS)
+    assert _slope(_model(u, chunked_qkv=False), u) == pytest.approx(lean + 3.5 - 1 / u, abs=EPS)
 
 
 def _trainer_route_against_own_loop(rank, world, u, seq):
