@@ -30,9 +30,14 @@ elements is allowed the ratio chance exceeds once in a thousand, :func:`chance_r
 larger. With experts, a token whose top-k experts in bf16 differ from float64's (a near-tie) moves
 its gradient from one expert to another, a change no rounding makes: where either bf16 run moved a
 route in a layer (:func:`moved_routes`), that layer's expert, router and router-input-norm gradients
-are judged by the moved routes instead, fpdt's at most ``--factor`` times plain bf16's plus 2, and by
-a bound that only a broken expert kernel exceeds (:data:`ROUTED_BOUND`). The exit status is 1 when any
-quantity fails.
+are judged by the moved routes, fpdt's at most ``--factor`` times plain bf16's plus 2, and their
+errors must be within the ratio allowed or below a bound that only a broken expert kernel exceeds
+(:data:`ROUTED_BOUND`); a moved route's error is not rounding, and with few moved routes it is one
+coin toss. The exit status is 1 when any quantity fails.
+
+Measured on the CPU at 1024 tokens in 4 chunks (full small configs, PyTorch kernels): Qwen3.5 ratios
+0.73-1.06 on the 64+ element tensors, 0.29-1.53 on ``A_log`` / ``dt_bias`` (allowed 3.4); Qwen3-MoE
+10-19 moved routes per layer for fpdt against 16-38 for plain bf16, routed ratios 0.5-0.95.
 
 The reference is float64 where Transformers lets it be: its RMSNorms, attention softmax and loss
 round through fp32 (about ``1e-7``, the ``transformers_fp32`` column), far below bf16's ``4e-3``.
@@ -63,8 +68,9 @@ from profiling import strategies as st
 
 BF16_EPS = 2.0 ** -7
 ROUTED_BOUND = 0.5
-"""Largest error of a routed gradient where routes moved: one moved route at 128 tokens cost up to 0.3
-on the CPU; a grouped GEMM with wrong offsets or a transposed expert weight costs order 1."""
+"""An error a routed gradient may have where routes moved, whatever plain bf16's: on the CPU one moved
+route at 128 tokens cost the router gradient up to 0.28, and 10-38 per layer at 1024 tokens cost plain
+bf16's 0.15-0.34; a grouped GEMM with wrong offsets or a transposed expert weight costs order 1."""
 # --tiny: the config's own layer types and routing, at test sizes
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16}
@@ -275,9 +281,10 @@ def routed(name: str, layer: int) -> bool:
 
 def judge(row: dict, factor: float, allowed: float, moves: tuple[int, int] | None) -> bool:
     """One quantity's verdict (module docstring): the error rule, or where a route moved, fpdt's moved
-    routes at most ``factor`` times plain bf16's plus 2 and its error below :data:`ROUTED_BOUND`."""
+    routes at most ``factor`` times plain bf16's plus 2, and its error within ``allowed`` times plain
+    bf16's or below :data:`ROUTED_BOUND`."""
     if moves is not None and max(moves) > 0:
-        return moves[0] <= factor * moves[1] + 2 and row["fpdt"] <= ROUTED_BOUND
+        return moves[0] <= factor * moves[1] + 2 and row["fpdt"] <= max(allowed * row["transformers_bf16"], ROUTED_BOUND)
     return row["fpdt"] <= max(allowed * row["transformers_bf16"], BF16_EPS)
 
 
