@@ -5,9 +5,11 @@
 #                                              #    FPDTAttention, the model), 2. profiling/attention_offload.py
 #                                              #    at S=256K, 3. profiling/model_memory.py (Llama-3.2-1B shape)
 #   bash profiling/gpu_session.sh install      # only the packages from .gpu-wheels/ (then run steps by hand)
-#   bash profiling/gpu_session.sh evidence     # one ~9-minute call: CUDA tests, every kernel's latency, fpdt
-#                                              # against alst at 128K with traced steps, saved attention
-#                                              # outputs against recompute (profiling/gpu_evidence.sh)
+#   bash profiling/gpu_session.sh evidence     # one ~9-minute call: CUDA tests, parity of the small
+#                                              # Qwen3.5 and Qwen3-MoE against Transformers (fla, grouped
+#                                              # GEMM), every kernel's latency, a 64K step of each small
+#                                              # model, fpdt against alst at 128K with traced steps, saved
+#                                              # attention outputs against recompute (profiling/gpu_evidence.sh)
 #   bash profiling/gpu_session.sh evidence --streamed  # the second call: fpdt with and without
 #                                              # stream_layers at 256K, one counted step each
 #   bash profiling/gpu_session.sh sanitizer    # the CUDA attention tests under TORCH_CUDA_SANITIZER
@@ -17,10 +19,12 @@
 #
 # The device tool allows 10 minutes per command, so the suite runs one call per few pieces; results
 # land in benchmarks/results/<gpu>/<date>/ (commit them), logs in $OUT when set (device tool), else /tmp.
-# The alst strategy and the trainer need DeepSpeed, which the GPU machine lacks and cannot download:
-# run `bash profiling/gpu_wheels.sh` here first and carry `.gpu-wheels` (device tool: carry=[".gpu-wheels"]);
-# this script installs from it when DeepSpeed or pytest is missing. Without it, max_seqlen.py reports
-# alst as skipped (the other strategies do not need DeepSpeed).
+# The alst strategy and the trainer need DeepSpeed, and the Gated DeltaNet layers' CUDA kernel needs
+# fla-core (fla), which the GPU machine lacks and cannot download: run `bash profiling/gpu_wheels.sh`
+# here first and carry `.gpu-wheels` (device tool: carry=[".gpu-wheels"]); this script installs from
+# it when DeepSpeed, pytest or fla is missing. Without it, max_seqlen.py reports alst as skipped (the
+# other strategies do not need DeepSpeed) and Gated DeltaNet runs fpdt's PyTorch delta rule
+# (model_parity.py records which ran).
 #
 # What the first GPU session (2026-11-24, one H100, 30 minutes of device time) learned:
 # - only $OUT comes back: this script packs benchmarks/results into $OUT/results.tgz on exit;
@@ -42,10 +46,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${OUT:-/tmp}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-for pkg in deepspeed pytest pytest_timeout; do
+for spec in deepspeed pytest pytest_timeout:pytest-timeout fla:fla-core; do   # module[:distribution]
+  pkg=${spec%%:*}; dist=${spec#*:}
   if ! python3 -c "import $pkg" 2>/dev/null; then
     if [ -d .gpu-wheels ]; then
-      python3 -m pip install -q --no-index --find-links .gpu-wheels "${pkg//_/-}" 2>&1 | tail -3
+      python3 -m pip install -q --no-index --find-links .gpu-wheels "$dist" 2>&1 | tail -3
     else
       echo "gpu_session.sh: $pkg is missing and there is no .gpu-wheels/ (bash profiling/gpu_wheels.sh, then carry it)"
     fi

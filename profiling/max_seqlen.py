@@ -26,7 +26,9 @@ subprocess, and records:
   :mod:`fpdt.train.metrics`);
 * ``attention_kernel``: the kernel attention ran on (fpdt: the :mod:`fpdt.attention.kernels`
   backend, ``--attention-backend`` or automatic; hf/alst: ``sdpa:<kernel>``, torch's SDPA
-  dispatch), so step times are compared knowing whether the kernels differ;
+  dispatch), so step times are compared knowing whether the kernels differ; for the fpdt strategies
+  ``layer_kernels``: the Gated DeltaNet and expert kernels where the model has such layers
+  (:func:`strategies.layer_kernels`);
 * for the fpdt strategies, ``planned_*``: what :mod:`fpdt.plan` predicts for the same run
   (memory; and the step time, from this machine's rates with ``--calibration``).
 
@@ -108,8 +110,9 @@ def trial(args) -> dict:
         ids = torch.randint(0, cfg["vocab_size"], (1, args.seq_len), device=device)
         param_bytes = sum(p.numel() * p.element_size() for p in trainee.params)
         # which kernel runs attention (for fpdt this is also the kernel's first-use self-check,
-        # kept outside the measured step)
-        out["attention_kernel"] = st.attention_kernel(args.strategy, cfg, device, dtype, args.attention_backend)
+        # kept outside the measured step), and for fpdt its Gated DeltaNet and expert kernels
+        out.update(attention_kernel=st.attention_kernel(args.strategy, cfg, device, dtype, args.attention_backend),
+                   **({"layer_kernels": st.layer_kernels(cfg, device, dtype)} if args.strategy.startswith("fpdt") else {}))
         opt_before = trainee.optimizer_state_bytes()
         # Simulated capacity on the CPU, enforced as the step runs (the allocation that passes
         # it fails, as on a GPU): forward+backward must leave room for AdamW's two moments,

@@ -125,6 +125,23 @@ def attention_kernel(strategy: str, cfg: dict, device, dtype, backend: str | Non
     return None if choice is None else f"sdpa:{choice}"
 
 
+def layer_kernels(cfg: dict, device, dtype) -> dict:
+    """The kernels fpdt's other layers run here, by :mod:`fpdt.ops` and :mod:`fpdt.model.moe`'s own
+    choice: ``delta_rule`` (``"fla"``/``"torch"``) and ``conv`` for Gated DeltaNet layers, ``experts``
+    (``"grouped_mm"``/``"loop"``) for MoE layers; empty for a model with neither."""
+    from fpdt.model import ModelConfig
+    shape, device = ModelConfig.from_hf(cfg), torch.device(device)
+    out = {}
+    if shape.has_linear_attention:
+        from fpdt.ops.causal_conv import conv_kernel
+        from fpdt.ops.delta_rule import delta_rule_kernel
+        out.update(delta_rule=delta_rule_kernel(device), conv=conv_kernel(device))
+    if shape.moe is not None:
+        from fpdt.model.moe import moe_kernel
+        out["experts"] = moe_kernel(device, dtype, shape.hidden_size, shape.moe.moe_intermediate_size)
+    return out
+
+
 def build_fpdt(cfg: dict, seq_len: int, chunk_size: int, device, dtype, offload: bool = True,
                backend: str | None = None, attention_checkpoint: str = "recompute",
                stream_layers: bool = False) -> Trainee:
