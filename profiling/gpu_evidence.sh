@@ -7,7 +7,8 @@
 # $OUT/results.tgz after every piece, so a call stopped at the device tool's limit still returns
 # what finished.
 #
-#   1. the CUDA tests (pytest -m cuda)
+#   1. the CUDA tests (pytest -m cuda), then the offload and streamed-layer ones under
+#      TORCH_CUDA_SANITIZER
 #   2. parity of the small Qwen3.5 and Qwen3-MoE models (benchmarks/models/) against Transformers:
 #      one bf16 step of 4096 tokens in 4 chunks on fla and grouped GEMM, each loss and gradient
 #      against a float64 run beside plain Transformers bf16's own error (profiling/model_parity.py;
@@ -78,6 +79,9 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
   python3 -c "from fpdt.bench.environment import software; print(software())"; } | tee "$DIR/gpu.txt" | tee -a "$LOG"
 piece "cuda tests" 60 150 python3 -m pytest -q -m cuda tests -p no:cacheprovider
+# the offload and streamed-layer CUDA tests again under PyTorch's CUDA sanitizer (stream races)
+piece "sanitizer" 30 90 env TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -m cuda tests/attention/test_cuda.py \
+  tests/model/test_streaming.py -p no:cacheprovider
 SMALL=(benchmarks/models/qwen3_5_small.json benchmarks/models/qwen3_moe_small.json)
 # four runs of each model (float64, fp32, bf16, fpdt); the float64 delta rule steps token by token
 # (about 12K steps), and fla's first calls compile and autotune its Triton kernels

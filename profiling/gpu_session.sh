@@ -12,7 +12,7 @@
 #                                              # attention outputs against recompute (profiling/gpu_evidence.sh)
 #   bash profiling/gpu_session.sh evidence --streamed  # the second call: fpdt with and without
 #                                              # stream_layers at 256K, one counted step each
-#   bash profiling/gpu_session.sh sanitizer    # the CUDA attention tests under TORCH_CUDA_SANITIZER
+#   bash profiling/gpu_session.sh sanitizer    # the CUDA offload and streaming tests under TORCH_CUDA_SANITIZER
 #   bash profiling/gpu_session.sh suite REGEX  # pieces of the measurement suite (profiling/run_suite.sh
 #                                              # --only REGEX), each within 10 minutes, e.g. 'op_latency',
 #                                              # 'chunk_sweep', 'lengths fpdt$', 'bisect hf', 'plot'
@@ -64,7 +64,7 @@ if [ "${1:-}" = "evidence" ]; then        # one ~9-minute call: profiling/gpu_ev
   exit 0
 fi
 if [ "${1:-}" = "sanitizer" ]; then
-  TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -s -m cuda tests/attention/test_cuda.py 2>&1 | tee "$logs/sanitizer.log"
+  TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -s -m cuda tests/attention/test_cuda.py tests/model/test_streaming.py 2>&1 | tee "$logs/sanitizer.log"
   exit 0
 fi
 if [ "${1:-}" = "suite" ]; then

@@ -43,8 +43,8 @@ def _step(model, inputs, scale: torch.Tensor, group=None):
 
 
 def check_parity(name: str, S: int, what: str, B: int = 2, docs: bool = False, lora: fm.LoraSpec | None = None,
-                 group=None, **options):
-    base, streamed = _pair(name, **options)
+                 group=None, device: str = "cpu", **options):
+    base, streamed = (m.to(device) for m in _pair(name, **options))
     if lora is not None:
         for m in (base, streamed):
             fm.add_lora(m, lora)
@@ -59,8 +59,9 @@ def check_parity(name: str, S: int, what: str, B: int = 2, docs: bool = False, l
     if docs:    # three packed documents per row, one of a single token
         cuts = [0, S // 3, S // 3 + 1, S]
         position_ids = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])]).expand(B, S)
-    inputs = base.prepare_inputs(ids, labels=labels, position_ids=position_ids)
-    scale = torch.randn((), generator=torch.Generator().manual_seed(S)) + 2.0
+    inputs = base.prepare_inputs(ids.to(device), labels=labels.to(device),
+                                 position_ids=None if position_ids is None else position_ids.to(device))
+    scale = (torch.randn((), generator=torch.Generator().manual_seed(S)) + 2.0).to(device)
     ref = _step(base, inputs, scale, group)
     got = _step(streamed, inputs, scale, group)
     compare(*got, *ref, f"streamed vs not: {what}")
@@ -76,6 +77,14 @@ def check_parity(name: str, S: int, what: str, B: int = 2, docs: bool = False, l
 def test_single_rank_parity(name, u, save, runtime):
     check_parity(name, 8 * u, f"{name} u={u} {save} {runtime}", num_chunks=u, attention_checkpoint=save,
                  runtime=runtime)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("save", ["recompute", "save"])
+def test_cuda_runtime_parity(save):
+    """On a GPU, where the runtime is CUDA's own (copy streams, events, pinned host buffers), fp32;
+    profiling/gpu_evidence.sh runs the streamed and offload CUDA tests under TORCH_CUDA_SANITIZER."""
+    check_parity("llama_gqa", 48, f"cuda u=3 {save}", num_chunks=3, attention_checkpoint=save, device="cuda")
 
 
 @pytest.mark.parametrize("save", ["recompute", "save"])
