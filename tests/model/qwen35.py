@@ -6,12 +6,14 @@ cancellation: Transformers' own fp32 run lands up to 6e-4 from float64 on them (
 tokens; fpdt's 5.9e-4 there), so no fp32 computation is within 1e-5 of float64 on those tensors. The
 hybrid tests compare fp32 against a float64 Transformers run with a float64 delta rule: each tensor
 within ``TOL``, or no worse than twice Transformers' own fp32 error on it (:func:`reference`,
-:func:`compare_hybrid`), the criterion of the Gated DeltaNet tests (``tests/model/gdn_helpers.py``)."""
+:func:`compare_hybrid`), the criterion of the Gated DeltaNet tests (``tests/model/gdn_helpers.py``);
+tensors of fewer than 64 elements by the chance ratio of :func:`error_factor`."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 
 import torch
@@ -135,14 +137,27 @@ def _loss_and_grads(model, ids, labels, rows, scale: float = 1.0):
     return loss.detach(), {n: p.grad.detach() / scale for n, p in model.named_parameters()}
 
 
+@functools.cache
+def error_factor(n: int) -> float:
+    """How much further from float64 than Transformers' fp32 an ``n``-element result may be: 2, or
+    for fewer than 64 elements the ratio two ``n``-element rounding errors exceed by chance once in a
+    thousand (:func:`profiling.model_parity.chance_ratio`: 3.5 for the 8 value heads' ``A_log`` and
+    ``dt_bias`` of ``"qwen35_sp4"``, whose ratio is 2.0-2.1 on some CPUs and under 2 on others). The
+    loss, one number, stays at 2."""
+    from profiling.model_parity import chance_ratio
+
+    return 2.0 if n >= 64 or n == 1 else max(2.0, chance_ratio(n))
+
+
 def compare_hybrid(loss, grads: dict, refs, what: str) -> dict:
     """fp32 ``loss`` / ``grads`` against the float64 reference of :func:`reference`: within ``TOL``, or
-    twice Transformers' own fp32 error on that tensor; returns ``{name: (ours, Transformers fp32)}``."""
+    :func:`error_factor` times Transformers' own fp32 error on that tensor; returns ``{name: (ours, Transformers fp32)}``."""
     (loss32, grads32), (loss64, grads64) = refs
     assert set(grads) == set(grads64), f"{what}: parameter sets differ: {set(grads) ^ set(grads64)}"
     errs = {"loss": (rel_err(loss, loss64), rel_err(loss32, loss64))}
     errs.update({n: (rel_err(g, grads64[n]), rel_err(grads32[n], grads64[n])) for n, g in grads.items()})
-    bad = {n: e for n, e in errs.items() if not e[0] <= max(TOL, 2 * e[1])}
+    sizes = {n: g.numel() for n, g in grads.items()}
+    bad = {n: e for n, e in errs.items() if not e[0] <= max(TOL, error_factor(sizes.get(n, 1)) * e[1])}
     assert not bad, f"{what}: (ours, Transformers fp32) errors against float64 beyond the tolerance: {bad}"
     return errs
 
