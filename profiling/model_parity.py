@@ -63,6 +63,7 @@ import sys
 
 import torch
 
+from fpdt.bench.parity import chance_ratio
 from profiling import bench_common as bc
 from profiling import strategies as st
 
@@ -257,15 +258,6 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.detach().double(), ref.detach().double().to(x.device)
     scale = ref.norm().item()
     return (x - ref).norm().item() / scale if scale > 0 else x.norm().item()
-
-
-def chance_ratio(n: int, odds: float = 1e-3, draws: int = 100_000) -> float:
-    """The ratio of two ``n``-element error norms that chance passes with probability ``odds``, each
-    error modelled as ``n`` independent Gaussians: the ``1 - odds`` quantile of ``sqrt(F(n, n))``, by
-    seeded sampling (about 7 for n = 4, 3.5 for n = 8, 1.5 for n = 64)."""
-    g = torch.Generator().manual_seed(0)
-    chi2 = torch.randn(2, draws, n, generator=g, dtype=torch.float64).pow(2).sum(-1)
-    return torch.quantile((chi2[0] / chi2[1]).sqrt(), 1 - odds).item()
 
 
 def moved_routes(counts: dict, ref_counts: dict) -> dict:

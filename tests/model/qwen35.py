@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import transformers
 
 import fpdt.model as fm
+from fpdt.bench.parity import chance_ratio
 from tests.model.helpers import TOL, rel_err
 
 L, A = "linear_attention", "full_attention"
@@ -141,11 +142,9 @@ def _loss_and_grads(model, ids, labels, rows, scale: float = 1.0):
 def error_factor(n: int) -> float:
     """How much further from float64 than Transformers' fp32 an ``n``-element result may be: 2, or
     for fewer than 64 elements the ratio two ``n``-element rounding errors exceed by chance once in a
-    thousand (:func:`profiling.model_parity.chance_ratio`: 3.5 for the 8 value heads' ``A_log`` and
+    thousand (:func:`fpdt.bench.parity.chance_ratio`: 3.5 for the 8 value heads' ``A_log`` and
     ``dt_bias`` of ``"qwen35_sp4"``, whose ratio is 2.0-2.1 on some CPUs and under 2 on others). The
     loss, one number, stays at 2."""
-    from profiling.model_parity import chance_ratio
-
     return 2.0 if n >= 64 or n == 1 else max(2.0, chance_ratio(n))
 
 
