@@ -288,15 +288,13 @@ def compare(runs: dict, factor: float, moves: dict) -> dict:
     missing = set(ref_grads) ^ set(runs["fpdt"][1])
     if missing:
         raise SystemExit(f"fpdt's parameters differ from Transformers' by name: {sorted(missing)}")
-    rows, chance = {}, {}
+    rows = {}
     for name in ["loss", *ref_grads]:
         errs = {"transformers_fp32": None}
         errs.update({run: rel_err(loss if name == "loss" else grads[name], ref_loss if name == "loss" else ref_grads[name])
                      for run, (loss, grads) in runs.items() if run != "reference"})
         n = 1 if name == "loss" else ref_grads[name].numel()
-        if n < 64 and n not in chance:
-            chance[n] = chance_ratio(n)
-        allowed = max(factor, chance.get(n, 0.0))
+        allowed = max(factor, chance_ratio(n)) if n < 64 else factor
         plain = errs["transformers_bf16"]
         row = {**errs, "ratio": errs["fpdt"] / plain if plain > 0 else float("inf"), "allowed_ratio": allowed,
                "elements": n}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import sys
 
 import torch
@@ -138,7 +137,6 @@ def _loss_and_grads(model, ids, labels, rows, scale: float = 1.0):
     return loss.detach(), {n: p.grad.detach() / scale for n, p in model.named_parameters()}
 
 
-@functools.cache
 def error_factor(n: int) -> float:
     """How much further from float64 than Transformers' fp32 an ``n``-element result may be: 2, or
     for fewer than 64 elements the ratio two ``n``-element rounding errors exceed by chance once in a
