@@ -1,4 +1,4 @@
-"""The ``outputs_only_attention`` fixture (tests/memory/conftest.py) changes no counted byte: the
+"""The ``outputs_only_attention`` fixture (tests/outputs_only.py) changes no counted byte: the
 same peaks, forward and backward, as torch's CPU attention op, on the budget tests' models (fpdt's
 and Transformers' after ``apply_fpdt``), GQA, several chunks, saved outputs and LoRA."""
 
@@ -10,7 +10,7 @@ from fpdt.attention.kernels import torch_cpu
 from fpdt.memory.accountant import MemoryAccountant
 from tests.memory import test_hf_budget as hf
 from tests.memory import test_model_budget as mb
-from tests.memory.conftest import OUTPUTS_ONLY
+from tests.outputs_only import OUTPUTS_ONLY
 
 pytestmark = pytest.mark.slow
 

@@ -44,6 +44,8 @@ from fpdt.attention import FPDTAttention, RotaryEmbedding, default_inv_freq
 from fpdt.layout import local_position_ids
 from fpdt.memory.accountant import MemoryAccountant, chunk_unit
 
+pytestmark = pytest.mark.usefixtures("outputs_only_attention")   # the same bytes (tests/outputs_only.py)
+
 H, H_KV, D = 4, 1, 64
 HIDDEN = H * D
 
