@@ -19,6 +19,7 @@ from fpdt.plan import Cluster, GPU_PRESETS, evaluate, load_model_config
 from fpdt.plan.setup import Setup
 from fpdt.memory.accountant import MemoryAccountant
 from tests.distributed import run_distributed
+from tests.fp32_gemms import Fp32Gemms
 
 CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
        "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -84,7 +85,8 @@ def planned_peak(sp: int, seq_len: int, u: int, offload: bool, checkpoint: str, 
 
 def _rank_body(rank, world_size, case):
     sp, seq_len, u, offload, checkpoint, *loss = case
-    got = measured_peak(seq_len, u, offload, checkpoint, *loss)
+    with Fp32Gemms():       # the same bytes counted, the bf16 GEMMs 30-40x faster on an AVX2 CPU
+        got = measured_peak(seq_len, u, offload, checkpoint, *loss)
     want = planned_peak(*case)
     assert abs(want - got) <= TOLERANCE * got, f"rank {rank}, {case}: planned {want:.0f} B, measured {got} B"
 
@@ -103,6 +105,7 @@ def test_planned_activation_peak_matches_accountant(case):
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("device_layers", [0, 1, 4, 6])
+@pytest.mark.usefixtures("fp32_gemms")
 def test_checkpoint_device_layers_move_checkpoints_between_tiers(offload, device_layers):
     """Offloaded checkpointing with the last k of 6 layers' inputs on the device: the planner's
     device activation peak (two inputs in flight, or k at the start of backward) within 10% of
