@@ -28,7 +28,8 @@ error, though (``A_log``, ``dt_bias``: one element per value head, sums with can
 CPU at 128 tokens their ratio ranged 0.3-5 over token draws, both ways): a tensor of ``2 <= n < 64``
 elements is allowed the ratio chance exceeds once in a thousand, :func:`chance_ratio`, where that is
 larger. The loss, one number, keeps ``--factor`` and the ``2**-7`` floor (chance's ratio for one
-element, about 600, would pass any loss). With experts, a token whose top-k experts in bf16 differ from float64's (a near-tie) moves
+element, about 600, would pass any loss). With experts, a token whose top-k experts in bf16 differ
+from float64's (a near-tie) moves
 its gradient from one expert to another, a change no rounding makes: where either bf16 run moved a
 route in a layer (:func:`moved_routes`), that layer's expert, router and router-input-norm gradients
 are judged by the moved routes, fpdt's at most ``--factor`` times plain bf16's plus 2, and their
