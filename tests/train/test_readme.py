@@ -87,6 +87,17 @@ def test_cpu_peak_is_never_below_what_the_cpu_reaches(monkeypatch, rates, dtype,
 
     from fpdt.train import metrics
 
-    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda dt=torch.float32, **k: rates[str(dt).split(".")[1]])
+    calls = []
+
+    def measure(dt=torch.float32, n=1024, **k):
+        calls.append((str(dt).split(".")[1], n))
+        return rates[calls[-1][0]]
+
+    monkeypatch.setattr(metrics, "measure_matmul_flops", measure)
     assert metrics.resolve_peak_flops(torch.device("cpu"), dtype, None) == want
+    if dtype == "bf16":     # probed small first; measured at full size only where the probe is not slow
+        assert ("bfloat16", metrics.PROBE_N) in calls
+        assert (("bfloat16", 1024) in calls) == (rates["bfloat16"] >= rates["float32"] / 2)
+    else:
+        assert calls == [("float32", 1024)]
     assert metrics.resolve_peak_flops(torch.device("cpu"), dtype, 1.5) == (1.5e12, "--peak-tflops")
