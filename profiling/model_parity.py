@@ -29,13 +29,12 @@ CPU at 128 tokens their ratio ranged 0.3-5 over token draws, both ways): a tenso
 elements is allowed the ratio chance exceeds once in a thousand, :func:`chance_ratio`, where that is
 larger. The loss, one number, keeps ``--factor`` and the ``2**-7`` floor (chance's ratio for one
 element, about 600, would pass any loss). With experts, a token whose top-k experts in bf16 differ
-from float64's (a near-tie) moves
-its gradient from one expert to another, a change no rounding makes: where either bf16 run moved a
-route in a layer (:func:`moved_routes`), that layer's expert, router and router-input-norm gradients
-are judged by the moved routes, fpdt's at most ``--factor`` times plain bf16's plus 2, and their
-errors must be within the ratio allowed or below a bound that only a broken expert kernel exceeds
-(:data:`ROUTED_BOUND`); a moved route's error is not rounding, and with few moved routes it is one
-coin toss. The exit status is 1 when any quantity fails.
+from float64's (a near-tie) moves its gradient from one expert to another, a change no rounding
+makes: where either bf16 run moved a route in a layer (:func:`moved_routes`), that layer's expert,
+router and router-input-norm gradients are judged by the moved routes, fpdt's at most ``--factor``
+times plain bf16's plus 2, and their errors must be within the ratio allowed or below a bound that
+only a broken expert kernel exceeds (:data:`ROUTED_BOUND`); a moved route's error is not rounding,
+and with few moved routes it is one coin toss. The exit status is 1 when any quantity fails.
 
 Measured on the CPU at 1024 tokens in 4 chunks (full small configs, PyTorch kernels): Qwen3.5 ratios
 0.73-1.06 on the 64+ element tensors, 0.29-1.53 on ``A_log`` / ``dt_bias`` (allowed 3.4); Qwen3-MoE
